@@ -1,0 +1,238 @@
+"""Contracts of the KV-transfer layer: what the engine's scheduler calls, what backends implement.
+
+The engine never imports a backend; it gets a :class:`KVManager` from
+:func:`pdserve.disagg.registry.create_kv_manager` and talks to it through these classes.
+
+Page ownership rule (both sides): pages handed to ``KVSender.send`` or
+``KVReceiver.init`` belong to the transfer layer until ``poll()`` has returned a terminal
+state (``Success`` or ``Failed``). ``abort()`` only *asks* for termination; the engine
+frees the pages after it then sees a terminal poll (bounded by the timeouts and the
+heartbeat), and calls ``close()`` exactly once, which releases the room id.
+"""
+
+from __future__ import annotations
+
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from enum import IntEnum
+
+PROTOCOL_VERSION = 1
+
+# OpenAI allows at most 20 top_logprobs; the aux record has room for that many.
+MAX_TOP_LOGPROBS = 20
+
+
+class KVPoll(IntEnum):
+    """State of one room's transfer; ``Failed`` and ``Success`` are terminal."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class KVTransferError(RuntimeError):
+    """A room's transfer failed; the message says why (timeout, peer death, mismatch...)."""
+
+
+class DuplicateRoomError(ValueError):
+    """A room id that is still live on this worker was used again."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must agree between prefill and decode for KV pages to be copied byte for byte.
+
+    ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
+    ``float32``; ``page_size`` tokens per page; the rest are model shapes.
+    """
+
+    model: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def first_difference(self, other: "KVLayout") -> str | None:
+        """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                return f"{f.name}: {a!r} vs {b!r}"
+        return None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KVLayout":
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class KVArgs:
+    """The memory a worker exposes to NIXL.
+
+    kv_data_ptrs/kv_data_lens: base address and length in bytes of each KV buffer (one per
+        (layer, K|V) in the engine's pool, ordered layer-major: L0.K, L0.V, L1.K, ...).
+    kv_item_lens: bytes of one page in each buffer (the page stride).
+    aux_data_ptr/aux_data_len/aux_item_len: host buffer of aux records, one slot each
+        ``aux_item_len`` (= :data:`AUX_RECORD_BYTES`) bytes.
+    device: ``cpu`` or ``cuda`` (where the KV buffers live); gpu_id: CUDA index of this
+        worker's device (ignored on CPU); engine_rank: tensor-parallel rank (0 for now).
+    """
+
+    kv_data_ptrs: tuple[int, ...]
+    kv_data_lens: tuple[int, ...]
+    kv_item_lens: tuple[int, ...]
+    aux_data_ptr: int
+    aux_data_len: int
+    aux_item_len: int
+    layout: KVLayout
+    device: str = "cpu"
+    gpu_id: int = 0
+    engine_rank: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_data_lens[0] // self.kv_item_lens[0]
+
+    @property
+    def num_aux_slots(self) -> int:
+        return self.aux_data_len // self.aux_item_len
+
+
+# room u64, first token i64, logprob f32, n_top i32, top ids i64[20], top logprobs f32[20]
+_AUX_FMT = f"<QqfI{MAX_TOP_LOGPROBS}q{MAX_TOP_LOGPROBS}f"
+AUX_RECORD_BYTES = struct.calcsize(_AUX_FMT)
+
+
+@dataclass(frozen=True)
+class AuxRecord:
+    """Per-room metadata written next to the KV pages: the first output token sampled on
+    prefill, its logprob, its top-k alternatives, and the room id as a guard."""
+
+    room: int
+    first_token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def pack(self) -> bytes:
+        """Serialise to exactly :data:`AUX_RECORD_BYTES` bytes. ValueError if top-k > 20."""
+        n = len(self.top_ids)
+        if n > MAX_TOP_LOGPROBS or len(self.top_logprobs) != n:
+            raise ValueError(f"top_ids/top_logprobs must have equal length <= {MAX_TOP_LOGPROBS}")
+        pad = MAX_TOP_LOGPROBS - n
+        return struct.pack(_AUX_FMT, self.room, self.first_token_id, self.logprob, n,
+                           *self.top_ids, *([0] * pad), *self.top_logprobs, *([0.0] * pad))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "AuxRecord":
+        vals = struct.unpack(_AUX_FMT, bytes(data[:AUX_RECORD_BYTES]))
+        room, tok, lp, n = vals[:4]
+        ids = vals[4:4 + MAX_TOP_LOGPROBS][:n]
+        lps = vals[4 + MAX_TOP_LOGPROBS:][:n]
+        return cls(room, tok, lp, tuple(ids), tuple(lps))
+
+
+class KVSender(ABC):
+    """Prefill side of one room."""
+
+    @abstractmethod
+    def init(self, num_pages: int, aux_slot: int) -> None:
+        """Declare how many pages the prompt will send and which local aux slot to use."""
+
+    @abstractmethod
+    def send(self, page_ids: list[int], aux: AuxRecord) -> None:
+        """Post the WRITE of ``page_ids`` (all layers, in prompt order) and the aux record.
+        Only valid once ``poll() >= WaitingForInput``."""
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current state; never blocks."""
+
+    @abstractmethod
+    def failure_exception(self) -> Exception | None:
+        """Why the room failed (a :class:`KVTransferError`), or ``None``."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Ask for termination at any state; ``poll()`` later reports ``Failed``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once by the engine after it freed the pages; releases the room id."""
+
+
+class KVReceiver(ABC):
+    """Decode side of one room."""
+
+    @abstractmethod
+    def init(self, dst_pages: list[int], aux_slot: int) -> None:
+        """Send the destination pages and aux slot to prefill.
+        Only valid once ``poll() >= WaitingForInput`` (bootstrap done, layout checked)."""
+
+    @abstractmethod
+    def poll(self) -> KVPoll: ...
+
+    @abstractmethod
+    def failure_exception(self) -> Exception | None: ...
+
+    @abstractmethod
+    def aux_record(self) -> AuxRecord:
+        """The aux record after ``Success``; raises KVTransferError if its room guard differs."""
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVManager(ABC):
+    """One per worker: owns the transfer engine, the bootstrap (prefill) or the peer cache
+    and heartbeats (decode), and every live room."""
+
+    role: str  # "prefill" or "decode"
+
+    @abstractmethod
+    def create_sender(self, bootstrap_room: int) -> KVSender:
+        """Prefill: a sender for ``bootstrap_room``. DuplicateRoomError if the room is live."""
+
+    @abstractmethod
+    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+        """Decode: a receiver pulling from the prefill at ``bootstrap_host:bootstrap_port``.
+        DuplicateRoomError if the room is live."""
+
+    @abstractmethod
+    def is_healthy(self) -> bool:
+        """False once any background thread (listener, bootstrap, heartbeat, transfer) died."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics: bytes/pages transferred, transfer latency sum/count,
+        failures by reason, rooms by state."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop threads, close sockets, deregister memory. Idempotent."""
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """Prefill: the port its bootstrap server listens on (after start); else None."""
+        return None
+
+
+class KVBootstrapServer(ABC):
+    """HTTP server on a prefill worker where its ranks register and decode looks them up."""
+
+    @abstractmethod
+    def start(self) -> int:
+        """Start serving; returns the bound port."""
+
+    @abstractmethod
+    def stop(self) -> None: ...
