@@ -132,3 +132,93 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front of one worker (``pdserve serve``).
+
+    host/port: where the worker listens (port 0 = pick a free one and print it).
+    served_model_name: the model name of the OpenAI API; ``None`` means the ``--model`` value.
+    health_generate_timeout: seconds ``/health_generate`` waits for its one-token generation.
+    idle_poll_interval: seconds the engine thread sleeps between steps that made no progress
+        (e.g. while KV transfers are pending), so it keeps polling without spinning.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None
+    health_generate_timeout: float = 30.0
+    idle_poll_interval: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must be a non-empty string")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty when given")
+        if self.health_generate_timeout <= 0:
+            raise ValueError(f"health_generate_timeout must be > 0 s, got {self.health_generate_timeout}")
+        if not 0 < self.idle_poll_interval <= 1:
+            raise ValueError(f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}")
+
+
+ROUTER_POLICIES = ("random", "round_robin", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router (``pdserve router``).
+
+    PD mode: ``prefill_urls`` and ``decode_urls`` both non-empty; regular mode:
+    ``worker_urls`` non-empty (mixed workers). The two modes are exclusive.
+    policy: ``random``, ``round_robin`` or ``power_of_two`` (fewest outstanding requests of
+        two random picks).
+    request_timeout: seconds one client request may take end to end (504 after).
+    health_check_interval/timeout: seconds between probes of each worker's ``/health`` and
+        how long one probe may take; ``health_failure_threshold`` consecutive failures eject
+        a worker, one success restores it.
+    """
+
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    worker_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "power_of_two"
+    request_timeout: float = 600.0
+    health_check_interval: float = 2.0
+    health_check_timeout: float = 5.0
+    health_failure_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        pd = bool(self.prefill_urls) or bool(self.decode_urls)
+        if pd and self.worker_urls:
+            raise ValueError("worker_urls (regular mode) cannot be combined with prefill_urls/decode_urls (PD mode)")
+        if pd and not (self.prefill_urls and self.decode_urls):
+            missing = "decode_urls" if self.prefill_urls else "prefill_urls"
+            raise ValueError(f"{missing} must be non-empty in PD mode (give at least one of each role)")
+        if not pd and not self.worker_urls:
+            raise ValueError("worker_urls must be non-empty (or give prefill_urls and decode_urls)")
+        for name in ("prefill_urls", "decode_urls", "worker_urls"):
+            for url in getattr(self, name):
+                if not (url.startswith("http://") or url.startswith("https://")):
+                    raise ValueError(f"{name}: {url!r} must start with http:// or https://")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 s, got {self.request_timeout}")
+        if self.health_check_interval <= 0:
+            raise ValueError(f"health_check_interval must be > 0 s, got {self.health_check_interval}")
+        if self.health_check_timeout <= 0:
+            raise ValueError(f"health_check_timeout must be > 0 s, got {self.health_check_timeout}")
+        if self.health_failure_threshold < 1:
+            raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
+
+    @property
+    def pd_mode(self) -> bool:
+        """True when the router pairs prefill and decode workers."""
+        return bool(self.prefill_urls)
