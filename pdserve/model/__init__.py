@@ -1,0 +1,1 @@
+"""Llama-family model, paged attention and weight sources (see docs/architecture.md)."""
