@@ -1,0 +1,1 @@
+"""Benchmarks: ``pdserve bench offline`` (engine), ``transfer`` (KV transfer), ``serve`` (HTTP load)."""

@@ -1,0 +1,32 @@
+"""``pdserve bench``: the benchmark commands, one sub-command per module.
+
+Each module listed in ``_SUBCOMMANDS`` defines ``add_parser(subparsers)`` registering its
+own sub-command under ``pdserve bench`` and setting ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Imported lazily so `pdserve --help` stays fast; a room not built yet is skipped.
+_SUBCOMMANDS: tuple[str, ...] = (
+    "pdserve.bench.offline",
+    "pdserve.bench.transfer",
+    "pdserve.bench.serve",
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``bench`` with its sub-commands."""
+    bench = subparsers.add_parser("bench", help="benchmarks: offline engine, KV transfer, serving")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    for module_name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # that benchmark is not built yet
+            raise
+        module.add_parser(sub)
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])

@@ -1,0 +1,1 @@
+"""Accuracy evaluations against a serving URL: ``pdserve eval gsm8k``."""
