@@ -1,0 +1,156 @@
+"""A thin async client of OpenAI-compatible servers, measuring what a user sees.
+
+Streaming requests go through ``httpx`` + ``httpx-sse``; TTFT is the time to the first
+chunk carrying text, ITL the gaps between later text-carrying chunks (a chunk that holds
+several tokens counts as one gap, as in vLLM's benchmark). Token counts come from the
+final ``usage`` chunk (``stream_options.include_usage``), falling back to the number of
+text chunks when the server sends no usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from httpx_sse import SSEError, aconnect_sse
+
+_ERROR_CHARS = 300  # an error message kept in the report is cut to this length
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:port[/v1][/]`` → ``http://host:port``; ``ValueError`` naming ``url``
+    when it is not an http(s) URL."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def make_client(timeout_s: float) -> httpx.AsyncClient:
+    """An ``AsyncClient`` without a connection cap (the benchmark sets the concurrency)
+    that ignores proxy environment variables (targets are usually on this host)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        trust_env=False,
+    )
+
+
+async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id listed by ``GET {base_url}/v1/models``.
+
+    Raises ``RuntimeError`` naming the URL when the server cannot be reached or lists
+    no model.
+    """
+    url = f"{base_url}/v1/models"
+    try:
+        resp = await client.get(url)
+        resp.raise_for_status()
+        models = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise RuntimeError(f"could not list models at {url}: {type(exc).__name__}: {exc}") from exc
+    if not models or "id" not in models[0]:
+        raise RuntimeError(f"{url} lists no model")
+    return str(models[0]["id"])
+
+
+def endpoint_url(base_url: str, endpoint: str) -> str:
+    """URL of the ``chat`` or ``completions`` endpoint."""
+    return f"{base_url}/v1/chat/completions" if endpoint == "chat" else f"{base_url}/v1/completions"
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+
+
+@dataclass
+class StreamResult:
+    """What one streamed request gave. Times in seconds (``perf_counter`` clock).
+
+    ttft: to the first text chunk (``None`` if none came); itl: gaps between text chunks;
+    latency: request sent → stream closed; output_tokens: from usage, else text chunks.
+    """
+
+    ok: bool = False
+    error: str | None = None
+    start: float = 0.0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+
+
+async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str,
+                         body: dict[str, Any]) -> StreamResult:
+    """POST ``body`` (``stream`` and ``include_usage`` are set here) and time the stream.
+
+    Never raises for server or network errors: they come back as ``ok=False`` with the
+    first ``_ERROR_CHARS`` characters of the message.
+    """
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    result = StreamResult(start=time.perf_counter())
+    pieces: list[str] = []
+    completion_tokens = None
+    last = result.start
+    try:
+        async with aconnect_sse(client, "POST", endpoint_url(base_url, endpoint), json=body) as source:
+            resp = source.response
+            if resp.status_code != 200:
+                await resp.aread()
+                result.error = f"HTTP {resp.status_code}: {resp.text}"[:_ERROR_CHARS]
+                result.latency = time.perf_counter() - result.start
+                return result
+            async for event in source.aiter_sse():
+                if event.data.strip() == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(event.data)
+                if chunk.get("error"):
+                    raise RuntimeError(f"server error in stream: {json.dumps(chunk['error'])}")
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    completion_tokens = usage.get("completion_tokens")
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+                    if piece:
+                        if result.ttft is None:
+                            result.ttft = now - result.start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        pieces.append(piece)
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+    except (httpx.HTTPError, SSEError, ValueError, RuntimeError, AttributeError) as exc:
+        result.error = _error_text(exc)
+    result.latency = time.perf_counter() - result.start
+    result.text = "".join(pieces)
+    result.output_tokens = completion_tokens if completion_tokens is not None else len(pieces)
+    if result.error is None and result.ttft is None and result.output_tokens == 0:
+        result.error = "stream ended without any output"
+    result.ok = result.error is None
+    return result
+
+
+async def chat_completion(client: httpx.AsyncClient, base_url: str,
+                          body: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any]]:
+    """Non-streaming chat completion: ``(text, error, usage)``; exactly one of text/error
+    is ``None``. Never raises for server or network errors."""
+    try:
+        resp = await client.post(endpoint_url(base_url, "chat"), json={**body, "stream": False})
+        if resp.status_code != 200:
+            return None, f"HTTP {resp.status_code}: {resp.text}"[:_ERROR_CHARS], {}
+        data = resp.json()
+        text = data["choices"][0]["message"]["content"] or ""
+        return text, None, data.get("usage") or {}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return None, _error_text(exc), {}

@@ -1,0 +1,190 @@
+"""``pdserve bench serve``: a load generator for any OpenAI-compatible URL.
+
+Streams requests so TTFT and ITL are what a user sees; fixed concurrency or Poisson
+arrivals at one or more rates; random or GSM8K prompts; ``--compare URL`` runs a second
+target on the same requests in interleaved blocks; ``--scenario interference`` measures
+decode ITL while long prompts keep arriving. Prints tables, writes ``--json`` (results
+and the full workload spec) and ``--plot`` (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+from typing import TYPE_CHECKING, Any
+
+from pdserve.bench.workload import DATASETS, ENDPOINTS, InterferenceSpec, WorkloadSpec, build_requests, parse_rates, poisson_arrivals
+
+if TYPE_CHECKING:
+    from pdserve.bench.runner import Series, Target
+
+# Per-scenario defaults of the lengths and concurrency (None in argparse = "not given").
+_DEFAULTS = {
+    "standard": {"input_len": 256, "output_len": 64, "concurrency": 8},
+    "interference": {"input_len": 32, "output_len": 128, "concurrency": 4},
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``serve`` under ``pdserve bench``."""
+    p = subparsers.add_parser(
+        "serve", help="serving benchmark against an OpenAI-compatible URL",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("targets")
+    t.add_argument("--url", required=True, help="server under test (http://host:port, /v1 optional)")
+    t.add_argument("--compare", metavar="URL", help="second target, run on the same requests in interleaved blocks; ratios are compare / target")
+    t.add_argument("--model-name", help="model field of the requests (default: first id of each target's /v1/models)")
+    t.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)")
+    load = p.add_argument_group("load")
+    load.add_argument("--scenario", choices=("standard", "interference"), default="standard")
+    load.add_argument("--concurrency", type=int, help="requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)")
+    load.add_argument("--request-rate", help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf")
+    load.add_argument("--num-requests", type=int, default=64, help="requests per target and rate (interference: decode requests)")
+    load.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests per target first (default 1)")
+    load.add_argument("--blocks", type=int, help="interleaved blocks per target when comparing (default 4; 1 without --compare)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", choices=DATASETS, default="random")
+    w.add_argument("--input-len", type=int, help="prompt words (≈ tokens) of random prompts (default 256; interference 32)")
+    w.add_argument("--output-len", type=int, help="output tokens (default 64; interference 128)")
+    w.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    w.add_argument("--endpoint", choices=ENDPOINTS, help="default: completions for random, chat for gsm8k")
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for exactly max_tokens (pdserve extension field; default on)")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+    i = p.add_argument_group("interference scenario")
+    i.add_argument("--long-input-len", type=int, default=1024, help="words of the long prompts (default 1024)")
+    i.add_argument("--long-request-rate", type=float, default=1.0, help="Poisson rate of long prompts in req/s (default 1)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write results and the full workload spec here")
+    o.add_argument("--plot", metavar="FILE.png", help="write latency CDFs (and throughput vs rate) here")
+    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _resolve(args: argparse.Namespace) -> tuple[WorkloadSpec, InterferenceSpec | None, tuple[float, ...], int | None, int]:
+    """Validate the arguments into (workload, interference spec, rates, concurrency,
+    blocks); ``ValueError`` naming the option on bad input."""
+    d = _DEFAULTS[args.scenario]
+    spec = WorkloadSpec(
+        dataset=args.dataset, num_requests=args.num_requests,
+        input_len=args.input_len or d["input_len"], output_len=args.output_len or d["output_len"],
+        range_ratio=args.range_ratio, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, seed=args.seed)
+    for name in ("input_len", "output_len", "concurrency", "blocks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    ispec = None
+    if args.scenario == "interference":
+        if args.request_rate:
+            raise ValueError("--request-rate does not apply to --scenario interference (use --long-request-rate)")
+        ispec = InterferenceSpec(args.long_input_len, args.long_request_rate)
+        rates: tuple[float, ...] = (math.inf,)
+        concurrency: int | None = args.concurrency or d["concurrency"]
+    elif args.request_rate:
+        rates, concurrency = parse_rates(args.request_rate), args.concurrency
+    else:
+        rates, concurrency = (math.inf,), args.concurrency or d["concurrency"]
+    blocks = args.blocks or (4 if args.compare else 1)
+    return spec, ispec, rates, concurrency, blocks
+
+
+async def _targets(client: Any, args: argparse.Namespace) -> list[Target]:
+    from pdserve.bench.openai_client import fetch_model_name, normalize_base_url
+    from pdserve.bench.runner import Target
+
+    urls = [("target", args.url)] + ([("compare", args.compare)] if args.compare else [])
+    out = []
+    for name, url in urls:
+        base = normalize_base_url(url)
+        out.append(Target(name, base, args.model_name or await fetch_model_name(client, base)))
+    return out
+
+
+async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Target], dict[str, Any]]:
+    # Imported here so that building the CLI parser stays light.
+    from tqdm import tqdm
+
+    from pdserve.bench.interference import run_interference
+    from pdserve.bench.openai_client import make_client
+    from pdserve.bench.runner import run_load_point, warm_up
+
+    spec, ispec, rates, concurrency, blocks = _resolve(args)
+    reqs = build_requests(spec)
+    async with make_client(args.timeout) as client:
+        targets = await _targets(client, args)
+        await warm_up(client, targets, spec, reqs, args.num_warmups)
+        bar = tqdm(total=len(targets) * len(reqs) * len(rates), unit="req", desc="bench serve",
+                   disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+        on_done = lambda r: bar.update(1)  # noqa: E731
+        series: list[Series] = []
+        try:
+            if ispec is not None:
+                assert concurrency is not None
+                series = await run_interference(client, targets, spec, ispec, reqs, concurrency, blocks, on_done)
+            else:
+                for rate in rates:
+                    arrivals = [0.0] * len(reqs) if math.isinf(rate) else poisson_arrivals(len(reqs), rate, spec.seed)
+                    series += await run_load_point(client, targets, spec, reqs, arrivals, rate,
+                                                   concurrency, blocks, on_done)
+        finally:
+            bar.close()
+    header = {
+        "version": 1,
+        "tool": "pdserve bench serve",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command_line": shlex.join(sys.argv),
+        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "scenario": args.scenario,
+        "targets": [{"name": t.name, "url": t.base_url, "model": t.model} for t in targets],
+        "workload": spec.to_dict(),
+        "load": {"request_rates": list(rates), "concurrency": concurrency, "blocks": blocks,
+                 "num_warmups": args.num_warmups},
+        "interference": ispec.to_dict() if ispec else None,
+    }
+    return series, targets, header
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``pdserve bench serve``; returns the exit code (0 ok, 1 when a
+    target completed no request or could not be reached, 2 on bad arguments)."""
+    from pdserve.bench.report import interference_headline, print_report, write_json
+
+    try:
+        series, targets, header = asyncio.run(_run_async(args))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_report(series)
+    if args.scenario == "interference":
+        head = interference_headline(series)
+        header["interference_headline"] = head
+        line = ", ".join(f"{k} {v:.2f} ms" for k, v in head["decode_itl_p99_ms"].items())
+        if len(targets) == 2:
+            line += f"; compare ÷ target = {head['ratio_compare_over_target']:.3f}"
+        print(f"decode ITL p99 under long-prompt interference: {line}")
+    if args.json:
+        write_json(args.json, header, series)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from pdserve.bench.plot import plot_series
+
+        plot_series(series, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(s.summary().completed > 0 for s in series if s.stream != "long") else 1
