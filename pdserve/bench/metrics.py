@@ -70,7 +70,7 @@ class RunSummary:
     e2e: LatencyStats
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready copy (nan stays nan; ``json`` writes it as ``NaN``)."""
+        """Plain-dict copy (nan kept; ``report.json_safe`` turns it into null)."""
         return asdict(self)
 
 
