@@ -1,0 +1,219 @@
+"""The engine's side of prefill/decode disaggregation (rules in docs/architecture.md).
+
+Prefill role: the request waits without pages until ``sender.poll() >= WaitingForInput``,
+then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after its last
+prefill chunk the first token is sampled, the aux record written and
+``sender.send(pages, aux)`` posted; at ``Success`` it finishes with that one token.
+Decode role: once ``receiver.poll() >= WaitingForInput`` (and nothing preempted is
+queued) it gets pages for the prompt and an aux slot, ``receiver.init(pages, slot)``;
+at ``Success`` it joins the batch with the prompt "computed elsewhere" and the first
+token from the aux record.  Pages handed to the transfer layer are freed only after a
+terminal poll (also after an abort); then ``close()`` is called once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVTransferError
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.request import DisaggRequestInfo, Request, Status
+from pdserve.engine.sampler import SampledToken, skip_draw
+from pdserve.engine.scheduler import Scheduler
+
+
+def _poll(handle) -> tuple[KVPoll, str | None]:
+    """Poll a sender/receiver; a backend that raises counts as ``Failed`` with that message."""
+    try:
+        state = handle.poll()
+    except Exception as exc:  # noqa: BLE001 - a broken backend must not kill the engine
+        return KVPoll.Failed, f"KV transfer poll raised {type(exc).__name__}: {exc}"
+    if state == KVPoll.Failed:
+        exc = handle.failure_exception()
+        return state, str(exc) if exc else "KV transfer failed"
+    return state, None
+
+
+class DisaggFlow:
+    """Tracks every request that holds a KV sender or receiver.
+
+    managers: ``{"nixl": ..., "fake": ...}``; a request uses ``"fake"`` when
+    ``DisaggRequestInfo.fake`` else ``transfer_backend``.  vocab_size: bound of a valid
+    first token id.  append_token: the engine's callback that appends a sampled token
+    and applies the stop checks.
+    """
+
+    def __init__(self, pool: KVPool, scheduler: Scheduler, managers: Mapping[str, KVManager],
+                 transfer_backend: str, vocab_size: int,
+                 append_token: Callable[[Request, SampledToken], None]) -> None:
+        self._pool = pool
+        self._vocab_size = vocab_size
+        self._scheduler = scheduler
+        self._managers = dict(managers)
+        self._backend = transfer_backend
+        self._append_token = append_token
+        self._live: list[Request] = []  # arrival order
+        self._draining: list[tuple[object, list[int], int | None]] = []  # (handle, pages, aux slot)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_draining(self) -> int:
+        return len(self._draining)
+
+    def count(self, status: Status) -> int:
+        return sum(1 for r in self._live if r.status is status)
+
+    def manager_for(self, info: DisaggRequestInfo) -> KVManager:
+        """The manager serving ``info``; ValueError naming ``disagg`` when absent or of
+        the other role."""
+        key = "fake" if info.fake else self._backend
+        manager = self._managers.get(key)
+        if manager is None:
+            raise ValueError(f"disagg: this engine has no {key!r} KV transfer manager")
+        if manager.role != info.role:
+            raise ValueError(f"disagg.role {info.role!r} does not match this worker's role {manager.role!r}")
+        return manager
+
+    def add(self, req: Request, manager: KVManager) -> None:
+        """Create the room's sender/receiver (DuplicateRoomError passes through)."""
+        info = req.disagg
+        assert info is not None
+        if info.role == "prefill":
+            req.sender = manager.create_sender(info.bootstrap_room)
+        else:
+            req.receiver = manager.create_receiver(info.bootstrap_host, info.bootstrap_port,
+                                                   info.bootstrap_room)
+            req.prompt_logprobs = None  # the prompt is computed (and its logprobs reported) on prefill
+        req.status = Status.WAITING_FOR_PEER
+        self._live.append(req)
+
+    # --- per step -----------------------------------------------------------------------
+    def poll(self) -> list[Request]:
+        """Advance every room by its poll state; returns requests that finished or failed."""
+        changed: list[Request] = []
+        for req in list(self._live):
+            handle = req.sender or req.receiver
+            state, error = _poll(handle)
+            if state == KVPoll.Failed:
+                if req.status in (Status.WAITING, Status.RUNNING):
+                    self._scheduler.remove(req)  # not yet handed over: the pages are ours
+                self._end(req, "error", error=error)
+                changed.append(req)
+            elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
+                if req.sender is not None:
+                    self._start_prefill(req)
+                else:
+                    req.peer_ready = True
+            elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
+                if req.sender is not None:
+                    self._end(req, *req.pending_finish)
+                else:
+                    self._join_decode(req)
+                changed.append(req)
+        for item in list(self._draining):
+            handle, pages, slot = item
+            if _poll(handle)[0] in (KVPoll.Success, KVPoll.Failed):
+                self._draining.remove(item)
+                self._release(handle, pages, slot)
+        return changed
+
+    def _start_prefill(self, req: Request) -> None:
+        slot = self._pool.allocate_aux_slot()
+        if slot is None:
+            return  # all aux slots in use: try again next step
+        req.aux_slot = slot
+        req.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
+        self._scheduler.add_waiting(req)
+
+    def admit_receivers(self) -> list[Request]:
+        """Give ready decode requests their prompt's pages and an aux slot, FCFS, while
+        nothing preempted waits (recomputing running work comes first).  Returns the
+        requests that failed on the way."""
+        failed: list[Request] = []
+        if self._scheduler.waiting:
+            return failed
+        for req in list(self._live):
+            if req.status is not Status.WAITING_FOR_PEER or not req.peer_ready:
+                continue
+            need = self._scheduler.pages_needed(req.num_prompt_tokens)
+            if need > self._pool.num_free_pages or self._pool.num_free_aux_slots == 0:
+                break
+            req.aux_slot = self._pool.allocate_aux_slot()
+            req.pages = self._pool.allocate(need)
+            req.status = Status.TRANSFERRING
+            try:
+                req.receiver.init(list(req.pages), req.aux_slot)
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+                self.abort(req, reason="error", error=f"KV receiver init failed: {exc}")
+                failed.append(req)
+        return failed
+
+    def send_prefill(self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]) -> None:
+        """After the last prefill chunk: write the aux record and post the transfer."""
+        req.pending_finish = finish
+        self._scheduler.running.remove(req)
+        req.status = Status.TRANSFERRING
+        aux = AuxRecord(req.disagg.bootstrap_room, first.token_id, first.logprob,
+                        tuple(t for t, _ in first.top), tuple(lp for _, lp in first.top))
+        self._pool.write_aux(req.aux_slot, aux.pack())
+        try:
+            req.sender.send(list(req.pages), aux)
+        except Exception as exc:  # noqa: BLE001
+            self.abort(req, reason="error", error=f"KV send failed: {exc}")
+
+    def _join_decode(self, req: Request) -> None:
+        try:
+            aux = req.receiver.aux_record()
+            if not 0 <= aux.first_token_id < self._vocab_size:
+                raise KVTransferError(f"aux record token id {aux.first_token_id} is out of range")
+        except KVTransferError as exc:
+            self._end(req, "error", error=str(exc))
+            return
+        self._release(req.receiver, [], req.aux_slot)  # keep the pages: they hold the prompt now
+        req.receiver, req.aux_slot = None, None
+        self._live.remove(req)
+        req.num_computed_tokens = req.num_cached_tokens = req.num_prompt_tokens
+        if req.generator is not None:  # the first draw happened on prefill
+            skip_draw(req.generator, self._vocab_size, req.generator.device)
+        k = req.params.logprobs or 0
+        top = tuple(zip(aux.top_ids, aux.top_logprobs))[:k]
+        self._append_token(req, SampledToken(aux.first_token_id, aux.logprob, top))
+        if req.finished:
+            self._scheduler.free_pages(req)
+        else:
+            self._scheduler.add_waiting(req)
+
+    # --- endings ------------------------------------------------------------------------
+    def abort(self, req: Request, reason: str = "abort", error: str | None = None) -> None:
+        """End ``req`` now; its room is aborted and drained (pages the transfer layer may
+        hold are freed after a terminal poll, then ``close()``)."""
+        if req.status in (Status.WAITING, Status.RUNNING):
+            self._scheduler.remove(req)
+        handle = req.sender or req.receiver
+        try:
+            handle.abort()
+        except Exception:  # noqa: BLE001 - still drained below, bounded by the backend's timeouts
+            pass
+        self._draining.append((handle, req.pages, req.aux_slot))
+        req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
+        self._live.remove(req)
+        req.finish(reason, error=error)
+
+    def _end(self, req: Request, reason: str, stop_reason: str | int | None = None,
+             error: str | None = None) -> None:
+        """The room reached a terminal state: free everything, close, finish ``req``."""
+        self._live.remove(req)
+        self._release(req.sender or req.receiver, req.pages, req.aux_slot)
+        req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
+        req.finish(reason, stop_reason, error)
+
+    def _release(self, handle, pages: list[int], slot: int | None) -> None:
+        if pages:
+            self._pool.free(pages)
+        if slot is not None:
+            self._pool.free_aux_slot(slot)
+        handle.close()

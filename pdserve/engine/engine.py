@@ -1,0 +1,237 @@
+"""``EngineCore``: one worker's engine — model, KV pool, scheduler, runner, outputs.
+
+Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) calls
+``add_request`` / ``abort_request`` / ``step``.  ``step`` never blocks on the network;
+when only transfers are pending it returns ``[]`` quickly (the caller may sleep).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Mapping
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.disagg.base import KVManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.disagg_flow import DisaggFlow
+from pdserve.engine.kv_pool import KVPool, compute_num_pages
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import DisaggRequestInfo, Request, Status
+from pdserve.engine.sampler import SampledToken
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.loader import load_model_source
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Continuous-batching engine over a paged KV pool.
+
+    config: model, cache and scheduler settings.  kv_managers: transfer managers by
+    backend name (``"nixl"``, ``"fake"``), needed only for disaggregated requests;
+    transfer_backend: the key used by non-fake disaggregated requests.
+    Raises ValueError naming the field for a bad model, device, dtype or context limit.
+    """
+
+    def __init__(self, config: EngineConfig, kv_managers: Mapping[str, KVManager] | None = None,
+                 *, transfer_backend: str = "nixl") -> None:
+        self.config = config
+        mc = config.model
+        self.device = resolve_device(mc)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.source = load_model_source(mc.model, seed=mc.seed)
+        self.model = LlamaForCausalLM(self.source.hf_config, dtype=self.dtype, device=self.device)
+        self.model.load_weights(self.source.weights())
+        shapes = self.model.shapes
+        self.vocab_size = shapes.vocab
+        max_len = mc.max_model_len or shapes.max_positions
+        if max_len > shapes.max_positions:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context "
+                             f"({shapes.max_positions} positions)")
+        sc = config.scheduler
+        num_pages = compute_num_pages(config.cache, num_layers=shapes.n_layers,
+                                      num_kv_heads=shapes.n_kv_heads, head_dim=shapes.head_dim,
+                                      dtype=self.dtype, device=self.device,
+                                      max_running_requests=sc.max_running_requests,
+                                      max_model_len=max_len)
+        self.pool = KVPool(num_layers=shapes.n_layers, num_kv_heads=shapes.n_kv_heads,
+                           head_dim=shapes.head_dim, dtype=self.dtype, device=self.device,
+                           page_size=config.cache.page_size, num_pages=num_pages,
+                           num_aux_slots=max(16, 2 * sc.max_running_requests),
+                           model_fingerprint=self.source.fingerprint)
+        capacity = num_pages * config.cache.page_size
+        if capacity < max_len:
+            logger.warning("KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+        self.max_model_len = min(max_len, capacity)  # so a lone request always fits
+        self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.scheduler = Scheduler(sc, self.pool, lambda r: tokens_banned_before_min(
+            r.params, self.eos_token_ids))
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.disagg = DisaggFlow(self.pool, self.scheduler, kv_managers or {}, transfer_backend,
+                                 self.vocab_size, self._append_token)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._rng = random.Random(mc.seed)  # seeds of requests that have none
+        self._counters = {"steps": 0, "prompt_tokens_computed": 0, "generation_tokens": 0,
+                          "finished_requests": 0}
+
+    # --- public API -----------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.source.tokenizer
+
+    @property
+    def layout(self):
+        return self.pool.layout
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    disagg: DisaggRequestInfo | None = None) -> None:
+        """Queue a single-sample request (``params.n`` must be 1; see ``fan_out``).
+
+        Raises ValueError naming the field: ``request_id`` already live, ``n`` > 1, empty
+        or out-of-vocabulary ``prompt_token_ids``, a prompt that leaves no room under
+        ``max_model_len``, or a ``disagg`` this engine cannot serve (also
+        ``DuplicateRoomError``, a ValueError, for a live room).
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("n must be 1 for an engine request; split it with SamplingParams.fan_out")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room for output")
+        manager = self.disagg.manager_for(disagg) if disagg is not None else None
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                       skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
+                      detokenizer=detok, generator=generator, disagg=disagg)
+        self._arrivals += 1
+        if manager is not None:
+            self.disagg.add(req, manager)
+        else:
+            self.scheduler.add_waiting(req)
+        self._requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now (``finish_reason="abort"``); unknown or finished ids are
+        ignored.  Its pages are freed exactly once (disaggregated ones after the room's
+        terminal poll)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.sender is not None or req.receiver is not None:
+            self.disagg.abort(req)
+        else:
+            self.scheduler.remove(req)
+            req.finish("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self.disagg.num_draining > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that advanced."""
+        touched: dict[str, Request] = {r.request_id: r for r in self.disagg.poll()}
+        plan = self.scheduler.schedule()
+        if plan.seqs:
+            self._counters["steps"] += 1
+            result = self.runner.execute(plan)
+            self._apply(plan, result, touched)
+        touched.update((r.request_id, r) for r in self.disagg.admit_receivers())
+        outputs = [self._make_output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                self._requests.pop(r.request_id, None)
+                self._counters["finished_requests"] += 1
+        return outputs
+
+    def stats(self) -> dict:
+        """Gauges and counters for metrics (plain ints)."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_for_peer": self.disagg.count(Status.WAITING_FOR_PEER),
+            "num_transferring": self.disagg.count(Status.TRANSFERRING),
+            "num_draining": self.disagg.num_draining,
+            "num_free_pages": self.pool.num_free_pages,
+            "num_total_pages": self.pool.num_pages,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self._counters,
+        }
+
+    # --- internals --------------------------------------------------------------------
+    def _apply(self, plan: BatchPlan, result, touched: dict[str, Request]) -> None:
+        for seq in plan.seqs:
+            req = self._requests[seq.request_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self._counters["prompt_tokens_computed"] += max(
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos)
+            lps = result.prompt_logprobs.get(seq.request_id)
+            if lps:
+                req.prompt_logprobs.extend(lps)
+            if not seq.sample:
+                continue
+            tok = result.sampled[seq.request_id]
+            touched[req.request_id] = req
+            if req.disagg is not None and req.disagg.role == "prefill":
+                self._append_token(req, tok, prefill_role=True)
+                continue
+            self._append_token(req, tok)
+            if req.finished:
+                self.scheduler.remove(req)
+
+    def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:
+        """Append a sampled token, update text, and apply the stop checks (finishing
+        ``req`` in place; a prefill-role request instead sends its KV)."""
+        params = req.params
+        req.append_token(tok.token_id, tok.logprob, tok.top)
+        if not prefill_role:  # decode counts the first token too; count it once per request
+            self._counters["generation_tokens"] += 1
+        stop_str = req.detokenizer.add_token(tok.token_id,
+                                             check_stop=req.num_output_tokens > params.min_tokens)
+        verdict = check_token_stop(params, tok.token_id, req.num_output_tokens, req.num_tokens,
+                                   self.eos_token_ids, self.max_model_len)
+        if stop_str is not None and (verdict is None or verdict[0] == "length"):
+            verdict = ("stop", stop_str)
+        if prefill_role:
+            self.disagg.send_prefill(req, tok, verdict or ("length", None))
+        elif verdict is not None:
+            req.finish(*verdict)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = req.output_token_ids
+        new = outs[req.num_reported_tokens:]
+        delta_lps = None if req.logprobs is None else req.logprobs[req.num_reported_tokens:]
+        req.num_reported_tokens = len(outs)
+        completion = CompletionOutput(
+            index=0, text=req.detokenizer.text, token_ids=outs,
+            cumulative_logprob=req.cumulative_logprob,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            delta_text=req.detokenizer.take_delta(req.finished), delta_token_ids=new,
+            delta_logprobs=delta_lps)
+        prompt_lps = None if req.prompt_logprobs is None or req.needs_prompt_logprobs() \
+            else req.prompt_logprobs
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             outputs=[completion], finished=req.finished,
+                             prompt_logprobs=prompt_lps, error=req.error,
+                             num_cached_tokens=req.num_cached_tokens)

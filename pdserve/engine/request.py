@@ -1,0 +1,130 @@
+"""One engine request: its tokens, how many have KV in the cache, its pages and outputs.
+
+Tokens are scheduled, not phases (vLLM v1): ``num_tokens`` is prompt + output tokens,
+``num_computed_tokens`` how many of them have KV in the pool.  A step computes tokens
+``[num_computed_tokens, num_computed_tokens + n)``; when that reaches ``num_tokens`` the
+last position's logits are sampled and one token is appended.  Prefill, chunked prefill,
+decode and recompute after preemption are all the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.disagg.base import KVReceiver, KVSender
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DisaggRequestInfo:
+    """How a request takes part in prefill/decode disaggregation.
+
+    role: ``"prefill"`` (compute the prompt, sample the first token, send the KV) or
+        ``"decode"`` (receive the KV and the first token, generate the rest).
+    bootstrap_host/bootstrap_port/bootstrap_room: the prefill worker's bootstrap server
+        and the transfer's room id, as the router drew them.
+    fake: use the ``fake`` transfer backend's manager (health probes) instead of the real one.
+    """
+
+    role: str
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+    fake: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"disagg.role must be prefill or decode, got {self.role!r}")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"disagg.bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+        if not 0 <= self.bootstrap_room < 2**64:
+            raise ValueError(f"disagg.bootstrap_room must be in [0, 2**64), got {self.bootstrap_room}")
+
+
+class Status(enum.Enum):
+    WAITING_FOR_PEER = "waiting_for_peer"  # disagg: transfer not yet bootstrapped; no pages
+    WAITING = "waiting"                    # in the FCFS queue
+    RUNNING = "running"                    # in the running batch
+    TRANSFERRING = "transferring"          # disagg: pages handed to the transfer layer
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable state of one single-sample engine request (owned by the engine thread)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, arrival: int, detokenizer: IncrementalDetokenizer,
+                 generator: torch.Generator | None, disagg: DisaggRequestInfo | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival = arrival
+        self.detokenizer = detokenizer
+        self.generator = generator  # None for greedy requests
+        self.disagg = disagg
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens computed elsewhere (disagg decode)
+        self.pages: list[int] = []
+        self.status = Status.WAITING
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        # disaggregation
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.aux_slot: int | None = None
+        self.peer_ready = False  # decode: receiver bootstrapped, waiting for pages
+        self.pending_finish: tuple[str, str | int | None] = ("length", None)  # prefill: after Success
+        # streaming: how much was already reported
+        self.num_reported_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def prompt_logprobs_done(self) -> int:
+        """Prompt positions whose logprobs are known (position 0 has none by definition)."""
+        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
+
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
+        self.all_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            self.logprobs.append(TokenLogprob(token_id, logprob, top))
+
+    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error

@@ -1,0 +1,125 @@
+"""``SamplingParams``: how one request is sampled and when it stops (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from pdserve.disagg.base import MAX_TOP_LOGPROBS
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping options of one request (OpenAI / vLLM semantics).
+
+    n: samples per prompt; each becomes its own engine request (see :meth:`fan_out`).
+    temperature: 0 means greedy (exact argmax); > 0 divides the logits.
+    top_p: nucleus mass in (0, 1]; 1 disables.  top_k: keep the k best tokens; 0 or -1 disables.
+    min_p: drop tokens whose probability is below ``min_p`` times the best one's; 0 disables.
+    max_tokens: most tokens to generate; ``None`` means up to the context limit.
+    min_tokens: tokens to generate before EOS, ``stop_token_ids`` or ``stop`` may end the request.
+    stop: strings that end the request; the matched string is not part of the output text.
+    stop_token_ids: token ids that end the request (the id stays in ``token_ids``).
+    ignore_eos: keep generating past EOS tokens.
+    seed: per-request seed; the same seed gives the same tokens whatever the batch.
+    logprobs: number of top alternatives to return per output token (0 = only the sampled
+        token's logprob; ``None`` = no logprobs).  At most 20 (OpenAI's limit).
+    prompt_logprobs: the same for every prompt token (the first one has none).
+    skip_special_tokens: leave special tokens out of the output text.
+
+    Raises ``ValueError`` naming the field for any out-of-range or wrongly typed value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disable it), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        object.__setattr__(self, "stop", self._check_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", self._check_stop_token_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
+
+    @staticmethod
+    def _check_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in items):
+            raise ValueError("stop must not contain an empty string")
+        return tuple(items)
+
+    @staticmethod
+    def _check_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+        return tuple(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def fan_out(self, request_id: str) -> list[tuple[str, "SamplingParams"]]:
+        """Split an ``n``-sample request into ``n`` single-sample engine requests.
+
+        Sample ``i`` gets the id ``sample_request_id(request_id, i)`` and, when ``seed`` is
+        set, the seed ``seed + i`` (so the samples differ yet each is reproducible).  With
+        ``n == 1`` the id and params are returned unchanged.
+        """
+        if self.n == 1:
+            return [(request_id, self)]
+        return [(sample_request_id(request_id, i),
+                 replace(self, n=1, seed=None if self.seed is None else self.seed + i))
+                for i in range(self.n)]
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """Engine request id of sample ``index`` of a fanned-out request: ``"{request_id}#{index}"``."""
+    return f"{request_id}#{index}"

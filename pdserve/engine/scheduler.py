@@ -1,0 +1,163 @@
+"""Continuous batching by tokens, with chunked prefill and preemption by recompute.
+
+Each step the scheduler hands out a token budget (``max_num_batched_tokens``): first to
+the running requests in order (one token for a decode, a chunk for an unfinished
+prefill), then to waiting requests in arrival order (FCFS) while the running batch has
+room (``max_running_requests``).  When a running request needs a page and none is free,
+the most recently admitted running request is preempted: its pages are freed and it
+goes back to the waiting queue to recompute its tokens later.  Because the engine caps
+the context length to what the pool can hold, a lone request always fits: no deadlock.
+
+The result is a :class:`BatchPlan`, plain data that the model runner executes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.request import Request, Status
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step.
+
+    token_ids: the ``n`` tokens whose KV this step computes (positions
+        ``start_pos .. start_pos + n - 1``).
+    pages: the request's page table, covering at least ``start_pos + n`` tokens.
+    sample: the last position's logits are sampled (the request is fully computed).
+    prompt_logprobs_start/prompt_logprobs_targets: the logits of positions
+        ``start .. start + len(targets) - 1`` give the logprobs of the prompt tokens
+        ``targets`` (those at positions ``start + 1 ..``); empty when not asked or done.
+    params/generator/banned_token_ids: how to sample (``banned`` = masked ids while
+        ``min_tokens`` is not reached).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    pages: list[int]
+    sample: bool
+    prompt_logprobs_start: int
+    prompt_logprobs_targets: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What one step computes: the sequences in batch order, and who was preempted."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting queue and running batch and the requests' pages in them.
+
+    ``banned_before_min(req)`` gives the token ids to mask while ``req`` has fewer than
+    ``min_tokens`` outputs (EOS and stop ids; supplied by the engine).
+    """
+
+    def __init__(self, config: SchedulerConfig, pool: KVPool, banned_before_min) -> None:
+        self.config = config
+        self.pool = pool
+        self._banned_before_min = banned_before_min
+        self.waiting: list[Request] = []  # sorted by arrival (FCFS)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- queue changes -----------------------------------------------------------------
+    def add_waiting(self, req: Request) -> None:
+        req.status = Status.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the queues and free its pages (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free_pages(req)
+
+    def free_pages(self, req: Request) -> None:
+        if req.pages:
+            pages, req.pages = req.pages, []
+            self.pool.free(pages)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.pool.page_size)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.free_pages(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add_waiting(req)
+
+    # --- one step ------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan:
+        """Pick this step's tokens (see the module docstring)."""
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
+            while need > self.pool.num_free_pages and req.status is Status.RUNNING:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+            if req.status is not Status.RUNNING:
+                break  # it was the last one and preempted itself
+            seqs.append(self._schedule(req, n, need))
+            budget -= n
+            i += 1
+        # Admitting new work right after a preemption would only preempt again.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_running_requests):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
+            if need > self.pool.num_free_pages:
+                break  # FCFS: the head waits for pages, nobody overtakes it
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(self._schedule(req, n, need))
+            budget -= n
+        return BatchPlan(tuple(seqs), tuple(preempted))
+
+    def _schedule(self, req: Request, n: int, new_pages: int) -> ScheduledSeq:
+        if new_pages > 0:
+            req.pages.extend(self.pool.allocate(new_pages))
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        lp_start, lp_targets = 0, []
+        if req.needs_prompt_logprobs():
+            lp_start = max(start, req.prompt_logprobs_done - 1)
+            end = min(start + n, req.num_prompt_tokens - 1)
+            lp_targets = req.prompt_token_ids[lp_start + 1:end + 1]
+        banned = ()
+        if sample and req.num_output_tokens < req.params.min_tokens:
+            banned = self._banned_before_min(req)
+        return ScheduledSeq(request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+                            start_pos=start, pages=list(req.pages), sample=sample,
+                            prompt_logprobs_start=lp_start, prompt_logprobs_targets=lp_targets,
+                            params=req.params,
+                            generator=req.generator, banned_token_ids=banned)
