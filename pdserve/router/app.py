@@ -1,0 +1,113 @@
+"""The router's FastAPI app: OpenAI + native endpoints forwarded by the dispatcher, plus
+``/health``, ``/metrics``, ``/get_server_info`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.errors import error_response
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import NoHealthyWorker, WorkerPool
+from pdserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
+
+FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) -> FastAPI:
+    """Return the router app for ``config``; health checks start with the app's lifespan
+    (one check round runs before the first request is served)."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    roles = ({"prefill": config.prefill_urls, "decode": config.decode_urls} if config.pd_mode
+             else {"mixed": config.worker_urls})
+    pool = WorkerPool(roles, policy=config.policy, client=client,
+                      check_interval=config.health_check_interval,
+                      check_timeout=config.health_check_timeout,
+                      failure_threshold=config.health_failure_threshold, rng=rng)
+    live_rooms: set[int] = set()
+    metrics = RouterMetrics(pool, live_rooms)
+    dispatcher = Dispatcher(pool, client, metrics, live_rooms, pd_mode=config.pd_mode,
+                            request_timeout=config.request_timeout, rng=rng)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.check_all()
+        pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+            await client.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
+
+    async def forward(request: Request, endpoint: str) -> Response:
+        start = time.perf_counter()
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _count(error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start)
+        if not isinstance(body, dict):
+            return _count(error_response(400, "request body must be a JSON object"), endpoint, start)
+        if "stream" in body and not isinstance(body["stream"], bool):
+            return _count(error_response(400, "stream must be a boolean", param="stream"), endpoint, start)
+        try:
+            response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
+        except NoHealthyWorker as exc:
+            response = error_response(503, str(exc))
+        except ClientDisconnected:
+            response = Response(status_code=499)
+        return _count(response, endpoint, start)
+
+    def _count(response: Response, endpoint: str, start: float) -> Response:
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if not hasattr(response, "body_iterator"):  # streams: counted at start only
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        return response
+
+    for path in FORWARDED:
+        async def handler(request: Request, _path: str = path) -> Response:
+            return await forward(request, _path)
+        app.add_api_route(path, handler, methods=["POST"], name=path)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            worker = pool.pick("decode" if config.pd_mode else "mixed")
+            resp = await client.get(f"{worker.url}/v1/models", timeout=config.health_check_timeout)
+        except NoHealthyWorker as exc:
+            return error_response(503, str(exc))
+        except httpx.HTTPError as exc:
+            return error_response(503, f"/v1/models failed: {type(exc).__name__}: {exc}")
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if pool.is_ready():
+            return JSONResponse({"status": "ok"})
+        missing = [role for role in pool.workers if not pool.healthy(role)]
+        return error_response(503, f"no healthy {' and no healthy '.join(missing)} worker")
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/get_server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse({
+            "mode": "pd" if config.pd_mode else "regular", "policy": config.policy,
+            "request_timeout": config.request_timeout, "live_bootstrap_rooms": len(live_rooms),
+            "workers": [{"url": w.url, "role": w.role, "healthy": w.healthy, "outstanding": w.outstanding,
+                         "last_error": w.last_error} for w in pool.all()]})
+
+    return app

@@ -1,0 +1,243 @@
+"""Dispatch of one client request: to a (prefill, decode) pair in PD mode, or to one mixed
+worker in regular mode; streaming pass-through, merged prompt logprobs, one clear error.
+
+PD protocol: both legs get the client's body plus ``bootstrap_host``, ``bootstrap_port``
+(the prefill worker's bootstrap server) and ``bootstrap_room``; a request with ``n``
+samples reserves the rooms ``bootstrap_room .. bootstrap_room + n - 1`` (sample ``i``
+uses ``bootstrap_room + i`` on both workers), so every sample has a distinct live room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from typing import AsyncIterator, Callable
+
+import anyio
+import httpx
+from fastapi.responses import Response, StreamingResponse
+from httpx_sse import EventSource
+
+from pdserve.router.errors import error_from_worker, error_response, sse_error
+from pdserve.router.merge import merge_prompt_logprobs
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import WorkerState
+from pdserve.router.workers import WorkerPool, bootstrap_address
+
+log = logging.getLogger("pdserve.router")
+
+ROOM_LIMIT = 2 ** 63          # rooms are 63-bit: [0, 2**63)
+MAX_ROOMS_PER_REQUEST = 1024  # cap on n reserved per request (workers reject larger n)
+_DONE = b"data: [DONE]\n\n"
+
+
+class LegError(Exception):
+    """One worker leg failed; ``response`` is what the client gets."""
+
+    def __init__(self, role: str, reason: str, response: Response) -> None:
+        super().__init__(reason)
+        self.role = role
+        self.reason = reason
+        self.response = response
+
+
+def _num_samples(endpoint: str, body: dict) -> int:
+    n = (body.get("sampling_params") or {}).get("n", 1) if endpoint == "/generate" else body.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROOMS_PER_REQUEST:
+        return n
+    return 1  # invalid n: the workers reject it with a 400
+
+
+class Dispatcher:
+    """Sends client requests to workers; owns the set of live bootstrap rooms."""
+
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics,
+                 live_rooms: set[int], *, pd_mode: bool, request_timeout: float,
+                 rng: random.Random | None = None) -> None:
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+        self.live_rooms = live_rooms
+        self.pd_mode = pd_mode
+        self.request_timeout = request_timeout
+        self._rng = rng or random.SystemRandom()
+
+    # --- rooms -------------------------------------------------------------------------
+    def reserve_rooms(self, n: int) -> int:
+        """Draw a random room R with R .. R+n-1 all free and below 2**63; mark them live."""
+        while True:
+            room = self._rng.randrange(0, ROOM_LIMIT - n + 1)
+            if not any(room + i in self.live_rooms for i in range(n)):
+                self.live_rooms.update(range(room, room + n))
+                return room
+
+    def release_rooms(self, room: int, n: int) -> None:
+        self.live_rooms.difference_update(range(room, room + n))
+
+    # --- one leg -----------------------------------------------------------------------
+    def _transport_error(self, worker: WorkerState, exc: Exception) -> LegError:
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self.pool.record_failure(worker, reason)
+        self.metrics.leg_failures.labels(worker.role, "connect").inc()
+        msg = f"{worker.role} worker {worker.url} failed: {reason}"
+        return LegError(worker.role, msg, error_response(503, msg))
+
+    def _http_error(self, worker: WorkerState, status: int, content: bytes) -> LegError:
+        self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()
+        who = f"{worker.role} worker {worker.url}"
+        return LegError(worker.role, f"{who} answered HTTP {status}", error_from_worker(status, content, who))
+
+    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+        """POST to one worker; returns the 200 response, else raises LegError."""
+        worker.outstanding += 1
+        try:
+            resp = await self.client.post(worker.url + endpoint, json=body)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(worker, exc) from exc
+        finally:
+            worker.outstanding -= 1
+        if resp.status_code != 200:
+            raise self._http_error(worker, resp.status_code, resp.content)
+        return resp
+
+    async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+        """Open a streaming POST; returns the open 200 response (caller closes it)."""
+        request = self.client.build_request("POST", worker.url + endpoint, json=body)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(worker, exc) from exc
+        if resp.status_code != 200:
+            try:
+                content = await resp.aread()
+            finally:
+                await resp.aclose()
+            raise self._http_error(worker, resp.status_code, content)
+        return resp
+
+    # --- entry point -------------------------------------------------------------------
+    async def dispatch(self, endpoint: str, body: dict) -> Response:
+        """Serve one client request (``endpoint`` is the worker path, e.g. ``/generate``).
+        Errors become OpenAI-shaped JSON responses; the deadline gives 504."""
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
+        stream = body.get("stream") is True
+        try:
+            work = self._pd(endpoint, body, stream, deadline) if self.pd_mode else \
+                self._regular(endpoint, body, stream, deadline)
+            return await asyncio.wait_for(work, self.request_timeout)
+        except LegError as exc:
+            return exc.response
+        except asyncio.TimeoutError:
+            return error_response(504, f"request timed out after {self.request_timeout:g} s (router --request-timeout)")
+
+    async def _regular(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
+        worker = self.pool.pick("mixed")
+        if not stream:
+            resp = await self._post(worker, endpoint, body)
+            return Response(resp.content, media_type="application/json")
+        worker.outstanding += 1
+        try:
+            resp = await self._open_stream(worker, endpoint, body)
+        except BaseException:
+            worker.outstanding -= 1
+            raise
+
+        def on_close() -> None:
+            worker.outstanding -= 1
+
+        return StreamingResponse(self._relay(resp, worker, endpoint, None, deadline, on_close),
+                                 media_type="text/event-stream")
+
+    async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
+        prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
+        host, port = bootstrap_address(prefill)
+        n = _num_samples(endpoint, body)
+        room = self.reserve_rooms(n)
+        handed_off = False
+        try:
+            legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+            # The prefill leg's answer serves only for prompt logprobs and errors: no stream.
+            prefill_body = {k: v for k, v in legs.items() if k not in ("stream", "stream_options")}
+            p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
+            if not stream:
+                d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
+                await self._both(p_task, d_task)
+                answer = d_task.result().json()
+                return Response(json.dumps(merge_prompt_logprobs(endpoint, answer, p_task.result().json())),
+                                media_type="application/json")
+            decode.outstanding += 1
+            d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, legs))
+            try:
+                await self._both(p_task, d_task)
+            except BaseException:
+                decode.outstanding -= 1
+                raise
+
+            def on_close() -> None:
+                decode.outstanding -= 1
+                self.release_rooms(room, n)
+
+            handed_off = True
+            return StreamingResponse(
+                self._relay(d_task.result(), decode, endpoint, p_task.result().json(), deadline, on_close),
+                media_type="text/event-stream")
+        finally:
+            if not handed_off:
+                self.release_rooms(room, n)
+
+    @staticmethod
+    async def _both(p_task: asyncio.Future, d_task: asyncio.Future) -> None:
+        """Wait for both legs; the first failure cancels the other (closing a stream it may
+        have opened, so the worker sees the disconnect and aborts) and is raised."""
+        pending = {p_task, d_task}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # raises the leg's error
+        except BaseException:
+            for task in (p_task, d_task):
+                task.cancel()
+            for result in await asyncio.gather(p_task, d_task, return_exceptions=True):
+                if isinstance(result, httpx.Response):
+                    await result.aclose()
+            raise
+
+    async def _relay(self, resp: httpx.Response, worker: WorkerState, endpoint: str, prefill_answer,
+                     deadline: float, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
+        """Pass the worker's SSE events through (merging prompt logprobs into the first chunk
+        of each sample); a broken or late stream ends with an SSE error event and [DONE]."""
+        loop = asyncio.get_running_loop()
+        merged: set[int] = set()
+        events = EventSource(resp).aiter_sse()
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    event = await asyncio.wait_for(events.__anext__(), remaining)
+                except StopAsyncIteration:
+                    yield sse_error(502, f"{worker.role} worker {worker.url} ended its stream before [DONE]")
+                    return
+                if event.data == "[DONE]":
+                    yield _DONE
+                    return
+                data = event.data
+                if prefill_answer is not None:
+                    try:
+                        data = json.dumps(merge_prompt_logprobs(endpoint, json.loads(data), prefill_answer, merged))
+                    except ValueError:
+                        pass
+                yield f"data: {data}\n\n".encode()
+        except asyncio.TimeoutError:
+            yield sse_error(504, f"request timed out after {self.request_timeout:g} s (router --request-timeout)")
+        except httpx.HTTPError as exc:
+            self.metrics.leg_failures.labels(worker.role, "stream").inc()
+            yield sse_error(502, f"{worker.role} worker {worker.url} stream broke: {type(exc).__name__}: {exc}")
+        finally:
+            on_close()
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()

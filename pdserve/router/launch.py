@@ -1,0 +1,66 @@
+"""``pdserve router``: the router process (PD pairs or regular mode over mixed workers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve import envs
+from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``pdserve router``."""
+    d = lambda name: default_of(RouterConfig, name)  # noqa: E731
+    p = subparsers.add_parser("router", help="route requests to prefill/decode pairs or mixed workers",
+                              description="The router: OpenAI-compatible and native /generate API in front "
+                                          "of prefill/decode worker pairs (PD mode, --prefill and --decode) or "
+                                          "mixed workers (regular mode, --worker).")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="URL of a prefill worker (repeat for several); PD mode")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="URL of a decode worker (repeat for several); PD mode")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="URL of a mixed worker (repeat for several); regular mode")
+    p.add_argument("--host", default=d("host"), help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d("port"), help="port to listen on (default %(default)s)")
+    p.add_argument("--policy", choices=ROUTER_POLICIES, default=d("policy"),
+                   help="how a worker of each role is picked (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d("request_timeout"),
+                   help="seconds one request may take end to end; 504 after (default %(default)s)")
+    p.add_argument("--health-check-interval", type=float, default=d("health_check_interval"),
+                   help="seconds between health probes of each worker (default %(default)s)")
+    p.add_argument("--health-check-timeout", type=float, default=d("health_check_timeout"),
+                   help="seconds one health probe may take (default %(default)s)")
+    p.add_argument("--health-failure-threshold", type=int, default=d("health_failure_threshold"),
+                   help="consecutive failed probes that eject a worker (default %(default)s)")
+    p.set_defaults(func=main)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from parsed flags (ValueError naming the field when invalid)."""
+    return RouterConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+                        worker_urls=tuple(args.worker), host=args.host, port=args.port, policy=args.policy,
+                        request_timeout=args.request_timeout, health_check_interval=args.health_check_interval,
+                        health_check_timeout=args.health_check_timeout,
+                        health_failure_threshold=args.health_failure_threshold)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdserve.router.app import build_router_app
+    from pdserve.server.netutil import PortInUseError, bind_socket, configure_logging, serve_app
+
+    configure_logging(envs.LOG_LEVEL.get())
+    try:
+        config = config_from_args(args)
+        sock = bind_socket(config.host, config.port)
+    except (ValueError, PortInUseError) as exc:
+        print(f"pdserve router: error: {exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    mode = (f"PD mode, {len(config.prefill_urls)} prefill + {len(config.decode_urls)} decode"
+            if config.pd_mode else f"regular mode, {len(config.worker_urls)} mixed")
+    print(f"pdserve router ({mode} workers, policy {config.policy}) on http://{config.host}:{port}", flush=True)
+    serve_app(build_router_app(config), sock, log_level=envs.LOG_LEVEL.get())
+    return 0

@@ -1,0 +1,139 @@
+"""The router's view of its workers: per-role pools, periodic health checks that eject and
+restore workers, and policy-based picking."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import httpx
+
+from pdserve.router.policies import Policy, WorkerState, create_policy
+
+log = logging.getLogger("pdserve.router")
+
+
+class NoHealthyWorker(RuntimeError):
+    """No healthy worker of the asked role; the message names the role."""
+
+
+class WorkerPool:
+    """All workers of the router, grouped by role (``prefill``/``decode`` or ``mixed``).
+
+    Health: a worker is healthy after a ``GET /health`` returned 200 (and, for prefill
+    workers, its ``/get_server_info`` gave a bootstrap port); ``failure_threshold``
+    consecutive failed probes (or failed dispatches) eject it; the next good probe
+    restores it.
+    """
+
+    def __init__(self, urls_by_role: dict[str, Sequence[str]], *, policy: str,
+                 client: httpx.AsyncClient, check_interval: float, check_timeout: float,
+                 failure_threshold: int, rng: random.Random | None = None) -> None:
+        rng = rng or random.Random()
+        self.workers: dict[str, list[WorkerState]] = {
+            role: [WorkerState(url.rstrip("/"), role) for url in urls]
+            for role, urls in urls_by_role.items()}
+        self._policies: dict[str, Policy] = {role: create_policy(policy, rng) for role in self.workers}
+        self._client = client
+        self._interval = check_interval
+        self._timeout = check_timeout
+        self._threshold = failure_threshold
+        self._task: asyncio.Task | None = None
+
+    # --- picking ---------------------------------------------------------------------
+    def all(self) -> list[WorkerState]:
+        return [w for ws in self.workers.values() for w in ws]
+
+    def healthy(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.get(role, []) if w.healthy]
+
+    def pick(self, role: str) -> WorkerState:
+        """A healthy worker of ``role`` by the policy; NoHealthyWorker if there is none."""
+        candidates = self.healthy(role)
+        if not candidates:
+            total = len(self.workers.get(role, []))
+            raise NoHealthyWorker(f"no healthy {role} worker (0 of {total} pass their health check)")
+        return self._policies[role].pick(candidates)
+
+    def is_ready(self) -> bool:
+        """True when every role has at least one healthy worker."""
+        return all(self.healthy(role) for role in self.workers)
+
+    # --- health ----------------------------------------------------------------------
+    def record_failure(self, worker: WorkerState, reason: str) -> None:
+        """Count one failed probe or dispatch; eject at the threshold."""
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.healthy and worker.consecutive_failures >= self._threshold:
+            worker.healthy = False
+            log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
+
+    def _record_success(self, worker: WorkerState) -> None:
+        if not worker.healthy:
+            log.info("%s worker %s is healthy", worker.role, worker.url)
+        worker.healthy = True
+        worker.consecutive_failures = 0
+        worker.last_error = None
+
+    async def check(self, worker: WorkerState) -> None:
+        """Probe one worker once and update its state."""
+        try:
+            resp = await self._client.get(f"{worker.url}/health", timeout=self._timeout)
+            if resp.status_code != 200:
+                raise RuntimeError(f"/health answered HTTP {resp.status_code}: {resp.text[:200]}")
+            if worker.role == "prefill" and (not worker.healthy or not worker.server_info):
+                # A restarted prefill may listen on a new bootstrap port: refresh on restore.
+                info = (await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)).json()
+                if not isinstance(info.get("bootstrap_port"), int):
+                    raise RuntimeError("/get_server_info has no bootstrap_port (is it a prefill worker?)")
+                worker.server_info = info
+        except Exception as exc:  # any failure of the probe counts against the worker
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if not worker.healthy:
+                worker.consecutive_failures += 1
+                worker.last_error = reason
+            else:
+                self.record_failure(worker, reason)
+            return
+        self._record_success(worker)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.all()))
+
+    async def _loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        """Start the periodic health checks on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+
+def bootstrap_address(worker: WorkerState) -> tuple[str, int]:
+    """(host, port) of a prefill worker's bootstrap server, from its server info: the host
+    it advertises, unless that is a loopback/wildcard address and the worker's URL names
+    another host (then the URL's host, which the router reached it by)."""
+    advertised = worker.server_info.get("bootstrap_host") or ""
+    url_host = urlsplit(worker.url).hostname or ""
+    if not advertised or (advertised in _LOCAL and url_host not in _LOCAL):
+        host = url_host
+    else:
+        host = advertised
+    return host, int(worker.server_info["bootstrap_port"])
+
+
+_LOCAL = ("127.0.0.1", "localhost", "0.0.0.0", "::", "::1", "")

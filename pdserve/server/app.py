@@ -1,0 +1,152 @@
+"""The worker's FastAPI app: OpenAI + native endpoints, ``/health``, ``/health_generate``,
+``/metrics``, ``/get_server_info``; errors in OpenAI's JSON shape."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.disagg.base import KVManager
+from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.disconnect import ClientDisconnected
+from pdserve.server.generate_api import build_generate_router
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.openai_api import WorkerContext, build_openai_router
+from pdserve.server.serving import APIError, Job, make_params
+from pdserve.server.streaming import error_json
+
+_COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return f"request body is not valid JSON: {detail}".rstrip(": "), None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+class _RequestMetrics:
+    """ASGI middleware: counts finished API requests by status and observes their latency
+    (streams: until the last byte)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path not in _COUNTED:
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), {"code": 499}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(path, str(status["code"])).inc()
+            self.metrics.e2e.labels(path).observe(time.perf_counter() - start)
+
+
+def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMetrics, *,
+                     kv_managers: dict[str, KVManager], server_info: Callable[[], dict],
+                     health_generate_timeout: float) -> FastAPI:
+    """Return the worker app. The engine thread starts with the app's lifespan and stops
+    with it; ``kv_managers`` (name -> manager) are shut down after it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            for manager in kv_managers.values():
+                manager.shutdown()
+
+    app = FastAPI(title="pdserve worker", lifespan=lifespan)
+    app.include_router(build_openai_router(ctx))
+    app.include_router(build_generate_router(ctx))
+    app.add_middleware(_RequestMetrics, metrics=metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_json(400, message, param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_json(exc.status, exc.message, exc.param), status_code=exc.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_json(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_json(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    def problems() -> list[str]:
+        found = [] if engine.alive else [engine.error or "engine thread is not running"]
+        for name, manager in kv_managers.items():
+            try:
+                healthy = manager.is_healthy()
+            except Exception as exc:
+                healthy, name = False, f"{name} ({type(exc).__name__}: {exc})"
+            if not healthy:
+                found.append(f"KV transfer manager {name} is unhealthy (a background thread died)")
+        return found
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        found = problems()
+        if found:
+            return JSONResponse(error_json(503, "; ".join(found)), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        """One real one-token generation (PD roles: through the fake transfer backend)."""
+        found = problems()
+        if found:
+            return JSONResponse(error_json(503, "; ".join(found)), status_code=503)
+        role = ctx.serving.role
+        params = make_params(temperature=0.0, max_tokens=2 if role == "decode" else 1, ignore_eos=True)
+        job = Job(ctx.tokenizer.encode("Hello") or [0], params, fake_transfer=role != "mixed")
+        try:
+            await asyncio.wait_for(ctx.serving.collect(job), health_generate_timeout)
+        except asyncio.TimeoutError:
+            return JSONResponse(error_json(503, f"health generation took over {health_generate_timeout:g} s"),
+                                status_code=503)
+        except APIError as exc:
+            return JSONResponse(error_json(503, f"health generation failed: {exc.message}"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        return JSONResponse(server_info())
+
+    return app

@@ -1,0 +1,59 @@
+"""Engine flags shared by ``pdserve serve`` and ``pdserve up`` (defaults read from the
+config dataclasses, so each default is written once)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_of
+
+# (flag, config class, field, type, help) — ``up`` forwards exactly these to its workers.
+ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
+    ("--model", ModelConfig, "model", str,
+     "HF folder, .gguf file, random:<preset> or the embedded id smollm2-135m-instruct"),
+    ("--dtype", ModelConfig, "dtype", str, "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"),
+    ("--device", ModelConfig, "device", str, "auto, cpu, cuda or cuda:N"),
+    ("--gpu-id", ModelConfig, "gpu_id", int, "CUDA device index when --device does not name one"),
+    ("--max-model-len", ModelConfig, "max_model_len", int, "context limit in tokens (default: the model's)"),
+    ("--seed", ModelConfig, "seed", int, "seed of random weights (random: models) and of unseeded sampling"),
+    ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
+    ("--kv-cache-memory", CacheConfig, "kv_cache_memory", float,
+     "KV pool size in GiB (default: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA)"),
+    ("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", float,
+     "fraction of free GPU memory for the KV pool"),
+    ("--num-pages", CacheConfig, "num_pages", int, "exact KV page count (overrides --kv-cache-memory)"),
+    ("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens", int, "token budget of one step"),
+    ("--max-running-requests", SchedulerConfig, "max_running_requests", int, "requests in the running batch"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every engine flag to ``parser``."""
+    group = parser.add_argument_group("engine")
+    for flag, cls, name, typ, help_text in ENGINE_FLAGS:
+        group.add_argument(flag, type=typ, default=default_of(cls, name),
+                           help=f"{help_text} (default {default_of(cls, name)})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; ValueError naming the field when one is invalid."""
+    values = {cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig)}
+    for flag, cls, name, _, _ in ENGINE_FLAGS:
+        values[cls][name] = getattr(args, _dest(flag))
+    return EngineConfig(model=ModelConfig(**values[ModelConfig]), cache=CacheConfig(**values[CacheConfig]),
+                        scheduler=SchedulerConfig(**values[SchedulerConfig]))
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as an argv list
+    (how ``pdserve up`` passes them through to its workers)."""
+    argv: list[str] = []
+    for flag, cls, name, _, _ in ENGINE_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value != default_of(cls, name):
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,61 @@
+"""Native ``POST /generate`` (SGLang's shape): ``text`` or ``input_ids``, a
+``sampling_params`` dict, logprob options, streaming of cumulative chunks."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.server import formatting as fmt
+from pdserve.server.disconnect import cancel_on_disconnect
+from pdserve.server.openai_api import WorkerContext
+from pdserve.server.protocol import GenerateRequest
+from pdserve.server.serving import APIError, Job, make_params
+from pdserve.server.streaming import sse_response
+
+
+def build_generate_router(ctx: WorkerContext) -> APIRouter:
+    """The ``/generate`` endpoint bound to ``ctx``."""
+    api = APIRouter()
+
+    @api.post("/generate")
+    async def generate(req: GenerateRequest, request: Request) -> Response:
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError(400, "give exactly one of text or input_ids", "text")
+        prompt_ids = list(req.input_ids) if req.input_ids is not None else ctx.tokenizer.encode(req.text)
+        if req.return_logprob and req.logprob_start_len >= max(len(prompt_ids), 1):
+            raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
+                                f"({len(prompt_ids)})", "logprob_start_len")
+        sp = req.sampling_params
+        k = req.top_logprobs_num
+        params = make_params(
+            n=sp.n, temperature=float(sp.temperature), top_p=float(sp.top_p), top_k=sp.top_k,
+            min_p=float(sp.min_p), max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, seed=sp.seed,
+            logprobs=k if req.return_logprob else None,
+            prompt_logprobs=k if req.return_logprob and req.logprob_start_len >= 0 else None,
+            skip_special_tokens=sp.skip_special_tokens)
+        job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        if req.rid:
+            job.request_id = req.rid
+
+        def item(index: int, out: RequestOutput) -> dict:
+            o = out.outputs[0]
+            body = {"text": o.text, "output_ids": list(o.token_ids),
+                    "meta_info": fmt.generate_meta(out, o, return_logprob=req.return_logprob, top_logprobs_num=k,
+                                                   logprob_start_len=req.logprob_start_len,
+                                                   latency=time.perf_counter() - job.arrival)}
+            if sp.n > 1:
+                body["index"] = index
+            return body
+
+        if req.stream:
+            return await sse_response(request, ctx.serving, job, lambda i, out: [item(i, out)])
+        outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
+        items = [item(i, out) for i, out in enumerate(outs)]
+        return JSONResponse(items if sp.n > 1 else items[0])
+
+    return api

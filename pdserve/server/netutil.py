@@ -1,0 +1,49 @@
+"""Sockets and uvicorn start-up shared by the worker and the router (no engine imports)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+
+class PortInUseError(OSError):
+    """The port asked for is taken; the message names host and port."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind a listening TCP socket on ``host:port`` (port 0 = a free one). Binding before
+    the model loads makes a taken port fail fast. Raises PortInUseError naming the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                             f"(is another process using port {port}?)") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:
+    """Run ``app`` under uvicorn on an already bound socket until SIGINT/SIGTERM."""
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+
+
+def configure_logging(level: str) -> None:
+    """Log lines with time, process role and level, at ``level`` (PDSERVE_LOG_LEVEL)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise

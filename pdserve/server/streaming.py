@@ -1,0 +1,63 @@
+"""SSE responses for a running job: the first engine output is awaited before the 200 is
+sent (so errors before the first token keep their HTTP status); later errors become a
+well-formed SSE error event followed by ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.server.disconnect import cancel_on_disconnect
+from pdserve.server.serving import APIError, Job, Serving
+
+ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def error_json(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+            503: "service_unavailable"}.get(status, "internal_server_error" if status >= 500 else "error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+async def sse_response(request: Request, serving: Serving, job: Job, chunks: ChunkFn,
+                       tail: Callable[[], Iterable[dict]] = lambda: ()) -> StreamingResponse:
+    """Start ``job`` and stream ``chunks(index, output)`` for each engine output, then
+    ``tail()`` (e.g. the usage chunk), then ``[DONE]``. Raises APIError if the job fails
+    before its first output."""
+    it: AsyncIterator = serving.stream(job).__aiter__()
+    try:
+        first = await cancel_on_disconnect(request, it.__anext__())
+    except BaseException:
+        await it.aclose()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            item = first
+            while True:
+                for chunk in chunks(*item):
+                    yield sse(chunk)
+                try:
+                    item = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+            for chunk in tail():
+                yield sse(chunk)
+        except APIError as exc:
+            yield sse(error_json(exc.status, exc.message, exc.param))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await it.aclose()  # aborts unfinished samples when the client went away
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,75 @@
+"""Building one worker: engine, KV transfer managers (PD roles), metrics and the app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+import pdserve
+from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
+from pdserve.disagg.base import KVManager
+from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.formatting import TokenText
+from pdserve.server.kv_binding import BoundKVManager
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.openai_api import WorkerContext
+from pdserve.server.serving import Serving
+
+
+def _create_managers(core: Any, engine_cfg: EngineConfig, disagg: DisaggConfig) -> dict[str, KVManager]:
+    from pdserve.disagg.registry import create_kv_manager
+
+    kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
+    managers = {disagg.transfer_backend: create_kv_manager(
+        disagg.transfer_backend, kv_args, disagg.role,
+        bootstrap_host=disagg.bootstrap_host, bootstrap_port=disagg.bootstrap_port)}
+    if "fake" not in managers:  # /health_generate goes through the fake backend
+        managers["fake"] = create_kv_manager("fake", kv_args, disagg.role,
+                                             bootstrap_host=disagg.bootstrap_host, bootstrap_port=0)
+    return managers
+
+
+def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                 disagg: DisaggConfig) -> tuple[FastAPI, dict]:
+    """Load the model, create the KV managers (prefill/decode roles) and return the app and
+    its start-up info (``served_model_name``, ``bootstrap_port``, ...).
+    Raises ValueError naming the field for a bad model/device/dtype."""
+    from pdserve.engine.engine import EngineCore
+
+    pd = disagg.role != "mixed"
+    slots = {name: BoundKVManager(disagg.role) for name in {disagg.transfer_backend, "fake"}} if pd else {}
+    core = EngineCore(engine_cfg, slots or None, transfer_backend=disagg.transfer_backend)
+    managers: dict[str, KVManager] = {}
+    if pd:
+        managers = _create_managers(core, engine_cfg, disagg)
+        for name, slot in slots.items():
+            slot.bind(managers[name])
+    transfer = managers.get(disagg.transfer_backend)
+    engine = AsyncEngine(core, idle_poll_interval=server_cfg.idle_poll_interval)
+    metrics = ServerMetrics({"pdserve_engine": lambda: engine.snapshot.stats,
+                             "pdserve_kv_transfer": (lambda: transfer.stats()) if transfer else (lambda: None)})
+    model_name = server_cfg.served_model_name or engine_cfg.model.model
+    serving = Serving(engine, role=disagg.role, max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+                      metrics=metrics)
+    ctx = WorkerContext(serving, core.tokenizer, model_name, TokenText(core.tokenizer))
+    static = {
+        "version": pdserve.__version__, "role": disagg.role, "model": engine_cfg.model.model,
+        "served_model_name": model_name, "max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
+        "device": str(core.device), "dtype": str(core.dtype).replace("torch.", ""),
+        "layout": core.layout.to_dict(), "page_size": engine_cfg.cache.page_size,
+        "num_total_pages": core.pool.num_pages, "transfer_backend": disagg.transfer_backend if pd else None,
+        "bootstrap_host": disagg.bootstrap_host if disagg.role == "prefill" else None,
+        "bootstrap_port": transfer.bootstrap_port if transfer is not None and disagg.role == "prefill" else None,
+    }
+
+    def server_info() -> dict:
+        snap = engine.snapshot
+        return dict(static, num_free_pages=snap.num_free_pages, engine=snap.stats, engine_alive=engine.alive,
+                    engine_error=engine.error, transfer=transfer.stats() if transfer else None)
+
+    from pdserve.server.app import build_worker_app
+
+    app = build_worker_app(ctx, engine, metrics, kv_managers=managers, server_info=server_info,
+                           health_generate_timeout=server_cfg.health_generate_timeout)
+    return app, static
