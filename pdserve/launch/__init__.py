@@ -1,0 +1,1 @@
+"""``pdserve up``: prefill + decode workers and a router on this machine, supervised."""

@@ -1,0 +1,173 @@
+"""``pdserve up``: start N prefill + M decode workers and the router on this machine, wait
+until all are ready (with a progress line while the model loads), print the URL and a
+``curl`` example, and on Ctrl-C / SIGTERM or a child's death stop everything."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
+from pdserve.launch.supervisor import Child, stop_all
+from pdserve.server.engine_args import add_engine_args, engine_argv
+
+
+class _Stop(Exception):
+    """SIGTERM/SIGINT arrived."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``pdserve up``."""
+    p = subparsers.add_parser("up", help="start prefill + decode workers and a router on this machine",
+                              description="Start --num-prefill prefill workers, --num-decode decode workers and "
+                                          "a router on free ports of this machine; Ctrl-C stops them all.")
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default %(default)s)")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers (default %(default)s)")
+    p.add_argument("--host", default=default_of(RouterConfig, "host"),
+                   help="address of the router and the workers (default %(default)s)")
+    p.add_argument("--port", type=int, default=default_of(RouterConfig, "port"),
+                   help="router port; fails at once if it is taken (default %(default)s)")
+    p.add_argument("--policy", choices=ROUTER_POLICIES, default=default_of(RouterConfig, "policy"),
+                   help="router policy (default %(default)s)")
+    p.add_argument("--transfer-backend", choices=("nixl", "fake"), default="nixl",
+                   help="KV transfer backend of the workers (default %(default)s)")
+    p.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="seconds to wait for every process to become ready (default %(default)s)")
+    p.add_argument("--log-dir", default=None,
+                   help="where each process writes its log (default: a new temporary folder)")
+    add_engine_args(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
+    from pdserve.server.netutil import free_port
+
+    py = [sys.executable, "-m", "pdserve"]
+    passthrough = engine_argv(args)
+    workers: list[Child] = []
+    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+        for i in range(count):
+            port = free_port(args.host)
+            argv = py + ["serve", "--role", role, "--host", args.host, "--port", str(port),
+                         "--disaggregation-transfer-backend", args.transfer_backend, *passthrough]
+            if role == "prefill":
+                argv += ["--disaggregation-bootstrap-host", args.host, "--disaggregation-bootstrap-port", "0"]
+            workers.append(Child(f"{role}-{i}", f"http://{args.host}:{port}", argv, log_dir / f"{role}-{i}.log"))
+    router_argv = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    for w in workers:
+        router_argv += ["--prefill" if w.name.startswith("prefill") else "--decode", w.url]
+    router = Child("router", f"http://{args.host}:{args.port}", router_argv, log_dir / "router.log")
+    return workers, router
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _check_children(children: list[Child]) -> None:
+    for child in children:
+        code = child.exit_code()
+        if code is not None:
+            raise RuntimeError(f"{child.name} (pid {child.pid}) exited with code {code}; stopping everything.\n"
+                               f"  last lines of {child.log_path}:\n{child.log_tail()}")
+
+
+def _wait_ready(children: list[Child], everyone: list[Child], timeout: float) -> None:
+    """Poll ``children``'s /health until all answer 200, printing progress; RuntimeError
+    if any of ``everyone`` exits or the timeout passes."""
+    start = time.monotonic()
+    tty = sys.stdout.isatty()
+    last_line = ""
+    with httpx.Client() as client:
+        while True:
+            _check_children(everyone)
+            states = {c.name: _healthy(client, c.url) for c in children}
+            elapsed = time.monotonic() - start
+            line = (f"waiting for pdserve ({elapsed:4.0f} s): " +
+                    ", ".join(f"{name} {'ready' if ok else 'loading'}" for name, ok in states.items()))
+            if tty:
+                print("\r" + line, end="", flush=True)
+            elif line.split(": ", 1)[1] != last_line:  # logs: print only when something changed
+                print(line, flush=True)
+                last_line = line.split(": ", 1)[1]
+            if all(states.values()):
+                if tty:
+                    print()
+                return
+            if elapsed > timeout:
+                waiting = [n for n, ok in states.items() if not ok]
+                raise RuntimeError(f"not ready after {timeout:g} s: {', '.join(waiting)} (logs in "
+                                   f"{children[0].log_path.parent}); stopping everything.")
+            time.sleep(0.5)
+
+
+def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> str:
+    url = router.url
+    lines = [f"pdserve is ready at {url}  (model {args.model}; "
+             f"{args.num_prefill} prefill + {args.num_decode} decode, KV over {args.transfer_backend})"]
+    lines += [f"  {c.name:<10} pid {c.pid:<8} {c.url}" for c in workers + [router]]
+    lines += [f"  logs in {router.log_path.parent}", "", "Try:",
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+              "\"max_tokens\": 64}'",
+              "", "Press Ctrl-C to stop."]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdserve.server.netutil import PortInUseError, bind_socket
+
+    if args.num_prefill < 1 or args.num_decode < 1:
+        print("pdserve up: error: --num-prefill and --num-decode must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        bind_socket(args.host, args.port).close()  # fail fast, before any model loads
+    except PortInUseError as exc:
+        print(f"pdserve up: error: router {exc}; choose another with --port", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    workers, router = _plan(args, log_dir)
+    children = workers + [router]
+
+    def on_signal(signum, frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        for child in children:
+            child.start()
+            print(f"started {child.name} (pid {child.pid}) on {child.url}, log {child.log_path}", flush=True)
+        _wait_ready(workers, children, args.ready_timeout)
+        _wait_ready([router], children, 60.0)
+        print(_banner(args, workers, router), flush=True)
+        while True:
+            _check_children(children)
+            time.sleep(0.5)
+    except _Stop as exc:
+        print(f"\n{exc} received: stopping pdserve ...", flush=True)
+    except RuntimeError as exc:
+        print(f"\npdserve up: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        stop_all(children)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        print(f"pdserve stopped ({len(children)} processes, pids "
+              f"{', '.join(str(c.pid) for c in children if c.proc)}).", flush=True)
+    return code
+
+

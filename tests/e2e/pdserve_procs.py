@@ -1,0 +1,153 @@
+"""Real pdserve processes for the server/router/e2e tests: start workers and routers on
+free ports, wait until healthy, assert per-process health (naming the process and what
+failed), and stop them (terminate, then kill) at teardown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import httpx
+import pytest
+
+TINY = "random:tiny"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the process binds it right after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """One pdserve process: its name (e.g. ``prefill``), base URL, Popen and log file."""
+
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def health_problem(self, client: httpx.Client | None = None) -> str | None:
+        """None if the process runs and its /health answers 200, else what is wrong."""
+        code = self.popen.poll()
+        if code is not None:
+            return f"process exited with code {code}; last log lines:\n{self.log_tail()}"
+        try:
+            resp = (client or httpx).get(f"{self.url}/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            return f"GET /health failed: {type(exc).__name__}: {exc}"
+        if resp.status_code != 200:
+            return f"GET /health answered HTTP {resp.status_code}: {resp.text[:300]}"
+        return None
+
+    def get_info(self) -> dict:
+        self.info = httpx.get(f"{self.url}/get_server_info", timeout=10.0).json()
+        return self.info
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    env.update(extra or {})
+    return env
+
+
+def spawn(name: str, args: list[str], log_dir: Path, *, port: int, env: dict[str, str] | None = None) -> Proc:
+    """Start ``python -m pdserve <args>`` (its own process group), log to ``log_dir/name.log``."""
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=_env(env), start_new_session=True)
+    return Proc(name, f"http://127.0.0.1:{port}", popen, log_path)
+
+
+def start_worker(name: str, role: str, log_dir: Path, *, model: str = TINY, env: dict[str, str] | None = None,
+                 extra: Iterable[str] = ()) -> Proc:
+    """A ``pdserve serve`` worker of ``role`` on a free port (not waited for)."""
+    port = free_port()
+    args = ["serve", "--role", role, "--model", model, "--port", str(port), *extra]
+    return spawn(name, args, log_dir, port=port, env=env)
+
+
+def start_router(name: str, log_dir: Path, *, prefill: Iterable[Proc] = (), decode: Iterable[Proc] = (),
+                 workers: Iterable[Proc] = (), extra: Iterable[str] = ()) -> Proc:
+    """A ``pdserve router`` in PD mode (prefill/decode) or regular mode (workers)."""
+    port = free_port()
+    args = ["router", "--port", str(port), "--health-check-interval", "0.5", *extra]
+    for flag, procs in (("--prefill", prefill), ("--decode", decode), ("--worker", workers)):
+        for p in procs:
+            args += [flag, p.url]
+    return spawn(name, args, log_dir, port=port)
+
+
+def wait_healthy(procs: Iterable[Proc], timeout: float = 240.0) -> None:
+    """Wait until every process answers /health 200; fail naming the laggards."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while True:
+            problems = {p.name: p.health_problem(client) for p in procs}
+            if not any(problems.values()):
+                return
+            exited = {n: msg for n, msg in problems.items() if msg and msg.startswith("process exited")}
+            if exited or time.monotonic() > deadline:
+                bad = exited or {n: msg for n, msg in problems.items() if msg}
+                pytest.fail("not healthy: " + "; ".join(f"{n}: {m}" for n, m in bad.items()))
+            time.sleep(0.25)
+
+
+def assert_all_healthy(procs: Iterable[Proc]) -> None:
+    """Every process is alive and its /health is 200; the failure names each bad process
+    and what failed."""
+    with httpx.Client() as client:
+        problems = [f"{p.name} ({p.url}): {msg}" for p in procs if (msg := p.health_problem(client))]
+    assert not problems, "unhealthy processes:\n" + "\n".join(problems)
+
+
+def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
+    """SIGTERM each process group, SIGKILL after ``grace`` seconds; reap all."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.popen.poll() is None:
+            try:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait(timeout=10)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate()`` until truthy (returned) or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)

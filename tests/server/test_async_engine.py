@@ -1,0 +1,137 @@
+"""AsyncEngine with a stub EngineCore: outputs reach the event loop, aborts and add errors
+are routed, a dying engine thread turns the engine unhealthy; the thread is always joined."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdserve.server.async_engine import AsyncEngine, EngineDeadError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class Out:
+    request_id: str
+    finished: bool
+    step: int
+
+
+@dataclass
+class StubCore:
+    """Each request finishes after ``steps`` steps; records the calling threads."""
+
+    steps: int = 3
+    fail_at_step: int | None = None
+    live: dict = field(default_factory=dict)
+    aborted: list = field(default_factory=list)
+    threads: set = field(default_factory=set)
+    num_free_pages: int = 10
+    n_steps: int = 0
+
+    def add_request(self, request_id, prompt, params, disagg=None):
+        self.threads.add(threading.current_thread().name)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.live[request_id] = 0
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self.live.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        self.threads.add(threading.current_thread().name)
+        self.n_steps += 1
+        if self.fail_at_step is not None and self.n_steps >= self.fail_at_step:
+            raise RuntimeError("boom")
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            done = self.live[rid] >= self.steps
+            outs.append(Out(rid, done, self.live[rid]))
+            if done:
+                del self.live[rid]
+        return outs
+
+    def stats(self):
+        return {"num_running": len(self.live)}
+
+
+async def _collect(engine: AsyncEngine, rid: str, prompt=(1,)) -> list:
+    q: asyncio.Queue = asyncio.Queue()
+    engine.add(rid, list(prompt), None, None, q.put_nowait)
+    items = []
+    while True:
+        item = await asyncio.wait_for(q.get(), 5)
+        items.append(item)
+        if isinstance(item, Exception) or item.finished:
+            return items
+
+
+def test_outputs_arrive_on_the_loop_from_one_engine_thread():
+    core = StubCore()
+
+    async def main():
+        engine = AsyncEngine(core)
+        engine.start(asyncio.get_running_loop())
+        try:
+            a, b = await asyncio.gather(_collect(engine, "a"), _collect(engine, "b"))
+            bad = await _collect(engine, "c", prompt=())
+            return a, b, bad, engine.snapshot.steps
+        finally:
+            engine.stop()
+            assert not engine.alive
+
+    a, b, bad, steps = asyncio.run(main())
+    assert [o.step for o in a] == [1, 2, 3] and [o.step for o in b] == [1, 2, 3]
+    assert isinstance(bad[0], ValueError) and "prompt" in str(bad[0])
+    assert core.threads == {"pdserve-engine"} and steps >= 3
+
+
+def test_abort_reaches_the_core_and_stops_outputs():
+    core = StubCore(steps=10**9)
+
+    async def main():
+        engine = AsyncEngine(core)
+        engine.start(asyncio.get_running_loop())
+        try:
+            q: asyncio.Queue = asyncio.Queue()
+            engine.add("x", [1], None, None, q.put_nowait)
+            await asyncio.wait_for(q.get(), 5)
+            engine.abort("x")
+            for _ in range(200):
+                if "x" in core.aborted:
+                    break
+                await asyncio.sleep(0.01)
+            return core.aborted
+        finally:
+            engine.stop()
+
+    assert asyncio.run(main()) == ["x"]
+    assert not core.live
+
+
+def test_engine_thread_death_is_reported():
+    core = StubCore(steps=10**9, fail_at_step=3)
+
+    async def main():
+        engine = AsyncEngine(core)
+        engine.start(asyncio.get_running_loop())
+        try:
+            items = await _collect(engine, "r")
+            with pytest.raises(EngineDeadError):
+                engine.add("later", [1], None, None, lambda item: None)
+            return items, engine.alive, engine.error
+        finally:
+            engine.stop()
+
+    items, alive, error = asyncio.run(main())
+    assert isinstance(items[-1], EngineDeadError) and "boom" in str(items[-1])
+    assert not alive and "RuntimeError: boom" in error
