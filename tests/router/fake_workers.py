@@ -1,0 +1,105 @@
+"""In-process servers for the router tests: fake prefill/decode/mixed workers whose
+behaviour the test sets (answer, fail, hang until the client leaves, broken stream), and
+a uvicorn runner in a thread that is joined at stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+class ThreadedServer:
+    """Runs an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread; ``stop()`` joins."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        assert not self.thread.is_alive()
+
+
+class FakeWorker:
+    """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break``;
+    ``health``: the status of /health. Records request bodies and client disconnects."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.mode = "ok"
+        self.health = 200
+        self.bodies: list[dict] = []
+        self.disconnects = 0
+        self.app = self._build()
+
+    def answer(self, path: str, body: dict) -> dict:
+        if path == "/generate":
+            meta = {"input_token_logprobs": [[None, 1, None], [-0.5, 2, None]] if self.role == "prefill" else None,
+                    "finish_reason": {"type": "length"}}
+            return {"text": self.role, "output_ids": [7], "meta_info": meta}
+        choice = {"index": 0, "text": self.role, "finish_reason": "length",
+                  "prompt_logprobs": [None, {"token_id": 2, "logprob": -0.5}] if self.role == "prefill" else None}
+        return {"object": "text_completion", "choices": [choice], "usage": {"prompt_tokens": 2}}
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({"status": "x"}, status_code=self.health)
+
+        @app.get("/get_server_info")
+        async def info():
+            return {"role": self.role, "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": 4242 if self.role == "prefill" else None}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake"}]}
+
+        async def handle(request: Request, path: str):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.mode == "fail":
+                return JSONResponse({"error": {"message": f"{self.role} failed: KV transfer failed (injected)",
+                                               "type": "internal_server_error", "param": None, "code": 500}},
+                                    status_code=500)
+            if self.mode == "hang":
+                for _ in range(600):
+                    if await request.is_disconnected():
+                        self.disconnects += 1
+                        return JSONResponse({}, status_code=499)
+                    await asyncio.sleep(0.05)
+            if body.get("stream"):
+                async def events():
+                    for i in range(2):
+                        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': str(i)}]})}\n\n"
+                        await asyncio.sleep(0.01)
+                    if self.mode == "stream_break":
+                        raise RuntimeError("worker died mid-stream")
+                    yield "data: [DONE]\n\n"
+                return StreamingResponse(events(), media_type="text/event-stream")
+            return self.answer(path, body)
+
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            async def route(request: Request, _path: str = path):
+                return await handle(request, _path)
+            app.add_api_route(path, route, methods=["POST"])
+        return app

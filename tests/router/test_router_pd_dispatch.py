@@ -1,0 +1,133 @@
+"""The router's PD dispatch against fake prefill/decode workers (in-process servers,
+joined at teardown): bootstrap fields, merged prompt logprobs, one clear error with the
+other leg cancelled, SSE error events, timeouts, health ejection and restore, metrics."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from fake_workers import FakeWorker, ThreadedServer
+from pdserve.config import RouterConfig
+from pdserve.router.app import build_router_app
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    prefill, decode = FakeWorker("prefill"), FakeWorker("decode")
+    servers = [ThreadedServer(prefill.app), ThreadedServer(decode.app)]
+    p_url, d_url = (s.start() for s in servers)
+    config = RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=2.0,
+                          health_check_interval=0.1, health_check_timeout=1.0, health_failure_threshold=1)
+    router = ThreadedServer(build_router_app(config))
+    url = router.start()
+    try:
+        yield prefill, decode, url
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(autouse=True)
+def reset(setup):
+    for w in setup[:2]:
+        w.mode, w.health, w.disconnects = "ok", 200, 0
+        w.bodies.clear()
+    _wait_health(setup[2], 200)
+
+
+def _wait_health(url: str, status: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").status_code != status:
+        assert time.monotonic() < deadline, f"router /health never became {status}"
+        time.sleep(0.05)
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_both_legs_get_the_body_with_one_room_and_prompt_logprobs_are_merged(setup):
+    prefill, decode, url = setup
+    r = httpx.post(url + "/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "decode"
+    assert r.json()["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None]]
+    (pb,), (db,) = prefill.bodies, decode.bodies
+    assert pb["bootstrap_room"] == db["bootstrap_room"] and 0 <= db["bootstrap_room"] < 2**63
+    assert pb["bootstrap_host"] == db["bootstrap_host"] == "127.0.0.1"
+    assert pb["bootstrap_port"] == db["bootstrap_port"] == 4242
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "prompt_logprobs": 1, "n": 3})
+    assert r.json()["choices"][0]["prompt_logprobs"] == [None, {"token_id": 2, "logprob": -0.5}]
+    rooms = {b["bootstrap_room"] for b in prefill.bodies}
+    assert len(rooms) == 2  # a fresh room per request
+    assert httpx.get(url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+def test_one_leg_fails_the_other_is_cancelled_and_one_error_returned(setup, failing):
+    prefill, decode, url = setup
+    bad, other = (prefill, decode) if failing == "prefill" else (decode, prefill)
+    bad.mode, other.mode = "fail", "hang"
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert time.monotonic() - start < 1.5  # not the 2 s request timeout
+    assert r.status_code == 500 and f"{failing} failed: KV transfer failed" in r.json()["error"]["message"]
+    _wait(lambda: other.disconnects == 1)
+
+
+def test_stream_passes_through_and_a_broken_stream_ends_with_an_error_event(setup):
+    prefill, decode, url = setup
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.text.count("data: ") == 3 and r.text.endswith("data: [DONE]\n\n")
+    assert "stream" not in prefill.bodies[-1]  # the prefill leg never streams
+    decode.mode = "stream_break"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "decode worker" in events[-2]
+    prefill.mode = "fail"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 500 and "prefill failed" in r.json()["error"]["message"]
+
+
+def test_request_timeout_gives_504_and_cancels_both_legs(setup):
+    prefill, decode, url = setup
+    prefill.mode = decode.mode = "hang"
+    r = httpx.post(url + "/generate", json={"text": "x"}, timeout=10)
+    assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+    _wait(lambda: prefill.disconnects == 1 and decode.disconnects == 1)
+
+
+def test_unhealthy_worker_is_ejected_then_restored(setup):
+    prefill, decode, url = setup
+    prefill.health = 503
+    _wait_health(url, 503)
+    assert "prefill" in httpx.get(url + "/health").json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "no healthy prefill worker" in r.json()["error"]["message"]
+    assert not prefill.bodies and not decode.bodies
+    prefill.health = 200
+    _wait_health(url, 200)
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_router_bad_input_and_metrics(setup):
+    prefill, decode, url = setup
+    for content in (b"{oops", b"[1]", b'{"stream": "yes"}'):
+        r = httpx.post(url + "/v1/chat/completions", content=content)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    assert not prefill.bodies and not decode.bodies
+    httpx.post(url + "/generate", json={"text": "x"})
+    text = httpx.get(url + "/metrics").text
+    assert 'pdserve_router_requests_total{endpoint="/generate",status="200"}' in text
+    assert "pdserve_router_worker_healthy" in text and "pdserve_router_request_latency_seconds" in text
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "fake"

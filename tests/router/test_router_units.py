@@ -1,0 +1,105 @@
+"""Router pieces without a network: policies, prompt-logprob merging, room reservation,
+RouterConfig validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.router.dispatch import ROOM_LIMIT, Dispatcher, _num_samples
+from pdserve.router.merge import merge_prompt_logprobs
+from pdserve.router.policies import WorkerState, create_policy
+
+
+def _workers(n: int) -> list[WorkerState]:
+    return [WorkerState(f"http://w{i}", "mixed", healthy=True) for i in range(n)]
+
+
+def test_round_robin_cycles_in_order():
+    ws = _workers(3)
+    policy = create_policy("round_robin")
+    assert [policy.pick(ws).url for _ in range(6)] == ["http://w0", "http://w1", "http://w2"] * 2
+
+
+def test_power_of_two_prefers_fewer_outstanding():
+    ws = _workers(2)
+    ws[0].outstanding, ws[1].outstanding = 5, 1
+    policy = create_policy("power_of_two", random.Random(0))
+    assert all(policy.pick(ws) is ws[1] for _ in range(20))
+    ws3 = _workers(3)
+    ws3[0].outstanding = 100
+    picks = [create_policy("power_of_two", random.Random(s)).pick(ws3) for s in range(50)]
+    assert ws3[0] not in picks  # never chosen against a less loaded second pick
+
+
+def test_random_policy_covers_all_and_unknown_policy_rejected():
+    ws = _workers(3)
+    policy = create_policy("random", random.Random(1))
+    assert {policy.pick(ws).url for _ in range(60)} == {w.url for w in ws}
+    with pytest.raises(ValueError, match="policy"):
+        create_policy("cache_aware")
+
+
+def test_merge_generate_and_openai():
+    decode = {"text": "d", "meta_info": {"input_token_logprobs": None, "output_token_logprobs": [[-1, 5, None]]}}
+    prefill = {"text": "p", "meta_info": {"input_token_logprobs": [[None, 1, None]],
+                                          "input_top_logprobs": [None], "output_token_logprobs": [[-9, 9, None]]}}
+    merged = merge_prompt_logprobs("/generate", decode, prefill)
+    assert merged["meta_info"] == {"input_token_logprobs": [[None, 1, None]], "input_top_logprobs": [None],
+                                   "output_token_logprobs": [[-1, 5, None]]}
+    many_d = [{"index": i, "meta_info": {}} for i in range(2)]
+    many_p = [{"index": i, "meta_info": {"input_token_logprobs": [[None, i, None]]}} for i in range(2)]
+    assert [m["meta_info"]["input_token_logprobs"][0][1] for m in
+            merge_prompt_logprobs("/generate", many_d, many_p)] == [0, 1]
+
+    dec = {"choices": [{"index": 0, "prompt_logprobs": None}, {"index": 1, "prompt_logprobs": None}]}
+    pre = {"choices": [{"index": 0, "prompt_logprobs": [None, {"a": 1}]}, {"index": 1, "prompt_logprobs": [None]}]}
+    done: set[int] = set()
+    merge_prompt_logprobs("/v1/completions", dec, pre, done)
+    assert dec["choices"][0]["prompt_logprobs"] == [None, {"a": 1}] and done == {0, 1}
+    later = {"choices": [{"index": 0, "text": "x"}]}
+    assert "prompt_logprobs" not in merge_prompt_logprobs("/v1/completions", later, pre, done)["choices"][0]
+    untouched = {"choices": [{"index": 0, "prompt_logprobs": None}]}
+    assert merge_prompt_logprobs("/v1/completions", untouched, {"choices": [{"index": 0}]}) == untouched
+
+
+def test_rooms_are_unique_63_bit_and_cover_n_samples():
+    class Rng(random.Random):
+        """Draws the same room twice first, to exercise the collision check."""
+        calls = 0
+
+        def randrange(self, a, b):
+            Rng.calls += 1
+            return 42 if Rng.calls <= 2 else 1000
+
+    d = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0, rng=Rng())
+    first = d.reserve_rooms(3)
+    second = d.reserve_rooms(3)
+    assert first == 42 and second == 1000 and d.live_rooms == {42, 43, 44, 1000, 1001, 1002}
+    d.release_rooms(first, 3)
+    assert d.live_rooms == {1000, 1001, 1002}
+    real = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0)
+    rooms = [real.reserve_rooms(5) for _ in range(200)]
+    assert all(0 <= r and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live_rooms) == 1000
+
+
+def test_num_samples_reads_n_per_endpoint():
+    assert _num_samples("/v1/completions", {"n": 3}) == 3
+    assert _num_samples("/generate", {"sampling_params": {"n": 4}}) == 4
+    assert _num_samples("/v1/completions", {"n": "x"}) == 1 and _num_samples("/v1/completions", {"n": True}) == 1
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({}, "worker_urls"), ({"prefill_urls": ("http://a",)}, "decode_urls"),
+    ({"decode_urls": ("http://a",)}, "prefill_urls"),
+    ({"worker_urls": ("http://a",), "prefill_urls": ("http://b",), "decode_urls": ("http://c",)}, "worker_urls"),
+    ({"worker_urls": ("a:1",)}, "worker_urls"), ({"worker_urls": ("http://a",), "policy": "x"}, "policy"),
+    ({"worker_urls": ("http://a",), "port": 70000}, "port"),
+    ({"worker_urls": ("http://a",), "request_timeout": 0}, "request_timeout"),
+    ({"worker_urls": ("http://a",), "health_failure_threshold": 0}, "health_failure_threshold"),
+])
+def test_router_config_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**kwargs)
