@@ -33,9 +33,21 @@ class Proc:
 
     name: str
     url: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | None  # None: not our child (e.g. started by `pdserve up`)
     log_path: Path
     info: dict = field(default_factory=dict)
+    pid: int = 0
+
+    def __post_init__(self) -> None:
+        if self.popen is not None:
+            self.pid = self.popen.pid
+
+    def exit_status(self) -> str | None:
+        """None while running, else how it ended."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            return None if code is None else f"exited with code {code}"
+        return None if pid_alive(self.pid) else "is gone"
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -45,9 +57,9 @@ class Proc:
 
     def health_problem(self, client: httpx.Client | None = None) -> str | None:
         """None if the process runs and its /health answers 200, else what is wrong."""
-        code = self.popen.poll()
-        if code is not None:
-            return f"process exited with code {code}; last log lines:\n{self.log_tail()}"
+        status = self.exit_status()
+        if status is not None:
+            return f"process {status}; last log lines:\n{self.log_tail()}"
         try:
             resp = (client or httpx).get(f"{self.url}/health", timeout=5.0)
         except httpx.HTTPError as exc:
@@ -59,6 +71,15 @@ class Proc:
     def get_info(self) -> dict:
         self.info = httpx.get(f"{self.url}/get_server_info", timeout=10.0).json()
         return self.info
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -105,7 +126,7 @@ def wait_healthy(procs: Iterable[Proc], timeout: float = 240.0) -> None:
             problems = {p.name: p.health_problem(client) for p in procs}
             if not any(problems.values()):
                 return
-            exited = {n: msg for n, msg in problems.items() if msg and msg.startswith("process exited")}
+            exited = {n: msg for n, msg in problems.items() if msg and msg.startswith("process ")}
             if exited or time.monotonic() > deadline:
                 bad = exited or {n: msg for n, msg in problems.items() if msg}
                 pytest.fail("not healthy: " + "; ".join(f"{n}: {m}" for n, m in bad.items()))
@@ -122,7 +143,7 @@ def assert_all_healthy(procs: Iterable[Proc]) -> None:
 
 def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
     """SIGTERM each process group, SIGKILL after ``grace`` seconds; reap all."""
-    procs = [p for p in procs if p is not None]
+    procs = [p for p in procs if p is not None and p.popen is not None]
     for p in procs:
         if p.popen.poll() is None:
             try:
@@ -151,3 +172,28 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def build_eos_model(folder: Path, prompt: str) -> int:
+    """Save ``random:tiny`` as a Hugging Face folder whose generation config makes the
+    greedy first output token of ``prompt`` an EOS token; returns that token id.
+
+    This gives the PD tests a prompt whose first token (sampled on prefill) is EOS, with
+    ordinary output for other prompts.
+    """
+    import torch
+    import transformers
+
+    from pdserve.model.loader import load_model_source
+
+    src = load_model_source(TINY)
+    model = transformers.AutoModelForCausalLM.from_config(src.hf_config)
+    model.load_state_dict(dict(src.weights()), strict=False)  # lm_head is tied to the embedding
+    model.tie_weights()
+    ids = src.tokenizer.encode(prompt)
+    with torch.no_grad():
+        first = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+    model.save_pretrained(folder)
+    src.tokenizer.save_pretrained(folder)
+    transformers.GenerationConfig(eos_token_id=[src.tokenizer.eos_token_id, first]).save_pretrained(folder)
+    return first

