@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for every process to become ready (default %(default)s)")
     p.add_argument("--log-dir", default=None,
-                   help="where each process writes its log (default: a new temporary folder)")
+                   help="where each process writes its log; unset: a new temporary folder")
     add_engine_args(p)
     p.set_defaults(func=main)
     return p

@@ -14,11 +14,11 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
     ("--dtype", ModelConfig, "dtype", str, "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"),
     ("--device", ModelConfig, "device", str, "auto, cpu, cuda or cuda:N"),
     ("--gpu-id", ModelConfig, "gpu_id", int, "CUDA device index when --device does not name one"),
-    ("--max-model-len", ModelConfig, "max_model_len", int, "context limit in tokens (default: the model's)"),
+    ("--max-model-len", ModelConfig, "max_model_len", int, "context limit in tokens; unset: the model's"),
     ("--seed", ModelConfig, "seed", int, "seed of random weights (random: models) and of unseeded sampling"),
     ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
     ("--kv-cache-memory", CacheConfig, "kv_cache_memory", float,
-     "KV pool size in GiB (default: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA)"),
+     "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA"),
     ("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", float,
      "fraction of free GPU memory for the KV pool"),
     ("--num-pages", CacheConfig, "num_pages", int, "exact KV page count (overrides --kv-cache-memory)"),
@@ -35,8 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to ``parser``."""
     group = parser.add_argument_group("engine")
     for flag, cls, name, typ, help_text in ENGINE_FLAGS:
-        group.add_argument(flag, type=typ, default=default_of(cls, name),
-                           help=f"{help_text} (default {default_of(cls, name)})")
+        group.add_argument(flag, type=typ, default=default_of(cls, name), help=f"{help_text} (default %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default=s("host"), help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=s("port"), help="port to listen on; 0 = a free one (default %(default)s)")
     p.add_argument("--served-model-name", default=s("served_model_name"),
-                   help="model name of the OpenAI API (default: the --model value)")
+                   help="model name of the OpenAI API; unset: the --model value")
     p.add_argument("--disaggregation-bootstrap-host", default=d("bootstrap_host"),
                    help="address a prefill worker advertises to decode peers (default %(default)s)")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=d("bootstrap_port"),
