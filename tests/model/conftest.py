@@ -1,0 +1,70 @@
+"""Fixtures of the model tests: the embedded model source (converted once per cache dir) and
+tiny random transformers models saved to disk.
+
+The converted embedded copy lives under ``PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``),
+shared with every other test and process; on a clean machine the first load converts it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pdserve.model.loader import load_model_source
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+TINY_CONFIGS = {
+    # GQA 4/2, tied embeddings, Llama 3.1 rope scaling (original context small so it matters)
+    "llama": lambda: transformers.LlamaConfig(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    # q/k/v bias, untied lm_head, GQA 4/1
+    "qwen2": lambda: transformers.Qwen2Config(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # per-head q/k RMSNorm, head_dim 32 != hidden / heads
+    "qwen3": lambda: transformers.Qwen3Config(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+@pytest.fixture(scope="session")
+def embedded_source():
+    """``ModelSource`` of the embedded SmolLM2-135M-Instruct (converts on first use)."""
+    return load_model_source("smollm2-135m-instruct")
+
+
+def build_tiny_hf(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random transformers model of ``arch``; every parameter random (biases and norm
+    weights included, std 0.1) so a wrong bias, norm or rotation shows in the logits."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, embedded_source):
+    """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model)."""
+    cache: dict[str, tuple[str, transformers.PreTrainedModel]] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model = build_tiny_hf(arch)
+            model.save_pretrained(folder)
+            embedded_source.tokenizer.save_pretrained(folder)
+            cache[arch] = (str(folder), model)
+        return cache[arch]
+
+    return get
