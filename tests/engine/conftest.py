@@ -1,0 +1,71 @@
+"""Shared fixtures of the engine tests: tiny random HF models saved to disk, the tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pdserve.model.loader import embedded_tokenizer
+
+TINY_CONFIGS = {
+    # GQA 4/2, tied embeddings
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+    # q/k/v bias, untied lm_head
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2),
+    # q/k RMSNorm, explicit head_dim != hidden / heads
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer (byte-level BPE, 49152 tokens, chat template)."""
+    return embedded_tokenizer()
+
+
+def save_tiny_model(arch: str, folder, tokenizer, seed: int = 0) -> None:
+    """Save a tiny random ``arch`` model (every parameter random, biases and norms
+    included, std 0.1 so greedy choices are clear) with ``tokenizer`` into ``folder``."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """``tiny_model_dir(arch)`` -> folder of a saved tiny random model (built once per arch)."""
+    cache: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            save_tiny_model(arch, folder, tokenizer)
+            cache[arch] = str(folder)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """One shared ``LLM`` over the tiny Llama (fp32, CPU, a small pool)."""
+    from pdserve import LLM
+
+    return LLM(tiny_model_dir("llama"), device="cpu", num_pages=256)
