@@ -24,10 +24,15 @@ from pdserve.engine.scheduler import Scheduler
 
 
 def _poll(handle) -> tuple[KVPoll, str | None]:
-    """Poll a sender/receiver; a backend that raises counts as ``Failed`` with that message."""
+    """Poll a sender/receiver.  A poll that raises counts as terminal ``Failed`` with that
+    message (after a best-effort ``abort()``): a broken backend must not kill the engine."""
     try:
         state = handle.poll()
-    except Exception as exc:  # noqa: BLE001 - a broken backend must not kill the engine
+    except Exception as exc:  # noqa: BLE001
+        try:
+            handle.abort()
+        except Exception:  # noqa: BLE001
+            pass
         return KVPoll.Failed, f"KV transfer poll raised {type(exc).__name__}: {exc}"
     if state == KVPoll.Failed:
         exc = handle.failure_exception()

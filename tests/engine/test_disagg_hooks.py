@@ -1,0 +1,215 @@
+"""The engine's disaggregation hooks with in-test KV managers (tests/engine/engine_fake_kv.py):
+PD output equals mixed output (the KV really moves between two engines), prefill and
+decode state machines, failures, abort at every state, pages back to baseline."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.disagg.base import DuplicateRoomError, KVPoll
+from pdserve.engine.disagg_flow import DisaggFlow
+from pdserve.engine.engine import EngineCore
+from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.sampling_params import SamplingParams
+from engine_fake_kv import FakeManager  # tests/engine is on sys.path (rootdir-less test dirs)
+
+PROMPT = list(range(300, 322))  # 22 tokens = 6 pages of 4
+rooms = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_model_dir):
+    """(prefill engine, decode engine, managers) sharing one tiny Llama."""
+    cfg = EngineConfig(model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+                       cache=CacheConfig(page_size=4, num_pages=64))
+    m = {"p": FakeManager("prefill"), "d": FakeManager("decode"),
+         "pm": FakeManager("prefill", auto=False), "dm": FakeManager("decode", auto=False)}
+    m["p"].peer, m["d"].peer = m["d"], m["p"]
+    prefill = EngineCore(cfg, {"nixl": m["p"], "fake": m["pm"]})
+    decode = EngineCore(cfg, {"nixl": m["d"], "fake": m["dm"]})
+    m["p"].pool = m["pm"].pool = prefill.pool
+    m["d"].pool = m["dm"].pool = decode.pool
+    return prefill, decode, m
+
+
+@pytest.fixture(autouse=True)
+def clean(cores):
+    """Every test must leave both engines idle with all pages and aux slots free."""
+    yield
+    for core in cores[:2]:
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+        assert core.pool.num_free_aux_slots == core.pool.aux.shape[0]
+
+
+def info(role, room, fake=False):
+    return DisaggRequestInfo(role=role, bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=room, fake=fake)
+
+
+def drive(*cores, max_steps=200):
+    """Step every engine until all are idle; returns the final output of each request id."""
+    final = {}
+    for _ in range(max_steps):
+        for core in cores:
+            for out in core.step():
+                if out.finished:
+                    final[out.request_id] = out
+        if not any(c.has_unfinished_requests() for c in cores):
+            return final
+    raise AssertionError("engines did not become idle")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=1),
+    SamplingParams(temperature=0, max_tokens=1),
+    SamplingParams(temperature=0, max_tokens=8, min_tokens=4, ignore_eos=True),
+], ids=["greedy-logprobs", "seeded", "max_tokens-1", "min_tokens"])
+def test_pd_output_equals_mixed_output(cores, params):
+    prefill, decode, m = cores
+    decode.add_request("mixed", PROMPT, params)
+    want = drive(decode)["mixed"].outputs[0]
+    room = next(rooms)
+    decode.add_request("d", PROMPT, params, info("decode", room))
+    prefill.add_request("p", PROMPT, params, info("prefill", room))
+    got = drive(prefill, decode)
+    first, rest = got["p"].outputs[0], got["d"].outputs[0]
+    assert first.token_ids == want.token_ids[:1]  # prefill's answer: the first token
+    assert rest.token_ids == want.token_ids and rest.text == want.text
+    assert rest.finish_reason == want.finish_reason
+    assert rest.logprobs == want.logprobs and rest.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+    assert got["d"].num_cached_tokens == len(PROMPT)
+    sender = m["p"].created[-1]
+    assert sender.init_args[0] == 6 and sender.closed == 1 and m["d"].created[-1].closed == 1
+
+
+def test_first_token_that_stops_ends_both_sides(cores):
+    prefill, decode, _ = cores
+    params = SamplingParams(temperature=0, max_tokens=5)
+    decode.add_request("m", PROMPT, params)
+    first = drive(decode)["m"].outputs[0].token_ids[0]
+    stop_params = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first])
+    room = next(rooms)
+    decode.add_request("d", PROMPT, stop_params, info("decode", room))
+    prefill.add_request("p", PROMPT, stop_params, info("prefill", room))
+    got = drive(prefill, decode)
+    for rid in ("p", "d"):
+        c = got[rid].outputs[0]
+        assert c.token_ids == [first] and c.finish_reason == "stop" and c.stop_reason == first
+
+
+def test_prefill_state_machine_by_hand(cores):
+    prefill, _, m = cores
+    room = next(rooms)
+    prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=2),
+                        info("prefill", room, fake=True))
+    sender = m["pm"].live[room]
+    for _ in range(3):  # no pages and no compute before decode's destination is known
+        assert prefill.step() == []
+    assert prefill.num_free_pages == 64 and sender.init_args is None
+    sender.state = KVPoll.WaitingForInput
+    outs = prefill.step()  # init, prefill, first token, send
+    assert sender.init_args[0] == 6 and sender.sent is not None
+    pages, aux = sender.sent
+    assert len(pages) == 6 and aux.room == room and len(aux.top_ids) == 2
+    assert outs[0].outputs[0].token_ids == [aux.first_token_id] and not outs[0].finished
+    for _ in range(2):  # the transfer layer owns the pages until a terminal poll
+        assert prefill.step() == [] and prefill.num_free_pages == 58
+    sender.state = KVPoll.Success
+    outs = prefill.step()
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "length"
+    assert prefill.num_free_pages == 64 and sender.closed == 1
+
+
+def test_decode_state_machine_and_bad_aux_guard(cores):
+    _, decode, m = cores
+    room = next(rooms)
+    decode.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("decode", room, fake=True))
+    recv = m["dm"].live[room]
+    decode.step()
+    assert recv.init_args is None and decode.num_free_pages == 64
+    recv.state = KVPoll.WaitingForInput
+    decode.step()
+    assert len(recv.init_args[0]) == 6 and decode.num_free_pages == 58
+    recv.state = KVPoll.Transferring
+    assert decode.step() == []
+    # the aux slot holds a record of another room: the request fails, nothing leaks
+    from pdserve.disagg.base import AuxRecord
+    decode.pool.write_aux(recv.init_args[1], AuxRecord(room + 1, 5, -1.0).pack())
+    recv.state = KVPoll.Success
+    out = decode.step()[0]
+    assert out.finished and out.outputs[0].finish_reason == "error" and "room" in out.error
+    assert recv.closed == 1
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("when", ["bootstrapping", "failed-bootstrapping", "transferring", "failed-transferring",
+                                  "poll-raises"])
+def test_failures_end_the_request_with_the_message(cores, role, when):
+    prefill, decode, m = cores
+    core, mgr = (prefill, m["pm"]) if role == "prefill" else (decode, m["dm"])
+    room = next(rooms)
+    core.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True))
+    h = mgr.live[room]
+    if "transferring" in when:
+        h.state = KVPoll.WaitingForInput
+        core.step()
+        core.step()
+        assert h.init_args is not None  # prefill: init + send done; decode: init done
+        h.state = KVPoll.Transferring
+    if when == "poll-raises":
+        h.poll_raises = True
+    elif when.startswith("failed"):
+        h.fail("peer died: heartbeat missed")
+    else:
+        h.abort()
+        core.abort_request("r")
+        assert core.step() == []  # aborted: reported by the caller, drained here
+        if "transferring" in when:
+            assert core.num_free_pages == 58  # not freed before a terminal poll
+        h.state = KVPoll.Failed
+        core.step()
+        assert h.closed == 1
+        return
+    out = drive(core)["r"]
+    assert out.outputs[0].finish_reason == "error"
+    assert ("heartbeat" in out.error) if when.startswith("failed") else ("exploded" in out.error)
+    h.poll_raises = False
+    assert h.closed == 1
+
+
+@pytest.mark.parametrize("step_at_abort", range(6))
+def test_abort_at_every_step_of_a_pd_request(cores, step_at_abort):
+    prefill, decode, m = cores
+    room = next(rooms)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    decode.add_request("d", PROMPT, params, info("decode", room))
+    for _ in range(step_at_abort):
+        decode.step()
+        if _ == 1:
+            prefill.add_request("p", PROMPT, params, info("prefill", room))
+        prefill.step()
+    decode.abort_request("d")
+    prefill.abort_request("p")
+    drive(prefill, decode)
+    for h in (m["d"].created[-1], *(m["p"].created[-1:] if step_at_abort > 1 else [])):
+        assert h.closed == 1
+
+
+def test_manager_selection_and_duplicate_rooms(cores):
+    prefill, decode, m = cores
+    with pytest.raises(ValueError, match="disagg.role"):
+        prefill.add_request("x", PROMPT, SamplingParams(), info("decode", 1))
+    room = next(rooms)
+    prefill.add_request("a", PROMPT, SamplingParams(), info("prefill", room, fake=True))
+    assert room in m["pm"].live and room not in m["p"].live
+    with pytest.raises(DuplicateRoomError):
+        prefill.add_request("b", PROMPT, SamplingParams(), info("prefill", room, fake=True))
+    prefill.abort_request("a")
+    m["pm"].live[room].state = KVPoll.Failed
+    drive(prefill)
+    no_managers = DisaggFlow(prefill.pool, prefill.scheduler, {}, "nixl", prefill.vocab_size, None)
+    with pytest.raises(ValueError, match="disagg: this engine has no 'nixl'"):
+        no_managers.manager_for(info("prefill", 1))
