@@ -85,6 +85,9 @@ TEST_DISAGG_FAILURE_PROB = EnvVar(
 CACHE_DIR = EnvVar(
     "PDSERVE_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "pdserve"),
     "Where converted model copies (e.g. the embedded GGUF as safetensors) are cached.")
+CPU_PACKED_LINEAR = EnvVar(
+    "PDSERVE_CPU_PACKED_LINEAR", _parse_bool, True,
+    "On CPU, pre-pack fp32/bf16 linear weights for oneDNN (faster); 0 uses plain F.linear.")
 
 # --- logging -----------------------------------------------------------------------
 LOG_LEVEL = EnvVar(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import linear as lin
 from pdserve.model.attention import AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
 
@@ -52,12 +53,14 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_bias = _empty((2 * s.intermediate,), dtype, device) if s.mlp_bias else None
         self.down_proj = _empty((s.hidden, s.intermediate), dtype, device)
         self.down_bias = _empty((s.hidden,), dtype, device) if s.mlp_bias else None
+        self.packed: dict[str, torch.Tensor] = {}  # CPU pre-packed weights (see linear.py)
 
     def forward(self, h, cos, sin, k_cache, v_cache, attn, plan, backend):
         s = self.s
         T = h.shape[0]
         x = rms_norm(h, self.input_layernorm, s.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        pk = self.packed
+        qkv = lin.linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
         q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], -1)
         q = q.view(T, s.n_heads, s.head_dim)
         k = k.view(T, s.n_kv_heads, s.head_dim)
@@ -67,10 +70,10 @@ class LlamaDecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, s.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
-        h = h + F.linear(o, self.o_proj, self.o_bias)
+        h = h + lin.linear(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, s.eps)
-        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        gate, up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj")).chunk(2, dim=-1)
+        return h + lin.linear(F.silu(gate) * up, self.down_proj, self.down_bias, pk.get("down_proj"))
 
 
 class _Shapes:
@@ -124,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
             "rope_cos_sin", cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device), persistent=False
         )
         self.backend = get_attention_backend(attn_backend)
+        self._lm_head_packed: torch.Tensor | None = None
+        self._freed: dict[nn.Parameter, torch.Size] = {}  # packed params whose plain copy was dropped
 
     # ----------------------------------------------------------------- weights
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -171,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         Raises ``ValueError`` naming the weight on an unknown name or a shape mismatch, and
         listing the missing names when some expected weight never arrived.
         """
+        self._unpack()
         targets = self._targets()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -189,6 +195,31 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"weights missing from the checkpoint: {shown}")
+        self._pack()
+
+    _PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def _pack(self) -> None:
+        """Pre-pack linear weights for CPU (no-op elsewhere); drop the plain copies."""
+        for layer in self.layers:
+            for name in self._PACKED:
+                param = getattr(layer, name)
+                packed = lin.pack(param)
+                if packed is not None:
+                    layer.packed[name] = packed
+                    self._freed[param] = param.shape
+                    param.data = param.data.new_empty(0)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self._lm_head_packed = lin.pack(head)  # the plain copy stays: embedding lookups need it
+
+    def _unpack(self) -> None:
+        """Undo :meth:`_pack` so weights can be loaded again."""
+        for param, shape in self._freed.items():
+            param.data = param.data.new_empty(shape)
+        self._freed.clear()
+        for layer in self.layers:
+            layer.packed.clear()
+        self._lm_head_packed = None
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -217,4 +248,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, V]`` float32 of hidden states ``[N, H]`` (tied embeddings when configured)."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return lin.linear(hidden, w, None, self._lm_head_packed).float()

@@ -103,12 +103,12 @@ class TorchSDPABackend(AttentionBackend):
 
         dg = plan.decode
         if dg is not None and dg.rows is None:
-            return self._decode(q, k_flat, v_flat, dg, scale, Hkv, G).view(T, Hq * D)
+            return self._decode(q, k_flat, v_flat, dg, scale, Hkv, G).reshape(T, Hq * D)
 
         out = q.new_empty(T, Hq, D)
         if dg is not None:
             qd = q.index_select(0, dg.rows)
-            out.index_copy_(0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).view(-1, Hq, D))
+            out.index_copy_(0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).reshape(-1, Hq, D))
         for p in plan.prefills:
             qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
             if p.gather is None:

@@ -54,6 +54,12 @@ def build_tiny_hf(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_builder():
+    """``build_tiny_hf`` as a fixture (test modules cannot import conftest)."""
+    return build_tiny_hf
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, embedded_source):
     """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model)."""
     cache: dict[str, tuple[str, transformers.PreTrainedModel]] = {}

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from pdserve.model import linear as lin
 from pdserve.model.attention import AttentionMetadata, build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import load_model_source
@@ -110,3 +111,17 @@ def test_load_weights_rejects_bad_names_and_shapes(tiny_dir):
         model.load_weights(bad.items())
     with pytest.raises(ValueError, match="model.bogus"):
         model.load_weights([("model.bogus", torch.ones(1))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("packed", ["1", "0"])
+def test_parity_packed_and_plain_linear_and_reload(packed, tiny_dir, tiny_hf_builder, monkeypatch):
+    """Both the CPU pre-packed linear path and plain F.linear match; weights can be reloaded."""
+    monkeypatch.setenv("PDSERVE_CPU_PACKED_LINEAR", packed)
+    folder, hf = tiny_dir("qwen3")
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
+    model.load_weights(tiny_hf_builder("qwen3", seed=5).state_dict().items())  # other weights first ...
+    model.load_weights(hf.state_dict().items())  # ... then the real ones (after packing)
+    assert bool(model.layers[0].packed) == (packed == "1" and lin.packing_supported(torch.ones(1, 1)))
+    err = run_paged_scenario(model, hf, [[6, 3], [1, 1]], [6, 3], page_size=4, seed=3)
+    assert err < TOL, f"packed={packed}: max log-prob diff {err:.2e}"

@@ -1,0 +1,49 @@
+"""CPU weight pre-packing for linear layers (oneDNN), with a plain ``F.linear`` fallback.
+
+On CPU, a weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU backend uses) runs
+1.3-2x faster than ``F.linear`` in bf16 (same bits) and 2-3x faster in fp32 at small batch
+(reduction order differs: ~1e-6 relative) on AVX-512/AMX machines. Packing is skipped on
+other devices, for other dtypes, when ``PDSERVE_CPU_PACKED_LINEAR=0``, or when this torch
+build lacks the ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[out, in]`` can be pre-packed here (CPU, fp32/bf16, ops present)."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or not envs.CPU_PACKED_LINEAR.get():
+        return False
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
+    """The oneDNN-packed copy of ``weight`` ``[out, in]``, or ``None`` when unsupported."""
+    if not packing_supported(weight):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except RuntimeError as exc:  # e.g. a torch build without this kernel
+        logger.info("CPU linear pre-packing unavailable (%s); using F.linear", exc)
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
