@@ -79,14 +79,20 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        token_lists = []
-        for conv in conversations:
-            text = tok.apply_chat_template(list(conv), tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
-            token_lists.append(tok(text, add_special_tokens=False)["input_ids"])
+        token_lists = [self.chat_token_ids(c, add_generation_prompt=add_generation_prompt,
+                                           chat_template_kwargs=chat_template_kwargs)
+                       for c in conversations]
         return self.generate(token_lists, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_token_ids(self, conversation: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Prompt token ids of one conversation under the tokenizer's chat template (the
+        template writes any BOS itself, so no special tokens are added again)."""
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template(list(conversation), tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       **(chat_template_kwargs or {}))
+        return tok(text, add_special_tokens=False)["input_ids"]
 
     # --- internals ---------------------------------------------------------------------
     def _tokenize(self, prompts) -> list[list[int]]:

@@ -1,0 +1,135 @@
+"""``pdserve bench offline``: our engine against ``transformers`` ``generate``, side by side.
+
+Same model weights (the engine's ``ModelSource`` loaded into the HF model class), same
+prompts (GSM8K test questions under the chat template), same device and dtype, greedy,
+fixed output length (EOS ignored).  For each concurrency the two run interleaved,
+``--repeats`` times after a warm-up; we report median output tokens/s of each and the
+ratio (BENCHMARKS.md: a ratio measured in one run is what means something here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+from pdserve.config import ModelConfig, default_of
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``bench offline``."""
+    p = subparsers.add_parser("offline", help="engine vs transformers generate: output tokens/s and ratio")
+    p.add_argument("--model", default=default_of(ModelConfig, "model"))
+    p.add_argument("--dtype", default=default_of(ModelConfig, "dtype"))
+    p.add_argument("--device", default=default_of(ModelConfig, "device"))
+    p.add_argument("--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (default 3)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results and workload here")
+    p.set_defaults(func=run_offline)
+
+
+def _parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"num-prompts must be comma-separated integers >= 1, got {text!r}")
+    return counts
+
+
+def _hf_model(engine):
+    """The HF reference model with the engine's exact weights, dtype and device."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(engine.source.hf_config, dtype=engine.dtype)
+    missing, unexpected = model.load_state_dict(dict(engine.source.weights()), strict=False)
+    if unexpected or any(not k.startswith("lm_head") for k in missing):
+        raise ValueError(f"model: weights do not fit the transformers model ({missing[:3]}, {unexpected[:3]})")
+    model.tie_weights()
+    return model.to(engine.device).eval()
+
+
+def _prompts(llm, n: int) -> list[list[int]]:
+    from pdserve.eval.gsm8k import build_messages, load_gsm8k_test
+
+    return [llm.chat_token_ids(build_messages(item.question)) for item in load_gsm8k_test()[:n]]
+
+
+def _time_ours(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+def _time_hf(model, prompts, max_tokens: int, pad_id: int, device) -> tuple[float, list[list[int]]]:
+    import torch
+
+    width = max(len(p) for p in prompts)  # left padding, as HF batched generation needs
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out[:, width:].tolist()
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    """Run the comparison, print a table, optionally write JSON; 2 on bad arguments."""
+    import torch
+
+    from pdserve.engine.llm import LLM
+
+    try:
+        counts = _parse_counts(args.num_prompts)
+        if args.max_tokens < 1 or args.repeats < 1:
+            raise ValueError("max-tokens and repeats must be >= 1")
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_running_requests=max(counts))
+    except ValueError as exc:
+        print(f"pdserve bench offline: {exc}", file=sys.stderr)
+        return 2
+    engine = llm.engine
+    hf = _hf_model(engine)
+    pad_id = engine.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
+    all_prompts = _prompts(llm, max(counts))
+    results = []
+    print(f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
+          f"  max_tokens {args.max_tokens}  repeats {args.repeats}")
+    print(f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same tokens':>11}")
+    for n in counts:
+        prompts = all_prompts[:n]
+        _time_ours(llm, prompts, 2)  # warm-up: first-call allocations on both sides
+        _time_hf(hf, prompts, 2, pad_id, engine.device)
+        ours_runs, hf_runs = [], []
+        for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+            dt, ours_ids = _time_ours(llm, prompts, args.max_tokens)
+            ours_runs.append(n * args.max_tokens / dt)
+            dt, hf_ids = _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
+            hf_runs.append(n * args.max_tokens / dt)
+        same = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
+        row = {"num_prompts": n, "ours_tok_s": statistics.median(ours_runs),
+               "hf_tok_s": statistics.median(hf_runs), "ours_runs": ours_runs, "hf_runs": hf_runs,
+               "identical_outputs": same, "prompt_lens": [len(p) for p in prompts]}
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        results.append(row)
+        print(f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} {same:>11.0%}")
+    if args.json:
+        report = {"benchmark": "offline", "model": args.model, "dtype": str(engine.dtype),
+                  "device": str(engine.device), "max_tokens": args.max_tokens, "repeats": args.repeats,
+                  "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
+                  "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+                  "results": results}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
