@@ -77,6 +77,9 @@ DISAGGREGATION_NIXL_NUM_THREADS = EnvVar(
 DISAGGREGATION_TRANSFER_WORKERS = EnvVar(
     "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS", int, 4,
     "Transfer worker threads on a prefill worker that post NIXL WRITEs.")
+DISAGGREGATION_NIXL_PROGRESS_THREAD = EnvVar(
+    "PDSERVE_DISAGGREGATION_NIXL_PROGRESS_THREAD", _parse_bool, False,
+    "Enable NIXL's progress thread (off: on few cores it competes with the polling threads).")
 TEST_DISAGG_FAILURE_PROB = EnvVar(
     "PDSERVE_TEST_DISAGG_FAILURE_PROB", float, 0.0,
     "Testing only: probability that a KVSender/KVReceiver poll reports Failed (injected).")

@@ -1,0 +1,182 @@
+"""The prefill worker's HTTP bootstrap server (FastAPI under uvicorn, on a thread) and
+decode's client for it (httpx).
+
+Routes: ``PUT /route/{engine_rank}`` (a prefill rank registers its :class:`RankInfo`),
+``GET /route/{engine_rank}`` (decode looks it up; 404 until registered), ``GET /health``
+(:class:`HealthInfo`; 503 while the prefill manager is unhealthy) — decode's heartbeat.
+Bodies are JSON of the msgspec types in :mod:`pdserve.disagg.messages`; a bad body is a
+400 with a JSON ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.disagg.base import PROTOCOL_VERSION, KVBootstrapServer
+from pdserve.disagg.messages import HealthInfo, RankInfo
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap server could not be reached or gave an unusable answer."""
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"bootstrap_port: cannot listen on {host}:{port}: "
+                                 f"{exc.strerror or exc} (is another process using port {port}?)") from exc
+    sock.listen(1024)
+    return sock
+
+
+def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock: threading.Lock):
+    """The FastAPI app over ``ranks`` (engine rank -> registered info)."""
+    app = FastAPI(title="pdserve bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.put("/route/{engine_rank}")
+    async def register(engine_rank: int, request: Request):
+        try:
+            info = msgspec.json.decode(await request.body(), type=RankInfo)
+        except msgspec.DecodeError as exc:
+            return JSONResponse({"error": f"invalid rank info: {exc}"}, status_code=400)
+        if info.protocol_version != PROTOCOL_VERSION:
+            return JSONResponse({"error": f"protocol_version: ours {PROTOCOL_VERSION} vs theirs "
+                                          f"{info.protocol_version}"}, status_code=400)
+        if info.engine_rank != engine_rank:
+            return JSONResponse({"error": f"engine_rank {info.engine_rank} registered at /route/{engine_rank}"},
+                                status_code=400)
+        with lock:
+            ranks[engine_rank] = info
+        return {"ok": True}
+
+    @app.get("/route/{engine_rank}")
+    async def lookup(engine_rank: int):
+        with lock:
+            info = ranks.get(engine_rank)
+        if info is None:
+            return JSONResponse({"error": f"engine_rank {engine_rank} is not registered"}, status_code=404)
+        return Response(msgspec.json.encode(info), media_type="application/json")
+
+    @app.get("/health")
+    async def get_health():
+        info = health()
+        return Response(msgspec.json.encode(info), media_type="application/json",
+                        status_code=200 if info.status == "ok" else 503)
+
+    return app
+
+
+class BootstrapServer(KVBootstrapServer):
+    """uvicorn serving :func:`build_app` on a daemon thread, bound to ``host:port``
+    (0 = a free port). ``start`` raises OSError naming the port when it is taken."""
+
+    def __init__(self, host: str, port: int, health: Callable[[], HealthInfo]) -> None:
+        self.host, self.port = host, port
+        self._ranks: dict[int, RankInfo] = {}
+        self._lock = threading.Lock()
+        self._health = health
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> int:
+        import uvicorn
+
+        sock = _bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self._ranks, self._health, self._lock), log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=60)
+        self._server = server = uvicorn.Server(config)
+
+        def run() -> None:
+            try:
+                server.run(sockets=[sock])
+            except BaseException as exc:  # noqa: BLE001 - reported through is_alive()
+                self.error = exc
+            finally:
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name="pdserve-bootstrap-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"bootstrap server on {self.host}:{self.port} did not start: {self.error}")
+            time.sleep(0.005)
+        return self.port
+
+    def register_local(self, info: RankInfo) -> None:
+        """Register a rank living in this process (same effect as its HTTP PUT)."""
+        with self._lock:
+            self._ranks[info.engine_rank] = info
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+
+
+def _url(host: str, port: int, path: str) -> str:
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}{path}"
+
+
+class BootstrapClient:
+    """Decode's view of prefill bootstrap servers. One per thread (httpx client inside)."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def register(self, host: str, port: int, info: RankInfo) -> None:
+        """PUT a rank's info. BootstrapError on failure."""
+        try:
+            r = self._client.put(_url(host, port, f"/route/{info.engine_rank}"), content=msgspec.json.encode(info))
+        except httpx.HTTPError as exc:
+            raise BootstrapError(f"bootstrap server {host}:{port} unreachable: {exc}") from exc
+        if r.status_code != 200:
+            raise BootstrapError(f"bootstrap server {host}:{port} refused the registration: {r.text}")
+
+    def fetch_rank(self, host: str, port: int, engine_rank: int = 0) -> RankInfo:
+        """The registered info of a prefill rank. BootstrapError when unreachable, not
+        registered, or undecodable (the protocol version is checked by the caller)."""
+        try:
+            r = self._client.get(_url(host, port, f"/route/{engine_rank}"))
+        except httpx.HTTPError as exc:
+            raise BootstrapError(f"bootstrap server {host}:{port} unreachable: {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise BootstrapError(f"bootstrap server {host}:{port} answered {r.status_code}: {r.text[:200]}")
+        try:
+            return msgspec.json.decode(r.content, type=RankInfo)
+        except msgspec.DecodeError as exc:
+            raise BootstrapError(f"bootstrap server {host}:{port} sent an unreadable rank info: {exc}") from exc
+
+    def health(self, host: str, port: int, timeout_s: float) -> HealthInfo:
+        """One heartbeat. BootstrapError when unreachable, unhealthy or undecodable."""
+        try:
+            r = self._client.get(_url(host, port, "/health"), timeout=timeout_s)
+            info = msgspec.json.decode(r.content, type=HealthInfo)
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            raise BootstrapError(f"heartbeat to {host}:{port} failed: {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 200:
+            raise BootstrapError(f"prefill {host}:{port} reports {info.status}")
+        return info
+
+    def close(self) -> None:
+        self._client.close()

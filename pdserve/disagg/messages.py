@@ -1,0 +1,160 @@
+"""The wire of the KV-transfer layer: typed msgspec messages, each carrying the protocol version.
+
+Three channels use them:
+- HTTP bootstrap (JSON): a prefill rank registers :class:`RankInfo`; decode fetches it;
+  ``/health`` answers :class:`HealthInfo` (decode's heartbeat).
+- ZMQ control (msgpack, decode DEALER <-> prefill ROUTER): :class:`Envelope` holding
+  :class:`Hello`, :class:`RoomDest`, :class:`RoomAbort` (decode -> prefill) or
+  :class:`RoomStatus` (prefill -> decode).
+- NIXL notification (msgpack): :class:`XferDone`, posted by prefill after a room's WRITEs
+  completed.
+A message of another protocol version is rejected with :class:`WireError` naming both versions.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from pdserve.disagg.base import PROTOCOL_VERSION
+
+
+class WireError(ValueError):
+    """A message that does not decode, or was written by another protocol version."""
+
+
+class BufferDescs(msgspec.Struct, frozen=True):
+    """Registered memory of one side. ptrs/lens: bytes of each buffer; item_lens: bytes of
+    one page (or one aux slot) in each; mem_type: ``DRAM`` or ``VRAM``; dev_id: NIXL device id."""
+
+    ptrs: list[int]
+    lens: list[int]
+    item_lens: list[int]
+    mem_type: str
+    dev_id: int
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    """What a prefill rank registers at its bootstrap server (agent_metadata is base64)."""
+
+    protocol_version: int
+    instance_id: str
+    engine_rank: int
+    agent_name: str
+    agent_metadata: str
+    control_endpoint: str
+    layout: dict
+    kv: BufferDescs
+    aux: BufferDescs
+
+
+class HealthInfo(msgspec.Struct, frozen=True):
+    status: str
+    instance_id: str
+    protocol_version: int
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Decode introduces itself to one prefill instance (once per pair): its NIXL agent and
+    the memory prefill will WRITE into."""
+
+    prefill_instance: str
+    decode_instance: str
+    agent_name: str
+    agent_metadata: bytes
+    kv: BufferDescs
+    aux: BufferDescs
+
+
+class RoomDest(msgspec.Struct, frozen=True, tag="dest"):
+    """Where prefill must WRITE one room: decode's page ids (prompt order) and aux slot."""
+
+    room: int
+    prefill_instance: str
+    decode_instance: str
+    dst_pages: list[int]
+    aux_slot: int
+
+
+class RoomAbort(msgspec.Struct, frozen=True, tag="abort"):
+    """Decode gave up on a room (abort, timeout, mismatch, injected failure). Prefill
+    answers with a failed :class:`RoomStatus` once it will no longer touch decode's pages."""
+
+    room: int
+    prefill_instance: str
+    decode_instance: str
+    reason: str
+    kind: str
+
+
+class RoomStatus(msgspec.Struct, frozen=True, tag="status"):
+    """Prefill's word on a room: ``ok=False`` means it failed there (or acknowledges an
+    abort) and prefill will not WRITE into its pages any more."""
+
+    room: int
+    prefill_instance: str
+    ok: bool
+    reason: str
+    kind: str
+
+
+ControlMessage = Union[Hello, RoomDest, RoomAbort, RoomStatus]
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    v: int
+    msg: ControlMessage
+
+
+class XferDone(msgspec.Struct, frozen=True):
+    """NIXL notification payload: all WRITEs of ``room`` (KV pages and aux) are complete."""
+
+    v: int
+    room: int
+    prefill_instance: str
+
+
+class _Header(msgspec.Struct):
+    v: int
+
+
+_ENC = msgspec.msgpack.Encoder()
+_HEADER = msgspec.msgpack.Decoder(_Header)
+_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+_XFER_DONE = msgspec.msgpack.Decoder(XferDone)
+
+
+def _check_version(data: bytes) -> None:
+    try:
+        v = _HEADER.decode(data).v
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable message: {exc}") from exc
+    if v != PROTOCOL_VERSION:
+        raise WireError(f"protocol_version: ours {PROTOCOL_VERSION} vs theirs {v}")
+
+
+def encode_control(msg: ControlMessage) -> bytes:
+    return _ENC.encode(Envelope(PROTOCOL_VERSION, msg))
+
+
+def decode_control(data: bytes) -> ControlMessage:
+    """Decode a ZMQ control message. WireError on bad bytes or another protocol version."""
+    _check_version(data)
+    try:
+        return _ENVELOPE.decode(data).msg
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable control message: {exc}") from exc
+
+
+def encode_xfer_done(room: int, prefill_instance: str) -> bytes:
+    return _ENC.encode(XferDone(PROTOCOL_VERSION, room, prefill_instance))
+
+
+def decode_xfer_done(data: bytes) -> XferDone:
+    """Decode a NIXL notification. WireError on bad bytes or another protocol version."""
+    _check_version(data)
+    try:
+        return _XFER_DONE.decode(data)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable notification: {exc}") from exc

@@ -1,0 +1,309 @@
+"""The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
+sends each room's destination, learns of completion, and watches prefill peers.
+
+Threads: ``bootstrap`` (HTTP lookups grouped per prefill; protocol/layout checks; loads
+the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
+prefill control endpoint; sends Hello before the first destination to an instance; reads
+RoomStatus; drains NIXL notifications), ``heartbeat`` (``GET /health`` of every prefill
+that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
+``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
+every room of that prefill fails at once).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve import envs
+from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVLayout, KVManager, KVPoll, KVReceiver, KVSender
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
+from pdserve.disagg.control import Outbox, recv_all
+from pdserve.disagg.messages import (Hello, RankInfo, RoomAbort, RoomDest, RoomStatus, WireError, decode_control,
+                                     decode_xfer_done, encode_control)
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent_init import select_device
+from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.receiver import NixlReceiver
+from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.rooms import (BOOTSTRAP_ERROR, HEARTBEAT_LOST, LAYOUT_MISMATCH, PEER_RESTARTED,
+                                  PROTOCOL_MISMATCH, SHUTDOWN, FailureInjector, RoomTable, ServiceThreads,
+                                  check_room)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    """One instance of a prefill rank, as found at its bootstrap server."""
+
+    key: tuple[str, int]
+    info: RankInfo
+    agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
+    misses: int = 0
+    dead: bool = False
+
+
+def _positive(var, kind=float):
+    value = var.get()
+    if value <= 0:
+        raise ValueError(f"{var.name} must be > 0, got {value}")
+    return kind(value)
+
+
+class NixlDecodeManager(KVManager):
+    """Decode role over NIXL (see module doc). Raises whatever NIXL initialisation raises."""
+
+    role = "decode"
+
+    def __init__(self, args: KVArgs, *, api: NixlApi, start_threads: bool = True) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.waiting_timeout = _positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
+        self.heartbeat_interval = _positive(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
+        self.heartbeat_max_failure = _positive(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE, int)
+        self._injector = FailureInjector()
+        self._metrics = TransferMetrics()
+        self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
+        self._peers: dict[tuple[str, int], PrefillPeer] = {}
+        self._peers_lock = threading.Lock()
+        self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._down = False
+        self.engine = NixlTransferEngine(api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}")
+        self._hello = Hello("", self.instance_id, self.engine.name, self.engine.metadata(),
+                            self.engine.kv_descs, self.engine.aux_descs)
+        self._ctx = zmq.Context()
+        self._outbox = Outbox(self._ctx)
+        self._threads = ServiceThreads("pdserve-decode")
+        if start_threads:
+            self._threads.start("bootstrap", self._bootstrap_loop)
+            self._threads.start("control", self._control_loop)
+            self._threads.start("heartbeat", self._heartbeat_loop)
+
+    # --- KVManager ------------------------------------------------------------------------
+    def create_sender(self, bootstrap_room: int) -> KVSender:
+        raise RuntimeError("create_sender on a decode KV manager")
+
+    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+        room = check_room(bootstrap_room)
+        if not isinstance(bootstrap_host, str) or not bootstrap_host:
+            raise ValueError(f"bootstrap_host must be a non-empty string, got {bootstrap_host!r}")
+        if isinstance(bootstrap_port, bool) or not isinstance(bootstrap_port, int) or not 1 <= bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be in [1, 65535], got {bootstrap_port!r}")
+        if self._down:
+            raise RuntimeError("the decode KV manager is shut down")
+        receiver = NixlReceiver(room, self, bootstrap_host, bootstrap_port)
+        self._rooms.add(room, receiver)
+        self._boot_queue.put(receiver)
+        return receiver
+
+    def is_healthy(self) -> bool:
+        return not self._down and self._threads.healthy()
+
+    def num_live_rooms(self) -> int:
+        return len(self._rooms)
+
+    def stats(self) -> dict:
+        return dict(self._metrics.snapshot(), role="decode", backend="nixl",
+                    rooms=self._rooms.count_by_state(), live_rooms=len(self._rooms),
+                    prefill_peers=len(self._peers), healthy=self.is_healthy())
+
+    def shutdown(self) -> None:
+        if self._down:
+            return
+        self._down = True
+        self._threads.stop()
+        for r in self._rooms.handles():  # no thread left to hear prefill: nothing else ends them
+            r.fail_now("the decode KV manager shut down", SHUTDOWN)
+        self._outbox.close()
+        self._ctx.destroy(linger=0)
+        self.engine.close()
+
+    # --- used by receivers ------------------------------------------------------------------
+    def send(self, peer: PrefillPeer, msg) -> None:
+        """Queue a control message to ``peer`` (sent by the control thread)."""
+        self._outbox.put((peer.info.control_endpoint, peer.info.instance_id, msg))
+
+    # --- bootstrap thread ---------------------------------------------------------------------
+    def _bootstrap_loop(self, stop: threading.Event) -> None:
+        select_device(self.engine.kv_args)
+        client = BootstrapClient()
+        try:
+            while not stop.is_set():
+                try:
+                    batch = [self._boot_queue.get(timeout=0.1)]
+                except queue.Empty:
+                    continue
+                while True:
+                    try:
+                        batch.append(self._boot_queue.get_nowait())
+                    except queue.Empty:
+                        break
+                groups: dict[tuple[str, int], list[NixlReceiver]] = {}
+                for r in batch:
+                    groups.setdefault(r.key, []).append(r)
+                for key, receivers in groups.items():
+                    self._bootstrap_group(client, key, receivers)
+        finally:
+            client.close()
+
+    def _bootstrap_group(self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]) -> None:
+        host, port = key
+        try:
+            info = client.fetch_rank(host, port)
+        except BootstrapError as exc:
+            for r in receivers:
+                r.fail_now(f"room {r.room}: {exc}", BOOTSTRAP_ERROR)
+            return
+        problem = None
+        if info.protocol_version != PROTOCOL_VERSION:
+            problem = (f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
+                       PROTOCOL_MISMATCH)
+        else:
+            try:
+                diff = self.engine.kv_args.layout.first_difference(KVLayout.from_dict(info.layout))
+            except (KeyError, TypeError) as exc:
+                diff = f"unreadable layout ({exc})"
+            if diff is not None:
+                problem = (f"KV layout mismatch with prefill {host}:{port}: {diff}", LAYOUT_MISMATCH)
+        if problem is not None:
+            stranger = PrefillPeer(key, info, None)
+            for r in receivers:
+                r.fail_now(f"room {r.room}: {problem[0]}", problem[1])
+                if problem[1] == LAYOUT_MISMATCH:  # same protocol: prefill's room fails too
+                    self.send(stranger, _abort(r, info, self.instance_id, *problem))
+            return
+        try:
+            peer = self._peer_for(key, info)
+        except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
+            for r in receivers:
+                r.fail_now(f"room {r.room}: prefill {host}:{port} agent unusable: {exc}", BOOTSTRAP_ERROR)
+            return
+        for r in receivers:
+            r.bootstrapped(peer)
+
+    def _peer_for(self, key: tuple[str, int], info: RankInfo) -> PrefillPeer:
+        """The peer of this instance; a new instance replaces (and fails) the old one."""
+        with self._peers_lock:
+            old = self._peers.get(key)
+            if old is not None and old.info.instance_id == info.instance_id and not old.dead:
+                return old
+        if old is not None:
+            self._peer_gone(old, f"prefill {key[0]}:{key[1]} restarted as a new instance", PEER_RESTARTED)
+        name = self.engine.add_remote(base64.b64decode(info.agent_metadata))
+        peer = PrefillPeer(key, info, name)
+        with self._peers_lock:
+            self._peers[key] = peer
+        return peer
+
+    def _peer_gone(self, peer: PrefillPeer, reason: str, kind: str) -> None:
+        """Every room of ``peer`` fails now (the peer is dead or replaced)."""
+        with self._peers_lock:
+            peer.dead = True
+            if self._peers.get(peer.key) is peer:
+                del self._peers[peer.key]
+        for r in self._rooms.handles():
+            if r.peer is peer:
+                r.fail_now(f"room {r.room}: {reason}", kind)
+        if peer.agent_name is not None:
+            try:
+                self.engine.remove_remote(peer.agent_name)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    # --- control thread ---------------------------------------------------------------------
+    def _control_loop(self, stop: threading.Event) -> None:
+        select_device(self.engine.kv_args)
+        poller = zmq.Poller()
+        poller.register(self._outbox.wake_socket, zmq.POLLIN)
+        dealers: dict[str, zmq.Socket] = {}
+        greeted: set[tuple[str, str]] = set()
+        try:
+            while not stop.is_set():
+                busy = any(r.poll_state() == KVPoll.Transferring for r in self._rooms.handles())
+                poller.poll(1 if busy else 20)
+                for sock in dealers.values():
+                    for frames in recv_all(sock):
+                        self._on_message(frames[-1])
+                for endpoint, instance, msg in self._outbox.drain():
+                    sock = dealers.get(endpoint)
+                    if sock is None:
+                        sock = dealers[endpoint] = self._ctx.socket(zmq.DEALER)
+                        sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+                        sock.setsockopt(zmq.LINGER, 0)
+                        if endpoint.startswith("tcp://["):
+                            sock.setsockopt(zmq.IPV6, 1)
+                        sock.connect(endpoint)
+                        poller.register(sock, zmq.POLLIN)
+                    if isinstance(msg, RoomDest) and (endpoint, instance) not in greeted:
+                        sock.send(encode_control(_hello_for(self._hello, instance)))
+                        greeted.add((endpoint, instance))
+                    sock.send(encode_control(msg))
+                for payloads in self.engine.new_notifs().values():
+                    for payload in payloads:
+                        self._on_notif(payload)
+        finally:
+            for sock in dealers.values():
+                sock.close(linger=0)
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            msg = decode_control(data)
+        except WireError as exc:
+            log.warning("dropped a control message from prefill: %s", exc)
+            return
+        if isinstance(msg, RoomStatus):
+            r = self._rooms.get(msg.room)
+            if r is not None and r.peer is not None and r.peer.info.instance_id == msg.prefill_instance:
+                r.on_status(msg)
+
+    def _on_notif(self, payload: bytes) -> None:
+        try:
+            done = decode_xfer_done(payload)
+        except WireError as exc:
+            log.warning("dropped a NIXL notification: %s", exc)
+            return
+        r = self._rooms.get(done.room)
+        if r is not None and r.peer is not None and r.peer.info.instance_id == done.prefill_instance:
+            r.on_done()
+
+    # --- heartbeat thread -------------------------------------------------------------------
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        client = BootstrapClient()
+        try:
+            while not stop.wait(self.heartbeat_interval):
+                live = {r.peer.key: r.peer for r in self._rooms.handles()
+                        if r.peer is not None and r.peer.agent_name is not None and not r.is_terminal()}
+                for key, peer in live.items():
+                    if peer.dead:
+                        continue
+                    try:
+                        health = client.health(key[0], key[1], self.heartbeat_interval)
+                    except BootstrapError as exc:
+                        peer.misses += 1
+                        if peer.misses >= self.heartbeat_max_failure:
+                            self._peer_gone(peer, f"prefill {key[0]}:{key[1]} missed {peer.misses} heartbeats "
+                                                  f"({exc})", HEARTBEAT_LOST)
+                        continue
+                    if health.instance_id != peer.info.instance_id:
+                        self._peer_gone(peer, f"prefill {key[0]}:{key[1]} restarted as a new instance",
+                                        PEER_RESTARTED)
+                    else:
+                        peer.misses = 0
+        finally:
+            client.close()
+
+
+def _hello_for(hello: Hello, prefill_instance: str) -> Hello:
+    return Hello(prefill_instance, hello.decode_instance, hello.agent_name, hello.agent_metadata,
+                 hello.kv, hello.aux)
+
+
+def _abort(r: NixlReceiver, info: RankInfo, decode_instance: str, reason: str, kind: str) -> RoomAbort:
+    return RoomAbort(r.room, info.instance_id, decode_instance, reason, kind)

@@ -1,0 +1,22 @@
+"""Entry point of the ``nixl`` backend for :func:`pdserve.disagg.registry.create_kv_manager`."""
+
+from __future__ import annotations
+
+from pdserve.disagg.base import KVArgs, KVManager
+from pdserve.disagg.nixl.api import load_nixl_api
+
+
+def create_nixl_manager(args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1",
+                        bootstrap_port: int = 0) -> KVManager:
+    """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
+    Raises NixlUnavailableError when NIXL cannot be imported."""
+    api = load_nixl_api()
+    if role == "prefill":
+        from pdserve.disagg.nixl.prefill import NixlPrefillManager
+
+        return NixlPrefillManager(args, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port, api=api)
+    if role == "decode":
+        from pdserve.disagg.nixl.decode import NixlDecodeManager
+
+        return NixlDecodeManager(args, api=api)
+    raise ValueError(f"role must be prefill or decode, got {role!r}")

@@ -1,0 +1,339 @@
+"""The prefill worker's NIXL KV manager: bootstrap server, ZMQ control endpoint (ROUTER),
+and a pool of transfer workers that WRITE rooms' pages into decode's memory.
+
+Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
+out), ``transfer-i`` (post a room's WRITEs, poll them to the end, notify decode over NIXL),
+and the bootstrap HTTP server. A destination may arrive before the engine created the
+room (the router sends to both workers at once): it waits in ``_pending`` (bounded by the
+bootstrap timeout); an abort for a room not created yet waits in ``_early_aborts``.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve import envs
+from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
+from pdserve.disagg.control import Outbox, recv_all
+from pdserve.disagg.messages import (HealthInfo, Hello, RankInfo, RoomAbort, RoomDest, RoomStatus,
+                                     WireError, decode_control, encode_control, encode_xfer_done)
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent_init import select_device
+from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.sender import NixlSender
+from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
+from pdserve.disagg.rooms import (PEER_FAILED, PEER_RESTARTED, SHUTDOWN, FailureInjector, RoomTable,
+                                  ServiceThreads, check_room)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePeer:
+    """A decode instance that said Hello: its NIXL agent and memory, or why it is unusable."""
+
+    instance_id: str
+    identity: bytes
+    remote: RemoteSide | None
+    error: str | None = None
+
+
+def _env_positive(var) -> float:
+    value = var.get()
+    if value <= 0:
+        raise ValueError(f"{var.name} must be > 0, got {value}")
+    return value
+
+
+class NixlPrefillManager(KVManager):
+    """Prefill role over NIXL (see module doc).
+
+    args: the KV pool and aux buffer to register; bootstrap_host/bootstrap_port: where the
+    bootstrap server and the ZMQ control endpoint listen (port 0 = free port). Raises
+    OSError naming the port when it is taken, and whatever NIXL initialisation raises.
+    """
+
+    role = "prefill"
+
+    def __init__(self, args: KVArgs, *, bootstrap_host: str, bootstrap_port: int, api: NixlApi,
+                 start_threads: bool = True) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.bootstrap_timeout = _env_positive(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
+        self.transfer_timeout = _env_positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
+        num_workers = envs.DISAGGREGATION_TRANSFER_WORKERS.get()
+        if num_workers < 1:
+            raise ValueError(f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}")
+        self._injector = FailureInjector()
+        self._metrics = TransferMetrics()
+        self._rooms: RoomTable[NixlSender] = RoomTable("prefill")
+        self._match = threading.Lock()  # rooms vs pending destinations / early aborts
+        self._pending: dict[int, tuple[RoomDest, bytes, float]] = {}
+        self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
+        self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
+        self._peers: dict[str, DecodePeer] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._down = False
+        self.engine = NixlTransferEngine(api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}")
+        self._threads = ServiceThreads("pdserve-prefill")
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        host = bootstrap_host
+        zmq_host = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._router.setsockopt(zmq.IPV6, 1)
+        control_port = self._router.bind_to_random_port(f"tcp://{zmq_host}")
+        self.control_endpoint = f"tcp://{zmq_host}:{control_port}"
+        self._outbox = Outbox(self._ctx)
+        self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
+        self._port: int | None = None
+        self._start_threads = start_threads
+        try:
+            if start_threads:
+                self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # --- start-up -------------------------------------------------------------------
+    def _start(self) -> None:
+        self._port = self._bootstrap.start()
+        for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
+            self._threads.start(f"transfer-{i}", self._transfer_loop)
+        self._threads.start("control", self._control_loop)
+        info = RankInfo(PROTOCOL_VERSION, self.instance_id, self.engine.kv_args.engine_rank, self.engine.name,
+                        base64.b64encode(self.engine.metadata()).decode(), self.control_endpoint,
+                        self.engine.kv_args.layout.to_dict(), self.engine.kv_descs, self.engine.aux_descs)
+        client = BootstrapClient()
+        try:  # the rank registers over HTTP like any rank would
+            client.register(self._bootstrap.host, self._port, info)
+        finally:
+            client.close()
+
+    def _health(self) -> HealthInfo:
+        return HealthInfo("ok" if self.is_healthy() else "unhealthy", self.instance_id, PROTOCOL_VERSION)
+
+    # --- KVManager ------------------------------------------------------------------
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self._port
+
+    def create_sender(self, bootstrap_room: int) -> KVSender:
+        room = check_room(bootstrap_room)
+        if self._down:
+            raise RuntimeError("the prefill KV manager is shut down")
+        sender = NixlSender(room, self)
+        with self._match:
+            self._rooms.add(room, sender)
+            self._ended.pop(room, None)
+            early = self._early_aborts.pop(room, None)
+            pending = self._pending.pop(room, None)
+        if early is not None:
+            reason, kind, identity, _ = early
+            sender.peer_abort(reason, kind, identity)
+        elif pending is not None:
+            self._attach(sender, *pending[:2])
+        return sender
+
+    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+        raise RuntimeError("create_receiver on a prefill KV manager")
+
+    def is_healthy(self) -> bool:
+        return not self._down and self._threads.healthy() and self._bootstrap.is_alive()
+
+    def num_live_rooms(self) -> int:
+        return len(self._rooms)
+
+    def stats(self) -> dict:
+        return dict(self._metrics.snapshot(), role="prefill", backend="nixl",
+                    rooms=self._rooms.count_by_state(), live_rooms=len(self._rooms),
+                    decode_peers=len(self._peers), healthy=self.is_healthy())
+
+    def shutdown(self) -> None:
+        if self._down:
+            return
+        self._down = True
+        for sender in self._rooms.handles():
+            sender._fail("the prefill KV manager shut down", SHUTDOWN)
+        self._threads.stop()
+        self._bootstrap.stop()
+        self._outbox.close()
+        self._router.close(linger=0)
+        self._ctx.term()
+        self.engine.close()
+
+    # --- used by senders ----------------------------------------------------------------
+    def submit(self, sender: NixlSender) -> None:
+        self._jobs.put(sender)
+
+    def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
+        """Tell decode (if it is known) that the room ended on prefill."""
+        with self._match:
+            self._ended[sender.room] = (reason, kind, time.monotonic())
+        if sender.reply_to is not None:
+            self._outbox.put((sender.reply_to, RoomStatus(sender.room, self.instance_id, False, reason, kind)))
+
+    # --- control thread ---------------------------------------------------------------
+    def _control_loop(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox.wake_socket, zmq.POLLIN)
+        next_prune = time.monotonic() + 1.0
+        while not stop.is_set():
+            poller.poll(50)
+            for frames in recv_all(self._router):
+                self._on_message(frames[0], frames[-1])
+            for identity, msg in self._outbox.drain():
+                self._router.send_multipart([identity, encode_control(msg)])
+            if time.monotonic() > next_prune:
+                self._prune()
+                next_prune = time.monotonic() + 1.0
+
+    def _reply(self, identity: bytes, room: int, reason: str, kind: str) -> None:
+        self._router.send_multipart([identity, encode_control(
+            RoomStatus(room, self.instance_id, False, reason, kind))])
+
+    def _on_message(self, identity: bytes, data: bytes) -> None:
+        try:
+            msg = decode_control(data)
+        except WireError as exc:
+            log.warning("dropped a control message from %r: %s", identity, exc)
+            return
+        if msg.prefill_instance != self.instance_id:
+            if not isinstance(msg, Hello):
+                self._reply(identity, msg.room, f"prefill instance {msg.prefill_instance} is gone "
+                            f"(restarted as {self.instance_id})", PEER_RESTARTED)
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, RoomDest):
+            self._on_dest(identity, msg)
+        elif isinstance(msg, RoomAbort):
+            self._on_abort(identity, msg)
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        peer = self._peers.get(hello.decode_instance)
+        if peer is not None:
+            peer.identity = identity
+            return
+        try:
+            name = self.engine.add_remote(hello.agent_metadata)
+            remote = self.engine.prepare_remote(name, hello.kv, hello.aux)
+            self.engine.connect(name)
+            peer = DecodePeer(hello.decode_instance, identity, remote)
+        except Exception as exc:  # noqa: BLE001 - the peer is unusable, the worker is fine
+            log.warning("decode %s cannot be used: %s", hello.decode_instance, exc)
+            peer = DecodePeer(hello.decode_instance, identity, None, f"{type(exc).__name__}: {exc}")
+        self._peers[hello.decode_instance] = peer
+
+    def _on_dest(self, identity: bytes, dest: RoomDest) -> None:
+        with self._match:
+            sender = self._rooms.get(dest.room)
+            if sender is None:
+                ended = self._ended.get(dest.room)
+                if ended is None:
+                    self._pending[dest.room] = (dest, identity, time.monotonic())
+                    return
+        if sender is None:
+            self._reply(identity, dest.room, ended[0], ended[1])
+            return
+        self._attach(sender, dest, identity)
+
+    def _attach(self, sender: NixlSender, dest: RoomDest, identity: bytes) -> None:
+        peer = self._peers.get(dest.decode_instance)
+        if peer is None or peer.remote is None:
+            why = peer.error if peer is not None else "no Hello from this decode instance"
+            sender.peer_abort(f"decode {dest.decode_instance} is unusable: {why}", PEER_FAILED, identity)
+            return
+        sender.attach_dest(dest, peer, identity)
+
+    def _on_abort(self, identity: bytes, abort: RoomAbort) -> None:
+        with self._match:
+            sender = self._rooms.get(abort.room)
+            if sender is None:
+                self._pending.pop(abort.room, None)
+                if abort.room not in self._ended:
+                    self._early_aborts[abort.room] = (abort.reason, abort.kind, identity, time.monotonic())
+        if sender is None:  # nothing of decode's is touched: acknowledge at once
+            self._reply(identity, abort.room, f"room {abort.room} is not running on prefill", abort.kind)
+        else:
+            sender.peer_abort(abort.reason, abort.kind, identity)
+
+    def _prune(self) -> None:
+        """Forget destinations, aborts and endings older than the bootstrap timeout; a
+        destination nobody claimed fails on decode."""
+        cutoff = time.monotonic() - self.bootstrap_timeout
+        with self._match:
+            stale = [(r, v) for r, v in self._pending.items() if v[2] < cutoff]
+            for r, _ in stale:
+                del self._pending[r]
+            for table, at in ((self._early_aborts, 3), (self._ended, 2)):
+                for r in [r for r, v in table.items() if v[at] < cutoff]:
+                    del table[r]
+        for room, (_, identity, _) in stale:
+            self._reply(identity, room, f"prefill never received room {room} within "
+                        f"{self.bootstrap_timeout:g} s", "bootstrap_timeout")
+
+    # --- transfer workers ---------------------------------------------------------------
+    def _transfer_loop(self, stop: threading.Event) -> None:
+        select_device(self.engine.kv_args)  # the current device is thread-local
+        while not stop.is_set():
+            try:
+                sender = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            sender.transfer_finished(self._transfer(sender))
+
+    def _transfer(self, sender: NixlSender) -> str | None:
+        """Post and complete one room's WRITEs; the error, or None on success."""
+        if sender.abort_request is not None:
+            return None  # aborted before posting: nothing to undo
+        dest, remote = sender.dest, sender.peer.remote
+        try:
+            handles = self.engine.post_room_write(remote, sender.pages, dest.dst_pages,
+                                                  sender.aux_slot, dest.aux_slot)
+        except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
+            return f"{type(exc).__name__}: {exc}"
+        error = None
+        deadline = time.monotonic() + self.transfer_timeout
+        pending = list(handles)
+        while pending:
+            for h in list(pending):
+                state = self.engine.state(h)
+                if state == "DONE":
+                    pending.remove(h)
+                elif state == "ERR":
+                    error = error or "NIXL reported ERR for a WRITE"
+                    pending.remove(h)
+            if pending and time.monotonic() > deadline and error is None:
+                error = f"WRITEs still in flight after {self.transfer_timeout:g} s"
+            if pending and error is not None:
+                pending = [h for h in pending if not self._try_release(h)]
+                time.sleep(0.01)
+            elif pending:
+                time.sleep(0)  # yield the GIL; without NIXL's progress thread, polling is progress
+        for h in handles:
+            self._try_release(h)
+        if error is None and sender.abort_request is None:
+            try:
+                self.engine.send_notif(remote.agent_name, encode_xfer_done(sender.room, self.instance_id))
+            except Exception as exc:  # noqa: BLE001
+                error = f"completion notification failed: {type(exc).__name__}: {exc}"
+        return error
+
+    def _try_release(self, handle) -> bool:
+        """Release a transfer handle (cancels it if still running); False if NIXL refused."""
+        try:
+            self.engine.release(handle)
+            return True
+        except Exception:  # noqa: BLE001 - still running and not cancellable: keep polling
+            return False

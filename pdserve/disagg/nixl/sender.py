@@ -1,0 +1,136 @@
+"""Prefill side of one room over NIXL: waits for decode's destination, then its pages and
+aux record are WRITTEN by a transfer worker of :class:`~.prefill.NixlPrefillManager`.
+
+States: ``Bootstrapping`` (no destination yet; fails after the bootstrap timeout) ->
+``WaitingForInput`` (destination known) -> ``Transferring`` (``send`` queued/posted) ->
+``Success`` (NIXL reported every WRITE done; decode notified) or ``Failed``. A failure
+asked for while WRITEs are in flight (abort, decode's abort, injection) takes effect when
+they end, so ``Failed`` is never reported while NIXL may still read the pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll, KVSender
+from pdserve.disagg.messages import RoomDest
+from pdserve.disagg.rooms import BOOTSTRAP_TIMEOUT, PEER_FAILED, TRANSFER_ERROR, RoomHandle
+
+if TYPE_CHECKING:
+    from pdserve.disagg.nixl.prefill import DecodePeer, NixlPrefillManager
+
+
+class NixlSender(RoomHandle, KVSender):
+    """See module doc. Created by ``NixlPrefillManager.create_sender``."""
+
+    def __init__(self, room: int, manager: "NixlPrefillManager") -> None:
+        super().__init__(room, manager._rooms, manager._metrics, manager._injector)
+        self._mgr = manager
+        self._created = time.monotonic()
+        self.dest: RoomDest | None = None
+        self.peer: DecodePeer | None = None
+        self.reply_to: bytes | None = None  # decode's ZMQ identity, for RoomStatus
+        self.num_pages: int | None = None
+        self.aux_slot: int | None = None
+        self.pages: list[int] = []
+        self.sent_at = 0.0
+        self.inflight = False               # queued to or posted by a transfer worker
+        self.abort_request: tuple[str, str] | None = None
+
+    # --- engine side ------------------------------------------------------------------
+    def _tick(self) -> None:
+        if self._state == KVPoll.Bootstrapping and \
+                time.monotonic() - self._created > self._mgr.bootstrap_timeout:
+            self._fail(f"room {self.room}: decode's destination did not arrive within "
+                       f"{self._mgr.bootstrap_timeout:g} s (PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                       BOOTSTRAP_TIMEOUT)
+
+    def init(self, num_pages: int, aux_slot: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if not 0 <= aux_slot < self._mgr.engine.num_aux_slots:
+            raise ValueError(f"aux_slot must be in [0, {self._mgr.engine.num_aux_slots}), got {aux_slot}")
+        with self._lock:
+            self.num_pages, self.aux_slot = num_pages, aux_slot
+            self._check_counts()
+
+    def send(self, page_ids: list[int], aux: AuxRecord) -> None:
+        with self._lock:
+            if self.is_terminal():
+                return  # failed meanwhile; the engine sees it at its next poll
+            if self._state != KVPoll.WaitingForInput or self.aux_slot is None:
+                raise RuntimeError(f"send() on room {self.room} in state {self._state.name} "
+                                   f"(needs WaitingForInput after init)")
+            if aux.room != self.room:
+                raise ValueError(f"aux.room {aux.room} differs from the room {self.room}")
+            self.num_pages = len(page_ids)
+            if not self._check_counts():
+                return
+            args = self._mgr.engine.kv_args
+            ctypes.memmove(args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux.pack(), AUX_RECORD_BYTES)
+            self.pages = list(page_ids)
+            self._state = KVPoll.Transferring
+            self.sent_at = time.monotonic()
+            self.inflight = True
+        self._mgr.submit(self)
+
+    def _check_counts(self) -> bool:
+        """Fail the room when decode expects another number of pages (caller holds the lock)."""
+        if self.dest is not None and self.num_pages is not None and len(self.dest.dst_pages) != self.num_pages:
+            self._fail(f"room {self.room}: prefill has {self.num_pages} pages, decode allocated "
+                       f"{len(self.dest.dst_pages)}", TRANSFER_ERROR)
+            return False
+        return True
+
+    def _fail(self, reason: str, kind: str) -> None:
+        with self._lock:
+            if self.is_terminal():
+                return
+            if self.inflight:
+                self.abort_request = self.abort_request or (reason, kind)
+                return
+            self._finish_failed(reason, kind)
+        self._mgr.room_failed(self, reason, kind)
+
+    # --- control thread / transfer workers ----------------------------------------------
+    def attach_dest(self, dest: RoomDest, peer: "DecodePeer", identity: bytes) -> None:
+        """Decode's destination arrived (control thread)."""
+        with self._lock:
+            self.reply_to = identity
+            if self.is_terminal() or self.dest is not None:
+                terminal = self.is_terminal()
+            else:
+                terminal = False
+                self.dest, self.peer = dest, peer
+                if self._state == KVPoll.Bootstrapping:
+                    self._state = KVPoll.WaitingForInput
+                self._check_counts()
+        if terminal and self._state == KVPoll.Failed:
+            exc = self.failure_exception()
+            self._mgr.room_failed(self, str(exc), PEER_FAILED)
+
+    def peer_abort(self, reason: str, kind: str, identity: bytes) -> None:
+        """Decode gave up on the room (control thread); answered once terminal."""
+        with self._lock:
+            self.reply_to = identity
+            already = self.is_terminal()
+        if already:
+            self._mgr.room_failed(self, f"room {self.room} had already ended on prefill", kind)
+        else:
+            self._fail(f"decode gave up on room {self.room}: {reason}", kind)
+
+    def transfer_finished(self, error: str | None) -> None:
+        """A transfer worker is done with the room's WRITEs (NIXL no longer touches the pages)."""
+        with self._lock:
+            self.inflight = False
+            abort = self.abort_request
+        if error is not None:
+            self._fail(f"room {self.room}: KV transfer failed: {error}", TRANSFER_ERROR)
+        elif abort is not None:
+            self._fail(*abort)
+        else:
+            eng = self._mgr.engine
+            self._finish_success(len(self.pages) * eng.page_bytes + eng.kv_args.aux_item_len,
+                                 len(self.pages), time.monotonic() - self.sent_at)

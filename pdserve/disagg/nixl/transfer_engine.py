@@ -1,0 +1,197 @@
+"""A worker's NIXL agent with its KV pool and aux buffer registered once, and the WRITE
+of one room's pages through prepared descriptor lists.
+
+Descriptor lists are prepared once per side (local: at start; remote: once per peer
+instance) in NIXL's strided form, one row per KV buffer expanding to one descriptor per
+page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers are layer-major
+K/V, as in :class:`~pdserve.disagg.base.KVArgs`). A room's transfer lists its indices
+buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
+address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
+(measured: 2048 consecutive 4 KiB pages go 7x faster than 2048 scattered ones, and as
+fast as hand-built coalesced descriptors).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdserve.disagg.base import KVArgs
+from pdserve.disagg.messages import BufferDescs
+from pdserve.disagg.nixl.agent_init import NixlInitSpec, create_agent, device_type
+from pdserve.disagg.nixl.api import NixlApi
+
+
+def _as_str(name: Any) -> str:
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
+def _strided_rows(d: BufferDescs) -> np.ndarray:
+    """``int64[num_buffers, 5]`` rows ``(addr, item_len, dev_id, stride, count)``."""
+    rows = [(p, item, d.dev_id, item, n // item) for p, n, item in zip(d.ptrs, d.lens, d.item_lens)]
+    return np.asarray(rows, dtype=np.int64)
+
+
+def check_descs(d: BufferDescs, what: str) -> int:
+    """Number of items per buffer (all equal); ValueError naming ``what`` otherwise."""
+    if not d.ptrs or not len(d.ptrs) == len(d.lens) == len(d.item_lens):
+        raise ValueError(f"{what}: ptrs, lens and item_lens must be non-empty and of equal length")
+    counts = {n // item if item > 0 else -1 for n, item in zip(d.lens, d.item_lens)}
+    if len(counts) != 1 or min(counts) < 1:
+        raise ValueError(f"{what}: every buffer must hold the same number (>= 1) of items, got {sorted(counts)}")
+    return counts.pop()
+
+
+@dataclass
+class RemoteSide:
+    """A peer's memory as prepared descriptor lists on this agent."""
+
+    agent_name: str
+    kv: Any
+    aux: Any
+    num_pages: int
+    num_aux_slots: int
+    item_lens: tuple[int, ...]
+
+
+def page_indices(num_buffers: int, num_pages: int, pages: list[int]) -> np.ndarray:
+    """``int32[num_buffers * len(pages)]``: descriptor indices of ``pages`` in every buffer,
+    buffer-major, pages in the given order."""
+    buf = np.arange(num_buffers, dtype=np.int64)[:, None] * num_pages
+    return (buf + np.asarray(pages, dtype=np.int64)[None, :]).ravel().astype(np.int32)
+
+
+class NixlTransferEngine:
+    """The NIXL agent of one worker (see module doc). Thread-safe: the agent runs with
+    ``NIXL_THREAD_SYNC_STRICT``; the few Python-side dicts are guarded by a lock.
+
+    Raises at creation whatever :func:`create_agent` raises, and NIXL's errors when the
+    memory cannot be registered.
+    """
+
+    def __init__(self, api: NixlApi, kv_args: KVArgs, role: str, name: str,
+                 spec: NixlInitSpec | None = None) -> None:
+        self.name = name
+        self.role = role
+        self.kv_args = kv_args
+        self.agent, self.spec = create_agent(api, name, kv_args, role, spec)
+        on_gpu = device_type(kv_args) != "cpu"
+        self.kv_mem = "VRAM" if on_gpu else "DRAM"
+        dev = kv_args.gpu_id if on_gpu else 0
+        self.kv_descs = BufferDescs(list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens),
+                                    list(kv_args.kv_item_lens), self.kv_mem, dev)
+        self.aux_descs = BufferDescs([kv_args.aux_data_ptr], [kv_args.aux_data_len],
+                                     [kv_args.aux_item_len], "DRAM", 0)
+        self.num_pages = check_descs(self.kv_descs, "kv_args.kv_data_lens/kv_item_lens")
+        self.num_aux_slots = check_descs(self.aux_descs, "kv_args.aux_data_len/aux_item_len")
+        self.num_buffers = len(kv_args.kv_data_ptrs)
+        self.page_bytes = sum(kv_args.kv_item_lens)  # one page, all buffers
+        self._lock = threading.Lock()
+        self._regs: list[Any] = []
+        self._dlists: list[Any] = []
+        self._regs.append(self.agent.register_memory(
+            [(p, n, dev, "") for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)], self.kv_mem))
+        self._regs.append(self.agent.register_memory(
+            [(kv_args.aux_data_ptr, kv_args.aux_data_len, 0, "")], "DRAM"))
+        self.local_kv = self.local_aux = None
+        if role == "prefill":  # only the initiator of WRITEs needs local lists
+            self.local_kv = self._prep("NIXL_INIT_AGENT", self.kv_descs)
+            self.local_aux = self._prep("NIXL_INIT_AGENT", self.aux_descs)
+
+    def _prep(self, agent_name: str, d: BufferDescs) -> Any:
+        handle = self.agent.prep_xfer_dlist(agent_name, _strided_rows(d), d.mem_type)
+        with self._lock:
+            self._dlists.append(handle)
+        return handle
+
+    # --- metadata -----------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's agent metadata; returns its agent name."""
+        return _as_str(self.agent.add_remote_agent(metadata))
+
+    def remove_remote(self, agent_name: str) -> None:
+        self.agent.remove_remote_agent(agent_name)
+
+    def prepare_remote(self, agent_name: str, kv: BufferDescs, aux: BufferDescs) -> RemoteSide:
+        """Prepare a (loaded) peer's KV and aux memory as WRITE targets. ValueError when its
+        buffer geometry differs from ours."""
+        if len(kv.ptrs) != self.num_buffers or list(kv.item_lens) != list(self.kv_args.kv_item_lens):
+            raise ValueError(f"peer {agent_name}: KV buffers differ (count {len(kv.ptrs)} vs "
+                             f"{self.num_buffers}, page bytes {kv.item_lens[:2]}... vs "
+                             f"{list(self.kv_args.kv_item_lens[:2])}...)")
+        if aux.item_lens != [self.kv_args.aux_item_len]:
+            raise ValueError(f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}")
+        num_pages = check_descs(kv, f"peer {agent_name} kv")
+        num_slots = check_descs(aux, f"peer {agent_name} aux")
+        return RemoteSide(agent_name, self._prep(agent_name, kv), self._prep(agent_name, aux),
+                          num_pages, num_slots, tuple(kv.item_lens))
+
+    def release_remote(self, remote: RemoteSide) -> None:
+        for handle in (remote.kv, remote.aux):
+            with self._lock:
+                if handle in self._dlists:
+                    self._dlists.remove(handle)
+            handle.release()
+
+    def connect(self, agent_name: str) -> None:
+        """Open the connection ahead of the first WRITE (else the first one pays for it)."""
+        self.agent.make_connection(agent_name)
+
+    # --- transfers ------------------------------------------------------------------
+    def post_room_write(self, remote: RemoteSide, src_pages: list[int], dst_pages: list[int],
+                        src_slot: int, dst_slot: int) -> list[Any]:
+        """Post the WRITE of ``src_pages`` (all buffers) onto ``dst_pages`` of the peer, and
+        of aux slot ``src_slot`` onto the peer's ``dst_slot``. Returns the posted handles
+        (KV first; none for KV when there are no pages). ValueError for ids out of range."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages")
+        for what, pages, n in (("source", src_pages, self.num_pages), ("destination", dst_pages, remote.num_pages)):
+            if pages and not (0 <= min(pages) and max(pages) < n):
+                raise ValueError(f"{what} page id out of range [0, {n})")
+        if not 0 <= dst_slot < remote.num_aux_slots or not 0 <= src_slot < self.num_aux_slots:
+            raise ValueError(f"aux slot out of range (source {src_slot}, destination {dst_slot})")
+        handles = []
+        if src_pages:
+            handles.append(self.agent.make_prepped_xfer(
+                "WRITE", self.local_kv, page_indices(self.num_buffers, self.num_pages, src_pages),
+                remote.kv, page_indices(self.num_buffers, remote.num_pages, dst_pages)))
+        handles.append(self.agent.make_prepped_xfer(
+            "WRITE", self.local_aux, [src_slot], remote.aux, [dst_slot]))
+        for h in handles:
+            self.agent.transfer(h)
+        return handles
+
+    def state(self, handle: Any) -> str:
+        """``DONE``, ``PROC`` or ``ERR``."""
+        return self.agent.check_xfer_state(handle)
+
+    def release(self, handle: Any) -> None:
+        self.agent.release_xfer_handle(handle)
+
+    def send_notif(self, agent_name: str, payload: bytes) -> None:
+        self.agent.send_notif(agent_name, payload)
+
+    def new_notifs(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        """Release prepared lists and deregister memory (best effort)."""
+        with self._lock:
+            dlists, self._dlists = self._dlists, []
+            regs, self._regs = self._regs, []
+        for handle in dlists:
+            try:
+                handle.release()
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+        for reg in regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,41 @@
+"""Name registry of KV transfer backends; each backend module is imported only when chosen."""
+
+from __future__ import annotations
+
+import importlib
+
+from pdserve.disagg.base import KVArgs, KVManager
+
+# name -> (module, factory function(args, role, bootstrap_host=, bootstrap_port=) -> KVManager)
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "nixl": ("pdserve.disagg.nixl.factory", "create_nixl_manager"),
+    "fake": ("pdserve.disagg.fake", "FakeKVManager"),
+}
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def create_kv_manager(name: str, args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1",
+                      bootstrap_port: int = 0) -> KVManager:
+    """Create the KV manager of backend ``name`` (``"nixl"`` or ``"fake"``) for ``role``
+    (``"prefill"`` or ``"decode"``) over the memory described by ``args``.
+
+    bootstrap_host/bootstrap_port: where a prefill manager's bootstrap server listens
+    (port 0 picks a free port; read it back from ``manager.bootstrap_port``); decode
+    ignores them. Raises ValueError naming ``name`` or ``role`` when unknown; a NIXL
+    backend that cannot start raises its own error (ValueError for bad parameters,
+    TimeoutError naming the call, or NIXL's exception).
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"transfer backend name must be one of {sorted(_BACKENDS)}, got {name!r}")
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    if not 0 <= bootstrap_port <= 65535:
+        raise ValueError(f"bootstrap_port must be in [0, 65535], got {bootstrap_port}")
+    module_name, attr = _BACKENDS[name]
+    factory = getattr(importlib.import_module(module_name), attr)
+    if name == "fake":
+        return factory(args, role)
+    return factory(args, role, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port)

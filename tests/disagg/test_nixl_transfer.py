@@ -1,0 +1,172 @@
+"""End to end over real NIXL (UCX, CPU memory): prefill and decode managers in two
+processes, driven like the engine drives them (tests/disagg/disagg_peer.py).
+
+When NIXL cannot be used here these tests fail with the probe's reason (never skip).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from disagg_peer import Peer  # tests/disagg is on sys.path (rootdir-less test dirs)
+
+from pdserve.disagg.probe import nixl_problem
+
+QUICK = {"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS": "2", "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS": "0"}
+RESET = ("PDSERVE_TEST_DISAGG_FAILURE_PROB", "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+         "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    problem = nixl_problem()
+    if problem:
+        pytest.fail(problem)  # fail, never skip
+    prefill = Peer("prefill", QUICK, wait=False)
+    decode = Peer("decode", QUICK, wait=False)
+    try:
+        yield prefill.wait(), decode.wait()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.fixture
+def fresh(pair):
+    """The pair with new managers (default env) for each test."""
+    prefill, decode = pair
+    prefill.reset(QUICK, unset=RESET)
+    decode.reset(QUICK, unset=RESET)
+    return prefill, decode
+
+
+def _nothing_leaked(*peers: Peer) -> None:
+    for peer in peers:
+        state = peer.call("state")
+        assert state["free_pages"] == state["num_pages"], (peer.role, state)
+        assert state["free_slots"] == peer.num_slots, (peer.role, state)
+        assert state["live_rooms"] == 0, (peer.role, state)
+        assert state["healthy"], (peer.role, state)
+
+
+@pytest.mark.timeout(120)
+def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
+    prefill, decode = fresh
+    rooms = {(1 << 62) + 17 * i: 1 + (i * 5) % 9 for i in range(64)}  # 1..9 pages each
+    decode.run(rooms, port=prefill.port)
+    prefill.run(rooms)
+    got_d, got_p = decode.result(), prefill.result()
+    assert {r["state"] for r in got_p.values()} == {"Success"}, got_p
+    assert {r["state"] for r in got_d.values()} == {"Success"}, got_d
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
+    _nothing_leaked(prefill, decode)
+    stats_p, stats_d = prefill.call("state")["stats"], decode.call("state")["stats"]
+    pages = sum(rooms.values())
+    assert stats_p["pages_transferred"] == stats_d["pages_transferred"] == pages
+    assert stats_p["transfer_latency_seconds"]["count"] == len(rooms)
+    assert stats_p["transfers_failed_total"] == stats_d["transfers_failed_total"] == 0
+    assert set(stats_d["rooms"]) == {"Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("field,value", [("head_dim", 32), ("dtype", "bfloat16"), ("model", "other-model")])
+def test_layout_mismatch_fails_fast_on_both_sides_naming_the_field(pair, field, value):
+    prefill, decode = pair
+    prefill.reset(QUICK, unset=RESET)
+    decode.reset(QUICK, unset=RESET, layout_over={field: value})
+    rooms = {11: 2, 12: 3}
+    t0 = time.monotonic()
+    decode.run(rooms, port=prefill.port, timeout=20)
+    prefill.run(rooms, timeout=20)
+    got_d, got_p = decode.result(), prefill.result()
+    for got in (got_d, got_p):
+        assert {r["state"] for r in got.values()} == {"Failed"}
+        assert all(field in r["error"] for r in got.values()), got
+    assert time.monotonic() - t0 < 10  # the bootstrap timeout (300 s) plays no part
+    _nothing_leaked(prefill, decode)
+
+
+@pytest.mark.timeout(120)
+def test_decode_never_comes_prefill_fails_after_bootstrap_timeout(pair):
+    prefill, decode = pair
+    prefill.reset(dict(QUICK, PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT="1.0"), unset=RESET)
+    prefill.run({21: 2, 22: 4}, timeout=20)
+    got = prefill.result()
+    assert {r["state"] for r in got.values()} == {"Failed"}
+    assert all("PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in r["error"] for r in got.values()), got
+    assert all(0.9 < r["t"] < 5 for r in got.values()), got
+    _nothing_leaked(prefill)
+    assert prefill.call("state")["stats"]["transfers_failed"] == {"bootstrap_timeout": 2}
+
+
+@pytest.mark.timeout(120)
+def test_failure_injection_leaks_nothing(pair):
+    prefill, decode = pair
+    env = dict(QUICK, PDSERVE_TEST_DISAGG_FAILURE_PROB="0.2")
+    prefill.reset(env, unset=RESET)
+    decode.reset(env, unset=RESET)
+    rooms = {1000 + i: 1 + i % 4 for i in range(100)}
+    decode.run(rooms, port=prefill.port, timeout=60)
+    prefill.run(rooms, timeout=60)
+    got_d, got_p = decode.result(90), prefill.result(90)
+    assert len(got_d) == len(got_p) == 100  # every room reached a terminal state and was closed
+    assert any(r["state"] == "Failed" and "injected" in r["error"] for r in got_d.values())
+    assert any(r["state"] == "Failed" and "injected" in r["error"] for r in got_p.values())
+    assert any(r["state"] == "Success" for r in got_d.values())  # injection is per state, not per call
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values() if r["state"] == "Success")
+    _nothing_leaked(prefill, decode)
+
+
+@pytest.mark.timeout(120)
+def test_abort_from_either_side_at_any_state(fresh):
+    prefill, decode = fresh
+    rooms = {2000 + i: 1 + i % 6 for i in range(60)}
+    aborts_d = {r: (i % 7) * 0.01 for i, r in enumerate(rooms) if i % 3 == 0}
+    aborts_p = {r: (i % 5) * 0.01 for i, r in enumerate(rooms) if i % 3 == 1}
+    decode.run(rooms, port=prefill.port, abort_after=aborts_d)
+    prefill.run(rooms, abort_after=aborts_p, send_delay=0.02)
+    got_d, got_p = decode.result(), prefill.result()
+    assert len(got_d) == len(got_p) == len(rooms)
+    for room in aborts_d:
+        assert got_d[room]["state"] == "Failed" or got_p[room]["state"] == "Success"
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values() if r["state"] == "Success")
+    untouched = [r for i, r in enumerate(rooms) if i % 3 == 2]
+    assert all(got_d[r]["state"] == got_p[r]["state"] == "Success" for r in untouched)
+    _nothing_leaked(prefill, decode)
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_live_room_is_rejected(pair):
+    prefill, decode = pair
+    for peer in (prefill, decode):
+        assert peer.call("duplicate").startswith("DuplicateRoomError: bootstrap_room 7 is still live")
+
+
+@pytest.mark.timeout(120)
+def test_killing_prefill_mid_transfer_fails_decode_rooms_within_heartbeat_bound(pair):
+    _, decode = pair
+    decode.reset(dict(QUICK, PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="0.2",
+                      PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2"), unset=RESET)
+    victim = Peer("prefill", QUICK)
+    try:
+        rooms = {3000 + i: 3 for i in range(8)}
+        decode.run(rooms, port=victim.port, timeout=30)
+        victim.run(rooms, send_delay=60)  # destinations arrive, KV never sent: rooms stay in flight
+        time.sleep(1.0)
+        assert decode.call("state")["stats"]["rooms"]["Transferring"] == len(rooms)
+        killed_at = time.monotonic()
+        victim.kill()
+        got = decode.result()
+        assert {r["state"] for r in got.values()} == {"Failed"}
+        assert all("heartbeat" in r["error"] for r in got.values()), got
+        assert time.monotonic() - killed_at < 0.2 * 2 + 2.0
+    finally:
+        victim.kill()
+    _nothing_leaked(decode)
+    decode.call("break_thread")  # a dead background thread makes the manager unhealthy
+    deadline = time.monotonic() + 5
+    while decode.call("state")["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not decode.call("state")["healthy"]
