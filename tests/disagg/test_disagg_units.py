@@ -1,0 +1,118 @@
+"""Small pieces of pdserve.disagg without NIXL: run_with_deadline, the wire, the registry,
+the fake backend, metrics, failure injection."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+
+from pdserve.disagg import messages
+from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVArgs, KVLayout, KVPoll
+from pdserve.disagg.deadline import run_with_deadline
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.registry import create_kv_manager
+from pdserve.disagg.rooms import FailureInjector
+
+ARGS = KVArgs((0,), (4096,), (512,), 0, 1024, 256, KVLayout("m", "float32", 4, 1, 1, 8))
+
+
+def test_run_with_deadline_passes_result_and_runs_on_a_helper_thread():
+    caller = threading.get_ident()
+    result, ident = run_with_deadline(lambda: ("value", threading.get_ident()), 5, "probe")
+    assert result == "value" and ident != caller
+
+
+def test_run_with_deadline_reraises_the_same_exception_object():
+    boom = KeyError("x")
+
+    def fail():
+        raise boom
+
+    with pytest.raises(KeyError) as info:
+        run_with_deadline(fail, 5, "probe")
+    assert info.value is boom
+
+
+@pytest.mark.timeout(10)
+def test_run_with_deadline_times_out_naming_what():
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match="the slow call did not finish within 0.1 s"):
+        run_with_deadline(release.wait, 0.1, "the slow call")
+    release.set()
+    for t in threading.enumerate():
+        if t.name == "deadline:the slow call":
+            t.join(5)
+
+
+def test_control_messages_round_trip_and_reject_other_versions():
+    msg = messages.RoomDest(room=2**63 + 5, prefill_instance="p", decode_instance="d", dst_pages=[3, 1, 2],
+                            aux_slot=4)
+    assert messages.decode_control(messages.encode_control(msg)) == msg
+    other = msgspec.msgpack.encode({"v": 99, "msg": {"type": "dest"}})
+    with pytest.raises(messages.WireError, match="protocol_version: ours 1 vs theirs 99"):
+        messages.decode_control(other)
+    with pytest.raises(messages.WireError):
+        messages.decode_xfer_done(b"\xff\x00garbage")
+    assert messages.decode_xfer_done(messages.encode_xfer_done(7, "p")).room == 7
+
+
+def test_registry_rejects_unknown_names():
+    with pytest.raises(ValueError, match="transfer backend name"):
+        create_kv_manager("mooncake", ARGS, "prefill")
+    with pytest.raises(ValueError, match="role"):
+        create_kv_manager("fake", ARGS, "mixed")
+
+
+def test_fake_backend_completes_rooms_without_a_peer():
+    p = create_kv_manager("fake", ARGS, "prefill")
+    d = create_kv_manager("fake", ARGS, "decode")
+    s = p.create_sender(5)
+    with pytest.raises(DuplicateRoomError):
+        p.create_sender(5)
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([1, 2], AuxRecord(5, 9, -0.5))
+    assert s.poll() == KVPoll.Success
+    s.close()
+    d.provide_aux(6, AuxRecord(6, 42, -0.25))
+    r, r0 = d.create_receiver("h", 1, 6), d.create_receiver("h", 1, 7)
+    for rx in (r, r0):
+        assert rx.poll() == KVPoll.WaitingForInput
+        rx.init([0, 1], 0)
+        assert rx.poll() == KVPoll.Success
+        rx.close()
+    assert r.aux_record() == AuxRecord(6, 42, -0.25) and r0.aux_record() == AuxRecord(7, 0, 0.0)
+    assert d.stats()["live_rooms"] == 0 and d.stats()["transfers_succeeded"] == 2
+    with pytest.raises(RuntimeError, match="twice"):
+        r.close()
+    a = p.create_sender(8)
+    a.abort()
+    assert a.poll() == KVPoll.Failed and "aborted" in str(a.failure_exception())
+    a.close()
+    assert p.stats()["transfers_failed"] == {"aborted": 1}
+    with pytest.raises(ValueError, match="bootstrap_room"):
+        p.create_sender(-1)
+
+
+def test_metrics_histogram_is_cumulative():
+    m = TransferMetrics()
+    for s in (0.0005, 0.003, 0.003, 400.0):
+        m.record_success(100, 2, s)
+    m.record_failure("waiting_timeout")
+    snap = m.snapshot()
+    lat = snap["transfer_latency_seconds"]
+    assert lat["buckets"]["0.001"] == 1 and lat["buckets"]["0.005"] == 3 and lat["buckets"]["300"] == 3
+    assert lat["buckets"]["+Inf"] == lat["count"] == 4
+    assert snap["bytes_transferred"] == 400 and snap["transfers_failed"] == {"waiting_timeout": 1}
+
+
+def test_failure_injection_probability(monkeypatch):
+    monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "0.2")
+    inj = FailureInjector(seed=1)
+    hits = sum(inj.roll() for _ in range(5000))
+    assert 800 < hits < 1200
+    monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "1.5")
+    with pytest.raises(ValueError, match="PDSERVE_TEST_DISAGG_FAILURE_PROB"):
+        FailureInjector()
