@@ -40,7 +40,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 class _RequestMetrics:
     """ASGI middleware: counts finished API requests by status and observes their latency
-    (streams: until the last byte)."""
+    (streams: until the last byte). API bodies are always JSON, so a request without a
+    Content-Type (``curl -d``) is read as JSON too."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -50,6 +51,10 @@ class _RequestMetrics:
         if scope["type"] != "http" or path not in _COUNTED:
             return await self.app(scope, receive, send)
         start, status = time.perf_counter(), {"code": 499}
+        headers = scope.get("headers") or []
+        if not any(k.lower() == b"content-type" and b"json" in v.lower() for k, v in headers):
+            scope = dict(scope, headers=[(k, v) for k, v in headers if k.lower() != b"content-type"]
+                         + [(b"content-type", b"application/json")])
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
