@@ -82,7 +82,7 @@ def _check_children(children: list[Child]) -> None:
                                f"  last lines of {child.log_path}:\n{child.log_tail()}")
 
 
-def _wait_ready(children: list[Child], everyone: list[Child], timeout: float) -> None:
+def _wait_ready(children: list[Child], everyone: list[Child], timeout: float, *, quiet: bool = False) -> None:
     """Poll ``children``'s /health until all answer 200, printing progress; RuntimeError
     if any of ``everyone`` exits or the timeout passes."""
     start = time.monotonic()
@@ -95,13 +95,15 @@ def _wait_ready(children: list[Child], everyone: list[Child], timeout: float) ->
             elapsed = time.monotonic() - start
             line = (f"waiting for pdserve ({elapsed:4.0f} s): " +
                     ", ".join(f"{name} {'ready' if ok else 'loading'}" for name, ok in states.items()))
-            if tty:
+            if quiet:
+                pass
+            elif tty:
                 print("\r" + line, end="", flush=True)
             elif line.split(": ", 1)[1] != last_line:  # logs: print only when something changed
                 print(line, flush=True)
                 last_line = line.split(": ", 1)[1]
             if all(states.values()):
-                if tty:
+                if tty and not quiet:
                     print()
                 return
             if elapsed > timeout:
@@ -119,7 +121,7 @@ def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> st
     lines += [f"  logs in {router.log_path.parent}", "", "Try:",
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
-              "\"max_tokens\": 64}'",
+              "\"max_tokens\": 64, \"temperature\": 0}'",
               "", "Press Ctrl-C to stop."]
     return "\n".join(lines)
 
@@ -150,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
             child.start()
             print(f"started {child.name} (pid {child.pid}) on {child.url}, log {child.log_path}", flush=True)
         _wait_ready(workers, children, args.ready_timeout)
-        _wait_ready([router], children, 60.0)
+        _wait_ready([router], children, 60.0, quiet=True)
         print(_banner(args, workers, router), flush=True)
         while True:
             _check_children(children)

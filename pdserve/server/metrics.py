@@ -11,31 +11,45 @@ import re
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def _flatten(prefix: str, value: Any, labels: tuple[tuple[str, str], ...] = ()) -> Iterable[tuple[str, tuple, float]]:
-    """(metric name, labels, value) for every number in a nested stats dict; a dict whose
-    keys are not identifiers (reasons, states) becomes a label of its parent."""
-    if isinstance(value, bool):
-        yield prefix, labels, float(value)
-    elif isinstance(value, (int, float)):
-        yield prefix, labels, float(value)
-    elif isinstance(value, dict):
-        for key, sub in value.items():
-            key = str(key)
-            if isinstance(sub, (int, float)) and not isinstance(sub, bool) and not key.isidentifier():
-                yield prefix, labels + (("key", key),), float(sub)
-            else:
-                yield from _flatten(f"{prefix}_{_NAME.sub('_', key)}", sub, labels)
+_LABELS = {"rooms": "state", "transfers_failed": "reason"}  # label name of a nested {name: number} dict
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bools too: healthy -> 1/0
+
+
+def _families(prefix: str, data: dict) -> Iterable[Any]:
+    """Metric families for a stats dict: numbers -> gauges; ``{sum, count, buckets}`` ->
+    a histogram (cumulative buckets keyed by upper bound); a nested ``{name: number}``
+    dict -> one gauge with a label (``state``, ``reason`` or ``key``); strings are skipped."""
+    for key, value in data.items():
+        name = f"{prefix}_{_NAME.sub('_', str(key))}"
+        if _is_number(value):
+            yield GaugeMetricFamily(name, f"{key} (from {prefix})", value=float(value))
+        elif isinstance(value, dict) and {"sum", "count", "buckets"} <= set(value):
+            buckets = [(str(le), float(n)) for le, n in value["buckets"].items()]
+            if not buckets or buckets[-1][0] != "+Inf":
+                buckets.append(("+Inf", float(value["count"])))
+            yield HistogramMetricFamily(name, f"{key} (from {prefix})", buckets=buckets,
+                                        sum_value=float(value["sum"]))
+        elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
+            family = GaugeMetricFamily(name, f"{key} (from {prefix})", labels=[_LABELS.get(str(key), "key")])
+            for label, number in value.items():
+                family.add_metric([str(label)], float(number))
+            yield family
+        elif isinstance(value, dict):
+            yield from _families(name, value)
 
 
 class _SnapshotCollector:
-    """Gauges read at scrape time from callables returning nested dicts of numbers."""
+    """Metrics read at scrape time from callables returning stats dicts."""
 
     def __init__(self, sources: dict[str, Callable[[], dict | None]]) -> None:
         self._sources = sources
@@ -44,18 +58,9 @@ class _SnapshotCollector:
         for prefix, source in self._sources.items():
             try:
                 data = source() or {}
-            except Exception:
+            except Exception:  # a failing source must not break /metrics
                 continue
-            families: dict[str, tuple[list[str], GaugeMetricFamily]] = {}
-            for name, labels, number in _flatten(prefix, data):
-                keys = [k for k, _ in labels]
-                if name not in families:
-                    families[name] = (keys, GaugeMetricFamily(name, f"{name} (from the {prefix} snapshot)",
-                                                              labels=keys))
-                if families[name][0] == keys:
-                    families[name][1].add_metric([v for _, v in labels], number)
-            for _, family in families.values():
-                yield family
+            yield from _families(prefix, data)
 
 
 class ServerMetrics:
