@@ -22,6 +22,16 @@ class _Stop(Exception):
     """SIGTERM/SIGINT arrived."""
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return ids
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``pdserve up``."""
     p = subparsers.add_parser("up", help="start prefill + decode workers and a router on this machine",
@@ -37,6 +47,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="router policy (default %(default)s)")
     p.add_argument("--transfer-backend", choices=("nixl", "fake"), default="nixl",
                    help="KV transfer backend of the workers (default %(default)s)")
+    p.add_argument("--prefill-gpu-ids", type=_int_list, default=None, metavar="IDS",
+                   help="comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id")
+    p.add_argument("--decode-gpu-ids", type=_int_list, default=None, metavar="IDS",
+                   help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id")
     p.add_argument("--ready-timeout", type=float, default=900.0,
                    help="seconds to wait for every process to become ready (default %(default)s)")
     p.add_argument("--log-dir", default=None,
@@ -53,10 +67,13 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     passthrough = engine_argv(args)
     workers: list[Child] = []
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+        gpu_ids = getattr(args, f"{role}_gpu_ids")
         for i in range(count):
             port = free_port(args.host)
             argv = py + ["serve", "--role", role, "--host", args.host, "--port", str(port),
                          "--disaggregation-transfer-backend", args.transfer_backend, *passthrough]
+            if gpu_ids:
+                argv += ["--gpu-id", str(gpu_ids[i % len(gpu_ids)])]  # the last --gpu-id wins
             if role == "prefill":
                 argv += ["--disaggregation-bootstrap-host", args.host, "--disaggregation-bootstrap-port", "0"]
             workers.append(Child(f"{role}-{i}", f"http://{args.host}:{port}", argv, log_dir / f"{role}-{i}.log"))
