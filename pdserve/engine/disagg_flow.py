@@ -4,8 +4,8 @@ Prefill role: the request waits without pages until ``sender.poll() >= WaitingFo
 then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after its last
 prefill chunk the first token is sampled, the aux record written and
 ``sender.send(pages, aux)`` posted; at ``Success`` it finishes with that one token.
-Decode role: once ``receiver.poll() >= WaitingForInput`` (and nothing preempted is
-queued) it gets pages for the prompt and an aux slot, ``receiver.init(pages, slot)``;
+Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
+queue) it gets pages for the prompt and an aux slot, ``receiver.init(pages, slot)``;
 at ``Success`` it joins the batch with the prompt "computed elsewhere" and the first
 token from the aux record.  Pages handed to the transfer layer are freed only after a
 terminal poll (also after an abort); then ``close()`` is called once.
@@ -136,8 +136,8 @@ class DisaggFlow:
 
     def admit_receivers(self) -> list[Request]:
         """Give ready decode requests their prompt's pages and an aux slot, FCFS, while
-        nothing preempted waits (recomputing running work comes first).  Returns the
-        requests that failed on the way."""
+        no request waits in the queue (joined or preempted work runs first: KV is not
+        received faster than it can be used).  Returns the requests that failed on the way."""
         failed: list[Request] = []
         if self._scheduler.waiting:
             return failed

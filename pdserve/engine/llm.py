@@ -132,7 +132,12 @@ class LLM:
             done: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(live), disable=not use_tqdm, desc="generate")
             while live:
-                for out in self.engine.step():
+                steps = self.engine.stats()["steps"]
+                outs = self.engine.step()
+                if not outs and self.engine.stats()["steps"] == steps:
+                    raise RuntimeError("engine made no progress (a scheduler bug): "
+                                       f"{len(live)} requests left, stats {self.engine.stats()}")
+                for out in outs:
                     if out.finished:
                         done[out.request_id] = out
                         live.discard(out.request_id)
