@@ -48,6 +48,9 @@ class EngineCore:
         self.device = resolve_device(mc)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.source = load_model_source(mc.model, seed=mc.seed)
+        if not hasattr(self.source.tokenizer, "backend_tokenizer"):
+            raise ValueError(f"model {mc.model!r}: its tokenizer is not a fast (tokenizers) one, "
+                             "which incremental detokenization needs")
         self.model = LlamaForCausalLM(self.source.hf_config, dtype=self.dtype, device=self.device)
         self.model.load_weights(self.source.weights())
         shapes = self.model.shapes
@@ -120,7 +123,8 @@ class EngineCore:
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator.manual_seed(seed % 2**64)  # any integer seed is valid; torch takes 64 bits
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals,

@@ -75,6 +75,8 @@ def test_seeds_n_and_batch_independence(tiny_llm):
     assert [c.index for c in multi.outputs] == [0, 1, 2]
     assert multi.outputs[0].token_ids == alone  # sample i uses seed + i
     assert len({tuple(c.token_ids) for c in multi.outputs}) == 3
+    for seed in (-1, 2**70):  # any integer is a valid seed
+        assert tiny_llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=2, seed=seed))[0].finished
     twice = tiny_llm.generate([PROMPT], SamplingParams(n=2, temperature=0, max_tokens=8))[0]
     assert twice.outputs[0].token_ids == twice.outputs[1].token_ids
 
@@ -160,3 +162,35 @@ def test_chat_applies_the_template(tiny_llm):
                    add_special_tokens=False)["input_ids"]
     assert out.prompt_token_ids == expected
     assert len(tiny_llm.chat([msgs, msgs], SamplingParams(max_tokens=2))) == 2
+
+
+def test_abort_storm_leaves_pages_and_outputs_as_before(tiny_model_dir):
+    import random
+
+    llm = LLM(tiny_model_dir("llama"), device="cpu", num_pages=40, page_size=4, max_num_batched_tokens=24)
+    core = llm.engine
+    canary = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    before = llm.generate([PROMPT], canary)[0].outputs[0]
+    rng = random.Random(0)
+    live: set[str] = set()
+    for i in range(40):
+        if i < 25:
+            rid = f"s{i}"
+            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 20),
+                                    ignore_eos=True, prompt_logprobs=rng.choice([None, 1]))
+            core.add_request(rid, [rng.randrange(100, 5000) for _ in range(rng.randint(1, 60))], params)
+            live.add(rid)
+        for _ in range(rng.randint(0, 3)):
+            for out in core.step():
+                if out.finished:
+                    live.discard(out.request_id)
+        if live and rng.random() < 0.5:
+            victim = rng.choice(sorted(live))
+            core.abort_request(victim)
+            live.discard(victim)
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.stats()["num_preemptions"] > 0  # the storm really squeezed the pool
+    assert core.num_free_pages == 40
+    after = llm.generate([PROMPT], canary)[0].outputs[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
