@@ -84,8 +84,8 @@ class WorkerPool:
             resp = await self._client.get(f"{worker.url}/health", timeout=self._timeout)
             if resp.status_code != 200:
                 raise RuntimeError(f"/health answered HTTP {resp.status_code}: {resp.text[:200]}")
-            if worker.role == "prefill" and (not worker.healthy or not worker.server_info):
-                # A restarted prefill may listen on a new bootstrap port: refresh on restore.
+            if worker.role == "prefill":
+                # A prefill restarted on the same URL may have a new bootstrap port.
                 info = (await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)).json()
                 if not isinstance(info.get("bootstrap_port"), int):
                     raise RuntimeError("/get_server_info has no bootstrap_port (is it a prefill worker?)")

@@ -38,7 +38,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:
     """Run ``app`` under uvicorn on an already bound socket until SIGINT/SIGTERM."""
-    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_keep_alive=30)
+    # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_keep_alive=30,
+                            timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
 

@@ -272,6 +272,29 @@ def test_health_generate_and_metrics_on_pd_workers(cluster):
     assert "pdserve_kv_transfer" in text and "pdserve_engine_num_free_pages" in text
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_through_the_router_aborts_both_legs(cluster, stream):
+    body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": stream}
+    decode = cluster["decode"]
+    before = decode.get_info()["engine"]["generation_tokens"]
+    try:
+        with httpx.Client(timeout=httpx.Timeout(60, read=1.5)) as client:
+            if stream:
+                with client.stream("POST", cluster["router"].url + "/v1/completions", json=body) as r:
+                    next(r.iter_lines())  # the request is decoding; leaving closes the connection
+            else:
+                client.post(cluster["router"].url + "/v1/completions", json=body)
+    except httpx.ReadTimeout:
+        pass
+    assert decode.get_info()["engine"]["generation_tokens"] > before
+    for name in ("prefill", "decode"):
+        proc = cluster[name]
+        wait_for(lambda: proc.get_info()["num_free_pages"] == cluster["baseline"][name], 30,
+                 f"{name} to abort the abandoned request and free its pages")
+    assert decode.get_info()["engine"]["num_running"] == 0
+    assert httpx.get(cluster["router"].url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
+
+
 def test_all_processes_healthy_and_pages_back_at_baseline(cluster):
     assert_all_healthy(cluster["procs"])
     for name in ("prefill", "decode"):
