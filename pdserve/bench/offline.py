@@ -43,15 +43,31 @@ def _parse_counts(text: str) -> list[int]:
 
 
 def _hf_model(engine):
-    """The HF reference model with the engine's exact weights, dtype and device."""
+    """The HF reference model with the engine's exact weights, dtype and device (built on
+    the device without random init, weights streamed in one tensor at a time)."""
+    import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_config(engine.source.hf_config, dtype=engine.dtype)
-    missing, unexpected = model.load_state_dict(dict(engine.source.weights()), strict=False)
-    if unexpected or any(not k.startswith("lm_head") for k in missing):
-        raise ValueError(f"model: weights do not fit the transformers model ({missing[:3]}, {unexpected[:3]})")
-    model.tie_weights()
-    return model.to(engine.device).eval()
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights(), torch.device(engine.device):
+        model = transformers.AutoModelForCausalLM.from_config(engine.source.hf_config, dtype=engine.dtype)
+    params = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in engine.source.weights():
+            if name not in params:
+                raise ValueError(f"model: weight {name!r} does not fit the transformers model")
+            params[name].copy_(tensor)
+            loaded.add(name)
+    model.tie_weights()  # no_init_weights skips the tying of lm_head to the embeddings
+    missing = [k for k in params if k not in loaded and not k.startswith("lm_head")]
+    if missing or (model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+                   and "lm_head.weight" not in loaded):
+        raise ValueError(f"model: weights missing for the transformers model: {missing[:3] or ['lm_head']}")
+    return model.eval()
 
 
 def _prompts(llm, n: int) -> list[list[int]]:
@@ -94,7 +110,9 @@ def run_offline(args: argparse.Namespace) -> int:
         counts = _parse_counts(args.num_prompts)
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_running_requests=max(counts))
+        # On a GPU the pool leaves room for the transformers copy of the model.
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_running_requests=max(counts),
+                  gpu_memory_utilization=0.4)
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
