@@ -6,26 +6,17 @@ import json
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-          500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable",
-          504: "timeout_error"}
-
-
-def error_body(status: int, message: str, *, param: str | None = None) -> dict:
-    """Return ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``code``
-    is the HTTP status)."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"),
-                      "param": param, "code": status}}
+from pdserve.server.http_errors import error_json
 
 
 def error_response(status: int, message: str, *, param: str | None = None) -> JSONResponse:
-    """A JSON error response with ``status`` and the body of :func:`error_body`."""
-    return JSONResponse(error_body(status, message, param=param), status_code=status)
+    """A JSON error response with ``status`` and OpenAI's error body."""
+    return JSONResponse(error_json(status, message, param), status_code=status)
 
 
 def sse_error(status: int, message: str) -> bytes:
     """One SSE event carrying an error body, followed by the terminating ``[DONE]`` event."""
-    return (f"data: {json.dumps(error_body(status, message))}\n\n" "data: [DONE]\n\n").encode()
+    return (f"data: {json.dumps(error_json(status, message))}\n\n" "data: [DONE]\n\n").encode()
 
 
 def error_from_worker(status: int, content: bytes, who: str) -> JSONResponse:

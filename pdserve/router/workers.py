@@ -23,8 +23,8 @@ class NoHealthyWorker(RuntimeError):
 class WorkerPool:
     """All workers of the router, grouped by role (``prefill``/``decode`` or ``mixed``).
 
-    Health: a worker is healthy after a ``GET /health`` returned 200 (and, for prefill
-    workers, its ``/get_server_info`` gave a bootstrap port); ``failure_threshold``
+    Health: a worker is healthy after a ``GET /health`` returned 200 and its
+    ``/get_server_info`` names the expected role (and, for prefill, a bootstrap port); ``failure_threshold``
     consecutive failed probes (or failed dispatches) eject it; the next good probe
     restores it.
     """
@@ -84,12 +84,15 @@ class WorkerPool:
             resp = await self._client.get(f"{worker.url}/health", timeout=self._timeout)
             if resp.status_code != 200:
                 raise RuntimeError(f"/health answered HTTP {resp.status_code}: {resp.text[:200]}")
-            if worker.role == "prefill":
-                # A prefill restarted on the same URL may have a new bootstrap port.
-                info = (await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)).json()
-                if not isinstance(info.get("bootstrap_port"), int):
-                    raise RuntimeError("/get_server_info has no bootstrap_port (is it a prefill worker?)")
-                worker.server_info = info
+            # Every check: a worker restarted on the same URL may have another role or (prefill)
+            # another bootstrap port.
+            info = (await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)).json()
+            if info.get("role") != worker.role:
+                raise RuntimeError(f"it serves role {info.get('role')!r}, not {worker.role!r} "
+                                   f"(check the router's --prefill/--decode/--worker flags)")
+            if worker.role == "prefill" and not isinstance(info.get("bootstrap_port"), int):
+                raise RuntimeError("/get_server_info has no bootstrap_port")
+            worker.server_info = info
         except Exception as exc:  # any failure of the probe counts against the worker
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not worker.healthy:

@@ -17,10 +17,10 @@ from pdserve.disagg.base import KVManager
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.disconnect import ClientDisconnected
 from pdserve.server.generate_api import build_generate_router
+from pdserve.server.http_errors import error_json
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
 from pdserve.server.serving import APIError, Job, make_params
-from pdserve.server.streaming import error_json
 
 _COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate")
 

@@ -67,9 +67,14 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         app, info = build_worker(engine_cfg, server_cfg, disagg_cfg)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad model/device, taken bootstrap port, init timeout
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # e.g. the transfer backend cannot start: one readable line
+        log.debug("start-up failed", exc_info=True)
+        print(f"pdserve serve: error: {type(exc).__name__}: {exc} (PDSERVE_LOG_LEVEL=DEBUG for the traceback)",
+              file=sys.stderr)
+        return 1
     extra = f", bootstrap port {info['bootstrap_port']}" if info.get("bootstrap_port") else ""
     print(f"pdserve worker ({disagg_cfg.role}) serving {info['served_model_name']} on "
           f"http://{server_cfg.host}:{port}{extra}", flush=True)

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.server.disconnect import cancel_on_disconnect
+from pdserve.server.http_errors import error_json
 from pdserve.server.serving import APIError, Job, Serving
 
 ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]
@@ -20,13 +21,6 @@ ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]
 
 def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-def error_json(status: int, message: str, param: str | None = None) -> dict:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-            503: "service_unavailable"}.get(status, "internal_server_error" if status >= 500 else "error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 async def sse_response(request: Request, serving: Serving, job: Job, chunks: ChunkFn,

@@ -131,3 +131,19 @@ def test_router_bad_input_and_metrics(setup):
     assert 'pdserve_router_requests_total{endpoint="/generate",status="200"}' in text
     assert "pdserve_router_worker_healthy" in text and "pdserve_router_request_latency_seconds" in text
     assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "fake"
+
+
+def test_a_worker_of_the_wrong_role_is_never_used(setup):
+    prefill, decode, _ = setup
+    p_url = httpx.get(setup[2] + "/get_server_info").json()["workers"][0]["url"]
+    wrong = RouterConfig(prefill_urls=(p_url,), decode_urls=(p_url,), health_check_interval=0.1)
+    router = ThreadedServer(build_router_app(wrong))
+    url = router.start()
+    try:
+        assert httpx.get(url + "/health").status_code == 503
+        info = httpx.get(url + "/get_server_info").json()["workers"]
+        assert "serves role 'prefill', not 'decode'" in [w for w in info if w["role"] == "decode"][0]["last_error"]
+        r = httpx.post(url + "/generate", json={"text": "x"})
+        assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"]
+    finally:
+        router.stop()
