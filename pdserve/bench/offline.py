@@ -4,7 +4,9 @@ Same model weights (the engine's ``ModelSource`` loaded into the HF model class)
 prompts (GSM8K test questions under the chat template), same device and dtype, greedy,
 fixed output length (EOS ignored).  For each concurrency the two run interleaved,
 ``--repeats`` times after a warm-up; we report median output tokens/s of each and the
-ratio (BENCHMARKS.md: a ratio measured in one run is what means something here).
+ratio (BENCHMARKS.md: a ratio measured in one run is what means something here), and how
+many outputs (and first tokens) are identical — all of them in fp32; in bf16 near-ties of
+random weights make whole sequences diverge.
 """
 
 from __future__ import annotations
@@ -124,11 +126,12 @@ def run_offline(args: argparse.Namespace) -> int:
     results = []
     print(f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
           f"  max_tokens {args.max_tokens}  repeats {args.repeats}")
-    print(f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same tokens':>11}")
+    print(f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}")
     for n in counts:
         prompts = all_prompts[:n]
-        _time_ours(llm, prompts, 2)  # warm-up: first-call allocations on both sides
-        _time_hf(hf, prompts, 2, pad_id, engine.device)
+        # Warm-up at full length: first-call allocations, kernel selection for every shape.
+        _time_ours(llm, prompts, args.max_tokens)
+        _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
         ours_runs, hf_runs = [], []
         for _ in range(args.repeats):  # interleaved, so load changes hit both alike
             dt, ours_ids = _time_ours(llm, prompts, args.max_tokens)
@@ -136,12 +139,15 @@ def run_offline(args: argparse.Namespace) -> int:
             dt, hf_ids = _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
             hf_runs.append(n * args.max_tokens / dt)
         same = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
+        same_first = sum(a[0] == b[0] for a, b in zip(ours_ids, hf_ids)) / n
         row = {"num_prompts": n, "ours_tok_s": statistics.median(ours_runs),
                "hf_tok_s": statistics.median(hf_runs), "ours_runs": ours_runs, "hf_runs": hf_runs,
-               "identical_outputs": same, "prompt_lens": [len(p) for p in prompts]}
+               "identical_outputs": same, "identical_first_tokens": same_first,
+               "prompt_lens": [len(p) for p in prompts]}
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
         results.append(row)
-        print(f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} {same:>11.0%}")
+        print(f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
+              f"{same:>12.0%} {same_first:>8.0%}")
     if args.json:
         report = {"benchmark": "offline", "model": args.model, "dtype": str(engine.dtype),
                   "device": str(engine.device), "max_tokens": args.max_tokens, "repeats": args.repeats,

@@ -20,7 +20,7 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
     for row in report["results"]:
         assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
-        assert row["identical_outputs"] == 1.0  # same weights, greedy: the same tokens
+        assert row["identical_outputs"] == row["identical_first_tokens"] == 1.0  # same weights, greedy
     assert "ratio" in capsys.readouterr().out
 
 
