@@ -19,7 +19,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.disagg_flow import DisaggFlow
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken
@@ -183,7 +183,7 @@ class EngineCore:
         }
 
     # --- internals --------------------------------------------------------------------
-    def _apply(self, plan: BatchPlan, result, touched: dict[str, Request]) -> None:
+    def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         for seq in plan.seqs:
             req = self._requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
@@ -194,12 +194,9 @@ class EngineCore:
                 req.prompt_logprobs.extend(lps)
             if not seq.sample:
                 continue
-            tok = result.sampled[seq.request_id]
             touched[req.request_id] = req
-            if req.disagg is not None and req.disagg.role == "prefill":
-                self._append_token(req, tok, prefill_role=True)
-                continue
-            self._append_token(req, tok)
+            prefill_role = req.disagg is not None and req.disagg.role == "prefill"
+            self._append_token(req, result.sampled[seq.request_id], prefill_role)
             if req.finished:
                 self.scheduler.remove(req)
 
