@@ -123,18 +123,19 @@ def _drive(mgr, pool: Pool, role: str, rooms: dict, host: str | None, port: int 
     return results
 
 
-def _make(role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int):
+def _make(role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int, bport: int = 0):
     from pdserve.disagg.registry import create_kv_manager
 
     for key, value in env.items():
         os.environ[key] = value
     pool = Pool(num_pages, num_slots, layout(**lay_over), seed)
-    return pool, create_kv_manager("nixl", pool.args, role)
+    return pool, create_kv_manager("nixl", pool.args, role, bootstrap_port=bport)
 
 
-def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int) -> None:
+def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int,
+           bport: int) -> None:
     try:
-        pool, mgr = _make(role, env, num_pages, num_slots, lay_over, seed)
+        pool, mgr = _make(role, env, num_pages, num_slots, lay_over, seed, bport)
         conn.send(("ok", mgr.bootstrap_port))
     except Exception:  # noqa: BLE001 - reported to the test
         conn.send(("error", traceback.format_exc()))
@@ -202,12 +203,12 @@ class Peer:
     """Parent-side handle of one manager process."""
 
     def __init__(self, role: str, env: dict | None = None, *, num_pages: int = 256, num_slots: int = 64,
-                 layout_over: dict | None = None, seed: int = 0, wait: bool = True) -> None:
+                 layout_over: dict | None = None, seed: int = 0, wait: bool = True, bootstrap_port: int = 0) -> None:
         self.role = role
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, role, dict(env or {}), num_pages, num_slots,
-                                                      layout_over or {}, seed), daemon=True)
+                                                      layout_over or {}, seed, bootstrap_port), daemon=True)
         self.proc.start()
         child.close()
         self.num_pages, self.num_slots, self.seed = num_pages, num_slots, seed
