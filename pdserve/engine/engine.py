@@ -207,12 +207,13 @@ class EngineCore:
         req.append_token(tok.token_id, tok.logprob, tok.top)
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
-        stop_str = req.detokenizer.add_token(tok.token_id,
-                                             check_stop=req.num_output_tokens > params.min_tokens)
         verdict = check_token_stop(params, tok.token_id, req.num_output_tokens, req.num_tokens,
                                    self.eos_token_ids, self.max_model_len)
-        if stop_str is not None and (verdict is None or verdict[0] == "length"):
-            verdict = ("stop", stop_str)
+        if verdict is None or verdict[0] == "length":  # an EOS / stop token adds no text (vLLM)
+            stop_str = req.detokenizer.add_token(tok.token_id,
+                                                 check_stop=req.num_output_tokens > params.min_tokens)
+            if stop_str is not None:
+                verdict = ("stop", stop_str)
         if prefill_role:
             self.disagg.send_prefill(req, tok, verdict or ("length", None))
         elif verdict is not None:

@@ -31,8 +31,9 @@ class CompletionOutput:
     """One sample of a request.
 
     index: the sample's index among the request's ``n``.
-    text: output text so far (stop strings excluded); token_ids: output tokens so far
-        (a stopping EOS or stop token id included, as vLLM does).
+    text: output text so far; a stop string, or the text of a stopping EOS / stop token
+        id, is not part of it.  token_ids: output tokens so far (a stopping EOS or stop
+        token id included, as vLLM does).
     logprobs: one ``TokenLogprob`` per output token when ``logprobs`` was asked, else None.
     cumulative_logprob: sum of the output tokens' logprobs.
     finish_reason: ``None`` while running, then ``"stop"``, ``"length"``, ``"abort"`` or

@@ -87,17 +87,30 @@ def test_pd_output_equals_mixed_output(cores, params):
 
 def test_first_token_that_stops_ends_both_sides(cores):
     prefill, decode, _ = cores
-    params = SamplingParams(temperature=0, max_tokens=5)
-    decode.add_request("m", PROMPT, params)
-    first = drive(decode)["m"].outputs[0].token_ids[0]
-    stop_params = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first])
-    room = next(rooms)
-    decode.add_request("d", PROMPT, stop_params, info("decode", room))
-    prefill.add_request("p", PROMPT, stop_params, info("prefill", room))
-    got = drive(prefill, decode)
-    for rid in ("p", "d"):
-        c = got[rid].outputs[0]
-        assert c.token_ids == [first] and c.finish_reason == "stop" and c.stop_reason == first
+    decode.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=5))
+    ref = drive(decode)["m"].outputs[0]
+    first, head = ref.token_ids[0], ref.text[:2]  # the text starts with a stop string
+    cases = [(SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first]), first),
+             (SamplingParams(temperature=0, max_tokens=5, stop=[head]), head),
+             (SamplingParams(temperature=0, max_tokens=2), None)]
+    for params, stop_reason in cases:
+        decode.add_request("m", PROMPT, params)
+        want = drive(decode)["m"].outputs[0]
+        room = next(rooms)
+        decode.add_request("d", PROMPT, params, info("decode", room))
+        prefill.add_request("p", PROMPT, params, info("prefill", room))
+        got = drive(prefill, decode)
+        assert got["p"].outputs[0].token_ids == [first]
+        c = got["d"].outputs[0]
+        assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        if stop_reason is not None:  # stopped at once: no text
+            assert c.finish_reason == "stop" and c.stop_reason == stop_reason and c.text == ""
+        if stop_reason == first:  # prefill saw it too
+            assert c.token_ids == [first] and got["p"].outputs[0].finish_reason == "stop"
+        else:
+            assert len(c.token_ids) == 2 and c.finish_reason == "length"
+    assert got["p"].outputs[0].finish_reason == "length"  # prefill's one token, no stop
 
 
 def test_prefill_state_machine_by_hand(cores):

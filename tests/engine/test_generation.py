@@ -35,7 +35,8 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     stop_id = full[3]
     first = full.index(stop_id)
     out = greedy(tiny_llm, stop_token_ids=[stop_id]).outputs[0]
-    assert out.token_ids == full[:first + 1]  # the stop token is kept in token_ids
+    assert out.token_ids == full[:first + 1]  # the stop token is kept in token_ids, not in text
+    assert out.text == tiny_llm.get_tokenizer().decode(full[:first])
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     out = greedy(tiny_llm, stop_token_ids=[stop_id], min_tokens=first + 3).outputs[0]
     assert stop_id not in out.token_ids[:first + 3]  # masked until min_tokens
@@ -53,6 +54,7 @@ def test_eos_from_generation_config_and_ignore_eos(tiny_model_dir, tmp_path):
     assert eos in llm.engine.eos_token_ids
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     assert out.token_ids == full[:full.index(eos) + 1]
+    assert out.text == llm.get_tokenizer().decode(full[:full.index(eos)])
     assert out.finish_reason == "stop" and out.stop_reason is None
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == full and out.finish_reason == "length"
