@@ -104,12 +104,12 @@ def test_first_token_that_stops_ends_both_sides(cores):
         c = got["d"].outputs[0]
         assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason)
-        if stop_reason is not None:  # stopped at once: no text
+        if stop_reason is None:
+            assert len(c.token_ids) == 2 and c.finish_reason == "length"
+        else:  # stopped at once: no text
             assert c.finish_reason == "stop" and c.stop_reason == stop_reason and c.text == ""
         if stop_reason == first:  # prefill saw it too
             assert c.token_ids == [first] and got["p"].outputs[0].finish_reason == "stop"
-        else:
-            assert len(c.token_ids) == 2 and c.finish_reason == "length"
     assert got["p"].outputs[0].finish_reason == "length"  # prefill's one token, no stop
 
 
