@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from bench_servers import free_port
 from pdserve.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -106,5 +107,5 @@ def test_bad_arguments_and_unreachable_url(fake_urls, capsys):
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     assert main(["bench", "serve", "--url", fake_urls[0], "--request-rate", "fast"]) == 2
     assert "request_rate" in capsys.readouterr().err
-    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--num-requests", "1"]) == 1
+    assert main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"]) == 1
     assert "could not list models" in capsys.readouterr().err
