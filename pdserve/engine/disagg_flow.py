@@ -62,10 +62,6 @@ class DisaggFlow:
         self._draining: list[tuple[object, list[int], int | None]] = []  # (handle, pages, aux slot)
 
     @property
-    def num_live(self) -> int:
-        return len(self._live)
-
-    @property
     def num_draining(self) -> int:
         return len(self._draining)
 
@@ -111,6 +107,8 @@ class DisaggFlow:
             elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
                 if req.sender is not None:
                     self._start_prefill(req)
+                    if req.finished:
+                        changed.append(req)
                 else:
                     req.peer_ready = True
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
@@ -131,7 +129,11 @@ class DisaggFlow:
         if slot is None:
             return  # all aux slots in use: try again next step
         req.aux_slot = slot
-        req.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
+        try:
+            req.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+            self.abort(req, reason="error", error=f"KV sender init failed: {exc}")
+            return
         self._scheduler.add_waiting(req)
 
     def admit_receivers(self) -> list[Request]:

@@ -21,6 +21,7 @@ class _Handle:
         self.closed = 0
         self.aborted = False
         self.poll_raises = False
+        self.init_raises = False
 
     def poll(self) -> KVPoll:
         if self.poll_raises:
@@ -57,6 +58,8 @@ class FakeSender(_Handle, KVSender):
 
     def init(self, num_pages: int, aux_slot: int) -> None:
         assert self.state >= KVPoll.WaitingForInput and self.init_args is None
+        if self.init_raises:
+            raise RuntimeError("init refused")
         self.init_args = (num_pages, aux_slot)
 
     def send(self, page_ids, aux: AuxRecord) -> None:
@@ -83,6 +86,8 @@ class FakeReceiver(_Handle, KVReceiver):
 
     def init(self, dst_pages, aux_slot: int) -> None:
         assert self.state >= KVPoll.WaitingForInput and self.init_args is None
+        if self.init_raises:
+            raise RuntimeError("init refused")
         self.init_args = (list(dst_pages), aux_slot)
         sender = self.manager.peer.live.get(self.room) if self.manager.peer else None
         if self.manager.auto and sender is not None:

@@ -193,6 +193,23 @@ def test_failures_end_the_request_with_the_message(cores, role, when):
     assert h.closed == 1
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_init_that_raises_fails_the_request_and_frees_everything(cores, role):
+    prefill, decode, m = cores
+    core, mgr = (prefill, m["pm"]) if role == "prefill" else (decode, m["dm"])
+    room = next(rooms)
+    core.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True))
+    h = mgr.live[room]
+    h.init_raises = True
+    h.state = KVPoll.WaitingForInput
+    out = core.step()[0]
+    assert out.finished and out.outputs[0].finish_reason == "error" and "init refused" in out.error
+    assert h.aborted and h.closed == 0  # drained: closed only after a terminal poll
+    h.state = KVPoll.Failed
+    drive(core)
+    assert h.closed == 1
+
+
 @pytest.mark.parametrize("step_at_abort", range(6))
 def test_abort_at_every_step_of_a_pd_request(cores, step_at_abort):
     prefill, decode, m = cores
