@@ -41,6 +41,7 @@ class TransferBenchConfig:
     run_len: int = 1
     pool_factor: int = 2
     seed: int = 0
+    hugepages: bool = True
 
     def __post_init__(self) -> None:
         if self.model_shape not in MODEL_SHAPES:
@@ -69,11 +70,15 @@ def _pool(cfg: TransferBenchConfig):
     import torch
 
     from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
+    from pdserve.disagg.hostmem import empty_host
 
     layers, heads, dim = MODEL_SHAPES[cfg.model_shape]
     device = torch.device(cfg.device, cfg.gpu_id) if cfg.device == "cuda" else torch.device("cpu")
-    kv = torch.zeros(layers, 2, cfg.pool_pages, cfg.page_size, heads, dim, dtype=getattr(torch, cfg.dtype),
-                     device=device)
+    shape = (layers, 2, cfg.pool_pages, cfg.page_size, heads, dim)
+    if cfg.device == "cpu" and cfg.hugepages:
+        kv = empty_host(shape, getattr(torch, cfg.dtype)).zero_()
+    else:
+        kv = torch.zeros(shape, dtype=getattr(torch, cfg.dtype), device=device)
     aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
     bufs = [kv[l, s] for l in range(layers) for s in range(2)]
     args = KVArgs(tuple(b.data_ptr() for b in bufs), tuple(b.numel() * b.element_size() for b in bufs),
@@ -235,6 +240,7 @@ def _print(result: dict) -> None:
           f"{c['prompt_len']} tokens, page {c['page_size']} -> {result['pages']} pages x {result['buffers']} buffers "
           f"of {result['page_bytes_per_buffer']} B = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
           f"pages scattered in runs of {c['run_len']} ({result['source_page_runs']} runs); "
+          f"{'huge' if c['hugepages'] and c['device'] == 'cpu' else 'default'} host pages; "
           f"{c['repeats']} interleaved repeats, medians")
     for name, label in (("nixl", "NIXL WRITE, prefill -> decode (2 processes)"),
                         ("copy", "contiguous copy, 1 process (reference)")):
@@ -244,7 +250,8 @@ def _print(result: dict) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = TransferBenchConfig(args.model_shape, args.prompt_len, args.page_size, args.dtype, args.device,
-                              args.gpu_id, args.repeats, args.run_len, args.pool_factor, args.seed)
+                              args.gpu_id, args.repeats, args.run_len, args.pool_factor, args.seed,
+                              args.hugepages)
     result = run_transfer_bench(cfg)
     _print(result)
     if args.json:
@@ -270,5 +277,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="consecutive pages per run of the scattered page list (1 = every page apart)")
     p.add_argument("--pool-factor", type=int, default=d.pool_factor, help="pool pages / request pages")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=d.hugepages,
+                   help="CPU pools on transparent huge pages (pdserve.disagg.hostmem)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.set_defaults(func=_run)

@@ -306,7 +306,9 @@ class NixlPrefillManager(KVManager):
         error = None
         deadline = time.monotonic() + self.transfer_timeout
         pending = list(handles)
+        polls = 0
         while pending:
+            polls += 1
             for h in list(pending):
                 state = self.engine.state(h)
                 if state == "DONE":
@@ -319,8 +321,8 @@ class NixlPrefillManager(KVManager):
             if pending and error is not None:
                 pending = [h for h in pending if not self._try_release(h)]
                 time.sleep(0.01)
-            elif pending:
-                time.sleep(0)  # yield the GIL; without NIXL's progress thread, polling is progress
+            elif pending:  # spin briefly (small rooms end in microseconds), then poll every 100 us
+                time.sleep(0 if polls < 100 else 0.0001)
         for h in handles:
             self._try_release(h)
         if error is None and sender.abort_request is None:
