@@ -116,3 +116,21 @@ def test_failure_injection_probability(monkeypatch):
     monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "1.5")
     with pytest.raises(ValueError, match="PDSERVE_TEST_DISAGG_FAILURE_PROB"):
         FailureInjector()
+
+
+@pytest.mark.timeout(180)
+def test_bench_transfer_runs_and_checks_the_data(tmp_path):
+    """The benchmark command end to end at a tiny size (correctness only, no timing)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "bench", "transfer", "--model-shape", "smollm2-135m",
+                           "--prompt-len", "64", "--page-size", "4", "--dtype", "float32", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ratio NIXL / copy" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["data_checked"] is True and result["pages"] == 16 and result["source_page_runs"] == 16
+    assert result["bytes"] == 16 * 60 * 4 * 3 * 64 * 4
