@@ -16,7 +16,6 @@ import base64
 import logging
 import queue
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 

@@ -2,8 +2,7 @@
 and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
-out), ``transfer-i`` (post a room's WRITEs, poll them to the end, notify decode over NIXL),
-and the bootstrap HTTP server. A destination may arrive before the engine created the
+out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server. A destination may arrive before the engine created the
 room (the router sends to both workers at once): it waits in ``_pending`` (bounded by the
 bootstrap timeout); an abort for a room not created yet waits in ``_early_aborts``.
 """
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
-import queue
+import socket
 import threading
 import time
 import uuid
@@ -25,12 +24,13 @@ from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver,
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (HealthInfo, Hello, RankInfo, RoomAbort, RoomDest, RoomStatus,
-                                     WireError, decode_control, encode_control, encode_xfer_done)
+                                     WireError, decode_control, encode_control)
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.sender import NixlSender
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
+from pdserve.disagg.nixl.transfer_workers import TransferWorkers
 from pdserve.disagg.rooms import (PEER_FAILED, PEER_RESTARTED, SHUTDOWN, FailureInjector, RoomTable,
                                   ServiceThreads, check_room)
 
@@ -45,6 +45,17 @@ class DecodePeer:
     identity: bytes
     remote: RemoteSide | None
     error: str | None = None
+
+
+def _advertised(host: str) -> str:
+    """The address decode should connect to: ``host``, or this machine's when ``host``
+    is a wildcard (0.0.0.0 / ::)."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def _env_positive(var) -> float:
@@ -80,9 +91,9 @@ class NixlPrefillManager(KVManager):
         self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._peers: dict[str, DecodePeer] = {}
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._down = False
         self.engine = NixlTransferEngine(api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}")
+        self._workers = TransferWorkers(self.engine, self.instance_id, self.transfer_timeout)
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -92,7 +103,7 @@ class NixlPrefillManager(KVManager):
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         control_port = self._router.bind_to_random_port(f"tcp://{zmq_host}")
-        self.control_endpoint = f"tcp://{zmq_host}:{control_port}"
+        self.control_endpoint = f"tcp://{_advertised(host)}:{control_port}"
         self._outbox = Outbox(self._ctx)
         self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
         self._port: int | None = None
@@ -108,7 +119,7 @@ class NixlPrefillManager(KVManager):
     def _start(self) -> None:
         self._port = self._bootstrap.start()
         for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
-            self._threads.start(f"transfer-{i}", self._transfer_loop)
+            self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
         info = RankInfo(PROTOCOL_VERSION, self.instance_id, self.engine.kv_args.engine_rank, self.engine.name,
                         base64.b64encode(self.engine.metadata()).decode(), self.control_endpoint,
@@ -173,7 +184,8 @@ class NixlPrefillManager(KVManager):
 
     # --- used by senders ----------------------------------------------------------------
     def submit(self, sender: NixlSender) -> None:
-        self._jobs.put(sender)
+        """Queue a room whose ``send`` was called for a transfer worker."""
+        self._workers.submit(sender)
 
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""
@@ -184,6 +196,7 @@ class NixlPrefillManager(KVManager):
 
     # --- control thread ---------------------------------------------------------------
     def _control_loop(self, stop: threading.Event) -> None:
+        select_device(self.engine.kv_args)  # it loads decode agents and opens connections
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox.wake_socket, zmq.POLLIN)
@@ -282,60 +295,3 @@ class NixlPrefillManager(KVManager):
         for room, (_, identity, _) in stale:
             self._reply(identity, room, f"prefill never received room {room} within "
                         f"{self.bootstrap_timeout:g} s", "bootstrap_timeout")
-
-    # --- transfer workers ---------------------------------------------------------------
-    def _transfer_loop(self, stop: threading.Event) -> None:
-        select_device(self.engine.kv_args)  # the current device is thread-local
-        while not stop.is_set():
-            try:
-                sender = self._jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            sender.transfer_finished(self._transfer(sender))
-
-    def _transfer(self, sender: NixlSender) -> str | None:
-        """Post and complete one room's WRITEs; the error, or None on success."""
-        if sender.abort_request is not None:
-            return None  # aborted before posting: nothing to undo
-        dest, remote = sender.dest, sender.peer.remote
-        try:
-            handles = self.engine.post_room_write(remote, sender.pages, dest.dst_pages,
-                                                  sender.aux_slot, dest.aux_slot)
-        except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
-            return f"{type(exc).__name__}: {exc}"
-        error = None
-        deadline = time.monotonic() + self.transfer_timeout
-        pending = list(handles)
-        polls = 0
-        while pending:
-            polls += 1
-            for h in list(pending):
-                state = self.engine.state(h)
-                if state == "DONE":
-                    pending.remove(h)
-                elif state == "ERR":
-                    error = error or "NIXL reported ERR for a WRITE"
-                    pending.remove(h)
-            if pending and time.monotonic() > deadline and error is None:
-                error = f"WRITEs still in flight after {self.transfer_timeout:g} s"
-            if pending and error is not None:
-                pending = [h for h in pending if not self._try_release(h)]
-                time.sleep(0.01)
-            elif pending:  # spin briefly (small rooms end in microseconds), then poll every 100 us
-                time.sleep(0 if polls < 100 else 0.0001)
-        for h in handles:
-            self._try_release(h)
-        if error is None and sender.abort_request is None:
-            try:
-                self.engine.send_notif(remote.agent_name, encode_xfer_done(sender.room, self.instance_id))
-            except Exception as exc:  # noqa: BLE001
-                error = f"completion notification failed: {type(exc).__name__}: {exc}"
-        return error
-
-    def _try_release(self, handle) -> bool:
-        """Release a transfer handle (cancels it if still running); False if NIXL refused."""
-        try:
-            self.engine.release(handle)
-            return True
-        except Exception:  # noqa: BLE001 - still running and not cancellable: keep polling
-            return False
