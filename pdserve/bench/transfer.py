@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -249,9 +250,13 @@ def _print(result: dict) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = TransferBenchConfig(args.model_shape, args.prompt_len, args.page_size, args.dtype, args.device,
-                              args.gpu_id, args.repeats, args.run_len, args.pool_factor, args.seed,
-                              args.hugepages)
+    try:
+        cfg = TransferBenchConfig(args.model_shape, args.prompt_len, args.page_size, args.dtype, args.device,
+                                  args.gpu_id, args.repeats, args.run_len, args.pool_factor, args.seed,
+                                  args.hugepages)
+    except ValueError as exc:
+        print(f"pdserve bench transfer: error: {exc}", file=sys.stderr)
+        return 2
     result = run_transfer_bench(cfg)
     _print(result)
     if args.json:
