@@ -13,24 +13,21 @@ import asyncio
 import json
 import logging
 import random
-from typing import AsyncIterator, Callable
 
-import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
-from httpx_sse import EventSource
 
-from pdserve.router.errors import error_from_worker, error_response, sse_error
+from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState
+from pdserve.router.relay import PrefillWatch, relay_sse
 from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
 
 ROOM_LIMIT = 2 ** 63          # rooms are 63-bit: [0, 2**63)
 MAX_ROOMS_PER_REQUEST = 1024  # cap on n reserved per request (workers reject larger n)
-_DONE = b"data: [DONE]\n\n"
 
 
 class LegError(Exception):
@@ -41,6 +38,14 @@ class LegError(Exception):
         self.role = role
         self.reason = reason
         self.response = response
+
+
+def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:
+    """Whether the client asked for prompt logprobs (which only the prefill leg has)."""
+    if endpoint == "/generate":
+        start = body.get("logprob_start_len", -1)
+        return body.get("return_logprob") is True and isinstance(start, int) and start >= 0
+    return body.get("prompt_logprobs") is not None
 
 
 def _num_samples(endpoint: str, body: dict) -> int:
@@ -147,8 +152,9 @@ class Dispatcher:
         def on_close() -> None:
             worker.outstanding -= 1
 
-        return StreamingResponse(self._relay(resp, worker, endpoint, None, deadline, on_close),
-                                 media_type="text/event-stream")
+        return StreamingResponse(relay_sse(resp, worker, endpoint, deadline=deadline,
+                                           timeout_s=self.request_timeout, metrics=self.metrics,
+                                           on_close=on_close), media_type="text/event-stream")
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
@@ -163,14 +169,14 @@ class Dispatcher:
             p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
             if not stream:
                 d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
-                await self._both(p_task, d_task)
+                await self._legs((p_task, d_task))
                 answer = d_task.result().json()
                 return Response(json.dumps(merge_prompt_logprobs(endpoint, answer, p_task.result().json())),
                                 media_type="application/json")
             decode.outstanding += 1
             d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, legs))
-            try:
-                await self._both(p_task, d_task)
+            try:  # until decode's stream is open; prefill keeps running (the relay watches it)
+                await self._legs((p_task, d_task), until=d_task)
             except BaseException:
                 decode.outstanding -= 1
                 raise
@@ -180,64 +186,30 @@ class Dispatcher:
                 self.release_rooms(room, n)
 
             handed_off = True
+            watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
             return StreamingResponse(
-                self._relay(d_task.result(), decode, endpoint, p_task.result().json(), deadline, on_close),
+                relay_sse(d_task.result(), decode, endpoint, deadline=deadline, timeout_s=self.request_timeout,
+                          metrics=self.metrics, on_close=on_close, prefill=watch),
                 media_type="text/event-stream")
         finally:
             if not handed_off:
                 self.release_rooms(room, n)
 
     @staticmethod
-    async def _both(p_task: asyncio.Future, d_task: asyncio.Future) -> None:
-        """Wait for both legs; the first failure cancels the other (closing a stream it may
-        have opened, so the worker sees the disconnect and aborts) and is raised."""
-        pending = {p_task, d_task}
+    async def _legs(tasks: tuple[asyncio.Future, ...], until: asyncio.Future | None = None) -> None:
+        """Wait for every leg (or only until ``until`` is done); the first failure cancels
+        the others (closing a stream one may have opened, so the worker sees the
+        disconnect and aborts) and is raised."""
+        pending = set(tasks)
         try:
-            while pending:
+            while pending and not (until is not None and until.done()):
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # raises the leg's error
         except BaseException:
-            for task in (p_task, d_task):
+            for task in tasks:
                 task.cancel()
-            for result in await asyncio.gather(p_task, d_task, return_exceptions=True):
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
                 if isinstance(result, httpx.Response):
                     await result.aclose()
             raise
-
-    async def _relay(self, resp: httpx.Response, worker: WorkerState, endpoint: str, prefill_answer,
-                     deadline: float, on_close: Callable[[], None]) -> AsyncIterator[bytes]:
-        """Pass the worker's SSE events through (merging prompt logprobs into the first chunk
-        of each sample); a broken or late stream ends with an SSE error event and [DONE]."""
-        loop = asyncio.get_running_loop()
-        merged: set[int] = set()
-        events = EventSource(resp).aiter_sse()
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                try:
-                    event = await asyncio.wait_for(events.__anext__(), remaining)
-                except StopAsyncIteration:
-                    yield sse_error(502, f"{worker.role} worker {worker.url} ended its stream before [DONE]")
-                    return
-                if event.data == "[DONE]":
-                    yield _DONE
-                    return
-                data = event.data
-                if prefill_answer is not None:
-                    try:
-                        data = json.dumps(merge_prompt_logprobs(endpoint, json.loads(data), prefill_answer, merged))
-                    except ValueError:
-                        pass
-                yield f"data: {data}\n\n".encode()
-        except asyncio.TimeoutError:
-            yield sse_error(504, f"request timed out after {self.request_timeout:g} s (router --request-timeout)")
-        except httpx.HTTPError as exc:
-            self.metrics.leg_failures.labels(worker.role, "stream").inc()
-            yield sse_error(502, f"{worker.role} worker {worker.url} stream broke: {type(exc).__name__}: {exc}")
-        finally:
-            on_close()
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()

@@ -39,12 +39,17 @@ class ThreadedServer:
 
 class FakeWorker:
     """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break``;
-    ``health``: the status of /health. Records request bodies and client disconnects."""
+    ``health``: the status of /health; ``delay``: seconds before answering (or failing);
+    a stream has ``chunks`` events ``chunk_gap`` seconds apart. Records request bodies and
+    client disconnects (also of a stream cut short)."""
 
     def __init__(self, role: str) -> None:
         self.role = role
         self.mode = "ok"
         self.health = 200
+        self.delay = 0.0
+        self.chunks = 2
+        self.chunk_gap = 0.01
         self.bodies: list[dict] = []
         self.disconnects = 0
         self.app = self._build()
@@ -77,6 +82,8 @@ class FakeWorker:
         async def handle(request: Request, path: str):
             body = await request.json()
             self.bodies.append(body)
+            if self.delay:
+                await asyncio.sleep(self.delay)
             if self.mode == "fail":
                 return JSONResponse({"error": {"message": f"{self.role} failed: KV transfer failed (injected)",
                                                "type": "internal_server_error", "param": None, "code": 500}},
@@ -89,9 +96,13 @@ class FakeWorker:
                     await asyncio.sleep(0.05)
             if body.get("stream"):
                 async def events():
-                    for i in range(2):
-                        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': str(i)}]})}\n\n"
-                        await asyncio.sleep(0.01)
+                    for i in range(self.chunks):
+                        try:
+                            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': str(i)}]})}\n\n"
+                            await asyncio.sleep(self.chunk_gap)
+                        except (GeneratorExit, asyncio.CancelledError):
+                            self.disconnects += 1
+                            raise
                     if self.mode == "stream_break":
                         raise RuntimeError("worker died mid-stream")
                     yield "data: [DONE]\n\n"

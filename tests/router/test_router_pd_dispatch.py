@@ -4,6 +4,7 @@ other leg cancelled, SSE error events, timeouts, health ejection and restore, me
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -37,6 +38,7 @@ def setup():
 def reset(setup):
     for w in setup[:2]:
         w.mode, w.health, w.disconnects = "ok", 200, 0
+        w.delay, w.chunks, w.chunk_gap = 0.0, 2, 0.01
         w.bodies.clear()
     _wait_health(setup[2], 200)
 
@@ -94,9 +96,56 @@ def test_stream_passes_through_and_a_broken_stream_ends_with_an_error_event(setu
     events = [e for e in r.text.split("\n\n") if e]
     assert r.status_code == 200 and events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "decode worker" in events[-2]
-    prefill.mode = "fail"
+    prefill.mode, decode.mode = "fail", "hang"  # prefill fails before decode's stream opens
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 500 and "prefill failed" in r.json()["error"]["message"]
+    _wait(lambda: decode.disconnects == 1)
+
+
+def _timed_events(url: str, body: dict) -> tuple[int, list[tuple[float, str]]]:
+    """POST a stream; returns the status and (seconds since the request, data) per SSE event."""
+    start, events = time.monotonic(), []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append((time.monotonic() - start, line[6:]))
+    return r.status_code, events
+
+
+def test_decode_chunks_are_relayed_while_prefill_is_still_busy(setup):
+    prefill, decode, url = setup
+    prefill.delay, decode.chunks, decode.chunk_gap = 1.0, 4, 0.05
+    status, events = _timed_events(url, {"prompt": "x", "stream": True})
+    assert status == 200 and [e[1] for e in events[-1:]] == ["[DONE]"]
+    assert [json.loads(d)["choices"][0]["text"] for _, d in events[:-1]] == ["0", "1", "2", "3"]
+    assert events[0][0] < 0.6 and events[3][0] < 0.9  # not held back by prefill's 1 s
+    assert events[1][0] - events[0][0] > 0.02  # one by one, not in a burst
+    assert events[-1][0] >= 0.95  # [DONE] only once prefill answered (its room was live)
+    assert prefill.disconnects == 0 and httpx.get(url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
+
+
+def test_prefill_failing_mid_stream_cancels_decode_with_one_sse_error(setup):
+    prefill, decode, url = setup
+    prefill.mode, prefill.delay = "fail", 0.3
+    decode.chunks, decode.chunk_gap = 15, 0.1
+    status, events = _timed_events(url, {"prompt": "x", "stream": True})
+    assert status == 200 and events[-1][1] == "[DONE]"
+    assert 1 <= len(events) - 2 < 15  # some decode chunks came through before the failure
+    error = json.loads(events[-2][1])["error"]
+    assert "prefill failed: KV transfer failed" in error["message"] and error["code"] == 500
+    assert all("error" not in json.loads(d) for _, d in events[:-2])
+    _wait(lambda: decode.disconnects == 1)  # decode's stream was cancelled
+
+
+def test_prompt_logprobs_hold_only_the_first_chunk_until_prefill_answers(setup):
+    prefill, decode, url = setup
+    prefill.delay, decode.chunks, decode.chunk_gap = 0.3, 3, 0.2
+    status, events = _timed_events(url, {"prompt": "x", "stream": True, "prompt_logprobs": 1})
+    chunks = [json.loads(d)["choices"][0] for _, d in events[:-1]]
+    assert status == 200 and [c["text"] for c in chunks] == ["0", "1", "2"]
+    assert chunks[0]["prompt_logprobs"] == [None, {"token_id": 2, "logprob": -0.5}]
+    assert "prompt_logprobs" not in chunks[1]
+    assert events[0][0] >= 0.28 and events[2][0] - events[1][0] > 0.1  # first one held, later ones not
 
 
 def test_request_timeout_gives_504_and_cancels_both_legs(setup):

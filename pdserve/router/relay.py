@@ -1,0 +1,166 @@
+"""SSE pass-through of one worker stream to the client, optionally watching the prefill leg
+of a PD request while decode's chunks are relayed as they arrive.
+
+One reader task pumps the worker's SSE events into a queue; the prefill leg's completion
+is posted into the same queue, so the relay reacts to whichever comes first: a decode
+chunk is forwarded at once, a prefill failure cancels decode and ends the stream with one
+SSE error event and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+import httpx
+from httpx_sse import EventSource
+
+from pdserve.router.errors import sse_error
+from pdserve.router.merge import merge_prompt_logprobs
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import WorkerState
+
+log = logging.getLogger("pdserve.router")
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class PrefillWatch:
+    """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
+    ``httpx.Response`` or raises ``LegError`` (whose ``response`` is the JSON error);
+    ``hold_first``: the client asked for prompt logprobs, which only prefill has."""
+
+    task: asyncio.Future
+    hold_first: bool
+
+
+def _sse_from_error(exc: BaseException) -> bytes:
+    """One SSE error event + [DONE] from a failed leg (``LegError.response`` holds an
+    OpenAI error body) or any other exception."""
+    response = getattr(exc, "response", None)
+    body = getattr(response, "body", None)
+    if isinstance(body, (bytes, bytearray)) and body:
+        return b"data: " + bytes(body) + b"\n\n" + DONE
+    return sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
+
+
+async def _pump(resp: httpx.Response, queue: asyncio.Queue) -> None:
+    """Read SSE events until the stream ends; every item goes to ``queue`` as
+    ``("event", ServerSentEvent)``, then ``("end", None)`` or ``("broken", exc)``."""
+    try:
+        async for event in EventSource(resp).aiter_sse():
+            queue.put_nowait(("event", event))
+        queue.put_nowait(("end", None))
+    except Exception as exc:  # noqa: BLE001 - httpx.HTTPError mostly; any failure ends the relay
+        queue.put_nowait(("broken", exc))
+
+
+async def _settle(task: asyncio.Future | None) -> None:
+    """Cancel ``task`` if still running and wait for it, swallowing its outcome."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled or failed: either way it is over
+        pass
+
+
+async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *, deadline: float,
+                    timeout_s: float, metrics: RouterMetrics, on_close: Callable[[], None],
+                    prefill: PrefillWatch | None = None) -> AsyncIterator[bytes]:
+    """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
+
+    deadline: loop time (s) by which the whole request must end (then a 504 SSE error);
+    timeout_s: the router's request timeout, for the message. prefill: PD only; its
+    failure before decode's ``[DONE]`` cancels decode (the stream is closed, so the decode
+    worker aborts) and yields one SSE error event + ``[DONE]``. Prompt logprobs from
+    prefill's answer are merged into decode's chunks once it has arrived; when they were
+    asked for, the first chunk is held until then (only that one: later chunks come
+    after it, so the answer is already there). A stream that breaks or ends early yields
+    a 502 SSE error. ``on_close`` runs once at the end, after both legs ended.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    pump = asyncio.ensure_future(_pump(resp, queue))
+    task = prefill.task if prefill is not None else None
+    if task is not None:
+        task.add_done_callback(lambda t: queue.put_nowait(("prefill", t)))
+    answer: Any = None          # prefill's parsed JSON answer, once arrived
+    prefill_over = task is None
+    merged: set[int] = set()
+    held: list[str] = []        # the first data chunk, held while prompt logprobs are pending
+    decode_done = False
+
+    def render(data: str) -> bytes:
+        if answer is not None:
+            try:
+                data = json.dumps(merge_prompt_logprobs(endpoint, json.loads(data), answer, merged))
+            except ValueError:
+                pass
+        return f"data: {data}\n\n".encode()
+
+    try:
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            kind, item = await asyncio.wait_for(queue.get(), remaining)
+            if kind == "prefill":
+                prefill_over = True
+                try:
+                    answer = item.result().json()
+                except ValueError:  # a 200 that is not JSON: nothing to merge
+                    answer = None
+                except BaseException as exc:  # noqa: BLE001 - LegError, or anything unforeseen
+                    if not decode_done:
+                        yield _sse_from_error(exc)
+                        return
+                    # decode's answer is complete (its KV arrived): the client keeps it
+                    log.warning("prefill leg failed after decode finished: %s", exc)
+                for data in held:
+                    yield render(data)
+                held.clear()
+                if decode_done:
+                    yield DONE
+                    return
+            elif kind == "event":
+                if item.data == "[DONE]":
+                    if prefill_over:
+                        yield DONE
+                        return
+                    decode_done = True  # end once prefill answered (its room is live till then)
+                elif prefill is not None and prefill.hold_first and not prefill_over:
+                    # Prompt logprobs asked for: the first chunk waits for prefill's answer
+                    # to merge them in (with any chunk that arrives meanwhile, keeping the
+                    # order); once prefill answered, nothing is held.
+                    held.append(item.data)
+                else:
+                    yield render(item.data)
+            elif decode_done:
+                continue  # decode's stream closing after its [DONE]: expected
+            elif kind == "end":
+                yield sse_error(502, f"{worker.role} worker {worker.url} ended its stream before [DONE]")
+                return
+            else:  # broken
+                metrics.leg_failures.labels(worker.role, "stream").inc()
+                yield sse_error(502, f"{worker.role} worker {worker.url} stream broke: "
+                                     f"{type(item).__name__}: {item}")
+                return
+    except asyncio.TimeoutError:
+        if decode_done and not held:  # only prefill's late answer is missing
+            yield DONE
+        else:
+            yield sse_error(504, f"request timed out after {timeout_s:g} s (router --request-timeout)")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _settle(pump)
+            await resp.aclose()
+            await _settle(task)
+            on_close()
