@@ -4,9 +4,10 @@ it to the asyncio event loop of the HTTP server.
 Requests and aborts go in through a thread-safe queue; each engine request's outputs come
 back through ``loop.call_soon_threadsafe`` to a per-request callback on the event loop,
 so the HTTP loop never waits on a forward pass. When idle the thread blocks on the input
-queue; while requests are unfinished but a step made no progress (e.g. KV transfers in
-flight) it waits on the queue for ``idle_poll_interval`` seconds, so it keeps polling the
-transfer rooms without spinning. If the thread dies, ``alive`` turns False (``/health``
+queue; while a step runs the model (a prefill chunk that emits nothing counts too) or
+emits output, the next step follows at once; while requests are unfinished but nothing
+could be scheduled (only KV transfer rooms pending) it waits on the queue for
+``idle_poll_interval`` seconds between steps, polling the rooms without spinning. If the thread dies, ``alive`` turns False (``/health``
 then answers 503) and every live request gets the error.
 """
 
@@ -134,7 +135,10 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 outputs = self.core.step()
-                progressed = bool(outputs)
+                stats = _safe_stats(self.core)
+                # A chunked-prefill step emits nothing while work remains: the model having run
+                # (EngineCore's "steps" counter moved) is progress too, so no idle wait.
+                progressed = bool(outputs) or _forward_steps(stats) != _forward_steps(self.snapshot.stats)
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is None:
@@ -142,7 +146,7 @@ class AsyncEngine:
                     if out.finished:
                         del self._sinks[out.request_id]
                     self._deliver(sink, out)
-                self.snapshot = EngineSnapshot(self.core.num_free_pages, _safe_stats(self.core),
+                self.snapshot = EngineSnapshot(self.core.num_free_pages, stats,
                                                self.snapshot.steps + 1, time.time())
         except BaseException as exc:  # the worker turns unhealthy; every caller learns why
             self.error = f"engine thread died: {type(exc).__name__}: {exc}"
@@ -170,6 +174,11 @@ class AsyncEngine:
                     pass
                 self._deliver(sink, EngineDeadError("worker is shutting down"))
             self._sinks.clear()
+
+
+def _forward_steps(stats: dict | None) -> int | None:
+    """EngineCore's count of steps that ran the model (None when not reported)."""
+    return stats.get("steps") if stats else None
 
 
 def _safe_stats(core: Any) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -135,3 +136,70 @@ def test_engine_thread_death_is_reported():
     items, alive, error = asyncio.run(main())
     assert isinstance(items[-1], EngineDeadError) and "boom" in str(items[-1])
     assert not alive and "RuntimeError: boom" in error
+
+
+@dataclass
+class ChunkedCore(StubCore):
+    """Each request first needs ``silent`` model steps that emit nothing (prefill chunks;
+    ``stats()["steps"]`` counts them like EngineCore), then ``steps`` steps with output.
+    ``rooms_pending``: unfinished work that nothing can schedule (KV transfer rooms)."""
+
+    silent: int = 10
+    rooms_pending: bool = False
+    model_steps: int = 0
+    polls: int = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.live) or self.rooms_pending
+
+    def step(self):
+        self.polls += 1
+        if self.live and any(v < 0 for v in self.live.values()):
+            self.model_steps += 1
+            for rid in self.live:
+                self.live[rid] += 1
+            return []
+        if self.live:
+            self.model_steps += 1
+        return super().step()
+
+    def add_request(self, request_id, prompt, params, disagg=None):
+        super().add_request(request_id, prompt, params, disagg)
+        self.live[request_id] = -self.silent
+
+    def stats(self):
+        return {"num_running": len(self.live), "steps": self.model_steps}
+
+
+def test_steps_that_run_the_model_without_output_are_not_paced_by_the_idle_wait():
+    core = ChunkedCore(silent=10, steps=1)
+
+    async def main():
+        engine = AsyncEngine(core, idle_poll_interval=0.2)
+        engine.start(asyncio.get_running_loop())
+        try:
+            start = time.monotonic()
+            items = await _collect(engine, "long-prompt")
+            return items, time.monotonic() - start
+        finally:
+            engine.stop()
+
+    items, elapsed = asyncio.run(main())
+    assert items[-1].finished and core.model_steps == 11
+    assert elapsed < 0.5  # 10 silent steps x 0.2 s idle wait = 2 s before the fix
+
+
+def test_only_transfer_rooms_pending_polls_at_the_idle_interval_without_spinning():
+    core = ChunkedCore(rooms_pending=True)
+
+    async def main():
+        engine = AsyncEngine(core, idle_poll_interval=0.05)
+        engine.start(asyncio.get_running_loop())
+        try:
+            await asyncio.sleep(0.5)
+            return core.polls
+        finally:
+            engine.stop()
+
+    n = asyncio.run(main())
+    assert 3 <= n <= 15  # ~10 polls in 0.5 s: rooms are polled, the thread does not spin
