@@ -139,13 +139,14 @@ def test_prefill_failing_mid_stream_cancels_decode_with_one_sse_error(setup):
 
 def test_prompt_logprobs_hold_only_the_first_chunk_until_prefill_answers(setup):
     prefill, decode, url = setup
-    prefill.delay, decode.chunks, decode.chunk_gap = 0.3, 3, 0.2
+    prefill.delay, decode.chunks, decode.chunk_gap = 0.3, 3, 0.5  # chunks at 0, 0.5, 1.0 s
     status, events = _timed_events(url, {"prompt": "x", "stream": True, "prompt_logprobs": 1})
     chunks = [json.loads(d)["choices"][0] for _, d in events[:-1]]
     assert status == 200 and [c["text"] for c in chunks] == ["0", "1", "2"]
     assert chunks[0]["prompt_logprobs"] == [None, {"token_id": 2, "logprob": -0.5}]
     assert "prompt_logprobs" not in chunks[1]
-    assert events[0][0] >= 0.28 and events[2][0] - events[1][0] > 0.1  # first one held, later ones not
+    assert events[0][0] >= 0.28  # the first chunk waited for prefill's answer (0.3 s) ...
+    assert events[1][0] - events[0][0] > 0.1 and events[2][0] - events[1][0] > 0.35  # ... the others not
 
 
 def test_request_timeout_gives_504_and_cancels_both_legs(setup):
