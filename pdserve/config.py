@@ -143,6 +143,8 @@ class ServerConfig:
     health_generate_timeout: seconds ``/health_generate`` waits for its one-token generation.
     idle_poll_interval: seconds the engine thread sleeps between steps that made no progress
         (e.g. while KV transfers are pending), so it keeps polling without spinning.
+    num_threads: torch intra-op CPU threads of the worker (``torch.set_num_threads``, set
+        before the model loads); 0 = torch's default (``OMP_NUM_THREADS`` or all cores).
     """
 
     host: str = "127.0.0.1"
@@ -150,6 +152,7 @@ class ServerConfig:
     served_model_name: str | None = None
     health_generate_timeout: float = 30.0
     idle_poll_interval: float = 0.002
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -162,6 +165,8 @@ class ServerConfig:
             raise ValueError(f"health_generate_timeout must be > 0 s, got {self.health_generate_timeout}")
         if not 0 < self.idle_poll_interval <= 1:
             raise ValueError(f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
 
 
 ROUTER_POLICIES = ("random", "round_robin", "power_of_two")

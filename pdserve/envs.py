@@ -106,4 +106,15 @@ LOG_LEVEL = EnvVar(
     "PDSERVE_LOG_LEVEL", str, "INFO",
     "Log level of pdserve processes (DEBUG, INFO, WARNING, ERROR).")
 
+# --- CPU threads (OpenMP's own variables; read by `pdserve up`) ---------------------
+OMP_NUM_THREADS = EnvVar(
+    "OMP_NUM_THREADS", int, 0,
+    "OpenMP/torch CPU threads per process; when set, `pdserve up` leaves its CPU workers' thread "
+    "count to it instead of giving each os.cpu_count() // (CPU workers) threads (0 here = unset).")
+OMP_WAIT_POLICY = EnvVar(
+    "OMP_WAIT_POLICY", str, "",
+    "OpenMP idle-thread policy; when unset, `pdserve up` sets PASSIVE for its children so "
+    "co-located workers do not spin against each other.")
+
+
 ALL: tuple[EnvVar, ...] = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))

@@ -56,7 +56,8 @@ def command_tables(names: tuple[str, ...] | None = None) -> str:
 def env_table() -> str:
     """Every environment variable of ``pdserve.envs`` with its default and meaning."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{v.name}` | `{_cell(v.default)}` | {_cell(v.help)} |" for v in envs.ALL]
+    rows += [f"| `{v.name}` | {f'`{_cell(v.default)}`' if v.default != '' else ''} | {_cell(v.help)} |"
+             for v in envs.ALL]
     return "\n".join(rows)
 
 

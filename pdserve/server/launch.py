@@ -36,6 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV transfer backend of prefill/decode workers (default %(default)s)")
     p.add_argument("--health-generate-timeout", type=float, default=s("health_generate_timeout"),
                    help="seconds /health_generate waits for its generation (default %(default)s)")
+    p.add_argument("--num-threads", type=int, default=s("num_threads"),
+                   help="torch CPU threads of this worker, set before the model loads; 0 = torch's default "
+                        "(OMP_NUM_THREADS or all cores) (default %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
@@ -45,7 +48,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     """The three configs of a worker; ValueError naming the field when a flag is invalid."""
     return (engine_config_from_args(args),
             ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                         health_generate_timeout=args.health_generate_timeout),
+                         health_generate_timeout=args.health_generate_timeout, num_threads=args.num_threads),
             DisaggConfig(role=args.role, transfer_backend=args.disaggregation_transfer_backend,
                          bootstrap_host=args.disaggregation_bootstrap_host,
                          bootstrap_port=args.disaggregation_bootstrap_port))

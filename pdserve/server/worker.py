@@ -32,11 +32,16 @@ def _create_managers(core: Any, engine_cfg: EngineConfig, disagg: DisaggConfig) 
 
 def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
                  disagg: DisaggConfig) -> tuple[FastAPI, dict]:
-    """Load the model, create the KV managers (prefill/decode roles) and return the app and
-    its start-up info (``served_model_name``, ``bootstrap_port``, ...).
+    """Set torch's CPU thread count (``server_cfg.num_threads`` > 0), load the model, create
+    the KV managers (prefill/decode roles) and return the app and its start-up info
+    (``served_model_name``, ``bootstrap_port``, ``num_threads``, ...).
     Raises ValueError naming the field for a bad model/device/dtype."""
+    import torch
+
     from pdserve.engine.engine import EngineCore
 
+    if server_cfg.num_threads:  # before any op runs: co-located workers must not oversubscribe cores
+        torch.set_num_threads(server_cfg.num_threads)
     pd = disagg.role != "mixed"
     slots = {name: BoundKVManager(disagg.role) for name in {disagg.transfer_backend, "fake"}} if pd else {}
     core = EngineCore(engine_cfg, slots or None, transfer_backend=disagg.transfer_backend)
@@ -58,7 +63,8 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
         "served_model_name": model_name, "max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
         "device": str(core.device), "dtype": str(core.dtype).replace("torch.", ""),
         "layout": core.layout.to_dict(), "page_size": engine_cfg.cache.page_size,
-        "num_total_pages": core.pool.num_pages, "transfer_backend": disagg.transfer_backend if pd else None,
+        "num_total_pages": core.pool.num_pages, "num_threads": torch.get_num_threads(),
+        "transfer_backend": disagg.transfer_backend if pd else None,
         "bootstrap_host": disagg.bootstrap_host if disagg.role == "prefill" else None,
         "bootstrap_port": transfer.bootstrap_port if transfer is not None and disagg.role == "prefill" else None,
     }

@@ -108,6 +108,12 @@ def test_gsm8k_with_injected_failures(system):
     assert set(kids) == {"prefill-0", "decode-0", "router"}, up.text
     router, workers = kids["router"], [kids["prefill-0"], kids["decode-0"]]
     baseline = {w.name: w.get_info()["num_total_pages"] for w in workers}
+    if "OMP_NUM_THREADS" not in os.environ:  # up splits the cores between its 2 CPU workers
+        assert [w.get_info()["num_threads"] for w in workers] == [max(1, os.cpu_count() // 2)] * 2
+    if "OMP_WAIT_POLICY" not in os.environ:
+        for kid in kids.values():
+            with open(f"/proc/{kid.pid}/environ", "rb") as f:
+                assert b"OMP_WAIT_POLICY=PASSIVE" in f.read().split(b"\0"), kid.name
     questions = _questions()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         pd = list(pool.map(lambda q: _ask(router.url, q), questions))

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> Proc:
-    proc = start_worker("mixed", "mixed", tmp_path_factory.mktemp("worker-logs"))
+    proc = start_worker("mixed", "mixed", tmp_path_factory.mktemp("worker-logs"), extra=["--num-threads", "1"])
     try:
         wait_healthy([proc])
         proc.get_info()
@@ -36,6 +36,10 @@ def sse_events(resp: httpx.Response) -> list:
     events = [line[len("data: "):] for line in resp.text.split("\n\n") if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", resp.text[-300:]
     return [json.loads(e) for e in events[:-1]]
+
+
+def test_num_threads_flag_sets_torch_threads(worker):
+    assert worker.get_info()["num_threads"] == 1
 
 
 def test_completion_shape_usage_and_token_ids(worker):
