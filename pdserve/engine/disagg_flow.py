@@ -61,6 +61,10 @@ class DisaggFlow:
         self._live: list[Request] = []  # arrival order
         self._draining: list[tuple[object, list[int], int | None]] = []  # (handle, pages, aux slot)
 
+    def set_managers(self, managers: Mapping[str, KVManager]) -> None:
+        """Replace the managers (``EngineCore.bind_kv_managers``: before any request)."""
+        self._managers = dict(managers)
+
     @property
     def num_draining(self) -> int:
         return len(self._draining)

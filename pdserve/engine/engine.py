@@ -80,6 +80,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.disagg = DisaggFlow(self.pool, self.scheduler, kv_managers or {}, transfer_backend,
                                  self.vocab_size, self._append_token)
+        self._managers_bound = bool(kv_managers)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._rng = random.Random(mc.seed)  # seeds of requests that have none
@@ -98,6 +99,21 @@ class EngineCore:
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free_pages
+
+    def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
+        """Give the engine its KV transfer managers by backend name after construction (a
+        manager needs ``self.pool.kv_args()``, which exists only once the engine does).
+        Valid once, before the first request; ValueError naming ``kv_managers`` when
+        managers were given already (here or to the constructor), a request was added,
+        or ``managers`` is empty or holds something that is not a KVManager."""
+        if self._managers_bound:
+            raise ValueError("kv_managers: this engine's KV managers are bound already")
+        if self._arrivals:
+            raise ValueError("kv_managers: must be bound before the first request")
+        if not managers or not all(isinstance(m, KVManager) for m in managers.values()):
+            raise ValueError("kv_managers must be a non-empty mapping of backend name to KVManager")
+        self.disagg.set_managers(managers)
+        self._managers_bound = True
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     disagg: DisaggRequestInfo | None = None) -> None:

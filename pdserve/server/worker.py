@@ -11,7 +11,6 @@ from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.formatting import TokenText
-from pdserve.server.kv_binding import BoundKVManager
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext
 from pdserve.server.serving import Serving
@@ -43,13 +42,11 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
     if server_cfg.num_threads:  # before any op runs: co-located workers must not oversubscribe cores
         torch.set_num_threads(server_cfg.num_threads)
     pd = disagg.role != "mixed"
-    slots = {name: BoundKVManager(disagg.role) for name in {disagg.transfer_backend, "fake"}} if pd else {}
-    core = EngineCore(engine_cfg, slots or None, transfer_backend=disagg.transfer_backend)
+    core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
     managers: dict[str, KVManager] = {}
-    if pd:
+    if pd:  # the managers need the pool's addresses, so they are bound after the engine is built
         managers = _create_managers(core, engine_cfg, disagg)
-        for name, slot in slots.items():
-            slot.bind(managers[name])
+        core.bind_kv_managers(managers)
     transfer = managers.get(disagg.transfer_backend)
     engine = AsyncEngine(core, idle_poll_interval=server_cfg.idle_poll_interval)
     metrics = ServerMetrics({"pdserve_engine": lambda: engine.snapshot.stats,

@@ -243,3 +243,33 @@ def test_manager_selection_and_duplicate_rooms(cores):
     no_managers = DisaggFlow(prefill.pool, prefill.scheduler, {}, "nixl", prefill.vocab_size, None)
     with pytest.raises(ValueError, match="disagg: this engine has no 'nixl'"):
         no_managers.manager_for(info("prefill", 1))
+
+
+def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_dir):
+    cfg = EngineConfig(model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+                       cache=CacheConfig(page_size=4, num_pages=64))
+    core = EngineCore(cfg)  # no managers yet: they need core.pool (its kv_args) first
+    with pytest.raises(ValueError, match="disagg"):
+        core.add_request("early", PROMPT, SamplingParams(max_tokens=2), info("prefill", 1, fake=True))
+    for bad in ({}, {"fake": object()}):
+        with pytest.raises(ValueError, match="kv_managers"):
+            core.bind_kv_managers(bad)
+    manager = FakeManager("prefill", auto=False)
+    manager.pool = core.pool
+    core.bind_kv_managers({"fake": manager})
+    with pytest.raises(ValueError, match="bound already"):
+        core.bind_kv_managers({"fake": manager})
+    core.add_request("p", PROMPT, SamplingParams(max_tokens=2), info("prefill", 7, fake=True))
+    assert manager.created[-1].room == 7  # the bound manager made the room's sender
+    core.abort_request("p")
+    manager.created[-1].fail("aborted")
+    drive(core)
+    assert core.num_free_pages == 64 and manager.created[-1].closed == 1
+
+    late = EngineCore(cfg)
+    late.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    with pytest.raises(ValueError, match="before the first request"):
+        late.bind_kv_managers({"fake": FakeManager("prefill")})
+    drive(late)
+    with pytest.raises(ValueError, match="bound already"):
+        EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})
