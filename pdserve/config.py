@@ -145,6 +145,7 @@ class ServerConfig:
         (e.g. while KV transfers are pending), so it keeps polling without spinning.
     num_threads: torch intra-op CPU threads of the worker (``torch.set_num_threads``, set
         before the model loads); 0 = torch's default (``OMP_NUM_THREADS`` or all cores).
+    max_request_body_bytes: largest request body accepted, in bytes (413 above).
     """
 
     host: str = "127.0.0.1"
@@ -153,6 +154,7 @@ class ServerConfig:
     health_generate_timeout: float = 30.0
     idle_poll_interval: float = 0.002
     num_threads: int = 0
+    max_request_body_bytes: int = 32 * 2 ** 20
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -167,6 +169,8 @@ class ServerConfig:
             raise ValueError(f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}")
 
 
 ROUTER_POLICIES = ("random", "round_robin", "power_of_two")
@@ -184,6 +188,7 @@ class RouterConfig:
     health_check_interval/timeout: seconds between probes of each worker's ``/health`` and
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
         a worker, one success restores it.
+    max_request_body_bytes: largest request body accepted, in bytes (413 above).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -196,6 +201,7 @@ class RouterConfig:
     health_check_interval: float = 2.0
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
+    max_request_body_bytes: int = 32 * 2 ** 20
 
     def __post_init__(self) -> None:
         pd = bool(self.prefill_urls) or bool(self.decode_urls)
@@ -212,6 +218,8 @@ class RouterConfig:
                     raise ValueError(f"{name}: {url!r} must start with http:// or https://")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}")
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
         if self.request_timeout <= 0:

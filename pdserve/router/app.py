@@ -11,12 +11,14 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
+from pdserve.server.body_limit import BodySizeLimit
 from pdserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -50,6 +52,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        """413 from the body cap, 404/405 for unknown routes/methods: OpenAI's error shape."""
+        return error_response(exc.status_code, str(exc.detail))
 
     async def forward(request: Request, endpoint: str) -> Response:
         start = time.perf_counter()

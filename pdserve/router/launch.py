@@ -34,6 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds one health probe may take (default %(default)s)")
     p.add_argument("--health-failure-threshold", type=int, default=d("health_failure_threshold"),
                    help="consecutive failed probes that eject a worker (default %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=d("max_request_body_bytes"),
+                   help="largest request body accepted, in bytes; 413 above (default %(default)s)")
     p.set_defaults(func=main)
     return p
 
@@ -44,7 +46,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         worker_urls=tuple(args.worker), host=args.host, port=args.port, policy=args.policy,
                         request_timeout=args.request_timeout, health_check_interval=args.health_check_interval,
                         health_check_timeout=args.health_check_timeout,
-                        health_failure_threshold=args.health_failure_threshold)
+                        health_failure_threshold=args.health_failure_threshold,
+                        max_request_body_bytes=args.max_request_body_bytes)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.disagg.base import KVManager
 from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.body_limit import BodySizeLimit
 from pdserve.server.disconnect import ClientDisconnected
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.http_errors import error_json
@@ -70,9 +71,10 @@ class _RequestMetrics:
 
 def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMetrics, *,
                      kv_managers: dict[str, KVManager], server_info: Callable[[], dict],
-                     health_generate_timeout: float) -> FastAPI:
+                     health_generate_timeout: float, max_request_body_bytes: int = 32 * 2 ** 20) -> FastAPI:
     """Return the worker app. The engine thread starts with the app's lifespan and stops
-    with it; ``kv_managers`` (name -> manager) are shut down after it."""
+    with it; ``kv_managers`` (name -> manager) are shut down after it; a request body over
+    ``max_request_body_bytes`` gets 413."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -87,7 +89,8 @@ def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMet
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
     app.include_router(build_openai_router(ctx))
     app.include_router(build_generate_router(ctx))
-    app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(_RequestMetrics, metrics=metrics)  # outermost: counts the 413s too
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.server import formatting as fmt
+from pdserve.server import prompts
 from pdserve.server.disconnect import cancel_on_disconnect
 from pdserve.server.openai_api import WorkerContext
 from pdserve.server.protocol import GenerateRequest
@@ -25,7 +26,11 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
     async def generate(req: GenerateRequest, request: Request) -> Response:
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", "text")
-        prompt_ids = list(req.input_ids) if req.input_ids is not None else ctx.tokenizer.encode(req.text)
+        if req.input_ids is not None:
+            prompt_ids = list(req.input_ids)
+        else:
+            ctx.check_text(req.text, "text")
+            prompt_ids = await prompts.encode(ctx.tokenizer, req.text)
         if req.return_logprob and req.logprob_start_len >= max(len(prompt_ids), 1):
             raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
                                 f"({len(prompt_ids)})", "logprob_start_len")

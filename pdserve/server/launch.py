@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=s("num_threads"),
                    help="torch CPU threads of this worker, set before the model loads; 0 = torch's default "
                         "(OMP_NUM_THREADS or all cores) (default %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=s("max_request_body_bytes"),
+                   help="largest request body accepted, in bytes; 413 above (default %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
@@ -48,7 +50,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     """The three configs of a worker; ValueError naming the field when a flag is invalid."""
     return (engine_config_from_args(args),
             ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                         health_generate_timeout=args.health_generate_timeout, num_threads=args.num_threads),
+                         health_generate_timeout=args.health_generate_timeout, num_threads=args.num_threads,
+                         max_request_body_bytes=args.max_request_body_bytes),
             DisaggConfig(role=args.role, transfer_backend=args.disaggregation_transfer_backend,
                          bootstrap_host=args.disaggregation_bootstrap_host,
                          bootstrap_port=args.disaggregation_bootstrap_port))

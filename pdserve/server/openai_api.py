@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.server import formatting as fmt
+from pdserve.server import prompts
 from pdserve.server.disconnect import cancel_on_disconnect
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from pdserve.server.serving import APIError, Job, Serving, make_params
@@ -26,6 +27,11 @@ class WorkerContext:
     tokenizer: Any
     model_name: str
     token_text: fmt.TokenText
+    max_prompt_chars: int = 0  # prompts.max_prompt_chars; 0 = no bound
+
+    def check_text(self, text: str, field: str) -> None:
+        """400 naming ``field`` for prompt text that cannot be tokenized or cannot fit."""
+        prompts.check_text(text, field, limit=self.max_prompt_chars, max_model_len=self.serving.max_model_len)
 
 
 def _check_model(ctx: WorkerContext, model: str | None) -> None:
@@ -70,7 +76,11 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(ctx, req.model)
-        prompt_ids = list(req.prompt) if isinstance(req.prompt, list) else ctx.tokenizer.encode(req.prompt)
+        if isinstance(req.prompt, list):
+            prompt_ids = list(req.prompt)
+        else:
+            ctx.check_text(req.prompt, "prompt")
+            prompt_ids = await prompts.encode(ctx.tokenizer, req.prompt)
         job = _job(ctx, req, prompt_ids, req.max_tokens, req.logprobs)
         head = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": ctx.model_name}
@@ -117,12 +127,12 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         _check_model(ctx, req.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
-        try:
-            text = ctx.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # no template, or the template rejects the roles
-            raise APIError(400, f"cannot apply the model's chat template: {exc}", "messages") from exc
-        prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        for i, m in enumerate(messages):
+            ctx.check_text(m["content"], f"messages[{i}].content")
+        text = await prompts.apply_chat_template(ctx.tokenizer, messages,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        ctx.check_text(text, "messages")
+        prompt_ids = await prompts.encode(ctx.tokenizer, text, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")

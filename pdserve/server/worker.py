@@ -13,6 +13,7 @@ from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext
+from pdserve.server.prompts import max_prompt_chars
 from pdserve.server.serving import Serving
 
 
@@ -54,7 +55,8 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
     model_name = server_cfg.served_model_name or engine_cfg.model.model
     serving = Serving(engine, role=disagg.role, max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                       metrics=metrics)
-    ctx = WorkerContext(serving, core.tokenizer, model_name, TokenText(core.tokenizer))
+    ctx = WorkerContext(serving, core.tokenizer, model_name, TokenText(core.tokenizer),
+                        max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len))
     static = {
         "version": pdserve.__version__, "role": disagg.role, "model": engine_cfg.model.model,
         "served_model_name": model_name, "max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
@@ -74,5 +76,6 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
     from pdserve.server.app import build_worker_app
 
     app = build_worker_app(ctx, engine, metrics, kv_managers=managers, server_info=server_info,
-                           health_generate_timeout=server_cfg.health_generate_timeout)
+                           health_generate_timeout=server_cfg.health_generate_timeout,
+                           max_request_body_bytes=server_cfg.max_request_body_bytes)
     return app, static

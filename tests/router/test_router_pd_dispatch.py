@@ -197,3 +197,13 @@ def test_a_worker_of_the_wrong_role_is_never_used(setup):
         assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"]
     finally:
         router.stop()
+
+
+def test_huge_body_is_413_and_unknown_routes_are_openai_errors(setup):
+    prefill, decode, url = setup
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "' + b"a" * (33 * 2 ** 20) + b'"}', timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:300]
+    assert not prefill.bodies and not decode.bodies
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, url + path)
+        assert r.status_code == status and r.json()["error"]["code"] == status, r.text

@@ -217,3 +217,17 @@ def test_health_metrics_models_and_pd_fields_ignored(worker):
         assert name in text, name
     info = worker.get_info()
     assert info["role"] == "mixed" and info["layout"]["page_size"] == 16 and info["bootstrap_port"] is None
+
+
+def test_huge_prompt_is_rejected_fast_and_huge_body_gets_413(worker):
+    max_len = worker.get_info()["max_model_len"]
+    start = time.perf_counter()
+    r = post(worker, "/v1/completions", {"prompt": "hello world " * 1_500_000, "max_tokens": 1})  # 18 MB
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+    assert f"context limit of {max_len} tokens" in r.json()["error"]["message"]
+    assert time.perf_counter() - start < 3.0  # not tokenized: the length bound rejects it first
+    r = post(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 4_000_000}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    r = httpx.post(worker.url + "/generate", content=b'{"text": "' + b"a" * (33 * 2 ** 20) + b'"}', timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:300]
+    assert_all_healthy([worker])
