@@ -24,6 +24,36 @@ from pdserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(value, where: str = "body") -> None:
+    """ValueError naming the place of a string that is not valid Unicode (a lone surrogate
+    from a ``\\ud800`` escape), which could not be re-encoded for the workers."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} holds a lone surrogate (\\ud800-\\udfff escape without its pair)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, where)
+            _check_strings(item, f"{where}.{key}" if where != "body" else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{where}[{i}]")
+
+
+def parse_json_body(raw: bytes):
+    """Parse a client body strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
+    parser accepts but JSON cannot carry on to the workers), strings valid Unicode.
+    Raises ValueError with the reason."""
+    body = json.loads(raw, parse_constant=_reject_constant)
+    _check_strings(body)
+    return body
+
+
 def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) -> FastAPI:
     """Return the router app for ``config``; health checks start with the app's lifespan
     (one check round runs before the first request is served)."""
@@ -62,8 +92,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     async def forward(request: Request, endpoint: str) -> Response:
         start = time.perf_counter()
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = parse_json_body(await request.body())
+        except ValueError as exc:  # UnicodeError is a ValueError
             return _count(error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start)
         if not isinstance(body, dict):
             return _count(error_response(400, "request body must be a JSON object"), endpoint, start)

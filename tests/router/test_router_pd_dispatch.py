@@ -207,3 +207,16 @@ def test_huge_body_is_413_and_unknown_routes_are_openai_errors(setup):
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, url + path)
         assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+
+
+def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
+    prefill, decode, url = setup
+    bodies = [(p, b) for p in ("/v1/completions", "/generate") for b in (
+        b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
+        b'{"text": "hi", "sampling_params": {"temperature": -Infinity}}', b'{"prompt": "hi \\ud800"}')]
+    for path, content in bodies:
+        r = httpx.post(url + path, content=content)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, (path, content, r.text)
+    assert not prefill.bodies and not decode.bodies
+    text = httpx.get(url + "/metrics").text
+    assert 'pdserve_router_requests_total{endpoint="/generate",status="400"} 4.0' in text
