@@ -35,6 +35,11 @@ def check_text(text: str, field: str, *, limit: int, max_model_len: int) -> None
     if limit and len(text) > limit:
         raise APIError(400, f"{field} is {len(text)} characters long, more than can fit this model's context "
                             f"limit of {max_model_len} tokens (at most {limit} characters)", field)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a \ud800 escape without its pair: the tokenizer raises TypeError
+        raise APIError(400, f"{field} is not valid Unicode: a lone surrogate at character {exc.start} "
+                            f"(\\ud800-\\udfff escapes must come in pairs)", field) from None
 
 
 async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:

@@ -231,3 +231,14 @@ def test_huge_prompt_is_rejected_fast_and_huge_body_gets_413(worker):
     r = httpx.post(worker.url + "/generate", content=b'{"text": "' + b"a" * (33 * 2 ** 20) + b'"}', timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:300]
     assert_all_healthy([worker])
+
+
+def test_lone_surrogate_is_400_naming_the_field(worker):
+    cases = [("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 1}', "prompt"),
+             ("/generate", b'{"text": "\\udfff"}', "text"),
+             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ok"}, '
+                                      b'{"role": "user", "content": "x\\ud800"}]}', "messages[1].content")]
+    for path, content, field in cases:
+        r = httpx.post(worker.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
+    assert_all_healthy([worker])
