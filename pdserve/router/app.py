@@ -82,6 +82,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
+    app.state.before_shutdown = dispatcher.streams.shutdown  # run by netutil.GracefulServer
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)

@@ -21,7 +21,7 @@ from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState
-from pdserve.router.relay import PrefillWatch, relay_sse
+from pdserve.router.relay import OpenStreams, PrefillWatch, relay_sse
 from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
@@ -68,6 +68,7 @@ class Dispatcher:
         self.pd_mode = pd_mode
         self.request_timeout = request_timeout
         self._rng = rng or random.SystemRandom()
+        self.streams = OpenStreams()  # relays now running; ended by the router's shutdown
 
     # --- rooms -------------------------------------------------------------------------
     def reserve_rooms(self, n: int) -> int:
@@ -154,7 +155,7 @@ class Dispatcher:
 
         return StreamingResponse(relay_sse(resp, worker, endpoint, deadline=deadline,
                                            timeout_s=self.request_timeout, metrics=self.metrics,
-                                           on_close=on_close), media_type="text/event-stream")
+                                           on_close=on_close, streams=self.streams), media_type="text/event-stream")
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
@@ -189,7 +190,7 @@ class Dispatcher:
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
             return StreamingResponse(
                 relay_sse(d_task.result(), decode, endpoint, deadline=deadline, timeout_s=self.request_timeout,
-                          metrics=self.metrics, on_close=on_close, prefill=watch),
+                          metrics=self.metrics, on_close=on_close, prefill=watch, streams=self.streams),
                 media_type="text/event-stream")
         finally:
             if not handed_off:

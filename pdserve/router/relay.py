@@ -29,6 +29,28 @@ log = logging.getLogger("pdserve.router")
 DONE = b"data: [DONE]\n\n"
 
 
+class OpenStreams:
+    """The queues of the relays now running; ``shutdown()`` (router shutting down, on the
+    event loop) tells each to end its stream with an SSE error event and ``[DONE]``."""
+
+    def __init__(self) -> None:
+        self._queues: set[asyncio.Queue] = set()
+        self.stopping = False
+
+    def add(self, queue: asyncio.Queue) -> None:
+        self._queues.add(queue)
+        if self.stopping:
+            queue.put_nowait(("shutdown", None))
+
+    def discard(self, queue: asyncio.Queue) -> None:
+        self._queues.discard(queue)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        for queue in self._queues:
+            queue.put_nowait(("shutdown", None))
+
+
 @dataclass
 class PrefillWatch:
     """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
@@ -74,7 +96,8 @@ async def _settle(task: asyncio.Future | None) -> None:
 
 async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *, deadline: float,
                     timeout_s: float, metrics: RouterMetrics, on_close: Callable[[], None],
-                    prefill: PrefillWatch | None = None) -> AsyncIterator[bytes]:
+                    prefill: PrefillWatch | None = None,
+                    streams: OpenStreams | None = None) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
     deadline: loop time (s) by which the whole request must end (then a 504 SSE error);
@@ -84,10 +107,14 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
     prefill's answer are merged into decode's chunks once it has arrived; when they were
     asked for, the first chunk is held until then (only that one: later chunks come
     after it, so the answer is already there). A stream that breaks or ends early yields
-    a 502 SSE error. ``on_close`` runs once at the end, after both legs ended.
+    a 502 SSE error. ``streams``: registry whose ``shutdown()`` ends the stream with a 503
+    SSE error ("router shutting down") + ``[DONE]``. ``on_close`` runs once at the end,
+    after both legs ended.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    if streams is not None:
+        streams.add(queue)
     pump = asyncio.ensure_future(_pump(resp, queue))
     task = prefill.task if prefill is not None else None
     if task is not None:
@@ -112,7 +139,10 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
             if remaining <= 0:
                 raise asyncio.TimeoutError
             kind, item = await asyncio.wait_for(queue.get(), remaining)
-            if kind == "prefill":
+            if kind == "shutdown":
+                yield sse_error(503, "server shutting down: the router was stopped while this request ran")
+                return
+            elif kind == "prefill":
                 prefill_over = True
                 try:
                     answer = item.result().json()
@@ -160,6 +190,8 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
             yield sse_error(504, f"request timed out after {timeout_s:g} s (router --request-timeout)")
     finally:
         with anyio.CancelScope(shield=True):
+            if streams is not None:
+                streams.discard(queue)
             await _settle(pump)
             await resp.aclose()
             await _settle(task)

@@ -36,12 +36,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown begins: ``app.state.before_shutdown()``
+    (if the app defines it) runs on the event loop as soon as SIGINT/SIGTERM is handled,
+    before uvicorn waits for in-flight requests (the router uses it to end open streams
+    with an SSE error event and ``[DONE]`` instead of having them cut)."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        hook = getattr(getattr(self.config.app, "state", None), "before_shutdown", None)
+        if callable(hook):
+            hook()
+        await super().shutdown(sockets)
+
+
 def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:
     """Run ``app`` under uvicorn on an already bound socket until SIGINT/SIGTERM."""
     # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
     config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_keep_alive=30,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
     server.run(sockets=[sock])
 
 

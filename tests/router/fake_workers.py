@@ -13,13 +13,15 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.server.netutil import GracefulServer
+
 
 class ThreadedServer:
     """Runs an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread; ``stop()`` joins."""
 
     def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on"))
+        self.server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:

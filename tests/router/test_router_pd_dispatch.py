@@ -5,6 +5,7 @@ other leg cancelled, SSE error events, timeouts, health ejection and restore, me
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -220,3 +221,28 @@ def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
     assert not prefill.bodies and not decode.bodies
     text = httpx.get(url + "/metrics").text
     assert 'pdserve_router_requests_total{endpoint="/generate",status="400"} 4.0' in text
+
+
+def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
+    prefill, decode, url = setup
+    decode.chunks, decode.chunk_gap = 200, 0.05  # a 10 s stream
+    p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
+    router = ThreadedServer(build_router_app(RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,))))
+    r_url = router.start()
+    stopper = threading.Thread(target=router.stop)  # should_exit: uvicorn's SIGTERM path
+    try:
+        start, lines = time.monotonic(), []
+        with httpx.stream("POST", r_url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    if len(lines) == 2:
+                        stopper.start()
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == 503, lines[-3:]
+        assert "shutting down" in lines[-2] and time.monotonic() - start < 4  # not cut at the 5 s grace
+        _wait(lambda: decode.disconnects == 1)  # the decode leg was closed
+    finally:
+        if not stopper.is_alive() and stopper.ident is None:
+            router.stop()
+        stopper.join(timeout=15)
+
