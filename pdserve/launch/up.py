@@ -124,12 +124,24 @@ def _healthy(client: httpx.Client, url: str) -> bool:
         return False
 
 
+def death_cause(code: int) -> str:
+    """How a child ended, from ``Popen.returncode``: ``-N`` means killed by signal N."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def _check_children(children: list[Child]) -> None:
     for child in children:
         code = child.exit_code()
         if code is not None:
-            raise RuntimeError(f"{child.name} (pid {child.pid}) exited with code {code}; stopping everything.\n"
-                               f"  last lines of {child.log_path}:\n{child.log_tail()}")
+            # The log's tail may hold an old, unrelated traceback: label it as what it is.
+            raise RuntimeError(f"{child.name} (pid {child.pid}) {death_cause(code)}; stopping everything.\n"
+                               f"  last lines of its log {child.log_path} (not necessarily the cause):\n"
+                               f"{child.log_tail()}")
 
 
 def _wait_ready(children: list[Child], everyone: list[Child], timeout: float, *, quiet: bool = False) -> None:

@@ -143,7 +143,8 @@ def test_child_death_stops_everything(system):
     kids = up.children()
     os.kill(kids["decode-0"].pid, signal.SIGKILL)
     assert up.finish(60) == 1
-    assert "decode-0" in up.text and "exited" in up.text, up.text
+    assert "decode-0 (pid" in up.text and "was killed by SIGKILL" in up.text, up.text
+    assert "last lines of its log" in up.text and "exited with code -9" not in up.text
     for kid in kids.values():
         assert not pid_alive(kid.pid), f"{kid.name} (pid {kid.pid}) survived `pdserve up`"
 
@@ -173,3 +174,21 @@ def test_sigterm_during_start_up_leaves_no_orphans(tmp_path):
     assert "SIGTERM received" in up.text and "pdserve stopped" in up.text, up.text
     for kid in kids.values():
         assert not pid_alive(kid.pid), f"{kid.name} (pid {kid.pid}) survived"
+
+
+@pytest.mark.timeout(30)
+def test_death_message_names_the_signal_and_labels_the_log_tail(tmp_path):
+    from pdserve.launch.supervisor import Child
+    from pdserve.launch.up import _check_children
+
+    log = tmp_path / "w.log"
+    log.write_text("Traceback (most recent call last):\nOldError: from an earlier run\n")
+    child = Child("decode-0", "http://127.0.0.1:1", ["sleep", "30"], log)
+    child.start()
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.wait(timeout=10)
+    with pytest.raises(RuntimeError) as info:
+        _check_children([child])
+    text = str(info.value)
+    assert f"decode-0 (pid {child.pid}) was killed by SIGKILL" in text and "code -9" not in text
+    assert "last lines of its log" in text and "OldError" in text
