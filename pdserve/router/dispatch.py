@@ -88,7 +88,9 @@ class Dispatcher:
         self.pool.record_failure(worker, reason)
         self.metrics.leg_failures.labels(worker.role, "connect").inc()
         msg = f"{worker.role} worker {worker.url} failed: {reason}"
-        return LegError(worker.role, msg, error_response(503, msg))
+        # 502 like a stream that breaks: the worker failed while serving (503 is kept for
+        # "no healthy worker to pick")
+        return LegError(worker.role, msg, error_response(502, msg))
 
     def _http_error(self, worker: WorkerState, status: int, content: bytes) -> LegError:
         self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()

@@ -40,7 +40,8 @@ class ThreadedServer:
 
 
 class FakeWorker:
-    """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break``;
+    """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break`` |
+    ``drop`` (connection closed mid-answer);
     ``health``: the status of /health; ``delay``: seconds before answering (or failing);
     a stream has ``chunks`` events ``chunk_gap`` seconds apart. Records request bodies and
     client disconnects (also of a stream cut short)."""
@@ -96,6 +97,11 @@ class FakeWorker:
                         self.disconnects += 1
                         return JSONResponse({}, status_code=499)
                     await asyncio.sleep(0.05)
+            if self.mode == "drop":  # dies mid-answer: the connection closes without a full body
+                async def cut():
+                    yield b"{"
+                    raise RuntimeError("worker died mid-answer")
+                return StreamingResponse(cut(), media_type="application/json")
             if body.get("stream"):
                 async def events():
                     for i in range(self.chunks):

@@ -246,3 +246,13 @@ def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
             router.stop()
         stopper.join(timeout=15)
 
+
+def test_a_worker_dying_mid_request_is_502_streaming_or_not(setup):
+    prefill, decode, url = setup
+    decode.mode = "drop"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == 502 and "decode worker" in r.text, r.text
+    decode.mode = "stream_break"
+    _wait_health(url, 200)  # the failure ejected decode until its next good probe
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+    assert json.loads(r.text.split("data: ")[-2])["error"]["code"] == 502
