@@ -1,4 +1,4 @@
-"""Sockets and uvicorn start-up shared by the worker and the router (no engine imports)."""
+"""Sockets and uvicorn start-up shared by every HTTP server of pdserve (worker, router, bootstrap)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.base import PROTOCOL_VERSION, KVBootstrapServer
 from pdserve.disagg.messages import HealthInfo, RankInfo
+from pdserve.netutil import PortInUseError, bind_socket
 
 
 class BootstrapError(RuntimeError):
@@ -29,17 +30,10 @@ class BootstrapError(RuntimeError):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"bootstrap_port: cannot listen on {host}:{port}: "
-                                 f"{exc.strerror or exc} (is another process using port {port}?)") from exc
-    sock.listen(1024)
-    return sock
+        return bind_socket(host, port)
+    except PortInUseError as exc:
+        raise PortInUseError(f"bootstrap_port: {exc}") from exc
 
 
 def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock: threading.Lock):

@@ -58,7 +58,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.server.netutil import PortInUseError, bind_socket, configure_logging, serve_app
+    from pdserve.netutil import PortInUseError, bind_socket, configure_logging, serve_app
 
     configure_logging(envs.LOG_LEVEL.get())
     try:

@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.server.netutil import GracefulServer
+from pdserve.netutil import GracefulServer
 
 
 class ThreadedServer:
