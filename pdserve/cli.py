@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (module, what it adds); imported lazily so `pdserve --help` stays fast.
@@ -29,7 +30,8 @@ def _env_command(args: argparse.Namespace) -> int:
     from pdserve import envs
 
     for var in envs.ALL:
-        print(f"{var.name}  (default {var.default!r})\n    {var.help}")
+        current = f"set: {os.environ[var.name]!r}" if var.is_set() else "unset"
+        print(f"{var.name}  ({current}; default {var.default!r})\n    {var.help}")
     return 0
 
 
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # room not built yet
             raise
         module.add_parser(sub)
-    env = sub.add_parser("env", help="list every environment variable pdserve reads")
+    env = sub.add_parser("env", help="list every environment variable pdserve reads, its current value and default")
     env.set_defaults(func=_env_command)
     return parser
 
