@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
+from pdserve.disagg.hostmem import empty_host
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,13 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=self.device)
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":
+            # Huge pages before first touch: NIXL/UCX pins every descriptor's pages when it
+            # copies between processes, ~1.4x faster on 2 MiB pages (disagg/hostmem.py).
+            self.kv = empty_host(shape, dtype).zero_()
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
         self._layout = KVLayout(model=model_fingerprint, dtype=str(dtype).removeprefix("torch."),
                                 page_size=page_size, num_layers=num_layers,
