@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 from pdserve.model.loader import embedded_tokenizer
+from tiny_models import random_tiny_model
 
 TINY_CONFIGS = {
     # GQA 4/2, tied embeddings
@@ -36,14 +36,7 @@ def tokenizer():
 def save_tiny_model(arch: str, folder, tokenizer, seed: int = 0) -> None:
     """Save a tiny random ``arch`` model (every parameter random, biases and norms
     included, std 0.1 so greedy choices are clear) with ``tokenizer`` into ``folder``."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
+    model = random_tiny_model(TINY_CONFIGS[arch](), seed)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

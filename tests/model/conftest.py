@@ -8,10 +8,10 @@ shared with every other test and process; on a clean machine the first load conv
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 from pdserve.model.loader import load_model_source
+from tiny_models import random_tiny_model
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -42,15 +42,7 @@ def embedded_source():
 def build_tiny_hf(arch: str, seed: int = 0) -> transformers.PreTrainedModel:
     """A tiny random transformers model of ``arch``; every parameter random (biases and norm
     weights included, std 0.1) so a wrong bias, norm or rotation shows in the logits."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.1)
-    return model.eval()
+    return random_tiny_model(TINY_CONFIGS[arch](), seed)
 
 
 @pytest.fixture(scope="session")
