@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PIP := $(BIN)/pip --disable-pip-version-check -q
 
-.PHONY: setup run test clean
+.PHONY: setup run lint test clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,12 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/pdserve up
 
-test: $(STAMP)
+# The gates: lint and format (ruff), run before the tests so CI fails on a finding.
+lint: $(STAMP)
+	$(BIN)/ruff check pdserve tests
+	$(BIN)/ruff format --check pdserve tests
+
+test: lint
 	$(BIN)/python -m pytest -x -q --timeout=900 tests
 
 clean:

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # room not built yet
             raise
         module.add_parser(sub)
-    env = sub.add_parser("env", help="list every environment variable pdserve reads, its current value and default")
+    env = sub.add_parser(
+        "env", help="list every environment variable pdserve reads, its current value and default"
+    )
     env.set_defaults(func=_env_command)
     return parser
 

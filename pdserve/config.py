@@ -48,7 +48,9 @@ class ModelConfig:
         if not self.model:
             raise ValueError("model must be a non-empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.gpu_id < 0:
@@ -78,7 +80,9 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
 
@@ -96,7 +100,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 
@@ -120,7 +126,9 @@ class DisaggConfig:
         if self.role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"role must be mixed, prefill or decode, got {self.role!r}")
         if self.transfer_backend not in ("nixl", "fake"):
-            raise ValueError(f"transfer_backend must be nixl or fake, got {self.transfer_backend!r}")
+            raise ValueError(
+                f"transfer_backend must be nixl or fake, got {self.transfer_backend!r}"
+            )
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
 
@@ -154,7 +162,7 @@ class ServerConfig:
     health_generate_timeout: float = 30.0
     idle_poll_interval: float = 0.002
     num_threads: int = 0
-    max_request_body_bytes: int = 32 * 2 ** 20
+    max_request_body_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -164,13 +172,21 @@ class ServerConfig:
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty when given")
         if self.health_generate_timeout <= 0:
-            raise ValueError(f"health_generate_timeout must be > 0 s, got {self.health_generate_timeout}")
+            raise ValueError(
+                f"health_generate_timeout must be > 0 s, got {self.health_generate_timeout}"
+            )
         if not 0 < self.idle_poll_interval <= 1:
-            raise ValueError(f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}")
+            raise ValueError(
+                f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}"
+            )
         if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
+            raise ValueError(
+                f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}"
+            )
         if self.max_request_body_bytes <= 0:
-            raise ValueError(f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}")
+            raise ValueError(
+                f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}"
+            )
 
 
 ROUTER_POLICIES = ("random", "round_robin", "power_of_two")
@@ -201,15 +217,19 @@ class RouterConfig:
     health_check_interval: float = 2.0
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
-    max_request_body_bytes: int = 32 * 2 ** 20
+    max_request_body_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
         pd = bool(self.prefill_urls) or bool(self.decode_urls)
         if pd and self.worker_urls:
-            raise ValueError("worker_urls (regular mode) cannot be combined with prefill_urls/decode_urls (PD mode)")
+            raise ValueError(
+                "worker_urls (regular mode) cannot be combined with prefill_urls/decode_urls (PD mode)"
+            )
         if pd and not (self.prefill_urls and self.decode_urls):
             missing = "decode_urls" if self.prefill_urls else "prefill_urls"
-            raise ValueError(f"{missing} must be non-empty in PD mode (give at least one of each role)")
+            raise ValueError(
+                f"{missing} must be non-empty in PD mode (give at least one of each role)"
+            )
         if not pd and not self.worker_urls:
             raise ValueError("worker_urls must be non-empty (or give prefill_urls and decode_urls)")
         for name in ("prefill_urls", "decode_urls", "worker_urls"):
@@ -219,17 +239,25 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes <= 0:
-            raise ValueError(f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}")
+            raise ValueError(
+                f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}"
+            )
         if self.policy not in ROUTER_POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}")
+            raise ValueError(
+                f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}"
+            )
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 s, got {self.request_timeout}")
         if self.health_check_interval <= 0:
-            raise ValueError(f"health_check_interval must be > 0 s, got {self.health_check_interval}")
+            raise ValueError(
+                f"health_check_interval must be > 0 s, got {self.health_check_interval}"
+            )
         if self.health_check_timeout <= 0:
             raise ValueError(f"health_check_timeout must be > 0 s, got {self.health_check_timeout}")
         if self.health_failure_threshold < 1:
-            raise ValueError(f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}")
+            raise ValueError(
+                f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}"
+            )
 
     @property
     def pd_mode(self) -> bool:

@@ -8,8 +8,9 @@ table are generated from :data:`ALL`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -51,43 +52,81 @@ class EnvVar(Generic[T]):
 
 # --- disaggregation / NIXL -------------------------------------------------------
 DISAGGREGATION_NIXL_BACKEND = EnvVar(
-    "PDSERVE_DISAGGREGATION_NIXL_BACKEND", str, "UCX",
-    "NIXL backend plugin used for KV transfer (UCX, POSIX, GDS_MT, ...).")
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND",
+    str,
+    "UCX",
+    "NIXL backend plugin used for KV transfer (UCX, POSIX, GDS_MT, ...).",
+)
 DISAGGREGATION_NIXL_BACKEND_PARAMS = EnvVar(
-    "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", str, "{}",
-    "JSON object of string -> string passed to NIXL create_backend; anything else is a ValueError.")
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS",
+    str,
+    "{}",
+    "JSON object of string -> string passed to NIXL create_backend; anything else is a ValueError.",
+)
 DISAGGREGATION_ENGINE_INIT_TIMEOUT = EnvVar(
-    "PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT", float, 60.0,
-    "Seconds allowed for NIXL create_backend before start-up fails with TimeoutError.")
+    "PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT",
+    float,
+    60.0,
+    "Seconds allowed for NIXL create_backend before start-up fails with TimeoutError.",
+)
 DISAGGREGATION_BOOTSTRAP_TIMEOUT = EnvVar(
-    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT", float, 300.0,
-    "Seconds a prefill room waits for decode's destination info before it fails.")
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    float,
+    300.0,
+    "Seconds a prefill room waits for decode's destination info before it fails.",
+)
 DISAGGREGATION_WAITING_TIMEOUT = EnvVar(
-    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT", float, 300.0,
-    "Seconds a decode room waits for its KV cache to arrive before it fails.")
+    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT",
+    float,
+    300.0,
+    "Seconds a decode room waits for its KV cache to arrive before it fails.",
+)
 DISAGGREGATION_HEARTBEAT_INTERVAL = EnvVar(
-    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", float, 5.0,
-    "Seconds between decode's heartbeats to each prefill peer it has rooms with.")
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL",
+    float,
+    5.0,
+    "Seconds between decode's heartbeats to each prefill peer it has rooms with.",
+)
 DISAGGREGATION_HEARTBEAT_MAX_FAILURE = EnvVar(
-    "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", int, 2,
-    "Consecutive missed heartbeats after which every room of that prefill peer fails.")
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+    int,
+    2,
+    "Consecutive missed heartbeats after which every room of that prefill peer fails.",
+)
 DISAGGREGATION_NIXL_NUM_THREADS = EnvVar(
-    "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS", int, -1,
-    "NIXL agent num_threads; -1 means the role default (prefill 8, decode 0).")
+    "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS",
+    int,
+    -1,
+    "NIXL agent num_threads; -1 means the role default (prefill 8, decode 0).",
+)
 DISAGGREGATION_TRANSFER_WORKERS = EnvVar(
-    "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS", int, 4,
-    "Transfer worker threads on a prefill worker that post NIXL WRITEs.")
+    "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS",
+    int,
+    4,
+    "Transfer worker threads on a prefill worker that post NIXL WRITEs.",
+)
 DISAGGREGATION_NIXL_PROGRESS_THREAD = EnvVar(
-    "PDSERVE_DISAGGREGATION_NIXL_PROGRESS_THREAD", _parse_bool, False,
-    "Enable NIXL's progress thread (off: on few cores it competes with the polling threads).")
+    "PDSERVE_DISAGGREGATION_NIXL_PROGRESS_THREAD",
+    _parse_bool,
+    False,
+    "Enable NIXL's progress thread (off: on few cores it competes with the polling threads).",
+)
 TEST_DISAGG_FAILURE_PROB = EnvVar(
-    "PDSERVE_TEST_DISAGG_FAILURE_PROB", float, 0.0,
-    "Testing only: probability that a KVSender/KVReceiver poll reports Failed (injected).")
+    "PDSERVE_TEST_DISAGG_FAILURE_PROB",
+    float,
+    0.0,
+    "Testing only: probability that a KVSender/KVReceiver poll reports Failed (injected).",
+)
 
 # --- models ------------------------------------------------------------------------
 CACHE_DIR = EnvVar(
-    "PDSERVE_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "pdserve"),
-    "Where converted model copies (e.g. the embedded GGUF as safetensors) are cached.")
+    "PDSERVE_CACHE_DIR",
+    str,
+    os.path.join(os.path.expanduser("~"), ".cache", "pdserve"),
+    "Where converted model copies (e.g. the embedded GGUF as safetensors) are cached.",
+)
+
+
 def _parse_packed_linear(raw: str) -> str:
     value = raw.strip().lower()
     if value not in ("auto", "all", "none"):
@@ -96,25 +135,37 @@ def _parse_packed_linear(raw: str) -> str:
 
 
 CPU_PACKED_LINEAR = EnvVar(
-    "PDSERVE_CPU_PACKED_LINEAR", _parse_packed_linear, "auto",
+    "PDSERVE_CPU_PACKED_LINEAR",
+    _parse_packed_linear,
+    "auto",
     "CPU linear weights pre-packed for oneDNN: auto = bf16 only (same bits as F.linear, 1.3-2x "
     "faster); all = bf16 and fp32 (fp32 2-3x faster at batch >1, rounding ~2x F.linear's, so "
-    "logprobs differ from transformers by ~1e-4); none = plain F.linear.")
+    "logprobs differ from transformers by ~1e-4); none = plain F.linear.",
+)
 
 # --- logging -----------------------------------------------------------------------
 LOG_LEVEL = EnvVar(
-    "PDSERVE_LOG_LEVEL", str, "INFO",
-    "Log level of pdserve processes (DEBUG, INFO, WARNING, ERROR).")
+    "PDSERVE_LOG_LEVEL",
+    str,
+    "INFO",
+    "Log level of pdserve processes (DEBUG, INFO, WARNING, ERROR).",
+)
 
 # --- CPU threads (OpenMP's own variables; read by `pdserve up`) ---------------------
 OMP_NUM_THREADS = EnvVar(
-    "OMP_NUM_THREADS", int, 0,
+    "OMP_NUM_THREADS",
+    int,
+    0,
     "OpenMP/torch CPU threads per process; when set, `pdserve up` leaves its CPU workers' thread "
-    "count to it instead of giving each os.cpu_count() // (CPU workers) threads (0 here = unset).")
+    "count to it instead of giving each os.cpu_count() // (CPU workers) threads (0 here = unset).",
+)
 OMP_WAIT_POLICY = EnvVar(
-    "OMP_WAIT_POLICY", str, "",
+    "OMP_WAIT_POLICY",
+    str,
+    "",
     "OpenMP idle-thread policy; when unset, `pdserve up` sets PASSIVE for its children so "
-    "co-located workers do not spin against each other.")
+    "co-located workers do not spin against each other.",
+)
 
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))

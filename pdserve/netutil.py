@@ -22,8 +22,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
-                             f"(is another process using port {port}?)") from exc
+        raise PortInUseError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+            f"(is another process using port {port}?)"
+        ) from exc
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -52,13 +54,20 @@ class GracefulServer(uvicorn.Server):
 def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:
     """Run ``app`` under uvicorn on an already bound socket until SIGINT/SIGTERM."""
     # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
-    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_keep_alive=30,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+    )
     server = GracefulServer(config)
     server.run(sockets=[sock])
 
 
 def configure_logging(level: str) -> None:
     """Log lines with time, process role and level, at ``level`` (PDSERVE_LOG_LEVEL)."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise

@@ -7,7 +7,9 @@ import torch
 import transformers
 
 
-def random_tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> transformers.PreTrainedModel:
+def random_tiny_model(
+    config: transformers.PretrainedConfig, seed: int = 0
+) -> transformers.PreTrainedModel:
     """A transformers model of ``config`` in fp32 with EVERY parameter random (std 0.1; norm
     weights 1 + N(0, 0.1)), so a wrong bias, norm or rotation shows in the logits and greedy
     choices are clear. Returned in eval mode."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -20,9 +20,15 @@ from pdserve.bench.runner import Series, Target, block_order, run_block, split_b
 from pdserve.bench.workload import InterferenceSpec, RequestSpec, WorkloadSpec, random_prompt
 
 
-async def long_prompt_stream(client: httpx.AsyncClient, target: Target, spec: WorkloadSpec,
-                             ispec: InterferenceSpec, seed: int, stop: asyncio.Event,
-                             results: list[StreamResult]) -> None:
+async def long_prompt_stream(
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec,
+    seed: int,
+    stop: asyncio.Event,
+    results: list[StreamResult],
+) -> None:
     """Send long-prompt, ``max_tokens=1`` requests to ``target`` at Poisson times (seeded,
     so every target sees the same prompts at the same offsets) until ``stop`` is set;
     then wait for those in flight, appending each result to ``results``."""
@@ -47,9 +53,16 @@ async def long_prompt_stream(client: httpx.AsyncClient, target: Target, spec: Wo
         await asyncio.gather(*in_flight)
 
 
-async def run_interference(client: httpx.AsyncClient, targets: Sequence[Target], spec: WorkloadSpec,
-                           ispec: InterferenceSpec, reqs: Sequence[RequestSpec], concurrency: int,
-                           num_blocks: int, on_done: Callable[[StreamResult], None]) -> list[Series]:
+async def run_interference(
+    client: httpx.AsyncClient,
+    targets: Sequence[Target],
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec,
+    reqs: Sequence[RequestSpec],
+    concurrency: int,
+    num_blocks: int,
+    on_done: Callable[[StreamResult], None],
+) -> list[Series]:
     """Run the scenario on every target (blocks interleaved A B, B A …).
 
     Returns, per target in order, its ``decode`` series then its ``long`` series. The
@@ -62,11 +75,15 @@ async def run_interference(client: httpx.AsyncClient, targets: Sequence[Target],
         for target in block_order(targets, b):
             stop = asyncio.Event()
             long_results: list[StreamResult] = []
-            feeder = asyncio.create_task(long_prompt_stream(
-                client, target, spec, ispec, spec.seed * 1000 + b + 1, stop, long_results))
+            feeder = asyncio.create_task(
+                long_prompt_stream(
+                    client, target, spec, ispec, spec.seed * 1000 + b + 1, stop, long_results
+                )
+            )
             try:
-                results, duration = await run_block(client, target, spec, block_reqs,
-                                                    [0.0] * len(block_reqs), concurrency, on_done)
+                results, duration = await run_block(
+                    client, target, spec, block_reqs, [0.0] * len(block_reqs), concurrency, on_done
+                )
             finally:
                 stop.set()
                 await feeder

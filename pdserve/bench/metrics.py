@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ class LatencyStats:
     p99: float
 
     @classmethod
-    def of_seconds(cls, values_s: Iterable[float]) -> "LatencyStats":
+    def of_seconds(cls, values_s: Iterable[float]) -> LatencyStats:
         """Stats of latencies given in seconds (reported in ms); all ``nan`` when empty."""
         ms = [v * 1000.0 for v in values_s]
         mean = float(np.mean(ms)) if ms else math.nan
@@ -83,8 +84,11 @@ def summarize(results: Sequence[StreamResult], duration_s: float) -> RunSummary:
             errors.append(r.error)
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens or 0 for r in done)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1)
-            for r in done if r.ttft is not None and r.output_tokens > 1]
+    tpot = [
+        (r.latency - r.ttft) / (r.output_tokens - 1)
+        for r in done
+        if r.ttft is not None and r.output_tokens > 1
+    ]
     rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     return RunSummary(
         num_requests=len(results),

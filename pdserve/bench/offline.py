@@ -23,14 +23,22 @@ from pdserve.config import ModelConfig, default_of
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``bench offline``."""
-    p = subparsers.add_parser("offline", help="engine vs transformers generate: output tokens/s and ratio")
+    p = subparsers.add_parser(
+        "offline", help="engine vs transformers generate: output tokens/s and ratio"
+    )
     p.add_argument("--model", default=default_of(ModelConfig, "model"))
     p.add_argument("--dtype", default=default_of(ModelConfig, "dtype"))
     p.add_argument("--device", default=default_of(ModelConfig, "device"))
-    p.add_argument("--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default 64)")
+    p.add_argument(
+        "--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="output tokens per prompt (default 64)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (default 3)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results and workload here")
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="write the results and workload here"
+    )
     p.set_defaults(func=run_offline)
 
 
@@ -55,7 +63,9 @@ def _hf_model(engine):
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     with no_init_weights(), torch.device(engine.device):
-        model = transformers.AutoModelForCausalLM.from_config(engine.source.hf_config, dtype=engine.dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            engine.source.hf_config, dtype=engine.dtype
+        )
     params = model.state_dict()
     loaded = set()
     with torch.no_grad():
@@ -66,9 +76,13 @@ def _hf_model(engine):
             loaded.add(name)
     model.tie_weights()  # no_init_weights skips the tying of lm_head to the embeddings
     missing = [k for k in params if k not in loaded and not k.startswith("lm_head")]
-    if missing or (model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
-                   and "lm_head.weight" not in loaded):
-        raise ValueError(f"model: weights missing for the transformers model: {missing[:3] or ['lm_head']}")
+    if missing or (
+        model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+        and "lm_head.weight" not in loaded
+    ):
+        raise ValueError(
+            f"model: weights missing for the transformers model: {missing[:3] or ['lm_head']}"
+        )
     return model.eval()
 
 
@@ -95,8 +109,14 @@ def _time_hf(model, prompts, max_tokens: int, pad_id: int, device) -> tuple[floa
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0, out[:, width:].tolist()
@@ -113,8 +133,13 @@ def run_offline(args: argparse.Namespace) -> int:
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
         # On a GPU the pool leaves room for the transformers copy of the model.
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_running_requests=max(counts),
-                  gpu_memory_utilization=0.4)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_running_requests=max(counts),
+            gpu_memory_utilization=0.4,
+        )
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -124,9 +149,13 @@ def run_offline(args: argparse.Namespace) -> int:
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
     all_prompts = _prompts(llm, max(counts))
     results = []
-    print(f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
-          f"  max_tokens {args.max_tokens}  repeats {args.repeats}")
-    print(f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}")
+    print(
+        f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
+        f"  max_tokens {args.max_tokens}  repeats {args.repeats}"
+    )
+    print(
+        f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}"
+    )
     for n in counts:
         prompts = all_prompts[:n]
         # Warm-up at full length: first-call allocations, kernel selection for every shape.
@@ -140,20 +169,35 @@ def run_offline(args: argparse.Namespace) -> int:
             hf_runs.append(n * args.max_tokens / dt)
         same = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
         same_first = sum(a[0] == b[0] for a, b in zip(ours_ids, hf_ids)) / n
-        row = {"num_prompts": n, "ours_tok_s": statistics.median(ours_runs),
-               "hf_tok_s": statistics.median(hf_runs), "ours_runs": ours_runs, "hf_runs": hf_runs,
-               "identical_outputs": same, "identical_first_tokens": same_first,
-               "prompt_lens": [len(p) for p in prompts]}
+        row = {
+            "num_prompts": n,
+            "ours_tok_s": statistics.median(ours_runs),
+            "hf_tok_s": statistics.median(hf_runs),
+            "ours_runs": ours_runs,
+            "hf_runs": hf_runs,
+            "identical_outputs": same,
+            "identical_first_tokens": same_first,
+            "prompt_lens": [len(p) for p in prompts],
+        }
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
         results.append(row)
-        print(f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
-              f"{same:>12.0%} {same_first:>8.0%}")
+        print(
+            f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
+            f"{same:>12.0%} {same_first:>8.0%}"
+        )
     if args.json:
-        report = {"benchmark": "offline", "model": args.model, "dtype": str(engine.dtype),
-                  "device": str(engine.device), "max_tokens": args.max_tokens, "repeats": args.repeats,
-                  "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
-                  "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-                  "results": results}
+        report = {
+            "benchmark": "offline",
+            "model": args.model,
+            "dtype": str(engine.dtype),
+            "device": str(engine.device),
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "results": results,
+        }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

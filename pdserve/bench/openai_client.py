@@ -88,8 +88,9 @@ class StreamResult:
     finish_reason: str | None = None
 
 
-async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str,
-                         body: dict[str, Any]) -> StreamResult:
+async def stream_request(
+    client: httpx.AsyncClient, base_url: str, endpoint: str, body: dict[str, Any]
+) -> StreamResult:
     """POST ``body`` (``stream`` and ``include_usage`` are set here) and time the stream.
 
     Never raises for server or network errors: they come back as ``ok=False`` with the
@@ -101,7 +102,9 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str
     completion_tokens = None
     last = result.start
     try:
-        async with aconnect_sse(client, "POST", endpoint_url(base_url, endpoint), json=body) as source:
+        async with aconnect_sse(
+            client, "POST", endpoint_url(base_url, endpoint), json=body
+        ) as source:
             resp = source.response
             if resp.status_code != 200:
                 await resp.aread()
@@ -120,7 +123,11 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str
                     result.prompt_tokens = usage.get("prompt_tokens")
                     completion_tokens = usage.get("completion_tokens")
                 for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+                    piece = (
+                        (choice.get("delta") or {}).get("content")
+                        if endpoint == "chat"
+                        else choice.get("text")
+                    )
                     if piece:
                         if result.ttft is None:
                             result.ttft = now - result.start
@@ -141,8 +148,9 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str
     return result
 
 
-async def chat_completion(client: httpx.AsyncClient, base_url: str,
-                          body: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any]]:
+async def chat_completion(
+    client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
+) -> tuple[str | None, str | None, dict[str, Any]]:
     """Non-streaming chat completion: ``(text, error, usage)``; exactly one of text/error
     is ``None``. Never raises for server or network errors."""
     try:

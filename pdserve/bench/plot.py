@@ -6,7 +6,7 @@ Uses matplotlib's object API with the Agg canvas (no pyplot, no display, no glob
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -31,7 +31,9 @@ def plot_series(series: Sequence[Series], path: str) -> None:
     """Write a PNG to ``path``: one CDF panel per latency (TTFT, ITL, end-to-end; ms, log
     x-axis), a line per series, and a throughput-vs-rate panel when the main stream ran
     at several request rates. Raises ``OSError`` if ``path`` cannot be written."""
-    rates = sorted({s.request_rate for s in series if s.stream == "main" and not math.isinf(s.request_rate)})
+    rates = sorted(
+        {s.request_rate for s in series if s.stream == "main" and not math.isinf(s.request_rate)}
+    )
     panels = len(_METRICS) + (1 if len(rates) > 1 else 0)
     fig = Figure(figsize=(5.0 * panels, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -54,8 +56,11 @@ def plot_series(series: Sequence[Series], path: str) -> None:
     if len(rates) > 1:
         ax = axes[-1]
         for name in dict.fromkeys(s.target.name for s in series):
-            pts = sorted((s.request_rate, s.summary().output_throughput)
-                         for s in series if s.target.name == name and s.stream == "main")
+            pts = sorted(
+                (s.request_rate, s.summary().output_throughput)
+                for s in series
+                if s.target.name == name and s.stream == "main"
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_title("output throughput vs request rate")
         ax.set_xlabel("request rate (req/s)")

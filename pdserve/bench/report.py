@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from itertools import groupby
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,8 +26,16 @@ _ROWS: tuple[tuple[str, Any, int], ...] = (
     ("duration (s)", lambda s: s.duration_s, 2),
     ("request throughput (req/s)", lambda s: s.request_throughput, 3),
     ("output throughput (tok/s)", lambda s: s.output_throughput, 1),
-    ("mean input tokens", lambda s: s.total_input_tokens / s.completed if s.completed else math.nan, 1),
-    ("mean output tokens", lambda s: s.total_output_tokens / s.completed if s.completed else math.nan, 1),
+    (
+        "mean input tokens",
+        lambda s: s.total_input_tokens / s.completed if s.completed else math.nan,
+        1,
+    ),
+    (
+        "mean output tokens",
+        lambda s: s.total_output_tokens / s.completed if s.completed else math.nan,
+        1,
+    ),
     ("TTFT median (ms)", lambda s: s.ttft.median, 1),
     ("TTFT p90 (ms)", lambda s: s.ttft.p90, 1),
     ("TTFT p99 (ms)", lambda s: s.ttft.p99, 1),
@@ -50,7 +59,9 @@ def _load_title(s: Series) -> str:
     if math.isinf(s.request_rate):
         load = f"closed loop, concurrency {s.concurrency}"
     else:
-        load = f"Poisson {s.request_rate:g} req/s" + (f", concurrency cap {s.concurrency}" if s.concurrency else "")
+        load = f"Poisson {s.request_rate:g} req/s" + (
+            f", concurrency cap {s.concurrency}" if s.concurrency else ""
+        )
     return f"{s.stream} stream — {load}"
 
 
@@ -92,7 +103,9 @@ def print_report(series: Sequence[Series], console: Console | None = None) -> No
         console.print(series_table(group))
         for s in group:
             for err in s.summary().errors:
-                console.print(f"[red]{s.target.name} error:[/red] {err}", markup=True, highlight=False)
+                console.print(
+                    f"[red]{s.target.name} error:[/red] {err}", markup=True, highlight=False
+                )
     rates = sorted({s.request_rate for s in series if s.stream == "main"})
     if len(rates) > 1:
         table = Table(title="throughput vs request rate")
@@ -116,17 +129,22 @@ def interference_headline(series: Sequence[Series]) -> dict[str, Any]:
     p99 = {s.target.name: s.summary().itl.p99 for s in series if s.stream == "decode"}
     out: dict[str, Any] = {"decode_itl_p99_ms": p99}
     names = list(p99)
-    out["ratio_compare_over_target"] = ratio(p99[names[1]], p99[names[0]]) if len(names) == 2 else math.nan
+    out["ratio_compare_over_target"] = (
+        ratio(p99[names[1]], p99[names[0]]) if len(names) == 2 else math.nan
+    )
     return out
 
 
 def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
     return {
-        "index": i, "ok": r.ok, "error": r.error,
+        "index": i,
+        "ok": r.ok,
+        "error": r.error,
         "ttft_ms": None if r.ttft is None else r.ttft * 1000.0,
         "latency_ms": r.latency * 1000.0,
         "itl_ms": [round(x * 1000.0, 4) for x in r.itl],
-        "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
     }
 
@@ -146,7 +164,9 @@ def series_record(s: Series) -> dict[str, Any]:
     """JSON-ready record of one series: load point, summary, and every request."""
     summary: RunSummary = s.summary()
     return {
-        "target": s.target.name, "url": s.target.base_url, "model": s.target.model,
+        "target": s.target.name,
+        "url": s.target.base_url,
+        "model": s.target.model,
         "stream": s.stream,
         "request_rate": s.request_rate,  # null in JSON = closed loop
         "concurrency": s.concurrency,
@@ -157,7 +177,10 @@ def series_record(s: Series) -> dict[str, Any]:
 
 def write_json(path: str, header: dict[str, Any], series: Sequence[Series]) -> None:
     """Write ``header`` (spec, targets, command) plus every series to ``path``."""
-    doc = {**header, "ratio_definition": "compare / target",
-           "series": [series_record(s) for s in series]}
+    doc = {
+        **header,
+        "ratio_definition": "compare / target",
+        "series": [series_record(s) for s in series],
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(json_safe(doc), f, indent=1)

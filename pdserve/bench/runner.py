@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import httpx
 
@@ -56,7 +57,9 @@ class Series:
         return f"{self.target.name} {self.stream} {rate}"
 
 
-def request_body(req: RequestSpec, model: str, spec: WorkloadSpec, max_tokens: int | None = None) -> dict[str, Any]:
+def request_body(
+    req: RequestSpec, model: str, spec: WorkloadSpec, max_tokens: int | None = None
+) -> dict[str, Any]:
     """The JSON body of ``req`` for ``spec.resolved_endpoint`` (greedy unless the spec
     says otherwise). ``ignore_eos`` is sent only when true, since strict OpenAI-style
     servers reject unknown fields."""
@@ -74,10 +77,16 @@ def request_body(req: RequestSpec, model: str, spec: WorkloadSpec, max_tokens: i
     return body
 
 
-async def run_block(client: httpx.AsyncClient, target: Target, spec: WorkloadSpec,
-                    reqs: Sequence[RequestSpec], arrivals: Sequence[float], concurrency: int | None,
-                    on_done: Callable[[StreamResult], None] = lambda r: None,
-                    max_tokens: int | None = None) -> tuple[list[StreamResult], float]:
+async def run_block(
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: WorkloadSpec,
+    reqs: Sequence[RequestSpec],
+    arrivals: Sequence[float],
+    concurrency: int | None,
+    on_done: Callable[[StreamResult], None] = lambda r: None,
+    max_tokens: int | None = None,
+) -> tuple[list[StreamResult], float]:
     """Send ``reqs`` to ``target``, request i at ``arrivals[i]`` s after the start, with at
     most ``concurrency`` in flight (``None``: no cap). Returns (results in request
     order, wall seconds from the start to the last completion)."""
@@ -115,8 +124,13 @@ def block_order(targets: Sequence[Target], block: int) -> list[Target]:
     return list(targets) if block % 2 == 0 else list(reversed(targets))
 
 
-async def warm_up(client: httpx.AsyncClient, targets: Sequence[Target], spec: WorkloadSpec,
-                  reqs: Sequence[RequestSpec], num_warmups: int) -> None:
+async def warm_up(
+    client: httpx.AsyncClient,
+    targets: Sequence[Target],
+    spec: WorkloadSpec,
+    reqs: Sequence[RequestSpec],
+    num_warmups: int,
+) -> None:
     """Send ``num_warmups`` requests (the workload's first ones) to each target, unmeasured,
     so one-off costs (first forward pass, connection set-up) stay out of the figures."""
     if num_warmups <= 0:
@@ -126,10 +140,17 @@ async def warm_up(client: httpx.AsyncClient, targets: Sequence[Target], spec: Wo
         await run_block(client, target, spec, warm, [0.0] * len(warm), None)
 
 
-async def run_load_point(client: httpx.AsyncClient, targets: Sequence[Target], spec: WorkloadSpec,
-                         reqs: Sequence[RequestSpec], arrivals: Sequence[float], request_rate: float,
-                         concurrency: int | None, num_blocks: int,
-                         on_done: Callable[[StreamResult], None]) -> list[Series]:
+async def run_load_point(
+    client: httpx.AsyncClient,
+    targets: Sequence[Target],
+    spec: WorkloadSpec,
+    reqs: Sequence[RequestSpec],
+    arrivals: Sequence[float],
+    request_rate: float,
+    concurrency: int | None,
+    num_blocks: int,
+    on_done: Callable[[StreamResult], None],
+) -> list[Series]:
     """Run the whole workload once on every target (blocks interleaved); one ``Series``
     per target, results in request order."""
     series = {t.name: Series(t, "main", request_rate, concurrency) for t in targets}
@@ -137,8 +158,9 @@ async def run_load_point(client: httpx.AsyncClient, targets: Sequence[Target], s
         block_reqs = [reqs[i] for i in idx]
         block_arrivals = [arrivals[i] - arrivals[idx[0]] for i in idx]
         for target in block_order(targets, b):
-            results, duration = await run_block(client, target, spec, block_reqs, block_arrivals,
-                                                concurrency, on_done)
+            results, duration = await run_block(
+                client, target, spec, block_reqs, block_arrivals, concurrency, on_done
+            )
             series[target.name].results.extend(results)
             series[target.name].duration_s += duration
     return [series[t.name] for t in targets]

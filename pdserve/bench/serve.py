@@ -19,7 +19,15 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.workload import DATASETS, ENDPOINTS, InterferenceSpec, WorkloadSpec, build_requests, parse_rates, poisson_arrivals
+from pdserve.bench.workload import (
+    DATASETS,
+    ENDPOINTS,
+    InterferenceSpec,
+    WorkloadSpec,
+    build_requests,
+    parse_rates,
+    poisson_arrivals,
+)
 
 if TYPE_CHECKING:
     from pdserve.bench.runner import Series, Target
@@ -34,50 +42,113 @@ _DEFAULTS = {
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``serve`` under ``pdserve bench``."""
     p = subparsers.add_parser(
-        "serve", help="serving benchmark against an OpenAI-compatible URL",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "serve",
+        help="serving benchmark against an OpenAI-compatible URL",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t = p.add_argument_group("targets")
-    t.add_argument("--url", required=True, help="server under test (http://host:port, /v1 optional)")
-    t.add_argument("--compare", metavar="URL", help="second target, run on the same requests in interleaved blocks; ratios are compare / target")
-    t.add_argument("--model-name", help="model field of the requests (default: first id of each target's /v1/models)")
-    t.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)")
+    t.add_argument(
+        "--url", required=True, help="server under test (http://host:port, /v1 optional)"
+    )
+    t.add_argument(
+        "--compare",
+        metavar="URL",
+        help="second target, run on the same requests in interleaved blocks; ratios are compare / target",
+    )
+    t.add_argument(
+        "--model-name",
+        help="model field of the requests (default: first id of each target's /v1/models)",
+    )
+    t.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)"
+    )
     load = p.add_argument_group("load")
     load.add_argument("--scenario", choices=("standard", "interference"), default="standard")
-    load.add_argument("--concurrency", type=int, help="requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)")
-    load.add_argument("--request-rate", help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf")
-    load.add_argument("--num-requests", type=int, default=64, help="requests per target and rate (interference: decode requests)")
-    load.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests per target first (default 1)")
-    load.add_argument("--blocks", type=int, help="interleaved blocks per target when comparing (default 4; 1 without --compare)")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)",
+    )
+    load.add_argument(
+        "--request-rate", help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf"
+    )
+    load.add_argument(
+        "--num-requests",
+        type=int,
+        default=64,
+        help="requests per target and rate (interference: decode requests)",
+    )
+    load.add_argument(
+        "--num-warmups",
+        type=int,
+        default=1,
+        help="unmeasured requests per target first (default 1)",
+    )
+    load.add_argument(
+        "--blocks",
+        type=int,
+        help="interleaved blocks per target when comparing (default 4; 1 without --compare)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=DATASETS, default="random")
-    w.add_argument("--input-len", type=int, help="prompt words (≈ tokens) of random prompts (default 256; interference 32)")
+    w.add_argument(
+        "--input-len",
+        type=int,
+        help="prompt words (≈ tokens) of random prompts (default 256; interference 32)",
+    )
     w.add_argument("--output-len", type=int, help="output tokens (default 64; interference 128)")
-    w.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
-    w.add_argument("--endpoint", choices=ENDPOINTS, help="default: completions for random, chat for gsm8k")
-    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask for exactly max_tokens (pdserve extension field; default on)")
+    w.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
+    )
+    w.add_argument(
+        "--endpoint", choices=ENDPOINTS, help="default: completions for random, chat for gsm8k"
+    )
+    w.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly max_tokens (pdserve extension field; default on)",
+    )
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     i = p.add_argument_group("interference scenario")
-    i.add_argument("--long-input-len", type=int, default=1024, help="words of the long prompts (default 1024)")
-    i.add_argument("--long-request-rate", type=float, default=1.0, help="Poisson rate of long prompts in req/s (default 1)")
+    i.add_argument(
+        "--long-input-len", type=int, default=1024, help="words of the long prompts (default 1024)"
+    )
+    i.add_argument(
+        "--long-request-rate",
+        type=float,
+        default=1.0,
+        help="Poisson rate of long prompts in req/s (default 1)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write results and the full workload spec here")
-    o.add_argument("--plot", metavar="FILE.png", help="write latency CDFs (and throughput vs rate) here")
+    o.add_argument(
+        "--plot", metavar="FILE.png", help="write latency CDFs (and throughput vs rate) here"
+    )
     o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
     return p
 
 
-def _resolve(args: argparse.Namespace) -> tuple[WorkloadSpec, InterferenceSpec | None, tuple[float, ...], int | None, int]:
+def _resolve(
+    args: argparse.Namespace,
+) -> tuple[WorkloadSpec, InterferenceSpec | None, tuple[float, ...], int | None, int]:
     """Validate the arguments into (workload, interference spec, rates, concurrency,
     blocks); ``ValueError`` naming the option on bad input."""
     d = _DEFAULTS[args.scenario]
     spec = WorkloadSpec(
-        dataset=args.dataset, num_requests=args.num_requests,
-        input_len=args.input_len or d["input_len"], output_len=args.output_len or d["output_len"],
-        range_ratio=args.range_ratio, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, seed=args.seed)
+        dataset=args.dataset,
+        num_requests=args.num_requests,
+        input_len=args.input_len or d["input_len"],
+        output_len=args.output_len or d["output_len"],
+        range_ratio=args.range_ratio,
+        endpoint=args.endpoint,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     for name in ("input_len", "output_len", "concurrency", "blocks"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -89,7 +160,9 @@ def _resolve(args: argparse.Namespace) -> tuple[WorkloadSpec, InterferenceSpec |
     ispec = None
     if args.scenario == "interference":
         if args.request_rate:
-            raise ValueError("--request-rate does not apply to --scenario interference (use --long-request-rate)")
+            raise ValueError(
+                "--request-rate does not apply to --scenario interference (use --long-request-rate)"
+            )
         ispec = InterferenceSpec(args.long_input_len, args.long_request_rate)
         rates: tuple[float, ...] = (math.inf,)
         concurrency: int | None = args.concurrency or d["concurrency"]
@@ -126,19 +199,32 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
     async with make_client(args.timeout) as client:
         targets = await _targets(client, args)
         await warm_up(client, targets, spec, reqs, args.num_warmups)
-        bar = tqdm(total=len(targets) * len(reqs) * len(rates), unit="req", desc="bench serve",
-                   disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(targets) * len(reqs) * len(rates),
+            unit="req",
+            desc="bench serve",
+            disable=args.no_progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         on_done = lambda r: bar.update(1)  # noqa: E731
         series: list[Series] = []
         try:
             if ispec is not None:
                 assert concurrency is not None
-                series = await run_interference(client, targets, spec, ispec, reqs, concurrency, blocks, on_done)
+                series = await run_interference(
+                    client, targets, spec, ispec, reqs, concurrency, blocks, on_done
+                )
             else:
                 for rate in rates:
-                    arrivals = [0.0] * len(reqs) if math.isinf(rate) else poisson_arrivals(len(reqs), rate, spec.seed)
-                    series += await run_load_point(client, targets, spec, reqs, arrivals, rate,
-                                                   concurrency, blocks, on_done)
+                    arrivals = (
+                        [0.0] * len(reqs)
+                        if math.isinf(rate)
+                        else poisson_arrivals(len(reqs), rate, spec.seed)
+                    )
+                    series += await run_load_point(
+                        client, targets, spec, reqs, arrivals, rate, concurrency, blocks, on_done
+                    )
         finally:
             bar.close()
     header = {
@@ -147,12 +233,20 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command_line": shlex.join(sys.argv),
         "arguments": {k: v for k, v in vars(args).items() if k != "func"},
-        "machine": {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
         "scenario": args.scenario,
         "targets": [{"name": t.name, "url": t.base_url, "model": t.model} for t in targets],
         "workload": spec.to_dict(),
-        "load": {"request_rates": list(rates), "concurrency": concurrency, "blocks": blocks,
-                 "num_warmups": args.num_warmups},
+        "load": {
+            "request_rates": list(rates),
+            "concurrency": concurrency,
+            "blocks": blocks,
+            "num_warmups": args.num_warmups,
+        },
         "interference": ispec.to_dict() if ispec else None,
     }
     return series, targets, header

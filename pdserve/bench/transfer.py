@@ -23,8 +23,13 @@ import time
 from dataclasses import asdict, dataclass
 
 # (num_layers, num_kv_heads, head_dim) of public model configs.
-MODEL_SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (80, 8, 128), "qwen2.5-7b": (28, 4, 128),
-                "qwen3-8b": (36, 8, 128), "smollm2-135m": (30, 3, 64)}
+MODEL_SHAPES = {
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (80, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "qwen3-8b": (36, 8, 128),
+    "smollm2-135m": (30, 3, 64),
+}
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -46,7 +51,9 @@ class TransferBenchConfig:
 
     def __post_init__(self) -> None:
         if self.model_shape not in MODEL_SHAPES:
-            raise ValueError(f"model_shape must be one of {sorted(MODEL_SHAPES)}, got {self.model_shape!r}")
+            raise ValueError(
+                f"model_shape must be one of {sorted(MODEL_SHAPES)}, got {self.model_shape!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -82,10 +89,17 @@ def _pool(cfg: TransferBenchConfig):
         kv = torch.zeros(shape, dtype=getattr(torch, cfg.dtype), device=device)
     aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
     bufs = [kv[l, s] for l in range(layers) for s in range(2)]
-    args = KVArgs(tuple(b.data_ptr() for b in bufs), tuple(b.numel() * b.element_size() for b in bufs),
-                  (bufs[0][0].numel() * kv.element_size(),) * len(bufs), aux.data_ptr(), aux.numel(),
-                  AUX_RECORD_BYTES, KVLayout(f"bench:{cfg.model_shape}", cfg.dtype, cfg.page_size, layers, heads, dim),
-                  device=cfg.device, gpu_id=cfg.gpu_id)
+    args = KVArgs(
+        tuple(b.data_ptr() for b in bufs),
+        tuple(b.numel() * b.element_size() for b in bufs),
+        (bufs[0][0].numel() * kv.element_size(),) * len(bufs),
+        aux.data_ptr(),
+        aux.numel(),
+        AUX_RECORD_BYTES,
+        KVLayout(f"bench:{cfg.model_shape}", cfg.dtype, cfg.page_size, layers, heads, dim),
+        device=cfg.device,
+        gpu_id=cfg.gpu_id,
+    )
     return kv, aux, args
 
 
@@ -155,11 +169,16 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     src = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 1)
     dst = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 2)
     nbytes = cfg.num_pages * sum(args.kv_item_lens)
-    prefill = create_kv_manager("nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0)
+    prefill = create_kv_manager(
+        "nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0
+    )
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_decode_main, args=(child_conn, cfg, dst, "127.0.0.1", prefill.bootstrap_port),
-                        daemon=True)
+    child = ctx.Process(
+        target=_decode_main,
+        args=(child_conn, cfg, dst, "127.0.0.1", prefill.bootstrap_port),
+        daemon=True,
+    )
     child.start()
     if cfg.device == "cuda":
         ref_src = torch.empty(nbytes, dtype=torch.uint8, device=kv.device).random_()
@@ -196,19 +215,23 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         s.close()
         d_state, d_error = conn.recv()
         if state != KVPoll.Success or d_state != "Success":
-            raise RuntimeError(f"transfer of room {room} failed: prefill {state.name} {error or ''}; "
-                               f"decode {d_state} {d_error}")
+            raise RuntimeError(
+                f"transfer of room {room} failed: prefill {state.name} {error or ''}; "
+                f"decode {d_state} {d_error}"
+            )
         return elapsed
 
     try:
-        status, detail = conn.recv() if conn.poll(120) else ("error", "decode did not start within 120 s")
+        status, detail = (
+            conn.recv() if conn.poll(120) else ("error", "decode did not start within 120 s")
+        )
         if status != "ok":
             raise RuntimeError(f"decode process: {detail}")
         transfer(1)  # warm-up: connection, registration caches
         copy()
         times: dict[str, list[float]] = {"nixl": [], "copy": []}
         for i in range(cfg.repeats):
-            order = (("nixl", lambda: transfer(100 + i)), ("copy", copy))
+            order = (("nixl", lambda i=i: transfer(100 + i)), ("copy", copy))
             for name, fn in order if i % 2 == 0 else order[::-1]:
                 times[name].append(fn())
         conn.send(("digest", None))
@@ -225,11 +248,23 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     runs = sum(1 for i, p in enumerate(src) if i == 0 or p != src[i - 1] + 1)
     result = {
-        "config": asdict(cfg), "bytes": nbytes, "pages": cfg.num_pages, "buffers": len(args.kv_data_ptrs),
-        "page_bytes_per_buffer": args.kv_item_lens[0], "source_page_runs": runs, "data_checked": ok,
-        "median_s": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
-        "ratio": med["copy"] / med["nixl"], "times_s": times, "host": platform.node(),
-        "env": {k: v for k, v in __import__("os").environ.items() if k.startswith(("PDSERVE_", "UCX_", "NIXL_"))},
+        "config": asdict(cfg),
+        "bytes": nbytes,
+        "pages": cfg.num_pages,
+        "buffers": len(args.kv_data_ptrs),
+        "page_bytes_per_buffer": args.kv_item_lens[0],
+        "source_page_runs": runs,
+        "data_checked": ok,
+        "median_s": med,
+        "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratio": med["copy"] / med["nixl"],
+        "times_s": times,
+        "host": platform.node(),
+        "env": {
+            k: v
+            for k, v in __import__("os").environ.items()
+            if k.startswith(("PDSERVE_", "UCX_", "NIXL_"))
+        },
     }
     return result
 
@@ -237,23 +272,39 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
 def _print(result: dict) -> None:
     c = result["config"]
     layers, heads, dim = MODEL_SHAPES[c["model_shape"]]
-    print(f"KV transfer: {c['model_shape']} (L={layers}, Hkv={heads}, D={dim}), {c['dtype']}, prompt "
-          f"{c['prompt_len']} tokens, page {c['page_size']} -> {result['pages']} pages x {result['buffers']} buffers "
-          f"of {result['page_bytes_per_buffer']} B = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
-          f"pages scattered in runs of {c['run_len']} ({result['source_page_runs']} runs); "
-          f"{'huge' if c['hugepages'] and c['device'] == 'cpu' else 'default'} host pages; "
-          f"{c['repeats']} interleaved repeats, medians")
-    for name, label in (("nixl", "NIXL WRITE, prefill -> decode (2 processes)"),
-                        ("copy", "contiguous copy, 1 process (reference)")):
-        print(f"  {label:<46} {result['median_s'][name] * 1e3:9.2f} ms {result['gbps'][name]:8.2f} GB/s")
+    print(
+        f"KV transfer: {c['model_shape']} (L={layers}, Hkv={heads}, D={dim}), {c['dtype']}, prompt "
+        f"{c['prompt_len']} tokens, page {c['page_size']} -> {result['pages']} pages x {result['buffers']} buffers "
+        f"of {result['page_bytes_per_buffer']} B = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
+        f"pages scattered in runs of {c['run_len']} ({result['source_page_runs']} runs); "
+        f"{'huge' if c['hugepages'] and c['device'] == 'cpu' else 'default'} host pages; "
+        f"{c['repeats']} interleaved repeats, medians"
+    )
+    for name, label in (
+        ("nixl", "NIXL WRITE, prefill -> decode (2 processes)"),
+        ("copy", "contiguous copy, 1 process (reference)"),
+    ):
+        print(
+            f"  {label:<46} {result['median_s'][name] * 1e3:9.2f} ms {result['gbps'][name]:8.2f} GB/s"
+        )
     print(f"  ratio NIXL / copy: {result['ratio']:.2f}   data checked: {result['data_checked']}")
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        cfg = TransferBenchConfig(args.model_shape, args.prompt_len, args.page_size, args.dtype, args.device,
-                                  args.gpu_id, args.repeats, args.run_len, args.pool_factor, args.seed,
-                                  args.hugepages)
+        cfg = TransferBenchConfig(
+            args.model_shape,
+            args.prompt_len,
+            args.page_size,
+            args.dtype,
+            args.device,
+            args.gpu_id,
+            args.repeats,
+            args.run_len,
+            args.pool_factor,
+            args.seed,
+            args.hugepages,
+        )
     except ValueError as exc:
         print(f"pdserve bench transfer: error: {exc}", file=sys.stderr)
         return 2
@@ -269,20 +320,35 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``bench transfer``."""
     d = TransferBenchConfig()
-    p = subparsers.add_parser("transfer", help="KV transfer over NIXL vs an in-process copy: GB/s and ratio",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "transfer",
+        help="KV transfer over NIXL vs an in-process copy: GB/s and ratio",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--model-shape", default=d.model_shape, choices=sorted(MODEL_SHAPES))
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="tokens of the request")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
     p.add_argument("--dtype", default=d.dtype, choices=_DTYPES)
     p.add_argument("--device", default=d.device, choices=("cpu", "cuda"))
-    p.add_argument("--gpu-id", type=int, default=d.gpu_id, help="CUDA index of both processes' pools")
+    p.add_argument(
+        "--gpu-id", type=int, default=d.gpu_id, help="CUDA index of both processes' pools"
+    )
     p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--run-len", type=int, default=d.run_len,
-                   help="consecutive pages per run of the scattered page list (1 = every page apart)")
-    p.add_argument("--pool-factor", type=int, default=d.pool_factor, help="pool pages / request pages")
+    p.add_argument(
+        "--run-len",
+        type=int,
+        default=d.run_len,
+        help="consecutive pages per run of the scattered page list (1 = every page apart)",
+    )
+    p.add_argument(
+        "--pool-factor", type=int, default=d.pool_factor, help="pool pages / request pages"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=d.hugepages,
-                   help="CPU pools on transparent huge pages (pdserve.disagg.hostmem)")
+    p.add_argument(
+        "--hugepages",
+        action=argparse.BooleanOptionalAction,
+        default=d.hugepages,
+        help="CPU pools on transparent huge pages (pdserve.disagg.hostmem)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.set_defaults(func=_run)

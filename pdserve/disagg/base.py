@@ -56,7 +56,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
 
-    def first_difference(self, other: "KVLayout") -> str | None:
+    def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
@@ -68,7 +68,7 @@ class KVLayout:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KVLayout":
+    def from_dict(cls, data: dict) -> KVLayout:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
@@ -127,15 +127,24 @@ class AuxRecord:
         if n > MAX_TOP_LOGPROBS or len(self.top_logprobs) != n:
             raise ValueError(f"top_ids/top_logprobs must have equal length <= {MAX_TOP_LOGPROBS}")
         pad = MAX_TOP_LOGPROBS - n
-        return struct.pack(_AUX_FMT, self.room, self.first_token_id, self.logprob, n,
-                           *self.top_ids, *([0] * pad), *self.top_logprobs, *([0.0] * pad))
+        return struct.pack(
+            _AUX_FMT,
+            self.room,
+            self.first_token_id,
+            self.logprob,
+            n,
+            *self.top_ids,
+            *([0] * pad),
+            *self.top_logprobs,
+            *([0.0] * pad),
+        )
 
     @classmethod
-    def unpack(cls, data: bytes) -> "AuxRecord":
+    def unpack(cls, data: bytes) -> AuxRecord:
         vals = struct.unpack(_AUX_FMT, bytes(data[:AUX_RECORD_BYTES]))
         room, tok, lp, n = vals[:4]
-        ids = vals[4:4 + MAX_TOP_LOGPROBS][:n]
-        lps = vals[4 + MAX_TOP_LOGPROBS:][:n]
+        ids = vals[4 : 4 + MAX_TOP_LOGPROBS][:n]
+        lps = vals[4 + MAX_TOP_LOGPROBS :][:n]
         return cls(room, tok, lp, tuple(ids), tuple(lps))
 
 
@@ -204,7 +213,9 @@ class KVManager(ABC):
         """Prefill: a sender for ``bootstrap_room``. DuplicateRoomError if the room is live."""
 
     @abstractmethod
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
+    ) -> KVReceiver:
         """Decode: a receiver pulling from the prefill at ``bootstrap_host:bootstrap_port``.
         DuplicateRoomError if the room is live."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -47,11 +47,18 @@ def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock
         except msgspec.DecodeError as exc:
             return JSONResponse({"error": f"invalid rank info: {exc}"}, status_code=400)
         if info.protocol_version != PROTOCOL_VERSION:
-            return JSONResponse({"error": f"protocol_version: ours {PROTOCOL_VERSION} vs theirs "
-                                          f"{info.protocol_version}"}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": f"protocol_version: ours {PROTOCOL_VERSION} vs theirs "
+                    f"{info.protocol_version}"
+                },
+                status_code=400,
+            )
         if info.engine_rank != engine_rank:
-            return JSONResponse({"error": f"engine_rank {info.engine_rank} registered at /route/{engine_rank}"},
-                                status_code=400)
+            return JSONResponse(
+                {"error": f"engine_rank {info.engine_rank} registered at /route/{engine_rank}"},
+                status_code=400,
+            )
         with lock:
             ranks[engine_rank] = info
         return {"ok": True}
@@ -61,14 +68,19 @@ def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock
         with lock:
             info = ranks.get(engine_rank)
         if info is None:
-            return JSONResponse({"error": f"engine_rank {engine_rank} is not registered"}, status_code=404)
+            return JSONResponse(
+                {"error": f"engine_rank {engine_rank} is not registered"}, status_code=404
+            )
         return Response(msgspec.json.encode(info), media_type="application/json")
 
     @app.get("/health")
     async def get_health():
         info = health()
-        return Response(msgspec.json.encode(info), media_type="application/json",
-                        status_code=200 if info.status == "ok" else 503)
+        return Response(
+            msgspec.json.encode(info),
+            media_type="application/json",
+            status_code=200 if info.status == "ok" else 503,
+        )
 
     return app
 
@@ -91,8 +103,13 @@ class BootstrapServer(KVBootstrapServer):
 
         sock = _bind(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self._ranks, self._health, self._lock), log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=60)
+        config = uvicorn.Config(
+            build_app(self._ranks, self._health, self._lock),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=60,
+        )
         self._server = server = uvicorn.Server(config)
 
         def run() -> None:
@@ -108,7 +125,9 @@ class BootstrapServer(KVBootstrapServer):
         deadline = time.monotonic() + 30.0
         while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(f"bootstrap server on {self.host}:{self.port} did not start: {self.error}")
+                raise OSError(
+                    f"bootstrap server on {self.host}:{self.port} did not start: {self.error}"
+                )
             time.sleep(0.005)
         return self.port
 
@@ -141,11 +160,15 @@ class BootstrapClient:
     def register(self, host: str, port: int, info: RankInfo) -> None:
         """PUT a rank's info. BootstrapError on failure."""
         try:
-            r = self._client.put(_url(host, port, f"/route/{info.engine_rank}"), content=msgspec.json.encode(info))
+            r = self._client.put(
+                _url(host, port, f"/route/{info.engine_rank}"), content=msgspec.json.encode(info)
+            )
         except httpx.HTTPError as exc:
             raise BootstrapError(f"bootstrap server {host}:{port} unreachable: {exc}") from exc
         if r.status_code != 200:
-            raise BootstrapError(f"bootstrap server {host}:{port} refused the registration: {r.text}")
+            raise BootstrapError(
+                f"bootstrap server {host}:{port} refused the registration: {r.text}"
+            )
 
     def fetch_rank(self, host: str, port: int, engine_rank: int = 0) -> RankInfo:
         """The registered info of a prefill rank. BootstrapError when unreachable, not
@@ -153,13 +176,19 @@ class BootstrapClient:
         try:
             r = self._client.get(_url(host, port, f"/route/{engine_rank}"))
         except httpx.HTTPError as exc:
-            raise BootstrapError(f"bootstrap server {host}:{port} unreachable: {type(exc).__name__}: {exc}") from exc
+            raise BootstrapError(
+                f"bootstrap server {host}:{port} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         if r.status_code != 200:
-            raise BootstrapError(f"bootstrap server {host}:{port} answered {r.status_code}: {r.text[:200]}")
+            raise BootstrapError(
+                f"bootstrap server {host}:{port} answered {r.status_code}: {r.text[:200]}"
+            )
         try:
             return msgspec.json.decode(r.content, type=RankInfo)
         except msgspec.DecodeError as exc:
-            raise BootstrapError(f"bootstrap server {host}:{port} sent an unreadable rank info: {exc}") from exc
+            raise BootstrapError(
+                f"bootstrap server {host}:{port} sent an unreadable rank info: {exc}"
+            ) from exc
 
     def health(self, host: str, port: int, timeout_s: float) -> HealthInfo:
         """One heartbeat. BootstrapError when unreachable, unhealthy or undecodable."""
@@ -167,7 +196,9 @@ class BootstrapClient:
             r = self._client.get(_url(host, port, "/health"), timeout=timeout_s)
             info = msgspec.json.decode(r.content, type=HealthInfo)
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            raise BootstrapError(f"heartbeat to {host}:{port} failed: {type(exc).__name__}: {exc}") from exc
+            raise BootstrapError(
+                f"heartbeat to {host}:{port} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if r.status_code != 200:
             raise BootstrapError(f"prefill {host}:{port} reports {info.status}")
         return info

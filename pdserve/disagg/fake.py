@@ -78,7 +78,9 @@ class FakeKVManager(KVManager):
         self._rooms.add(room, sender)
         return sender
 
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
+    ) -> KVReceiver:
         if self.role != "decode":
             raise RuntimeError("create_receiver on a prefill manager")
         room = check_room(bootstrap_room)
@@ -95,8 +97,13 @@ class FakeKVManager(KVManager):
         return not self._down
 
     def stats(self) -> dict:
-        return dict(self._metrics.snapshot(), backend="fake", role=self.role,
-                    rooms=self._rooms.count_by_state(), live_rooms=len(self._rooms))
+        return dict(
+            self._metrics.snapshot(),
+            backend="fake",
+            role=self.role,
+            rooms=self._rooms.count_by_state(),
+            live_rooms=len(self._rooms),
+        )
 
     def shutdown(self) -> None:
         self._down = True

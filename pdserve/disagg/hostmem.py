@@ -32,7 +32,7 @@ def advise_hugepages(address: int, nbytes: int) -> bool:
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
 
 
-def empty_host(shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
+def empty_host(shape: tuple[int, ...], dtype) -> torch.Tensor:  # noqa: F821
     """``torch.empty(shape, dtype)`` on CPU, advised to use huge pages before first touch."""
     import torch
 

@@ -6,8 +6,24 @@ import threading
 from collections import Counter
 
 # Upper bounds (seconds) of the latency histogram: 1 ms .. 5 min (the bootstrap timeout).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0, 300.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 
 
 class TransferMetrics:
@@ -58,7 +74,11 @@ class TransferMetrics:
                 "bytes_transferred": self._bytes,
                 "pages_transferred": self._pages,
                 "transfers_succeeded": self._ok,
-                "transfer_latency_seconds": {"sum": self._lat_sum, "count": self._ok, "buckets": buckets},
+                "transfer_latency_seconds": {
+                    "sum": self._lat_sum,
+                    "count": self._ok,
+                    "buckets": buckets,
+                },
                 "transfers_failed": dict(self._failed),
                 "transfers_failed_total": sum(self._failed.values()),
             }

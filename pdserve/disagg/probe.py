@@ -32,8 +32,13 @@ class ProbeReport:
         return self.created.get(self.configured_backend, "not tried") is None
 
 
-def probe_nixl(backends: list[str] | None = None, role: str = "prefill", device: str = "cpu",
-               gpu_id: int = 0, timeout_s: float | None = None) -> ProbeReport:
+def probe_nixl(
+    backends: list[str] | None = None,
+    role: str = "prefill",
+    device: str = "cpu",
+    gpu_id: int = 0,
+    timeout_s: float | None = None,
+) -> ProbeReport:
     """Probe NIXL. ``backends``: which to try creating (default: the configured one; ``["all"]``
     tries every plugin); the configured one gets the configured parameters (with ``role``'s
     thread count), others none. Never raises for NIXL problems: they land in ``problems``."""
@@ -58,9 +63,16 @@ def probe_nixl(backends: list[str] | None = None, role: str = "prefill", device:
         return report
     report.version = api.version
     try:
-        agent = api.nixl_agent(f"pdserve-probe-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(
-            enable_prog_thread=False, enable_listen_thread=False, backends=[],
-            num_threads=spec.num_threads, sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        agent = api.nixl_agent(
+            f"pdserve-probe-{uuid.uuid4().hex[:8]}",
+            api.nixl_agent_config(
+                enable_prog_thread=False,
+                enable_listen_thread=False,
+                backends=[],
+                num_threads=spec.num_threads,
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            ),
+        )
         report.plugins = tuple(sorted(agent.get_plugin_list()))
     except Exception as exc:  # noqa: BLE001 - reported
         report.problems.append(f"NIXL agent cannot be created: {type(exc).__name__}: {exc}")
@@ -68,7 +80,9 @@ def probe_nixl(backends: list[str] | None = None, role: str = "prefill", device:
     wanted = list(report.plugins) if backends == ["all"] else (backends or [configured])
     if configured not in wanted:
         wanted.insert(0, configured)
-    dummy = KVArgs((0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device=device, gpu_id=gpu_id)
+    dummy = KVArgs(
+        (0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device=device, gpu_id=gpu_id
+    )
     for name in wanted:
         if name not in report.plugins:
             line = f"NIXL plugin {name!r} is not available here (available: {', '.join(report.plugins)})"
@@ -105,7 +119,11 @@ def _doctor(args: argparse.Namespace) -> int:
     if report.version is not None:
         print(f"nixl {report.version} imported; plugins: {', '.join(report.plugins) or '(none)'}")
     for name, error in report.created.items():
-        tag = " (configured: PDSERVE_DISAGGREGATION_NIXL_BACKEND)" if name == report.configured_backend else ""
+        tag = (
+            " (configured: PDSERVE_DISAGGREGATION_NIXL_BACKEND)"
+            if name == report.configured_backend
+            else ""
+        )
         params = f" params {report.params}" if name == report.configured_backend else ""
         print(f"backend {name}{tag}{params}: {'OK' if error is None else 'FAILED'}")
     for line in report.problems:
@@ -118,13 +136,25 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     """Register ``pdserve doctor``."""
-    p = subparsers.add_parser("doctor", help="check that NIXL and the configured transfer backend work here",
-                              description="Probe NIXL: import, plugins, which backends can be created with "
-                                          "the configured parameters. Exit 1 when the configured one cannot.")
-    p.add_argument("--backends", default=None,
-                   help="comma-separated backends to try, or 'all' (default: the configured one)")
-    p.add_argument("--role", choices=("prefill", "decode"), default="prefill",
-                   help="whose thread count to pass (prefill 8, decode 0 unless configured)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="select this device first")
+    p = subparsers.add_parser(
+        "doctor",
+        help="check that NIXL and the configured transfer backend work here",
+        description="Probe NIXL: import, plugins, which backends can be created with "
+        "the configured parameters. Exit 1 when the configured one cannot.",
+    )
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated backends to try, or 'all' (default: the configured one)",
+    )
+    p.add_argument(
+        "--role",
+        choices=("prefill", "decode"),
+        default="prefill",
+        help="whose thread count to pass (prefill 8, decode 0 unless configured)",
+    )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="select this device first"
+    )
     p.add_argument("--gpu-id", type=int, default=0, help="CUDA device index when --device cuda")
     p.set_defaults(func=_doctor)

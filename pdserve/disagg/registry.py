@@ -17,8 +17,14 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def create_kv_manager(name: str, args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1",
-                      bootstrap_port: int = 0) -> KVManager:
+def create_kv_manager(
+    name: str,
+    args: KVArgs,
+    role: str,
+    *,
+    bootstrap_host: str = "127.0.0.1",
+    bootstrap_port: int = 0,
+) -> KVManager:
     """Create the KV manager of backend ``name`` (``"nixl"`` or ``"fake"``) for ``role``
     (``"prefill"`` or ``"decode"``) over the memory described by ``args``.
 

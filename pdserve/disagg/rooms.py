@@ -16,18 +16,18 @@ from pdserve.disagg.metrics import TransferMetrics
 log = logging.getLogger(__name__)
 
 # Failure kinds: the label of the "failed transfers by reason" metric.
-BOOTSTRAP_TIMEOUT = "bootstrap_timeout"    # prefill: decode's destination never came
-WAITING_TIMEOUT = "waiting_timeout"        # decode: the KV cache never came
-HEARTBEAT_LOST = "heartbeat_lost"          # decode: the prefill peer stopped answering
-PEER_RESTARTED = "peer_restarted"          # the peer came back as a new instance
-PEER_FAILED = "peer_failed"                # the other side failed or aborted the room
-LAYOUT_MISMATCH = "layout_mismatch"        # KVLayout fields differ
-PROTOCOL_MISMATCH = "protocol_mismatch"    # PROTOCOL_VERSION differs
-BOOTSTRAP_ERROR = "bootstrap_error"        # bootstrap server unreachable / bad answer
-TRANSFER_ERROR = "transfer_error"          # NIXL reported an error
-ABORTED = "aborted"                        # abort() by the engine
-INJECTED = "injected"                      # PDSERVE_TEST_DISAGG_FAILURE_PROB
-SHUTDOWN = "shutdown"                      # the manager shut down
+BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # prefill: decode's destination never came
+WAITING_TIMEOUT = "waiting_timeout"  # decode: the KV cache never came
+HEARTBEAT_LOST = "heartbeat_lost"  # decode: the prefill peer stopped answering
+PEER_RESTARTED = "peer_restarted"  # the peer came back as a new instance
+PEER_FAILED = "peer_failed"  # the other side failed or aborted the room
+LAYOUT_MISMATCH = "layout_mismatch"  # KVLayout fields differ
+PROTOCOL_MISMATCH = "protocol_mismatch"  # PROTOCOL_VERSION differs
+BOOTSTRAP_ERROR = "bootstrap_error"  # bootstrap server unreachable / bad answer
+TRANSFER_ERROR = "transfer_error"  # NIXL reported an error
+ABORTED = "aborted"  # abort() by the engine
+INJECTED = "injected"  # PDSERVE_TEST_DISAGG_FAILURE_PROB
+SHUTDOWN = "shutdown"  # the manager shut down
 
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
@@ -36,8 +36,11 @@ H = TypeVar("H", bound="RoomHandle")
 
 def check_room(bootstrap_room: int) -> int:
     """ValueError naming ``bootstrap_room`` unless it is an int in [0, 2**64)."""
-    if isinstance(bootstrap_room, bool) or not isinstance(bootstrap_room, int) \
-            or not 0 <= bootstrap_room < 2**64:
+    if (
+        isinstance(bootstrap_room, bool)
+        or not isinstance(bootstrap_room, int)
+        or not 0 <= bootstrap_room < 2**64
+    ):
         raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {bootstrap_room!r}")
     return bootstrap_room
 
@@ -71,7 +74,9 @@ class RoomTable(Generic[H]):
     def add(self, room: int, handle: H) -> None:
         with self._lock:
             if room in self._rooms:
-                raise DuplicateRoomError(f"bootstrap_room {room} is still live on this {self._role} worker")
+                raise DuplicateRoomError(
+                    f"bootstrap_room {room} is still live on this {self._role} worker"
+                )
             self._rooms[room] = handle
 
     def get(self, room: int) -> H | None:
@@ -100,8 +105,9 @@ class RoomHandle:
     """State of one room on one side. Subclasses move ``_state`` forward under ``_lock``
     and call :meth:`_finish_failed` / :meth:`_finish_success` to end it (exactly once)."""
 
-    def __init__(self, room: int, table: RoomTable, metrics: TransferMetrics,
-                 injector: FailureInjector) -> None:
+    def __init__(
+        self, room: int, table: RoomTable, metrics: TransferMetrics, injector: FailureInjector
+    ) -> None:
         self.room = room
         self._table = table
         self._metrics = metrics
@@ -134,7 +140,10 @@ class RoomHandle:
         if state not in _TERMINAL and state != self._rolled:
             self._rolled = state
             if self._injector.roll():
-                self._fail(f"injected failure of room {self.room} (PDSERVE_TEST_DISAGG_FAILURE_PROB)", INJECTED)
+                self._fail(
+                    f"injected failure of room {self.room} (PDSERVE_TEST_DISAGG_FAILURE_PROB)",
+                    INJECTED,
+                )
         return self._state
 
     def failure_exception(self) -> Exception | None:
@@ -190,10 +199,11 @@ class ServiceThreads:
 
     def start(self, name: str, loop) -> None:
         """Run ``loop(stop_event)`` on a new daemon thread named ``{owner}-{name}``."""
+
         def run() -> None:
             try:
                 loop(self.stop_event)
-            except BaseException as exc:  # noqa: BLE001 - recorded: the manager turns unhealthy
+            except BaseException as exc:
                 self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 log.exception("%s background thread %s died", self._owner, name)
 

@@ -10,10 +10,15 @@ from pdserve.config import ModelConfig, default_of
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``chat``."""
-    p = subparsers.add_parser("chat", help="ask the model one question offline (default: embedded SmolLM2)")
+    p = subparsers.add_parser(
+        "chat", help="ask the model one question offline (default: embedded SmolLM2)"
+    )
     p.add_argument("question", help="the user message")
-    p.add_argument("--model", default=default_of(ModelConfig, "model"),
-                   help="HF folder, .gguf file, random:<preset> or the embedded id (default %(default)s)")
+    p.add_argument(
+        "--model",
+        default=default_of(ModelConfig, "model"),
+        help="HF folder, .gguf file, random:<preset> or the embedded id (default %(default)s)",
+    )
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -30,10 +35,14 @@ def run_chat(args: argparse.Namespace) -> int:
     from pdserve.engine.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                max_tokens=args.max_tokens, seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_running_requests=1)
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.question})
         core = llm.engine
         core.add_request("chat", llm.chat_token_ids(messages), params)

@@ -7,7 +7,7 @@ tokens so the first output token's leading space decodes as it does in context.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -24,11 +24,18 @@ class IncrementalDetokenizer:
     finishes, so a stop string split across tokens never leaks into a delta.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool,
-                 stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool,
+        stop: Sequence[str] = (),
+    ) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT:]),
-                                    skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens
+        )
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
@@ -51,12 +58,12 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[: best[0]]
         return best[1]
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out that is safe to show (all of it once finished)."""
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -21,7 +21,9 @@ def resolve_device(cfg: ModelConfig) -> torch.device:
         raise ValueError(f"device {cfg.device!r} asked but CUDA is not available")
     device = torch.device(name) if ":" in name else torch.device("cuda", cfg.gpu_id)
     if device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} CUDA devices)")
+        raise ValueError(
+            f"device {device} does not exist ({torch.cuda.device_count()} CUDA devices)"
+        )
     return device
 
 

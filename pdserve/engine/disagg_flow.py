@@ -13,8 +13,7 @@ terminal poll (also after an abort); then ``close()`` is called once.
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVTransferError
 from pdserve.engine.kv_pool import KVPool
@@ -49,9 +48,15 @@ class DisaggFlow:
     and applies the stop checks.
     """
 
-    def __init__(self, pool: KVPool, scheduler: Scheduler, managers: Mapping[str, KVManager],
-                 transfer_backend: str, vocab_size: int,
-                 append_token: Callable[[Request, SampledToken], None]) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        scheduler: Scheduler,
+        managers: Mapping[str, KVManager],
+        transfer_backend: str,
+        vocab_size: int,
+        append_token: Callable[[Request, SampledToken], None],
+    ) -> None:
         self._pool = pool
         self._vocab_size = vocab_size
         self._scheduler = scheduler
@@ -80,7 +85,9 @@ class DisaggFlow:
         if manager is None:
             raise ValueError(f"disagg: this engine has no {key!r} KV transfer manager")
         if manager.role != info.role:
-            raise ValueError(f"disagg.role {info.role!r} does not match this worker's role {manager.role!r}")
+            raise ValueError(
+                f"disagg.role {info.role!r} does not match this worker's role {manager.role!r}"
+            )
         return manager
 
     def add(self, req: Request, manager: KVManager) -> None:
@@ -90,9 +97,12 @@ class DisaggFlow:
         if info.role == "prefill":
             req.sender = manager.create_sender(info.bootstrap_room)
         else:
-            req.receiver = manager.create_receiver(info.bootstrap_host, info.bootstrap_port,
-                                                   info.bootstrap_room)
-            req.prompt_logprobs = None  # the prompt is computed (and its logprobs reported) on prefill
+            req.receiver = manager.create_receiver(
+                info.bootstrap_host, info.bootstrap_port, info.bootstrap_room
+            )
+            req.prompt_logprobs = (
+                None  # the prompt is computed (and its logprobs reported) on prefill
+            )
         req.status = Status.WAITING_FOR_PEER
         self._live.append(req)
 
@@ -163,13 +173,20 @@ class DisaggFlow:
                 failed.append(req)
         return failed
 
-    def send_prefill(self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]) -> None:
+    def send_prefill(
+        self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]
+    ) -> None:
         """After the last prefill chunk: write the aux record and post the transfer."""
         req.pending_finish = finish
         self._scheduler.running.remove(req)
         req.status = Status.TRANSFERRING
-        aux = AuxRecord(req.disagg.bootstrap_room, first.token_id, first.logprob,
-                        tuple(t for t, _ in first.top), tuple(lp for _, lp in first.top))
+        aux = AuxRecord(
+            req.disagg.bootstrap_room,
+            first.token_id,
+            first.logprob,
+            tuple(t for t, _ in first.top),
+            tuple(lp for _, lp in first.top),
+        )
         self._pool.write_aux(req.aux_slot, aux.pack())
         try:
             req.sender.send(list(req.pages), aux)
@@ -214,8 +231,13 @@ class DisaggFlow:
         self._live.remove(req)
         req.finish(reason, error=error)
 
-    def _end(self, req: Request, reason: str, stop_reason: str | int | None = None,
-             error: str | None = None) -> None:
+    def _end(
+        self,
+        req: Request,
+        reason: str,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+    ) -> None:
         """The room reached a terminal state: free everything, close, finish ``req``."""
         self._live.remove(req)
         self._release(req.sender or req.receiver, req.pages, req.aux_slot)

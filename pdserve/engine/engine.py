@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -41,51 +41,84 @@ class EngineCore:
     Raises ValueError naming the field for a bad model, device, dtype or context limit.
     """
 
-    def __init__(self, config: EngineConfig, kv_managers: Mapping[str, KVManager] | None = None,
-                 *, transfer_backend: str = "nixl") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_managers: Mapping[str, KVManager] | None = None,
+        *,
+        transfer_backend: str = "nixl",
+    ) -> None:
         self.config = config
         mc = config.model
         self.device = resolve_device(mc)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.source = load_model_source(mc.model, seed=mc.seed)
         if not hasattr(self.source.tokenizer, "backend_tokenizer"):
-            raise ValueError(f"model {mc.model!r}: its tokenizer is not a fast (tokenizers) one, "
-                             "which incremental detokenization needs")
+            raise ValueError(
+                f"model {mc.model!r}: its tokenizer is not a fast (tokenizers) one, "
+                "which incremental detokenization needs"
+            )
         self.model = LlamaForCausalLM(self.source.hf_config, dtype=self.dtype, device=self.device)
         self.model.load_weights(self.source.weights())
         shapes = self.model.shapes
         self.vocab_size = shapes.vocab
         max_len = mc.max_model_len or shapes.max_positions
         if max_len > shapes.max_positions:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's context "
-                             f"({shapes.max_positions} positions)")
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's context "
+                f"({shapes.max_positions} positions)"
+            )
         sc = config.scheduler
-        num_pages = compute_num_pages(config.cache, num_layers=shapes.n_layers,
-                                      num_kv_heads=shapes.n_kv_heads, head_dim=shapes.head_dim,
-                                      dtype=self.dtype, device=self.device,
-                                      max_running_requests=sc.max_running_requests,
-                                      max_model_len=max_len)
-        self.pool = KVPool(num_layers=shapes.n_layers, num_kv_heads=shapes.n_kv_heads,
-                           head_dim=shapes.head_dim, dtype=self.dtype, device=self.device,
-                           page_size=config.cache.page_size, num_pages=num_pages,
-                           num_aux_slots=max(16, 2 * sc.max_running_requests),
-                           model_fingerprint=self.source.fingerprint)
+        num_pages = compute_num_pages(
+            config.cache,
+            num_layers=shapes.n_layers,
+            num_kv_heads=shapes.n_kv_heads,
+            head_dim=shapes.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_running_requests=sc.max_running_requests,
+            max_model_len=max_len,
+        )
+        self.pool = KVPool(
+            num_layers=shapes.n_layers,
+            num_kv_heads=shapes.n_kv_heads,
+            head_dim=shapes.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            page_size=config.cache.page_size,
+            num_pages=num_pages,
+            num_aux_slots=max(16, 2 * sc.max_running_requests),
+            model_fingerprint=self.source.fingerprint,
+        )
         capacity = num_pages * config.cache.page_size
         if capacity < max_len:
-            logger.warning("KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            logger.warning(
+                "KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len
+            )
         self.max_model_len = min(max_len, capacity)  # so a lone request always fits
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
-        self.scheduler = Scheduler(sc, self.pool, lambda r: tokens_banned_before_min(
-            r.params, self.eos_token_ids))
+        self.scheduler = Scheduler(
+            sc, self.pool, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+        )
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        self.disagg = DisaggFlow(self.pool, self.scheduler, kv_managers or {}, transfer_backend,
-                                 self.vocab_size, self._append_token)
+        self.disagg = DisaggFlow(
+            self.pool,
+            self.scheduler,
+            kv_managers or {},
+            transfer_backend,
+            self.vocab_size,
+            self._append_token,
+        )
         self._managers_bound = bool(kv_managers)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._rng = random.Random(mc.seed)  # seeds of requests that have none
-        self._counters = {"steps": 0, "prompt_tokens_computed": 0, "generation_tokens": 0,
-                          "finished_requests": 0}
+        self._counters = {
+            "steps": 0,
+            "prompt_tokens_computed": 0,
+            "generation_tokens": 0,
+            "finished_requests": 0,
+        }
 
     # --- public API -----------------------------------------------------------------
     @property
@@ -115,8 +148,13 @@ class EngineCore:
         self.disagg.set_managers(managers)
         self._managers_bound = True
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    disagg: DisaggRequestInfo | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        disagg: DisaggRequestInfo | None = None,
+    ) -> None:
         """Queue a single-sample request (``params.n`` must be 1; see ``fan_out``).
 
         Raises ValueError naming the field: ``request_id`` already live, ``n`` > 1, empty
@@ -127,24 +165,39 @@ class EngineCore:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
-            raise ValueError("n must be 1 for an engine request; split it with SamplingParams.fan_out")
+            raise ValueError(
+                "n must be 1 for an engine request; split it with SamplingParams.fan_out"
+            )
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room for output")
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                f"{self.max_model_len}, which leaves no room for output"
+            )
         manager = self.disagg.manager_for(disagg) if disagg is not None else None
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator.manual_seed(seed % 2**64)  # any integer seed is valid; torch takes 64 bits
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                       skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        req = Request(request_id, list(prompt_token_ids), params, arrival=self._arrivals,
-                      detokenizer=detok, generator=generator, disagg=disagg)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+        )
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            arrival=self._arrivals,
+            detokenizer=detok,
+            generator=generator,
+            disagg=disagg,
+        )
         self._arrivals += 1
         if manager is not None:
             self.disagg.add(req, manager)
@@ -204,7 +257,8 @@ class EngineCore:
             req = self._requests[seq.request_id]
             req.num_computed_tokens += len(seq.token_ids)
             self._counters["prompt_tokens_computed"] += max(
-                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos)
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
+            )
             lps = result.prompt_logprobs.get(seq.request_id)
             if lps:
                 req.prompt_logprobs.extend(lps)
@@ -223,11 +277,18 @@ class EngineCore:
         req.append_token(tok.token_id, tok.logprob, tok.top)
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
-        verdict = check_token_stop(params, tok.token_id, req.num_output_tokens, req.num_tokens,
-                                   self.eos_token_ids, self.max_model_len)
+        verdict = check_token_stop(
+            params,
+            tok.token_id,
+            req.num_output_tokens,
+            req.num_tokens,
+            self.eos_token_ids,
+            self.max_model_len,
+        )
         if verdict is None or verdict[0] == "length":  # an EOS / stop token adds no text (vLLM)
-            stop_str = req.detokenizer.add_token(tok.token_id,
-                                                 check_stop=req.num_output_tokens > params.min_tokens)
+            stop_str = req.detokenizer.add_token(
+                tok.token_id, check_stop=req.num_output_tokens > params.min_tokens
+            )
             if stop_str is not None:
                 verdict = ("stop", stop_str)
         if prefill_role:
@@ -237,19 +298,32 @@ class EngineCore:
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = req.output_token_ids
-        new = outs[req.num_reported_tokens:]
-        delta_lps = None if req.logprobs is None else req.logprobs[req.num_reported_tokens:]
+        new = outs[req.num_reported_tokens :]
+        delta_lps = None if req.logprobs is None else req.logprobs[req.num_reported_tokens :]
         req.num_reported_tokens = len(outs)
         completion = CompletionOutput(
-            index=0, text=req.detokenizer.text, token_ids=outs,
+            index=0,
+            text=req.detokenizer.text,
+            token_ids=outs,
             cumulative_logprob=req.cumulative_logprob,
             logprobs=None if req.logprobs is None else list(req.logprobs),
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            delta_text=req.detokenizer.take_delta(req.finished), delta_token_ids=new,
-            delta_logprobs=delta_lps)
-        prompt_lps = None if req.prompt_logprobs is None or req.needs_prompt_logprobs() \
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=req.detokenizer.take_delta(req.finished),
+            delta_token_ids=new,
+            delta_logprobs=delta_lps,
+        )
+        prompt_lps = (
+            None
+            if req.prompt_logprobs is None or req.needs_prompt_logprobs()
             else req.prompt_logprobs
-        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                             outputs=[completion], finished=req.finished,
-                             prompt_logprobs=prompt_lps, error=req.error,
-                             num_cached_tokens=req.num_cached_tokens)
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.finished,
+            prompt_logprobs=prompt_lps,
+            error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
+        )

@@ -24,14 +24,24 @@ GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GiB
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes of K and V of one token over all layers."""
     return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def compute_num_pages(cache: CacheConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device, max_running_requests: int,
-                      max_model_len: int) -> int:
+def compute_num_pages(
+    cache: CacheConfig,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_running_requests: int,
+    max_model_len: int,
+) -> int:
     """Number of pages of the pool.
 
     Precedence: ``cache.num_pages``; else ``cache.kv_cache_memory`` GiB; else on CUDA
@@ -68,9 +78,19 @@ class KVPool:
     one request's pages tend to be consecutive (fewer transfer descriptors).
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, page_size: int, num_pages: int, num_aux_slots: int,
-                 model_fingerprint: str) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int,
+        num_pages: int,
+        num_aux_slots: int,
+        model_fingerprint: str,
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if num_aux_slots < 1:
@@ -86,9 +106,14 @@ class KVPool:
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
-        self._layout = KVLayout(model=model_fingerprint, dtype=str(dtype).removeprefix("torch."),
-                                page_size=page_size, num_layers=num_layers,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim)
+        self._layout = KVLayout(
+            model=model_fingerprint,
+            dtype=str(dtype).removeprefix("torch."),
+            page_size=page_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
         self._free_pages = list(range(num_pages))  # a heap
         self._page_is_free = [True] * num_pages
         self._free_slots = list(range(num_aux_slots))
@@ -162,9 +187,15 @@ class KVPool:
         num_layers = self.kv.shape[0]
         ptrs = tuple(self.kv[l, kv].data_ptr() for l in range(num_layers) for kv in (0, 1))
         buf_len = self.num_pages * self.page_bytes
-        return KVArgs(kv_data_ptrs=ptrs, kv_data_lens=(buf_len,) * len(ptrs),
-                      kv_item_lens=(self.page_bytes,) * len(ptrs),
-                      aux_data_ptr=self.aux.data_ptr(), aux_data_len=self.aux.numel(),
-                      aux_item_len=AUX_RECORD_BYTES, layout=self._layout,
-                      device=self.device.type, gpu_id=gpu_id if self.device.index is None
-                      else self.device.index, engine_rank=engine_rank)
+        return KVArgs(
+            kv_data_ptrs=ptrs,
+            kv_data_lens=(buf_len,) * len(ptrs),
+            kv_item_lens=(self.page_bytes,) * len(ptrs),
+            aux_data_ptr=self.aux.data_ptr(),
+            aux_data_len=self.aux.numel(),
+            aux_item_len=AUX_RECORD_BYTES,
+            layout=self._layout,
+            device=self.device.type,
+            gpu_id=gpu_id if self.device.index is None else self.device.index,
+            engine_rank=engine_rank,
+        )

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from pdserve.config import (EMBEDDED_MODEL_ID, CacheConfig, EngineConfig, ModelConfig,
-                            SchedulerConfig, default_of)
+from pdserve.config import (
+    EMBEDDED_MODEL_ID,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_of,
+)
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -26,29 +33,49 @@ class LLM:
     Unknown keyword arguments raise TypeError; bad values ValueError naming the field.
     """
 
-    def __init__(self, model: str = EMBEDDED_MODEL_ID, *, dtype: str = "auto", device: str = "auto",
-                 page_size: int = default_of(CacheConfig, "page_size"), seed: int = 0,
-                 max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
-                 max_running_requests: int = default_of(SchedulerConfig, "max_running_requests"),
-                 kv_cache_memory: float | None = None, num_pages: int | None = None,
-                 gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str = EMBEDDED_MODEL_ID,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        page_size: int = default_of(CacheConfig, "page_size"),
+        seed: int = 0,
+        max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
+        max_running_requests: int = default_of(SchedulerConfig, "max_running_requests"),
+        kv_cache_memory: float | None = None,
+        num_pages: int | None = None,
+        gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
+        max_model_len: int | None = None,
+    ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed,
-                              max_model_len=max_model_len),
-            cache=CacheConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
-                              num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_running_requests=max_running_requests))
+            model=ModelConfig(
+                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len
+            ),
+            cache=CacheConfig(
+                page_size=page_size,
+                kv_cache_memory=kv_cache_memory,
+                num_pages=num_pages,
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_running_requests=max_running_requests,
+            ),
+        )
         self.engine = EngineCore(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished ``RequestOutput`` per prompt,
         in input order, with ``n`` samples in ``outputs`` (ordered by index).
 
@@ -60,38 +87,62 @@ class LLM:
         token_lists = self._tokenize(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = ([sampling_params] * len(token_lists)
-                       if isinstance(sampling_params, SamplingParams) else list(sampling_params))
+        params_list = (
+            [sampling_params] * len(token_lists)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params_list) != len(token_lists):
-            raise ValueError(f"sampling_params has {len(params_list)} entries for "
-                             f"{len(token_lists)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {len(token_lists)} prompts"
+            )
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+                raise ValueError(
+                    f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}"
+                )
         return self._run(token_lists, params_list, use_tqdm)
 
-    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, add_generation_prompt: bool = True, use_tqdm: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
         ``{"role", "content"}`` messages) or a list of them, then :meth:`generate`."""
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        token_lists = [self.chat_token_ids(c, add_generation_prompt=add_generation_prompt,
-                                           chat_template_kwargs=chat_template_kwargs)
-                       for c in conversations]
+        token_lists = [
+            self.chat_token_ids(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
         return self.generate(token_lists, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_token_ids(self, conversation: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def chat_token_ids(
+        self,
+        conversation: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Prompt token ids of one conversation under the tokenizer's chat template (the
         template writes any BOS itself, so no special tokens are added again)."""
         tok = self.engine.tokenizer
-        text = tok.apply_chat_template(list(conversation), tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
-                                       **(chat_template_kwargs or {}))
+        text = tok.apply_chat_template(
+            list(conversation),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
         return tok(text, add_special_tokens=False)["input_ids"]
 
     # --- internals ---------------------------------------------------------------------
@@ -99,8 +150,10 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of strings or a list of token-id "
-                             f"lists, got {type(prompts).__name__}")
+            raise ValueError(
+                f"prompts must be a string, a list of strings or a list of token-id "
+                f"lists, got {type(prompts).__name__}"
+            )
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -112,13 +165,16 @@ class LLM:
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty")
             if len(ids) >= self.engine.max_model_len:
-                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; the context limit "
-                                 f"max_model_len is {self.engine.max_model_len}")
+                raise ValueError(
+                    f"prompts[{i}] has {len(ids)} tokens; the context limit "
+                    f"max_model_len is {self.engine.max_model_len}"
+                )
             out.append(ids)
         return out
 
-    def _run(self, token_lists: list[list[int]], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, token_lists: list[list[int]], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         children: list[tuple[str, list[str]]] = []  # (request id, its engine request ids)
         live: set[str] = set()
         try:
@@ -135,8 +191,10 @@ class LLM:
                 steps = self.engine.stats()["steps"]
                 outs = self.engine.step()
                 if not outs and self.engine.stats()["steps"] == steps:
-                    raise RuntimeError("engine made no progress (a scheduler bug): "
-                                       f"{len(live)} requests left, stats {self.engine.stats()}")
+                    raise RuntimeError(
+                        "engine made no progress (a scheduler bug): "
+                        f"{len(live)} requests left, stats {self.engine.stats()}"
+                    )
                 for out in outs:
                     if out.finished:
                         done[out.request_id] = out
@@ -146,8 +204,10 @@ class LLM:
         finally:
             for child_id in live:
                 self.engine.abort_request(child_id)
-        return [self._merge(base, ids, [done[c] for c in kids])
-                for ids, (base, kids) in zip(token_lists, children)]
+        return [
+            self._merge(base, ids, [done[c] for c in kids])
+            for ids, (base, kids) in zip(token_lists, children)
+        ]
 
     @staticmethod
     def _merge(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> RequestOutput:
@@ -157,6 +217,11 @@ class LLM:
             c.index = index
             completions.append(c)
         error = next((o.error for o in outs if o.error), None)
-        return RequestOutput(request_id=request_id, prompt_token_ids=prompt,
-                             outputs=completions, finished=True,
-                             prompt_logprobs=outs[0].prompt_logprobs, error=error)
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            outputs=completions,
+            finished=True,
+            prompt_logprobs=outs[0].prompt_logprobs,
+            error=error,
+        )

@@ -57,8 +57,14 @@ class ModelRunner:
             s_lens.append(seq.start_pos + n)
             tables.append(seq.pages)
             if seq.prompt_logprobs_targets:
-                lp_rows.append((seq.request_id, row0 + seq.prompt_logprobs_start - seq.start_pos,
-                                seq.prompt_logprobs_targets, seq.params.prompt_logprobs or 0))
+                lp_rows.append(
+                    (
+                        seq.request_id,
+                        row0 + seq.prompt_logprobs_start - seq.start_pos,
+                        seq.prompt_logprobs_targets,
+                        seq.params.prompt_logprobs or 0,
+                    )
+                )
             if seq.sample:
                 sample_rows.append(row0 + n - 1)
                 sample_reqs.append(SampleRequest(seq.params, seq.generator, seq.banned_token_ids))
@@ -78,12 +84,13 @@ class ModelRunner:
             result.sampled = dict(zip(seq_ids, sampled))
         return result
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, row0: int, targets: list[int],
-                         k: int) -> list[TokenLogprob]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, row0: int, targets: list[int], k: int
+    ) -> list[TokenLogprob]:
         out: list[TokenLogprob] = []
         for c in range(0, len(targets), _PROMPT_LOGITS_CHUNK):
-            tgt = targets[c:c + _PROMPT_LOGITS_CHUNK]
-            h = hidden[row0 + c:row0 + c + len(tgt)]
+            tgt = targets[c : c + _PROMPT_LOGITS_CHUNK]
+            h = hidden[row0 + c : row0 + c + len(tgt)]
             logprobs = torch.log_softmax(self.model.compute_logits(h), dim=-1)  # [n, V]
             tgt_t = torch.tensor(tgt, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
             chosen = logprobs.gather(1, tgt_t).squeeze(1).tolist()

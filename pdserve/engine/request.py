@@ -41,25 +41,37 @@ class DisaggRequestInfo:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"disagg.role must be prefill or decode, got {self.role!r}")
         if not 0 <= self.bootstrap_port <= 65535:
-            raise ValueError(f"disagg.bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+            raise ValueError(
+                f"disagg.bootstrap_port must be in [0, 65535], got {self.bootstrap_port}"
+            )
         if not 0 <= self.bootstrap_room < 2**64:
-            raise ValueError(f"disagg.bootstrap_room must be in [0, 2**64), got {self.bootstrap_room}")
+            raise ValueError(
+                f"disagg.bootstrap_room must be in [0, 2**64), got {self.bootstrap_room}"
+            )
 
 
 class Status(enum.Enum):
     WAITING_FOR_PEER = "waiting_for_peer"  # disagg: transfer not yet bootstrapped; no pages
-    WAITING = "waiting"                    # in the FCFS queue
-    RUNNING = "running"                    # in the running batch
-    TRANSFERRING = "transferring"          # disagg: pages handed to the transfer layer
+    WAITING = "waiting"  # in the FCFS queue
+    RUNNING = "running"  # in the running batch
+    TRANSFERRING = "transferring"  # disagg: pages handed to the transfer layer
     FINISHED = "finished"
 
 
 class Request:
     """Mutable state of one single-sample engine request (owned by the engine thread)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 *, arrival: int, detokenizer: IncrementalDetokenizer,
-                 generator: torch.Generator | None, disagg: DisaggRequestInfo | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival: int,
+        detokenizer: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+        disagg: DisaggRequestInfo | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -75,7 +87,8 @@ class Request:
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
@@ -85,7 +98,10 @@ class Request:
         self.receiver: KVReceiver | None = None
         self.aux_slot: int | None = None
         self.peer_ready = False  # decode: receiver bootstrapped, waiting for pages
-        self.pending_finish: tuple[str, str | int | None] = ("length", None)  # prefill: after Success
+        self.pending_finish: tuple[str, str | int | None] = (
+            "length",
+            None,
+        )  # prefill: after Success
         # streaming: how much was already reported
         self.num_reported_tokens = 0
 
@@ -99,7 +115,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -115,15 +131,21 @@ class Request:
         return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
 
     def needs_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
-    def append_token(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
+    def append_token(
+        self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]
+    ) -> None:
         self.all_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
             self.logprobs.append(TokenLogprob(token_id, logprob, top))
 
-    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+    def finish(
+        self, reason: str, stop_reason: str | int | None = None, error: str | None = None
+    ) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

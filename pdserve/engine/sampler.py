@@ -9,8 +9,8 @@ Logprobs are ``log_softmax`` of the raw logits (before any of the above).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -73,7 +73,8 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     if any(m > 0 for m in min_ps):
         probs = logits.softmax(dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(
-            min_ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+            min_ps, device=logits.device, dtype=probs.dtype
+        ).unsqueeze(1)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -95,8 +96,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> list[SampledT
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor([rows[i].params.temperature for i in random_rows],
-                             device=logits.device, dtype=work.dtype).unsqueeze(1)
+        temps = torch.tensor(
+            [rows[i].params.temperature for i in random_rows],
+            device=logits.device,
+            dtype=work.dtype,
+        ).unsqueeze(1)
         scaled = _filter(work[idx] / temps, [rows[i].params for i in random_rows])
         probs = scaled.softmax(dim=-1)
         for j, i in enumerate(random_rows):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.disagg.base import MAX_TOP_LOGPROBS
 
@@ -61,7 +62,9 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disable it), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= 0 (0 or -1 disable it), got {self.top_k!r}"
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -69,7 +72,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
         object.__setattr__(self, "stop", self._check_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", self._check_stop_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
@@ -79,9 +84,13 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
+                )
         if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
+            raise ValueError(
+                f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}"
+            )
 
     @staticmethod
     def _check_stop(stop: Any) -> tuple[str, ...]:
@@ -106,7 +115,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def fan_out(self, request_id: str) -> list[tuple[str, "SamplingParams"]]:
+    def fan_out(self, request_id: str) -> list[tuple[str, SamplingParams]]:
         """Split an ``n``-sample request into ``n`` single-sample engine requests.
 
         Sample ``i`` gets the id ``sample_request_id(request_id, i)`` and, when ``seed`` is
@@ -115,9 +124,13 @@ class SamplingParams:
         """
         if self.n == 1:
             return [(request_id, self)]
-        return [(sample_request_id(request_id, i),
-                 replace(self, n=1, seed=None if self.seed is None else self.seed + i))
-                for i in range(self.n)]
+        return [
+            (
+                sample_request_id(request_id, i),
+                replace(self, n=1, seed=None if self.seed is None else self.seed + i),
+            )
+            for i in range(self.n)
+        ]
 
 
 def sample_request_id(request_id: str, index: int) -> str:

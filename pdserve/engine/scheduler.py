@@ -129,8 +129,12 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting new work right after a preemption would only preempt again.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_running_requests):
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+        ):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
@@ -152,12 +156,19 @@ class Scheduler:
         if req.needs_prompt_logprobs():
             lp_start = max(start, req.prompt_logprobs_done - 1)
             end = min(start + n, req.num_prompt_tokens - 1)
-            lp_targets = req.prompt_token_ids[lp_start + 1:end + 1]
+            lp_targets = req.prompt_token_ids[lp_start + 1 : end + 1]
         banned = ()
         if sample and req.num_output_tokens < req.params.min_tokens:
             banned = self._banned_before_min(req)
-        return ScheduledSeq(request_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
-                            start_pos=start, pages=list(req.pages), sample=sample,
-                            prompt_logprobs_start=lp_start, prompt_logprobs_targets=lp_targets,
-                            params=req.params,
-                            generator=req.generator, banned_token_ids=banned)
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            pages=list(req.pages),
+            sample=sample,
+            prompt_logprobs_start=lp_start,
+            prompt_logprobs_targets=lp_targets,
+            params=req.params,
+            generator=req.generator,
+            banned_token_ids=banned,
+        )

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 from pdserve.engine.sampling_params import SamplingParams
 
 
-def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
-                     num_tokens: int, eos_token_ids: Collection[int],
-                     max_model_len: int) -> tuple[str, int | None] | None:
+def check_token_stop(
+    params: SamplingParams,
+    token_id: int,
+    num_output_tokens: int,
+    num_tokens: int,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+) -> tuple[str, int | None] | None:
     """Whether the request ends with the token just appended.
 
     Returns ``("stop", token_id)`` for an EOS (unless ``ignore_eos``; stop_reason ``None``)
@@ -24,13 +29,16 @@ def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: i
             return "stop", token_id
         if not params.ignore_eos and token_id in eos_token_ids:
             return "stop", None
-    if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) \
-            or num_tokens >= max_model_len:
+    if (
+        params.max_tokens is not None and num_output_tokens >= params.max_tokens
+    ) or num_tokens >= max_model_len:
         return "length", None
     return None
 
 
-def tokens_banned_before_min(params: SamplingParams, eos_token_ids: Collection[int]) -> tuple[int, ...]:
+def tokens_banned_before_min(
+    params: SamplingParams, eos_token_ids: Collection[int]
+) -> tuple[int, ...]:
     """Token ids the sampler masks while fewer than ``min_tokens`` tokens were generated."""
     banned = set(params.stop_token_ids)
     if not params.ignore_eos:

@@ -20,17 +20,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval`` and its ``gsm8k`` sub-command."""
     ev = subparsers.add_parser("eval", help="accuracy evaluations against a serving URL")
     sub = ev.add_subparsers(dest="eval_command", metavar="EVAL")
-    p = sub.add_parser("gsm8k", help="GSM8K test accuracy (greedy, chat completions)", description=__doc__)
-    p.add_argument("--url", required=True, help="server under test (http://host:port, /v1 optional)")
-    p.add_argument("--compare", metavar="URL", help="second target, asked the same questions; differing answers are counted")
-    p.add_argument("--model-name", help="model field of the requests (default: first id of each target's /v1/models)")
-    p.add_argument("--num-questions", type=int, default=200, help="test questions scored (default 200)")
-    p.add_argument("--num-shots", type=int, default=0,
-                   help="few-shot examples: the first K test rows, then excluded from scoring (default 0)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per target (default 16)")
-    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of each answer (default 512)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per request (default 1800)")
-    p.add_argument("--json", metavar="FILE", help="write every question's prompt, output, answers and the summary here")
+    p = sub.add_parser(
+        "gsm8k", help="GSM8K test accuracy (greedy, chat completions)", description=__doc__
+    )
+    p.add_argument(
+        "--url", required=True, help="server under test (http://host:port, /v1 optional)"
+    )
+    p.add_argument(
+        "--compare",
+        metavar="URL",
+        help="second target, asked the same questions; differing answers are counted",
+    )
+    p.add_argument(
+        "--model-name",
+        help="model field of the requests (default: first id of each target's /v1/models)",
+    )
+    p.add_argument(
+        "--num-questions", type=int, default=200, help="test questions scored (default 200)"
+    )
+    p.add_argument(
+        "--num-shots",
+        type=int,
+        default=0,
+        help="few-shot examples: the first K test rows, then excluded from scoring (default 0)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="requests in flight per target (default 16)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=512, help="max_tokens of each answer (default 512)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds allowed per request (default 1800)"
+    )
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write every question's prompt, output, answers and the summary here",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_gsm8k)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
@@ -59,18 +86,38 @@ async def _run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str
     async with make_client(args.timeout) as client:
         for name, base in bases:
             model = args.model_name or await fetch_model_name(client, base)
-            bar = tqdm(total=len(questions), unit="q", desc=f"gsm8k {name}", disable=args.no_progress,
-                       file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(
+                total=len(questions),
+                unit="q",
+                desc=f"gsm8k {name}",
+                disable=args.no_progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
             try:
                 with Timer() as timer:
-                    results = await evaluate(client, base, model, questions, shots, args.max_tokens,
-                                             args.concurrency, lambda r: bar.update(1))
+                    results = await evaluate(
+                        client,
+                        base,
+                        model,
+                        questions,
+                        shots,
+                        args.max_tokens,
+                        args.concurrency,
+                        lambda r, bar=bar: bar.update(1),
+                    )
             finally:
                 bar.close()
             per_target.append(results)
-            targets.append({"name": name, "url": base, "model": model,
-                            "summary": summarize_eval(results, timer.elapsed).to_dict(),
-                            "questions": [r.to_dict() for r in results]})
+            targets.append(
+                {
+                    "name": name,
+                    "url": base,
+                    "model": model,
+                    "summary": summarize_eval(results, timer.elapsed).to_dict(),
+                    "questions": [r.to_dict() for r in results],
+                }
+            )
     comparison = compare_results(per_target[0], per_target[1]) if len(per_target) == 2 else None
     return targets, comparison
 
@@ -81,15 +128,31 @@ def _print(targets: list[dict[str, Any]], comparison: dict[str, Any] | None) -> 
     from pdserve.bench.report import make_console
 
     table = Table(title="GSM8K (test split, greedy, chat completions)")
-    for col in ("target", "questions", "correct", "accuracy", "95% CI (Wilson)", "invalid", "failed",
-                "mean output tokens", "duration (s)"):
+    for col in (
+        "target",
+        "questions",
+        "correct",
+        "accuracy",
+        "95% CI (Wilson)",
+        "invalid",
+        "failed",
+        "mean output tokens",
+        "duration (s)",
+    ):
         table.add_column(col, justify="left" if col == "target" else "right")
     for t in targets:
         s = t["summary"]
-        table.add_row(f"{t['name']}\n{t['url']}", str(s["num_questions"]), str(s["correct"]),
-                      f"{100 * s['accuracy']:.1f}%", f"[{100 * s['ci_low']:.1f}%, {100 * s['ci_high']:.1f}%]",
-                      f"{s['invalid']} ({100 * s['invalid_rate']:.1f}%)", str(s["failed"]),
-                      f"{s['mean_completion_tokens']:.1f}", f"{s['duration_s']:.1f}")
+        table.add_row(
+            f"{t['name']}\n{t['url']}",
+            str(s["num_questions"]),
+            str(s["correct"]),
+            f"{100 * s['accuracy']:.1f}%",
+            f"[{100 * s['ci_low']:.1f}%, {100 * s['ci_high']:.1f}%]",
+            f"{s['invalid']} ({100 * s['invalid_rate']:.1f}%)",
+            str(s["failed"]),
+            f"{s['mean_completion_tokens']:.1f}",
+            f"{s['duration_s']:.1f}",
+        )
     console = make_console()
     console.print(table)
     for t in targets:
@@ -100,11 +163,18 @@ def _print(targets: list[dict[str, Any]], comparison: dict[str, Any] | None) -> 
         console.print(
             f"compare vs target on the {comparison['both_completed']} questions both completed: "
             f"{comparison['extracted_differ']} extracted answers differ, "
-            f"{comparison['text_differ']} raw outputs differ", markup=False, highlight=False)
+            f"{comparison['text_differ']} raw outputs differ",
+            markup=False,
+            highlight=False,
+        )
         for d in comparison["first_differences"]:
-            console.print(f"  question {d['index']}: answers {d['target_extracted']!r} vs {d['compare_extracted']!r}, "
-                          f"text parts at char {d['first_difference_at_char']}: "
-                          f"{d['target_text']!r} vs {d['compare_text']!r}", markup=False, highlight=False)
+            console.print(
+                f"  question {d['index']}: answers {d['target_extracted']!r} vs {d['compare_extracted']!r}, "
+                f"text parts at char {d['first_difference_at_char']}: "
+                f"{d['target_text']!r} vs {d['compare_text']!r}",
+                markup=False,
+                highlight=False,
+            )
 
 
 def run_gsm8k(args: argparse.Namespace) -> int:
@@ -124,16 +194,21 @@ def run_gsm8k(args: argparse.Namespace) -> int:
     _print(targets, comparison)
     if args.json:
         doc = {
-            "version": 1, "tool": "pdserve eval gsm8k",
+            "version": 1,
+            "tool": "pdserve eval gsm8k",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command_line": shlex.join(sys.argv),
             "arguments": {k: v for k, v in vars(args).items() if k != "func"},
             "machine": {"host": platform.node(), "platform": platform.platform()},
-            "prompt_format": {"instruction": gsm8k.INSTRUCTION, "user_message": gsm8k.format_question("<question>"),
-                              "few_shot_source": "first num_shots rows of the test split, excluded from scoring",
-                              "extraction": gsm8k.EXTRACTION_RULE,
-                              "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}},
-            "targets": targets, "comparison": comparison,
+            "prompt_format": {
+                "instruction": gsm8k.INSTRUCTION,
+                "user_message": gsm8k.format_question("<question>"),
+                "few_shot_source": "first num_shots rows of the test split, excluded from scoring",
+                "extraction": gsm8k.EXTRACTION_RULE,
+                "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens},
+            },
+            "targets": targets,
+            "comparison": comparison,
         }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(json_safe(doc), f, indent=1)

@@ -39,7 +39,8 @@ _ANY_NUMBER = re.compile(_NUMBER)
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 EXTRACTION_RULE = (
     "the number after the first '####', else after the first 'The answer is', else the last "
-    "number; commas and '$' stripped, 18.00 -> 18")
+    "number; commas and '$' stripped, 18.00 -> 18"
+)
 _Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
@@ -127,7 +128,9 @@ def format_solution(solution: str) -> str:
     return _CALCULATOR.sub("", solution).strip()
 
 
-def build_messages(question: str, shots: tuple[GSM8KItem, ...] | list[GSM8KItem] = ()) -> list[dict[str, str]]:
+def build_messages(
+    question: str, shots: tuple[GSM8KItem, ...] | list[GSM8KItem] = ()
+) -> list[dict[str, str]]:
     """Chat messages for ``question`` preceded by the few-shot ``shots``."""
     messages: list[dict[str, str]] = []
     for shot in shots:
@@ -137,7 +140,9 @@ def build_messages(question: str, shots: tuple[GSM8KItem, ...] | list[GSM8KItem]
     return messages
 
 
-def split_shots(num_questions: int, num_shots: int) -> tuple[tuple[GSM8KItem, ...], tuple[GSM8KItem, ...]]:
+def split_shots(
+    num_questions: int, num_shots: int
+) -> tuple[tuple[GSM8KItem, ...], tuple[GSM8KItem, ...]]:
     """(shots, questions): the first ``num_shots`` test rows, then the next ``num_questions``.
 
     Raises ``ValueError`` naming the field when the counts are negative or exceed the set.
@@ -150,5 +155,6 @@ def split_shots(num_questions: int, num_shots: int) -> tuple[tuple[GSM8KItem, ..
     if num_shots + num_questions > len(items):
         raise ValueError(
             f"num_questions + num_shots must be <= {len(items)} (the test split), "
-            f"got {num_questions} + {num_shots}")
-    return items[:num_shots], items[num_shots:num_shots + num_questions]
+            f"got {num_questions} + {num_shots}"
+        )
+    return items[:num_shots], items[num_shots : num_shots + num_questions]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import httpx
 
@@ -63,9 +64,16 @@ class EvalSummary:
         return asdict(self)
 
 
-async def evaluate(client: httpx.AsyncClient, base_url: str, model: str, questions: Sequence[GSM8KItem],
-                   shots: Sequence[GSM8KItem], max_tokens: int, concurrency: int,
-                   on_done: Callable[[QuestionResult], None] = lambda r: None) -> list[QuestionResult]:
+async def evaluate(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    questions: Sequence[GSM8KItem],
+    shots: Sequence[GSM8KItem],
+    max_tokens: int,
+    concurrency: int,
+    on_done: Callable[[QuestionResult], None] = lambda r: None,
+) -> list[QuestionResult]:
     """Ask every question (after ``shots``) and score it; results in question order."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -76,9 +84,16 @@ async def evaluate(client: httpx.AsyncClient, base_url: str, model: str, questio
             text, error, usage = await chat_completion(client, base_url, body)
         extracted = extract_answer(text) if text is not None else None
         result = QuestionResult(
-            index=item.index, question=item.question, messages=messages, output=text, error=error,
-            extracted=extracted, gold=item.gold, correct=extracted == item.gold,
-            completion_tokens=usage.get("completion_tokens"))
+            index=item.index,
+            question=item.question,
+            messages=messages,
+            output=text,
+            error=error,
+            extracted=extracted,
+            gold=item.gold,
+            correct=extracted == item.gold,
+            completion_tokens=usage.get("completion_tokens"),
+        )
         on_done(result)
         return result
 
@@ -94,12 +109,22 @@ def summarize_eval(results: Sequence[QuestionResult], duration_s: float) -> Eval
     low, high = wilson_interval(correct, n)
     tokens = [r.completion_tokens for r in results if r.completion_tokens is not None]
     return EvalSummary(
-        num_questions=n, correct=correct, accuracy=correct / n if n else 0.0, ci_low=low, ci_high=high,
-        invalid=invalid, invalid_rate=invalid / n if n else 0.0, failed=failed, duration_s=duration_s,
-        mean_completion_tokens=sum(tokens) / len(tokens) if tokens else float("nan"))
+        num_questions=n,
+        correct=correct,
+        accuracy=correct / n if n else 0.0,
+        ci_low=low,
+        ci_high=high,
+        invalid=invalid,
+        invalid_rate=invalid / n if n else 0.0,
+        failed=failed,
+        duration_s=duration_s,
+        mean_completion_tokens=sum(tokens) / len(tokens) if tokens else float("nan"),
+    )
 
 
-def compare_results(a: Sequence[QuestionResult], b: Sequence[QuestionResult], max_listed: int = 5) -> dict[str, Any]:
+def compare_results(
+    a: Sequence[QuestionResult], b: Sequence[QuestionResult], max_listed: int = 5
+) -> dict[str, Any]:
     """How the answers of two targets on the same questions differ.
 
     Only questions both completed are compared. Returns counts of differing extracted
@@ -114,10 +139,16 @@ def compare_results(a: Sequence[QuestionResult], b: Sequence[QuestionResult], ma
     for x, y in differ[:max_listed]:
         ox, oy = x.output or "", y.output or ""
         offset = next((i for i, (c, d) in enumerate(zip(ox, oy)) if c != d), min(len(ox), len(oy)))
-        listed.append({"index": x.index, "target_extracted": x.extracted, "compare_extracted": y.extracted,
-                       "first_difference_at_char": offset,
-                       "target_text": ox[max(0, offset - 20):offset + 60],
-                       "compare_text": oy[max(0, offset - 20):offset + 60]})
+        listed.append(
+            {
+                "index": x.index,
+                "target_extracted": x.extracted,
+                "compare_extracted": y.extracted,
+                "first_difference_at_char": offset,
+                "target_text": ox[max(0, offset - 20) : offset + 60],
+                "compare_text": oy[max(0, offset - 20) : offset + 60],
+            }
+        )
     return {
         "both_completed": len(both),
         "extracted_differ": sum(1 for x, y in both if x.extracted != y.extracted),
@@ -129,7 +160,7 @@ def compare_results(a: Sequence[QuestionResult], b: Sequence[QuestionResult], ma
 class Timer:
     """Context manager measuring wall seconds in ``elapsed``."""
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.start = time.perf_counter()
         self.elapsed = 0.0
         return self

@@ -24,10 +24,16 @@ class Child:
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 (closed once the child has it)
         try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=self.env)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+            )
         finally:
             log.close()
 

@@ -10,8 +10,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import httpx
 
@@ -29,7 +29,9 @@ def _int_list(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return ids
@@ -37,27 +39,64 @@ def _int_list(text: str) -> list[int]:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``pdserve up``."""
-    p = subparsers.add_parser("up", help="start prefill + decode workers and a router on this machine",
-                              description="Start --num-prefill prefill workers, --num-decode decode workers and "
-                                          "a router on free ports of this machine; Ctrl-C stops them all.")
-    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (default %(default)s)")
+    p = subparsers.add_parser(
+        "up",
+        help="start prefill + decode workers and a router on this machine",
+        description="Start --num-prefill prefill workers, --num-decode decode workers and "
+        "a router on free ports of this machine; Ctrl-C stops them all.",
+    )
+    p.add_argument(
+        "--num-prefill", type=int, default=1, help="prefill workers (default %(default)s)"
+    )
     p.add_argument("--num-decode", type=int, default=1, help="decode workers (default %(default)s)")
-    p.add_argument("--host", default=default_of(RouterConfig, "host"),
-                   help="address of the router and the workers (default %(default)s)")
-    p.add_argument("--port", type=int, default=default_of(RouterConfig, "port"),
-                   help="router port; fails at once if it is taken (default %(default)s)")
-    p.add_argument("--policy", choices=ROUTER_POLICIES, default=default_of(RouterConfig, "policy"),
-                   help="router policy (default %(default)s)")
-    p.add_argument("--transfer-backend", choices=("nixl", "fake"), default="nixl",
-                   help="KV transfer backend of the workers (default %(default)s)")
-    p.add_argument("--prefill-gpu-ids", type=_int_list, default=None, metavar="IDS",
-                   help="comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id")
-    p.add_argument("--decode-gpu-ids", type=_int_list, default=None, metavar="IDS",
-                   help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id")
-    p.add_argument("--ready-timeout", type=float, default=900.0,
-                   help="seconds to wait for every process to become ready (default %(default)s)")
-    p.add_argument("--log-dir", default=None,
-                   help="where each process writes its log; unset: a new temporary folder")
+    p.add_argument(
+        "--host",
+        default=default_of(RouterConfig, "host"),
+        help="address of the router and the workers (default %(default)s)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=default_of(RouterConfig, "port"),
+        help="router port; fails at once if it is taken (default %(default)s)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=ROUTER_POLICIES,
+        default=default_of(RouterConfig, "policy"),
+        help="router policy (default %(default)s)",
+    )
+    p.add_argument(
+        "--transfer-backend",
+        choices=("nixl", "fake"),
+        default="nixl",
+        help="KV transfer backend of the workers (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-gpu-ids",
+        type=_int_list,
+        default=None,
+        metavar="IDS",
+        help="comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id",
+    )
+    p.add_argument(
+        "--decode-gpu-ids",
+        type=_int_list,
+        default=None,
+        metavar="IDS",
+        help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for every process to become ready (default %(default)s)",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="where each process writes its log; unset: a new temporary folder",
+    )
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
@@ -72,7 +111,9 @@ def _on_cpu(args: argparse.Namespace) -> bool:
     return args.device == "cpu"
 
 
-def cpu_threads_plan(num_cpu_workers: int, environ: Mapping[str, str]) -> tuple[int | None, dict[str, str]]:
+def cpu_threads_plan(
+    num_cpu_workers: int, environ: Mapping[str, str]
+) -> tuple[int | None, dict[str, str]]:
     """Threads per CPU worker and the environment of every child.
 
     Co-located torch processes spinning OpenMP threads against each other slow a CPU
@@ -94,7 +135,9 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
 
     py = [sys.executable, "-m", "pdserve"]
     passthrough = engine_argv(args)
-    threads, env = cpu_threads_plan(args.num_prefill + args.num_decode if _on_cpu(args) else 0, os.environ)
+    threads, env = cpu_threads_plan(
+        args.num_prefill + args.num_decode if _on_cpu(args) else 0, os.environ
+    )
     if threads is not None:
         passthrough += ["--num-threads", str(threads)]
     workers: list[Child] = []
@@ -102,18 +145,50 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
         gpu_ids = getattr(args, f"{role}_gpu_ids")
         for i in range(count):
             port = free_port(args.host)
-            argv = py + ["serve", "--role", role, "--host", args.host, "--port", str(port),
-                         "--disaggregation-transfer-backend", args.transfer_backend, *passthrough]
+            argv = py + [
+                "serve",
+                "--role",
+                role,
+                "--host",
+                args.host,
+                "--port",
+                str(port),
+                "--disaggregation-transfer-backend",
+                args.transfer_backend,
+                *passthrough,
+            ]
             if gpu_ids:
                 argv += ["--gpu-id", str(gpu_ids[i % len(gpu_ids)])]  # the last --gpu-id wins
             if role == "prefill":
-                argv += ["--disaggregation-bootstrap-host", args.host, "--disaggregation-bootstrap-port", "0"]
-            workers.append(Child(f"{role}-{i}", f"http://{args.host}:{port}", argv, log_dir / f"{role}-{i}.log",
-                                 env=env))
-    router_argv = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+                argv += [
+                    "--disaggregation-bootstrap-host",
+                    args.host,
+                    "--disaggregation-bootstrap-port",
+                    "0",
+                ]
+            workers.append(
+                Child(
+                    f"{role}-{i}",
+                    f"http://{args.host}:{port}",
+                    argv,
+                    log_dir / f"{role}-{i}.log",
+                    env=env,
+                )
+            )
+    router_argv = py + [
+        "router",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--policy",
+        args.policy,
+    ]
     for w in workers:
         router_argv += ["--prefill" if w.name.startswith("prefill") else "--decode", w.url]
-    router = Child("router", f"http://{args.host}:{args.port}", router_argv, log_dir / "router.log", env=env)
+    router = Child(
+        "router", f"http://{args.host}:{args.port}", router_argv, log_dir / "router.log", env=env
+    )
     return workers, router
 
 
@@ -139,12 +214,16 @@ def _check_children(children: list[Child]) -> None:
         code = child.exit_code()
         if code is not None:
             # The log's tail may hold an old, unrelated traceback: label it as what it is.
-            raise RuntimeError(f"{child.name} (pid {child.pid}) {death_cause(code)}; stopping everything.\n"
-                               f"  last lines of its log {child.log_path} (not necessarily the cause):\n"
-                               f"{child.log_tail()}")
+            raise RuntimeError(
+                f"{child.name} (pid {child.pid}) {death_cause(code)}; stopping everything.\n"
+                f"  last lines of its log {child.log_path} (not necessarily the cause):\n"
+                f"{child.log_tail()}"
+            )
 
 
-def _wait_ready(children: list[Child], everyone: list[Child], timeout: float, *, quiet: bool = False) -> None:
+def _wait_ready(
+    children: list[Child], everyone: list[Child], timeout: float, *, quiet: bool = False
+) -> None:
     """Poll ``children``'s /health until all answer 200, printing progress; RuntimeError
     if any of ``everyone`` exits or the timeout passes."""
     start = time.monotonic()
@@ -155,8 +234,9 @@ def _wait_ready(children: list[Child], everyone: list[Child], timeout: float, *,
             _check_children(everyone)
             states = {c.name: _healthy(client, c.url) for c in children}
             elapsed = time.monotonic() - start
-            line = (f"waiting for pdserve ({elapsed:4.0f} s): " +
-                    ", ".join(f"{name} {'ready' if ok else 'loading'}" for name, ok in states.items()))
+            line = f"waiting for pdserve ({elapsed:4.0f} s): " + ", ".join(
+                f"{name} {'ready' if ok else 'loading'}" for name, ok in states.items()
+            )
             if quiet:
                 pass
             elif tty:
@@ -170,21 +250,30 @@ def _wait_ready(children: list[Child], everyone: list[Child], timeout: float, *,
                 return
             if elapsed > timeout:
                 waiting = [n for n, ok in states.items() if not ok]
-                raise RuntimeError(f"not ready after {timeout:g} s: {', '.join(waiting)} (logs in "
-                                   f"{children[0].log_path.parent}); stopping everything.")
+                raise RuntimeError(
+                    f"not ready after {timeout:g} s: {', '.join(waiting)} (logs in "
+                    f"{children[0].log_path.parent}); stopping everything."
+                )
             time.sleep(0.5)
 
 
 def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> str:
     url = router.url
-    lines = [f"pdserve is ready at {url}  (model {args.model}; "
-             f"{args.num_prefill} prefill + {args.num_decode} decode, KV over {args.transfer_backend})"]
+    lines = [
+        f"pdserve is ready at {url}  (model {args.model}; "
+        f"{args.num_prefill} prefill + {args.num_decode} decode, KV over {args.transfer_backend})"
+    ]
     lines += [f"  {c.name:<10} pid {c.pid:<8} {c.url}" for c in workers + [router]]
-    lines += [f"  logs in {router.log_path.parent}", "", "Try:",
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
-              "\"max_tokens\": 64, \"temperature\": 0}'",
-              "", "Press Ctrl-C to stop."]
+    lines += [
+        f"  logs in {router.log_path.parent}",
+        "",
+        "Try:",
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        '    -d \'{"messages": [{"role": "user", "content": "What is the capital of France?"}], '
+        '"max_tokens": 64, "temperature": 0}\'',
+        "",
+        "Press Ctrl-C to stop.",
+    ]
     return "\n".join(lines)
 
 
@@ -212,7 +301,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         for child in children:
             child.start()
-            print(f"started {child.name} (pid {child.pid}) on {child.url}, log {child.log_path}", flush=True)
+            print(
+                f"started {child.name} (pid {child.pid}) on {child.url}, log {child.log_path}",
+                flush=True,
+            )
         _wait_ready(workers, children, args.ready_timeout)
         _wait_ready([router], children, 60.0, quiet=True)
         print(_banner(args, workers, router), flush=True)
@@ -230,8 +322,9 @@ def main(args: argparse.Namespace) -> int:
         stop_all(children)
         for s, handler in old.items():
             signal.signal(s, handler)
-        print(f"pdserve stopped ({len(children)} processes, pids "
-              f"{', '.join(str(c.pid) for c in children if c.proc)}).", flush=True)
+        print(
+            f"pdserve stopped ({len(children)} processes, pids "
+            f"{', '.join(str(c.pid) for c in children if c.proc)}).",
+            flush=True,
+        )
     return code
-
-

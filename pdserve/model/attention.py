@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import abc
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -81,7 +82,9 @@ def build_attention_metadata(
     slots: list[int] = []
     for b, (q, s, pages) in enumerate(zip(query_lens, seq_lens, page_tables)):
         if q < 1 or s < q:
-            raise ValueError(f"query_lens[{b}]={q} / seq_lens[{b}]={s}: need 1 <= query_len <= seq_len")
+            raise ValueError(
+                f"query_lens[{b}]={q} / seq_lens[{b}]={s}: need 1 <= query_len <= seq_len"
+            )
         if len(pages) * page_size < s:
             raise ValueError(f"page_tables[{b}] has {len(pages)} pages, too few for {s} tokens")
         for pos in range(s - q, s):

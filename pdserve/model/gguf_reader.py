@@ -34,7 +34,9 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
 
 def _stat_key(path: str) -> str:
     st = os.stat(path)
-    return hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return hashlib.sha256(
+        f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()
+    ).hexdigest()[:24]
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -90,30 +92,45 @@ def _convert(gguf_path: str, sha: str, root: str, target: str) -> None:
     from safetensors.torch import save_file
 
     t0 = time.monotonic()
-    print(f"pdserve: converting {gguf_path} to safetensors under {target} (one-time, ~20 s)...",
-          file=sys.stderr, flush=True)
+    print(
+        f"pdserve: converting {gguf_path} to safetensors under {target} (one-time, ~20 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
     directory, fname = os.path.split(os.path.abspath(gguf_path))
     tmp = tempfile.mkdtemp(dir=root, prefix=".convert-")
     try:
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=fname)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, gguf_file=fname, dtype=torch.float32)
+                directory, gguf_file=fname, dtype=torch.float32
+            )
         except Exception as exc:  # transformers raises many types for unsupported GGUFs
-            raise ValueError(f"model {gguf_path!r}: transformers could not read this GGUF: {exc}") from exc
+            raise ValueError(
+                f"model {gguf_path!r}: transformers could not read this GGUF: {exc}"
+            ) from exc
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the copy is plain fp32, not GGUF-quantised
         state = model.state_dict()
         if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors refuses aliases
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+            state.pop(
+                "lm_head.weight", None
+            )  # shared with embed_tokens; safetensors refuses aliases
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(tmp, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        manifest = {"gguf_sha256": sha, "gguf_size": os.path.getsize(gguf_path),
-                    "gguf_name": fname, "transformers_version": transformers.__version__}
+        manifest = {
+            "gguf_sha256": sha,
+            "gguf_size": os.path.getsize(gguf_path),
+            "gguf_name": fname,
+            "transformers_version": transformers.__version__,
+        }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.isdir(target):  # a stale, manifest-less folder from a crashed run

@@ -30,7 +30,9 @@ def packing_supported(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32 and mode != "all":
         return False
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
         return False
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -46,7 +48,9 @@ def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+):
     """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given."""
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

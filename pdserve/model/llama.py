@@ -6,7 +6,7 @@ order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits ma
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,9 @@ def _empty(shape, dtype, device) -> nn.Parameter:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) as transformers computes it: fp32 statistics, then
     ``weight * x.to(input dtype)``. x ``[..., H]``, weight ``[H]``."""
-    if x.dtype == torch.float32 or x.is_cuda:  # fused kernel: same bits in fp32, fewer launches on CUDA
+    if (
+        x.dtype == torch.float32 or x.is_cuda
+    ):  # fused kernel: same bits in fp32, fewer launches on CUDA
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -37,7 +39,7 @@ class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: fused QKV (+bias), optional per-head q/k RMSNorm, RoPE,
     paged attention, o_proj, fused gate/up SwiGLU MLP."""
 
-    def __init__(self, s: "_Shapes", dtype, device):
+    def __init__(self, s: _Shapes, dtype, device):
         super().__init__()
         self.s = s
         qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
@@ -64,7 +66,13 @@ class LlamaDecoderLayer(nn.Module):
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
         if self.q_norm is not None:
-            qk = torch.cat((rms_norm(qkv[:, :nq], self.q_norm, s.eps), rms_norm(qkv[:, nq:nqk], self.k_norm, s.eps)), 1)
+            qk = torch.cat(
+                (
+                    rms_norm(qkv[:, :nq], self.q_norm, s.eps),
+                    rms_norm(qkv[:, nq:nqk], self.k_norm, s.eps),
+                ),
+                1,
+            )
         else:
             qk = qkv[:, :nqk]
         qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: [T, Hq + Hkv, D]
@@ -72,8 +80,12 @@ class LlamaDecoderLayer(nn.Module):
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
         h = h + lin.linear(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, s.eps)
-        gate, up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj")).chunk(2, dim=-1)
-        return h + lin.linear(F.silu(gate) * up, self.down_proj, self.down_bias, pk.get("down_proj"))
+        gate, up = lin.linear(
+            x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj")
+        ).chunk(2, dim=-1)
+        return h + lin.linear(
+            F.silu(gate) * up, self.down_proj, self.down_bias, pk.get("down_proj")
+        )
 
 
 class _Shapes:
@@ -82,9 +94,15 @@ class _Shapes:
     def __init__(self, c):
         mt = getattr(c, "model_type", "llama")
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if getattr(c, "use_sliding_window", False) or (mt == "mistral" and getattr(c, "sliding_window", None)):
-            raise ValueError("sliding-window attention (use_sliding_window / sliding_window) is not supported")
+            raise ValueError(
+                f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(c, "use_sliding_window", False) or (
+            mt == "mistral" and getattr(c, "sliding_window", None)
+        ):
+            raise ValueError(
+                "sliding-window attention (use_sliding_window / sliding_window) is not supported"
+            )
         self.hidden = c.hidden_size
         self.n_layers = c.num_hidden_layers
         self.n_heads = c.num_attention_heads
@@ -102,7 +120,9 @@ class _Shapes:
         self.scale = self.head_dim**-0.5
         self.max_positions = c.max_position_embeddings
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads")
+            raise ValueError(
+                f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads"
+            )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,7 +134,13 @@ class LlamaForCausalLM(nn.Module):
     Raises ``ValueError`` for unsupported model types / rope types.
     """
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, device="cpu", attn_backend: str = "torch_sdpa"):
+    def __init__(
+        self,
+        hf_config,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        attn_backend: str = "torch_sdpa",
+    ):
         super().__init__()
         s = self.shapes = _Shapes(hf_config)
         self.config = hf_config
@@ -124,11 +150,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _empty((s.hidden,), dtype, device)
         self.lm_head = None if s.tied else _empty((s.vocab, s.hidden), dtype, device)
         self.register_buffer(
-            "rope_cos_sin", cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device), persistent=False
+            "rope_cos_sin",
+            cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device),
+            persistent=False,
         )
         self.backend = get_attention_backend(attn_backend)
         self._lm_head_packed: torch.Tensor | None = None
-        self._freed: dict[nn.Parameter, torch.Size] = {}  # packed params whose plain copy was dropped
+        self._freed: dict[
+            nn.Parameter, torch.Size
+        ] = {}  # packed params whose plain copy was dropped
 
     # ----------------------------------------------------------------- weights
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -180,20 +210,28 @@ class LlamaForCausalLM(nn.Module):
         targets = self._targets()
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+            if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and self.lm_head is None
+            ):
                 continue
             if name not in targets:
-                raise ValueError(f"weight {name!r} is not a parameter of this {self.shapes.__class__.__name__} model")
+                raise ValueError(
+                    f"weight {name!r} is not a parameter of this {self.shapes.__class__.__name__} model"
+                )
             dst, lo, hi = targets[name]
             view = dst[lo:hi]
             if tuple(tensor.shape) != tuple(view.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
+                )
             if view.device.type != "meta":
                 view.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
-            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            shown = ", ".join(missing[:5]) + (
+                f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            )
             raise ValueError(f"weights missing from the checkpoint: {shown}")
         self._pack()
 

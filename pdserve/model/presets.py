@@ -10,40 +10,126 @@ from __future__ import annotations
 
 import transformers
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # name -> (config class, config kwargs). rope parameters are split out in :func:`preset_config`.
 PRESETS: dict[str, tuple[str, dict]] = {
-    "tiny": ("LlamaConfig", dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0)),
-    "smollm2-135m": ("LlamaConfig", dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0)),
-    "llama-3.2-1b": ("LlamaConfig", dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0})),
-    "llama-3.1-8b": ("LlamaConfig", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE)),
-    "qwen2.5-0.5b": ("Qwen2Config", dict(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)),
-    "qwen3-0.6b": ("Qwen3Config", dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)),
-    "qwen3-8b": ("Qwen3Config", dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0)),
+    "tiny": (
+        "LlamaConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        ),
+    ),
+    "smollm2-135m": (
+        "LlamaConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        ),
+    ),
+    "llama-3.2-1b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+        ),
+    ),
+    "llama-3.1-8b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_ROPE,
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        "Qwen2Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "qwen3-8b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),
 }
 
 
@@ -61,7 +147,11 @@ def preset_config(name: str) -> transformers.PretrainedConfig:
         raise ValueError(f"random preset {name!r} is unknown; presets: {', '.join(PRESETS)}")
     cls_name, kwargs = PRESETS[name]
     kwargs = dict(kwargs)
-    rope = {"rope_theta": kwargs.pop("rope_theta"), "rope_type": "default", **kwargs.pop("rope_scaling", {})}
+    rope = {
+        "rope_theta": kwargs.pop("rope_theta"),
+        "rope_type": "default",
+        **kwargs.pop("rope_scaling", {}),
+    }
     cls = getattr(transformers, cls_name)
     cfg = cls(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_parameters=rope)
     if getattr(cfg, "rope_parameters", None) != rope:  # transformers 4: rope_theta + rope_scaling

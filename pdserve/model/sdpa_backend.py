@@ -72,8 +72,13 @@ class TorchSDPABackend(AttentionBackend):
                 rows, table, lens = None, attn.page_table, attn.seq_lens
             else:
                 sel = torch.tensor(dec, dtype=torch.int64).to(device, non_blocking=True)
-                rows = torch.tensor([starts[b] for b in dec], dtype=torch.int64).to(device, non_blocking=True)
-                table, lens = attn.page_table.index_select(0, sel), attn.seq_lens.index_select(0, sel)
+                rows = torch.tensor([starts[b] for b in dec], dtype=torch.int64).to(
+                    device, non_blocking=True
+                )
+                table, lens = (
+                    attn.page_table.index_select(0, sel),
+                    attn.seq_lens.index_select(0, sel),
+                )
             slots = _slots(table, max_len, page_size)  # [Bd, max_len]
             valid = torch.arange(max_len, device=device)[None, :] < lens[:, None].long()
             gather = torch.where(valid, slots, torch.zeros_like(slots)).reshape(-1)
@@ -108,7 +113,9 @@ class TorchSDPABackend(AttentionBackend):
         out = q.new_empty(T, Hq, D)
         if dg is not None:
             qd = q.index_select(0, dg.rows)
-            out.index_copy_(0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).reshape(-1, Hq, D))
+            out.index_copy_(
+                0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).reshape(-1, Hq, D)
+            )
         for p in plan.prefills:
             qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
             if p.gather is None:
@@ -119,8 +126,12 @@ class TorchSDPABackend(AttentionBackend):
             if G > 1:
                 kp, vp = kp.repeat_interleave(G, dim=0), vp.repeat_interleave(G, dim=0)
             o = F.scaled_dot_product_attention(
-                qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0),
-                attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                qp.unsqueeze(0),
+                kp.unsqueeze(0),
+                vp.unsqueeze(0),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=scale,
             )  # [1, Hq, q, D]
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.view(T, Hq * D)

@@ -35,7 +35,9 @@ def _check_strings(value, where: str = "body") -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{where} holds a lone surrogate (\\ud800-\\udfff escape without its pair)") from None
+            raise ValueError(
+                f"{where} holds a lone surrogate (\\ud800-\\udfff escape without its pair)"
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_strings(key, where)
@@ -57,18 +59,35 @@ def parse_json_body(raw: bytes):
 def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) -> FastAPI:
     """Return the router app for ``config``; health checks start with the app's lifespan
     (one check round runs before the first request is served)."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    roles = ({"prefill": config.prefill_urls, "decode": config.decode_urls} if config.pd_mode
-             else {"mixed": config.worker_urls})
-    pool = WorkerPool(roles, policy=config.policy, client=client,
-                      check_interval=config.health_check_interval,
-                      check_timeout=config.health_check_timeout,
-                      failure_threshold=config.health_failure_threshold, rng=rng)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=10.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
+    roles = (
+        {"prefill": config.prefill_urls, "decode": config.decode_urls}
+        if config.pd_mode
+        else {"mixed": config.worker_urls}
+    )
+    pool = WorkerPool(
+        roles,
+        policy=config.policy,
+        client=client,
+        check_interval=config.health_check_interval,
+        check_timeout=config.health_check_timeout,
+        failure_threshold=config.health_failure_threshold,
+        rng=rng,
+    )
     live_rooms: set[int] = set()
     metrics = RouterMetrics(pool, live_rooms)
-    dispatcher = Dispatcher(pool, client, metrics, live_rooms, pd_mode=config.pd_mode,
-                            request_timeout=config.request_timeout, rng=rng)
+    dispatcher = Dispatcher(
+        pool,
+        client,
+        metrics,
+        live_rooms,
+        pd_mode=config.pd_mode,
+        request_timeout=config.request_timeout,
+        rng=rng,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,11 +114,17 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         try:
             body = parse_json_body(await request.body())
         except ValueError as exc:  # UnicodeError is a ValueError
-            return _count(error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start)
+            return _count(
+                error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start
+            )
         if not isinstance(body, dict):
-            return _count(error_response(400, "request body must be a JSON object"), endpoint, start)
+            return _count(
+                error_response(400, "request body must be a JSON object"), endpoint, start
+            )
         if "stream" in body and not isinstance(body["stream"], bool):
-            return _count(error_response(400, "stream must be a boolean", param="stream"), endpoint, start)
+            return _count(
+                error_response(400, "stream must be a boolean", param="stream"), endpoint, start
+            )
         try:
             response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
         except NoHealthyWorker as exc:
@@ -115,8 +140,10 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         return response
 
     for path in FORWARDED:
+
         async def handler(request: Request, _path: str = path) -> Response:
             return await forward(request, _path)
+
         app.add_api_route(path, handler, methods=["POST"], name=path)
 
     @app.get("/v1/models")
@@ -143,10 +170,23 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
     @app.get("/get_server_info")
     async def server_info() -> JSONResponse:
-        return JSONResponse({
-            "mode": "pd" if config.pd_mode else "regular", "policy": config.policy,
-            "request_timeout": config.request_timeout, "live_bootstrap_rooms": len(live_rooms),
-            "workers": [{"url": w.url, "role": w.role, "healthy": w.healthy, "outstanding": w.outstanding,
-                         "last_error": w.last_error} for w in pool.all()]})
+        return JSONResponse(
+            {
+                "mode": "pd" if config.pd_mode else "regular",
+                "policy": config.policy,
+                "request_timeout": config.request_timeout,
+                "live_bootstrap_rooms": len(live_rooms),
+                "workers": [
+                    {
+                        "url": w.url,
+                        "role": w.role,
+                        "healthy": w.healthy,
+                        "outstanding": w.outstanding,
+                        "last_error": w.last_error,
+                    }
+                    for w in pool.all()
+                ],
+            }
+        )
 
     return app

@@ -26,7 +26,7 @@ from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
 
-ROOM_LIMIT = 2 ** 63          # rooms are 63-bit: [0, 2**63)
+ROOM_LIMIT = 2**63  # rooms are 63-bit: [0, 2**63)
 MAX_ROOMS_PER_REQUEST = 1024  # cap on n reserved per request (workers reject larger n)
 
 
@@ -49,7 +49,11 @@ def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:
 
 
 def _num_samples(endpoint: str, body: dict) -> int:
-    n = (body.get("sampling_params") or {}).get("n", 1) if endpoint == "/generate" else body.get("n", 1)
+    n = (
+        (body.get("sampling_params") or {}).get("n", 1)
+        if endpoint == "/generate"
+        else body.get("n", 1)
+    )
     if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROOMS_PER_REQUEST:
         return n
     return 1  # invalid n: the workers reject it with a 400
@@ -58,9 +62,17 @@ def _num_samples(endpoint: str, body: dict) -> int:
 class Dispatcher:
     """Sends client requests to workers; owns the set of live bootstrap rooms."""
 
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 live_rooms: set[int], *, pd_mode: bool, request_timeout: float,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        live_rooms: set[int],
+        *,
+        pd_mode: bool,
+        request_timeout: float,
+        rng: random.Random | None = None,
+    ) -> None:
         self.pool = pool
         self.client = client
         self.metrics = metrics
@@ -95,7 +107,9 @@ class Dispatcher:
     def _http_error(self, worker: WorkerState, status: int, content: bytes) -> LegError:
         self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()
         who = f"{worker.role} worker {worker.url}"
-        return LegError(worker.role, f"{who} answered HTTP {status}", error_from_worker(status, content, who))
+        return LegError(
+            worker.role, f"{who} answered HTTP {status}", error_from_worker(status, content, who)
+        )
 
     async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
         """POST to one worker; returns the 200 response, else raises LegError."""
@@ -132,13 +146,19 @@ class Dispatcher:
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         stream = body.get("stream") is True
         try:
-            work = self._pd(endpoint, body, stream, deadline) if self.pd_mode else \
-                self._regular(endpoint, body, stream, deadline)
+            work = (
+                self._pd(endpoint, body, stream, deadline)
+                if self.pd_mode
+                else self._regular(endpoint, body, stream, deadline)
+            )
             return await asyncio.wait_for(work, self.request_timeout)
         except LegError as exc:
             return exc.response
         except asyncio.TimeoutError:
-            return error_response(504, f"request timed out after {self.request_timeout:g} s (router --request-timeout)")
+            return error_response(
+                504,
+                f"request timed out after {self.request_timeout:g} s (router --request-timeout)",
+            )
 
     async def _regular(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         worker = self.pool.pick("mixed")
@@ -155,9 +175,19 @@ class Dispatcher:
         def on_close() -> None:
             worker.outstanding -= 1
 
-        return StreamingResponse(relay_sse(resp, worker, endpoint, deadline=deadline,
-                                           timeout_s=self.request_timeout, metrics=self.metrics,
-                                           on_close=on_close, streams=self.streams), media_type="text/event-stream")
+        return StreamingResponse(
+            relay_sse(
+                resp,
+                worker,
+                endpoint,
+                deadline=deadline,
+                timeout_s=self.request_timeout,
+                metrics=self.metrics,
+                on_close=on_close,
+                streams=self.streams,
+            ),
+            media_type="text/event-stream",
+        )
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
@@ -174,8 +204,10 @@ class Dispatcher:
                 d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
                 await self._legs((p_task, d_task))
                 answer = d_task.result().json()
-                return Response(json.dumps(merge_prompt_logprobs(endpoint, answer, p_task.result().json())),
-                                media_type="application/json")
+                return Response(
+                    json.dumps(merge_prompt_logprobs(endpoint, answer, p_task.result().json())),
+                    media_type="application/json",
+                )
             decode.outstanding += 1
             d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, legs))
             try:  # until decode's stream is open; prefill keeps running (the relay watches it)
@@ -191,9 +223,19 @@ class Dispatcher:
             handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
             return StreamingResponse(
-                relay_sse(d_task.result(), decode, endpoint, deadline=deadline, timeout_s=self.request_timeout,
-                          metrics=self.metrics, on_close=on_close, prefill=watch, streams=self.streams),
-                media_type="text/event-stream")
+                relay_sse(
+                    d_task.result(),
+                    decode,
+                    endpoint,
+                    deadline=deadline,
+                    timeout_s=self.request_timeout,
+                    metrics=self.metrics,
+                    on_close=on_close,
+                    prefill=watch,
+                    streams=self.streams,
+                ),
+                media_type="text/event-stream",
+            )
         finally:
             if not handed_off:
                 self.release_rooms(room, n)

@@ -16,7 +16,7 @@ def error_response(status: int, message: str, *, param: str | None = None) -> JS
 
 def sse_error(status: int, message: str) -> bytes:
     """One SSE event carrying an error body, followed by the terminating ``[DONE]`` event."""
-    return (f"data: {json.dumps(error_json(status, message))}\n\n" "data: [DONE]\n\n").encode()
+    return (f"data: {json.dumps(error_json(status, message))}\n\ndata: [DONE]\n\n").encode()
 
 
 def error_from_worker(status: int, content: bytes, who: str) -> JSONResponse:

@@ -27,7 +27,9 @@ def _prefill_generate_meta(prefill: Any) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for pos, item in enumerate(_generate_items(prefill)):
         meta = item.get("meta_info") or {}
-        out[int(item.get("index", pos))] = {k: meta[k] for k in GENERATE_PROMPT_KEYS if meta.get(k) is not None}
+        out[int(item.get("index", pos))] = {
+            k: meta[k] for k in GENERATE_PROMPT_KEYS if meta.get(k) is not None
+        }
     return out
 
 
@@ -40,7 +42,9 @@ def _prefill_openai(prefill: Any) -> dict[int, Any]:
     return out
 
 
-def merge_prompt_logprobs(endpoint: str, decode: Any, prefill: Any, done: set[int] | None = None) -> Any:
+def merge_prompt_logprobs(
+    endpoint: str, decode: Any, prefill: Any, done: set[int] | None = None
+) -> Any:
     """Copy prompt logprobs from ``prefill`` (the prefill leg's full answer) into ``decode``
     (a full answer or one stream chunk), in place; returns ``decode``.
 
@@ -65,4 +69,3 @@ def merge_prompt_logprobs(endpoint: str, decode: Any, prefill: Any, done: set[in
                 choice[OPENAI_PROMPT_KEY] = source[index]
                 done.add(index)
     return decode
-

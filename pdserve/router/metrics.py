@@ -18,18 +18,26 @@ class _WorkerCollector:
         self._rooms = live_rooms
 
     def collect(self):
-        healthy = GaugeMetricFamily("pdserve_router_worker_healthy",
-                                    "1 if the worker passes its health checks", labels=["role", "url"])
-        outstanding = GaugeMetricFamily("pdserve_router_worker_outstanding_requests",
-                                        "requests dispatched to the worker and not yet answered",
-                                        labels=["role", "url"])
+        healthy = GaugeMetricFamily(
+            "pdserve_router_worker_healthy",
+            "1 if the worker passes its health checks",
+            labels=["role", "url"],
+        )
+        outstanding = GaugeMetricFamily(
+            "pdserve_router_worker_outstanding_requests",
+            "requests dispatched to the worker and not yet answered",
+            labels=["role", "url"],
+        )
         for w in self._pool.all():
             healthy.add_metric([w.role, w.url], 1.0 if w.healthy else 0.0)
             outstanding.add_metric([w.role, w.url], float(w.outstanding))
         yield healthy
         yield outstanding
-        yield GaugeMetricFamily("pdserve_router_live_bootstrap_rooms",
-                                "bootstrap rooms of requests in flight", value=len(self._rooms))
+        yield GaugeMetricFamily(
+            "pdserve_router_live_bootstrap_rooms",
+            "bootstrap rooms of requests in flight",
+            value=len(self._rooms),
+        )
 
 
 class RouterMetrics:
@@ -37,14 +45,25 @@ class RouterMetrics:
 
     def __init__(self, pool: WorkerPool, live_rooms: set[int]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_router_requests", "client requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.latency = Histogram("pdserve_router_request_latency_seconds",
-                                 "end-to-end latency of client requests (streams: until the last byte)",
-                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.leg_failures = Counter("pdserve_router_leg_failures",
-                                    "failed worker legs by role and reason (http_<status>, connect, timeout, ...)",
-                                    ["role", "reason"], registry=self.registry)
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "client requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "pdserve_router_request_latency_seconds",
+            "end-to-end latency of client requests (streams: until the last byte)",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.leg_failures = Counter(
+            "pdserve_router_leg_failures",
+            "failed worker legs by role and reason (http_<status>, connect, timeout, ...)",
+            ["role", "reason"],
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pool, live_rooms))
 
     def render(self) -> bytes:

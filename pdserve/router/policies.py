@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass
@@ -68,7 +69,9 @@ class PowerOfTwoPolicy(Policy):
 
 
 _POLICIES: dict[str, type[Policy]] = {
-    "random": RandomPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy,
+    "random": RandomPolicy,
+    "round_robin": RoundRobinPolicy,
+    "power_of_two": PowerOfTwoPolicy,
 }
 
 

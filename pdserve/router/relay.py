@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -94,10 +95,18 @@ async def _settle(task: asyncio.Future | None) -> None:
         pass
 
 
-async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *, deadline: float,
-                    timeout_s: float, metrics: RouterMetrics, on_close: Callable[[], None],
-                    prefill: PrefillWatch | None = None,
-                    streams: OpenStreams | None = None) -> AsyncIterator[bytes]:
+async def relay_sse(
+    resp: httpx.Response,
+    worker: WorkerState,
+    endpoint: str,
+    *,
+    deadline: float,
+    timeout_s: float,
+    metrics: RouterMetrics,
+    on_close: Callable[[], None],
+    prefill: PrefillWatch | None = None,
+    streams: OpenStreams | None = None,
+) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
     deadline: loop time (s) by which the whole request must end (then a 504 SSE error);
@@ -119,10 +128,10 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
     task = prefill.task if prefill is not None else None
     if task is not None:
         task.add_done_callback(lambda t: queue.put_nowait(("prefill", t)))
-    answer: Any = None          # prefill's parsed JSON answer, once arrived
+    answer: Any = None  # prefill's parsed JSON answer, once arrived
     prefill_over = task is None
     merged: set[int] = set()
-    held: list[str] = []        # the first data chunk, held while prompt logprobs are pending
+    held: list[str] = []  # the first data chunk, held while prompt logprobs are pending
     decode_done = False
 
     def render(data: str) -> bytes:
@@ -140,7 +149,9 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
                 raise asyncio.TimeoutError
             kind, item = await asyncio.wait_for(queue.get(), remaining)
             if kind == "shutdown":
-                yield sse_error(503, "server shutting down: the router was stopped while this request ran")
+                yield sse_error(
+                    503, "server shutting down: the router was stopped while this request ran"
+                )
                 return
             elif kind == "prefill":
                 prefill_over = True
@@ -176,18 +187,25 @@ async def relay_sse(resp: httpx.Response, worker: WorkerState, endpoint: str, *,
             elif decode_done:
                 continue  # decode's stream closing after its [DONE]: expected
             elif kind == "end":
-                yield sse_error(502, f"{worker.role} worker {worker.url} ended its stream before [DONE]")
+                yield sse_error(
+                    502, f"{worker.role} worker {worker.url} ended its stream before [DONE]"
+                )
                 return
             else:  # broken
                 metrics.leg_failures.labels(worker.role, "stream").inc()
-                yield sse_error(502, f"{worker.role} worker {worker.url} stream broke: "
-                                     f"{type(item).__name__}: {item}")
+                yield sse_error(
+                    502,
+                    f"{worker.role} worker {worker.url} stream broke: "
+                    f"{type(item).__name__}: {item}",
+                )
                 return
     except asyncio.TimeoutError:
         if decode_done and not held:  # only prefill's late answer is missing
             yield DONE
         else:
-            yield sse_error(504, f"request timed out after {timeout_s:g} s (router --request-timeout)")
+            yield sse_error(
+                504, f"request timed out after {timeout_s:g} s (router --request-timeout)"
+            )
     finally:
         with anyio.CancelScope(shield=True):
             if streams is not None:

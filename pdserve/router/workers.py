@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,14 +29,25 @@ class WorkerPool:
     restores it.
     """
 
-    def __init__(self, urls_by_role: dict[str, Sequence[str]], *, policy: str,
-                 client: httpx.AsyncClient, check_interval: float, check_timeout: float,
-                 failure_threshold: int, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        urls_by_role: dict[str, Sequence[str]],
+        *,
+        policy: str,
+        client: httpx.AsyncClient,
+        check_interval: float,
+        check_timeout: float,
+        failure_threshold: int,
+        rng: random.Random | None = None,
+    ) -> None:
         rng = rng or random.Random()
         self.workers: dict[str, list[WorkerState]] = {
             role: [WorkerState(url.rstrip("/"), role) for url in urls]
-            for role, urls in urls_by_role.items()}
-        self._policies: dict[str, Policy] = {role: create_policy(policy, rng) for role in self.workers}
+            for role, urls in urls_by_role.items()
+        }
+        self._policies: dict[str, Policy] = {
+            role: create_policy(policy, rng) for role in self.workers
+        }
         self._client = client
         self._interval = check_interval
         self._timeout = check_timeout
@@ -55,7 +66,9 @@ class WorkerPool:
         candidates = self.healthy(role)
         if not candidates:
             total = len(self.workers.get(role, []))
-            raise NoHealthyWorker(f"no healthy {role} worker (0 of {total} pass their health check)")
+            raise NoHealthyWorker(
+                f"no healthy {role} worker (0 of {total} pass their health check)"
+            )
         return self._policies[role].pick(candidates)
 
     def is_ready(self) -> bool:
@@ -86,14 +99,18 @@ class WorkerPool:
                 raise RuntimeError(f"/health answered HTTP {resp.status_code}: {resp.text[:200]}")
             # Every check: a worker restarted on the same URL may have another role or (prefill)
             # another bootstrap port.
-            info = (await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)).json()
+            info = (
+                await self._client.get(f"{worker.url}/get_server_info", timeout=self._timeout)
+            ).json()
             if info.get("role") != worker.role:
-                raise RuntimeError(f"it serves role {info.get('role')!r}, not {worker.role!r} "
-                                   f"(check the router's --prefill/--decode/--worker flags)")
+                raise RuntimeError(
+                    f"it serves role {info.get('role')!r}, not {worker.role!r} "
+                    f"(check the router's --prefill/--decode/--worker flags)"
+                )
             if worker.role == "prefill" and not isinstance(info.get("bootstrap_port"), int):
                 raise RuntimeError("/get_server_info has no bootstrap_port")
             worker.server_info = info
-        except Exception as exc:  # any failure of the probe counts against the worker
+        except Exception as exc:  # noqa: BLE001 any failure of the probe counts against the worker
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not worker.healthy:
                 worker.consecutive_failures += 1

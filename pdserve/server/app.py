@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,8 +55,11 @@ class _RequestMetrics:
         start, status = time.perf_counter(), {"code": 499}
         headers = scope.get("headers") or []
         if not any(k.lower() == b"content-type" and b"json" in v.lower() for k, v in headers):
-            scope = dict(scope, headers=[(k, v) for k, v in headers if k.lower() != b"content-type"]
-                         + [(b"content-type", b"application/json")])
+            scope = dict(
+                scope,
+                headers=[(k, v) for k, v in headers if k.lower() != b"content-type"]
+                + [(b"content-type", b"application/json")],
+            )
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
@@ -69,9 +73,16 @@ class _RequestMetrics:
             self.metrics.e2e.labels(path).observe(time.perf_counter() - start)
 
 
-def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMetrics, *,
-                     kv_managers: dict[str, KVManager], server_info: Callable[[], dict],
-                     health_generate_timeout: float, max_request_body_bytes: int = 32 * 2 ** 20) -> FastAPI:
+def build_worker_app(
+    ctx: WorkerContext,
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    *,
+    kv_managers: dict[str, KVManager],
+    server_info: Callable[[], dict],
+    health_generate_timeout: float,
+    max_request_body_bytes: int = 32 * 2**20,
+) -> FastAPI:
     """Return the worker app. The engine thread starts with the app's lifespan and stops
     with it; ``kv_managers`` (name -> manager) are shut down after it; a request body over
     ``max_request_body_bytes`` gets 413."""
@@ -107,18 +118,22 @@ def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMet
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_json(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(
+            error_json(exc.status_code, str(exc.detail)), status_code=exc.status_code
+        )
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_json(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        return JSONResponse(
+            error_json(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500
+        )
 
     def problems() -> list[str]:
         found = [] if engine.alive else [engine.error or "engine thread is not running"]
         for name, manager in kv_managers.items():
             try:
                 healthy = manager.is_healthy()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 a failing check means unhealthy
                 healthy, name = False, f"{name} ({type(exc).__name__}: {exc})"
             if not healthy:
                 found.append(f"KV transfer manager {name} is unhealthy (a background thread died)")
@@ -138,15 +153,21 @@ def build_worker_app(ctx: WorkerContext, engine: AsyncEngine, metrics: ServerMet
         if found:
             return JSONResponse(error_json(503, "; ".join(found)), status_code=503)
         role = ctx.serving.role
-        params = make_params(temperature=0.0, max_tokens=2 if role == "decode" else 1, ignore_eos=True)
+        params = make_params(
+            temperature=0.0, max_tokens=2 if role == "decode" else 1, ignore_eos=True
+        )
         job = Job(ctx.tokenizer.encode("Hello") or [0], params, fake_transfer=role != "mixed")
         try:
             await asyncio.wait_for(ctx.serving.collect(job), health_generate_timeout)
         except asyncio.TimeoutError:
-            return JSONResponse(error_json(503, f"health generation took over {health_generate_timeout:g} s"),
-                                status_code=503)
+            return JSONResponse(
+                error_json(503, f"health generation took over {health_generate_timeout:g} s"),
+                status_code=503,
+            )
         except APIError as exc:
-            return JSONResponse(error_json(503, f"health generation failed: {exc.message}"), status_code=503)
+            return JSONResponse(
+                error_json(503, f"health generation failed: {exc.message}"), status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

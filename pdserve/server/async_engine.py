@@ -18,8 +18,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("pdserve.server")
 
@@ -50,7 +51,7 @@ class AsyncEngine:
         self.core = core
         self._idle = idle_poll_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}      # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -76,7 +77,9 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # --- requests (called on the event loop) --------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int], params: Any, disagg: Any, sink: Sink) -> None:
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, disagg: Any, sink: Sink
+    ) -> None:
         """Queue one single-sample engine request; ``sink`` gets its outputs (or the
         ValueError / DuplicateRoomError of ``add_request``) on the event loop.
         Raises EngineDeadError at once if the engine thread is not running."""
@@ -102,7 +105,7 @@ class AsyncEngine:
             _, request_id, prompt, params, disagg, sink = command
             try:
                 self.core.add_request(request_id, prompt, params, disagg=disagg)
-            except Exception as exc:  # ValueError / DuplicateRoomError: that request only
+            except Exception as exc:  # noqa: BLE001 ValueError / DuplicateRoomError: that request only
                 self._deliver(sink, exc)
                 return
             self._sinks[request_id] = sink
@@ -115,7 +118,9 @@ class AsyncEngine:
     def _drain(self, timeout: float | None) -> None:
         """Handle every queued command; block up to ``timeout`` (None = forever) for the first."""
         try:
-            self._handle(self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait())
+            self._handle(
+                self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -138,7 +143,9 @@ class AsyncEngine:
                 stats = _safe_stats(self.core)
                 # A chunked-prefill step emits nothing while work remains: the model having run
                 # (EngineCore's "steps" counter moved) is progress too, so no idle wait.
-                progressed = bool(outputs) or _forward_steps(stats) != _forward_steps(self.snapshot.stats)
+                progressed = bool(outputs) or _forward_steps(stats) != _forward_steps(
+                    self.snapshot.stats
+                )
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is None:
@@ -146,8 +153,9 @@ class AsyncEngine:
                     if out.finished:
                         del self._sinks[out.request_id]
                     self._deliver(sink, out)
-                self.snapshot = EngineSnapshot(self.core.num_free_pages, stats,
-                                               self.snapshot.steps + 1, time.time())
+                self.snapshot = EngineSnapshot(
+                    self.core.num_free_pages, stats, self.snapshot.steps + 1, time.time()
+                )
         except BaseException as exc:  # the worker turns unhealthy; every caller learns why
             self.error = f"engine thread died: {type(exc).__name__}: {exc}"
             log.exception("engine thread died")
@@ -170,7 +178,7 @@ class AsyncEngine:
             for request_id, sink in list(self._sinks.items()):
                 try:
                     self.core.abort_request(request_id)
-                except Exception:
+                except Exception:  # noqa: BLE001 shutting down: best effort
                     pass
                 self._deliver(sink, EngineDeadError("worker is shutting down"))
             self._sinks.clear()
@@ -184,5 +192,5 @@ def _forward_steps(stats: dict | None) -> int | None:
 def _safe_stats(core: Any) -> dict | None:
     try:
         return dict(core.stats())
-    except Exception:
+    except Exception:  # noqa: BLE001 stats are best effort
         return None

@@ -4,7 +4,8 @@ router can use it too)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -41,6 +42,6 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     try:
         await task
-    except (asyncio.CancelledError, Exception):
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 the watcher's own end
         pass
     raise ClientDisconnected()

@@ -9,21 +9,72 @@ from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 
 # (flag, config class, field, type, help) — ``up`` forwards exactly these to its workers.
 ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
-    ("--model", ModelConfig, "model", str,
-     "HF folder, .gguf file, random:<preset> or the embedded id smollm2-135m-instruct"),
-    ("--dtype", ModelConfig, "dtype", str, "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"),
+    (
+        "--model",
+        ModelConfig,
+        "model",
+        str,
+        "HF folder, .gguf file, random:<preset> or the embedded id smollm2-135m-instruct",
+    ),
+    (
+        "--dtype",
+        ModelConfig,
+        "dtype",
+        str,
+        "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+    ),
     ("--device", ModelConfig, "device", str, "auto, cpu, cuda or cuda:N"),
     ("--gpu-id", ModelConfig, "gpu_id", int, "CUDA device index when --device does not name one"),
-    ("--max-model-len", ModelConfig, "max_model_len", int, "context limit in tokens; unset: the model's"),
-    ("--seed", ModelConfig, "seed", int, "seed of random weights (random: models) and of unseeded sampling"),
+    (
+        "--max-model-len",
+        ModelConfig,
+        "max_model_len",
+        int,
+        "context limit in tokens; unset: the model's",
+    ),
+    (
+        "--seed",
+        ModelConfig,
+        "seed",
+        int,
+        "seed of random weights (random: models) and of unseeded sampling",
+    ),
     ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
-    ("--kv-cache-memory", CacheConfig, "kv_cache_memory", float,
-     "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA"),
-    ("--gpu-memory-utilization", CacheConfig, "gpu_memory_utilization", float,
-     "fraction of free GPU memory for the KV pool"),
-    ("--num-pages", CacheConfig, "num_pages", int, "exact KV page count (overrides --kv-cache-memory)"),
-    ("--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens", int, "token budget of one step"),
-    ("--max-running-requests", SchedulerConfig, "max_running_requests", int, "requests in the running batch"),
+    (
+        "--kv-cache-memory",
+        CacheConfig,
+        "kv_cache_memory",
+        float,
+        "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA",
+    ),
+    (
+        "--gpu-memory-utilization",
+        CacheConfig,
+        "gpu_memory_utilization",
+        float,
+        "fraction of free GPU memory for the KV pool",
+    ),
+    (
+        "--num-pages",
+        CacheConfig,
+        "num_pages",
+        int,
+        "exact KV page count (overrides --kv-cache-memory)",
+    ),
+    (
+        "--max-num-batched-tokens",
+        SchedulerConfig,
+        "max_num_batched_tokens",
+        int,
+        "token budget of one step",
+    ),
+    (
+        "--max-running-requests",
+        SchedulerConfig,
+        "max_running_requests",
+        int,
+        "requests in the running batch",
+    ),
 )
 
 
@@ -35,7 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to ``parser``."""
     group = parser.add_argument_group("engine")
     for flag, cls, name, typ, help_text in ENGINE_FLAGS:
-        group.add_argument(flag, type=typ, default=default_of(cls, name), help=f"{help_text} (default %(default)s)")
+        group.add_argument(
+            flag, type=typ, default=default_of(cls, name), help=f"{help_text} (default %(default)s)"
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,8 +96,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig)}
     for flag, cls, name, _, _ in ENGINE_FLAGS:
         values[cls][name] = getattr(args, _dest(flag))
-    return EngineConfig(model=ModelConfig(**values[ModelConfig]), cache=CacheConfig(**values[CacheConfig]),
-                        scheduler=SchedulerConfig(**values[SchedulerConfig]))
+    return EngineConfig(
+        model=ModelConfig(**values[ModelConfig]),
+        cache=CacheConfig(**values[CacheConfig]),
+        scheduler=SchedulerConfig(**values[SchedulerConfig]),
+    )
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

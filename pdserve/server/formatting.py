@@ -5,7 +5,8 @@ Token strings are the tokenizer's decoding of the single token (as OpenAI report
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
@@ -29,8 +30,11 @@ class TokenText:
 def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> dict:
     """OpenAI ``usage``: prompt counted once, completion tokens summed over samples."""
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
 
 
 def openai_finish_reason(reason: str | None) -> str | None:
@@ -45,33 +49,58 @@ def completion_logprobs(entries: Sequence[TokenLogprob], tt: TokenText, offset: 
         offsets.append(offset)
         tokens.append(tt(e.token_id))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tt(i): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{tt(i): lp for i, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], tt: TokenText) -> dict:
     """Chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
     def one(token_id: int, logprob: float) -> dict:
         text = tt(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(i, lp) for i, lp in e.top])
-                        for e in entries]}
+    return {
+        "content": [
+            dict(one(e.token_id, e.logprob), top_logprobs=[one(i, lp) for i, lp in e.top])
+            for e in entries
+        ]
+    }
 
 
-def prompt_logprobs_json(entries: Sequence[TokenLogprob | None] | None, tt: TokenText) -> list | None:
+def prompt_logprobs_json(
+    entries: Sequence[TokenLogprob | None] | None, tt: TokenText
+) -> list | None:
     """Extension ``prompt_logprobs``: ``None`` for the first prompt token, then per token
     ``{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}``."""
     if entries is None:
         return None
-    return [None if e is None else {
-        "token_id": e.token_id, "token": tt(e.token_id), "logprob": e.logprob,
-        "top_logprobs": [{"token_id": i, "token": tt(i), "logprob": lp} for i, lp in e.top]}
-        for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            "token_id": e.token_id,
+            "token": tt(e.token_id),
+            "logprob": e.logprob,
+            "top_logprobs": [{"token_id": i, "token": tt(i), "logprob": lp} for i, lp in e.top],
+        }
+        for e in entries
+    ]
 
 
-def generate_meta(out: RequestOutput, sample: CompletionOutput, *, return_logprob: bool,
-                  top_logprobs_num: int, logprob_start_len: int, latency: float) -> dict:
+def generate_meta(
+    out: RequestOutput,
+    sample: CompletionOutput,
+    *,
+    return_logprob: bool,
+    top_logprobs_num: int,
+    logprob_start_len: int,
+    latency: float,
+) -> dict:
     """``meta_info`` of a native ``/generate`` answer (SGLang's shape: logprob entries are
     ``[logprob, token_id, null]``; the first prompt token's logprob is null)."""
     if sample.finish_reason is None:
@@ -81,9 +110,13 @@ def generate_meta(out: RequestOutput, sample: CompletionOutput, *, return_logpro
     else:
         finish = {"type": sample.finish_reason, "matched": sample.stop_reason}
     meta: dict[str, Any] = {
-        "id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(sample.token_ids), "cached_tokens": out.num_cached_tokens,
-        "finish_reason": finish, "e2e_latency": latency}
+        "id": out.request_id,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(sample.token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "finish_reason": finish,
+        "e2e_latency": latency,
+    }
     if not return_logprob:
         return meta
     outs = sample.logprobs or []
@@ -99,8 +132,11 @@ def generate_meta(out: RequestOutput, sample: CompletionOutput, *, return_logpro
         else:
             ids = out.prompt_token_ids
             rows = list(zip(ids, prompt))[logprob_start_len:]
-            meta["input_token_logprobs"] = [[None if e is None else e.logprob, t, None] for t, e in rows]
+            meta["input_token_logprobs"] = [
+                [None if e is None else e.logprob, t, None] for t, e in rows
+            ]
             if top_logprobs_num:
-                meta["input_top_logprobs"] = [None if e is None else [[lp, i, None] for i, lp in e.top]
-                                              for _, e in rows]
+                meta["input_top_logprobs"] = [
+                    None if e is None else [[lp, i, None] for i, lp in e.top] for _, e in rows
+                ]
     return meta

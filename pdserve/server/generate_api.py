@@ -32,27 +32,48 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
             ctx.check_text(req.text, "text")
             prompt_ids = await prompts.encode(ctx.tokenizer, req.text)
         if req.return_logprob and req.logprob_start_len >= max(len(prompt_ids), 1):
-            raise APIError(400, f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
-                                f"({len(prompt_ids)})", "logprob_start_len")
+            raise APIError(
+                400,
+                f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
+                f"({len(prompt_ids)})",
+                "logprob_start_len",
+            )
         sp = req.sampling_params
         k = req.top_logprobs_num
         params = make_params(
-            n=sp.n, temperature=float(sp.temperature), top_p=float(sp.top_p), top_k=sp.top_k,
-            min_p=float(sp.min_p), max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop,
-            stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, seed=sp.seed,
+            n=sp.n,
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p),
+            top_k=sp.top_k,
+            min_p=float(sp.min_p),
+            max_tokens=sp.max_new_tokens,
+            min_tokens=sp.min_new_tokens,
+            stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.seed,
             logprobs=k if req.return_logprob else None,
             prompt_logprobs=k if req.return_logprob and req.logprob_start_len >= 0 else None,
-            skip_special_tokens=sp.skip_special_tokens)
+            skip_special_tokens=sp.skip_special_tokens,
+        )
         job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
         if req.rid:
             job.request_id = req.rid
 
         def item(index: int, out: RequestOutput) -> dict:
             o = out.outputs[0]
-            body = {"text": o.text, "output_ids": list(o.token_ids),
-                    "meta_info": fmt.generate_meta(out, o, return_logprob=req.return_logprob, top_logprobs_num=k,
-                                                   logprob_start_len=req.logprob_start_len,
-                                                   latency=time.perf_counter() - job.arrival)}
+            body = {
+                "text": o.text,
+                "output_ids": list(o.token_ids),
+                "meta_info": fmt.generate_meta(
+                    out,
+                    o,
+                    return_logprob=req.return_logprob,
+                    top_logprobs_num=k,
+                    logprob_start_len=req.logprob_start_len,
+                    latency=time.perf_counter() - job.arrival,
+                ),
+            }
             if sp.n > 1:
                 body["index"] = index
             return body

@@ -8,7 +8,8 @@ snapshot, transfer counters from ``KVManager.stats()``, both read at scrape time
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -18,7 +19,10 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-_LABELS = {"rooms": "state", "transfers_failed": "reason"}  # label name of a nested {name: number} dict
+_LABELS = {
+    "rooms": "state",
+    "transfers_failed": "reason",
+}  # label name of a nested {name: number} dict
 
 
 def _is_number(value: Any) -> bool:
@@ -37,10 +41,13 @@ def _families(prefix: str, data: dict) -> Iterable[Any]:
             buckets = [(str(le), float(n)) for le, n in value["buckets"].items()]
             if not buckets or buckets[-1][0] != "+Inf":
                 buckets.append(("+Inf", float(value["count"])))
-            yield HistogramMetricFamily(name, f"{key} (from {prefix})", buckets=buckets,
-                                        sum_value=float(value["sum"]))
+            yield HistogramMetricFamily(
+                name, f"{key} (from {prefix})", buckets=buckets, sum_value=float(value["sum"])
+            )
         elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
-            family = GaugeMetricFamily(name, f"{key} (from {prefix})", labels=[_LABELS.get(str(key), "key")])
+            family = GaugeMetricFamily(
+                name, f"{key} (from {prefix})", labels=[_LABELS.get(str(key), "key")]
+            )
             for label, number in value.items():
                 family.add_metric([str(label)], float(number))
             yield family
@@ -58,7 +65,7 @@ class _SnapshotCollector:
         for prefix, source in self._sources.items():
             try:
                 data = source() or {}
-            except Exception:  # a failing source must not break /metrics
+            except Exception:  # noqa: BLE001 a failing source must not break /metrics
                 continue
             yield from _families(prefix, data)
 
@@ -70,19 +77,43 @@ class ServerMetrics:
 
     def __init__(self, sources: dict[str, Callable[[], dict | None]]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_requests", "finished HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.e2e = Histogram("pdserve_request_latency_seconds", "end-to-end latency of a request",
-                             ["endpoint"], buckets=_LATENCY, registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "arrival to first output token, per sample",
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between output tokens of one sample",
-                             buckets=_ITL, registry=r)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("pdserve_generation_tokens", "output tokens of finished requests",
-                                         registry=r)
-        self.failures = Counter("pdserve_request_failures", "requests that ended in an error, by cause",
-                                ["cause"], registry=r)
+        self.requests = Counter(
+            "pdserve_requests",
+            "finished HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_request_latency_seconds",
+            "end-to-end latency of a request",
+            ["endpoint"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "arrival to first output token, per sample",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "time between output tokens of one sample",
+            buckets=_ITL,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "output tokens of finished requests", registry=r
+        )
+        self.failures = Counter(
+            "pdserve_request_failures",
+            "requests that ended in an error, by cause",
+            ["cause"],
+            registry=r,
+        )
         r.register(_SnapshotCollector(sources))
 
     def render(self) -> bytes:

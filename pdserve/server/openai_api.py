@@ -31,26 +31,54 @@ class WorkerContext:
 
     def check_text(self, text: str, field: str) -> None:
         """400 naming ``field`` for prompt text that cannot be tokenized or cannot fit."""
-        prompts.check_text(text, field, limit=self.max_prompt_chars, max_model_len=self.serving.max_model_len)
+        prompts.check_text(
+            text, field, limit=self.max_prompt_chars, max_model_len=self.serving.max_model_len
+        )
 
 
 def _check_model(ctx: WorkerContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this worker serves '{ctx.model_name}'", "model")
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this worker serves '{ctx.model_name}'",
+            "model",
+        )
 
 
-def _job(ctx: WorkerContext, req: _OpenAISampling, prompt_ids: list[int], max_tokens: int | None,
-         logprobs: int | None) -> Job:
+def _job(
+    ctx: WorkerContext,
+    req: _OpenAISampling,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> Job:
     params = make_params(
-        n=req.n, temperature=float(req.temperature), top_p=float(req.top_p), top_k=req.top_k,
-        min_p=float(req.min_p), max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+        n=req.n,
+        temperature=float(req.temperature),
+        top_p=float(req.top_p),
+        top_k=req.top_k,
+        min_p=float(req.min_p),
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
     return Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
 
 
-def _extras(req: _OpenAISampling, ctx: WorkerContext, out: RequestOutput, index: int, token_ids: list[int],
-            first: bool) -> dict:
+def _extras(
+    req: _OpenAISampling,
+    ctx: WorkerContext,
+    out: RequestOutput,
+    index: int,
+    token_ids: list[int],
+    first: bool,
+) -> dict:
     """Extension fields of one choice: token ids and prompt logprobs (first chunk only)."""
     extra: dict[str, Any] = {}
     if req.return_token_ids:
@@ -69,9 +97,20 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
 
     @api.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": ctx.serving.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": ctx.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                        "max_model_len": ctx.serving.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -82,8 +121,12 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             ctx.check_text(req.prompt, "prompt")
             prompt_ids = await prompts.encode(ctx.tokenizer, req.prompt)
         job = _job(ctx, req, prompt_ids, req.max_tokens, req.logprobs)
-        head = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": ctx.model_name}
+        head = {
+            "id": f"cmpl-{job.request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+        }
 
         if req.stream:
             offsets: dict[int, int] = {}
@@ -98,16 +141,25 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     finals[index] = o
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
-                lp = (fmt.completion_logprobs(o.delta_logprobs or [], tt, offset)
-                      if req.logprobs is not None else None)
-                choice = {"index": index, "text": o.delta_text, "logprobs": lp,
-                          "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                          **_extras(req, ctx, out, index, list(o.delta_token_ids), first)}
+                lp = (
+                    fmt.completion_logprobs(o.delta_logprobs or [], tt, offset)
+                    if req.logprobs is not None
+                    else None
+                )
+                choice = {
+                    "index": index,
+                    "text": o.delta_text,
+                    "logprobs": lp,
+                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
+                }
                 yield dict(head, choices=[choice])
 
             def tail():
                 if req.stream_options and req.stream_options.include_usage:
-                    yield dict(head, choices=[], usage=fmt.usage(len(prompt_ids), list(finals.values())))
+                    yield dict(
+                        head, choices=[], usage=fmt.usage(len(prompt_ids), list(finals.values()))
+                    )
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
 
@@ -115,30 +167,52 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         choices = []
         for index, out in enumerate(outs):
             o = out.outputs[0]
-            lp = fmt.completion_logprobs(o.logprobs or [], tt, 0) if req.logprobs is not None else None
-            choices.append({"index": index, "text": o.text, "logprobs": lp,
-                            "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                            **_extras(req, ctx, out, index, list(o.token_ids), True)})
-        return JSONResponse(dict(head, choices=choices,
-                                 usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs])))
+            lp = (
+                fmt.completion_logprobs(o.logprobs or [], tt, 0)
+                if req.logprobs is not None
+                else None
+            )
+            choices.append(
+                {
+                    "index": index,
+                    "text": o.text,
+                    "logprobs": lp,
+                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    **_extras(req, ctx, out, index, list(o.token_ids), True),
+                }
+            )
+        return JSONResponse(
+            dict(
+                head,
+                choices=choices,
+                usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs]),
+            )
+        )
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         _check_model(ctx, req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in req.messages
+        ]
         for i, m in enumerate(messages):
             ctx.check_text(m["content"], f"messages[{i}].content")
-        text = await prompts.apply_chat_template(ctx.tokenizer, messages,
-                                                 add_generation_prompt=req.add_generation_prompt)
+        text = await prompts.apply_chat_template(
+            ctx.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
+        )
         ctx.check_text(text, "messages")
         prompt_ids = await prompts.encode(ctx.tokenizer, text, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         job = _job(ctx, req, prompt_ids, req.max_completion_tokens or req.max_tokens, top)
-        head = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.model_name}
+        head = {
+            "id": f"chatcmpl-{job.request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+        }
 
         if req.stream:
             started: set[int] = set()
@@ -153,16 +227,28 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     finals[index] = o
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
-                delta = {"role": "assistant", "content": o.delta_text} if first else {"content": o.delta_text}
+                delta = (
+                    {"role": "assistant", "content": o.delta_text}
+                    if first
+                    else {"content": o.delta_text}
+                )
                 lp = fmt.chat_logprobs(o.delta_logprobs or [], tt) if top is not None else None
-                choice = {"index": index, "delta": delta, "logprobs": lp,
-                          "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                          **_extras(req, ctx, out, index, list(o.delta_token_ids), first)}
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
+                }
                 yield dict(chunk_head, choices=[choice])
 
             def tail():
                 if req.stream_options and req.stream_options.include_usage:
-                    yield dict(chunk_head, choices=[], usage=fmt.usage(len(prompt_ids), list(finals.values())))
+                    yield dict(
+                        chunk_head,
+                        choices=[],
+                        usage=fmt.usage(len(prompt_ids), list(finals.values())),
+                    )
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
 
@@ -171,10 +257,21 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         for index, out in enumerate(outs):
             o = out.outputs[0]
             lp = fmt.chat_logprobs(o.logprobs or [], tt) if top is not None else None
-            choices.append({"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lp,
-                            "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                            **_extras(req, ctx, out, index, list(o.token_ids), True)})
-        return JSONResponse(dict(head, choices=choices,
-                                 usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs])))
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": lp,
+                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    **_extras(req, ctx, out, index, list(o.token_ids), True),
+                }
+            )
+        return JSONResponse(
+            dict(
+                head,
+                choices=choices,
+                usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs]),
+            )
+        )
 
     return api

@@ -24,7 +24,7 @@ def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     """
     try:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
-    except Exception:  # a tokenizer without get_vocab: a generous fixed factor
+    except Exception:  # noqa: BLE001 a tokenizer without get_vocab: a generous fixed factor
         longest = 0
     return max_model_len * max(MIN_CHARS_PER_TOKEN, longest)
 
@@ -33,13 +33,23 @@ def check_text(text: str, field: str, *, limit: int, max_model_len: int) -> None
     """400 naming ``field`` for text that is not valid Unicode (lone surrogates) or longer
     than ``limit`` characters (which cannot fit the context limit)."""
     if limit and len(text) > limit:
-        raise APIError(400, f"{field} is {len(text)} characters long, more than can fit this model's context "
-                            f"limit of {max_model_len} tokens (at most {limit} characters)", field)
+        raise APIError(
+            400,
+            f"{field} is {len(text)} characters long, more than can fit this model's context "
+            f"limit of {max_model_len} tokens (at most {limit} characters)",
+            field,
+        )
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a \ud800 escape without its pair: the tokenizer raises TypeError
-        raise APIError(400, f"{field} is not valid Unicode: a lone surrogate at character {exc.start} "
-                            f"(\\ud800-\\udfff escapes must come in pairs)", field) from None
+    except (
+        UnicodeEncodeError
+    ) as exc:  # a \ud800 escape without its pair: the tokenizer raises TypeError
+        raise APIError(
+            400,
+            f"{field} is not valid Unicode: a lone surrogate at character {exc.start} "
+            f"(\\ud800-\\udfff escapes must come in pairs)",
+            field,
+        ) from None
 
 
 async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
@@ -51,6 +61,8 @@ async def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: An
     """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` in a worker
     thread; 400 naming ``messages`` when the model has no template or it rejects them."""
     try:
-        return await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False, **kwargs)
+        return await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, tokenize=False, **kwargs
+        )
     except Exception as exc:  # no template, or the template rejects the roles
         raise APIError(400, f"cannot apply the model's chat template: {exc}", "messages") from exc

@@ -9,11 +9,19 @@ Every body also accepts the disaggregation fields ``bootstrap_host``, ``bootstra
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+)
 
-ROOM_LIMIT = 2 ** 63  # bootstrap rooms are 63-bit
+ROOM_LIMIT = 2**63  # bootstrap rooms are 63-bit
 
 
 class _Body(BaseModel):
@@ -23,9 +31,9 @@ class _Body(BaseModel):
 class Bootstrap(_Body):
     """The disaggregation fields (required on prefill/decode workers, ignored on mixed)."""
 
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[StrictInt] = Field(None, ge=1, le=65535)
-    bootstrap_room: Optional[StrictInt] = Field(None, ge=0, lt=ROOM_LIMIT)
+    bootstrap_host: str | None = None
+    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535)
+    bootstrap_room: StrictInt | None = Field(None, ge=0, lt=ROOM_LIMIT)
 
 
 class StreamOptions(_Body):
@@ -35,25 +43,25 @@ class StreamOptions(_Body):
 class _OpenAISampling(Bootstrap):
     """Fields shared by both OpenAI endpoints."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: StrictInt = Field(1, ge=1, le=128)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[StrictInt] = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
-    user: Optional[str] = None
+    user: str | None = None
     # extensions (vLLM names)
     top_k: StrictInt = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
     min_tokens: StrictInt = Field(0, ge=0)
-    stop_token_ids: Optional[list[StrictInt]] = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool = False
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -67,9 +75,9 @@ class _OpenAISampling(Bootstrap):
 class CompletionRequest(_OpenAISampling):
     """``POST /v1/completions``; ``prompt`` is one string or one list of token ids."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=1)
-    logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
 
     @field_validator("prompt")
@@ -77,7 +85,9 @@ class CompletionRequest(_OpenAISampling):
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
-                raise ValueError("exactly one prompt per request is supported (send a batch as separate requests)")
+                raise ValueError(
+                    "exactly one prompt per request is supported (send a batch as separate requests)"
+                )
             value = value[0]
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
@@ -98,8 +108,8 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -111,39 +121,39 @@ class ChatCompletionRequest(_OpenAISampling):
     """``POST /v1/chat/completions``; the chat template of the model builds the prompt."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[StrictInt] = Field(None, ge=1)
-    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
 
 
 class GenerateSamplingParams(_Body):
     """``sampling_params`` of ``/generate`` (SGLang's names)."""
 
-    max_new_tokens: Optional[StrictInt] = Field(128, ge=1)
+    max_new_tokens: StrictInt | None = Field(128, ge=1)
     min_new_tokens: StrictInt = Field(0, ge=0)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     n: StrictInt = Field(1, ge=1, le=128)
-    seed: Optional[StrictInt] = None
+    seed: StrictInt | None = None
 
 
 class GenerateRequest(Bootstrap):
     """``POST /generate``: ``text`` or ``input_ids``; logprobs as SGLang
     (``logprob_start_len`` -1 = no prompt logprobs, else from that prompt position)."""
 
-    text: Optional[str] = None
-    input_ids: Optional[list[StrictInt]] = None
+    text: str | None = None
+    input_ids: list[StrictInt] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
     logprob_start_len: StrictInt = Field(-1, ge=-1)
     stream: StrictBool = False
-    rid: Optional[str] = None
+    rid: str | None = None

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from pdserve.disagg.base import DuplicateRoomError
 from pdserve.engine.outputs import RequestOutput
@@ -55,8 +56,15 @@ def make_params(**kwargs: Any) -> SamplingParams:
 class Serving:
     """Runs jobs on the engine of one worker (``role``: mixed, prefill or decode)."""
 
-    def __init__(self, engine: AsyncEngine, *, role: str, max_model_len: int, vocab_size: int,
-                 metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        role: str,
+        max_model_len: int,
+        vocab_size: int,
+        metrics: ServerMetrics,
+    ) -> None:
         self.engine = engine
         self.role = role
         self.max_model_len = max_model_len
@@ -74,25 +82,38 @@ class Serving:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         max_tokens = job.params.max_tokens or 1
         if n_prompt + max_tokens > self.max_model_len:
-            raise APIError(400, f"this model's context limit is {self.max_model_len} tokens, but the request "
-                                f"needs {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} of "
-                                f"max_tokens)", "max_tokens" if n_prompt < self.max_model_len else "prompt")
+            raise APIError(
+                400,
+                f"this model's context limit is {self.max_model_len} tokens, but the request "
+                f"needs {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} of "
+                f"max_tokens)",
+                "max_tokens" if n_prompt < self.max_model_len else "prompt",
+            )
         if self.role == "mixed" or job.fake_transfer:
             return
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if getattr(job, name) in (None, ""):
-                raise APIError(400, f"{name} is required on a {self.role} worker "
-                                    f"(send requests through the router)", name)
+                raise APIError(
+                    400,
+                    f"{name} is required on a {self.role} worker "
+                    f"(send requests through the router)",
+                    name,
+                )
         if job.bootstrap_room + job.params.n > ROOM_LIMIT:
-            raise APIError(400, "bootstrap_room + n must be <= 2**63 (sample i uses room bootstrap_room + i)",
-                           "bootstrap_room")
+            raise APIError(
+                400,
+                "bootstrap_room + n must be <= 2**63 (sample i uses room bootstrap_room + i)",
+                "bootstrap_room",
+            )
 
     def _disagg(self, job: Job, index: int) -> DisaggRequestInfo | None:
         if self.role == "mixed":
             return None
         if job.fake_transfer:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
-        return DisaggRequestInfo(self.role, job.bootstrap_host, job.bootstrap_port, job.bootstrap_room + index)
+        return DisaggRequestInfo(
+            self.role, job.bootstrap_host, job.bootstrap_port, job.bootstrap_room + index
+        )
 
     # --- running --------------------------------------------------------------------------
     async def stream(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -108,14 +129,19 @@ class Serving:
         try:
             for index, (rid, params) in enumerate(samples):
                 live[rid] = index
-                self.engine.add(rid, list(job.prompt_ids), params, self._disagg(job, index),
-                                lambda item, i=index: inbox.put_nowait((i, item)))
+                self.engine.add(
+                    rid,
+                    list(job.prompt_ids),
+                    params,
+                    self._disagg(job, index),
+                    lambda item, i=index: inbox.put_nowait((i, item)),
+                )
             while live:
                 try:
                     index, item = await asyncio.wait_for(inbox.get(), 1.0)
                 except asyncio.TimeoutError:
                     if not self.engine.alive:
-                        raise EngineDeadError(self.engine.error or "engine stopped")
+                        raise EngineDeadError(self.engine.error or "engine stopped") from None
                     continue
                 if isinstance(item, Exception):
                     raise item

@@ -5,7 +5,8 @@ well-formed SSE error event followed by ``data: [DONE]``."""
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -23,8 +24,13 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def sse_response(request: Request, serving: Serving, job: Job, chunks: ChunkFn,
-                       tail: Callable[[], Iterable[dict]] = lambda: ()) -> StreamingResponse:
+async def sse_response(
+    request: Request,
+    serving: Serving,
+    job: Job,
+    chunks: ChunkFn,
+    tail: Callable[[], Iterable[dict]] = lambda: (),
+) -> StreamingResponse:
     """Start ``job`` and stream ``chunks(index, output)`` for each engine output, then
     ``tail()`` (e.g. the usage chunk), then ``[DONE]``. Raises APIError if the job fails
     before its first output."""

@@ -17,21 +17,31 @@ from pdserve.server.prompts import max_prompt_chars
 from pdserve.server.serving import Serving
 
 
-def _create_managers(core: Any, engine_cfg: EngineConfig, disagg: DisaggConfig) -> dict[str, KVManager]:
+def _create_managers(
+    core: Any, engine_cfg: EngineConfig, disagg: DisaggConfig
+) -> dict[str, KVManager]:
     from pdserve.disagg.registry import create_kv_manager
 
     kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
-    managers = {disagg.transfer_backend: create_kv_manager(
-        disagg.transfer_backend, kv_args, disagg.role,
-        bootstrap_host=disagg.bootstrap_host, bootstrap_port=disagg.bootstrap_port)}
+    managers = {
+        disagg.transfer_backend: create_kv_manager(
+            disagg.transfer_backend,
+            kv_args,
+            disagg.role,
+            bootstrap_host=disagg.bootstrap_host,
+            bootstrap_port=disagg.bootstrap_port,
+        )
+    }
     if "fake" not in managers:  # /health_generate goes through the fake backend
-        managers["fake"] = create_kv_manager("fake", kv_args, disagg.role,
-                                             bootstrap_host=disagg.bootstrap_host, bootstrap_port=0)
+        managers["fake"] = create_kv_manager(
+            "fake", kv_args, disagg.role, bootstrap_host=disagg.bootstrap_host, bootstrap_port=0
+        )
     return managers
 
 
-def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
-                 disagg: DisaggConfig) -> tuple[FastAPI, dict]:
+def build_worker(
+    engine_cfg: EngineConfig, server_cfg: ServerConfig, disagg: DisaggConfig
+) -> tuple[FastAPI, dict]:
     """Set torch's CPU thread count (``server_cfg.num_threads`` > 0), load the model, create
     the KV managers (prefill/decode roles) and return the app and its start-up info
     (``served_model_name``, ``bootstrap_port``, ``num_threads``, ...).
@@ -40,7 +50,9 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
 
     from pdserve.engine.engine import EngineCore
 
-    if server_cfg.num_threads:  # before any op runs: co-located workers must not oversubscribe cores
+    if (
+        server_cfg.num_threads
+    ):  # before any op runs: co-located workers must not oversubscribe cores
         torch.set_num_threads(server_cfg.num_threads)
     pd = disagg.role != "mixed"
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
@@ -50,32 +62,67 @@ def build_worker(engine_cfg: EngineConfig, server_cfg: ServerConfig,
         core.bind_kv_managers(managers)
     transfer = managers.get(disagg.transfer_backend)
     engine = AsyncEngine(core, idle_poll_interval=server_cfg.idle_poll_interval)
-    metrics = ServerMetrics({"pdserve_engine": lambda: engine.snapshot.stats,
-                             "pdserve_kv_transfer": (lambda: transfer.stats()) if transfer else (lambda: None)})
+    metrics = ServerMetrics(
+        {
+            "pdserve_engine": lambda: engine.snapshot.stats,
+            "pdserve_kv_transfer": (lambda: transfer.stats()) if transfer else (lambda: None),
+        }
+    )
     model_name = server_cfg.served_model_name or engine_cfg.model.model
-    serving = Serving(engine, role=disagg.role, max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-                      metrics=metrics)
-    ctx = WorkerContext(serving, core.tokenizer, model_name, TokenText(core.tokenizer),
-                        max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len))
+    serving = Serving(
+        engine,
+        role=disagg.role,
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        metrics=metrics,
+    )
+    ctx = WorkerContext(
+        serving,
+        core.tokenizer,
+        model_name,
+        TokenText(core.tokenizer),
+        max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len),
+    )
     static = {
-        "version": pdserve.__version__, "role": disagg.role, "model": engine_cfg.model.model,
-        "served_model_name": model_name, "max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
-        "device": str(core.device), "dtype": str(core.dtype).replace("torch.", ""),
-        "layout": core.layout.to_dict(), "page_size": engine_cfg.cache.page_size,
-        "num_total_pages": core.pool.num_pages, "num_threads": torch.get_num_threads(),
+        "version": pdserve.__version__,
+        "role": disagg.role,
+        "model": engine_cfg.model.model,
+        "served_model_name": model_name,
+        "max_model_len": core.max_model_len,
+        "vocab_size": core.vocab_size,
+        "device": str(core.device),
+        "dtype": str(core.dtype).replace("torch.", ""),
+        "layout": core.layout.to_dict(),
+        "page_size": engine_cfg.cache.page_size,
+        "num_total_pages": core.pool.num_pages,
+        "num_threads": torch.get_num_threads(),
         "transfer_backend": disagg.transfer_backend if pd else None,
         "bootstrap_host": disagg.bootstrap_host if disagg.role == "prefill" else None,
-        "bootstrap_port": transfer.bootstrap_port if transfer is not None and disagg.role == "prefill" else None,
+        "bootstrap_port": transfer.bootstrap_port
+        if transfer is not None and disagg.role == "prefill"
+        else None,
     }
 
     def server_info() -> dict:
         snap = engine.snapshot
-        return dict(static, num_free_pages=snap.num_free_pages, engine=snap.stats, engine_alive=engine.alive,
-                    engine_error=engine.error, transfer=transfer.stats() if transfer else None)
+        return dict(
+            static,
+            num_free_pages=snap.num_free_pages,
+            engine=snap.stats,
+            engine_alive=engine.alive,
+            engine_error=engine.error,
+            transfer=transfer.stats() if transfer else None,
+        )
 
     from pdserve.server.app import build_worker_app
 
-    app = build_worker_app(ctx, engine, metrics, kv_managers=managers, server_info=server_info,
-                           health_generate_timeout=server_cfg.health_generate_timeout,
-                           max_request_body_bytes=server_cfg.max_request_body_bytes)
+    app = build_worker_app(
+        ctx,
+        engine,
+        metrics,
+        kv_managers=managers,
+        server_info=server_info,
+        health_generate_timeout=server_cfg.health_generate_timeout,
+        max_request_body_bytes=server_cfg.max_request_body_bytes,
+    )
     return app, static

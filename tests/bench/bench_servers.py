@@ -56,17 +56,37 @@ def build_app(variant: int = 0, token_delay_s: float = 0.002, fail_every: int = 
         words = words[:max_tokens]
         pieces = [(" " if i else "") + w for i, w in enumerate(words)]
         finish = "length" if len(pieces) == max_tokens else "stop"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
-                 "total_tokens": prompt_tokens + len(pieces)}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(pieces),
+            "total_tokens": prompt_tokens + len(pieces),
+        }
         if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(pieces)}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": "".join(pieces), "finish_reason": finish})
-            return {"id": "x", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"], "choices": [choice], "usage": usage}
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "finish_reason": finish,
+                }
+                if chat
+                else {"index": 0, "text": "".join(pieces), "finish_reason": finish}
+            )
+            return {
+                "id": "x",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [choice],
+                "usage": usage,
+            }
 
         async def events():
             if chat:  # a role-only first chunk, as OpenAI sends; it must not count as TTFT
-                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+                    + "\n\n"
+                )
             for i, piece in enumerate(pieces):
                 await asyncio.sleep(token_delay_s)
                 last = i == len(pieces) - 1
@@ -94,7 +114,9 @@ class ThreadedServer:
     """Runs an ASGI app with uvicorn on 127.0.0.1, port chosen by the OS; ``stop()`` joins."""
 
     def __init__(self, app: FastAPI) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:
@@ -126,10 +148,22 @@ class PdserveProcess:
     def __init__(self, *args: str, startup_timeout_s: float = 90.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.startup_timeout_s = startup_timeout_s
 
     def start(self) -> str:
@@ -139,14 +173,19 @@ class PdserveProcess:
             if self.proc.poll() is not None:
                 break
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1.0, trust_env=False).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/v1/models", timeout=1.0, trust_env=False).status_code
+                    == 200
+                ):
                     return self.url
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
         self.log.seek(0)
-        raise RuntimeError(f"pdserve serve did not start:\n{self.log.read().decode(errors='replace')[-3000:]}")
+        raise RuntimeError(
+            f"pdserve serve did not start:\n{self.log.read().decode(errors='replace')[-3000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -173,7 +212,10 @@ def pdserve_url():
 def fake_urls():
     """Two fake OpenAI servers: a healthy one, and one that answers differently and
     fails every third request (HTTP 500)."""
-    servers = [ThreadedServer(build_app(variant=0)), ThreadedServer(build_app(variant=1, fail_every=3))]
+    servers = [
+        ThreadedServer(build_app(variant=0)),
+        ThreadedServer(build_app(variant=1, fail_every=3)),
+    ]
     urls = [s.start() for s in servers]
     yield urls
     for s in servers:

@@ -7,4 +7,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_servers import fake_urls, pdserve_url  # noqa: E402,F401
+from bench_servers import fake_urls, pdserve_url  # noqa: F401

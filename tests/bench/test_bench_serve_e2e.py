@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from bench_servers import free_port
+
 from pdserve.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -19,10 +19,36 @@ def _series(doc: dict, target: str, stream: str = "main") -> list[dict]:
 @pytest.mark.timeout(120)
 def test_standard_compare_two_rates_json_and_plot(pdserve_url, tmp_path, capsys):
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
-    rc = main(["bench", "serve", "--url", pdserve_url, "--compare", pdserve_url + "/v1",
-               "--num-requests", "6", "--input-len", "12", "--output-len", "5", "--range-ratio", "0.2",
-               "--request-rate", "40,inf", "--concurrency", "3", "--blocks", "2", "--seed", "1",
-               "--json", str(out_json), "--plot", str(out_png)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            pdserve_url,
+            "--compare",
+            pdserve_url + "/v1",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "12",
+            "--output-len",
+            "5",
+            "--range-ratio",
+            "0.2",
+            "--request-rate",
+            "40,inf",
+            "--concurrency",
+            "3",
+            "--blocks",
+            "2",
+            "--seed",
+            "1",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "compare ÷ target" in stdout and "throughput vs request rate" in stdout
@@ -41,7 +67,10 @@ def test_standard_compare_two_rates_json_and_plot(pdserve_url, tmp_path, capsys)
             assert all(4 <= n <= 6 for n in lens)  # ignore_eos: exactly max_tokens, 5 ± 20%
             spec_lens = spec_lens or lens
             assert lens == spec_lens  # same seeded workload on every target and rate
-            assert all(r["ttft_ms"] > 0 and len(r["itl_ms"]) <= r["output_tokens"] - 1 for r in s["requests"])
+            assert all(
+                r["ttft_ms"] > 0 and len(r["itl_ms"]) <= r["output_tokens"] - 1
+                for r in s["requests"]
+            )
             assert summary["total_output_tokens"] == sum(lens)
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
@@ -49,9 +78,27 @@ def test_standard_compare_two_rates_json_and_plot(pdserve_url, tmp_path, capsys)
 @pytest.mark.timeout(120)
 def test_gsm8k_dataset_chat(pdserve_url, tmp_path):
     out_json = tmp_path / "gsm8k.json"
-    rc = main(["bench", "serve", "--url", pdserve_url, "--dataset", "gsm8k", "--num-requests", "4",
-               "--output-len", "4", "--concurrency", "2", "--num-warmups", "0", "--no-progress",
-               "--json", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            pdserve_url,
+            "--dataset",
+            "gsm8k",
+            "--num-requests",
+            "4",
+            "--output-len",
+            "4",
+            "--concurrency",
+            "2",
+            "--num-warmups",
+            "0",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     assert doc["workload"]["endpoint"] == "chat"
@@ -63,10 +110,36 @@ def test_gsm8k_dataset_chat(pdserve_url, tmp_path):
 @pytest.mark.timeout(120)
 def test_interference_scenario(pdserve_url, tmp_path, capsys):
     out_json, out_png = tmp_path / "intf.json", tmp_path / "intf.png"
-    rc = main(["bench", "serve", "--url", pdserve_url, "--compare", pdserve_url, "--scenario", "interference",
-               "--num-requests", "4", "--concurrency", "2", "--input-len", "8", "--output-len", "12",
-               "--long-input-len", "96", "--long-request-rate", "50", "--blocks", "1",
-               "--json", str(out_json), "--plot", str(out_png)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            pdserve_url,
+            "--compare",
+            pdserve_url,
+            "--scenario",
+            "interference",
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "12",
+            "--long-input-len",
+            "96",
+            "--long-request-rate",
+            "50",
+            "--blocks",
+            "1",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert rc == 0
     assert "decode ITL p99 under long-prompt interference" in capsys.readouterr().out
     doc = json.loads(out_json.read_text())
@@ -88,9 +161,28 @@ def test_interference_scenario(pdserve_url, tmp_path, capsys):
 def test_failures_are_counted_and_reported(fake_urls, tmp_path, capsys):
     healthy, flaky = fake_urls
     out_json = tmp_path / "fail.json"
-    rc = main(["bench", "serve", "--url", healthy, "--compare", flaky, "--dataset", "gsm8k",
-               "--num-requests", "9", "--output-len", "6", "--concurrency", "3", "--num-warmups", "0",
-               "--json", str(out_json)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            healthy,
+            "--compare",
+            flaky,
+            "--dataset",
+            "gsm8k",
+            "--num-requests",
+            "9",
+            "--output-len",
+            "6",
+            "--concurrency",
+            "3",
+            "--num-warmups",
+            "0",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     assert "injected failure" in capsys.readouterr().out
     doc = json.loads(out_json.read_text())
@@ -107,5 +199,8 @@ def test_bad_arguments_and_unreachable_url(fake_urls, capsys):
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     assert main(["bench", "serve", "--url", fake_urls[0], "--request-rate", "fast"]) == 2
     assert "request_rate" in capsys.readouterr().err
-    assert main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"]) == 1
+    assert (
+        main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"])
+        == 1
+    )
     assert "could not list models" in capsys.readouterr().err

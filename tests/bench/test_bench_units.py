@@ -11,8 +11,14 @@ from pdserve.bench.metrics import LatencyStats, percentile, ratio, summarize
 from pdserve.bench.openai_client import StreamResult, normalize_base_url
 from pdserve.bench.report import json_safe
 from pdserve.bench.runner import Target, block_order, request_body, split_blocks
-from pdserve.bench.workload import (InterferenceSpec, WorkloadSpec, build_requests, parse_rates,
-                                    poisson_arrivals, sample_lengths)
+from pdserve.bench.workload import (
+    InterferenceSpec,
+    WorkloadSpec,
+    build_requests,
+    parse_rates,
+    poisson_arrivals,
+    sample_lengths,
+)
 
 
 def test_percentile_linear_interpolation():
@@ -39,7 +45,9 @@ def test_latency_stats_in_ms():
 
 def _ok(ttft: float, itl: list[float], out: int, prompt: int = 10) -> StreamResult:
     latency = ttft + sum(itl)
-    return StreamResult(ok=True, ttft=ttft, itl=itl, latency=latency, prompt_tokens=prompt, output_tokens=out)
+    return StreamResult(
+        ok=True, ttft=ttft, itl=itl, latency=latency, prompt_tokens=prompt, output_tokens=out
+    )
 
 
 def test_summarize_counts_throughput_and_errors():
@@ -60,13 +68,18 @@ def test_summarize_counts_throughput_and_errors():
     assert s.itl.count == 3 and s.itl.median == pytest.approx(20.0)
     # TPOT: (latency - ttft) / (out - 1) per request = 20 ms and 20 ms
     assert s.tpot.median == pytest.approx(20.0)
-    assert s.e2e.p99 == pytest.approx(statistics.quantiles([140.0, 220.0], n=100, method="inclusive")[98])
+    assert s.e2e.p99 == pytest.approx(
+        statistics.quantiles([140.0, 220.0], n=100, method="inclusive")[98]
+    )
 
 
 def test_ratio_and_json_safe():
     assert ratio(3.0, 2.0) == 1.5
     assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(math.nan, 1.0))
-    assert json_safe({"a": [math.nan, math.inf, 1.5], "b": (2, "x")}) == {"a": [None, None, 1.5], "b": [2, "x"]}
+    assert json_safe({"a": [math.nan, math.inf, 1.5], "b": (2, "x")}) == {
+        "a": [None, None, 1.5],
+        "b": [2, "x"],
+    }
 
 
 def test_poisson_schedule_is_seeded_and_has_the_right_rate():
@@ -97,7 +110,9 @@ def test_lengths_and_random_workload_are_deterministic():
     spec = WorkloadSpec(num_requests=6, input_len=40, output_len=8, range_ratio=0.25, seed=3)
     reqs = build_requests(spec)
     assert reqs == build_requests(spec)
-    assert reqs != build_requests(WorkloadSpec(num_requests=6, input_len=40, output_len=8, range_ratio=0.25, seed=4))
+    assert reqs != build_requests(
+        WorkloadSpec(num_requests=6, input_len=40, output_len=8, range_ratio=0.25, seed=4)
+    )
     assert [len(r.prompt.split()) for r in reqs] == [r.expected_input_len for r in reqs]
     assert all(30 <= r.expected_input_len <= 50 and 6 <= r.max_tokens <= 10 for r in reqs)
     assert len({r.prompt for r in reqs}) == 6
@@ -116,12 +131,18 @@ def test_gsm8k_workload_uses_questions_and_chat():
     assert "ignore_eos" not in request_body(build_requests(no_eos)[0], "m", no_eos)
 
 
-@pytest.mark.parametrize("field, kwargs", [
-    ("dataset", {"dataset": "mmlu"}), ("num_requests", {"num_requests": 0}),
-    ("input_len", {"input_len": 0}), ("output_len", {"output_len": 0}),
-    ("range_ratio", {"range_ratio": 1.0}), ("endpoint", {"endpoint": "embeddings"}),
-    ("temperature", {"temperature": -1.0}),
-])
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("dataset", {"dataset": "mmlu"}),
+        ("num_requests", {"num_requests": 0}),
+        ("input_len", {"input_len": 0}),
+        ("output_len", {"output_len": 0}),
+        ("range_ratio", {"range_ratio": 1.0}),
+        ("endpoint", {"endpoint": "embeddings"}),
+        ("temperature", {"temperature": -1.0}),
+    ],
+)
 def test_workload_spec_validation_names_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         WorkloadSpec(**kwargs)
@@ -139,7 +160,12 @@ def test_blocks_and_abba_order():
     assert split_blocks(2, 4) == [range(0, 1), range(1, 2)]
     assert sum(len(b) for b in split_blocks(37, 5)) == 37
     a, b = Target("target", "http://a", "m"), Target("compare", "http://b", "m")
-    assert [block_order([a, b], i)[0].name for i in range(4)] == ["target", "compare", "target", "compare"]
+    assert [block_order([a, b], i)[0].name for i in range(4)] == [
+        "target",
+        "compare",
+        "target",
+        "compare",
+    ]
     with pytest.raises(ValueError, match="num_blocks"):
         split_blocks(3, 0)
 

@@ -26,8 +26,14 @@ LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 4, 4, 2, 16  # float32: page_bytes = 4*2*16
 
 
 def layout(**over) -> KVLayout:
-    base = dict(model="test-model", dtype="float32", page_size=PAGE_SIZE, num_layers=LAYERS,
-                num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    base = dict(
+        model="test-model",
+        dtype="float32",
+        page_size=PAGE_SIZE,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
     base.update(over)
     return KVLayout(**base)
 
@@ -53,10 +59,18 @@ class Pool:
         random.Random(seed).shuffle(self.free_pages)  # scattered page ids
         self.free_slots = list(range(num_slots))
         self.args = KVArgs(
-            kv_data_ptrs=tuple(self.kv[l, s].ctypes.data for l in range(lay.num_layers) for s in range(2)),
-            kv_data_lens=tuple(self.kv[l, s].nbytes for l in range(lay.num_layers) for s in range(2)),
-            kv_item_lens=(page_bytes,) * (2 * lay.num_layers), aux_data_ptr=self.aux.ctypes.data,
-            aux_data_len=self.aux.nbytes, aux_item_len=AUX_RECORD_BYTES, layout=lay)
+            kv_data_ptrs=tuple(
+                self.kv[l, s].ctypes.data for l in range(lay.num_layers) for s in range(2)
+            ),
+            kv_data_lens=tuple(
+                self.kv[l, s].nbytes for l in range(lay.num_layers) for s in range(2)
+            ),
+            kv_item_lens=(page_bytes,) * (2 * lay.num_layers),
+            aux_data_ptr=self.aux.ctypes.data,
+            aux_data_len=self.aux.nbytes,
+            aux_item_len=AUX_RECORD_BYTES,
+            layout=lay,
+        )
 
     def take(self, n: int) -> tuple[list[int], int] | None:
         if len(self.free_pages) < n or not self.free_slots:
@@ -71,14 +85,24 @@ class Pool:
         self.free_slots.append(slot)
 
 
-def _drive(mgr, pool: Pool, role: str, rooms: dict, host: str | None, port: int | None,
-           send_delay: float, limit: float, abort_after: dict) -> dict:
+def _drive(
+    mgr,
+    pool: Pool,
+    role: str,
+    rooms: dict,
+    host: str | None,
+    port: int | None,
+    send_delay: float,
+    limit: float,
+    abort_after: dict,
+) -> dict:
     """Drive ``rooms`` ({room: num_pages}) to terminal states; returns per-room results."""
     handles, held, results, started = {}, {}, {}, {}
     t0 = time.monotonic()
     for room in rooms:
-        handles[room] = (mgr.create_sender(room) if role == "prefill"
-                         else mgr.create_receiver(host, port, room))
+        handles[room] = (
+            mgr.create_sender(room) if role == "prefill" else mgr.create_receiver(host, port, room)
+        )
         started[room] = time.monotonic()
     ready_at: dict[int, float] = {}
     while len(results) < len(handles) and time.monotonic() - t0 < limit:
@@ -90,12 +114,17 @@ def _drive(mgr, pool: Pool, role: str, rooms: dict, host: str | None, port: int 
                 abort_after.pop(room)
             state = h.poll()
             if state in (KVPoll.Success, KVPoll.Failed):
-                res = {"state": state.name, "error": str(h.failure_exception() or ""),
-                       "t": time.monotonic() - t0}
+                res = {
+                    "state": state.name,
+                    "error": str(h.failure_exception() or ""),
+                    "t": time.monotonic() - t0,
+                }
                 if role == "decode" and state == KVPoll.Success:
                     pages = held[room][0]
-                    res["bytes_ok"] = all(np.array_equal(pool.kv[:, :, p], pattern(room, i, pool.kv[:, :, p].shape))
-                                          for i, p in enumerate(pages))
+                    res["bytes_ok"] = all(
+                        np.array_equal(pool.kv[:, :, p], pattern(room, i, pool.kv[:, :, p].shape))
+                        for i, p in enumerate(pages)
+                    )
                     res["aux_ok"] = h.aux_record() == aux_for(room)
                 if room in held:
                     pool.give(*held.pop(room))
@@ -114,8 +143,12 @@ def _drive(mgr, pool: Pool, role: str, rooms: dict, host: str | None, port: int 
                     ready_at[room] = time.monotonic() + send_delay
                 else:
                     h.init(pages, slot)
-            if role == "prefill" and room in ready_at and time.monotonic() >= ready_at[room] \
-                    and h.poll() == KVPoll.WaitingForInput:
+            if (
+                role == "prefill"
+                and room in ready_at
+                and time.monotonic() >= ready_at[room]
+                and h.poll() == KVPoll.WaitingForInput
+            ):
                 pages, slot = held[room]
                 ready_at.pop(room)
                 h.send(pages, aux_for(room))
@@ -123,7 +156,9 @@ def _drive(mgr, pool: Pool, role: str, rooms: dict, host: str | None, port: int 
     return results
 
 
-def _make(role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int, bport: int = 0):
+def _make(
+    role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int, bport: int = 0
+):
     from pdserve.disagg.registry import create_kv_manager
 
     for key, value in env.items():
@@ -132,8 +167,16 @@ def _make(role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, 
     return pool, create_kv_manager("nixl", pool.args, role, bootstrap_port=bport)
 
 
-def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int,
-           bport: int) -> None:
+def _child(
+    conn,
+    role: str,
+    env: dict,
+    num_pages: int,
+    num_slots: int,
+    lay_over: dict,
+    seed: int,
+    bport: int,
+) -> None:
     try:
         pool, mgr = _make(role, env, num_pages, num_slots, lay_over, seed, bport)
         conn.send(("ok", mgr.bootstrap_port))
@@ -161,9 +204,14 @@ def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over:
                 conn.send(runner["out"])
                 continue
             elif cmd == "state":
-                out = {"free_pages": len(pool.free_pages), "num_pages": pool.num_pages,
-                       "free_slots": len(pool.free_slots), "live_rooms": mgr.num_live_rooms(),
-                       "healthy": mgr.is_healthy(), "stats": mgr.stats()}
+                out = {
+                    "free_pages": len(pool.free_pages),
+                    "num_pages": pool.num_pages,
+                    "free_slots": len(pool.free_slots),
+                    "live_rooms": mgr.num_live_rooms(),
+                    "healthy": mgr.is_healthy(),
+                    "stats": mgr.stats(),
+                }
             elif cmd == "reset":  # a new manager (new env) in this process: no re-import cost
                 mgr.shutdown()
                 for key in kw.pop("unset", ()):
@@ -171,9 +219,17 @@ def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over:
                 pool, mgr = _make(role, **kw)
                 out = mgr.bootstrap_port
             elif cmd == "duplicate":
-                h = mgr.create_sender(7) if role == "prefill" else mgr.create_receiver("127.0.0.1", 1, 7)
+                h = (
+                    mgr.create_sender(7)
+                    if role == "prefill"
+                    else mgr.create_receiver("127.0.0.1", 1, 7)
+                )
                 try:
-                    (mgr.create_sender(7) if role == "prefill" else mgr.create_receiver("127.0.0.1", 1, 7))
+                    (
+                        mgr.create_sender(7)
+                        if role == "prefill"
+                        else mgr.create_receiver("127.0.0.1", 1, 7)
+                    )
                     out = "no error"
                 except Exception as exc:  # noqa: BLE001
                     out = f"{type(exc).__name__}: {exc}"
@@ -182,8 +238,10 @@ def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over:
                     time.sleep(0.01)
                 h.close()
             elif cmd == "break_thread":  # the control thread's next step raises
+
                 def boom(*a, **k):
                     raise RuntimeError("injected crash of a background thread")
+
                 mgr.engine.new_notifs = boom if role == "decode" else mgr.engine.new_notifs
                 if role == "prefill":
                     mgr._prune = boom
@@ -202,13 +260,35 @@ def _child(conn, role: str, env: dict, num_pages: int, num_slots: int, lay_over:
 class Peer:
     """Parent-side handle of one manager process."""
 
-    def __init__(self, role: str, env: dict | None = None, *, num_pages: int = 256, num_slots: int = 64,
-                 layout_over: dict | None = None, seed: int = 0, wait: bool = True, bootstrap_port: int = 0) -> None:
+    def __init__(
+        self,
+        role: str,
+        env: dict | None = None,
+        *,
+        num_pages: int = 256,
+        num_slots: int = 64,
+        layout_over: dict | None = None,
+        seed: int = 0,
+        wait: bool = True,
+        bootstrap_port: int = 0,
+    ) -> None:
         self.role = role
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, role, dict(env or {}), num_pages, num_slots,
-                                                      layout_over or {}, seed, bootstrap_port), daemon=True)
+        self.proc = ctx.Process(
+            target=_child,
+            args=(
+                child,
+                role,
+                dict(env or {}),
+                num_pages,
+                num_slots,
+                layout_over or {},
+                seed,
+                bootstrap_port,
+            ),
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         self.num_pages, self.num_slots, self.seed = num_pages, num_slots, seed
@@ -216,15 +296,24 @@ class Peer:
         if wait:
             self.wait()
 
-    def wait(self, timeout: float = 90.0) -> "Peer":
+    def wait(self, timeout: float = 90.0) -> Peer:
         """Wait until the manager is up (its bootstrap port is then in ``port``)."""
         self.port = self._reply(timeout)
         return self
 
-    def reset(self, env: dict | None = None, *, unset: tuple = (), layout_over: dict | None = None) -> int:
+    def reset(
+        self, env: dict | None = None, *, unset: tuple = (), layout_over: dict | None = None
+    ) -> int:
         """Replace the manager (same process) after setting ``env``; returns its bootstrap port."""
-        self.port = self.call("reset", env=dict(env or {}), unset=tuple(unset), num_pages=self.num_pages,
-                              num_slots=self.num_slots, lay_over=layout_over or {}, seed=self.seed)
+        self.port = self.call(
+            "reset",
+            env=dict(env or {}),
+            unset=tuple(unset),
+            num_pages=self.num_pages,
+            num_slots=self.num_slots,
+            lay_over=layout_over or {},
+            seed=self.seed,
+        )
         return self.port
 
     def _reply(self, timeout: float):
@@ -242,11 +331,26 @@ class Peer:
         self.send(cmd, **kw)
         return self._reply(timeout)
 
-    def run(self, rooms: dict, *, host: str | None = "127.0.0.1", port: int | None = None,
-            send_delay: float = 0.0, timeout: float = 30.0, abort_after: dict | None = None) -> None:
+    def run(
+        self,
+        rooms: dict,
+        *,
+        host: str | None = "127.0.0.1",
+        port: int | None = None,
+        send_delay: float = 0.0,
+        timeout: float = 30.0,
+        abort_after: dict | None = None,
+    ) -> None:
         """Start driving ``rooms`` ({room: num_pages}); collect with :meth:`result`."""
-        self.call("run", rooms=rooms, host=host, port=port, send_delay=send_delay, limit=timeout,
-                  abort_after=abort_after or {})
+        self.call(
+            "run",
+            rooms=rooms,
+            host=host,
+            port=port,
+            send_delay=send_delay,
+            limit=timeout,
+            abort_after=abort_after or {},
+        )
 
     def result(self, timeout: float = 60.0) -> dict:
         """{room: {"state", "error", "t" (s since start), decode: "bytes_ok", "aux_ok"}}."""

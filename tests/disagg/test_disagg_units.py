@@ -47,8 +47,9 @@ def test_run_with_deadline_times_out_naming_what():
 
 
 def test_control_messages_round_trip_and_reject_other_versions():
-    msg = messages.RoomDest(room=2**63 + 5, prefill_instance="p", decode_instance="d", dst_pages=[3, 1, 2],
-                            aux_slot=4)
+    msg = messages.RoomDest(
+        room=2**63 + 5, prefill_instance="p", decode_instance="d", dst_pages=[3, 1, 2], aux_slot=4
+    )
     assert messages.decode_control(messages.encode_control(msg)) == msg
     other = msgspec.msgpack.encode({"v": 99, "msg": {"type": "dest"}})
     with pytest.raises(messages.WireError, match="protocol_version: ours 1 vs theirs 99"):
@@ -103,7 +104,9 @@ def test_metrics_histogram_is_cumulative():
     m.record_failure("waiting_timeout")
     snap = m.snapshot()
     lat = snap["transfer_latency_seconds"]
-    assert lat["buckets"]["0.001"] == 1 and lat["buckets"]["0.005"] == 3 and lat["buckets"]["300"] == 3
+    assert (
+        lat["buckets"]["0.001"] == 1 and lat["buckets"]["0.005"] == 3 and lat["buckets"]["300"] == 3
+    )
     assert lat["buckets"]["+Inf"] == lat["count"] == 4
     assert snap["bytes_transferred"] == 400 and snap["transfers_failed"] == {"waiting_timeout": 1}
 
@@ -126,11 +129,36 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
     import sys
 
     out = tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "pdserve", "bench", "transfer", "--model-shape", "smollm2-135m",
-                           "--prompt-len", "64", "--page-size", "4", "--dtype", "float32", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "bench",
+            "transfer",
+            "--model-shape",
+            "smollm2-135m",
+            "--prompt-len",
+            "64",
+            "--page-size",
+            "4",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ratio NIXL / copy" in proc.stdout
     result = json.loads(out.read_text())
-    assert result["data_checked"] is True and result["pages"] == 16 and result["source_page_runs"] == 16
+    assert (
+        result["data_checked"] is True
+        and result["pages"] == 16
+        and result["source_page_runs"] == 16
+    )
     assert result["bytes"] == 16 * 60 * 4 * 3 * 64 * 4

@@ -19,8 +19,12 @@ from pdserve.disagg.nixl.agent_init import backend_init_params, parse_backend_pa
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.rooms import ServiceThreads
 
-ENV = ("PDSERVE_DISAGGREGATION_NIXL_BACKEND", "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS",
-       "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS", "PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT")
+ENV = (
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND",
+    "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS",
+    "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS",
+    "PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT",
+)
 
 
 class Recorder:
@@ -85,8 +89,12 @@ def rec(monkeypatch):
             r.add("set_device", self.kind, index)
 
     monkeypatch.setattr(torch, "get_device_module", lambda kind: DeviceModule(str(kind)))
-    monkeypatch.setattr(ServiceThreads, "start", lambda self, name, loop: r.add("thread stubbed", name))
-    monkeypatch.setattr(prefill.NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed"))
+    monkeypatch.setattr(
+        ServiceThreads, "start", lambda self, name, loop: r.add("thread stubbed", name)
+    )
+    monkeypatch.setattr(
+        prefill.NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed")
+    )
     return r
 
 
@@ -94,9 +102,17 @@ def kv_args(device: str, gpu_id: int) -> KVArgs:
     kv = np.zeros((4, 2, 8, 64), dtype=np.uint8)  # stands for device memory; never touched
     aux = np.zeros((4, AUX_RECORD_BYTES), dtype=np.uint8)
     kv_args.keep = (kv, aux)
-    return KVArgs(tuple(kv[l, s].ctypes.data for l in range(4) for s in range(2)), (8 * 64,) * 8, (64,) * 8,
-                  aux.ctypes.data, aux.nbytes, AUX_RECORD_BYTES, KVLayout("m", "float32", 4, 4, 2, 8),
-                  device=device, gpu_id=gpu_id)
+    return KVArgs(
+        tuple(kv[l, s].ctypes.data for l in range(4) for s in range(2)),
+        (8 * 64,) * 8,
+        (64,) * 8,
+        aux.ctypes.data,
+        aux.nbytes,
+        AUX_RECORD_BYTES,
+        KVLayout("m", "float32", 4, 4, 2, 8),
+        device=device,
+        gpu_id=gpu_id,
+    )
 
 
 def create(role: str, device: str = "cuda", gpu_id: int = 0):
@@ -107,21 +123,29 @@ def device_calls(rec: Recorder) -> list[tuple]:
     return [c for c in rec.calls if c[0] in ("set_device", "create_backend")]
 
 
-@pytest.mark.parametrize("role,gpu_id,params,threads", [("prefill", 3, {"num_threads": "8"}, 8),
-                                                       ("decode", 1, {}, 0)])
+@pytest.mark.parametrize(
+    "role,gpu_id,params,threads", [("prefill", 3, {"num_threads": "8"}, 8), ("decode", 1, {}, 0)]
+)
 def test_set_device_then_create_backend_on_one_helper_thread(rec, role, gpu_id, params, threads):
     assert ModelConfig().device == "auto"  # the user's --device is unset; the runtime resolved cuda
     caller = threading.get_ident()
     mgr = create(role, "cuda", gpu_id)
     try:
         calls = device_calls(rec)
-        assert [c[:-1] for c in calls] == [("set_device", "cuda", gpu_id), ("create_backend", "UCX", params)]
+        assert [c[:-1] for c in calls] == [
+            ("set_device", "cuda", gpu_id),
+            ("create_backend", "UCX", params),
+        ]
         assert calls[0][-1] == calls[1][-1] != caller
         agent = next(c for c in rec.calls if c[0] == "agent")
         assert agent[2]["backends"] == [] and agent[2]["num_threads"] == threads
         assert agent[2]["sync_mode"] == "STRICT"
-        assert ("register_memory", "VRAM", [gpu_id] * 8) == next(c for c in rec.calls if c[0] == "register_memory")[:-1]
-        assert not any(t.name.startswith("pdserve-") for t in threading.enumerate())  # threads stubbed
+        assert ("register_memory", "VRAM", [gpu_id] * 8) == next(
+            c for c in rec.calls if c[0] == "register_memory"
+        )[:-1]
+        assert not any(
+            t.name.startswith("pdserve-") for t in threading.enumerate()
+        )  # threads stubbed
     finally:
         mgr.shutdown()
 
@@ -135,7 +159,9 @@ def test_cpu_creates_backend_on_helper_thread_without_selecting_a_device(rec):
 
 
 def test_user_thread_param_wins_and_env_thread_count(rec, monkeypatch):
-    monkeypatch.setenv("PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", '{"num_threads": "2", "x": "y"}')
+    monkeypatch.setenv(
+        "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", '{"num_threads": "2", "x": "y"}'
+    )
     create("prefill").shutdown()
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", "{}")
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS", "3")
@@ -144,9 +170,16 @@ def test_user_thread_param_wins_and_env_thread_count(rec, monkeypatch):
     assert created == [{"num_threads": "2", "x": "y"}, {"num_threads": "3"}]
 
 
-@pytest.mark.parametrize("backend,expected", [("UCX", {"num_threads": "8"}), ("OBJ", {"num_threads": "8"}),
-                                              ("GDS_MT", {"thread_count": "8"}), ("UCCL", {"num_cpus": "8"}),
-                                              ("POSIX", {})])
+@pytest.mark.parametrize(
+    "backend,expected",
+    [
+        ("UCX", {"num_threads": "8"}),
+        ("OBJ", {"num_threads": "8"}),
+        ("GDS_MT", {"thread_count": "8"}),
+        ("UCCL", {"num_cpus": "8"}),
+        ("POSIX", {}),
+    ],
+)
 def test_thread_param_name_per_backend(backend, expected):
     assert backend_init_params(backend, {}, 8) == expected
     assert backend_init_params(backend, {}, 0) == {}
@@ -171,7 +204,9 @@ def test_create_backend_hang_raises_timeout_naming_the_call(rec, monkeypatch):
     rec.on_create = release.wait
     t0 = time.monotonic()
     try:
-        with pytest.raises(TimeoutError, match=r"NIXL create_backend\('UCX'\) on the decode worker"):
+        with pytest.raises(
+            TimeoutError, match=r"NIXL create_backend\('UCX'\) on the decode worker"
+        ):
             create("decode", "cuda", 1)
         assert time.monotonic() - t0 < 5
     finally:
@@ -181,11 +216,19 @@ def test_create_backend_hang_raises_timeout_naming_the_call(rec, monkeypatch):
                 t.join(5)
 
 
-@pytest.mark.parametrize("raw,what", [("num_threads=8", "not JSON"), ('["a", "b"]', "JSON list"),
-                                      ('{"num_threads": 8}', "value of 'num_threads' is a int"),
-                                      ('"UCX"', "JSON str")])
+@pytest.mark.parametrize(
+    "raw,what",
+    [
+        ("num_threads=8", "not JSON"),
+        ('["a", "b"]', "JSON list"),
+        ('{"num_threads": 8}', "value of 'num_threads' is a int"),
+        ('"UCX"', "JSON str"),
+    ],
+)
 def test_malformed_backend_params_are_a_value_error(rec, monkeypatch, raw, what):
-    with pytest.raises(ValueError, match="must be a JSON object of string keys to string values") as info:
+    with pytest.raises(
+        ValueError, match="must be a JSON object of string keys to string values"
+    ) as info:
         parse_backend_params(raw)
     assert what in str(info.value)
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS", raw)

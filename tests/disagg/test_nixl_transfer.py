@@ -9,14 +9,20 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from disagg_peer import Peer  # tests/disagg is on sys.path (rootdir-less test dirs)
 
 from pdserve.disagg.probe import nixl_problem
 
-QUICK = {"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS": "2", "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS": "0"}
-RESET = ("PDSERVE_TEST_DISAGG_FAILURE_PROB", "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
-         "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
+QUICK = {
+    "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS": "2",
+    "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS": "0",
+}
+RESET = (
+    "PDSERVE_TEST_DISAGG_FAILURE_PROB",
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL",
+    "PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +73,19 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
     assert stats_p["pages_transferred"] == stats_d["pages_transferred"] == pages
     assert stats_p["transfer_latency_seconds"]["count"] == len(rooms)
     assert stats_p["transfers_failed_total"] == stats_d["transfers_failed_total"] == 0
-    assert set(stats_d["rooms"]) == {"Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"}
+    assert set(stats_d["rooms"]) == {
+        "Failed",
+        "Bootstrapping",
+        "WaitingForInput",
+        "Transferring",
+        "Success",
+    }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("field,value", [("head_dim", 32), ("dtype", "bfloat16"), ("model", "other-model")])
+@pytest.mark.parametrize(
+    "field,value", [("head_dim", 32), ("dtype", "bfloat16"), ("model", "other-model")]
+)
 def test_layout_mismatch_fails_fast_on_both_sides_naming_the_field(pair, field, value):
     prefill, decode = pair
     prefill.reset(QUICK, unset=RESET)
@@ -114,7 +128,9 @@ def test_failure_injection_leaks_nothing(pair):
     assert len(got_d) == len(got_p) == 100  # every room reached a terminal state and was closed
     assert any(r["state"] == "Failed" and "injected" in r["error"] for r in got_d.values())
     assert any(r["state"] == "Failed" and "injected" in r["error"] for r in got_p.values())
-    assert any(r["state"] == "Success" for r in got_d.values())  # injection is per state, not per call
+    assert any(
+        r["state"] == "Success" for r in got_d.values()
+    )  # injection is per state, not per call
     assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values() if r["state"] == "Success")
     _nothing_leaked(prefill, decode)
 
@@ -141,14 +157,22 @@ def test_abort_from_either_side_at_any_state(fresh):
 def test_duplicate_live_room_is_rejected(pair):
     prefill, decode = pair
     for peer in (prefill, decode):
-        assert peer.call("duplicate").startswith("DuplicateRoomError: bootstrap_room 7 is still live")
+        assert peer.call("duplicate").startswith(
+            "DuplicateRoomError: bootstrap_room 7 is still live"
+        )
 
 
 @pytest.mark.timeout(150)
 def test_killing_prefill_mid_transfer_fails_decode_rooms_within_heartbeat_bound_then_restart(pair):
     _, decode = pair
-    decode.reset(dict(QUICK, PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="0.2",
-                      PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2"), unset=RESET)
+    decode.reset(
+        dict(
+            QUICK,
+            PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="0.2",
+            PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
+        ),
+        unset=RESET,
+    )
     victim = Peer("prefill", QUICK)
     port = victim.port
     try:
@@ -156,7 +180,10 @@ def test_killing_prefill_mid_transfer_fails_decode_rooms_within_heartbeat_bound_
         decode.run(rooms, port=port, timeout=30)
         victim.run(rooms, send_delay=60)  # destinations arrive, KV never sent: rooms stay in flight
         deadline = time.monotonic() + 10
-        while decode.call("state")["stats"]["rooms"]["Transferring"] < len(rooms) and time.monotonic() < deadline:
+        while (
+            decode.call("state")["stats"]["rooms"]["Transferring"] < len(rooms)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert decode.call("state")["stats"]["rooms"]["Transferring"] == len(rooms)
         killed_at = time.monotonic()
@@ -175,7 +202,11 @@ def test_killing_prefill_mid_transfer_fails_decode_rooms_within_heartbeat_bound_
         decode.run(rooms, port=port)
         reborn.run(rooms)
         got_d, got_p = decode.result(), reborn.result()
-        assert {r["state"] for r in got_d.values()} == {r["state"] for r in got_p.values()} == {"Success"}
+        assert (
+            {r["state"] for r in got_d.values()}
+            == {r["state"] for r in got_p.values()}
+            == {"Success"}
+        )
         assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
         _nothing_leaked(decode, reborn)
     finally:

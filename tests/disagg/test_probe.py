@@ -10,8 +10,13 @@ import pytest
 
 
 def doctor(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", "doctor"], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", "doctor"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.timeout(180)
@@ -25,4 +30,7 @@ def test_doctor_reports_the_configured_backend():
     assert "UCX" in missing.stdout
     bad = doctor({"PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS": "[1]"})
     assert bad.returncode == 1
-    assert "PROBLEM: configuration: PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS must be a JSON object" in bad.stdout
+    assert (
+        "PROBLEM: configuration: PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS must be a JSON object"
+        in bad.stdout
+    )

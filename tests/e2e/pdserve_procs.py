@@ -10,9 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import httpx
 import pytest
@@ -89,25 +89,47 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def spawn(name: str, args: list[str], log_dir: Path, *, port: int, env: dict[str, str] | None = None) -> Proc:
+def spawn(
+    name: str, args: list[str], log_dir: Path, *, port: int, env: dict[str, str] | None = None
+) -> Proc:
     """Start ``python -m pdserve <args>`` (its own process group), log to ``log_dir/name.log``."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=_env(env), start_new_session=True)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_env(env),
+            start_new_session=True,
+        )
     return Proc(name, f"http://127.0.0.1:{port}", popen, log_path)
 
 
-def start_worker(name: str, role: str, log_dir: Path, *, model: str = TINY, env: dict[str, str] | None = None,
-                 extra: Iterable[str] = ()) -> Proc:
+def start_worker(
+    name: str,
+    role: str,
+    log_dir: Path,
+    *,
+    model: str = TINY,
+    env: dict[str, str] | None = None,
+    extra: Iterable[str] = (),
+) -> Proc:
     """A ``pdserve serve`` worker of ``role`` on a free port (not waited for)."""
     port = free_port()
     args = ["serve", "--role", role, "--model", model, "--port", str(port), *extra]
     return spawn(name, args, log_dir, port=port, env=env)
 
 
-def start_router(name: str, log_dir: Path, *, prefill: Iterable[Proc] = (), decode: Iterable[Proc] = (),
-                 workers: Iterable[Proc] = (), extra: Iterable[str] = ()) -> Proc:
+def start_router(
+    name: str,
+    log_dir: Path,
+    *,
+    prefill: Iterable[Proc] = (),
+    decode: Iterable[Proc] = (),
+    workers: Iterable[Proc] = (),
+    extra: Iterable[str] = (),
+) -> Proc:
     """A ``pdserve router`` in PD mode (prefill/decode) or regular mode (workers)."""
     port = free_port()
     args = ["router", "--port", str(port), "--health-check-interval", "0.5", *extra]
@@ -137,7 +159,9 @@ def assert_all_healthy(procs: Iterable[Proc]) -> None:
     """Every process is alive and its /health is 200; the failure names each bad process
     and what failed."""
     with httpx.Client() as client:
-        problems = [f"{p.name} ({p.url}): {msg}" for p in procs if (msg := p.health_problem(client))]
+        problems = [
+            f"{p.name} ({p.url}): {msg}" for p in procs if (msg := p.health_problem(client))
+        ]
     assert not problems, "unhealthy processes:\n" + "\n".join(problems)
 
 
@@ -195,5 +219,7 @@ def build_eos_model(folder: Path, prompt: str) -> int:
         first = int(model(torch.tensor([ids])).logits[0, -1].argmax())
     model.save_pretrained(folder)
     src.tokenizer.save_pretrained(folder)
-    transformers.GenerationConfig(eos_token_id=[src.tokenizer.eos_token_id, first]).save_pretrained(folder)
+    transformers.GenerationConfig(eos_token_id=[src.tokenizer.eos_token_id, first]).save_pretrained(
+        folder
+    )
     return first

@@ -12,14 +12,20 @@ import threading
 import httpx
 import openai
 import pytest
-
-from pdserve_procs import (assert_all_healthy, build_eos_model, start_router, start_worker, stop, wait_for,
-                           wait_healthy)
+from pdserve_procs import (
+    assert_all_healthy,
+    build_eos_model,
+    start_router,
+    start_worker,
+    stop,
+    wait_for,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 EOS_PROMPT = "Hello there"  # the model folder makes its greedy first token an EOS token
-LP_TOL = 2e-4               # prefill and decode run other batch shapes than the mixed worker
+LP_TOL = 2e-4  # prefill and decode run other batch shapes than the mixed worker
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,9 @@ def cluster(tmp_path_factory):
     eos = build_eos_model(folder, EOS_PROMPT)
     logs = tmp_path_factory.mktemp("pd-logs")
     model = str(folder)
-    prefill = start_worker("prefill", "prefill", logs, model=model, extra=["--disaggregation-bootstrap-port", "0"])
+    prefill = start_worker(
+        "prefill", "prefill", logs, model=model, extra=["--disaggregation-bootstrap-port", "0"]
+    )
     decode = start_worker("decode", "decode", logs, model=model)
     mixed = start_worker("mixed", "mixed", logs, model=model)
     router = start_router("router", logs, prefill=[prefill], decode=[decode])
@@ -36,8 +44,16 @@ def cluster(tmp_path_factory):
     try:
         wait_healthy(procs)
         baseline = {p.name: p.get_info()["num_free_pages"] for p in (prefill, decode)}
-        yield {"prefill": prefill, "decode": decode, "mixed": mixed, "router": router, "procs": procs,
-               "eos": eos, "model": model, "baseline": baseline}
+        yield {
+            "prefill": prefill,
+            "decode": decode,
+            "mixed": mixed,
+            "router": router,
+            "procs": procs,
+            "eos": eos,
+            "model": model,
+            "baseline": baseline,
+        }
     finally:
         stop(procs)
 
@@ -57,12 +73,16 @@ def pair(c, path: str, body: dict) -> tuple[dict, dict]:
 def assert_same(pd, mixed, path=""):
     """Recursive equality; floats (logprobs) within LP_TOL; ids/created/latency ignored."""
     if isinstance(pd, dict):
-        assert isinstance(mixed, dict) and set(pd) == set(mixed), f"{path}: keys {set(pd) ^ set(mixed)}"
+        assert isinstance(mixed, dict) and set(pd) == set(mixed), (
+            f"{path}: keys {set(pd) ^ set(mixed)}"
+        )
         for k in pd:
             if k not in ("id", "created", "e2e_latency", "cached_tokens"):
                 assert_same(pd[k], mixed[k], f"{path}.{k}")
     elif isinstance(pd, list):
-        assert isinstance(mixed, list) and len(pd) == len(mixed), f"{path}: lengths {len(pd)} vs {len(mixed)}"
+        assert isinstance(mixed, list) and len(pd) == len(mixed), (
+            f"{path}: lengths {len(pd)} vs {len(mixed)}"
+        )
         for i, (a, b) in enumerate(zip(pd, mixed)):
             assert_same(a, b, f"{path}[{i}]")
     elif isinstance(pd, float) and isinstance(mixed, float):
@@ -83,11 +103,17 @@ CASES = {
     "eos_first_ignore_eos": _completion(EOS_PROMPT, max_tokens=8, ignore_eos=True),
     "eos_first_min_tokens": _completion(EOS_PROMPT, max_tokens=8, min_tokens=3),
     "min_tokens": _completion("Numbers: one two", max_tokens=6, min_tokens=6),
-    "seeded": _completion("A seeded story", max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234),
-    "seeded_min_p": _completion("A seeded story", max_tokens=10, temperature=1.2, min_p=0.05, seed=7),
+    "seeded": _completion(
+        "A seeded story", max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234
+    ),
+    "seeded_min_p": _completion(
+        "A seeded story", max_tokens=10, temperature=1.2, min_p=0.05, seed=7
+    ),
     "n3_seeded": _completion("Three samples", max_tokens=6, temperature=1.0, n=3, seed=99),
     "n3_greedy": _completion("Three samples", max_tokens=4, n=3),
-    "prompt_logprobs": _completion("Check the prompt logprobs here", max_tokens=3, logprobs=5, prompt_logprobs=3),
+    "prompt_logprobs": _completion(
+        "Check the prompt logprobs here", max_tokens=3, logprobs=5, prompt_logprobs=3
+    ),
     "token_prompt": _completion([5, 17, 300, 4000, 25], max_tokens=5),
 }
 
@@ -97,13 +123,18 @@ def test_completions_equal_mixed(cluster, case):
     pd, mixed = pair(cluster, "/v1/completions", CASES[case])
     assert_same(pd, mixed)
     if case == "eos_first":
-        assert mixed["choices"][0]["token_ids"] == [cluster["eos"]], "premise: EOS is the first token"
+        assert mixed["choices"][0]["token_ids"] == [cluster["eos"]], (
+            "premise: EOS is the first token"
+        )
         assert mixed["choices"][0]["finish_reason"] == "stop"
     if case in ("eos_first_ignore_eos", "min_tokens"):
         assert len(mixed["choices"][0]["token_ids"]) in (8, 6)
     if case == "prompt_logprobs":
         choice = pd["choices"][0]
-        assert len(choice["prompt_logprobs"]) == len(choice["prompt_token_ids"]) and choice["prompt_logprobs"][0] is None
+        assert (
+            len(choice["prompt_logprobs"]) == len(choice["prompt_token_ids"])
+            and choice["prompt_logprobs"][0] is None
+        )
         assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"]) == 3
 
 
@@ -111,9 +142,13 @@ def test_stop_strings_and_stop_token_ids_hit_by_the_first_token(cluster):
     base = _completion("The capital of France is", max_tokens=12)
     _, free = pair(cluster, "/v1/completions", base)
     ids, text = free["choices"][0]["token_ids"], free["choices"][0]["text"]
-    first_text = httpx.post(cluster["mixed"].url + "/v1/completions",
-                            json=dict(base, max_tokens=1)).json()["choices"][0]["text"]
-    cases = [dict(base, stop_token_ids=[ids[0]]), dict(base, stop_token_ids=[ids[min(3, len(ids) - 1)]])]
+    first_text = httpx.post(
+        cluster["mixed"].url + "/v1/completions", json=dict(base, max_tokens=1)
+    ).json()["choices"][0]["text"]
+    cases = [
+        dict(base, stop_token_ids=[ids[0]]),
+        dict(base, stop_token_ids=[ids[min(3, len(ids) - 1)]]),
+    ]
     if first_text.strip():
         cases.append(dict(base, stop=[first_text.strip()[:2]]))
     if len(text) > 6:
@@ -125,21 +160,40 @@ def test_stop_strings_and_stop_token_ids_hit_by_the_first_token(cluster):
 
 
 def test_generate_with_logprobs_equals_mixed(cluster):
-    body = {"text": "Native endpoint with logprobs", "return_logprob": True, "logprob_start_len": 0,
-            "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    body = {
+        "text": "Native endpoint with logprobs",
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+    }
     pd, mixed = pair(cluster, "/generate", body)
     assert_same(pd, mixed)
     meta = pd["meta_info"]
-    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
-    assert len(meta["output_token_logprobs"]) == len(pd["output_ids"]) == meta["completion_tokens"] == 6
+    assert (
+        len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+        and meta["input_token_logprobs"][0][0] is None
+    )
+    assert (
+        len(meta["output_token_logprobs"])
+        == len(pd["output_ids"])
+        == meta["completion_tokens"]
+        == 6
+    )
     many = dict(body, sampling_params={"max_new_tokens": 3, "temperature": 0.8, "seed": 5, "n": 2})
     pd, mixed = pair(cluster, "/generate", many)
     assert_same(pd, mixed)
 
 
 def test_chat_equals_mixed(cluster):
-    body = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8, "temperature": 0,
-            "logprobs": True, "top_logprobs": 3, "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_token_ids": True,
+    }
     pd, mixed = pair(cluster, "/v1/chat/completions", body)
     assert_same(pd, mixed)
 
@@ -162,12 +216,16 @@ def fold(path: str, chunks: list) -> dict:
         if chunk.get("usage"):
             out["usage"] = chunk["usage"]
         for c in chunk["choices"]:
-            s = out.setdefault(c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None})
+            s = out.setdefault(
+                c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
+            )
             s["text"] += c["text"] if "text" in c else c["delta"].get("content", "")
             s["token_ids"] += c.get("token_ids", [])
             lp = c.get("logprobs")
             if lp:
-                s["logprobs"] += lp.get("content") or list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+                s["logprobs"] += lp.get("content") or list(
+                    zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+                )
             s["finish_reason"] = c["finish_reason"] or s["finish_reason"]
             if "prompt_logprobs" in c:  # first chunk of each sample
                 assert "prompt_logprobs" not in s
@@ -175,23 +233,54 @@ def fold(path: str, chunks: list) -> dict:
     return out
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", dict(_completion("Streaming now", max_tokens=7, n=2, temperature=0.7, seed=3,
-                                         prompt_logprobs=2),
-                             stream=True, stream_options={"include_usage": True})),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Stream please"}], "max_tokens": 6,
-                              "temperature": 0, "stream": True, "return_token_ids": True}),
-    ("/generate", {"text": "stream native", "stream": True, "return_logprob": True, "logprob_start_len": 0,
-                   "sampling_params": {"max_new_tokens": 5, "temperature": 0}}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/v1/completions",
+            dict(
+                _completion(
+                    "Streaming now", max_tokens=7, n=2, temperature=0.7, seed=3, prompt_logprobs=2
+                ),
+                stream=True,
+                stream_options={"include_usage": True},
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Stream please"}],
+                "max_tokens": 6,
+                "temperature": 0,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ),
+        (
+            "/generate",
+            {
+                "text": "stream native",
+                "stream": True,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            },
+        ),
+    ],
+)
 def test_streaming_equals_mixed(cluster, path, body):
     pd = fold(path, _sse(post(cluster["router"].url, path, body)))
     mixed = fold(path, _sse(post(cluster["mixed"].url, path, body)))
     assert_same(json.loads(json.dumps(pd)), json.loads(json.dumps(mixed)))
-    assert mixed and all(s["finish_reason"] for k, s in mixed.items() if k != "usage" and path != "/generate")
+    assert mixed and all(
+        s["finish_reason"] for k, s in mixed.items() if k != "usage" and path != "/generate"
+    )
     if "prompt_logprobs" in body or body.get("logprob_start_len") == 0:
-        assert all((s.get("prompt_logprobs") or s.get("meta_info", {}).get("input_token_logprobs"))
-                   for k, s in pd.items() if k != "usage")
+        assert all(
+            (s.get("prompt_logprobs") or s.get("meta_info", {}).get("input_token_logprobs"))
+            for k, s in pd.items()
+            if k != "usage"
+        )
 
 
 def test_openai_client_against_the_router(cluster):
@@ -199,17 +288,31 @@ def test_openai_client_against_the_router(cluster):
     direct = openai.OpenAI(base_url=cluster["mixed"].url + "/v1", api_key="unused", max_retries=0)
     model = cluster["model"]
     assert [m.id for m in client.models.list().data] == [model]
-    kw = dict(model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0)
+    kw = dict(
+        model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+    )
     chat = client.chat.completions.create(**kw)
-    assert chat.choices[0].message.content == direct.chat.completions.create(**kw).choices[0].message.content
+    assert (
+        chat.choices[0].message.content
+        == direct.chat.completions.create(**kw).choices[0].message.content
+    )
     assert chat.usage.completion_tokens == 8
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                   if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    )
     assert text == chat.choices[0].message.content
-    comp = client.completions.create(model=model, prompt="Say", max_tokens=5, temperature=0, logprobs=2)
+    comp = client.completions.create(
+        model=model, prompt="Say", max_tokens=5, temperature=0, logprobs=2
+    )
     assert len(comp.choices[0].logprobs.token_logprobs) == 5
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model, prompt="Say", max_tokens=5, temperature=0, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt="Say", max_tokens=5, temperature=0, stream=True
+        )
+    )
     assert streamed == comp.choices[0].text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-nope", prompt="x", max_tokens=2)
@@ -217,16 +320,28 @@ def test_openai_client_against_the_router(cluster):
         client.completions.create(model=model, prompt="x", max_tokens=-3)
 
 
-ROUTER_BAD = [b"{not json", b"[1]", {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "max_tokens": 10**12},
-              {"prompt": "x", "max_tokens": "ten"}, {"prompt": ""}, {"prompt": "word " * 5000},
-              {"prompt": "x", "model": "unknown"}, {"prompt": "x", "temperature": "hot"}]
+ROUTER_BAD = [
+    b"{not json",
+    b"[1]",
+    {"prompt": "x", "max_tokens": -1},
+    {"prompt": "x", "max_tokens": 10**12},
+    {"prompt": "x", "max_tokens": "ten"},
+    {"prompt": ""},
+    {"prompt": "word " * 5000},
+    {"prompt": "x", "model": "unknown"},
+    {"prompt": "x", "temperature": "hot"},
+]
 
 
 def test_bad_input_through_the_router_is_4xx_and_everyone_keeps_serving(cluster):
     for body in ROUTER_BAD:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = httpx.post(cluster["router"].url + "/v1/completions", timeout=60, **kw)
-        assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (body, r.status_code, r.text)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (
+            body,
+            r.status_code,
+            r.text,
+        )
     assert_all_healthy(cluster["procs"])
     pd, mixed = pair(cluster, "/v1/completions", CASES["greedy"])
     assert_same(pd, mixed)
@@ -238,19 +353,36 @@ def test_pd_workers_reject_missing_invalid_and_duplicate_bootstrap_fields(cluste
     assert isinstance(port, int) and port > 0
     good = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
     for worker in (p, d):
-        for extra in ({}, {"bootstrap_room": 5}, dict(good), dict(good, bootstrap_room=-1),
-                      dict(good, bootstrap_room="x"), dict(good, bootstrap_room=2**63),
-                      dict(good, bootstrap_port=0), dict(good, bootstrap_room=2**63 - 1, n=2)):
+        for extra in (
+            {},
+            {"bootstrap_room": 5},
+            dict(good),
+            dict(good, bootstrap_room=-1),
+            dict(good, bootstrap_room="x"),
+            dict(good, bootstrap_room=2**63),
+            dict(good, bootstrap_port=0),
+            dict(good, bootstrap_room=2**63 - 1, n=2),
+        ):
             r = post(worker.url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **extra})
-            assert r.status_code == 400 and r.json()["error"]["message"], (worker.name, extra, r.text)
+            assert r.status_code == 400 and r.json()["error"]["message"], (
+                worker.name,
+                extra,
+                r.text,
+            )
     # A prefill room waits for a decode peer that never comes: it is live, so a second
     # request with the same room is rejected; the first is then abandoned by its client.
     room = 1234567
     body = {"prompt": "duplicate", "max_tokens": 2, **good, "bootstrap_room": room}
     holder = threading.Thread(target=lambda: _post_and_give_up(p.url, body, 3.0), daemon=True)
     holder.start()
-    wait_for(lambda: p.get_info()["engine"]["num_waiting_for_peer"] >= 1 or
-             p.get_info()["engine"]["num_running"] >= 1, 10, "the first room to be live")
+    wait_for(
+        lambda: (
+            p.get_info()["engine"]["num_waiting_for_peer"] >= 1
+            or p.get_info()["engine"]["num_running"] >= 1
+        ),
+        10,
+        "the first room to be live",
+    )
     r = post(p.url, "/v1/completions", body)
     assert r.status_code == 409 and "room" in r.json()["error"]["message"], r.text
     holder.join(10)
@@ -274,13 +406,21 @@ def test_health_generate_and_metrics_on_pd_workers(cluster):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_through_the_router_aborts_both_legs(cluster, stream):
-    body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": stream}
+    body = {
+        "prompt": "keep going",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
     decode = cluster["decode"]
     before = decode.get_info()["engine"]["generation_tokens"]
     try:
         with httpx.Client(timeout=httpx.Timeout(60, read=1.5)) as client:
             if stream:
-                with client.stream("POST", cluster["router"].url + "/v1/completions", json=body) as r:
+                with client.stream(
+                    "POST", cluster["router"].url + "/v1/completions", json=body
+                ) as r:
                     next(r.iter_lines())  # the request is decoding; leaving closes the connection
             else:
                 client.post(cluster["router"].url + "/v1/completions", json=body)
@@ -289,8 +429,13 @@ def test_client_disconnect_through_the_router_aborts_both_legs(cluster, stream):
     assert decode.get_info()["engine"]["generation_tokens"] > before
     for name in ("prefill", "decode"):
         proc = cluster[name]
-        wait_for(lambda: proc.get_info()["num_free_pages"] == cluster["baseline"][name], 30,
-                 f"{name} to abort the abandoned request and free its pages")
+        wait_for(
+            lambda proc=proc, name=name: (
+                proc.get_info()["num_free_pages"] == cluster["baseline"][name]
+            ),
+            30,
+            f"{name} to abort the abandoned request and free its pages",
+        )
     assert decode.get_info()["engine"]["num_running"] == 0
     assert httpx.get(cluster["router"].url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
 
@@ -299,5 +444,10 @@ def test_all_processes_healthy_and_pages_back_at_baseline(cluster):
     assert_all_healthy(cluster["procs"])
     for name in ("prefill", "decode"):
         proc = cluster[name]
-        wait_for(lambda: proc.get_info()["num_free_pages"] == cluster["baseline"][name], 60,
-                 f"{name} free KV pages back at baseline {cluster['baseline'][name]}")
+        wait_for(
+            lambda proc=proc, name=name: (
+                proc.get_info()["num_free_pages"] == cluster["baseline"][name]
+            ),
+            60,
+            f"{name} free KV pages back at baseline {cluster['baseline'][name]}",
+        )

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.launch.flag_docs import _subparsers, flag_table
 from pdserve.cli import build_parser
+from pdserve.launch.flag_docs import _subparsers, flag_table
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -16,8 +16,10 @@ def test_readme_lists_every_flag_of_serve_router_up_and_every_env_var():
     commands = _subparsers(build_parser())
     for name in ("serve", "router", "up"):
         for row in flag_table(commands[name]).splitlines()[2:]:
-            assert row in README, f"README is stale for `pdserve {name}`: {row}\n" \
-                                  "regenerate with: python -m pdserve.launch.flag_docs --update README.md"
+            assert row in README, (
+                f"README is stale for `pdserve {name}`: {row}\n"
+                "regenerate with: python -m pdserve.launch.flag_docs --update README.md"
+            )
     for var in envs.ALL:
         assert f"`{var.name}`" in README, var.name
     assert "make run" in README and "make test" in README

@@ -21,23 +21,40 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from pdserve_procs import (TINY, Proc, assert_all_healthy, free_port, pid_alive, start_worker, stop, wait_for,
-                           wait_healthy)
+from pdserve_procs import (
+    TINY,
+    Proc,
+    assert_all_healthy,
+    free_port,
+    pid_alive,
+    start_worker,
+    stop,
+    wait_for,
+    wait_healthy,
+)
 
 NUM_QUESTIONS, CONCURRENCY, MAX_TOKENS = 200, 8, 12
-FAULT_ENV = {"PDSERVE_TEST_DISAGG_FAILURE_PROB": "0.05", "PDSERVE_LOG_LEVEL": "WARNING",
-             # a room whose peer failed must not hold pages for the 300 s defaults
-             "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20", "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT": "20"}
+FAULT_ENV = {
+    "PDSERVE_TEST_DISAGG_FAILURE_PROB": "0.05",
+    "PDSERVE_LOG_LEVEL": "WARNING",
+    # a room whose peer failed must not hold pages for the 300 s defaults
+    "PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20",
+    "PDSERVE_DISAGGREGATION_WAITING_TIMEOUT": "20",
+}
 
 
 class Up:
     """A running ``pdserve up``: its Popen, the lines it printed, its children."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve", "up", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                      env={**os.environ, **(env or {})})
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -52,12 +69,16 @@ class Up:
 
     def children(self) -> dict[str, Proc]:
         found = re.findall(r"started (\S+) \(pid (\d+)\) on (\S+), log (\S+)", self.text)
-        return {name: Proc(name, url, None, Path(log), pid=int(pid))
-                for name, pid, url, log in found}
+        return {
+            name: Proc(name, url, None, Path(log), pid=int(pid)) for name, pid, url, log in found
+        }
 
     def wait_line(self, pattern: str, timeout: float) -> None:
-        wait_for(lambda: re.search(pattern, self.text) or self.popen.poll() is not None, timeout,
-                 f"`pdserve up` to print {pattern!r}")
+        wait_for(
+            lambda: re.search(pattern, self.text) or self.popen.poll() is not None,
+            timeout,
+            f"`pdserve up` to print {pattern!r}",
+        )
         assert re.search(pattern, self.text), f"`pdserve up` ended early:\n{self.text}"
 
     def finish(self, timeout: float = 60) -> int:
@@ -82,7 +103,11 @@ def _questions() -> list[str]:
 
 
 def _ask(url: str, question: str) -> tuple[int, dict]:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     return r.status_code, r.json()
 
@@ -123,17 +148,24 @@ def test_gsm8k_with_injected_failures(system):
         assert ref_status == 200, ref
         if status == 200:
             ok += 1
-            assert body["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+            assert (
+                body["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+            )
             assert body["usage"] == ref["usage"]
         else:
             failed += 1
             assert status >= 500 and body["error"]["message"], (status, body)
-    print(f"\nGSM8K through PD with failure injection 0.05: {ok} answered, {failed} failed with clear errors")
+    print(
+        f"\nGSM8K through PD with failure injection 0.05: {ok} answered, {failed} failed with clear errors"
+    )
     assert ok >= NUM_QUESTIONS // 4 and ok + failed == NUM_QUESTIONS
     assert_all_healthy([router, *workers])
     for w in workers:
-        wait_for(lambda: w.get_info()["num_free_pages"] == baseline[w.name], 60,
-                 f"{w.name} free KV pages back at baseline {baseline[w.name]}")
+        wait_for(
+            lambda w=w: w.get_info()["num_free_pages"] == baseline[w.name],
+            60,
+            f"{w.name} free KV pages back at baseline {baseline[w.name]}",
+        )
     assert_all_healthy([router, *workers, mixed])
 
 
@@ -152,6 +184,7 @@ def test_child_death_stops_everything(system):
 @pytest.mark.timeout(60)
 def test_taken_port_fails_fast_naming_it():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -20,11 +20,15 @@ def test_cpu_workers_split_the_cores_and_children_get_a_passive_wait_policy(tmp_
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    args = build_parser().parse_args(["up", "--device", "cpu", "--num-prefill", "1", "--num-decode", "3"])
+    args = build_parser().parse_args(
+        ["up", "--device", "cpu", "--num-prefill", "1", "--num-decode", "3"]
+    )
     workers, router = _plan(args, tmp_path)
     assert [_threads_flag(w.argv) for w in workers] == [2, 2, 2, 2]  # 8 cores // 4 CPU workers
     assert all(c.env["OMP_WAIT_POLICY"] == "PASSIVE" for c in workers + [router])
-    assert all(c.env["PATH"] == os.environ["PATH"] for c in workers + [router])  # the rest is inherited
+    assert all(
+        c.env["PATH"] == os.environ["PATH"] for c in workers + [router]
+    )  # the rest is inherited
     assert "--num-threads" not in router.argv
 
 

@@ -9,12 +9,19 @@ makes both sides ``Success`` — a real transfer of the KV cache, in process.  W
 
 from __future__ import annotations
 
-from pdserve.disagg.base import (AuxRecord, DuplicateRoomError, KVManager, KVPoll, KVReceiver,
-                                 KVSender, KVTransferError)
+from pdserve.disagg.base import (
+    AuxRecord,
+    DuplicateRoomError,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+)
 
 
 class _Handle:
-    def __init__(self, manager: "FakeManager", room: int) -> None:
+    def __init__(self, manager: FakeManager, room: int) -> None:
         self.manager, self.room = manager, room
         self.state = KVPoll.Bootstrapping
         self.error: str | None = None
@@ -40,8 +47,9 @@ class _Handle:
             self.fail("aborted")
 
     def close(self) -> None:
-        assert self.state in (KVPoll.Success, KVPoll.Failed) or (self.poll_raises and self.aborted), \
-            "closed before a terminal poll"
+        assert self.state in (KVPoll.Success, KVPoll.Failed) or (
+            self.poll_raises and self.aborted
+        ), "closed before a terminal poll"
         self.closed += 1
         assert self.closed == 1, "closed twice"
         self.manager.live.pop(self.room, None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from engine_fake_kv import FakeManager  # tests/engine is on sys.path (rootdir-less test dirs)
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import DuplicateRoomError, KVPoll
@@ -14,7 +15,6 @@ from pdserve.engine.disagg_flow import DisaggFlow
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
-from engine_fake_kv import FakeManager  # tests/engine is on sys.path (rootdir-less test dirs)
 
 PROMPT = list(range(300, 322))  # 22 tokens = 6 pages of 4
 rooms = itertools.count(1000)
@@ -23,10 +23,16 @@ rooms = itertools.count(1000)
 @pytest.fixture(scope="module")
 def cores(tiny_model_dir):
     """(prefill engine, decode engine, managers) sharing one tiny Llama."""
-    cfg = EngineConfig(model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
-                       cache=CacheConfig(page_size=4, num_pages=64))
-    m = {"p": FakeManager("prefill"), "d": FakeManager("decode"),
-         "pm": FakeManager("prefill", auto=False), "dm": FakeManager("decode", auto=False)}
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+    )
+    m = {
+        "p": FakeManager("prefill"),
+        "d": FakeManager("decode"),
+        "pm": FakeManager("prefill", auto=False),
+        "dm": FakeManager("decode", auto=False),
+    }
     m["p"].peer, m["d"].peer = m["d"], m["p"]
     prefill = EngineCore(cfg, {"nixl": m["p"], "fake": m["pm"]})
     decode = EngineCore(cfg, {"nixl": m["d"], "fake": m["dm"]})
@@ -45,7 +51,9 @@ def clean(cores):
 
 
 def info(role, room, fake=False):
-    return DisaggRequestInfo(role=role, bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=room, fake=fake)
+    return DisaggRequestInfo(
+        role=role, bootstrap_host="127.0.0.1", bootstrap_port=1, bootstrap_room=room, fake=fake
+    )
 
 
 def drive(*cores, max_steps=200):
@@ -61,12 +69,16 @@ def drive(*cores, max_steps=200):
     raise AssertionError("engines did not become idle")
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=12, logprobs=3),
-    SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=1),
-    SamplingParams(temperature=0, max_tokens=1),
-    SamplingParams(temperature=0, max_tokens=8, min_tokens=4, ignore_eos=True),
-], ids=["greedy-logprobs", "seeded", "max_tokens-1", "min_tokens"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=8, min_tokens=4, ignore_eos=True),
+    ],
+    ids=["greedy-logprobs", "seeded", "max_tokens-1", "min_tokens"],
+)
 def test_pd_output_equals_mixed_output(cores, params):
     prefill, decode, m = cores
     decode.add_request("mixed", PROMPT, params)
@@ -79,7 +91,9 @@ def test_pd_output_equals_mixed_output(cores, params):
     assert first.token_ids == want.token_ids[:1]  # prefill's answer: the first token
     assert rest.token_ids == want.token_ids and rest.text == want.text
     assert rest.finish_reason == want.finish_reason
-    assert rest.logprobs == want.logprobs and rest.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+    assert rest.logprobs == want.logprobs and rest.cumulative_logprob == pytest.approx(
+        want.cumulative_logprob
+    )
     assert got["d"].num_cached_tokens == len(PROMPT)
     sender = m["p"].created[-1]
     assert sender.init_args[0] == 6 and sender.closed == 1 and m["d"].created[-1].closed == 1
@@ -90,9 +104,11 @@ def test_first_token_that_stops_ends_both_sides(cores):
     decode.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=5))
     ref = drive(decode)["m"].outputs[0]
     first, head = ref.token_ids[0], ref.text[:2]  # the text starts with a stop string
-    cases = [(SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first]), first),
-             (SamplingParams(temperature=0, max_tokens=5, stop=[head]), head),
-             (SamplingParams(temperature=0, max_tokens=2), None)]
+    cases = [
+        (SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first]), first),
+        (SamplingParams(temperature=0, max_tokens=5, stop=[head]), head),
+        (SamplingParams(temperature=0, max_tokens=2), None),
+    ]
     for params, stop_reason in cases:
         decode.add_request("m", PROMPT, params)
         want = drive(decode)["m"].outputs[0]
@@ -102,8 +118,12 @@ def test_first_token_that_stops_ends_both_sides(cores):
         got = drive(prefill, decode)
         assert got["p"].outputs[0].token_ids == [first]
         c = got["d"].outputs[0]
-        assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
-            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        )
         if stop_reason is None:
             assert len(c.token_ids) == 2 and c.finish_reason == "length"
         else:  # stopped at once: no text
@@ -116,8 +136,12 @@ def test_first_token_that_stops_ends_both_sides(cores):
 def test_prefill_state_machine_by_hand(cores):
     prefill, _, m = cores
     room = next(rooms)
-    prefill.add_request("p", PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=2),
-                        info("prefill", room, fake=True))
+    prefill.add_request(
+        "p",
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=4, logprobs=2),
+        info("prefill", room, fake=True),
+    )
     sender = m["pm"].live[room]
     for _ in range(3):  # no pages and no compute before decode's destination is known
         assert prefill.step() == []
@@ -139,7 +163,9 @@ def test_prefill_state_machine_by_hand(cores):
 def test_decode_state_machine_and_bad_aux_guard(cores):
     _, decode, m = cores
     room = next(rooms)
-    decode.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("decode", room, fake=True))
+    decode.add_request(
+        "d", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("decode", room, fake=True)
+    )
     recv = m["dm"].live[room]
     decode.step()
     assert recv.init_args is None and decode.num_free_pages == 64
@@ -150,6 +176,7 @@ def test_decode_state_machine_and_bad_aux_guard(cores):
     assert decode.step() == []
     # the aux slot holds a record of another room: the request fails, nothing leaks
     from pdserve.disagg.base import AuxRecord
+
     decode.pool.write_aux(recv.init_args[1], AuxRecord(room + 1, 5, -1.0).pack())
     recv.state = KVPoll.Success
     out = decode.step()[0]
@@ -158,13 +185,17 @@ def test_decode_state_machine_and_bad_aux_guard(cores):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-@pytest.mark.parametrize("when", ["bootstrapping", "failed-bootstrapping", "transferring", "failed-transferring",
-                                  "poll-raises"])
+@pytest.mark.parametrize(
+    "when",
+    ["bootstrapping", "failed-bootstrapping", "transferring", "failed-transferring", "poll-raises"],
+)
 def test_failures_end_the_request_with_the_message(cores, role, when):
     prefill, decode, m = cores
     core, mgr = (prefill, m["pm"]) if role == "prefill" else (decode, m["dm"])
     room = next(rooms)
-    core.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True))
+    core.add_request(
+        "r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True)
+    )
     h = mgr.live[room]
     if "transferring" in when:
         h.state = KVPoll.WaitingForInput
@@ -198,7 +229,9 @@ def test_init_that_raises_fails_the_request_and_frees_everything(cores, role):
     prefill, decode, m = cores
     core, mgr = (prefill, m["pm"]) if role == "prefill" else (decode, m["dm"])
     room = next(rooms)
-    core.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True))
+    core.add_request(
+        "r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True)
+    )
     h = mgr.live[room]
     h.init_raises = True
     h.state = KVPoll.WaitingForInput
@@ -246,11 +279,15 @@ def test_manager_selection_and_duplicate_rooms(cores):
 
 
 def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_dir):
-    cfg = EngineConfig(model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
-                       cache=CacheConfig(page_size=4, num_pages=64))
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+    )
     core = EngineCore(cfg)  # no managers yet: they need core.pool (its kv_args) first
     with pytest.raises(ValueError, match="disagg"):
-        core.add_request("early", PROMPT, SamplingParams(max_tokens=2), info("prefill", 1, fake=True))
+        core.add_request(
+            "early", PROMPT, SamplingParams(max_tokens=2), info("prefill", 1, fake=True)
+        )
     for bad in ({}, {"fake": object()}):
         with pytest.raises(ValueError, match="kv_managers"):
             core.bind_kv_managers(bad)

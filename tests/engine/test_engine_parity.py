@@ -25,10 +25,17 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, stop_at_eos: boo
     """Token ids and their logprobs (log_softmax of the raw logits) from HF generate."""
     gen_kwargs = {} if stop_at_eos else {"eos_token_id": None}
     ids = torch.tensor([input_ids], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0, **gen_kwargs)
-    ids = out.sequences[0, len(input_ids):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **gen_kwargs,
+    )
+    ids = out.sequences[0, len(input_ids) :].tolist()
     lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, ids)]
     return ids, lps
 
@@ -46,10 +53,16 @@ def assert_same(ours, ids, lps):
 def test_tiny_models_match_transformers(arch, device, tiny_model_dir, tokenizer):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on CUDA too
     folder = tiny_model_dir(arch)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     llm = LLM(folder, device=device, dtype="float32", num_pages=128)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    )
     for prompt, ours in zip(prompts, outs):
         assert_same(ours, *hf_greedy(hf, prompt, 24, stop_at_eos=False))
 
@@ -62,13 +75,23 @@ def smollm():
 @pytest.mark.timeout(600)
 def test_embedded_smollm2_matches_transformers(smollm):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        cached_gguf_dir(embedded_gguf_path()), dtype=torch.float32).eval()
+        cached_gguf_dir(embedded_gguf_path()), dtype=torch.float32
+    ).eval()
     tok = smollm.get_tokenizer()
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain in one paragraph why the sky is blue."]
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one paragraph why the sky is blue.",
+    ]
+    prompts = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in questions
+    ]
     outs = smollm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=0))
     for prompt, ours in zip(prompts, outs):
         ids, lps = hf_greedy(hf, prompt, 40, stop_at_eos=True)
@@ -79,7 +102,9 @@ def test_embedded_smollm2_matches_transformers(smollm):
 
 
 def _run(llm, prompts, max_tokens=20):
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0))
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    )
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
@@ -109,13 +134,19 @@ def test_same_outputs_alone_batched_chunked_preempted(tiny_model_dir, tokenizer)
     assert tight.engine.num_free_pages == 24
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 agreement is measured on CUDA (CPU: fp32 above)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 agreement is measured on CUDA (CPU: fp32 above)"
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_bf16_top1_agreement(arch, tiny_model_dir, tokenizer):
     """bf16 cannot match bit for bit; report how often our top-1 equals transformers' (bf16,
     teacher-forced over the fp32 greedy continuation) and require most positions to agree."""
     folder = tiny_model_dir(arch)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        .to("cuda")
+        .eval()
+    )
     llm = LLM(folder, device="cuda", dtype="bfloat16", num_pages=128)
     agree = total = 0
     for text in PROMPTS:

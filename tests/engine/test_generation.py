@@ -17,7 +17,9 @@ PROMPT = "The weather today is"
 
 
 def greedy(llm, max_tokens=30, **kw):
-    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw))[0]
+    return llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    )[0]
 
 
 def test_stop_string_is_cut_from_the_text(tiny_llm):
@@ -26,7 +28,7 @@ def test_stop_string_is_cut_from_the_text(tiny_llm):
     stop = next(p for p in pieces[4:] if p.strip())  # a real piece of text, not at the start
     out = greedy(tiny_llm, stop=[stop, "never-there"]).outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == full.text[:full.text.index(stop)]
+    assert out.text == full.text[: full.text.index(stop)]
     assert stop not in out.text
 
 
@@ -35,11 +37,11 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     stop_id = full[3]
     first = full.index(stop_id)
     out = greedy(tiny_llm, stop_token_ids=[stop_id]).outputs[0]
-    assert out.token_ids == full[:first + 1]  # the stop token is kept in token_ids, not in text
+    assert out.token_ids == full[: first + 1]  # the stop token is kept in token_ids, not in text
     assert out.text == tiny_llm.get_tokenizer().decode(full[:first])
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     out = greedy(tiny_llm, stop_token_ids=[stop_id], min_tokens=first + 3).outputs[0]
-    assert stop_id not in out.token_ids[:first + 3]  # masked until min_tokens
+    assert stop_id not in out.token_ids[: first + 3]  # masked until min_tokens
     assert len(out.token_ids) > first + 3 or out.finish_reason == "length"
 
 
@@ -53,12 +55,16 @@ def test_eos_from_generation_config_and_ignore_eos(tiny_model_dir, tmp_path):
     llm = LLM(str(folder), device="cpu", num_pages=64)
     assert eos in llm.engine.eos_token_ids
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
-    assert out.token_ids == full[:full.index(eos) + 1]
-    assert out.text == llm.get_tokenizer().decode(full[:full.index(eos)])
+    assert out.token_ids == full[: full.index(eos) + 1]
+    assert out.text == llm.get_tokenizer().decode(full[: full.index(eos)])
     assert out.finish_reason == "stop" and out.stop_reason is None
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert out.token_ids == full and out.finish_reason == "length"
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, min_tokens=8))[0].outputs[0]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, min_tokens=8))[
+        0
+    ].outputs[0]
     assert eos not in out.token_ids[:8]
 
 
@@ -68,28 +74,41 @@ def test_seeds_n_and_batch_independence(tiny_llm):
     others = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True)
     batch = tiny_llm.generate(["Some other prompt here", PROMPT, "x"], [others, p, others])
     assert batch[1].outputs[0].token_ids == alone
-    other_seed = tiny_llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=12, seed=124,
-                                                            ignore_eos=True))[0].outputs[0].token_ids
+    other_seed = (
+        tiny_llm.generate(
+            [PROMPT], SamplingParams(temperature=1.0, max_tokens=12, seed=124, ignore_eos=True)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
-    multi = tiny_llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=123,
-                                                       ignore_eos=True))[0]
+    multi = tiny_llm.generate(
+        [PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=123, ignore_eos=True)
+    )[0]
     assert [c.index for c in multi.outputs] == [0, 1, 2]
     assert multi.outputs[0].token_ids == alone  # sample i uses seed + i
     assert len({tuple(c.token_ids) for c in multi.outputs}) == 3
     for seed in (-1, 2**70):  # any integer is a valid seed
-        assert tiny_llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=2, seed=seed))[0].finished
+        assert tiny_llm.generate(
+            [PROMPT], SamplingParams(temperature=1.0, max_tokens=2, seed=seed)
+        )[0].finished
     twice = tiny_llm.generate([PROMPT], SamplingParams(n=2, temperature=0, max_tokens=8))[0]
     assert twice.outputs[0].token_ids == twice.outputs[1].token_ids
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(tiny_llm, tiny_model_dir, tokenizer):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), dtype=torch.float32
+    )
     ids = tokenizer(PROMPT)["input_ids"]
-    out = tiny_llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=5,
-                                                  prompt_logprobs=2))[0]
+    out = tiny_llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=3, logprobs=5, prompt_logprobs=2)
+    )[0]
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids + out.outputs[0].token_ids])).logits[0].float(), -1)
+        ref = torch.log_softmax(
+            hf(torch.tensor([ids + out.outputs[0].token_ids])).logits[0].float(), -1
+        )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
         assert lp.token_id == ids[i]
@@ -107,8 +126,11 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny_llm, tiny_model_di
 def test_streaming_deltas_add_up_and_abort_frees_pages(tiny_llm):
     core = tiny_llm.engine
     baseline = core.num_free_pages
-    core.add_request("s", tiny_llm.get_tokenizer()(PROMPT)["input_ids"],
-                     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1))
+    core.add_request(
+        "s",
+        tiny_llm.get_tokenizer()(PROMPT)["input_ids"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+    )
     core.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     text, ids, lps, final = "", [], [], None
     steps = 0
@@ -150,7 +172,7 @@ def test_bad_input_raises_value_error_naming_the_field(tiny_llm, tiny_model_dir)
     with pytest.raises(TypeError):
         LLM(tiny_model_dir("llama"), device="cpu", tensor_parallel_size=2)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        tiny_llm.engine.add_request("bad", [10 ** 9], SamplingParams())
+        tiny_llm.engine.add_request("bad", [10**9], SamplingParams())
     with pytest.raises(ValueError, match="n must be 1"):
         tiny_llm.engine.add_request("bad", [1], SamplingParams(n=2))
     assert tiny_llm.generate(["still alive"], SamplingParams(max_tokens=2))[0].finished
@@ -160,8 +182,10 @@ def test_chat_applies_the_template(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     msgs = [{"role": "user", "content": "Hi!"}]
     out = tiny_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4))[0]
-    expected = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"]
+    expected = tok(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
     assert out.prompt_token_ids == expected
     assert len(tiny_llm.chat([msgs, msgs], SamplingParams(max_tokens=2))) == 2
 
@@ -169,7 +193,9 @@ def test_chat_applies_the_template(tiny_llm):
 def test_abort_storm_leaves_pages_and_outputs_as_before(tiny_model_dir):
     import random
 
-    llm = LLM(tiny_model_dir("llama"), device="cpu", num_pages=40, page_size=4, max_num_batched_tokens=24)
+    llm = LLM(
+        tiny_model_dir("llama"), device="cpu", num_pages=40, page_size=4, max_num_batched_tokens=24
+    )
     core = llm.engine
     canary = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     before = llm.generate([PROMPT], canary)[0].outputs[0]
@@ -178,9 +204,15 @@ def test_abort_storm_leaves_pages_and_outputs_as_before(tiny_model_dir):
     for i in range(40):
         if i < 25:
             rid = f"s{i}"
-            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 20),
-                                    ignore_eos=True, prompt_logprobs=rng.choice([None, 1]))
-            core.add_request(rid, [rng.randrange(100, 5000) for _ in range(rng.randint(1, 60))], params)
+            params = SamplingParams(
+                temperature=rng.choice([0, 0.8]),
+                max_tokens=rng.randint(1, 20),
+                ignore_eos=True,
+                prompt_logprobs=rng.choice([None, 1]),
+            )
+            core.add_request(
+                rid, [rng.randrange(100, 5000) for _ in range(rng.randint(1, 60))], params
+            )
             live.add(rid)
         for _ in range(rng.randint(0, 3)):
             for out in core.step():

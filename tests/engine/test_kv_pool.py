@@ -11,8 +11,17 @@ from pdserve.engine.kv_pool import KVPool, compute_num_pages, kv_bytes_per_token
 
 
 def make_pool(num_pages=10, dtype=torch.float32):
-    return KVPool(num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, device=torch.device("cpu"),
-                  page_size=4, num_pages=num_pages, num_aux_slots=3, model_fingerprint="fp")
+    return KVPool(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        page_size=4,
+        num_pages=num_pages,
+        num_aux_slots=3,
+        model_fingerprint="fp",
+    )
 
 
 def test_allocate_and_free_exactly_once():
@@ -40,7 +49,9 @@ def test_aux_slots():
     pool = make_pool()
     slots = [pool.allocate_aux_slot() for _ in range(3)]
     assert slots == [0, 1, 2] and pool.allocate_aux_slot() is None
-    rec = AuxRecord(room=7, first_token_id=42, logprob=-0.5, top_ids=(42, 3), top_logprobs=(-0.5, -2.0))
+    rec = AuxRecord(
+        room=7, first_token_id=42, logprob=-0.5, top_ids=(42, 3), top_logprobs=(-0.5, -2.0)
+    )
     pool.write_aux(1, rec.pack())
     assert AuxRecord.unpack(pool.read_aux(1)) == rec
     pool.free_aux_slot(1)
@@ -54,7 +65,9 @@ def test_kv_args_describe_the_tensor():
     page_bytes = 4 * 2 * 8 * 2
     assert len(args.kv_data_ptrs) == 6  # 3 layers x (K, V)
     assert args.kv_item_lens == (page_bytes,) * 6 and args.kv_data_lens == (10 * page_bytes,) * 6
-    assert args.num_pages == 10 and args.num_aux_slots == 3 and args.aux_item_len == AUX_RECORD_BYTES
+    assert (
+        args.num_pages == 10 and args.num_aux_slots == 3 and args.aux_item_len == AUX_RECORD_BYTES
+    )
     # layer-major order, and page p of buffer (l, kv) starts at base + p * page_bytes
     for i, ptr in enumerate(args.kv_data_ptrs):
         layer, kv = divmod(i, 2)
@@ -65,8 +78,15 @@ def test_kv_args_describe_the_tensor():
 
 
 def test_sizing_precedence():
-    shape = dict(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
-                 max_running_requests=4, max_model_len=100)
+    shape = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_running_requests=4,
+        max_model_len=100,
+    )
     page_bytes = 16 * kv_bytes_per_token(2, 2, 8, torch.float32)
     assert compute_num_pages(CacheConfig(num_pages=5), **shape) == 5
     assert compute_num_pages(CacheConfig(kv_cache_memory=1.0), **shape) == (1 << 30) // page_bytes

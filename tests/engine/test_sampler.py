@@ -29,14 +29,18 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
 def test_banned_tokens_are_never_chosen_but_logprobs_stay_raw():
     logits = torch.zeros(1, 10)
     logits[0, 4] = 5.0
-    out = sample(logits, [SampleRequest(SamplingParams(temperature=0), None, banned_token_ids=(4,))])[0]
+    out = sample(
+        logits, [SampleRequest(SamplingParams(temperature=0), None, banned_token_ids=(4,))]
+    )[0]
     assert out.token_id != 4
     assert abs(out.logprob - torch.log_softmax(logits, -1)[0, out.token_id].item()) < 1e-6
 
 
 def _draws(params, logits, n=300, seed=0):
     g = gen(seed)
-    return collections.Counter(sample(logits, [SampleRequest(params, g)])[0].token_id for _ in range(n))
+    return collections.Counter(
+        sample(logits, [SampleRequest(params, g)])[0].token_id for _ in range(n)
+    )
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -68,8 +72,10 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     assert alone == run(gen(5)) and len(set(alone)) > 1  # reproducible, and really random
     others = [SampleRequest(SamplingParams(temperature=0.8), gen(100 + i)) for i in range(3)]
     g = gen(5)
-    batched = [sample(logits, [others[0], SampleRequest(p, g), others[1], others[2]])[1].token_id
-               for _ in range(5)]
+    batched = [
+        sample(logits, [others[0], SampleRequest(p, g), others[1], others[2]])[1].token_id
+        for _ in range(5)
+    ]
     assert batched == alone
     g = gen(5)
     skip_draw(g, 1000, torch.device("cpu"))  # as a decode worker does after prefill's draw

@@ -8,40 +8,52 @@ from pdserve import SamplingParams
 from pdserve.engine.sampling_params import sample_request_id
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"max_tokens": "16"}, "max_tokens"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": -0.1}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"n": 0}, "n"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"prompt_logprobs": 30}, "prompt_logprobs"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"stop": ""}, "stop"),
-    ({"stop": [1, 2]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"stop_token_ids": "2"}, "stop_token_ids"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"seed": 1.5}, "seed"),
-    ({"seed": True}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": "16"}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 30}, "prompt_logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"stop": ""}, "stop"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "2"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+    ],
+)
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
 def test_valid_values_are_normalised():
-    p = SamplingParams(temperature=0, top_p=1, top_k=-1, max_tokens=None, stop="END",
-                       stop_token_ids=[5, 7], logprobs=20, prompt_logprobs=0, seed=3)
+    p = SamplingParams(
+        temperature=0,
+        top_p=1,
+        top_k=-1,
+        max_tokens=None,
+        stop="END",
+        stop_token_ids=[5, 7],
+        logprobs=20,
+        prompt_logprobs=0,
+        seed=3,
+    )
     assert p.greedy and p.stop == ("END",) and p.stop_token_ids == (5, 7)
     assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
 
@@ -54,7 +66,11 @@ def test_unknown_field_is_a_type_error():
 def test_fan_out_gives_distinct_ids_and_seeds():
     assert SamplingParams().fan_out("r") == [("r", SamplingParams())]
     pairs = SamplingParams(n=3, seed=10, temperature=1.0).fan_out("r")
-    assert [i for i, _ in pairs] == [sample_request_id("r", i) for i in range(3)] == ["r#0", "r#1", "r#2"]
+    assert (
+        [i for i, _ in pairs]
+        == [sample_request_id("r", i) for i in range(3)]
+        == ["r#0", "r#1", "r#2"]
+    )
     assert [p.seed for _, p in pairs] == [10, 11, 12]
     assert all(p.n == 1 for _, p in pairs)
     assert [p.seed for _, p in SamplingParams(n=2).fan_out("x")] == [None, None]

@@ -16,16 +16,34 @@ from pdserve.engine.scheduler import Scheduler
 
 
 def make(num_pages=64, page_size=4, budget=32, max_running=8):
-    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
-                  page_size=page_size, num_pages=num_pages, num_aux_slots=1, model_fingerprint="x")
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
-                     pool, lambda r: ())
+    pool = KVPool(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        page_size=page_size,
+        num_pages=num_pages,
+        num_aux_slots=1,
+        model_fingerprint="x",
+    )
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
+        pool,
+        lambda r: (),
+    )
 
 
 def req(rid, prompt_len, max_tokens, arrival, prompt_logprobs=None):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
-    return Request(str(rid), list(range(1, prompt_len + 1)), params, arrival=arrival,
-                   detokenizer=None, generator=None)
+    return Request(
+        str(rid),
+        list(range(1, prompt_len + 1)),
+        params,
+        arrival=arrival,
+        detokenizer=None,
+        generator=None,
+    )
 
 
 def check_invariants(s: Scheduler, plan):
@@ -45,7 +63,7 @@ def run_step(s: Scheduler, by_id: dict, log: list | None = None):
     check_invariants(s, plan)
     for seq in plan.seqs:
         r = by_id[seq.request_id]
-        assert seq.token_ids == r.all_token_ids[seq.start_pos:seq.start_pos + len(seq.token_ids)]
+        assert seq.token_ids == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
         r.num_computed_tokens += len(seq.token_ids)
         if log is not None:
             log.append((seq.request_id, len(seq.token_ids), seq.sample))
@@ -127,9 +145,14 @@ def test_random_workloads_finish_and_free_every_page(seed):
     page_size = rng.choice([1, 2, 4, 16])
     max_len = 40
     num_pages = rng.randint(-(-max_len // page_size), 3 * (-(-max_len // page_size)))
-    s = make(num_pages=num_pages, page_size=page_size, budget=rng.randint(1, 48), max_running=rng.randint(1, 6))
+    s = make(
+        num_pages=num_pages,
+        page_size=page_size,
+        budget=rng.randint(1, 48),
+        max_running=rng.randint(1, 6),
+    )
     by_id, arrival = {}, 0
-    for step in range(3000):
+    for _step in range(3000):
         if arrival < 30 and rng.random() < 0.3:
             p = rng.randint(1, 25)
             r = req(arrival, p, rng.randint(1, max_len - p), arrival)

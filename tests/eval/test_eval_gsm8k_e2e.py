@@ -13,11 +13,31 @@ from pdserve.eval.gsm8k import extract_answer, load_gsm8k_test
 @pytest.mark.timeout(120)
 def test_eval_with_shots_and_compare_on_the_same_worker(pdserve_url, tmp_path, capsys):
     out_json = tmp_path / "gsm8k.json"
-    rc = main(["eval", "gsm8k", "--url", pdserve_url, "--compare", pdserve_url, "--num-questions", "5",
-               "--num-shots", "1", "--max-tokens", "12", "--concurrency", "3", "--json", str(out_json)])
+    rc = main(
+        [
+            "eval",
+            "gsm8k",
+            "--url",
+            pdserve_url,
+            "--compare",
+            pdserve_url,
+            "--num-questions",
+            "5",
+            "--num-shots",
+            "1",
+            "--max-tokens",
+            "12",
+            "--concurrency",
+            "3",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     stdout = capsys.readouterr().out
-    assert "95% CI (Wilson)" in stdout and "0 extracted answers differ, 0 raw outputs differ" in stdout
+    assert (
+        "95% CI (Wilson)" in stdout and "0 extracted answers differ, 0 raw outputs differ" in stdout
+    )
     doc = json.loads(out_json.read_text())
     assert "####" in doc["prompt_format"]["instruction"]
     items = load_gsm8k_test()
@@ -39,19 +59,38 @@ def test_eval_with_shots_and_compare_on_the_same_worker(pdserve_url, tmp_path, c
     # greedy on the same worker: the same answers, token for token
     assert doc["comparison"]["both_completed"] == 5
     assert doc["comparison"]["text_differ"] == 0
-    assert [q["output"] for q in doc["targets"][0]["questions"]] == [q["output"] for q in doc["targets"][1]["questions"]]
+    assert [q["output"] for q in doc["targets"][0]["questions"]] == [
+        q["output"] for q in doc["targets"][1]["questions"]
+    ]
 
 
 @pytest.mark.timeout(60)
 def test_differences_and_failures_are_counted(fake_urls, tmp_path, capsys):
     healthy, flaky = fake_urls
     out_json = tmp_path / "diff.json"
-    rc = main(["eval", "gsm8k", "--url", healthy, "--compare", flaky, "--num-questions", "6",
-               "--concurrency", "1", "--no-progress", "--json", str(out_json)])
+    rc = main(
+        [
+            "eval",
+            "gsm8k",
+            "--url",
+            healthy,
+            "--compare",
+            flaky,
+            "--num-questions",
+            "6",
+            "--concurrency",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     target, compare = doc["targets"]
-    assert target["summary"]["failed"] == 0 and compare["summary"]["failed"] == 2  # every third fails
+    assert (
+        target["summary"]["failed"] == 0 and compare["summary"]["failed"] == 2
+    )  # every third fails
     assert "injected failure" in capsys.readouterr().out
     comparison = doc["comparison"]
     assert comparison["both_completed"] == 4

@@ -4,20 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.eval.gsm8k import (INSTRUCTION, build_messages, extract_answer, format_solution, load_gsm8k_test,
-                                normalize_number, split_shots, wilson_interval)
+from pdserve.eval.gsm8k import (
+    INSTRUCTION,
+    build_messages,
+    extract_answer,
+    format_solution,
+    load_gsm8k_test,
+    normalize_number,
+    split_shots,
+    wilson_interval,
+)
 from pdserve.eval.runner import QuestionResult, compare_results, summarize_eval
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("She makes 9 * 2 = $18 every day.\n#### 18", "18"),
-    ("#### 1,234\nQuestion: next one #### 5", "1234"),           # the first '####' is the committed answer
-    ("So the total is 40. The answer is $1,000.00.", "1000"),
-    ("The answer is: -3", "-3"),
-    ("First 3 apples, then 12, finally 0.50 each.", "0.5"),       # no marker: the last number
-    ("I cannot tell.", None),
-    ("3,4 and 1,000,000", "1000000"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("She makes 9 * 2 = $18 every day.\n#### 18", "18"),
+        (
+            "#### 1,234\nQuestion: next one #### 5",
+            "1234",
+        ),  # the first '####' is the committed answer
+        ("So the total is 40. The answer is $1,000.00.", "1000"),
+        ("The answer is: -3", "-3"),
+        ("First 3 apples, then 12, finally 0.50 each.", "0.5"),  # no marker: the last number
+        ("I cannot tell.", None),
+        ("3,4 and 1,000,000", "1000000"),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -55,25 +69,45 @@ def test_few_shots_are_excluded_from_scoring():
     assert [s.index for s in shots] == [0, 1] and [q.index for q in questions] == [2, 3, 4, 5]
     messages = build_messages(questions[0].question, shots)
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
-    assert messages[-1]["content"].startswith(INSTRUCTION) and questions[0].question in messages[-1]["content"]
+    assert (
+        messages[-1]["content"].startswith(INSTRUCTION)
+        and questions[0].question in messages[-1]["content"]
+    )
     assert "<<" not in messages[1]["content"] and messages[1]["content"].endswith("#### 18")
     assert format_solution("a <<2*3=6>>6\n#### 6") == "a 6\n#### 6"
-    for kwargs, field in (({"num_questions": 0, "num_shots": 0}, "num_questions"),
-                          ({"num_questions": 1, "num_shots": -1}, "num_shots"),
-                          ({"num_questions": 1319, "num_shots": 1}, "num_questions")):
+    for kwargs, field in (
+        ({"num_questions": 0, "num_shots": 0}, "num_questions"),
+        ({"num_questions": 1, "num_shots": -1}, "num_shots"),
+        ({"num_questions": 1319, "num_shots": 1}, "num_questions"),
+    ):
         with pytest.raises(ValueError, match=field):
             split_shots(**kwargs)
 
 
 def _qr(index: int, output: str | None, gold: str = "1") -> QuestionResult:
     extracted = extract_answer(output) if output is not None else None
-    return QuestionResult(index, "q", [], output, None if output is not None else "HTTP 500: x",
-                          extracted, gold, extracted == gold, 3 if output else None)
+    return QuestionResult(
+        index,
+        "q",
+        [],
+        output,
+        None if output is not None else "HTTP 500: x",
+        extracted,
+        gold,
+        extracted == gold,
+        3 if output else None,
+    )
 
 
 def test_summary_and_comparison():
     a = [_qr(0, "#### 1"), _qr(1, "no idea"), _qr(2, "#### 7"), _qr(3, None), _qr(4, "x #### 1")]
-    b = [_qr(0, "#### 1"), _qr(1, "no idea"), _qr(2, "#### 8"), _qr(3, "#### 1"), _qr(4, "y #### 1")]
+    b = [
+        _qr(0, "#### 1"),
+        _qr(1, "no idea"),
+        _qr(2, "#### 8"),
+        _qr(3, "#### 1"),
+        _qr(4, "y #### 1"),
+    ]
     s = summarize_eval(a, duration_s=1.0)
     assert (s.num_questions, s.correct, s.invalid, s.failed) == (5, 2, 1, 1)
     assert s.accuracy == pytest.approx(0.4) and s.invalid_rate == pytest.approx(0.2)

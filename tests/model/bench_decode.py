@@ -30,7 +30,9 @@ def _sync(device):
 def hf_model(model: str, dtype, device):
     if model.startswith("random:"):
         with torch.device(device):
-            hf = transformers.AutoModelForCausalLM.from_config(preset_config(model[7:]), dtype=dtype)
+            hf = transformers.AutoModelForCausalLM.from_config(
+                preset_config(model[7:]), dtype=dtype
+            )
     else:
         from pdserve.model.loader import load_model_source
 
@@ -47,8 +49,16 @@ def ours(hf, dtype, device, batch, prompt, steps, page_size=16):
     m.load_weights(hf.state_dict().items())
     s = m.shapes
     pages_per_seq = (prompt + steps + page_size) // page_size + 1
-    kv = torch.zeros(s.n_layers, 2, batch * pages_per_seq, page_size, s.n_kv_heads, s.head_dim,
-                     dtype=dtype, device=device)
+    kv = torch.zeros(
+        s.n_layers,
+        2,
+        batch * pages_per_seq,
+        page_size,
+        s.n_kv_heads,
+        s.head_dim,
+        dtype=dtype,
+        device=device,
+    )
     tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
     ids = torch.randint(100, 10000, (batch * prompt,), device=device)
     md = build_attention_metadata([prompt] * batch, [prompt] * batch, tables, page_size, device)
@@ -63,7 +73,9 @@ def ours(hf, dtype, device, batch, prompt, steps, page_size=16):
         t0 = time.perf_counter()
         n = prompt + i + 1
         md = build_attention_metadata([1] * batch, [n] * batch, tables, page_size, device)
-        tok = m.compute_logits(m(tok, torch.full((batch,), n - 1, device=device), md, kv)).argmax(-1)
+        tok = m.compute_logits(m(tok, torch.full((batch,), n - 1, device=device), md, kv)).argmax(
+            -1
+        )
         tok.tolist()  # the engine reads sampled ids back every step
         times.append(time.perf_counter() - t0)
     del m, kv
@@ -85,8 +97,14 @@ def theirs(hf, device, batch, prompt, steps):
         del out, past
         _sync(device)
         t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                    do_sample=False, pad_token_id=2)
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=2,
+        )
         _sync(device)
         gen = time.perf_counter() - t0
     return sorted(times)[len(times) // 2], gen
@@ -106,17 +124,23 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    print(f"{args.model} on {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"prompt {args.prompt}, {args.steps} steps", flush=True)
+    print(
+        f"{args.model} on {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"prompt {args.prompt}, {args.steps} steps",
+        flush=True,
+    )
     for dt in args.dtype:
         dtype = getattr(torch, dt)
         hf = hf_model(args.model, dtype, device)
         for b in args.batch:
             pre, step = ours(hf, dtype, device, b, args.prompt, args.steps)
             hf_step, gen = theirs(hf, device, b, args.prompt, args.steps)
-            print(f"{dt:9s} batch {b:3d}: ours {step * 1e3:7.2f} ms/step ({b / step:7.1f} tok/s), "
-                  f"prefill {pre * 1e3:7.1f} ms | transformers forward {hf_step * 1e3:7.2f} ms/step, "
-                  f"generate {b * args.steps / gen:7.1f} tok/s | step speed-up {hf_step / step:4.2f}x", flush=True)
+            print(
+                f"{dt:9s} batch {b:3d}: ours {step * 1e3:7.2f} ms/step ({b / step:7.1f} tok/s), "
+                f"prefill {pre * 1e3:7.1f} ms | transformers forward {hf_step * 1e3:7.2f} ms/step, "
+                f"generate {b * args.steps / gen:7.1f} tok/s | step speed-up {hf_step / step:4.2f}x",
+                flush=True,
+            )
         del hf
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -13,23 +13,52 @@ import transformers
 from pdserve.model.loader import load_model_source
 from tiny_models import random_tiny_model
 
-_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 TINY_CONFIGS = {
     # GQA 4/2, tied embeddings, Llama 3.1 rope scaling (original context small so it matters)
     "llama": lambda: transformers.LlamaConfig(
-        **_COMMON, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     # q/k/v bias, untied lm_head, GQA 4/1
     "qwen2": lambda: transformers.Qwen2Config(
-        **_COMMON, num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     # per-head q/k RMSNorm, head_dim 32 != hidden / heads
     "qwen3": lambda: transformers.Qwen3Config(
-        **_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
 }
 
 

@@ -33,9 +33,11 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
     tables, used = [], 0
     for n in totals:  # each sequence gets exactly the pages it needs, scattered over the pool
         need = math.ceil(n / page_size)
-        tables.append(perm[used:used + need])
+        tables.append(perm[used : used + need])
         used += need
-    kv = torch.zeros(s.n_layers, 2, num_pages, page_size, s.n_kv_heads, s.head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(
+        s.n_layers, 2, num_pages, page_size, s.n_kv_heads, s.head_dim, dtype=dtype, device=device
+    )
     done = [0] * len(prompt_lens)
     err = 0.0
     for i, qlens in enumerate(steps):
@@ -43,14 +45,18 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
         md = build_attention_metadata(qlens, seq_lens, tables, page_size, device=device)
         if not host_lens or i % 2:  # the plan must also work from the device tensors alone
             md = dataclasses.replace(md, query_lens_host=None, seq_lens_host=None)
-        ids = torch.cat([seqs[b][done[b]:seq_lens[b]] for b in range(len(qlens))])
+        ids = torch.cat([seqs[b][done[b] : seq_lens[b]] for b in range(len(qlens))])
         pos = torch.cat([torch.arange(done[b], seq_lens[b]) for b in range(len(qlens))])
-        lp = torch.log_softmax(model.compute_logits(model(ids.to(device), pos.to(device), md, kv)), dim=-1).cpu()
+        lp = torch.log_softmax(
+            model.compute_logits(model(ids.to(device), pos.to(device), md, kv)), dim=-1
+        ).cpu()
         row = 0
         for b, q in enumerate(qlens):
             with torch.no_grad():
-                ref = torch.log_softmax(hf(seqs[b][None, :seq_lens[b]]).logits[0, done[b]:].float(), dim=-1)
-            err = max(err, (lp[row:row + q] - ref).abs().max().item())
+                ref = torch.log_softmax(
+                    hf(seqs[b][None, : seq_lens[b]]).logits[0, done[b] :].float(), dim=-1
+                )
+            err = max(err, (lp[row : row + q] - ref).abs().max().item())
             row += q
         done = seq_lens
     unused = sorted(set(range(num_pages)) - {p for t in tables for p in t})
@@ -69,7 +75,9 @@ def test_tiny_parity_prefill_mixed_decode(arch, tiny_dir):
     steps = [
         prompt_lens,  # prefill of mixed lengths; the 1-token prompt takes the batched decode path
         [1, 4, 1, 3],  # mixed: decodes + chunked prefill over a cached prefix
-        [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1],  # decode-only
+        [1, 1, 1, 1],
+        [1, 1, 1, 1],
+        [1, 1, 1, 1],  # decode-only
     ]
     err = run_paged_scenario(model, hf, steps, prompt_lens, page_size=3)
     assert err < TOL, f"{arch}: max log-prob diff {err:.2e}"
@@ -82,7 +90,9 @@ def test_parity_page_size_one_and_large(tiny_dir):
     model.load_weights(hf.state_dict().items())
     for page_size in (1, 16):
         steps = [[9, 2], [1, 1], [2, 1]]
-        err = run_paged_scenario(model, hf, steps, [9, 2], page_size=page_size, seed=page_size, host_lens=False)
+        err = run_paged_scenario(
+            model, hf, steps, [9, 2], page_size=page_size, seed=page_size, host_lens=False
+        )
         assert err < TOL, f"page_size {page_size}: max log-prob diff {err:.2e}"
 
 
@@ -109,7 +119,9 @@ def test_load_weights_rejects_bad_names_and_shapes(tiny_dir):
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
     state = dict(hf.state_dict())
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.bias"):
-        model.load_weights((k, v) for k, v in state.items() if k != "model.layers.0.self_attn.q_proj.bias")
+        model.load_weights(
+            (k, v) for k, v in state.items() if k != "model.layers.0.self_attn.q_proj.bias"
+        )
     bad = dict(state, **{"model.norm.weight": torch.ones(3)})
     with pytest.raises(ValueError, match="model.norm.weight"):
         model.load_weights(bad.items())
@@ -118,17 +130,29 @@ def test_load_weights_rejects_bad_names_and_shapes(tiny_dir):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("packed, dtype, tol", [
-    ("all", torch.float32, TOL), ("none", torch.float32, TOL),
-    ("auto", torch.bfloat16, 0.15), ("none", torch.bfloat16, 0.15)])
-def test_parity_packed_and_plain_linear_and_reload(packed, dtype, tol, tiny_dir, tiny_hf_builder, monkeypatch):
+@pytest.mark.parametrize(
+    "packed, dtype, tol",
+    [
+        ("all", torch.float32, TOL),
+        ("none", torch.float32, TOL),
+        ("auto", torch.bfloat16, 0.15),
+        ("none", torch.bfloat16, 0.15),
+    ],
+)
+def test_parity_packed_and_plain_linear_and_reload(
+    packed, dtype, tol, tiny_dir, tiny_hf_builder, monkeypatch
+):
     """Both the CPU pre-packed linear path and plain F.linear match; weights can be reloaded."""
     monkeypatch.setenv("PDSERVE_CPU_PACKED_LINEAR", packed)
     folder, hf = tiny_dir("qwen3")
     model = LlamaForCausalLM(hf.config, dtype, "cpu")
-    model.load_weights(tiny_hf_builder("qwen3", seed=5).state_dict().items())  # other weights first ...
+    model.load_weights(
+        tiny_hf_builder("qwen3", seed=5).state_dict().items()
+    )  # other weights first ...
     model.load_weights(hf.state_dict().items())  # ... then the real ones (after packing)
-    assert bool(model.layers[0].packed) == (packed != "none" and lin.packing_supported(torch.ones(1, 1, dtype=dtype)))
+    assert bool(model.layers[0].packed) == (
+        packed != "none" and lin.packing_supported(torch.ones(1, 1, dtype=dtype))
+    )
     err = run_paged_scenario(model, hf, [[6, 3], [1, 1]], [6, 3], page_size=4, seed=3)
     assert err < tol, f"packed={packed} {dtype}: max log-prob diff {err:.2e}"
 

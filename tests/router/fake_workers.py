@@ -20,8 +20,16 @@ class ThreadedServer:
     """Runs an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread; ``stop()`` joins."""
 
     def __init__(self, app) -> None:
-        self.server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.server = GracefulServer(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:
@@ -59,11 +67,21 @@ class FakeWorker:
 
     def answer(self, path: str, body: dict) -> dict:
         if path == "/generate":
-            meta = {"input_token_logprobs": [[None, 1, None], [-0.5, 2, None]] if self.role == "prefill" else None,
-                    "finish_reason": {"type": "length"}}
+            meta = {
+                "input_token_logprobs": [[None, 1, None], [-0.5, 2, None]]
+                if self.role == "prefill"
+                else None,
+                "finish_reason": {"type": "length"},
+            }
             return {"text": self.role, "output_ids": [7], "meta_info": meta}
-        choice = {"index": 0, "text": self.role, "finish_reason": "length",
-                  "prompt_logprobs": [None, {"token_id": 2, "logprob": -0.5}] if self.role == "prefill" else None}
+        choice = {
+            "index": 0,
+            "text": self.role,
+            "finish_reason": "length",
+            "prompt_logprobs": [None, {"token_id": 2, "logprob": -0.5}]
+            if self.role == "prefill"
+            else None,
+        }
         return {"object": "text_completion", "choices": [choice], "usage": {"prompt_tokens": 2}}
 
     def _build(self) -> FastAPI:
@@ -75,8 +93,11 @@ class FakeWorker:
 
         @app.get("/get_server_info")
         async def info():
-            return {"role": self.role, "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": 4242 if self.role == "prefill" else None}
+            return {
+                "role": self.role,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": 4242 if self.role == "prefill" else None,
+            }
 
         @app.get("/v1/models")
         async def models():
@@ -88,9 +109,17 @@ class FakeWorker:
             if self.delay:
                 await asyncio.sleep(self.delay)
             if self.mode == "fail":
-                return JSONResponse({"error": {"message": f"{self.role} failed: KV transfer failed (injected)",
-                                               "type": "internal_server_error", "param": None, "code": 500}},
-                                    status_code=500)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"{self.role} failed: KV transfer failed (injected)",
+                            "type": "internal_server_error",
+                            "param": None,
+                            "code": 500,
+                        }
+                    },
+                    status_code=500,
+                )
             if self.mode == "hang":
                 for _ in range(600):
                     if await request.is_disconnected():
@@ -98,11 +127,14 @@ class FakeWorker:
                         return JSONResponse({}, status_code=499)
                     await asyncio.sleep(0.05)
             if self.mode == "drop":  # dies mid-answer: the connection closes without a full body
+
                 async def cut():
                     yield b"{"
                     raise RuntimeError("worker died mid-answer")
+
                 return StreamingResponse(cut(), media_type="application/json")
             if body.get("stream"):
+
                 async def events():
                     for i in range(self.chunks):
                         try:
@@ -114,11 +146,14 @@ class FakeWorker:
                     if self.mode == "stream_break":
                         raise RuntimeError("worker died mid-stream")
                     yield "data: [DONE]\n\n"
+
                 return StreamingResponse(events(), media_type="text/event-stream")
             return self.answer(path, body)
 
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+
             async def route(request: Request, _path: str = path):
                 return await handle(request, _path)
+
             app.add_api_route(path, route, methods=["POST"])
         return app

@@ -7,8 +7,14 @@ import json
 
 import httpx
 import pytest
-
-from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_for, wait_healthy
+from pdserve_procs import (
+    assert_all_healthy,
+    start_router,
+    start_worker,
+    stop,
+    wait_for,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,8 +23,12 @@ pytestmark = pytest.mark.timeout(300)
 def procs(tmp_path_factory):
     logs = tmp_path_factory.mktemp("regular-logs")
     workers = [start_worker(f"mixed-{i}", "mixed", logs) for i in range(2)]
-    router = start_router("router", logs, workers=workers, extra=["--policy", "round_robin",
-                                                                  "--health-failure-threshold", "1"])
+    router = start_router(
+        "router",
+        logs,
+        workers=workers,
+        extra=["--policy", "round_robin", "--health-failure-threshold", "1"],
+    )
     try:
         wait_healthy(workers + [router])
         yield workers, router
@@ -33,20 +43,35 @@ def _finished(worker) -> int:
 def test_same_answers_as_a_worker_and_load_is_spread(procs):
     workers, router = procs
     before = [_finished(w) for w in workers]
-    body = {"prompt": "Tell me a story", "max_tokens": 8, "temperature": 0, "logprobs": 2, "return_token_ids": True}
+    body = {
+        "prompt": "Tell me a story",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 2,
+        "return_token_ids": True,
+    }
     direct = httpx.post(workers[0].url + "/v1/completions", json=body, timeout=60).json()
     for _ in range(4):
         routed = httpx.post(router.url + "/v1/completions", json=body, timeout=60).json()
         assert routed["choices"] == direct["choices"] and routed["usage"] == direct["usage"]
     after = [_finished(w) for w in workers]
-    assert after[0] - before[0] >= 3 and after[1] - before[1] == 2  # round robin: 2 routed each (+1 direct)
+    assert (
+        after[0] - before[0] >= 3 and after[1] - before[1] == 2
+    )  # round robin: 2 routed each (+1 direct)
 
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+    }
     r = httpx.post(router.url + "/v1/chat/completions", json=chat, timeout=60)
     events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "[DONE]"
     streamed = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
-    whole = httpx.post(workers[1].url + "/v1/chat/completions", json=dict(chat, stream=False), timeout=60).json()
+    whole = httpx.post(
+        workers[1].url + "/v1/chat/completions", json=dict(chat, stream=False), timeout=60
+    ).json()
     assert streamed == whole["choices"][0]["message"]["content"]
 
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
@@ -57,12 +82,26 @@ def test_same_answers_as_a_worker_and_load_is_spread(procs):
 def test_dead_worker_is_ejected_and_the_other_serves(procs):
     workers, router = procs
     stop([workers[1]])
-    wait_for(lambda: not [w for w in httpx.get(router.url + "/get_server_info").json()["workers"]
-                          if w["url"] == workers[1].url][0]["healthy"], 10, "the dead worker's ejection")
+    wait_for(
+        lambda: (
+            not [
+                w
+                for w in httpx.get(router.url + "/get_server_info").json()["workers"]
+                if w["url"] == workers[1].url
+            ][0]["healthy"]
+        ),
+        10,
+        "the dead worker's ejection",
+    )
     assert httpx.get(router.url + "/health").status_code == 200  # one mixed worker is enough
     for _ in range(3):
-        r = httpx.post(router.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
-                       timeout=60)
+        r = httpx.post(
+            router.url + "/generate",
+            json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
-    assert 'pdserve_router_worker_healthy{role="mixed",url="%s"} 0.0' % workers[1].url in \
-        httpx.get(router.url + "/metrics").text
+    assert (
+        f'pdserve_router_worker_healthy{{role="mixed",url="{workers[1].url}"}} 0.0'
+        in httpx.get(router.url + "/metrics").text
+    )

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-
 from fake_workers import FakeWorker, ThreadedServer
+
 from pdserve.config import RouterConfig
 from pdserve.router.app import build_router_app
 
@@ -23,8 +23,14 @@ def setup():
     prefill, decode = FakeWorker("prefill"), FakeWorker("decode")
     servers = [ThreadedServer(prefill.app), ThreadedServer(decode.app)]
     p_url, d_url = (s.start() for s in servers)
-    config = RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=2.0,
-                          health_check_interval=0.1, health_check_timeout=1.0, health_failure_threshold=1)
+    config = RouterConfig(
+        prefill_urls=(p_url,),
+        decode_urls=(d_url,),
+        request_timeout=2.0,
+        health_check_interval=0.1,
+        health_check_timeout=1.0,
+        health_failure_threshold=1,
+    )
     router = ThreadedServer(build_router_app(config))
     url = router.start()
     try:
@@ -60,7 +66,9 @@ def _wait(pred, timeout=5.0):
 
 def test_both_legs_get_the_body_with_one_room_and_prompt_logprobs_are_merged(setup):
     prefill, decode, url = setup
-    r = httpx.post(url + "/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0})
+    r = httpx.post(
+        url + "/generate", json={"text": "hi", "return_logprob": True, "logprob_start_len": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["text"] == "decode"
     assert r.json()["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None]]
@@ -83,7 +91,10 @@ def test_one_leg_fails_the_other_is_cancelled_and_one_error_returned(setup, fail
     start = time.monotonic()
     r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
     assert time.monotonic() - start < 1.5  # not the 2 s request timeout
-    assert r.status_code == 500 and f"{failing} failed: KV transfer failed" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 500
+        and f"{failing} failed: KV transfer failed" in r.json()["error"]["message"]
+    )
     _wait(lambda: other.disconnects == 1)
 
 
@@ -122,7 +133,10 @@ def test_decode_chunks_are_relayed_while_prefill_is_still_busy(setup):
     assert events[0][0] < 0.6 and events[3][0] < 0.9  # not held back by prefill's 1 s
     assert events[1][0] - events[0][0] > 0.02  # one by one, not in a burst
     assert events[-1][0] >= 0.95  # [DONE] only once prefill answered (its room was live)
-    assert prefill.disconnects == 0 and httpx.get(url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
+    assert (
+        prefill.disconnects == 0
+        and httpx.get(url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
+    )
 
 
 def test_prefill_failing_mid_stream_cancels_decode_with_one_sse_error(setup):
@@ -147,7 +161,9 @@ def test_prompt_logprobs_hold_only_the_first_chunk_until_prefill_answers(setup):
     assert chunks[0]["prompt_logprobs"] == [None, {"token_id": 2, "logprob": -0.5}]
     assert "prompt_logprobs" not in chunks[1]
     assert events[0][0] >= 0.28  # the first chunk waited for prefill's answer (0.3 s) ...
-    assert events[1][0] - events[0][0] > 0.1 and events[2][0] - events[1][0] > 0.35  # ... the others not
+    assert (
+        events[1][0] - events[0][0] > 0.1 and events[2][0] - events[1][0] > 0.35
+    )  # ... the others not
 
 
 def test_request_timeout_gives_504_and_cancels_both_legs(setup):
@@ -180,7 +196,9 @@ def test_router_bad_input_and_metrics(setup):
     httpx.post(url + "/generate", json={"text": "x"})
     text = httpx.get(url + "/metrics").text
     assert 'pdserve_router_requests_total{endpoint="/generate",status="200"}' in text
-    assert "pdserve_router_worker_healthy" in text and "pdserve_router_request_latency_seconds" in text
+    assert (
+        "pdserve_router_worker_healthy" in text and "pdserve_router_request_latency_seconds" in text
+    )
     assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "fake"
 
 
@@ -193,7 +211,10 @@ def test_a_worker_of_the_wrong_role_is_never_used(setup):
     try:
         assert httpx.get(url + "/health").status_code == 503
         info = httpx.get(url + "/get_server_info").json()["workers"]
-        assert "serves role 'prefill', not 'decode'" in [w for w in info if w["role"] == "decode"][0]["last_error"]
+        assert (
+            "serves role 'prefill', not 'decode'"
+            in [w for w in info if w["role"] == "decode"][0]["last_error"]
+        )
         r = httpx.post(url + "/generate", json={"text": "x"})
         assert r.status_code == 503 and "no healthy decode worker" in r.json()["error"]["message"]
     finally:
@@ -202,7 +223,9 @@ def test_a_worker_of_the_wrong_role_is_never_used(setup):
 
 def test_huge_body_is_413_and_unknown_routes_are_openai_errors(setup):
     prefill, decode, url = setup
-    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "' + b"a" * (33 * 2 ** 20) + b'"}', timeout=30)
+    r = httpx.post(
+        url + "/v1/completions", content=b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}', timeout=30
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:300]
     assert not prefill.bodies and not decode.bodies
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
@@ -212,9 +235,16 @@ def test_huge_body_is_413_and_unknown_routes_are_openai_errors(setup):
 
 def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
     prefill, decode, url = setup
-    bodies = [(p, b) for p in ("/v1/completions", "/generate") for b in (
-        b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
-        b'{"text": "hi", "sampling_params": {"temperature": -Infinity}}', b'{"prompt": "hi \\ud800"}')]
+    bodies = [
+        (p, b)
+        for p in ("/v1/completions", "/generate")
+        for b in (
+            b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+            b'{"prompt": "hi", "top_p": Infinity}',
+            b'{"text": "hi", "sampling_params": {"temperature": -Infinity}}',
+            b'{"prompt": "hi \\ud800"}',
+        )
+    ]
     for path, content in bodies:
         r = httpx.post(url + path, content=content)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, (path, content, r.text)
@@ -227,19 +257,25 @@ def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
     prefill, decode, url = setup
     decode.chunks, decode.chunk_gap = 200, 0.05  # a 10 s stream
     p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
-    router = ThreadedServer(build_router_app(RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,))))
+    router = ThreadedServer(
+        build_router_app(RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,)))
+    )
     r_url = router.start()
     stopper = threading.Thread(target=router.stop)  # should_exit: uvicorn's SIGTERM path
     try:
         start, lines = time.monotonic(), []
-        with httpx.stream("POST", r_url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10) as r:
+        with httpx.stream(
+            "POST", r_url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line[6:])
                     if len(lines) == 2:
                         stopper.start()
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == 503, lines[-3:]
-        assert "shutting down" in lines[-2] and time.monotonic() - start < 4  # not cut at the 5 s grace
+        assert (
+            "shutting down" in lines[-2] and time.monotonic() - start < 4
+        )  # not cut at the 5 s grace
         _wait(lambda: decode.disconnects == 1)  # the decode leg was closed
     finally:
         if not stopper.is_alive() and stopper.ident is None:
@@ -251,7 +287,9 @@ def test_a_worker_dying_mid_request_is_502_streaming_or_not(setup):
     prefill, decode, url = setup
     decode.mode = "drop"
     r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 502 and r.json()["error"]["code"] == 502 and "decode worker" in r.text, r.text
+    assert (
+        r.status_code == 502 and r.json()["error"]["code"] == 502 and "decode worker" in r.text
+    ), r.text
     decode.mode = "stream_break"
     _wait_health(url, 200)  # the failure ejected decode until its next good probe
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})

@@ -43,31 +43,61 @@ def test_random_policy_covers_all_and_unknown_policy_rejected():
 
 
 def test_merge_generate_and_openai():
-    decode = {"text": "d", "meta_info": {"input_token_logprobs": None, "output_token_logprobs": [[-1, 5, None]]}}
-    prefill = {"text": "p", "meta_info": {"input_token_logprobs": [[None, 1, None]],
-                                          "input_top_logprobs": [None], "output_token_logprobs": [[-9, 9, None]]}}
+    decode = {
+        "text": "d",
+        "meta_info": {"input_token_logprobs": None, "output_token_logprobs": [[-1, 5, None]]},
+    }
+    prefill = {
+        "text": "p",
+        "meta_info": {
+            "input_token_logprobs": [[None, 1, None]],
+            "input_top_logprobs": [None],
+            "output_token_logprobs": [[-9, 9, None]],
+        },
+    }
     merged = merge_prompt_logprobs("/generate", decode, prefill)
-    assert merged["meta_info"] == {"input_token_logprobs": [[None, 1, None]], "input_top_logprobs": [None],
-                                   "output_token_logprobs": [[-1, 5, None]]}
+    assert merged["meta_info"] == {
+        "input_token_logprobs": [[None, 1, None]],
+        "input_top_logprobs": [None],
+        "output_token_logprobs": [[-1, 5, None]],
+    }
     many_d = [{"index": i, "meta_info": {}} for i in range(2)]
-    many_p = [{"index": i, "meta_info": {"input_token_logprobs": [[None, i, None]]}} for i in range(2)]
-    assert [m["meta_info"]["input_token_logprobs"][0][1] for m in
-            merge_prompt_logprobs("/generate", many_d, many_p)] == [0, 1]
+    many_p = [
+        {"index": i, "meta_info": {"input_token_logprobs": [[None, i, None]]}} for i in range(2)
+    ]
+    assert [
+        m["meta_info"]["input_token_logprobs"][0][1]
+        for m in merge_prompt_logprobs("/generate", many_d, many_p)
+    ] == [0, 1]
 
-    dec = {"choices": [{"index": 0, "prompt_logprobs": None}, {"index": 1, "prompt_logprobs": None}]}
-    pre = {"choices": [{"index": 0, "prompt_logprobs": [None, {"a": 1}]}, {"index": 1, "prompt_logprobs": [None]}]}
+    dec = {
+        "choices": [{"index": 0, "prompt_logprobs": None}, {"index": 1, "prompt_logprobs": None}]
+    }
+    pre = {
+        "choices": [
+            {"index": 0, "prompt_logprobs": [None, {"a": 1}]},
+            {"index": 1, "prompt_logprobs": [None]},
+        ]
+    }
     done: set[int] = set()
     merge_prompt_logprobs("/v1/completions", dec, pre, done)
     assert dec["choices"][0]["prompt_logprobs"] == [None, {"a": 1}] and done == {0, 1}
     later = {"choices": [{"index": 0, "text": "x"}]}
-    assert "prompt_logprobs" not in merge_prompt_logprobs("/v1/completions", later, pre, done)["choices"][0]
+    assert (
+        "prompt_logprobs"
+        not in merge_prompt_logprobs("/v1/completions", later, pre, done)["choices"][0]
+    )
     untouched = {"choices": [{"index": 0, "prompt_logprobs": None}]}
-    assert merge_prompt_logprobs("/v1/completions", untouched, {"choices": [{"index": 0}]}) == untouched
+    assert (
+        merge_prompt_logprobs("/v1/completions", untouched, {"choices": [{"index": 0}]})
+        == untouched
+    )
 
 
 def test_rooms_are_unique_63_bit_and_cover_n_samples():
     class Rng(random.Random):
         """Draws the same room twice first, to exercise the collision check."""
+
         calls = 0
 
         def randrange(self, a, b):
@@ -82,24 +112,39 @@ def test_rooms_are_unique_63_bit_and_cover_n_samples():
     assert d.live_rooms == {1000, 1001, 1002}
     real = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0)
     rooms = [real.reserve_rooms(5) for _ in range(200)]
-    assert all(0 <= r and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live_rooms) == 1000
+    assert all(r >= 0 and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live_rooms) == 1000
 
 
 def test_num_samples_reads_n_per_endpoint():
     assert _num_samples("/v1/completions", {"n": 3}) == 3
     assert _num_samples("/generate", {"sampling_params": {"n": 4}}) == 4
-    assert _num_samples("/v1/completions", {"n": "x"}) == 1 and _num_samples("/v1/completions", {"n": True}) == 1
+    assert (
+        _num_samples("/v1/completions", {"n": "x"}) == 1
+        and _num_samples("/v1/completions", {"n": True}) == 1
+    )
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({}, "worker_urls"), ({"prefill_urls": ("http://a",)}, "decode_urls"),
-    ({"decode_urls": ("http://a",)}, "prefill_urls"),
-    ({"worker_urls": ("http://a",), "prefill_urls": ("http://b",), "decode_urls": ("http://c",)}, "worker_urls"),
-    ({"worker_urls": ("a:1",)}, "worker_urls"), ({"worker_urls": ("http://a",), "policy": "x"}, "policy"),
-    ({"worker_urls": ("http://a",), "port": 70000}, "port"),
-    ({"worker_urls": ("http://a",), "request_timeout": 0}, "request_timeout"),
-    ({"worker_urls": ("http://a",), "health_failure_threshold": 0}, "health_failure_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({}, "worker_urls"),
+        ({"prefill_urls": ("http://a",)}, "decode_urls"),
+        ({"decode_urls": ("http://a",)}, "prefill_urls"),
+        (
+            {
+                "worker_urls": ("http://a",),
+                "prefill_urls": ("http://b",),
+                "decode_urls": ("http://c",),
+            },
+            "worker_urls",
+        ),
+        ({"worker_urls": ("a:1",)}, "worker_urls"),
+        ({"worker_urls": ("http://a",), "policy": "x"}, "policy"),
+        ({"worker_urls": ("http://a",), "port": 70000}, "port"),
+        ({"worker_urls": ("http://a",), "request_timeout": 0}, "request_timeout"),
+        ({"worker_urls": ("http://a",), "health_failure_threshold": 0}, "health_failure_threshold"),
+    ],
+)
 def test_router_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**kwargs)

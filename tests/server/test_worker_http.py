@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from pdserve_procs import Proc, assert_all_healthy, start_worker, stop, wait_for, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,7 +17,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> Proc:
-    proc = start_worker("mixed", "mixed", tmp_path_factory.mktemp("worker-logs"), extra=["--num-threads", "1"])
+    proc = start_worker(
+        "mixed", "mixed", tmp_path_factory.mktemp("worker-logs"), extra=["--num-threads", "1"]
+    )
     try:
         wait_healthy([proc])
         proc.get_info()
@@ -33,7 +34,9 @@ def post(worker: Proc, path: str, body, **kw) -> httpx.Response:
 
 def sse_events(resp: httpx.Response) -> list:
     """The JSON payloads of an SSE body; asserts it ends with [DONE]."""
-    events = [line[len("data: "):] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+    events = [
+        line[len("data: ") :] for line in resp.text.split("\n\n") if line.startswith("data: ")
+    ]
     assert events and events[-1] == "[DONE]", resp.text[-300:]
     return [json.loads(e) for e in events[:-1]]
 
@@ -43,27 +46,46 @@ def test_num_threads_flag_sets_torch_threads(worker):
 
 
 def test_completion_shape_usage_and_token_ids(worker):
-    r = post(worker, "/v1/completions", {"prompt": "Hello there", "max_tokens": 5, "temperature": 0,
-                                         "return_token_ids": True})
+    r = post(
+        worker,
+        "/v1/completions",
+        {"prompt": "Hello there", "max_tokens": 5, "temperature": 0, "return_token_ids": True},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and body["model"] == "random:tiny"
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
-    assert body["usage"] == {"prompt_tokens": len(choice["prompt_token_ids"]), "completion_tokens": 5,
-                             "total_tokens": len(choice["prompt_token_ids"]) + 5}
+    assert body["usage"] == {
+        "prompt_tokens": len(choice["prompt_token_ids"]),
+        "completion_tokens": 5,
+        "total_tokens": len(choice["prompt_token_ids"]) + 5,
+    }
     assert isinstance(choice["text"], str) and choice["text"]
 
 
 def test_completion_logprob_lengths(worker):
-    r = post(worker, "/v1/completions", {"prompt": "Hello there friend", "max_tokens": 4, "temperature": 0,
-                                         "logprobs": 3, "prompt_logprobs": 2, "return_token_ids": True})
+    r = post(
+        worker,
+        "/v1/completions",
+        {
+            "prompt": "Hello there friend",
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": 3,
+            "prompt_logprobs": 2,
+            "return_token_ids": True,
+        },
+    )
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
     assert all(len(top) <= 3 for top in lp["top_logprobs"])
     # greedy: the sampled token is the best one
-    assert all(max(top.values()) == pytest.approx(t) for top, t in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert all(
+        max(top.values()) == pytest.approx(t)
+        for top, t in zip(lp["top_logprobs"], lp["token_logprobs"])
+    )
     prompt_lps = choice["prompt_logprobs"]
     assert len(prompt_lps) == len(choice["prompt_token_ids"]) and prompt_lps[0] is None
     assert [e["token_id"] for e in prompt_lps[1:]] == choice["prompt_token_ids"][1:]
@@ -71,30 +93,69 @@ def test_completion_logprob_lengths(worker):
 
 
 def test_chat_logprobs_and_generate_logprobs(worker):
-    r = post(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                                              "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    r = post(
+        worker,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     body = r.json()
     content = body["choices"][0]["logprobs"]["content"]
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert (
+        body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    )
     assert len(content) == body["usage"]["completion_tokens"] == 3
-    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(
+        len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content
+    )
 
-    r = post(worker, "/generate", {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 3,
-             "temperature": 0}, "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2})
+    r = post(
+        worker,
+        "/generate",
+        {
+            "input_ids": [5, 6, 7, 8, 9],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 1,
+            "top_logprobs_num": 2,
+        },
+    )
     meta = r.json()["meta_info"]
-    assert len(r.json()["output_ids"]) == meta["completion_tokens"] == 3 and meta["prompt_tokens"] == 5
+    assert (
+        len(r.json()["output_ids"]) == meta["completion_tokens"] == 3 and meta["prompt_tokens"] == 5
+    )
     assert [row[1] for row in meta["input_token_logprobs"]] == [6, 7, 8, 9]
     assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 3
     assert meta["finish_reason"] == {"type": "length", "length": 3}
-    r = post(worker, "/generate", {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    assert r.json()["meta_info"]["input_token_logprobs"][0][0] is None  # nothing predicts the first token
+    r = post(
+        worker,
+        "/generate",
+        {
+            "input_ids": [5, 6, 7],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        },
+    )
+    assert (
+        r.json()["meta_info"]["input_token_logprobs"][0][0] is None
+    )  # nothing predicts the first token
 
 
 def test_n_samples_follow_seed_plus_index(worker):
     """Sample i of an n-sample request with seed s is the n=1 request with seed s + i
     (SamplingParams.fan_out), so the router can split/merge consistently."""
-    base = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "return_token_ids": True}
+    base = {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "return_token_ids": True,
+    }
     many = post(worker, "/v1/completions", dict(base, n=3, seed=11)).json()
     assert [c["index"] for c in many["choices"]] == [0, 1, 2]
     for i in range(3):
@@ -106,71 +167,131 @@ def test_n_samples_follow_seed_plus_index(worker):
 def test_streaming_equals_non_streaming(worker):
     base = {"prompt": "The weather today", "max_tokens": 7, "temperature": 0, "logprobs": 1}
     full = post(worker, "/v1/completions", base).json()
-    r = post(worker, "/v1/completions", dict(base, stream=True, stream_options={"include_usage": True}))
+    r = post(
+        worker, "/v1/completions", dict(base, stream=True, stream_options={"include_usage": True})
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     chunks = sse_events(r)
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == full["choices"][0]["text"]
     lps = [x for c in chunks if c["choices"] for x in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert lps == pytest.approx(full["choices"][0]["logprobs"]["token_logprobs"])
-    assert chunks[-1]["usage"] == full["usage"] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert (
+        chunks[-1]["usage"] == full["usage"]
+        and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    )
 
-    chat = {"messages": [{"role": "user", "content": "Say something"}], "max_tokens": 5, "temperature": 0}
+    chat = {
+        "messages": [{"role": "user", "content": "Say something"}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     full = post(worker, "/v1/chat/completions", chat).json()
     chunks = sse_events(post(worker, "/v1/chat/completions", dict(chat, stream=True)))
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == full["choices"][0]["message"]["content"]
-    gen = sse_events(post(worker, "/generate", {"text": "abc", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}))
-    assert len(gen[-1]["output_ids"]) == 4 and gen[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert (
+        "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        == full["choices"][0]["message"]["content"]
+    )
+    gen = sse_events(
+        post(
+            worker,
+            "/generate",
+            {
+                "text": "abc",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            },
+        )
+    )
+    assert (
+        len(gen[-1]["output_ids"]) == 4
+        and gen[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    )
 
 
 def test_stop_strings_and_stop_token_ids(worker):
     base = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     free = post(worker, "/v1/completions", base).json()["choices"][0]
     ids = free["token_ids"]
-    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # first new token after the first
-    stopped = post(worker, "/v1/completions", dict(base, stop_token_ids=[ids[k]])).json()["choices"][0]
-    assert stopped["token_ids"] == ids[:k + 1] and stopped["finish_reason"] == "stop"
+    k = next(
+        i for i in range(1, len(ids)) if ids[i] not in ids[:i]
+    )  # first new token after the first
+    stopped = post(worker, "/v1/completions", dict(base, stop_token_ids=[ids[k]])).json()[
+        "choices"
+    ][0]
+    assert stopped["token_ids"] == ids[: k + 1] and stopped["finish_reason"] == "stop"
     word = free["text"].split()[1] if len(free["text"].split()) > 1 else free["text"][1:3]
     by_string = post(worker, "/v1/completions", dict(base, stop=[word])).json()["choices"][0]
     assert word not in by_string["text"] and by_string["finish_reason"] == "stop"
 
 
 BAD_BODIES = [
-    (b"{not json", 400), (b"[1, 2]", 400), (b'"text"', 400),
-    ({"prompt": "x", "max_tokens": -1}, 400), ({"prompt": "x", "max_tokens": 10**12}, 400),
-    ({"prompt": "x", "max_tokens": "many"}, 400), ({"prompt": ""}, 400), ({"prompt": []}, 400),
-    ({"prompt": "x", "temperature": -1.0}, 400), ({"prompt": "x", "top_p": 0}, 400),
-    ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "logprobs": 50}, 400), ({"prompt": [10**9]}, 400),
-    ({"prompt": "x", "model": "no-such-model"}, 404), ({"prompt": "x", "unknown_option": 1}, 400),
-    ({"prompt": "x " * 5000, "max_tokens": 1}, 400), ({"prompt": "x", "bootstrap_room": -1}, 400),
-    ({"prompt": "x", "bootstrap_room": 2**63}, 400), ({"prompt": "x", "bootstrap_port": "p"}, 400),
-    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400), ({"prompt": "x", "stop": [""]}, 400),
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (b'"text"', 400),
+    ({"prompt": "x", "max_tokens": -1}, 400),
+    ({"prompt": "x", "max_tokens": 10**12}, 400),
+    ({"prompt": "x", "max_tokens": "many"}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": []}, 400),
+    ({"prompt": "x", "temperature": -1.0}, 400),
+    ({"prompt": "x", "top_p": 0}, 400),
+    ({"prompt": "x", "n": 0}, 400),
+    ({"prompt": "x", "logprobs": 50}, 400),
+    ({"prompt": [10**9]}, 400),
+    ({"prompt": "x", "model": "no-such-model"}, 404),
+    ({"prompt": "x", "unknown_option": 1}, 400),
+    ({"prompt": "x " * 5000, "max_tokens": 1}, 400),
+    ({"prompt": "x", "bootstrap_room": -1}, 400),
+    ({"prompt": "x", "bootstrap_room": 2**63}, 400),
+    ({"prompt": "x", "bootstrap_port": "p"}, 400),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400),
+    ({"prompt": "x", "stop": [""]}, 400),
 ]
 
 
 @pytest.mark.parametrize("body,status", BAD_BODIES, ids=[str(b)[:40] for b, _ in BAD_BODIES])
 def test_bad_completion_input_is_4xx_json(worker, body, status):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(worker.url + "/v1/completions", timeout=30.0, headers={"content-type": "application/json"}, **kw)
+    r = httpx.post(
+        worker.url + "/v1/completions",
+        timeout=30.0,
+        headers={"content-type": "application/json"},
+        **kw,
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["message"] and err["code"] == status and set(err) == {"message", "type", "param", "code"}
+    assert (
+        err["message"]
+        and err["code"] == status
+        and set(err) == {"message", "type", "param", "code"}
+    )
 
 
 def test_bad_chat_and_generate_input(worker):
-    cases = [("/v1/chat/completions", {"messages": []}), ("/v1/chat/completions", {"messages": [{"role": "x"}]}),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}),
-             ("/generate", {}), ("/generate", {"text": "a", "input_ids": [1]}),
-             ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 0}}),
-             ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}),
-             ("/generate", {"text": "a", "sampling_params": {"bogus": 1}})]
+    cases = [
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"role": "x"}]}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        ),
+        ("/generate", {}),
+        ("/generate", {"text": "a", "input_ids": [1]}),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 0}}),
+        ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}),
+        ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}),
+    ]
     for path, body in cases:
         r = post(worker, path, body)
         assert r.status_code == 400 and "error" in r.json(), (path, body, r.text)
-    r = httpx.post(worker.url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}',
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        worker.url + "/v1/completions",
+        content=b'{"prompt": "\xff\xfe"}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and "error" in r.json()
     assert_all_healthy([worker])
 
@@ -182,21 +303,35 @@ def _engine(worker: Proc) -> dict:
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_aborts_and_frees_pages(worker, stream):
     baseline = _engine(worker)["num_total_pages"]
-    body = {"prompt": "go on", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": stream}
+    body = {
+        "prompt": "go on",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
     with httpx.Client(timeout=60) as client:
         if stream:
             with client.stream("POST", worker.url + "/v1/completions", json=body) as r:
                 for _ in r.iter_lines():
                     break  # first chunk seen: request is running; leaving closes the connection
         else:
+
             def cancel_soon():
                 time.sleep(0.5)
                 client.close()
+
             threading.Thread(target=cancel_soon, daemon=True).start()
             with pytest.raises(httpx.HTTPError):
                 client.post(worker.url + "/v1/completions", json=body)
-    wait_for(lambda: _engine(worker)["engine"]["num_running"] == 0 and _engine(worker)["num_free_pages"] == baseline,
-             30, "the aborted request to release its pages")
+    wait_for(
+        lambda: (
+            _engine(worker)["engine"]["num_running"] == 0
+            and _engine(worker)["num_free_pages"] == baseline
+        ),
+        30,
+        "the aborted request to release its pages",
+    )
     generated = _engine(worker)["engine"]["generation_tokens"]
     time.sleep(0.3)
     assert _engine(worker)["engine"]["generation_tokens"] == generated  # nothing is still decoding
@@ -206,39 +341,78 @@ def test_health_metrics_models_and_pd_fields_ignored(worker):
     assert httpx.get(worker.url + "/health_generate", timeout=30).status_code == 200
     models = httpx.get(worker.url + "/v1/models").json()
     assert models["data"][0]["id"] == "random:tiny"
-    r = post(worker, "/v1/completions", {"prompt": "x", "max_tokens": 2, "bootstrap_host": "h",
-                                         "bootstrap_port": 1234, "bootstrap_room": 7})
+    r = post(
+        worker,
+        "/v1/completions",
+        {
+            "prompt": "x",
+            "max_tokens": 2,
+            "bootstrap_host": "h",
+            "bootstrap_port": 1234,
+            "bootstrap_room": 7,
+        },
+    )
     assert r.status_code == 200  # a mixed worker ignores the PD fields
     text = httpx.get(worker.url + "/metrics").text
-    for name in ("pdserve_requests_total", "pdserve_time_to_first_token_seconds_bucket",
-                 "pdserve_inter_token_latency_seconds_bucket", "pdserve_prompt_tokens_total",
-                 "pdserve_generation_tokens_total", "pdserve_engine_num_running", "pdserve_engine_num_waiting",
-                 "pdserve_engine_num_free_pages", "pdserve_request_latency_seconds_bucket"):
+    for name in (
+        "pdserve_requests_total",
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_inter_token_latency_seconds_bucket",
+        "pdserve_prompt_tokens_total",
+        "pdserve_generation_tokens_total",
+        "pdserve_engine_num_running",
+        "pdserve_engine_num_waiting",
+        "pdserve_engine_num_free_pages",
+        "pdserve_request_latency_seconds_bucket",
+    ):
         assert name in text, name
     info = worker.get_info()
-    assert info["role"] == "mixed" and info["layout"]["page_size"] == 16 and info["bootstrap_port"] is None
+    assert (
+        info["role"] == "mixed"
+        and info["layout"]["page_size"] == 16
+        and info["bootstrap_port"] is None
+    )
 
 
 def test_huge_prompt_is_rejected_fast_and_huge_body_gets_413(worker):
     max_len = worker.get_info()["max_model_len"]
     start = time.perf_counter()
-    r = post(worker, "/v1/completions", {"prompt": "hello world " * 1_500_000, "max_tokens": 1})  # 18 MB
+    r = post(
+        worker, "/v1/completions", {"prompt": "hello world " * 1_500_000, "max_tokens": 1}
+    )  # 18 MB
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
     assert f"context limit of {max_len} tokens" in r.json()["error"]["message"]
     assert time.perf_counter() - start < 3.0  # not tokenized: the length bound rejects it first
-    r = post(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 4_000_000}]})
+    r = post(
+        worker,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi " * 4_000_000}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
-    r = httpx.post(worker.url + "/generate", content=b'{"text": "' + b"a" * (33 * 2 ** 20) + b'"}', timeout=30)
+    r = httpx.post(
+        worker.url + "/generate", content=b'{"text": "' + b"a" * (33 * 2**20) + b'"}', timeout=30
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text[:300]
     assert_all_healthy([worker])
 
 
 def test_lone_surrogate_is_400_naming_the_field(worker):
-    cases = [("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 1}', "prompt"),
-             ("/generate", b'{"text": "\\udfff"}', "text"),
-             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ok"}, '
-                                      b'{"role": "user", "content": "x\\ud800"}]}', "messages[1].content")]
+    cases = [
+        ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 1}', "prompt"),
+        ("/generate", b'{"text": "\\udfff"}', "text"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "ok"}, '
+            b'{"role": "user", "content": "x\\ud800"}]}',
+            "messages[1].content",
+        ),
+    ]
     for path, content, field in cases:
-        r = httpx.post(worker.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+        r = httpx.post(
+            worker.url + path,
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
     assert_all_healthy([worker])

@@ -27,7 +27,12 @@ from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.nixl.api import NixlApi
 
 # The backend's own name of its thread-count parameter (NIXL plugin docs).
-THREAD_PARAM = {"UCX": "num_threads", "OBJ": "num_threads", "GDS_MT": "thread_count", "UCCL": "num_cpus"}
+THREAD_PARAM = {
+    "UCX": "num_threads",
+    "OBJ": "num_threads",
+    "GDS_MT": "thread_count",
+    "UCCL": "num_cpus",
+}
 ROLE_DEFAULT_NUM_THREADS = {"prefill": 8, "decode": 0}
 
 _PARAMS_VAR = "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS"
@@ -77,19 +82,26 @@ class NixlInitSpec:
     timeout_s: float
 
     @classmethod
-    def from_env(cls, role: str) -> "NixlInitSpec":
+    def from_env(cls, role: str) -> NixlInitSpec:
         if role not in ROLE_DEFAULT_NUM_THREADS:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         backend = envs.DISAGGREGATION_NIXL_BACKEND.get()
         if not backend:
             raise ValueError("PDSERVE_DISAGGREGATION_NIXL_BACKEND must name a NIXL plugin, got ''")
         num_threads = resolve_num_threads(role)
-        params = backend_init_params(backend, parse_backend_params(envs.DISAGGREGATION_NIXL_BACKEND_PARAMS.get()),
-                                     num_threads)
+        params = backend_init_params(
+            backend,
+            parse_backend_params(envs.DISAGGREGATION_NIXL_BACKEND_PARAMS.get()),
+            num_threads,
+        )
         timeout = envs.DISAGGREGATION_ENGINE_INIT_TIMEOUT.get()
         if timeout <= 0:
-            raise ValueError(f"PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT must be > 0, got {timeout}")
-        return cls(backend, params, num_threads, envs.DISAGGREGATION_NIXL_PROGRESS_THREAD.get(), timeout)
+            raise ValueError(
+                f"PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT must be > 0, got {timeout}"
+            )
+        return cls(
+            backend, params, num_threads, envs.DISAGGREGATION_NIXL_PROGRESS_THREAD.get(), timeout
+        )
 
 
 def device_type(kv_args: KVArgs) -> str:
@@ -106,8 +118,9 @@ def select_device(kv_args: KVArgs) -> None:
         torch.get_device_module(kind).set_device(kv_args.gpu_id)
 
 
-def create_agent(api: NixlApi, name: str, kv_args: KVArgs, role: str,
-                 spec: NixlInitSpec | None = None) -> tuple[Any, NixlInitSpec]:
+def create_agent(
+    api: NixlApi, name: str, kv_args: KVArgs, role: str, spec: NixlInitSpec | None = None
+) -> tuple[Any, NixlInitSpec]:
     """Create the agent (no backend) and then its backend under the init deadline.
 
     Returns ``(agent, spec)``. Raises ValueError for bad parameters, ``TimeoutError``
@@ -115,14 +128,21 @@ def create_agent(api: NixlApi, name: str, kv_args: KVArgs, role: str,
     """
     spec = spec or NixlInitSpec.from_env(role)
     config = api.nixl_agent_config(
-        enable_prog_thread=spec.progress_thread, enable_listen_thread=False, backends=[],
-        num_threads=spec.num_threads, sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        enable_prog_thread=spec.progress_thread,
+        enable_listen_thread=False,
+        backends=[],
+        num_threads=spec.num_threads,
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
     agent = api.nixl_agent(name, config)
 
     def create_backend() -> None:
         select_device(kv_args)
         agent.create_backend(spec.backend, spec.params)
 
-    run_with_deadline(create_backend, spec.timeout_s,
-                      f"NIXL create_backend({spec.backend!r}) on the {role} worker")
+    run_with_deadline(
+        create_backend,
+        spec.timeout_s,
+        f"NIXL create_backend({spec.backend!r}) on the {role} worker",
+    )
     return agent, spec

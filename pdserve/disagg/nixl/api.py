@@ -32,9 +32,11 @@ def load_nixl_api() -> NixlApi:
     except Exception as exc:  # ImportError, or a broken native library (OSError)
         raise NixlUnavailableError(
             f"NIXL cannot be imported ({type(exc).__name__}: {exc}); install it with "
-            "`pip install nixl-cu13==1.5.1 && pip install --no-deps nixl==1.5.1`") from exc
+            "`pip install nixl-cu13==1.5.1 && pip install --no-deps nixl==1.5.1`"
+        ) from exc
     try:
         from importlib.metadata import version
+
         ver = version("nixl")
     except Exception:  # noqa: BLE001 - only informative
         ver = "unknown"

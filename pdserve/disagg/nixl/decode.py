@@ -22,19 +22,45 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve import envs
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVLayout, KVManager, KVPoll, KVReceiver, KVSender
+from pdserve.disagg.base import (
+    PROTOCOL_VERSION,
+    KVArgs,
+    KVLayout,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+)
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (Hello, RankInfo, RoomAbort, RoomDest, RoomStatus, WireError, decode_control,
-                                     decode_xfer_done, encode_control)
+from pdserve.disagg.messages import (
+    Hello,
+    RankInfo,
+    RoomAbort,
+    RoomDest,
+    RoomStatus,
+    WireError,
+    decode_control,
+    decode_xfer_done,
+    encode_control,
+)
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.receiver import NixlReceiver
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
-from pdserve.disagg.rooms import (BOOTSTRAP_ERROR, HEARTBEAT_LOST, LAYOUT_MISMATCH, PEER_RESTARTED,
-                                  PROTOCOL_MISMATCH, SHUTDOWN, FailureInjector, RoomTable, ServiceThreads,
-                                  check_room)
+from pdserve.disagg.rooms import (
+    BOOTSTRAP_ERROR,
+    HEARTBEAT_LOST,
+    LAYOUT_MISMATCH,
+    PEER_RESTARTED,
+    PROTOCOL_MISMATCH,
+    SHUTDOWN,
+    FailureInjector,
+    RoomTable,
+    ServiceThreads,
+    check_room,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +100,17 @@ class NixlDecodeManager(KVManager):
         self._peers_lock = threading.Lock()
         self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._down = False
-        self.engine = NixlTransferEngine(api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}")
-        self._hello = Hello("", self.instance_id, self.engine.name, self.engine.metadata(),
-                            self.engine.kv_descs, self.engine.aux_descs)
+        self.engine = NixlTransferEngine(
+            api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}"
+        )
+        self._hello = Hello(
+            "",
+            self.instance_id,
+            self.engine.name,
+            self.engine.metadata(),
+            self.engine.kv_descs,
+            self.engine.aux_descs,
+        )
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._threads = ServiceThreads("pdserve-decode")
@@ -89,11 +123,17 @@ class NixlDecodeManager(KVManager):
     def create_sender(self, bootstrap_room: int) -> KVSender:
         raise RuntimeError("create_sender on a decode KV manager")
 
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
+    ) -> KVReceiver:
         room = check_room(bootstrap_room)
         if not isinstance(bootstrap_host, str) or not bootstrap_host:
             raise ValueError(f"bootstrap_host must be a non-empty string, got {bootstrap_host!r}")
-        if isinstance(bootstrap_port, bool) or not isinstance(bootstrap_port, int) or not 1 <= bootstrap_port <= 65535:
+        if (
+            isinstance(bootstrap_port, bool)
+            or not isinstance(bootstrap_port, int)
+            or not 1 <= bootstrap_port <= 65535
+        ):
             raise ValueError(f"bootstrap_port must be in [1, 65535], got {bootstrap_port!r}")
         if self._down:
             raise RuntimeError("the decode KV manager is shut down")
@@ -109,9 +149,15 @@ class NixlDecodeManager(KVManager):
         return len(self._rooms)
 
     def stats(self) -> dict:
-        return dict(self._metrics.snapshot(), role="decode", backend="nixl",
-                    rooms=self._rooms.count_by_state(), live_rooms=len(self._rooms),
-                    prefill_peers=len(self._peers), healthy=self.is_healthy())
+        return dict(
+            self._metrics.snapshot(),
+            role="decode",
+            backend="nixl",
+            rooms=self._rooms.count_by_state(),
+            live_rooms=len(self._rooms),
+            prefill_peers=len(self._peers),
+            healthy=self.is_healthy(),
+        )
 
     def shutdown(self) -> None:
         if self._down:
@@ -152,7 +198,9 @@ class NixlDecodeManager(KVManager):
         finally:
             client.close()
 
-    def _bootstrap_group(self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]) -> None:
+    def _bootstrap_group(
+        self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]
+    ) -> None:
         host, port = key
         try:
             info = client.fetch_rank(host, port)
@@ -162,15 +210,20 @@ class NixlDecodeManager(KVManager):
             return
         problem = None
         if info.protocol_version != PROTOCOL_VERSION:
-            problem = (f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
-                       PROTOCOL_MISMATCH)
+            problem = (
+                f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
+                PROTOCOL_MISMATCH,
+            )
         else:
             try:
                 diff = self.engine.kv_args.layout.first_difference(KVLayout.from_dict(info.layout))
             except (KeyError, TypeError) as exc:
                 diff = f"unreadable layout ({exc})"
             if diff is not None:
-                problem = (f"KV layout mismatch with prefill {host}:{port}: {diff}", LAYOUT_MISMATCH)
+                problem = (
+                    f"KV layout mismatch with prefill {host}:{port}: {diff}",
+                    LAYOUT_MISMATCH,
+                )
         if problem is not None:
             stranger = PrefillPeer(key, info, None)
             for r in receivers:
@@ -182,7 +235,9 @@ class NixlDecodeManager(KVManager):
             peer = self._peer_for(key, info)
         except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
             for r in receivers:
-                r.fail_now(f"room {r.room}: prefill {host}:{port} agent unusable: {exc}", BOOTSTRAP_ERROR)
+                r.fail_now(
+                    f"room {r.room}: prefill {host}:{port} agent unusable: {exc}", BOOTSTRAP_ERROR
+                )
             return
         for r in receivers:
             r.bootstrapped(peer)
@@ -194,7 +249,9 @@ class NixlDecodeManager(KVManager):
             if old is not None and old.info.instance_id == info.instance_id and not old.dead:
                 return old
         if old is not None:
-            self._peer_gone(old, f"prefill {key[0]}:{key[1]} restarted as a new instance", PEER_RESTARTED)
+            self._peer_gone(
+                old, f"prefill {key[0]}:{key[1]} restarted as a new instance", PEER_RESTARTED
+            )
         name = self.engine.add_remote(base64.b64decode(info.agent_metadata))
         peer = PrefillPeer(key, info, name)
         with self._peers_lock:
@@ -259,7 +316,11 @@ class NixlDecodeManager(KVManager):
             return
         if isinstance(msg, RoomStatus):
             r = self._rooms.get(msg.room)
-            if r is not None and r.peer is not None and r.peer.info.instance_id == msg.prefill_instance:
+            if (
+                r is not None
+                and r.peer is not None
+                and r.peer.info.instance_id == msg.prefill_instance
+            ):
                 r.on_status(msg)
 
     def _on_notif(self, payload: bytes) -> None:
@@ -269,7 +330,11 @@ class NixlDecodeManager(KVManager):
             log.warning("dropped a NIXL notification: %s", exc)
             return
         r = self._rooms.get(done.room)
-        if r is not None and r.peer is not None and r.peer.info.instance_id == done.prefill_instance:
+        if (
+            r is not None
+            and r.peer is not None
+            and r.peer.info.instance_id == done.prefill_instance
+        ):
             r.on_done()
 
     # --- heartbeat thread -------------------------------------------------------------------
@@ -277,8 +342,11 @@ class NixlDecodeManager(KVManager):
         client = BootstrapClient()
         try:
             while not stop.wait(self.heartbeat_interval):
-                live = {r.peer.key: r.peer for r in self._rooms.handles()
-                        if r.peer is not None and r.peer.agent_name is not None and not r.is_terminal()}
+                live = {
+                    r.peer.key: r.peer
+                    for r in self._rooms.handles()
+                    if r.peer is not None and r.peer.agent_name is not None and not r.is_terminal()
+                }
                 for key, peer in live.items():
                     if peer.dead:
                         continue
@@ -287,12 +355,19 @@ class NixlDecodeManager(KVManager):
                     except BootstrapError as exc:
                         peer.misses += 1
                         if peer.misses >= self.heartbeat_max_failure:
-                            self._peer_gone(peer, f"prefill {key[0]}:{key[1]} missed {peer.misses} heartbeats "
-                                                  f"({exc})", HEARTBEAT_LOST)
+                            self._peer_gone(
+                                peer,
+                                f"prefill {key[0]}:{key[1]} missed {peer.misses} heartbeats "
+                                f"({exc})",
+                                HEARTBEAT_LOST,
+                            )
                         continue
                     if health.instance_id != peer.info.instance_id:
-                        self._peer_gone(peer, f"prefill {key[0]}:{key[1]} restarted as a new instance",
-                                        PEER_RESTARTED)
+                        self._peer_gone(
+                            peer,
+                            f"prefill {key[0]}:{key[1]} restarted as a new instance",
+                            PEER_RESTARTED,
+                        )
                     else:
                         peer.misses = 0
         finally:
@@ -300,9 +375,17 @@ class NixlDecodeManager(KVManager):
 
 
 def _hello_for(hello: Hello, prefill_instance: str) -> Hello:
-    return Hello(prefill_instance, hello.decode_instance, hello.agent_name, hello.agent_metadata,
-                 hello.kv, hello.aux)
+    return Hello(
+        prefill_instance,
+        hello.decode_instance,
+        hello.agent_name,
+        hello.agent_metadata,
+        hello.kv,
+        hello.aux,
+    )
 
 
-def _abort(r: NixlReceiver, info: RankInfo, decode_instance: str, reason: str, kind: str) -> RoomAbort:
+def _abort(
+    r: NixlReceiver, info: RankInfo, decode_instance: str, reason: str, kind: str
+) -> RoomAbort:
     return RoomAbort(r.room, info.instance_id, decode_instance, reason, kind)

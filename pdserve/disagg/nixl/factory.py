@@ -6,15 +6,18 @@ from pdserve.disagg.base import KVArgs, KVManager
 from pdserve.disagg.nixl.api import load_nixl_api
 
 
-def create_nixl_manager(args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1",
-                        bootstrap_port: int = 0) -> KVManager:
+def create_nixl_manager(
+    args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1", bootstrap_port: int = 0
+) -> KVManager:
     """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
     Raises NixlUnavailableError when NIXL cannot be imported."""
     api = load_nixl_api()
     if role == "prefill":
         from pdserve.disagg.nixl.prefill import NixlPrefillManager
 
-        return NixlPrefillManager(args, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port, api=api)
+        return NixlPrefillManager(
+            args, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port, api=api
+        )
     if role == "decode":
         from pdserve.disagg.nixl.decode import NixlDecodeManager
 

@@ -23,16 +23,32 @@ from pdserve import envs
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (HealthInfo, Hello, RankInfo, RoomAbort, RoomDest, RoomStatus,
-                                     WireError, decode_control, encode_control)
+from pdserve.disagg.messages import (
+    HealthInfo,
+    Hello,
+    RankInfo,
+    RoomAbort,
+    RoomDest,
+    RoomStatus,
+    WireError,
+    decode_control,
+    encode_control,
+)
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.sender import NixlSender
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
 from pdserve.disagg.nixl.transfer_workers import TransferWorkers
-from pdserve.disagg.rooms import (PEER_FAILED, PEER_RESTARTED, SHUTDOWN, FailureInjector, RoomTable,
-                                  ServiceThreads, check_room)
+from pdserve.disagg.rooms import (
+    PEER_FAILED,
+    PEER_RESTARTED,
+    SHUTDOWN,
+    FailureInjector,
+    RoomTable,
+    ServiceThreads,
+    check_room,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +91,23 @@ class NixlPrefillManager(KVManager):
 
     role = "prefill"
 
-    def __init__(self, args: KVArgs, *, bootstrap_host: str, bootstrap_port: int, api: NixlApi,
-                 start_threads: bool = True) -> None:
+    def __init__(
+        self,
+        args: KVArgs,
+        *,
+        bootstrap_host: str,
+        bootstrap_port: int,
+        api: NixlApi,
+        start_threads: bool = True,
+    ) -> None:
         self.instance_id = uuid.uuid4().hex
         self.bootstrap_timeout = _env_positive(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
         self.transfer_timeout = _env_positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
         num_workers = envs.DISAGGREGATION_TRANSFER_WORKERS.get()
         if num_workers < 1:
-            raise ValueError(f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}")
+            raise ValueError(
+                f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}"
+            )
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlSender] = RoomTable("prefill")
@@ -92,7 +117,9 @@ class NixlPrefillManager(KVManager):
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._peers: dict[str, DecodePeer] = {}
         self._down = False
-        self.engine = NixlTransferEngine(api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}")
+        self.engine = NixlTransferEngine(
+            api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
+        )
         self._workers = TransferWorkers(self.engine, self.instance_id, self.transfer_timeout)
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
@@ -121,9 +148,17 @@ class NixlPrefillManager(KVManager):
         for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
             self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
-        info = RankInfo(PROTOCOL_VERSION, self.instance_id, self.engine.kv_args.engine_rank, self.engine.name,
-                        base64.b64encode(self.engine.metadata()).decode(), self.control_endpoint,
-                        self.engine.kv_args.layout.to_dict(), self.engine.kv_descs, self.engine.aux_descs)
+        info = RankInfo(
+            PROTOCOL_VERSION,
+            self.instance_id,
+            self.engine.kv_args.engine_rank,
+            self.engine.name,
+            base64.b64encode(self.engine.metadata()).decode(),
+            self.control_endpoint,
+            self.engine.kv_args.layout.to_dict(),
+            self.engine.kv_descs,
+            self.engine.aux_descs,
+        )
         client = BootstrapClient()
         try:  # the rank registers over HTTP like any rank would
             client.register(self._bootstrap.host, self._port, info)
@@ -131,7 +166,9 @@ class NixlPrefillManager(KVManager):
             client.close()
 
     def _health(self) -> HealthInfo:
-        return HealthInfo("ok" if self.is_healthy() else "unhealthy", self.instance_id, PROTOCOL_VERSION)
+        return HealthInfo(
+            "ok" if self.is_healthy() else "unhealthy", self.instance_id, PROTOCOL_VERSION
+        )
 
     # --- KVManager ------------------------------------------------------------------
     @property
@@ -155,7 +192,9 @@ class NixlPrefillManager(KVManager):
             self._attach(sender, *pending[:2])
         return sender
 
-    def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
+    ) -> KVReceiver:
         raise RuntimeError("create_receiver on a prefill KV manager")
 
     def is_healthy(self) -> bool:
@@ -165,9 +204,15 @@ class NixlPrefillManager(KVManager):
         return len(self._rooms)
 
     def stats(self) -> dict:
-        return dict(self._metrics.snapshot(), role="prefill", backend="nixl",
-                    rooms=self._rooms.count_by_state(), live_rooms=len(self._rooms),
-                    decode_peers=len(self._peers), healthy=self.is_healthy())
+        return dict(
+            self._metrics.snapshot(),
+            role="prefill",
+            backend="nixl",
+            rooms=self._rooms.count_by_state(),
+            live_rooms=len(self._rooms),
+            decode_peers=len(self._peers),
+            healthy=self.is_healthy(),
+        )
 
     def shutdown(self) -> None:
         if self._down:
@@ -192,7 +237,9 @@ class NixlPrefillManager(KVManager):
         with self._match:
             self._ended[sender.room] = (reason, kind, time.monotonic())
         if sender.reply_to is not None:
-            self._outbox.put((sender.reply_to, RoomStatus(sender.room, self.instance_id, False, reason, kind)))
+            self._outbox.put(
+                (sender.reply_to, RoomStatus(sender.room, self.instance_id, False, reason, kind))
+            )
 
     # --- control thread ---------------------------------------------------------------
     def _control_loop(self, stop: threading.Event) -> None:
@@ -212,8 +259,9 @@ class NixlPrefillManager(KVManager):
                 next_prune = time.monotonic() + 1.0
 
     def _reply(self, identity: bytes, room: int, reason: str, kind: str) -> None:
-        self._router.send_multipart([identity, encode_control(
-            RoomStatus(room, self.instance_id, False, reason, kind))])
+        self._router.send_multipart(
+            [identity, encode_control(RoomStatus(room, self.instance_id, False, reason, kind))]
+        )
 
     def _on_message(self, identity: bytes, data: bytes) -> None:
         try:
@@ -223,8 +271,13 @@ class NixlPrefillManager(KVManager):
             return
         if msg.prefill_instance != self.instance_id:
             if not isinstance(msg, Hello):
-                self._reply(identity, msg.room, f"prefill instance {msg.prefill_instance} is gone "
-                            f"(restarted as {self.instance_id})", PEER_RESTARTED)
+                self._reply(
+                    identity,
+                    msg.room,
+                    f"prefill instance {msg.prefill_instance} is gone "
+                    f"(restarted as {self.instance_id})",
+                    PEER_RESTARTED,
+                )
             return
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
@@ -265,7 +318,9 @@ class NixlPrefillManager(KVManager):
         peer = self._peers.get(dest.decode_instance)
         if peer is None or peer.remote is None:
             why = peer.error if peer is not None else "no Hello from this decode instance"
-            sender.peer_abort(f"decode {dest.decode_instance} is unusable: {why}", PEER_FAILED, identity)
+            sender.peer_abort(
+                f"decode {dest.decode_instance} is unusable: {why}", PEER_FAILED, identity
+            )
             return
         sender.attach_dest(dest, peer, identity)
 
@@ -275,9 +330,16 @@ class NixlPrefillManager(KVManager):
             if sender is None:
                 self._pending.pop(abort.room, None)
                 if abort.room not in self._ended:
-                    self._early_aborts[abort.room] = (abort.reason, abort.kind, identity, time.monotonic())
+                    self._early_aborts[abort.room] = (
+                        abort.reason,
+                        abort.kind,
+                        identity,
+                        time.monotonic(),
+                    )
         if sender is None:  # nothing of decode's is touched: acknowledge at once
-            self._reply(identity, abort.room, f"room {abort.room} is not running on prefill", abort.kind)
+            self._reply(
+                identity, abort.room, f"room {abort.room} is not running on prefill", abort.kind
+            )
         else:
             sender.peer_abort(abort.reason, abort.kind, identity)
 
@@ -293,5 +355,9 @@ class NixlPrefillManager(KVManager):
                 for r in [r for r, v in table.items() if v[at] < cutoff]:
                     del table[r]
         for room, (_, identity, _) in stale:
-            self._reply(identity, room, f"prefill never received room {room} within "
-                        f"{self.bootstrap_timeout:g} s", "bootstrap_timeout")
+            self._reply(
+                identity,
+                room,
+                f"prefill never received room {room} within {self.bootstrap_timeout:g} s",
+                "bootstrap_timeout",
+            )

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class NixlReceiver(RoomHandle, KVReceiver):
     """See module doc. Created by ``NixlDecodeManager.create_receiver``."""
 
-    def __init__(self, room: int, manager: "NixlDecodeManager", host: str, port: int) -> None:
+    def __init__(self, room: int, manager: NixlDecodeManager, host: str, port: int) -> None:
         super().__init__(room, manager._rooms, manager._metrics, manager._injector)
         self._mgr = manager
         self.key = (host, port)
@@ -42,14 +42,20 @@ class NixlReceiver(RoomHandle, KVReceiver):
 
     # --- engine side --------------------------------------------------------------------
     def _tick(self) -> None:
-        if self._state == KVPoll.Transferring and self.abort_request is None and \
-                time.monotonic() - self.init_at > self._mgr.waiting_timeout:
-            self._fail(f"room {self.room}: the KV cache did not arrive within {self._mgr.waiting_timeout:g} s "
-                       "(PDSERVE_DISAGGREGATION_WAITING_TIMEOUT)", WAITING_TIMEOUT)
+        if (
+            self._state == KVPoll.Transferring
+            and self.abort_request is None
+            and time.monotonic() - self.init_at > self._mgr.waiting_timeout
+        ):
+            self._fail(
+                f"room {self.room}: the KV cache did not arrive within {self._mgr.waiting_timeout:g} s "
+                "(PDSERVE_DISAGGREGATION_WAITING_TIMEOUT)",
+                WAITING_TIMEOUT,
+            )
 
     def init(self, dst_pages: list[int], aux_slot: int) -> None:
         eng = self._mgr.engine
-        if dst_pages and not (0 <= min(dst_pages) and max(dst_pages) < eng.num_pages):
+        if dst_pages and not (min(dst_pages) >= 0 and max(dst_pages) < eng.num_pages):
             raise ValueError(f"dst_pages must be page ids in [0, {eng.num_pages})")
         if not 0 <= aux_slot < eng.num_aux_slots:
             raise ValueError(f"aux_slot must be in [0, {eng.num_aux_slots}), got {aux_slot}")
@@ -60,14 +66,20 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 raise RuntimeError(f"init() on room {self.room} in state {self._state.name}")
             peer = self.peer
             if peer.dead:
-                self._finish_failed(f"room {self.room}: prefill {self.key[0]}:{self.key[1]} is gone", PEER_FAILED)
+                self._finish_failed(
+                    f"room {self.room}: prefill {self.key[0]}:{self.key[1]} is gone", PEER_FAILED
+                )
                 return
             self.dst_pages, self.aux_slot = list(dst_pages), aux_slot
             self.handed_over = True
             self._state = KVPoll.Transferring
             self.init_at = time.monotonic()
-        self._mgr.send(peer, RoomDest(self.room, peer.info.instance_id, self._mgr.instance_id,
-                                      self.dst_pages, aux_slot))
+        self._mgr.send(
+            peer,
+            RoomDest(
+                self.room, peer.info.instance_id, self._mgr.instance_id, self.dst_pages, aux_slot
+            ),
+        )
 
     def aux_record(self) -> AuxRecord:
         """The aux record prefill wrote; KVTransferError before Success or on a guard mismatch."""
@@ -75,13 +87,18 @@ class NixlReceiver(RoomHandle, KVReceiver):
             raise KVTransferError(f"room {self.room} has no aux record in state {self._state.name}")
         rec = self._read_aux()
         if rec.room != self.room:
-            raise KVTransferError(f"aux record guard: room {rec.room} found in the slot of room {self.room}")
+            raise KVTransferError(
+                f"aux record guard: room {rec.room} found in the slot of room {self.room}"
+            )
         return rec
 
     def _read_aux(self) -> AuxRecord:
         args = self._mgr.engine.kv_args
-        return AuxRecord.unpack(ctypes.string_at(args.aux_data_ptr + self.aux_slot * args.aux_item_len,
-                                                 AUX_RECORD_BYTES))
+        return AuxRecord.unpack(
+            ctypes.string_at(
+                args.aux_data_ptr + self.aux_slot * args.aux_item_len, AUX_RECORD_BYTES
+            )
+        )
 
     def _fail(self, reason: str, kind: str) -> None:
         with self._lock:
@@ -96,11 +113,15 @@ class NixlReceiver(RoomHandle, KVReceiver):
             tell = self.peer is not None and not self._told_prefill
             self._told_prefill = self._told_prefill or tell
         if tell:  # prefill's sender fails too (and acknowledges when it holds our pages)
-            self._mgr.send(self.peer, RoomAbort(self.room, self.peer.info.instance_id, self._mgr.instance_id,
-                                                reason, kind))
+            self._mgr.send(
+                self.peer,
+                RoomAbort(
+                    self.room, self.peer.info.instance_id, self._mgr.instance_id, reason, kind
+                ),
+            )
 
     # --- background threads ---------------------------------------------------------------
-    def bootstrapped(self, peer: "PrefillPeer") -> None:
+    def bootstrapped(self, peer: PrefillPeer) -> None:
         """The prefill rank was looked up and its agent loaded (bootstrap thread)."""
         with self._lock:
             self.peer = peer
@@ -111,8 +132,12 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._told_prefill = True
         if failed_early:  # e.g. aborted while bootstrapping: prefill's sender must end too
             exc = self.failure_exception()
-            self._mgr.send(peer, RoomAbort(self.room, peer.info.instance_id, self._mgr.instance_id,
-                                           str(exc), PEER_FAILED))
+            self._mgr.send(
+                peer,
+                RoomAbort(
+                    self.room, peer.info.instance_id, self._mgr.instance_id, str(exc), PEER_FAILED
+                ),
+            )
 
     def fail_now(self, reason: str, kind: str) -> None:
         """Terminal at once: the peer is known not to WRITE (mismatch found before any
@@ -121,7 +146,10 @@ class NixlReceiver(RoomHandle, KVReceiver):
 
     def on_status(self, status: RoomStatus) -> None:
         """Prefill says the room ended there (control thread)."""
-        reason, kind = self.abort_request or (f"prefill failed room {self.room}: {status.reason}", PEER_FAILED)
+        reason, kind = self.abort_request or (
+            f"prefill failed room {self.room}: {status.reason}",
+            PEER_FAILED,
+        )
         self._finish_failed(reason, kind)
 
     def on_done(self) -> None:
@@ -134,9 +162,14 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 return
             rec = self._read_aux()
             if rec.room != self.room:
-                self._finish_failed(f"aux record guard: room {rec.room} found in the slot of room {self.room}",
-                                    TRANSFER_ERROR)
+                self._finish_failed(
+                    f"aux record guard: room {rec.room} found in the slot of room {self.room}",
+                    TRANSFER_ERROR,
+                )
                 return
             eng = self._mgr.engine
-            self._finish_success(len(self.dst_pages) * eng.page_bytes + eng.kv_args.aux_item_len,
-                                 len(self.dst_pages), time.monotonic() - self.init_at)
+            self._finish_success(
+                len(self.dst_pages) * eng.page_bytes + eng.kv_args.aux_item_len,
+                len(self.dst_pages),
+                time.monotonic() - self.init_at,
+            )

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class NixlSender(RoomHandle, KVSender):
     """See module doc. Created by ``NixlPrefillManager.create_sender``."""
 
-    def __init__(self, room: int, manager: "NixlPrefillManager") -> None:
+    def __init__(self, room: int, manager: NixlPrefillManager) -> None:
         super().__init__(room, manager._rooms, manager._metrics, manager._injector)
         self._mgr = manager
         self._created = time.monotonic()
@@ -36,22 +36,28 @@ class NixlSender(RoomHandle, KVSender):
         self.aux_slot: int | None = None
         self.pages: list[int] = []
         self.sent_at = 0.0
-        self.inflight = False               # queued to or posted by a transfer worker
+        self.inflight = False  # queued to or posted by a transfer worker
         self.abort_request: tuple[str, str] | None = None
 
     # --- engine side ------------------------------------------------------------------
     def _tick(self) -> None:
-        if self._state == KVPoll.Bootstrapping and \
-                time.monotonic() - self._created > self._mgr.bootstrap_timeout:
-            self._fail(f"room {self.room}: decode's destination did not arrive within "
-                       f"{self._mgr.bootstrap_timeout:g} s (PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
-                       BOOTSTRAP_TIMEOUT)
+        if (
+            self._state == KVPoll.Bootstrapping
+            and time.monotonic() - self._created > self._mgr.bootstrap_timeout
+        ):
+            self._fail(
+                f"room {self.room}: decode's destination did not arrive within "
+                f"{self._mgr.bootstrap_timeout:g} s (PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                BOOTSTRAP_TIMEOUT,
+            )
 
     def init(self, num_pages: int, aux_slot: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         if not 0 <= aux_slot < self._mgr.engine.num_aux_slots:
-            raise ValueError(f"aux_slot must be in [0, {self._mgr.engine.num_aux_slots}), got {aux_slot}")
+            raise ValueError(
+                f"aux_slot must be in [0, {self._mgr.engine.num_aux_slots}), got {aux_slot}"
+            )
         with self._lock:
             self.num_pages, self.aux_slot = num_pages, aux_slot
             self._check_counts()
@@ -61,15 +67,19 @@ class NixlSender(RoomHandle, KVSender):
             if self.is_terminal():
                 return  # failed meanwhile; the engine sees it at its next poll
             if self._state != KVPoll.WaitingForInput or self.aux_slot is None:
-                raise RuntimeError(f"send() on room {self.room} in state {self._state.name} "
-                                   f"(needs WaitingForInput after init)")
+                raise RuntimeError(
+                    f"send() on room {self.room} in state {self._state.name} "
+                    f"(needs WaitingForInput after init)"
+                )
             if aux.room != self.room:
                 raise ValueError(f"aux.room {aux.room} differs from the room {self.room}")
             self.num_pages = len(page_ids)
             if not self._check_counts():
                 return
             args = self._mgr.engine.kv_args
-            ctypes.memmove(args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux.pack(), AUX_RECORD_BYTES)
+            ctypes.memmove(
+                args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux.pack(), AUX_RECORD_BYTES
+            )
             self.pages = list(page_ids)
             self._state = KVPoll.Transferring
             self.sent_at = time.monotonic()
@@ -78,9 +88,16 @@ class NixlSender(RoomHandle, KVSender):
 
     def _check_counts(self) -> bool:
         """Fail the room when decode expects another number of pages (caller holds the lock)."""
-        if self.dest is not None and self.num_pages is not None and len(self.dest.dst_pages) != self.num_pages:
-            self._fail(f"room {self.room}: prefill has {self.num_pages} pages, decode allocated "
-                       f"{len(self.dest.dst_pages)}", TRANSFER_ERROR)
+        if (
+            self.dest is not None
+            and self.num_pages is not None
+            and len(self.dest.dst_pages) != self.num_pages
+        ):
+            self._fail(
+                f"room {self.room}: prefill has {self.num_pages} pages, decode allocated "
+                f"{len(self.dest.dst_pages)}",
+                TRANSFER_ERROR,
+            )
             return False
         return True
 
@@ -95,7 +112,7 @@ class NixlSender(RoomHandle, KVSender):
         self._mgr.room_failed(self, reason, kind)
 
     # --- control thread / transfer workers ----------------------------------------------
-    def attach_dest(self, dest: RoomDest, peer: "DecodePeer", identity: bytes) -> None:
+    def attach_dest(self, dest: RoomDest, peer: DecodePeer, identity: bytes) -> None:
         """Decode's destination arrived (control thread)."""
         with self._lock:
             self.reply_to = identity
@@ -132,5 +149,8 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(*abort)
         else:
             eng = self._mgr.engine
-            self._finish_success(len(self.pages) * eng.page_bytes + eng.kv_args.aux_item_len,
-                                 len(self.pages), time.monotonic() - self.sent_at)
+            self._finish_success(
+                len(self.pages) * eng.page_bytes + eng.kv_args.aux_item_len,
+                len(self.pages),
+                time.monotonic() - self.sent_at,
+            )

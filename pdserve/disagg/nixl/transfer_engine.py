@@ -41,7 +41,9 @@ def check_descs(d: BufferDescs, what: str) -> int:
         raise ValueError(f"{what}: ptrs, lens and item_lens must be non-empty and of equal length")
     counts = {n // item if item > 0 else -1 for n, item in zip(d.lens, d.item_lens)}
     if len(counts) != 1 or min(counts) < 1:
-        raise ValueError(f"{what}: every buffer must hold the same number (>= 1) of items, got {sorted(counts)}")
+        raise ValueError(
+            f"{what}: every buffer must hold the same number (>= 1) of items, got {sorted(counts)}"
+        )
     return counts.pop()
 
 
@@ -72,8 +74,9 @@ class NixlTransferEngine:
     memory cannot be registered.
     """
 
-    def __init__(self, api: NixlApi, kv_args: KVArgs, role: str, name: str,
-                 spec: NixlInitSpec | None = None) -> None:
+    def __init__(
+        self, api: NixlApi, kv_args: KVArgs, role: str, name: str, spec: NixlInitSpec | None = None
+    ) -> None:
         self.name = name
         self.role = role
         self.kv_args = kv_args
@@ -81,10 +84,16 @@ class NixlTransferEngine:
         on_gpu = device_type(kv_args) != "cpu"
         self.kv_mem = "VRAM" if on_gpu else "DRAM"
         dev = kv_args.gpu_id if on_gpu else 0
-        self.kv_descs = BufferDescs(list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens),
-                                    list(kv_args.kv_item_lens), self.kv_mem, dev)
-        self.aux_descs = BufferDescs([kv_args.aux_data_ptr], [kv_args.aux_data_len],
-                                     [kv_args.aux_item_len], "DRAM", 0)
+        self.kv_descs = BufferDescs(
+            list(kv_args.kv_data_ptrs),
+            list(kv_args.kv_data_lens),
+            list(kv_args.kv_item_lens),
+            self.kv_mem,
+            dev,
+        )
+        self.aux_descs = BufferDescs(
+            [kv_args.aux_data_ptr], [kv_args.aux_data_len], [kv_args.aux_item_len], "DRAM", 0
+        )
         self.num_pages = check_descs(self.kv_descs, "kv_args.kv_data_lens/kv_item_lens")
         self.num_aux_slots = check_descs(self.aux_descs, "kv_args.aux_data_len/aux_item_len")
         self.num_buffers = len(kv_args.kv_data_ptrs)
@@ -92,10 +101,17 @@ class NixlTransferEngine:
         self._lock = threading.Lock()
         self._regs: list[Any] = []
         self._dlists: list[Any] = []
-        self._regs.append(self.agent.register_memory(
-            [(p, n, dev, "") for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)], self.kv_mem))
-        self._regs.append(self.agent.register_memory(
-            [(kv_args.aux_data_ptr, kv_args.aux_data_len, 0, "")], "DRAM"))
+        self._regs.append(
+            self.agent.register_memory(
+                [(p, n, dev, "") for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)],
+                self.kv_mem,
+            )
+        )
+        self._regs.append(
+            self.agent.register_memory(
+                [(kv_args.aux_data_ptr, kv_args.aux_data_len, 0, "")], "DRAM"
+            )
+        )
         self.local_kv = self.local_aux = None
         if role == "prefill":  # only the initiator of WRITEs needs local lists
             self.local_kv = self._prep("NIXL_INIT_AGENT", self.kv_descs)
@@ -121,16 +137,28 @@ class NixlTransferEngine:
     def prepare_remote(self, agent_name: str, kv: BufferDescs, aux: BufferDescs) -> RemoteSide:
         """Prepare a (loaded) peer's KV and aux memory as WRITE targets. ValueError when its
         buffer geometry differs from ours."""
-        if len(kv.ptrs) != self.num_buffers or list(kv.item_lens) != list(self.kv_args.kv_item_lens):
-            raise ValueError(f"peer {agent_name}: KV buffers differ (count {len(kv.ptrs)} vs "
-                             f"{self.num_buffers}, page bytes {kv.item_lens[:2]}... vs "
-                             f"{list(self.kv_args.kv_item_lens[:2])}...)")
+        if len(kv.ptrs) != self.num_buffers or list(kv.item_lens) != list(
+            self.kv_args.kv_item_lens
+        ):
+            raise ValueError(
+                f"peer {agent_name}: KV buffers differ (count {len(kv.ptrs)} vs "
+                f"{self.num_buffers}, page bytes {kv.item_lens[:2]}... vs "
+                f"{list(self.kv_args.kv_item_lens[:2])}...)"
+            )
         if aux.item_lens != [self.kv_args.aux_item_len]:
-            raise ValueError(f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}")
+            raise ValueError(
+                f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}"
+            )
         num_pages = check_descs(kv, f"peer {agent_name} kv")
         num_slots = check_descs(aux, f"peer {agent_name} aux")
-        return RemoteSide(agent_name, self._prep(agent_name, kv), self._prep(agent_name, aux),
-                          num_pages, num_slots, tuple(kv.item_lens))
+        return RemoteSide(
+            agent_name,
+            self._prep(agent_name, kv),
+            self._prep(agent_name, aux),
+            num_pages,
+            num_slots,
+            tuple(kv.item_lens),
+        )
 
     def release_remote(self, remote: RemoteSide) -> None:
         for handle in (remote.kv, remote.aux):
@@ -144,25 +172,45 @@ class NixlTransferEngine:
         self.agent.make_connection(agent_name)
 
     # --- transfers ------------------------------------------------------------------
-    def post_room_write(self, remote: RemoteSide, src_pages: list[int], dst_pages: list[int],
-                        src_slot: int, dst_slot: int) -> list[Any]:
+    def post_room_write(
+        self,
+        remote: RemoteSide,
+        src_pages: list[int],
+        dst_pages: list[int],
+        src_slot: int,
+        dst_slot: int,
+    ) -> list[Any]:
         """Post the WRITE of ``src_pages`` (all buffers) onto ``dst_pages`` of the peer, and
         of aux slot ``src_slot`` onto the peer's ``dst_slot``. Returns the posted handles
         (KV first; none for KV when there are no pages). ValueError for ids out of range."""
         if len(src_pages) != len(dst_pages):
-            raise ValueError(f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages")
-        for what, pages, n in (("source", src_pages, self.num_pages), ("destination", dst_pages, remote.num_pages)):
-            if pages and not (0 <= min(pages) and max(pages) < n):
+            raise ValueError(
+                f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages"
+            )
+        for what, pages, n in (
+            ("source", src_pages, self.num_pages),
+            ("destination", dst_pages, remote.num_pages),
+        ):
+            if pages and not (min(pages) >= 0 and max(pages) < n):
                 raise ValueError(f"{what} page id out of range [0, {n})")
         if not 0 <= dst_slot < remote.num_aux_slots or not 0 <= src_slot < self.num_aux_slots:
             raise ValueError(f"aux slot out of range (source {src_slot}, destination {dst_slot})")
         handles = []
         if src_pages:
-            handles.append(self.agent.make_prepped_xfer(
-                "WRITE", self.local_kv, page_indices(self.num_buffers, self.num_pages, src_pages),
-                remote.kv, page_indices(self.num_buffers, remote.num_pages, dst_pages)))
-        handles.append(self.agent.make_prepped_xfer(
-            "WRITE", self.local_aux, [src_slot], remote.aux, [dst_slot]))
+            handles.append(
+                self.agent.make_prepped_xfer(
+                    "WRITE",
+                    self.local_kv,
+                    page_indices(self.num_buffers, self.num_pages, src_pages),
+                    remote.kv,
+                    page_indices(self.num_buffers, remote.num_pages, dst_pages),
+                )
+            )
+        handles.append(
+            self.agent.make_prepped_xfer(
+                "WRITE", self.local_aux, [src_slot], remote.aux, [dst_slot]
+            )
+        )
         for h in handles:
             self.agent.transfer(h)
         return handles

@@ -33,7 +33,7 @@ class TransferWorkers:
         self.timeout_s = timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, sender: "NixlSender") -> None:
+    def submit(self, sender: NixlSender) -> None:
         self._jobs.put(sender)
 
     def loop(self, stop: threading.Event) -> None:
@@ -46,14 +46,15 @@ class TransferWorkers:
                 continue
             sender.transfer_finished(self._transfer(sender))
 
-    def _transfer(self, sender: "NixlSender") -> str | None:
+    def _transfer(self, sender: NixlSender) -> str | None:
         """Post and complete one room's WRITEs; the error, or None on success."""
         if sender.abort_request is not None:
             return None  # aborted before posting: nothing to undo
         dest, remote = sender.dest, sender.peer.remote
         try:
-            handles = self.engine.post_room_write(remote, sender.pages, dest.dst_pages,
-                                                  sender.aux_slot, dest.aux_slot)
+            handles = self.engine.post_room_write(
+                remote, sender.pages, dest.dst_pages, sender.aux_slot, dest.aux_slot
+            )
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             return f"{type(exc).__name__}: {exc}"
         error = None
@@ -80,7 +81,9 @@ class TransferWorkers:
             self._try_release(h)
         if error is None and sender.abort_request is None:
             try:
-                self.engine.send_notif(remote.agent_name, encode_xfer_done(sender.room, self.instance_id))
+                self.engine.send_notif(
+                    remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
+                )
             except Exception as exc:  # noqa: BLE001
                 error = f"completion notification failed: {type(exc).__name__}: {exc}"
         return error
