@@ -113,14 +113,19 @@ class DisaggConfig:
 
     role: ``mixed`` (no disaggregation), ``prefill`` or ``decode``.
     transfer_backend: registry name of the KV transfer backend (``nixl`` or ``fake``).
-    bootstrap_host: address this prefill worker advertises to decode peers.
+    bootstrap_host: address the prefill bootstrap server and ZMQ control endpoint listen
+        on (``0.0.0.0`` / ``::``: every interface, an explicit choice).
     bootstrap_port: HTTP port of the prefill bootstrap server (0 = pick a free one).
+    advertise_host: address (IP or DNS name) decode peers and the router use to reach this
+        prefill's bootstrap server and control endpoint; ``None`` = ``bootstrap_host``, or
+        for a wildcard this host's address on the network (:mod:`pdserve.advertise`).
     """
 
     role: str = "mixed"
     transfer_backend: str = "nixl"
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("mixed", "prefill", "decode"):
@@ -131,6 +136,12 @@ class DisaggConfig:
             )
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+        if not self.bootstrap_host:
+            raise ValueError("bootstrap_host must be a non-empty address (0.0.0.0 = all)")
+        if self.advertise_host is not None and self.advertise_host in ("", "0.0.0.0", "::"):
+            raise ValueError(
+                f"advertise_host must be an address peers can reach, got {self.advertise_host!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,10 @@ class RouterConfig:
 
     PD mode: ``prefill_urls`` and ``decode_urls`` both non-empty; regular mode:
     ``worker_urls`` non-empty (mixed workers). The two modes are exclusive.
+    mode: ``auto`` (PD when prefill/decode URLs are given, else regular), ``pd`` or
+        ``regular``; an explicit mode may start with no workers when the admin API is on.
+    admin_token: bearer token of the admin API (``/admin/workers``: add, remove, list
+        workers at run time); ``None`` = the admin API is off.
     policy: ``random``, ``round_robin`` or ``power_of_two`` (fewest outstanding requests of
         two random picks).
     request_timeout: seconds one client request may take end to end (504 after).
@@ -218,20 +233,35 @@ class RouterConfig:
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
     max_request_body_bytes: int = 32 * 2**20
+    mode: str = "auto"
+    admin_token: str | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in ("auto", "pd", "regular"):
+            raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("admin_token must be at least 16 characters")
         pd = bool(self.prefill_urls) or bool(self.decode_urls)
         if pd and self.worker_urls:
             raise ValueError(
                 "worker_urls (regular mode) cannot be combined with prefill_urls/decode_urls (PD mode)"
             )
-        if pd and not (self.prefill_urls and self.decode_urls):
+        if self.mode == "regular" and pd:
+            raise ValueError("mode regular takes worker_urls, not prefill_urls/decode_urls")
+        if self.mode == "pd" and self.worker_urls:
+            raise ValueError("mode pd takes prefill_urls and decode_urls, not worker_urls")
+        # An explicit mode with the admin API on may start empty: workers are added later.
+        may_start_empty = self.mode != "auto" and self.admin_token is not None
+        if pd and not (self.prefill_urls and self.decode_urls) and not may_start_empty:
             missing = "decode_urls" if self.prefill_urls else "prefill_urls"
             raise ValueError(
                 f"{missing} must be non-empty in PD mode (give at least one of each role)"
             )
-        if not pd and not self.worker_urls:
-            raise ValueError("worker_urls must be non-empty (or give prefill_urls and decode_urls)")
+        if not pd and not self.worker_urls and not may_start_empty:
+            raise ValueError(
+                "worker_urls must be non-empty (or give prefill_urls and decode_urls, or an "
+                "explicit mode with the admin API on to add workers later)"
+            )
         for name in ("prefill_urls", "decode_urls", "worker_urls"):
             for url in getattr(self, name):
                 if not (url.startswith("http://") or url.startswith("https://")):
@@ -262,4 +292,4 @@ class RouterConfig:
     @property
     def pd_mode(self) -> bool:
         """True when the router pairs prefill and decode workers."""
-        return bool(self.prefill_urls)
+        return self.mode == "pd" or bool(self.prefill_urls) or bool(self.decode_urls)

@@ -143,6 +143,15 @@ CPU_PACKED_LINEAR = EnvVar(
     "logprobs differ from transformers by ~1e-4); none = plain F.linear.",
 )
 
+# --- router ------------------------------------------------------------------------
+ROUTER_ADMIN_TOKEN = EnvVar(
+    "PDSERVE_ROUTER_ADMIN_TOKEN",
+    str,
+    "",
+    "Bearer token of the router's admin API (/admin/workers), when --admin-token-file is not "
+    "given; empty = the admin API is off. At least 16 characters.",
+)
+
 # --- logging -----------------------------------------------------------------------
 LOG_LEVEL = EnvVar(
     "PDSERVE_LOG_LEVEL",

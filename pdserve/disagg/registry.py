@@ -24,13 +24,15 @@ def create_kv_manager(
     *,
     bootstrap_host: str = "127.0.0.1",
     bootstrap_port: int = 0,
+    advertise_host: str | None = None,
 ) -> KVManager:
     """Create the KV manager of backend ``name`` (``"nixl"`` or ``"fake"``) for ``role``
     (``"prefill"`` or ``"decode"``) over the memory described by ``args``.
 
     bootstrap_host/bootstrap_port: where a prefill manager's bootstrap server listens
     (port 0 picks a free port; read it back from ``manager.bootstrap_port``); decode
-    ignores them. Raises ValueError naming ``name`` or ``role`` when unknown; a NIXL
+    ignores them. advertise_host: the address decode peers reach it by (``None``: derived
+    from ``bootstrap_host``, see :mod:`pdserve.advertise`). Raises ValueError naming ``name`` or ``role`` when unknown; a NIXL
     backend that cannot start raises its own error (ValueError for bad parameters,
     TimeoutError naming the call, or NIXL's exception).
     """
@@ -44,4 +46,10 @@ def create_kv_manager(
     factory = getattr(importlib.import_module(module_name), attr)
     if name == "fake":
         return factory(args, role)
-    return factory(args, role, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port)
+    return factory(
+        args,
+        role,
+        bootstrap_host=bootstrap_host,
+        bootstrap_port=bootstrap_port,
+        advertise_host=advertise_host,
+    )

@@ -1,5 +1,6 @@
 """The router's FastAPI app: OpenAI + native endpoints forwarded by the dispatcher, plus
-``/health``, ``/metrics``, ``/get_server_info`` and ``/v1/models``."""
+``/health``, ``/metrics``, ``/get_server_info``, ``/v1/models`` and the admin API
+(:mod:`pdserve.router.admin`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
+from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
@@ -63,7 +65,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         timeout=httpx.Timeout(None, connect=10.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
     )
-    roles = (
+    roles: dict[str, tuple[str, ...]] = (
         {"prefill": config.prefill_urls, "decode": config.decode_urls}
         if config.pd_mode
         else {"mixed": config.worker_urls}
@@ -103,6 +105,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
     app.state.before_shutdown = dispatcher.streams.shutdown  # run by netutil.GracefulServer
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    app.include_router(build_admin_router(pool, config.admin_token))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -176,16 +179,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                 "policy": config.policy,
                 "request_timeout": config.request_timeout,
                 "live_bootstrap_rooms": len(live_rooms),
-                "workers": [
-                    {
-                        "url": w.url,
-                        "role": w.role,
-                        "healthy": w.healthy,
-                        "outstanding": w.outstanding,
-                        "last_error": w.last_error,
-                    }
-                    for w in pool.all()
-                ],
+                "admin_api": config.admin_token is not None,
+                "workers": [worker_json(pool, w) for w in pool.all()],
             }
         )
 

@@ -80,8 +80,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=d("max_request_body_bytes"),
         help="largest request body accepted, in bytes; 413 above (default %(default)s)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "pd", "regular"),
+        default=d("mode"),
+        help="auto: PD when --prefill/--decode are given, else regular; pd/regular may start "
+        "with no workers when the admin API is on (default %(default)s)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the bearer token of the admin API (/admin/workers: add, remove, "
+        "list workers); unset: PDSERVE_ROUTER_ADMIN_TOKEN, and when that is empty too the "
+        "admin API is off",
+    )
     p.set_defaults(func=main)
     return p
+
+
+def admin_token_from_args(args: argparse.Namespace) -> str | None:
+    """The admin token: the file's content (stripped), else the environment's, else None.
+    ValueError naming the flag when the file cannot be read or is empty."""
+    if args.admin_token_file:
+        try:
+            with open(args.admin_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"--admin-token-file: cannot read it: {exc}") from exc
+        if not token:
+            raise ValueError(f"--admin-token-file: {args.admin_token_file} is empty")
+        return token
+    return envs.ROUTER_ADMIN_TOKEN.get() or None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -98,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_check_timeout=args.health_check_timeout,
         health_failure_threshold=args.health_failure_threshold,
         max_request_body_bytes=args.max_request_body_bytes,
+        mode=args.mode,
+        admin_token=admin_token_from_args(args),
     )
 
 
@@ -118,6 +150,8 @@ def main(args: argparse.Namespace) -> int:
         if config.pd_mode
         else f"regular mode, {len(config.worker_urls)} mixed"
     )
+    if config.admin_token is not None:
+        mode += ", admin API on"
     print(
         f"pdserve router ({mode} workers, policy {config.policy}) on http://{config.host}:{port}",
         flush=True,

@@ -27,6 +27,10 @@ class WorkerPool:
     ``/get_server_info`` names the expected role (and, for prefill, a bootstrap port); ``failure_threshold``
     consecutive failed probes (or failed dispatches) eject it; the next good probe
     restores it.
+
+    Membership changes at run time (the router's admin API): :meth:`add` probes the new
+    worker at once, so a healthy one takes requests right away; :meth:`drain` stops new
+    requests to a worker and removes it once its outstanding requests have ended.
     """
 
     def __init__(
@@ -53,13 +57,73 @@ class WorkerPool:
         self._timeout = check_timeout
         self._threshold = failure_threshold
         self._task: asyncio.Task | None = None
+        self.draining: set[str] = set()  # URLs that get no new requests (being removed)
+        self._background: set[asyncio.Task] = set()  # drains that outlived their request
 
     # --- picking ---------------------------------------------------------------------
     def all(self) -> list[WorkerState]:
         return [w for ws in self.workers.values() for w in ws]
 
     def healthy(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.get(role, []) if w.healthy]
+        """Workers of ``role`` that may take new requests: healthy and not draining."""
+        return [w for w in self.workers.get(role, []) if w.healthy and w.url not in self.draining]
+
+    def find(self, url: str) -> WorkerState | None:
+        """The worker at ``url`` (trailing slash ignored), or None."""
+        url = url.rstrip("/")
+        return next((w for w in self.all() if w.url == url), None)
+
+    # --- membership ------------------------------------------------------------------
+    async def add(self, url: str, role: str) -> WorkerState:
+        """Add a worker of ``role`` (one of the pool's roles) and probe it once now.
+        ValueError naming the field for an unknown role, a bad URL or a URL already in
+        the pool (any role)."""
+        if role not in self.workers:
+            raise ValueError(f"role must be one of {', '.join(self.workers)}, got {role!r}")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {url!r}")
+        if not urlsplit(url).hostname:
+            raise ValueError(f"url {url!r} names no host")
+        if self.find(url) is not None:
+            raise ValueError(f"url {url.rstrip('/')} is already a worker of this router")
+        worker = WorkerState(url.rstrip("/"), role)
+        self.workers[role].append(worker)
+        log.info("added %s worker %s", role, worker.url)
+        await self.check(worker)
+        return worker
+
+    async def drain(self, worker: WorkerState, timeout_s: float | None = None) -> bool:
+        """Stop new requests to ``worker``; remove it from the pool once its outstanding
+        requests have ended. Returns True when removed, False when ``timeout_s`` passed
+        first (it stays draining and is removed later, when its last request ends)."""
+        self.draining.add(worker.url)
+        log.info(
+            "draining %s worker %s (%d outstanding)", worker.role, worker.url, worker.outstanding
+        )
+        # A request that picked this worker before it was marked has queued its legs
+        # (which count themselves outstanding on their first step) ahead of this wake-up.
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while worker.outstanding > 0:
+            if deadline is not None and loop.time() >= deadline:
+                self._drain_later(worker)
+                return False
+            await asyncio.sleep(0.01)
+        self._remove(worker)
+        return True
+
+    def _drain_later(self, worker: WorkerState) -> None:
+        task = asyncio.get_running_loop().create_task(self.drain(worker))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _remove(self, worker: WorkerState) -> None:
+        ws = self.workers.get(worker.role, [])
+        if worker in ws:
+            ws.remove(worker)
+            log.info("removed %s worker %s", worker.role, worker.url)
+        self.draining.discard(worker.url)
 
     def pick(self, role: str) -> WorkerState:
         """A healthy worker of ``role`` by the policy; NoHealthyWorker if there is none."""
@@ -134,6 +198,8 @@ class WorkerPool:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -45,7 +45,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--disaggregation-bootstrap-host",
         default=d("bootstrap_host"),
-        help="address a prefill worker advertises to decode peers (default %(default)s)",
+        help="address a prefill worker's bootstrap server and ZMQ control endpoint listen on; "
+        "0.0.0.0 = every interface (default %(default)s)",
+    )
+    p.add_argument(
+        "--disaggregation-advertise-host",
+        default=d("advertise_host"),
+        help="address (IP or DNS name) decode peers and the router use to reach this prefill "
+        "worker; unset: the bootstrap host, or for 0.0.0.0 this host's address on the network",
     )
     p.add_argument(
         "--disaggregation-bootstrap-port",
@@ -101,6 +108,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             transfer_backend=args.disaggregation_transfer_backend,
             bootstrap_host=args.disaggregation_bootstrap_host,
             bootstrap_port=args.disaggregation_bootstrap_port,
+            advertise_host=args.disaggregation_advertise_host,
         ),
     )
 

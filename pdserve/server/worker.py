@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import pdserve
+from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager
 from pdserve.server.async_engine import AsyncEngine
@@ -30,6 +31,7 @@ def _create_managers(
             disagg.role,
             bootstrap_host=disagg.bootstrap_host,
             bootstrap_port=disagg.bootstrap_port,
+            advertise_host=advertised_host(disagg.bootstrap_host, disagg.advertise_host),
         )
     }
     if "fake" not in managers:  # /health_generate goes through the fake backend
@@ -97,7 +99,9 @@ def build_worker(
         "num_total_pages": core.pool.num_pages,
         "num_threads": torch.get_num_threads(),
         "transfer_backend": disagg.transfer_backend if pd else None,
-        "bootstrap_host": disagg.bootstrap_host if disagg.role == "prefill" else None,
+        "bootstrap_host": advertised_host(disagg.bootstrap_host, disagg.advertise_host)
+        if disagg.role == "prefill"
+        else None,
         "bootstrap_port": transfer.bootstrap_port
         if transfer is not None and disagg.role == "prefill"
         else None,

@@ -63,6 +63,7 @@ class FakeWorker:
         self.chunk_gap = 0.01
         self.bodies: list[dict] = []
         self.disconnects = 0
+        self.gate: threading.Event | None = None  # when set: answers wait until it is set
         self.app = self._build()
 
     def answer(self, path: str, body: dict) -> dict:
@@ -106,6 +107,8 @@ class FakeWorker:
         async def handle(request: Request, path: str):
             body = await request.json()
             self.bodies.append(body)
+            while self.gate is not None and not self.gate.is_set():
+                await asyncio.sleep(0.01)
             if self.delay:
                 await asyncio.sleep(self.delay)
             if self.mode == "fail":

@@ -7,7 +7,12 @@ from pdserve.disagg.nixl.api import load_nixl_api
 
 
 def create_nixl_manager(
-    args: KVArgs, role: str, *, bootstrap_host: str = "127.0.0.1", bootstrap_port: int = 0
+    args: KVArgs,
+    role: str,
+    *,
+    bootstrap_host: str = "127.0.0.1",
+    bootstrap_port: int = 0,
+    advertise_host: str | None = None,
 ) -> KVManager:
     """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
     Raises NixlUnavailableError when NIXL cannot be imported."""
@@ -16,7 +21,11 @@ def create_nixl_manager(
         from pdserve.disagg.nixl.prefill import NixlPrefillManager
 
         return NixlPrefillManager(
-            args, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port, api=api
+            args,
+            bootstrap_host=bootstrap_host,
+            bootstrap_port=bootstrap_port,
+            advertise_host=advertise_host,
+            api=api,
         )
     if role == "decode":
         from pdserve.disagg.nixl.decode import NixlDecodeManager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve import envs
+from pdserve.advertise import advertised_host, url_host
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.control import Outbox, recv_all
@@ -63,17 +63,6 @@ class DecodePeer:
     error: str | None = None
 
 
-def _advertised(host: str) -> str:
-    """The address decode should connect to: ``host``, or this machine's when ``host``
-    is a wildcard (0.0.0.0 / ::)."""
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
-
-
 def _env_positive(var) -> float:
     value = var.get()
     if value <= 0:
@@ -85,7 +74,9 @@ class NixlPrefillManager(KVManager):
     """Prefill role over NIXL (see module doc).
 
     args: the KV pool and aux buffer to register; bootstrap_host/bootstrap_port: where the
-    bootstrap server and the ZMQ control endpoint listen (port 0 = free port). Raises
+    bootstrap server and the ZMQ control endpoint listen (port 0 = free port);
+    advertise_host: the address decode reaches the control endpoint by (``None``: derived
+    from ``bootstrap_host`` by :func:`pdserve.advertise.advertised_host`). Raises
     OSError naming the port when it is taken, and whatever NIXL initialisation raises.
     """
 
@@ -98,6 +89,7 @@ class NixlPrefillManager(KVManager):
         bootstrap_host: str,
         bootstrap_port: int,
         api: NixlApi,
+        advertise_host: str | None = None,
         start_threads: bool = True,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
@@ -130,7 +122,8 @@ class NixlPrefillManager(KVManager):
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         control_port = self._router.bind_to_random_port(f"tcp://{zmq_host}")
-        self.control_endpoint = f"tcp://{_advertised(host)}:{control_port}"
+        advertised = url_host(advertised_host(host, advertise_host))
+        self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
         self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
         self._port: int | None = None
