@@ -8,7 +8,6 @@ when only transfers are pending it returns ``[]`` quickly (the caller may sleep)
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Mapping
 
 import torch
@@ -100,7 +99,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             sc, self.pool, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
         )
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        # Unseeded random rows share one generator (one batched draw a step); seeded rows
+        # get their own in add_request, so a seed gives the same tokens whatever the batch.
+        self._unseeded = torch.Generator(device=self.device)
+        self._unseeded.manual_seed(mc.seed)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded)
         self.disagg = DisaggFlow(
             self.pool,
             self.scheduler,
@@ -112,7 +115,6 @@ class EngineCore:
         self._managers_bound = bool(kv_managers)
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
-        self._rng = random.Random(mc.seed)  # seeds of requests that have none
         self._counters = {
             "steps": 0,
             "prompt_tokens_computed": 0,
@@ -172,6 +174,8 @@ class EngineCore:
             raise ValueError("prompt_token_ids must not be empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
@@ -179,10 +183,9 @@ class EngineCore:
             )
         manager = self.disagg.manager_for(disagg) if disagg is not None else None
         generator = None
-        if not params.greedy:
+        if not params.greedy and params.seed is not None:
             generator = torch.Generator(device=self.device)
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator.manual_seed(seed % 2**64)  # any integer seed is valid; torch takes 64 bits
+            generator.manual_seed(params.seed % 2**64)  # any integer seed; torch takes 64 bits
         detok = IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids,

@@ -8,7 +8,13 @@ import torch
 
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampler import SampledToken, SampleRequest, sample, top_logprobs
+from pdserve.engine.sampler import (
+    SampledToken,
+    SampleRequest,
+    sample,
+    sample_request_of,
+    top_logprobs,
+)
 from pdserve.engine.scheduler import BatchPlan
 from pdserve.model.attention import build_attention_metadata
 
@@ -34,10 +40,17 @@ class ModelRunner:
     the prompt positions whose logprobs were asked), and samples.
     """
 
-    def __init__(self, model, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        pool: KVPool,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.generator = generator  # draws of unseeded random rows (seeded rows own theirs)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
@@ -67,7 +80,7 @@ class ModelRunner:
                 )
             if seq.sample:
                 sample_rows.append(row0 + n - 1)
-                sample_reqs.append(SampleRequest(seq.params, seq.generator, seq.banned_token_ids))
+                sample_reqs.append(sample_request_of(seq))
         attn = build_attention_metadata(q_lens, s_lens, tables, self.pool.page_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -79,7 +92,7 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [B, V] fp32
-            sampled = sample(logits, sample_reqs)
+            sampled = sample(logits, sample_reqs, self.generator)
             seq_ids = [s.request_id for s in plan.seqs if s.sample]
             result.sampled = dict(zip(seq_ids, sampled))
         return result

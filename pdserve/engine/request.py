@@ -77,7 +77,7 @@ class Request:
         self.params = params
         self.arrival = arrival
         self.detokenizer = detokenizer
-        self.generator = generator  # None for greedy requests
+        self.generator = generator  # seeded random requests only (others: the shared one)
         self.disagg = disagg
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0

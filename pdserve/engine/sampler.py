@@ -1,16 +1,27 @@
 """Sampling the next token of each sequence, and the logprobs OpenAI/vLLM report.
 
-Greedy rows take the exact argmax.  Random rows apply, in order: temperature, top-k,
-top-p (nucleus), min-p, then draw with the request's own ``torch.Generator`` using the
-exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` (one draw of ``V`` exponentials per
-token, so the result depends only on the request's seed, never on the batch).
-Logprobs are ``log_softmax`` of the raw logits (before any of the above).
+One call handles the whole batch ``logits[B, V]`` (fp32) with batched tensor ops, in
+this order (vLLM v1's order):
+
+1. logprobs: ``log_softmax`` of the raw logits, before anything below (what OpenAI and
+   vLLM report);
+2. ``logit_bias`` added, ``min_tokens``' banned ids set to ``-inf``;
+3. penalties: ``repetition_penalty`` over prompt + output tokens, then
+   ``frequency_penalty`` / ``presence_penalty`` over the output tokens;
+4. :func:`apply_logits_masks`: the per-row allowed-token mask (structured outputs plug
+   their grammar in here);
+5. greedy rows take the exact argmax; random rows apply temperature, top-k, top-p
+   (nucleus), min-p, then draw with the exponential race ``argmax(p / E)``,
+   ``E ~ Exp(1)``.  A seeded row draws its ``V`` exponentials from its own
+   ``torch.Generator`` (so its tokens depend only on its seed, never on the batch); the
+   unseeded rows draw theirs in one batched call from the shared generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,11 +30,38 @@ from pdserve.engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """Sampling inputs of one row: params, its generator (None for greedy), masked ids."""
+    """Sampling inputs of one row.
+
+    params: the request's sampling params.
+    generator: the row's own generator, for seeded random rows only (``params.seed`` set);
+        ``None`` for greedy rows and unseeded ones (those use ``sample``'s ``generator``).
+    banned_token_ids: ids masked to ``-inf`` (EOS / stop ids before ``min_tokens``).
+    prompt_token_ids / output_token_ids: the request's tokens so far, read only when
+        ``params.has_penalties`` (the penalty state is a function of them, so a decode
+        worker that holds prompt + first token samples as a mixed worker does).
+    logits_mask: optional bool ``[V]`` tensor, True where a token is allowed (see
+        :func:`apply_logits_masks`); ``None`` = unconstrained.
+    """
 
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    logits_mask: torch.Tensor | None = None
+
+
+def sample_request_of(seq: Any) -> SampleRequest:
+    """The :class:`SampleRequest` of a scheduled sequence (``scheduler.ScheduledSeq``):
+    the model runner's one way to build rows, so new sampling inputs need no runner change."""
+    return SampleRequest(
+        seq.params,
+        seq.generator,
+        seq.banned_token_ids,
+        getattr(seq, "prompt_token_ids", ()),
+        getattr(seq, "output_token_ids", ()),
+        getattr(seq, "logits_mask", None),
+    )
 
 
 @dataclass(frozen=True)
@@ -46,9 +84,92 @@ def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[
 
 
 def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
-    """Advance ``generator`` exactly as one random draw does (used when the first token
-    was sampled on another worker, so later tokens match a non-disaggregated run)."""
+    """Advance ``generator`` exactly as one random draw of a seeded row does (used when
+    the first token was sampled on another worker, so later tokens match a
+    non-disaggregated run)."""
     torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
+def _token_counts(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """``counts[R, V]`` (fp32): how often each token id occurs in each of the ``R`` lists
+    (one padded index tensor and one ``scatter_add``; padding goes to a dropped column)."""
+    width = max((len(x) for x in lists), default=0)
+    counts = torch.zeros(len(lists), vocab + 1, device=device)
+    if width:
+        padded = [list(x) + [vocab] * (width - len(x)) for x in lists]
+        idx = torch.tensor(padded, dtype=torch.int64, device=device)
+        counts.scatter_add_(1, idx, torch.ones(idx.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
+
+
+def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """``logit_bias`` added and banned ids set to ``-inf``, each one ``index_put_``."""
+    b_rows, b_ids, b_vals, x_rows, x_ids = [], [], [], [], []
+    for i, r in enumerate(rows):
+        for tid, bias in r.params.logit_bias:
+            b_rows.append(i)
+            b_ids.append(tid)
+            b_vals.append(bias)
+        x_rows += [i] * len(r.banned_token_ids)
+        x_ids += r.banned_token_ids
+    dev = work.device
+    if b_rows:
+        work.index_put_(
+            (torch.tensor(b_rows, device=dev), torch.tensor(b_ids, device=dev)),
+            torch.tensor(b_vals, device=dev, dtype=work.dtype),
+            accumulate=True,
+        )
+    if x_rows:
+        work[torch.tensor(x_rows, device=dev), torch.tensor(x_ids, device=dev)] = float("-inf")
+    return work
+
+
+def _apply_penalties(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties, on
+    the rows that have any; formulas in ``SamplingParams``' docstring."""
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return work
+    vocab = work.shape[-1]
+    ps = [rows[i].params for i in idx]
+    out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, work.device)
+    in_output = out_counts > 0
+    sub = work[idx]  # [R, V] (a copy; written back below)
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        prompt_counts = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, work.device)
+        seen = in_output | (prompt_counts > 0)
+        rep = _column([p.repetition_penalty for p in ps], sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - _column([p.frequency_penalty for p in ps], sub) * out_counts
+    sub = sub - _column([p.presence_penalty for p in ps], sub) * in_output.to(sub.dtype)
+    work[idx] = sub
+    return work
+
+
+def apply_logits_masks(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """The one place where a per-row allowed-token mask applies, after bias/penalties and
+    before greedy argmax / temperature / top-k / top-p (so a constrained row never picks a
+    disallowed token, and top-p renormalises over the allowed ones).
+
+    ``work[B, V]`` fp32, modified in place and returned; ``rows[i].logits_mask`` is
+    ``None`` (row unconstrained) or a bool tensor ``[V]`` on ``work``'s device, True =
+    allowed.  Disallowed entries become ``-inf``.  A mask allowing nothing is a caller
+    bug (the grammar must always allow EOS or a token): ValueError.
+    Structured outputs (``engine/structured/``) fill ``logits_mask``; reported logprobs
+    stay the raw model's.
+    """
+    masked = [i for i, r in enumerate(rows) if r.logits_mask is not None]
+    if not masked:
+        return work
+    allowed = torch.stack([rows[i].logits_mask for i in masked])  # [M, V] bool
+    if not bool(allowed.any(dim=-1).all()):
+        raise ValueError("logits_mask allows no token for a row")
+    work[masked] = work[masked].masked_fill(~allowed, float("-inf"))
+    return work
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -79,35 +200,68 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> list[SampledToken]:
-    """Sample one token per row of ``logits[B, V]`` (fp32).
+def _race(probs: torch.Tensor, rows: Sequence[SampleRequest], generator) -> torch.Tensor:
+    """``E ~ Exp(1)`` of shape ``probs[R, V]``: a seeded row's from its own generator (one
+    ``[V]`` draw, the same whatever the batch), the unseeded rows' in one batched draw."""
+    race = torch.empty_like(probs)
+    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        if len(unseeded) == len(rows):
+            race.exponential_(generator=generator)
+        else:
+            race[unseeded] = torch.empty(
+                len(unseeded), probs.shape[-1], device=probs.device, dtype=probs.dtype
+            ).exponential_(generator=generator)
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            race[j].exponential_(generator=r.generator)
+    return race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would give 0/0 = nan
 
+
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[SampleRequest],
+    generator: torch.Generator | None = None,
+) -> list[SampledToken]:
+    """Sample one token per row of ``logits[B, V]`` (fp32); see the module docstring.
+
+    generator: draws of the unseeded random rows (``None``: torch's default generator).
     Returns, per row, the token, its raw logprob and the top-``params.logprobs``
-    alternatives (empty when logprobs were not asked).
+    alternatives (empty when logprobs were not asked); results cross to the host once.
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     work = logits
-    if any(r.banned_token_ids for r in rows):
+    needs_work = any(
+        r.banned_token_ids
+        or r.params.logit_bias
+        or r.params.has_penalties
+        or r.logits_mask is not None
+        for r in rows
+    )
+    if needs_work:
         work = logits.clone()
-        for i, r in enumerate(rows):
-            if r.banned_token_ids:
-                work[i, list(r.banned_token_ids)] = float("-inf")
+        _apply_bias_and_bans(work, rows)
+        _apply_penalties(work, rows)
+        apply_logits_masks(work, rows)
     chosen = work.argmax(dim=-1)  # greedy rows keep this
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor(
-            [rows[i].params.temperature for i in random_rows],
-            device=logits.device,
-            dtype=work.dtype,
-        ).unsqueeze(1)
-        scaled = _filter(work[idx] / temps, [rows[i].params for i in random_rows])
+        sub_rows = [rows[i] for i in random_rows]
+        temps = _column([r.params.temperature for r in sub_rows], work)
+        scaled = _filter(work[random_rows] / temps, [r.params for r in sub_rows])
         probs = scaled.softmax(dim=-1)
-        for j, i in enumerate(random_rows):
-            race = torch.empty_like(probs[j]).exponential_(generator=rows[i].generator)
-            race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would give 0/0 = nan
-            chosen[i] = (probs[j] / race).argmax()
-    token_ids = chosen.tolist()
-    token_lps = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    tops = top_logprobs(logprobs, [r.params.logprobs or 0 for r in rows])
-    return [SampledToken(t, lp, top) for t, lp, top in zip(token_ids, token_lps, tops)]
+        chosen[random_rows] = (probs / _race(probs, sub_rows, generator)).argmax(dim=-1)
+    ks = [r.params.logprobs or 0 for r in rows]
+    k_max = max(ks, default=0)
+    # One device->host copy: [B, 2 + 2k] = token id, its logprob, top-k ids, top-k logprobs
+    # (ids are exact in float64).
+    packed = [chosen.unsqueeze(1).double(), logprobs.gather(1, chosen.unsqueeze(1)).double()]
+    if k_max:
+        vals, ids = logprobs.topk(k_max, dim=-1)
+        packed += [ids.double(), vals.double()]
+    host = torch.cat(packed, dim=1).tolist()
+    out = []
+    for row, k in zip(host, ks):
+        top = tuple(zip((int(t) for t in row[2 : 2 + k]), row[2 + k_max : 2 + k_max + k]))
+        out.append(SampledToken(int(row[0]), row[1], top))
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +35,18 @@ class SamplingParams:
         token's logprob; ``None`` = no logprobs).  At most 20 (OpenAI's limit).
     prompt_logprobs: the same for every prompt token (the first one has none).
     skip_special_tokens: leave special tokens out of the output text.
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every
+        token already generated, once (presence) and per occurrence (frequency) — OpenAI's
+        definition, over the output tokens only.
+    repetition_penalty: > 0, 1 disables; a logit of a token seen in the prompt or the output
+        is divided by it when positive, multiplied when negative (transformers'
+        ``RepetitionPenaltyLogitsProcessor``, from the CTRL paper, Keskar et al. 2019).
+    logit_bias: token id -> bias in [-100, 100] added to that token's logit (OpenAI); a
+        mapping (JSON object keys may be strings of digits) or ``(id, bias)`` pairs, stored
+        as sorted pairs.  Ids are checked against the vocabulary by the engine.
+
+    All four change which token is chosen, never the reported logprobs (those stay the raw
+    model's, as OpenAI and vLLM report them).
 
     Raises ``ValueError`` naming the field for any out-of-range or wrongly typed value.
     """
@@ -53,6 +65,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -91,6 +107,40 @@ class SamplingParams:
             raise ValueError(
                 f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0 < rep < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        object.__setattr__(self, "logit_bias", self._check_logit_bias(self.logit_bias))
+
+    @staticmethod
+    def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+        if bias is None:
+            return ()
+        if isinstance(bias, Mapping):
+            items = list(bias.items())
+        elif isinstance(bias, (list, tuple)):
+            items = list(bias)
+        else:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        out: dict[int, float] = {}
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            key, value = item
+            if isinstance(key, str) and key.isdigit():
+                key = int(key)
+            if not _is_int(key) or key < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}"
+                )
+            out[key] = float(value)
+        return tuple(sorted(out.items()))
 
     @staticmethod
     def _check_stop(stop: Any) -> tuple[str, ...]:
@@ -114,6 +164,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the token history (a penalty is not neutral)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def fan_out(self, request_id: str) -> list[tuple[str, SamplingParams]]:
         """Split an ``n``-sample request into ``n`` single-sample engine requests.

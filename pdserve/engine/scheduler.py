@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ class ScheduledSeq:
         ``targets`` (those at positions ``start + 1 ..``); empty when not asked or done.
     params/generator/banned_token_ids: how to sample (``banned`` = masked ids while
         ``min_tokens`` is not reached).
+    prompt_token_ids/output_token_ids: the request's tokens, for the sampler's penalties
+        (empty unless ``sample`` and ``params.has_penalties``).
     """
 
     request_id: str
@@ -50,6 +53,8 @@ class ScheduledSeq:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class Scheduler:
         banned = ()
         if sample and req.num_output_tokens < req.params.min_tokens:
             banned = self._banned_before_min(req)
+        history = sample and req.params.has_penalties
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
@@ -171,4 +177,6 @@ class Scheduler:
             params=req.params,
             generator=req.generator,
             banned_token_ids=banned,
+            prompt_token_ids=req.prompt_token_ids if history else (),
+            output_token_ids=req.output_token_ids if history else (),
         )

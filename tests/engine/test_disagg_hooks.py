@@ -76,8 +76,32 @@ def drive(*cores, max_steps=200):
         SamplingParams(temperature=0.9, seed=7, max_tokens=10, logprobs=1),
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0, max_tokens=8, min_tokens=4, ignore_eos=True),
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            logprobs=2,
+            presence_penalty=1.5,
+            frequency_penalty=0.7,
+            repetition_penalty=1.3,
+            logit_bias={5: 3.0, 9: -100},
+        ),
+        SamplingParams(
+            temperature=0.9,
+            seed=3,
+            max_tokens=12,
+            frequency_penalty=1.0,
+            repetition_penalty=1.2,
+            ignore_eos=True,
+        ),
     ],
-    ids=["greedy-logprobs", "seeded", "max_tokens-1", "min_tokens"],
+    ids=[
+        "greedy-logprobs",
+        "seeded",
+        "max_tokens-1",
+        "min_tokens",
+        "greedy-penalties",
+        "seeded-penalties",
+    ],
 )
 def test_pd_output_equals_mixed_output(cores, params):
     prefill, decode, m = cores

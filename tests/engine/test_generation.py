@@ -228,3 +228,23 @@ def test_abort_storm_leaves_pages_and_outputs_as_before(tiny_model_dir):
     assert core.num_free_pages == 40
     after = llm.generate([PROMPT], canary)[0].outputs[0]
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+def test_repetition_penalty_matches_transformers_generate(tiny_llm, tiny_model_dir, tokenizer):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), dtype=torch.float32
+    )
+    ids = tokenizer(PROMPT)["input_ids"]
+    p = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.8, ignore_eos=True)
+    got = tiny_llm.generate([ids], p)[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            repetition_penalty=1.8,
+        )[0, len(ids) :].tolist()
+    assert got == ref
+    plain = tiny_llm.generate([ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert plain[0].outputs[0].token_ids != got  # the penalty changed something

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from pdserve import SamplingParams
@@ -80,3 +81,102 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     g = gen(5)
     skip_draw(g, 1000, torch.device("cpu"))  # as a decode worker does after prefill's draw
     assert run(g, n=4) == alone[1:]
+
+
+def test_penalties_match_transformers_and_openai_definitions():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(1)
+    vocab = 40
+    logits = torch.randn(2, vocab)
+    prompt, output = [3, 5, 5, 7], [7, 9, 9, 9, 11]
+    # repetition: transformers' processor over prompt + output
+    p = SamplingParams(temperature=0, repetition_penalty=1.7)
+    rows = [SampleRequest(p, None, prompt_token_ids=prompt, output_token_ids=output)] * 2
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output] * 2), logits.clone())
+    out = sample(logits, rows)
+    assert [o.token_id for o in out] == ref.argmax(-1).tolist()
+    # frequency / presence: OpenAI's logit - count * freq - (count > 0) * presence, output only
+    counts = torch.bincount(torch.tensor(output), minlength=vocab).float()
+    for freq, pres in ((2.0, 0.0), (0.0, 2.0), (1.3, -0.4), (-2.0, 0.5)):
+        p = SamplingParams(temperature=0, frequency_penalty=freq, presence_penalty=pres)
+        expect = logits - freq * counts - pres * (counts > 0).float()
+        row = SampleRequest(p, None, prompt_token_ids=prompt, output_token_ids=output)
+        got = sample(logits, [row] * 2)
+        assert [o.token_id for o in got] == expect.argmax(-1).tolist()
+    # a strong presence penalty never repeats an output token; raw logprobs are reported
+    logits = torch.zeros(1, vocab)
+    logits[0, 9] = 1.5
+    p = SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1)
+    o = sample(logits, [SampleRequest(p, None, output_token_ids=[9])])[0]
+    assert o.token_id != 9 and o.top[0][0] == 9
+    assert abs(o.logprob - torch.log_softmax(logits, -1)[0, o.token_id].item()) < 1e-6
+
+
+def test_penalised_rows_do_not_change_other_rows():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 30)
+    plain = SampleRequest(SamplingParams(temperature=0), None)
+    pen = SampleRequest(
+        SamplingParams(temperature=0, frequency_penalty=2.0), None, output_token_ids=[0] * 5
+    )
+    out = sample(logits, [plain, pen, plain])
+    assert out[0].token_id == int(logits[0].argmax()) and out[2].token_id == int(logits[2].argmax())
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 50)
+    best = logits.argmax(-1).tolist()
+    force = SampleRequest(SamplingParams(temperature=0, logit_bias={"17": 100}), None)
+    forbid = SampleRequest(SamplingParams(temperature=0, logit_bias={best[1]: -100}), None)
+    out = sample(logits, [force, forbid])
+    assert out[0].token_id == 17 and out[1].token_id != best[1]
+    # sampled rows too (seeded and unseeded)
+    seeded = SampleRequest(SamplingParams(temperature=1.0, seed=1, logit_bias=[(4, 100)]), gen(1))
+    unseeded = SampleRequest(SamplingParams(temperature=1.0, logit_bias={4: 100.0}), None)
+    for _ in range(20):
+        assert [o.token_id for o in sample(logits, [seeded, unseeded], gen(9))] == [4, 4]
+
+
+def test_unseeded_rows_use_one_shared_draw_and_seeded_rows_keep_their_stream():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 200)
+    p_seeded = SamplingParams(temperature=1.0, seed=11)
+    p_free = SamplingParams(temperature=1.0)
+    g = gen(11)
+    alone = [sample(logits[2:3], [SampleRequest(p_seeded, g)])[0].token_id for _ in range(6)]
+    g, shared = gen(11), gen(0)
+    rows = [SampleRequest(p_free, None)] * 2 + [SampleRequest(p_seeded, g)]
+    rows += [SampleRequest(p_free, None)] * 2
+    mixed = [sample(logits, rows, shared) for _ in range(6)]
+    assert [m[2].token_id for m in mixed] == alone
+    # the shared generator drives the unseeded rows: same generator state, same tokens
+    a = [o.token_id for o in sample(logits, [SampleRequest(p_free, None)] * 5, gen(7))]
+    b = [o.token_id for o in sample(logits, [SampleRequest(p_free, None)] * 5, gen(7))]
+    assert a == b
+    draws = {
+        tuple(o.token_id for o in sample(logits, [SampleRequest(p_free, None)] * 5, shared))
+        for _ in range(10)
+    }
+    assert len(draws) > 1  # really random
+
+
+def test_logits_mask_restricts_greedy_and_sampled_rows():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 64)
+    allowed = torch.zeros(64, dtype=torch.bool)
+    allowed[[3, 30, 40]] = True
+    masked = [
+        SampleRequest(SamplingParams(temperature=0), None, logits_mask=allowed),
+        SampleRequest(SamplingParams(temperature=1.5, top_p=0.9), None, logits_mask=allowed),
+    ]
+    free = SampleRequest(SamplingParams(temperature=0, logprobs=2), None)
+    for _ in range(20):
+        out = sample(logits, [masked[0], masked[1], free], gen(0))
+        assert out[0].token_id == max((3, 30, 40), key=lambda t: logits[0, t].item())
+        assert out[1].token_id in (3, 30, 40)
+        assert out[2].token_id == int(logits[2].argmax())
+    nothing = SampleRequest(SamplingParams(), None, logits_mask=torch.zeros(64, dtype=torch.bool))
+    with pytest.raises(ValueError, match="logits_mask"):
+        sample(logits[:1], [nothing])

@@ -74,3 +74,30 @@ def test_fan_out_gives_distinct_ids_and_seeds():
     assert [p.seed for _, p in pairs] == [10, 11, 12]
     assert all(p.n == 1 for _, p in pairs)
     assert [p.seed for _, p in SamplingParams(n=2).fan_out("x")] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": 5}, "logit_bias"),
+    ],
+)
+def test_bad_penalties_and_bias_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_and_bias_are_normalised():
+    p = SamplingParams(logit_bias={"7": 5, 2: -100.0}, repetition_penalty=1.2)
+    assert p.logit_bias == ((2, -100.0), (7, 5.0)) and p.has_penalties
+    assert SamplingParams().logit_bias == () and not SamplingParams().has_penalties
+    assert SamplingParams(presence_penalty=0.5).has_penalties
