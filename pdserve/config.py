@@ -165,6 +165,8 @@ class ServerConfig:
     num_threads: torch intra-op CPU threads of the worker (``torch.set_num_threads``, set
         before the model loads); 0 = torch's default (``OMP_NUM_THREADS`` or all cores).
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    strict_request_fields: answer 400 for an unknown request field instead of ignoring it
+        with a warning (``server/field_policy.py``).
     """
 
     host: str = "127.0.0.1"
@@ -174,6 +176,7 @@ class ServerConfig:
     idle_poll_interval: float = 0.002
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
+    strict_request_fields: bool = False
 
     def __post_init__(self) -> None:
         if not self.host:

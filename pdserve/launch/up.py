@@ -19,6 +19,7 @@ from pdserve import envs
 from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
 from pdserve.launch.supervisor import Child, stop_all
 from pdserve.server.engine_args import add_engine_args, engine_argv
+from pdserve.server.launch import add_strict_fields_arg
 
 
 class _Stop(Exception):
@@ -97,6 +98,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="where each process writes its log; unset: a new temporary folder",
     )
+    add_strict_fields_arg(p)
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
@@ -140,6 +142,8 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     )
     if threads is not None:
         passthrough += ["--num-threads", str(threads)]
+    if args.strict_request_fields:
+        passthrough.append("--strict-request-fields")
     workers: list[Child] = []
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         gpu_ids = getattr(args, f"{role}_gpu_ids")

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pdserve
 from pdserve.config import RouterConfig
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
@@ -24,6 +25,7 @@ from pdserve.server.body_limit import BodySizeLimit
 from pdserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
 
 
 def _reject_constant(name: str):
@@ -149,16 +151,44 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
         app.add_api_route(path, handler, methods=["POST"], name=path)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def ask_a_worker(method: str, path: str, content: bytes | None = None) -> Response:
+        """One worker's answer, as is (the endpoints every role serves alike)."""
         try:
             worker = pool.pick("decode" if config.pd_mode else "mixed")
-            resp = await client.get(f"{worker.url}/v1/models", timeout=config.health_check_timeout)
+            resp = await client.request(
+                method,
+                f"{worker.url}{path}",
+                content=content,
+                headers={"content-type": "application/json"} if content is not None else None,
+                timeout=config.health_check_timeout if content is None else None,
+            )
         except NoHealthyWorker as exc:
             return error_response(503, str(exc))
         except httpx.HTTPError as exc:
-            return error_response(503, f"/v1/models failed: {type(exc).__name__}: {exc}")
+            return error_response(503, f"{path} failed: {type(exc).__name__}: {exc}")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await ask_a_worker("GET", "/v1/models")
+
+    for path in TOKENIZER_PATHS:
+
+        async def tokenizer_handler(request: Request, _path: str = path) -> Response:
+            start = time.perf_counter()
+            try:
+                parse_json_body(raw := await request.body())
+            except ValueError as exc:
+                response = error_response(400, f"request body is not valid JSON: {exc}")
+            else:
+                response = await ask_a_worker("POST", _path, raw)
+            return _count(response, _path, start)
+
+        app.add_api_route(path, tokenizer_handler, methods=["POST"], name=path)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": pdserve.__version__})
 
     @app.get("/health")
     async def health() -> Response:

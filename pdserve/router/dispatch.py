@@ -41,10 +41,17 @@ class LegError(Exception):
 
 
 def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:
-    """Whether the client asked for prompt logprobs (which only the prefill leg has)."""
+    """Whether the client asked for prompt logprobs (which only the prefill leg has),
+    also as the logprobs of an echoed prompt."""
     if endpoint == "/generate":
         start = body.get("logprob_start_len", -1)
         return body.get("return_logprob") is True and isinstance(start, int) and start >= 0
+    if (
+        endpoint == "/v1/completions"
+        and body.get("echo") is True
+        and body.get("logprobs") is not None
+    ):
+        return True  # the echoed prompt's tokens carry their logprobs
     return body.get("prompt_logprobs") is not None
 
 

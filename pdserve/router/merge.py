@@ -3,7 +3,10 @@
 The decode worker never ran the prompt, so its answer has no prompt logprobs; the
 prefill worker's answer has them (when asked for). Field names, per endpoint:
 ``/generate``: ``meta_info.input_token_logprobs`` and ``meta_info.input_top_logprobs``;
-OpenAI endpoints: ``choices[i].prompt_logprobs`` (a vLLM-style extension).
+OpenAI endpoints: ``choices[i].prompt_logprobs`` (a vLLM-style extension); and on
+``/v1/completions`` with ``echo``, the echoed prompt's entries of ``choices[i].logprobs``
+(``token_logprobs`` / ``top_logprobs``, which the decode worker leaves null for the
+prompt's ``usage.prompt_tokens`` positions; the prefill leg has them).
 The same functions work on whole answers and on single stream chunks.
 """
 
@@ -33,13 +36,26 @@ def _prefill_generate_meta(prefill: Any) -> dict[int, dict]:
     return out
 
 
-def _prefill_openai(prefill: Any) -> dict[int, Any]:
+def _prefill_openai(prefill: Any, key: str) -> dict[int, Any]:
     out: dict[int, Any] = {}
     if isinstance(prefill, dict):
         for choice in prefill.get("choices") or []:
-            if isinstance(choice, dict) and choice.get(OPENAI_PROMPT_KEY) is not None:
-                out[int(choice.get("index", 0))] = choice[OPENAI_PROMPT_KEY]
+            if isinstance(choice, dict) and choice.get(key) is not None:
+                out[int(choice.get("index", 0))] = choice[key]
     return out
+
+
+def _fill_echo(decode_lp: Any, prefill_lp: Any, num_prompt: int) -> None:
+    """Fill the null prompt entries of a completions ``logprobs`` object in place."""
+    if not isinstance(decode_lp, dict) or not isinstance(prefill_lp, dict):
+        return
+    for key in ("token_logprobs", "top_logprobs"):
+        mine, theirs = decode_lp.get(key), prefill_lp.get(key)
+        if not isinstance(mine, list) or not isinstance(theirs, list):
+            continue
+        for j in range(min(num_prompt, len(mine), len(theirs))):
+            if mine[j] is None:
+                mine[j] = theirs[j]
 
 
 def merge_prompt_logprobs(
@@ -60,12 +76,18 @@ def merge_prompt_logprobs(
             if source.get(index):
                 item.setdefault("meta_info", {}).update(source[index])
     else:
-        source = _prefill_openai(prefill)
+        source = _prefill_openai(prefill, OPENAI_PROMPT_KEY)
+        echoed = _prefill_openai(prefill, "logprobs") if endpoint == "/v1/completions" else {}
+        usage = prefill.get("usage") if isinstance(prefill, dict) else None
+        num_prompt = usage.get("prompt_tokens", 0) if isinstance(usage, dict) else 0
         if isinstance(decode, dict):
             for choice in decode.get("choices") or []:
                 index = int(choice.get("index", 0)) if isinstance(choice, dict) else -1
-                if index in done or index not in source:
+                if index in done or (index not in source and index not in echoed):
                     continue
-                choice[OPENAI_PROMPT_KEY] = source[index]
+                if index in source:
+                    choice[OPENAI_PROMPT_KEY] = source[index]
+                if index in echoed:
+                    _fill_echo(choice.get("logprobs"), echoed[index], num_prompt)
                 done.add(index)
     return decode

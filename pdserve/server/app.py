@@ -23,8 +23,9 @@ from pdserve.server.http_errors import error_json
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
 from pdserve.server.serving import APIError, Job, make_params
+from pdserve.server.tokenize_api import build_tokenize_router
 
-_COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate")
+_COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -100,6 +101,7 @@ def build_worker_app(
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
     app.include_router(build_openai_router(ctx))
     app.include_router(build_generate_router(ctx))
+    app.include_router(build_tokenize_router(ctx))
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(_RequestMetrics, metrics=metrics)  # outermost: counts the 413s too
 

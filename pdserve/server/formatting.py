@@ -27,9 +27,12 @@ class TokenText:
         return text
 
 
-def usage(prompt_tokens: int, outputs: Sequence[CompletionOutput]) -> dict:
-    """OpenAI ``usage``: prompt counted once, completion tokens summed over samples."""
-    completion = sum(len(o.token_ids) for o in outputs)
+def usage(
+    prompt_tokens: int, outputs: Sequence[CompletionOutput], *, scoring: bool = False
+) -> dict:
+    """OpenAI ``usage``: prompt counted once, completion tokens summed over samples
+    (none when ``scoring``: a ``max_tokens`` 0 request, whose one engine token is dropped)."""
+    completion = 0 if scoring else sum(len(o.token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -57,6 +60,36 @@ def completion_logprobs(entries: Sequence[TokenLogprob], tt: TokenText, offset: 
     }
 
 
+def echo_logprobs(
+    prompt_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None] | None,
+    tt: TokenText,
+    k: int,
+) -> dict:
+    """Completions ``logprobs`` object of an echoed prompt (OpenAI's layout): the first
+    token's logprob and top are null; text offsets from 0. ``entries`` is the engine's
+    prompt logprobs, or ``None`` on a decode worker (which never ran the prompt): then
+    every logprob and top is null and the router fills them in from the prefill leg's
+    answer (``router/merge.py``)."""
+    tokens, offsets, offset = [], [], 0
+    for t in prompt_ids:
+        offsets.append(offset)
+        tokens.append(tt(t))
+        offset += len(tokens[-1])
+    rows = list(entries) if entries is not None else [None] * len(prompt_ids)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.logprob for e in rows],
+        "top_logprobs": [None if e is None else {tt(i): lp for i, lp in e.top[:k]} for e in rows],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    """Two completions ``logprobs`` objects one after the other (lists concatenated)."""
+    return {key: first[key] + second[key] for key in first}
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob], tt: TokenText) -> dict:
     """Chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
@@ -73,10 +106,11 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tt: TokenText) -> dict:
 
 
 def prompt_logprobs_json(
-    entries: Sequence[TokenLogprob | None] | None, tt: TokenText
+    entries: Sequence[TokenLogprob | None] | None, tt: TokenText, k: int | None = None
 ) -> list | None:
     """Extension ``prompt_logprobs``: ``None`` for the first prompt token, then per token
-    ``{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}``."""
+    ``{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}`` (the first
+    ``k`` alternatives; all when ``k`` is None)."""
     if entries is None:
         return None
     return [
@@ -86,7 +120,7 @@ def prompt_logprobs_json(
             "token_id": e.token_id,
             "token": tt(e.token_id),
             "logprob": e.logprob,
-            "top_logprobs": [{"token_id": i, "token": tt(i), "logprob": lp} for i, lp in e.top],
+            "top_logprobs": [{"token_id": i, "token": tt(i), "logprob": lp} for i, lp in e.top[:k]],
         }
         for e in entries
     ]

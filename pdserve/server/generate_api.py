@@ -24,6 +24,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
 
     @api.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Response:
+        ctx.accept(req, "/generate")
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text or input_ids", "text")
         if req.input_ids is not None:
@@ -55,6 +56,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
             logprobs=k if req.return_logprob else None,
             prompt_logprobs=k if req.return_logprob and req.logprob_start_len >= 0 else None,
             skip_special_tokens=sp.skip_special_tokens,
+            **sp.penalty_params(),
         )
         job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
         if req.rid:

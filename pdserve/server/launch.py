@@ -86,9 +86,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=s("max_request_body_bytes"),
         help="largest request body accepted, in bytes; 413 above (default %(default)s)",
     )
+    add_strict_fields_arg(p)
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
+
+
+def add_strict_fields_arg(p: argparse.ArgumentParser) -> None:
+    """``--strict-request-fields`` (``serve`` and ``up``, which passes it to its workers)."""
+    p.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        default=default_of(ServerConfig, "strict_request_fields"),
+        help="answer 400 for an unknown request field; unset: ignore it with a warning and "
+        "count it in pdserve_ignored_request_fields_total",
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, DisaggConfig]:
@@ -102,6 +114,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             health_generate_timeout=args.health_generate_timeout,
             num_threads=args.num_threads,
             max_request_body_bytes=args.max_request_body_bytes,
+            strict_request_fields=args.strict_request_fields,
         ),
         DisaggConfig(
             role=args.role,

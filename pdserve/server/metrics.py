@@ -114,6 +114,12 @@ class ServerMetrics:
             ["cause"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "pdserve_ignored_request_fields",
+            "unknown request fields accepted and ignored, by field (server/field_policy.py)",
+            ["field"],
+            registry=r,
+        )
         r.register(_SnapshotCollector(sources))
 
     def render(self) -> bytes:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,13 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.server import formatting as fmt
 from pdserve.server import prompts
 from pdserve.server.disconnect import cancel_on_disconnect
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from pdserve.server.field_policy import FieldPolicy
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _OpenAISampling,
+)
 from pdserve.server.serving import APIError, Job, Serving, make_params
 from pdserve.server.streaming import sse_response
 
@@ -28,6 +35,12 @@ class WorkerContext:
     model_name: str
     token_text: fmt.TokenText
     max_prompt_chars: int = 0  # prompts.max_prompt_chars; 0 = no bound
+    fields: FieldPolicy | None = None  # unknown request fields; None: ignored silently
+
+    def accept(self, body: Any, endpoint: str) -> None:
+        """Apply the field policy to a parsed body (400 for unknown fields when strict)."""
+        if self.fields is not None:
+            self.fields.apply(body, endpoint)
 
     def check_text(self, text: str, field: str) -> None:
         """400 naming ``field`` for prompt text that cannot be tokenized or cannot fit."""
@@ -51,6 +64,7 @@ def _job(
     prompt_ids: list[int],
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> Job:
     params = make_params(
         n=req.n,
@@ -65,8 +79,9 @@ def _job(
         ignore_eos=req.ignore_eos,
         seed=req.seed,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        **req.penalty_params(),
     )
     return Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
 
@@ -86,8 +101,30 @@ def _extras(
         if first:
             extra["prompt_token_ids"] = out.prompt_token_ids
     if req.prompt_logprobs is not None and first:
-        extra["prompt_logprobs"] = fmt.prompt_logprobs_json(out.prompt_logprobs, ctx.token_text)
+        extra["prompt_logprobs"] = fmt.prompt_logprobs_json(
+            out.prompt_logprobs, ctx.token_text, req.prompt_logprobs
+        )
     return extra
+
+
+def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]:
+    """The chat template's input for ``messages`` (``developer`` is ``system``); 400 naming
+    ``messages[i].content`` for text that cannot be tokenized."""
+    out = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
+    for i, m in enumerate(out):
+        ctx.check_text(m["content"], f"messages[{i}].content")
+    return out
+
+
+def _usage_every_chunk(req: _OpenAISampling) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
+def _usage_at_end(req: _OpenAISampling) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def build_openai_router(ctx: WorkerContext) -> APIRouter:
@@ -114,13 +151,34 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        ctx.accept(req, "/v1/completions")
         _check_model(ctx, req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(
+                400, "best_of is not supported (leave it unset or equal to n)", "best_of"
+            )
         if isinstance(req.prompt, list):
             prompt_ids = list(req.prompt)
         else:
             ctx.check_text(req.prompt, "prompt")
             prompt_ids = await prompts.encode(ctx.tokenizer, req.prompt)
-        job = _job(ctx, req, prompt_ids, req.max_tokens, req.logprobs)
+        scoring = req.max_tokens == 0  # no output: the engine's one token is dropped
+        if scoring and not req.echo:
+            raise APIError(
+                400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens"
+            )
+        echo_text = ""
+        if req.echo:
+            echo_text = (
+                req.prompt
+                if isinstance(req.prompt, str)
+                else await asyncio.to_thread(ctx.tokenizer.decode, prompt_ids)
+            )
+        echo_lp = req.echo and req.logprobs is not None
+        prompt_k = req.prompt_logprobs
+        if echo_lp:
+            prompt_k = max(req.logprobs or 0, prompt_k or 0)
+        job = _job(ctx, req, prompt_ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k)
         head = {
             "id": f"cmpl-{job.request_id}",
             "object": "text_completion",
@@ -128,76 +186,69 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             "model": ctx.model_name,
         }
 
+        def choice(index: int, out: RequestOutput, o: Any, first: bool, delta: bool) -> dict:
+            """One choice: the whole sample, or (``delta``) this chunk's part of it; the
+            echoed prompt (and its logprobs) goes in front of the first."""
+            text = "" if scoring else (o.delta_text if delta else o.text)
+            ids = [] if scoring else list(o.delta_token_ids if delta else o.token_ids)
+            entries = [] if scoring else ((o.delta_logprobs if delta else o.logprobs) or [])
+            offset = len(echo_text) + (offsets.get(index, 0) if delta else 0)
+            lp = None
+            if req.logprobs is not None:
+                lp = fmt.completion_logprobs(entries, tt, offset)
+            if req.echo and first:
+                text = echo_text + text
+                if lp is not None:
+                    head_lp = fmt.echo_logprobs(prompt_ids, out.prompt_logprobs, tt, req.logprobs)
+                    lp = fmt.join_logprobs(head_lp, lp)
+            finish = o.finish_reason
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": "length"
+                if scoring and finish
+                else fmt.openai_finish_reason(finish),
+                **_extras(req, ctx, out, index, ids, first),
+            }
+
+        offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
         if req.stream:
-            offsets: dict[int, int] = {}
             finals: dict[int, Any] = {}
 
             def chunks(index: int, out: RequestOutput):
                 o = out.outputs[0]
                 first = index not in offsets
-                offset = offsets.get(index, 0)
-                offsets[index] = offset + len(o.delta_text)
+                body = choice(index, out, o, first, delta=True)
+                offsets[index] = offsets.get(index, 0) + (0 if scoring else len(o.delta_text))
                 if o.finished:
                     finals[index] = o
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
-                lp = (
-                    fmt.completion_logprobs(o.delta_logprobs or [], tt, offset)
-                    if req.logprobs is not None
-                    else None
-                )
-                choice = {
-                    "index": index,
-                    "text": o.delta_text,
-                    "logprobs": lp,
-                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                    **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
-                }
-                yield dict(head, choices=[choice])
+                chunk = dict(head, choices=[body])
+                if _usage_every_chunk(req):
+                    chunk["usage"] = fmt.usage(len(prompt_ids), [o], scoring=scoring)
+                yield chunk
 
             def tail():
-                if req.stream_options and req.stream_options.include_usage:
-                    yield dict(
-                        head, choices=[], usage=fmt.usage(len(prompt_ids), list(finals.values()))
-                    )
+                if _usage_at_end(req):
+                    usage = fmt.usage(len(prompt_ids), list(finals.values()), scoring=scoring)
+                    yield dict(head, choices=[], usage=usage)
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
 
         outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
-        choices = []
-        for index, out in enumerate(outs):
-            o = out.outputs[0]
-            lp = (
-                fmt.completion_logprobs(o.logprobs or [], tt, 0)
-                if req.logprobs is not None
-                else None
-            )
-            choices.append(
-                {
-                    "index": index,
-                    "text": o.text,
-                    "logprobs": lp,
-                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
-                    **_extras(req, ctx, out, index, list(o.token_ids), True),
-                }
-            )
-        return JSONResponse(
-            dict(
-                head,
-                choices=choices,
-                usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs]),
-            )
-        )
+        choices = [
+            choice(index, out, out.outputs[0], True, delta=False) for index, out in enumerate(outs)
+        ]
+        usage = fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs], scoring=scoring)
+        return JSONResponse(dict(head, choices=choices, usage=usage))
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        ctx.accept(req, "/v1/chat/completions")
         _check_model(ctx, req.model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
-        for i, m in enumerate(messages):
-            ctx.check_text(m["content"], f"messages[{i}].content")
+        messages = chat_messages(ctx, req.messages)
         text = await prompts.apply_chat_template(
             ctx.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
         )
@@ -206,7 +257,14 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        job = _job(ctx, req, prompt_ids, req.max_completion_tokens or req.max_tokens, top)
+        job = _job(
+            ctx,
+            req,
+            prompt_ids,
+            req.max_completion_tokens or req.max_tokens,
+            top,
+            req.prompt_logprobs,
+        )
         head = {
             "id": f"chatcmpl-{job.request_id}",
             "object": "chat.completion",
@@ -240,10 +298,13 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     "finish_reason": fmt.openai_finish_reason(o.finish_reason),
                     **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
                 }
-                yield dict(chunk_head, choices=[choice])
+                chunk = dict(chunk_head, choices=[choice])
+                if _usage_every_chunk(req):
+                    chunk["usage"] = fmt.usage(len(prompt_ids), [o])
+                yield chunk
 
             def tail():
-                if req.stream_options and req.stream_options.include_usage:
+                if _usage_at_end(req):
                     yield dict(
                         chunk_head,
                         choices=[],

@@ -2,9 +2,16 @@
 
 OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (plus vLLM/SGLang-style
 extensions: ``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``prompt_logprobs``, ``return_token_ids``) and the native ``/generate`` (SGLang's shape).
+``prompt_logprobs``, ``return_token_ids``, ``repetition_penalty``) and the native
+``/generate`` (SGLang's shape), plus ``/tokenize`` and ``/detokenize`` (vLLM's shapes).
 Every body also accepts the disaggregation fields ``bootstrap_host``, ``bootstrap_port``,
-``bootstrap_room`` that the router adds. Unknown fields are rejected (never dropped silently).
+``bootstrap_room`` that the router adds.
+
+Field policy: a known field is validated strictly (a bad value is a 400 naming it); an
+unknown field is kept in ``model_extra`` and handled by ``server/field_policy.py``
+(ignored with a warning and a counter, or a 400 under ``--strict-request-fields``).
+OpenAI fields that change nothing here (``user``, ``metadata``, ``store``, ...) are declared
+in :class:`_NoOpFields`, so they are accepted without a warning.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ ROOM_LIMIT = 2**63  # bootstrap rooms are 63-bit
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: see server/field_policy.py
 
 
 class Bootstrap(_Body):
@@ -37,10 +44,71 @@ class Bootstrap(_Body):
 
 
 class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
+
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
-class _OpenAISampling(Bootstrap):
+class _NoOpFields(_Body):
+    """OpenAI request fields accepted and ignored: they change nothing on this server
+    (no accounts, no stored completions, no service tiers, no reasoning models)."""
+
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+
+
+def _logit_bias(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``logit_bias`` keys are token ids written as JSON strings; values numbers in
+    [-100, 100] (the range is checked by SamplingParams, the ids against the vocabulary
+    by the worker)."""
+    if value is None:
+        return None
+    for key, bias in value.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ValueError(f"values must be numbers, got {bias!r} for {key!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"values must be in [-100, 100], got {bias!r} for {key!r}")
+    return value
+
+
+class _Penalties(_Body):
+    """Penalties and bias (OpenAI's ``presence_penalty``, ``frequency_penalty``,
+    ``logit_bias``; vLLM's ``repetition_penalty``); meanings in ``SamplingParams``."""
+
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _logit_bias(value)
+
+    def penalty_params(self) -> dict[str, Any]:
+        """The four as ``SamplingParams`` keyword arguments."""
+        bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        return {
+            "presence_penalty": float(self.presence_penalty),
+            "frequency_penalty": float(self.frequency_penalty),
+            "repetition_penalty": float(self.repetition_penalty),
+            "logit_bias": bias or None,
+        }
+
+
+class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties):
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
@@ -51,9 +119,6 @@ class _OpenAISampling(Bootstrap):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
-    user: str | None = None
     # extensions (vLLM names)
     top_k: StrictInt = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
@@ -64,21 +129,22 @@ class _OpenAISampling(Bootstrap):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool = False
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported (must be 0)")
-        return value
-
 
 class CompletionRequest(_OpenAISampling):
-    """``POST /v1/completions``; ``prompt`` is one string or one list of token ids."""
+    """``POST /v1/completions``; ``prompt`` is one string or one list of token ids.
+
+    ``echo`` prepends the prompt to the text (and, with ``logprobs``, the prompt tokens'
+    logprobs to the logprobs, the first one null); ``max_tokens`` 0 generates nothing
+    (with ``echo``: pure scoring of the prompt). ``suffix`` is not supported (400);
+    ``best_of`` only as ``n``.
+    """
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -93,11 +159,11 @@ class CompletionRequest(_OpenAISampling):
             raise ValueError("prompt must not be empty")
         return value
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
+    def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("echo is not supported")
+            raise ValueError("suffix is not supported (insertion needs a fill-in-the-middle model)")
         return value
 
 
@@ -128,7 +194,7 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: StrictBool = True
 
 
-class GenerateSamplingParams(_Body):
+class GenerateSamplingParams(_Penalties):
     """``sampling_params`` of ``/generate`` (SGLang's names)."""
 
     max_new_tokens: StrictInt | None = Field(128, ge=1)
@@ -157,3 +223,23 @@ class GenerateRequest(Bootstrap):
     logprob_start_len: StrictInt = Field(-1, ge=-1)
     stream: StrictBool = False
     rid: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` text, or chat ``messages`` rendered by
+    the chat template (``add_generation_prompt``); ``add_special_tokens`` defaults to true
+    for a prompt and false for messages (the template has them), as vLLM does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): ``tokens`` -> ``{"prompt": text}``."""
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -11,6 +11,7 @@ from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager
 from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext
@@ -84,6 +85,7 @@ def build_worker(
         model_name,
         TokenText(core.tokenizer),
         max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len),
+        fields=FieldPolicy(server_cfg.strict_request_fields, metrics.ignored_fields),
     )
     static = {
         "version": pdserve.__version__,
@@ -91,6 +93,7 @@ def build_worker(
         "model": engine_cfg.model.model,
         "served_model_name": model_name,
         "max_model_len": core.max_model_len,
+        "strict_request_fields": server_cfg.strict_request_fields,
         "vocab_size": core.vocab_size,
         "device": str(core.device),
         "dtype": str(core.dtype).replace("torch.", ""),

@@ -241,7 +241,16 @@ BAD_BODIES = [
     ({"prompt": "x", "logprobs": 50}, 400),
     ({"prompt": [10**9]}, 400),
     ({"prompt": "x", "model": "no-such-model"}, 404),
-    ({"prompt": "x", "unknown_option": 1}, 400),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400),
+    ({"prompt": "x", "frequency_penalty": "1"}, 400),
+    ({"prompt": "x", "repetition_penalty": 0}, 400),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
+    ({"prompt": "x", "logit_bias": {str(10**7): 1}}, 400),
+    ({"prompt": "x", "logit_bias": [1, 2]}, 400),
+    ({"prompt": "x", "suffix": "the end"}, 400),
+    ({"prompt": "x", "best_of": 3}, 400),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, 400),
     ({"prompt": "x " * 5000, "max_tokens": 1}, 400),
     ({"prompt": "x", "bootstrap_room": -1}, 400),
     ({"prompt": "x", "bootstrap_room": 2**63}, 400),
@@ -281,7 +290,12 @@ def test_bad_chat_and_generate_input(worker):
         ("/generate", {"text": "a", "input_ids": [1]}),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 0}}),
         ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}),
-        ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}),
+        ("/generate", {"text": "a", "sampling_params": {"presence_penalty": 9}}),
+        ("/generate", {"text": "a", "sampling_params": {"logit_bias": {"1": "x"}}}),
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}),
+        ("/detokenize", {"tokens": [10**9]}),
+        ("/detokenize", {"tokens": "abc"}),
     ]
     for path, body in cases:
         r = post(worker, path, body)
@@ -416,3 +430,60 @@ def test_lone_surrogate_is_400_naming_the_field(worker):
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, r.text)
     assert_all_healthy([worker])
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_counted(worker):
+    base = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    want = post(worker, "/v1/completions", base).json()["choices"][0]["text"]
+    noop = dict(
+        base,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=True,
+        reasoning_effort="low",
+    )
+    r = post(worker, "/v1/completions", noop)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    odd = dict(base, some_new_option=1, stream_options={"include_usage": True, "x_future": 2})
+    r = post(worker, "/v1/completions", odd)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = post(
+        worker, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
+    )
+    assert r.status_code == 200, r.text
+    metrics = httpx.get(worker.url + "/metrics").text
+    for field in ("some_new_option", "stream_options.x_future", "sampling_params.bogus"):
+        assert f'pdserve_ignored_request_fields_total{{field="{field}"}} 1.0' in metrics, field
+    assert 'field="user"' not in metrics and 'field="metadata"' not in metrics
+    log = worker.log_path.read_text()
+    assert "ignoring unknown request fields: some_new_option, stream_options.x_future" in log
+
+
+def test_tokenize_detokenize_version_and_models(worker):
+    r = post(worker, "/tokenize", {"prompt": "Hello there", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    assert body["max_model_len"] == worker.get_info()["max_model_len"]
+    comp = post(
+        worker,
+        "/v1/completions",
+        {"prompt": "Hello there", "max_tokens": 1, "return_token_ids": True},
+    ).json()
+    assert body["tokens"] == comp["choices"][0]["prompt_token_ids"]
+    back = post(worker, "/detokenize", {"tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello there"}
+    msgs = [{"role": "user", "content": "Hi!"}]
+    chat = post(worker, "/tokenize", {"messages": msgs}).json()
+    chat_comp = post(
+        worker,
+        "/v1/chat/completions",
+        {"messages": msgs, "max_tokens": 1, "return_token_ids": True},
+    ).json()
+    assert chat["tokens"] == chat_comp["choices"][0]["prompt_token_ids"]
+    assert chat["token_strs"] is None
+    assert httpx.get(worker.url + "/version").json()["version"] == worker.get_info()["version"]
+    model = httpx.get(worker.url + "/v1/models").json()["data"][0]
+    assert model["max_model_len"] == worker.get_info()["max_model_len"]

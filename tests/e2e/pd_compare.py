@@ -1,0 +1,75 @@
+"""Comparing a PD answer (through the router) with a mixed worker's: recursive equality
+with a logprob tolerance, SSE parsing, and what a stream adds up to."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+LP_TOL = 2e-4  # prefill and decode run other batch shapes than the mixed worker
+IGNORED = ("id", "created", "e2e_latency", "cached_tokens")
+
+
+def post(url: str, path: str, body, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def pair(router_url: str, mixed_url: str, path: str, body: dict) -> tuple[dict, dict]:
+    """The same request through the router (PD) and to the mixed worker (both 200)."""
+    pd, mixed = post(router_url, path, body), post(mixed_url, path, body)
+    assert pd.status_code == 200, pd.text
+    assert mixed.status_code == 200, mixed.text
+    return pd.json(), mixed.json()
+
+
+def assert_same(pd, mixed, path: str = "") -> None:
+    """Recursive equality; floats (logprobs) within LP_TOL; ids/created/latency ignored."""
+    if isinstance(pd, dict):
+        assert isinstance(mixed, dict) and set(pd) == set(mixed), (
+            f"{path}: keys {set(pd) ^ set(mixed)}"
+        )
+        for k in pd:
+            if k not in IGNORED:
+                assert_same(pd[k], mixed[k], f"{path}.{k}")
+    elif isinstance(pd, list):
+        assert isinstance(mixed, list) and len(pd) == len(mixed), (
+            f"{path}: lengths {len(pd)} vs {len(mixed)}"
+        )
+        for i, (a, b) in enumerate(zip(pd, mixed)):
+            assert_same(a, b, f"{path}[{i}]")
+    elif isinstance(pd, float) and isinstance(mixed, float):
+        assert abs(pd - mixed) <= LP_TOL, f"{path}: {pd} vs {mixed}"
+    else:
+        assert pd == mixed, f"{path}: {pd!r} vs {mixed!r}"
+
+
+def sse(resp: httpx.Response) -> list:
+    """The JSON payloads of an SSE body; asserts it ends with [DONE]."""
+    assert resp.status_code == 200, resp.text
+    events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", resp.text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def fold(chunks: list) -> dict:
+    """What an OpenAI stream adds up to, per sample (chunk boundaries differ between PD
+    and mixed: decode gets the first token from prefill): text, token ids, the lists of
+    a completions ``logprobs`` object (or chat ``content`` entries), finish_reason; and
+    the last chunk's usage under ``"usage"``."""
+    out: dict = {}
+    for chunk in chunks:
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for c in chunk["choices"]:
+            s = out.setdefault(
+                c["index"],
+                {"text": "", "token_ids": [], "logprobs": {}, "finish_reason": None},
+            )
+            s["text"] += c["text"] if "text" in c else c["delta"].get("content", "")
+            s["token_ids"] += c.get("token_ids", [])
+            lp = c.get("logprobs") or {}
+            for key, items in lp.items():
+                s["logprobs"].setdefault(key, []).extend(items)
+            s["finish_reason"] = c["finish_reason"] or s["finish_reason"]
+    return out

@@ -1,0 +1,297 @@
+"""The OpenAI surface users' clients send, through a real PD deployment (prefill +
+decode + router, KV over real NIXL on CPU) against a mixed worker on the same tiny model:
+penalties and logit_bias (greedy and seeded), echo with prompt logprobs (also the
+loglikelihood request of evaluation harnesses), continuous usage stats, unknown and
+no-op fields, /tokenize, /detokenize, /version and /v1/models. Every answer — tokens,
+text, logprobs, finish_reason, usage — equals the mixed worker's."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from pd_compare import assert_same, fold, pair, post, sse
+from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def c(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("surface-logs")
+    prefill = start_worker(
+        "prefill", "prefill", logs, extra=["--disaggregation-bootstrap-port", "0"]
+    )
+    decode = start_worker("decode", "decode", logs)
+    mixed = start_worker("mixed", "mixed", logs)
+    router = start_router("router", logs, prefill=[prefill], decode=[decode])
+    procs = [prefill, decode, mixed, router]
+    try:
+        wait_healthy(procs)
+        yield {
+            "prefill": prefill,
+            "decode": decode,
+            "mixed": mixed,
+            "router": router,
+            "procs": procs,
+        }
+    finally:
+        stop(procs)
+
+
+def both(c, path: str, body: dict) -> tuple[dict, dict]:
+    return pair(c["router"].url, c["mixed"].url, path, body)
+
+
+def streams(c, path: str, body: dict) -> tuple[dict, dict, list]:
+    """Folded PD and mixed streams of ``body`` (+ the PD stream's raw chunks)."""
+    chunks = sse(post(c["router"].url, path, body))
+    mixed = fold(sse(post(c["mixed"].url, path, body)))
+    return fold(chunks), mixed, chunks
+
+
+PENALTIES = {
+    "presence": {"presence_penalty": 2.0},
+    "frequency": {"frequency_penalty": 1.5},
+    "repetition": {"repetition_penalty": 4.0},
+    "all": {"presence_penalty": -0.5, "frequency_penalty": 0.8, "repetition_penalty": 1.3},
+    "bias": {"logit_bias": {"17": 5.0, "42": -100, "99": 2.5}},
+}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("name", list(PENALTIES))
+def test_penalties_and_bias_through_pd_equal_mixed(c, name, sampling):
+    body = {
+        "prompt": "one two one two one two",
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_token_ids": True,
+        "temperature": 0.0,
+        **PENALTIES[name],
+    }
+    if sampling == "seeded":
+        body.update(temperature=1.0, top_p=0.95, seed=4321)
+    pd, mixed = both(c, "/v1/completions", body)
+    assert_same(pd, mixed)
+    if sampling == "seeded":  # a near-uniform random model rarely redraws a seen token
+        return
+    plain = {k: v for k, v in body.items() if k not in PENALTIES[name]}
+    unpenalised = post(c["mixed"].url, "/v1/completions", plain).json()
+    assert unpenalised["choices"][0]["token_ids"] != mixed["choices"][0]["token_ids"], (
+        "premise: the penalty changes the output"
+    )
+    if name == "bias":
+        assert 42 not in mixed["choices"][0]["token_ids"]
+
+
+def test_penalties_on_chat_generate_and_streams_equal_mixed(c):
+    chat = {
+        "messages": [{"role": "user", "content": "Repeat after me: la la la"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "frequency_penalty": 1.0,
+        "presence_penalty": 0.5,
+        "logit_bias": {"7": 3},
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    assert_same(*both(c, "/v1/chat/completions", chat))
+    gen = {
+        "text": "la la la la",
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": 10,
+            "temperature": 0.8,
+            "seed": 9,
+            "repetition_penalty": 1.5,
+            "logit_bias": {"3": 100},
+            "ignore_eos": True,
+        },
+    }
+    pd, mixed = both(c, "/generate", gen)
+    assert_same(pd, mixed)
+    assert set(mixed["output_ids"]) == {3}  # a +100 bias wins every draw
+    stream = dict(chat, stream=True, stream_options={"include_usage": True})
+    pd, mixed, _ = streams(c, "/v1/chat/completions", stream)
+    assert_same(pd, mixed)
+
+
+def _echo(prompt, **kw) -> dict:
+    return {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0, **kw}
+
+
+ECHO = {
+    # the loglikelihood request of evaluation harnesses: score the prompt, generate nothing
+    "loglikelihood_text": _echo("The quick brown fox jumps over the lazy dog", max_tokens=0),
+    "loglikelihood_ids": _echo([5, 17, 300, 4000, 25, 99, 7], max_tokens=0, seed=1234),
+    "loglikelihood_max_tokens_1": _echo("Question: 2+2? Answer: 4", max_tokens=1),
+    "echo_generate": _echo("Echo me and go on", max_tokens=6, logprobs=3, ignore_eos=True),
+    "echo_no_logprobs": {"prompt": "Echo me", "echo": True, "max_tokens": 4, "temperature": 0},
+    "echo_seeded_n2": _echo(
+        "Sampled echo", max_tokens=5, temperature=1.0, seed=5, n=2, ignore_eos=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ECHO))
+def test_echo_through_pd_equals_mixed(c, case):
+    body = ECHO[case]
+    pd, mixed = both(c, "/v1/completions", body)
+    assert_same(pd, mixed)
+    ids = httpx.post(
+        c["mixed"].url + "/v1/completions", json=dict(body, max_tokens=1, return_token_ids=True)
+    ).json()["choices"][0]["prompt_token_ids"]
+    prompt_text = body["prompt"]
+    if not isinstance(prompt_text, str):
+        prompt_text = post(c["mixed"].url, "/detokenize", {"tokens": ids}).json()["prompt"]
+    for choice in pd["choices"]:
+        assert choice["text"].startswith(prompt_text)
+        lp = choice["logprobs"]
+        if body.get("logprobs") is None:
+            assert lp is None
+            continue
+        generated = body["max_tokens"]
+        assert len(lp["tokens"]) == len(ids) + generated == len(lp["token_logprobs"])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+        assert all(len(t) <= body["logprobs"] for t in lp["top_logprobs"][1:])
+        assert lp["text_offset"][0] == 0
+    if body["max_tokens"] == 0:
+        assert pd["usage"]["completion_tokens"] == 0
+        assert pd["choices"][0]["finish_reason"] == "length"
+        assert pd["choices"][0]["text"] == mixed["choices"][0]["text"]
+    # the echoed logprobs are the prompt logprobs (the vLLM extension) of the same request
+    ext = post(c["router"].url, "/v1/completions", dict(body, prompt_logprobs=1)).json()
+    if body.get("logprobs") is not None:
+        choice = ext["choices"][0]
+        want = [None] + [e["logprob"] for e in choice["prompt_logprobs"][1:]]
+        got = choice["logprobs"]["token_logprobs"][: len(want)]
+        assert got[0] is None and all(abs(a - b) < 1e-6 for a, b in zip(got[1:], want[1:]))
+
+
+def test_echo_streams_and_continuous_usage_equal_mixed(c):
+    body = dict(
+        _echo("Stream the echo", max_tokens=6, logprobs=2, ignore_eos=True),
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    pd, mixed, chunks = streams(c, "/v1/completions", body)
+    assert_same(pd, mixed)
+    non_stream = post(c["mixed"].url, "/v1/completions", dict(body, stream=False)).json()
+    assert pd[0]["text"] == non_stream["choices"][0]["text"]
+    assert_same(pd[0]["logprobs"], non_stream["choices"][0]["logprobs"])
+    assert pd["usage"] == non_stream["usage"]
+    with_choices = [ch for ch in chunks if ch["choices"]]
+    assert with_choices and all("usage" in ch for ch in chunks)
+    done = [ch["usage"]["completion_tokens"] for ch in with_choices]
+    assert done == sorted(done) and done[-1] == 6
+    assert {ch["usage"]["prompt_tokens"] for ch in chunks} == {non_stream["usage"]["prompt_tokens"]}
+    # chat too, without the last usage-only chunk
+    chat = {
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    pd, mixed, chunks = streams(c, "/v1/chat/completions", chat)
+    assert_same(pd, mixed)
+    assert all(ch["choices"] and "usage" in ch for ch in chunks)
+    assert pd["usage"]["completion_tokens"] == 5
+
+
+def test_unknown_and_noop_fields_pass_the_router_and_are_counted(c):
+    base = {"prompt": "Fields", "max_tokens": 5, "temperature": 0}
+    want = post(c["mixed"].url, "/v1/completions", base).json()["choices"][0]["text"]
+    body = dict(
+        base,
+        user="someone",
+        metadata={"a": "b"},
+        store=True,
+        service_tier="default",
+        parallel_tool_calls=False,
+        reasoning_effort="high",
+        a_field_from_the_future={"x": 1},
+    )
+    pd, mixed = both(c, "/v1/completions", body)
+    assert_same(pd, mixed)
+    assert pd["choices"][0]["text"] == want
+    for name in ("prefill", "decode", "mixed"):
+        text = httpx.get(c[name].url + "/metrics").text
+        line = 'pdserve_ignored_request_fields_total{field="a_field_from_the_future"}'
+        assert line in text, name
+        assert 'field="user"' not in text and 'field="store"' not in text
+    r = post(c["router"].url, "/v1/completions", dict(base, suffix="tail"))
+    assert r.status_code == 400 and "suffix" in r.json()["error"]["message"], r.text
+    r = post(c["router"].url, "/v1/completions", dict(base, logit_bias={"1": 500}))
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+
+
+def test_tokenizer_endpoints_version_and_models_through_the_router(c):
+    router, mixed = c["router"].url, c["mixed"].url
+    for body in (
+        {"prompt": "Tokenize this, please", "return_token_strs": True},
+        {"prompt": "no specials", "add_special_tokens": False},
+        {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True},
+    ):
+        pd, direct = both(c, "/tokenize", body)
+        assert pd == direct and pd["count"] == len(pd["tokens"]) > 0
+        back = post(router, "/detokenize", {"tokens": pd["tokens"]}).json()
+        assert back == post(mixed, "/detokenize", {"tokens": pd["tokens"]}).json()
+        if "prompt" in body:
+            assert back["prompt"] == body["prompt"]
+    r = post(router, "/detokenize", {"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    version = httpx.get(router + "/version").json()["version"]
+    assert (
+        version
+        == httpx.get(mixed + "/version").json()["version"]
+        == c["mixed"].get_info()["version"]
+    )
+    models = httpx.get(router + "/v1/models").json()["data"][0]
+    assert models["max_model_len"] == c["decode"].get_info()["max_model_len"] > 0
+
+
+def test_openai_client_echo_scoring_and_penalties_through_the_router(c):
+    pd = openai.OpenAI(base_url=c["router"].url + "/v1", api_key="x", max_retries=0)
+    mx = openai.OpenAI(base_url=c["mixed"].url + "/v1", api_key="x", max_retries=0)
+    model = pd.models.list().data[0].id
+    kw = dict(model=model, prompt="Score this sentence.", echo=True, logprobs=1, temperature=0)
+    a, b = pd.completions.create(**kw, max_tokens=0), mx.completions.create(**kw, max_tokens=0)
+    assert a.choices[0].text == b.choices[0].text == "Score this sentence."
+    la, lb = a.choices[0].logprobs, b.choices[0].logprobs
+    assert la.tokens == lb.tokens and la.token_logprobs[0] is None
+    assert all(abs(x - y) < 2e-4 for x, y in zip(la.token_logprobs[1:], lb.token_logprobs[1:]))
+    assert a.usage.completion_tokens == 0
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Say hi hi hi"}],
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={"11": 4},
+        user="u",
+        metadata={"k": "v"},
+        store=False,
+        extra_body={"repetition_penalty": 1.2},
+    )
+    x, y = pd.chat.completions.create(**kw), mx.chat.completions.create(**kw)
+    assert x.choices[0].message.content == y.choices[0].message.content
+    assert x.usage.completion_tokens == y.usage.completion_tokens
+    chunks = list(
+        pd.completions.create(
+            model=model,
+            prompt="usage please",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert all(ch.usage is not None for ch in chunks) and chunks[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError):
+        pd.completions.create(model=model, prompt="x", suffix="y", max_tokens=2)
+    assert_all_healthy(c["procs"])
