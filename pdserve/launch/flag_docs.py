@@ -1,6 +1,7 @@
-"""Markdown tables of every ``pdserve`` sub-command's flags and every environment
-variable, generated from the argparse parsers and ``pdserve.envs`` (the README's
-reference section is this output: ``python -m pdserve.launch.flag_docs``)."""
+"""Markdown tables of every ``pdserve`` sub-command's flags, every environment variable
+and every HTTP request field, generated from the argparse parsers, ``pdserve.envs`` and
+``pdserve.server.api_docs`` (the README's reference section is this output:
+``python -m pdserve.launch.flag_docs``)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,14 @@ BEGIN, END = (
 
 
 def reference() -> str:
-    """The whole generated section: every command's flags, then every environment variable."""
-    return f"{command_tables()}\n#### Environment variables\n\n{env_table()}\n"
+    """The whole generated section: every command's flags, every environment variable,
+    then every request field of the HTTP API (``pdserve.server.api_docs``)."""
+    from pdserve.server.api_docs import api_tables
+
+    return (
+        f"{command_tables()}\n#### Environment variables\n\n{env_table()}\n"
+        f"\n#### Request fields\n\n{api_tables()}"
+    )
 
 
 def update(path: str) -> None:

@@ -1,5 +1,6 @@
 """The README's reference section stays true: every flag of serve/router/up and every
-environment variable appears in it, with the default the parser has."""
+environment variable appears in it, with the default the parser has; every request field
+of the HTTP API appears with its type, default and meaning; every endpoint is listed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from pdserve import envs
 from pdserve.cli import build_parser
 from pdserve.launch.flag_docs import _subparsers, flag_table
+from pdserve.server.api_docs import api_tables, missing_meanings
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -23,3 +25,23 @@ def test_readme_lists_every_flag_of_serve_router_up_and_every_env_var():
     for var in envs.ALL:
         assert f"`{var.name}`" in README, var.name
     assert "make run" in README and "make test" in README
+
+
+def test_readme_lists_every_request_field_with_its_meaning():
+    missing = missing_meanings()
+    assert not missing, f"request fields without a meaning in pdserve/server/api_docs.py: {missing}"
+    for row in api_tables().splitlines():
+        assert row in README, (
+            f"README is stale for the request fields: {row}\n"
+            "regenerate with: python -m pdserve.launch.flag_docs --update README.md"
+        )
+    for endpoint in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/generate",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/v1/models",
+    ):
+        assert f"`POST {endpoint}`" in README or f"`GET {endpoint}`" in README, endpoint

@@ -1,0 +1,156 @@
+"""Markdown tables of every request field of the HTTP API, generated from the pydantic
+models of ``server/protocol.py`` (names, types, defaults) and the meanings below (one
+sentence per field). The README's reference section includes them
+(``python -m pdserve.launch.flag_docs --update README.md``); ``tests/e2e/test_readme.py``
+fails when a field has no meaning here or the README is stale."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from pdserve.server import protocol as p
+
+# field -> meaning; "Model.field" overrides where one name means something else.
+MEANINGS: dict[str, str] = {
+    "model": "must be the served model name when given (404 otherwise)",
+    "n": "samples per prompt; each is its own engine request (and bootstrap room)",
+    "temperature": "0 = greedy (exact argmax); > 0 divides the logits",
+    "top_p": "nucleus mass in (0, 1]; 1 disables",
+    "top_k": "keep the k most likely tokens; 0 or -1 disables",
+    "min_p": "drop tokens below min_p x the best token's probability; 0 disables",
+    "stop": "strings that end the output (not included in the text)",
+    "stop_token_ids": "token ids that end the output (included in token_ids)",
+    "seed": "per-request seed: the same seed gives the same tokens whatever the batch, PD or mixed",
+    "stream": "answer as server-sent events",
+    "stream_options": "see the stream_options table",
+    "presence_penalty": "[-2, 2], subtracted once from the logit of every token already generated",
+    "frequency_penalty": "[-2, 2], subtracted from a token's logit per time it was generated",
+    "repetition_penalty": "> 0, 1 disables; divides a positive (multiplies a negative) logit of "
+    "every token in the prompt or output (transformers' definition)",
+    "logit_bias": 'object token id -> bias in [-100, 100] added to that logit, e.g. {"50256": -100}',
+    "min_tokens": "tokens to generate before EOS, stop ids or stop strings may end the output",
+    "ignore_eos": "keep generating past EOS",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "prompt_logprobs": "top-k logprobs of every prompt token, as choices[i].prompt_logprobs "
+    "(the first is null)",
+    "return_token_ids": "add choices[i].token_ids (and prompt_token_ids in the first chunk)",
+    "user": "accepted, no effect (as metadata, store, service_tier, parallel_tool_calls, "
+    "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities)",
+    "CompletionRequest.prompt": "one string or one list of token ids (a one-element batch too)",
+    "CompletionRequest.max_tokens": "most tokens to generate; 0 only with echo (scores the prompt)",
+    "CompletionRequest.logprobs": "top-k alternatives per token (<= 20), OpenAI's legacy layout "
+    "(tokens, token_logprobs, top_logprobs, text_offset)",
+    "echo": "prepend the prompt to the text and, with logprobs, its tokens' logprobs (the first "
+    "null) to the logprobs",
+    "suffix": "not supported: a non-empty suffix is a 400",
+    "best_of": "only as n (another value is a 400)",
+    "messages": "the conversation, rendered by the model's chat template",
+    "ChatCompletionRequest.max_tokens": "most tokens to generate (max_completion_tokens wins)",
+    "max_completion_tokens": "most tokens to generate",
+    "ChatCompletionRequest.logprobs": "return the sampled tokens' logprobs (choices[i].logprobs)",
+    "top_logprobs": "alternatives per token (<= 20); needs logprobs true",
+    "add_generation_prompt": "end the rendered prompt with the assistant turn's opening",
+    "role": "system, developer (= system), user, assistant or tool",
+    "content": 'text, or a list of {"type": "text", "text"} parts (concatenated)',
+    "name": "the speaker's name (passed to the template)",
+    "include_usage": "add a last chunk with the usage of the whole request",
+    "continuous_usage_stats": "put the usage so far in every chunk (vLLM's extension)",
+    "max_new_tokens": "most tokens to generate",
+    "min_new_tokens": "as min_tokens",
+    "text": "the prompt text (or give input_ids)",
+    "input_ids": "the prompt as token ids (or give text)",
+    "sampling_params": "see the sampling_params table",
+    "return_logprob": "add output (and, with logprob_start_len >= 0, input) logprobs to meta_info",
+    "top_logprobs_num": "alternatives per token in meta_info.*_top_logprobs (<= 20)",
+    "logprob_start_len": "first prompt position with input logprobs; -1: none",
+    "rid": "the request id (meta_info.id)",
+    "TokenizeRequest.prompt": "text to tokenize (or give messages)",
+    "TokenizeRequest.messages": "chat messages, rendered by the chat template, to tokenize",
+    "add_special_tokens": "add the tokenizer's special tokens (default: true for a prompt, "
+    "false for messages)",
+    "return_token_strs": "add token_strs, the vocabulary strings of the tokens",
+    "tokens": "token ids to turn into text",
+    "bootstrap_host": "PD: the prefill worker's bootstrap address (the router adds it)",
+    "bootstrap_port": "PD: the prefill worker's bootstrap port (the router adds it)",
+    "bootstrap_room": "PD: the transfer's 63-bit room id (the router draws it)",
+}
+
+_NOOP = set(p._NoOpFields.model_fields) - {"user"}
+_BOOTSTRAP = set(p.Bootstrap.model_fields)
+
+# (title, model, fields left out because another table has them)
+SECTIONS: tuple[tuple[str, type[BaseModel], set[str]], ...] = (
+    ("`/v1/completions` and `/v1/chat/completions`", p._OpenAISampling, _BOOTSTRAP | _NOOP),
+    ("`/v1/completions` only", p.CompletionRequest, set(p._OpenAISampling.model_fields)),
+    ("`/v1/chat/completions` only", p.ChatCompletionRequest, set(p._OpenAISampling.model_fields)),
+    ("`messages[i]`", p.ChatMessage, set()),
+    ("`stream_options`", p.StreamOptions, set()),
+    ("`/generate`", p.GenerateRequest, _BOOTSTRAP),
+    ("`/generate` `sampling_params`", p.GenerateSamplingParams, set()),
+    ("`/tokenize`", p.TokenizeRequest, set()),
+    ("`/detokenize`", p.DetokenizeRequest, set()),
+    ("every body (PD)", p.Bootstrap, set()),
+)
+
+
+def _type(ann: Any) -> str:
+    """A short JSON-ish name of a field's annotation (``int``, ``string | null``, ...)."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:
+        return _type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type(a) for a in args)
+    if origin is typing.Literal:
+        return " \\| ".join(f'"{a}"' for a in args)
+    if origin is list:
+        return f"list[{_type(args[0])}]" if args else "list"
+    if origin is dict or ann is dict:
+        return "object"
+    if ann is type(None):
+        return "null"
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "object"
+    names = {int: "int", float: "number", bool: "bool", str: "string"}
+    return names.get(ann, getattr(ann, "__name__", str(ann)))
+
+
+def _default(info: Any) -> str:
+    if info.default is PydanticUndefined:
+        return "{}" if info.default_factory is not None else "required"
+    if info.default is None:
+        return ""
+    value = str(info.default).lower() if isinstance(info.default, bool) else info.default
+    return f"`{value}`"
+
+
+def meaning(model: type[BaseModel], field: str) -> str | None:
+    return MEANINGS.get(f"{model.__name__}.{field}", MEANINGS.get(field))
+
+
+def missing_meanings() -> list[str]:
+    """``Model.field`` of every documented field without a meaning in MEANINGS."""
+    return [
+        f"{model.__name__}.{name}"
+        for _, model, skip in SECTIONS
+        for name in model.model_fields
+        if name not in skip and meaning(model, name) is None
+    ]
+
+
+def api_tables() -> str:
+    """Every section's table: field, type, default, meaning."""
+    out = []
+    for title, model, skip in SECTIONS:
+        rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+        for name, info in model.model_fields.items():
+            if name in skip:
+                continue
+            text = (meaning(model, name) or "").replace("|", "\\|")
+            rows.append(f"| `{name}` | {_type(info.annotation)} | {_default(info)} | {text} |")
+        out.append(f"##### {title}\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(out)
