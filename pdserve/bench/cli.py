@@ -14,6 +14,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.offline",
     "pdserve.bench.transfer",
     "pdserve.bench.serve",
+    "pdserve.bench.grammar",
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -17,7 +18,6 @@ from pdserve.disagg.base import KVManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
 from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
@@ -26,6 +26,7 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import BatchPlan, Scheduler
 from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
+from pdserve.engine.structured.manager import StructuredOutputManager
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import load_model_source
 
@@ -97,11 +98,12 @@ class EngineCore:
             )
         self.max_model_len = min(max_len, capacity)  # so a lone request always fits
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
-        self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
-        )
         self.scheduler = Scheduler(
-            sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+            sc, self.pool, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+        )
+        # Grammars of structured outputs: compiled on first use, cached (engine/structured/).
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         # Unseeded random rows share one generator (one batched draw a step); seeded rows
         # get their own in add_request, so a seed gives the same tokens whatever the batch.
@@ -110,7 +112,6 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded)
         self.disagg = DisaggFlow(
             self.pool,
-            self.kv,
             self.scheduler,
             kv_managers or {},
             transfer_backend,
@@ -122,6 +123,7 @@ class EngineCore:
         self._arrivals = 0
         self._counters = {
             "steps": 0,
+            "prompt_tokens_computed": 0,
             "generation_tokens": 0,
             "finished_requests": 0,
         }
@@ -137,8 +139,7 @@ class EngineCore:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages no request holds: free in the pool, or cached and evictable."""
-        return self.kv.num_available_pages
+        return self.pool.num_free_pages
 
     def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Give the engine its KV transfer managers by backend name after construction (a
@@ -187,6 +188,8 @@ class EngineCore:
                 f"{self.max_model_len}, which leaves no room for output"
             )
         manager = self.disagg.manager_for(disagg) if disagg is not None else None
+        so = params.structured_outputs
+        grammar = self.structured.new_state(so) if so is not None else None
         generator = None
         if not params.greedy and params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -206,6 +209,7 @@ class EngineCore:
             generator=generator,
             disagg=disagg,
         )
+        req.grammar = grammar
         self._arrivals += 1
         if manager is not None:
             self.disagg.add(req, manager)
@@ -234,6 +238,7 @@ class EngineCore:
         touched: dict[str, Request] = {r.request_id: r for r in self.disagg.poll()}
         plan = self.scheduler.schedule()
         if plan.seqs:
+            plan = self._attach_grammar_masks(plan)
             self._counters["steps"] += 1
             result = self.runner.execute(plan)
             self._apply(plan, result, touched)
@@ -253,28 +258,61 @@ class EngineCore:
             "num_waiting_for_peer": self.disagg.count(Status.WAITING_FOR_PEER),
             "num_transferring": self.disagg.count(Status.TRANSFERRING),
             "num_draining": self.disagg.num_draining,
-            "num_free_pages": self.kv.num_available_pages,
+            "num_free_pages": self.pool.num_free_pages,
             "num_total_pages": self.pool.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **self._counters,
-            **self.kv.stats(),
         }
 
     # --- internals --------------------------------------------------------------------
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
-        for req, tok in self.scheduler.update_from_output(plan, result):
+        for seq in plan.seqs:
+            req = self._requests[seq.request_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self._counters["prompt_tokens_computed"] += max(
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
+            )
+            lps = result.prompt_logprobs.get(seq.request_id)
+            if lps:
+                req.prompt_logprobs.extend(lps)
+            if not seq.sample:
+                continue
             touched[req.request_id] = req
             prefill_role = req.disagg is not None and req.disagg.role == "prefill"
-            self._append_token(req, tok, prefill_role)
+            self._append_token(req, result.sampled[seq.request_id], prefill_role)
             if req.finished:
                 self.scheduler.remove(req)
 
+    def _attach_grammar_masks(self, plan: BatchPlan) -> BatchPlan:
+        """Give each sampling row of a request with a live grammar its allowed-token mask
+        (``ScheduledSeq.logits_mask``), all rows filled in one batched call."""
+        rows = []
+        for i, seq in enumerate(plan.seqs):
+            grammar = self._requests[seq.request_id].grammar if seq.sample else None
+            if grammar is not None and not grammar.failed and not grammar.is_terminated:
+                rows.append((i, grammar))
+        if not rows:
+            return plan
+        masks = self.structured.masks([g for _, g in rows], self.device)
+        seqs = list(plan.seqs)
+        for (i, _), mask in zip(rows, masks):
+            seqs[i] = replace(seqs[i], logits_mask=mask)
+        return replace(plan, seqs=tuple(seqs))
+
     def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:
         """Append a sampled token, update text, and apply the stop checks (finishing
-        ``req`` in place; a prefill-role request instead sends its KV)."""
+        ``req`` in place; a prefill-role request instead sends its KV).  A request with a
+        grammar advances its matcher here, on every worker: decode's matcher thereby
+        resumes from the prompt plus the first token that prefill sampled."""
         params = req.params
         req.append_token(tok.token_id, tok.logprob, tok.top)
+        if req.grammar is not None and not req.grammar.accept(tok.token_id) and not prefill_role:
+            # Only a token sampled without this grammar's mask gets here (e.g. a prefill
+            # worker of another version): say so instead of producing invalid output.
+            req.finish(
+                "error", error=f"the structured-output grammar rejected token {tok.token_id}"
+            )
+            return
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
         verdict = check_token_stop(

@@ -18,6 +18,7 @@ from pdserve.disagg.base import KVReceiver, KVSender
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured.manager import GrammarState
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,8 @@ class Request:
         self.disagg = disagg
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        # prompt tokens not computed here: found in the prefix cache (or, disagg decode,
-        # already held when the rest of the prompt's KV arrived)
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens computed elsewhere (disagg decode)
         self.pages: list[int] = []
-        self.page_keys: list[bytes] = []  # prefix-cache keys of pages[: len(page_keys)]
         self.status = Status.WAITING
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -96,6 +94,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.grammar: GrammarState | None = None  # structured outputs: the output's matcher
         # disaggregation
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.disagg.base import MAX_TOP_LOGPROBS
+from pdserve.engine.structured.params import StructuredOutputsParams
 
 
 def _is_int(value: Any) -> bool:
@@ -47,6 +48,8 @@ class SamplingParams:
 
     All four change which token is chosen, never the reported logprobs (those stay the raw
     model's, as OpenAI and vLLM report them).
+    structured_outputs: a constraint the output must match (JSON schema, JSON object,
+        regex, choice, EBNF grammar; ``engine/structured/``), or ``None``.
 
     Raises ``ValueError`` naming the field for any out-of-range or wrongly typed value.
     """
@@ -69,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -106,6 +110,11 @@ class SamplingParams:
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(
                 f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or None, got {so!r}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

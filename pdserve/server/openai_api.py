@@ -215,7 +215,6 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
         if req.stream:
             finals: dict[int, Any] = {}
-            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
 
             def chunks(index: int, out: RequestOutput):
                 o = out.outputs[0]
@@ -224,24 +223,16 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 offsets[index] = offsets.get(index, 0) + (0 if scoring else len(o.delta_text))
                 if o.finished:
                     finals[index] = o
-                    cached[index] = out.num_cached_tokens
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
                 chunk = dict(head, choices=[body])
                 if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(
-                        len(prompt_ids), [o], scoring=scoring, cached_tokens=out.num_cached_tokens
-                    )
+                    chunk["usage"] = fmt.usage(len(prompt_ids), [o], scoring=scoring)
                 yield chunk
 
             def tail():
                 if _usage_at_end(req):
-                    usage = fmt.usage(
-                        len(prompt_ids),
-                        list(finals.values()),
-                        scoring=scoring,
-                        cached_tokens=min(cached.values(), default=0),
-                    )
+                    usage = fmt.usage(len(prompt_ids), list(finals.values()), scoring=scoring)
                     yield dict(head, choices=[], usage=usage)
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
@@ -250,12 +241,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         choices = [
             choice(index, out, out.outputs[0], True, delta=False) for index, out in enumerate(outs)
         ]
-        usage = fmt.usage(
-            len(prompt_ids),
-            [out.outputs[0] for out in outs],
-            scoring=scoring,
-            cached_tokens=fmt.cached_tokens(outs),
-        )
+        usage = fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs], scoring=scoring)
         return JSONResponse(dict(head, choices=choices, usage=usage))
 
     @api.post("/v1/chat/completions")
@@ -289,7 +275,6 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         if req.stream:
             started: set[int] = set()
             finals: dict[int, Any] = {}
-            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
             chunk_head = dict(head, object="chat.completion.chunk")
 
             def chunks(index: int, out: RequestOutput):
@@ -298,7 +283,6 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 started.add(index)
                 if o.finished:
                     finals[index] = o
-                    cached[index] = out.num_cached_tokens
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
                 delta = (
@@ -316,9 +300,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 }
                 chunk = dict(chunk_head, choices=[choice])
                 if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(
-                        len(prompt_ids), [o], cached_tokens=out.num_cached_tokens
-                    )
+                    chunk["usage"] = fmt.usage(len(prompt_ids), [o])
                 yield chunk
 
             def tail():
@@ -326,11 +308,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     yield dict(
                         chunk_head,
                         choices=[],
-                        usage=fmt.usage(
-                            len(prompt_ids),
-                            list(finals.values()),
-                            cached_tokens=min(cached.values(), default=0),
-                        ),
+                        usage=fmt.usage(len(prompt_ids), list(finals.values())),
                     )
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
@@ -353,11 +331,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             dict(
                 head,
                 choices=choices,
-                usage=fmt.usage(
-                    len(prompt_ids),
-                    [out.outputs[0] for out in outs],
-                    cached_tokens=fmt.cached_tokens(outs),
-                ),
+                usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs]),
             )
         )
 

@@ -1,0 +1,221 @@
+"""``pdserve bench grammar``: what a grammar mask costs per token, next to a decode step.
+
+For each grammar library installed (``xgrammar``, ``llguidance``) and each batch size, it
+replays a fixed valid JSON answer token by token through ``B`` matchers and times one
+token's mask work for the whole batch: fill the ``[B, ceil(V/32)]`` int32 bitmask,
+apply it to ``logits[B, V]`` (``-inf`` where disallowed), accept the token.  The same run
+times a decode step of the engine (``B`` running requests, one token each) on the same
+machine, and reports the ratio ``mask / decode step``: the share of a decode step that
+structured outputs add when the mask is computed serially (nothing overlapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from pdserve.config import EMBEDDED_MODEL_ID
+
+# A typical response_format schema: strings, an integer, an enum, an array, a nested object.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+BENCH_ANSWER = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "role": "admin",
+    "tags": ["mathematics", "analytical engine", "poetry"],
+    "address": {"city": "London", "zip": "W1"},
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``pdserve bench grammar``."""
+    p = subparsers.add_parser(
+        "grammar",
+        help="per-token grammar-mask cost (xgrammar, llguidance) as a fraction of a decode step",
+    )
+    p.add_argument("--model", default=EMBEDDED_MODEL_ID, help="model whose decode step is timed")
+    p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes")
+    p.add_argument(
+        "--libraries",
+        default="xgrammar,llguidance",
+        help="grammar libraries to time (each skipped with a note when not installed)",
+    )
+    p.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per batch")
+    p.add_argument("--repeats", type=int, default=5, help="replays of the answer per library")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=run_grammar)
+
+
+def _decode_step_seconds(llm, batch: int, steps: int) -> float:
+    """Median seconds of one engine step with ``batch`` requests all decoding."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    core = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    prompt = core.tokenizer.encode("Write a long story about a robot who learns to paint.")
+    for i in range(batch):
+        core.add_request(f"bench-{batch}-{i}", list(prompt), params)
+    while any(len(r.output_token_ids) == 0 for r in core._requests.values()):
+        core.step()  # prefill (and maybe some decode) until every request decodes
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t0)
+    for rid in list(core._requests):
+        core.abort_request(rid)
+    while core.has_unfinished_requests():
+        core.step()
+    return statistics.median(times)
+
+
+def _xgrammar_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callable]:
+    import torch
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(BENCH_SCHEMA))
+    bitmask = xgr.allocate_token_bitmask(batch, vocab)
+    batcher = xgr.BatchGrammarMatcher()
+    state: dict = {}
+
+    def reset() -> None:
+        state["m"] = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+
+    def step(logits: torch.Tensor, token: int) -> None:
+        ms = state["m"]
+        if batch == 1:
+            ms[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            batcher.batch_fill_next_token_bitmask(ms, bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        for m in ms:
+            if not m.accept_token(token):
+                raise RuntimeError(f"xgrammar rejected token {token}")
+
+    return reset, step
+
+
+def _llguidance_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callable]:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as lltorch
+    import torch
+
+    from pdserve.engine.structured.bitmask import apply_bitmask_inplace
+
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
+    bitmask = lltorch.allocate_token_bitmask(batch, vocab)
+    executor = llguidance.LLExecutor()
+    state: dict = {}
+
+    def reset() -> None:
+        state["m"] = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
+
+    def step(logits: torch.Tensor, token: int) -> None:
+        ms = state["m"]
+        if batch == 1:
+            lltorch.fill_next_token_bitmask(ms[0], bitmask, 0)
+        else:
+            lltorch.fill_next_token_bitmask_par(
+                executor, [(m, i) for i, m in enumerate(ms)], bitmask
+            )
+        apply_bitmask_inplace(logits, bitmask)
+        for m in ms:
+            if not m.consume_token(token):
+                raise RuntimeError(f"llguidance rejected token {token}: {m.get_error()}")
+
+    return reset, step
+
+
+_LIBRARIES = {"xgrammar": _xgrammar_step, "llguidance": _llguidance_step}
+
+
+def _mask_seconds(make, tokenizer, vocab: int, batch: int, tokens: list[int], repeats: int):
+    """Median over ``repeats`` replays of the mean seconds per token of mask work."""
+    import torch
+
+    reset, step = make(tokenizer, vocab, batch)
+    logits = torch.randn(batch, vocab)
+    per_token = []
+    for _ in range(repeats + 1):  # the first replay warms caches and is dropped
+        reset()
+        t0 = time.perf_counter()
+        for tok in tokens:
+            step(logits, tok)
+        per_token.append((time.perf_counter() - t0) / len(tokens))
+    return statistics.median(per_token[1:])
+
+
+def run_grammar(args: argparse.Namespace) -> int:
+    """Time decode steps and grammar masks; print a table; 2 on bad arguments."""
+    import importlib.util
+
+    import torch
+
+    from pdserve.engine.llm import LLM
+
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        libs = [x.strip() for x in args.libraries.split(",") if x.strip()]
+        unknown = [x for x in libs if x not in _LIBRARIES]
+        if unknown or not batches or min(batches) < 1:
+            raise ValueError(f"libraries must be among {sorted(_LIBRARIES)}, batch sizes >= 1")
+        llm = LLM(args.model, max_running_requests=max(batches))
+    except ValueError as exc:
+        print(f"pdserve bench grammar: {exc}", file=sys.stderr)
+        return 2
+    core = llm.engine
+    tokenizer, vocab = core.tokenizer, core.vocab_size
+    answer = tokenizer.encode(json.dumps(BENCH_ANSWER), add_special_tokens=False)
+    tokens = [*answer, *sorted(core.eos_token_ids)[:1]]
+    print(
+        f"model {args.model}  vocab {vocab}  device {core.device}  threads "
+        f"{torch.get_num_threads()}  answer {len(tokens)} tokens"
+    )
+    results = []
+    for batch in batches:
+        _decode_step_seconds(llm, batch, 3)  # warm-up
+        step_s = _decode_step_seconds(llm, batch, args.decode_steps)
+        row = {"batch": batch, "decode_step_ms": step_s * 1e3}
+        for lib in libs:
+            if importlib.util.find_spec(lib) is None:
+                print(f"  {lib}: not installed, skipped")
+                continue
+            mask_s = _mask_seconds(_LIBRARIES[lib], tokenizer, vocab, batch, tokens, args.repeats)
+            row[f"{lib}_mask_ms"] = mask_s * 1e3
+            row[f"{lib}_fraction"] = mask_s / step_s
+        results.append(row)
+        cells = "  ".join(
+            f"{lib} {row[f'{lib}_mask_ms']:.3f} ms ({row[f'{lib}_fraction']:.1%})"
+            for lib in libs
+            if f"{lib}_mask_ms" in row
+        )
+        print(f"batch {batch:>3}: decode step {step_s * 1e3:.2f} ms  mask/token: {cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"benchmark": "grammar", "model": args.model, "results": results}, f, indent=1
+            )
+    return 0
