@@ -67,12 +67,15 @@ class CacheConfig:
     kv_cache_memory: pool size in GiB; ``None`` means 1 GiB on CPU, or
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
+    enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
+        (``pdserve.engine.prefix_cache``); on decode workers, receive only what is not held.
     """
 
     page_size: int = 16
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.85
     num_pages: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -203,7 +206,7 @@ class ServerConfig:
             )
 
 
-ROUTER_POLICIES = ("random", "round_robin", "power_of_two")
+ROUTER_POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,9 @@ class RouterConfig:
         ``regular``; an explicit mode may start with no workers when the admin API is on.
     admin_token: bearer token of the admin API (``/admin/workers``: add, remove, list
         workers at run time); ``None`` = the admin API is off.
-    policy: ``random``, ``round_robin`` or ``power_of_two`` (fewest outstanding requests of
-        two random picks).
+    policy: ``random``, ``round_robin``, ``power_of_two`` (fewest outstanding requests of
+        two random picks) or ``cache_aware`` (the worker that was sent the longest prefix
+        of the prompt, unless the load is out of balance; ``router/policies.py``).
     request_timeout: seconds one client request may take end to end (504 after).
     health_check_interval/timeout: seconds between probes of each worker's ``/health`` and
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject

@@ -54,6 +54,10 @@ class RunSummary:
     output_throughput: output tokens of completed requests / duration (tok/s).
     tpot: per request, (latency − TTFT) / (output tokens − 1), for outputs of > 1 token.
     errors: the first distinct error messages (at most ``MAX_ERRORS_KEPT``).
+    total_cached_tokens / cache_hit_rate: prompt tokens the server reported cached, and
+        their share of the prompt tokens (``nan`` when it reported none).
+    kv_bytes_per_request: KV bytes prefill workers sent per completed request (PD router
+        targets only, ``nan`` otherwise).
     """
 
     num_requests: int
@@ -69,14 +73,20 @@ class RunSummary:
     itl: LatencyStats
     tpot: LatencyStats
     e2e: LatencyStats
+    total_cached_tokens: int = 0
+    cache_hit_rate: float = math.nan
+    kv_bytes_per_request: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict copy (nan kept; ``report.json_safe`` turns it into null)."""
         return asdict(self)
 
 
-def summarize(results: Sequence[StreamResult], duration_s: float) -> RunSummary:
-    """Summarise ``results`` of one target measured over ``duration_s`` seconds."""
+def summarize(
+    results: Sequence[StreamResult], duration_s: float, kv_bytes: int | None = None
+) -> RunSummary:
+    """Summarise ``results`` of one target measured over ``duration_s`` seconds
+    (``kv_bytes``: KV bytes transferred meanwhile, if known)."""
     done = [r for r in results if r.ok]
     errors: list[str] = []
     for r in results:
@@ -104,6 +114,13 @@ def summarize(results: Sequence[StreamResult], duration_s: float) -> RunSummary:
         itl=LatencyStats.of_seconds(x for r in done for x in r.itl),
         tpot=LatencyStats.of_seconds(tpot),
         e2e=LatencyStats.of_seconds(r.latency for r in done),
+        total_cached_tokens=sum(r.cached_tokens or 0 for r in done),
+        cache_hit_rate=(
+            sum(r.cached_tokens or 0 for r in done) / in_tokens
+            if in_tokens and any(r.cached_tokens is not None for r in done)
+            else math.nan
+        ),
+        kv_bytes_per_request=kv_bytes / len(done) if kv_bytes is not None and done else math.nan,
     )
 
 

@@ -74,6 +74,8 @@ class StreamResult:
 
     ttft: to the first text chunk (``None`` if none came); itl: gaps between text chunks;
     latency: request sent → stream closed; output_tokens: from usage, else text chunks.
+    cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the server
+    found in its prefix cache), ``None`` when the server does not say.
     """
 
     ok: bool = False
@@ -86,6 +88,7 @@ class StreamResult:
     output_tokens: int = 0
     text: str = ""
     finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 async def stream_request(
@@ -122,6 +125,8 @@ async def stream_request(
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")
                     completion_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens")
                 for choice in chunk.get("choices") or []:
                     piece = (
                         (choice.get("delta") or {}).get("content")

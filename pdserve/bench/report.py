@@ -36,6 +36,8 @@ _ROWS: tuple[tuple[str, Any, int], ...] = (
         lambda s: s.total_output_tokens / s.completed if s.completed else math.nan,
         1,
     ),
+    ("cache hit rate", lambda s: s.cache_hit_rate, 3),
+    ("KV bytes / request", lambda s: s.kv_bytes_per_request, 0),
     ("TTFT median (ms)", lambda s: s.ttft.median, 1),
     ("TTFT p90 (ms)", lambda s: s.ttft.p90, 1),
     ("TTFT p99 (ms)", lambda s: s.ttft.p99, 1),
@@ -144,6 +146,7 @@ def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
         "latency_ms": r.latency * 1000.0,
         "itl_ms": [round(x * 1000.0, 4) for x in r.itl],
         "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
         "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.kv_probe import kv_bytes_sent, prefill_urls
 from pdserve.bench.metrics import RunSummary, summarize
 from pdserve.bench.openai_client import StreamResult, stream_request
-from pdserve.bench.workload import RequestSpec, WorkloadSpec
+from pdserve.bench.workload import RequestSpec, WorkloadSpec, random_prompt
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class Series:
     stream: ``main`` (the standard scenario), ``decode`` or ``long`` (interference).
     request_rate: Poisson rate in req/s, ``inf`` for closed loop at ``concurrency``.
     duration_s: wall time summed over the target's blocks.
+    kv_bytes: KV bytes the target's prefill workers sent during its blocks (PD routers
+        only; ``None`` when unknown).
     """
 
     target: Target
@@ -45,10 +49,11 @@ class Series:
     concurrency: int | None
     results: list[StreamResult] = field(default_factory=list)
     duration_s: float = 0.0
+    kv_bytes: int | None = None
 
     def summary(self) -> RunSummary:
         """The aggregate statistics of this series."""
-        return summarize(self.results, self.duration_s)
+        return summarize(self.results, self.duration_s, self.kv_bytes)
 
     @property
     def label(self) -> str:
@@ -58,11 +63,16 @@ class Series:
 
 
 def request_body(
-    req: RequestSpec, model: str, spec: WorkloadSpec, max_tokens: int | None = None
+    req: RequestSpec,
+    model: str,
+    spec: WorkloadSpec,
+    max_tokens: int | None = None,
+    history: Sequence[dict[str, str]] = (),
 ) -> dict[str, Any]:
     """The JSON body of ``req`` for ``spec.resolved_endpoint`` (greedy unless the spec
     says otherwise). ``ignore_eos`` is sent only when true, since strict OpenAI-style
-    servers reject unknown fields."""
+    servers reject unknown fields.  ``req.system`` comes first (a system message, or
+    before the prompt); ``history``: earlier chat messages of a multi-turn conversation."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_tokens if max_tokens is None else max_tokens,
@@ -71,9 +81,10 @@ def request_body(
     if spec.ignore_eos:
         body["ignore_eos"] = True
     if spec.resolved_endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        system = [{"role": "system", "content": req.system}] if req.system else []
+        body["messages"] = system + list(history) + [{"role": "user", "content": req.prompt}]
     else:
-        body["prompt"] = req.prompt
+        body["prompt"] = f"{req.system}\n\n{req.prompt}" if req.system else req.prompt
     return body
 
 
@@ -106,8 +117,51 @@ async def run_block(
         on_done(result)
         return result
 
+    if spec.dataset == "multi-turn":
+        return await _run_conversations(client, target, spec, reqs, arrivals, sem, on_done, t0)
     results = await asyncio.gather(*(one(r, a) for r, a in zip(reqs, arrivals)))
     return list(results), time.perf_counter() - t0
+
+
+async def _run_conversations(
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: WorkloadSpec,
+    reqs: Sequence[RequestSpec],
+    arrivals: Sequence[float],
+    sem: asyncio.Semaphore | None,
+    on_done: Callable[[StreamResult], None],
+    t0: float,
+) -> tuple[list[StreamResult], float]:
+    """Multi-turn: each conversation starts at its first turn's arrival and sends its turns
+    one after the other, each with the history so far (user messages and the answers the
+    server gave); ``sem`` caps the conversations in flight.  Results in request order."""
+    by_conv: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        by_conv.setdefault(r.conversation or 0, []).append(i)
+    results: list[StreamResult | None] = [None] * len(reqs)
+
+    async def conversation(idx: list[int]) -> None:
+        delay = t0 + arrivals[idx[0]] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        history: list[dict[str, str]] = []
+        for i in sorted(idx, key=lambda j: reqs[j].turn or 0):
+            body = request_body(reqs[i], target.model, spec, history=history)
+            result = await stream_request(client, target.base_url, "chat", body)
+            results[i] = result
+            on_done(result)
+            history += [body["messages"][-1], {"role": "assistant", "content": result.text}]
+
+    async def capped(idx: list[int]) -> None:
+        if sem is None:
+            await conversation(idx)
+        else:
+            async with sem:
+                await conversation(idx)
+
+    await asyncio.gather(*(capped(idx) for idx in by_conv.values()))
+    return [r for r in results if r is not None], time.perf_counter() - t0
 
 
 def split_blocks(n: int, num_blocks: int) -> list[range]:
@@ -136,6 +190,13 @@ async def warm_up(
     if num_warmups <= 0:
         return
     warm = [reqs[i % len(reqs)] for i in range(num_warmups)]
+    if spec.dataset in ("shared-prefix", "multi-turn"):
+        # prompts of their own, so the warm-up does not fill the prefix cache being measured
+        rng = random.Random(spec.seed + 1)
+        warm = [
+            RequestSpec(-1 - i, random_prompt(rng, spec.input_len), spec.output_len)
+            for i in range(num_warmups)
+        ]
     for target in targets:
         await run_block(client, target, spec, warm, [0.0] * len(warm), None)
 
@@ -154,13 +215,30 @@ async def run_load_point(
     """Run the whole workload once on every target (blocks interleaved); one ``Series``
     per target, results in request order."""
     series = {t.name: Series(t, "main", request_rate, concurrency) for t in targets}
-    for b, idx in enumerate(split_blocks(len(reqs), num_blocks)):
+    probes = {t.name: await prefill_urls(client, t.base_url) for t in targets}
+    blocks = split_blocks(len(reqs), num_blocks)
+    if spec.dataset == "multi-turn":  # a conversation is never cut between blocks
+        blocks = _conversation_blocks(reqs, num_blocks)
+    for b, idx in enumerate(blocks):
         block_reqs = [reqs[i] for i in idx]
         block_arrivals = [arrivals[i] - arrivals[idx[0]] for i in idx]
         for target in block_order(targets, b):
+            before = await kv_bytes_sent(client, probes[target.name])
             results, duration = await run_block(
                 client, target, spec, block_reqs, block_arrivals, concurrency, on_done
             )
-            series[target.name].results.extend(results)
-            series[target.name].duration_s += duration
+            after = await kv_bytes_sent(client, probes[target.name])
+            s = series[target.name]
+            s.results.extend(results)
+            s.duration_s += duration
+            if before is not None and after is not None:
+                s.kv_bytes = (s.kv_bytes or 0) + after - before
     return [series[t.name] for t in targets]
+
+
+def _conversation_blocks(reqs: Sequence[RequestSpec], num_blocks: int) -> list[range]:
+    """Blocks of whole conversations (requests of one conversation are consecutive)."""
+    starts = [i for i, r in enumerate(reqs) if i == 0 or r.conversation != reqs[i - 1].conversation]
+    cut = split_blocks(len(starts), num_blocks)
+    ends = starts[1:] + [len(reqs)]
+    return [range(starts[c[0]], ends[c[-1]]) for c in cut]

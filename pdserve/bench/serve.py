@@ -111,6 +111,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ask for exactly max_tokens (pdserve extension field; default on)",
     )
     w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument(
+        "--num-groups",
+        type=int,
+        default=4,
+        help="shared-prefix: groups of requests sharing one system prompt (default 4)",
+    )
+    w.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=1024,
+        help="shared-prefix: words (≈ tokens) of each group's system prompt (default 1024)",
+    )
+    w.add_argument(
+        "--num-turns",
+        type=int,
+        default=4,
+        help="multi-turn: turns per conversation; --num-requests counts turns (default 4)",
+    )
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     i = p.add_argument_group("interference scenario")
     i.add_argument(
@@ -148,6 +166,9 @@ def _resolve(
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         seed=args.seed,
+        num_groups=args.num_groups,
+        system_prompt_len=args.system_prompt_len,
+        num_turns=args.num_turns,
     )
     for name in ("input_len", "output_len", "concurrency", "blocks"):
         value = getattr(args, name)

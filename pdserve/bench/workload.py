@@ -11,7 +11,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-DATASETS = ("random", "gsm8k")
+DATASETS = ("random", "gsm8k", "shared-prefix", "multi-turn")
 ENDPOINTS = ("completions", "chat")
 
 # Common English words; each is one token (with its leading space) in the GPT-2 style
@@ -322,20 +322,31 @@ class RequestSpec:
     prompt: text (completions) or the user message (chat).
     max_tokens: output tokens asked for (exact with ``ignore_eos``).
     expected_input_len: words in a random prompt (≈ tokens), or ``None`` for GSM8K.
+    system: the shared system prompt of its group (``shared-prefix``): sent as a system
+        message (chat) or before the prompt (completions).
+    conversation/turn: ``multi-turn`` only: which conversation, and the turn in it (the
+        prompt is that turn's user message; earlier turns and answers come before it).
     """
 
     index: int
     prompt: str
     max_tokens: int
     expected_input_len: int | None = None
+    system: str | None = None
+    conversation: int | None = None
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What requests to send (the full, repeatable description).
 
-    dataset: ``random`` (word prompts of random length) or ``gsm8k`` (test questions).
-    input_len / output_len: mean prompt words (random only) and output tokens.
+    dataset: ``random`` (word prompts of random length), ``gsm8k`` (test questions),
+        ``shared-prefix`` (``num_groups`` groups, each sharing a system prompt of
+        ``system_prompt_len`` words, requests of the groups in a seeded random order) or
+        ``multi-turn`` (``num_requests / num_turns`` conversations of ``num_turns`` turns;
+        each turn sends the whole history, earlier answers included, plus a new message).
+    input_len / output_len: mean prompt (per turn, per question) words and output tokens.
     range_ratio: lengths are uniform integers in [len·(1−r), len·(1+r)] (vLLM's
         convention), r in [0, 1).
     endpoint: ``completions`` (raw prompt) or ``chat`` (prompt as one user message);
@@ -354,6 +365,9 @@ class WorkloadSpec:
     ignore_eos: bool = True
     temperature: float = 0.0
     seed: int = 0
+    num_groups: int = 4
+    system_prompt_len: int = 1024
+    num_turns: int = 4
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -370,13 +384,18 @@ class WorkloadSpec:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("num_groups", "system_prompt_len", "num_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dataset == "multi-turn" and self.endpoint == "completions":
+            raise ValueError("endpoint must be chat for the multi-turn dataset")
 
     @property
     def resolved_endpoint(self) -> str:
         """The endpoint actually used (``completions`` or ``chat``)."""
         if self.endpoint is not None:
             return self.endpoint
-        return "chat" if self.dataset == "gsm8k" else "completions"
+        return "chat" if self.dataset in ("gsm8k", "multi-turn") else "completions"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready copy, with the resolved endpoint."""
@@ -429,6 +448,34 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
         in_lens = sample_lengths(rng, spec.input_len, spec.range_ratio, n)
         return [
             RequestSpec(i, random_prompt(rng, in_lens[i]), out_lens[i], in_lens[i])
+            for i in range(n)
+        ]
+    if spec.dataset == "shared-prefix":
+        in_lens = sample_lengths(rng, spec.input_len, spec.range_ratio, n)
+        systems = [random_prompt(rng, spec.system_prompt_len) for _ in range(spec.num_groups)]
+        groups = [i % spec.num_groups for i in range(n)]
+        rng.shuffle(groups)  # not round-robin: a round-robin router must not look cache-aware
+        return [
+            RequestSpec(
+                i,
+                random_prompt(rng, in_lens[i]),
+                out_lens[i],
+                in_lens[i] + spec.system_prompt_len,
+                system=systems[groups[i]],
+            )
+            for i in range(n)
+        ]
+    if spec.dataset == "multi-turn":
+        in_lens = sample_lengths(rng, spec.input_len, spec.range_ratio, n)
+        return [
+            RequestSpec(
+                i,
+                random_prompt(rng, in_lens[i]),
+                out_lens[i],
+                in_lens[i],
+                conversation=i // spec.num_turns,
+                turn=i % spec.num_turns,
+            )
             for i in range(n)
         ]
     from pdserve.eval.gsm8k import format_question, load_gsm8k_test

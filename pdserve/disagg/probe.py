@@ -113,7 +113,23 @@ def nixl_problem() -> str | None:
     return None if report.ok else "NIXL is not usable here: " + "; ".join(report.problems)
 
 
+def _doctor_peer(peer: str, timeout_s: float) -> int:
+    from pdserve.disagg.nixl.peer_check import check_peer, parse_peer
+
+    try:
+        host, port = parse_peer(peer)
+    except ValueError as exc:
+        print(f"pdserve doctor: error: {exc}")
+        return 2
+    report = check_peer(host, port, timeout_s)
+    for kind, text in report.lines:
+        print(f"{ {'ok': 'OK', 'warn': 'WARNING', 'fail': 'PROBLEM'}[kind] }: {text}")
+    return 0 if report.ok else 1
+
+
 def _doctor(args: argparse.Namespace) -> int:
+    if args.peer:
+        return _doctor_peer(args.peer, args.timeout)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     report = probe_nixl(backends, role=args.role, device=args.device, gpu_id=args.gpu_id)
     if report.version is not None:
@@ -157,4 +173,17 @@ def add_parser(subparsers) -> None:
         "--device", choices=("cpu", "cuda"), default="cpu", help="select this device first"
     )
     p.add_argument("--gpu-id", type=int, default=0, help="CUDA device index when --device cuda")
+    p.add_argument(
+        "--peer",
+        default=None,
+        metavar="HOST:PORT",
+        help="instead: check a prefill worker's bootstrap server at HOST:PORT is reachable, a "
+        "NIXL connection to it opens, and which UCX transport a READ from it uses",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds each --peer step may take (default %(default)s)",
+    )
     p.set_defaults(func=_doctor)

@@ -7,8 +7,10 @@ prefill chunk the first token is sampled, the aux record written and
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot, ``receiver.init(pages, slot)``;
 at ``Success`` it joins the batch with the prompt "computed elsewhere" and the first
-token from the aux record.  Pages handed to the transfer layer are freed only after a
-terminal poll (also after an abort); then ``close()`` is called once.
+token from the aux record.  Pages handed to the transfer layer are released only after
+a terminal poll (also after an abort); then ``close()`` is called once.  Pages are
+allocated and released through the one page owner (``KVCacheManager``); aux slots come
+from the pool.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVTransferError
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken, skip_draw
@@ -51,6 +54,7 @@ class DisaggFlow:
     def __init__(
         self,
         pool: KVPool,
+        kv: KVCacheManager,
         scheduler: Scheduler,
         managers: Mapping[str, KVManager],
         transfer_backend: str,
@@ -58,6 +62,7 @@ class DisaggFlow:
         append_token: Callable[[Request, SampledToken], None],
     ) -> None:
         self._pool = pool
+        self._kv = kv
         self._vocab_size = vocab_size
         self._scheduler = scheduler
         self._managers = dict(managers)
@@ -161,10 +166,10 @@ class DisaggFlow:
             if req.status is not Status.WAITING_FOR_PEER or not req.peer_ready:
                 continue
             need = self._scheduler.pages_needed(req.num_prompt_tokens)
-            if need > self._pool.num_free_pages or self._pool.num_free_aux_slots == 0:
+            if need > self._kv.num_available_pages or self._pool.num_free_aux_slots == 0:
                 break
             req.aux_slot = self._pool.allocate_aux_slot()
-            req.pages = self._pool.allocate(need)
+            req.pages = self._kv.allocate(need)
             req.status = Status.TRANSFERRING
             try:
                 req.receiver.init(list(req.pages), req.aux_slot)
@@ -178,7 +183,7 @@ class DisaggFlow:
     ) -> None:
         """After the last prefill chunk: write the aux record and post the transfer."""
         req.pending_finish = finish
-        self._scheduler.running.remove(req)
+        self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
         aux = AuxRecord(
             req.disagg.bootstrap_room,
@@ -204,7 +209,10 @@ class DisaggFlow:
         self._release(req.receiver, [], req.aux_slot)  # keep the pages: they hold the prompt now
         req.receiver, req.aux_slot = None, None
         self._live.remove(req)
-        req.num_computed_tokens = req.num_cached_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_prompt_tokens
+        self._kv.cache_full_pages(
+            req.all_token_ids, req.pages, req.page_keys, req.num_computed_tokens
+        )
         if req.generator is not None:  # the first draw happened on prefill
             skip_draw(req.generator, self._vocab_size, req.generator.device)
         k = req.params.logprobs or 0
@@ -246,7 +254,7 @@ class DisaggFlow:
 
     def _release(self, handle, pages: list[int], slot: int | None) -> None:
         if pages:
-            self._pool.free(pages)
+            self._kv.release(pages)
         if slot is not None:
             self._pool.free_aux_slot(slot)
         handle.close()

@@ -18,6 +18,7 @@ from pdserve.disagg.base import KVManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.disagg_flow import DisaggFlow
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
 from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
@@ -98,8 +99,11 @@ class EngineCore:
             )
         self.max_model_len = min(max_len, capacity)  # so a lone request always fits
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
-            sc, self.pool, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+            sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
         )
         # Grammars of structured outputs: compiled on first use, cached (engine/structured/).
         self.structured = StructuredOutputManager(
@@ -112,6 +116,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded)
         self.disagg = DisaggFlow(
             self.pool,
+            self.kv,
             self.scheduler,
             kv_managers or {},
             transfer_backend,
@@ -123,7 +128,6 @@ class EngineCore:
         self._arrivals = 0
         self._counters = {
             "steps": 0,
-            "prompt_tokens_computed": 0,
             "generation_tokens": 0,
             "finished_requests": 0,
         }
@@ -139,7 +143,8 @@ class EngineCore:
 
     @property
     def num_free_pages(self) -> int:
-        return self.pool.num_free_pages
+        """Pages no request holds: free in the pool, or cached and evictable."""
+        return self.kv.num_available_pages
 
     def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Give the engine its KV transfer managers by backend name after construction (a
@@ -258,28 +263,20 @@ class EngineCore:
             "num_waiting_for_peer": self.disagg.count(Status.WAITING_FOR_PEER),
             "num_transferring": self.disagg.count(Status.TRANSFERRING),
             "num_draining": self.disagg.num_draining,
-            "num_free_pages": self.pool.num_free_pages,
+            "num_free_pages": self.kv.num_available_pages,
             "num_total_pages": self.pool.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **self._counters,
+            **self.kv.stats(),
         }
 
     # --- internals --------------------------------------------------------------------
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
-        for seq in plan.seqs:
-            req = self._requests[seq.request_id]
-            req.num_computed_tokens += len(seq.token_ids)
-            self._counters["prompt_tokens_computed"] += max(
-                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
-            )
-            lps = result.prompt_logprobs.get(seq.request_id)
-            if lps:
-                req.prompt_logprobs.extend(lps)
-            if not seq.sample:
-                continue
+        for req, tok in self.scheduler.update_from_output(plan, result):
             touched[req.request_id] = req
             prefill_role = req.disagg is not None and req.disagg.role == "prefill"
-            self._append_token(req, result.sampled[seq.request_id], prefill_role)
+            self._append_token(req, tok, prefill_role)
             if req.finished:
                 self.scheduler.remove(req)
 

@@ -27,6 +27,7 @@ class LLM:
     model: HF folder, ``.gguf`` file, ``random:<preset>`` or the embedded id (default).
     dtype/device: ``auto`` = fp32 on CPU / bf16 on CUDA, cuda when available.
     page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization: the KV pool.
+    enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
     max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.
@@ -47,6 +48,7 @@ class LLM:
         num_pages: int | None = None,
         gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -57,6 +59,7 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 num_pages=num_pages,
                 gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -224,4 +227,5 @@ class LLM:
             finished=True,
             prompt_logprobs=outs[0].prompt_logprobs,
             error=error,
+            num_cached_tokens=min(o.num_cached_tokens for o in outs),  # prompt counted once
         )

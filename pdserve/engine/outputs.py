@@ -67,7 +67,9 @@ class RequestOutput:
     finished: every sample has a ``finish_reason``.
     error: why the request failed (``finish_reason == "error"``), e.g. a KV transfer
         failure; ``None`` otherwise.
-    num_cached_tokens: prompt tokens whose KV was computed elsewhere (disaggregated decode).
+    num_cached_tokens: prompt tokens whose KV was not computed for this request: found in
+        the prefix cache at admission (full pages; a disaggregated decode worker counts the
+        leading pages it already held and did not receive).  Never above the prompt length.
     """
 
     request_id: str

@@ -82,8 +82,11 @@ class Request:
         self.disagg = disagg
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens computed elsewhere (disagg decode)
+        # prompt tokens not computed here: found in the prefix cache (or, disagg decode,
+        # already held when the rest of the prompt's KV arrived)
+        self.num_cached_tokens = 0
         self.pages: list[int] = []
+        self.page_keys: list[bytes] = []  # prefix-cache keys of pages[: len(page_keys)]
         self.status = Status.WAITING
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None

@@ -4,9 +4,19 @@ Each step the scheduler hands out a token budget (``max_num_batched_tokens``): f
 the running requests in order (one token for a decode, a chunk for an unfinished
 prefill), then to waiting requests in arrival order (FCFS) while the running batch has
 room (``max_running_requests``).  When a running request needs a page and none is free,
-the most recently admitted running request is preempted: its pages are freed and it
+the most recently admitted running request is preempted: its pages are released and it
 goes back to the waiting queue to recompute its tokens later.  Because the engine caps
 the context length to what the pool can hold, a lone request always fits: no deadlock.
+
+Prefix caching: a request admitted with nothing computed (new, or preempted) first takes
+the cached pages of its longest cached prefix (full pages, at most ``num_tokens - 1``
+tokens, so the last token is always computed and sampled) and starts computing after
+them; a hit is nothing more than a larger ``num_computed_tokens``.  Requests that ask for
+prompt logprobs bypass the lookup and recompute their prompt (vLLM does the same): the
+logprobs of every prompt position come from this step's logits, never from a cache.
+After each step :meth:`Scheduler.update_from_output` advances the requests and indexes
+their newly full pages, so the next admission can match them.  Pages come from one
+owner, :class:`pdserve.engine.kv_cache.KVCacheManager`.
 
 The result is a :class:`BatchPlan`, plain data that the model runner executes.
 """
@@ -14,16 +24,20 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import Request, Status
+from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_runner import StepResult
 
 
 @dataclass(frozen=True)
@@ -73,19 +87,20 @@ class BatchPlan:
 
 
 class Scheduler:
-    """Owns the waiting queue and running batch and the requests' pages in them.
+    """Owns the waiting queue and running batch; pages come from ``kv`` (the one owner).
 
     ``banned_before_min(req)`` gives the token ids to mask while ``req`` has fewer than
     ``min_tokens`` outputs (EOS and stop ids; supplied by the engine).
     """
 
-    def __init__(self, config: SchedulerConfig, pool: KVPool, banned_before_min) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, banned_before_min) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv
         self._banned_before_min = banned_before_min
         self.waiting: list[Request] = []  # sorted by arrival (FCFS)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
 
     # --- queue changes -----------------------------------------------------------------
     def add_waiting(self, req: Request) -> None:
@@ -93,20 +108,27 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def remove(self, req: Request) -> None:
-        """Take ``req`` out of the queues and free its pages (finish or abort)."""
+        """Take ``req`` out of the queues and release its pages (finish or abort)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.free_pages(req)
 
+    def take_running(self, req: Request) -> None:
+        """Take a running ``req`` out of the batch keeping its pages (a prefill-role request
+        whose pages the transfer layer reads next)."""
+        self.running.remove(req)
+
     def free_pages(self, req: Request) -> None:
+        """Release ``req``'s pages (cached full pages stay in the prefix cache)."""
         if req.pages:
             pages, req.pages = req.pages, []
-            self.pool.free(pages)
+            self.kv.release(pages)
+        req.page_keys = []
 
     def pages_needed(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.pool.page_size)
+        return self.kv.pages_needed(num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -127,7 +149,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
-            while need > self.pool.num_free_pages and req.status is Status.RUNNING:
+            while need > self.kv.num_available_pages and req.status is Status.RUNNING:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -144,20 +166,64 @@ class Scheduler:
             and len(self.running) < self.config.max_running_requests
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
-            if need > self.pool.num_free_pages:
+            hit: list[int] = []
+            keys: list[bytes] = []
+            if not req.pages and req.num_computed_tokens == 0:
+                if not req.needs_prompt_logprobs():
+                    hit, keys = self.kv.match_prefix(req.all_token_ids, req.num_tokens - 1)
+                start = len(hit) * self.kv.page_size
+            else:
+                start = req.num_computed_tokens  # decode role: the prompt arrived by transfer
+            n = min(req.num_tokens - start, budget)
+            need = self.pages_needed(start + n) - len(req.pages) - len(hit)
+            if need > self.kv.num_available_pages - self.kv.num_evictable_among(hit):
                 break  # FCFS: the head waits for pages, nobody overtakes it
             self.waiting.pop(0)
+            if not req.pages and req.num_computed_tokens == 0:
+                self._attach_prefix(req, hit, keys)
             req.status = Status.RUNNING
             self.running.append(req)
             seqs.append(self._schedule(req, n, need))
             budget -= n
         return BatchPlan(tuple(seqs), tuple(preempted))
 
+    def _attach_prefix(self, req: Request, hit: list[int], keys: list[bytes]) -> None:
+        self.kv.share(hit)
+        req.pages, req.page_keys = list(hit), list(keys)
+        req.num_computed_tokens = len(hit) * self.kv.page_size
+        if req.num_preemptions == 0:  # the first admission is what usage and hit rate count
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            self.kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
+
+    def update_from_output(
+        self, plan: BatchPlan, result: StepResult
+    ) -> list[tuple[Request, SampledToken]]:
+        """The bookkeeping of an executed step: each scheduled request's computed tokens
+        advance, its newly full pages enter the prefix cache, and its prompt logprobs are
+        appended.  Returns ``(request, sampled token)`` of the requests that sampled, in
+        batch order: the caller appends the token and applies the stop checks (then
+        :meth:`remove` or :meth:`take_running`)."""
+        by_id = {r.request_id: r for r in self.running}
+        sampled: list[tuple[Request, SampledToken]] = []
+        for seq in plan.seqs:
+            req = by_id[seq.request_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self.num_prompt_tokens_computed += max(
+                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
+            )
+            self.kv.cache_full_pages(
+                req.all_token_ids, req.pages, req.page_keys, req.num_computed_tokens
+            )
+            lps = result.prompt_logprobs.get(seq.request_id)
+            if lps:
+                req.prompt_logprobs.extend(lps)
+            if seq.sample:
+                sampled.append((req, result.sampled[seq.request_id]))
+        return sampled
+
     def _schedule(self, req: Request, n: int, new_pages: int) -> ScheduledSeq:
         if new_pages > 0:
-            req.pages.extend(self.pool.allocate(new_pages))
+            req.pages.extend(self.kv.allocate(new_pages))
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         lp_start, lp_targets = 0, []

@@ -18,9 +18,9 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.router.errors import error_from_worker, error_response
-from pdserve.router.merge import merge_prompt_logprobs
+from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import WorkerState
+from pdserve.router.policies import WorkerState, routing_key
 from pdserve.router.relay import OpenStreams, PrefillWatch, relay_sse
 from pdserve.router.workers import WorkerPool, bootstrap_address
 
@@ -168,7 +168,7 @@ class Dispatcher:
             )
 
     async def _regular(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
-        worker = self.pool.pick("mixed")
+        worker = self.pool.pick("mixed", routing_key(endpoint, body))
         if not stream:
             resp = await self._post(worker, endpoint, body)
             return Response(resp.content, media_type="application/json")
@@ -197,7 +197,8 @@ class Dispatcher:
         )
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
-        prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
+        key = routing_key(endpoint, body)
+        prefill, decode = self.pool.pick("prefill", key), self.pool.pick("decode", key)
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
         room = self.reserve_rooms(n)
@@ -211,8 +212,10 @@ class Dispatcher:
                 d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
                 await self._legs((p_task, d_task))
                 answer = d_task.result().json()
+                prefill_answer = p_task.result().json()
+                merge_prompt_logprobs(endpoint, answer, prefill_answer)
                 return Response(
-                    json.dumps(merge_prompt_logprobs(endpoint, answer, p_task.result().json())),
+                    json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
                     media_type="application/json",
                 )
             decode.outstanding += 1

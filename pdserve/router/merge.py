@@ -91,3 +91,50 @@ def merge_prompt_logprobs(
                     _fill_echo(choice.get("logprobs"), echoed[index], num_prompt)
                 done.add(index)
     return decode
+
+
+def _cached_of(endpoint: str, answer: Any) -> dict[int, int] | int | None:
+    if endpoint == "/generate":
+        out: dict[int, int] = {}
+        for pos, item in enumerate(_generate_items(answer)):
+            value = (item.get("meta_info") or {}).get("cached_tokens")
+            if isinstance(value, int):
+                out[int(item.get("index", pos))] = value
+        return out
+    if isinstance(answer, dict):
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens")
+        return value if isinstance(value, int) else None
+    return None
+
+
+def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
+    """Report the prefill leg's cached prompt tokens (its prefix-cache hit, the prompt
+    compute it saved) in ``decode`` (a full answer or one stream chunk), in place; returns
+    ``decode``.  ``/generate``: ``meta_info.cached_tokens`` per sample; OpenAI endpoints:
+    ``usage.prompt_tokens_details.cached_tokens`` where decode's answer has a usage.  So
+    the client sees one count, the prefill worker's, never a sum of both legs."""
+    source = _cached_of(endpoint, prefill)
+    if endpoint == "/generate":
+        assert isinstance(source, dict)
+        for pos, item in enumerate(_generate_items(decode)):
+            index = int(item.get("index", pos))
+            meta = item.get("meta_info")
+            if isinstance(meta, dict) and index in source:
+                meta["cached_tokens"] = source[index]
+    elif isinstance(source, int) and isinstance(decode, dict):
+        usage = decode.get("usage")
+        if isinstance(usage, dict):
+            usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = source
+    return decode
+
+
+def is_final_chunk(endpoint: str, chunk: Any) -> bool:
+    """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk, or a
+    ``/generate`` chunk with a finish reason (its counts should be prefill's)."""
+    if endpoint == "/generate":
+        return any(
+            (item.get("meta_info") or {}).get("finish_reason") is not None
+            for item in _generate_items(chunk)
+        )
+    return isinstance(chunk, dict) and chunk.get("usage") is not None

@@ -21,7 +21,7 @@ import httpx
 from httpx_sse import EventSource
 
 from pdserve.router.errors import sse_error
-from pdserve.router.merge import merge_prompt_logprobs
+from pdserve.router.merge import is_final_chunk, merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState
 
@@ -137,10 +137,17 @@ async def relay_sse(
     def render(data: str) -> bytes:
         if answer is not None:
             try:
-                data = json.dumps(merge_prompt_logprobs(endpoint, json.loads(data), answer, merged))
+                chunk = merge_prompt_logprobs(endpoint, json.loads(data), answer, merged)
+                data = json.dumps(merge_cached_tokens(endpoint, chunk, answer))
             except ValueError:
                 pass
         return f"data: {data}\n\n".encode()
+
+    def is_final(data: str) -> bool:
+        try:
+            return is_final_chunk(endpoint, json.loads(data))
+        except ValueError:
+            return False
 
     try:
         while True:
@@ -177,10 +184,15 @@ async def relay_sse(
                         yield DONE
                         return
                     decode_done = True  # end once prefill answered (its room is live till then)
-                elif prefill is not None and prefill.hold_first and not prefill_over:
+                elif (
+                    prefill is not None
+                    and not prefill_over
+                    and (prefill.hold_first or held or is_final(item.data))
+                ):
                     # Prompt logprobs asked for: the first chunk waits for prefill's answer
                     # to merge them in (with any chunk that arrives meanwhile, keeping the
-                    # order); once prefill answered, nothing is held.
+                    # order); the chunk with the counts waits too (cached_tokens are
+                    # prefill's); once prefill answered, nothing is held.
                     held.append(item.data)
                 else:
                     yield render(item.data)
@@ -200,7 +212,10 @@ async def relay_sse(
                 )
                 return
     except asyncio.TimeoutError:
-        if decode_done and not held:  # only prefill's late answer is missing
+        if decode_done and (not held or not (prefill and prefill.hold_first)):
+            # only prefill's late answer is missing (held chunks waited only for its counts)
+            for data in held:
+                yield render(data)
             yield DONE
         else:
             yield sse_error(

@@ -125,15 +125,16 @@ class WorkerPool:
             log.info("removed %s worker %s", worker.role, worker.url)
         self.draining.discard(worker.url)
 
-    def pick(self, role: str) -> WorkerState:
-        """A healthy worker of ``role`` by the policy; NoHealthyWorker if there is none."""
+    def pick(self, role: str, key: str | None = None) -> WorkerState:
+        """A healthy worker of ``role`` by the policy (``key``: the prompt as text, for
+        ``cache_aware``); NoHealthyWorker if there is none."""
         candidates = self.healthy(role)
         if not candidates:
             total = len(self.workers.get(role, []))
             raise NoHealthyWorker(
                 f"no healthy {role} worker (0 of {total} pass their health check)"
             )
-        return self._policies[role].pick(candidates)
+        return self._policies[role].pick(candidates, key)
 
     def is_ready(self) -> bool:
         """True when every role has at least one healthy worker."""

@@ -62,6 +62,13 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
         "exact KV page count (overrides --kv-cache-memory)",
     ),
     (
+        "--enable-prefix-caching",
+        CacheConfig,
+        "enable_prefix_caching",
+        bool,
+        "reuse the KV of cached full pages of a shared prefix",
+    ),
+    (
         "--max-num-batched-tokens",
         SchedulerConfig,
         "max_num_batched_tokens",
@@ -86,6 +93,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to ``parser``."""
     group = parser.add_argument_group("engine")
     for flag, cls, name, typ, help_text in ENGINE_FLAGS:
+        if typ is bool:
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default_of(cls, name),
+                help=f"{help_text} (default %(default)s)",
+            )
+            continue
         group.add_argument(
             flag, type=typ, default=default_of(cls, name), help=f"{help_text} (default %(default)s)"
         )
@@ -109,6 +124,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag, cls, name, _, _ in ENGINE_FLAGS:
         value = getattr(args, _dest(flag))
-        if value != default_of(cls, name):
+        if value == default_of(cls, name):
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
             argv += [flag, str(value)]
     return argv

@@ -28,16 +28,29 @@ class TokenText:
 
 
 def usage(
-    prompt_tokens: int, outputs: Sequence[CompletionOutput], *, scoring: bool = False
+    prompt_tokens: int,
+    outputs: Sequence[CompletionOutput],
+    *,
+    scoring: bool = False,
+    cached_tokens: int = 0,
 ) -> dict:
     """OpenAI ``usage``: prompt counted once, completion tokens summed over samples
-    (none when ``scoring``: a ``max_tokens`` 0 request, whose one engine token is dropped)."""
+    (none when ``scoring``: a ``max_tokens`` 0 request, whose one engine token is dropped);
+    ``prompt_tokens_details.cached_tokens``: prompt tokens found in the prefix cache
+    (:func:`cached_tokens`), never above ``prompt_tokens``."""
     completion = 0 if scoring else sum(len(o.token_ids) for o in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)},
     }
+
+
+def cached_tokens(outs: Sequence[RequestOutput]) -> int:
+    """Cached prompt tokens of a request whose samples are ``outs``: the fewest any sample
+    found (the prompt is counted once, like ``prompt_tokens``)."""
+    return min((o.num_cached_tokens for o in outs), default=0)
 
 
 def openai_finish_reason(reason: str | None) -> str | None:

@@ -215,6 +215,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
         if req.stream:
             finals: dict[int, Any] = {}
+            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
 
             def chunks(index: int, out: RequestOutput):
                 o = out.outputs[0]
@@ -223,16 +224,24 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 offsets[index] = offsets.get(index, 0) + (0 if scoring else len(o.delta_text))
                 if o.finished:
                     finals[index] = o
+                    cached[index] = out.num_cached_tokens
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
                 chunk = dict(head, choices=[body])
                 if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(len(prompt_ids), [o], scoring=scoring)
+                    chunk["usage"] = fmt.usage(
+                        len(prompt_ids), [o], scoring=scoring, cached_tokens=out.num_cached_tokens
+                    )
                 yield chunk
 
             def tail():
                 if _usage_at_end(req):
-                    usage = fmt.usage(len(prompt_ids), list(finals.values()), scoring=scoring)
+                    usage = fmt.usage(
+                        len(prompt_ids),
+                        list(finals.values()),
+                        scoring=scoring,
+                        cached_tokens=min(cached.values(), default=0),
+                    )
                     yield dict(head, choices=[], usage=usage)
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
@@ -241,7 +250,12 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         choices = [
             choice(index, out, out.outputs[0], True, delta=False) for index, out in enumerate(outs)
         ]
-        usage = fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs], scoring=scoring)
+        usage = fmt.usage(
+            len(prompt_ids),
+            [out.outputs[0] for out in outs],
+            scoring=scoring,
+            cached_tokens=fmt.cached_tokens(outs),
+        )
         return JSONResponse(dict(head, choices=choices, usage=usage))
 
     @api.post("/v1/chat/completions")
@@ -275,6 +289,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         if req.stream:
             started: set[int] = set()
             finals: dict[int, Any] = {}
+            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
             chunk_head = dict(head, object="chat.completion.chunk")
 
             def chunks(index: int, out: RequestOutput):
@@ -283,6 +298,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 started.add(index)
                 if o.finished:
                     finals[index] = o
+                    cached[index] = out.num_cached_tokens
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
                 delta = (
@@ -300,7 +316,9 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 }
                 chunk = dict(chunk_head, choices=[choice])
                 if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(len(prompt_ids), [o])
+                    chunk["usage"] = fmt.usage(
+                        len(prompt_ids), [o], cached_tokens=out.num_cached_tokens
+                    )
                 yield chunk
 
             def tail():
@@ -308,7 +326,11 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     yield dict(
                         chunk_head,
                         choices=[],
-                        usage=fmt.usage(len(prompt_ids), list(finals.values())),
+                        usage=fmt.usage(
+                            len(prompt_ids),
+                            list(finals.values()),
+                            cached_tokens=min(cached.values(), default=0),
+                        ),
                     )
 
             return await sse_response(request, ctx.serving, job, chunks, tail)
@@ -331,7 +353,11 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             dict(
                 head,
                 choices=choices,
-                usage=fmt.usage(len(prompt_ids), [out.outputs[0] for out in outs]),
+                usage=fmt.usage(
+                    len(prompt_ids),
+                    [out.outputs[0] for out in outs],
+                    cached_tokens=fmt.cached_tokens(outs),
+                ),
             )
         )
 

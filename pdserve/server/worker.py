@@ -60,6 +60,13 @@ def build_worker(
     pd = disagg.role != "mixed"
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
     managers: dict[str, KVManager] = {}
+    ucx_log = None
+    if pd and disagg.transfer_backend == "nixl":  # before UCX loads: it reads its env once
+        from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
+
+        ucx_log = UcxTransportLog.install()
+        if ucx_log is not None:
+            ucx_log.start()
     if pd:  # the managers need the pool's addresses, so they are bound after the engine is built
         managers = _create_managers(core, engine_cfg, disagg)
         core.bind_kv_managers(managers)
@@ -119,6 +126,7 @@ def build_worker(
             engine_alive=engine.alive,
             engine_error=engine.error,
             transfer=transfer.stats() if transfer else None,
+            ucx=ucx_log.snapshot() if ucx_log is not None else None,
         )
 
     from pdserve.server.app import build_worker_app

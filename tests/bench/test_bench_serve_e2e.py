@@ -204,3 +204,47 @@ def test_bad_arguments_and_unreachable_url(fake_urls, capsys):
         == 1
     )
     assert "could not list models" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dataset", ["shared-prefix", "multi-turn"])
+def test_prefix_workloads_report_cache_hits(pdserve_url, tmp_path, capsys, dataset):
+    out_json = tmp_path / f"{dataset}.json"
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            pdserve_url,
+            "--dataset",
+            dataset,
+            "--num-requests",
+            "6",
+            "--num-groups",
+            "2",
+            "--system-prompt-len",
+            "80",
+            "--num-turns",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "4",
+            "--concurrency",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert rc == 0
+    assert "cache hit rate" in capsys.readouterr().out
+    (s,) = _series(json.loads(out_json.read_text()), "target")
+    summary = s["summary"]
+    assert summary["completed"] == 6
+    # one at a time: after the first of each group (conversation), most of a prompt is cached
+    assert 0.3 < summary["cache_hit_rate"] < 1.0
+    assert summary["kv_bytes_per_request"] is None  # a mixed worker moves no KV
+    if dataset == "multi-turn":
+        prompts = [r["prompt_tokens"] for r in s["requests"]]
+        assert prompts[1] > prompts[0] and prompts[2] > prompts[1]  # the history grows

@@ -131,9 +131,61 @@ def test_gsm8k_workload_uses_questions_and_chat():
     assert "ignore_eos" not in request_body(build_requests(no_eos)[0], "m", no_eos)
 
 
+def test_shared_prefix_workload_groups_share_a_system_prompt_in_random_order():
+    spec = WorkloadSpec(
+        dataset="shared-prefix", num_requests=16, input_len=5, system_prompt_len=30, seed=2
+    )
+    reqs = build_requests(spec)
+    assert reqs == build_requests(spec)
+    systems = [r.system for r in reqs]
+    assert len(set(systems)) == 4 and all(systems.count(x) == 4 for x in set(systems))
+    assert all(len(x.split()) == 30 for x in systems)
+    order = [sorted(set(systems)).index(x) for x in systems]
+    assert order != [i % 4 for i in range(16)]  # not round-robin order
+    assert len({r.prompt for r in reqs}) == 16
+    body = request_body(reqs[0], "m", spec)
+    assert body["prompt"] == reqs[0].system + "\n\n" + reqs[0].prompt
+    chat = WorkloadSpec(dataset="shared-prefix", num_requests=2, endpoint="chat")
+    r0 = build_requests(chat)[0]
+    assert request_body(r0, "m", chat)["messages"] == [
+        {"role": "system", "content": r0.system},
+        {"role": "user", "content": r0.prompt},
+    ]
+
+
+def test_multi_turn_workload_is_chat_with_history():
+    spec = WorkloadSpec(dataset="multi-turn", num_requests=6, num_turns=3, input_len=4)
+    reqs = build_requests(spec)
+    assert spec.resolved_endpoint == "chat"
+    assert [(r.conversation, r.turn) for r in reqs] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    body = request_body(reqs[1], "m", spec, history=history)
+    assert body["messages"] == history + [{"role": "user", "content": reqs[1].prompt}]
+    with pytest.raises(ValueError, match="chat"):
+        WorkloadSpec(dataset="multi-turn", endpoint="completions")
+
+
+def test_summary_reports_cache_hit_rate_and_kv_bytes_per_request():
+    a, b = _ok(0.1, [], 4, prompt=100), _ok(0.1, [], 4, prompt=100)
+    a.cached_tokens, b.cached_tokens = 0, 80
+    s = summarize([a, b], 1.0, kv_bytes=3000)
+    assert s.total_cached_tokens == 80 and s.cache_hit_rate == pytest.approx(0.4)
+    assert s.kv_bytes_per_request == pytest.approx(1500)
+    assert math.isnan(summarize([_ok(0.1, [], 4)], 1.0).cache_hit_rate)
+
+
 @pytest.mark.parametrize(
     "field, kwargs",
     [
+        ("num_turns", {"num_turns": 0}),
+        ("system_prompt_len", {"system_prompt_len": 0}),
         ("dataset", {"dataset": "mmlu"}),
         ("num_requests", {"num_requests": 0}),
         ("input_len", {"input_len": 0}),

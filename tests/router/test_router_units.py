@@ -10,7 +10,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.router.dispatch import ROOM_LIMIT, Dispatcher, _num_samples
 from pdserve.router.merge import merge_prompt_logprobs
-from pdserve.router.policies import WorkerState, create_policy
+from pdserve.router.policies import WorkerState, create_policy, routing_key
 
 
 def _workers(n: int) -> list[WorkerState]:
@@ -39,7 +39,55 @@ def test_random_policy_covers_all_and_unknown_policy_rejected():
     policy = create_policy("random", random.Random(1))
     assert {policy.pick(ws).url for _ in range(60)} == {w.url for w in ws}
     with pytest.raises(ValueError, match="policy"):
-        create_policy("cache_aware")
+        create_policy("least_cache")
+
+
+SYSTEM = [f"You are agent {g}. " * 40 for g in range(4)]  # 4 long shared prefixes
+
+
+def test_cache_aware_sends_a_shared_prefix_to_one_worker_and_spreads_the_groups():
+    ws = _workers(3)
+    policy = create_policy("cache_aware", random.Random(0))
+    chosen: dict[int, set[str]] = {g: set() for g in range(4)}
+    for i in range(40):
+        g = i % 4
+        chosen[g].add(policy.pick(ws, SYSTEM[g] + f"question {i}").url)
+    assert all(len(urls) == 1 for urls in chosen.values())  # each group sticks
+    assert len({u for urls in chosen.values() for u in urls}) == 3  # new prefixes spread
+
+
+def test_cache_aware_follows_a_growing_conversation():
+    ws = _workers(2)
+    policy = create_policy("cache_aware", random.Random(0))
+    chat = [{"role": "system", "content": SYSTEM[0]}, {"role": "user", "content": "hi"}]
+    first = policy.pick(ws, routing_key("/v1/chat/completions", {"messages": chat}))
+    policy.pick(ws, "something else entirely " * 30)  # another conversation elsewhere
+    chat += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    again = policy.pick(ws, routing_key("/v1/chat/completions", {"messages": chat}))
+    assert again is first
+
+
+def test_cache_aware_balances_load_when_out_of_balance():
+    ws = _workers(2)
+    policy = create_policy("cache_aware", random.Random(0))
+    hot = policy.pick(ws, SYSTEM[0])
+    hot.outstanding = 40  # > 32 more than the other: the load threshold wins over the cache
+    assert policy.pick(ws, SYSTEM[1]) is not hot
+    hot.outstanding = 10  # within the threshold: the cache wins
+    assert policy.pick(ws, SYSTEM[0] + "y") is hot
+
+
+def test_routing_key_per_endpoint():
+    assert routing_key("/generate", {"text": "abc"}) == "abc"
+    assert routing_key("/generate", {"input_ids": [1, 2, 3]}) == "1 2 3"
+    assert routing_key("/v1/completions", {"prompt": ["p1", "p2"]}) == "p1"
+    assert routing_key("/v1/completions", {"prompt": [[5, 6], [7]]}) == "5 6"
+    assert routing_key("/v1/completions", {}) is None
+    key = routing_key(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}]},
+    )
+    assert key is not None and "hey" in key and "user" in key
 
 
 def test_merge_generate_and_openai():

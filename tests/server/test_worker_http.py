@@ -60,8 +60,35 @@ def test_completion_shape_usage_and_token_ids(worker):
         "prompt_tokens": len(choice["prompt_token_ids"]),
         "completion_tokens": 5,
         "total_tokens": len(choice["prompt_token_ids"]) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},  # 2 tokens: not a full page
     }
     assert isinstance(choice["text"], str) and choice["text"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_the_same_answer(worker):
+    prompt = "A long shared system prompt about nothing in particular. " * 8
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    first = post(worker, "/v1/completions", body).json()
+    again = post(worker, "/v1/completions", body).json()
+    streamed = sse_events(
+        post(
+            worker,
+            "/v1/completions",
+            {**body, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    )
+    n = first["usage"]["prompt_tokens"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (n - 1) // 16 * 16 and cached > 0  # full pages of all but the last token
+    assert streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    lp1, lp2 = first["choices"][0]["logprobs"], again["choices"][0]["logprobs"]
+    assert lp2["tokens"] == lp1["tokens"]
+    # the suffix is computed in another batch shape: equal to fp32 rounding, not bit for bit
+    assert lp2["token_logprobs"] == pytest.approx(lp1["token_logprobs"], abs=1e-4)
+    metrics = httpx.get(worker.url + "/metrics").text
+    assert "pdserve_engine_prefix_cache_hit_tokens" in metrics
+    assert "pdserve_engine_prefix_cache_evicted_pages" in metrics
 
 
 def test_completion_logprob_lengths(worker):

@@ -243,6 +243,10 @@ class NixlPrefillManager(KVManager):
         next_prune = time.monotonic() + 1.0
         while not stop.is_set():
             poller.poll(50)
+            # Progress UCX while idle too (prefill gets no notifications; this discards none
+            # anyone reads): a peer's one-sided READ over TCP (`pdserve doctor --peer`) and
+            # connection wire-up need this side to answer.
+            self.engine.new_notifs()
             for frames in recv_all(self._router):
                 self._on_message(frames[0], frames[-1])
             for identity, msg in self._outbox.drain():

@@ -1,0 +1,129 @@
+"""Prefix-cache keys and the page owner alone: chained keys equal across processes with
+different PYTHONHASHSEED, refcounted sharing, LRU eviction, and the error cases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.prefix_cache import ROOT_KEY, page_key, page_keys
+
+_KEYS_SCRIPT = (
+    "from pdserve.engine.prefix_cache import page_keys; "
+    "print(','.join(k.hex() for k in page_keys(list(range(100, 140)), 16)))"
+)
+
+
+def manager(num_pages=8, page_size=4, enable=True):
+    pool = KVPool(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        page_size=page_size,
+        num_pages=num_pages,
+        num_aux_slots=1,
+        model_fingerprint="x",
+    )
+    return KVCacheManager(pool, enable_prefix_caching=enable)
+
+
+def test_keys_are_equal_across_processes_with_different_hash_seeds():
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run(
+            [sys.executable, "-c", _KEYS_SCRIPT], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        outs.add(run.stdout.strip())
+    assert len(outs) == 1
+    assert outs.pop() == ",".join(k.hex() for k in page_keys(list(range(100, 140)), 16))
+
+
+def test_a_key_names_the_whole_prefix_not_just_its_page():
+    a = page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = page_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second page, other prefix
+    assert a[1] == page_key(a[0], [5, 6, 7, 8]) and a[0] == page_key(ROOT_KEY, [1, 2, 3, 4])
+    assert page_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == a  # a partial page has no key
+    assert page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, start=1, parent=a[0]) == a[1:]
+
+
+def test_shared_pages_are_refcounted_and_parked_in_the_cache_on_last_release():
+    kv = manager()
+    tokens = list(range(10))
+    pages = kv.allocate(3)
+    kv.cache_full_pages(tokens, pages, keys := [], num_computed=10)
+    assert len(keys) == 2  # 10 tokens: two full pages
+    hit, hit_keys = kv.match_prefix(tokens, 9)
+    assert hit == pages[:2] and hit_keys == keys
+    kv.share(hit)
+    assert [kv.refcount(p) for p in pages] == [2, 2, 1]
+    kv.release(pages)
+    assert kv.num_held_pages == 2 and kv.num_cached_pages == 0 and kv.num_free_pages == 6
+    kv.release(hit)
+    assert kv.num_held_pages == 0 and kv.num_cached_pages == 2 and kv.num_free_pages == 6
+    kv.check_integrity([])
+    assert kv.match_prefix(tokens, 9)[0] == pages[:2]  # still cached
+    kv.share(pages[:2])  # a cached page is held again
+    assert kv.num_cached_pages == 0 and kv.num_held_pages == 2
+    kv.check_integrity([pages[:2]])
+
+
+def test_allocate_evicts_least_recently_released_leaves_first():
+    kv = manager(num_pages=4)
+    a = kv.allocate(2)
+    kv.cache_full_pages(list(range(8)), a, [], 8)
+    b = kv.allocate(2)
+    kv.cache_full_pages(list(range(50, 58)), b, [], 8)
+    kv.release(a)  # a's tail (a[1]) is parked before its head
+    kv.release(b)
+    assert kv.num_free_pages == 0 and kv.num_available_pages == 4
+    got = kv.allocate(1)
+    assert got == [a[1]] and kv.cache.num_evicted == 1
+    assert kv.match_prefix(list(range(8)), 8)[0] == [a[0]]  # the head still matches
+    kv.check_integrity([got])
+
+
+def test_errors_change_nothing():
+    kv = manager(num_pages=4)
+    pages = kv.allocate(2)
+    with pytest.raises(RuntimeError, match="available"):
+        kv.allocate(3)
+    with pytest.raises(RuntimeError, match="not held"):
+        kv.release(pages + pages[:1])
+    with pytest.raises(RuntimeError, match="neither held nor cached"):
+        kv.share([3])
+    kv.check_integrity([pages])
+    kv.release(pages)
+    with pytest.raises(RuntimeError, match="not held"):
+        kv.release(pages)
+    kv.check_integrity([])
+
+
+def test_caching_off_never_matches_and_frees_pages_on_release():
+    kv = manager(enable=False)
+    pages = kv.allocate(2)
+    kv.cache_full_pages(list(range(8)), pages, keys := [], 8)
+    assert keys == [] and kv.match_prefix(list(range(8)), 8) == ([], [])
+    kv.release(pages)
+    assert kv.num_free_pages == 8 and kv.num_cached_pages == 0
+
+
+def test_a_second_copy_of_a_cached_prefix_stays_uncached_and_is_freed():
+    kv = manager()
+    a, b = kv.allocate(1), kv.allocate(1)
+    kv.cache_full_pages([1, 2, 3, 4], a, [], 4)
+    kv.cache_full_pages([1, 2, 3, 4], b, [], 4)  # computed at the same time elsewhere
+    kv.release(b)
+    assert kv.num_free_pages == 7 and kv.num_cached_pages == 0
+    kv.release(a)
+    assert kv.num_cached_pages == 1
