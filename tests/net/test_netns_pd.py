@@ -113,15 +113,15 @@ def _free_pages(cluster) -> dict[str, int]:
 def test_abort_mid_stream_frees_every_page_on_both_hosts(cluster):
     baseline = _free_pages(cluster)
     body = _completion("Abort me", max_tokens=1500, ignore_eos=True, logprobs=None, stream=True)
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", cluster["router"].url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                    if got == 3:
-                        break  # the client leaves mid-stream
+    url = cluster["router"].url + "/v1/completions"
+    with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break  # the client leaves mid-stream
     wait_for(lambda: _free_pages(cluster) == baseline, 120, "KV pages back on both sides")
     for n in ("prefill", "decode"):
         assert cluster[n].get_info()["transfer"]["live_rooms"] == 0
@@ -170,15 +170,15 @@ def test_decode_killed_mid_stream_ends_with_an_error_event(cluster):
     """Last in the module: it kills the decode worker."""
     body = _completion("Kill decode", max_tokens=1500, ignore_eos=True, logprobs=None, stream=True)
     datas: list[str] = []
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", cluster["router"].url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                datas.append(line[6:])
-                if len(datas) == 3:
-                    os.killpg(cluster["decode"].popen.pid, signal.SIGKILL)
+    url = cluster["router"].url + "/v1/completions"
+    with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            datas.append(line[6:])
+            if len(datas) == 3:
+                os.killpg(cluster["decode"].popen.pid, signal.SIGKILL)
     assert datas[-1] == "[DONE]", datas[-3:]
     error = json.loads(datas[-2])
     assert error["error"]["code"] == 502 and "decode worker" in error["error"]["message"]
