@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 import httpx
@@ -67,7 +68,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         timeout=httpx.Timeout(None, connect=10.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
     )
-    roles: dict[str, tuple[str, ...]] = (
+    roles: dict[str, Sequence[str]] = (
         {"prefill": config.prefill_urls, "decode": config.decode_urls}
         if config.pd_mode
         else {"mixed": config.worker_urls}
