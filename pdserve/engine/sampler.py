@@ -90,18 +90,6 @@ def skip_draw(generator: torch.Generator, vocab_size: int, device: torch.device)
     torch.empty(vocab_size, device=device).exponential_(generator=generator)
 
 
-def _token_counts(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """``counts[R, V]`` (fp32): how often each token id occurs in each of the ``R`` lists
-    (one padded index tensor and one ``scatter_add``; padding goes to a dropped column)."""
-    width = max((len(x) for x in lists), default=0)
-    counts = torch.zeros(len(lists), vocab + 1, device=device)
-    if width:
-        padded = [list(x) + [vocab] * (width - len(x)) for x in lists]
-        idx = torch.tensor(padded, dtype=torch.int64, device=device)
-        counts.scatter_add_(1, idx, torch.ones(idx.shape, device=device))
-    return counts[:, :vocab]
-
-
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
 
@@ -128,25 +116,56 @@ def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> t
     return work
 
 
+def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], dev) -> tuple:
+    """``(row index, token id)`` coordinates of every token of ``lists[j]`` (row
+    ``rows[j]``), as two int64 tensors of the total length (duplicates kept)."""
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    for i, ids in zip(rows, lists):
+        row_ids += [i] * len(ids)
+        tok_ids += ids
+    return (
+        torch.tensor(row_ids, dtype=torch.int64, device=dev),
+        torch.tensor(tok_ids, dtype=torch.int64, device=dev),
+    )
+
+
 def _apply_penalties(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
     """Repetition (prompt + output), then frequency and presence (output) penalties, on
-    the rows that have any; formulas in ``SamplingParams``' docstring."""
+    the rows that have any; formulas in ``SamplingParams``' docstring.
+
+    Sparse: gathers and scatters at the ``(row, token)`` coordinates of the rows' tokens,
+    so the cost grows with their token count, not with ``B x V``. A token that occurs
+    several times is written several times with the same value (computed from one gather),
+    so repetition and presence apply once per distinct token; frequency accumulates.
+    """
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
         return work
-    vocab = work.shape[-1]
-    ps = [rows[i].params for i in idx]
-    out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, work.device)
-    in_output = out_counts > 0
-    sub = work[idx]  # [R, V] (a copy; written back below)
-    if any(p.repetition_penalty != 1.0 for p in ps):
-        prompt_counts = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, work.device)
-        seen = in_output | (prompt_counts > 0)
-        rep = _column([p.repetition_penalty for p in ps], sub)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - _column([p.frequency_penalty for p in ps], sub) * out_counts
-    sub = sub - _column([p.presence_penalty for p in ps], sub) * in_output.to(sub.dtype)
-    work[idx] = sub
+    dev, dt = work.device, work.dtype
+    outs = [rows[i].output_token_ids for i in idx]
+    rep = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
+    if rep:
+        seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
+        r_t, t_t = _flat(rep, seen, dev)
+        factor = torch.tensor(
+            [rows[i].params.repetition_penalty for i in rep], device=dev, dtype=dt
+        ).repeat_interleave(torch.tensor([len(x) for x in seen], device=dev))
+        vals = work[r_t, t_t]
+        work[r_t, t_t] = torch.where(vals > 0, vals / factor, vals * factor)
+    r_t, t_t = _flat(idx, outs, dev)
+    if r_t.numel():
+        per_row = torch.tensor([len(x) for x in outs], device=dev)
+
+        def spread(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=dev, dtype=dt).repeat_interleave(per_row)
+
+        freq = [rows[i].params.frequency_penalty for i in idx]
+        if any(freq):
+            work.index_put_((r_t, t_t), -spread(freq), accumulate=True)
+        pres = [rows[i].params.presence_penalty for i in idx]
+        if any(pres):
+            work[r_t, t_t] = work[r_t, t_t] - spread(pres)
     return work
 
 
