@@ -185,7 +185,7 @@ class EngineCore:
             raise ValueError("prompt_token_ids must not be empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
-        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+        if any(t >= self.vocab_size for t, _ in params.logit_bias_items):
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(

@@ -19,6 +19,7 @@ this order (vLLM v1's order):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,8 @@ def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[
     k_max = max(ks, default=0)
     if k_max == 0:
         return [()] * len(ks)
-    vals, ids = logprobs.topk(k_max, dim=-1)
-    vals, ids = vals.tolist(), ids.tolist()
+    vals_t, ids_t = logprobs.topk(k_max, dim=-1)
+    vals, ids = vals_t.tolist(), ids_t.tolist()
     return [tuple(zip(ids[r][:k], vals[r][:k])) for r, k in enumerate(ks)]
 
 
@@ -96,9 +99,13 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 
 def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
     """``logit_bias`` added and banned ids set to ``-inf``, each one ``index_put_``."""
-    b_rows, b_ids, b_vals, x_rows, x_ids = [], [], [], [], []
+    b_rows: list[int] = []
+    b_ids: list[int] = []
+    b_vals: list[float] = []
+    x_rows: list[int] = []
+    x_ids: list[int] = []
     for i, r in enumerate(rows):
-        for tid, bias in r.params.logit_bias:
+        for tid, bias in r.params.logit_bias_items:
             b_rows.append(i)
             b_ids.append(tid)
             b_vals.append(bias)
@@ -176,17 +183,20 @@ def apply_logits_masks(work: torch.Tensor, rows: Sequence[SampleRequest]) -> tor
 
     ``work[B, V]`` fp32, modified in place and returned; ``rows[i].logits_mask`` is
     ``None`` (row unconstrained) or a bool tensor ``[V]`` on ``work``'s device, True =
-    allowed.  Disallowed entries become ``-inf``.  A mask allowing nothing is a caller
-    bug (the grammar must always allow EOS or a token): ValueError.
+    allowed.  Disallowed entries become ``-inf``.  A mask allowing nothing (a grammar bug:
+    a matcher always allows EOS or some token) leaves its row unconstrained, with a
+    warning, rather than failing the step and with it every request of the batch.
     Structured outputs (``engine/structured/``) fill ``logits_mask``; reported logprobs
     stay the raw model's.
     """
     masked = [i for i, r in enumerate(rows) if r.logits_mask is not None]
     if not masked:
         return work
-    allowed = torch.stack([rows[i].logits_mask for i in masked])  # [M, V] bool
-    if not bool(allowed.any(dim=-1).all()):
-        raise ValueError("logits_mask allows no token for a row")
+    allowed = torch.stack([m for m in (rows[i].logits_mask for i in masked) if m is not None])
+    empty = ~allowed.any(dim=-1)  # [M]
+    if bool(empty.any()):
+        logger.warning("a logits_mask allows no token; its row is sampled unconstrained")
+        allowed[empty] = True
     work[masked] = work[masked].masked_fill(~allowed, float("-inf"))
     return work
 

@@ -175,6 +175,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def logit_bias_items(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as validated: sorted ``(token id, bias)`` pairs."""
+        return self.logit_bias  # type: ignore[return-value]  # normalised in __post_init__
+
+    @property
     def has_penalties(self) -> bool:
         """Whether sampling needs the token history (a penalty is not neutral)."""
         return bool(

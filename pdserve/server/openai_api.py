@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -157,8 +157,9 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             raise APIError(
                 400, "best_of is not supported (leave it unset or equal to n)", "best_of"
             )
-        if isinstance(req.prompt, list):
-            prompt_ids = list(req.prompt)
+        prompt_ids: list[int]
+        if isinstance(req.prompt, list):  # one list of token ids (the validator unwraps)
+            prompt_ids = list(cast("list[int]", req.prompt))
         else:
             ctx.check_text(req.prompt, "prompt")
             prompt_ids = await prompts.encode(ctx.tokenizer, req.prompt)
@@ -196,11 +197,11 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             lp = None
             if req.logprobs is not None:
                 lp = fmt.completion_logprobs(entries, tt, offset)
-            if req.echo and first:
-                text = echo_text + text
-                if lp is not None:
+                if req.echo and first:
                     head_lp = fmt.echo_logprobs(prompt_ids, out.prompt_logprobs, tt, req.logprobs)
                     lp = fmt.join_logprobs(head_lp, lp)
+            if req.echo and first:
+                text = echo_text + text
             finish = o.finish_reason
             return {
                 "index": index,

@@ -217,7 +217,9 @@ class GenerateRequest(Bootstrap):
 
     text: str | None = None
     input_ids: list[StrictInt] | None = None
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    sampling_params: GenerateSamplingParams = Field(
+        default_factory=lambda: GenerateSamplingParams.model_validate({})
+    )
     return_logprob: StrictBool = False
     top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
     logprob_start_len: StrictInt = Field(-1, ge=-1)

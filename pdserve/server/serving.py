@@ -80,7 +80,7 @@ class Serving:
             raise APIError(400, "prompt must not be empty", "prompt")
         if any(not 0 <= t < self.vocab_size for t in job.prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        bad_bias = [t for t, _ in job.params.logit_bias if t >= self.vocab_size]
+        bad_bias = [t for t, _ in job.params.logit_bias_items if t >= self.vocab_size]
         if bad_bias:
             raise APIError(
                 400,
