@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from pdserve.advertise import WILDCARDS, is_loopback
 from pdserve.router.policies import Policy, WorkerState, create_policy
 
 log = logging.getLogger("pdserve.router")
@@ -58,7 +59,7 @@ class WorkerPool:
         self._threshold = failure_threshold
         self._task: asyncio.Task | None = None
         self.draining: set[str] = set()  # URLs that get no new requests (being removed)
-        self._background: set[asyncio.Task] = set()  # drains that outlived their request
+        self._background: dict[str, asyncio.Task] = {}  # drains that outlived their request
 
     # --- picking ---------------------------------------------------------------------
     def all(self) -> list[WorkerState]:
@@ -114,9 +115,11 @@ class WorkerPool:
         return True
 
     def _drain_later(self, worker: WorkerState) -> None:
+        if worker.url in self._background:  # one waiter per worker is enough
+            return
         task = asyncio.get_running_loop().create_task(self.drain(worker))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background[worker.url] = task
+        task.add_done_callback(lambda _: self._background.pop(worker.url, None))
 
     def _remove(self, worker: WorkerState) -> None:
         ws = self.workers.get(worker.role, [])
@@ -199,7 +202,7 @@ class WorkerPool:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        for task in list(self._background):
+        for task in list(self._background.values()):
             task.cancel()
         if self._task is not None:
             self._task.cancel()
@@ -216,11 +219,9 @@ def bootstrap_address(worker: WorkerState) -> tuple[str, int]:
     another host (then the URL's host, which the router reached it by)."""
     advertised = worker.server_info.get("bootstrap_host") or ""
     url_host = urlsplit(worker.url).hostname or ""
-    if not advertised or (advertised in _LOCAL and url_host not in _LOCAL):
+    local = lambda h: is_loopback(h) or h in WILDCARDS  # noqa: E731
+    if not advertised or (local(advertised) and not local(url_host)):
         host = url_host
     else:
         host = advertised
     return host, int(worker.server_info["bootstrap_port"])
-
-
-_LOCAL = ("127.0.0.1", "localhost", "0.0.0.0", "::", "::1", "")

@@ -89,3 +89,25 @@ def test_serve_flags_carry_listen_and_advertise_hosts():
         "0.0.0.0",
         "prefill-0.pd.svc",
     )
+
+
+@pytest.mark.parametrize(
+    ("url", "advertised", "expected"),
+    [
+        ("http://198.18.0.2:30000", "198.18.0.2", "198.18.0.2"),
+        ("http://prefill-0.pd.svc:30000", "10.1.2.3", "10.1.2.3"),  # pod IP over the URL's
+        ("http://prefill-0.pd.svc:30000", "127.0.0.1", "prefill-0.pd.svc"),
+        ("http://prefill-0.pd.svc:30000", "127.0.1.1", "prefill-0.pd.svc"),  # Debian's hostname
+        ("http://prefill-0.pd.svc:30000", "0.0.0.0", "prefill-0.pd.svc"),
+        ("http://127.0.0.1:30000", "127.0.0.1", "127.0.0.1"),
+        ("http://198.18.0.2:30000", None, "198.18.0.2"),
+    ],
+)
+def test_router_sends_decode_the_advertised_or_the_urls_host(url, advertised, expected):
+    from pdserve.router.policies import WorkerState
+    from pdserve.router.workers import bootstrap_address
+
+    w = WorkerState(
+        url, "prefill", server_info={"bootstrap_host": advertised, "bootstrap_port": 8998}
+    )
+    assert bootstrap_address(w) == (expected, 8998)
