@@ -2,8 +2,9 @@
 
 For each grammar library installed (``xgrammar``, ``llguidance``) and each batch size, it
 replays a fixed valid JSON answer token by token through ``B`` matchers and times one
-token's mask work for the whole batch: fill the ``[B, ceil(V/32)]`` int32 bitmask,
-apply it to ``logits[B, V]`` (``-inf`` where disallowed), accept the token.  The same run
+token's mask work for the whole batch: fill the ``[B, ceil(V/32)]`` int32 bitmask (the
+library), unpack it and apply it to ``logits[B, V]`` (``-inf`` where disallowed; pdserve's
+code, the same for both libraries), accept the token (the library).  The same run
 times a decode step of the engine (``B`` running requests, one token each) on the same
 machine, and reports the ratio ``mask / decode step``: the share of a decode step that
 structured outputs add when the mask is computed serially (nothing overlapped).
@@ -93,6 +94,8 @@ def _xgrammar_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callabl
     import torch
     import xgrammar as xgr
 
+    from pdserve.engine.structured.bitmask import apply_bitmask_inplace
+
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(BENCH_SCHEMA))
     bitmask = xgr.allocate_token_bitmask(batch, vocab)
@@ -108,7 +111,7 @@ def _xgrammar_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callabl
             ms[0].fill_next_token_bitmask(bitmask, 0)
         else:
             batcher.batch_fill_next_token_bitmask(ms, bitmask)
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        apply_bitmask_inplace(logits, bitmask)
         for m in ms:
             if not m.accept_token(token):
                 raise RuntimeError(f"xgrammar rejected token {token}")

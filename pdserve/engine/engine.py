@@ -293,7 +293,12 @@ class EngineCore:
         masks = self.structured.masks([g for _, g in rows], self.device)
         seqs = list(plan.seqs)
         for (i, _), mask in zip(rows, masks):
-            seqs[i] = replace(seqs[i], logits_mask=mask)
+            banned = seqs[i].banned_token_ids
+            if banned and int(mask.sum()) == int(mask[list(banned)].sum()):
+                # The grammar is complete and allows only EOS: it ends the output even
+                # before min_tokens (masking both would leave no token at all).
+                banned = ()
+            seqs[i] = replace(seqs[i], logits_mask=mask, banned_token_ids=banned)
         return replace(plan, seqs=tuple(seqs))
 
     def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:
@@ -320,6 +325,13 @@ class EngineCore:
             self.eos_token_ids,
             self.max_model_len,
         )
+        if (
+            req.grammar is not None
+            and tok.token_id in self.eos_token_ids
+            and not params.ignore_eos
+            and req.grammar.is_terminated
+        ):
+            verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
         if verdict is None or verdict[0] == "length":  # an EOS / stop token adds no text (vLLM)
             stop_str = req.detokenizer.add_token(
                 tok.token_id, check_stop=req.num_output_tokens > params.min_tokens

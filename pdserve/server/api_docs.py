@@ -14,6 +14,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from pdserve.server import protocol as p
+from pdserve.server.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsObject
+from pdserve.server.tools import FunctionDef
 
 # field -> meaning; "Model.field" overrides where one name means something else.
 MEANINGS: dict[str, str] = {
@@ -39,8 +41,9 @@ MEANINGS: dict[str, str] = {
     "prompt_logprobs": "top-k logprobs of every prompt token, as choices[i].prompt_logprobs "
     "(the first is null)",
     "return_token_ids": "add choices[i].token_ids (and prompt_token_ids in the first chunk)",
-    "user": "accepted, no effect (as metadata, store, service_tier, parallel_tool_calls, "
-    "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities)",
+    "user": "accepted, no effect (as metadata, store, service_tier, "
+    "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities; "
+    "parallel_tool_calls: false limits tool_choice required to one call)",
     "CompletionRequest.prompt": "one string or one list of token ids (a one-element batch too)",
     "CompletionRequest.max_tokens": "most tokens to generate; 0 only with echo (scores the prompt)",
     "CompletionRequest.logprobs": "top-k alternatives per token (<= 20), OpenAI's legacy layout "
@@ -75,6 +78,43 @@ MEANINGS: dict[str, str] = {
     "false for messages)",
     "return_token_strs": "add token_strs, the vocabulary strings of the tokens",
     "tokens": "token ids to turn into text",
+    # structured outputs (server/structured.py) and tools (server/tools.py)
+    "response_format": 'see the response_format table: {"type": "text" | "json_object" | '
+    '"json_schema"}',
+    "guided_json": "vLLM: the output is JSON valid under this JSON Schema (object or JSON text)",
+    "guided_regex": "vLLM: the output matches this regular expression in full",
+    "guided_choice": "vLLM: the output is exactly one of these strings",
+    "guided_grammar": 'vLLM: the output matches this EBNF (GBNF) grammar, rule "root" first',
+    "structured_outputs": "vLLM: an object with one of json, regex, choice, grammar, json_object",
+    "json_schema": "SGLang: as guided_json",
+    "regex": "SGLang: as guided_regex",
+    "ebnf": "SGLang: as guided_grammar",
+    "choice": "as guided_choice",
+    "ResponseFormat.type": "text: no constraint; json_object: one JSON object; json_schema: "
+    "JSON valid under json_schema.schema",
+    "ResponseFormat.json_schema": "see the response_format.json_schema table",
+    "JSONSchemaFormat.name": "the schema's name (not used)",
+    "JSONSchemaFormat.description": "the schema's description (not used)",
+    "schema_": "the JSON Schema the output must be valid under (checked against its "
+    "meta-schema: 400 naming this field)",
+    "JSONSchemaFormat.strict": "true: properties and items the schema does not name are not "
+    "allowed; otherwise the schema's own meaning holds",
+    "json_": "a JSON Schema (as guided_json)",
+    "StructuredOutputsObject.regex": "as guided_regex",
+    "StructuredOutputsObject.choice": "as guided_choice",
+    "grammar": "as guided_grammar",
+    "json_object": "true: one JSON object",
+    "tools": 'functions the model may call: [{"type": "function", "function": {name, '
+    "description, parameters}}], rendered by the chat template (or pdserve's default format, "
+    "see Tools)",
+    "tool_choice": "none | auto (default with tools: tool-call text parsed) | required | "
+    '{"type": "function", "function": {"name"}} (both forced by a grammar: always valid JSON)',
+    "tool_calls": "an assistant turn's calls: [{id, type, function: {name, arguments}}]",
+    "tool_call_id": "a tool turn's answer to this call id",
+    "FunctionDef.name": "the function's name",
+    "FunctionDef.description": "what it does (shown to the model)",
+    "parameters": "its arguments' JSON Schema (forced calls are valid under it)",
+    "FunctionDef.strict": "accepted; forced calls are always strict",
     "bootstrap_host": "PD: the prefill worker's bootstrap address (the router adds it)",
     "bootstrap_port": "PD: the prefill worker's bootstrap port (the router adds it)",
     "bootstrap_room": "PD: the transfer's 63-bit room id (the router draws it)",
@@ -90,6 +130,10 @@ SECTIONS: tuple[tuple[str, type[BaseModel], set[str]], ...] = (
     ("`/v1/chat/completions` only", p.ChatCompletionRequest, set(p._OpenAISampling.model_fields)),
     ("`messages[i]`", p.ChatMessage, set()),
     ("`stream_options`", p.StreamOptions, set()),
+    ("`response_format`", ResponseFormat, set()),
+    ("`response_format.json_schema`", JSONSchemaFormat, set()),
+    ("`structured_outputs`", StructuredOutputsObject, set()),
+    ("`tools[i].function`", FunctionDef, set()),
     ("`/generate`", p.GenerateRequest, _BOOTSTRAP),
     ("`/generate` `sampling_params`", p.GenerateSamplingParams, set()),
     ("`/tokenize`", p.TokenizeRequest, set()),
@@ -151,6 +195,8 @@ def api_tables() -> str:
             if name in skip:
                 continue
             text = (meaning(model, name) or "").replace("|", "\\|")
-            rows.append(f"| `{name}` | {_type(info.annotation)} | {_default(info)} | {text} |")
+            rows.append(
+                f"| `{info.alias or name}` | {_type(info.annotation)} | {_default(info)} | {text} |"
+            )
         out.append(f"##### {title}\n\n" + "\n".join(rows) + "\n")
     return "\n".join(out)

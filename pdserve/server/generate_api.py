@@ -16,6 +16,7 @@ from pdserve.server.openai_api import WorkerContext
 from pdserve.server.protocol import GenerateRequest
 from pdserve.server.serving import APIError, Job, make_params
 from pdserve.server.streaming import sse_response
+from pdserve.server.structured import compile_or_400, structured_params
 
 
 def build_generate_router(ctx: WorkerContext) -> APIRouter:
@@ -41,7 +42,10 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
             )
         sp = req.sampling_params
         k = req.top_logprobs_num
+        spec = structured_params(sp, prefix="sampling_params.")
+        await compile_or_400(ctx.serving.engine.core, spec)
         params = make_params(
+            structured_outputs=spec,
             n=sp.n,
             temperature=float(sp.temperature),
             top_p=float(sp.top_p),

@@ -12,8 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.structured.params import StructuredOutputsParams
 from pdserve.server import formatting as fmt
 from pdserve.server import prompts
+from pdserve.server import tools as tl
 from pdserve.server.disconnect import cancel_on_disconnect
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.protocol import (
@@ -24,6 +26,7 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.serving import APIError, Job, Serving, make_params
 from pdserve.server.streaming import sse_response
+from pdserve.server.structured import compile_or_400, structured_params
 
 
 @dataclass
@@ -65,8 +68,10 @@ def _job(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> Job:
     params = make_params(
+        structured_outputs=structured,
         n=req.n,
         temperature=float(req.temperature),
         top_p=float(req.top_p),
@@ -179,7 +184,11 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         prompt_k = req.prompt_logprobs
         if echo_lp:
             prompt_k = max(req.logprobs or 0, prompt_k or 0)
-        job = _job(ctx, req, prompt_ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k)
+        spec = structured_params(req)
+        await compile_or_400(ctx.serving.engine.core, spec)
+        job = _job(
+            ctx, req, prompt_ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k, spec
+        )
         head = {
             "id": f"cmpl-{job.request_id}",
             "object": "text_completion",
@@ -263,15 +272,31 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         ctx.accept(req, "/v1/chat/completions")
         _check_model(ctx, req.model)
-        messages = chat_messages(ctx, req.messages)
+        plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
+        chat_messages(ctx, req.messages)  # checks every message's text
+        messages, template_kwargs = tl.template_messages(req.messages, plan)
         text = await prompts.apply_chat_template(
-            ctx.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
+            ctx.tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            **template_kwargs,
         )
         ctx.check_text(text, "messages")
         prompt_ids = await prompts.encode(ctx.tokenizer, text, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        spec = structured_params(req)
+        forced = plan.forced_spec()
+        if forced is not None and spec is not None:
+            raise APIError(
+                400,
+                f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined "
+                "with it",
+                spec.field,
+            )
+        spec = forced or spec
+        await compile_or_400(ctx.serving.engine.core, spec)
         job = _job(
             ctx,
             req,
@@ -279,6 +304,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             req.max_completion_tokens or req.max_tokens,
             top,
             req.prompt_logprobs,
+            spec,
         )
         head = {
             "id": f"chatcmpl-{job.request_id}",
@@ -292,6 +318,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             finals: dict[int, Any] = {}
             cached: dict[int, int] = {}  # cached prompt tokens per finished sample
             chunk_head = dict(head, object="chat.completion.chunk")
+            tool_streams: dict[int, tl.ToolStream] = {}
 
             def chunks(index: int, out: RequestOutput):
                 o = out.outputs[0]
@@ -302,17 +329,35 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     cached[index] = out.num_cached_tokens
                 if not (o.delta_token_ids or o.delta_text or o.finished or first):
                     return
-                delta = (
-                    {"role": "assistant", "content": o.delta_text}
-                    if first
-                    else {"content": o.delta_text}
-                )
+                reason = fmt.openai_finish_reason(o.finish_reason)
+                if plan.mode == "none":
+                    deltas = [{"content": o.delta_text}]
+                else:
+                    ts = tool_streams.setdefault(index, tl.ToolStream(plan))
+                    deltas = ts.feed(o.delta_text, o.finished) or [{}]
+                    if o.finished:
+                        reason = tl.finish_reason(o.finish_reason, ts.calls)
+                if first:
+                    deltas[0] = {"role": "assistant", **deltas[0]}
                 lp = fmt.chat_logprobs(o.delta_logprobs or [], tt) if top is not None else None
+                for delta in deltas[:-1]:  # tool-call deltas before the one that finishes
+                    yield dict(
+                        chunk_head,
+                        choices=[
+                            {
+                                "index": index,
+                                "delta": delta,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    )
+                delta = deltas[-1]
                 choice = {
                     "index": index,
                     "delta": delta,
                     "logprobs": lp,
-                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    "finish_reason": reason,
                     **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
                 }
                 chunk = dict(chunk_head, choices=[choice])
@@ -341,12 +386,16 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         for index, out in enumerate(outs):
             o = out.outputs[0]
             lp = fmt.chat_logprobs(o.logprobs or [], tt) if top is not None else None
+            content, calls = tl.parse_output(o.text, plan)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": message,
                     "logprobs": lp,
-                    "finish_reason": fmt.openai_finish_reason(o.finish_reason),
+                    "finish_reason": tl.finish_reason(o.finish_reason, calls),
                     **_extras(req, ctx, out, index, list(o.token_ids), True),
                 }
             )

@@ -28,6 +28,9 @@ from pydantic import (
     field_validator,
 )
 
+from pdserve.server.structured import GuidedFields, ResponseFormatField
+from pdserve.server.tools import ToolFields, ToolMessageFields
+
 ROOM_LIMIT = 2**63  # bootstrap rooms are 63-bit
 
 
@@ -108,7 +111,7 @@ class _Penalties(_Body):
         }
 
 
-class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties):
+class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, ResponseFormatField):
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
@@ -172,7 +175,7 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Body, ToolMessageFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -183,7 +186,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(_OpenAISampling, ToolFields):
     """``POST /v1/chat/completions``; the chat template of the model builds the prompt."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -194,7 +197,7 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: StrictBool = True
 
 
-class GenerateSamplingParams(_Penalties):
+class GenerateSamplingParams(_Penalties, GuidedFields):
     """``sampling_params`` of ``/generate`` (SGLang's names)."""
 
     max_new_tokens: StrictInt | None = Field(128, ge=1)

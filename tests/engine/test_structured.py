@@ -146,7 +146,16 @@ def test_max_tokens_cut_reports_length(cores):
         json.loads(out.text)
 
 
-def test_min_tokens_and_several_rows_in_one_batch(cores):
+def test_a_complete_grammar_ends_the_output_before_min_tokens(cores):
+    _, decode = cores
+    spec = SO(choice=["red", "green"])
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=spec)
+    decode.add_request("min", PROMPT, params)
+    out = drive(decode)["min"].outputs[0]
+    assert out.text in ("red", "green") and out.finish_reason == "stop"
+
+
+def test_several_rows_in_one_batch(cores):
     """Rows with different grammars (and one without) batched in one step stay correct."""
     _, decode = cores
     kinds = [k for k in SPECS if k != "json_object"]
