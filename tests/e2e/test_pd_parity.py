@@ -283,6 +283,28 @@ def test_streaming_equals_mixed(cluster, path, body):
         )
 
 
+def test_a_repeated_prompt_through_pd_reports_prefill_s_cached_tokens_once(cluster):
+    prompt = "Every request of this test shares this fairly long opening sentence. " * 6
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    native = {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    router, mixed = cluster["router"].url, cluster["mixed"].url
+    first = post(router, "/v1/completions", body).json()
+    again = post(router, "/v1/completions", body).json()
+    mixed_again = [post(mixed, "/v1/completions", body).json() for _ in range(2)][-1]
+    n = first["usage"]["prompt_tokens"]
+    want = (n - 1) // 16 * 16  # full pages of all but the last prompt token
+    assert want > 0
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
+    assert mixed_again["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert_same(again["choices"], mixed_again["choices"])
+    chunks = _sse(post(router, "/v1/completions", streamed))
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
+    meta = post(router, "/generate", native).json()["meta_info"]
+    assert meta["cached_tokens"] == want and meta["prompt_tokens"] == n
+
+
 def test_openai_client_against_the_router(cluster):
     client = openai.OpenAI(base_url=cluster["router"].url + "/v1", api_key="unused", max_retries=0)
     direct = openai.OpenAI(base_url=cluster["mixed"].url + "/v1", api_key="unused", max_retries=0)

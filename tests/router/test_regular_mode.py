@@ -105,3 +105,24 @@ def test_dead_worker_is_ejected_and_the_other_serves(procs):
         f'pdserve_router_worker_healthy{{role="mixed",url="{workers[1].url}"}} 0.0'
         in httpx.get(router.url + "/metrics").text
     )
+
+
+def test_cache_aware_routes_a_shared_prefix_to_the_worker_that_cached_it(procs, tmp_path):
+    workers, _ = procs
+    router = start_router(
+        "router-cache", tmp_path, workers=workers, extra=["--policy", "cache_aware"]
+    )
+    try:
+        wait_healthy([router])
+        hits = []
+        for round_ in range(3):
+            for group in ("alpha", "beta"):
+                system = f"You are the {group} assistant of this test, answer briefly. " * 6
+                body = {"prompt": system + f"Question {round_}?", "max_tokens": 2, "temperature": 0}
+                r = httpx.post(router.url + "/v1/completions", json=body, timeout=60).json()
+                hits.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # the first request of each group computes its prompt; every later one finds it
+        # cached on the worker it is routed to (round robin would send half elsewhere)
+        assert hits[:2] == [0, 0] and all(h >= 64 for h in hits[2:]), hits
+    finally:
+        stop([router])
