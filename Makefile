@@ -27,10 +27,13 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/pdserve up
 
-# The gates: lint and format (ruff), run before the tests so CI fails on a finding.
+# The gates: lint and format (ruff) and types (mypy; strict for engine/, model/ and the
+# disagg contract: see [tool.mypy] in pyproject.toml), run before the tests so CI fails
+# on a finding.
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests
 	$(BIN)/ruff format --check pdserve tests
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -x -q --timeout=900 tests

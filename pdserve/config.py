@@ -19,8 +19,8 @@ def default_of(cls: type, name: str) -> Any:
         if f.name == name:
             if f.default is not MISSING:
                 return f.default
-            if f.default_factory is not MISSING:  # type: ignore[misc]
-                return f.default_factory()  # type: ignore[misc]
+            if f.default_factory is not MISSING:
+                return f.default_factory()
             raise ValueError(f"{cls.__name__}.{name} has no default")
     raise ValueError(f"{cls.__name__} has no field {name!r}")
 

@@ -101,9 +101,9 @@ def print_report(series: Sequence[Series], console: Console | None = None) -> No
     rates_seen = list(dict.fromkeys(s.request_rate for s in series))
     key = lambda s: (rates_seen.index(s.request_rate), streams.index(s.stream))  # noqa: E731
     for _, group in groupby(sorted(series, key=key), key=key):
-        group = list(group)
-        console.print(series_table(group))
-        for s in group:
+        rows = list(group)
+        console.print(series_table(rows))
+        for s in rows:
             for err in s.summary().errors:
                 console.print(
                     f"[red]{s.target.name} error:[/red] {err}", markup=True, highlight=False

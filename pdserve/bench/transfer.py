@@ -191,12 +191,12 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             torch.cuda.synchronize(kv.device)
             return time.perf_counter() - t
     else:
-        ref_src = np.random.default_rng(cfg.seed).integers(0, 256, nbytes, dtype=np.uint8)
-        ref_dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the timing
+        host_src = np.random.default_rng(cfg.seed).integers(0, 256, nbytes, dtype=np.uint8)
+        host_dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the timing
 
         def copy() -> float:
             t = time.perf_counter()
-            np.copyto(ref_dst, ref_src)
+            np.copyto(host_dst, host_src)
             return time.perf_counter() - t
 
     def transfer(room: int) -> float:

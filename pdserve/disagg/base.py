@@ -16,6 +16,7 @@ import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import Any
 
 PROTOCOL_VERSION = 1
 
@@ -64,11 +65,11 @@ class KVLayout:
                 return f"{f.name}: {a!r} vs {b!r}"
         return None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> KVLayout:
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
 
@@ -224,7 +225,7 @@ class KVManager(ABC):
         """False once any background thread (listener, bootstrap, heartbeat, transfer) died."""
 
     @abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters for metrics: bytes/pages transferred, transfer latency sum/count,
         failures by reason, rooms by state."""
 

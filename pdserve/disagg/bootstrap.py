@@ -14,9 +14,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
+
+if TYPE_CHECKING:
+    import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -94,7 +98,7 @@ class BootstrapServer(KVBootstrapServer):
         self._ranks: dict[int, RankInfo] = {}
         self._lock = threading.Lock()
         self._health = health
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 

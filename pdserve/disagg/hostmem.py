@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
@@ -32,7 +36,7 @@ def advise_hugepages(address: int, nbytes: int) -> bool:
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
 
 
-def empty_host(shape: tuple[int, ...], dtype) -> torch.Tensor:  # noqa: F821
+def empty_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype)`` on CPU, advised to use huge pages before first touch."""
     import torch
 

@@ -13,7 +13,7 @@ A message of another protocol version is rejected with :class:`WireError` naming
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -44,7 +44,7 @@ class RankInfo(msgspec.Struct, frozen=True):
     agent_name: str
     agent_metadata: str
     control_endpoint: str
-    layout: dict
+    layout: dict[str, Any]
     kv: BufferDescs
     aux: BufferDescs
 

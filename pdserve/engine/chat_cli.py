@@ -8,7 +8,7 @@ import sys
 from pdserve.config import ModelConfig, default_of
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``chat``."""
     p = subparsers.add_parser(
         "chat", help="ask the model one question offline (default: embedded SmolLM2)"

@@ -8,8 +8,12 @@ tokens so the first output token's leading space decodes as it does in context.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens used as decoding context for the first output tokens (vLLM uses 5 too).
 _PROMPT_CONTEXT = 5
@@ -26,7 +30,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool,

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVTransferError
+from pdserve.disagg.base import (
+    AuxRecord,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+)
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
@@ -25,7 +32,7 @@ from pdserve.engine.sampler import SampledToken, skip_draw
 from pdserve.engine.scheduler import Scheduler
 
 
-def _poll(handle) -> tuple[KVPoll, str | None]:
+def _poll(handle: KVSender | KVReceiver) -> tuple[KVPoll, str | None]:
     """Poll a sender/receiver.  A poll that raises counts as terminal ``Failed`` with that
     message (after a best-effort ``abort()``): a broken backend must not kill the engine."""
     try:
@@ -37,8 +44,8 @@ def _poll(handle) -> tuple[KVPoll, str | None]:
             pass
         return KVPoll.Failed, f"KV transfer poll raised {type(exc).__name__}: {exc}"
     if state == KVPoll.Failed:
-        exc = handle.failure_exception()
-        return state, str(exc) if exc else "KV transfer failed"
+        failure = handle.failure_exception()
+        return state, str(failure) if failure else "KV transfer failed"
     return state, None
 
 
@@ -69,7 +76,8 @@ class DisaggFlow:
         self._backend = transfer_backend
         self._append_token = append_token
         self._live: list[Request] = []  # arrival order
-        self._draining: list[tuple[object, list[int], int | None]] = []  # (handle, pages, aux slot)
+        # (handle, pages, aux slot)
+        self._draining: list[tuple[KVSender | KVReceiver, list[int], int | None]] = []
 
     def set_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Replace the managers (``EngineCore.bind_kv_managers``: before any request)."""
@@ -117,6 +125,7 @@ class DisaggFlow:
         changed: list[Request] = []
         for req in list(self._live):
             handle = req.sender or req.receiver
+            assert handle is not None  # every live request holds a sender or a receiver
             state, error = _poll(handle)
             if state == KVPoll.Failed:
                 if req.status in (Status.WAITING, Status.RUNNING):
@@ -148,6 +157,7 @@ class DisaggFlow:
         if slot is None:
             return  # all aux slots in use: try again next step
         req.aux_slot = slot
+        assert req.sender is not None  # only called for a request with a sender
         try:
             req.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
@@ -168,11 +178,14 @@ class DisaggFlow:
             need = self._scheduler.pages_needed(req.num_prompt_tokens)
             if need > self._kv.num_available_pages or self._pool.num_free_aux_slots == 0:
                 break
-            req.aux_slot = self._pool.allocate_aux_slot()
+            slot = self._pool.allocate_aux_slot()
+            assert slot is not None  # a free slot was checked just above
+            assert req.receiver is not None  # a decode request waiting for its peer has one
+            req.aux_slot = slot
             req.pages = self._kv.allocate(need)
             req.status = Status.TRANSFERRING
             try:
-                req.receiver.init(list(req.pages), req.aux_slot)
+                req.receiver.init(list(req.pages), slot)
             except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
                 self.abort(req, reason="error", error=f"KV receiver init failed: {exc}")
                 failed.append(req)
@@ -185,6 +198,8 @@ class DisaggFlow:
         req.pending_finish = finish
         self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
+        # A prefill request in the batch holds its disagg info, sender and aux slot.
+        assert req.disagg is not None and req.sender is not None and req.aux_slot is not None
         aux = AuxRecord(
             req.disagg.bootstrap_room,
             first.token_id,
@@ -199,6 +214,7 @@ class DisaggFlow:
             self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
     def _join_decode(self, req: Request) -> None:
+        assert req.receiver is not None  # a transferring decode request holds its receiver
         try:
             aux = req.receiver.aux_record()
             if not 0 <= aux.first_token_id < self._vocab_size:
@@ -230,6 +246,7 @@ class DisaggFlow:
         if req.status in (Status.WAITING, Status.RUNNING):
             self._scheduler.remove(req)
         handle = req.sender or req.receiver
+        assert handle is not None  # every live request holds a sender or a receiver
         try:
             handle.abort()
         except Exception:  # noqa: BLE001 - still drained below, bounded by the backend's timeouts
@@ -248,11 +265,13 @@ class DisaggFlow:
     ) -> None:
         """The room reached a terminal state: free everything, close, finish ``req``."""
         self._live.remove(req)
-        self._release(req.sender or req.receiver, req.pages, req.aux_slot)
+        handle = req.sender or req.receiver
+        assert handle is not None  # every live request holds a sender or a receiver
+        self._release(handle, req.pages, req.aux_slot)
         req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
         req.finish(reason, stop_reason, error)
 
-    def _release(self, handle, pages: list[int], slot: int | None) -> None:
+    def _release(self, handle: KVSender | KVReceiver, pages: list[int], slot: int | None) -> None:
         if pages:
             self._kv.release(pages)
         if slot is not None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.base import KVManager
+from pdserve.disagg.base import KVLayout, KVManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.disagg_flow import DisaggFlow
@@ -30,6 +31,9 @@ from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
 from pdserve.engine.structured.manager import StructuredOutputManager
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import load_model_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +138,11 @@ class EngineCore:
 
     # --- public API -----------------------------------------------------------------
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.source.tokenizer
 
     @property
-    def layout(self):
+    def layout(self) -> KVLayout:
         return self.pool.layout
 
     @property
@@ -203,7 +207,7 @@ class EngineCore:
             self.tokenizer,
             prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
+            stop=params.stop or (),
         )
         req = Request(
             request_id,
@@ -255,7 +259,7 @@ class EngineCore:
                 self._counters["finished_requests"] += 1
         return outputs
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Gauges and counters for metrics (plain ints)."""
         return {
             "num_running": len(self.scheduler.running),
@@ -317,7 +321,7 @@ class EngineCore:
             return
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
-        verdict = check_token_stop(
+        verdict: tuple[str, str | int | None] | None = check_token_stop(
             params,
             tok.token_id,
             req.num_output_tokens,

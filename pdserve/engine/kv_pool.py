@@ -179,7 +179,7 @@ class KVPool:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of one (layer, K|V) buffer: the page stride."""
-        return self.kv[0, 0, 0].numel() * self.kv.element_size()
+        return int(self.kv[0, 0, 0].numel() * self.kv.element_size())
 
     def kv_args(self, gpu_id: int = 0, engine_rank: int = 0) -> KVArgs:
         """Addresses of the pool for the transfer layer: one buffer per (layer, K|V),

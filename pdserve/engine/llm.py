@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
@@ -19,6 +19,9 @@ from pdserve.config import (
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LLM:
@@ -69,7 +72,7 @@ class LLM:
         self.engine = EngineCore(config)
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
@@ -119,7 +122,11 @@ class LLM:
         ``{"role", "content"}`` messages) or a list of them, then :meth:`generate`."""
         if not messages:
             raise ValueError("messages must not be empty")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations: list[Sequence[dict[str, Any]]]
+        if isinstance(messages[0], dict):
+            conversations = [cast(Sequence[dict[str, Any]], messages)]
+        else:
+            conversations = list(cast(Sequence[Sequence[dict[str, Any]]], messages))
         token_lists = [
             self.chat_token_ids(
                 c,
@@ -146,10 +153,11 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             **(chat_template_kwargs or {}),
         )
-        return tok(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = tok(text, add_special_tokens=False)["input_ids"]
+        return ids
 
     # --- internals ---------------------------------------------------------------------
-    def _tokenize(self, prompts) -> list[list[int]]:
+    def _tokenize(self, prompts: object) -> list[list[int]]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -157,8 +165,9 @@ class LLM:
                 f"prompts must be a string, a list of strings or a list of token-id "
                 f"lists, got {type(prompts).__name__}"
             )
-        out = []
+        out: list[list[int]] = []
         for i, p in enumerate(prompts):
+            ids: list[int]
             if isinstance(p, str):
                 ids = self.engine.tokenizer(p)["input_ids"]
             elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):

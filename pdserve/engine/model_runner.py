@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from pdserve.engine.sampler import (
 )
 from pdserve.engine.scheduler import BatchPlan
 from pdserve.model.attention import build_attention_metadata
+
+if TYPE_CHECKING:
+    from pdserve.model.llama import LlamaForCausalLM
 
 # Prompt-logprob rows go through the LM head in chunks so a long prompt never makes a
 # [prompt_len, vocab] fp32 logits tensor at once.
@@ -42,7 +46,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,
+        model: LlamaForCausalLM,
         pool: KVPool,
         device: torch.device,
         generator: torch.Generator | None = None,

@@ -123,7 +123,9 @@ def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> t
     return work
 
 
-def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], dev) -> tuple:
+def _flat(
+    rows: Sequence[int], lists: Sequence[Sequence[int]], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row index, token id)`` coordinates of every token of ``lists[j]`` (row
     ``rows[j]``), as two int64 tensors of the total length (duplicates kept)."""
     row_ids: list[int] = []
@@ -229,7 +231,9 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return logits
 
 
-def _race(probs: torch.Tensor, rows: Sequence[SampleRequest], generator) -> torch.Tensor:
+def _race(
+    probs: torch.Tensor, rows: Sequence[SampleRequest], generator: torch.Generator | None
+) -> torch.Tensor:
     """``E ~ Exp(1)`` of shape ``probs[R, V]``: a seeded row's from its own generator (one
     ``[V]`` draw, the same whatever the batch), the unseeded rows' in one batched draw."""
     race = torch.empty_like(probs)

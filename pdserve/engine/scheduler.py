@@ -24,7 +24,7 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,7 +93,12 @@ class Scheduler:
     ``min_tokens`` outputs (EOS and stop ids; supplied by the engine).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, banned_before_min) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        banned_before_min: Callable[[Request], tuple[int, ...]],
+    ) -> None:
         self.config = config
         self.kv = kv
         self._banned_before_min = banned_before_min
@@ -216,6 +221,7 @@ class Scheduler:
             )
             lps = result.prompt_logprobs.get(seq.request_id)
             if lps:
+                assert req.prompt_logprobs is not None  # only a request that asked gets them
                 req.prompt_logprobs.extend(lps)
             if seq.sample:
                 sampled.append((req, result.sampled[seq.request_id]))
@@ -231,7 +237,7 @@ class Scheduler:
             lp_start = max(start, req.prompt_logprobs_done - 1)
             end = min(start + n, req.num_prompt_tokens - 1)
             lp_targets = req.prompt_token_ids[lp_start + 1 : end + 1]
-        banned = ()
+        banned: tuple[int, ...] = ()
         if sample and req.num_output_tokens < req.params.min_tokens:
             banned = self._banned_before_min(req)
         history = sample and req.params.has_penalties

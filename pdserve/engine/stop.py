@@ -25,7 +25,7 @@ def check_token_stop(
     reports ``"stop"``.
     """
     if num_output_tokens > params.min_tokens:
-        if token_id in params.stop_token_ids:
+        if token_id in (params.stop_token_ids or ()):
             return "stop", token_id
         if not params.ignore_eos and token_id in eos_token_ids:
             return "stop", None
@@ -40,7 +40,7 @@ def tokens_banned_before_min(
     params: SamplingParams, eos_token_ids: Collection[int]
 ) -> tuple[int, ...]:
     """Token ids the sampler masks while fewer than ``min_tokens`` tokens were generated."""
-    banned = set(params.stop_token_ids)
+    banned = set(params.stop_token_ids or ())
     if not params.ignore_eos:
         banned.update(eos_token_ids)
     return tuple(sorted(banned))

@@ -104,7 +104,8 @@ async def _run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str
                         shots,
                         args.max_tokens,
                         args.concurrency,
-                        lambda r, bar=bar: bar.update(1),
+                        # mypy cannot infer the type of a lambda with a default argument
+                        lambda r, bar=bar: bar.update(1),  # type: ignore[misc]
                     )
             finally:
                 bar.close()

@@ -78,7 +78,7 @@ async def evaluate(
     sem = asyncio.Semaphore(concurrency)
 
     async def one(item: GSM8KItem) -> QuestionResult:
-        messages = build_messages(item.question, shots)
+        messages = build_messages(item.question, list(shots))
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
         async with sem:
             text, error, usage = await chat_completion(client, base_url, body)

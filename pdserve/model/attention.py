@@ -158,5 +158,5 @@ def get_attention_backend(name: str = "torch_sdpa") -> AttentionBackend:
     if name not in _REGISTRY:
         raise ValueError(f"attention backend {name!r} is unknown; known: {', '.join(_REGISTRY)}")
     module_name, cls_name = _REGISTRY[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls: type[AttentionBackend] = getattr(importlib.import_module(module_name), cls_name)
     return cls()

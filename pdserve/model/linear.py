@@ -30,9 +30,9 @@ def packing_supported(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32 and mode != "all":
         return False
-    if not torch.backends.mkldnn.is_available() or not hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    ):
+    # torch.backends.mkldnn.is_available carries no annotations in torch.
+    mkldnn_available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    if not mkldnn_available or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -42,7 +42,8 @@ def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
     if not packing_supported(weight):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        return packed
     except RuntimeError as exc:  # e.g. a torch build without this kernel
         logger.info("CPU linear pre-packing unavailable (%s); using F.linear", exc)
         return None
@@ -50,8 +51,9 @@ def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
-):
+) -> torch.Tensor:
     """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given."""
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
     return F.linear(x, weight, bias)

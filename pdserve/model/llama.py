@@ -6,20 +6,24 @@ order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import linear as lin
-from pdserve.model.attention import AttentionMetadata, get_attention_backend
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def _empty(shape, dtype, device) -> nn.Parameter:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -39,7 +43,7 @@ class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: fused QKV (+bias), optional per-head q/k RMSNorm, RoPE,
     paged attention, o_proj, fused gate/up SwiGLU MLP."""
 
-    def __init__(self, s: _Shapes, dtype, device):
+    def __init__(self, s: _Shapes, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.s = s
         qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
@@ -57,7 +61,17 @@ class LlamaDecoderLayer(nn.Module):
         self.down_bias = _empty((s.hidden,), dtype, device) if s.mlp_bias else None
         self.packed: dict[str, torch.Tensor] = {}  # CPU pre-packed weights (see linear.py)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, attn, plan, backend):
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: Any,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         s = self.s
         T = h.shape[0]
         x = rms_norm(h, self.input_layernorm, s.eps)
@@ -65,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv = lin.linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             qk = torch.cat(
                 (
                     rms_norm(qkv[:, :nq], self.q_norm, s.eps),
@@ -91,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
 class _Shapes:
     """Dimensions and flags read once from an HF config."""
 
-    def __init__(self, c):
+    def __init__(self, c: PretrainedConfig) -> None:
         mt = getattr(c, "model_type", "llama")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -134,13 +148,15 @@ class LlamaForCausalLM(nn.Module):
     Raises ``ValueError`` for unsupported model types / rope types.
     """
 
+    rope_cos_sin: torch.Tensor  # [max_positions, D] buffer: cos | sin (see rope.cos_sin_table)
+
     def __init__(
         self,
-        hf_config,
+        hf_config: PretrainedConfig,
         dtype: torch.dtype = torch.float32,
-        device="cpu",
+        device: torch.device | str = "cpu",
         attn_backend: str = "torch_sdpa",
-    ):
+    ) -> None:
         super().__init__()
         s = self.shapes = _Shapes(hf_config)
         self.config = hf_config
@@ -161,20 +177,25 @@ class LlamaForCausalLM(nn.Module):
         ] = {}  # packed params whose plain copy was dropped
 
     # ----------------------------------------------------------------- weights
+    def decoder_layers(self) -> Iterator[LlamaDecoderLayer]:
+        """The decoder layers in order, typed (``nn.ModuleList`` yields plain modules)."""
+        for layer in self.layers:
+            yield cast(LlamaDecoderLayer, layer)
+
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF name -> (destination parameter, row start, row end) for every expected weight."""
         s = self.shapes
         nq, nkv, inter = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.intermediate
         t: dict[str, tuple[torch.Tensor, int, int]] = {}
 
-        def whole(name, p):
+        def whole(name: str, p: torch.Tensor) -> None:
             t[name] = (p, 0, p.shape[0])
 
         whole("model.embed_tokens.weight", self.embed_tokens)
         whole("model.norm.weight", self.norm)
         if self.lm_head is not None:
             whole("lm_head.weight", self.lm_head)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             pre = f"model.layers.{i}."
             whole(pre + "input_layernorm.weight", layer.input_layernorm)
             whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm)
@@ -193,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 whole(pre + "self_attn.o_proj.bias", layer.o_bias)
             if layer.down_bias is not None:
                 whole(pre + "mlp.down_proj.bias", layer.down_bias)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 whole(pre + "self_attn.q_norm.weight", layer.q_norm)
                 whole(pre + "self_attn.k_norm.weight", layer.k_norm)
         return t
@@ -239,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _pack(self) -> None:
         """Pre-pack linear weights for CPU (no-op elsewhere); drop the plain copies."""
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             for name in self._PACKED:
                 param = getattr(layer, name)
                 packed = lin.pack(param)
@@ -255,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         for param, shape in self._freed.items():
             param.data = param.data.new_empty(shape)
         self._freed.clear()
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.packed.clear()
         self._lm_head_packed = None
 
@@ -278,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
         cos, sin = cs.chunk(2, dim=-1)
         h = F.embedding(input_ids, self.embed_tokens)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             h = layer(h, cos, sin, kv_cache[i, 0], kv_cache[i, 1], attn, plan, self.backend)
         return rms_norm(h, self.norm, self.shapes.eps)
 

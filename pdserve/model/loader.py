@@ -12,6 +12,7 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import transformers
@@ -55,7 +56,7 @@ def _usage(model: str, why: str) -> ValueError:
     )
 
 
-def _config_digest(cfg: transformers.PretrainedConfig) -> dict:
+def _config_digest(cfg: transformers.PretrainedConfig) -> dict[str, Any]:
     d = cfg.to_dict()
     return {
         k: v
@@ -64,17 +65,23 @@ def _config_digest(cfg: transformers.PretrainedConfig) -> dict:
     }
 
 
-def _fingerprint(identity: dict, cfg: transformers.PretrainedConfig) -> str:
+def _fingerprint(identity: dict[str, Any], cfg: transformers.PretrainedConfig) -> str:
     blob = json.dumps(
         {"weights": identity, "config": _config_digest(cfg)}, sort_keys=True, default=str
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _eos_ids(tokenizer, generation_eos) -> tuple[int, ...]:
+def _eos_ids(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    generation_eos: int | list[int] | tuple[int, ...] | None,
+) -> tuple[int, ...]:
     ids: list[int] = []
-    cands = [tokenizer.eos_token_id]
-    cands += generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    cands: list[int | None] = [tokenizer.eos_token_id]
+    if isinstance(generation_eos, (list, tuple)):
+        cands += generation_eos
+    else:
+        cands.append(generation_eos)
     for i in cands:
         if i is not None and int(i) not in ids:
             ids.append(int(i))
@@ -92,7 +99,7 @@ def _safetensors_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in names]
 
 
-def _file_identity(path: str) -> list:
+def _file_identity(path: str) -> list[str | int]:
     """Cheap identity of a safetensors file: size, header (names/shapes/dtypes) and 16 x 64 KiB
     samples spread over the data, so two different weight sets differ without hashing GBs."""
     size = os.path.getsize(path)
@@ -147,15 +154,16 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
 
 
 # ------------------------------------------------------------------ random weights
-def _random_weights(cfg, seed: int, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _random_weights(
+    cfg: transformers.PretrainedConfig, seed: int, meta: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield HF-named fp32 tensors: norms = 1, everything else N(0, 0.02), each from a CPU
     generator seeded by (seed, name) so any tensor is reproducible on its own.
     ``meta=True`` yields shape-only tensors (checks names/shapes without allocating)."""
     with torch.device("meta"):
-        shapes = [
-            (n, tuple(p.shape))
-            for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()
-        ]
+        # AutoModelForCausalLM.from_config carries no annotations in transformers.
+        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+        shapes = [(n, tuple(p.shape)) for n, p in hf_model.named_parameters()]
     for name, shape in shapes:
         if meta:
             yield name, torch.empty(shape, device="meta")

@@ -8,6 +8,9 @@ ids at or above 49152, which larger-vocabulary presets can produce, decode to ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import transformers
 
 _LLAMA3_ROPE = {
@@ -19,7 +22,7 @@ _LLAMA3_ROPE = {
 }
 
 # name -> (config class, config kwargs). rope parameters are split out in :func:`preset_config`.
-PRESETS: dict[str, tuple[str, dict]] = {
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": (
         "LlamaConfig",
         dict(
@@ -152,7 +155,7 @@ def preset_config(name: str) -> transformers.PretrainedConfig:
         "rope_type": "default",
         **kwargs.pop("rope_scaling", {}),
     }
-    cls = getattr(transformers, cls_name)
+    cls: Callable[..., transformers.PretrainedConfig] = getattr(transformers, cls_name)
     cfg = cls(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_parameters=rope)
     if getattr(cfg, "rope_parameters", None) != rope:  # transformers 4: rope_theta + rope_scaling
         cfg.rope_theta = rope["rope_theta"]

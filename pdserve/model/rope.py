@@ -6,21 +6,27 @@ halves of the head dim rotate together), so logits match it bit for bit in fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Scaling types whose frequencies do not depend on the current sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
     """Return the RoPE parameter dict (``rope_theta``, ``rope_type``, scaling keys) of a config.
 
     Reads ``config.rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``
     (transformers 4). Raises ``ValueError`` for an unsupported ``rope_type``.
     """
-    params = getattr(hf_config, "rope_parameters", None)
-    if params and "rope_theta" in params:
-        params = dict(params)
+    given = getattr(hf_config, "rope_parameters", None)
+    params: dict[str, Any]
+    if given and "rope_theta" in given:
+        params = dict(given)
     else:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
@@ -32,7 +38,7 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def inv_freq_and_scaling(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scaling(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` fp32 and the cos/sin multiplier of ``hf_config``.
 
     ``default``: ``1 / theta ** (2i / head_dim)`` (Su et al., RoFormer); scaled types use
@@ -49,7 +55,13 @@ def inv_freq_and_scaling(hf_config, head_dim: int) -> tuple[torch.Tensor, float]
     return inv.float(), float(scaling)
 
 
-def cos_sin_table(hf_config, head_dim: int, max_positions: int, dtype, device) -> torch.Tensor:
+def cos_sin_table(
+    hf_config: PretrainedConfig,
+    head_dim: int,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
     """``[max_positions, head_dim]`` table: cos in the first half, sin in the second, in ``dtype``.
 
     Computed in fp32 as ``positions * inv_freq`` (the same products transformers forms).

@@ -88,15 +88,26 @@ class TorchSDPABackend(AttentionBackend):
             if q == 1:
                 continue
             s = s_lens[b]
-            gather = mask = None
+            ctx_gather: torch.Tensor | None = None
+            ctx_mask: torch.Tensor | None = None
             if s > q:
-                gather = _slots(attn.page_table[b : b + 1], s, page_size)[0]
+                ctx_gather = _slots(attn.page_table[b : b + 1], s, page_size)[0]
                 qi = torch.arange(q, device=device)[:, None]
-                mask = torch.arange(s, device=device)[None, :] <= (s - q) + qi
-            prefills.append(_PrefillSeq(starts[b], starts[b + 1], gather, mask))
+                ctx_mask = torch.arange(s, device=device)[None, :] <= (s - q) + qi
+            prefills.append(_PrefillSeq(starts[b], starts[b + 1], ctx_gather, ctx_mask))
         return SDPAPlan(decode, prefills, starts[-1])
 
-    def forward(self, q, k, v, k_cache, v_cache, attn, plan: SDPAPlan, scale):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: SDPAPlan,
+        scale: float,
+    ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq*D]``."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
@@ -111,7 +122,7 @@ class TorchSDPABackend(AttentionBackend):
             return self._decode(q, k_flat, v_flat, dg, scale, Hkv, G).reshape(T, Hq * D)
 
         out = q.new_empty(T, Hq, D)
-        if dg is not None:
+        if dg is not None and dg.rows is not None:  # rows is None only in the return above
             qd = q.index_select(0, dg.rows)
             out.index_copy_(
                 0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).reshape(-1, Hq, D)
@@ -137,7 +148,15 @@ class TorchSDPABackend(AttentionBackend):
         return out.view(T, Hq * D)
 
     @staticmethod
-    def _decode(q, k_flat, v_flat, dg: _DecodeGroup, scale, Hkv, G):
+    def _decode(
+        q: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        dg: _DecodeGroup,
+        scale: float,
+        Hkv: int,
+        G: int,
+    ) -> torch.Tensor:
         """q ``[Bd, Hq, D]`` -> ``[Bd, Hkv, G, D]`` attended over the gathered context."""
         Bd, _, D = q.shape
         kd = k_flat.index_select(0, dg.gather).view(Bd, dg.max_len, Hkv, D).transpose(1, 2)

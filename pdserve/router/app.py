@@ -180,7 +180,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             try:
                 parse_json_body(raw := await request.body())
             except ValueError as exc:
-                response = error_response(400, f"request body is not valid JSON: {exc}")
+                response: Response = error_response(400, f"request body is not valid JSON: {exc}")
             else:
                 response = await ask_a_worker("POST", _path, raw)
             return _count(response, _path, start)

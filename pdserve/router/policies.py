@@ -15,7 +15,7 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,7 +199,7 @@ def _text_of(value: Any) -> str:
     return ""
 
 
-_POLICIES: dict[str, type[Policy]] = {
+_POLICIES: dict[str, Callable[[random.Random], Policy]] = {
     "random": RandomPolicy,
     "round_robin": RoundRobinPolicy,
     "power_of_two": PowerOfTwoPolicy,

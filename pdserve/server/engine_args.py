@@ -4,6 +4,7 @@ config dataclasses, so each default is written once)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_of
 
@@ -108,7 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; ValueError naming the field when one is invalid."""
-    values = {cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig)}
+    values: dict[type, dict[str, Any]] = {
+        cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig)
+    }
     for flag, cls, name, _, _ in ENGINE_FLAGS:
         values[cls][name] = getattr(args, _dest(flag))
     return EngineConfig(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +32,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
         if req.input_ids is not None:
             prompt_ids = list(req.input_ids)
         else:
+            assert req.text is not None  # exactly one of text / input_ids, checked above
             ctx.check_text(req.text, "text")
             prompt_ids = await prompts.encode(ctx.tokenizer, req.text)
         if req.return_logprob and req.logprob_start_len >= max(len(prompt_ids), 1):
@@ -68,7 +70,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
 
         def item(index: int, out: RequestOutput) -> dict:
             o = out.outputs[0]
-            body = {
+            body: dict[str, Any] = {
                 "text": o.text,
                 "output_ids": list(o.token_ids),
                 "meta_info": fmt.generate_meta(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,11 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+def _sink(inbox: asyncio.Queue[tuple[int, Any]], index: int) -> Callable[[Any], None]:
+    """The engine callback of sample ``index``: puts ``(index, item)`` into ``inbox``."""
+    return lambda item: inbox.put_nowait((index, item))
 
 
 @dataclass
@@ -106,7 +111,9 @@ class Serving:
                     f"(send requests through the router)",
                     name,
                 )
-        if job.bootstrap_room + job.params.n > ROOM_LIMIT:
+        room = job.bootstrap_room
+        assert room is not None  # checked just above
+        if room + job.params.n > ROOM_LIMIT:
             raise APIError(
                 400,
                 "bootstrap_room + n must be <= 2**63 (sample i uses room bootstrap_room + i)",
@@ -118,19 +125,19 @@ class Serving:
             return None
         if job.fake_transfer:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
-        return DisaggRequestInfo(
-            self.role, job.bootstrap_host, job.bootstrap_port, job.bootstrap_room + index
-        )
+        host, port, room = job.bootstrap_host, job.bootstrap_port, job.bootstrap_room
+        assert host is not None and port is not None and room is not None  # check() ran first
+        return DisaggRequestInfo(self.role, host, port, room + index)
 
     # --- running --------------------------------------------------------------------------
-    async def stream(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Submit ``job`` and yield ``(sample index, output)`` as the engine produces them,
         until every sample finished. Raises APIError (400 bad input, 409 duplicate room,
         500 failed request / KV transfer, 503 engine down). Closing the iterator early (client
         gone, cancellation) aborts every unfinished sample, which frees its pages."""
         self.check(job)
         samples = job.params.fan_out(job.request_id)
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         live: dict[str, int] = {}
         last_token_time: dict[int, float] = {}
         try:
@@ -141,7 +148,7 @@ class Serving:
                     list(job.prompt_ids),
                     params,
                     self._disagg(job, index),
-                    lambda item, i=index: inbox.put_nowait((i, item)),
+                    _sink(inbox, index),
                 )
             while live:
                 try:

@@ -5,7 +5,7 @@ well-formed SSE error event followed by ``data: [DONE]``."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -34,7 +34,7 @@ async def sse_response(
     """Start ``job`` and stream ``chunks(index, output)`` for each engine output, then
     ``tail()`` (e.g. the usage chunk), then ``[DONE]``. Raises APIError if the job fails
     before its first output."""
-    it: AsyncIterator = serving.stream(job).__aiter__()
+    it: AsyncGenerator[Any, None] = serving.stream(job)  # its own async iterator
     try:
         first = await cancel_on_disconnect(request, it.__anext__())
     except BaseException:

@@ -288,19 +288,19 @@ class NixlDecodeManager(KVManager):
                     for frames in recv_all(sock):
                         self._on_message(frames[-1])
                 for endpoint, instance, msg in self._outbox.drain():
-                    sock = dealers.get(endpoint)
-                    if sock is None:
-                        sock = dealers[endpoint] = self._ctx.socket(zmq.DEALER)
-                        sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())
-                        sock.setsockopt(zmq.LINGER, 0)
+                    dealer = dealers.get(endpoint)
+                    if dealer is None:
+                        dealer = dealers[endpoint] = self._ctx.socket(zmq.DEALER)
+                        dealer.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+                        dealer.setsockopt(zmq.LINGER, 0)
                         if endpoint.startswith("tcp://["):
-                            sock.setsockopt(zmq.IPV6, 1)
-                        sock.connect(endpoint)
-                        poller.register(sock, zmq.POLLIN)
+                            dealer.setsockopt(zmq.IPV6, 1)
+                        dealer.connect(endpoint)
+                        poller.register(dealer, zmq.POLLIN)
                     if isinstance(msg, RoomDest) and (endpoint, instance) not in greeted:
-                        sock.send(encode_control(_hello_for(self._hello, instance)))
+                        dealer.send(encode_control(_hello_for(self._hello, instance)))
                         greeted.add((endpoint, instance))
-                    sock.send(encode_control(msg))
+                    dealer.send(encode_control(msg))
                 for payloads in self.engine.new_notifs().values():
                     for payload in payloads:
                         self._on_notif(payload)

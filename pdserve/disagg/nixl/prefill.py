@@ -307,6 +307,7 @@ class NixlPrefillManager(KVManager):
                     self._pending[dest.room] = (dest, identity, time.monotonic())
                     return
         if sender is None:
+            assert ended is not None  # a room with no sender and no ending was parked above
             self._reply(identity, dest.room, ended[0], ended[1])
             return
         self._attach(sender, dest, identity)
@@ -348,9 +349,10 @@ class NixlPrefillManager(KVManager):
             stale = [(r, v) for r, v in self._pending.items() if v[2] < cutoff]
             for r, _ in stale:
                 del self._pending[r]
-            for table, at in ((self._early_aborts, 3), (self._ended, 2)):
-                for r in [r for r, v in table.items() if v[at] < cutoff]:
-                    del table[r]
+            for r in [r for r, v in self._early_aborts.items() if v[3] < cutoff]:
+                del self._early_aborts[r]
+            for r in [r for r, v in self._ended.items() if v[2] < cutoff]:
+                del self._ended[r]
         for room, (_, identity, _) in stale:
             self._reply(
                 identity,

@@ -65,6 +65,7 @@ class NixlReceiver(RoomHandle, KVReceiver):
             if self._state != KVPoll.WaitingForInput:
                 raise RuntimeError(f"init() on room {self.room} in state {self._state.name}")
             peer = self.peer
+            assert peer is not None  # WaitingForInput means the prefill peer said hello
             if peer.dead:
                 self._finish_failed(
                     f"room {self.room}: prefill {self.key[0]}:{self.key[1]} is gone", PEER_FAILED
@@ -94,6 +95,7 @@ class NixlReceiver(RoomHandle, KVReceiver):
 
     def _read_aux(self) -> AuxRecord:
         args = self._mgr.engine.kv_args
+        assert self.aux_slot is not None  # read only after init() gave the slot
         return AuxRecord.unpack(
             ctypes.string_at(
                 args.aux_data_ptr + self.aux_slot * args.aux_item_len, AUX_RECORD_BYTES
@@ -110,14 +112,14 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 self.abort_request = (reason, kind)
             else:
                 self._finish_failed(reason, kind)
-            tell = self.peer is not None and not self._told_prefill
+            peer = self.peer
+            tell = peer is not None and not self._told_prefill
             self._told_prefill = self._told_prefill or tell
-        if tell:  # prefill's sender fails too (and acknowledges when it holds our pages)
+        # prefill's sender fails too (and acknowledges when it holds our pages)
+        if tell and peer is not None:
             self._mgr.send(
-                self.peer,
-                RoomAbort(
-                    self.room, self.peer.info.instance_id, self._mgr.instance_id, reason, kind
-                ),
+                peer,
+                RoomAbort(self.room, peer.info.instance_id, self._mgr.instance_id, reason, kind),
             )
 
     # --- background threads ---------------------------------------------------------------

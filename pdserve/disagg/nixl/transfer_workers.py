@@ -50,7 +50,11 @@ class TransferWorkers:
         """Post and complete one room's WRITEs; the error, or None on success."""
         if sender.abort_request is not None:
             return None  # aborted before posting: nothing to undo
-        dest, remote = sender.dest, sender.peer.remote
+        dest, peer = sender.dest, sender.peer
+        # A sender reaches this queue only once its destination and decode peer are known.
+        assert dest is not None and peer is not None and peer.remote is not None
+        assert sender.aux_slot is not None
+        remote = peer.remote
         try:
             handles = self.engine.post_room_write(
                 remote, sender.pages, dest.dst_pages, sender.aux_slot, dest.aux_slot

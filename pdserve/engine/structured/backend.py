@@ -34,6 +34,7 @@ def _check_schema(spec: StructuredOutputsParams) -> None:
 
     import jsonschema
 
+    assert spec.json is not None  # called for a json_schema constraint only
     schema = json.loads(spec.json)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
@@ -94,7 +95,7 @@ class XGrammarBackend:
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
-                return compiler.compile_regex(choice_regex(spec.choice))
+                return compiler.compile_regex(choice_regex(spec.choice or ()))
             return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # noqa: BLE001 xgrammar raises RuntimeError/ValueError/...
             what = {"json": "JSON schema", "json_object": "JSON", "grammar": "EBNF grammar"}

@@ -58,7 +58,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
         self.backend = XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams) -> Any:

@@ -73,6 +73,6 @@ class StructuredOutputsParams:
         """Which constraint is set: one of ``KINDS``."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
         """Cache key of the compiled grammar (everything but ``field``)."""
         return (self.kind, getattr(self, self.kind), self.strict if self.json else False)
