@@ -105,7 +105,7 @@ class ToolPlan:
         if self.mode == "named":
             fn = next(t["function"] for t in self.tools if t["function"]["name"] == self.name)
             return StructuredOutputsParams(
-                json=_params_schema(fn), strict=True, field="tool_choice"
+                json=json.dumps(_params_schema(fn)), strict=True, field="tool_choice"
             )
         if self.mode == "required":
             calls = [
@@ -123,7 +123,9 @@ class ToolPlan:
             schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputsParams(json=schema, strict=True, field="tool_choice")
+            return StructuredOutputsParams(
+                json=json.dumps(schema), strict=True, field="tool_choice"
+            )
         return None
 
 
@@ -305,6 +307,7 @@ class ToolStream:
         """The delta objects (without ``role``) for new text ``delta``."""
         self.text += delta
         mode = self.plan.mode
+        out: list[dict[str, Any]]
         if mode == "named":
             out = []
             if not self.calls:
