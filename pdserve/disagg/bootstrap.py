@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.base import PROTOCOL_VERSION, KVBootstrapServer
 from pdserve.disagg.messages import HealthInfo, RankInfo
-from pdserve.netutil import PortInUseError, bind_socket
+from pdserve.http.netutil import PortInUseError, bind_socket
 
 
 class BootstrapError(RuntimeError):

@@ -133,7 +133,7 @@ def cpu_threads_plan(
 
 
 def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
-    from pdserve.netutil import free_port
+    from pdserve.http.netutil import free_port
 
     py = [sys.executable, "-m", "pdserve"]
     passthrough = engine_argv(args)
@@ -282,7 +282,7 @@ def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> st
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.netutil import PortInUseError, bind_socket
+    from pdserve.http.netutil import PortInUseError, bind_socket
 
     if args.num_prefill < 1 or args.num_decode < 1:
         print("pdserve up: error: --num-prefill and --num-decode must be >= 1", file=sys.stderr)

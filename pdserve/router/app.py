@@ -17,13 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
 from pdserve.config import RouterConfig
+from pdserve.http.body_limit import BodySizeLimit
+from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
-from pdserve.server.body_limit import BodySizeLimit
-from pdserve.server.disconnect import ClientDisconnected, cancel_on_disconnect
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker

@@ -6,7 +6,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from pdserve.server.http_errors import error_json
+from pdserve.http.http_errors import error_json
 
 
 def error_response(status: int, message: str, *, param: str | None = None) -> JSONResponse:

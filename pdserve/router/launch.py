@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.netutil import PortInUseError, bind_socket, configure_logging, serve_app
+    from pdserve.http.netutil import PortInUseError, bind_socket, configure_logging, serve_app
     from pdserve.router.app import build_router_app
 
     configure_logging(envs.LOG_LEVEL.get())

@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.disagg.base import KVManager
+from pdserve.http.body_limit import BodySizeLimit
+from pdserve.http.disconnect import ClientDisconnected
+from pdserve.http.http_errors import error_json
 from pdserve.server.async_engine import AsyncEngine
-from pdserve.server.body_limit import BodySizeLimit
-from pdserve.server.disconnect import ClientDisconnected
 from pdserve.server.generate_api import build_generate_router
-from pdserve.server.http_errors import error_json
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
 from pdserve.server.serving import APIError, Job, make_params

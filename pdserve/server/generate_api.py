@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
 from pdserve.server import prompts
-from pdserve.server.disconnect import cancel_on_disconnect
 from pdserve.server.openai_api import WorkerContext
 from pdserve.server.protocol import GenerateRequest
 from pdserve.server.serving import APIError, Job, make_params

@@ -127,7 +127,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.netutil import PortInUseError, bind_socket, configure_logging, serve_app
+    from pdserve.http.netutil import PortInUseError, bind_socket, configure_logging, serve_app
 
     configure_logging(envs.LOG_LEVEL.get())
     try:

@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.structured.params import StructuredOutputsParams
+from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
 from pdserve.server import prompts
 from pdserve.server import tools as tl
-from pdserve.server.disconnect import cancel_on_disconnect
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.protocol import (
     ChatCompletionRequest,

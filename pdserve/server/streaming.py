@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.server.disconnect import cancel_on_disconnect
-from pdserve.server.http_errors import error_json
+from pdserve.http.disconnect import cancel_on_disconnect
+from pdserve.http.http_errors import error_json
 from pdserve.server.serving import APIError, Job, Serving
 
 ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]

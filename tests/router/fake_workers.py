@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.netutil import GracefulServer
+from pdserve.http.netutil import GracefulServer
 
 
 class ThreadedServer:

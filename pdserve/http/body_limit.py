@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from pdserve.server.http_errors import error_json
+from pdserve.http.http_errors import error_json
 
 
 class _TooLarge(HTTPException):
