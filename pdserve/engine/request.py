@@ -17,6 +17,7 @@ import torch
 from pdserve.disagg.base import KVReceiver, KVSender
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.manager import GrammarState
 
@@ -81,6 +82,12 @@ class Request:
         self.generator = generator  # seeded random requests only (others: the shared one)
         self.disagg = disagg
         self.all_token_ids = list(prompt_token_ids)
+        # the sampler's penalty state: these tokens on the device, grown as they are appended
+        self.penalty_tokens = (
+            PenaltyTokens(self.all_token_ids, len(prompt_token_ids))
+            if params.has_penalties
+            else None
+        )
         self.num_computed_tokens = 0
         # prompt tokens not computed here: found in the prefix cache (or, disagg decode,
         # already held when the rest of the prompt's KV arrived)

@@ -6,8 +6,8 @@ this order (vLLM v1's order):
 1. logprobs: ``log_softmax`` of the raw logits, before anything below (what OpenAI and
    vLLM report);
 2. ``logit_bias`` added, ``min_tokens``' banned ids set to ``-inf``;
-3. penalties: ``repetition_penalty`` over prompt + output tokens, then
-   ``frequency_penalty`` / ``presence_penalty`` over the output tokens;
+3. penalties (``engine/penalties.py``): ``repetition_penalty`` over prompt + output
+   tokens, then ``frequency_penalty`` / ``presence_penalty`` over the output tokens;
 4. :func:`apply_logits_masks`: the per-row allowed-token mask (structured outputs plug
    their grammar in here);
 5. greedy rows take the exact argmax; random rows apply temperature, top-k, top-p
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.penalties import PenaltyTokens, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,11 @@ class SampleRequest:
     generator: the row's own generator, for seeded random rows only (``params.seed`` set);
         ``None`` for greedy rows and unseeded ones (those use ``sample``'s ``generator``).
     banned_token_ids: ids masked to ``-inf`` (EOS / stop ids before ``min_tokens``).
-    prompt_token_ids / output_token_ids: the request's tokens so far, read only when
-        ``params.has_penalties`` (the penalty state is a function of them, so a decode
-        worker that holds prompt + first token samples as a mixed worker does).
+    penalty_tokens: the request's tokens on the device (``engine/penalties.py``), read
+        only when ``params.has_penalties``: the penalty state is a function of them, so a
+        decode worker that holds prompt + first token samples as a mixed worker does.
+    prompt_token_ids / output_token_ids: the same as plain lists, for callers without
+        ``penalty_tokens`` (tests, one-off use; copied to the device on every call).
     logits_mask: optional bool ``[V]`` tensor, True where a token is allowed (see
         :func:`apply_logits_masks`); ``None`` = unconstrained.
     """
@@ -52,6 +55,7 @@ class SampleRequest:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     logits_mask: torch.Tensor | None = None
+    penalty_tokens: PenaltyTokens | None = None
 
 
 def sample_request_of(seq: Any) -> SampleRequest:
@@ -61,9 +65,8 @@ def sample_request_of(seq: Any) -> SampleRequest:
         seq.params,
         seq.generator,
         seq.banned_token_ids,
-        getattr(seq, "prompt_token_ids", ()),
-        getattr(seq, "output_token_ids", ()),
-        getattr(seq, "logits_mask", None),
+        logits_mask=getattr(seq, "logits_mask", None),
+        penalty_tokens=getattr(seq, "penalty_tokens", None),
     )
 
 
@@ -123,59 +126,20 @@ def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> t
     return work
 
 
-def _flat(
-    rows: Sequence[int], lists: Sequence[Sequence[int]], dev: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(row index, token id)`` coordinates of every token of ``lists[j]`` (row
-    ``rows[j]``), as two int64 tensors of the total length (duplicates kept)."""
-    row_ids: list[int] = []
-    tok_ids: list[int] = []
-    for i, ids in zip(rows, lists):
-        row_ids += [i] * len(ids)
-        tok_ids += ids
-    return (
-        torch.tensor(row_ids, dtype=torch.int64, device=dev),
-        torch.tensor(tok_ids, dtype=torch.int64, device=dev),
-    )
-
-
 def _apply_penalties(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
-    """Repetition (prompt + output), then frequency and presence (output) penalties, on
-    the rows that have any; formulas in ``SamplingParams``' docstring.
-
-    Sparse: gathers and scatters at the ``(row, token)`` coordinates of the rows' tokens,
-    so the cost grows with their token count, not with ``B x V``. A token that occurs
-    several times is written several times with the same value (computed from one gather),
-    so repetition and presence apply once per distinct token; frequency accumulates.
-    """
+    """The penalties of the rows that have any (``engine/penalties.py``); a row without
+    ``penalty_tokens`` (a direct caller) gets them built from its token lists."""
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    if not idx:
-        return work
-    dev, dt = work.device, work.dtype
-    outs = [rows[i].output_token_ids for i in idx]
-    rep = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
-    if rep:
-        seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
-        r_t, t_t = _flat(rep, seen, dev)
-        factor = torch.tensor(
-            [rows[i].params.repetition_penalty for i in rep], device=dev, dtype=dt
-        ).repeat_interleave(torch.tensor([len(x) for x in seen], device=dev))
-        vals = work[r_t, t_t]
-        work[r_t, t_t] = torch.where(vals > 0, vals / factor, vals * factor)
-    r_t, t_t = _flat(idx, outs, dev)
-    if r_t.numel():
-        per_row = torch.tensor([len(x) for x in outs], device=dev)
-
-        def spread(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, device=dev, dtype=dt).repeat_interleave(per_row)
-
-        freq = [rows[i].params.frequency_penalty for i in idx]
-        if any(freq):
-            work.index_put_((r_t, t_t), -spread(freq), accumulate=True)
-        pres = [rows[i].params.presence_penalty for i in idx]
-        if any(pres):
-            work[r_t, t_t] = work[r_t, t_t] - spread(pres)
-    return work
+    tokens = []
+    for i in idx:
+        r = rows[i]
+        tokens.append(
+            r.penalty_tokens
+            or PenaltyTokens(
+                list(r.prompt_token_ids) + list(r.output_token_ids), len(r.prompt_token_ids)
+            )
+        )
+    return apply_penalties(work, idx, [rows[i].params for i in idx], tokens)
 
 
 def apply_logits_masks(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:

@@ -24,7 +24,7 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ import torch
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
@@ -53,8 +54,8 @@ class ScheduledSeq:
         ``targets`` (those at positions ``start + 1 ..``); empty when not asked or done.
     params/generator/banned_token_ids: how to sample (``banned`` = masked ids while
         ``min_tokens`` is not reached).
-    prompt_token_ids/output_token_ids: the request's tokens, for the sampler's penalties
-        (empty unless ``sample`` and ``params.has_penalties``).
+    penalty_tokens: the request's tokens on the device, for the sampler's penalties
+        (``None`` unless ``sample`` and ``params.has_penalties``).
     logits_mask: bool ``[V]`` allowed tokens of a structured-output row (True = allowed),
         set by the engine after scheduling; ``None`` = unconstrained.
     """
@@ -69,8 +70,7 @@ class ScheduledSeq:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
+    penalty_tokens: PenaltyTokens | None = None
     logits_mask: torch.Tensor | None = None
 
 
@@ -240,7 +240,6 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if sample and req.num_output_tokens < req.params.min_tokens:
             banned = self._banned_before_min(req)
-        history = sample and req.params.has_penalties
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
@@ -252,6 +251,5 @@ class Scheduler:
             params=req.params,
             generator=req.generator,
             banned_token_ids=banned,
-            prompt_token_ids=req.prompt_token_ids if history else (),
-            output_token_ids=req.output_token_ids if history else (),
+            penalty_tokens=req.penalty_tokens if sample else None,
         )

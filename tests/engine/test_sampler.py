@@ -181,3 +181,22 @@ def test_logits_mask_restricts_greedy_and_sampled_rows():
     rows = [SampleRequest(SamplingParams(temperature=0), None, logits_mask=nothing), free]
     out = sample(logits[:2], rows)
     assert out[0].token_id == int(logits[0].argmax()) and out[1].token_id == int(logits[1].argmax())
+
+
+def test_penalty_tokens_follow_the_request_and_sample_as_plain_lists():
+    from pdserve.engine.penalties import PenaltyTokens
+
+    torch.manual_seed(6)
+    logits = torch.randn(2, 80)
+    ids = [3, 5, 5, 7]
+    pt = PenaltyTokens(ids, num_prompt=2)
+    assert pt.tensor(torch.device("cpu")).tolist() == ids and pt.output("cpu").tolist() == [5, 7]
+    p = SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.6)
+    for new in (9, 9, 11, 5):
+        ids.append(new)  # the request appends a sampled token in place
+        via_state = sample(logits, [SampleRequest(p, None, penalty_tokens=pt)] * 2)
+        via_lists = sample(
+            logits, [SampleRequest(p, None, prompt_token_ids=ids[:2], output_token_ids=ids[2:])] * 2
+        )
+        assert via_state == via_lists
+        assert pt.tensor(torch.device("cpu")).tolist() == ids
