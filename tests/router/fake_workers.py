@@ -47,12 +47,28 @@ class ThreadedServer:
         assert not self.thread.is_alive()
 
 
+async def _wait_for(event: threading.Event, what: str, timeout: float = 60.0) -> None:
+    """Wait on the event loop until the test sets ``event`` (a test thread's gate)."""
+    deadline = time.monotonic() + timeout
+    while not event.is_set():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fake worker: the test never opened the gate {what}")
+        await asyncio.sleep(0.002)
+
+
 class FakeWorker:
     """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break`` |
     ``drop`` (connection closed mid-answer);
     ``health``: the status of /health; ``delay``: seconds before answering (or failing);
     a stream has ``chunks`` events ``chunk_gap`` seconds apart. Records request bodies and
-    client disconnects (also of a stream cut short)."""
+    client disconnects (also of a stream cut short).
+
+    Event gates, so a test states an order instead of timing it: with ``gate`` set to a
+    ``threading.Event`` the answer (or failure) waits until the test sets it;
+    ``chunk_gates[i]`` (an Event per chunk) holds stream chunk ``i`` until set.
+    ``answered`` is set once the answer (or failure) is on its way; ``chunks_sent`` counts
+    the chunks handed to the server and ``stream_done`` is set after the stream's last
+    event."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -63,6 +79,11 @@ class FakeWorker:
         self.chunk_gap = 0.01
         self.bodies: list[dict] = []
         self.disconnects = 0
+        self.gate: threading.Event | None = None
+        self.chunk_gates: list[threading.Event] = []
+        self.answered = threading.Event()
+        self.chunks_sent = 0
+        self.stream_done = threading.Event()
         self.gate: threading.Event | None = None  # when set: answers wait until it is set
         self.app = self._build()
 
@@ -111,6 +132,9 @@ class FakeWorker:
                 await asyncio.sleep(0.01)
             if self.delay:
                 await asyncio.sleep(self.delay)
+            if self.gate is not None:
+                await _wait_for(self.gate, f"of {self.role}'s answer")
+            self.answered.set()
             if self.mode == "fail":
                 return JSONResponse(
                     {
@@ -141,6 +165,9 @@ class FakeWorker:
                 async def events():
                     for i in range(self.chunks):
                         try:
+                            if i < len(self.chunk_gates):
+                                await _wait_for(self.chunk_gates[i], f"of chunk {i}")
+                            self.chunks_sent += 1
                             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': str(i)}]})}\n\n"
                             await asyncio.sleep(self.chunk_gap)
                         except (GeneratorExit, asyncio.CancelledError):
@@ -149,6 +176,7 @@ class FakeWorker:
                     if self.mode == "stream_break":
                         raise RuntimeError("worker died mid-stream")
                     yield "data: [DONE]\n\n"
+                    self.stream_done.set()
 
                 return StreamingResponse(events(), media_type="text/event-stream")
             return self.answer(path, body)
