@@ -15,6 +15,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.transfer",
     "pdserve.bench.serve",
     "pdserve.bench.grammar",
+    "pdserve.bench.sampler",
 )
 
 

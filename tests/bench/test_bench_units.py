@@ -227,3 +227,13 @@ def test_normalize_base_url():
     assert normalize_base_url(" https://h:1 ") == "https://h:1"
     with pytest.raises(ValueError, match="url"):
         normalize_base_url("h:1")
+
+
+def test_bench_sampler_times_every_case_and_reports_ratios(tmp_path):
+    from pdserve.bench.sampler import measure
+
+    r = measure(vocab=500, batch=4, prompt_len=20, output_len=5, repeats=2, device="cpu")
+    assert set(r["ms"]) == {"greedy", "unseeded", "seeded", "penalties"}
+    assert all(v > 0 for v in r["ms"].values())
+    assert r["unseeded_over_seeded"] == r["ms"]["unseeded"] / r["ms"]["seeded"]
+    assert r["penalties_over_greedy"] == r["ms"]["penalties"] / r["ms"]["greedy"]
