@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RoomDest.skip_pages (decode holds a cached prefix)
 
 # OpenAI allows at most 20 top_logprobs; the aux record has room for that many.
 MAX_TOP_LOGPROBS = 20
@@ -182,8 +182,10 @@ class KVReceiver(ABC):
     """Decode side of one room."""
 
     @abstractmethod
-    def init(self, dst_pages: list[int], aux_slot: int) -> None:
-        """Send the destination pages and aux slot to prefill.
+    def init(self, dst_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
+        """Send the destination pages and aux slot to prefill.  ``skip_pages``: how many
+        leading pages of the prompt decode already holds (its prefix cache); prefill
+        writes only the rest, prompt pages ``skip_pages ..`` onto ``dst_pages`` in order.
         Only valid once ``poll() >= WaitingForInput`` (bootstrap done, layout checked)."""
 
     @abstractmethod

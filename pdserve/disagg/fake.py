@@ -39,7 +39,7 @@ class FakeReceiver(RoomHandle, KVReceiver):
         self._state = KVPoll.WaitingForInput
         self._aux = aux
 
-    def init(self, dst_pages: list[int], aux_slot: int) -> None:
+    def init(self, dst_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
         with self._lock:
             if self._state != KVPoll.WaitingForInput:
                 raise RuntimeError(f"init() on room {self.room} in state {self._state.name}")

@@ -68,13 +68,17 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
 
 class RoomDest(msgspec.Struct, frozen=True, tag="dest"):
-    """Where prefill must WRITE one room: decode's page ids (prompt order) and aux slot."""
+    """Where prefill must WRITE one room: decode's page ids (prompt order) and aux slot.
+    ``skip_pages``: leading prompt pages decode already holds; prefill sends prompt pages
+    ``skip_pages ..`` onto ``dst_pages`` (so ``len(dst_pages) + skip_pages`` is the
+    prompt's page count)."""
 
     room: int
     prefill_instance: str
     decode_instance: str
     dst_pages: list[int]
     aux_slot: int
+    skip_pages: int = 0
 
 
 class RoomAbort(msgspec.Struct, frozen=True, tag="abort"):

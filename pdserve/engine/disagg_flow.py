@@ -5,7 +5,9 @@ then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after 
 prefill chunk the first token is sampled, the aux record written and
 ``sender.send(pages, aux)`` posted; at ``Success`` it finishes with that one token.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
-queue) it gets pages for the prompt and an aux slot, ``receiver.init(pages, slot)``;
+queue) it gets pages for the prompt and an aux slot: the leading full pages it already
+holds in its prefix cache are shared, fresh pages cover the rest, and
+``receiver.init(fresh_pages, slot, skip_pages=len(held))`` asks prefill for the rest only;
 at ``Success`` it joins the batch with the prompt "computed elsewhere" and the first
 token from the aux record.  Pages handed to the transfer layer are released only after
 a terminal poll (also after an abort); then ``close()`` is called once.  Pages are
@@ -176,16 +178,28 @@ class DisaggFlow:
             if req.status is not Status.WAITING_FOR_PEER or not req.peer_ready:
                 continue
             need = self._scheduler.pages_needed(req.num_prompt_tokens)
-            if need > self._kv.num_available_pages or self._pool.num_free_aux_slots == 0:
+            # Leading prompt pages this worker holds already (a conversation's earlier
+            # turns): prefill sends only the rest.  At most (n - 1) // page_size, as on
+            # admission, so at least the last page moves.
+            held, keys = self._kv.match_prefix(req.prompt_token_ids, req.num_prompt_tokens - 1)
+            fresh = need - len(held)
+            if (
+                fresh > self._kv.num_available_pages - self._kv.num_evictable_among(held)
+                or self._pool.num_free_aux_slots == 0
+            ):
                 break
             slot = self._pool.allocate_aux_slot()
             assert slot is not None  # a free slot was checked just above
             assert req.receiver is not None  # a decode request waiting for its peer has one
             req.aux_slot = slot
-            req.pages = self._kv.allocate(need)
+            self._kv.share(held)
+            req.pages = held + self._kv.allocate(fresh)
+            req.page_keys = keys
+            req.num_cached_tokens = len(held) * self._kv.page_size
+            self._kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
             req.status = Status.TRANSFERRING
             try:
-                req.receiver.init(list(req.pages), slot)
+                req.receiver.init(req.pages[len(held) :], slot, skip_pages=len(held))
             except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
                 self.abort(req, reason="error", error=f"KV receiver init failed: {exc}")
                 failed.append(req)

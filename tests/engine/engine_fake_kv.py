@@ -79,8 +79,10 @@ class FakeSender(_Handle, KVSender):
         receiver = self.manager.peer.live.get(self.room) if self.manager.peer else None
         if self.manager.auto and receiver is not None:
             dst_pages, slot = receiver.init_args
+            sent = list(page_ids)[receiver.skip_pages :]  # decode holds the leading pages
+            assert len(sent) == len(dst_pages) and sent
             dst, src = self.manager.peer.pool, self.manager.pool
-            dst.kv[:, :, dst_pages] = src.kv[:, :, page_ids]
+            dst.kv[:, :, dst_pages] = src.kv[:, :, sent]
             dst.write_aux(slot, aux.pack())
             self.state = receiver.state = KVPoll.Success
 
@@ -89,14 +91,16 @@ class FakeReceiver(_Handle, KVReceiver):
     def __init__(self, manager, room):
         super().__init__(manager, room)
         self.init_args = None
+        self.skip_pages = 0
         if manager.auto:
             self.state = KVPoll.WaitingForInput
 
-    def init(self, dst_pages, aux_slot: int) -> None:
+    def init(self, dst_pages, aux_slot: int, skip_pages: int = 0) -> None:
         assert self.state >= KVPoll.WaitingForInput and self.init_args is None
         if self.init_raises:
             raise RuntimeError("init refused")
         self.init_args = (list(dst_pages), aux_slot)
+        self.skip_pages = skip_pages
         sender = self.manager.peer.live.get(self.room) if self.manager.peer else None
         if self.manager.auto and sender is not None:
             sender.state = KVPoll.WaitingForInput

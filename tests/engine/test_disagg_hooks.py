@@ -118,9 +118,12 @@ def test_pd_output_equals_mixed_output(cores, params):
     assert rest.logprobs == want.logprobs and rest.cumulative_logprob == pytest.approx(
         want.cumulative_logprob
     )
-    # decode received the whole prompt (it reports only pages it already held: none here);
-    # prefill reports its own prefix-cache hit, never more than the prompt
-    assert got["d"].num_cached_tokens == 0
+    # decode served the same prompt as "mixed" just before: it holds its first 5 full pages
+    # (at most (22 - 1) // 4) and asked prefill for the last one only; the output above
+    # shows those held pages are the right KV
+    recv = m["d"].created[-1]
+    assert got["d"].num_cached_tokens == 20 and recv.skip_pages == 5
+    assert len(recv.init_args[0]) == 1
     assert 0 <= got["p"].num_cached_tokens < len(PROMPT)
     sender = m["p"].created[-1]
     assert sender.init_args[0] == 6 and sender.closed == 1 and m["d"].created[-1].closed == 1
@@ -189,6 +192,7 @@ def test_prefill_state_machine_by_hand(cores):
 
 def test_decode_state_machine_and_bad_aux_guard(cores):
     _, decode, m = cores
+    decode.kv.reset_cache()  # nothing held: all 6 prompt pages are asked for
     room = next(rooms)
     decode.add_request(
         "d", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("decode", room, fake=True)
@@ -286,6 +290,35 @@ def test_abort_at_every_step_of_a_pd_request(cores, step_at_abort):
     drive(prefill, decode)
     for h in (m["d"].created[-1], *(m["p"].created[-1:] if step_at_abort > 1 else [])):
         assert h.closed == 1
+
+
+def test_a_second_turn_on_the_same_decode_moves_only_its_new_pages(cores):
+    prefill, decode, m = cores
+    prefill.kv.reset_cache()
+    decode.kv.reset_cache()
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    room = next(rooms)
+    decode.add_request("t1", PROMPT, params, info("decode", room))
+    prefill.add_request("p1", PROMPT, params, info("prefill", room))
+    t1 = drive(prefill, decode)["t1"].outputs[0]
+    assert m["d"].created[-1].skip_pages == 0  # nothing held yet: all 6 pages moved
+    turn2 = PROMPT + t1.token_ids + list(range(400, 409))  # 37 tokens: 10 pages
+    room = next(rooms)
+    decode.add_request("t2", turn2, params, info("decode", room))
+    prefill.add_request("p2", turn2, params, info("prefill", room))
+    got = drive(prefill, decode)
+    recv, sender = m["d"].created[-1], m["p"].created[-1]
+    # turn 1 left KV for 22 + 5 tokens on decode (its last token's KV is never computed):
+    # 6 full pages held; of the 10 prompt pages prefill sends the last 4
+    assert recv.skip_pages == 6 and len(recv.init_args[0]) == 4 and len(sender.sent[0]) == 10
+    assert got["t2"].num_cached_tokens == 24
+    assert got["p2"].num_cached_tokens == 20  # prefill had turn 1's prompt: 5 full pages
+    prefill.add_request("ref", turn2, params)  # the same prompt, mixed
+    want = drive(prefill)["ref"].outputs[0]
+    a = got["t2"].outputs[0]
+    assert a.token_ids == want.token_ids and a.finish_reason == want.finish_reason
+    for x, y in zip(a.logprobs, want.logprobs, strict=True):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
 def test_manager_selection_and_duplicate_rooms(cores):

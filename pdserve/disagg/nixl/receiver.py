@@ -53,8 +53,10 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 WAITING_TIMEOUT,
             )
 
-    def init(self, dst_pages: list[int], aux_slot: int) -> None:
+    def init(self, dst_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
         eng = self._mgr.engine
+        if skip_pages < 0:
+            raise ValueError(f"skip_pages must be >= 0, got {skip_pages}")
         if dst_pages and not (min(dst_pages) >= 0 and max(dst_pages) < eng.num_pages):
             raise ValueError(f"dst_pages must be page ids in [0, {eng.num_pages})")
         if not 0 <= aux_slot < eng.num_aux_slots:
@@ -78,7 +80,12 @@ class NixlReceiver(RoomHandle, KVReceiver):
         self._mgr.send(
             peer,
             RoomDest(
-                self.room, peer.info.instance_id, self._mgr.instance_id, self.dst_pages, aux_slot
+                self.room,
+                peer.info.instance_id,
+                self._mgr.instance_id,
+                self.dst_pages,
+                aux_slot,
+                skip_pages,
             ),
         )
 

@@ -76,6 +76,8 @@ class NixlSender(RoomHandle, KVSender):
             self.num_pages = len(page_ids)
             if not self._check_counts():
                 return
+            assert self.dest is not None  # WaitingForInput: decode's destination arrived
+            page_ids = page_ids[self.dest.skip_pages :]  # decode holds the leading ones
             args = self._mgr.engine.kv_args
             ctypes.memmove(
                 args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux.pack(), AUX_RECORD_BYTES
@@ -87,18 +89,18 @@ class NixlSender(RoomHandle, KVSender):
         self._mgr.submit(self)
 
     def _check_counts(self) -> bool:
-        """Fail the room when decode expects another number of pages (caller holds the lock)."""
-        if (
-            self.dest is not None
-            and self.num_pages is not None
-            and len(self.dest.dst_pages) != self.num_pages
-        ):
-            self._fail(
-                f"room {self.room}: prefill has {self.num_pages} pages, decode allocated "
-                f"{len(self.dest.dst_pages)}",
-                TRANSFER_ERROR,
-            )
-            return False
+        """Fail the room when decode expects another number of pages (caller holds the lock):
+        decode's pages plus the leading pages it holds (``skip_pages``) must be the prompt's,
+        and at least one page is sent."""
+        if self.dest is not None and self.num_pages is not None:
+            skip = self.dest.skip_pages
+            if len(self.dest.dst_pages) + skip != self.num_pages or not 0 <= skip < self.num_pages:
+                self._fail(
+                    f"room {self.room}: prefill has {self.num_pages} pages, decode allocated "
+                    f"{len(self.dest.dst_pages)} and holds {skip}",
+                    TRANSFER_ERROR,
+                )
+                return False
         return True
 
     def _fail(self, reason: str, kind: str) -> None:
