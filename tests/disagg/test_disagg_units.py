@@ -9,7 +9,14 @@ import msgspec
 import pytest
 
 from pdserve.disagg import messages
-from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVArgs, KVLayout, KVPoll
+from pdserve.disagg.base import (
+    PROTOCOL_VERSION,
+    AuxRecord,
+    DuplicateRoomError,
+    KVArgs,
+    KVLayout,
+    KVPoll,
+)
 from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.registry import create_kv_manager
@@ -51,8 +58,15 @@ def test_control_messages_round_trip_and_reject_other_versions():
         room=2**63 + 5, prefill_instance="p", decode_instance="d", dst_pages=[3, 1, 2], aux_slot=4
     )
     assert messages.decode_control(messages.encode_control(msg)) == msg
+    assert msg.skip_pages == 0  # decode holds no prefix unless it says so
+    skip = messages.RoomDest(
+        room=5, prefill_instance="p", decode_instance="d", dst_pages=[7], aux_slot=0, skip_pages=3
+    )
+    assert messages.decode_control(messages.encode_control(skip)).skip_pages == 3
     other = msgspec.msgpack.encode({"v": 99, "msg": {"type": "dest"}})
-    with pytest.raises(messages.WireError, match="protocol_version: ours 1 vs theirs 99"):
+    with pytest.raises(
+        messages.WireError, match=f"protocol_version: ours {PROTOCOL_VERSION} vs theirs 99"
+    ):
         messages.decode_control(other)
     with pytest.raises(messages.WireError):
         messages.decode_xfer_done(b"\xff\x00garbage")
