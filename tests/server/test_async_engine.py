@@ -4,8 +4,8 @@ are routed, a dying engine thread turns the engine unhealthy; the thread is alwa
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -171,35 +171,77 @@ class ChunkedCore(StubCore):
         return {"num_running": len(self.live), "steps": self.model_steps}
 
 
+class RecordingInbox:
+    """The engine's command queue, recording how long the engine thread asked to wait
+    before each step (0: ``get_nowait``; None: until a command arrives).  A timed wait on
+    an empty queue returns at once as if the time had passed, so what the tests check is
+    the thread's decision to wait, not the clock."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.waits: list[float | None] = []
+
+    def put(self, item) -> None:
+        self._q.put(item)
+
+    def get_nowait(self):
+        self.waits.append(0)
+        return self._q.get_nowait()
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        self.waits.append(timeout)
+        if timeout is not None and self._q.empty():
+            raise queue.Empty
+        return self._q.get(block, timeout)
+
+
+def _engine_with_inbox(core, idle: float) -> tuple[AsyncEngine, RecordingInbox]:
+    engine = AsyncEngine(core, idle_poll_interval=idle)
+    engine._inbox = inbox = RecordingInbox()
+    return engine, inbox
+
+
 def test_steps_that_run_the_model_without_output_are_not_paced_by_the_idle_wait():
     core = ChunkedCore(silent=10, steps=1)
 
     async def main():
-        engine = AsyncEngine(core, idle_poll_interval=0.2)
+        engine, inbox = _engine_with_inbox(core, idle=0.2)
         engine.start(asyncio.get_running_loop())
         try:
-            start = time.monotonic()
             items = await _collect(engine, "long-prompt")
-            return items, time.monotonic() - start
+            return items, list(inbox.waits)
         finally:
             engine.stop()
 
-    items, elapsed = asyncio.run(main())
+    items, waits = asyncio.run(main())
     assert items[-1].finished and core.model_steps == 11
-    assert elapsed < 0.5  # 10 silent steps x 0.2 s idle wait = 2 s before the fix
+    # Each of the 10 silent steps ran the model: the thread went on without the idle wait.
+    assert 0.2 not in waits and waits.count(0) >= 10, waits
 
 
 def test_only_transfer_rooms_pending_polls_at_the_idle_interval_without_spinning():
     core = ChunkedCore(rooms_pending=True)
+    polled = threading.Event()
+    step = core.step
+
+    def counted_step():
+        out = step()
+        if core.polls == 20:
+            polled.set()
+        return out
+
+    core.step = counted_step
+    engine, inbox = _engine_with_inbox(core, idle=0.05)
 
     async def main():
-        engine = AsyncEngine(core, idle_poll_interval=0.05)
         engine.start(asyncio.get_running_loop())
         try:
-            await asyncio.sleep(0.5)
-            return core.polls
+            await asyncio.to_thread(polled.wait, 10)
         finally:
             engine.stop()
 
-    n = asyncio.run(main())
-    assert 3 <= n <= 15  # ~10 polls in 0.5 s: rooms are polled, the thread does not spin
+    asyncio.run(main())
+    # Rooms are polled (20 steps), and every poll after the first waited the idle interval
+    # for a command (the thread does not spin).
+    waits = inbox.waits[: core.polls]
+    assert core.polls >= 20 and waits[0] == 0 and set(waits[1:]) == {0.05}, waits

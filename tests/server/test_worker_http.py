@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -358,11 +357,11 @@ def test_client_disconnect_aborts_and_frees_pages(worker, stream):
                     break  # first chunk seen: request is running; leaving closes the connection
         else:
 
-            def cancel_soon():
-                time.sleep(0.5)
+            def cancel_once_running():  # leave once the engine runs the request
+                wait_for(lambda: _engine(worker)["engine"]["num_running"] >= 1, 60, "it to run")
                 client.close()
 
-            threading.Thread(target=cancel_soon, daemon=True).start()
+            threading.Thread(target=cancel_once_running, daemon=True).start()
             with pytest.raises(httpx.HTTPError):
                 client.post(worker.url + "/v1/completions", json=body)
     wait_for(
@@ -374,8 +373,16 @@ def test_client_disconnect_aborts_and_frees_pages(worker, stream):
         "the aborted request to release its pages",
     )
     generated = _engine(worker)["engine"]["generation_tokens"]
-    time.sleep(0.3)
-    assert _engine(worker)["engine"]["generation_tokens"] == generated  # nothing is still decoding
+    # Nothing is still decoding: a probe request runs through the engine after the abort,
+    # and the token counter then moved by exactly the probe's tokens.
+    probe = post(worker, "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    n = probe.json()["usage"]["completion_tokens"]
+    wait_for(
+        lambda: _engine(worker)["engine"]["generation_tokens"] >= generated + n,
+        30,
+        "the probe's tokens to be counted",
+    )
+    assert _engine(worker)["engine"]["generation_tokens"] == generated + n
 
 
 def test_health_metrics_models_and_pd_fields_ignored(worker):
@@ -417,13 +424,14 @@ def test_health_metrics_models_and_pd_fields_ignored(worker):
 
 def test_huge_prompt_is_rejected_fast_and_huge_body_gets_413(worker):
     max_len = worker.get_info()["max_model_len"]
-    start = time.perf_counter()
     r = post(
         worker, "/v1/completions", {"prompt": "hello world " * 1_500_000, "max_tokens": 1}
     )  # 18 MB
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
-    assert f"context limit of {max_len} tokens" in r.json()["error"]["message"]
-    assert time.perf_counter() - start < 3.0  # not tokenized: the length bound rejects it first
+    message = r.json()["error"]["message"]
+    # not tokenized: the character bound rejects it first (its message, not the token
+    # count's "the request needs N" one)
+    assert "characters long" in message and f"context limit of {max_len} tokens" in message
     r = post(
         worker,
         "/v1/chat/completions",
