@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -105,16 +106,20 @@ def _xgrammar_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callabl
     def reset() -> None:
         state["m"] = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
 
-    def step(logits: torch.Tensor, token: int) -> None:
+    def step(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
         ms = state["m"]
+        t0 = time.perf_counter()
         if batch == 1:
             ms[0].fill_next_token_bitmask(bitmask, 0)
         else:
             batcher.batch_fill_next_token_bitmask(ms, bitmask)
+        t1 = time.perf_counter()
         apply_bitmask_inplace(logits, bitmask)
+        t2 = time.perf_counter()
         for m in ms:
             if not m.accept_token(token):
                 raise RuntimeError(f"xgrammar rejected token {token}")
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     return reset, step
 
@@ -136,18 +141,22 @@ def _llguidance_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Calla
     def reset() -> None:
         state["m"] = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
 
-    def step(logits: torch.Tensor, token: int) -> None:
+    def step(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
         ms = state["m"]
+        t0 = time.perf_counter()
         if batch == 1:
             lltorch.fill_next_token_bitmask(ms[0], bitmask, 0)
         else:
             lltorch.fill_next_token_bitmask_par(
                 executor, [(m, i) for i, m in enumerate(ms)], bitmask
             )
+        t1 = time.perf_counter()
         apply_bitmask_inplace(logits, bitmask)
+        t2 = time.perf_counter()
         for m in ms:
             if not m.consume_token(token):
                 raise RuntimeError(f"llguidance rejected token {token}: {m.get_error()}")
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     return reset, step
 
@@ -155,20 +164,29 @@ def _llguidance_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Calla
 _LIBRARIES = {"xgrammar": _xgrammar_step, "llguidance": _llguidance_step}
 
 
-def _mask_seconds(make, tokenizer, vocab: int, batch: int, tokens: list[int], repeats: int):
-    """Median over ``repeats`` replays of the mean seconds per token of mask work."""
+def _mask_seconds(
+    make, tokenizer, vocab: int, batch: int, tokens: list[int], repeats: int
+) -> dict[str, float]:
+    """Seconds per token of mask work (``total``) and of its parts (``fill``: the library's
+    bitmask, ``apply``: pdserve's unpack + mask of the logits, ``accept``: the library
+    advancing the matchers): the median replay of ``repeats`` (by total)."""
     import torch
 
     reset, step = make(tokenizer, vocab, batch)
     logits = torch.randn(batch, vocab)
-    per_token = []
+    replays = []
     for _ in range(repeats + 1):  # the first replay warms caches and is dropped
         reset()
-        t0 = time.perf_counter()
+        parts = [0.0, 0.0, 0.0]
         for tok in tokens:
-            step(logits, tok)
-        per_token.append((time.perf_counter() - t0) / len(tokens))
-    return statistics.median(per_token[1:])
+            for i, dt in enumerate(step(logits, tok)):
+                parts[i] += dt
+        fill, apply, accept = (x / len(tokens) for x in parts)
+        replays.append(
+            {"total": fill + apply + accept, "fill": fill, "apply": apply, "accept": accept}
+        )
+    replays = sorted(replays[1:], key=lambda r: r["total"])
+    return replays[len(replays) // 2]
 
 
 def run_grammar(args: argparse.Namespace) -> int:
@@ -206,12 +224,16 @@ def run_grammar(args: argparse.Namespace) -> int:
             if importlib.util.find_spec(lib) is None:
                 print(f"  {lib}: not installed, skipped")
                 continue
-            mask_s = _mask_seconds(_LIBRARIES[lib], tokenizer, vocab, batch, tokens, args.repeats)
-            row[f"{lib}_mask_ms"] = mask_s * 1e3
-            row[f"{lib}_fraction"] = mask_s / step_s
+            parts = _mask_seconds(_LIBRARIES[lib], tokenizer, vocab, batch, tokens, args.repeats)
+            row[f"{lib}_mask_ms"] = parts["total"] * 1e3
+            row[f"{lib}_fraction"] = parts["total"] / step_s
+            for part in ("fill", "apply", "accept"):
+                row[f"{lib}_{part}_ms"] = parts[part] * 1e3
         results.append(row)
         cells = "  ".join(
-            f"{lib} {row[f'{lib}_mask_ms']:.3f} ms ({row[f'{lib}_fraction']:.1%})"
+            f"{lib} {row[f'{lib}_mask_ms']:.3f} ms ({row[f'{lib}_fraction']:.2%}; fill "
+            f"{row[f'{lib}_fill_ms']:.3f} apply {row[f'{lib}_apply_ms']:.3f} accept "
+            f"{row[f'{lib}_accept_ms']:.3f})"
             for lib in libs
             if f"{lib}_mask_ms" in row
         )
@@ -219,6 +241,14 @@ def run_grammar(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"benchmark": "grammar", "model": args.model, "results": results}, f, indent=1
+                {
+                    "benchmark": "grammar",
+                    "model": args.model,
+                    "torch_threads": torch.get_num_threads(),
+                    "load_average": os.getloadavg(),
+                    "results": results,
+                },
+                f,
+                indent=1,
             )
     return 0

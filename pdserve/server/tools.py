@@ -309,7 +309,7 @@ class ToolStream:
         mode = self.plan.mode
         out: list[dict[str, Any]]
         if mode == "named":
-            out = []
+            out: list[dict[str, Any]] = []
             if not self.calls:
                 self.calls = [{"id": self.call_id}]
                 out.append(

@@ -30,7 +30,7 @@ class StructuredOutputsParams:
     or a value has the wrong type (an unparsable schema or regex is found when compiling).
     """
 
-    json: str | None = None
+    json: str | dict[str, Any] | None = None  # stored as JSON text
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
