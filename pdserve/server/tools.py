@@ -309,7 +309,7 @@ class ToolStream:
         mode = self.plan.mode
         out: list[dict[str, Any]]
         if mode == "named":
-            out: list[dict[str, Any]] = []
+            out = []
             if not self.calls:
                 self.calls = [{"id": self.call_id}]
                 out.append(

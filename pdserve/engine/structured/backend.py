@@ -34,7 +34,7 @@ def _check_schema(spec: StructuredOutputsParams) -> None:
 
     import jsonschema
 
-    assert spec.json is not None  # called for a json_schema constraint only
+    assert isinstance(spec.json, str)  # StructuredOutputsParams stores the schema as JSON text
     schema = json.loads(spec.json)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
