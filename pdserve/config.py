@@ -69,6 +69,8 @@ class CacheConfig:
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
         (``pdserve.engine.prefix_cache``); on decode workers, receive only what is not held.
+    kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
+        ``pdserve.engine.kv_layout``); ``None`` means the device's default order.
     """
 
     page_size: int = 16
@@ -76,6 +78,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.85
     num_pages: int | None = None
     enable_prefix_caching: bool = True
+    kv_order: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -88,6 +91,10 @@ class CacheConfig:
             )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_order is not None:
+            from pdserve.engine.kv_layout import check_order  # engine imports config
+
+            check_order(self.kv_order)
 
 
 @dataclass(frozen=True)

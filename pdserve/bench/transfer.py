@@ -2,7 +2,8 @@
 processes through the real KV managers, against a contiguous copy of the same bytes in
 one process (numpy ``copyto`` on CPU, ``torch`` device-to-device ``copy_`` on CUDA).
 
-The pools are laid out like the engine's (``[L, 2, P, page_size, Hkv, D]``); the request's
+The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
+(``--kv-order``: ``layer_major`` or ``page_major``); the request's
 pages are scattered over the pool (runs of ``--run-len`` consecutive pages, shuffled) on
 both sides. The transfer time is ``send()`` until the sender polls ``Success`` (NIXL
 reports every WRITE done in decode's memory). The two sides run interleaved,
@@ -48,6 +49,7 @@ class TransferBenchConfig:
     pool_factor: int = 2
     seed: int = 0
     hugepages: bool = True
+    kv_order: str = "page_major"
 
     def __post_init__(self) -> None:
         if self.model_shape not in MODEL_SHAPES:
@@ -63,6 +65,9 @@ class TransferBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_id < 0:
             raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
+        from pdserve.engine.kv_layout import check_order
+
+        check_order(self.kv_order)
 
     @property
     def num_pages(self) -> int:
@@ -73,30 +78,40 @@ class TransferBenchConfig:
         return self.num_pages * self.pool_factor
 
 
-def _pool(cfg: TransferBenchConfig):
-    """``(kv[L, 2, P, page_size, Hkv, D], aux uint8[4, AUX], KVArgs)`` on the configured device."""
+def _layout(cfg: TransferBenchConfig):
+    """The :class:`~pdserve.engine.kv_layout.KVCacheLayout` of both sides' pools."""
     import torch
 
-    from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-    from pdserve.disagg.hostmem import empty_host
+    from pdserve.engine.kv_layout import KVCacheLayout
 
     layers, heads, dim = MODEL_SHAPES[cfg.model_shape]
+    return KVCacheLayout(
+        cfg.kv_order, layers, heads, dim, cfg.page_size, cfg.pool_pages, getattr(torch, cfg.dtype)
+    )
+
+
+def _pool(cfg: TransferBenchConfig):
+    """``(kv, aux uint8[4, AUX], KVArgs)`` on the configured device, laid out by :func:`_layout`."""
+    import torch
+
+    from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
+
+    lay = _layout(cfg)
     device = torch.device(cfg.device, cfg.gpu_id) if cfg.device == "cuda" else torch.device("cpu")
-    shape = (layers, 2, cfg.pool_pages, cfg.page_size, heads, dim)
-    if cfg.device == "cpu" and cfg.hugepages:
-        kv = empty_host(shape, getattr(torch, cfg.dtype)).zero_()
+    if cfg.device == "cpu" and not cfg.hugepages:
+        kv = torch.zeros(lay.shape, dtype=lay.dtype)
     else:
-        kv = torch.zeros(shape, dtype=getattr(torch, cfg.dtype), device=device)
+        kv = lay.allocate(device)
     aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
-    bufs = [kv[l, s] for l in range(layers) for s in range(2)]
+    regions = lay.regions(kv)
     args = KVArgs(
-        tuple(b.data_ptr() for b in bufs),
-        tuple(b.numel() * b.element_size() for b in bufs),
-        (bufs[0][0].numel() * kv.element_size(),) * len(bufs),
+        tuple(r[0] for r in regions),
+        tuple(r[1] for r in regions),
+        tuple(r[2] for r in regions),
         aux.data_ptr(),
         aux.numel(),
         AUX_RECORD_BYTES,
-        KVLayout(f"bench:{cfg.model_shape}", cfg.dtype, cfg.page_size, layers, heads, dim),
+        lay.fingerprint(f"bench:{cfg.model_shape}"),
         device=cfg.device,
         gpu_id=cfg.gpu_id,
     )
@@ -118,8 +133,9 @@ def scattered_pages(num_pages: int, pool_pages: int, run_len: int, seed: int) ->
     raise ValueError(f"pool_factor too small for {num_pages} pages in runs of {run_len}")
 
 
-def _digest(kv, pages: list[int]) -> str:
-    data = kv[:, :, pages].contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy()
+def _digest(cfg: TransferBenchConfig, kv, pages: list[int]) -> str:
+    data = _layout(cfg).pages(kv, pages).contiguous().view(-1).view(__import__("torch").uint8)
+    data = data.cpu().numpy()
     return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
 
@@ -148,7 +164,7 @@ def _decode_main(conn, cfg: TransferBenchConfig, pages: list[int], host: str, po
             conn.send((r.poll().name, str(r.failure_exception() or "")))
             r.close()
         elif cmd == "digest":
-            conn.send(_digest(kv, pages))
+            conn.send(_digest(cfg, kv, pages))
         else:
             mgr.shutdown()
             conn.send("bye")
@@ -235,7 +251,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             for name, fn in order if i % 2 == 0 else order[::-1]:
                 times[name].append(fn())
         conn.send(("digest", None))
-        ok = conn.recv() == _digest(kv, src)
+        ok = conn.recv() == _digest(cfg, kv, src)
         conn.send(("quit", None))
         conn.recv()
     finally:
@@ -275,7 +291,7 @@ def _print(result: dict) -> None:
     print(
         f"KV transfer: {c['model_shape']} (L={layers}, Hkv={heads}, D={dim}), {c['dtype']}, prompt "
         f"{c['prompt_len']} tokens, page {c['page_size']} -> {result['pages']} pages x {result['buffers']} buffers "
-        f"of {result['page_bytes_per_buffer']} B = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
+        f"of {result['page_bytes_per_buffer']} B ({c['kv_order']}) = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
         f"pages scattered in runs of {c['run_len']} ({result['source_page_runs']} runs); "
         f"{'huge' if c['hugepages'] and c['device'] == 'cpu' else 'default'} host pages; "
         f"{c['repeats']} interleaved repeats, medians"
@@ -304,6 +320,7 @@ def _run(args: argparse.Namespace) -> int:
             args.pool_factor,
             args.seed,
             args.hugepages,
+            args.kv_order,
         )
     except ValueError as exc:
         print(f"pdserve bench transfer: error: {exc}", file=sys.stderr)
@@ -349,6 +366,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.hugepages,
         help="CPU pools on transparent huge pages (pdserve.disagg.hostmem)",
+    )
+    p.add_argument(
+        "--kv-order",
+        default=d.kv_order,
+        help="physical order of both pools: layer_major or page_major (pdserve.engine.kv_layout)",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.set_defaults(func=_run)

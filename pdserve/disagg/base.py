@@ -47,7 +47,9 @@ class KVLayout:
     """What must agree between prefill and decode for KV pages to be copied byte for byte.
 
     ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
-    ``float32``; ``page_size`` tokens per page; the rest are model shapes.
+    ``float32``; ``page_size`` tokens per page; ``kv_order`` the pool's physical order
+    (``layer_major`` or ``page_major``, see :mod:`pdserve.engine.kv_layout`); the rest are
+    model shapes.  Equal sizes with another order is a mismatch, named ``kv_order``.
     """
 
     model: str
@@ -56,6 +58,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_order: str = "layer_major"
 
     def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
@@ -77,9 +80,11 @@ class KVLayout:
 class KVArgs:
     """The memory a worker exposes to NIXL.
 
-    kv_data_ptrs/kv_data_lens: base address and length in bytes of each KV buffer (one per
-        (layer, K|V) in the engine's pool, ordered layer-major: L0.K, L0.V, L1.K, ...).
-    kv_item_lens: bytes of one page in each buffer (the page stride).
+    kv_data_ptrs/kv_data_lens: base address and length in bytes of each KV buffer, in
+        descriptor order (``KVCacheLayout.regions``: one per (layer, K|V) for a
+        layer-major pool, L0.K, L0.V, L1.K, ...; a single buffer for a page-major one).
+    kv_item_lens: bytes of one page in each buffer (the page stride); page ``p`` of a
+        buffer is bytes ``[p * item, (p + 1) * item)`` of it.
     aux_data_ptr/aux_data_len/aux_item_len: host buffer of aux records, one slot each
         ``aux_item_len`` (= :data:`AUX_RECORD_BYTES`) bytes.
     device: ``cpu`` or ``cuda`` (where the KV buffers live); gpu_id: CUDA index of this

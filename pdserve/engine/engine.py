@@ -95,6 +95,7 @@ class EngineCore:
             num_pages=num_pages,
             num_aux_slots=max(16, 2 * sc.max_running_requests),
             model_fingerprint=self.source.fingerprint,
+            kv_order=config.cache.kv_order,
         )
         capacity = num_pages * config.cache.page_size
         if capacity < max_len:

@@ -70,15 +70,17 @@ class KVCacheManager:
         return -(-num_tokens // self.page_size)
 
     # --- allocation ---------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` fresh pages, each held once.  Evicts least recently used cached pages
-        when the pool's free list is short.  RuntimeError if fewer than ``n`` are available."""
+        when the pool's free list is short.  ``after``: the caller's last page, whose run
+        the pool extends first (``KVPool.allocate``: contiguous runs, few transfer
+        descriptors).  RuntimeError if fewer than ``n`` are available."""
         if n > self.num_available_pages:
             raise RuntimeError(f"asked for {n} KV pages, {self.num_available_pages} available")
         short = n - self.pool.num_free_pages
         if short > 0:
             self.pool.free(self.cache.evict(short))
-        pages = self.pool.allocate(n)
+        pages = self.pool.allocate(n, after)
         for p in pages:
             self._ref[p] = 1
         self._num_held += n

@@ -1,9 +1,8 @@
 """The paged KV pool: one tensor for every layer's K and V pages, plus host aux slots.
 
-Layout (the contract in docs/architecture.md): ``kv[L, 2, P, page_size, Hkv, D]``, so
-``kv[l, 0]`` (K of layer l) and ``kv[l, 1]`` (V) are each one contiguous buffer of ``P``
-pages; page ``p`` of a buffer starts ``p * page_bytes`` after its base.  That is what
-:meth:`KVPool.kv_args` hands to the transfer layer.
+The physical order of the tensor, the per-layer views attention reads and the byte
+ranges the transfer layer registers all come from one :class:`~.kv_layout.KVCacheLayout`
+(``pool.kv_layout``); this module computes no offset itself.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.disagg.hostmem import empty_host
+from pdserve.engine.kv_layout import KVCacheLayout, check_order, default_order
+from pdserve.engine.page_runs import RunAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,13 @@ def compute_num_pages(
 class KVPool:
     """Pages of KV cache and aux slots, each owned by at most one request at a time.
 
-    kv: ``Tensor[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` on ``device``.
+    kv: the pool tensor on ``device``, of ``kv_layout.shape`` (the order ``kv_order``,
+    default :func:`~.kv_layout.default_order` of the device); layer_caches: per layer the
+    ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]`` attention reads and writes.
     aux: ``uint8[num_aux_slots, AUX_RECORD_BYTES]`` in host memory (aux records of
-    disaggregated requests).  ``allocate``/``free`` hand out the lowest free ids first so
-    one request's pages tend to be consecutive (fewer transfer descriptors).
+    disaggregated requests).  ``allocate``/``free`` keep the free pages as runs of
+    consecutive ids and hand a request as few runs as they can (:mod:`.page_runs`), so
+    its transfer is few NIXL descriptors.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class KVPool:
         num_pages: int,
         num_aux_slots: int,
         model_fingerprint: str,
+        kv_order: str | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -98,52 +102,37 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
-        if self.device.type == "cpu":
-            # Huge pages before first touch: NIXL/UCX pins every descriptor's pages when it
-            # copies between processes, ~1.4x faster on 2 MiB pages (disagg/hostmem.py).
-            self.kv = empty_host(shape, dtype).zero_()
-        else:
-            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
-        self._layout = KVLayout(
-            model=model_fingerprint,
-            dtype=str(dtype).removeprefix("torch."),
-            page_size=page_size,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+        order = default_order(self.device) if kv_order is None else check_order(kv_order)
+        self.kv_layout = KVCacheLayout(
+            order, num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype
         )
-        self._free_pages = list(range(num_pages))  # a heap
-        self._page_is_free = [True] * num_pages
+        self.kv = self.kv_layout.allocate(self.device)
+        self.layer_caches = self.kv_layout.layer_views(self.kv)
+        self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
+        self._layout = self.kv_layout.fingerprint(model_fingerprint)
+        self._pages = RunAllocator(num_pages)
         self._free_slots = list(range(num_aux_slots))
         self._slot_is_free = [True] * num_aux_slots
 
     # --- pages ------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._pages.num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free pages (lowest ids first).  RuntimeError if fewer are free."""
-        if n > len(self._free_pages):
-            raise RuntimeError(f"asked for {n} KV pages, {len(self._free_pages)} free")
-        pages = [heapq.heappop(self._free_pages) for _ in range(n)]
-        for p in pages:
-            self._page_is_free[p] = False
-        return pages
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take ``n`` free pages as few runs of consecutive ids as the free list allows;
+        ``after``: the last page the caller already holds (its run is extended first).
+        RuntimeError if fewer than ``n`` are free."""
+        return self._pages.allocate(n, after)
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the pool.  RuntimeError (and nothing freed) if any page is
         out of range, already free, or listed twice."""
-        if len(set(pages)) != len(pages):
-            raise RuntimeError(f"double free: pages listed twice in {pages}")
-        for p in pages:
-            if not 0 <= p < self.num_pages or self._page_is_free[p]:
-                raise RuntimeError(f"double free (or foreign page) of KV page {p}")
-        for p in pages:
-            self._page_is_free[p] = True
-            heapq.heappush(self._free_pages, p)
+        self._pages.free(pages)
+
+    def free_page_runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of each run of free pages (tests, ``bench transfer``)."""
+        return self._pages.free_runs()
 
     # --- aux slots ----------------------------------------------------------------
     @property
@@ -178,19 +167,17 @@ class KVPool:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one (layer, K|V) buffer: the page stride."""
-        return int(self.kv[0, 0, 0].numel() * self.kv.element_size())
+        """Bytes of one page over every layer, K and V."""
+        return self.kv_layout.page_bytes
 
     def kv_args(self, gpu_id: int = 0, engine_rank: int = 0) -> KVArgs:
-        """Addresses of the pool for the transfer layer: one buffer per (layer, K|V),
-        layer-major (L0.K, L0.V, L1.K, ...), each ``num_pages * page_bytes`` long."""
-        num_layers = self.kv.shape[0]
-        ptrs = tuple(self.kv[l, kv].data_ptr() for l in range(num_layers) for kv in (0, 1))
-        buf_len = self.num_pages * self.page_bytes
+        """Addresses of the pool for the transfer layer: the layout's regions
+        (:meth:`~.kv_layout.KVCacheLayout.regions`) and the aux buffer."""
+        regions = self.kv_layout.regions(self.kv)
         return KVArgs(
-            kv_data_ptrs=ptrs,
-            kv_data_lens=(buf_len,) * len(ptrs),
-            kv_item_lens=(self.page_bytes,) * len(ptrs),
+            kv_data_ptrs=tuple(r[0] for r in regions),
+            kv_data_lens=tuple(r[1] for r in regions),
+            kv_item_lens=tuple(r[2] for r in regions),
             aux_data_ptr=self.aux.data_ptr(),
             aux_data_len=self.aux.numel(),
             aux_item_len=AUX_RECORD_BYTES,

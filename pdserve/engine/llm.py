@@ -29,7 +29,8 @@ class LLM:
 
     model: HF folder, ``.gguf`` file, ``random:<preset>`` or the embedded id (default).
     dtype/device: ``auto`` = fp32 on CPU / bf16 on CUDA, cuda when available.
-    page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization: the KV pool.
+    page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization, kv_order: the KV
+    pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv_layout``).
     enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
     max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
@@ -52,6 +53,7 @@ class LLM:
         gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
         max_model_len: int | None = None,
         enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
+        kv_order: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -63,6 +65,7 @@ class LLM:
                 num_pages=num_pages,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_order=kv_order,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

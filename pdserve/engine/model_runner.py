@@ -88,7 +88,7 @@ class ModelRunner:
         attn = build_attention_metadata(q_lens, s_lens, tables, self.pool.page_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids_t, pos_t, attn, self.pool.kv)  # [T, H]
+        hidden = self.model(ids_t, pos_t, attn, self.pool.layer_caches)  # [T, H]
 
         result = StepResult()
         for request_id, row0, targets, k in lp_rows:

@@ -229,7 +229,7 @@ class Scheduler:
 
     def _schedule(self, req: Request, n: int, new_pages: int) -> ScheduledSeq:
         if new_pages > 0:
-            req.pages.extend(self.kv.allocate(new_pages))
+            req.pages.extend(self.kv.allocate(new_pages, req.pages[-1] if req.pages else None))
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         lp_start, lp_targets = 0, []

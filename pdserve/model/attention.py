@@ -1,8 +1,10 @@
 """Attention over a paged KV cache: per-step metadata, backend ABC + registry, torch SDPA backend.
 
-Cache layout (one layer): ``k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]``;
-token ``j`` of a sequence lives at slot ``page_table[b, j // page_size] * page_size + j % page_size``
-of the flattened ``[num_pages * page_size, num_kv_heads, head_dim]`` view.
+Cache (one layer): ``k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]``, strided
+views into the pool whose strides come from ``pdserve.engine.kv_layout.KVCacheLayout``
+(``view_strides``; never assume contiguity, never flatten); token ``j`` of sequence ``b`` lives
+at ``[page_table[b, j // page_size], j % page_size]``, i.e. slot
+``page_table[b, j // page_size] * page_size + j % page_size``.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class AttentionBackend(abc.ABC):
         """Write this step's K/V into the cache, then attend.
 
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; k_cache, v_cache: ``[P, page_size, Hkv, D]``
-        (written in place at ``attn.slot_mapping``). Returns ``[T, Hq * D]`` in q's dtype.
+        strided views of the pool (``KVCacheLayout.layer_views``; written in place at
+        ``attn.slot_mapping``). Returns ``[T, Hq * D]`` in q's dtype.
         Query head ``h`` uses KV head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
         """
 

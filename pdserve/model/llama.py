@@ -6,7 +6,7 @@ order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -287,20 +287,21 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_cache: torch.Tensor,
+        kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Run the decoder on this step's tokens.
 
         input_ids, positions: ``[T]`` int64 (token ids, absolute positions). attn: metadata of
-        the step. kv_cache: ``[L, 2, P, page_size, Hkv, D]`` in the model dtype, written in
+        the step. kv_cache: per layer the ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]``
+        of the pool (strided; ``KVCacheLayout.layer_views``) in the model dtype, written in
         place at ``attn.slot_mapping``. Returns the final-norm hidden states ``[T, H]``.
         """
-        plan = self.backend.plan(attn, kv_cache.shape[3])  # once per step, shared by all layers
+        plan = self.backend.plan(attn, kv_cache[0][0].shape[1])  # once per step, all layers
         cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
         cos, sin = cs.chunk(2, dim=-1)
         h = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.decoder_layers()):
-            h = layer(h, cos, sin, kv_cache[i, 0], kv_cache[i, 1], attn, plan, self.backend)
+            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend)
         return rms_norm(h, self.norm, self.shapes.eps)
 
     @torch.inference_mode()

@@ -1,10 +1,13 @@
 """``torch_sdpa`` attention backend: paged KV cache + ``F.scaled_dot_product_attention`` (CPU, CUDA).
 
-Decode rows (one new token per sequence) of a step are attended in ONE batched SDPA call over
-the batch's context gathered into ``[Bd, Hkv, max_len, D]``, with GQA folded into the query
-dimension (``[Bd, Hkv, G, D]``), so no repeat of K/V is needed. Prefill rows (several new
-tokens) are attended one sequence at a time: causal SDPA on the fresh K/V when there is no
-cached prefix, otherwise over the gathered context with an offset causal mask.
+The caches are the pool's per-layer views ``[P, page_size, Hkv, D]`` in whatever physical
+order the pool has (``pdserve.engine.kv_layout``): they are strided, never flattened, and
+read a whole page at a time. Decode rows (one new token per sequence) of a step are
+attended in ONE batched SDPA call over the batch's pages gathered into
+``[Bd, Hkv, max_pages * page_size, D]``, with GQA folded into the query dimension
+(``[Bd, Hkv, G, D]``), so no repeat of K/V is needed. Prefill rows (several new tokens) are
+attended one sequence at a time: causal SDPA on the fresh K/V when there is no cached
+prefix, otherwise over the gathered context with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -20,17 +23,17 @@ from pdserve.model.attention import AttentionBackend, AttentionMetadata
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor | None  # [Bd] int64 token rows; None when every token is a decode row
-    gather: torch.Tensor  # [Bd * max_len] int64 slots of the flattened cache (0 where masked)
-    mask: torch.Tensor  # [Bd, 1, 1, max_len] bool, True = attend
+    pages: torch.Tensor  # [Bd, max_pages] int64 page ids (0 past a row's last page)
+    mask: torch.Tensor  # [Bd, 1, 1, max_pages * page_size] bool, True = attend
     num: int
-    max_len: int
 
 
 @dataclass
 class _PrefillSeq:
     start: int  # token rows start:end of this sequence
     end: int
-    gather: torch.Tensor | None  # [ctx] int64 slots of positions 0..ctx-1; None = no cached prefix
+    pages: torch.Tensor | None  # [1, ceil(ctx / page_size)] int64; None = no cached prefix
+    ctx: int  # context length (cached prefix + this step's tokens)
     mask: torch.Tensor | None  # [q, ctx] bool offset-causal mask; None = plain causal
 
 
@@ -41,14 +44,22 @@ class SDPAPlan:
     decode: _DecodeGroup | None
     prefills: list[_PrefillSeq]
     num_tokens: int
+    write_pages: torch.Tensor  # [T] int64 page of each new token
+    write_offsets: torch.Tensor  # [T] int64 offset inside that page
 
 
-def _slots(page_table_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
-    """Slots of positions ``0..length-1`` for each row of ``page_table_rows`` ``[n, max_pages]``
-    -> ``[n, length]`` int64."""
-    pos = torch.arange(length, device=page_table_rows.device)
-    pages = page_table_rows.index_select(1, pos // page_size).long()
-    return pages * page_size + pos % page_size
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Pages ``pages`` ``[n, m]`` of one layer's cache view ``[P, ps, H, D]`` as
+    ``[n, H, m * ps, D]`` (positions in page-table order), reading each page as a block in
+    the cache's physical order (token-inner ``[H, ps, D]`` or head-inner ``[ps, H, D]``)."""
+    n, m = pages.shape
+    _, ps, H, D = cache.shape
+    flat = pages.reshape(-1)
+    if cache.stride(1) < cache.stride(2):  # head-major inside a page (page_major order)
+        g = cache.transpose(1, 2).index_select(0, flat)  # [n*m, H, ps, D], one block a page
+        return g.view(n, m, H, ps, D).transpose(1, 2).reshape(n, H, m * ps, D)
+    g = cache.index_select(0, flat)  # [n*m, ps, H, D]
+    return g.view(n, m * ps, H, D).transpose(1, 2)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -57,7 +68,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def plan(self, attn: AttentionMetadata, page_size: int) -> SDPAPlan:
-        """Build the gather indices and masks of this step. Shapes in :class:`SDPAPlan`."""
+        """Build the page lists and masks of this step. Shapes in :class:`SDPAPlan`."""
         q_lens, s_lens = attn.host_lens()
         device = attn.page_table.device
         dec = [b for b, q in enumerate(q_lens) if q == 1]
@@ -66,7 +77,7 @@ class TorchSDPABackend(AttentionBackend):
             starts.append(starts[-1] + q)
         decode = None
         if dec:
-            max_len = max(s_lens[b] for b in dec)
+            max_pages = -(-max(s_lens[b] for b in dec) // page_size)
             all_dec = len(dec) == len(q_lens)
             if all_dec:
                 rows, table, lens = None, attn.page_table, attn.seq_lens
@@ -79,23 +90,28 @@ class TorchSDPABackend(AttentionBackend):
                     attn.page_table.index_select(0, sel),
                     attn.seq_lens.index_select(0, sel),
                 )
-            slots = _slots(table, max_len, page_size)  # [Bd, max_len]
-            valid = torch.arange(max_len, device=device)[None, :] < lens[:, None].long()
-            gather = torch.where(valid, slots, torch.zeros_like(slots)).reshape(-1)
-            decode = _DecodeGroup(rows, gather, valid[:, None, None, :], len(dec), max_len)
+            span = max_pages * page_size
+            valid = torch.arange(span, device=device)[None, :] < lens[:, None].long()
+            page_valid = (
+                torch.arange(max_pages, device=device)[None, :] * page_size < lens[:, None].long()
+            )
+            dec_pages = table[:, :max_pages].long()
+            dec_pages = torch.where(page_valid, dec_pages, torch.zeros_like(dec_pages))
+            decode = _DecodeGroup(rows, dec_pages, valid[:, None, None, :], len(dec))
         prefills = []
         for b, q in enumerate(q_lens):
             if q == 1:
                 continue
             s = s_lens[b]
-            ctx_gather: torch.Tensor | None = None
-            ctx_mask: torch.Tensor | None = None
+            pages: torch.Tensor | None = None
+            mask: torch.Tensor | None = None
             if s > q:
-                ctx_gather = _slots(attn.page_table[b : b + 1], s, page_size)[0]
+                pages = attn.page_table[b : b + 1, : -(-s // page_size)].long()
                 qi = torch.arange(q, device=device)[:, None]
-                ctx_mask = torch.arange(s, device=device)[None, :] <= (s - q) + qi
-            prefills.append(_PrefillSeq(starts[b], starts[b + 1], ctx_gather, ctx_mask))
-        return SDPAPlan(decode, prefills, starts[-1])
+                mask = torch.arange(s, device=device)[None, :] <= (s - q) + qi
+            prefills.append(_PrefillSeq(starts[b], starts[b + 1], pages, s, mask))
+        slots = attn.slot_mapping
+        return SDPAPlan(decode, prefills, starts[-1], slots // page_size, slots % page_size)
 
     def forward(
         self,
@@ -112,28 +128,29 @@ class TorchSDPABackend(AttentionBackend):
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        k_flat = k_cache.view(-1, Hkv, D)  # [P * page_size, Hkv, D]
-        v_flat = v_cache.view(-1, Hkv, D)
-        k_flat.index_copy_(0, attn.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, attn.slot_mapping, v.to(v_flat.dtype))
+        idx = (plan.write_pages, plan.write_offsets)
+        k_cache.index_put_(idx, k.to(k_cache.dtype))  # strided views: writes land in the pool
+        v_cache.index_put_(idx, v.to(v_cache.dtype))
 
         dg = plan.decode
         if dg is not None and dg.rows is None:
-            return self._decode(q, k_flat, v_flat, dg, scale, Hkv, G).reshape(T, Hq * D)
+            return self._decode(q, k_cache, v_cache, dg, scale, Hkv, G).reshape(T, Hq * D)
 
         out = q.new_empty(T, Hq, D)
         if dg is not None and dg.rows is not None:  # rows is None only in the return above
             qd = q.index_select(0, dg.rows)
             out.index_copy_(
-                0, dg.rows, self._decode(qd, k_flat, v_flat, dg, scale, Hkv, G).reshape(-1, Hq, D)
+                0, dg.rows, self._decode(qd, k_cache, v_cache, dg, scale, Hkv, G).reshape(-1, Hq, D)
             )
         for p in plan.prefills:
             qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
-            if p.gather is None:
-                kp, vp = k[p.start : p.end], v[p.start : p.end]
+            if p.pages is None:
+                kp = k[p.start : p.end].transpose(0, 1)  # [Hkv, q, D]
+                vp = v[p.start : p.end].transpose(0, 1)
             else:
-                kp, vp = k_flat.index_select(0, p.gather), v_flat.index_select(0, p.gather)
-            kp, vp = kp.transpose(0, 1).to(q.dtype), vp.transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
+                kp = _gather(k_cache, p.pages)[0, :, : p.ctx]  # [Hkv, ctx, D]
+                vp = _gather(v_cache, p.pages)[0, :, : p.ctx]
+            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
             if G > 1:
                 kp, vp = kp.repeat_interleave(G, dim=0), vp.repeat_interleave(G, dim=0)
             o = F.scaled_dot_product_attention(
@@ -150,17 +167,17 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def _decode(
         q: torch.Tensor,
-        k_flat: torch.Tensor,
-        v_flat: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         dg: _DecodeGroup,
         scale: float,
         Hkv: int,
         G: int,
     ) -> torch.Tensor:
-        """q ``[Bd, Hq, D]`` -> ``[Bd, Hkv, G, D]`` attended over the gathered context."""
+        """q ``[Bd, Hq, D]`` -> ``[Bd, Hkv, G, D]`` attended over the gathered pages."""
         Bd, _, D = q.shape
-        kd = k_flat.index_select(0, dg.gather).view(Bd, dg.max_len, Hkv, D).transpose(1, 2)
-        vd = v_flat.index_select(0, dg.gather).view(Bd, dg.max_len, Hkv, D).transpose(1, 2)
+        kd = _gather(k_cache, dg.pages)  # [Bd, Hkv, max_pages * ps, D]
+        vd = _gather(v_cache, dg.pages)
         qd = q.view(Bd, Hkv, G, D)  # GQA: the G query heads of a KV head become G query rows
         return F.scaled_dot_product_attention(
             qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=dg.mask, scale=scale

@@ -70,6 +70,14 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
         "reuse the KV of cached full pages of a shared prefix",
     ),
     (
+        "--kv-order",
+        CacheConfig,
+        "kv_order",
+        str,
+        "physical order of the KV pool: layer_major or page_major; unset: the device's "
+        "default (page_major, chosen by bench transfer)",
+    ),
+    (
         "--max-num-batched-tokens",
         SchedulerConfig,
         "max_num_batched_tokens",

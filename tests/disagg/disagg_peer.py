@@ -1,7 +1,8 @@
 """A prefill or decode KV manager in its own process, driven like the engine drives it.
 
 ``Peer.start(role, env)`` spawns a process that creates the manager over a small CPU KV
-pool (numpy, ``uint8[L, 2, P, page_bytes]`` like the engine's, plus aux slots) and then
+pool (laid out by the engine's ``KVCacheLayout``, in the order ``kv_order`` of the layout
+overrides, default page-major; plus aux slots) and then
 runs commands sent from the test. ``run`` drives a set of rooms the way the engine does:
 create the sender/receiver, poll, take scattered pages when ``WaitingForInput``, ``init``
 (and on prefill fill the pages with the room's pattern and ``send``), free the pages after
@@ -19,8 +20,10 @@ import time
 import traceback
 
 import numpy as np
+import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVLayout, KVPoll
+from pdserve.engine.kv_layout import KVCacheLayout
 
 LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 4, 4, 2, 16  # float32: page_bytes = 4*2*16*4 = 512
 
@@ -33,13 +36,14 @@ def layout(**over) -> KVLayout:
         num_layers=LAYERS,
         num_kv_heads=HEADS,
         head_dim=HEAD_DIM,
+        kv_order="page_major",
     )
     base.update(over)
     return KVLayout(**base)
 
 
 def pattern(room: int, index: int, shape) -> np.ndarray:
-    """The bytes page ``index`` of ``room`` holds on every layer: ``uint8[L, 2, page_bytes]``."""
+    """The bytes page ``index`` of ``room`` holds (every layer, K and V), ``uint8`` of ``shape``."""
     return np.random.default_rng([room, index]).integers(0, 256, size=shape, dtype=np.uint8)
 
 
@@ -51,26 +55,35 @@ class Pool:
     """KV pages + aux slots with the engine's ownership checks (double free raises)."""
 
     def __init__(self, num_pages: int, num_slots: int, lay: KVLayout, seed: int) -> None:
-        page_bytes = lay.page_size * lay.num_kv_heads * lay.head_dim * 4
-        self.kv = np.zeros((lay.num_layers, 2, num_pages, page_bytes), dtype=np.uint8)
+        dtype = getattr(torch, lay.dtype)
+        self.layout = KVCacheLayout(
+            lay.kv_order, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size,
+            num_pages, dtype,
+        )  # fmt: skip
+        self.kv = self.layout.allocate("cpu")
+        self.kv_bytes = self.kv.view(torch.uint8)  # the same memory, byte by byte
         self.aux = np.zeros((num_slots, AUX_RECORD_BYTES), dtype=np.uint8)
         self.num_pages = num_pages
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)  # scattered page ids
         self.free_slots = list(range(num_slots))
+        regions = self.layout.regions(self.kv)
         self.args = KVArgs(
-            kv_data_ptrs=tuple(
-                self.kv[l, s].ctypes.data for l in range(lay.num_layers) for s in range(2)
-            ),
-            kv_data_lens=tuple(
-                self.kv[l, s].nbytes for l in range(lay.num_layers) for s in range(2)
-            ),
-            kv_item_lens=(page_bytes,) * (2 * lay.num_layers),
+            kv_data_ptrs=tuple(r[0] for r in regions),
+            kv_data_lens=tuple(r[1] for r in regions),
+            kv_item_lens=tuple(r[2] for r in regions),
             aux_data_ptr=self.aux.ctypes.data,
             aux_data_len=self.aux.nbytes,
             aux_item_len=AUX_RECORD_BYTES,
             layout=lay,
         )
+
+    def page(self, p: int) -> np.ndarray:
+        """The bytes of page ``p`` (a copy)."""
+        return self.layout.pages(self.kv_bytes, [p]).numpy()
+
+    def fill(self, p: int, data: np.ndarray) -> None:
+        self.layout.write_pages(self.kv_bytes, [p], torch.from_numpy(data))
 
     def take(self, n: int) -> tuple[list[int], int] | None:
         if len(self.free_pages) < n or not self.free_slots:
@@ -122,7 +135,7 @@ def _drive(
                 if role == "decode" and state == KVPoll.Success:
                     pages = held[room][0]
                     res["bytes_ok"] = all(
-                        np.array_equal(pool.kv[:, :, p], pattern(room, i, pool.kv[:, :, p].shape))
+                        np.array_equal(pool.page(p), pattern(room, i, pool.page(p).shape))
                         for i, p in enumerate(pages)
                     )
                     res["aux_ok"] = h.aux_record() == aux_for(room)
@@ -139,7 +152,7 @@ def _drive(
                 if role == "prefill":
                     h.init(len(pages), slot)
                     for i, p in enumerate(pages):
-                        pool.kv[:, :, p] = pattern(room, i, pool.kv[:, :, p].shape)
+                        pool.fill(p, pattern(room, i, pool.page(p).shape))
                     ready_at[room] = time.monotonic() + send_delay
                 else:
                     h.init(pages, slot)

@@ -84,7 +84,13 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "field,value", [("head_dim", 32), ("dtype", "bfloat16"), ("model", "other-model")]
+    "field,value",
+    [
+        ("head_dim", 32),
+        ("dtype", "bfloat16"),
+        ("model", "other-model"),
+        ("kv_order", "layer_major"),
+    ],
 )
 def test_layout_mismatch_fails_fast_on_both_sides_naming_the_field(pair, field, value):
     prefill, decode = pair

@@ -82,7 +82,8 @@ class FakeSender(_Handle, KVSender):
             sent = list(page_ids)[receiver.skip_pages :]  # decode holds the leading pages
             assert len(sent) == len(dst_pages) and sent
             dst, src = self.manager.peer.pool, self.manager.pool
-            dst.kv[:, :, dst_pages] = src.kv[:, :, sent]
+            lay = src.kv_layout
+            lay.write_pages(dst.kv, dst_pages, lay.pages(src.kv, sent))
             dst.write_aux(slot, aux.pack())
             self.state = receiver.state = KVPoll.Success
 

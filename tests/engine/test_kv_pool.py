@@ -10,7 +10,7 @@ from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord
 from pdserve.engine.kv_pool import KVPool, compute_num_pages, kv_bytes_per_token
 
 
-def make_pool(num_pages=10, dtype=torch.float32):
+def make_pool(num_pages=10, dtype=torch.float32, kv_order=None):
     return KVPool(
         num_layers=3,
         num_kv_heads=2,
@@ -21,6 +21,7 @@ def make_pool(num_pages=10, dtype=torch.float32):
         num_pages=num_pages,
         num_aux_slots=3,
         model_fingerprint="fp",
+        kv_order=kv_order,
     )
 
 
@@ -59,22 +60,72 @@ def test_aux_slots():
         pool.free_aux_slot(1)
 
 
-def test_kv_args_describe_the_tensor():
-    pool = make_pool(dtype=torch.bfloat16)
+@pytest.mark.parametrize("order", ["layer_major", "page_major"])
+def test_kv_args_describe_the_tensor(order):
+    pool = make_pool(dtype=torch.bfloat16, kv_order=order)
     args = pool.kv_args()
-    page_bytes = 4 * 2 * 8 * 2
-    assert len(args.kv_data_ptrs) == 6  # 3 layers x (K, V)
-    assert args.kv_item_lens == (page_bytes,) * 6 and args.kv_data_lens == (10 * page_bytes,) * 6
+    item = 4 * 2 * 8 * 2  # one (layer, K|V) of a page: page_size x heads x head_dim x 2 B
     assert (
         args.num_pages == 10 and args.num_aux_slots == 3 and args.aux_item_len == AUX_RECORD_BYTES
     )
-    # layer-major order, and page p of buffer (l, kv) starts at base + p * page_bytes
-    for i, ptr in enumerate(args.kv_data_ptrs):
-        layer, kv = divmod(i, 2)
-        assert ptr == pool.kv[layer, kv].data_ptr()
-        assert pool.kv[layer, kv, 5].data_ptr() == ptr + 5 * page_bytes
+    if order == "layer_major":  # one buffer per (layer, K|V); page p at base + p * item
+        assert len(args.kv_data_ptrs) == 6
+        assert args.kv_item_lens == (item,) * 6 and args.kv_data_lens == (10 * item,) * 6
+        for i, ptr in enumerate(args.kv_data_ptrs):
+            layer, kv = divmod(i, 2)
+            assert ptr == pool.kv[layer, kv].data_ptr()
+            assert pool.kv[layer, kv, 5].data_ptr() == ptr + 5 * item
+    else:  # one buffer; a page (every layer, K and V) is one item
+        assert args.kv_data_ptrs == (pool.kv.data_ptr(),)
+        assert args.kv_item_lens == (6 * item,) and args.kv_data_lens == (60 * item,)
+        assert pool.kv[5].data_ptr() == args.kv_data_ptrs[0] + 5 * 6 * item
+    assert pool.page_bytes == 6 * item
     assert args.layout.dtype == "bfloat16" and args.layout.page_size == 4
+    assert args.layout.kv_order == order
     assert args.layout.num_layers == 3 and args.layout.model == "fp" and args.device == "cpu"
+
+
+def test_default_order_and_bad_order():
+    assert make_pool().kv_layout.order == "page_major"
+    with pytest.raises(ValueError, match="kv_order"):
+        make_pool(kv_order="head_major")
+    with pytest.raises(ValueError, match="kv_order"):
+        CacheConfig(kv_order="nope")
+
+
+def test_allocator_hands_out_contiguous_runs_and_merges_freed_pages():
+    pool = make_pool(num_pages=32)
+    a, b, c = pool.allocate(4), pool.allocate(4), pool.allocate(4)
+    assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7] and c == [8, 9, 10, 11]
+    pool.free(b)  # a hole of 4 between a and c
+    assert pool.allocate(3) == [4, 5, 6]  # best fit: the hole, not the long tail
+    assert pool.allocate(2, after=c[-1]) == [12, 13]  # growing c extends its run
+    assert pool.allocate(1, after=a[-1]) == [7]  # a's neighbour is taken: best fit
+    pool.free([4, 5, 6, 7])
+    pool.free(a)
+    assert pool.free_page_runs() == [(0, 8), (14, 18)]  # freed pages merged with neighbours
+    assert pool.allocate(10) == list(range(14, 24))  # one run when one run can hold it
+    # no run holds 12: the longest runs whole, longest first (8 + 4 = two runs)
+    assert pool.allocate(12) == [*range(0, 8), *range(24, 28)]
+    assert pool.num_free_pages == 32 - len(c) - 2 - 10 - 12
+
+
+def test_churn_keeps_accounting_exact_and_runs_few():
+    import random
+
+    pool = make_pool(num_pages=512)
+    rng, held = random.Random(0), []
+    for _ in range(3000):
+        if held and (rng.random() < 0.5 or pool.num_free_pages < 40):
+            pool.free(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(pool.allocate(rng.randint(1, 40)))
+        pages = [p for h in held for p in h]
+        assert len(set(pages)) == len(pages)
+        assert pool.num_free_pages + len(pages) == 512
+    for h in held:
+        pool.free(h)
+    assert pool.free_page_runs() == [(0, 512)]
 
 
 def test_sizing_precedence():

@@ -17,6 +17,7 @@ import time
 import torch
 import transformers
 
+from pdserve.engine.kv_layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.presets import preset_config
@@ -49,16 +50,10 @@ def ours(hf, dtype, device, batch, prompt, steps, page_size=16):
     m.load_weights(hf.state_dict().items())
     s = m.shapes
     pages_per_seq = (prompt + steps + page_size) // page_size + 1
-    kv = torch.zeros(
-        s.n_layers,
-        2,
-        batch * pages_per_seq,
-        page_size,
-        s.n_kv_heads,
-        s.head_dim,
-        dtype=dtype,
-        device=device,
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, page_size, batch * pages_per_seq, dtype
     )
+    kv = lay.layer_views(lay.allocate(device))
     tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
     ids = torch.randint(100, 10000, (batch * prompt,), device=device)
     md = build_attention_metadata([prompt] * batch, [prompt] * batch, tables, page_size, device)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from pdserve.engine.kv_layout import KVCacheLayout
 from pdserve.model import gguf_reader
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
@@ -90,7 +91,10 @@ def check_logits_against(hf, embedded_source):
     )
     ids = torch.tensor(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     s, page_size = model.shapes, 16
-    kv = torch.zeros(s.n_layers, 2, 8, page_size, s.n_kv_heads, s.head_dim)
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, page_size, 8, model.dtype
+    )
+    kv = lay.layer_views(lay.allocate("cpu"))
     table = [[5, 2, 7, 0, 3]]
     n = len(ids)
     md = build_attention_metadata([n], [n], table, page_size)

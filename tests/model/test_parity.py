@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from pdserve.engine.kv_layout import KV_ORDERS, KVCacheLayout
 from pdserve.model import linear as lin
 from pdserve.model.attention import AttentionMetadata, build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
@@ -19,10 +20,13 @@ TOL = 1e-4  # max |log_softmax(ours) - log_softmax(transformers)|
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_lens=True):
+def run_paged_scenario(
+    model, hf, steps, prompt_lens, page_size, seed=0, host_lens=True, kv_order="page_major"
+):
     """Feed token streams through ``model`` step by step (``steps``: query length of each
-    sequence per step) over a shuffled, scattered page pool; compare every new token's
-    log-probs with ``hf`` (fp32, CPU) run on the whole prefix. Returns the max abs difference."""
+    sequence per step) over a shuffled, scattered page pool laid out in ``kv_order``;
+    compare every new token's log-probs with ``hf`` (fp32, CPU) run on the whole prefix.
+    Returns the max abs difference."""
     s = model.shapes
     device, dtype = model.embed_tokens.device, model.dtype
     gen = torch.Generator().manual_seed(seed)
@@ -35,9 +39,9 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
         need = math.ceil(n / page_size)
         tables.append(perm[used : used + need])
         used += need
-    kv = torch.zeros(
-        s.n_layers, 2, num_pages, page_size, s.n_kv_heads, s.head_dim, dtype=dtype, device=device
-    )
+    lay = KVCacheLayout(kv_order, s.n_layers, s.n_kv_heads, s.head_dim, page_size, num_pages, dtype)
+    kv = lay.allocate(device)
+    caches = lay.layer_views(kv)
     done = [0] * len(prompt_lens)
     err = 0.0
     for i, qlens in enumerate(steps):
@@ -48,7 +52,7 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
         ids = torch.cat([seqs[b][done[b] : seq_lens[b]] for b in range(len(qlens))])
         pos = torch.cat([torch.arange(done[b], seq_lens[b]) for b in range(len(qlens))])
         lp = torch.log_softmax(
-            model.compute_logits(model(ids.to(device), pos.to(device), md, kv)), dim=-1
+            model.compute_logits(model(ids.to(device), pos.to(device), md, caches)), dim=-1
         ).cpu()
         row = 0
         for b, q in enumerate(qlens):
@@ -60,13 +64,16 @@ def run_paged_scenario(model, hf, steps, prompt_lens, page_size, seed=0, host_le
             row += q
         done = seq_lens
     unused = sorted(set(range(num_pages)) - {p for t in tables for p in t})
-    assert kv[:, :, unused].abs().max().item() == 0.0, "K/V written outside the sequences' pages"
+    if unused:
+        written = lay.pages(kv, unused).abs().max().item()
+        assert written == 0.0, "K/V written outside the sequences' pages"
     return err
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kv_order", KV_ORDERS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_parity_prefill_mixed_decode(arch, tiny_dir):
+def test_tiny_parity_prefill_mixed_decode(arch, kv_order, tiny_dir):
     folder, hf = tiny_dir(arch)
     src = load_model_source(folder)
     model = LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
@@ -79,21 +86,29 @@ def test_tiny_parity_prefill_mixed_decode(arch, tiny_dir):
         [1, 1, 1, 1],
         [1, 1, 1, 1],  # decode-only
     ]
-    err = run_paged_scenario(model, hf, steps, prompt_lens, page_size=3)
-    assert err < TOL, f"{arch}: max log-prob diff {err:.2e}"
+    err = run_paged_scenario(model, hf, steps, prompt_lens, page_size=3, kv_order=kv_order)
+    assert err < TOL, f"{arch} {kv_order}: max log-prob diff {err:.2e}"
 
 
 @pytest.mark.timeout(120)
-def test_parity_page_size_one_and_large(tiny_dir):
+@pytest.mark.parametrize("kv_order", KV_ORDERS)
+def test_parity_page_size_one_and_large(kv_order, tiny_dir):
     folder, hf = tiny_dir("llama")
     model = LlamaForCausalLM(load_model_source(folder).hf_config, torch.float32, "cpu")
     model.load_weights(hf.state_dict().items())
     for page_size in (1, 16):
         steps = [[9, 2], [1, 1], [2, 1]]
         err = run_paged_scenario(
-            model, hf, steps, [9, 2], page_size=page_size, seed=page_size, host_lens=False
+            model,
+            hf,
+            steps,
+            [9, 2],
+            page_size=page_size,
+            seed=page_size,
+            host_lens=False,
+            kv_order=kv_order,
         )
-        assert err < TOL, f"page_size {page_size}: max log-prob diff {err:.2e}"
+        assert err < TOL, f"page_size {page_size} {kv_order}: max log-prob diff {err:.2e}"
 
 
 def test_attention_metadata_builder():
@@ -170,5 +185,8 @@ def test_parity_on_device(device, dtype, tol, tiny_hf_builder):
         model = LlamaForCausalLM(hf.config, dtype, device)
         model.load_weights(hf.state_dict().items())
         steps = [[5, 11, 1], [1, 4, 1], [1, 1, 1], [1, 1, 1]]
-        err = run_paged_scenario(model, hf, steps, [5, 11, 1], page_size=3, seed=7)
-        assert err < tol, f"{arch} {device} {dtype}: max log-prob diff {err:.2e}"
+        for kv_order in KV_ORDERS:
+            err = run_paged_scenario(
+                model, hf, steps, [5, 11, 1], page_size=3, seed=7, kv_order=kv_order
+            )
+            assert err < tol, f"{arch} {device} {dtype} {kv_order}: max log-prob diff {err:.2e}"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from pdserve.engine.kv_layout import KVCacheLayout
 from pdserve.model import presets
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
@@ -69,7 +70,8 @@ def test_random_tiny_reproducible_and_runs():
     hf.tie_weights()
     ids = torch.tensor(a.tokenizer("Hello, world! How are you?")["input_ids"])
     s = model.shapes
-    kv = torch.zeros(s.n_layers, 2, 4, 16, s.n_kv_heads, s.head_dim)
+    lay = KVCacheLayout("page_major", s.n_layers, s.n_kv_heads, s.head_dim, 16, 4, torch.float32)
+    kv = lay.layer_views(lay.allocate("cpu"))
     md = build_attention_metadata([len(ids)], [len(ids)], [[3, 1]], 16)
     logits = model.compute_logits(model(ids, torch.arange(len(ids)), md, kv))
     assert logits.shape == (len(ids), 49152) and logits.dtype == torch.float32

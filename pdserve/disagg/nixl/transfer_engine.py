@@ -3,8 +3,9 @@ of one room's pages through prepared descriptor lists.
 
 Descriptor lists are prepared once per side (local: at start; remote: once per peer
 instance) in NIXL's strided form, one row per KV buffer expanding to one descriptor per
-page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers are layer-major
-K/V, as in :class:`~pdserve.disagg.base.KVArgs`). A room's transfer lists its indices
+page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers in the pool
+layout's descriptor order, :meth:`pdserve.engine.kv_layout.KVCacheLayout.regions`: 2L
+for a layer-major pool, one for a page-major pool). A room's transfer lists its indices
 buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
 address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
 (measured: 2048 consecutive 4 KiB pages go 7x faster than 2048 scattered ones, and as
