@@ -321,6 +321,31 @@ def test_a_second_turn_on_the_same_decode_moves_only_its_new_pages(cores):
         assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
+def test_pd_under_eviction_pressure_equals_mixed(cores):
+    prefill, decode, m = cores
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
+    # 24 prompts of 6 pages sharing 2 full pages: each keeps 3 (prefill) or 4 (decode)
+    # pages of its own cached, so 64-page pools must evict to serve them all
+    prompts = [PROMPT[:10] + list(range(500 + 20 * i, 512 + 20 * i)) for i in range(24)]
+    before = [c.stats()["prefix_cache_evicted_pages"] for c in (prefill, decode)]
+    got = []
+    for i, prompt in enumerate(prompts):
+        room = next(rooms)
+        decode.add_request(f"e{i}", prompt, params, info("decode", room))
+        prefill.add_request(f"q{i}", prompt, params, info("prefill", room))
+        got.append(drive(prefill, decode)[f"e{i}"].outputs[0])
+    after = [c.stats()["prefix_cache_evicted_pages"] for c in (prefill, decode)]
+    assert all(a > b for a, b in zip(after, before))
+    assert m["d"].created[-1].skip_pages == 2  # the shared head survived eviction (LRU)
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"ref{i}", prompt, params)
+        want = drive(prefill)[f"ref{i}"].outputs[0]
+        assert got[i].token_ids == want.token_ids
+        assert got[i].finish_reason == want.finish_reason
+        for x, y in zip(got[i].logprobs, want.logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
 def test_manager_selection_and_duplicate_rooms(cores):
     prefill, decode, m = cores
     with pytest.raises(ValueError, match="disagg.role"):
