@@ -10,34 +10,21 @@ Bodies are JSON of the msgspec types in :mod:`pdserve.disagg.messages`; a bad bo
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
-
-if TYPE_CHECKING:
-    import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.base import PROTOCOL_VERSION, KVBootstrapServer
 from pdserve.disagg.messages import HealthInfo, RankInfo
-from pdserve.http.netutil import PortInUseError, bind_socket
+from pdserve.http.netutil import PortInUseError, ThreadedServer
 
 
 class BootstrapError(RuntimeError):
     """The bootstrap server could not be reached or gave an unusable answer."""
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        return bind_socket(host, port)
-    except PortInUseError as exc:
-        raise PortInUseError(f"bootstrap_port: {exc}") from exc
 
 
 def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock: threading.Lock):
@@ -90,49 +77,38 @@ def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock
 
 
 class BootstrapServer(KVBootstrapServer):
-    """uvicorn serving :func:`build_app` on a daemon thread, bound to ``host:port``
-    (0 = a free port). ``start`` raises OSError naming the port when it is taken."""
+    """uvicorn serving :func:`build_app` on a daemon thread (``http.netutil.ThreadedServer``),
+    bound to ``host:port`` (0 = a free port). ``start`` raises OSError naming the port when
+    it is taken."""
 
     def __init__(self, host: str, port: int, health: Callable[[], HealthInfo]) -> None:
         self.host, self.port = host, port
         self._ranks: dict[int, RankInfo] = {}
         self._lock = threading.Lock()
         self._health = health
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self._server: ThreadedServer | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the server thread, if it failed."""
+        return self._server.error if self._server is not None else None
 
     def start(self) -> int:
-        import uvicorn
-
-        sock = _bind(self.host, self.port)
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
+        server = ThreadedServer(
             build_app(self._ranks, self._health, self._lock),
-            log_level="warning",
-            access_log=False,
+            self.host,
+            self.port,
+            name="pdserve-bootstrap-http",
             lifespan="off",
             timeout_keep_alive=60,
         )
-        self._server = server = uvicorn.Server(config)
-
-        def run() -> None:
-            try:
-                server.run(sockets=[sock])
-            except BaseException as exc:  # noqa: BLE001 - reported through is_alive()
-                self.error = exc
-            finally:
-                sock.close()
-
-        self._thread = threading.Thread(target=run, name="pdserve-bootstrap-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30.0
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(
-                    f"bootstrap server on {self.host}:{self.port} did not start: {self.error}"
-                )
-            time.sleep(0.005)
+        try:
+            self.port = server.start()
+        except PortInUseError as exc:
+            raise PortInUseError(f"bootstrap_port: {exc}") from exc
+        except OSError as exc:
+            raise OSError(f"bootstrap server: {exc}") from exc
+        self._server = server
         return self.port
 
     def register_local(self, info: RankInfo) -> None:
@@ -141,13 +117,11 @@ class BootstrapServer(KVBootstrapServer):
             self._ranks[info.engine_rank] = info
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._server is not None and self._server.is_alive()
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10.0)
+            self._server.stop(10.0)
 
 
 def _url(host: str, port: int, path: str) -> str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
+from typing import Any
 
 import uvicorn
 
@@ -49,6 +52,77 @@ class GracefulServer(uvicorn.Server):
         if callable(hook):
             hook()
         await super().shutdown(sockets)
+
+
+class ThreadedServer:
+    """An ASGI ``app`` served by uvicorn (:class:`GracefulServer`) on a daemon thread of
+    this process: the bootstrap server, and the in-process servers of the tests.
+
+    The socket is bound in :meth:`start` (``port`` 0 = a free one; a taken port raises
+    :class:`PortInUseError` naming it) before the thread starts, so no other process can
+    take the port in between. ``config`` goes to ``uvicorn.Config`` (defaults: warnings
+    only, no access log, 5 s graceful shutdown). ``stop()`` asks uvicorn to exit, as
+    SIGTERM does, and joins the thread.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        name: str = "pdserve-http",
+        **config: Any,
+    ) -> None:
+        self.host, self.port, self.name = host, port, name
+        options: dict[str, Any] = {
+            "log_level": "warning",
+            "access_log": False,
+            "timeout_graceful_shutdown": 5,
+        }
+        options.update(config)
+        self.server = GracefulServer(uvicorn.Config(app, **options))
+        self.error: BaseException | None = None  # what ended the thread, if it failed
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` (after :meth:`start`)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Bind, start the thread and wait until uvicorn listens; returns the port.
+        Raises PortInUseError for a taken port, OSError naming the address if the server
+        does not start within ``timeout`` seconds."""
+        sock = bind_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
+
+        def run() -> None:
+            try:
+                self.server.run(sockets=[sock])
+            except BaseException as exc:  # noqa: BLE001 - reported through is_alive()/error
+                self.error = exc
+            finally:
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"HTTP server on {self.host}:{self.port} did not start: {self.error}")
+            time.sleep(0.005)
+        return self.port
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Ask uvicorn to exit (in-flight requests get the graceful-shutdown time) and join."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
 
 
 def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:

@@ -2,28 +2,25 @@
 
 ``FakeOpenAI``: a small FastAPI app imitating an OpenAI-compatible server (models,
 completions, chat completions, SSE streaming with a usage chunk, ``ignore_eos``), run by
-uvicorn on a free port in a thread that is joined at teardown. Its answers are
+``pdserve.http.netutil.ThreadedServer`` (uvicorn on a thread, joined at teardown). Its answers are
 deterministic in the prompt, so accuracy accounting can be checked exactly.
-``PdserveProcess``: a real ``pdserve serve`` worker in a subprocess on a free port.
+``pdserve_url``: a real ``pdserve serve`` worker (``pdserve_procs``, the tests' one
+process launcher). Both run under the harness of every test folder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import zlib
 
-import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.http.netutil import ThreadedServer
+from pdserve_procs import start_worker, stop, wait_healthy
 
 
 def fake_answer(prompt_text: str, variant: int) -> str:
@@ -110,102 +107,16 @@ def build_app(variant: int = 0, token_delay_s: float = 0.002, fail_every: int = 
     return app
 
 
-class ThreadedServer:
-    """Runs an ASGI app with uvicorn on 127.0.0.1, port chosen by the OS; ``stop()`` joins."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self) -> str:
-        """Start and wait until listening; returns the base URL."""
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("fake server did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (the server binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PdserveProcess:
-    """A real ``pdserve serve`` worker in a subprocess on a free port; ``stop()`` ends it."""
-
-    def __init__(self, *args: str, startup_timeout_s: float = 90.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.startup_timeout_s = startup_timeout_s
-
-    def start(self) -> str:
-        """Wait until ``/v1/models`` answers; returns the base URL. Raises with the log on failure."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if (
-                    httpx.get(f"{self.url}/v1/models", timeout=1.0, trust_env=False).status_code
-                    == 200
-                ):
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        self.log.seek(0)
-        raise RuntimeError(
-            f"pdserve serve did not start:\n{self.log.read().decode(errors='replace')[-3000:]}"
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 # Fixtures, imported by the conftest of tests/bench and tests/eval.
 @pytest.fixture(scope="module")
-def pdserve_url():
+def pdserve_url(tmp_path_factory):
     """Base URL of a mixed ``pdserve serve --model random:tiny`` worker (one per module)."""
-    proc = PdserveProcess("--model", "random:tiny")
-    url = proc.start()
-    yield url
-    proc.stop()
+    worker = start_worker("worker", "mixed", tmp_path_factory.mktemp("bench-worker"))
+    try:
+        wait_healthy([worker])
+        yield worker.url
+    finally:
+        stop([worker])
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +127,8 @@ def fake_urls():
         ThreadedServer(build_app(variant=0)),
         ThreadedServer(build_app(variant=1, fail_every=3)),
     ]
-    urls = [s.start() for s in servers]
-    yield urls
+    for s in servers:
+        s.start()
+    yield [s.url for s in servers]
     for s in servers:
         s.stop()

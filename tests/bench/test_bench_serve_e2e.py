@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_servers import free_port
 
 from pdserve.cli import main
+from pdserve_procs import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

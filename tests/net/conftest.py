@@ -1,7 +1,6 @@
-"""Makes the namespace helpers and the e2e process helpers importable."""
+"""Makes the namespace helpers importable."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "e2e"))

@@ -1,6 +1,7 @@
-"""In-process servers for the router tests: fake prefill/decode/mixed workers whose
-behaviour the test sets (answer, fail, hang until the client leaves, broken stream), and
-a uvicorn runner in a thread that is joined at stop."""
+"""Fake prefill/decode/mixed workers for the router tests, whose behaviour the test sets
+(answer, fail, hang until the client leaves, broken stream, event gates); they run in
+``pdserve.http.netutil.ThreadedServer`` (uvicorn on a thread, joined at stop), the one
+in-process server of the package and the tests."""
 
 from __future__ import annotations
 
@@ -9,42 +10,8 @@ import json
 import threading
 import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from pdserve.http.netutil import GracefulServer
-
-
-class ThreadedServer:
-    """Runs an ASGI app with uvicorn on 127.0.0.1:<free port> in a thread; ``stop()`` joins."""
-
-    def __init__(self, app) -> None:
-        self.server = GracefulServer(
-            uvicorn.Config(
-                app,
-                host="127.0.0.1",
-                port=0,
-                log_level="warning",
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        assert not self.thread.is_alive()
 
 
 async def _wait_for(event: threading.Event, what: str, timeout: float = 60.0) -> None:

@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fake_workers import FakeWorker, ThreadedServer
+from fake_workers import FakeWorker
 
 from pdserve.config import RouterConfig
+from pdserve.http.netutil import ThreadedServer
 from pdserve.router.app import build_router_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,7 +28,8 @@ def servers():
 
     def start(app) -> str:
         server = ThreadedServer(app)
-        url = server.start()
+        server.start()
+        url = server.url
         started.append(server)
         return url
 

@@ -12,9 +12,10 @@ import time
 
 import httpx
 import pytest
-from fake_workers import FakeWorker, ThreadedServer
+from fake_workers import FakeWorker
 
 from pdserve.config import RouterConfig
+from pdserve.http.netutil import ThreadedServer
 from pdserve.router.app import build_router_app
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.timeout(60)
 def setup():
     prefill, decode = FakeWorker("prefill"), FakeWorker("decode")
     servers = [ThreadedServer(prefill.app), ThreadedServer(decode.app)]
-    p_url, d_url = (s.start() for s in servers)
+    for s in servers:
+        s.start()
+    p_url, d_url = (s.url for s in servers)
     config = RouterConfig(
         prefill_urls=(p_url,),
         decode_urls=(d_url,),
@@ -34,7 +37,8 @@ def setup():
         health_failure_threshold=1,
     )
     router = ThreadedServer(build_router_app(config))
-    url = router.start()
+    router.start()
+    url = router.url
     try:
         yield prefill, decode, url
     finally:
@@ -222,7 +226,8 @@ def test_request_timeout_gives_504_and_cancels_both_legs(setup):
     p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
     config = RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=0.5)
     router = ThreadedServer(build_router_app(config))
-    r_url = router.start()
+    router.start()
+    r_url = router.url
     try:
         _wait_health(r_url, 200, timeout=30)
         r = httpx.post(r_url + "/generate", json={"text": "x"}, timeout=60)
@@ -265,7 +270,8 @@ def test_a_worker_of_the_wrong_role_is_never_used(setup):
     p_url = httpx.get(setup[2] + "/get_server_info").json()["workers"][0]["url"]
     wrong = RouterConfig(prefill_urls=(p_url,), decode_urls=(p_url,), health_check_interval=0.1)
     router = ThreadedServer(build_router_app(wrong))
-    url = router.start()
+    router.start()
+    url = router.url
     try:
         assert httpx.get(url + "/health").status_code == 503
         info = httpx.get(url + "/get_server_info").json()["workers"]
@@ -318,7 +324,8 @@ def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
     router = ThreadedServer(
         build_router_app(RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,)))
     )
-    r_url = router.start()
+    router.start()
+    r_url = router.url
     stopper = threading.Thread(target=router.stop)  # should_exit: uvicorn's SIGTERM path
     try:
         lines = []

@@ -1,12 +1,13 @@
-"""Real pdserve processes for the server/router/e2e tests: start workers and routers on
-free ports, wait until healthy, assert per-process health (naming the process and what
-failed), and stop them (terminate, then kill) at teardown."""
+"""The one process launcher of the tests: real pdserve processes (workers, routers) on
+free ports, waiting until healthy, per-process health (naming the process and what
+failed), and stopping them (terminate, then kill) at teardown. Importable from every test
+folder (``tests`` is on pytest's pythonpath); in-process servers are
+``pdserve.http.netutil.ThreadedServer``."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.http.netutil import free_port
+
 TINY = "random:tiny"
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (the process binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

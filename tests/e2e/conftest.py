@@ -1,6 +1,0 @@
-"""Makes the process helpers importable (``import pdserve_procs``)."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
