@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve.disagg.base import ROLES
+
 EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
 
 
@@ -138,7 +140,7 @@ class DisaggConfig:
     advertise_host: str | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ("mixed", "prefill", "decode"):
+        if self.role not in ROLES:
             raise ValueError(f"role must be mixed, prefill or decode, got {self.role!r}")
         if self.transfer_backend not in ("nixl", "fake"):
             raise ValueError(

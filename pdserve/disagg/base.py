@@ -20,6 +20,15 @@ from typing import Any
 
 PROTOCOL_VERSION = 2  # 2: RoomDest.skip_pages (decode holds a cached prefix)
 
+# Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
+# router draws them and the worker checks them.
+ROOM_LIMIT = 2**63
+
+# Worker roles: a mixed worker runs whole requests; prefill and decode workers split them.
+ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE = "mixed", "prefill", "decode"
+PD_ROLES = (ROLE_PREFILL, ROLE_DECODE)
+ROLES = (ROLE_MIXED, *PD_ROLES)
+
 # OpenAI allows at most 20 top_logprobs; the aux record has room for that many.
 MAX_TOP_LOGPROBS = 20
 

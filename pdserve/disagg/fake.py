@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from pdserve.disagg.base import AuxRecord, KVArgs, KVManager, KVPoll, KVReceiver, KVSender
+from pdserve.disagg.base import PD_ROLES, AuxRecord, KVArgs, KVManager, KVPoll, KVReceiver, KVSender
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.rooms import FailureInjector, RoomHandle, RoomTable, check_room
 
@@ -54,7 +54,7 @@ class FakeKVManager(KVManager):
     """A manager of either role that completes every room at once (see module doc)."""
 
     def __init__(self, args: KVArgs, role: str) -> None:
-        if role not in ("prefill", "decode"):
+        if role not in PD_ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role = role
         self._args = args

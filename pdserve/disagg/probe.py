@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pdserve import envs
+from pdserve.disagg.base import PD_ROLES
 
 
 @dataclass
@@ -165,7 +166,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--role",
-        choices=("prefill", "decode"),
+        choices=PD_ROLES,
         default="prefill",
         help="whose thread count to pass (prefill 8, decode 0 unless configured)",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.disagg.base import KVArgs, KVManager
+from pdserve.disagg.base import PD_ROLES, KVArgs, KVManager
 
 # name -> (module, factory function(args, role, bootstrap_host=, bootstrap_port=) -> KVManager)
 _BACKENDS: dict[str, tuple[str, str]] = {
@@ -38,7 +38,7 @@ def create_kv_manager(
     """
     if name not in _BACKENDS:
         raise ValueError(f"transfer backend name must be one of {sorted(_BACKENDS)}, got {name!r}")
-    if role not in ("prefill", "decode"):
+    if role not in PD_ROLES:
         raise ValueError(f"role must be prefill or decode, got {role!r}")
     if not 0 <= bootstrap_port <= 65535:
         raise ValueError(f"bootstrap_port must be in [0, 65535], got {bootstrap_port}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import KVReceiver, KVSender
+from pdserve.disagg.base import PD_ROLES, KVReceiver, KVSender
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.penalties import PenaltyTokens
@@ -40,7 +40,7 @@ class DisaggRequestInfo:
     fake: bool = False
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in PD_ROLES:
             raise ValueError(f"disagg.role must be prefill or decode, got {self.role!r}")
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(

@@ -17,6 +17,7 @@ import random
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
@@ -26,7 +27,6 @@ from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
 
-ROOM_LIMIT = 2**63  # rooms are 63-bit: [0, 2**63)
 MAX_ROOMS_PER_REQUEST = 1024  # cap on n reserved per request (workers reject larger n)
 
 

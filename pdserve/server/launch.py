@@ -8,6 +8,7 @@ import sys
 
 from pdserve import envs
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig, default_of
+from pdserve.disagg.base import ROLES
 from pdserve.server.engine_args import add_engine_args, engine_config_from_args
 
 log = logging.getLogger("pdserve.server")
@@ -26,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--role",
-        choices=("mixed", "prefill", "decode"),
+        choices=ROLES,
         default=d("role"),
         help="mixed serves whole requests; prefill/decode serve one half each (default %(default)s)",
     )

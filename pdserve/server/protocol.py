@@ -28,10 +28,9 @@ from pydantic import (
     field_validator,
 )
 
+from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.server.structured import GuidedFields, ResponseFormatField
 from pdserve.server.tools import ToolFields, ToolMessageFields
-
-ROOM_LIMIT = 2**63  # bootstrap rooms are 63-bit
 
 
 class _Body(BaseModel):

@@ -11,13 +11,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.base import DuplicateRoomError
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import ROOM_LIMIT
 
 
 class APIError(Exception):

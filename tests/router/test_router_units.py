@@ -8,7 +8,8 @@ import random
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.router.dispatch import ROOM_LIMIT, Dispatcher, _num_samples
+from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.router.dispatch import Dispatcher, _num_samples
 from pdserve.router.merge import merge_prompt_logprobs
 from pdserve.router.policies import WorkerState, create_policy, routing_key
 
