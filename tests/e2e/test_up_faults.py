@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from pdserve_procs import (
     TINY,
     Proc,
