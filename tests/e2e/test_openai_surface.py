@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from pd_compare import assert_same, fold, pair, post, sse
+
 from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)

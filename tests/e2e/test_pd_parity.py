@@ -12,6 +12,7 @@ import threading
 import httpx
 import openai
 import pytest
+
 from pdserve_procs import (
     assert_all_healthy,
     build_eos_model,

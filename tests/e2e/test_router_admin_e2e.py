@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import pytest
+
 from pdserve_procs import start_router, start_worker, stop, wait_for, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)

@@ -16,8 +16,9 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
 from test_pd_parity import assert_same
+
+from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 

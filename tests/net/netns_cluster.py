@@ -16,6 +16,7 @@ from pathlib import Path
 
 import netns
 import pytest
+
 from pdserve_procs import TINY, Proc, stop, wait_healthy
 
 WORKER_PORT, MIXED_PORT, ROUTER_PORT, BOOTSTRAP_PORT = 30000, 30001, 8000, 8998

@@ -22,6 +22,7 @@ import sys
 import httpx
 import pytest
 from netns_cluster import BOOTSTRAP_PORT, TCP_ONLY, pd_cluster, run_in
+
 from pdserve_procs import wait_for
 
 pytestmark = pytest.mark.timeout(600)

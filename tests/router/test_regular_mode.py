@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+
 from pdserve_procs import (
     assert_all_healthy,
     start_router,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pdserve_procs import assert_all_healthy, start_worker, stop, wait_healthy
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.server.field_policy import MAX_FIELD_LABELS, FieldPolicy, unknown_fields
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pdserve.server.serving import APIError
+from pdserve_procs import assert_all_healthy, start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import pytest
+
 from pdserve_procs import Proc, assert_all_healthy, start_worker, stop, wait_for, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
