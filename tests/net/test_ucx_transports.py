@@ -81,6 +81,9 @@ def test_the_log_reads_incrementally_relays_warnings_and_reports_each_config_onc
     snap = log.snapshot()
     assert snap["log_file"] == str(path)
     assert [e["transports"][0] for e in snap["endpoints"]] == ["tcp/eth0"]
+    log.close()
+    assert not path.exists()
+    log.close()  # idempotent
 
 
 def test_install_leaves_a_users_ucx_settings_alone(monkeypatch, tmp_path):

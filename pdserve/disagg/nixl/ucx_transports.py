@@ -16,6 +16,7 @@ several peers reports one entry per distinct way, not per peer.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -186,10 +187,12 @@ class UcxTransportLog:
 
         self._thread = threading.Thread(target=run, name="pdserve-ucx-log", daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # the worker's normal exit (SIGTERM through uvicorn)
 
     def close(self) -> None:
-        """Stop the thread, relay what is left."""
+        """Stop the thread, relay what is left, delete the file (idempotent)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self.poll()
+        self.path.unlink(missing_ok=True)
