@@ -65,13 +65,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale() -> list[str]:
-    """Delete namespaces (and hosts files) of earlier runs whose process is gone."""
+    """Delete namespaces (and hosts files) of earlier runs whose process is gone, killing
+    the processes still running inside them."""
     out = _ip("netns", "list", check=False).stdout
     removed = []
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NAME.match(name)
         if m and not _pid_alive(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:  # servers a killed run left running in its namespace
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
             _ip("netns", "del", name, check=False)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
             removed.append(name)
