@@ -93,6 +93,14 @@ DISAGGREGATION_HEARTBEAT_MAX_FAILURE = EnvVar(
     2,
     "Consecutive missed heartbeats after which every room of that prefill peer fails.",
 )
+DISAGGREGATION_QUARANTINE_BOUND = EnvVar(
+    "PDSERVE_DISAGGREGATION_QUARANTINE_BOUND",
+    float,
+    60.0,
+    "Seconds after which decode pages quarantined for a prefill peer (declared dead but "
+    "not known gone, so it may still WRITE) mark that peer unhealthy in /get_server_info "
+    "and the metrics. The pages stay quarantined: they are never freed on a timeout.",
+)
 DISAGGREGATION_NIXL_NUM_THREADS = EnvVar(
     "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS",
     int,

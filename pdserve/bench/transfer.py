@@ -2,7 +2,10 @@
 processes through the real KV managers, against a contiguous copy of the same bytes in
 one process (numpy ``copyto`` on CPU, ``torch`` device-to-device ``copy_`` on CUDA).
 
-The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
+Rows, interleaved in one run: the request through the managers (until prefill, and until
+decode, see ``Success``), a *raw NIXL* WRITE of the same bytes between the same two
+processes (one descriptor, NIXL alone), the contiguous copy, and a one-page request (the
+fixed cost).  The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
 (``--kv-order``: ``layer_major`` or ``page_major``); the request's
 pages are scattered over the pool (runs of ``--run-len`` consecutive pages, shuffled) on
 both sides. The transfer time is ``send()`` until the sender polls ``Success`` (NIXL
@@ -20,6 +23,7 @@ import multiprocessing as mp
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -50,6 +54,7 @@ class TransferBenchConfig:
     seed: int = 0
     hugepages: bool = True
     kv_order: str = "page_major"
+    pattern: str = "served"
 
     def __post_init__(self) -> None:
         if self.model_shape not in MODEL_SHAPES:
@@ -68,6 +73,8 @@ class TransferBenchConfig:
         from pdserve.engine.kv_layout import check_order
 
         check_order(self.kv_order)
+        if self.pattern not in ("served", "runs"):
+            raise ValueError(f"pattern must be served or runs, got {self.pattern!r}")
 
     @property
     def num_pages(self) -> int:
@@ -139,8 +146,10 @@ def _digest(cfg: TransferBenchConfig, kv, pages: list[int]) -> str:
     return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
 
-def _decode_main(conn, cfg: TransferBenchConfig, pages: list[int], host: str, port: int) -> None:
-    """Decode process: one receiver per room asked for, onto ``pages``."""
+def _decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
+    """Decode process: a receiver per room asked for (onto the pages given), the raw
+    NIXL target, digests of pages."""
+    from pdserve.bench.transfer_raw import RawSide
     from pdserve.disagg.base import KVPoll
     from pdserve.disagg.registry import create_kv_manager
 
@@ -151,20 +160,27 @@ def _decode_main(conn, cfg: TransferBenchConfig, pages: list[int], host: str, po
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    raw = None
     while True:
         cmd, arg = conn.recv()
         if cmd == "room":
-            r = mgr.create_receiver(host, port, arg)
+            room, pages = arg
+            r = mgr.create_receiver(host, port, room)
             while r.poll() < KVPoll.WaitingForInput and r.poll() != KVPoll.Failed:
                 time.sleep(0.0005)
             if r.poll() != KVPoll.Failed:
                 r.init(pages, 0)
             while r.poll() not in (KVPoll.Success, KVPoll.Failed):
-                time.sleep(0.0005)
-            conn.send((r.poll().name, str(r.failure_exception() or "")))
+                time.sleep(0)  # busy, but yields the GIL to the manager's threads
+            done_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at))
             r.close()
+        elif cmd == "raw":
+            raw = RawSide(args, "decode", arg)
+            threading.Thread(target=raw.serve, daemon=True).start()  # the target progresses
+            conn.send((raw.metadata(), raw.desc()))
         elif cmd == "digest":
-            conn.send(_digest(cfg, kv, pages))
+            conn.send(_digest(cfg, kv, arg))
         else:
             mgr.shutdown()
             conn.send("bye")
@@ -177,14 +193,24 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     import numpy as np
     import torch
 
+    from pdserve.bench.transfer_raw import RawSide, served_pages
     from pdserve.disagg.base import AuxRecord, KVPoll
     from pdserve.disagg.registry import create_kv_manager
+    from pdserve.engine.page_runs import paired_runs
 
     kv, aux, args = _pool(cfg)
+    lay = _layout(cfg)
     kv.view(torch.uint8).random_(generator=torch.Generator(kv.device).manual_seed(cfg.seed))
-    src = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 1)
-    dst = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 2)
-    nbytes = cfg.num_pages * sum(args.kv_item_lens)
+    if cfg.pattern == "served":
+        src = served_pages(cfg.num_pages, cfg.pool_pages, cfg.seed + 1)
+        dst = served_pages(cfg.num_pages, cfg.pool_pages, cfg.seed + 2)
+    else:
+        src = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 1)
+        dst = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 2)
+    # the one-page request: a page outside the big request's on each side
+    one_src = [min(set(range(cfg.pool_pages)) - set(src))]
+    one_dst = [min(set(range(cfg.pool_pages)) - set(dst))]
+    nbytes = cfg.num_pages * lay.page_bytes
     prefill = create_kv_manager(
         "nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0
     )
@@ -192,7 +218,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(
         target=_decode_main,
-        args=(child_conn, cfg, dst, "127.0.0.1", prefill.bootstrap_port),
+        args=(child_conn, cfg, "127.0.0.1", prefill.bootstrap_port),
         daemon=True,
     )
     child.start()
@@ -215,42 +241,68 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             np.copyto(host_dst, host_src)
             return time.perf_counter() - t
 
-    def transfer(room: int) -> float:
-        conn.send(("room", room))
+    def transfer(room: int, src: list[int] = src, dst: list[int] = dst) -> tuple[float, float]:
+        """One room through the managers: seconds from ``send`` until prefill polls
+        ``Success``, and until decode does."""
+        conn.send(("room", (room, dst)))
         s = prefill.create_sender(room)
         while s.poll() == KVPoll.Bootstrapping:
             time.sleep(0.0005)
+        t = d_done = time.perf_counter()
         if s.poll() == KVPoll.WaitingForInput:
             s.init(len(src), 0)
             t = time.perf_counter()
-            s.send(src, AuxRecord(room, 1, -0.5))
+            s.send(src, last=True, aux=AuxRecord(room, 1, -0.5))
             while s.poll() == KVPoll.Transferring:
-                time.sleep(0.0001)
-            elapsed = time.perf_counter() - t
+                time.sleep(0)  # busy, but yields the GIL to the transfer workers
+        elapsed = time.perf_counter() - t
         state, error = s.poll(), s.failure_exception()
         s.close()
-        d_state, d_error = conn.recv()
+        d_state, d_error, d_done = conn.recv()
         if state != KVPoll.Success or d_state != "Success":
             raise RuntimeError(
                 f"transfer of room {room} failed: prefill {state.name} {error or ''}; "
                 f"decode {d_state} {d_error}"
             )
-        return elapsed
+        return elapsed, d_done - t
 
+    raw = None
     try:
         status, detail = (
             conn.recv() if conn.poll(120) else ("error", "decode did not start within 120 s")
         )
         if status != "ok":
             raise RuntimeError(f"decode process: {detail}")
+        conn.send(("raw", nbytes))
+        raw = RawSide(args, "prefill", nbytes)
+        raw.connect(*conn.recv())
         transfer(1)  # warm-up: connection, registration caches
+        transfer(2, one_src, one_dst)
+        raw.write()
         copy()
-        times: dict[str, list[float]] = {"nixl": [], "copy": []}
+        names = ("nixl", "nixl_decode", "raw_nixl", "copy", "one_page", "one_page_decode")
+        times: dict[str, list[float]] = {k: [] for k in names}
         for i in range(cfg.repeats):
-            order = (("nixl", lambda i=i: transfer(100 + i)), ("copy", copy))
-            for name, fn in order if i % 2 == 0 else order[::-1]:
-                times[name].append(fn())
-        conn.send(("digest", None))
+
+            def request(i=i) -> None:
+                p, d = transfer(100 + i)
+                times["nixl"].append(p)
+                times["nixl_decode"].append(d)
+
+            def one(i=i) -> None:
+                p, d = transfer(10_000 + i, one_src, one_dst)
+                times["one_page"].append(p)
+                times["one_page_decode"].append(d)
+
+            order = [
+                request,
+                lambda: times["raw_nixl"].append(raw.write()),
+                lambda: times["copy"].append(copy()),
+                one,
+            ]
+            for fn in order if i % 2 == 0 else order[::-1]:
+                fn()
+        conn.send(("digest", dst))
         ok = conn.recv() == _digest(cfg, kv, src)
         conn.send(("quit", None))
         conn.recv()
@@ -263,6 +315,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         raise RuntimeError("decode's pages differ from prefill's after the transfer")
     med = {k: statistics.median(v) for k, v in times.items()}
     runs = sum(1 for i, p in enumerate(src) if i == 0 or p != src[i - 1] + 1)
+    big = ("nixl", "nixl_decode", "raw_nixl", "copy")
     result = {
         "config": asdict(cfg),
         "bytes": nbytes,
@@ -270,10 +323,17 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         "buffers": len(args.kv_data_ptrs),
         "page_bytes_per_buffer": args.kv_item_lens[0],
         "source_page_runs": runs,
+        "dest_page_runs": sum(1 for i, p in enumerate(dst) if i == 0 or p != dst[i - 1] + 1),
+        # descriptors one request posts: page ids x buffers, and after NIXL merges the
+        # runs that are consecutive on both sides
+        "descriptors_posted": cfg.num_pages * lay.descs_per_page,
+        "descriptors_merged": paired_runs(src, dst) * lay.descs_per_page,
         "data_checked": ok,
         "median_s": med,
-        "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "gbps": {k: nbytes / med[k] / 1e9 for k in big},
         "ratio": med["copy"] / med["nixl"],
+        "ratio_to_raw_nixl": med["raw_nixl"] / med["nixl"],
+        "fixed_cost_s": {"prefill": med["one_page"], "decode": med["one_page_decode"]},
         "times_s": times,
         "host": platform.node(),
         "env": {
@@ -292,18 +352,34 @@ def _print(result: dict) -> None:
         f"KV transfer: {c['model_shape']} (L={layers}, Hkv={heads}, D={dim}), {c['dtype']}, prompt "
         f"{c['prompt_len']} tokens, page {c['page_size']} -> {result['pages']} pages x {result['buffers']} buffers "
         f"of {result['page_bytes_per_buffer']} B ({c['kv_order']}) = {result['bytes'] / 2**20:.1f} MiB on {c['device']}; "
-        f"pages scattered in runs of {c['run_len']} ({result['source_page_runs']} runs); "
+        f"page pattern {c['pattern'] if c['pattern'] == 'served' else 'runs of ' + str(c['run_len'])}; "
         f"{'huge' if c['hugepages'] and c['device'] == 'cpu' else 'default'} host pages; "
         f"{c['repeats']} interleaved repeats, medians"
     )
     for name, label in (
-        ("nixl", "NIXL WRITE, prefill -> decode (2 processes)"),
+        ("nixl", "NIXL WRITE via the managers, until prefill Success"),
+        ("nixl_decode", "  ... until decode sees Success"),
+        ("raw_nixl", "raw NIXL WRITE, same bytes, one descriptor"),
         ("copy", "contiguous copy, 1 process (reference)"),
     ):
         print(
-            f"  {label:<46} {result['median_s'][name] * 1e3:9.2f} ms {result['gbps'][name]:8.2f} GB/s"
+            f"  {label:<52} {result['median_s'][name] * 1e3:9.3f} ms "
+            f"{result['gbps'][name]:8.2f} GB/s"
         )
-    print(f"  ratio NIXL / copy: {result['ratio']:.2f}   data checked: {result['data_checked']}")
+    fixed = result["fixed_cost_s"]
+    print(
+        f"  one-page request (fixed cost): prefill {fixed['prefill'] * 1e3:.3f} ms, "
+        f"decode {fixed['decode'] * 1e3:.3f} ms"
+    )
+    print(
+        f"  descriptors: {result['descriptors_posted']} posted, {result['descriptors_merged']} "
+        f"after merging adjacent pages ({result['source_page_runs']} source / "
+        f"{result['dest_page_runs']} destination runs)"
+    )
+    print(
+        f"  ratio NIXL / copy: {result['ratio']:.3f}   NIXL / raw NIXL: "
+        f"{result['ratio_to_raw_nixl']:.3f}   data checked: {result['data_checked']}"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -321,6 +397,7 @@ def _run(args: argparse.Namespace) -> int:
             args.seed,
             args.hugepages,
             args.kv_order,
+            args.pattern,
         )
     except ValueError as exc:
         print(f"pdserve bench transfer: error: {exc}", file=sys.stderr)
@@ -371,6 +448,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--kv-order",
         default=d.kv_order,
         help="physical order of both pools: layer_major or page_major (pdserve.engine.kv_layout)",
+    )
+    p.add_argument(
+        "--pattern",
+        default=d.pattern,
+        choices=("served", "runs"),
+        help="page lists: served = the real allocator's after a churn of mixed-length "
+        "requests; runs = runs of --run-len consecutive pages, shuffled",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     p.set_defaults(func=_run)

@@ -5,9 +5,10 @@ The engine never imports a backend; it gets a :class:`KVManager` from
 
 Page ownership rule (both sides): pages handed to ``KVSender.send`` or
 ``KVReceiver.init`` belong to the transfer layer until ``poll()`` has returned a terminal
-state (``Success`` or ``Failed``). ``abort()`` only *asks* for termination; the engine
-frees the pages after it then sees a terminal poll (bounded by the timeouts and the
-heartbeat), and calls ``close()`` exactly once, which releases the room id.
+state (``Success`` or ``Failed``) and, on decode, ``holds_pages()`` is False (a room whose
+prefill may still WRITE stays quarantined: never freed on a timeout alone). ``abort()``
+only *asks* for termination; the engine frees the pages after that, and calls
+``close()`` exactly once, which releases the room id.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: RoomDest.skip_pages (decode holds a cached prefix)
+# 2: RoomDest.skip_pages (decode holds a cached prefix), KVLayout.kv_order.
+# 3: chunked sending (a room's pages in several send() batches, one XferDone), Ping.
+PROTOCOL_VERSION = 3
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
 # router draws them and the worker checks them.
@@ -171,9 +174,18 @@ class KVSender(ABC):
         """Declare how many pages the prompt will send and which local aux slot to use."""
 
     @abstractmethod
-    def send(self, page_ids: list[int], aux: AuxRecord) -> None:
-        """Post the WRITE of ``page_ids`` (all layers, in prompt order) and the aux record.
-        Only valid once ``poll() >= WaitingForInput``."""
+    def send(self, page_ids: list[int], *, last: bool, aux: AuxRecord | None = None) -> None:
+        """Post the WRITE of the prompt's next ``page_ids`` (all layers, prompt order,
+        following those of earlier calls), so the pages of a chunked prefill move while
+        the next chunk is computed.  Before the last call only full pages may be sent;
+        the call with ``last=True`` sends the rest (the partial page included; possibly no
+        page) and carries ``aux``, which the transfer layer alone writes into the room's
+        aux slot.  The pages of every call count toward ``init``'s ``num_pages``.
+        Valid once ``poll() >= WaitingForInput``; ``Transferring`` after the first call,
+        ``Success`` once every call's WRITEs and the aux record are in decode's memory.
+        ValueError: ``aux`` missing on the last call (or given before it), its room
+        differs, or more pages than declared; RuntimeError: called in another state or
+        after the last call."""
 
     @abstractmethod
     def poll(self) -> KVPoll:
@@ -207,6 +219,14 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def failure_exception(self) -> Exception | None: ...
+
+    def holds_pages(self) -> bool:
+        """True while a peer that may still WRITE into the room's pages cannot be ruled
+        out (its prefill was declared dead by the heartbeat but not known gone): the
+        engine keeps the pages out of use, even after a terminal poll, until this turns
+        False; then it frees them and calls ``close()``. Backends whose peers cannot
+        write late keep the default."""
+        return False
 
     @abstractmethod
     def aux_record(self) -> AuxRecord:

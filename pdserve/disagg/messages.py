@@ -5,7 +5,7 @@ Three channels use them:
   ``/health`` answers :class:`HealthInfo` (decode's heartbeat).
 - ZMQ control (msgpack, decode DEALER <-> prefill ROUTER): :class:`Envelope` holding
   :class:`Hello`, :class:`RoomDest`, :class:`RoomAbort` (decode -> prefill) or
-  :class:`RoomStatus` (prefill -> decode).
+  :class:`RoomStatus` / :class:`Ping` (prefill -> decode).
 - NIXL notification (msgpack): :class:`XferDone`, posted by prefill after a room's WRITEs
   completed.
 A message of another protocol version is rejected with :class:`WireError` naming both versions.
@@ -103,7 +103,15 @@ class RoomStatus(msgspec.Struct, frozen=True, tag="status"):
     kind: str
 
 
-ControlMessage = Union[Hello, RoomDest, RoomAbort, RoomStatus]  # noqa: UP007 (a runtime value)
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Prefill -> decode, about once a second to each decode peer: ZMQ refuses to route
+    it once that decode's connection is gone, which is how prefill forgets dead peers
+    (their NIXL agent and prepared descriptor lists). Decode ignores it."""
+
+    prefill_instance: str
+
+
+ControlMessage = Union[Hello, RoomDest, RoomAbort, RoomStatus, Ping]  # noqa: UP007 (a runtime value)
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -1,9 +1,13 @@
 """The engine's side of prefill/decode disaggregation (rules in docs/architecture.md).
 
 Prefill role: the request waits without pages until ``sender.poll() >= WaitingForInput``,
-then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after its last
-prefill chunk the first token is sampled, the aux record written and
-``sender.send(pages, aux)`` posted; at ``Success`` it finishes with that one token.
+then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after each
+prefill chunk the pages it filled are posted (``sender.send(pages, last=False)``: the
+transfer of a long prompt overlaps its own compute); after the last chunk the first token
+is sampled and ``sender.send(rest, last=True, aux=record)`` posts the remaining pages
+(the partial one included) and the aux record, which only the transfer layer writes; at
+``Success`` it finishes with that one token.  A request with pages sent is never
+preempted and its pages are freed only after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot: the leading full pages it already
 holds in its prefix cache are shared, fresh pages cover the rest, and
@@ -31,7 +35,7 @@ from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken, skip_draw
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import BatchPlan, Scheduler
 
 
 def _poll(handle: KVSender | KVReceiver) -> tuple[KVPoll, str | None]:
@@ -49,6 +53,14 @@ def _poll(handle: KVSender | KVReceiver) -> tuple[KVPoll, str | None]:
         failure = handle.failure_exception()
         return state, str(failure) if failure else "KV transfer failed"
     return state, None
+
+
+def _holds(handle: KVSender | KVReceiver | None) -> bool:
+    """``handle.holds_pages()``; a backend that raises there keeps the pages (safe side)."""
+    try:
+        return bool(getattr(handle, "holds_pages", lambda: False)())
+    except Exception:  # noqa: BLE001
+        return True
 
 
 class DisaggFlow:
@@ -149,10 +161,16 @@ class DisaggFlow:
                 changed.append(req)
         for item in list(self._draining):
             handle, pages, slot = item
-            if _poll(handle)[0] in (KVPoll.Success, KVPoll.Failed):
+            if _poll(handle)[0] in (KVPoll.Success, KVPoll.Failed) and not _holds(handle):
                 self._draining.remove(item)
                 self._release(handle, pages, slot)
         return changed
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        """Pages kept out of use because a prefill that may still WRITE them was not ruled
+        out (``KVReceiver.holds_pages``)."""
+        return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
     def _start_prefill(self, req: Request) -> None:
         slot = self._pool.allocate_aux_slot()
@@ -205,10 +223,27 @@ class DisaggFlow:
                 failed.append(req)
         return failed
 
+    def send_chunks(self, plan: BatchPlan) -> None:
+        """After a step: every prefill-role request whose prompt is not finished sends the
+        pages its computed tokens fill completely (chunked sending)."""
+        by_id = {r.request_id: r for r in self._live if r.sender is not None}
+        for seq in plan.seqs:
+            req = by_id.get(seq.request_id)
+            if req is None or req.sender is None or seq.sample or req.status is not Status.RUNNING:
+                continue
+            full = min(req.num_computed_tokens // self._pool.page_size, len(req.pages))
+            if full <= req.kv_pages_sent:
+                continue
+            pages, req.kv_pages_sent = req.pages[req.kv_pages_sent : full], full
+            try:
+                req.sender.send(list(pages), last=False)
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+                self.abort(req, reason="error", error=f"KV send failed: {exc}")
+
     def send_prefill(
         self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]
     ) -> None:
-        """After the last prefill chunk: write the aux record and post the transfer."""
+        """After the last prefill chunk: post the remaining pages and the aux record."""
         req.pending_finish = finish
         self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
@@ -221,9 +256,9 @@ class DisaggFlow:
             tuple(t for t, _ in first.top),
             tuple(lp for _, lp in first.top),
         )
-        self._pool.write_aux(req.aux_slot, aux.pack())
+        rest, req.kv_pages_sent = req.pages[req.kv_pages_sent :], len(req.pages)
         try:
-            req.sender.send(list(req.pages), aux)
+            req.sender.send(list(rest), last=True, aux=aux)
         except Exception as exc:  # noqa: BLE001
             self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
@@ -258,7 +293,10 @@ class DisaggFlow:
         """End ``req`` now; its room is aborted and drained (pages the transfer layer may
         hold are freed after a terminal poll, then ``close()``)."""
         if req.status in (Status.WAITING, Status.RUNNING):
-            self._scheduler.remove(req)
+            if req.kv_pages_sent:  # the transfer layer may read them: drained below
+                self._scheduler.take_running(req)
+            else:
+                self._scheduler.remove(req)
         handle = req.sender or req.receiver
         assert handle is not None  # every live request holds a sender or a receiver
         try:
@@ -277,11 +315,15 @@ class DisaggFlow:
         stop_reason: str | int | None = None,
         error: str | None = None,
     ) -> None:
-        """The room reached a terminal state: free everything, close, finish ``req``."""
+        """The room reached a terminal state: free everything, close, finish ``req``
+        (pages a late WRITE may still reach are drained once released instead)."""
         self._live.remove(req)
         handle = req.sender or req.receiver
         assert handle is not None  # every live request holds a sender or a receiver
-        self._release(handle, req.pages, req.aux_slot)
+        if _holds(handle):
+            self._draining.append((handle, req.pages, req.aux_slot))
+        else:
+            self._release(handle, req.pages, req.aux_slot)
         req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
         req.finish(reason, stop_reason, error)
 

@@ -268,6 +268,7 @@ class EngineCore:
             "num_waiting_for_peer": self.disagg.count(Status.WAITING_FOR_PEER),
             "num_transferring": self.disagg.count(Status.TRANSFERRING),
             "num_draining": self.disagg.num_draining,
+            "num_quarantined_pages": self.disagg.num_quarantined_pages,
             "num_free_pages": self.kv.num_available_pages,
             "num_total_pages": self.pool.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -278,7 +279,9 @@ class EngineCore:
 
     # --- internals --------------------------------------------------------------------
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
-        for req, tok in self.scheduler.update_from_output(plan, result):
+        sampled = self.scheduler.update_from_output(plan, result)
+        self.disagg.send_chunks(plan)  # prefill: full pages of finished chunks move now
+        for req, tok in sampled:
             touched[req.request_id] = req
             prefill_role = req.disagg is not None and req.disagg.role == "prefill"
             self._append_token(req, tok, prefill_role)

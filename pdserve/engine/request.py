@@ -110,6 +110,9 @@ class Request:
         self.receiver: KVReceiver | None = None
         self.aux_slot: int | None = None
         self.peer_ready = False  # decode: receiver bootstrapped, waiting for pages
+        # prefill: leading pages already handed to sender.send (chunked sending); while > 0
+        # the transfer layer may read them, so they are never freed or preempted
+        self.kv_pages_sent = 0
         self.pending_finish: tuple[str, str | int | None] = (
             "length",
             None,

@@ -155,11 +155,17 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
             while need > self.kv.num_available_pages and req.status is Status.RUNNING:
-                victim = self.running[-1]
+                # pages handed to a KV sender (chunked sending) are the transfer layer's
+                victim = next((r for r in reversed(self.running) if not r.kv_pages_sent), None)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
             if req.status is not Status.RUNNING:
                 break  # it was the last one and preempted itself
+            if need > self.kv.num_available_pages:
+                i += 1  # only requests whose pages are being sent are left: wait for pages
+                continue
             seqs.append(self._schedule(req, n, need))
             budget -= n
             i += 1

@@ -67,6 +67,9 @@ class Pool:
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)  # scattered page ids
         self.free_slots = list(range(num_slots))
+        self.quarantined: list = []  # (handle, pages, slot) of failed rooms a peer may write
+        self.kept: dict = {}  # room -> (pages, slot) of successful rooms kept for a recheck
+        self.kept_skip = 0
         regions = self.layout.regions(self.kv)
         self.args = KVArgs(
             kv_data_ptrs=tuple(r[0] for r in regions),
@@ -91,6 +94,27 @@ class Pool:
         pages = [self.free_pages.pop() for _ in range(n)]
         return pages, self.free_slots.pop()
 
+    def settle(self) -> None:
+        """Free the pages of terminal rooms whose quarantine ended (``holds_pages``)."""
+        for item in list(self.quarantined):
+            h, pages, slot = item
+            if not getattr(h, "holds_pages", lambda: False)():
+                self.quarantined.remove(item)
+                self.give(pages, slot)
+                h.close()
+
+    def recheck(self) -> bool:
+        """Re-verify the bytes of every kept room, then free them."""
+        ok = all(
+            np.array_equal(self.page(p), pattern(room, i, self.page(p).shape))
+            for room, (pages, _) in self.kept.items()
+            for i, p in enumerate(pages, self.kept_skip)
+        )
+        for pages, slot in self.kept.values():
+            self.give(pages, slot)
+        self.kept.clear()
+        return ok
+
     def give(self, pages: list[int], slot: int) -> None:
         assert not set(pages) & set(self.free_pages), "double free of a page"
         assert slot not in self.free_slots, "double free of an aux slot"
@@ -108,8 +132,16 @@ def _drive(
     send_delay: float,
     limit: float,
     abort_after: dict,
+    chunk: int = 0,
+    skip: int = 0,
+    keep: bool = False,
 ) -> dict:
-    """Drive ``rooms`` ({room: num_pages}) to terminal states; returns per-room results."""
+    """Drive ``rooms`` ({room: num_pages}) to terminal states; returns per-room results.
+    Prefill: ``chunk`` > 0 sends the pages ``chunk`` at a time (``send(last=False)``, then
+    the rest with ``last=True``). Decode: ``skip`` leading pages are declared held
+    (``init(..., skip_pages=skip)``) and not checked; ``keep``: successful rooms keep their
+    pages for ``Pool.recheck``. A terminal room whose pages the manager still holds
+    (``holds_pages``) goes to ``Pool.quarantined`` instead of being freed."""
     handles, held, results, started = {}, {}, {}, {}
     t0 = time.monotonic()
     for room in rooms:
@@ -119,6 +151,7 @@ def _drive(
         started[room] = time.monotonic()
     ready_at: dict[int, float] = {}
     while len(results) < len(handles) and time.monotonic() - t0 < limit:
+        pool.settle()
         for room, h in handles.items():
             if room in results:
                 continue
@@ -133,15 +166,22 @@ def _drive(
                     "t": time.monotonic() - t0,
                 }
                 if role == "decode" and state == KVPoll.Success:
-                    pages = held[room][0]
+                    pages = held[room][0][skip:]
                     res["bytes_ok"] = all(
                         np.array_equal(pool.page(p), pattern(room, i, pool.page(p).shape))
-                        for i, p in enumerate(pages)
+                        for i, p in enumerate(pages, skip)
                     )
                     res["aux_ok"] = h.aux_record() == aux_for(room)
-                if room in held:
-                    pool.give(*held.pop(room))
-                h.close()
+                if room in held and getattr(h, "holds_pages", lambda: False)():
+                    pool.quarantined.append((h, *held.pop(room)))
+                    res["quarantined"] = True
+                elif room in held and keep and state == KVPoll.Success:
+                    pool.kept[room], pool.kept_skip = held.pop(room), skip
+                    h.close()
+                else:
+                    if room in held:
+                        pool.give(*held.pop(room))
+                    h.close()
                 results[room] = res
             elif state >= KVPoll.WaitingForInput and room not in held:
                 got = pool.take(rooms[room])
@@ -155,7 +195,7 @@ def _drive(
                         pool.fill(p, pattern(room, i, pool.page(p).shape))
                     ready_at[room] = time.monotonic() + send_delay
                 else:
-                    h.init(pages, slot)
+                    h.init(pages[skip:], slot, skip_pages=skip)
             if (
                 role == "prefill"
                 and room in ready_at
@@ -164,7 +204,12 @@ def _drive(
             ):
                 pages, slot = held[room]
                 ready_at.pop(room)
-                h.send(pages, aux_for(room))
+                n = 0
+                while chunk and len(pages) - n > chunk:
+                    h.send(pages[n : n + chunk], last=False)
+                    n += chunk
+                    time.sleep(0.001)  # the next chunk's "compute"
+                h.send(pages[n:], last=True, aux=aux_for(room))
         time.sleep(0.002)
     return results
 
@@ -217,7 +262,9 @@ def _child(
                 conn.send(runner["out"])
                 continue
             elif cmd == "state":
+                pool.settle()
                 out = {
+                    "quarantined": len(pool.quarantined),
                     "free_pages": len(pool.free_pages),
                     "num_pages": pool.num_pages,
                     "free_slots": len(pool.free_slots),
@@ -225,6 +272,8 @@ def _child(
                     "healthy": mgr.is_healthy(),
                     "stats": mgr.stats(),
                 }
+            elif cmd == "recheck":
+                out = pool.recheck()
             elif cmd == "reset":  # a new manager (new env) in this process: no re-import cost
                 mgr.shutdown()
                 for key in kw.pop("unset", ()):
@@ -353,8 +402,12 @@ class Peer:
         send_delay: float = 0.0,
         timeout: float = 30.0,
         abort_after: dict | None = None,
+        chunk: int = 0,
+        skip: int = 0,
+        keep: bool = False,
     ) -> None:
-        """Start driving ``rooms`` ({room: num_pages}); collect with :meth:`result`."""
+        """Start driving ``rooms`` ({room: num_pages}); collect with :meth:`result`.
+        ``chunk``/``skip``/``keep``: see ``_drive``."""
         self.call(
             "run",
             rooms=rooms,
@@ -363,6 +416,9 @@ class Peer:
             send_delay=send_delay,
             limit=timeout,
             abort_after=abort_after or {},
+            chunk=chunk,
+            skip=skip,
+            keep=keep,
         )
 
     def result(self, timeout: float = 60.0) -> dict:

@@ -87,8 +87,12 @@ def test_fake_backend_completes_rooms_without_a_peer():
     with pytest.raises(DuplicateRoomError):
         p.create_sender(5)
     assert s.poll() == KVPoll.WaitingForInput
-    s.init(2, 0)
-    s.send([1, 2], AuxRecord(5, 9, -0.5))
+    s.init(3, 0)
+    s.send([1, 2], last=False)  # a chunk: the room is transferring, not done
+    assert s.poll() == KVPoll.Transferring
+    with pytest.raises(ValueError, match="aux"):
+        s.send([3], last=True)
+    s.send([3], last=True, aux=AuxRecord(5, 9, -0.5))
     assert s.poll() == KVPoll.Success
     s.close()
     d.provide_aux(6, AuxRecord(6, 42, -0.25))
@@ -160,6 +164,10 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
             "float32",
             "--repeats",
             "1",
+            "--pattern",
+            "runs",
+            "--kv-order",
+            "layer_major",
             "--json",
             str(out),
         ],
@@ -176,3 +184,21 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
         and result["source_page_runs"] == 16
     )
     assert result["bytes"] == 16 * 60 * 4 * 3 * 64 * 4
+    # every page apart (--run-len 1), 60 buffers a page (30 layers x K, V): nothing merges
+    assert result["descriptors_posted"] == result["descriptors_merged"] == 16 * 60
+    for row in ("nixl", "nixl_decode", "raw_nixl", "copy", "one_page", "one_page_decode"):
+        assert result["median_s"][row] > 0, row
+    assert result["fixed_cost_s"]["prefill"] == result["median_s"]["one_page"]
+    assert result["ratio_to_raw_nixl"] > 0
+
+
+def test_served_pattern_is_what_the_allocator_hands_out():
+    from pdserve.bench.transfer_raw import served_pages
+    from pdserve.engine.page_runs import paired_runs, runs_of
+
+    pages = served_pages(64, 256, seed=3)
+    assert len(pages) == len(set(pages)) == 64 and all(0 <= p < 256 for p in pages)
+    assert served_pages(64, 256, seed=3) == pages  # deterministic
+    assert 1 <= len(runs_of(pages)) < 64  # a busy pool: some runs, far fewer than pages
+    assert paired_runs(pages, pages) == len(runs_of(pages))
+    assert paired_runs([4, 5, 6], [9, 1, 2]) == 2

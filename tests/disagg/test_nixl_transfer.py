@@ -6,6 +6,8 @@ When NIXL cannot be used here these tests fail with the probe's reason (never sk
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -54,6 +56,7 @@ def _nothing_leaked(*peers: Peer) -> None:
         assert state["free_pages"] == state["num_pages"], (peer.role, state)
         assert state["free_slots"] == peer.num_slots, (peer.role, state)
         assert state["live_rooms"] == 0, (peer.role, state)
+        assert state["quarantined"] == 0, (peer.role, state)
         assert state["healthy"], (peer.role, state)
 
 
@@ -80,6 +83,25 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
         "Transferring",
         "Success",
     }
+
+
+@pytest.mark.timeout(120)
+def test_chunked_sends_and_decode_held_prefix_byte_exact(fresh):
+    """Prefill sends each room 2 pages at a time (last=False) then the rest with the aux
+    record; decode declares its first page held (skip_pages=1): every other page arrives
+    byte for byte, one completion per room, nothing leaked."""
+    prefill, decode = fresh
+    rooms = {(1 << 61) + 7 * i: 3 + i % 6 for i in range(24)}  # 3..8 pages: 2..4 sends
+    decode.run(rooms, port=prefill.port, skip=1)
+    prefill.run(rooms, chunk=2)
+    got_d, got_p = decode.result(), prefill.result()
+    assert {r["state"] for r in got_p.values()} == {"Success"}, got_p
+    assert {r["state"] for r in got_d.values()} == {"Success"}, got_d
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
+    _nothing_leaked(prefill, decode)
+    stats_p = prefill.call("state")["stats"]
+    assert stats_p["completion_latency_seconds"]["count"] == len(rooms)
+    assert stats_p["transfers_succeeded"] == len(rooms)
 
 
 @pytest.mark.timeout(120)
@@ -222,3 +244,102 @@ def test_killing_prefill_mid_transfer_fails_decode_rooms_within_heartbeat_bound_
     while decode.call("state")["healthy"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not decode.call("state")["healthy"]
+
+
+FAST_HEARTBEAT = dict(
+    QUICK,
+    PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL="0.2",
+    PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
+    PDSERVE_DISAGGREGATION_QUARANTINE_BOUND="0.5",
+)
+
+
+def _wait(cond, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(240)
+def test_frozen_prefill_resuming_late_cannot_write_into_reused_pages(pair):
+    """A prefill frozen (SIGSTOP) after decode sent its destination is declared dead by the
+    heartbeat: decode's room fails but its pages stay quarantined (counted, the peer
+    reported unhealthy past the bound), so a room of another prefill that takes every
+    other page is never touched when the frozen one resumes (SIGCONT) and WRITEs late:
+    its bytes equal the baseline, and decode's accounting returns to baseline once the
+    frozen prefill ended the room."""
+    _, decode = pair
+    decode.reset(FAST_HEARTBEAT, unset=RESET)
+    frozen, other = Peer("prefill", QUICK, wait=False), Peer("prefill", QUICK, wait=False)
+    frozen.wait(), other.wait()
+    stopped = False
+    try:
+        late = {5000: 4}
+        decode.run(late, port=frozen.port, timeout=60)
+        frozen.run(late, send_delay=1.5, timeout=60)  # WRITEs 1.5 s after the destination
+        _wait(lambda: decode.call("state")["stats"]["rooms"]["Transferring"] == 1, "dest")
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        stopped = True
+        got = decode.result()[5000]
+        assert got["state"] == "Failed" and got.get("quarantined"), got
+        assert "missed 2 heartbeats" in got["error"]
+        state = decode.call("state")
+        assert state["quarantined"] == 1 and state["free_pages"] == state["num_pages"] - 4
+        assert state["stats"]["quarantined_pages"] == 4
+        _wait(lambda: decode.call("state")["stats"]["unhealthy_prefill_peers"], "unhealthy")
+        # every page not quarantined goes to a room of another prefill, kept for a recheck
+        busy = {5001: state["num_pages"] - 4}
+        decode.run(busy, port=other.port, keep=True, timeout=60)
+        other.run(busy, timeout=60)
+        assert decode.result()[5001]["bytes_ok"] and other.result()[5001]["state"] == "Success"
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        stopped = False
+        frozen.result(timeout=60)  # it sent (late) or acknowledged decode's abort
+        _wait(lambda: decode.call("state")["quarantined"] == 0, "quarantine released")
+        assert decode.call("recheck") is True  # the late WRITE did not touch them
+        state = decode.call("state")
+        assert state["stats"]["quarantined_pages"] == 0
+        assert not state["stats"]["unhealthy_prefill_peers"]
+        _nothing_leaked(decode, frozen, other)
+    finally:
+        if stopped:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        frozen.close()
+        other.close()
+
+
+@pytest.mark.timeout(600)
+def test_restart_loop_leaves_remote_agents_and_prepared_lists_flat(fresh):
+    """20 restarts of decode against one prefill, then 20 restarts of prefill against one
+    decode, a room through each pairing: the survivor's remote agents and prepared
+    descriptor lists stay flat (dead or restarted peers are forgotten)."""
+    prefill, decode = fresh
+    decode.reset(FAST_HEARTBEAT, unset=RESET)
+
+    def one_room(room: int) -> None:
+        decode.run({room: 2}, port=prefill.port)
+        prefill.run({room: 2})
+        got = decode.result() | prefill.result()
+        assert {r["state"] for r in got.values()} == {"Success"}, got
+
+    seen = []
+    for i in range(20):  # decode restarts; prefill must forget each old decode
+        decode.reset(FAST_HEARTBEAT, unset=RESET)
+        one_room(7000 + i)
+        stats = prefill.call("state")["stats"]
+        seen.append((stats["remote_agents"], stats["prepared_dlists"]))
+    assert max(a for a, _ in seen) <= 2 and max(d for _, d in seen) <= 2 + 2 * 2, seen
+    _wait(lambda: prefill.call("state")["stats"]["remote_agents"] == 1, "prefill forgets")
+    seen = []
+    for i in range(20):  # prefill restarts (a new port each time); decode forgets the old
+        prefill.reset(QUICK, unset=RESET)
+        one_room(8000 + i)
+        stats = decode.call("state")["stats"]
+        seen.append(stats["remote_agents"])
+    assert max(seen) <= 2, seen
+    _wait(lambda: decode.call("state")["stats"]["remote_agents"] == 1, "decode forgets")
+    _nothing_leaked(prefill, decode)

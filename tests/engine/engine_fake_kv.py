@@ -60,6 +60,7 @@ class FakeSender(_Handle, KVSender):
         super().__init__(manager, room)
         self.init_args = None
         self.sent = None
+        self.chunks: list[list[int]] = []  # page ids of each send() call
         peer = manager.peer.live.get(room) if manager.peer else None
         if manager.auto and peer is not None and peer.init_args is not None:
             self.state = KVPoll.WaitingForInput
@@ -70,16 +71,21 @@ class FakeSender(_Handle, KVSender):
             raise RuntimeError("init refused")
         self.init_args = (num_pages, aux_slot)
 
-    def send(self, page_ids, aux: AuxRecord) -> None:
-        assert self.state == KVPoll.WaitingForInput and self.init_args is not None
-        assert len(page_ids) == self.init_args[0]
-        assert self.manager.pool.read_aux(self.init_args[1]) == aux.pack()  # written before send
-        self.sent = (list(page_ids), aux)
+    def send(self, page_ids, *, last: bool, aux: AuxRecord | None = None) -> None:
+        assert self.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        assert self.init_args is not None and (aux is not None) == last
+        self.chunks.append(list(page_ids))
         self.state = KVPoll.Transferring
+        if not last:
+            return
+        pages = [p for chunk in self.chunks for p in chunk]
+        assert len(pages) == self.init_args[0]
+        self.manager.pool.write_aux(self.init_args[1], aux.pack())  # the transfer layer's write
+        self.sent = (pages, aux)
         receiver = self.manager.peer.live.get(self.room) if self.manager.peer else None
         if self.manager.auto and receiver is not None:
             dst_pages, slot = receiver.init_args
-            sent = list(page_ids)[receiver.skip_pages :]  # decode holds the leading pages
+            sent = pages[receiver.skip_pages :]  # decode holds the leading pages
             assert len(sent) == len(dst_pages) and sent
             dst, src = self.manager.peer.pool, self.manager.pool
             lay = src.kv_layout

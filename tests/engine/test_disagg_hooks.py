@@ -397,3 +397,51 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
     drive(late)
     with pytest.raises(ValueError, match="bound already"):
         EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})
+
+
+def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
+    """A prompt spanning three prefill chunks (8-token budget, 22 tokens, pages of 4): the
+    sender gets the full pages of chunk 1 and 2 as soon as each is computed, then the rest
+    with the aux record; decode's output equals a mixed engine's."""
+    from pdserve.config import SchedulerConfig
+
+    def cfg(prefix_caching):
+        return EngineConfig(
+            model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+            cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=8),
+        )
+
+    p_mgr, d_mgr = FakeManager("prefill"), FakeManager("decode")
+    p_mgr.peer, d_mgr.peer = d_mgr, p_mgr
+    prefill = EngineCore(cfg(False), {"nixl": p_mgr, "fake": FakeManager("prefill")})
+    decode = EngineCore(cfg(False), {"nixl": d_mgr, "fake": FakeManager("decode")})
+    p_mgr.pool, d_mgr.pool = prefill.pool, decode.pool
+    prompt = list(range(500, 522))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    decode.add_request("mixed", prompt, params)
+    want = drive(decode)["mixed"].outputs[0]
+    decode.add_request("d", prompt, params, info("decode", 77))
+    prefill.add_request("p", prompt, params, info("prefill", 77))
+    steps_seen = []
+    for _ in range(50):
+        for core in (prefill, decode):
+            for out in core.step():
+                if out.finished:
+                    steps_seen.append(out)
+        sender = p_mgr.created[-1] if p_mgr.created else None
+        if sender is not None and sender.chunks and sender.sent is None:
+            # pages of finished chunks are sent while the prompt is still being computed
+            assert prefill.stats()["num_running"] == 1
+        if not prefill.has_unfinished_requests() and not decode.has_unfinished_requests():
+            break
+    got = {o.request_id: o for o in steps_seen}
+    sender = p_mgr.created[-1]
+    assert [len(c) for c in sender.chunks] == [2, 2, 2]  # 8 tokens, 16 tokens, the rest
+    pages = [p for c in sender.chunks for p in c]
+    assert sender.sent[0] == pages and len(pages) == 6
+    rest = got["d"].outputs[0]
+    assert rest.token_ids == want.token_ids and rest.text == want.text
+    assert rest.logprobs == want.logprobs
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()

@@ -4,10 +4,23 @@ sends each room's destination, learns of completion, and watches prefill peers.
 Threads: ``bootstrap`` (HTTP lookups grouped per prefill; protocol/layout checks; loads
 the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
-RoomStatus; drains NIXL notifications), ``heartbeat`` (``GET /health`` of every prefill
+RoomStatus), ``notifs`` (NIXL completion notifications: polled back to back while a room
+is transferring, so a finished room is seen within microseconds, else it sleeps on an
+event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
 every room of that prefill fails at once).
+
+Quarantine (a late WRITE must never land in pages given to another request): a room
+whose destination went out and whose prefill was declared dead by the heartbeat fails at
+once, but its pages stay held (``NixlReceiver.holds_pages``) until that prefill
+*incarnation* ends the room (``RoomStatus`` or ``XferDone``: it will not WRITE any more)
+or is known gone (its bootstrap answers as a new instance, or refuses the connection):
+never on a timeout alone. Such a peer is kept as a *suspect* (agent loaded, still
+heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_agent``).
+A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
+``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
+forgotten too, so restarts leave remote agents flat.
 """
 
 from __future__ import annotations
@@ -16,9 +29,11 @@ import base64
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
+import httpx
 import zmq
 
 from pdserve import envs
@@ -64,6 +79,10 @@ from pdserve.disagg.rooms import (
 
 log = logging.getLogger(__name__)
 
+# Poll notifications back to back this long after the last one (or a destination sent),
+# then every 50 us for 50 ms, then every 250 us (a long prefill is not worth a core).
+NOTIF_SPIN_S = 0.002
+
 
 @dataclass
 class PrefillPeer:
@@ -93,12 +112,15 @@ class NixlDecodeManager(KVManager):
         self.waiting_timeout = _positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
         self.heartbeat_interval = _positive(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
         self.heartbeat_max_failure = _positive(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE, int)
+        self.quarantine_bound = _positive(envs.DISAGGREGATION_QUARANTINE_BOUND)
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
+        self._suspects: dict[str, PrefillPeer] = {}  # by instance: dead, may still WRITE
         self._peers_lock = threading.Lock()
         self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
             api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}"
@@ -117,6 +139,7 @@ class NixlDecodeManager(KVManager):
         if start_threads:
             self._threads.start("bootstrap", self._bootstrap_loop)
             self._threads.start("control", self._control_loop)
+            self._threads.start("notifs", self._notif_loop)
             self._threads.start("heartbeat", self._heartbeat_loop)
 
     # --- KVManager ------------------------------------------------------------------------
@@ -149,6 +172,14 @@ class NixlDecodeManager(KVManager):
         return len(self._rooms)
 
     def stats(self) -> dict:
+        quarantined = [r for r in self._rooms.handles() if r.holds_pages()]
+        now = time.monotonic()
+        unhealthy: dict[str, float] = {}
+        for r in quarantined:
+            age = now - (r.quarantined_at or now)
+            if age > self.quarantine_bound:
+                key = f"{r.key[0]}:{r.key[1]}"
+                unhealthy[key] = max(unhealthy.get(key, 0.0), age)
         return dict(
             self._metrics.snapshot(),
             role="decode",
@@ -156,6 +187,11 @@ class NixlDecodeManager(KVManager):
             rooms=self._rooms.count_by_state(),
             live_rooms=len(self._rooms),
             prefill_peers=len(self._peers),
+            suspect_prefill_peers=len(self._suspects),
+            remote_agents=len(self._peers) + len(self._suspects),
+            quarantined_rooms=len(quarantined),
+            quarantined_pages=sum(len(r.dst_pages) for r in quarantined),
+            unhealthy_prefill_peers=unhealthy,  # "host:port" -> oldest quarantine, s
             healthy=self.is_healthy(),
         )
 
@@ -174,6 +210,8 @@ class NixlDecodeManager(KVManager):
     def send(self, peer: PrefillPeer, msg) -> None:
         """Queue a control message to ``peer`` (sent by the control thread)."""
         self._outbox.put((peer.info.control_endpoint, peer.info.instance_id, msg))
+        if isinstance(msg, RoomDest):
+            self._transferring.set()
 
     # --- bootstrap thread ---------------------------------------------------------------------
     def _bootstrap_loop(self, stop: threading.Event) -> None:
@@ -248,30 +286,74 @@ class NixlDecodeManager(KVManager):
             old = self._peers.get(key)
             if old is not None and old.info.instance_id == info.instance_id and not old.dead:
                 return old
+            suspect = self._suspects.get(info.instance_id)
+            if suspect is not None:  # a frozen prefill answers again: its agent is loaded
+                self._suspects.pop(info.instance_id)
+                suspect.dead, suspect.misses = False, 0
+                self._peers[key] = suspect
+                return suspect
         if old is not None:
             self._peer_gone(
                 old, f"prefill {key[0]}:{key[1]} restarted as a new instance", PEER_RESTARTED
             )
+        for s in list(self._suspects.values()):
+            if s.key == key:  # another instance answers at that address: the old one is gone
+                self._peer_gone(s, "", PEER_RESTARTED)
         name = self.engine.add_remote(base64.b64decode(info.agent_metadata))
         peer = PrefillPeer(key, info, name)
         with self._peers_lock:
             self._peers[key] = peer
         return peer
 
-    def _peer_gone(self, peer: PrefillPeer, reason: str, kind: str) -> None:
-        """Every room of ``peer`` fails now (the peer is dead or replaced)."""
+    def _peer_gone(self, peer: PrefillPeer, reason: str, kind: str, gone: bool = True) -> None:
+        """Every room of ``peer`` fails now. ``gone``: the incarnation is known gone (new
+        instance, connection refused), so quarantined pages are released and its agent
+        removed; else (declared dead by the heartbeat) rooms whose destination went out
+        are quarantined, RoomAbort is queued to it, and it is kept as a suspect."""
         with self._peers_lock:
             peer.dead = True
             if self._peers.get(peer.key) is peer:
                 del self._peers[peer.key]
+            if gone:
+                self._suspects.pop(peer.info.instance_id, None)
         for r in self._rooms.handles():
-            if r.peer is peer:
-                r.fail_now(f"room {r.room}: {reason}", kind)
+            if r.peer is not peer:
+                continue
+            if gone:
+                r.release_quarantine()
+            if not r.is_terminal():
+                r.fail_now(f"room {r.room}: {reason}", kind, quarantine=not gone)
+                if r.holds_pages():  # a resumed prefill acknowledges: quarantine ends
+                    self.send(peer, _abort_room(r.room, peer, self.instance_id, reason, kind))
+        if not gone and any(r.peer is peer and r.holds_pages() for r in self._rooms.handles()):
+            with self._peers_lock:
+                self._suspects[peer.info.instance_id] = peer
+            return
+        with self._peers_lock:
+            self._suspects.pop(peer.info.instance_id, None)
+        self._forget_agent(peer)
+
+    def _forget_agent(self, peer: PrefillPeer) -> None:
         if peer.agent_name is not None:
+            name, peer.agent_name = peer.agent_name, None
             try:
-                self.engine.remove_remote(peer.agent_name)
+                self.engine.remove_remote(name)
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+    def _settle_suspects(self) -> None:
+        """Forget suspects none of whose rooms is quarantined any more."""
+        held = {
+            r.peer.info.instance_id
+            for r in self._rooms.handles()
+            if r.peer is not None and r.holds_pages()
+        }
+        with self._peers_lock:
+            done = [s for i, s in self._suspects.items() if i not in held]
+            for s in done:
+                del self._suspects[s.info.instance_id]
+        for s in done:
+            self._forget_agent(s)
 
     # --- control thread ---------------------------------------------------------------------
     def _control_loop(self, stop: threading.Event) -> None:
@@ -282,8 +364,7 @@ class NixlDecodeManager(KVManager):
         greeted: set[tuple[str, str]] = set()
         try:
             while not stop.is_set():
-                busy = any(r.poll_state() == KVPoll.Transferring for r in self._rooms.handles())
-                poller.poll(1 if busy else 20)
+                poller.poll(20)  # control messages wake it (the outbox has a wake socket)
                 for sock in dealers.values():
                     for frames in recv_all(sock):
                         self._on_message(frames[-1])
@@ -301,12 +382,30 @@ class NixlDecodeManager(KVManager):
                         dealer.send(encode_control(_hello_for(self._hello, instance)))
                         greeted.add((endpoint, instance))
                     dealer.send(encode_control(msg))
-                for payloads in self.engine.new_notifs().values():
-                    for payload in payloads:
-                        self._on_notif(payload)
         finally:
             for sock in dealers.values():
                 sock.close(linger=0)
+
+    # --- notification thread ----------------------------------------------------------------
+    def _notif_loop(self, stop: threading.Event) -> None:
+        select_device(self.engine.kv_args)
+        idle_since = time.monotonic()
+        while not stop.is_set():
+            got = False
+            for payloads in self.engine.new_notifs().values():
+                for payload in payloads:
+                    got = True
+                    self._on_notif(payload)
+            now = time.monotonic()
+            if got:
+                idle_since = now
+            if any(r.poll_state() == KVPoll.Transferring for r in self._rooms.handles()):
+                quiet = now - idle_since  # back to back just after activity, then back off
+                time.sleep(0 if quiet < NOTIF_SPIN_S else 50e-6 if quiet < 0.05 else 250e-6)
+            else:
+                self._transferring.clear()
+                self._transferring.wait(0.02)  # notifications of late rooms still drain
+                idle_since = time.monotonic()
 
     def _on_message(self, data: bytes) -> None:
         try:
@@ -342,36 +441,46 @@ class NixlDecodeManager(KVManager):
         client = BootstrapClient()
         try:
             while not stop.wait(self.heartbeat_interval):
-                live = {
-                    r.peer.key: r.peer
-                    for r in self._rooms.handles()
-                    if r.peer is not None and r.peer.agent_name is not None and not r.is_terminal()
-                }
-                for key, peer in live.items():
-                    if peer.dead:
-                        continue
-                    try:
-                        health = client.health(key[0], key[1], self.heartbeat_interval)
-                    except BootstrapError as exc:
-                        peer.misses += 1
-                        if peer.misses >= self.heartbeat_max_failure:
-                            self._peer_gone(
-                                peer,
-                                f"prefill {key[0]}:{key[1]} missed {peer.misses} heartbeats "
-                                f"({exc})",
-                                HEARTBEAT_LOST,
-                            )
-                        continue
-                    if health.instance_id != peer.info.instance_id:
-                        self._peer_gone(
-                            peer,
-                            f"prefill {key[0]}:{key[1]} restarted as a new instance",
-                            PEER_RESTARTED,
-                        )
-                    else:
-                        peer.misses = 0
+                self._heartbeat(client)
         finally:
             client.close()
+
+    def _heartbeat(self, client: BootstrapClient) -> None:
+        """One round: every known peer and suspect (module doc for what a miss means)."""
+        busy = {
+            r.peer.info.instance_id
+            for r in self._rooms.handles()
+            if r.peer is not None and not r.is_terminal()
+        }
+        with self._peers_lock:
+            peers = list(self._peers.values()) + list(self._suspects.values())
+        for peer in peers:
+            key, suspect = peer.key, peer.dead
+            where = f"prefill {key[0]}:{key[1]}"
+            try:
+                health = client.health(key[0], key[1], self.heartbeat_interval)
+            except BootstrapError as exc:
+                refused = isinstance(exc.__cause__, httpx.ConnectError)
+                peer.misses += 1
+                if refused and (suspect or peer.info.instance_id not in busy):
+                    self._peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
+                elif not suspect and peer.misses >= self.heartbeat_max_failure:
+                    self._peer_gone(
+                        peer,
+                        f"{where} missed {peer.misses} heartbeats ({exc})",
+                        HEARTBEAT_LOST,
+                        gone=refused,
+                    )
+                continue
+            if health.instance_id != peer.info.instance_id:
+                self._peer_gone(peer, f"{where} restarted as a new instance", PEER_RESTARTED)
+            else:
+                peer.misses = 0
+        self._settle_suspects()
+
+
+def _abort_room(room: int, peer: PrefillPeer, decode_instance: str, reason: str, kind: str):
+    return RoomAbort(room, peer.info.instance_id, decode_instance, reason, kind)
 
 
 def _hello_for(hello: Hello, prefill_instance: str) -> Hello:

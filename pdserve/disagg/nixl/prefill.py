@@ -26,6 +26,7 @@ from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     HealthInfo,
     Hello,
+    Ping,
     RankInfo,
     RoomAbort,
     RoomDest,
@@ -112,11 +113,14 @@ class NixlPrefillManager(KVManager):
         self.engine = NixlTransferEngine(
             api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
         )
-        self._workers = TransferWorkers(self.engine, self.instance_id, self.transfer_timeout)
+        self._workers = TransferWorkers(
+            self.engine, self.instance_id, self.transfer_timeout, self._metrics
+        )
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error: peer gone
         host = bootstrap_host
         zmq_host = f"[{host}]" if ":" in host else host
         if ":" in host:
@@ -204,6 +208,8 @@ class NixlPrefillManager(KVManager):
             rooms=self._rooms.count_by_state(),
             live_rooms=len(self._rooms),
             decode_peers=len(self._peers),
+            remote_agents=sum(1 for p in self._peers.values() if p.remote is not None),
+            prepared_dlists=self.engine.num_prepared_lists(),
             healthy=self.is_healthy(),
         )
 
@@ -221,9 +227,9 @@ class NixlPrefillManager(KVManager):
         self.engine.close()
 
     # --- used by senders ----------------------------------------------------------------
-    def submit(self, sender: NixlSender) -> None:
-        """Queue a room whose ``send`` was called for a transfer worker."""
-        self._workers.submit(sender)
+    def submit(self, sender: NixlSender, src: list[int], dst: list[int], last: bool) -> None:
+        """Queue one ``send`` of a room for a transfer worker."""
+        self._workers.submit(sender, src, dst, last)
 
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""
@@ -250,15 +256,24 @@ class NixlPrefillManager(KVManager):
             for frames in recv_all(self._router):
                 self._on_message(frames[0], frames[-1])
             for identity, msg in self._outbox.drain():
-                self._router.send_multipart([identity, encode_control(msg)])
+                self._send(identity, msg)
             if time.monotonic() > next_prune:
                 self._prune()
                 next_prune = time.monotonic() + 1.0
 
+    def _send(self, identity: bytes, msg) -> bool:
+        """Send on the ROUTER; False when ZMQ cannot route to ``identity`` (gone)."""
+        try:
+            self._router.send_multipart([identity, encode_control(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:  # that decode's connection is closed
+                return False
+            log.warning("control message to %r not sent: %s", identity, exc)
+            return True
+
     def _reply(self, identity: bytes, room: int, reason: str, kind: str) -> None:
-        self._router.send_multipart(
-            [identity, encode_control(RoomStatus(room, self.instance_id, False, reason, kind))]
-        )
+        self._send(identity, RoomStatus(room, self.instance_id, False, reason, kind))
 
     def _on_message(self, identity: bytes, data: bytes) -> None:
         try:
@@ -266,6 +281,8 @@ class NixlPrefillManager(KVManager):
         except WireError as exc:
             log.warning("dropped a control message from %r: %s", identity, exc)
             return
+        if isinstance(msg, Ping):
+            return  # prefill sends pings; it does not expect any
         if msg.prefill_instance != self.instance_id:
             if not isinstance(msg, Hello):
                 self._reply(
@@ -341,9 +358,26 @@ class NixlPrefillManager(KVManager):
         else:
             sender.peer_abort(abort.reason, abort.kind, identity)
 
+    def _forget_dead_decodes(self) -> None:
+        """Ping every decode peer; one ZMQ can no longer route to is gone (its process
+        ended or restarted as a new instance): release its prepared descriptor lists and
+        remove its NIXL agent, unless a room still holds it (then at the next round)."""
+        used = {id(s.peer) for s in self._rooms.handles() if s.peer is not None}
+        for instance, peer in list(self._peers.items()):
+            if self._send(peer.identity, Ping(self.instance_id)) or id(peer) in used:
+                continue
+            del self._peers[instance]
+            if peer.remote is not None:
+                try:
+                    self.engine.release_remote(peer.remote)
+                    self.engine.remove_remote(peer.remote.agent_name)
+                except Exception as exc:  # noqa: BLE001 - best effort
+                    log.warning("forgetting decode %s: %s", instance, exc)
+
     def _prune(self) -> None:
         """Forget destinations, aborts and endings older than the bootstrap timeout; a
-        destination nobody claimed fails on decode."""
+        destination nobody claimed fails on decode; decode peers that are gone."""
+        self._forget_dead_decodes()
         cutoff = time.monotonic() - self.bootstrap_timeout
         with self._match:
             stale = [(r, v) for r, v in self._pending.items() if v[2] < cutoff]

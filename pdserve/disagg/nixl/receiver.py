@@ -39,6 +39,9 @@ class NixlReceiver(RoomHandle, KVReceiver):
         self.handed_over = False
         self.abort_request: tuple[str, str] | None = None
         self._told_prefill = False
+        # failed while prefill may still WRITE (declared dead, not known gone): the pages
+        # stay out of use until that incarnation ends the room or is known gone
+        self.quarantined_at: float | None = None
 
     # --- engine side --------------------------------------------------------------------
     def _tick(self) -> None:
@@ -148,22 +151,36 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 ),
             )
 
-    def fail_now(self, reason: str, kind: str) -> None:
-        """Terminal at once: the peer is known not to WRITE (mismatch found before any
-        destination was sent, peer dead or restarted)."""
-        self._finish_failed(reason, kind)
+    def holds_pages(self) -> bool:
+        return self.quarantined_at is not None
+
+    def fail_now(self, reason: str, kind: str, quarantine: bool = False) -> None:
+        """Terminal at once. ``quarantine``: the peer was declared dead but may still
+        WRITE, so a room whose destination went out keeps its pages (``holds_pages``)
+        until :meth:`release_quarantine`; else the peer is known not to WRITE (mismatch
+        before any destination, peer restarted or gone)."""
+        with self._lock:
+            if quarantine and self.handed_over and not self.is_terminal():
+                self.quarantined_at = time.monotonic()
+            self._finish_failed(reason, kind)
+
+    def release_quarantine(self) -> None:
+        """That prefill incarnation ended the room or is known gone: the pages are free."""
+        self.quarantined_at = None
 
     def on_status(self, status: RoomStatus) -> None:
-        """Prefill says the room ended there (control thread)."""
+        """Prefill says the room ended there (control thread): it will not WRITE any more."""
         reason, kind = self.abort_request or (
             f"prefill failed room {self.room}: {status.reason}",
             PEER_FAILED,
         )
         self._finish_failed(reason, kind)
+        self.release_quarantine()
 
     def on_done(self) -> None:
         """The completion notification arrived: every WRITE of the room is in our memory."""
         with self._lock:
+            self.release_quarantine()
             if self.is_terminal():
                 return
             if self.abort_request is not None:

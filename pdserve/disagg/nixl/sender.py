@@ -2,10 +2,12 @@
 aux record are WRITTEN by a transfer worker of :class:`~.prefill.NixlPrefillManager`.
 
 States: ``Bootstrapping`` (no destination yet; fails after the bootstrap timeout) ->
-``WaitingForInput`` (destination known) -> ``Transferring`` (``send`` queued/posted) ->
-``Success`` (NIXL reported every WRITE done; decode notified) or ``Failed``. A failure
-asked for while WRITEs are in flight (abort, decode's abort, injection) takes effect when
-they end, so ``Failed`` is never reported while NIXL may still read the pages.
+``WaitingForInput`` (destination known) -> ``Transferring`` (a first ``send`` queued) ->
+``Success`` (NIXL reported every WRITE of every ``send`` done, then decode notified once)
+or ``Failed``. Each ``send`` is one job of the transfer workers (a chunk of the prompt's
+pages; the last one also the aux slot, which only this class writes). A failure asked for
+while WRITEs are in flight (abort, decode's abort, injection) takes effect when they all
+end, so ``Failed`` is never reported while NIXL may still read the pages.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ class NixlSender(RoomHandle, KVSender):
         self.reply_to: bytes | None = None  # decode's ZMQ identity, for RoomStatus
         self.num_pages: int | None = None
         self.aux_slot: int | None = None
-        self.pages: list[int] = []
+        self.pages: list[int] = []  # every page handed to send, prompt order
         self.sent_at = 0.0
-        self.inflight = False  # queued to or posted by a transfer worker
+        self.inflight = 0  # send() jobs queued to or posted by a transfer worker
+        self.last_sent = False
+        self.chunk_error: str | None = None
         self.abort_request: tuple[str, str] | None = None
 
     # --- engine side ------------------------------------------------------------------
@@ -62,31 +66,51 @@ class NixlSender(RoomHandle, KVSender):
             self.num_pages, self.aux_slot = num_pages, aux_slot
             self._check_counts()
 
-    def send(self, page_ids: list[int], aux: AuxRecord) -> None:
+    def send(self, page_ids: list[int], *, last: bool, aux: AuxRecord | None = None) -> None:
+        if last and aux is None or not last and aux is not None:
+            raise ValueError("aux is required with last=True and only then")
+        if aux is not None and aux.room != self.room:
+            raise ValueError(f"aux.room {aux.room} differs from the room {self.room}")
         with self._lock:
             if self.is_terminal():
                 return  # failed meanwhile; the engine sees it at its next poll
-            if self._state != KVPoll.WaitingForInput or self.aux_slot is None:
+            if (
+                self._state not in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                or self.aux_slot is None
+                or self.last_sent
+            ):
                 raise RuntimeError(
-                    f"send() on room {self.room} in state {self._state.name} "
-                    f"(needs WaitingForInput after init)"
+                    f"send() on room {self.room} in state {self._state.name}"
+                    + (" after the last send" if self.last_sent else " (needs init first)")
                 )
-            if aux.room != self.room:
-                raise ValueError(f"aux.room {aux.room} differs from the room {self.room}")
-            self.num_pages = len(page_ids)
-            if not self._check_counts():
-                return
+            first = len(self.pages)
+            if self.num_pages is not None and first + len(page_ids) > self.num_pages:
+                raise ValueError(
+                    f"room {self.room}: {first + len(page_ids)} pages sent, "
+                    f"{self.num_pages} declared in init"
+                )
+            if aux is not None:  # the last send
+                self.num_pages = first + len(page_ids)
+                if not self._check_counts():
+                    return
+                args = self._mgr.engine.kv_args
+                ctypes.memmove(
+                    args.aux_data_ptr + self.aux_slot * args.aux_item_len,
+                    aux.pack(),
+                    AUX_RECORD_BYTES,
+                )
+                self.last_sent = True
             assert self.dest is not None  # WaitingForInput: decode's destination arrived
-            page_ids = page_ids[self.dest.skip_pages :]  # decode holds the leading ones
-            args = self._mgr.engine.kv_args
-            ctypes.memmove(
-                args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux.pack(), AUX_RECORD_BYTES
-            )
-            self.pages = list(page_ids)
-            self._state = KVPoll.Transferring
-            self.sent_at = time.monotonic()
-            self.inflight = True
-        self._mgr.submit(self)
+            skip = self.dest.skip_pages
+            # prompt page i goes to dst_pages[i - skip]; pages decode holds are not written
+            src = [p for i, p in enumerate(page_ids, first) if i >= skip]
+            dst = list(self.dest.dst_pages[max(first - skip, 0) : first + len(page_ids) - skip])
+            self.pages.extend(page_ids)
+            if self._state == KVPoll.WaitingForInput:
+                self._state = KVPoll.Transferring
+                self.sent_at = time.monotonic()
+            self.inflight += 1
+        self._mgr.submit(self, src, dst, last)
 
     def _check_counts(self) -> bool:
         """Fail the room when decode expects another number of pages (caller holds the lock):
@@ -140,10 +164,27 @@ class NixlSender(RoomHandle, KVSender):
         else:
             self._fail(f"decode gave up on room {self.room}: {reason}", kind)
 
-    def transfer_finished(self, error: str | None) -> None:
-        """A transfer worker is done with the room's WRITEs (NIXL no longer touches the pages)."""
+    def chunk_finished(self, error: str | None) -> bool:
+        """A transfer worker is done with one ``send``'s WRITEs (NIXL no longer touches
+        those pages). True when the room's last WRITEs are all done without error: the
+        worker then notifies decode and calls :meth:`transfer_finished`. Else, once
+        nothing is in flight any more, the room ends here."""
         with self._lock:
-            self.inflight = False
+            self.inflight -= 1
+            self.chunk_error = self.chunk_error or error
+            if self.inflight > 0:
+                return False
+            if self.chunk_error is None and self.abort_request is None and not self.last_sent:
+                return False  # waiting for the next send()
+            if self.chunk_error is None and self.abort_request is None:
+                return True
+            error = self.chunk_error
+        self.transfer_finished(error)
+        return False
+
+    def transfer_finished(self, error: str | None) -> None:
+        """Every WRITE of the room ended (and decode was notified unless ``error``)."""
+        with self._lock:
             abort = self.abort_request
         if error is not None:
             self._fail(f"room {self.room}: KV transfer failed: {error}", TRANSFER_ERROR)

@@ -161,6 +161,11 @@ class NixlTransferEngine:
             tuple(kv.item_lens),
         )
 
+    def num_prepared_lists(self) -> int:
+        """Prepared descriptor lists alive on this agent (local ones plus 2 per peer)."""
+        with self._lock:
+            return len(self._dlists)
+
     def release_remote(self, remote: RemoteSide) -> None:
         for handle in (remote.kv, remote.aux):
             with self._lock:
@@ -178,12 +183,14 @@ class NixlTransferEngine:
         remote: RemoteSide,
         src_pages: list[int],
         dst_pages: list[int],
-        src_slot: int,
-        dst_slot: int,
+        src_slot: int | None,
+        dst_slot: int | None,
     ) -> list[Any]:
         """Post the WRITE of ``src_pages`` (all buffers) onto ``dst_pages`` of the peer, and
-        of aux slot ``src_slot`` onto the peer's ``dst_slot``. Returns the posted handles
-        (KV first; none for KV when there are no pages). ValueError for ids out of range."""
+        of aux slot ``src_slot`` onto the peer's ``dst_slot`` (none when ``src_slot`` is
+        None). The index arrays go to NIXL's prepared lists, which merge adjacent pages.
+        Returns the posted handles (KV first; none for KV when there are no pages).
+        ValueError for ids out of range."""
         if len(src_pages) != len(dst_pages):
             raise ValueError(
                 f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages"
@@ -194,7 +201,11 @@ class NixlTransferEngine:
         ):
             if pages and not (min(pages) >= 0 and max(pages) < n):
                 raise ValueError(f"{what} page id out of range [0, {n})")
-        if not 0 <= dst_slot < remote.num_aux_slots or not 0 <= src_slot < self.num_aux_slots:
+        if src_slot is not None and (
+            dst_slot is None
+            or not 0 <= dst_slot < remote.num_aux_slots
+            or not 0 <= src_slot < self.num_aux_slots
+        ):
             raise ValueError(f"aux slot out of range (source {src_slot}, destination {dst_slot})")
         handles = []
         if src_pages:
@@ -207,11 +218,12 @@ class NixlTransferEngine:
                     page_indices(self.num_buffers, remote.num_pages, dst_pages),
                 )
             )
-        handles.append(
-            self.agent.make_prepped_xfer(
-                "WRITE", self.local_aux, [src_slot], remote.aux, [dst_slot]
+        if src_slot is not None:
+            handles.append(
+                self.agent.make_prepped_xfer(
+                    "WRITE", self.local_aux, [src_slot], remote.aux, [dst_slot]
+                )
             )
-        )
         for h in handles:
             self.agent.transfer(h)
         return handles

@@ -1,9 +1,14 @@
-"""Prefill's transfer workers: each takes a room whose ``send`` was called, posts its
-WRITEs (KV pages of every buffer, then the aux slot), polls NIXL until every WRITE ended,
-and on success notifies decode with a NIXL notification (``XferDone``). The room learns
-the outcome through ``NixlSender.transfer_finished`` only when NIXL no longer touches its
-pages (a WRITE still running at the deadline is cancelled; until NIXL accepts the
-cancellation it keeps being polled).
+"""Prefill's transfer workers: each takes one ``send`` of a room (a chunk of its pages; the
+last one with the aux slot), posts its WRITEs (KV pages of every buffer, the aux slot),
+busy-polls NIXL until every WRITE ended, and when that was the room's last outstanding
+``send`` notifies decode once with a NIXL notification (``XferDone``). The room learns
+the outcome through ``NixlSender.chunk_finished`` / ``transfer_finished`` only when NIXL
+no longer touches its pages (a WRITE still running at the deadline is cancelled; until
+NIXL accepts the cancellation it keeps being polled).
+
+Polling: right after posting, the handles are polled back to back (yielding the GIL
+between polls) for ``SPIN_S``; a one-page WRITE ends in microseconds, and a sleep there
+is the fixed cost of every request. Past that, every ``BACKOFF_S``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 
 if TYPE_CHECKING:
+    from pdserve.disagg.metrics import TransferMetrics
     from pdserve.disagg.nixl.sender import NixlSender
+
+SPIN_S = 0.005  # busy-poll this long after posting (covers a 1 GiB WRITE on an H200)
+BACKOFF_S = 0.0001
 
 
 class TransferWorkers:
@@ -27,27 +36,53 @@ class TransferWorkers:
     timeout_s: how long a room's WRITEs may run before they are cancelled and the room fails.
     """
 
-    def __init__(self, engine: NixlTransferEngine, instance_id: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine: NixlTransferEngine,
+        instance_id: str,
+        timeout_s: float,
+        metrics: TransferMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.instance_id = instance_id
         self.timeout_s = timeout_s
+        self.metrics = metrics
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, sender: NixlSender) -> None:
-        self._jobs.put(sender)
+    def submit(self, sender: NixlSender, src: list[int], dst: list[int], last: bool) -> None:
+        """Queue one ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages,
+        and the aux slot when ``last``."""
+        self._jobs.put((sender, src, dst, last))
 
     def loop(self, stop: threading.Event) -> None:
         """One worker thread's body."""
         select_device(self.engine.kv_args)  # the current device is thread-local
         while not stop.is_set():
             try:
-                sender = self._jobs.get(timeout=0.1)
+                sender, src, dst, last = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            sender.transfer_finished(self._transfer(sender))
+            t0 = time.perf_counter()
+            if sender.chunk_finished(self._transfer(sender, src, dst, last)):
+                sender.transfer_finished(self._notify(sender))
+                if self.metrics is not None:
+                    self.metrics.record_completion(time.perf_counter() - t0)
 
-    def _transfer(self, sender: NixlSender) -> str | None:
-        """Post and complete one room's WRITEs; the error, or None on success."""
+    def _notify(self, sender: NixlSender) -> str | None:
+        """Tell decode every WRITE of the room is done; the error, or None."""
+        assert sender.peer is not None and sender.peer.remote is not None  # it had a destination
+        try:
+            self.engine.send_notif(
+                sender.peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
+            )
+        except Exception as exc:  # noqa: BLE001
+            return f"completion notification failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def _transfer(
+        self, sender: NixlSender, src: list[int], dst: list[int], last: bool
+    ) -> str | None:
+        """Post and complete one ``send``'s WRITEs; the error, or None on success."""
         if sender.abort_request is not None:
             return None  # aborted before posting: nothing to undo
         dest, peer = sender.dest, sender.peer
@@ -57,16 +92,19 @@ class TransferWorkers:
         remote = peer.remote
         try:
             handles = self.engine.post_room_write(
-                remote, sender.pages, dest.dst_pages, sender.aux_slot, dest.aux_slot
+                remote,
+                src,
+                dst,
+                sender.aux_slot if last else None,
+                dest.aux_slot if last else None,
             )
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             return f"{type(exc).__name__}: {exc}"
         error = None
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         pending = list(handles)
-        polls = 0
         while pending:
-            polls += 1
             for h in list(pending):
                 state = self.engine.state(h)
                 if state == "DONE":
@@ -79,17 +117,10 @@ class TransferWorkers:
             if pending and error is not None:
                 pending = [h for h in pending if not self._try_release(h)]
                 time.sleep(0.01)
-            elif pending:  # spin briefly (small rooms end in microseconds), then poll every 100 us
-                time.sleep(0 if polls < 100 else 0.0001)
+            elif pending:  # spin (small rooms end in microseconds), then back off
+                time.sleep(0 if time.monotonic() - start < SPIN_S else BACKOFF_S)
         for h in handles:
             self._try_release(h)
-        if error is None and sender.abort_request is None:
-            try:
-                self.engine.send_notif(
-                    remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
-                )
-            except Exception as exc:  # noqa: BLE001
-                error = f"completion notification failed: {type(exc).__name__}: {exc}"
         return error
 
     def _try_release(self, handle) -> bool:

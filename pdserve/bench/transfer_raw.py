@@ -1,0 +1,95 @@
+"""The reference rows of ``bench transfer`` that do not go through pdserve's managers:
+the *raw NIXL* WRITE (the same bytes, between the same two processes, one descriptor,
+NIXL alone) and the ``served`` page pattern (page lists of the real allocator after a
+churn of mixed-length requests).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+
+class RawSide:
+    """One process's side of the raw-NIXL row: its own agent (the managers' settings:
+    ``create_agent``) with one contiguous buffer of ``nbytes`` registered on the pool's
+    device.  ``role``: ``prefill`` (initiator) or ``decode`` (target)."""
+
+    def __init__(self, args: Any, role: str, nbytes: int) -> None:
+        import torch
+
+        from pdserve.disagg.nixl.agent_init import create_agent, device_type
+        from pdserve.disagg.nixl.api import load_nixl_api
+
+        on_gpu = device_type(args) != "cpu"
+        device = torch.device("cuda", args.gpu_id) if on_gpu else torch.device("cpu")
+        if on_gpu:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        else:  # like the pools: on huge pages (disagg/hostmem.py)
+            from pdserve.disagg.hostmem import empty_host
+
+            self.buf = empty_host((nbytes,), torch.uint8).fill_(1)
+        self.mem = "VRAM" if on_gpu else "DRAM"
+        self.dev = args.gpu_id if on_gpu else 0
+        self.agent, _ = create_agent(load_nixl_api(), f"bench-raw-{role}", args, role)
+        self.reg = self.agent.register_memory(
+            [(self.buf.data_ptr(), nbytes, self.dev, "")], self.mem
+        )
+        self.handle = None
+
+    def desc(self) -> tuple[int, int, int]:
+        return (self.buf.data_ptr(), self.buf.numel(), self.dev)
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def connect(self, metadata: bytes, remote_desc: tuple[int, int, int]) -> None:
+        """Initiator: load the target and prepare the one-descriptor WRITE, once."""
+        import numpy as np
+
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        rows = lambda d: np.asarray([d], dtype=np.int64)  # noqa: E731 - (addr, len, dev)
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(self.desc()), self.mem)
+        remote = self.agent.prep_xfer_dlist(name, rows(remote_desc), self.mem)
+        self._lists = (local, remote)
+        self.agent.make_connection(name)
+        self.handle = self.agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
+
+    def write(self) -> float:
+        """Post the WRITE and busy-poll it to ``DONE``; seconds."""
+        t = time.perf_counter()
+        self.agent.transfer(self.handle)
+        while (state := self.agent.check_xfer_state(self.handle)) == "PROC":
+            pass
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL WRITE ended in {state}")
+        return time.perf_counter() - t
+
+    def serve(self) -> None:
+        """Target: progress the agent every millisecond (wire-up), for the process's life."""
+        while True:
+            self.agent.get_new_notifs()
+            time.sleep(0.001)
+
+
+def served_pages(num_pages: int, pool_pages: int, seed: int) -> list[int]:
+    """The page list the real allocator (:class:`~pdserve.engine.page_runs.RunAllocator`)
+    hands a ``num_pages`` request after 500 mixed-length requests (1 page to half the
+    request) were allocated and freed at random, the pool kept up to 3/4 full around the
+    room the request needs: the pool as a busy server leaves it."""
+    from pdserve.engine.page_runs import RunAllocator
+
+    rng = random.Random(seed)
+    alloc, held = RunAllocator(pool_pages), list[list[int]]()
+    room = pool_pages - num_pages
+    top = max(1, num_pages // 2)
+    for _ in range(500):
+        n = rng.randint(1, top)
+        used = pool_pages - alloc.num_free
+        if held and (used + n > min(room, 3 * pool_pages // 4) or rng.random() < 0.4):
+            alloc.free(held.pop(rng.randrange(len(held))))
+        elif used + n <= room:
+            held.append(alloc.allocate(n, None))
+    return alloc.allocate(num_pages)
