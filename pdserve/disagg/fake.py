@@ -96,9 +96,9 @@ class FakeSender(RoomHandle, KVSender):
             return
         if aux.room != self.room:
             raise ValueError(f"aux.room {aux.room} differs from the room {self.room}")
-        self._mgr.write_aux(self._aux_slot, aux)  # the transfer layer's write, its only one
         receiver = peer.receiver_of(self.room) if peer is not None else None
-        if peer is not None and self.dest is not None:
+        if peer is not None and self.dest is not None:  # alone, no memory is touched
+            self._mgr.write_aux(self._aux_slot, aux)  # the transfer layer's write, its only one
             peer.write_aux(self.dest[1], aux)
         self._finish_success(nbytes, self._sent, 0.0)
         if receiver is not None:
