@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 PIP := $(BIN)/pip --disable-pip-version-check -q
 
-.PHONY: setup run lint test clean
+.PHONY: setup run lint test test-gpu clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,13 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -x -q --timeout=900 tests
+	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" tests
+
+# On the GPU machine (torch with CUDA already installed there, pdserve on PYTHONPATH):
+# the tests marked `gpu` (CUDA graphs vs eager, triton vs torch_sdpa in bf16, fp32 parity).
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -x -q --timeout=900 -m gpu tests
 
 clean:
 	rm -rf $(VENV)

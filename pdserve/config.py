@@ -37,6 +37,9 @@ class ModelConfig:
     gpu_id: CUDA device index for this worker when ``device`` does not name one.
     max_model_len: context limit in tokens; ``None`` means the model's own.
     seed: seed of random weights (``random:`` models).
+    attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
+        backend name (``pdserve.model.attention.available_backends()``).
+    enforce_eager: never capture CUDA graphs (every step runs eagerly).
     """
 
     model: str = EMBEDDED_MODEL_ID
@@ -45,8 +48,17 @@ class ModelConfig:
     gpu_id: int = 0
     max_model_len: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        from pdserve.model.attention import available_backends
+
+        if self.attention_backend != "auto" and self.attention_backend not in available_backends():
+            raise ValueError(
+                f"attention_backend must be auto or one of {', '.join(available_backends())}, "
+                f"got {self.attention_backend!r}"
+            )
         if not self.model:
             raise ValueError("model must be a non-empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

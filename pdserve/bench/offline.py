@@ -7,6 +7,14 @@ fixed output length (EOS ignored).  For each concurrency the two run interleaved
 ratio (BENCHMARKS.md: a ratio measured in one run is what means something here), and how
 many outputs (and first tokens) are identical — all of them in fp32; in bf16 near-ties of
 random weights make whole sequences diverge.
+
+How close to the memory roofline: a decode step must read every weight once (the input
+embedding table only for its rows unless it is tied to the LM head) and the KV of every
+context token. Per concurrency we report ms per output step (wall time / ``max_tokens``) of
+each side, and ``roofline`` = (bytes a step must read / copy bandwidth) / our ms per step,
+where the copy bandwidth is the read+write traffic of a large device-to-device copy measured
+in the same run (GPU.md: ~4.3 TB/s on an H200). ``--prefill NxL`` adds a prefill row: N
+random prompts of L tokens, one output token each, prompt tokens/s of each side.
 """
 
 from __future__ import annotations
@@ -37,6 +45,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (default 3)")
     p.add_argument(
+        "--prefill",
+        default=None,
+        metavar="NxL",
+        help="also time prefill of N random prompts of L tokens (e.g. 8x2048)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=default_of(ModelConfig, "attention_backend"),
+        help="auto (triton on CUDA, torch_sdpa on CPU), triton or torch_sdpa",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
         "--json", default=None, metavar="FILE", help="write the results and workload here"
     )
     p.set_defaults(func=run_offline)
@@ -50,6 +70,66 @@ def _parse_counts(text: str) -> list[int]:
     if not counts or any(c < 1 for c in counts):
         raise ValueError(f"num-prompts must be comma-separated integers >= 1, got {text!r}")
     return counts
+
+
+def _parse_prefill(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        n, length = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        n = length = 0
+    if n < 1 or length < 1:
+        raise ValueError(f"prefill must be NxL with N, L >= 1 (e.g. 8x2048), got {text!r}")
+    return n, length
+
+
+def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Read+write bytes/s of a device-to-device copy of ``nbytes`` (default 1 GiB on CUDA,
+    256 MiB on CPU), best of ``repeats`` after a warm-up: 2 * nbytes / seconds."""
+    import torch
+
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
+    """Bytes one decode step of ``num_seqs`` sequences must read: every weight of the model
+    (the input embeddings only when tied to the LM head) + the KV of ``mean_context`` tokens
+    per sequence (all layers, K and V)."""
+    from pdserve.engine.kv_pool import kv_bytes_per_token
+
+    model = engine.model
+    s = model.shapes
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(
+        t.numel() * t.element_size() for layer in model.layers for t in layer.packed.values()
+    )
+    if not s.tied:
+        weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
+    return int(weights + num_seqs * mean_context * kv)
+
+
+def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
 
 
 def _hf_model(engine):
@@ -122,6 +202,30 @@ def _time_hf(model, prompts, max_tokens: int, pad_id: int, device) -> tuple[floa
     return time.perf_counter() - t0, out[:, width:].tolist()
 
 
+def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) -> dict:
+    """Prompt tokens/s of N random L-token prompts (one output token each), ours and HF's,
+    median of ``repeats`` interleaved runs after a warm-up."""
+    n, length = prefill
+    engine = llm.engine
+    prompts = _random_prompts(engine.vocab_size, n, length)
+    _time_ours(llm, prompts, 1)
+    _time_hf(hf, prompts, 1, pad_id, engine.device)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(n * length / _time_ours(llm, prompts, 1)[0])
+        theirs.append(n * length / _time_hf(hf, prompts, 1, pad_id, engine.device)[0])
+    row = {
+        "num_prompts": n,
+        "prompt_len": length,
+        "ours_tok_s": statistics.median(ours),
+        "hf_tok_s": statistics.median(theirs),
+        "ours_runs": ours,
+        "hf_runs": theirs,
+    }
+    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    return row
+
+
 def run_offline(args: argparse.Namespace) -> int:
     """Run the comparison, print a table, optionally write JSON; 2 on bad arguments."""
     import torch
@@ -130,6 +234,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     try:
         counts = _parse_counts(args.num_prompts)
+        prefill = _parse_prefill(args.prefill)
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
         # On a GPU the pool leaves room for the transformers copy of the model.
@@ -137,8 +242,10 @@ def run_offline(args: argparse.Namespace) -> int:
             args.model,
             dtype=args.dtype,
             device=args.device,
-            max_running_requests=max(counts),
+            max_running_requests=max(counts + ([prefill[0]] if prefill else [])),
             gpu_memory_utilization=0.4,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
         )
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
@@ -149,12 +256,19 @@ def run_offline(args: argparse.Namespace) -> int:
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
     all_prompts = _prompts(llm, max(counts))
     results = []
+    bandwidth = copy_bandwidth(engine.device)
+    graphs = engine.runner.graphs is not None
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
         f"  max_tokens {args.max_tokens}  repeats {args.repeats}"
     )
     print(
+        f"attention {engine.attention_backend}  cuda graphs {'on' if graphs else 'off'}"
+        f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
         f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}"
+        f" {'ours ms/step':>12} {'hf ms/step':>10} {'roofline':>8}"
     )
     for n in counts:
         prompts = all_prompts[:n]
@@ -180,10 +294,24 @@ def run_offline(args: argparse.Namespace) -> int:
             "prompt_lens": [len(p) for p in prompts],
         }
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        mean_ctx = statistics.mean(len(p) for p in prompts) + (args.max_tokens + 1) / 2
+        row["ours_ms_per_step"] = 1e3 * n / row["ours_tok_s"]
+        row["hf_ms_per_step"] = 1e3 * n / row["hf_tok_s"]
+        row["step_bytes"] = step_bytes(engine, n, mean_ctx)
+        row["roofline_ms_per_step"] = 1e3 * row["step_bytes"] / bandwidth
+        row["roofline_fraction"] = row["roofline_ms_per_step"] / row["ours_ms_per_step"]
         results.append(row)
         print(
             f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
-            f"{same:>12.0%} {same_first:>8.0%}"
+            f"{same:>12.0%} {same_first:>8.0%} {row['ours_ms_per_step']:>12.2f} "
+            f"{row['hf_ms_per_step']:>10.2f} {row['roofline_fraction']:>8.0%}"
+        )
+    prefill_row = None
+    if prefill:
+        prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
+        print(
+            f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
+            f"tok/s, hf {prefill_row['hf_tok_s']:.0f} tok/s, ratio {prefill_row['ratio']:.2f}"
         )
     if args.json:
         report = {
@@ -196,7 +324,12 @@ def run_offline(args: argparse.Namespace) -> int:
             "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
             "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
+            "attention_backend": engine.attention_backend,
+            "cuda_graphs": graphs,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth",
             "results": results,
+            "prefill": prefill_row,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.base import KVLayout, KVManager
+from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.disagg_flow import DisaggFlow
@@ -29,6 +30,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import BatchPlan, Scheduler
 from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
 from pdserve.engine.structured.manager import StructuredOutputManager
+from pdserve.model.attention import default_backend
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import load_model_source
 
@@ -64,7 +66,15 @@ class EngineCore:
                 f"model {mc.model!r}: its tokenizer is not a fast (tokenizers) one, "
                 "which incremental detokenization needs"
             )
-        self.model = LlamaForCausalLM(self.source.hf_config, dtype=self.dtype, device=self.device)
+        self.attention_backend = (
+            default_backend(self.device) if mc.attention_backend == "auto" else mc.attention_backend
+        )
+        self.model = LlamaForCausalLM(
+            self.source.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=self.attention_backend,
+        )
         self.model.load_weights(self.source.weights())
         shapes = self.model.shapes
         self.vocab_size = shapes.vocab
@@ -75,6 +85,22 @@ class EngineCore:
                 f"({shapes.max_positions} positions)"
             )
         sc = config.scheduler
+        use_graphs = (
+            self.device.type == "cuda"
+            and not mc.enforce_eager
+            and self.model.backend.supports_cuda_graphs
+        )
+        # The graphs' memory is held back while the pool is sized from free memory, then
+        # released for the capture (which needs the pool's address), so capture cannot OOM.
+        reserve = (
+            torch.empty(
+                capture_reserve_bytes(self.model, sc.max_running_requests),
+                dtype=torch.uint8,
+                device=self.device,
+            )
+            if use_graphs
+            else None
+        )
         num_pages = compute_num_pages(
             config.cache,
             num_layers=shapes.n_layers,
@@ -118,7 +144,19 @@ class EngineCore:
         # get their own in add_request, so a seed gives the same tokens whatever the batch.
         self._unseeded = torch.Generator(device=self.device)
         self._unseeded.manual_seed(mc.seed)
-        self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded)
+        graphs = None
+        if use_graphs:
+            del reserve
+            torch.cuda.empty_cache()
+            graphs = CUDAGraphRunner(
+                self.model,
+                self.pool.layer_caches,
+                config.cache.page_size,
+                sc.max_running_requests,
+                CUDAGraphRunner.max_pages_for(self.max_model_len, config.cache.page_size),
+            )
+            graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded, graphs)
         self.disagg = DisaggFlow(
             self.pool,
             self.kv,

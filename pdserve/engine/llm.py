@@ -34,7 +34,8 @@ class LLM:
     enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
     max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
-    sampling of requests without their own seed.
+    sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
+    on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
     Unknown keyword arguments raise TypeError; bad values ValueError naming the field.
     """
 
@@ -54,10 +55,18 @@ class LLM:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
         kv_order: str | None = None,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len
+                model=model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                max_model_len=max_model_len,
+                attention_backend=attention_backend,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 page_size=page_size,

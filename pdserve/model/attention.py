@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -81,46 +82,85 @@ def build_attention_metadata(
         raise ValueError("query_lens, seq_lens and page_tables must have one entry per sequence")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    slots: list[int] = []
-    for b, (q, s, pages) in enumerate(zip(query_lens, seq_lens, page_tables)):
-        if q < 1 or s < q:
-            raise ValueError(
-                f"query_lens[{b}]={q} / seq_lens[{b}]={s}: need 1 <= query_len <= seq_len"
-            )
-        if len(pages) * page_size < s:
-            raise ValueError(f"page_tables[{b}] has {len(pages)} pages, too few for {s} tokens")
-        for pos in range(s - q, s):
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    max_pages = max((len(p) for p in page_tables), default=0)
-    table = torch.zeros((len(page_tables), max(max_pages, 1)), dtype=torch.int32)
+    q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    s_ = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((q < 1) | (s_ < q))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"query_lens[{b}]={q[b]} / seq_lens[{b}]={s_[b]}: need 1 <= query_len <= seq_len"
+        )
+    n_pages = np.fromiter((len(p) for p in page_tables), dtype=np.int64, count=len(page_tables))
+    short = np.flatnonzero(n_pages * page_size < s_)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"page_tables[{b}] has {n_pages[b]} pages, too few for {s_[b]} tokens")
+    table = page_table_array(page_tables, int(n_pages.max(initial=1)))
+    qsl, positions, slots = token_slots(q, s_, table, page_size)
+    return AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device, non_blocking=True),
+        seq_lens=torch.from_numpy(s_.astype(np.int32)).to(device, non_blocking=True),
+        page_table=torch.from_numpy(table).to(device, non_blocking=True),
+        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
+        query_lens_host=tuple(q.tolist()),
+        seq_lens_host=tuple(s_.tolist()),
+    )
+
+
+def page_table_array(page_tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """``[B, max(width, 1)]`` int32 page table; row ``b`` starts with ``page_tables[b]``, the
+    rest is 0 (never read unmasked). One C-level copy per row, no per-page Python work."""
+    table = np.zeros((len(page_tables), max(width, 1)), dtype=np.int32)
     for b, pages in enumerate(page_tables):
         if pages:
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device, non_blocking=True),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32).to(device, non_blocking=True),
-        page_table=table.to(device, non_blocking=True),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-        query_lens_host=tuple(int(q) for q in query_lens),
-        seq_lens_host=tuple(int(s) for s in seq_lens),
+            table[b, : len(pages)] = pages
+    return table
+
+
+def token_slots(
+    query_lens: np.ndarray, seq_lens: np.ndarray, table: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised per-token indices of a step (no Python loop over tokens).
+
+    query_lens, seq_lens ``[B]`` int64; table ``[B, W]`` page ids. Returns
+    ``(query_start_loc [B+1], positions [T], slot_mapping [T])`` int64, where token ``i`` of
+    sequence ``b`` sits at position ``seq_lens[b] - query_lens[b] + i`` and is written at slot
+    ``table[b, pos // page_size] * page_size + pos % page_size``.
+    """
+    qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    seq_of = np.repeat(np.arange(len(query_lens)), query_lens)  # [T] sequence of each token
+    positions = (
+        np.arange(int(qsl[-1]), dtype=np.int64) - qsl[seq_of] + (seq_lens - query_lens)[seq_of]
     )
+    pages = table[seq_of, positions // page_size].astype(np.int64)
+    return qsl, positions, pages * page_size + positions % page_size
 
 
 class AttentionBackend(abc.ABC):
     """Paged attention implementation; one instance per model.
 
-    ``plan`` runs once per forward step (derives gather indices, masks, ...); ``forward`` runs
-    once per layer with that plan.
+    ``plan`` runs once per step, outside the model's forward (the model runner calls it and
+    passes the plan to ``model.forward``); ``forward`` runs once per layer with that plan.
+
+    CUDA graphs (capture hooks): a backend with ``supports_cuda_graphs`` implements
+    :meth:`plan_for_capture`, a decode plan that reads no host values, so its launches are
+    the same for every replay of a captured batch size; its ``forward`` then does no host
+    synchronisation and allocates nothing whose shape depends on the contents of ``attn``.
     """
 
     name: str = ""
+    supports_cuda_graphs: bool = False
 
     @abc.abstractmethod
     def plan(self, attn: AttentionMetadata, page_size: int) -> Any:
         """Precompute per-step data for :meth:`forward` (called once per model forward)."""
+
+    def plan_for_capture(self, attn: AttentionMetadata, page_size: int) -> Any:
+        """Plan a decode-only step of ``attn.num_seqs`` rows (one token each) for CUDA-graph
+        capture over static buffers: no host lengths are read. NotImplementedError unless
+        ``supports_cuda_graphs``."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
     @abc.abstractmethod
     def forward(
@@ -145,7 +185,13 @@ class AttentionBackend(abc.ABC):
 
 _REGISTRY: dict[str, str] = {
     "torch_sdpa": "pdserve.model.sdpa_backend:TorchSDPABackend",
+    "triton": "pdserve.model.triton_backend:TritonBackend",
 }
+
+
+def default_backend(device: torch.device | str) -> str:
+    """``triton`` on CUDA, ``torch_sdpa`` elsewhere (the CPU backend and the oracle)."""
+    return "triton" if torch.device(device).type == "cuda" else "torch_sdpa"
 
 
 def available_backends() -> tuple[str, ...]:

@@ -288,15 +288,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        plan: Any = None,
     ) -> torch.Tensor:
         """Run the decoder on this step's tokens.
 
         input_ids, positions: ``[T]`` int64 (token ids, absolute positions). attn: metadata of
         the step. kv_cache: per layer the ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]``
         of the pool (strided; ``KVCacheLayout.layer_views``) in the model dtype, written in
-        place at ``attn.slot_mapping``. Returns the final-norm hidden states ``[T, H]``.
+        place at ``attn.slot_mapping``. plan: ``self.backend.plan(attn, page_size)``, built
+        by the caller outside the forward (the model runner does, so a CUDA graph of the
+        forward captures no planning); built here when omitted (tests, one-off calls).
+        Returns the final-norm hidden states ``[T, H]``.
         """
-        plan = self.backend.plan(attn, kv_cache[0][0].shape[1])  # once per step, all layers
+        if plan is None:
+            plan = self.backend.plan(attn, kv_cache[0][0].shape[1])
         cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
         cos, sin = cs.chunk(2, dim=-1)
         h = F.embedding(input_ids, self.embed_tokens)

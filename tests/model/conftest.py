@@ -3,12 +3,21 @@ tiny random transformers models saved to disk.
 
 The converted embedded copy lives under ``PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``),
 shared with every other test and process; on a clean machine the first load converts it.
+On a machine without CUDA, ``TRITON_INTERPRET=1`` is set for Triton's CPU interpreter.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 import transformers
+
+# Without a GPU the triton backend's kernels run under Triton's interpreter; the variable is
+# read when a kernel is defined, so it is set before any test imports the backend.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.model.loader import load_model_source
 from tiny_models import random_tiny_model

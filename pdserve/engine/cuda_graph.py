@@ -1,0 +1,166 @@
+"""CUDA graphs of the decode step: one graph per batch-size bucket, replayed over static buffers.
+
+A decode-only step (every sequence one new token, every sequence sampled) of ``B`` rows runs
+the graph of the smallest bucket ``>= B``: the step's token ids, positions, slots, context
+lengths and page-table rows are copied into the graph's static buffers (one host-to-device
+copy from pinned staging for the per-row values, one for the page-table rows), the graph is
+replayed, and the logits of its first ``B`` rows are returned. Padded rows have slot ``-1``
+(nothing is written) and context length 0 (their output is ignored).
+
+Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
+largest first into one shared memory pool (so smaller graphs reuse the largest one's
+activations), before any KV transfer thread starts (GPU work from another thread during a
+capture would invalidate it). Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pdserve.model.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Buckets ``1, 2, 4, 8, 16, 32, ...`` (every 16 after 8) up to ``max_batch``, which is
+    always the last one. ValueError when ``max_batch < 1``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def capture_reserve_bytes(model, max_batch: int) -> int:
+    """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
+    the fp32 logits every bucket keeps (``bucket * vocab * 4``, twice for the cast), the
+    activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
+    splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
+    s = model.shapes
+    elt = torch.empty((), dtype=model.dtype).element_size()
+    logits = sum(graph_batch_sizes(max_batch)) * s.vocab * 4 * 2
+    per_row = (
+        4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
+    ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
+    return logits + 4 * max_batch * per_row + (256 << 20)
+
+
+class CUDAGraphRunner:
+    """Captured decode graphs of ``model`` over ``kv_cache`` (see the module docstring).
+
+    model: ``LlamaForCausalLM`` whose backend ``supports_cuda_graphs``. kv_cache: the pool's
+    per-layer ``(k_cache, v_cache)`` views (their addresses are baked into the graphs, so the
+    pool must outlive them).
+    max_batch: largest batch captured. max_pages: page-table width (pages of the longest
+    context). Raises RuntimeError if the device is not CUDA.
+    """
+
+    def __init__(
+        self, model, kv_cache: torch.Tensor, page_size: int, max_batch: int, max_pages: int
+    ):
+        if kv_cache[0][0].device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = max_batch
+        self.max_pages = max(1, max_pages)
+        dev = kv_cache[0][0].device
+        # Per-row static values [4, max_batch] int64: token id, position, slot, context length.
+        self._rows = torch.zeros(4, max_batch, dtype=torch.int64, device=dev)
+        self._rows[2].fill_(-1)
+        self._table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
+        self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self._rows_host = torch.zeros(4, max_batch, dtype=torch.int64).pin_memory()
+        self._table_host = torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory()
+        self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self._qsl[: bs + 1],
+            seq_lens=self._rows[3, :bs],
+            page_table=self._table[:bs],
+            slot_mapping=self._rows[2, :bs],
+        )
+
+    def _run(self, bs: int) -> torch.Tensor:
+        md = self._metadata(bs)
+        plan = self.model.backend.plan_for_capture(md, self.page_size)
+        hidden = self.model(self._rows[0, :bs], self._rows[1, :bs], md, self.kv_cache, plan)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool (padded rows only:
+        nothing is written to the KV cache)."""
+        for bs in reversed(self.sizes):
+            self._run(bs)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._logits[bs] = self._run(bs)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def bucket(self, batch: int) -> int | None:
+        """The captured size that runs ``batch`` rows, or ``None`` when it is too large."""
+        if batch > self.max_batch:
+            return None
+        return self.sizes[next(i for i, s in enumerate(self.sizes) if s >= batch)]
+
+    def fits(self, batch: int, max_pages: int) -> bool:
+        """Whether a decode step of ``batch`` rows whose longest page list is ``max_pages``
+        can replay a graph."""
+        return batch <= self.max_batch and max_pages <= self.max_pages
+
+    def replay(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        page_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Run a decode step of ``B = len(token_ids)`` rows: token ``token_ids[b]`` at
+        position ``positions[b]`` of a sequence whose pages are ``page_tables[b]``. Returns
+        the fp32 logits ``[B, V]`` (a view of the graph's output, valid until the next replay).
+        """
+        B = len(token_ids)
+        bs = self.bucket(B)
+        assert bs is not None
+        ps = self.page_size
+        width = max(len(p) for p in page_tables)
+        table = self._table_host[: B * width].numpy().reshape(B, width)
+        for b, pages in enumerate(page_tables):
+            table[b, : len(pages)] = pages
+        pages_of = table[np.arange(B), positions // ps].astype(np.int64)
+        rows = self._rows_host.numpy()
+        rows[0, :B] = token_ids
+        rows[1, :B] = positions
+        rows[2, :B] = pages_of * ps + positions % ps
+        rows[3, :B] = positions + 1
+        rows[0:2, B:bs] = 0
+        rows[2, B:bs] = -1
+        rows[3, B:bs] = 0
+        self._rows.copy_(self._rows_host, non_blocking=True)
+        dev_table = self._table_dev[: B * width]
+        dev_table.copy_(self._table_host[: B * width], non_blocking=True)
+        self._table[:B, :width].copy_(dev_table.view(B, width))
+        self._graphs[bs].replay()
+        return self._logits[bs][:B]
+
+    @staticmethod
+    def max_pages_for(max_model_len: int, page_size: int) -> int:
+        """Page-table width of a context of ``max_model_len`` tokens."""
+        return math.ceil(max_model_len / page_size)

@@ -1,0 +1,202 @@
+"""``triton`` attention backend: our own paged kernels (``triton_kernels.py``), CUDA-graph safe.
+
+A step is planned once (outside the model's forward). A decode-only step runs the split-KV
+decode kernel and its merge; any other step (prefill, chunked prefill over a cached prefix,
+mixed decode + prefill) runs the varlen extend kernel over every sequence. Both read K/V in
+place from the paged cache, through its strides; this step's K/V are stored first by the
+store kernel.
+
+CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
+depend only on the batch size (the split count is fixed per batch size; each program derives
+its range from ``seq_lens`` on the device), so a graph captured over static buffers stays
+valid for any context length that fits the page table. Padded rows carry slot ``-1`` (the
+store writes nothing) and ``seq_len`` 0 (their output is 0).
+
+Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model.attention import AttentionBackend, AttentionMetadata
+from pdserve.model.triton_kernels import (
+    decode_merge_kernel,
+    decode_split_kernel,
+    extend_kernel,
+    store_kv_kernel,
+)
+
+# Context tokens one decode program covers per iteration, and the extend kernel's tiles.
+_DECODE_BLOCK_N = 64
+_EXTEND_BLOCK_M = 64
+_EXTEND_BLOCK_N = 64
+# Splits of a decode step: enough programs to fill the device (H200: 132 SMs), at most 32.
+_TARGET_PROGRAMS = 264
+_MAX_SPLITS = 32
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None) -> int:
+    """Split count of a decode step: ``B * Hkv * splits`` near 264 programs (two waves of
+    the H200's 132 SMs), at most 32, and no more splits than ``max_seq_len`` has blocks of
+    64 tokens when that bound is known (eager steps); a captured graph passes ``None``."""
+    splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
+    if max_seq_len is not None:
+        splits = max(1, min(splits, -(-max_seq_len // _DECODE_BLOCK_N)))
+    return splits
+
+
+@dataclass
+class TritonPlan:
+    """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
+
+    max_seq_len: longest context of an eager decode step (``None`` when captured: the split
+    count then depends on the batch size only); num_splits: fixed on the first layer (0
+    until then); max_q_len: longest query of an extend step.
+    mid_o ``[B, Hq, S, D]`` fp32 / mid_lse ``[B, Hq, S]`` fp32: decode scratch, reused by
+    every layer (allocated lazily on the first layer, once per step or once per graph).
+    """
+
+    decode: bool
+    max_seq_len: int | None
+    max_q_len: int
+    num_splits: int = 0
+    mid_o: torch.Tensor | None = None
+    mid_lse: torch.Tensor | None = None
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with our Triton kernels (see the module docstring)."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def plan(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
+        """Plan an eager step (reads the host lengths; one device read when absent)."""
+        q_lens, s_lens = attn.host_lens()
+        decode = all(q == 1 for q in q_lens)
+        return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1))
+
+    def plan_for_capture(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
+        """Plan a decode step of ``attn.num_seqs`` rows for CUDA-graph capture: no host
+        lengths are read; the split count depends on the batch size only."""
+        return TritonPlan(decode=True, max_seq_len=None, max_q_len=1)
+
+    def forward(self, q, k, v, k_cache, v_cache, attn, plan: TritonPlan, scale):
+        """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
+        row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
+        any strides with dim stride 1. Returns ``[T, Hq * D]`` in q's dtype."""
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        page_size = k_cache.shape[1]
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        block_d = _pow2(D)
+        if T:
+            store_kv_kernel[(T,)](
+                k,
+                v,
+                k_cache,
+                v_cache,
+                attn.slot_mapping,
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                *k_cache.stride()[:3],
+                *v_cache.stride()[:3],
+                HKV=Hkv,
+                D=D,
+                PAGE_SIZE=page_size,
+                BLOCK_H=_pow2(Hkv, 1),
+                BLOCK_D=block_d,
+            )
+        out = q.new_empty(T, Hq, D)
+        ieee = q.dtype == torch.float32  # fp32 stays exact: no TF32 in the dots
+        table = attn.page_table
+        B = attn.num_seqs
+        if B == 0:
+            return out.view(T, Hq * D)
+        if plan.decode:
+            if not plan.num_splits:
+                plan.num_splits = num_decode_splits(B, Hkv, plan.max_seq_len)
+            S = plan.num_splits
+            if plan.mid_o is None or plan.mid_o.shape[0] != B:
+                plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+                plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+            mid_o, mid_lse = plan.mid_o, plan.mid_lse
+            assert mid_lse is not None
+            decode_split_kernel[(B, Hkv, S)](
+                q,
+                k_cache,
+                v_cache,
+                table,
+                attn.seq_lens,
+                mid_o,
+                mid_lse,
+                scale,
+                q.stride(0),
+                q.stride(1),
+                *k_cache.stride()[:3],
+                *v_cache.stride()[:3],
+                table.stride(0),
+                *mid_o.stride()[:3],
+                *mid_lse.stride()[:2],
+                G=G,
+                D=D,
+                PAGE_SIZE=page_size,
+                NUM_SPLITS=S,
+                BLOCK_H=_pow2(G),
+                BLOCK_N=_DECODE_BLOCK_N,
+                BLOCK_D=block_d,
+                IEEE=ieee,
+            )
+            decode_merge_kernel[(B, Hq)](
+                mid_o,
+                mid_lse,
+                out,
+                *mid_o.stride()[:3],
+                *mid_lse.stride()[:2],
+                out.stride(0),
+                out.stride(1),
+                D=D,
+                NUM_SPLITS=S,
+                BLOCK_S=_pow2(S, 1),
+                BLOCK_D=block_d,
+            )
+        else:
+            grid = (B, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
+            extend_kernel[grid](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                table,
+                attn.query_start_loc,
+                attn.seq_lens,
+                scale,
+                q.stride(0),
+                q.stride(1),
+                *k_cache.stride()[:3],
+                *v_cache.stride()[:3],
+                table.stride(0),
+                out.stride(0),
+                out.stride(1),
+                G=G,
+                D=D,
+                PAGE_SIZE=page_size,
+                BLOCK_M=_EXTEND_BLOCK_M,
+                BLOCK_N=_EXTEND_BLOCK_N,
+                BLOCK_D=block_d,
+                IEEE=ieee,
+            )
+        return out.view(T, Hq * D)

@@ -1,0 +1,304 @@
+"""Triton kernels of the ``triton`` attention backend: KV store, split-KV paged decode, paged
+prefill/extend (varlen, causal, over a cached prefix).
+
+Every kernel reads the cache through explicit strides of ONE layer's K and V views
+``[num_pages, page_size, num_kv_heads, head_dim]`` (stride of a page, of a token inside its
+page, of a head, of a dim), so any pool order (layer-major or page-major) works in place.
+Token ``j`` of sequence ``b`` lives at page ``page_table[b, j // page_size]``, offset
+``j % page_size``. Query head ``h`` reads KV head ``h // G`` (``G = Hq // Hkv``).
+
+The kernels keep to the part of Triton's API that both 3.6 (the GPU machine) and 3.9 (the
+CPU interpreter under ``TRITON_INTERPRET=1``) have. Algorithms: online softmax of
+FlashAttention (Dao et al. 2022, arXiv:2205.14135); split-KV decode with a log-sum-exp merge
+of the partial results (FlashDecoding, Dao et al. 2023).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_cp,
+    s_ct,
+    s_ch,
+    s_vcp,
+    s_vct,
+    s_vch,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per new token: copy its ``[Hkv, D]`` K and V into slot
+    ``slot_mapping[t]`` (``page * page_size + offset``); a negative slot (a padded row of a
+    captured batch) writes nothing. The last dim of every tensor has stride 1."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a tensor mask (the interpreter
+    mask = (h < HKV) & (d < D) & (slots >= 0)  # rejects a scalar one broadcast in)
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask)
+    tl.store(k_cache_ptr + page * s_cp + off * s_ct + h * s_ch + d, k, mask=mask)
+    tl.store(v_cache_ptr + page * s_vcp + off * s_vct + h * s_vch + d, v, mask=mask)
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    scale,
+    s_qt,
+    s_qh,
+    s_cp,
+    s_ct,
+    s_ch,
+    s_vcp,
+    s_vct,
+    s_vch,
+    s_tb,
+    s_ob,
+    s_oh,
+    s_os,
+    s_lb,
+    s_lh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
+    (one query token each) over split ``s`` of its context. The split length is derived from
+    ``seq_lens[b]`` on the device (so a captured graph stays valid for any length).
+    Writes the normalised partial output ``mid_o[b, h, s, :]`` (fp32) and its log-sum-exp
+    ``mid_lse[b, h, s]`` (``-inf`` for an empty split)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    heads = kvh * G + hh
+    hmask = hh < G
+    dmask = dd < D
+    q = tl.load(
+        q_ptr + b * s_qt + heads[:, None] * s_qh + dd[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    nn = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + nn
+        nmask = pos < hi
+        page = tl.load(table_ptr + b * s_tb + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+        off = (pos % PAGE_SIZE).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(
+            k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + page[:, None] * s_vcp + off[:, None] * s_vct + kvh * s_vch + dd[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    nonempty = hi > lo
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
+    tl.store(
+        mid_o_ptr + b * s_ob + heads[:, None] * s_oh + split * s_os + dd[None, :],
+        out,
+        mask=hmask[:, None] & dmask[None, :],
+    )
+    tl.store(mid_lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=hmask)
+
+
+@triton.jit
+def decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    s_ob,
+    s_oh,
+    s_os,
+    s_lb,
+    s_lh,
+    s_tb,
+    s_th,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid ``(B, Hq)``: merge the splits' partial outputs by their log-sum-exp weights into
+    ``out[b, h, :]`` (q's dtype). A row whose splits are all empty (a padded row) gets 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, BLOCK_D)
+    smask = ss < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * s_lb + h * s_lh + ss, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))  # [BLOCK_S]
+    o = tl.load(
+        mid_o_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + dd[None, :],
+        mask=smask[:, None] & (dd[None, :] < D),
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * s_tb + h * s_th + dd, res.to(out_ptr.dtype.element_ty), mask=dd < D)
+
+
+@triton.jit
+def extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    table_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    scale,
+    s_qt,
+    s_qh,
+    s_cp,
+    s_ct,
+    s_ch,
+    s_vcp,
+    s_vct,
+    s_vch,
+    s_tb,
+    s_ot,
+    s_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Grid ``(B, Hq, cdiv(max_q_len, BLOCK_M))``: query rows ``m`` of sequence ``b`` (its new
+    tokens, at positions ``seq_len - q_len + m``) against every cached position up to their
+    own (causal with the cached prefix before it). K/V of the new tokens are already in the
+    cache. Output ``out[t, h, :]`` in q's dtype."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q0 = tl.load(qsl_ptr + b).to(tl.int32)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q0
+    if mb * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        prefix = seq_len - q_len
+        kvh = h // G
+        mm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        dd = tl.arange(0, BLOCK_D)
+        mmask = mm < q_len
+        dmask = dd < D
+        q = tl.load(
+            q_ptr + (q0 + mm)[:, None] * s_qt + h * s_qh + dd[None, :],
+            mask=mmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        qpos = prefix + mm  # absolute position of each query row
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # last row's causal bound
+        nn = tl.arange(0, BLOCK_N)
+        for start in range(0, hi, BLOCK_N):
+            pos = start + nn
+            nmask = pos < hi
+            page = tl.load(table_ptr + b * s_tb + pos // PAGE_SIZE, mask=nmask, other=0).to(
+                tl.int64
+            )
+            off = (pos % PAGE_SIZE).to(tl.int64)
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(
+                k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            causal = (pos[None, :] <= qpos[:, None]) & nmask[None, :]
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see nothing
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr
+                + page[:, None] * s_vcp
+                + off[:, None] * s_vct
+                + kvh * s_vch
+                + dd[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + (q0 + mm)[:, None] * s_ot + h * s_oh + dd[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & dmask[None, :],
+        )

@@ -1,0 +1,91 @@
+"""CUDA-graph decode and backend selection.
+
+The tests marked ``gpu`` need a CUDA device and run on the GPU machine (``make test-gpu``);
+``make test`` deselects them. The others check on CPU what a graph relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.engine.cuda_graph import capture_reserve_bytes, graph_batch_sizes
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.presets import preset_config
+from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+
+def test_graph_batch_sizes_cover_every_batch():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    with pytest.raises(ValueError, match="max_batch"):
+        graph_batch_sizes(0)
+
+
+def test_capture_reserve_holds_every_buckets_logits():
+    model = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta")
+    reserve = capture_reserve_bytes(model, 64)
+    logits = sum(graph_batch_sizes(64)) * 128256 * 4
+    assert logits < reserve < 4 << 30  # a few hundred MiB, not a KV pool's worth
+
+
+def test_attention_backend_and_enforce_eager_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--attention-backend", "triton", "--enforce-eager"])
+    mc = engine_config_from_args(args).model
+    assert mc.attention_backend == "triton" and mc.enforce_eager is True
+    assert engine_argv(args) == ["--attention-backend", "triton", "--enforce-eager"]
+    assert engine_argv(parser.parse_args([])) == []
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(attention_backend="flashinfer")
+
+
+def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
+    llm = LLM("random:tiny", device="cpu", num_pages=16)
+    assert llm.engine.attention_backend == "torch_sdpa"
+    assert llm.engine.runner.graphs is None
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_match_eager(dtype):
+    """Greedy decode through captured graphs gives the eager run's tokens, at batch sizes
+    that hit a bucket exactly and ones that pad (3, 5 rows)."""
+    _needs_cuda()
+    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(
+            "random:tiny",
+            device="cuda",
+            dtype=dtype,
+            max_running_requests=8,
+            kv_cache_memory=0.25,
+            enforce_eager=eager,
+        )
+        assert (llm.engine.runner.graphs is None) == eager
+        assert llm.engine.attention_backend == "triton"
+        runs[eager] = [[o.outputs[0] for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)]
+        del llm
+        torch.cuda.empty_cache()
+    for graph_outs, eager_outs in zip(runs[False], runs[True]):
+        for g, e in zip(graph_outs, eager_outs):
+            assert g.token_ids == e.token_ids
+            lg = [t.logprob for t in g.logprobs]
+            le = [t.logprob for t in e.logprobs]
+            assert max(abs(a - b) for a, b in zip(lg, le)) < (1e-4 if dtype == "float32" else 0.05)

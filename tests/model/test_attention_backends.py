@@ -1,0 +1,139 @@
+"""Attention-backend conformance: every registered backend against transformers (through the
+paged scenarios of ``test_parity``) and against ``torch_sdpa`` (the oracle) kernel by kernel.
+
+On a CPU machine the ``triton`` backend runs under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by this folder's conftest before Triton is imported), so CI checks the same kernels the
+GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_parity import TOL, run_paged_scenario
+
+from pdserve.model.attention import (
+    AttentionMetadata,
+    available_backends,
+    build_attention_metadata,
+    get_attention_backend,
+)
+from pdserve.model.llama import LlamaForCausalLM
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = list(available_backends())
+
+
+def test_registry_names_every_backend_and_rejects_unknown():
+    assert {"torch_sdpa", "triton"} <= set(BACKENDS)
+    with pytest.raises(ValueError, match="bogus"):
+        get_attention_backend("bogus")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_backend_paged_parity_fp32(backend, arch, tiny_hf_builder):
+    """Prefill of mixed lengths, chunked prefill over a cached prefix mixed with decodes, then
+    decode-only steps; pages scattered; fp32 logprobs match transformers."""
+    hf = tiny_hf_builder(arch)
+    model = LlamaForCausalLM(hf.config, torch.float32, DEVICE, attn_backend=backend)
+    model.load_weights(hf.state_dict().items())
+    steps = [[5, 11, 1, 7], [1, 4, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1]]
+    err = run_paged_scenario(model, hf, steps, [5, 11, 1, 7], page_size=3, seed=1)
+    assert err < TOL, f"{backend} {arch}: max log-prob diff {err:.2e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_page_sizes(backend, tiny_hf_builder):
+    hf = tiny_hf_builder("llama")
+    model = LlamaForCausalLM(hf.config, torch.float32, DEVICE, attn_backend=backend)
+    model.load_weights(hf.state_dict().items())
+    for page_size in (1, 16):
+        err = run_paged_scenario(
+            model, hf, [[9, 2], [1, 1], [2, 1]], [9, 2], page_size, seed=page_size, host_lens=False
+        )
+        assert err < TOL, f"{backend} page_size {page_size}: max log-prob diff {err:.2e}"
+
+
+def _random_step(q_lens, s_lens, page_size, Hq, Hkv, D, num_pages, dtype, seed, page_major):
+    """Random q/k/v of one step, a pool with the cached prefix filled, scattered pages.
+
+    page_major: the per-layer K/V views are strided slices of a ``[P, L=2, 2, Hkv, ps, D]``
+    pool (the page-major order), not contiguous ``[P, ps, Hkv, D]`` tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for s in s_lens:
+        need = math.ceil(s / page_size)
+        tables.append(perm[used : used + need])
+        used += need
+    T = sum(q_lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    if page_major:
+        pool = rnd(num_pages, 2, 2, Hkv, page_size, D)
+        k_cache = pool[:, 1, 0].permute(0, 2, 1, 3)  # layer 1's K: [P, ps, Hkv, D], strided
+        v_cache = pool[:, 1, 1].permute(0, 2, 1, 3)
+    else:
+        k_cache, v_cache = rnd(num_pages, page_size, Hkv, D), rnd(num_pages, page_size, Hkv, D)
+    qkv = rnd(T, Hq + 2 * Hkv, D)  # q/k/v are strided views of one fused tensor, as in llama
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    md = build_attention_metadata(q_lens, s_lens, tables, page_size, device=DEVICE)
+    return q, k, v, k_cache, v_cache, md
+
+
+def _attend(name, q, k, v, k_cache, v_cache, md, page_size):
+    backend = get_attention_backend(name)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    if name == "torch_sdpa":  # the oracle indexes a flat view: give it contiguous caches
+        kc, vc = kc.contiguous(), vc.contiguous()
+    out = backend.forward(q, k, v, kc, vc, md, backend.plan(md, page_size), q.shape[-1] ** -0.5)
+    return out, kc, vc
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page_major", [False, True])
+@pytest.mark.parametrize(
+    "q_lens, s_lens, page_size",
+    [
+        ([1, 1, 1], [1, 70, 300], 16),  # decode only, several splits and many pages
+        ([5, 1, 70], [5, 40, 75], 4),  # prefill, decode and extend over a cached prefix
+    ],
+)
+def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
+    """The triton kernels against torch_sdpa on the same step: outputs, and the K/V stored
+    (the rest of the pool untouched), for contiguous and page-major strided caches."""
+    Hq, Hkv, D = 8, 2, 32
+    args = _random_step(q_lens, s_lens, page_size, Hq, Hkv, D, 48, torch.float32, 3, page_major)
+    ref, kr, vr = _attend("torch_sdpa", *args, page_size)
+    out, kt, vt = _attend("triton", *args, page_size)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert torch.equal(kt, kr) and torch.equal(vt, vr)
+
+
+def test_triton_padded_rows_write_nothing_and_output_zero():
+    """A captured batch's padded rows (slot -1, context 0) leave the pool as it was."""
+    backend = get_attention_backend("triton")
+    Hq, Hkv, D, ps = 4, 2, 16, 4
+    k_cache = torch.zeros(3, ps, Hkv, D, device=DEVICE)
+    v_cache = torch.zeros(3, ps, Hkv, D, device=DEVICE)
+    q, k, v = (torch.randn(2, h, D, device=DEVICE) for h in (Hq, Hkv, Hkv))
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([1, 0], dtype=torch.int64, device=DEVICE),
+        page_table=torch.tensor([[2], [0]], dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor([2 * ps + 0, -1], dtype=torch.int64, device=DEVICE),
+    )
+    out = backend.forward(q, k, v, k_cache, v_cache, md, backend.plan_for_capture(md, ps), 0.25)
+    assert torch.equal(k_cache[2, 0], k[0]) and torch.equal(v_cache[2, 0], v[0])
+    k_cache[2, 0] = 0
+    v_cache[2, 0] = 0
+    assert k_cache.abs().max().item() == 0 and v_cache.abs().max().item() == 0
+    assert torch.allclose(out[0].view(Hq, D), v[0].repeat_interleave(Hq // Hkv, 0), atol=1e-6)
+    assert out[1].abs().max().item() == 0
