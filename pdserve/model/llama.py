@@ -6,7 +6,7 @@ order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -64,14 +64,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Callable[[torch.Tensor], torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
         plan: Any,
         backend: AttentionBackend,
+        fused: Any = None,
     ) -> torch.Tensor:
+        """h ``[T, H]``; rope: rotates ``[T, heads, D]`` (returns the rotated tensor, may be
+        in place); fused: ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul in one kernel)."""
         s = self.s
         T = h.shape[0]
         x = rms_norm(h, self.input_layernorm, s.eps)
@@ -89,17 +91,18 @@ class LlamaDecoderLayer(nn.Module):
             )
         else:
             qk = qkv[:, :nqk]
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: [T, Hq + Hkv, D]
+        qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
         h = h + lin.linear(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, s.eps)
-        gate, up = lin.linear(
-            x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj")
-        ).chunk(2, dim=-1)
-        return h + lin.linear(
-            F.silu(gate) * up, self.down_proj, self.down_bias, pk.get("down_proj")
-        )
+        gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
+        if fused is not None:
+            act = fused.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h + lin.linear(act, self.down_proj, self.down_bias, pk.get("down_proj"))
 
 
 class _Shapes:
@@ -302,11 +305,27 @@ class LlamaForCausalLM(nn.Module):
         """
         if plan is None:
             plan = self.backend.plan(attn, kv_cache[0][0].shape[1])
-        cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
-        cos, sin = cs.chunk(2, dim=-1)
+        fused: Any = None
+        rope: Callable[[torch.Tensor], torch.Tensor]
+        if input_ids.is_cuda:  # one RoPE kernel and one SiLU-and-mul kernel a layer
+            from pdserve.model import fused_ops
+
+            fused = fused_ops
+            table = self.rope_cos_sin
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                fused_ops.rope_inplace(x, table, positions)
+                return x
+        else:
+            cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
+            cos, sin = cs.chunk(2, dim=-1)
+
+            def rope(x: torch.Tensor) -> torch.Tensor:
+                return apply_rope(x, cos, sin)
+
         h = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.decoder_layers()):
-            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend)
+            h = layer(h, rope, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend, fused)
         return rms_norm(h, self.norm, self.shapes.eps)
 
     @torch.inference_mode()

@@ -33,8 +33,9 @@ from pdserve.model.triton_kernels import (
 _DECODE_BLOCK_N = 64
 _EXTEND_BLOCK_M = 64
 _EXTEND_BLOCK_N = 64
-# Splits of a decode step: enough programs to fill the device (H200: 132 SMs), at most 32.
-_TARGET_PROGRAMS = 264
+# Splits of a decode step: about 8 programs per SM of an H200 (132 SMs) for latency hiding,
+# at most 32 splits.
+_TARGET_PROGRAMS = 1024
 _MAX_SPLITS = 32
 
 
@@ -43,8 +44,8 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None) -> int:
-    """Split count of a decode step: ``B * Hkv * splits`` near 264 programs (two waves of
-    the H200's 132 SMs), at most 32, and no more splits than ``max_seq_len`` has blocks of
+    """Split count of a decode step: ``B * Hkv * splits`` near 1024 programs (about 8 per SM
+    of an H200's 132, so loads of one program overlap another's math), at most 32, no more splits than ``max_seq_len`` has blocks of
     64 tokens when that bound is known (eager steps); a captured graph passes ``None``."""
     splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
     if max_seq_len is not None:

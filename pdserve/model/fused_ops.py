@@ -1,0 +1,100 @@
+"""Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place, SiLU-and-mul.
+
+A decode step at batch 1 is ~600 kernels; each small elementwise one costs a launch gap
+inside a CUDA graph, so RoPE (7 kernels in torch: chunks, products, differences, cat) and
+SwiGLU's ``silu(gate) * up`` (2) become one kernel each. Each operation is rounded to the
+input dtype where torch rounds it (products, sums); on the H200 bf16 results still differ
+from torch's by up to one rounding of the products (the compiler may fold a round trip), fp32
+in the last bits (fused multiply-add). The model uses them for CUDA
+tensors only (CPU keeps torch's ops); tests also run them on CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    table_ptr,
+    pos_ptr,
+    s_xt,
+    s_xh,
+    s_tp,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per token: rotate its ``H`` heads in place by the table row of its
+    position (``table[pos] = cos[HALF] | sin[HALF]``)."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    dmask = dd < HALF
+    mask = (hh < H) & dmask
+    cos = tl.load(table_ptr + pos * s_tp + dd, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(table_ptr + pos * s_tp + HALF + dd, mask=dmask, other=0.0).to(tl.float32)
+    base = x_ptr + t * s_xt + hh * s_xh + dd
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    ty = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    # Round where torch rounds: each product, then each difference/sum.
+    o1 = (a * cos).to(ty).to(tl.float32) - (b * sin).to(ty).to(tl.float32)
+    o2 = (b * cos).to(ty).to(tl.float32) + (a * sin).to(ty).to(tl.float32)
+    tl.store(base, o1.to(ty), mask=mask)
+    tl.store(base + HALF, o2.to(ty), mask=mask)
+
+
+def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, H, D]`` (any token/head strides, dim stride 1) in place by the rows
+    ``positions`` ``[T]`` of ``table`` ``[max_positions, D]`` (cos half, then sin half, in
+    x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``."""
+    T, H, D = x.shape
+    if T == 0:
+        return
+    assert x.stride(-1) == 1 and table.stride(-1) == 1
+    _rope_kernel[(T,)](
+        x,
+        table,
+        positions,
+        x.stride(0),
+        x.stride(1),
+        table.stride(0),
+        H=H,
+        HALF=D // 2,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D // 2),
+    )
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, s_xt, s_ot, N, BLOCK: tl.constexpr):
+    """Grid ``(T, cdiv(N, BLOCK))``: ``out[t, n] = silu(x[t, n]) * x[t, N + n]``."""
+    t = tl.program_id(0)
+    nn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = nn < N
+    g = tl.load(x_ptr + t * s_xt + nn, mask=mask, other=0.0)
+    u = tl.load(x_ptr + t * s_xt + N + nn, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # torch rounds silu's result, then the product
+    tl.store(out_ptr + t * s_ot + nn, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` ``[T, 2N]`` (row-contiguous) -> ``[T, N]``."""
+    T, two_n = x.shape
+    n = two_n // 2
+    out = x.new_empty(T, n)
+    if T == 0:
+        return out
+    assert x.stride(-1) == 1
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
