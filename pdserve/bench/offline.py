@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 from pdserve.config import ModelConfig, default_of
 
@@ -214,7 +215,7 @@ def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) 
     for _ in range(repeats):
         ours.append(n * length / _time_ours(llm, prompts, 1)[0])
         theirs.append(n * length / _time_hf(hf, prompts, 1, pad_id, engine.device)[0])
-    row = {
+    row: dict[str, Any] = {
         "num_prompts": n,
         "prompt_len": length,
         "ours_tok_s": statistics.median(ours),

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.model.attention import AttentionMetadata
+from pdserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +39,18 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def capture_reserve_bytes(model, max_batch: int) -> int:
+def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
     """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
     the fp32 logits every bucket keeps (``bucket * vocab * 4``, twice for the cast), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
-    elt = torch.empty((), dtype=model.dtype).element_size()
+    elt = int(torch.empty((), dtype=model.dtype).element_size())
     logits = sum(graph_batch_sizes(max_batch)) * s.vocab * 4 * 2
     per_row = (
         4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
     ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
-    return logits + 4 * max_batch * per_row + (256 << 20)
+    return int(logits + 4 * max_batch * per_row + (256 << 20))
 
 
 class CUDAGraphRunner:
@@ -62,8 +64,13 @@ class CUDAGraphRunner:
     """
 
     def __init__(
-        self, model, kv_cache: torch.Tensor, page_size: int, max_batch: int, max_pages: int
-    ):
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+    ) -> None:
         if kv_cache[0][0].device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         self.model = model
@@ -83,7 +90,7 @@ class CUDAGraphRunner:
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(

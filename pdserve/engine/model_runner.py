@@ -21,6 +21,7 @@ from pdserve.engine.scheduler import BatchPlan
 from pdserve.model.attention import AttentionMetadata, page_table_array, token_slots
 
 if TYPE_CHECKING:
+    from pdserve.engine.cuda_graph import CUDAGraphRunner
     from pdserve.model.llama import LlamaForCausalLM
 
 # Prompt-logprob rows go through the LM head in chunks so a long prompt never makes a
@@ -54,7 +55,7 @@ class ModelRunner:
         pool: KVPool,
         device: torch.device,
         generator: torch.Generator | None = None,
-        graphs=None,
+        graphs: CUDAGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -98,6 +99,7 @@ class ModelRunner:
         if logits is None:
             logits = self._eager_step(plan, result)
         if sample_reqs:
+            assert logits is not None  # sampling rows have logits
             sampled = sample(logits, sample_reqs, self.generator)
             seq_ids = [s.request_id for s in plan.seqs if s.sample]
             result.sampled = dict(zip(seq_ids, sampled))
@@ -131,7 +133,7 @@ class ModelRunner:
         for i, arr in enumerate((positions, slots, s_lens, qsl, sample_rows, table.reshape(-1))):
             host[offs[i + 1] : offs[i + 2]] = arr
         dev = buf[: int(offs[-1])].to(self.device, non_blocking=True)
-        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = dev.split(list(sizes))
+        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev, list(sizes))
         attn = AttentionMetadata(
             query_start_loc=qsl_t,
             seq_lens=lens_t,

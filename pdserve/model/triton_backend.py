@@ -89,7 +89,17 @@ class TritonBackend(AttentionBackend):
         lengths are read; the split count depends on the batch size only."""
         return TritonPlan(decode=True, max_seq_len=None, max_q_len=1)
 
-    def forward(self, q, k, v, k_cache, v_cache, attn, plan: TritonPlan, scale):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: TritonPlan,
+        scale: float,
+    ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
         any strides with dim stride 1. Returns ``[T, Hq * D]`` in q's dtype."""

@@ -52,7 +52,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
         ModelConfig,
         "enforce_eager",
         bool,
-        "never capture CUDA graphs of the decode step (a switch)",
+        "never capture CUDA graphs of the decode step (every step eager)",
     ),
     ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
     (
@@ -147,7 +147,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` that differ from their defaults, as an argv list
     (how ``pdserve up`` passes them through to its workers)."""
     argv: list[str] = []
-    for flag, cls, name, typ, _ in ENGINE_FLAGS:
+    for flag, cls, name, _, _ in ENGINE_FLAGS:
         value = getattr(args, _dest(flag))
         if value == default_of(cls, name):
             continue
