@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from pdserve.engine.kv_layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 
@@ -38,9 +39,10 @@ def scenario_logits(model, steps, page_size, seed):
     for k in need:
         tables.append(perm[used : used + k])
         used += k
-    kv = torch.zeros(
-        s.n_layers, 2, len(perm), page_size, s.n_kv_heads, s.head_dim, dtype=model.dtype
-    ).to(device)
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, page_size, len(perm), model.dtype
+    )
+    kv = lay.layer_views(lay.allocate(device))
     done = [0] * n_seqs
     out = []
     for qlens in steps:
