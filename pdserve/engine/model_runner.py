@@ -64,10 +64,17 @@ class ModelRunner:
         self.graphs = graphs  # CUDAGraphRunner | None
         self._pin = self.device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.int64)
+        # The last host-to-device copy out of the staging buffer. A step that samples ends
+        # with a device read, but a step that does not (a middle chunk of a chunked prefill)
+        # returns at once: the buffer must not be rewritten until that copy has run.
+        self._staged_copy: torch.cuda.Event | None = None
 
     def _stage(self, n: int) -> torch.Tensor:
         """The pinned (on CUDA) int64 staging buffer, at least ``n`` long; grows by doubling
         (each step ends with a device read, so the previous copy out of it is complete)."""
+        if self._staged_copy is not None:
+            self._staged_copy.synchronize()
+            self._staged_copy = None
         if self._staging.numel() < n:
             size = max(n, 2 * self._staging.numel(), 4096)
             buf = torch.empty(size, dtype=torch.int64)
@@ -133,6 +140,9 @@ class ModelRunner:
         for i, arr in enumerate((positions, slots, s_lens, qsl, sample_rows, table.reshape(-1))):
             host[offs[i + 1] : offs[i + 2]] = arr
         dev = buf[: int(offs[-1])].to(self.device, non_blocking=True)
+        if self._pin:
+            self._staged_copy = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._staged_copy.record()
         ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev, list(sizes))
         attn = AttentionMetadata(
             query_start_loc=qsl_t,

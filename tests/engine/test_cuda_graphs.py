@@ -89,3 +89,28 @@ def test_graphs_match_eager(dtype):
             lg = [t.logprob for t in g.logprobs]
             le = [t.logprob for t in e.logprobs]
             assert max(abs(a - b) for a, b in zip(lg, le)) < (1e-4 if dtype == "float32" else 0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_chunked_prefill_on_cuda_equals_one_chunk():
+    """A prompt prefilled in many chunks that sample nothing (so no step ends with a device
+    read) gives the tokens of the same prompt prefilled in one step. Guards the pinned staging
+    buffer: rewriting it while the previous step's copy is still queued corrupted the slots
+    (an illegal memory access on an 8,192-token prompt on the H200)."""
+    _needs_cuda()
+    prompt = [1 + (13 * j) % 300 for j in range(1500)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for budget in (64, 2048):
+        llm = LLM(
+            "random:tiny",
+            device="cuda",
+            dtype="float32",
+            kv_cache_memory=0.25,
+            max_num_batched_tokens=budget,
+        )
+        outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
