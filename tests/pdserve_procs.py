@@ -6,14 +6,16 @@ folder (``tests`` is on pytest's pythonpath); in-process servers are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -180,6 +182,33 @@ def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
             except ProcessLookupError:
                 pass
             p.popen.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def pd_and_mixed(logs: Path) -> Iterator[dict[str, Any]]:
+    """A prefill, a decode and a router over them, beside one mixed worker (the reference),
+    all healthy; ``procs`` lists the four, ``baseline`` each PD worker's free pages at start.
+    Every process is stopped however the block ends."""
+    prefill = start_worker(
+        "prefill", "prefill", logs, extra=["--disaggregation-bootstrap-port", "0"]
+    )
+    decode = start_worker("decode", "decode", logs)
+    mixed = start_worker("mixed", "mixed", logs)
+    router = start_router("router", logs, prefill=[prefill], decode=[decode])
+    procs = [prefill, decode, mixed, router]
+    try:
+        wait_healthy(procs)
+        baseline = {p.name: p.get_info()["num_free_pages"] for p in (prefill, decode)}
+        yield {
+            "prefill": prefill,
+            "decode": decode,
+            "mixed": mixed,
+            "router": router,
+            "procs": procs,
+            "baseline": baseline,
+        }
+    finally:
+        stop(procs)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

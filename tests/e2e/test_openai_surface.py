@@ -12,32 +12,15 @@ import openai
 import pytest
 from pd_compare import assert_same, fold, pair, post, sse
 
-from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
+from pdserve_procs import assert_all_healthy, pd_and_mixed
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def c(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("surface-logs")
-    prefill = start_worker(
-        "prefill", "prefill", logs, extra=["--disaggregation-bootstrap-port", "0"]
-    )
-    decode = start_worker("decode", "decode", logs)
-    mixed = start_worker("mixed", "mixed", logs)
-    router = start_router("router", logs, prefill=[prefill], decode=[decode])
-    procs = [prefill, decode, mixed, router]
-    try:
-        wait_healthy(procs)
-        yield {
-            "prefill": prefill,
-            "decode": decode,
-            "mixed": mixed,
-            "router": router,
-            "procs": procs,
-        }
-    finally:
-        stop(procs)
+    with pd_and_mixed(tmp_path_factory.mktemp("surface-logs")) as procs:
+        yield procs
 
 
 def both(c, path: str, body: dict) -> tuple[dict, dict]:

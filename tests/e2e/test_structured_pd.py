@@ -18,7 +18,7 @@ import pydantic
 import pytest
 from test_pd_parity import assert_same
 
-from pdserve_procs import assert_all_healthy, start_router, start_worker, stop, wait_healthy
+from pdserve_procs import assert_all_healthy, pd_and_mixed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,27 +55,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("structured-logs")
-    prefill = start_worker(
-        "prefill", "prefill", logs, extra=["--disaggregation-bootstrap-port", "0"]
-    )
-    decode = start_worker("decode", "decode", logs)
-    mixed = start_worker("mixed", "mixed", logs)
-    router = start_router("router", logs, prefill=[prefill], decode=[decode])
-    procs = [prefill, decode, mixed, router]
-    try:
-        wait_healthy(procs)
-        baseline = {p.name: p.get_info()["num_free_pages"] for p in (prefill, decode)}
-        yield {
-            "router": router,
-            "mixed": mixed,
-            "procs": procs,
-            "baseline": baseline,
-            "prefill": prefill,
-            "decode": decode,
-        }
-    finally:
-        stop(procs)
+    with pd_and_mixed(tmp_path_factory.mktemp("structured-logs")) as procs:
+        yield procs
 
 
 def post(url, path, body):
