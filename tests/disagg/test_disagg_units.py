@@ -3,13 +3,16 @@ the fake backend, metrics, failure injection."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import msgspec
 import pytest
+import torch
 
 from pdserve.disagg import messages
 from pdserve.disagg.base import (
+    AUX_RECORD_BYTES,
     PROTOCOL_VERSION,
     AuxRecord,
     DuplicateRoomError,
@@ -18,6 +21,7 @@ from pdserve.disagg.base import (
     KVPoll,
 )
 from pdserve.disagg.deadline import run_with_deadline
+from pdserve.disagg.fake import HISTORY, FakeKVManager, link
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.registry import create_kv_manager
 from pdserve.disagg.rooms import FailureInjector
@@ -113,6 +117,83 @@ def test_fake_backend_completes_rooms_without_a_peer():
     assert p.stats()["transfers_failed"] == {"aborted": 1}
     with pytest.raises(ValueError, match="bootstrap_room"):
         p.create_sender(-1)
+
+
+def test_fake_backend_enforces_the_send_contract_and_remembers_a_bounded_history():
+    p = create_kv_manager("fake", ARGS, "prefill")
+    s = p.create_sender(1)
+    with pytest.raises(RuntimeError, match="before init"):
+        s.send([0], last=False)
+    s.init(2, 0)
+    with pytest.raises(RuntimeError, match="init"):
+        s.init(2, 0)  # once only
+    with pytest.raises(ValueError, match="3 pages sent of the 2 declared"):
+        s.send([0, 1, 2], last=False)
+    with pytest.raises(ValueError, match="1 pages sent of the 2 declared"):
+        s.send([0], last=True, aux=AuxRecord(1, 0, 0.0))  # the last send completes the prompt
+    with pytest.raises(ValueError, match="aux.room"):
+        s.send([0, 1], last=True, aux=AuxRecord(2, 0, 0.0))
+    s.send([0, 1], last=True, aux=AuxRecord(1, 0, 0.0))
+    with pytest.raises(RuntimeError, match="send"):
+        s.send([], last=True, aux=AuxRecord(1, 0, 0.0))  # after the last
+    assert s.poll() == KVPoll.Success and s.chunks == [[0, 1]] and s.closes == []
+    s.close()
+    assert s.closes == [KVPoll.Success] and p.handle(1) is s
+    for room in range(2, 2 + HISTORY):  # a health probe's manager must not grow forever
+        h = p.create_sender(room)
+        h.abort()
+        h.close()
+    assert len(p.handles()) == HISTORY and p.handle(1) is None
+    assert p.handle(1 + HISTORY).aborted and p.handle(1 + HISTORY).closes == [KVPoll.Failed]
+
+
+def test_scripted_fake_rooms_move_only_as_the_test_says():
+    aux = torch.zeros(2, AUX_RECORD_BYTES, dtype=torch.uint8)
+    args = dataclasses.replace(
+        ARGS, aux_data_ptr=aux.data_ptr(), aux_data_len=aux.numel(), aux_item_len=AUX_RECORD_BYTES
+    )
+    p = FakeKVManager(args, "prefill", scripted=True)
+    d = FakeKVManager(args, "decode", scripted=True)
+    with pytest.raises(ValueError, match="scripted"):
+        link(p, d)
+    s, r = p.create_sender(9), d.create_receiver("h", 1, 9)
+    assert s.poll() == r.poll() == KVPoll.Bootstrapping
+    with pytest.raises(RuntimeError, match="Bootstrapping"):
+        s.init(1, 0)
+    s.advance(KVPoll.WaitingForInput)
+    r.advance(KVPoll.WaitingForInput)
+    r.init([5], 1, skip_pages=2)
+    assert r.poll() == KVPoll.Transferring and (r.dst_pages, r.aux_slot, r.skip_pages) == (
+        [5],
+        1,
+        2,
+    )
+    s.init(1, 0)
+    rec = AuxRecord(9, 4, -1.0, (4,), (-1.0,))
+    s.send([3], last=True, aux=rec)
+    assert s.poll() == KVPoll.Transferring and p.read_aux(0) == rec  # its own slot only
+    s.abort()  # recorded; the room ends when the test says (a peer may still write)
+    assert s.aborted and s.poll() == KVPoll.Transferring
+    assert s.fail("peer gone") and s.poll() == KVPoll.Failed
+    assert "peer gone" in str(s.failure_exception()) and p.stats()["transfers_failed"]
+    with pytest.raises(RuntimeError, match="terminal"):
+        s.advance(KVPoll.Success)
+    r.advance(KVPoll.Success)
+    with pytest.raises(Exception, match="guard"):
+        r.aux_record()  # decode's slot was never written: room 0 found there
+    d.write_aux(1, rec)
+    assert r.aux_record() == rec
+    r.raise_on("poll", RuntimeError("backend exploded"))
+    with pytest.raises(RuntimeError, match="exploded"):
+        r.poll()
+    r.raise_on("poll", None)
+    assert r.poll() == KVPoll.Success and r.raised == ["poll"]
+    with pytest.raises(ValueError, match="method"):
+        r.raise_on("close", RuntimeError())
+    with pytest.raises(ValueError, match="fail"):
+        d.create_receiver("h", 1, 10).advance(KVPoll.Failed)
+    with pytest.raises(RuntimeError, match="scripted"):
+        create_kv_manager("fake", ARGS, "prefill").create_sender(1).advance(KVPoll.Success)
 
 
 def test_metrics_histogram_is_cumulative():

@@ -1,16 +1,18 @@
-"""The engine's disaggregation hooks with in-test KV managers (tests/engine/engine_fake_kv.py):
-PD output equals mixed output (the KV really moves between two engines), prefill and
-decode state machines, failures, abort at every state, pages back to baseline."""
+"""The engine's disaggregation hooks over the package's fake KV backend
+(pdserve/disagg/fake.py): loopback managers (the KV really moves between two engines: PD
+output equals mixed output) and scripted ones (the test plays the peer: prefill and decode
+state machines, failures, abort at every state), pages back to baseline, every room
+closed once after a terminal poll."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from engine_fake_kv import FakeManager  # tests/engine is on sys.path (rootdir-less test dirs)
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.disagg.base import DuplicateRoomError, KVPoll
+from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
+from pdserve.disagg.fake import TERMINAL, FakeKVManager, link
 from pdserve.engine.disagg_flow import DisaggFlow
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.request import DisaggRequestInfo
@@ -20,6 +22,32 @@ PROMPT = list(range(300, 322))  # 22 tokens = 6 pages of 4
 rooms = itertools.count(1000)
 
 
+def pd_pair(cfg):
+    """(prefill engine, decode engine, managers): "p"/"d" a loopback pair bound as
+    ``nixl``, "pm"/"dm" scripted managers bound as ``fake`` (the managers need the
+    engines' pools, so they are bound after construction)."""
+    prefill, decode = EngineCore(cfg), EngineCore(cfg)
+    m = {}
+    for core, role, key in ((prefill, "prefill", "p"), (decode, "decode", "d")):
+        m[key] = FakeKVManager(core.pool.kv_args(), role)
+        m[key + "m"] = FakeKVManager(core.pool.kv_args(), role, scripted=True)
+        core.bind_kv_managers({"nixl": m[key], "fake": m[key + "m"]})
+    link(m["p"], m["d"])
+    return prefill, decode, m
+
+
+def assert_closed_once_after_terminal(managers, before=frozenset()):
+    """Every room (but those of ``before``, ids of handles seen earlier) was closed exactly
+    once, after a terminal poll (or after an abort that followed a poll that raised: the
+    engine counts that as terminal)."""
+    for mgr in managers:
+        for h in mgr.handles():
+            if id(h) in before:
+                continue
+            assert len(h.closes) == 1, (h.room, h.closes)
+            assert h.closes[0] in TERMINAL or (h.aborted and "poll" in h.raised), h.room
+
+
 @pytest.fixture(scope="module")
 def cores(tiny_model_dir):
     """(prefill engine, decode engine, managers) sharing one tiny Llama."""
@@ -27,27 +55,19 @@ def cores(tiny_model_dir):
         model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
         cache=CacheConfig(page_size=4, num_pages=64),
     )
-    m = {
-        "p": FakeManager("prefill"),
-        "d": FakeManager("decode"),
-        "pm": FakeManager("prefill", auto=False),
-        "dm": FakeManager("decode", auto=False),
-    }
-    m["p"].peer, m["d"].peer = m["d"], m["p"]
-    prefill = EngineCore(cfg, {"nixl": m["p"], "fake": m["pm"]})
-    decode = EngineCore(cfg, {"nixl": m["d"], "fake": m["dm"]})
-    m["p"].pool = m["pm"].pool = prefill.pool
-    m["d"].pool = m["dm"].pool = decode.pool
-    return prefill, decode, m
+    return pd_pair(cfg)
 
 
 @pytest.fixture(autouse=True)
 def clean(cores):
-    """Every test must leave both engines idle with all pages and aux slots free."""
+    """Every test must leave both engines idle with all pages and aux slots free, and
+    every room closed once after a terminal poll."""
+    before = frozenset(id(h) for mgr in cores[2].values() for h in mgr.handles())
     yield
     for core in cores[:2]:
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()
         assert core.pool.num_free_aux_slots == core.pool.aux.shape[0]
+    assert_closed_once_after_terminal(cores[2].values(), before)
 
 
 def info(role, room, fake=False):
@@ -121,12 +141,12 @@ def test_pd_output_equals_mixed_output(cores, params):
     # decode served the same prompt as "mixed" just before: it holds its first 5 full pages
     # (at most (22 - 1) // 4) and asked prefill for the last one only; the output above
     # shows those held pages are the right KV
-    recv = m["d"].created[-1]
+    recv = m["d"].handle(room)
     assert got["d"].num_cached_tokens == 20 and recv.skip_pages == 5
-    assert len(recv.init_args[0]) == 1
+    assert len(recv.dst_pages) == 1
     assert 0 <= got["p"].num_cached_tokens < len(PROMPT)
-    sender = m["p"].created[-1]
-    assert sender.init_args[0] == 6 and sender.closed == 1 and m["d"].created[-1].closed == 1
+    sender = m["p"].handle(room)
+    assert sender.num_pages == 6 and sender.closes == recv.closes == [KVPoll.Success]
 
 
 def test_first_token_that_stops_ends_both_sides(cores):
@@ -172,22 +192,23 @@ def test_prefill_state_machine_by_hand(cores):
         SamplingParams(temperature=0, max_tokens=4, logprobs=2),
         info("prefill", room, fake=True),
     )
-    sender = m["pm"].live[room]
+    sender = m["pm"].handle(room)
     for _ in range(3):  # no pages and no compute before decode's destination is known
         assert prefill.step() == []
-    assert prefill.num_free_pages == 64 and sender.init_args is None
-    sender.state = KVPoll.WaitingForInput
+    assert prefill.num_free_pages == 64 and sender.num_pages is None
+    sender.advance(KVPoll.WaitingForInput)
     outs = prefill.step()  # init, prefill, first token, send
-    assert sender.init_args[0] == 6 and sender.sent is not None
-    pages, aux = sender.sent
+    assert sender.num_pages == 6 and sender.aux is not None
+    pages, aux = sender.pages_sent, sender.aux
     assert len(pages) == 6 and aux.room == room and len(aux.top_ids) == 2
+    assert m["pm"].read_aux(sender.aux_slot) == aux  # the transfer layer wrote it
     assert outs[0].outputs[0].token_ids == [aux.first_token_id] and not outs[0].finished
     for _ in range(2):  # the transfer layer owns the pages until a terminal poll
         assert prefill.step() == [] and prefill.num_free_pages == 58
-    sender.state = KVPoll.Success
+    sender.advance(KVPoll.Success)
     outs = prefill.step()
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "length"
-    assert prefill.num_free_pages == 64 and sender.closed == 1
+    assert prefill.num_free_pages == 64 and sender.closes == [KVPoll.Success]
 
 
 def test_decode_state_machine_and_bad_aux_guard(cores):
@@ -197,22 +218,20 @@ def test_decode_state_machine_and_bad_aux_guard(cores):
     decode.add_request(
         "d", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("decode", room, fake=True)
     )
-    recv = m["dm"].live[room]
+    recv = m["dm"].handle(room)
     decode.step()
-    assert recv.init_args is None and decode.num_free_pages == 64
-    recv.state = KVPoll.WaitingForInput
+    assert recv.dst_pages is None and decode.num_free_pages == 64
+    recv.advance(KVPoll.WaitingForInput)
     decode.step()
-    assert len(recv.init_args[0]) == 6 and decode.num_free_pages == 58
-    recv.state = KVPoll.Transferring
+    assert len(recv.dst_pages) == 6 and recv.skip_pages == 0 and decode.num_free_pages == 58
+    recv.advance(KVPoll.Transferring)
     assert decode.step() == []
     # the aux slot holds a record of another room: the request fails, nothing leaks
-    from pdserve.disagg.base import AuxRecord
-
-    decode.pool.write_aux(recv.init_args[1], AuxRecord(room + 1, 5, -1.0).pack())
-    recv.state = KVPoll.Success
+    m["dm"].write_aux(recv.aux_slot, AuxRecord(room + 1, 5, -1.0))
+    recv.advance(KVPoll.Success)
     out = decode.step()[0]
     assert out.finished and out.outputs[0].finish_reason == "error" and "room" in out.error
-    assert recv.closed == 1
+    assert recv.closes == [KVPoll.Success]
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -227,15 +246,16 @@ def test_failures_end_the_request_with_the_message(cores, role, when):
     core.add_request(
         "r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True)
     )
-    h = mgr.live[room]
+    h = mgr.handle(room)
     if "transferring" in when:
-        h.state = KVPoll.WaitingForInput
+        h.advance(KVPoll.WaitingForInput)
         core.step()
         core.step()
-        assert h.init_args is not None  # prefill: init + send done; decode: init done
-        h.state = KVPoll.Transferring
+        # prefill: init + send done; decode: init done
+        assert (h.aux if role == "prefill" else h.dst_pages) is not None
+        h.advance(KVPoll.Transferring)
     if when == "poll-raises":
-        h.poll_raises = True
+        h.raise_on("poll", RuntimeError("backend exploded"))
     elif when.startswith("failed"):
         h.fail("peer died: heartbeat missed")
     else:
@@ -244,15 +264,17 @@ def test_failures_end_the_request_with_the_message(cores, role, when):
         assert core.step() == []  # aborted: reported by the caller, drained here
         if "transferring" in when:
             assert core.num_free_pages == 58  # not freed before a terminal poll
-        h.state = KVPoll.Failed
+        assert h.closes == []
+        h.fail("aborted")
         core.step()
-        assert h.closed == 1
+        assert h.closes == [KVPoll.Failed]
         return
     out = drive(core)["r"]
     assert out.outputs[0].finish_reason == "error"
     assert ("heartbeat" in out.error) if when.startswith("failed") else ("exploded" in out.error)
-    h.poll_raises = False
-    assert h.closed == 1
+    assert len(h.closes) == 1
+    if when == "poll-raises":  # counted as terminal: aborted, then closed
+        assert h.aborted and h.raised[0] == "poll"
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -263,15 +285,15 @@ def test_init_that_raises_fails_the_request_and_frees_everything(cores, role):
     core.add_request(
         "r", PROMPT, SamplingParams(temperature=0, max_tokens=3), info(role, room, fake=True)
     )
-    h = mgr.live[room]
-    h.init_raises = True
-    h.state = KVPoll.WaitingForInput
+    h = mgr.handle(room)
+    h.raise_on("init", RuntimeError("init refused"))
+    h.advance(KVPoll.WaitingForInput)
     out = core.step()[0]
     assert out.finished and out.outputs[0].finish_reason == "error" and "init refused" in out.error
-    assert h.aborted and h.closed == 0  # drained: closed only after a terminal poll
-    h.state = KVPoll.Failed
+    assert h.aborted and h.closes == []  # drained: closed only after a terminal poll
+    h.fail("aborted")
     drive(core)
-    assert h.closed == 1
+    assert h.closes == [KVPoll.Failed]
 
 
 @pytest.mark.parametrize("step_at_abort", range(6))
@@ -288,8 +310,10 @@ def test_abort_at_every_step_of_a_pd_request(cores, step_at_abort):
     decode.abort_request("d")
     prefill.abort_request("p")
     drive(prefill, decode)
-    for h in (m["d"].created[-1], *(m["p"].created[-1:] if step_at_abort > 1 else [])):
-        assert h.closed == 1
+    handles = [m["d"].handle(room), m["p"].handle(room)]
+    assert (handles[1] is not None) == (step_at_abort > 1)
+    for h in handles[: 1 + (step_at_abort > 1)]:
+        assert len(h.closes) == 1 and h.closes[0] in TERMINAL
 
 
 def test_a_second_turn_on_the_same_decode_moves_only_its_new_pages(cores):
@@ -301,16 +325,16 @@ def test_a_second_turn_on_the_same_decode_moves_only_its_new_pages(cores):
     decode.add_request("t1", PROMPT, params, info("decode", room))
     prefill.add_request("p1", PROMPT, params, info("prefill", room))
     t1 = drive(prefill, decode)["t1"].outputs[0]
-    assert m["d"].created[-1].skip_pages == 0  # nothing held yet: all 6 pages moved
+    assert m["d"].handle(room).skip_pages == 0  # nothing held yet: all 6 pages moved
     turn2 = PROMPT + t1.token_ids + list(range(400, 409))  # 37 tokens: 10 pages
     room = next(rooms)
     decode.add_request("t2", turn2, params, info("decode", room))
     prefill.add_request("p2", turn2, params, info("prefill", room))
     got = drive(prefill, decode)
-    recv, sender = m["d"].created[-1], m["p"].created[-1]
+    recv, sender = m["d"].handle(room), m["p"].handle(room)
     # turn 1 left KV for 22 + 5 tokens on decode (its last token's KV is never computed):
     # 6 full pages held; of the 10 prompt pages prefill sends the last 4
-    assert recv.skip_pages == 6 and len(recv.init_args[0]) == 4 and len(sender.sent[0]) == 10
+    assert recv.skip_pages == 6 and len(recv.dst_pages) == 4 and len(sender.pages_sent) == 10
     assert got["t2"].num_cached_tokens == 24
     assert got["p2"].num_cached_tokens == 20  # prefill had turn 1's prompt: 5 full pages
     prefill.add_request("ref", turn2, params)  # the same prompt, mixed
@@ -336,7 +360,7 @@ def test_pd_under_eviction_pressure_equals_mixed(cores):
         got.append(drive(prefill, decode)[f"e{i}"].outputs[0])
     after = [c.stats()["prefix_cache_evicted_pages"] for c in (prefill, decode)]
     assert all(a > b for a, b in zip(after, before))
-    assert m["d"].created[-1].skip_pages == 2  # the shared head survived eviction (LRU)
+    assert m["d"].handle(room).skip_pages == 2  # the shared head survived eviction (LRU)
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"ref{i}", prompt, params)
         want = drive(prefill)[f"ref{i}"].outputs[0]
@@ -352,11 +376,11 @@ def test_manager_selection_and_duplicate_rooms(cores):
         prefill.add_request("x", PROMPT, SamplingParams(), info("decode", 1))
     room = next(rooms)
     prefill.add_request("a", PROMPT, SamplingParams(), info("prefill", room, fake=True))
-    assert room in m["pm"].live and room not in m["p"].live
+    assert m["pm"].handle(room) is not None and m["p"].handle(room) is None
     with pytest.raises(DuplicateRoomError):
         prefill.add_request("b", PROMPT, SamplingParams(), info("prefill", room, fake=True))
     prefill.abort_request("a")
-    m["pm"].live[room].state = KVPoll.Failed
+    m["pm"].handle(room).fail("aborted")
     drive(prefill)
     no_managers = DisaggFlow(
         prefill.pool, prefill.kv, prefill.scheduler, {}, "nixl", prefill.vocab_size, None
@@ -378,22 +402,22 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
     for bad in ({}, {"fake": object()}):
         with pytest.raises(ValueError, match="kv_managers"):
             core.bind_kv_managers(bad)
-    manager = FakeManager("prefill", auto=False)
-    manager.pool = core.pool
+    manager = FakeKVManager(core.pool.kv_args(), "prefill", scripted=True)
     core.bind_kv_managers({"fake": manager})
     with pytest.raises(ValueError, match="bound already"):
         core.bind_kv_managers({"fake": manager})
     core.add_request("p", PROMPT, SamplingParams(max_tokens=2), info("prefill", 7, fake=True))
-    assert manager.created[-1].room == 7  # the bound manager made the room's sender
+    sender = manager.handle(7)  # the bound manager made the room's sender
+    assert sender is not None and sender.room == 7 and manager.num_live_rooms() == 1
     core.abort_request("p")
-    manager.created[-1].fail("aborted")
+    sender.fail("aborted")
     drive(core)
-    assert core.num_free_pages == 64 and manager.created[-1].closed == 1
+    assert core.num_free_pages == 64 and sender.closes == [KVPoll.Failed]
 
     late = EngineCore(cfg)
     late.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=1))
     with pytest.raises(ValueError, match="before the first request"):
-        late.bind_kv_managers({"fake": FakeManager("prefill")})
+        late.bind_kv_managers({"fake": FakeKVManager(late.pool.kv_args(), "prefill")})
     drive(late)
     with pytest.raises(ValueError, match="bound already"):
         EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})
@@ -412,11 +436,8 @@ def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
             scheduler=SchedulerConfig(max_num_batched_tokens=8),
         )
 
-    p_mgr, d_mgr = FakeManager("prefill"), FakeManager("decode")
-    p_mgr.peer, d_mgr.peer = d_mgr, p_mgr
-    prefill = EngineCore(cfg(False), {"nixl": p_mgr, "fake": FakeManager("prefill")})
-    decode = EngineCore(cfg(False), {"nixl": d_mgr, "fake": FakeManager("decode")})
-    p_mgr.pool, d_mgr.pool = prefill.pool, decode.pool
+    prefill, decode, m = pd_pair(cfg(False))
+    p_mgr = m["p"]
     prompt = list(range(500, 522))
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
     decode.add_request("mixed", prompt, params)
@@ -429,19 +450,19 @@ def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
             for out in core.step():
                 if out.finished:
                     steps_seen.append(out)
-        sender = p_mgr.created[-1] if p_mgr.created else None
-        if sender is not None and sender.chunks and sender.sent is None:
+        sender = p_mgr.handle(77)
+        if sender is not None and sender.chunks and sender.aux is None:
             # pages of finished chunks are sent while the prompt is still being computed
             assert prefill.stats()["num_running"] == 1
         if not prefill.has_unfinished_requests() and not decode.has_unfinished_requests():
             break
     got = {o.request_id: o for o in steps_seen}
-    sender = p_mgr.created[-1]
+    sender = p_mgr.handle(77)
     assert [len(c) for c in sender.chunks] == [2, 2, 2]  # 8 tokens, 16 tokens, the rest
-    pages = [p for c in sender.chunks for p in c]
-    assert sender.sent[0] == pages and len(pages) == 6
+    assert len(sender.pages_sent) == 6 and sender.aux is not None
     rest = got["d"].outputs[0]
     assert rest.token_ids == want.token_ids and rest.text == want.text
     assert rest.logprobs == want.logprobs
     for core in (prefill, decode):
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())

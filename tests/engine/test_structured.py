@@ -13,9 +13,10 @@ import re
 import jsonschema
 import pytest
 import torch
-from engine_fake_kv import FakeManager
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.disagg.base import KVPoll
+from pdserve.disagg.fake import FakeKVManager, link
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
@@ -71,17 +72,19 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def cores(tiny_model_dir):
-    """(prefill engine, decode engine) over one tiny Llama with in-test KV managers."""
+    """(prefill engine, decode engine, their managers) over one tiny Llama, loopback KV
+    managers (pdserve/disagg/fake.py: the KV really moves between the two pools)."""
     cfg = EngineConfig(
         model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
         cache=CacheConfig(page_size=4, num_pages=128),
     )
-    p, d = FakeManager("prefill"), FakeManager("decode")
-    p.peer, d.peer = d, p
-    prefill = EngineCore(cfg, {"nixl": p})
-    decode = EngineCore(cfg, {"nixl": d})
-    p.pool, d.pool = prefill.pool, decode.pool
-    return prefill, decode
+    prefill, decode = EngineCore(cfg), EngineCore(cfg)
+    p = FakeKVManager(prefill.pool.kv_args(), "prefill")
+    d = FakeKVManager(decode.pool.kv_args(), "decode")
+    link(p, d)
+    prefill.bind_kv_managers({"nixl": p})
+    decode.bind_kv_managers({"nixl": d})
+    return prefill, decode, p, d
 
 
 def drive(*cores, max_steps=400):
@@ -103,7 +106,7 @@ def info(role, room):
 @pytest.mark.parametrize("kind", list(SPECS))
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_output_matches_constraint_and_pd_equals_mixed(cores, kind, temperature):
-    prefill, decode = cores
+    prefill, decode, p_mgr, d_mgr = cores
     spec = SPECS[kind]
     params = SamplingParams(
         temperature=temperature, seed=11, max_tokens=80, logprobs=2, structured_outputs=spec
@@ -124,11 +127,13 @@ def test_output_matches_constraint_and_pd_equals_mixed(cores, kind, temperature)
     rest = got["d"].outputs[0]
     assert rest.token_ids == want.token_ids and rest.text == want.text
     assert rest.logprobs == want.logprobs and rest.finish_reason == want.finish_reason
+    for mgr in (p_mgr, d_mgr):  # each side's room closed once, after its Success
+        assert mgr.handle(room).closes == [KVPoll.Success]
 
 
 def test_unconstrained_output_differs(cores):
     """The constraint is what makes the output valid (the tiny model alone writes no JSON)."""
-    _, decode = cores
+    decode = cores[1]
     decode.add_request("free", PROMPT, SamplingParams(temperature=0, max_tokens=30))
     text = drive(decode)["free"].outputs[0].text
     with pytest.raises(ValueError):
@@ -136,7 +141,7 @@ def test_unconstrained_output_differs(cores):
 
 
 def test_max_tokens_cut_reports_length(cores):
-    _, decode = cores
+    decode = cores[1]
     params = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SPECS["json"])
     decode.add_request("cut", PROMPT, params)
     out = drive(decode)["cut"].outputs[0]
@@ -147,7 +152,7 @@ def test_max_tokens_cut_reports_length(cores):
 
 
 def test_a_complete_grammar_ends_the_output_before_min_tokens(cores):
-    _, decode = cores
+    decode = cores[1]
     spec = SO(choice=["red", "green"])
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=spec)
     decode.add_request("min", PROMPT, params)
@@ -157,7 +162,7 @@ def test_a_complete_grammar_ends_the_output_before_min_tokens(cores):
 
 def test_several_rows_in_one_batch(cores):
     """Rows with different grammars (and one without) batched in one step stay correct."""
-    _, decode = cores
+    decode = cores[1]
     kinds = [k for k in SPECS if k != "json_object"]
     for i, kind in enumerate(kinds):
         decode.add_request(
@@ -182,7 +187,7 @@ def test_several_rows_in_one_batch(cores):
     ],
 )
 def test_invalid_constraint_is_a_value_error_naming_the_field(cores, spec, words):
-    _, decode = cores
+    decode = cores[1]
     with pytest.raises(ValueError) as exc:
         decode.add_request("bad", PROMPT, SamplingParams(structured_outputs=spec))
     assert str(exc.value).startswith(spec.field + " ") and words in str(exc.value)
