@@ -19,7 +19,7 @@ import transformers
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdserve.model.loader import load_model_source
+from pdserve.model.loader import embedded_tokenizer, load_model_source
 from tiny_models import random_tiny_model
 
 _COMMON = dict(
@@ -90,8 +90,11 @@ def tiny_hf_builder():
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, embedded_source):
-    """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model)."""
+def tiny_dir(tmp_path_factory):
+    """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model).
+
+    Only the tokenizer is needed (``embedded_tokenizer``), so the GPU machine, which has the
+    saved tokenizer folder but not the embedded GGUF package, runs these tests too."""
     cache: dict[str, tuple[str, transformers.PreTrainedModel]] = {}
 
     def get(arch: str):
@@ -99,7 +102,7 @@ def tiny_dir(tmp_path_factory, embedded_source):
             folder = tmp_path_factory.mktemp(f"tiny-{arch}")
             model = build_tiny_hf(arch)
             model.save_pretrained(folder)
-            embedded_source.tokenizer.save_pretrained(folder)
+            embedded_tokenizer().save_pretrained(folder)
             cache[arch] = (str(folder), model)
         return cache[arch]
 
