@@ -99,7 +99,8 @@ DISAGGREGATION_QUARANTINE_BOUND = EnvVar(
     60.0,
     "Seconds after which decode pages quarantined for a prefill peer (declared dead but "
     "not known gone, so it may still WRITE) mark that peer unhealthy in /get_server_info "
-    "and the metrics. The pages stay quarantined: they are never freed on a timeout.",
+    "and the metrics; the router then pairs that decode with other prefills (503 when no "
+    "pair is left). The pages stay quarantined: they are never freed on a timeout.",
 )
 DISAGGREGATION_NIXL_NUM_THREADS = EnvVar(
     "PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS",

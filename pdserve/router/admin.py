@@ -24,14 +24,15 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.errors import error_response
 from pdserve.router.policies import WorkerState
-from pdserve.router.workers import WorkerPool
+from pdserve.router.workers import WorkerPool, unhealthy_prefill_peers
 
 MAX_WAIT_S = 3600.0
 
 
 def worker_json(pool: WorkerPool, w: WorkerState) -> dict:
-    """The admin/server-info view of one worker."""
-    return {
+    """The admin/server-info view of one worker (a decode's also lists the prefill
+    bootstrap addresses it reports unhealthy: the router pairs it with none of them)."""
+    view = {
         "url": w.url,
         "role": w.role,
         "healthy": w.healthy,
@@ -39,6 +40,9 @@ def worker_json(pool: WorkerPool, w: WorkerState) -> dict:
         "outstanding": w.outstanding,
         "last_error": w.last_error,
     }
+    if w.role == "decode":
+        view["unhealthy_prefill_peers"] = unhealthy_prefill_peers(w)
+    return view
 
 
 def build_admin_router(pool: WorkerPool, token: str | None) -> APIRouter:

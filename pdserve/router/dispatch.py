@@ -198,7 +198,7 @@ class Dispatcher:
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         key = routing_key(endpoint, body)
-        prefill, decode = self.pool.pick("prefill", key), self.pool.pick("decode", key)
+        prefill, decode = self.pool.pick_pair(key)
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
         room = self.reserve_rooms(n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from pdserve.router.workers import WorkerPool
+from pdserve.router.workers import WorkerPool, avoided_pairs
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -28,11 +28,21 @@ class _WorkerCollector:
             "requests dispatched to the worker and not yet answered",
             labels=["role", "url"],
         )
+        avoided = GaugeMetricFamily(
+            "pdserve_router_avoided_pd_pairs",
+            "1 for a healthy (prefill, decode) pair the router does not use: the decode "
+            "reports that prefill unhealthy (KV pages quarantined too long)",
+            labels=["prefill", "decode"],
+        )
         for w in self._pool.all():
             healthy.add_metric([w.role, w.url], 1.0 if w.healthy else 0.0)
             outstanding.add_metric([w.role, w.url], float(w.outstanding))
+        pairs = avoided_pairs(self._pool.healthy("prefill"), self._pool.healthy("decode"))
+        for prefill, decode in sorted(pairs):
+            avoided.add_metric([prefill, decode], 1.0)
         yield healthy
         yield outstanding
+        yield avoided
         yield GaugeMetricFamily(
             "pdserve_router_live_bootstrap_rooms",
             "bootstrap rooms of requests in flight",

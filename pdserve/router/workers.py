@@ -21,6 +21,11 @@ class NoHealthyWorker(RuntimeError):
     """No healthy worker of the asked role; the message names the role."""
 
 
+class NoHealthyPair(NoHealthyWorker):
+    """Healthy prefill and decode workers exist, but every decode reports every prefill
+    unhealthy (``unhealthy_prefill_peers``); the message names the pairs."""
+
+
 class WorkerPool:
     """All workers of the router, grouped by role (``prefill``/``decode`` or ``mixed``).
 
@@ -139,6 +144,32 @@ class WorkerPool:
             )
         return self._policies[role].pick(candidates, key)
 
+    def pick_pair(self, key: str | None = None) -> tuple[WorkerState, WorkerState]:
+        """A (prefill, decode) pair by the policies, never one whose decode reports that
+        prefill unhealthy (:func:`refuses`): the prefill is picked among those some
+        decode accepts, then the decode among those that accept it.  NoHealthyWorker when
+        a role has no healthy worker; NoHealthyPair when no pair is left (the router
+        answers 503 rather than send a request that would wait on a peer its decode has
+        pages quarantined for)."""
+        prefills, decodes = self.healthy("prefill"), self.healthy("decode")
+        if not prefills or not decodes:
+            self.pick("decode" if prefills else "prefill")  # raises, naming the role
+        bad = avoided_pairs(prefills, decodes)
+        if bad:
+            prefills = [p for p in prefills if any((p.url, d.url) not in bad for d in decodes)]
+            if not prefills:
+                raise NoHealthyPair(
+                    "no prefill/decode pair to serve with: every healthy decode worker reports "
+                    "every healthy prefill worker unhealthy (KV pages quarantined longer than "
+                    "PDSERVE_DISAGGREGATION_QUARANTINE_BOUND): "
+                    + "; ".join(f"{d} reports {p}" for p, d in sorted(bad))
+                )
+        prefill = self._policies["prefill"].pick(prefills, key)
+        decode = self._policies["decode"].pick(
+            [d for d in decodes if (prefill.url, d.url) not in bad], key
+        )
+        return prefill, decode
+
     def is_ready(self) -> bool:
         """True when every role has at least one healthy worker."""
         return all(self.healthy(role) for role in self.workers)
@@ -225,3 +256,31 @@ def bootstrap_address(worker: WorkerState) -> tuple[str, int]:
     else:
         host = advertised
     return host, int(worker.server_info["bootstrap_port"])
+
+
+def unhealthy_prefill_peers(decode: WorkerState) -> dict[str, float]:
+    """What a decode worker's last ``/get_server_info`` lists under
+    ``transfer.unhealthy_prefill_peers``: ``"host:port"`` of a prefill's bootstrap server
+    -> age in seconds of the oldest quarantine of its pages there (the NIXL decode
+    manager, pdserve/disagg/nixl/decode.py); ``{}`` when absent or of another shape."""
+    transfer = decode.server_info.get("transfer")
+    peers = transfer.get("unhealthy_prefill_peers") if isinstance(transfer, dict) else None
+    return peers if isinstance(peers, dict) else {}
+
+
+def refuses(decode: WorkerState, prefill: WorkerState) -> bool:
+    """True when ``decode`` reports ``prefill`` unhealthy: it lists the bootstrap address
+    the router hands out for that prefill (:func:`bootstrap_address`, as decode keys its
+    peers by the address it was given)."""
+    peers = unhealthy_prefill_peers(decode)
+    if not peers or not isinstance(prefill.server_info.get("bootstrap_port"), int):
+        return False
+    host, port = bootstrap_address(prefill)
+    return f"{host}:{port}" in peers
+
+
+def avoided_pairs(
+    prefills: Sequence[WorkerState], decodes: Sequence[WorkerState]
+) -> set[tuple[str, str]]:
+    """The (prefill URL, decode URL) pairs of these workers that :func:`refuses` rules out."""
+    return {(p.url, d.url) for d in decodes for p in prefills if refuses(d, p)}

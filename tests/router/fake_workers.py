@@ -27,6 +27,8 @@ class FakeWorker:
     """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break`` |
     ``drop`` (connection closed mid-answer);
     ``health``: the status of /health; ``delay``: seconds before answering (or failing);
+    ``bootstrap_port`` (prefill) and ``transfer`` (the KV manager's stats, e.g. a decode's
+    ``unhealthy_prefill_peers``) are what /get_server_info reports;
     a stream has ``chunks`` events ``chunk_gap`` seconds apart. Records request bodies and
     client disconnects (also of a stream cut short).
 
@@ -41,6 +43,8 @@ class FakeWorker:
         self.role = role
         self.mode = "ok"
         self.health = 200
+        self.bootstrap_port: int | None = 4242 if role == "prefill" else None  # never bound
+        self.transfer: dict | None = None
         self.delay = 0.0
         self.chunks = 2
         self.chunk_gap = 0.01
@@ -85,7 +89,8 @@ class FakeWorker:
             return {
                 "role": self.role,
                 "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": 4242 if self.role == "prefill" else None,
+                "bootstrap_port": self.bootstrap_port,
+                "transfer": self.transfer,
             }
 
         @app.get("/v1/models")
