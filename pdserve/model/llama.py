@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import linear as lin
+from pdserve.model import weight_map
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
+from pdserve.model.shapes import ModelShapes
+from pdserve.model.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -41,11 +42,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: fused QKV (+bias), optional per-head q/k RMSNorm, RoPE,
-    paged attention, o_proj, fused gate/up SwiGLU MLP."""
+    paged attention, o_proj, fused gate/up SwiGLU MLP.
 
-    def __init__(self, s: _Shapes, dtype: torch.dtype, device: torch.device | str) -> None:
+    Under tensor parallelism (``tp`` of size > 1; Megatron-LM's split, Shoeybi et al. 2019)
+    the layer holds this rank's share: QKV and gate/up column-parallel (its query heads, its
+    KV heads, its intermediate rows), o_proj and down_proj row-parallel, their partial
+    outputs summed over the ranks (``tp.all_reduce_``) before the row bias is added once.
+    ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul."""
+
+    def __init__(
+        self,
+        s: ModelShapes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.s = s
+        self.tp = tp if tp is not None and tp.size > 1 else None
         qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
         self.input_layernorm = _empty((s.hidden,), dtype, device)
         self.qkv_proj = _empty((qkv_out, s.hidden), dtype, device)
@@ -94,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
-        h = h + lin.linear(o, self.o_proj, self.o_bias, pk.get("o_proj"))
+        h = h + self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, s.eps)
         gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
         if fused is not None:
@@ -102,44 +116,20 @@ class LlamaDecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h + lin.linear(act, self.down_proj, self.down_bias, pk.get("down_proj"))
+        return h + self._row_parallel(act, self.down_proj, self.down_bias, pk.get("down_proj"))
 
-
-class _Shapes:
-    """Dimensions and flags read once from an HF config."""
-
-    def __init__(self, c: PretrainedConfig) -> None:
-        mt = getattr(c, "model_type", "llama")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if getattr(c, "use_sliding_window", False) or (
-            mt == "mistral" and getattr(c, "sliding_window", None)
-        ):
-            raise ValueError(
-                "sliding-window attention (use_sliding_window / sliding_window) is not supported"
-            )
-        self.hidden = c.hidden_size
-        self.n_layers = c.num_hidden_layers
-        self.n_heads = c.num_attention_heads
-        self.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.intermediate = c.intermediate_size
-        self.vocab = c.vocab_size
-        self.eps = float(c.rms_norm_eps)
-        self.tied = bool(getattr(c, "tie_word_embeddings", False))
-        attn_bias = bool(getattr(c, "attention_bias", False))
-        self.qkv_bias = mt == "qwen2" or attn_bias  # Qwen2 always has q/k/v bias
-        self.o_bias = attn_bias and mt in ("llama", "mistral")  # Qwen2/3 never bias o_proj
-        self.mlp_bias = bool(getattr(c, "mlp_bias", False))
-        self.qk_norm = mt == "qwen3"
-        self.scale = self.head_dim**-0.5
-        self.max_positions = c.max_position_embeddings
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads"
-            )
+    def _row_parallel(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x [T, in/tp] @ weight.T`` summed over the ranks, plus ``bias`` once -> ``[T, out]``."""
+        if self.tp is None:
+            return lin.linear(x, weight, bias, packed)
+        out = self.tp.all_reduce_(lin.linear(x, weight, None, packed))
+        return out if bias is None else out.add_(bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,7 +138,14 @@ class LlamaForCausalLM(nn.Module):
     hf_config: ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``MistralConfig`` without
     sliding window). dtype: parameter and activation dtype. device: where parameters live
     (``"meta"`` builds shapes only). Parameters are uninitialised until :meth:`load_weights`.
-    Raises ``ValueError`` for unsupported model types / rope types.
+    tp: this rank's tensor-parallel group (``None`` or size 1: the whole model, no
+    collective). With ``tp.size > 1`` the rank holds its share (see
+    :class:`LlamaDecoderLayer`; ``shapes`` gives the rank-local counts and ranges), the
+    embedding and LM head hold its vocabulary rows (padded to ``shapes.vocab_shard``), and
+    :meth:`forward` / :meth:`compute_logits` are collectives every rank calls with the same
+    inputs.
+    Raises ``ValueError`` for unsupported model types / rope types, and naming the field
+    when a count does not split over ``tensor_parallel_size``.
     """
 
     rope_cos_sin: torch.Tensor  # [max_positions, D] buffer: cos | sin (see rope.cos_sin_table)
@@ -159,15 +156,20 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attn_backend: str = "torch_sdpa",
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        s = self.shapes = _Shapes(hf_config)
+        self.tp = tp if tp is not None else TPGroup.single()
+        self._tp = self.tp if self.tp.size > 1 else None  # None: no collective anywhere
+        s = self.shapes = ModelShapes(hf_config, self.tp.tp)
         self.config = hf_config
         self.dtype = dtype
-        self.embed_tokens = _empty((s.vocab, s.hidden), dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(s, dtype, device) for _ in range(s.n_layers))
+        self.embed_tokens = _empty((s.vocab_shard, s.hidden), dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(s, dtype, device, self._tp) for _ in range(s.n_layers)
+        )
         self.norm = _empty((s.hidden,), dtype, device)
-        self.lm_head = None if s.tied else _empty((s.vocab, s.hidden), dtype, device)
+        self.lm_head = None if s.tied else _empty((s.vocab_shard, s.hidden), dtype, device)
         self.register_buffer(
             "rope_cos_sin",
             cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device),
@@ -175,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.backend = get_attention_backend(attn_backend)
         self._lm_head_packed: torch.Tensor | None = None
+        self._shard_specs: dict[str, tuple[Any, tuple[int, ...]]] | None = None
         self._freed: dict[
             nn.Parameter, torch.Size
         ] = {}  # packed params whose plain copy was dropped
@@ -185,53 +188,41 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             yield cast(LlamaDecoderLayer, layer)
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (destination parameter, row start, row end) for every expected weight."""
-        s = self.shapes
-        nq, nkv, inter = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.intermediate
-        t: dict[str, tuple[torch.Tensor, int, int]] = {}
+    def _targets(self) -> dict[str, weight_map.Target]:
+        """HF name -> where it goes (rows of a fused parameter, this rank's slice)."""
+        return weight_map.weight_targets(
+            self.shapes, self.embed_tokens, self.norm, self.lm_head, self.decoder_layers()
+        )
 
-        def whole(name: str, p: torch.Tensor) -> None:
-            t[name] = (p, 0, p.shape[0])
-
-        whole("model.embed_tokens.weight", self.embed_tokens)
-        whole("model.norm.weight", self.norm)
-        if self.lm_head is not None:
-            whole("lm_head.weight", self.lm_head)
-        for i, layer in enumerate(self.decoder_layers()):
-            pre = f"model.layers.{i}."
-            whole(pre + "input_layernorm.weight", layer.input_layernorm)
-            whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm)
-            whole(pre + "self_attn.o_proj.weight", layer.o_proj)
-            whole(pre + "mlp.down_proj.weight", layer.down_proj)
-            for suffix, fused in (("weight", layer.qkv_proj), ("bias", layer.qkv_bias)):
-                if fused is not None:
-                    t[f"{pre}self_attn.q_proj.{suffix}"] = (fused, 0, nq)
-                    t[f"{pre}self_attn.k_proj.{suffix}"] = (fused, nq, nq + nkv)
-                    t[f"{pre}self_attn.v_proj.{suffix}"] = (fused, nq + nkv, nq + 2 * nkv)
-            for suffix, fused in (("weight", layer.gate_up_proj), ("bias", layer.gate_up_bias)):
-                if fused is not None:
-                    t[f"{pre}mlp.gate_proj.{suffix}"] = (fused, 0, inter)
-                    t[f"{pre}mlp.up_proj.{suffix}"] = (fused, inter, 2 * inter)
-            if layer.o_bias is not None:
-                whole(pre + "self_attn.o_proj.bias", layer.o_bias)
-            if layer.down_bias is not None:
-                whole(pre + "mlp.down_proj.bias", layer.down_bias)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                whole(pre + "self_attn.q_norm.weight", layer.q_norm)
-                whole(pre + "self_attn.k_norm.weight", layer.k_norm)
-        return t
+    def weight_shard(self, name: str, shape: Sequence[int]) -> weight_map.ShardSpec | None:
+        """``(dim, start, end)`` of the HF tensor ``name`` (full shape ``shape``) this rank
+        reads, or ``None`` for the whole tensor (TP=1, norms, row biases, unknown names or
+        an unexpected shape, which :meth:`load_weights` then reports). Pass it to
+        ``ModelSource.weights(shard=...)`` so a rank reads only its slice."""
+        if self._tp is None:
+            return None
+        if self._shard_specs is None:
+            self._shard_specs = {n: (t.spec(), t.full_shape()) for n, t in self._targets().items()}
+        spec, full = self._shard_specs.get(name, (None, None))
+        return spec if full == tuple(shape) else None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any float dtype, CPU or device) into the fused parameters.
 
-        Each tensor is copied and released as it comes, so peak memory stays ~1x the model.
+        Each tensor is the full HF tensor (sliced here to this rank's share) or already the
+        rank's slice (``ModelSource.weights(shard=model.weight_shard)``); each is copied and
+        released as it comes, so peak memory stays the rank's shard + one full tensor.
         Raises ``ValueError`` naming the weight on an unknown name or a shape mismatch, and
         listing the missing names when some expected weight never arrived.
         """
         self._unpack()
         targets = self._targets()
+        s = self.shapes
+        pad = s.vocab_range[0] + s.vocab_shard - s.vocab_range[1]  # vocab rows past the end
+        for head in (self.embed_tokens, self.lm_head):
+            if pad and head is not None and head.device.type != "meta":
+                head[s.vocab_shard - pad :].zero_()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
@@ -242,14 +233,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"weight {name!r} is not a parameter of this {self.shapes.__class__.__name__} model"
                 )
-            dst, lo, hi = targets[name]
-            view = dst[lo:hi]
-            if tuple(tensor.shape) != tuple(view.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
-                )
-            if view.device.type != "meta":
-                view.copy_(tensor)
+            weight_map.copy_weight(name, targets[name], tensor)
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
@@ -323,13 +307,33 @@ class LlamaForCausalLM(nn.Module):
             def rope(x: torch.Tensor) -> torch.Tensor:
                 return apply_rope(x, cos, sin)
 
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self._embed(input_ids)
         for i, layer in enumerate(self.decoder_layers()):
             h = layer(h, rope, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend, fused)
         return rms_norm(h, self.norm, self.shapes.eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, H]``. Vocab-parallel under TP: each rank looks up the ids of
+        its rows (others masked to 0), then the ranks' rows are summed."""
+        if self._tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        lo, hi = self.shapes.vocab_range
+        local = input_ids - lo
+        outside = (local < 0) | (local >= hi - lo)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self._tp.all_reduce_(h.masked_fill_(outside[:, None], 0.0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, V]`` float32 of hidden states ``[N, H]`` (tied embeddings when configured)."""
+        """Logits ``[N, V]`` float32 (full vocabulary) of hidden states ``[N, H]`` (tied
+        embeddings when configured). Under TP a collective: each rank computes its vocab
+        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return lin.linear(hidden, w, None, self._lm_head_packed).float()
+        logits = lin.linear(hidden, w, None, self._lm_head_packed)
+        if self._tp is None:
+            return logits.float()
+        logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
+        V = self.shapes.vocab
+        if logits.shape[-1] != V:
+            logits = logits[:, :V].contiguous()
+        return logits.float()

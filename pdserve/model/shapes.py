@@ -1,0 +1,78 @@
+"""A Llama-family model's dimensions as one tensor-parallel rank holds them.
+
+Read once from an HF config; the split of heads, intermediate rows and vocabulary comes
+from :mod:`pdserve.parallel` (never recomputed here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.parallel import TPRank, check_divisible, even_range, kv_head_range, vocab_range
+from pdserve.parallel import vocab_shard_rows as _vocab_shard_rows
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ModelShapes:
+    """Dimensions and flags of a Llama-family config, for rank ``tp`` (default: TP=1).
+
+    Rank-local counts (what this rank's parameters and KV pool hold): ``n_heads`` (query
+    heads), ``n_kv_heads``, ``intermediate`` (MLP rows), ``vocab_shard`` (rows of the
+    embedding / LM head shard, padded to ``ceil(vocab / tp.size)``). Global: ``total_heads``,
+    ``total_kv_heads``, ``total_intermediate``, ``vocab`` (the full vocabulary: logits are
+    ``[N, vocab]`` on every rank), ``hidden``, ``head_dim``, ``n_layers``. Ranges ``[start,
+    end)`` in global numbering: ``head_range``, ``kv_head_range`` (a single replicated head
+    when ``tp.size > total_kv_heads``), ``intermediate_range``, ``vocab_range``.
+
+    Raises ``ValueError`` for unsupported model types / sliding window, and naming the field
+    when a count does not split over ``tensor_parallel_size`` (e.g.
+    ``num_attention_heads=9 is not divisible by tensor_parallel_size=2``).
+    """
+
+    def __init__(self, c: PretrainedConfig, tp: TPRank | None = None) -> None:
+        tp = tp or TPRank()
+        mt = getattr(c, "model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(c, "use_sliding_window", False) or (
+            mt == "mistral" and getattr(c, "sliding_window", None)
+        ):
+            raise ValueError(
+                "sliding-window attention (use_sliding_window / sliding_window) is not supported"
+            )
+        self.tp = tp
+        self.hidden = c.hidden_size
+        self.n_layers = c.num_hidden_layers
+        self.total_heads = c.num_attention_heads
+        self.total_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.total_intermediate = c.intermediate_size
+        self.vocab = c.vocab_size
+        self.eps = float(c.rms_norm_eps)
+        self.tied = bool(getattr(c, "tie_word_embeddings", False))
+        attn_bias = bool(getattr(c, "attention_bias", False))
+        self.qkv_bias = mt == "qwen2" or attn_bias  # Qwen2 always has q/k/v bias
+        self.o_bias = attn_bias and mt in ("llama", "mistral")  # Qwen2/3 never bias o_proj
+        self.mlp_bias = bool(getattr(c, "mlp_bias", False))
+        self.qk_norm = mt == "qwen3"
+        self.scale = self.head_dim**-0.5
+        self.max_positions = c.max_position_embeddings
+        if self.total_heads % self.total_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.total_heads} is not a multiple of num_key_value_heads"
+            )
+        check_divisible(self.total_heads, tp.size, "num_attention_heads")
+        self.head_range = even_range(self.total_heads, tp, "num_attention_heads")
+        self.kv_head_range = kv_head_range(self.total_kv_heads, tp)
+        self.intermediate_range = even_range(self.total_intermediate, tp, "intermediate_size")
+        self.vocab_range = vocab_range(self.vocab, tp)
+        self.vocab_shard = _vocab_shard_rows(self.vocab, tp.size)
+        self.n_heads = self.head_range[1] - self.head_range[0]
+        self.n_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
+        self.intermediate = self.intermediate_range[1] - self.intermediate_range[0]
