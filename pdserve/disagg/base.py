@@ -19,9 +19,13 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
+from pdserve.parallel import TPRank, kv_head_range
+
 # 2: RoomDest.skip_pages (decode holds a cached prefix), KVLayout.kv_order.
 # 3: chunked sending (a room's pages in several send() batches, one XferDone), Ping.
-PROTOCOL_VERSION = 3
+# 4: tensor parallelism: RankInfo/Hello carry rank facts (TP size, rank, KV head range),
+#    HealthInfo lists the registered ranks' instances; a room has one writer per head.
+PROTOCOL_VERSION = 4
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
 # router draws them and the worker checks them.
@@ -56,12 +60,15 @@ class DuplicateRoomError(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What must agree between prefill and decode for KV pages to be copied byte for byte.
+    """The model facts that must agree between prefill and decode for KV bytes to be
+    copied as they are (whatever the TP sizes of the two sides).
 
     ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
     ``float32``; ``page_size`` tokens per page; ``kv_order`` the pool's physical order
     (``layer_major`` or ``page_major``, see :mod:`pdserve.engine.kv_layout`); the rest are
-    model shapes.  Equal sizes with another order is a mismatch, named ``kv_order``.
+    model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
+    the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
+    sides).  Equal sizes with another order is a mismatch, named ``kv_order``.
     """
 
     model: str
@@ -100,7 +107,12 @@ class KVArgs:
     aux_data_ptr/aux_data_len/aux_item_len: host buffer of aux records, one slot each
         ``aux_item_len`` (= :data:`AUX_RECORD_BYTES`) bytes.
     device: ``cpu`` or ``cuda`` (where the KV buffers live); gpu_id: CUDA index of this
-        worker's device (ignored on CPU); engine_rank: tensor-parallel rank (0 for now).
+        rank's device (ignored on CPU).
+    engine_rank/tp_size: this rank of the worker's tensor-parallel group (the rank facts,
+        with :attr:`kv_heads`); the pool holds the KV heads ``kv_heads`` of the model's
+        ``layout.num_kv_heads``, split by :func:`pdserve.parallel.kv_head_range`.
+    Raises ValueError naming ``tensor_parallel_size``/``tp_rank``/``num_key_value_heads``
+    for a rank the split rules do not allow.
     """
 
     kv_data_ptrs: tuple[int, ...]
@@ -113,6 +125,19 @@ class KVArgs:
     device: str = "cpu"
     gpu_id: int = 0
     engine_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        kv_head_range(self.layout.num_kv_heads, self.tp)  # raises for a split not allowed
+
+    @property
+    def tp(self) -> TPRank:
+        return TPRank(self.engine_rank, self.tp_size)
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """``[start, end)`` of the model's KV heads this rank's pool holds."""
+        return kv_head_range(self.layout.num_kv_heads, self.tp)
 
     @property
     def num_pages(self) -> int:

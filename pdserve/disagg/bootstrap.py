@@ -3,7 +3,8 @@ decode's client for it (httpx).
 
 Routes: ``PUT /route/{engine_rank}`` (a prefill rank registers its :class:`RankInfo`),
 ``GET /route/{engine_rank}`` (decode looks it up; 404 until registered), ``GET /health``
-(:class:`HealthInfo`; 503 while the prefill manager is unhealthy) — decode's heartbeat.
+(:class:`HealthInfo` with every registered rank's instance; 503 while the prefill
+manager is unhealthy) — decode's heartbeat.
 Bodies are JSON of the msgspec types in :mod:`pdserve.disagg.messages`; a bad body is a
 400 with a JSON ``{"error": ...}``.
 """
@@ -28,7 +29,8 @@ class BootstrapError(RuntimeError):
 
 
 def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock: threading.Lock):
-    """The FastAPI app over ``ranks`` (engine rank -> registered info)."""
+    """The FastAPI app over ``ranks`` (engine rank -> registered info); ``/health`` adds
+    the registered ranks' instance ids to ``health()``."""
     app = FastAPI(title="pdserve bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.put("/route/{engine_rank}")
@@ -66,7 +68,9 @@ def build_app(ranks: dict[int, RankInfo], health: Callable[[], HealthInfo], lock
 
     @app.get("/health")
     async def get_health():
-        info = health()
+        with lock:
+            listed = {r: i.instance_id for r, i in sorted(ranks.items())}
+        info = msgspec.structs.replace(health(), ranks=listed)
         return Response(
             msgspec.json.encode(info),
             media_type="application/json",
@@ -115,6 +119,12 @@ class BootstrapServer(KVBootstrapServer):
         """Register a rank living in this process (same effect as its HTTP PUT)."""
         with self._lock:
             self._ranks[info.engine_rank] = info
+
+    def deregister(self, engine_rank: int) -> None:
+        """Forget a rank (its process died): ``/health`` stops listing it, so decode
+        knows its instance gone, and lookups of it answer 404."""
+        with self._lock:
+            self._ranks.pop(engine_rank, None)
 
     def is_alive(self) -> bool:
         return self._server is not None and self._server.is_alive()

@@ -36,7 +36,10 @@ class BufferDescs(msgspec.Struct, frozen=True):
 
 
 class RankInfo(msgspec.Struct, frozen=True):
-    """What a prefill rank registers at its bootstrap server (agent_metadata is base64)."""
+    """What a prefill rank registers at its worker's bootstrap server (agent_metadata is
+    base64). ``layout``: the model facts (:class:`~pdserve.disagg.base.KVLayout`);
+    ``tp_size``, ``engine_rank`` and ``kv_heads`` (``[start, end)`` of the model's KV
+    heads in this rank's pool): the rank facts."""
 
     protocol_version: int
     instance_id: str
@@ -47,17 +50,26 @@ class RankInfo(msgspec.Struct, frozen=True):
     layout: dict[str, Any]
     kv: BufferDescs
     aux: BufferDescs
+    tp_size: int
+    kv_heads: list[int]
 
 
 class HealthInfo(msgspec.Struct, frozen=True):
+    """``GET /health`` of a bootstrap server: the status of the worker's rank 0 manager
+    (``instance_id``) and ``ranks``, engine rank -> instance id of every rank registered
+    now (a rank that died is removed, so decode knows it gone)."""
+
     status: str
     instance_id: str
     protocol_version: int
+    ranks: dict[int, str] = {}
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    """Decode introduces itself to one prefill instance (once per pair): its NIXL agent and
-    the memory prefill will WRITE into."""
+    """Decode introduces itself to one prefill rank instance (once per pair): its NIXL
+    agent, the memory prefill will WRITE into, and its rank facts (``tp_size``,
+    ``engine_rank``, ``kv_heads``), from which prefill computes the heads it writes there
+    (:mod:`pdserve.disagg.head_map`)."""
 
     prefill_instance: str
     decode_instance: str
@@ -65,6 +77,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     agent_metadata: bytes
     kv: BufferDescs
     aux: BufferDescs
+    tp_size: int
+    engine_rank: int
+    kv_heads: list[int]
 
 
 class RoomDest(msgspec.Struct, frozen=True, tag="dest"):

@@ -11,7 +11,8 @@ Two orders are supported (``KV_ORDERS``); ``L`` layers, ``P`` pages of ``ps`` to
     Each page is one contiguous block holding every layer's K and V.  NIXL sees one
     buffer of ``P`` items of ``L*2*H*ps*D`` elements: one page is one descriptor.  Inside
     a page, head ``h`` of layer ``l``'s K is a contiguous ``[ps, D]`` block (HND), so a
-    head slice is contiguous (heterogeneous TP later).
+    head slice is contiguous: heterogeneous TP moves ``2L`` runs a page
+    (:mod:`pdserve.disagg.nixl.transfer_engine` builds them from the registered region).
 
 What attention reads, for every order (:meth:`KVCacheLayout.layer_views`): per layer a
 ``(k_cache, v_cache)`` pair of *strided views* of logical shape ``[P, ps, H, D]``; token
@@ -203,14 +204,16 @@ class KVCacheLayout:
             return [(b * buf + page * item, item) for b in range(2 * self.num_layers)]
         return [(page * item, item)]
 
-    def fingerprint(self, model: str) -> KVLayout:
-        """What a peer must match to copy pages byte for byte (compared at bootstrap)."""
+    def fingerprint(self, model: str, total_kv_heads: int | None = None) -> KVLayout:
+        """What a peer must match to copy pages byte for byte (compared at bootstrap): the
+        model facts, ``total_kv_heads`` the model's KV heads when this pool holds one
+        tensor-parallel rank's share (default: this pool's)."""
         return KVLayout(
             model=model,
             dtype=str(self.dtype).removeprefix("torch."),
             page_size=self.page_size,
             num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=self.num_kv_heads if total_kv_heads is None else total_kv_heads,
             head_dim=self.head_dim,
             kv_order=self.order,
         )

@@ -21,6 +21,14 @@ heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_
 A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
 forgotten too, so restarts leave remote agents flat.
+
+Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
+are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
+looked up at the prefill's bootstrap server (rank 0 first: it names the TP size); a peer is
+one prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
+page-major pool on both sides: a layer-major pair with different head ranges fails at
+bootstrap naming ``kv_order``. The heartbeat reads every rank's instance from the one
+``/health`` of the prefill's bootstrap server: a rank missing there is gone.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ import queue
 import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 import zmq
 
 from pdserve import envs
@@ -48,6 +58,7 @@ from pdserve.disagg.base import (
 )
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.control import Outbox, recv_all
+from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import (
     Hello,
     RankInfo,
@@ -76,6 +87,7 @@ from pdserve.disagg.rooms import (
     ServiceThreads,
     check_room,
 )
+from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +98,10 @@ NOTIF_SPIN_S = 0.002
 
 @dataclass
 class PrefillPeer:
-    """One instance of a prefill rank, as found at its bootstrap server."""
+    """One instance of a prefill rank, as found at its bootstrap server ``key[:2]``;
+    ``key`` is ``(host, port, engine_rank)``."""
 
-    key: tuple[str, int]
+    key: tuple[str, int, int]
     info: RankInfo
     agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
     misses: int = 0
@@ -116,7 +129,7 @@ class NixlDecodeManager(KVManager):
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
-        self._peers: dict[tuple[str, int], PrefillPeer] = {}
+        self._peers: dict[tuple[str, int, int], PrefillPeer] = {}
         self._suspects: dict[str, PrefillPeer] = {}  # by instance: dead, may still WRITE
         self._peers_lock = threading.Lock()
         self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,7 +145,12 @@ class NixlDecodeManager(KVManager):
             self.engine.metadata(),
             self.engine.kv_descs,
             self.engine.aux_descs,
+            args.tp_size,
+            args.engine_rank,
+            list(args.kv_heads),
         )
+        self.rank = args.tp
+        self.writes_aux = args.engine_rank == 0  # prefill rank 0 writes aux here only
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._threads = ServiceThreads("pdserve-decode")
@@ -240,37 +258,39 @@ class NixlDecodeManager(KVManager):
         self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]
     ) -> None:
         host, port = key
+        infos: dict[int, RankInfo] = {}
+        slices: list[HeadSlice] = []
+        problem = None
         try:
-            info = client.fetch_rank(host, port)
+            infos[0] = client.fetch_rank(host, port, 0)
+            problem = self._check_info(key, infos[0], None)
+            if problem is None:
+                slices = writes_into(
+                    self.engine.kv_args.layout.num_kv_heads, infos[0].tp_size, self.rank
+                )
+                for sl in slices:
+                    if sl.src_rank not in infos:
+                        infos[sl.src_rank] = client.fetch_rank(host, port, sl.src_rank)
+                        problem = problem or self._check_info(key, infos[sl.src_rank], infos[0])
+                problem = problem or self._check_split(key, slices, infos)
         except BootstrapError as exc:
             for r in receivers:
                 r.fail_now(f"room {r.room}: {exc}", BOOTSTRAP_ERROR)
             return
-        problem = None
-        if info.protocol_version != PROTOCOL_VERSION:
-            problem = (
-                f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
-                PROTOCOL_MISMATCH,
-            )
-        else:
-            try:
-                diff = self.engine.kv_args.layout.first_difference(KVLayout.from_dict(info.layout))
-            except (KeyError, TypeError) as exc:
-                diff = f"unreadable layout ({exc})"
-            if diff is not None:
-                problem = (
-                    f"KV layout mismatch with prefill {host}:{port}: {diff}",
-                    LAYOUT_MISMATCH,
-                )
         if problem is not None:
-            stranger = PrefillPeer(key, info, None)
             for r in receivers:
                 r.fail_now(f"room {r.room}: {problem[0]}", problem[1])
-                if problem[1] == LAYOUT_MISMATCH:  # same protocol: prefill's room fails too
-                    self.send(stranger, _abort(r, info, self.instance_id, *problem))
+            if problem[1] == LAYOUT_MISMATCH:  # same protocol: prefill's rooms fail too
+                for rank, info in infos.items():
+                    stranger = PrefillPeer((host, port, rank), info, None)
+                    for r in receivers:
+                        self.send(stranger, _abort(r, info, self.instance_id, *problem))
             return
         try:
-            peer = self._peer_for(key, info)
+            peers = {
+                sl.src_rank: self._peer_for((host, port, sl.src_rank), infos[sl.src_rank])
+                for sl in slices
+            }
         except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
             for r in receivers:
                 r.fail_now(
@@ -278,9 +298,53 @@ class NixlDecodeManager(KVManager):
                 )
             return
         for r in receivers:
-            r.bootstrapped(peer)
+            r.bootstrapped(peers)
 
-    def _peer_for(self, key: tuple[str, int], info: RankInfo) -> PrefillPeer:
+    def _check_info(
+        self, key: tuple[str, int], info: RankInfo, rank0: RankInfo | None
+    ) -> tuple[str, str] | None:
+        """Why a prefill rank cannot write here (protocol, model facts, rank facts), or None."""
+        host, port = key
+        if info.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
+                PROTOCOL_MISMATCH,
+            )
+        try:
+            theirs = KVLayout.from_dict(info.layout)
+            diff = self.engine.kv_args.layout.first_difference(theirs)
+            if diff is None:
+                tp = TPRank(info.engine_rank, info.tp_size)
+                if rank0 is not None and info.tp_size != rank0.tp_size:
+                    diff = f"tp_size: rank {tp.rank} has {tp.size}, rank 0 {rank0.tp_size}"
+                elif list(kv_head_range(theirs.num_kv_heads, tp)) != list(info.kv_heads):
+                    diff = f"kv_heads: rank {tp.rank}/{tp.size} holds {info.kv_heads}"
+        except (KeyError, TypeError, ValueError) as exc:
+            diff = f"unreadable layout or rank facts ({exc})"
+        if diff is not None:
+            return f"KV layout mismatch with prefill {host}:{port}: {diff}", LAYOUT_MISMATCH
+        return None
+
+    def _check_split(
+        self, key: tuple[str, int], slices: list[HeadSlice], infos: dict[int, RankInfo]
+    ) -> tuple[str, str] | None:
+        """Heads split between ranks (any writer's or our range differs) need page-major."""
+        order = self.engine.kv_args.layout.kv_order
+        mine = tuple(self.engine.kv_args.kv_heads)
+        split = any(
+            (sl.start, sl.end) != mine or tuple(infos[sl.src_rank].kv_heads) != mine
+            for sl in slices
+        )
+        if split and order != "page_major":
+            return (
+                f"KV layout mismatch with prefill {key[0]}:{key[1]}: kv_order: {order!r} cannot "
+                f"split KV heads between prefill TP {infos[0].tp_size} and decode TP "
+                f"{self.rank.size} (page_major can)",
+                LAYOUT_MISMATCH,
+            )
+        return None
+
+    def _peer_for(self, key: tuple[str, int, int], info: RankInfo) -> PrefillPeer:
         """The peer of this instance; a new instance replaces (and fails) the old one."""
         with self._peers_lock:
             old = self._peers.get(key)
@@ -294,7 +358,9 @@ class NixlDecodeManager(KVManager):
                 return suspect
         if old is not None:
             self._peer_gone(
-                old, f"prefill {key[0]}:{key[1]} restarted as a new instance", PEER_RESTARTED
+                old,
+                f"prefill {key[0]}:{key[1]} rank {key[2]} restarted as a new instance",
+                PEER_RESTARTED,
             )
         for s in list(self._suspects.values()):
             if s.key == key:  # another instance answers at that address: the old one is gone
@@ -316,16 +382,14 @@ class NixlDecodeManager(KVManager):
                 del self._peers[peer.key]
             if gone:
                 self._suspects.pop(peer.info.instance_id, None)
+        rank = peer.info.engine_rank
         for r in self._rooms.handles():
-            if r.peer is not peer:
-                continue
-            if gone:
-                r.release_quarantine()
-            if not r.is_terminal():
-                r.fail_now(f"room {r.room}: {reason}", kind, quarantine=not gone)
-                if r.holds_pages():  # a resumed prefill acknowledges: quarantine ends
-                    self.send(peer, _abort_room(r.room, peer, self.instance_id, reason, kind))
-        if not gone and any(r.peer is peer and r.holds_pages() for r in self._rooms.handles()):
+            if r.peers.get(rank) is peer:
+                r.writer_lost(rank, f"room {r.room}: {reason}", kind, gone)
+        if not gone and any(
+            r.peers.get(rank) is peer and rank in r.suspects and r.holds_pages()
+            for r in self._rooms.handles()
+        ):
             with self._peers_lock:
                 self._suspects[peer.info.instance_id] = peer
             return
@@ -344,9 +408,10 @@ class NixlDecodeManager(KVManager):
     def _settle_suspects(self) -> None:
         """Forget suspects none of whose rooms is quarantined any more."""
         held = {
-            r.peer.info.instance_id
+            r.peers[rank].info.instance_id
             for r in self._rooms.handles()
-            if r.peer is not None and r.holds_pages()
+            for rank in r.suspects - r.ended
+            if rank in r.peers
         }
         with self._peers_lock:
             done = [s for i, s in self._suspects.items() if i not in held]
@@ -379,7 +444,8 @@ class NixlDecodeManager(KVManager):
                         dealer.connect(endpoint)
                         poller.register(dealer, zmq.POLLIN)
                     if isinstance(msg, RoomDest) and (endpoint, instance) not in greeted:
-                        dealer.send(encode_control(_hello_for(self._hello, instance)))
+                        hello = msgspec.structs.replace(self._hello, prefill_instance=instance)
+                        dealer.send(encode_control(hello))
                         greeted.add((endpoint, instance))
                     dealer.send(encode_control(msg))
         finally:
@@ -415,12 +481,9 @@ class NixlDecodeManager(KVManager):
             return
         if isinstance(msg, RoomStatus):
             r = self._rooms.get(msg.room)
-            if (
-                r is not None
-                and r.peer is not None
-                and r.peer.info.instance_id == msg.prefill_instance
-            ):
-                r.on_status(msg)
+            rank = r.rank_of(msg.prefill_instance) if r is not None else None
+            if r is not None and rank is not None:
+                r.on_status(rank, msg)
 
     def _on_notif(self, payload: bytes) -> None:
         try:
@@ -429,12 +492,9 @@ class NixlDecodeManager(KVManager):
             log.warning("dropped a NIXL notification: %s", exc)
             return
         r = self._rooms.get(done.room)
-        if (
-            r is not None
-            and r.peer is not None
-            and r.peer.info.instance_id == done.prefill_instance
-        ):
-            r.on_done()
+        rank = r.rank_of(done.prefill_instance) if r is not None else None
+        if r is not None and rank is not None:
+            r.on_done(rank)
 
     # --- heartbeat thread -------------------------------------------------------------------
     def _heartbeat_loop(self, stop: threading.Event) -> None:
@@ -446,52 +506,54 @@ class NixlDecodeManager(KVManager):
             client.close()
 
     def _heartbeat(self, client: BootstrapClient) -> None:
-        """One round: every known peer and suspect (module doc for what a miss means)."""
+        """One round: one ``/health`` per prefill bootstrap server, judging every known
+        peer and suspect of it (module doc for what a miss means)."""
         busy = {
-            r.peer.info.instance_id
+            p.info.instance_id
             for r in self._rooms.handles()
-            if r.peer is not None and not r.is_terminal()
+            if not r.is_terminal()
+            for p in r.peers.values()
         }
         with self._peers_lock:
             peers = list(self._peers.values()) + list(self._suspects.values())
+        servers: dict[tuple[str, int], list[PrefillPeer]] = defaultdict(list)
         for peer in peers:
-            key, suspect = peer.key, peer.dead
-            where = f"prefill {key[0]}:{key[1]}"
+            servers[peer.key[:2]].append(peer)
+        for (host, port), group in servers.items():
+            where = f"prefill {host}:{port}"
             try:
-                health = client.health(key[0], key[1], self.heartbeat_interval)
+                health = client.health(host, port, self.heartbeat_interval)
             except BootstrapError as exc:
                 refused = isinstance(exc.__cause__, httpx.ConnectError)
-                peer.misses += 1
-                if refused and (suspect or peer.info.instance_id not in busy):
-                    self._peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
-                elif not suspect and peer.misses >= self.heartbeat_max_failure:
-                    self._peer_gone(
-                        peer,
-                        f"{where} missed {peer.misses} heartbeats ({exc})",
-                        HEARTBEAT_LOST,
-                        gone=refused,
-                    )
+                for peer in group:
+                    suspect = peer.dead
+                    peer.misses += 1
+                    if refused and (suspect or peer.info.instance_id not in busy):
+                        self._peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
+                    elif not suspect and peer.misses >= self.heartbeat_max_failure:
+                        self._peer_gone(
+                            peer,
+                            f"{where} missed {peer.misses} heartbeats ({exc})",
+                            HEARTBEAT_LOST,
+                            gone=refused,
+                        )
                 continue
-            if health.instance_id != peer.info.instance_id:
-                self._peer_gone(peer, f"{where} restarted as a new instance", PEER_RESTARTED)
-            else:
-                peer.misses = 0
+            for peer in group:
+                rank = peer.info.engine_rank
+                now = health.ranks.get(rank, health.instance_id if rank == 0 else None)
+                if now is None:
+                    self._peer_gone(peer, f"{where} rank {rank} is gone", HEARTBEAT_LOST)
+                elif now != peer.info.instance_id:
+                    self._peer_gone(
+                        peer, f"{where} rank {rank} restarted as a new instance", PEER_RESTARTED
+                    )
+                else:
+                    peer.misses = 0
         self._settle_suspects()
 
 
 def _abort_room(room: int, peer: PrefillPeer, decode_instance: str, reason: str, kind: str):
     return RoomAbort(room, peer.info.instance_id, decode_instance, reason, kind)
-
-
-def _hello_for(hello: Hello, prefill_instance: str) -> Hello:
-    return Hello(
-        prefill_instance,
-        hello.decode_instance,
-        hello.agent_name,
-        hello.agent_metadata,
-        hello.kv,
-        hello.aux,
-    )
 
 
 def _abort(

@@ -5,6 +5,14 @@ Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, Ro
 out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server. A destination may arrive before the engine created the
 room (the router sends to both workers at once): it waits in ``_pending`` (bounded by the
 bootstrap timeout); an abort for a room not created yet waits in ``_early_aborts``.
+
+Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
+worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
+over HTTP, ranks >= 1 at the ``bootstrap_host:bootstrap_port`` of rank 0 they are given.
+A decode rank says Hello to each prefill rank that writes some of its heads
+(:mod:`pdserve.disagg.head_map`); a room's sender waits for the destination of every
+decode rank it writes into (their count follows from the decode TP size in the Hello).
+Only rank 0 writes the aux record, and only into decode rank 0.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pdserve.advertise import advertised_host, url_host
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.control import Outbox, recv_all
+from pdserve.disagg.head_map import reads_from
 from pdserve.disagg.messages import (
     HealthInfo,
     Hello,
@@ -50,18 +59,22 @@ from pdserve.disagg.rooms import (
     ServiceThreads,
     check_room,
 )
+from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DecodePeer:
-    """A decode instance that said Hello: its NIXL agent and memory, or why it is unusable."""
+    """A decode rank instance that said Hello: its NIXL agent and memory (prepared for the
+    heads this rank writes there), or why it is unusable; its rank and TP size."""
 
     instance_id: str
     identity: bytes
     remote: RemoteSide | None
     error: str | None = None
+    engine_rank: int = 0
+    tp_size: int = 1
 
 
 def _env_positive(var) -> float:
@@ -75,7 +88,8 @@ class NixlPrefillManager(KVManager):
     """Prefill role over NIXL (see module doc).
 
     args: the KV pool and aux buffer to register; bootstrap_host/bootstrap_port: where the
-    bootstrap server and the ZMQ control endpoint listen (port 0 = free port);
+    bootstrap server and the ZMQ control endpoint listen (port 0 = free port); for a rank
+    >= 1 (``args.engine_rank``) ``bootstrap_port`` is rank 0's server, where it registers;
     advertise_host: the address decode reaches the control endpoint by (``None``: derived
     from ``bootstrap_host`` by :func:`pdserve.advertise.advertised_host`). Raises
     OSError naming the port when it is taken, and whatever NIXL initialisation raises.
@@ -129,8 +143,19 @@ class NixlPrefillManager(KVManager):
         advertised = url_host(advertised_host(host, advertise_host))
         self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
-        self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
+        self.rank = args.tp
+        self._bootstrap_host = host
+        self._bootstrap: BootstrapServer | None = None
         self._port: int | None = None
+        if self.rank.rank == 0:
+            self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
+        elif not 1 <= bootstrap_port <= 65535:
+            raise ValueError(
+                f"bootstrap_port: rank {self.rank.rank} registers at rank 0's bootstrap "
+                f"server, got port {bootstrap_port}"
+            )
+        else:
+            self._port = bootstrap_port
         self._start_threads = start_threads
         try:
             if start_threads:
@@ -141,7 +166,9 @@ class NixlPrefillManager(KVManager):
 
     # --- start-up -------------------------------------------------------------------
     def _start(self) -> None:
-        self._port = self._bootstrap.start()
+        if self._bootstrap is not None:
+            self._port = self._bootstrap.start()
+        assert self._port is not None  # rank 0 bound it; other ranks were given it
         for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
             self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
@@ -155,10 +182,12 @@ class NixlPrefillManager(KVManager):
             self.engine.kv_args.layout.to_dict(),
             self.engine.kv_descs,
             self.engine.aux_descs,
+            self.rank.size,
+            list(self.engine.kv_args.kv_heads),
         )
         client = BootstrapClient()
-        try:  # the rank registers over HTTP like any rank would
-            client.register(self._bootstrap.host, self._port, info)
+        try:  # every rank registers over HTTP, rank 0 included
+            client.register(self._bootstrap_host, self._port, info)
         finally:
             client.close()
 
@@ -195,7 +224,14 @@ class NixlPrefillManager(KVManager):
         raise RuntimeError("create_receiver on a prefill KV manager")
 
     def is_healthy(self) -> bool:
-        return not self._down and self._threads.healthy() and self._bootstrap.is_alive()
+        serving = self._bootstrap is None or self._bootstrap.is_alive()
+        return not self._down and self._threads.healthy() and serving
+
+    def forget_rank(self, engine_rank: int) -> None:
+        """Rank 0: the process of ``engine_rank`` died; its registration is removed, so
+        decode's heartbeat knows that rank's instance gone (its rooms fail there)."""
+        if self._bootstrap is not None:
+            self._bootstrap.deregister(engine_rank)
 
     def num_live_rooms(self) -> int:
         return len(self._rooms)
@@ -220,7 +256,8 @@ class NixlPrefillManager(KVManager):
         for sender in self._rooms.handles():
             sender._fail("the prefill KV manager shut down", SHUTDOWN)
         self._threads.stop()
-        self._bootstrap.stop()
+        if self._bootstrap is not None:
+            self._bootstrap.stop()
         self._outbox.close()
         self._router.close(linger=0)
         self._ctx.term()
@@ -235,9 +272,9 @@ class NixlPrefillManager(KVManager):
         """Tell decode (if it is known) that the room ended on prefill."""
         with self._match:
             self._ended[sender.room] = (reason, kind, time.monotonic())
-        if sender.reply_to is not None:
+        for identity in sender.reply_identities():
             self._outbox.put(
-                (sender.reply_to, RoomStatus(sender.room, self.instance_id, False, reason, kind))
+                (identity, RoomStatus(sender.room, self.instance_id, False, reason, kind))
             )
 
     # --- control thread ---------------------------------------------------------------
@@ -306,14 +343,48 @@ class NixlPrefillManager(KVManager):
             peer.identity = identity
             return
         try:
+            heads = self._heads_for(hello)
             name = self.engine.add_remote(hello.agent_metadata)
-            remote = self.engine.prepare_remote(name, hello.kv, hello.aux)
+            remote = self.engine.prepare_remote(
+                name, hello.kv, hello.aux, heads, (hello.kv_heads[0], hello.kv_heads[1])
+            )
             self.engine.connect(name)
-            peer = DecodePeer(hello.decode_instance, identity, remote)
+            peer = DecodePeer(
+                hello.decode_instance, identity, remote, None, hello.engine_rank, hello.tp_size
+            )
         except Exception as exc:  # noqa: BLE001 - the peer is unusable, the worker is fine
             log.warning("decode %s cannot be used: %s", hello.decode_instance, exc)
-            peer = DecodePeer(hello.decode_instance, identity, None, f"{type(exc).__name__}: {exc}")
+            peer = DecodePeer(
+                hello.decode_instance,
+                identity,
+                None,
+                f"{type(exc).__name__}: {exc}",
+                hello.engine_rank,
+                hello.tp_size,
+            )
         self._peers[hello.decode_instance] = peer
+
+    def _heads_for(self, hello: Hello) -> tuple[int, int]:
+        """The model heads this rank writes into the decode rank of ``hello``. ValueError
+        when its rank facts break the split rules or it needs no head of ours."""
+        total = self.engine.kv_args.layout.num_kv_heads
+        theirs = TPRank(hello.engine_rank, hello.tp_size)
+        if list(kv_head_range(total, theirs)) != list(hello.kv_heads):
+            raise ValueError(
+                f"decode rank {theirs.rank}/{theirs.size} says it holds heads "
+                f"{list(hello.kv_heads)}, the split rules give {list(kv_head_range(total, theirs))}"
+            )
+        mine = [s for s in reads_from(total, self.rank, theirs.size) if s.dst_rank == theirs.rank]
+        if not mine:
+            raise ValueError(
+                f"prefill rank {self.rank.rank} writes no KV head of decode rank {theirs.rank}"
+            )
+        return mine[0].start, mine[0].end
+
+    def expected_dests(self, decode_tp_size: int) -> frozenset[int]:
+        """The decode ranks whose destination a room waits for: those this rank writes."""
+        total = self.engine.kv_args.layout.num_kv_heads
+        return frozenset(s.dst_rank for s in reads_from(total, self.rank, decode_tp_size))
 
     def _on_dest(self, identity: bytes, dest: RoomDest) -> None:
         with self._match:
@@ -337,7 +408,7 @@ class NixlPrefillManager(KVManager):
                 f"decode {dest.decode_instance} is unusable: {why}", PEER_FAILED, identity
             )
             return
-        sender.attach_dest(dest, peer, identity)
+        sender.attach_dest(dest, peer, identity, self.expected_dests(peer.tp_size))
 
     def _on_abort(self, identity: bytes, abort: RoomAbort) -> None:
         with self._match:
@@ -362,7 +433,7 @@ class NixlPrefillManager(KVManager):
         """Ping every decode peer; one ZMQ can no longer route to is gone (its process
         ended or restarted as a new instance): release its prepared descriptor lists and
         remove its NIXL agent, unless a room still holds it (then at the next round)."""
-        used = {id(s.peer) for s in self._rooms.handles() if s.peer is not None}
+        used = {id(p) for s in self._rooms.handles() for p in s.peers()}
         for instance, peer in list(self._peers.items()):
             if self._send(peer.identity, Ping(self.instance_id)) or id(peer) in used:
                 continue

@@ -1,14 +1,19 @@
-"""Decode side of one room over NIXL.
+"""Decode side of one room over NIXL, on one decode rank.
 
-States: ``Bootstrapping`` (prefill looked up on the bootstrap thread; layout and protocol
-checked) -> ``WaitingForInput`` (``init`` may be called) -> ``Transferring`` (destination
-sent; pages at prefill's disposal) -> ``Success`` (completion notification arrived and
-the aux record's room guard matches) or ``Failed``.
+States: ``Bootstrapping`` (the prefill ranks that write this rank's KV heads looked up on
+the bootstrap thread; protocol, layout and rank facts checked) -> ``WaitingForInput``
+(``init`` may be called) -> ``Transferring`` (destination sent to every writer; pages at
+their disposal) -> ``Success`` (every writer's completion notification arrived and, on
+decode rank 0, the aux record's room guard matches) or ``Failed``.
 
-Once the destination was sent, a failure (abort, waiting timeout, injection) is first
-told to prefill and becomes ``Failed`` only when prefill answers that it will not WRITE
-any more, when the WRITEs completed anyway, or when prefill is declared dead by the
-heartbeat — never while prefill may still write into the pages.
+Writers: one prefill rank per KV head (:mod:`pdserve.disagg.head_map`); with equal TP
+sizes that is one. Once the destination was sent, a failure (abort, waiting timeout,
+injection, one writer failing) is told to every writer and becomes ``Failed`` only when
+each writer answered that it will not WRITE any more (``RoomStatus``), completed anyway
+(``XferDone``), is known gone, or was declared dead by the heartbeat — never while a
+writer may still write into the pages. A writer declared dead but not known gone keeps
+the room's pages held (``holds_pages``) until that incarnation ends the room or is known
+gone (quarantine, per writer).
 """
 
 from __future__ import annotations
@@ -32,16 +37,31 @@ class NixlReceiver(RoomHandle, KVReceiver):
         super().__init__(room, manager._rooms, manager._metrics, manager._injector)
         self._mgr = manager
         self.key = (host, port)
-        self.peer: PrefillPeer | None = None
+        self.peers: dict[int, PrefillPeer] = {}  # writer prefill rank -> its peer
         self.dst_pages: list[int] = []
         self.aux_slot: int | None = None
         self.init_at = 0.0
         self.handed_over = False
         self.abort_request: tuple[str, str] | None = None
-        self._told_prefill = False
-        # failed while prefill may still WRITE (declared dead, not known gone): the pages
+        self._told: set[int] = set()  # writers told of the abort
+        self.ended: set[int] = set()  # writers that will not WRITE any more
+        self.done: set[int] = set()  # writers whose completion notification arrived
+        self.suspects: set[int] = set()  # writers declared dead that may still WRITE
+        # failed while a writer may still WRITE (declared dead, not known gone): the pages
         # stay out of use until that incarnation ends the room or is known gone
         self.quarantined_at: float | None = None
+
+    @property
+    def peer(self) -> PrefillPeer | None:
+        """Prefill rank 0's peer (the bootstrap server's own rank) once bootstrapped."""
+        return self.peers.get(min(self.peers)) if self.peers else None
+
+    def rank_of(self, prefill_instance: str) -> int | None:
+        """The writer rank whose peer is that prefill instance, or None."""
+        for rank, peer in self.peers.items():
+            if peer.info.instance_id == prefill_instance:
+                return rank
+        return None
 
     # --- engine side --------------------------------------------------------------------
     def _tick(self) -> None:
@@ -69,33 +89,42 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 return  # failed meanwhile; the engine sees it at its next poll
             if self._state != KVPoll.WaitingForInput:
                 raise RuntimeError(f"init() on room {self.room} in state {self._state.name}")
-            peer = self.peer
-            assert peer is not None  # WaitingForInput means the prefill peer said hello
-            if peer.dead:
+            assert self.peers  # WaitingForInput means the writers were looked up
+            dead = [p for p in self.peers.values() if p.dead]
+            if dead:
                 self._finish_failed(
-                    f"room {self.room}: prefill {self.key[0]}:{self.key[1]} is gone", PEER_FAILED
+                    f"room {self.room}: prefill {self.key[0]}:{self.key[1]} rank "
+                    f"{dead[0].info.engine_rank} is gone",
+                    PEER_FAILED,
                 )
                 return
             self.dst_pages, self.aux_slot = list(dst_pages), aux_slot
             self.handed_over = True
             self._state = KVPoll.Transferring
             self.init_at = time.monotonic()
-        self._mgr.send(
-            peer,
-            RoomDest(
-                self.room,
-                peer.info.instance_id,
-                self._mgr.instance_id,
-                self.dst_pages,
-                aux_slot,
-                skip_pages,
-            ),
-        )
+            peers = list(self.peers.values())
+        for peer in peers:
+            self._mgr.send(
+                peer,
+                RoomDest(
+                    self.room,
+                    peer.info.instance_id,
+                    self._mgr.instance_id,
+                    self.dst_pages,
+                    aux_slot,
+                    skip_pages,
+                ),
+            )
 
     def aux_record(self) -> AuxRecord:
-        """The aux record prefill wrote; KVTransferError before Success or on a guard mismatch."""
+        """The aux record prefill wrote; KVTransferError before Success, on a guard
+        mismatch, or on a decode rank other than 0 (the record goes to rank 0 only)."""
         if self._state != KVPoll.Success:
             raise KVTransferError(f"room {self.room} has no aux record in state {self._state.name}")
+        if not self._mgr.writes_aux:
+            raise KVTransferError(
+                f"room {self.room}: the aux record is written into decode rank 0 only"
+            )
         rec = self._read_aux()
         if rec.room != self.room:
             raise KVTransferError(
@@ -117,33 +146,38 @@ class NixlReceiver(RoomHandle, KVReceiver):
             if self.is_terminal():
                 return
             if self.handed_over:
-                if self.abort_request is not None:
-                    return
-                self.abort_request = (reason, kind)
+                if self.abort_request is None:
+                    self.abort_request = (reason, kind)
+                if self._settled():
+                    self._finish_failed(*self.abort_request)
             else:
                 self._finish_failed(reason, kind)
-            peer = self.peer
-            tell = peer is not None and not self._told_prefill
-            self._told_prefill = self._told_prefill or tell
-        # prefill's sender fails too (and acknowledges when it holds our pages)
-        if tell and peer is not None:
+            tell = [p for r, p in self.peers.items() if r not in self._told and r not in self.ended]
+            self._told.update(p.info.engine_rank for p in tell)
+        # the writers' senders fail too (and acknowledge when they hold our pages)
+        for peer in tell:
             self._mgr.send(
                 peer,
                 RoomAbort(self.room, peer.info.instance_id, self._mgr.instance_id, reason, kind),
             )
 
+    def _settled(self) -> bool:
+        """No writer may WRITE except suspects (caller holds the lock)."""
+        return all(r in self.ended or r in self.suspects for r in self.peers)
+
     # --- background threads ---------------------------------------------------------------
-    def bootstrapped(self, peer: PrefillPeer) -> None:
-        """The prefill rank was looked up and its agent loaded (bootstrap thread)."""
+    def bootstrapped(self, peers: dict[int, PrefillPeer]) -> None:
+        """The writer ranks were looked up and their agents loaded (bootstrap thread)."""
         with self._lock:
-            self.peer = peer
+            self.peers = dict(peers)
             if self._state == KVPoll.Bootstrapping:
                 self._state = KVPoll.WaitingForInput
                 return
-            failed_early = self._state == KVPoll.Failed and not self._told_prefill
-            self._told_prefill = True
-        if failed_early:  # e.g. aborted while bootstrapping: prefill's sender must end too
-            exc = self.failure_exception()
+            failed_early = self._state == KVPoll.Failed
+            tell = [] if not failed_early else [p for r, p in peers.items() if r not in self._told]
+            self._told.update(peers)
+        exc = self.failure_exception()
+        for peer in tell:  # e.g. aborted while bootstrapping: prefill's senders must end too
             self._mgr.send(
                 peer,
                 RoomAbort(
@@ -154,48 +188,66 @@ class NixlReceiver(RoomHandle, KVReceiver):
     def holds_pages(self) -> bool:
         return self.quarantined_at is not None
 
-    def fail_now(self, reason: str, kind: str, quarantine: bool = False) -> None:
-        """Terminal at once. ``quarantine``: the peer was declared dead but may still
-        WRITE, so a room whose destination went out keeps its pages (``holds_pages``)
-        until :meth:`release_quarantine`; else the peer is known not to WRITE (mismatch
-        before any destination, peer restarted or gone)."""
-        with self._lock:
-            if quarantine and self.handed_over and not self.is_terminal():
-                self.quarantined_at = time.monotonic()
-            self._finish_failed(reason, kind)
-
-    def release_quarantine(self) -> None:
-        """That prefill incarnation ended the room or is known gone: the pages are free."""
-        self.quarantined_at = None
-
-    def on_status(self, status: RoomStatus) -> None:
-        """Prefill says the room ended there (control thread): it will not WRITE any more."""
-        reason, kind = self.abort_request or (
-            f"prefill failed room {self.room}: {status.reason}",
-            PEER_FAILED,
-        )
+    def fail_now(self, reason: str, kind: str) -> None:
+        """Terminal at once: no writer can WRITE (mismatch before any destination, the
+        manager shut down)."""
         self._finish_failed(reason, kind)
-        self.release_quarantine()
 
-    def on_done(self) -> None:
-        """The completion notification arrived: every WRITE of the room is in our memory."""
+    def writer_lost(self, rank: int, reason: str, kind: str, gone: bool) -> None:
+        """Writer ``rank`` is gone (``gone``: known not to WRITE any more: restarted,
+        refused, deregistered) or declared dead by the heartbeat (it may still WRITE: the
+        pages stay held if the destination went out). The room fails; the other writers
+        are told."""
         with self._lock:
-            self.release_quarantine()
+            if gone:
+                self.ended.add(rank)
+                self.suspects.discard(rank)
+            elif rank not in self.ended and not self.is_terminal():
+                self.suspects.add(rank)
+                if self.handed_over and self.quarantined_at is None:
+                    self.quarantined_at = time.monotonic()
+            self._update_quarantine()
+        self._fail(reason, kind)
+
+    def _update_quarantine(self) -> None:
+        if not (self.suspects - self.ended):
+            self.quarantined_at = None
+
+    def on_status(self, rank: int, status: RoomStatus) -> None:
+        """Writer ``rank`` says the room ended there (control thread): it will not WRITE."""
+        with self._lock:
+            self.ended.add(rank)
+            self.suspects.discard(rank)
+            self._update_quarantine()
+        self._fail(f"prefill rank {rank} failed room {self.room}: {status.reason}", PEER_FAILED)
+
+    def on_done(self, rank: int) -> None:
+        """Writer ``rank``'s completion notification arrived: its WRITEs are in our memory."""
+        with self._lock:
+            self.ended.add(rank)
+            self.done.add(rank)
+            self.suspects.discard(rank)
+            self._update_quarantine()
             if self.is_terminal():
                 return
             if self.abort_request is not None:
-                self._finish_failed(*self.abort_request)
+                if self._settled():
+                    self._finish_failed(*self.abort_request)
                 return
-            rec = self._read_aux()
-            if rec.room != self.room:
-                self._finish_failed(
-                    f"aux record guard: room {rec.room} found in the slot of room {self.room}",
-                    TRANSFER_ERROR,
-                )
+            if not self.done >= set(self.peers):
                 return
+            if self._mgr.writes_aux:
+                rec = self._read_aux()
+                if rec.room != self.room:
+                    self._finish_failed(
+                        f"aux record guard: room {rec.room} found in the slot of room {self.room}",
+                        TRANSFER_ERROR,
+                    )
+                    return
             eng = self._mgr.engine
+            aux_bytes = eng.kv_args.aux_item_len if self._mgr.writes_aux else 0
             self._finish_success(
-                len(self.dst_pages) * eng.page_bytes + eng.kv_args.aux_item_len,
+                len(self.dst_pages) * eng.page_bytes + aux_bytes,
                 len(self.dst_pages),
                 time.monotonic() - self.init_at,
             )

@@ -1,11 +1,14 @@
 """Prefill side of one room over NIXL: waits for decode's destination, then its pages and
 aux record are WRITTEN by a transfer worker of :class:`~.prefill.NixlPrefillManager`.
 
-States: ``Bootstrapping`` (no destination yet; fails after the bootstrap timeout) ->
-``WaitingForInput`` (destination known) -> ``Transferring`` (a first ``send`` queued) ->
+States: ``Bootstrapping`` (not every destination yet; fails after the bootstrap
+timeout) -> ``WaitingForInput`` (the destination of every decode rank this rank writes
+into is known: one under equal TP, several when this rank's heads are split over
+decode ranks; they list the same pages) -> ``Transferring`` (a first ``send`` queued) ->
 ``Success`` (NIXL reported every WRITE of every ``send`` done, then decode notified once)
 or ``Failed``. Each ``send`` is one job of the transfer workers (a chunk of the prompt's
-pages; the last one also the aux slot, which only this class writes). A failure asked for
+pages, WRITTEN into every destination; the last one also the aux slot, which only this
+class writes, and only prefill rank 0 into decode rank 0). A failure asked for
 while WRITEs are in flight (abort, decode's abort, injection) takes effect when they all
 end, so ``Failed`` is never reported while NIXL may still read the pages.
 """
@@ -31,9 +34,10 @@ class NixlSender(RoomHandle, KVSender):
         super().__init__(room, manager._rooms, manager._metrics, manager._injector)
         self._mgr = manager
         self._created = time.monotonic()
-        self.dest: RoomDest | None = None
-        self.peer: DecodePeer | None = None
-        self.reply_to: bytes | None = None  # decode's ZMQ identity, for RoomStatus
+        self.dest: RoomDest | None = None  # the first destination (all list the same pages)
+        self.dests: dict[int, tuple[RoomDest, DecodePeer]] = {}  # by decode rank
+        self.expected: frozenset[int] | None = None  # decode ranks whose destination counts
+        self._reply: dict[bytes, None] = {}  # decode ZMQ identities to tell, in order
         self.num_pages: int | None = None
         self.aux_slot: int | None = None
         self.pages: list[int] = []  # every page handed to send, prompt order
@@ -112,6 +116,23 @@ class NixlSender(RoomHandle, KVSender):
             self.inflight += 1
         self._mgr.submit(self, src, dst, last)
 
+    def peers(self) -> list[DecodePeer]:
+        """The decode rank peers of the destinations received so far."""
+        return [peer for _, peer in self.dests.values()]
+
+    def targets(self) -> list[tuple[RoomDest, DecodePeer]]:
+        """Every destination with its peer (decode rank order)."""
+        return [self.dests[r] for r in sorted(self.dests)]
+
+    def writes_aux(self, peer: DecodePeer) -> bool:
+        """The aux record goes from prefill rank 0 to decode rank 0 only."""
+        return self._mgr.rank.rank == 0 and peer.engine_rank == 0
+
+    def reply_identities(self) -> list[bytes]:
+        """The decode ranks to tell when the room ends here."""
+        with self._lock:
+            return list(self._reply)
+
     def _check_counts(self) -> bool:
         """Fail the room when decode expects another number of pages (caller holds the lock):
         decode's pages plus the leading pages it holds (``skip_pages``) must be the prompt's,
@@ -138,26 +159,42 @@ class NixlSender(RoomHandle, KVSender):
         self._mgr.room_failed(self, reason, kind)
 
     # --- control thread / transfer workers ----------------------------------------------
-    def attach_dest(self, dest: RoomDest, peer: DecodePeer, identity: bytes) -> None:
-        """Decode's destination arrived (control thread)."""
+    def attach_dest(
+        self, dest: RoomDest, peer: DecodePeer, identity: bytes, expected: frozenset[int]
+    ) -> None:
+        """One decode rank's destination arrived (control thread); ``expected``: the decode
+        ranks this rank writes into (from that rank's TP size)."""
+        problem = None
         with self._lock:
-            self.reply_to = identity
-            if self.is_terminal() or self.dest is not None:
-                terminal = self.is_terminal()
-            else:
-                terminal = False
-                self.dest, self.peer = dest, peer
-                if self._state == KVPoll.Bootstrapping:
-                    self._state = KVPoll.WaitingForInput
-                self._check_counts()
-        if terminal and self._state == KVPoll.Failed:
+            self._reply[identity] = None
+            terminal = self.is_terminal()
+            if not terminal and peer.engine_rank not in self.dests:
+                first = self.dest
+                if self.expected is not None and expected != self.expected:
+                    problem = f"decode ranks {sorted(expected)} vs {sorted(self.expected)}"
+                elif first is not None and (
+                    dest.dst_pages != first.dst_pages
+                    or dest.skip_pages != first.skip_pages
+                    or dest.aux_slot != first.aux_slot
+                ):
+                    problem = f"decode rank {peer.engine_rank} lists other pages than the others"
+                else:
+                    self.expected = expected
+                    self.dests[peer.engine_rank] = (dest, peer)
+                    self.dest = first or dest
+                    if self._state == KVPoll.Bootstrapping and set(self.dests) >= expected:
+                        self._state = KVPoll.WaitingForInput
+                    self._check_counts()
+        if problem is not None:
+            self._fail(f"room {self.room}: destinations disagree: {problem}", PEER_FAILED)
+        elif terminal and self._state == KVPoll.Failed:
             exc = self.failure_exception()
             self._mgr.room_failed(self, str(exc), PEER_FAILED)
 
     def peer_abort(self, reason: str, kind: str, identity: bytes) -> None:
         """Decode gave up on the room (control thread); answered once terminal."""
         with self._lock:
-            self.reply_to = identity
+            self._reply[identity] = None
             already = self.is_terminal()
         if already:
             self._mgr.room_failed(self, f"room {self.room} had already ended on prefill", kind)
@@ -192,8 +229,13 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(*abort)
         else:
             eng = self._mgr.engine
+            start, end = eng.kv_args.kv_heads
+            heads = sum(
+                peer.remote.heads[1] - peer.remote.heads[0] for peer in self.peers() if peer.remote
+            )
             self._finish_success(
-                len(self.pages) * eng.page_bytes + eng.kv_args.aux_item_len,
+                len(self.pages) * eng.page_bytes * heads // (end - start)
+                + eng.kv_args.aux_item_len,
                 len(self.pages),
                 time.monotonic() - self.sent_at,
             )

@@ -10,6 +10,15 @@ buffer by buffer in prompt order, so a run of consecutive pages on both sides is
 address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
 (measured: 2048 consecutive 4 KiB pages go 7x faster than 2048 scattered ones, and as
 fast as hand-built coalesced descriptors).
+
+Tensor parallelism: when this rank writes exactly the KV heads the peer rank holds (equal
+head ranges, the usual case) the lists are the whole-page ones above.  Otherwise
+(heterogeneous TP, replicas) only a page-major pool can be split: inside a page
+``[L, 2, H, ps, D]`` the heads ``[a, b)`` of one (layer, K|V) are one contiguous run of
+``(b - a) * ps * D`` elements, so the slice lists have one strided row per (layer, K|V)
+(``2L`` rows, each ``P`` descriptors a page stride apart) on each side, prepared once per
+peer (remote) and once per distinct slice (local); descriptor index ``j * P + p`` is
+page ``p``'s run ``j``, the same index formula as whole pages with ``2L`` buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from pdserve.disagg.base import KVArgs
 from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.nixl.agent_init import NixlInitSpec, create_agent, device_type
 from pdserve.disagg.nixl.api import NixlApi
+
+PAGE_MAJOR = "page_major"  # the name of that order in pdserve.engine.kv_layout (engine side)
 
 
 def _as_str(name: Any) -> str:
@@ -50,7 +61,10 @@ def check_descs(d: BufferDescs, what: str) -> int:
 
 @dataclass
 class RemoteSide:
-    """A peer's memory as prepared descriptor lists on this agent."""
+    """A peer's memory as prepared descriptor lists on this agent, and the local list
+    its WRITEs read from. num_rows: descriptor rows of both lists (buffers for whole
+    pages, ``2L`` for a head slice); heads: the model heads ``[start, end)`` written
+    there."""
 
     agent_name: str
     kv: Any
@@ -58,6 +72,31 @@ class RemoteSide:
     num_pages: int
     num_aux_slots: int
     item_lens: tuple[int, ...]
+    local_kv: Any = None
+    num_rows: int = 1
+    heads: tuple[int, int] = (0, 0)
+
+
+def _slice_rows(
+    d: BufferDescs, num_layers: int, held: tuple[int, int], heads: tuple[int, int], what: str
+) -> np.ndarray:
+    """``int64[2L, 5]`` strided rows of heads ``heads`` inside every page of a page-major
+    pool holding heads ``held`` (see module doc). ValueError naming ``what`` when the page
+    size is not ``2L * heads_held * head_bytes``."""
+    (page,), (base,) = d.item_lens, d.ptrs
+    count = d.lens[0] // page
+    num_held = held[1] - held[0]
+    head_bytes, rest = divmod(page, 2 * num_layers * num_held)
+    if rest:
+        raise ValueError(
+            f"{what}: {page} page bytes do not split into {num_layers} layers x K|V x {num_held} heads"
+        )
+    off, n = heads[0] - held[0], heads[1] - heads[0]
+    rows = [
+        (base + (j * num_held + off) * head_bytes, n * head_bytes, d.dev_id, page, count)
+        for j in range(2 * num_layers)
+    ]
+    return np.asarray(rows, dtype=np.int64)
 
 
 def page_indices(num_buffers: int, num_pages: int, pages: list[int]) -> np.ndarray:
@@ -114,14 +153,28 @@ class NixlTransferEngine:
             )
         )
         self.local_kv = self.local_aux = None
+        self._local_slices: dict[tuple[int, int], Any] = {}  # heads -> local slice list
         if role == "prefill":  # only the initiator of WRITEs needs local lists
             self.local_kv = self._prep("NIXL_INIT_AGENT", self.kv_descs)
             self.local_aux = self._prep("NIXL_INIT_AGENT", self.aux_descs)
 
-    def _prep(self, agent_name: str, d: BufferDescs) -> Any:
-        handle = self.agent.prep_xfer_dlist(agent_name, _strided_rows(d), d.mem_type)
+    def _prep(self, agent_name: str, d: BufferDescs, rows: np.ndarray | None = None) -> Any:
+        rows = _strided_rows(d) if rows is None else rows
+        handle = self.agent.prep_xfer_dlist(agent_name, rows, d.mem_type)
         with self._lock:
             self._dlists.append(handle)
+        return handle
+
+    def _local_slice(self, heads: tuple[int, int]) -> Any:
+        with self._lock:
+            handle = self._local_slices.get(heads)
+        if handle is None:
+            rows = _slice_rows(
+                self.kv_descs, self.kv_args.layout.num_layers, self.kv_args.kv_heads, heads, "ours"
+            )
+            handle = self._prep("NIXL_INIT_AGENT", self.kv_descs, rows)
+            with self._lock:
+                handle = self._local_slices.setdefault(heads, handle)
         return handle
 
     # --- metadata -----------------------------------------------------------------
@@ -135,9 +188,30 @@ class NixlTransferEngine:
     def remove_remote(self, agent_name: str) -> None:
         self.agent.remove_remote_agent(agent_name)
 
-    def prepare_remote(self, agent_name: str, kv: BufferDescs, aux: BufferDescs) -> RemoteSide:
-        """Prepare a (loaded) peer's KV and aux memory as WRITE targets. ValueError when its
-        buffer geometry differs from ours."""
+    def prepare_remote(
+        self,
+        agent_name: str,
+        kv: BufferDescs,
+        aux: BufferDescs,
+        heads: tuple[int, int] | None = None,
+        peer_heads: tuple[int, int] | None = None,
+    ) -> RemoteSide:
+        """Prepare a (loaded) peer's KV and aux memory as WRITE targets: the model KV heads
+        ``heads`` (default: all ours) of every page go into the peer's pool, which holds
+        heads ``peer_heads`` (default: ours). Equal head ranges: whole pages; else head
+        slices (module doc). ValueError when the buffer geometry differs from ours, or
+        names ``kv_order`` when heads must be split in a layer-major pool."""
+        mine = self.kv_args.kv_heads
+        heads, peer_heads = heads or mine, peer_heads or mine
+        if not (mine[0] <= heads[0] < heads[1] <= mine[1]) or not (
+            peer_heads[0] <= heads[0] and heads[1] <= peer_heads[1]
+        ):
+            raise ValueError(
+                f"peer {agent_name}: heads {list(heads)} are not held by both ranks "
+                f"(ours {list(mine)}, peer's {list(peer_heads)})"
+            )
+        if not heads == mine == peer_heads:
+            return self._prepare_slice(agent_name, kv, aux, heads, peer_heads)
         if len(kv.ptrs) != self.num_buffers or list(kv.item_lens) != list(
             self.kv_args.kv_item_lens
         ):
@@ -159,6 +233,49 @@ class NixlTransferEngine:
             num_pages,
             num_slots,
             tuple(kv.item_lens),
+            self.local_kv,
+            self.num_buffers,
+            heads,
+        )
+
+    def _prepare_slice(
+        self,
+        agent_name: str,
+        kv: BufferDescs,
+        aux: BufferDescs,
+        heads: tuple[int, int],
+        peer_heads: tuple[int, int],
+    ) -> RemoteSide:
+        order = self.kv_args.layout.kv_order
+        if order != PAGE_MAJOR or self.num_buffers != 1 or len(kv.ptrs) != 1:
+            raise ValueError(
+                f"kv_order: {order!r} cannot split KV heads between tensor-parallel ranks "
+                f"holding heads {list(self.kv_args.kv_heads)} and {list(peer_heads)} "
+                f"(a head slice of a page is contiguous only in {PAGE_MAJOR!r})"
+            )
+        if aux.item_lens != [self.kv_args.aux_item_len]:
+            raise ValueError(
+                f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}"
+            )
+        num_pages = check_descs(kv, f"peer {agent_name} kv")
+        num_slots = check_descs(aux, f"peer {agent_name} aux")
+        layers = self.kv_args.layout.num_layers
+        rows = _slice_rows(kv, layers, peer_heads, heads, f"peer {agent_name}")
+        if (
+            rows[0, 1]
+            != _slice_rows(self.kv_descs, layers, self.kv_args.kv_heads, heads, "ours")[0, 1]
+        ):
+            raise ValueError(f"peer {agent_name}: bytes per head differ from ours")
+        return RemoteSide(
+            agent_name,
+            self._prep(agent_name, kv, rows),
+            self._prep(agent_name, aux),
+            num_pages,
+            num_slots,
+            tuple(kv.item_lens),
+            self._local_slice(heads),
+            2 * layers,
+            heads,
         )
 
     def num_prepared_lists(self) -> int:
@@ -186,7 +303,8 @@ class NixlTransferEngine:
         src_slot: int | None,
         dst_slot: int | None,
     ) -> list[Any]:
-        """Post the WRITE of ``src_pages`` (all buffers) onto ``dst_pages`` of the peer, and
+        """Post the WRITE of ``src_pages`` (all buffers, or the peer's head slice) onto
+        ``dst_pages`` of the peer, and
         of aux slot ``src_slot`` onto the peer's ``dst_slot`` (none when ``src_slot`` is
         None). The index arrays go to NIXL's prepared lists, which merge adjacent pages.
         Returns the posted handles (KV first; none for KV when there are no pages).
@@ -212,10 +330,10 @@ class NixlTransferEngine:
             handles.append(
                 self.agent.make_prepped_xfer(
                     "WRITE",
-                    self.local_kv,
-                    page_indices(self.num_buffers, self.num_pages, src_pages),
+                    remote.local_kv,
+                    page_indices(remote.num_rows, self.num_pages, src_pages),
                     remote.kv,
-                    page_indices(self.num_buffers, remote.num_pages, dst_pages),
+                    page_indices(remote.num_rows, remote.num_pages, dst_pages),
                 )
             )
         if src_slot is not None:
@@ -246,6 +364,7 @@ class NixlTransferEngine:
         with self._lock:
             dlists, self._dlists = self._dlists, []
             regs, self._regs = self._regs, []
+            self._local_slices.clear()
         for handle in dlists:
             try:
                 handle.release()

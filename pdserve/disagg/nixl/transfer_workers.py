@@ -69,14 +69,16 @@ class TransferWorkers:
                     self.metrics.record_completion(time.perf_counter() - t0)
 
     def _notify(self, sender: NixlSender) -> str | None:
-        """Tell decode every WRITE of the room is done; the error, or None."""
-        assert sender.peer is not None and sender.peer.remote is not None  # it had a destination
-        try:
-            self.engine.send_notif(
-                sender.peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
-            )
-        except Exception as exc:  # noqa: BLE001
-            return f"completion notification failed: {type(exc).__name__}: {exc}"
+        """Tell every destination decode rank that each WRITE of the room is done; the
+        error, or None."""
+        for _, peer in sender.targets():
+            assert peer.remote is not None  # a destination is attached only with its peer
+            try:
+                self.engine.send_notif(
+                    peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
+                )
+            except Exception as exc:  # noqa: BLE001
+                return f"completion notification failed: {type(exc).__name__}: {exc}"
         return None
 
     def _transfer(
@@ -85,22 +87,23 @@ class TransferWorkers:
         """Post and complete one ``send``'s WRITEs; the error, or None on success."""
         if sender.abort_request is not None:
             return None  # aborted before posting: nothing to undo
-        dest, peer = sender.dest, sender.peer
-        # A sender reaches this queue only once its destination and decode peer are known.
-        assert dest is not None and peer is not None and peer.remote is not None
+        # A sender reaches this queue only once its destinations and decode peers are known.
         assert sender.aux_slot is not None
-        remote = peer.remote
-        try:
-            handles = self.engine.post_room_write(
-                remote,
-                src,
-                dst,
-                sender.aux_slot if last else None,
-                dest.aux_slot if last else None,
-            )
-        except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
-            return f"{type(exc).__name__}: {exc}"
+        handles: list = []
         error = None
+        try:
+            for dest, peer in sender.targets():
+                assert peer.remote is not None
+                aux = last and sender.writes_aux(peer)
+                handles += self.engine.post_room_write(
+                    peer.remote,
+                    src,
+                    dst,
+                    sender.aux_slot if aux else None,
+                    dest.aux_slot if aux else None,
+                )
+        except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
+            error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end below
         start = time.monotonic()
         deadline = start + self.timeout_s
         pending = list(handles)
