@@ -1,0 +1,415 @@
+"""One :class:`KVManager` for the engine over the per-rank managers of a tensor-parallel
+worker (every rank has its own NIXL agent, pool and rooms).
+
+Rank side: :class:`RankRooms` wraps the rank's own manager and its rooms by room id; it
+lives in the rank's process (rank 0: the engine's process; ranks >= 1: the rank
+processes, reached through the executor's ``call_rank(r, fn, *args)``, where ``fn`` is one
+of this module's functions and the rank keeps its :class:`RankRooms` in
+``ctx.services["kv"]``).
+
+Engine side: :class:`TPKVManager` fans ``create``/``init``/``send``/``abort``/``close`` out
+to the ranks of a room (decode: every rank; prefill: the ranks that write,
+:func:`pdserve.disagg.head_map.is_writer`) and aggregates their states: ``Success`` when
+every rank succeeded; ``Failed`` when one failed (the text names that rank), reported
+only once every rank of the room is terminal (the others are aborted first), so no rank's
+pages are freed while its transfer layer may still use them; otherwise the least advanced
+state. ``holds_pages`` if any rank holds; the aux record comes from rank 0. The polls of
+one engine step cost one call per rank: the first ``poll()`` of a room whose cached state
+was already read refreshes every live room on every rank at once.
+
+A rank that is gone (the executor failed: it stops every rank >= 1) counts as ``Failed``
+for its rooms; on prefill, rank 0 then deregisters ranks >= 1 at its bootstrap server so
+decode's heartbeat knows them gone and fails their rooms there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender, KVTransferError
+from pdserve.disagg.head_map import is_writer
+from pdserve.parallel import TPRank
+
+log = logging.getLogger(__name__)
+
+# (state, failure text, holds_pages) of one room on one rank
+RankState = tuple[int, str | None, bool]
+
+
+class RankRooms:
+    """The rooms of one rank's manager, by room id (module doc). Thread-safe."""
+
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
+        self._handles: dict[int, KVSender | KVReceiver] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, room: int) -> Any:
+        with self._lock:
+            return self._handles[room]
+
+    def create(self, room: int, host: str | None = None, port: int | None = None) -> None:
+        """A sender (prefill) or a receiver of ``host:port`` (decode) for ``room``."""
+        if self.manager.role == "prefill":
+            handle: KVSender | KVReceiver = self.manager.create_sender(room)
+        else:
+            assert host is not None and port is not None  # decode rooms name their prefill
+            handle = self.manager.create_receiver(host, port, room)
+        with self._lock:
+            self._handles[room] = handle
+
+    def init(self, room: int, *args: Any) -> None:
+        self._get(room).init(*args)
+
+    def send(self, room: int, pages: list[int], last: bool, aux: AuxRecord | None) -> None:
+        self._get(room).send(pages, last=last, aux=aux)
+
+    def abort(self, room: int) -> None:
+        self._get(room).abort()
+
+    def close(self, room: int) -> None:
+        with self._lock:
+            handle = self._handles.pop(room)
+        handle.close()
+
+    def poll(self, rooms: Sequence[int]) -> list[RankState]:
+        """Every room's state; a poll that raises is ``Failed`` with its text (after a
+        best-effort abort), as the engine treats a single manager."""
+        out: list[RankState] = []
+        for room in rooms:
+            with self._lock:
+                handle = self._handles.get(room)
+            if handle is None:
+                out.append((int(KVPoll.Failed), f"room {room} is not live on this rank", False))
+                continue
+            try:
+                state = handle.poll()
+                error = None
+                if state == KVPoll.Failed:
+                    exc = handle.failure_exception()
+                    error = str(exc) if exc else "KV transfer failed"
+                holds = bool(getattr(handle, "holds_pages", lambda: False)())
+            except Exception as exc:  # noqa: BLE001 - reported as the room's failure
+                try:
+                    handle.abort()
+                except Exception:  # noqa: BLE001
+                    pass
+                state, error, holds = (
+                    KVPoll.Failed,
+                    f"poll raised {type(exc).__name__}: {exc}",
+                    True,
+                )
+            out.append((int(state), error, holds))
+        return out
+
+    def aux_record(self, room: int) -> AuxRecord:
+        return self._get(room).aux_record()
+
+    def is_healthy(self) -> bool:
+        return self.manager.is_healthy()
+
+    def stats(self) -> dict[str, Any]:
+        return self.manager.stats()
+
+    def forget_rank(self, engine_rank: int) -> None:
+        forget = getattr(self.manager, "forget_rank", None)
+        if forget is not None:
+            forget(engine_rank)
+
+    def bootstrap_port(self) -> int | None:
+        return self.manager.bootstrap_port
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+
+# --- functions run in a rank process by ``call_rank`` (ctx: the executor's RankContext) ---
+def start_rank_manager(
+    ctx: Any,
+    backend: str,
+    role: str,
+    total_kv_heads: int,
+    bootstrap_host: str,
+    bootstrap_port: int,
+    advertise_host: str | None,
+) -> int | None:
+    """Create this rank's manager over its pool (its KV heads of ``total_kv_heads``; its
+    backend created on its own device, ``ctx.gpu_id``, by the backend's initialisation
+    contract) and keep it in ``ctx.services["kv"]``. ``bootstrap_port``: rank 0's server
+    for ranks >= 1. Returns the manager's bootstrap port."""
+    from pdserve.disagg.registry import create_kv_manager
+
+    tp = ctx.tp.tp  # the rank's TPGroup -> its TPRank
+    args = ctx.pool.kv_args(
+        gpu_id=ctx.gpu_id, engine_rank=tp.rank, tp_size=tp.size, total_kv_heads=total_kv_heads
+    )
+    manager = create_kv_manager(
+        backend,
+        args,
+        role,
+        bootstrap_host=bootstrap_host,
+        bootstrap_port=bootstrap_port,
+        advertise_host=advertise_host,
+    )
+    ctx.services["kv"] = RankRooms(manager)
+    return manager.bootstrap_port
+
+
+def rank_call(ctx: Any, method: str, *args: Any) -> Any:
+    """Run ``RankRooms.<method>(*args)`` on this rank's rooms."""
+    return getattr(ctx.services["kv"], method)(*args)
+
+
+class RemoteRank:
+    """A rank >= 1's :class:`RankRooms`, through ``call(rank, fn, *args)`` (the executor's
+    ``call_rank``): every method is one call."""
+
+    def __init__(self, call: Callable[..., Any], rank: int) -> None:
+        self._call, self.rank = call, rank
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args: self._call(self.rank, rank_call, method, *args)
+
+
+class _Room(KVSender, KVReceiver):
+    """The engine's handle of one room over its ranks (see module doc)."""
+
+    def __init__(self, mgr: TPKVManager, room: int, ranks: list[int]) -> None:
+        self._mgr, self.room, self.ranks = mgr, room, ranks
+        self._aborted = False
+        self._closed = False
+        self.first_failure: tuple[int, str | None] | None = None  # the rank that failed first
+
+    # --- KVSender / KVReceiver --------------------------------------------------------
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        if self._mgr.role == "decode":
+            dst_pages, aux_slot = args[0], args[1]
+            skip = kwargs.get("skip_pages", args[2] if len(args) > 2 else 0)
+            args = (list(dst_pages), aux_slot, skip)
+        else:
+            args = (
+                args[0] if args else kwargs["num_pages"],
+                args[1] if len(args) > 1 else kwargs["aux_slot"],
+            )
+        self._mgr._fan(self, "init", *args)
+
+    def send(self, page_ids: list[int], *, last: bool, aux: AuxRecord | None = None) -> None:
+        if last and aux is None or not last and aux is not None:
+            raise ValueError("aux is required with last=True and only then")
+        self._mgr._fan(self, "send", list(page_ids), last, aux)
+
+    def poll(self) -> KVPoll:
+        return self._mgr._aggregate(self, consume=True)[0]
+
+    def failure_exception(self) -> Exception | None:
+        state, error = self._mgr._aggregate(self, consume=False)
+        return KVTransferError(error) if state == KVPoll.Failed else None
+
+    def holds_pages(self) -> bool:
+        return any(holds for _, _, holds in self._mgr._states(self))
+
+    def aux_record(self) -> AuxRecord:
+        if self._mgr._aggregate(self, consume=False)[0] != KVPoll.Success:
+            raise KVTransferError(f"room {self.room} has no aux record before Success")
+        return self._mgr.ranks[0].aux_record(self.room)
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._mgr._fan(self, "abort")
+
+    def close(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"close() called twice for room {self.room}")
+        self._closed = True
+        self._mgr._close(self)
+
+
+class TPKVManager(KVManager):
+    """The engine's KV manager of a TP worker (module doc).
+
+    ranks: the :class:`RankRooms` of rank 0 (local) and stubs of the others
+    (:class:`RemoteRank`), rank order; role: ``prefill`` or ``decode``; num_kv_heads: the
+    model's KV heads (which prefill ranks write); failure: the executor's ``failure``
+    (why its ranks >= 1 are gone, or None).
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[Any],
+        role: str,
+        num_kv_heads: int,
+        failure: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.role = role
+        self.ranks = list(ranks)
+        self._failure = failure
+        self._gone: str | None = None
+        size = len(self.ranks)
+        self._room_ranks = (
+            [r for r in range(size) if is_writer(num_kv_heads, TPRank(r, size))]
+            if role == "prefill"
+            else list(range(size))
+        )
+        self._rooms: dict[int, _Room] = {}
+        self._cache: dict[int, list[RankState]] = {}
+        self._fresh: set[int] = set()
+        self._lock = threading.RLock()
+
+    # --- rank calls --------------------------------------------------------------------
+    def _check_gone(self) -> str | None:
+        if self._gone is None and self._failure() is not None:
+            self._gone = self._failure()
+            log.error("KV ranks >= 1 are gone: %s", self._gone)
+            if self.role == "prefill":  # decode's heartbeat learns it from rank 0's server
+                for r in range(1, len(self.ranks)):
+                    self.ranks[0].forget_rank(r)
+        return self._gone
+
+    def _on_rank(self, rank: int, method: str, *args: Any) -> Any:
+        """Call a rank; None when rank >= 1 is gone (then also returned for its calls)."""
+        if rank == 0:
+            return getattr(self.ranks[0], method)(*args)
+        if self._check_gone() is not None:
+            return None
+        try:
+            return getattr(self.ranks[rank], method)(*args)
+        except Exception:
+            if self._check_gone() is not None:
+                return None
+            raise
+
+    def _fan(self, room: _Room, method: str, *args: Any) -> None:
+        for r in room.ranks:
+            self._on_rank(r, method, room.room, *args)
+        with self._lock:
+            self._fresh.discard(room.room)  # the states moved: read them again
+
+    # --- KVManager ---------------------------------------------------------------------
+    def create_sender(self, bootstrap_room: int) -> KVSender:
+        if self.role != "prefill":
+            raise RuntimeError("create_sender on a decode KV manager")
+        return self._create(bootstrap_room)
+
+    def create_receiver(
+        self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
+    ) -> KVReceiver:
+        if self.role != "decode":
+            raise RuntimeError("create_receiver on a prefill KV manager")
+        return self._create(bootstrap_room, bootstrap_host, bootstrap_port)
+
+    def _create(self, room: int, *where: Any) -> _Room:
+        handle = _Room(self, room, self._room_ranks)
+        self.ranks[0].create(room, *where)  # DuplicateRoomError/ValueError before the others
+        made = [0]
+        try:
+            for r in self._room_ranks[1:]:
+                self._on_rank(r, "create", room, *where)
+                made.append(r)
+        except BaseException:
+            for r in made:  # undo: the room never existed
+                self._on_rank(r, "abort", room)
+            raise
+        with self._lock:
+            self._rooms[room] = handle
+        return handle
+
+    def _close(self, room: _Room) -> None:
+        for r in room.ranks:
+            self._on_rank(r, "close", room.room)
+        with self._lock:
+            self._rooms.pop(room.room, None)
+            self._cache.pop(room.room, None)
+            self._fresh.discard(room.room)
+
+    # --- aggregation -------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Poll every live room on every rank: one call per rank."""
+        with self._lock:
+            rooms = list(self._rooms)
+        states: dict[int, list[RankState]] = {room: [] for room in rooms}
+        for r in range(len(self.ranks)):
+            mine = [room for room in rooms if r in self._rooms[room].ranks]
+            if not mine:
+                continue
+            got = self._on_rank(r, "poll", mine)
+            if got is None:
+                got = [(int(KVPoll.Failed), f"the rank is gone: {self._gone}", False)] * len(mine)
+            for room, st in zip(mine, got):
+                states[room].append(st)
+        with self._lock:
+            self._cache.update(states)
+            self._fresh = set(states)
+
+    def _states(self, room: _Room) -> list[RankState]:
+        with self._lock:
+            cached = self._cache.get(room.room)
+        if cached is None:
+            self._refresh()
+            with self._lock:
+                cached = self._cache.get(room.room, [])
+        return cached
+
+    def _aggregate(self, room: _Room, consume: bool) -> tuple[KVPoll, str | None]:
+        with self._lock:
+            stale = room.room not in self._fresh
+        if consume and stale:
+            self._refresh()
+        states = self._states(room)
+        if consume:
+            with self._lock:
+                self._fresh.discard(room.room)
+        kinds = [KVPoll(s) for s, _, _ in states]
+        failed = [(r, e) for r, (s, e, _) in zip(room.ranks, states) if s == KVPoll.Failed]
+        if failed and room.first_failure is None:
+            room.first_failure = failed[0]
+        if failed:
+            if not all(k in (KVPoll.Success, KVPoll.Failed) for k in kinds):
+                if not room._aborted:  # the others end too, then the room is Failed
+                    room.abort()
+                return min(k for k in kinds if k not in (KVPoll.Success, KVPoll.Failed)), None
+            r, error = room.first_failure or failed[0]
+            return KVPoll.Failed, f"tensor-parallel rank {r}: {error}"
+        return min(kinds), None
+
+    # --- the rest of KVManager -------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        if not self.ranks[0].is_healthy():
+            return False
+        return self._check_gone() is None and all(
+            self._on_rank(r, "is_healthy") for r in range(1, len(self.ranks))
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Rank 0's stats, ``ranks``: each rank's (None once gone), ``healthy`` over all,
+        and ``unhealthy_prefill_peers`` merged over the ranks (decode)."""
+        per = [self.ranks[0].stats()] + [
+            self._on_rank(r, "stats") for r in range(1, len(self.ranks))
+        ]
+        out = dict(per[0], ranks=per, healthy=self.is_healthy())
+        if self.role == "decode":
+            merged: dict[str, float] = {}
+            for s in per:
+                for k, v in (s or {}).get("unhealthy_prefill_peers", {}).items():
+                    merged[k] = max(merged.get(k, 0.0), v)
+            out["unhealthy_prefill_peers"] = merged
+        return out
+
+    def shutdown(self) -> None:
+        for r in range(len(self.ranks) - 1, -1, -1):  # rank 0 (the bootstrap server) last
+            try:
+                self._on_rank(r, "shutdown")
+            except Exception as exc:  # noqa: BLE001 - shutting down
+                log.warning("KV manager of rank %d: shutdown failed: %s", r, exc)
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.ranks[0].bootstrap_port()
+
+    def num_live_rooms(self) -> int:
+        with self._lock:
+            return len(self._rooms)
