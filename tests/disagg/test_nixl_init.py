@@ -235,3 +235,56 @@ def test_malformed_backend_params_are_a_value_error(rec, monkeypatch, raw, what)
     with pytest.raises(ValueError, match="PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS"):
         create("prefill")
     assert device_calls(rec) == []  # nothing was created
+
+
+class _RankPool:
+    """A rank's pool as ``start_rank_manager`` sees it: KVArgs on its own CUDA device."""
+
+    def __init__(self, gpu_id: int) -> None:
+        self.gpu_id = gpu_id
+
+    def kv_args(self, gpu_id, engine_rank, tp_size, total_kv_heads):
+        from dataclasses import replace
+
+        args = kv_args("cuda", gpu_id)
+        layout = replace(args.layout, num_kv_heads=total_kv_heads)
+        return replace(args, layout=layout, engine_rank=engine_rank, tp_size=tp_size)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_tp_rank_creates_its_backend_on_its_own_gpu_on_a_helper_thread(rec, role):
+    """The seed's init contract per rank (each rank's process calls ``start_rank_manager``
+    with its context): set_device(that rank's gpu_id) then create_backend, on one helper
+    thread that is not the caller's; its memory registered as VRAM of that device."""
+    from types import SimpleNamespace
+
+    from pdserve.disagg.tp import start_rank_manager
+    from pdserve.parallel import TPRank
+
+    caller = threading.get_ident()
+    size, first_gpu = 4, 2
+    managers = []
+    try:
+        for r in range(size):
+            rec.calls.clear()
+            ctx = SimpleNamespace(
+                tp=SimpleNamespace(tp=TPRank(r, size)),
+                gpu_id=first_gpu + r,
+                pool=_RankPool(first_gpu + r),
+                services={},
+            )
+            port = 0 if r == 0 else 4321  # ranks >= 1 register at rank 0's server
+            start_rank_manager(ctx, "nixl", role, 2, "127.0.0.1", port, None)
+            managers.append(ctx.services["kv"].manager)
+            calls = device_calls(rec)
+            assert [c[:-1] for c in calls] == [
+                ("set_device", "cuda", first_gpu + r),
+                ("create_backend", "UCX", {"num_threads": "8"} if role == "prefill" else {}),
+            ], r
+            assert calls[0][-1] == calls[1][-1] != caller
+            reg = next(c for c in rec.calls if c[0] == "register_memory")
+            assert reg[1:-1] == ("VRAM", [first_gpu + r] * 8)
+            assert managers[-1].engine.kv_args.tp == TPRank(r, size)
+    finally:
+        for m in managers:
+            m.shutdown()
