@@ -18,8 +18,10 @@ one engine step cost one call per rank: the first ``poll()`` of a room whose cac
 was already read refreshes every live room on every rank at once.
 
 A rank that is gone (the executor failed: it stops every rank >= 1) counts as ``Failed``
-for its rooms; on prefill, rank 0 then deregisters ranks >= 1 at its bootstrap server so
-decode's heartbeat knows them gone and fails their rooms there.
+for its rooms. A watcher thread notices the failure even while the engine is idle (its
+thread ends at the failure): rank 0 then aborts its live rooms (the peers are told at
+once) and, on prefill, deregisters ranks >= 1 at its bootstrap server, so decode's
+heartbeat knows them gone and fails their rooms there instead of waiting.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # (state, failure text, holds_pages) of one room on one rank
 RankState = tuple[int, str | None, bool]
+
+WATCH_INTERVAL_S = 0.2  # how often the facade checks whether ranks >= 1 are gone
 
 
 class RankRooms:
@@ -158,6 +162,46 @@ def start_rank_manager(
     return manager.bootstrap_port
 
 
+def create_tp_kv_manager(
+    executor: Any,
+    backend: str,
+    role: str,
+    total_kv_heads: int,
+    *,
+    bootstrap_host: str = "127.0.0.1",
+    bootstrap_port: int = 0,
+    advertise_host: str | None = None,
+) -> TPKVManager:
+    """Start a manager in every rank of ``executor`` (``call_rank``, ``tp_size``,
+    ``failure``, ``rank0``: tpexec's executor; rank 0 first: on prefill its bootstrap port
+    goes to the others) and return the facade over them. Raises what a rank's manager
+    creation raises (the managers already started are shut down first)."""
+    started: list[int] = []
+    try:
+        port = executor.call_rank(
+            0, start_rank_manager, backend, role, total_kv_heads,
+            bootstrap_host, bootstrap_port, advertise_host,
+        )  # fmt: skip
+        started.append(0)
+        for r in range(1, executor.tp_size):
+            executor.call_rank(
+                r, start_rank_manager, backend, role, total_kv_heads,
+                bootstrap_host, port or 0, advertise_host,
+            )  # fmt: skip
+            started.append(r)
+    except BaseException:
+        for r in reversed(started):
+            try:
+                executor.call_rank(r, rank_call, "shutdown")
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise
+    ranks = [executor.rank0.services["kv"]] + [
+        RemoteRank(executor.call_rank, r) for r in range(1, executor.tp_size)
+    ]
+    return TPKVManager(ranks, role, total_kv_heads, lambda: executor.failure)
+
+
 def rank_call(ctx: Any, method: str, *args: Any) -> Any:
     """Run ``RankRooms.<method>(*args)`` on this rank's rooms."""
     return getattr(ctx.services["kv"], method)(*args)
@@ -259,15 +303,35 @@ class TPKVManager(KVManager):
         self._cache: dict[int, list[RankState]] = {}
         self._fresh: set[int] = set()
         self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if size > 1:
+            self._watcher = threading.Thread(
+                target=self._watch, name=f"pdserve-tp-kv-{role}", daemon=True
+            )
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            if self._check_gone() is not None:
+                return
 
     # --- rank calls --------------------------------------------------------------------
     def _check_gone(self) -> str | None:
-        if self._gone is None and self._failure() is not None:
+        with self._lock:
+            if self._gone is not None or self._failure() is None:
+                return self._gone
             self._gone = self._failure()
-            log.error("KV ranks >= 1 are gone: %s", self._gone)
-            if self.role == "prefill":  # decode's heartbeat learns it from rank 0's server
-                for r in range(1, len(self.ranks)):
-                    self.ranks[0].forget_rank(r)
+            rooms = list(self._rooms)
+        log.error("KV ranks >= 1 are gone: %s", self._gone)
+        if self.role == "prefill":  # decode's heartbeat learns it from rank 0's server
+            for r in range(1, len(self.ranks)):
+                self.ranks[0].forget_rank(r)
+        for room in rooms:  # their peers are told now, not at their timeouts
+            try:
+                self.ranks[0].abort(room)
+            except Exception:  # noqa: BLE001 - rank 0 only holds some of them
+                pass
         return self._gone
 
     def _on_rank(self, rank: int, method: str, *args: Any) -> Any:
@@ -400,11 +464,14 @@ class TPKVManager(KVManager):
         return out
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
         for r in range(len(self.ranks) - 1, -1, -1):  # rank 0 (the bootstrap server) last
             try:
                 self._on_rank(r, "shutdown")
-            except Exception as exc:  # noqa: BLE001 - shutting down
-                log.warning("KV manager of rank %d: shutdown failed: %s", r, exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. the rank processes ended first
+                log.info("KV manager of rank %d: not shut down here: %s", r, exc)
 
     @property
     def bootstrap_port(self) -> int | None:

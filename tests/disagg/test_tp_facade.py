@@ -20,7 +20,13 @@ import torch
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVLayout, KVPoll
 from pdserve.disagg.fake import FakeKVManager
 from pdserve.disagg.probe import nixl_problem
-from pdserve.disagg.tp import RankRooms, RemoteRank, TPKVManager, rank_call, start_rank_manager
+from pdserve.disagg.tp import (
+    RankRooms,
+    RemoteRank,
+    TPKVManager,
+    create_tp_kv_manager,
+    rank_call,
+)
 from pdserve.engine.kv_pool import KVPool
 from pdserve.parallel import TPRank, kv_head_range
 
@@ -28,10 +34,13 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 class Ranks:
-    """Rank contexts in this process and a ``call_rank`` that pickles like a pipe."""
+    """An executor stand-in: rank contexts in this process, a ``call_rank`` that pickles
+    like the pipe to a rank process, ``tp_size``, ``rank0``, ``failure``."""
 
     def __init__(self, ctxs) -> None:
         self.ctxs = ctxs
+        self.tp_size = len(ctxs)
+        self.rank0 = ctxs[0]
         self.calls: Counter[tuple[int, str]] = Counter()
         self.failure: str | None = None
 
@@ -56,8 +65,23 @@ def _args(heads: int, tp: TPRank) -> KVArgs:
     )  # fmt: skip
 
 
-def _scripted(role: str, size: int, heads: int = 4):
-    """A facade over scripted fake managers, rank 0 local, the others behind Ranks."""
+@pytest.fixture
+def scripted():
+    """``make(role, size, heads)``: a facade over scripted fake managers, rank 0 local,
+    the others behind Ranks; every facade shut down (its watcher thread joined) after."""
+    made = []
+
+    def make(role: str, size: int, heads: int = 4):
+        out = _scripted(role, size, heads)
+        made.append(out[0])
+        return out
+
+    yield make
+    for tpm in made:
+        tpm.shutdown()
+
+
+def _scripted(role: str, size: int, heads: int):
     mgrs = [FakeKVManager(_args(heads, TPRank(r, size)), role, scripted=True) for r in range(size)]
     ranks = Ranks([SimpleNamespace(services={"kv": RankRooms(m)}) for m in mgrs])
     stubs = [ranks.ctxs[0].services["kv"]] + [
@@ -66,8 +90,8 @@ def _scripted(role: str, size: int, heads: int = 4):
     return TPKVManager(stubs, role, heads, lambda: ranks.failure), mgrs, ranks
 
 
-def test_decode_room_success_only_when_every_rank_succeeded():
-    tpm, mgrs, _ = _scripted("decode", 2)
+def test_decode_room_success_only_when_every_rank_succeeded(scripted):
+    tpm, mgrs, _ = scripted("decode", 2)
     r = tpm.create_receiver("h", 1, 7)
     h0, h1 = (m.handle(7) for m in mgrs)
     assert r.poll() == KVPoll.Bootstrapping
@@ -90,8 +114,8 @@ def test_decode_room_success_only_when_every_rank_succeeded():
     assert tpm.num_live_rooms() == 0
 
 
-def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal():
-    tpm, mgrs, _ = _scripted("decode", 2)
+def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal(scripted):
+    tpm, mgrs, _ = scripted("decode", 2)
     r = tpm.create_receiver("h", 1, 8)
     h0, h1 = (m.handle(8) for m in mgrs)
     for h in (h0, h1):
@@ -109,8 +133,8 @@ def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal():
     r.close()
 
 
-def test_holds_pages_if_any_rank_holds():
-    tpm, mgrs, _ = _scripted("decode", 2)
+def test_holds_pages_if_any_rank_holds(scripted):
+    tpm, mgrs, _ = scripted("decode", 2)
     r = tpm.create_receiver("h", 1, 9)
     h1 = mgrs[1].handle(9)
     h1.holds_pages = lambda: True  # a rank whose prefill may still write
@@ -118,8 +142,8 @@ def test_holds_pages_if_any_rank_holds():
     assert r.holds_pages()
 
 
-def test_prefill_rooms_only_on_writer_ranks_and_send_fans_out():
-    tpm, mgrs, ranks = _scripted("prefill", 4, heads=2)  # ranks 1 and 3 are replicas
+def test_prefill_rooms_only_on_writer_ranks_and_send_fans_out(scripted):
+    tpm, mgrs, ranks = scripted("prefill", 4, heads=2)  # ranks 1 and 3 are replicas
     s = tpm.create_sender(11)
     assert [m.handle(11) is not None for m in mgrs] == [True, False, True, False]
     h0, h2 = mgrs[0].handle(11), mgrs[2].handle(11)
@@ -135,8 +159,8 @@ def test_prefill_rooms_only_on_writer_ranks_and_send_fans_out():
     assert ranks.calls[(1, "create")] == ranks.calls[(3, "create")] == 0
 
 
-def test_the_polls_of_a_step_are_one_call_per_rank():
-    tpm, mgrs, ranks = _scripted("decode", 3, heads=3)
+def test_the_polls_of_a_step_are_one_call_per_rank(scripted):
+    tpm, mgrs, ranks = scripted("decode", 3, heads=3)
     rooms = [tpm.create_receiver("h", 1, 100 + i) for i in range(10)]
     for _ in range(3):  # three engine steps, each polling every room (and its error)
         for r in rooms:
@@ -145,19 +169,24 @@ def test_the_polls_of_a_step_are_one_call_per_rank():
     assert ranks.calls[(1, "poll")] == ranks.calls[(2, "poll")] == 3
 
 
-def test_gone_ranks_fail_their_rooms_and_prefill_deregisters_them():
-    tpm, mgrs, ranks = _scripted("prefill", 2, heads=2)
+def test_gone_ranks_fail_their_rooms_and_prefill_deregisters_them(scripted):
+    tpm, mgrs, ranks = scripted("prefill", 2, heads=2)
     forgotten = []
     tpm.ranks[0].forget_rank = forgotten.append  # rank 0's manager deregisters at its server
     s = tpm.create_sender(12)
-    mgrs[0].handle(12).advance(KVPoll.WaitingForInput)
+    h0 = mgrs[0].handle(12)
+    h0.advance(KVPoll.WaitingForInput)
     ranks.failure = "tensor-parallel rank 1 (pid 1) was killed by SIGKILL"
-    s.abort()  # the engine aborts its rooms; rank 1 cannot be reached any more
-    mgrs[0].handle(12).fail("aborted")
+    # the engine is idle (its thread ended at the failure): the watcher acts alone
+    _until(lambda: forgotten == [1] and h0.aborted, "rank 1 deregistered, rank 0 aborted")
+    assert s.poll() == KVPoll.WaitingForInput  # rank 0's room is still ending
+    h0.fail("aborted")
     assert s.poll() == KVPoll.Failed
-    assert forgotten == [1]
+    assert "tensor-parallel rank 1: the rank is gone" in str(s.failure_exception())
+    assert "SIGKILL" in str(s.failure_exception())
     assert not tpm.is_healthy()
     s.close()  # no call reaches the gone rank
+    assert h0.closes == [KVPoll.Failed]
     assert tpm.stats()["ranks"][1] is None
 
 
@@ -178,17 +207,9 @@ def _rank_ctx(full: torch.Tensor, tp: TPRank, fill: bool) -> SimpleNamespace:
     return SimpleNamespace(tp=SimpleNamespace(tp=tp), gpu_id=0, pool=pool, services={})
 
 
-def _facade(role: str, full: torch.Tensor, size: int, port: int = 0):
+def _facade(role: str, full: torch.Tensor, size: int):
     ranks = Ranks([_rank_ctx(full, TPRank(r, size), role == "prefill") for r in range(size)])
-    heads = full.shape[3]
-    port = ranks.call_rank(0, start_rank_manager, "nixl", role, heads, "127.0.0.1", port, None)
-    port = port or 0  # decode has no bootstrap server
-    for r in range(1, size):
-        ranks.call_rank(r, start_rank_manager, "nixl", role, heads, "127.0.0.1", port, None)
-    stubs = [ranks.ctxs[0].services["kv"]] + [
-        RemoteRank(ranks.call_rank, r) for r in range(1, size)
-    ]
-    return TPKVManager(stubs, role, heads, lambda: ranks.failure), ranks
+    return create_tp_kv_manager(ranks, "nixl", role, full.shape[3], bootstrap_port=0), ranks
 
 
 def _until(cond, what: str, timeout: float = 60.0) -> None:
