@@ -40,6 +40,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta))`` (``delta`` None: ``(h, rms_norm(h))``); h, delta
+    ``[T, H]``. fused: ``pdserve.model.fused_ops`` on CUDA (one kernel for both), else None
+    (torch's add, then :func:`rms_norm`: the CPU path's ops unchanged)."""
+    if fused is not None:
+        out: tuple[torch.Tensor, torch.Tensor] = fused.add_rms_norm(h, delta, weight, eps)
+        return out
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: fused QKV (+bias), optional per-head q/k RMSNorm, RoPE,
     paged attention, o_proj, fused gate/up SwiGLU MLP.
@@ -78,6 +92,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        delta: torch.Tensor | None,
         rope: Callable[[torch.Tensor], torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -85,12 +100,16 @@ class LlamaDecoderLayer(nn.Module):
         plan: Any,
         backend: AttentionBackend,
         fused: Any = None,
-    ) -> torch.Tensor:
-        """h ``[T, H]``; rope: rotates ``[T, heads, D]`` (returns the rotated tensor, may be
-        in place); fused: ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul in one kernel)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
+        output, None for the first layer) is still to be added; rope: rotates
+        ``[T, heads, D]`` (returns the rotated tensor, may be in place); fused:
+        ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one kernel).
+        Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
+        added by the next norm (so each add and its norm are one kernel on CUDA)."""
         s = self.s
         T = h.shape[0]
-        x = rms_norm(h, self.input_layernorm, s.eps)
+        h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
         pk = self.packed
         qkv = lin.linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
@@ -108,15 +127,15 @@ class LlamaDecoderLayer(nn.Module):
         qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
-        h = h + self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
-        x = rms_norm(h, self.post_attention_layernorm, s.eps)
+        o = self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
+        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
         if fused is not None:
             act = fused.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h + self._row_parallel(act, self.down_proj, self.down_bias, pk.get("down_proj"))
+        return h, self._row_parallel(act, self.down_proj, self.down_bias, pk.get("down_proj"))
 
     def _row_parallel(
         self,
@@ -291,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
             plan = self.backend.plan(attn, kv_cache[0][0].shape[1])
         fused: Any = None
         rope: Callable[[torch.Tensor], torch.Tensor]
-        if input_ids.is_cuda:  # one RoPE kernel and one SiLU-and-mul kernel a layer
+        if input_ids.is_cuda:  # one kernel each: RoPE, SiLU-and-mul, add + RMSNorm
             from pdserve.model import fused_ops
 
             fused = fused_ops
@@ -308,9 +327,12 @@ class LlamaForCausalLM(nn.Module):
                 return apply_rope(x, cos, sin)
 
         h = self._embed(input_ids)
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.decoder_layers()):
-            h = layer(h, rope, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend, fused)
-        return rms_norm(h, self.norm, self.shapes.eps)
+            h, delta = layer(
+                h, delta, rope, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend, fused
+            )
+        return add_rms_norm(h, delta, self.norm, self.shapes.eps, fused)[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, H]``. Vocab-parallel under TP: each rank looks up the ids of

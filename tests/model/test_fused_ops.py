@@ -50,3 +50,27 @@ def test_silu_mul_matches_torch(dtype):
     assert got.shape == (3, 1500) and got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert (got.float() - ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_add_then_rms_norm(dtype, with_residual):
+    from pdserve.model.fused_ops import add_rms_norm
+    from pdserve.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(2)
+    T, N, eps = 3, 1000, 1e-5  # N not a power of two: the masked tail counts nothing
+    x = torch.randn(T, 2 * N, generator=gen).to(dtype).to(DEVICE)[:, :N]  # a strided view
+    r = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    ref_h = x + r if r is not None else x
+    xf = ref_h.float()
+    ref_y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    h, y = add_rms_norm(x, r, w, eps)
+    assert h.dtype == y.dtype == dtype and y.shape == (T, N)
+    assert torch.equal(h, ref_h)  # the add rounds as torch's does
+    # fp32: summation order only; bf16: one rounding of the output.
+    tol = 1e-5 if dtype == torch.float32 else 2**-7 * ref_y.abs().max().item()
+    assert (y.float() - ref_y.float()).abs().max().item() <= tol
+    if dtype == torch.float32:  # and as the model's torch path (F.rms_norm) computes it
+        assert (y - rms_norm(ref_h, w, eps)).abs().max().item() <= 1e-5
