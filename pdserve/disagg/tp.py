@@ -11,7 +11,8 @@ Engine side: :class:`TPKVManager` fans ``create``/``init``/``send``/``abort``/``
 to the ranks of a room (decode: every rank; prefill: the ranks that write,
 :func:`pdserve.disagg.head_map.is_writer`) and aggregates their states: ``Success`` when
 every rank succeeded; ``Failed`` when one failed (the text names that rank), reported
-only once every rank of the room is terminal (the others are aborted first), so no rank's
+only once every rank of the room is terminal (the others are aborted first, and the room
+reads ``Bootstrapping`` meanwhile, so the engine starts nothing for it), so no rank's
 pages are freed while its transfer layer may still use them; otherwise the least advanced
 state. ``holds_pages`` if any rank holds; the aux record comes from rank 0. The polls of
 one engine step cost one call per rank: the first ``poll()`` of a room whose cached state
@@ -78,6 +79,10 @@ class RankRooms:
         with self._lock:
             handle = self._handles.pop(room)
         handle.close()
+
+    def poll_all(self, rooms: Sequence[int]) -> tuple[list[RankState], bool]:
+        """:meth:`poll` and the manager's health, in one call."""
+        return self.poll(rooms), self.manager.is_healthy()
 
     def poll(self, rooms: Sequence[int]) -> list[RankState]:
         """Every room's state; a poll that raises is ``Failed`` with its text (after a
@@ -302,6 +307,7 @@ class TPKVManager(KVManager):
         self._rooms: dict[int, _Room] = {}
         self._cache: dict[int, list[RankState]] = {}
         self._fresh: set[int] = set()
+        self._healthy = [True] * size  # ranks' manager health, as of their last answer
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -400,9 +406,11 @@ class TPKVManager(KVManager):
             mine = [room for room in rooms if r in self._rooms[room].ranks]
             if not mine:
                 continue
-            got = self._on_rank(r, "poll", mine)
-            if got is None:
+            answer = self._on_rank(r, "poll_all", mine)
+            if answer is None:
                 got = [(int(KVPoll.Failed), f"the rank is gone: {self._gone}", False)] * len(mine)
+            else:
+                got, self._healthy[r] = answer
             for room, st in zip(mine, got):
                 states[room].append(st)
         with self._lock:
@@ -435,18 +443,17 @@ class TPKVManager(KVManager):
             if not all(k in (KVPoll.Success, KVPoll.Failed) for k in kinds):
                 if not room._aborted:  # the others end too, then the room is Failed
                     room.abort()
-                return min(k for k in kinds if k not in (KVPoll.Success, KVPoll.Failed)), None
+                return KVPoll.Bootstrapping, None  # nothing starts while it fails
             r, error = room.first_failure or failed[0]
             return KVPoll.Failed, f"tensor-parallel rank {r}: {error}"
         return min(kinds), None
 
     # --- the rest of KVManager -------------------------------------------------------------
     def is_healthy(self) -> bool:
-        if not self.ranks[0].is_healthy():
-            return False
-        return self._check_gone() is None and all(
-            self._on_rank(r, "is_healthy") for r in range(1, len(self.ranks))
-        )
+        """Rank 0's manager is healthy, no rank is gone, and ranks >= 1 were healthy at
+        their last answer (a poll or ``stats``: no call here, so ``/health`` never waits
+        for a step to end)."""
+        return self.ranks[0].is_healthy() and self._check_gone() is None and all(self._healthy)
 
     def stats(self) -> dict[str, Any]:
         """Rank 0's stats, ``ranks``: each rank's (None once gone), ``healthy`` over all,
@@ -454,6 +461,9 @@ class TPKVManager(KVManager):
         per = [self.ranks[0].stats()] + [
             self._on_rank(r, "stats") for r in range(1, len(self.ranks))
         ]
+        for r, s in enumerate(per[1:], 1):
+            if s is not None:
+                self._healthy[r] = bool(s.get("healthy", True))
         out = dict(per[0], ranks=per, healthy=self.is_healthy())
         if self.role == "decode":
             merged: dict[str, float] = {}

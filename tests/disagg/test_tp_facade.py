@@ -124,8 +124,9 @@ def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal(scri
     h0.advance(KVPoll.Transferring)
     h1.advance(KVPoll.Transferring)
     h1.fail("prefill rank 1 gone")
-    # rank 0 may still be written into: not Failed yet, but asked to end
-    assert r.poll() == KVPoll.Transferring and r.failure_exception() is None
+    # rank 0 may still be written into: not Failed yet (the engine starts nothing for a
+    # room that reads Bootstrapping), but asked to end
+    assert r.poll() == KVPoll.Bootstrapping and r.failure_exception() is None
     assert h0.aborted  # the abort reached rank 0
     h0.fail("aborted")
     assert r.poll() == KVPoll.Failed
@@ -166,7 +167,7 @@ def test_the_polls_of_a_step_are_one_call_per_rank(scripted):
         for r in rooms:
             r.poll()
             r.failure_exception()
-    assert ranks.calls[(1, "poll")] == ranks.calls[(2, "poll")] == 3
+    assert ranks.calls[(1, "poll_all")] == ranks.calls[(2, "poll_all")] == 3
 
 
 def test_gone_ranks_fail_their_rooms_and_prefill_deregisters_them(scripted):
@@ -179,7 +180,7 @@ def test_gone_ranks_fail_their_rooms_and_prefill_deregisters_them(scripted):
     ranks.failure = "tensor-parallel rank 1 (pid 1) was killed by SIGKILL"
     # the engine is idle (its thread ended at the failure): the watcher acts alone
     _until(lambda: forgotten == [1] and h0.aborted, "rank 1 deregistered, rank 0 aborted")
-    assert s.poll() == KVPoll.WaitingForInput  # rank 0's room is still ending
+    assert s.poll() == KVPoll.Bootstrapping  # rank 0's room is still ending
     h0.fail("aborted")
     assert s.poll() == KVPoll.Failed
     assert "tensor-parallel rank 1: the rank is gone" in str(s.failure_exception())

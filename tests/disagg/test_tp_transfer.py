@@ -210,3 +210,36 @@ def test_layer_major_with_equal_tp_moves_whole_pages(nixl_ok):
     finally:
         for m in [*dm, *pm]:
             m.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(
+    nixl_ok, monkeypatch
+):
+    """Prefill TP 2 -> decode TP 1: destinations went out, prefill rank 1's process "dies"
+    (rank 0 deregisters it, as the TP facade does once the executor failed; its manager is
+    left silent, as a killed process is). Decode's next
+    heartbeat finds rank 1 missing from ``/health``: the room fails naming it, rank 0 is
+    told (its sender fails too), and no page stays quarantined (a gone rank cannot write)."""
+    monkeypatch.setenv("PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", "0.2")
+    full = torch.randn(P, L, 2, 4, PS, D, generator=torch.Generator().manual_seed(9))
+    pre, dec, pm, dm, port = _managers(2, 1, full)
+    try:
+        room = 501
+        recv = dm[0].create_receiver("127.0.0.1", port, room)
+        send = [m.create_sender(room) for m in pm]
+        _until(lambda: recv.poll() >= KVPoll.WaitingForInput, "bootstrap")
+        recv.init([1, 2], 0)
+        _until(lambda: all(s.poll() == KVPoll.WaitingForInput for s in send), "destinations")
+        pm[0].forget_rank(1)
+        _until(lambda: recv.poll() in TERMINAL, "decode fails")
+        assert recv.poll() == KVPoll.Failed
+        assert "rank 1 is gone" in str(recv.failure_exception())
+        assert not recv.holds_pages()
+        _until(lambda: send[0].poll() in TERMINAL, "prefill rank 0 is told")
+        assert send[0].poll() == KVPoll.Failed
+        for h in (recv, *send):
+            h.close()
+    finally:
+        for m in [*dm, *pm]:
+            m.shutdown()
