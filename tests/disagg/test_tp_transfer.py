@@ -213,9 +213,7 @@ def test_layer_major_with_equal_tp_moves_whole_pages(nixl_ok):
 
 
 @pytest.mark.timeout(120)
-def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(
-    nixl_ok, monkeypatch
-):
+def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(nixl_ok, monkeypatch):
     """Prefill TP 2 -> decode TP 1: destinations went out, prefill rank 1's process "dies"
     (rank 0 deregisters it, as the TP facade does once the executor failed; its manager is
     left silent, as a killed process is). Decode's next
