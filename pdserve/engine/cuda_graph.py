@@ -7,6 +7,13 @@ copy from pinned staging for the per-row values, one for the page-table rows), t
 replayed, and the logits of its first ``B`` rows are returned. Padded rows have slot ``-1``
 (nothing is written) and context length 0 (their output is ignored).
 
+Greedy inside the graph: each graph also computes the argmax of every row and that token's
+logprob (``log_softmax`` then ``gather``, the sampler's own ops, so the numbers are the
+eager sampler's bit for bit), packed as ``[bs, 2]`` float64. A step whose rows are all plain
+greedy (``sampler.plain_greedy``) reads only that (:meth:`CUDAGraphRunner.greedy_tokens`:
+one device-to-host copy of ``B x 2`` numbers, no sampler kernels launched after the graph);
+any other step samples from the logits as before.
+
 Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
 largest first into one shared memory pool (so smaller graphs reuse the largest one's
 activations), before any KV transfer thread starts (GPU work from another thread during a
@@ -23,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.engine.sampler import SampledToken
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import LlamaForCausalLM
 
@@ -42,11 +50,12 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
     """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
     the fp32 logits every bucket keeps (``bucket * vocab * 4``, twice for the cast), the
+    largest bucket's log-softmax (its greedy pick), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
     elt = int(torch.empty((), dtype=model.dtype).element_size())
-    logits = sum(graph_batch_sizes(max_batch)) * s.vocab * 4 * 2
+    logits = (sum(graph_batch_sizes(max_batch)) * 2 + max_batch) * s.vocab * 4
     per_row = (
         4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
     ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
@@ -90,6 +99,8 @@ class CUDAGraphRunner:
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._greedy: dict[int, torch.Tensor] = {}  # [bs, 2] float64: argmax id, its logprob
+        self._last_bucket = 0  # the bucket of the last replay
         self._pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -100,11 +111,14 @@ class CUDAGraphRunner:
             slot_mapping=self._rows[2, :bs],
         )
 
-    def _run(self, bs: int) -> torch.Tensor:
+    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         md = self._metadata(bs)
         plan = self.model.backend.plan_for_capture(md, self.page_size)
         hidden = self.model(self._rows[0, :bs], self._rows[1, :bs], md, self.kv_cache, plan)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)  # [bs, V] fp32
+        ids = logits.argmax(dim=-1, keepdim=True)  # [bs, 1] (the sampler's greedy pick)
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [bs, 1]
+        return logits, torch.cat((ids.double(), chosen.double()), dim=1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -115,7 +129,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[bs] = self._run(bs)
+                self._logits[bs], self._greedy[bs] = self._run(bs)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bs] = graph
@@ -165,7 +179,15 @@ class CUDAGraphRunner:
         dev_table.copy_(self._table_host[: B * width], non_blocking=True)
         self._table[:B, :width].copy_(dev_table.view(B, width))
         self._graphs[bs].replay()
+        self._last_bucket = bs
         return self._logits[bs][:B]
+
+    def greedy_tokens(self, batch: int) -> list[SampledToken]:
+        """The argmax token of each of the first ``batch`` rows of the last replay and its
+        raw logprob (no top logprobs): what ``sampler.sample`` returns for plain greedy rows.
+        Waits for the replay (one device-to-host copy)."""
+        rows = self._greedy[self._last_bucket][:batch].tolist()
+        return [SampledToken(int(t), lp, ()) for t, lp in rows]
 
     @staticmethod
     def max_pages_for(max_model_len: int, page_size: int) -> int:

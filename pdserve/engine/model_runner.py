@@ -13,6 +13,7 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampler import (
     SampledToken,
+    plain_greedy,
     sample,
     sample_request_of,
     top_logprobs,
@@ -101,8 +102,13 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run one step.  Every sequence of ``plan`` gets its KV written into its pages."""
         result = StepResult()
-        sample_reqs = [sample_request_of(s) for s in plan.seqs if s.sample]
         logits = self._graph_step(plan)
+        if logits is not None and all(plain_greedy(s) for s in plan.seqs):
+            assert self.graphs is not None  # a graph ran: its argmax is every row's token
+            tokens = self.graphs.greedy_tokens(len(plan.seqs))
+            result.sampled = dict(zip((s.request_id for s in plan.seqs), tokens))
+            return result
+        sample_reqs = [sample_request_of(s) for s in plan.seqs if s.sample]
         if logits is None:
             logits = self._eager_step(plan, result)
         if sample_reqs:

@@ -70,6 +70,22 @@ def sample_request_of(seq: Any) -> SampleRequest:
     )
 
 
+def plain_greedy(seq: Any) -> bool:
+    """Whether a scheduled sequence's token is the exact argmax of its raw logits and needs
+    nothing but that token's logprob: greedy, no ``logit_bias``, no banned ids, no
+    penalties, no logits mask, no top logprobs. Such rows of a CUDA-graph step take the
+    graph's own argmax (``engine/cuda_graph.py``) instead of :func:`sample`."""
+    p = seq.params
+    return bool(
+        p.greedy
+        and not p.logprobs
+        and not p.logit_bias
+        and not p.has_penalties
+        and not seq.banned_token_ids
+        and getattr(seq, "logits_mask", None) is None
+    )
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One row's result: the token, its logprob and its top-k ``(id, logprob)``."""

@@ -54,6 +54,22 @@ def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
     assert llm.engine.runner.graphs is None
 
 
+def test_plain_greedy_rows_are_argmax_only():
+    from pdserve.engine.sampler import plain_greedy
+    from pdserve.engine.scheduler import ScheduledSeq
+
+    def row(banned=(), **kw):
+        return ScheduledSeq("r", [1], 0, [0], True, 0, [], SamplingParams(**kw), None, banned)
+
+    assert plain_greedy(row(temperature=0))
+    assert plain_greedy(row(temperature=0, logprobs=0))  # the chosen token's logprob only
+    assert not plain_greedy(row(temperature=0, logprobs=2))
+    assert not plain_greedy(row(temperature=0.7))
+    assert not plain_greedy(row(temperature=0, logit_bias={3: 1.0}))
+    assert not plain_greedy(row(temperature=0, repetition_penalty=1.1))
+    assert not plain_greedy(row(banned=(2,), temperature=0))
+
+
 def _needs_cuda():
     if not torch.cuda.is_available():
         pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
@@ -61,13 +77,15 @@ def _needs_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("logprobs", [1, None])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_match_eager(dtype):
+def test_graphs_match_eager(dtype, logprobs):
     """Greedy decode through captured graphs gives the eager run's tokens, at batch sizes
-    that hit a bucket exactly and ones that pad (3, 5 rows)."""
+    that hit a bucket exactly and ones that pad (3, 5 rows); without top logprobs the rows
+    take the graph's own argmax (``greedy_tokens``), with them the sampler's."""
     _needs_cuda()
     prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
     runs = {}
     for eager in (False, True):
         llm = LLM(
@@ -86,9 +104,13 @@ def test_graphs_match_eager(dtype):
     for graph_outs, eager_outs in zip(runs[False], runs[True]):
         for g, e in zip(graph_outs, eager_outs):
             assert g.token_ids == e.token_ids
+            tol = 1e-4 if dtype == "float32" else 0.05
+            if logprobs is None:  # the summed logprob of 24 tokens
+                assert abs(g.cumulative_logprob - e.cumulative_logprob) < 24 * tol
+                continue
             lg = [t.logprob for t in g.logprobs]
             le = [t.logprob for t in e.logprobs]
-            assert max(abs(a - b) for a, b in zip(lg, le)) < (1e-4 if dtype == "float32" else 0.05)
+            assert max(abs(a - b) for a, b in zip(lg, le)) < tol
 
 
 @pytest.mark.gpu
