@@ -410,6 +410,7 @@ class NixlDecodeManager(KVManager):
         held = {
             r.peers[rank].info.instance_id
             for r in self._rooms.handles()
+            if r.holds_pages()
             for rank in r.suspects - r.ended
             if rank in r.peers
         }
