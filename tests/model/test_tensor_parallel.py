@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tp_model_ranks import PROMPTS, greedy_paged, rank_many, run_ranks
+from tp_model_ranks import PROMPTS, greedy_paged, rank_many, rank_raise, run_ranks
 
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import embedded_tokenizer, load_model_source
@@ -50,10 +50,13 @@ def folders(tiny_dir, tmp_path_factory):
     return out
 
 
-def _reference(folder: str):
+def _reference(folder: str, packed: str | None = None):
     src = load_model_source(folder)
     model = LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
-    model.load_weights(src.weights())
+    with pytest.MonkeyPatch.context() as mp:
+        if packed is not None:
+            mp.setenv("PDSERVE_CPU_PACKED_LINEAR", packed)
+        model.load_weights(src.weights())
     return greedy_paged(model, PROMPTS, DECODE_STEPS)
 
 
@@ -69,14 +72,17 @@ def _check_parity(name, ref, per_rank):
 
 
 TP2_ARCHS = ["llama", "qwen2", "qwen3", "llama_bias_odd_vocab"]
+PACKED = "llama_bias_odd_vocab"  # also run with fp32 oneDNN-packed linears
 
 
 @pytest.fixture(scope="module")
 def tp2_runs(folders):
-    """One 2-rank group runs every model (qwen2 from full tensors, the rest sliced)."""
-    jobs = [(folders[a], a != "qwen2") for a in TP2_ARCHS]
-    per_rank = run_ranks(2, rank_many, jobs)
-    return {a: [r[i] for r in per_rank] for i, a in enumerate(TP2_ARCHS)}, [r[-1] for r in per_rank]
+    """One 2-rank group runs every model (qwen2 from full tensors, the rest sliced), then
+    the packed-linear case; ``(runs by name, collectives per rank)``."""
+    names = TP2_ARCHS + ["packed"]
+    jobs = [(folders[a], a != "qwen2", None) for a in TP2_ARCHS]
+    per_rank = run_ranks(2, rank_many, jobs + [(folders[PACKED], True, "all")])
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}, [r[-1] for r in per_rank]
 
 
 @pytest.mark.timeout(300)
@@ -97,6 +103,14 @@ def test_tp2_greedy_equals_tp1(arch, folders, tp2_runs):
 
 
 @pytest.mark.timeout(300)
+def test_tp2_packed_cpu_linear(folders, tp2_runs):
+    """PDSERVE_CPU_PACKED_LINEAR=all: each rank packs its shard (the padded LM head too)."""
+    runs, _ = tp2_runs
+    assert all(f["packed"] for _, _, f in runs["packed"]), "the ranks packed no linear"
+    _check_parity("packed", _reference(folders[PACKED], packed="all"), runs["packed"])
+
+
+@pytest.mark.timeout(300)
 def test_tp2_collectives(tp2_runs):
     _, coll = tp2_runs
     for summed, cols, rows in coll:
@@ -110,7 +124,7 @@ def test_tp4_replicates_kv_heads(folders):
     """TP=4 over 2 KV heads: each KV head on two ranks; the 509-token vocabulary splits
     128/128/128/125 (the last shard padded)."""
     archs = ["llama", "llama_bias_odd_vocab"]
-    per_rank = run_ranks(4, rank_many, [(folders[a], True) for a in archs])
+    per_rank = run_ranks(4, rank_many, [(folders[a], True, None) for a in archs])
     for i, arch in enumerate(archs):
         runs = [r[i] for r in per_rank]
         _check_parity(f"{arch} tp4", _reference(folders[arch]), runs)
@@ -118,6 +132,12 @@ def test_tp4_replicates_kv_heads(folders):
         assert [f["kv_head_range"] for f in facts] == [(0, 1), (0, 1), (1, 2), (1, 2)]
         assert all(f["n_kv_heads"] == 1 and f["n_heads"] == 1 for f in facts)
     assert [r[1][2]["embed_rows"] for r in per_rank] == [128] * 4
+
+
+@pytest.mark.timeout(120)
+def test_rank_exception_fails_the_test():
+    with pytest.raises(AssertionError, match=r"rank 1 raised:[\s\S]*ValueError: boom from rank 1"):
+        run_ranks(2, rank_raise)
 
 
 # ------------------------------------------------------------------ in-process (no collectives)

@@ -7,6 +7,7 @@ Module-level functions only: ranks are ``spawn`` processes, which import them by
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import queue
 import traceback
@@ -26,6 +27,7 @@ from pdserve.model.tp_group import (
     open_local_store,
 )
 
+PACKED_ENV = "PDSERVE_CPU_PACKED_LINEAR"
 RANK_TIMEOUT_S = 60.0  # gloo collectives; a rank whose peer died raises after this
 
 
@@ -146,15 +148,25 @@ DECODE_STEPS = 4
 
 
 def rank_greedy(
-    group: TPGroup, folder: str, sliced: bool
+    group: TPGroup, folder: str, sliced: bool, packed: str | None = None
 ) -> tuple[list[list[int]], list[torch.Tensor], dict[str, Any]]:
-    """Load the model in ``folder`` as this rank (reading only its slices when ``sliced``),
-    run :func:`greedy_paged`; returns (tokens, logits, the rank's shape facts)."""
+    """Load the model in ``folder`` as this rank (reading only its slices when ``sliced``;
+    ``PDSERVE_CPU_PACKED_LINEAR=packed`` while loading when given), run
+    :func:`greedy_paged`; returns (tokens, logits, the rank's shape facts)."""
     from pdserve.model.loader import load_model_source
 
     src = load_model_source(folder)
     model = LlamaForCausalLM(src.hf_config, torch.float32, "cpu", tp=group)
-    model.load_weights(src.weights(shard=model.weight_shard if sliced else None))
+    before = os.environ.get(PACKED_ENV)
+    if packed is not None:
+        os.environ[PACKED_ENV] = packed
+    try:
+        model.load_weights(src.weights(shard=model.weight_shard if sliced else None))
+    finally:
+        if before is None:
+            os.environ.pop(PACKED_ENV, None)
+        else:
+            os.environ[PACKED_ENV] = before
     s = model.shapes
     facts = {
         "n_heads": s.n_heads,
@@ -162,6 +174,7 @@ def rank_greedy(
         "kv_head_range": s.kv_head_range,
         "total_kv_heads": s.total_kv_heads,
         "embed_rows": model.embed_tokens.shape[0],
+        "packed": sorted(next(model.decoder_layers()).packed),
     }
     tokens, logits = greedy_paged(model, PROMPTS, DECODE_STEPS)
     return tokens, logits, facts
@@ -176,12 +189,17 @@ def rank_collectives(group: TPGroup) -> tuple[list[float], list[list[float]], li
     return summed, cols, rows
 
 
-def rank_many(group: TPGroup, jobs: list[tuple[str, bool]]) -> list[Any]:
-    """Every ``(folder, sliced)`` job through :func:`rank_greedy` in turn (one spawn for
-    several models), then :func:`rank_collectives` as the last entry."""
-    return [rank_greedy(group, folder, sliced) for folder, sliced in jobs] + [
-        rank_collectives(group)
-    ]
+def rank_raise(group: TPGroup) -> int:
+    """Rank 1 raises (no collective, so rank 0 finishes): the harness must report it."""
+    if group.rank == 1:
+        raise ValueError("boom from rank 1")
+    return group.rank
+
+
+def rank_many(group: TPGroup, jobs: list[tuple[str, bool, str | None]]) -> list[Any]:
+    """Every ``(folder, sliced, packed)`` job through :func:`rank_greedy` in turn (one spawn
+    for several models), then :func:`rank_collectives` as the last entry."""
+    return [rank_greedy(group, *job) for job in jobs] + [rank_collectives(group)]
 
 
 __all__ = [
