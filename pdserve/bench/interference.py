@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from pdserve.bench.openai_client import StreamResult
+from pdserve.bench.prompts import random_prompt
 from pdserve.bench.runner import Series, Target, block_order, run_block, split_blocks
-from pdserve.bench.workload import InterferenceSpec, RequestSpec, WorkloadSpec, random_prompt
+from pdserve.bench.workload import InterferenceSpec, RequestSpec, WorkloadSpec
 
 
 async def long_prompt_stream(

@@ -20,7 +20,8 @@ import httpx
 from pdserve.bench.kv_probe import kv_bytes_sent, prefill_urls
 from pdserve.bench.metrics import RunSummary, summarize
 from pdserve.bench.openai_client import StreamResult, stream_request
-from pdserve.bench.workload import RequestSpec, WorkloadSpec, random_prompt
+from pdserve.bench.prompts import random_prompt
+from pdserve.bench.workload import RequestSpec, WorkloadSpec
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,13 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pdserve.bench.arrivals import parse_rates, poisson_arrivals
 from pdserve.bench.workload import (
     DATASETS,
     ENDPOINTS,
     InterferenceSpec,
     WorkloadSpec,
     build_requests,
-    parse_rates,
-    poisson_arrivals,
 )
 
 if TYPE_CHECKING:

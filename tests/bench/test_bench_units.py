@@ -7,18 +7,13 @@ import statistics
 
 import pytest
 
+from pdserve.bench.arrivals import parse_rates, poisson_arrivals
 from pdserve.bench.metrics import LatencyStats, percentile, ratio, summarize
 from pdserve.bench.openai_client import StreamResult, normalize_base_url
+from pdserve.bench.prompts import sample_lengths
 from pdserve.bench.report import json_safe
 from pdserve.bench.runner import Target, block_order, request_body, split_blocks
-from pdserve.bench.workload import (
-    InterferenceSpec,
-    WorkloadSpec,
-    build_requests,
-    parse_rates,
-    poisson_arrivals,
-    sample_lengths,
-)
+from pdserve.bench.workload import InterferenceSpec, WorkloadSpec, build_requests
 
 
 def test_percentile_linear_interpolation():
