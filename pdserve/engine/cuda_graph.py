@@ -14,6 +14,14 @@ greedy (``sampler.plain_greedy``) reads only that (:meth:`CUDAGraphRunner.greedy
 one device-to-host copy of ``B x 2`` numbers, no sampler kernels launched after the graph);
 any other step samples from the logits as before.
 
+Launch in pieces: ``cudaGraphLaunch`` of one ~430-node decode graph took ~0.5 ms of host time
+on the H200 (2026-12-01), during which the GPU, idle since the last step's read, waited.
+Each bucket's forward is therefore captured as consecutive graphs split before the decoder
+layers ``GRAPH_SPLITS`` (a forward pre-hook ends one capture and begins the next on the same
+stream and pool): the GPU starts on the short first piece while the host launches the rest.
+The pieces of a bucket are replayed back to back, so the tensors one hands to the next (the
+residual stream) are never reused in between.
+
 Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
 largest first into one shared memory pool (so smaller graphs reuse the largest one's
 activations), before any KV transfer thread starts (GPU work from another thread during a
@@ -35,6 +43,10 @@ from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# Decoder layers before which a new graph piece starts (see "Launch in pieces" above); indices
+# outside ``1 .. num_layers - 1`` are dropped, ``()`` captures one graph per bucket.
+GRAPH_SPLITS: tuple[int, ...] = (2,)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -69,7 +81,8 @@ class CUDAGraphRunner:
     per-layer ``(k_cache, v_cache)`` views (their addresses are baked into the graphs, so the
     pool must outlive them).
     max_batch: largest batch captured. max_pages: page-table width (pages of the longest
-    context). Raises RuntimeError if the device is not CUDA.
+    context). split_layers: layers where a new graph piece starts (default
+    ``GRAPH_SPLITS``). Raises RuntimeError if the device is not CUDA.
     """
 
     def __init__(
@@ -79,6 +92,7 @@ class CUDAGraphRunner:
         page_size: int,
         max_batch: int,
         max_pages: int,
+        split_layers: Sequence[int] | None = None,
     ) -> None:
         if kv_cache[0][0].device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
@@ -97,7 +111,10 @@ class CUDAGraphRunner:
         self._rows_host = torch.zeros(4, max_batch, dtype=torch.int64).pin_memory()
         self._table_host = torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory()
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        n_layers = model.shapes.n_layers
+        splits = GRAPH_SPLITS if split_layers is None else split_layers
+        self.split_layers = tuple(sorted({k for k in splits if 0 < k < n_layers}))
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> its pieces
         self._logits: dict[int, torch.Tensor] = {}
         self._greedy: dict[int, torch.Tensor] = {}  # [bs, 2] float64: argmax id, its logprob
         self._last_bucket = 0  # the bucket of the last replay
@@ -124,17 +141,49 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (padded rows only:
         nothing is written to the KV cache)."""
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         for bs in reversed(self.sizes):
             self._run(bs)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[bs], self._greedy[bs] = self._run(bs)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[bs] = graph
+            self._graphs[bs] = self._capture_pieces(bs, stream)
+            torch.cuda.synchronize()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s (pieces split before layers %s)",
+            self.sizes,
+            self.split_layers,
+        )
+
+    def _capture_pieces(self, bs: int, stream: torch.cuda.Stream) -> list[torch.cuda.CUDAGraph]:
+        """Capture bucket ``bs`` on ``stream`` into the shared pool as consecutive graphs, a
+        new one starting before each layer of ``split_layers``."""
+        pieces = [torch.cuda.CUDAGraph() for _ in range(len(self.split_layers) + 1)]
+        current = 0
+
+        def next_piece(module: Any, args: Any) -> None:
+            nonlocal current
+            pieces[current].capture_end()
+            if self._pool is None:
+                self._pool = pieces[0].pool()
+            current += 1
+            pieces[current].capture_begin(pool=self._pool)
+
+        layers = list(self.model.decoder_layers())
+        hooks = [layers[k].register_forward_pre_hook(next_piece) for k in self.split_layers]
+        try:
+            with torch.cuda.stream(stream):
+                if self._pool is None:  # the first capture makes the pool
+                    pieces[0].capture_begin()
+                else:
+                    pieces[0].capture_begin(pool=self._pool)
+                self._logits[bs], self._greedy[bs] = self._run(bs)
+                pieces[-1].capture_end()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if self._pool is None:
+            self._pool = pieces[0].pool()
+        return pieces
 
     def bucket(self, batch: int) -> int | None:
         """The captured size that runs ``batch`` rows, or ``None`` when it is too large."""
@@ -178,7 +227,8 @@ class CUDAGraphRunner:
         dev_table = self._table_dev[: B * width]
         dev_table.copy_(self._table_host[: B * width], non_blocking=True)
         self._table[:B, :width].copy_(dev_table.view(B, width))
-        self._graphs[bs].replay()
+        for piece in self._graphs[bs]:
+            piece.replay()
         self._last_bucket = bs
         return self._logits[bs][:B]
 

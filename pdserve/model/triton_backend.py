@@ -53,6 +53,15 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None)
     return splits
 
 
+def decode_tile(num_splits: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of the split-KV decode kernel. With 2 splits or fewer (large
+    batches: ``B * Hkv`` programs already fill the GPU) 32-token tiles and 2 warps ran 12 %
+    faster than 64 and 4 on the H200 (batch 64 x 8 KV heads, 200-token contexts: 29.3 vs
+    33.2 us for split + merge; 1,000 tokens: 81.5 vs 84.4 us; 2026-12-01, .gpu10/kbench.py);
+    otherwise 64 and 4."""
+    return (32, 2) if num_splits <= 2 else (_DECODE_BLOCK_N, 4)
+
+
 @dataclass
 class TritonPlan:
     """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
@@ -146,6 +155,7 @@ class TritonBackend(AttentionBackend):
                 plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
             mid_o, mid_lse = plan.mid_o, plan.mid_lse
             assert mid_lse is not None
+            block_n, warps = decode_tile(S)
             decode_split_kernel[(B, Hkv, S)](
                 q,
                 k_cache,
@@ -167,9 +177,10 @@ class TritonBackend(AttentionBackend):
                 PAGE_SIZE=page_size,
                 NUM_SPLITS=S,
                 BLOCK_H=_pow2(G),
-                BLOCK_N=_DECODE_BLOCK_N,
+                BLOCK_N=block_n,
                 BLOCK_D=block_d,
                 IEEE=ieee,
+                num_warps=warps,
             )
             decode_merge_kernel[(B, Hq)](
                 mid_o,

@@ -117,6 +117,21 @@ def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
     assert torch.equal(kt, kr) and torch.equal(vt, vr)
 
 
+@pytest.mark.timeout(300)
+def test_triton_large_batch_decode_tile_matches_sdpa(monkeypatch):
+    """The decode kernel's large-batch tile (1-2 splits: 32-token blocks, 2 warps), reached
+    here by asking for fewer programs than the rows x KV heads, equals torch_sdpa too."""
+    from pdserve.model import triton_backend
+
+    monkeypatch.setattr(triton_backend, "_TARGET_PROGRAMS", 8)
+    assert triton_backend.num_decode_splits(3, 2, None) <= 2
+    assert triton_backend.decode_tile(2) == (32, 2) and triton_backend.decode_tile(3)[0] == 64
+    args = _random_step([1, 1, 1], [1, 70, 300], 16, 8, 2, 32, 48, torch.float32, 4, True)
+    ref, _, _ = _attend("torch_sdpa", *args, 16)
+    out, _, _ = _attend("triton", *args, 16)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
 def test_triton_padded_rows_write_nothing_and_output_zero():
     """A captured batch's padded rows (slot -1, context 0) leave the pool as it was."""
     backend = get_attention_backend("triton")
