@@ -45,3 +45,24 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
 def test_bench_offline_rejects_bad_arguments(capsys):
     assert main(["bench", "offline", "--model", "random:tiny", "--num-prompts", "0"]) == 2
     assert "num-prompts" in capsys.readouterr().err
+
+
+def test_prefill_row_times_new_prompts_every_run(monkeypatch):
+    """Repeated prompts would hit the prefix cache and time nothing: each timed run of the
+    prefill row gets prompts no earlier run had."""
+    from types import SimpleNamespace
+
+    from pdserve.bench import offline
+
+    seen: list[tuple[int, ...]] = []
+
+    def fake_ours(llm, prompts, max_tokens):
+        seen.append(tuple(prompts[0]))
+        return 1.0, None
+
+    monkeypatch.setattr(offline, "_time_ours", fake_ours)
+    monkeypatch.setattr(offline, "_time_hf", lambda *a: (2.0, None))
+    llm = SimpleNamespace(engine=SimpleNamespace(vocab_size=1000, device="cpu"))
+    row = offline._time_prefill(llm, None, (2, 16), 0, 3)
+    assert len(seen) == 4 and len(set(seen)) == 4  # the warm-up and 3 runs, all different
+    assert row["ours_tok_s"] == 32.0 and row["ratio"] == 2.0
