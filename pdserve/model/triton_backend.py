@@ -57,7 +57,7 @@ def decode_tile(num_splits: int) -> tuple[int, int]:
     """``(BLOCK_N, num_warps)`` of the split-KV decode kernel. With 2 splits or fewer (large
     batches: ``B * Hkv`` programs already fill the GPU) 32-token tiles and 2 warps ran 12 %
     faster than 64 and 4 on the H200 (batch 64 x 8 KV heads, 200-token contexts: 29.3 vs
-    33.2 us for split + merge; 1,000 tokens: 81.5 vs 84.4 us; 2026-12-01, .gpu10/kbench.py);
+    33.2 us for split + merge; 1,000 tokens: 81.5 vs 84.4 us; 2026-12-01, scripts/gpu_decode_kernel_sweep.py);
     otherwise 64 and 4."""
     return (32, 2) if num_splits <= 2 else (_DECODE_BLOCK_N, 4)
 
