@@ -58,6 +58,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--kv-order",
+        default=None,
+        help="physical order of the KV pool: layer_major or page_major (default: the "
+        "device's, pdserve.engine.kv_layout)",
+    )
+    p.add_argument(
         "--json", default=None, metavar="FILE", help="write the results and workload here"
     )
     p.set_defaults(func=run_offline)
@@ -250,6 +256,7 @@ def run_offline(args: argparse.Namespace) -> int:
             gpu_memory_utilization=0.4,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            kv_order=args.kv_order,
         )
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
@@ -267,7 +274,8 @@ def run_offline(args: argparse.Namespace) -> int:
         f"  max_tokens {args.max_tokens}  repeats {args.repeats}"
     )
     print(
-        f"attention {engine.attention_backend}  cuda graphs {'on' if graphs else 'off'}"
+        f"attention {engine.attention_backend}  kv order {engine.pool.kv_layout.order}"
+        f"  cuda graphs {'on' if graphs else 'off'}"
         f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
     )
     print(
@@ -329,6 +337,7 @@ def run_offline(args: argparse.Namespace) -> int:
             "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
             "attention_backend": engine.attention_backend,
+            "kv_order": engine.pool.kv_layout.order,
             "cuda_graphs": graphs,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth",

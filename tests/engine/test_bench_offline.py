@@ -26,6 +26,8 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
             "4",
             "--repeats",
             "1",
+            "--kv-order",
+            "layer_major",  # not the CPU default: the flag reaches the pool
             "--json",
             str(out),
         ]
@@ -33,6 +35,7 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert [r["num_prompts"] for r in report["results"]] == [1, 2]
+    assert report["kv_order"] == "layer_major"
     for row in report["results"]:
         assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
@@ -45,6 +48,8 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
 def test_bench_offline_rejects_bad_arguments(capsys):
     assert main(["bench", "offline", "--model", "random:tiny", "--num-prompts", "0"]) == 2
     assert "num-prompts" in capsys.readouterr().err
+    assert main(["bench", "offline", "--model", "random:tiny", "--kv-order", "diagonal"]) == 2
+    assert "diagonal" in capsys.readouterr().err
 
 
 def test_prefill_row_times_new_prompts_every_run(monkeypatch):
