@@ -30,7 +30,7 @@ class TPGroup:
 
     tp: this rank's ``TPRank(rank, size)``. group: the ``torch.distributed`` process group
     (``None`` = the default group; unused when ``tp.size == 1``). backend: ``"gloo"`` or
-    ``"nccl"`` (``all_gather`` uses NCCL's single-tensor form), ``None`` when single.
+    ``"nccl"`` (for information), ``None`` when single.
     Build with :meth:`single` or :meth:`from_torch_distributed`.
     """
 
@@ -85,15 +85,14 @@ class TPGroup:
             return t
         t = t.contiguous()
         size = self.tp.size
-        if self.backend == "nccl":  # one buffer, rank-major along dim 0
-            out = t.new_empty((size * t.shape[0], *t.shape[1:]))
-            dist.all_gather_into_tensor(out, t, group=self.group)
-            if dim % t.dim() == 0:
-                return out
-            return torch.cat(out.chunk(size, dim=0), dim=dim)
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=dim)
+        out = t.new_empty((size * t.shape[0], *t.shape[1:]))  # rank-major along dim 0
+        # One buffer, one call (gloo and NCCL); all_gather_single is newer torch's name of
+        # all_gather_into_tensor (which it deprecates).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, t, group=self.group)
+        if dim % t.dim() == 0:
+            return out
+        return torch.cat(out.chunk(size, dim=0), dim=dim)
 
     def barrier(self) -> None:
         """Wait for every rank (no-op when single)."""

@@ -134,6 +134,19 @@ def test_tp4_replicates_kv_heads(folders):
     assert [r[1][2]["embed_rows"] for r in per_rank] == [128] * 4
 
 
+@pytest.mark.timeout(600)
+def test_embedded_model_tp3_equals_tp1(embedded_source):
+    """The real SmolLM2-135M (9 query heads, 3 KV heads: TP 3, not 2) at TP 3, each rank
+    reading its slices of the converted safetensors, greedy-equal to TP 1."""
+    model_id = embedded_source.model_id
+    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible by"):
+        LlamaForCausalLM(embedded_source.hf_config, torch.float32, "meta", tp=TPGroup(TPRank(0, 2)))
+    per_rank = run_ranks(3, rank_many, [(model_id, True, None)])
+    runs = [r[0] for r in per_rank]
+    _check_parity("smollm2 tp3", _reference(model_id), runs)
+    assert [f["kv_head_range"] for _, _, f in runs] == [(0, 1), (1, 2), (2, 3)]
+
+
 @pytest.mark.timeout(120)
 def test_rank_exception_fails_the_test():
     with pytest.raises(AssertionError, match=r"rank 1 raised:[\s\S]*ValueError: boom from rank 1"):
