@@ -14,13 +14,15 @@ greedy (``sampler.plain_greedy``) reads only that (:meth:`CUDAGraphRunner.greedy
 one device-to-host copy of ``B x 2`` numbers, no sampler kernels launched after the graph);
 any other step samples from the logits as before.
 
-Launch in pieces: ``cudaGraphLaunch`` of one ~430-node decode graph took ~0.5 ms of host time
-on the H200 (2026-12-01), during which the GPU, idle since the last step's read, waited.
-Each bucket's forward is therefore captured as consecutive graphs split before the decoder
-layers ``GRAPH_SPLITS`` (a forward pre-hook ends one capture and begins the next on the same
-stream and pool): the GPU starts on the short first piece while the host launches the rest.
-The pieces of a bucket are replayed back to back, so the tensors one hands to the next (the
-residual stream) are never reused in between.
+Launch in pieces (off by default): preparing and launching one ~430-node decode graph took
+0.3-0.6 ms of host time on the H200 (2026-12-01), the GPU idle meanwhile. ``split_layers``
+captures each bucket's forward as consecutive graphs split before those decoder layers (a
+forward pre-hook ends one capture and begins the next on the same stream and pool), so the
+GPU can start on the first piece while the host launches the rest. The pieces of a bucket
+are replayed back to back, so the tensors one hands to the next (the residual stream) are
+never reused in between. Measured once each (8B, bf16): split before layer 2, an engine
+decode step took 5.18 ms instead of 5.33 at 1 prompt but 7.58 instead of 7.31 at 64, hence
+the default ``GRAPH_SPLITS = ()`` (one graph per bucket).
 
 Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
 largest first into one shared memory pool (so smaller graphs reuse the largest one's
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 # Decoder layers before which a new graph piece starts (see "Launch in pieces" above); indices
 # outside ``1 .. num_layers - 1`` are dropped, ``()`` captures one graph per bucket.
-GRAPH_SPLITS: tuple[int, ...] = (2,)
+GRAPH_SPLITS: tuple[int, ...] = ()
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
