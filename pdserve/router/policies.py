@@ -45,6 +45,11 @@ class Policy(ABC):
         """Return one of ``workers`` (never empty).  ``key``: the request's prompt as text
         (:func:`routing_key`), used by ``cache_aware`` only; ``None`` when unknown."""
 
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` left the pool: drop what the policy keeps about it (a
+        worker added again at that URL starts afresh, its cache empty)."""
+        return None  # only cache_aware keeps anything per worker
+
 
 class RandomPolicy(Policy):
     def __init__(self, rng: random.Random) -> None:
@@ -122,6 +127,13 @@ class CacheAwarePolicy(Policy):
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self._index: dict[str, OrderedDict[bytes, None]] = {}
+
+    def forget(self, url: str) -> None:
+        self._index.pop(url, None)
+
+    def indexed_urls(self) -> set[str]:
+        """URLs of the workers the index holds prompts of."""
+        return set(self._index)
 
     def matched_blocks(self, worker: WorkerState, keys: Sequence[bytes]) -> int:
         """How many leading blocks of ``keys`` the index of ``worker`` holds."""

@@ -130,6 +130,7 @@ class WorkerPool:
         ws = self.workers.get(worker.role, [])
         if worker in ws:
             ws.remove(worker)
+            self._policies[worker.role].forget(worker.url)
             log.info("removed %s worker %s", worker.role, worker.url)
         self.draining.discard(worker.url)
 

@@ -11,7 +11,7 @@ from pdserve.config import RouterConfig
 from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.router.dispatch import Dispatcher, _num_samples
 from pdserve.router.merge import merge_prompt_logprobs
-from pdserve.router.policies import WorkerState, create_policy, routing_key
+from pdserve.router.policies import WorkerState, _block_keys, create_policy, routing_key
 
 
 def _workers(n: int) -> list[WorkerState]:
@@ -76,6 +76,43 @@ def test_cache_aware_balances_load_when_out_of_balance():
     assert policy.pick(ws, SYSTEM[1]) is not hot
     hot.outstanding = 10  # within the threshold: the cache wins
     assert policy.pick(ws, SYSTEM[0] + "y") is hot
+
+
+def test_cache_aware_forgets_a_removed_worker():
+    """A worker removed from the pool leaves the index; added again at the same URL it
+    starts with an empty index (its cache is gone)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.router.workers import WorkerPool
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(
+                {"mixed": ["http://w0", "http://w1"]},
+                policy="cache_aware",
+                client=client,
+                check_interval=60.0,
+                check_timeout=1.0,
+                failure_threshold=1,
+            )
+            for w in pool.all():
+                w.healthy = True
+            policy = pool._policies["mixed"]
+            hot = pool.pick("mixed", SYSTEM[0])
+            other = next(w for w in pool.all() if w is not hot)
+            pool.pick("mixed", SYSTEM[1])  # the other group: the worker with no index
+            assert policy.indexed_urls() == {hot.url, other.url}
+            assert await pool.drain(hot)
+            assert policy.indexed_urls() == {other.url} and pool.find(hot.url) is None
+            back = WorkerState(hot.url, "mixed", healthy=True)  # restarted, cache empty
+            pool.workers["mixed"].append(back)
+            assert policy.matched_blocks(back, _block_keys(SYSTEM[0], policy.block_chars)) == 0
+            # a new prefix goes to the worker with the smallest index: the empty one
+            assert pool.pick("mixed", SYSTEM[2]) is back
+
+    asyncio.run(scenario())
 
 
 def test_routing_key_per_endpoint():
