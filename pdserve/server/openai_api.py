@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,6 +17,12 @@ from pdserve.server import formatting as fmt
 from pdserve.server import prompts
 from pdserve.server import tools as tl
 from pdserve.server.field_policy import FieldPolicy
+from pdserve.server.openai_chunks import (
+    StreamSamples,
+    choice_extras,
+    final_usage,
+    response_head,
+)
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -91,27 +96,6 @@ def _job(
     return Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
 
 
-def _extras(
-    req: _OpenAISampling,
-    ctx: WorkerContext,
-    out: RequestOutput,
-    index: int,
-    token_ids: list[int],
-    first: bool,
-) -> dict:
-    """Extension fields of one choice: token ids and prompt logprobs (first chunk only)."""
-    extra: dict[str, Any] = {}
-    if req.return_token_ids:
-        extra["token_ids"] = token_ids
-        if first:
-            extra["prompt_token_ids"] = out.prompt_token_ids
-    if req.prompt_logprobs is not None and first:
-        extra["prompt_logprobs"] = fmt.prompt_logprobs_json(
-            out.prompt_logprobs, ctx.token_text, req.prompt_logprobs
-        )
-    return extra
-
-
 def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]:
     """The chat template's input for ``messages`` (``developer`` is ``system``); 400 naming
     ``messages[i].content`` for text that cannot be tokenized."""
@@ -122,14 +106,6 @@ def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]
     for i, m in enumerate(out):
         ctx.check_text(m["content"], f"messages[{i}].content")
     return out
-
-
-def _usage_every_chunk(req: _OpenAISampling) -> bool:
-    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
-
-
-def _usage_at_end(req: _OpenAISampling) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def build_openai_router(ctx: WorkerContext) -> APIRouter:
@@ -189,12 +165,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         job = _job(
             ctx, req, prompt_ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k, spec
         )
-        head = {
-            "id": f"cmpl-{job.request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": ctx.model_name,
-        }
+        head = response_head("cmpl", "text_completion", job.request_id, ctx.model_name)
 
         def choice(index: int, out: RequestOutput, o: Any, first: bool, delta: bool) -> dict:
             """One choice: the whole sample, or (``delta``) this chunk's part of it; the
@@ -219,53 +190,27 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 "finish_reason": "length"
                 if scoring and finish
                 else fmt.openai_finish_reason(finish),
-                **_extras(req, ctx, out, index, ids, first),
+                **choice_extras(req, tt, out, ids, first),
             }
 
         offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
         if req.stream:
-            finals: dict[int, Any] = {}
-            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
+            samples = StreamSamples(req, len(prompt_ids), scoring)
 
             def chunks(index: int, out: RequestOutput):
-                o = out.outputs[0]
-                first = index not in offsets
+                o, first, worth = samples.see(index, out)
                 body = choice(index, out, o, first, delta=True)
                 offsets[index] = offsets.get(index, 0) + (0 if scoring else len(o.delta_text))
-                if o.finished:
-                    finals[index] = o
-                    cached[index] = out.num_cached_tokens
-                if not (o.delta_token_ids or o.delta_text or o.finished or first):
-                    return
-                chunk = dict(head, choices=[body])
-                if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(
-                        len(prompt_ids), [o], scoring=scoring, cached_tokens=out.num_cached_tokens
-                    )
-                yield chunk
+                if worth:
+                    yield samples.with_usage(dict(head, choices=[body]), o, out)
 
-            def tail():
-                if _usage_at_end(req):
-                    usage = fmt.usage(
-                        len(prompt_ids),
-                        list(finals.values()),
-                        scoring=scoring,
-                        cached_tokens=min(cached.values(), default=0),
-                    )
-                    yield dict(head, choices=[], usage=usage)
-
-            return await sse_response(request, ctx.serving, job, chunks, tail)
+            return await sse_response(request, ctx.serving, job, chunks, lambda: samples.tail(head))
 
         outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
         choices = [
             choice(index, out, out.outputs[0], True, delta=False) for index, out in enumerate(outs)
         ]
-        usage = fmt.usage(
-            len(prompt_ids),
-            [out.outputs[0] for out in outs],
-            scoring=scoring,
-            cached_tokens=fmt.cached_tokens(outs),
-        )
+        usage = final_usage(len(prompt_ids), outs, scoring)
         return JSONResponse(dict(head, choices=choices, usage=usage))
 
     @api.post("/v1/chat/completions")
@@ -306,28 +251,16 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             req.prompt_logprobs,
             spec,
         )
-        head = {
-            "id": f"chatcmpl-{job.request_id}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": ctx.model_name,
-        }
+        head = response_head("chatcmpl", "chat.completion", job.request_id, ctx.model_name)
 
         if req.stream:
-            started: set[int] = set()
-            finals: dict[int, Any] = {}
-            cached: dict[int, int] = {}  # cached prompt tokens per finished sample
+            samples = StreamSamples(req, len(prompt_ids))
             chunk_head = dict(head, object="chat.completion.chunk")
             tool_streams: dict[int, tl.ToolStream] = {}
 
             def chunks(index: int, out: RequestOutput):
-                o = out.outputs[0]
-                first = index not in started
-                started.add(index)
-                if o.finished:
-                    finals[index] = o
-                    cached[index] = out.num_cached_tokens
-                if not (o.delta_token_ids or o.delta_text or o.finished or first):
+                o, first, worth = samples.see(index, out)
+                if not worth:
                     return
                 reason = fmt.openai_finish_reason(o.finish_reason)
                 if plan.mode == "none":
@@ -358,28 +291,13 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     "delta": delta,
                     "logprobs": lp,
                     "finish_reason": reason,
-                    **_extras(req, ctx, out, index, list(o.delta_token_ids), first),
+                    **choice_extras(req, tt, out, list(o.delta_token_ids), first),
                 }
-                chunk = dict(chunk_head, choices=[choice])
-                if _usage_every_chunk(req):
-                    chunk["usage"] = fmt.usage(
-                        len(prompt_ids), [o], cached_tokens=out.num_cached_tokens
-                    )
-                yield chunk
+                yield samples.with_usage(dict(chunk_head, choices=[choice]), o, out)
 
-            def tail():
-                if _usage_at_end(req):
-                    yield dict(
-                        chunk_head,
-                        choices=[],
-                        usage=fmt.usage(
-                            len(prompt_ids),
-                            list(finals.values()),
-                            cached_tokens=min(cached.values(), default=0),
-                        ),
-                    )
-
-            return await sse_response(request, ctx.serving, job, chunks, tail)
+            return await sse_response(
+                request, ctx.serving, job, chunks, lambda: samples.tail(chunk_head)
+            )
 
         outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
         choices = []
@@ -396,19 +314,9 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     "message": message,
                     "logprobs": lp,
                     "finish_reason": tl.finish_reason(o.finish_reason, calls),
-                    **_extras(req, ctx, out, index, list(o.token_ids), True),
+                    **choice_extras(req, tt, out, list(o.token_ids), True),
                 }
             )
-        return JSONResponse(
-            dict(
-                head,
-                choices=choices,
-                usage=fmt.usage(
-                    len(prompt_ids),
-                    [out.outputs[0] for out in outs],
-                    cached_tokens=fmt.cached_tokens(outs),
-                ),
-            )
-        )
+        return JSONResponse(dict(head, choices=choices, usage=final_usage(len(prompt_ids), outs)))
 
     return api
