@@ -15,9 +15,10 @@ def post(url: str, path: str, body, timeout: float = 120.0) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=timeout)
 
 
-def pair(router_url: str, mixed_url: str, path: str, body: dict) -> tuple[dict, dict]:
-    """The same request through the router (PD) and to the mixed worker (both 200)."""
-    pd, mixed = post(router_url, path, body), post(mixed_url, path, body)
+def pair(c, path: str, body: dict) -> tuple[dict, dict]:
+    """The same request through the router (PD, ``c["router"]``) and to the mixed worker
+    (``c["mixed"]``); both must answer 200."""
+    pd, mixed = post(c["router"].url, path, body), post(c["mixed"].url, path, body)
     assert pd.status_code == 200, pd.text
     assert mixed.status_code == 200, mixed.text
     return pd.json(), mixed.json()
@@ -52,13 +53,18 @@ def sse(resp: httpx.Response) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
-def fold(chunks: list) -> dict:
-    """What an OpenAI stream adds up to, per sample (chunk boundaries differ between PD
-    and mixed: decode gets the first token from prefill): text, token ids, the lists of
-    a completions ``logprobs`` object (or chat ``content`` entries), finish_reason; and
-    the last chunk's usage under ``"usage"``."""
+def fold(chunks: list, path: str = "") -> dict:
+    """What a stream adds up to, per sample (chunk boundaries differ between PD and
+    mixed: decode gets the first token from prefill). OpenAI streams: text, token ids,
+    the lists of a completions ``logprobs`` object (or chat ``content`` entries),
+    finish_reason, the prompt logprobs of the sample's first chunk (never in another),
+    and the last usage under ``"usage"``; ``/generate`` chunks are cumulative: the last
+    one per index."""
     out: dict = {}
     for chunk in chunks:
+        if path == "/generate":
+            out[chunk.get("index", 0)] = chunk
+            continue
         if chunk.get("usage"):
             out["usage"] = chunk["usage"]
         for c in chunk["choices"]:
@@ -72,4 +78,7 @@ def fold(chunks: list) -> dict:
             for key, items in lp.items():
                 s["logprobs"].setdefault(key, []).extend(items)
             s["finish_reason"] = c["finish_reason"] or s["finish_reason"]
+            if "prompt_logprobs" in c:
+                assert "prompt_logprobs" not in s, "prompt logprobs in a later chunk"
+                s["prompt_logprobs"] = c["prompt_logprobs"]
     return out

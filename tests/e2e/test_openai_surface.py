@@ -23,10 +23,6 @@ def c(tmp_path_factory):
         yield procs
 
 
-def both(c, path: str, body: dict) -> tuple[dict, dict]:
-    return pair(c["router"].url, c["mixed"].url, path, body)
-
-
 def streams(c, path: str, body: dict) -> tuple[dict, dict, list]:
     """Folded PD and mixed streams of ``body`` (+ the PD stream's raw chunks)."""
     chunks = sse(post(c["router"].url, path, body))
@@ -57,7 +53,7 @@ def test_penalties_and_bias_through_pd_equal_mixed(c, name, sampling):
     }
     if sampling == "seeded":
         body.update(temperature=1.0, top_p=0.95, seed=4321)
-    pd, mixed = both(c, "/v1/completions", body)
+    pd, mixed = pair(c, "/v1/completions", body)
     assert_same(pd, mixed)
     if sampling == "seeded":  # a near-uniform random model rarely redraws a seen token
         return
@@ -81,7 +77,7 @@ def test_penalties_on_chat_generate_and_streams_equal_mixed(c):
         "logprobs": True,
         "top_logprobs": 2,
     }
-    assert_same(*both(c, "/v1/chat/completions", chat))
+    assert_same(*pair(c, "/v1/chat/completions", chat))
     gen = {
         "text": "la la la la",
         "return_logprob": True,
@@ -94,7 +90,7 @@ def test_penalties_on_chat_generate_and_streams_equal_mixed(c):
             "ignore_eos": True,
         },
     }
-    pd, mixed = both(c, "/generate", gen)
+    pd, mixed = pair(c, "/generate", gen)
     assert_same(pd, mixed)
     assert set(mixed["output_ids"]) == {3}  # a +100 bias wins every draw
     stream = dict(chat, stream=True, stream_options={"include_usage": True})
@@ -122,7 +118,7 @@ ECHO = {
 @pytest.mark.parametrize("case", list(ECHO))
 def test_echo_through_pd_equals_mixed(c, case):
     body = ECHO[case]
-    pd, mixed = both(c, "/v1/completions", body)
+    pd, mixed = pair(c, "/v1/completions", body)
     assert_same(pd, mixed)
     ids = httpx.post(
         c["mixed"].url + "/v1/completions", json=dict(body, max_tokens=1, return_token_ids=True)
@@ -199,7 +195,7 @@ def test_unknown_and_noop_fields_pass_the_router_and_are_counted(c):
         reasoning_effort="high",
         a_field_from_the_future={"x": 1},
     )
-    pd, mixed = both(c, "/v1/completions", body)
+    pd, mixed = pair(c, "/v1/completions", body)
     assert_same(pd, mixed)
     assert pd["choices"][0]["text"] == want
     for name in ("prefill", "decode", "mixed"):
@@ -220,7 +216,7 @@ def test_tokenizer_endpoints_version_and_models_through_the_router(c):
         {"prompt": "no specials", "add_special_tokens": False},
         {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True},
     ):
-        pd, direct = both(c, "/tokenize", body)
+        pd, direct = pair(c, "/tokenize", body)
         assert pd == direct and pd["count"] == len(pd["tokens"]) > 0
         back = post(router, "/detokenize", {"tokens": pd["tokens"]}).json()
         assert back == post(mixed, "/detokenize", {"tokens": pd["tokens"]}).json()

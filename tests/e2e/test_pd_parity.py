@@ -12,6 +12,7 @@ import threading
 import httpx
 import openai
 import pytest
+from pd_compare import assert_same, fold, pair, post, sse
 
 from pdserve_procs import (
     assert_all_healthy,
@@ -26,7 +27,6 @@ from pdserve_procs import (
 pytestmark = pytest.mark.timeout(300)
 
 EOS_PROMPT = "Hello there"  # the model folder makes its greedy first token an EOS token
-LP_TOL = 2e-4  # prefill and decode run other batch shapes than the mixed worker
 
 
 @pytest.fixture(scope="module")
@@ -57,39 +57,6 @@ def cluster(tmp_path_factory):
         }
     finally:
         stop(procs)
-
-
-def post(url: str, path: str, body) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120.0)
-
-
-def pair(c, path: str, body: dict) -> tuple[dict, dict]:
-    """The same request through the router (PD) and to the mixed worker."""
-    pd, mixed = post(c["router"].url, path, body), post(c["mixed"].url, path, body)
-    assert pd.status_code == 200, pd.text
-    assert mixed.status_code == 200, mixed.text
-    return pd.json(), mixed.json()
-
-
-def assert_same(pd, mixed, path=""):
-    """Recursive equality; floats (logprobs) within LP_TOL; ids/created/latency ignored."""
-    if isinstance(pd, dict):
-        assert isinstance(mixed, dict) and set(pd) == set(mixed), (
-            f"{path}: keys {set(pd) ^ set(mixed)}"
-        )
-        for k in pd:
-            if k not in ("id", "created", "e2e_latency", "cached_tokens"):
-                assert_same(pd[k], mixed[k], f"{path}.{k}")
-    elif isinstance(pd, list):
-        assert isinstance(mixed, list) and len(pd) == len(mixed), (
-            f"{path}: lengths {len(pd)} vs {len(mixed)}"
-        )
-        for i, (a, b) in enumerate(zip(pd, mixed)):
-            assert_same(a, b, f"{path}[{i}]")
-    elif isinstance(pd, float) and isinstance(mixed, float):
-        assert abs(pd - mixed) <= LP_TOL, f"{path}: {pd} vs {mixed}"
-    else:
-        assert pd == mixed, f"{path}: {pd!r} vs {mixed!r}"
 
 
 def _completion(prompt, **kw) -> dict:
@@ -199,41 +166,6 @@ def test_chat_equals_mixed(cluster):
     assert_same(pd, mixed)
 
 
-def _sse(resp: httpx.Response) -> list:
-    events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "[DONE]", resp.text[-300:]
-    return [json.loads(e) for e in events[:-1]]
-
-
-def fold(path: str, chunks: list) -> dict:
-    """What a stream adds up to, per sample (chunk boundaries may differ between PD and
-    mixed: decode gets the first token from prefill): concatenated text, token ids and
-    logprobs, the finish_reason, the usage chunk; ``/generate`` chunks are cumulative."""
-    out: dict = {}
-    for chunk in chunks:
-        if path == "/generate":
-            out[chunk.get("index", 0)] = chunk
-            continue
-        if chunk.get("usage"):
-            out["usage"] = chunk["usage"]
-        for c in chunk["choices"]:
-            s = out.setdefault(
-                c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
-            )
-            s["text"] += c["text"] if "text" in c else c["delta"].get("content", "")
-            s["token_ids"] += c.get("token_ids", [])
-            lp = c.get("logprobs")
-            if lp:
-                s["logprobs"] += lp.get("content") or list(
-                    zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
-                )
-            s["finish_reason"] = c["finish_reason"] or s["finish_reason"]
-            if "prompt_logprobs" in c:  # first chunk of each sample
-                assert "prompt_logprobs" not in s
-                s["prompt_logprobs"] = c["prompt_logprobs"]
-    return out
-
-
 @pytest.mark.parametrize(
     "path,body",
     [
@@ -270,8 +202,8 @@ def fold(path: str, chunks: list) -> dict:
     ],
 )
 def test_streaming_equals_mixed(cluster, path, body):
-    pd = fold(path, _sse(post(cluster["router"].url, path, body)))
-    mixed = fold(path, _sse(post(cluster["mixed"].url, path, body)))
+    pd = fold(sse(post(cluster["router"].url, path, body)), path)
+    mixed = fold(sse(post(cluster["mixed"].url, path, body)), path)
     assert_same(json.loads(json.dumps(pd)), json.loads(json.dumps(mixed)))
     assert mixed and all(
         s["finish_reason"] for k, s in mixed.items() if k != "usage" and path != "/generate"
@@ -300,7 +232,7 @@ def test_a_repeated_prompt_through_pd_reports_prefill_s_cached_tokens_once(clust
     assert mixed_again["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert_same(again["choices"], mixed_again["choices"])
-    chunks = _sse(post(router, "/v1/completions", streamed))
+    chunks = sse(post(router, "/v1/completions", streamed))
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": want}
     meta = post(router, "/generate", native).json()["meta_info"]
     assert meta["cached_tokens"] == want and meta["prompt_tokens"] == n
