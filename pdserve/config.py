@@ -40,6 +40,10 @@ class ModelConfig:
     attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
         backend name (``pdserve.model.attention.available_backends()``).
     enforce_eager: never capture CUDA graphs (every step runs eagerly).
+    tensor_parallel_size: ranks the model is split over (``engine/executor.py``): rank 0 in
+        this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
+    gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
+        ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
     """
 
     model: str = EMBEDDED_MODEL_ID
@@ -50,6 +54,8 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    gpu_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from pdserve.model.attention import available_backends
@@ -71,6 +77,28 @@ class ModelConfig:
             raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if self.gpu_ids is not None:
+            ids = self.gpu_ids
+            if not isinstance(ids, tuple):
+                raise ValueError(f"gpu_ids must be a tuple of device indices, got {ids!r}")
+            if len(ids) != self.tensor_parallel_size:
+                raise ValueError(
+                    f"gpu_ids must name one device per rank ({self.tensor_parallel_size}), "
+                    f"got {len(ids)}: {ids}"
+                )
+            if any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"gpu_ids must be distinct integers >= 0, got {ids}")
+
+    def rank_gpu_id(self, rank: int) -> int:
+        """CUDA device index of tensor-parallel rank ``rank`` (see ``gpu_ids``)."""
+        if self.gpu_ids is not None:
+            return self.gpu_ids[rank]
+        base = int(self.device.split(":", 1)[1]) if self.device.startswith("cuda:") else self.gpu_id
+        return base + rank
 
 
 @dataclass(frozen=True)

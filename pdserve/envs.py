@@ -161,6 +161,16 @@ ROUTER_ADMIN_TOKEN = EnvVar(
     "given; empty = the admin API is off. At least 16 characters.",
 )
 
+# --- tensor parallelism -----------------------------------------------------------
+TP_TIMEOUT = EnvVar(
+    "PDSERVE_TP_TIMEOUT",
+    float,
+    120.0,
+    "Seconds a tensor-parallel collective (and the ranks' rendezvous) may wait for a peer "
+    "before it fails; a rank that dies is noticed at once (its sentinel, the closed "
+    "connection), this bounds a rank that hangs (engine/executor.py).",
+)
+
 # --- logging -----------------------------------------------------------------------
 LOG_LEVEL = EnvVar(
     "PDSERVE_LOG_LEVEL",

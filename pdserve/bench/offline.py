@@ -64,6 +64,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "device's, pdserve.engine.kv_layout)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=default_of(ModelConfig, "tensor_parallel_size"),
+        help="ranks our engine splits the model over (the transformers side runs whole, in "
+        "this process); the roofline counts one rank's weights (default %(default)s)",
+    )
+    p.add_argument(
         "--json", default=None, metavar="FILE", help="write the results and workload here"
     )
     p.set_defaults(func=run_offline)
@@ -238,7 +246,6 @@ def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) 
 
 def run_offline(args: argparse.Namespace) -> int:
     """Run the comparison, print a table, optionally write JSON; 2 on bad arguments."""
-    import torch
 
     from pdserve.engine.llm import LLM
 
@@ -257,10 +264,22 @@ def run_offline(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             kv_order=args.kv_order,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, llm, counts, prefill)
+    finally:
+        llm.shutdown()
+
+
+def _run(
+    args: argparse.Namespace, llm: Any, counts: list[int], prefill: tuple[int, int] | None
+) -> int:
+    import torch
+
     engine = llm.engine
     hf = _hf_model(engine)
     pad_id = engine.tokenizer.pad_token_id
@@ -271,7 +290,7 @@ def run_offline(args: argparse.Namespace) -> int:
     graphs = engine.runner.graphs is not None
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
-        f"  max_tokens {args.max_tokens}  repeats {args.repeats}"
+        f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
     )
     print(
         f"attention {engine.attention_backend}  kv order {engine.pool.kv_layout.order}"
@@ -335,6 +354,7 @@ def run_offline(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
             "torch_threads": torch.get_num_threads(),
+            "tensor_parallel_size": engine.executor.tp_size,
             "machine": platform.processor() or platform.machine(),
             "attention_backend": engine.attention_backend,
             "kv_order": engine.pool.kv_layout.order,

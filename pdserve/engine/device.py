@@ -34,3 +34,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
+
+
+def resolve_rank_device(cfg: ModelConfig, rank: int) -> torch.device:
+    """Device of tensor-parallel rank ``rank``: ``cpu`` when :func:`resolve_device` gives
+    the CPU, else ``cuda:<cfg.rank_gpu_id(rank)>``.  Rank 0 of a TP=1 engine is exactly
+    :func:`resolve_device`.  ValueError naming ``gpu_ids`` when the device does not exist."""
+    device = resolve_device(cfg)
+    if device.type == "cpu" or cfg.tensor_parallel_size == 1:
+        return device
+    index = cfg.rank_gpu_id(rank)
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"gpu_ids: rank {rank} would run on cuda:{index}, but there are "
+            f"{torch.cuda.device_count()} CUDA devices"
+        )
+    return torch.device("cuda", index)

@@ -16,13 +16,12 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.base import KVLayout, KVManager
-from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.device import resolve_dtype, resolve_rank_device
 from pdserve.engine.disagg_flow import DisaggFlow
+from pdserve.engine.executor import RankFailedError, create_executor
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool, compute_num_pages
-from pdserve.engine.model_runner import ModelRunner, StepResult
+from pdserve.engine.model_runner import StepResult
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken
@@ -31,7 +30,6 @@ from pdserve.engine.scheduler import BatchPlan, Scheduler
 from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
 from pdserve.engine.structured.manager import StructuredOutputManager
 from pdserve.model.attention import default_backend
-from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import load_model_source
 
 if TYPE_CHECKING:
@@ -57,8 +55,8 @@ class EngineCore:
         transfer_backend: str = "nixl",
     ) -> None:
         self.config = config
-        mc = config.model
-        self.device = resolve_device(mc)
+        mc, sc = config.model, config.scheduler
+        self.device = resolve_rank_device(mc, 0)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.source = load_model_source(mc.model, seed=mc.seed)
         if not hasattr(self.source.tokenizer, "backend_tokenizer"):
@@ -69,61 +67,19 @@ class EngineCore:
         self.attention_backend = (
             default_backend(self.device) if mc.attention_backend == "auto" else mc.attention_backend
         )
-        self.model = LlamaForCausalLM(
-            self.source.hf_config,
-            dtype=self.dtype,
-            device=self.device,
-            attn_backend=self.attention_backend,
+        # Unseeded random rows share one generator (one batched draw a step); seeded rows
+        # get their own in add_request, so a seed gives the same tokens whatever the batch.
+        self._unseeded = torch.Generator(device=self.device)
+        self._unseeded.manual_seed(mc.seed)
+        # The ranks: TP=1 in this process; TP=N rank 0 here, the others processes.
+        self.executor = create_executor(
+            config, self.source, self.dtype, self.attention_backend, self._unseeded
         )
-        self.model.load_weights(self.source.weights())
-        shapes = self.model.shapes
-        self.vocab_size = shapes.vocab
-        max_len = mc.max_model_len or shapes.max_positions
-        if max_len > shapes.max_positions:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's context "
-                f"({shapes.max_positions} positions)"
-            )
-        sc = config.scheduler
-        use_graphs = (
-            self.device.type == "cuda"
-            and not mc.enforce_eager
-            and self.model.backend.supports_cuda_graphs
-        )
-        # The graphs' memory is held back while the pool is sized from free memory, then
-        # released for the capture (which needs the pool's address), so capture cannot OOM.
-        reserve = (
-            torch.empty(
-                capture_reserve_bytes(self.model, sc.max_running_requests),
-                dtype=torch.uint8,
-                device=self.device,
-            )
-            if use_graphs
-            else None
-        )
-        num_pages = compute_num_pages(
-            config.cache,
-            num_layers=shapes.n_layers,
-            num_kv_heads=shapes.n_kv_heads,
-            head_dim=shapes.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            max_running_requests=sc.max_running_requests,
-            max_model_len=max_len,
-        )
-        self.pool = KVPool(
-            num_layers=shapes.n_layers,
-            num_kv_heads=shapes.n_kv_heads,
-            head_dim=shapes.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            page_size=config.cache.page_size,
-            num_pages=num_pages,
-            num_aux_slots=max(16, 2 * sc.max_running_requests),
-            model_fingerprint=self.source.fingerprint,
-            kv_order=config.cache.kv_order,
-        )
-        capacity = num_pages * config.cache.page_size
+        rank0 = self.executor.rank0
+        self.model, self.pool, self.runner = rank0.model, rank0.pool, rank0.runner
+        self.vocab_size = self.model.shapes.vocab
+        max_len = rank0.max_model_len
+        capacity = self.pool.num_pages * config.cache.page_size
         if capacity < max_len:
             logger.warning(
                 "KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len
@@ -140,23 +96,6 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
-        # Unseeded random rows share one generator (one batched draw a step); seeded rows
-        # get their own in add_request, so a seed gives the same tokens whatever the batch.
-        self._unseeded = torch.Generator(device=self.device)
-        self._unseeded.manual_seed(mc.seed)
-        graphs = None
-        if use_graphs:
-            del reserve
-            torch.cuda.empty_cache()
-            graphs = CUDAGraphRunner(
-                self.model,
-                self.pool.layer_caches,
-                config.cache.page_size,
-                sc.max_running_requests,
-                CUDAGraphRunner.max_pages_for(self.max_model_len, config.cache.page_size),
-            )
-            graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
-        self.runner = ModelRunner(self.model, self.pool, self.device, self._unseeded, graphs)
         self.disagg = DisaggFlow(
             self.pool,
             self.kv,
@@ -218,6 +157,8 @@ class EngineCore:
         ``max_model_len``, or a ``disagg`` this engine cannot serve (also
         ``DuplicateRoomError``, a ValueError, for a live room).
         """
+        if self.executor.failure is not None:
+            raise RankFailedError(f"the engine cannot serve: {self.executor.failure}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
@@ -288,7 +229,10 @@ class EngineCore:
         if plan.seqs:
             plan = self._attach_grammar_masks(plan)
             self._counters["steps"] += 1
-            result = self.runner.execute(plan)
+            try:
+                result = self.executor.execute(plan)
+            except RankFailedError as exc:
+                return self._fail_all(str(exc), touched)
             self._apply(plan, result, touched)
         touched.update((r.request_id, r) for r in self.disagg.admit_receivers())
         outputs = [self._make_output(r) for r in touched.values()]
@@ -297,6 +241,17 @@ class EngineCore:
                 self._requests.pop(r.request_id, None)
                 self._counters["finished_requests"] += 1
         return outputs
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot run steps any more (a tensor-parallel rank died; the text
+        names it), or None while it serves."""
+        return self.executor.failure
+
+    def shutdown(self) -> None:
+        """Stop the rank processes of a tensor-parallel engine (no-op for TP=1; idempotent).
+        The engine serves no step afterwards."""
+        self.executor.shutdown()
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for metrics (plain ints)."""
@@ -316,6 +271,23 @@ class EngineCore:
         }
 
     # --- internals --------------------------------------------------------------------
+    def _fail_all(self, error: str, touched: dict[str, Request]) -> list[RequestOutput]:
+        """A rank is gone: end every live request with ``finish_reason="error"`` naming it
+        (pages released, rooms aborted), and return their outputs."""
+        for req in list(self._requests.values()):
+            if req.sender is not None or req.receiver is not None:
+                self.disagg.abort(req, "error", error=error)
+            else:
+                self.scheduler.remove(req)
+                req.finish("error", error=error)
+            touched[req.request_id] = req
+        outputs = [self._make_output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                self._requests.pop(r.request_id, None)
+                self._counters["finished_requests"] += 1
+        return outputs
+
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         sampled = self.scheduler.update_from_output(plan, result)
         self.disagg.send_chunks(plan)  # prefill: full pages of finished chunks move now

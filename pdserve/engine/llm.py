@@ -36,6 +36,10 @@ class LLM:
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
+    tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
+    started with the ``spawn`` method: a script must guard its entry point with
+    ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
+    :meth:`shutdown` (or use ``with LLM(...) as llm:``) to stop the rank processes.
     Unknown keyword arguments raise TypeError; bad values ValueError naming the field.
     """
 
@@ -57,6 +61,8 @@ class LLM:
         kv_order: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
+        gpu_ids: Sequence[int] | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -67,6 +73,8 @@ class LLM:
                 max_model_len=max_model_len,
                 attention_backend=attention_backend,
                 enforce_eager=enforce_eager,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
             ),
             cache=CacheConfig(
                 page_size=page_size,
@@ -86,6 +94,16 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes (tensor parallelism); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,7 @@ from pdserve.engine.sampler import (
     sample_request_of,
     top_logprobs,
 )
-from pdserve.engine.scheduler import BatchPlan
+from pdserve.engine.scheduler import BatchPlan, ScheduledSeq
 from pdserve.model.attention import AttentionMetadata, page_table_array, token_slots
 
 if TYPE_CHECKING:
@@ -69,6 +71,9 @@ class ModelRunner:
         # with a device read, but a step that does not (a middle chunk of a chunked prefill)
         # returns at once: the buffer must not be rewritten until that copy has run.
         self._staged_copy: torch.cuda.Event | None = None
+        # Called with each eager step's staged inputs before its forward (a TP executor
+        # sends them to the other ranks here); None for TP=1.
+        self.on_staged: Callable[[StepHeader, np.ndarray], None] | None = None
 
     def _stage(self, n: int) -> torch.Tensor:
         """The pinned (on CUDA) int64 staging buffer, at least ``n`` long; grows by doubling
@@ -121,6 +126,23 @@ class ModelRunner:
     def _eager_step(self, plan: BatchPlan, result: StepResult) -> torch.Tensor | None:
         """Run the forward eagerly; fill prompt logprobs into ``result``; return the logits
         of the sampling rows (None when no row samples)."""
+        header, host = self.stage(plan)
+        if self.on_staged is not None:
+            self.on_staged(header, host)
+        chunks = self._prompt_chunk_targets(plan)
+
+        def on_chunk(i: int, logits: torch.Tensor) -> None:
+            rid, targets, k = chunks[i]
+            result.prompt_logprobs.setdefault(rid, []).extend(_chunk_logprobs(logits, targets, k))
+
+        return self.run_staged(header, host, on_chunk)
+
+    def stage(self, plan: BatchPlan) -> tuple[StepHeader, np.ndarray]:
+        """The step's inputs as flat int64 (what every rank's forward needs, no sampling
+        state): fills the staging buffer, returns its header and the host view of its first
+        ``header.total`` values: ids | positions | slots | seq_lens | qsl | sample rows |
+        page table | prompt-logprob chunks (row start, rows) pairs.  A TP executor sends
+        exactly these to the other ranks (``engine/executor.py``)."""
         seqs = plan.seqs
         B = len(seqs)
         q = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
@@ -134,10 +156,9 @@ class ModelRunner:
         qsl, positions, slots = token_slots(q, s_lens, table, self.pool.page_size)
         T = int(qsl[-1])
         sample_rows = (qsl[1:] - 1)[[s.sample for s in seqs]]
-        n_sample = len(sample_rows)
-        # One staging buffer: ids | positions | slots | seq_lens | qsl | sample rows | table.
-        sizes = (T, T, T, B, B + 1, n_sample, B * width)
-        offs = np.concatenate(([0], np.cumsum(sizes)))
+        chunks = _prompt_chunks(seqs, qsl[:-1].tolist())
+        header = StepHeader(B, T, width, len(sample_rows), len(chunks) // 2)
+        offs = header.offsets
         buf = self._stage(int(offs[-1]))
         host = buf.numpy()
         host[offs[0] : offs[1]] = np.fromiter(
@@ -145,46 +166,133 @@ class ModelRunner:
         )
         for i, arr in enumerate((positions, slots, s_lens, qsl, sample_rows, table.reshape(-1))):
             host[offs[i + 1] : offs[i + 2]] = arr
-        dev = buf[: int(offs[-1])].to(self.device, non_blocking=True)
+        host[offs[7] : offs[8]] = chunks
+        return header, host[: int(offs[-1])]
+
+    def staging_view(self, n: int) -> np.ndarray:
+        """The host view of the first ``n`` values of the staging buffer (grown as needed),
+        for a rank that receives a step's inputs instead of staging a plan."""
+        return self._stage(n).numpy()[:n]
+
+    def run_staged(
+        self,
+        header: StepHeader,
+        host: np.ndarray,
+        on_chunk: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """The forward of staged inputs (``host`` is the staging buffer's view, see
+        :meth:`stage`), then ``compute_logits`` of each prompt-logprob chunk (passed to
+        ``on_chunk(i, logits [n, V])`` when given) and of the sampling rows, in that order
+        (under TP each is a collective every rank makes).  Returns the sampling rows'
+        logits ``[n_sample, V]`` fp32, or None when no row samples."""
+        B, T, width, n_sample = header.num_seqs, header.num_tokens, header.width, header.n_sample
+        offs = header.offsets
+        total = int(offs[-1])
+        dev = self._staging[:total].to(self.device, non_blocking=True)
         if self._pin:
             self._staged_copy = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._staged_copy.record()
-        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev, list(sizes))
+        sizes = np.diff(offs[:8]).tolist()
+        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev[: offs[7]], sizes)
         attn = AttentionMetadata(
             query_start_loc=qsl_t,
             seq_lens=lens_t,
             page_table=table_t.view(B, width),
             slot_mapping=slots_t,
-            query_lens_host=tuple(q.tolist()),
-            seq_lens_host=tuple(s_lens.tolist()),
+            query_lens_host=tuple(np.diff(host[offs[4] : offs[5]]).tolist()),
+            seq_lens_host=tuple(host[offs[3] : offs[4]].tolist()),
         )
         attn_plan = self.model.backend.plan(attn, self.pool.page_size)  # outside the forward
         hidden = self.model(ids_t, pos_t, attn, self.pool.layer_caches, attn_plan)  # [T, H]
-
-        for seq, row0 in zip(seqs, qsl[:-1].tolist()):
-            if seq.prompt_logprobs_targets:
-                result.prompt_logprobs[seq.request_id] = self._prompt_logprobs(
-                    hidden,
-                    row0 + seq.prompt_logprobs_start - seq.start_pos,
-                    seq.prompt_logprobs_targets,
-                    seq.params.prompt_logprobs or 0,
-                )
+        chunks = host[offs[7] : offs[8]].reshape(-1, 2).tolist()
+        for i, (row0, n) in enumerate(chunks):
+            logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V] fp32
+            if on_chunk is not None:
+                on_chunk(i, logits)
         if not n_sample:
             return None
         if n_sample == T:  # every token is sampled (a decode step): no gather
             return self.model.compute_logits(hidden)  # [B, V] fp32
         return self.model.compute_logits(hidden.index_select(0, rows_t))
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, row0: int, targets: list[int], k: int
-    ) -> list[TokenLogprob]:
-        out: list[TokenLogprob] = []
-        for c in range(0, len(targets), _PROMPT_LOGITS_CHUNK):
-            tgt = targets[c : c + _PROMPT_LOGITS_CHUNK]
-            h = hidden[row0 + c : row0 + c + len(tgt)]
-            logprobs = torch.log_softmax(self.model.compute_logits(h), dim=-1)  # [n, V]
-            tgt_t = torch.tensor(tgt, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
-            chosen = logprobs.gather(1, tgt_t).squeeze(1).tolist()
-            tops = top_logprobs(logprobs, [k] * len(tgt))
-            out.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(tgt, chosen, tops))
+    @staticmethod
+    def _prompt_chunk_targets(plan: BatchPlan) -> list[tuple[str, list[int], int]]:
+        """Per prompt-logprob chunk (the order of :func:`_prompt_chunks`): request id,
+        target tokens, top-k."""
+        out: list[tuple[str, list[int], int]] = []
+        if not any(s.prompt_logprobs_targets for s in plan.seqs):
+            return out
+        for seq in plan.seqs:
+            tg = seq.prompt_logprobs_targets
+            for c in range(0, len(tg), _PROMPT_LOGITS_CHUNK):
+                out.append(
+                    (
+                        seq.request_id,
+                        tg[c : c + _PROMPT_LOGITS_CHUNK],
+                        seq.params.prompt_logprobs or 0,
+                    )
+                )
         return out
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """The fixed-size part of a staged step: sequences, tokens, page-table width, sampling
+    rows, prompt-logprob chunks.  ``HEADER_LEN`` int64 values on the wire (``to_array``)."""
+
+    num_seqs: int
+    num_tokens: int
+    width: int
+    n_sample: int
+    n_chunks: int
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """Start of each segment of the staged buffer and its total length (int64 ``[9]``)."""
+        B, T = self.num_seqs, self.num_tokens
+        sizes = (T, T, T, B, B + 1, self.n_sample, B * self.width, 2 * self.n_chunks)
+        return np.concatenate(([0], np.cumsum(sizes)))
+
+    @property
+    def total(self) -> int:
+        return int(self.offsets[-1])
+
+    def to_array(self, kind: int = 0) -> np.ndarray:
+        """``[kind, num_seqs, num_tokens, width, n_sample, n_chunks, 0, 0]`` int64."""
+        out = np.zeros(HEADER_LEN, dtype=np.int64)
+        out[:6] = (kind, self.num_seqs, self.num_tokens, self.width, self.n_sample, self.n_chunks)
+        return out
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> StepHeader:
+        return cls(*(int(x) for x in a[1:6]))
+
+
+HEADER_LEN = 8
+
+
+def _prompt_chunks(seqs: Sequence[ScheduledSeq], row0s: list[int]) -> np.ndarray:
+    """Flat ``(row start, rows)`` pairs of every prompt-logprob chunk (int64 ``[2 * n]``):
+    the rows of the step's hidden states whose logits give the prompt logprobs, in chunks
+    of at most ``_PROMPT_LOGITS_CHUNK``."""
+    pairs: list[int] = []
+    if not any(s.prompt_logprobs_targets for s in seqs):
+        return np.zeros(0, dtype=np.int64)
+    for seq, row0 in zip(seqs, row0s):
+        n = len(seq.prompt_logprobs_targets)
+        if not n:
+            continue
+        first = row0 + seq.prompt_logprobs_start - seq.start_pos
+        for c in range(0, n, _PROMPT_LOGITS_CHUNK):
+            pairs += (first + c, min(_PROMPT_LOGITS_CHUNK, n - c))
+    return np.asarray(pairs, dtype=np.int64)
+
+
+def _chunk_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Prompt logprobs of one chunk: ``logits [n, V]`` fp32 of the positions before
+    ``targets`` (n tokens), with the top ``k`` of each."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [n, V]
+    tgt_t = torch.tensor(targets, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, tgt_t).squeeze(1).tolist()
+    tops = top_logprobs(logprobs, [k] * len(targets))
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(targets, chosen, tops)]

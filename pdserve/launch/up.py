@@ -87,6 +87,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
     )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"tensor-parallel size of each {role} worker (its ranks on --gpu-id + rank, "
+            f"or from its --{role}-gpu-ids entry on); unset: --tensor-parallel-size",
+        )
     p.add_argument(
         "--ready-timeout",
         type=float,
@@ -132,14 +141,26 @@ def cpu_threads_plan(
     return max(1, (os.cpu_count() or 1) // num_cpu_workers), env
 
 
+def role_tp(args: argparse.Namespace, role: str) -> int:
+    """Tensor-parallel size of ``role``'s workers: ``--{role}-tp`` or
+    ``--tensor-parallel-size``.  ValueError naming the flag when < 1."""
+    value = getattr(args, f"{role}_tp")
+    if value is None:
+        return int(args.tensor_parallel_size)
+    if value < 1:
+        raise ValueError(f"{role}_tp must be >= 1, got {value}")
+    return int(value)
+
+
 def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     from pdserve.http.netutil import free_port
 
     py = [sys.executable, "-m", "pdserve"]
     passthrough = engine_argv(args)
-    threads, env = cpu_threads_plan(
-        args.num_prefill + args.num_decode if _on_cpu(args) else 0, os.environ
-    )
+    tp = {role: role_tp(args, role) for role in ("prefill", "decode")}
+    # Every rank is a torch process: the CPU threads are shared over all of them.
+    ranks = args.num_prefill * tp["prefill"] + args.num_decode * tp["decode"]
+    threads, env = cpu_threads_plan(ranks if _on_cpu(args) else 0, os.environ)
     if threads is not None:
         passthrough += ["--num-threads", str(threads)]
     if args.strict_request_fields:
@@ -163,6 +184,7 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
             ]
             if gpu_ids:
                 argv += ["--gpu-id", str(gpu_ids[i % len(gpu_ids)])]  # the last --gpu-id wins
+            argv += ["--tensor-parallel-size", str(tp[role])]  # the last one wins
             if role == "prefill":
                 argv += [
                     "--disaggregation-bootstrap-host",
@@ -291,6 +313,12 @@ def main(args: argparse.Namespace) -> int:
         bind_socket(args.host, args.port).close()  # fail fast, before any model loads
     except PortInUseError as exc:
         print(f"pdserve up: error: router {exc}; choose another with --port", file=sys.stderr)
+        return 2
+    try:
+        for role in ("prefill", "decode"):
+            role_tp(args, role)
+    except ValueError as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

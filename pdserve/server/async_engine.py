@@ -7,8 +7,10 @@ so the HTTP loop never waits on a forward pass. When idle the thread blocks on t
 queue; while a step runs the model (a prefill chunk that emits nothing counts too) or
 emits output, the next step follows at once; while requests are unfinished but nothing
 could be scheduled (only KV transfer rooms pending) it waits on the queue for
-``idle_poll_interval`` seconds between steps, polling the rooms without spinning. If the thread dies, ``alive`` turns False (``/health``
-then answers 503) and every live request gets the error.
+``idle_poll_interval`` seconds between steps, polling the rooms without spinning. If the
+thread dies, or the engine reports a ``failure`` (a tensor-parallel rank is gone, noticed
+even while idle), ``alive`` turns False (``/health`` then answers 503) and every live
+request gets the error.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.error: str | None = None
+        self._error: str | None = None
         self.snapshot = EngineSnapshot(num_free_pages=core.num_free_pages, stats=_safe_stats(core))
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -66,11 +68,21 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the thread to finish and join it (idempotent)."""
+        """Ask the thread to finish and join it, then shut the engine's ranks down
+        (``core.shutdown``: a tensor-parallel engine's rank processes); idempotent."""
         self._stopping = True
         self._inbox.put(("stop",))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        shutdown = getattr(self.core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine does not serve (its thread died, or a tensor-parallel rank is
+        gone: ``core.failure``), or None."""
+        return self._error or getattr(self.core, "failure", None)
 
     @property
     def alive(self) -> bool:
@@ -156,8 +168,14 @@ class AsyncEngine:
                 self.snapshot = EngineSnapshot(
                     self.core.num_free_pages, stats, self.snapshot.steps + 1, time.time()
                 )
+                failure = getattr(self.core, "failure", None)
+                if failure is not None:  # a rank is gone: its requests ended with an error
+                    raise RuntimeError(failure)
         except BaseException as exc:  # the worker turns unhealthy; every caller learns why
-            self.error = f"engine thread died: {type(exc).__name__}: {exc}"
+            # A rank that is gone is the cause (core.failure names it); else the exception.
+            self._error = getattr(self.core, "failure", None) or (
+                f"engine thread died: {type(exc).__name__}: {exc}"
+            )
             log.exception("engine thread died")
             for sink in self._sinks.values():
                 self._deliver(sink, EngineDeadError(self.error))

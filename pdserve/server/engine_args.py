@@ -8,8 +8,23 @@ from typing import Any
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_of
 
+
+def gpu_id_tuple(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)`` (``--gpu-ids``); argparse error unless integers >= 0."""
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return ids
+
+
+# Short spellings of a few engine flags (vLLM's ``--tp`` among them).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--tensor-parallel-size": ("--tp",)}
+
 # (flag, config class, field, type, help) — ``up`` forwards exactly these to its workers.
-ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
+ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
     (
         "--model",
         ModelConfig,
@@ -53,6 +68,21 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, type, str], ...] = (
         "enforce_eager",
         bool,
         "never capture CUDA graphs of the decode step (every step eager)",
+    ),
+    (
+        "--tensor-parallel-size",
+        ModelConfig,
+        "tensor_parallel_size",
+        int,
+        "ranks the model is split over (tensor parallelism): rank 0 in the worker, the "
+        "others processes it starts; gloo on CPU, NCCL on CUDA",
+    ),
+    (
+        "--gpu-ids",
+        ModelConfig,
+        "gpu_ids",
+        gpu_id_tuple,
+        "comma-separated CUDA device of each tensor-parallel rank; unset: --gpu-id + rank",
     ),
     ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
     (
@@ -125,7 +155,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
             continue
         group.add_argument(
-            flag, type=typ, default=default_of(cls, name), help=f"{help_text} (default %(default)s)"
+            flag,
+            *FLAG_ALIASES.get(flag, ()),
+            dest=_dest(flag),
+            type=typ,
+            default=default_of(cls, name),
+            help=f"{help_text} (default %(default)s)",
         )
 
 
@@ -153,6 +188,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(v) for v in value)]
         else:
             argv += [flag, str(value)]
     return argv

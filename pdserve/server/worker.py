@@ -108,6 +108,8 @@ def build_worker(
         "page_size": engine_cfg.cache.page_size,
         "num_total_pages": core.pool.num_pages,
         "num_threads": torch.get_num_threads(),
+        "tensor_parallel_size": core.executor.tp_size,
+        "tp_rank_pids": core.executor.rank_pids(),
         "transfer_backend": disagg.transfer_backend if pd else None,
         "bootstrap_host": advertised_host(disagg.bootstrap_host, disagg.advertise_host)
         if disagg.role == "prefill"

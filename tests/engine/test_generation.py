@@ -170,7 +170,7 @@ def test_bad_input_raises_value_error_naming_the_field(tiny_llm, tiny_model_dir)
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model_dir("llama"), device="cpu", dtype="float64")
     with pytest.raises(TypeError):
-        LLM(tiny_model_dir("llama"), device="cpu", tensor_parallel_size=2)  # type: ignore[call-arg]
+        LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="prompt_token_ids"):
         tiny_llm.engine.add_request("bad", [10**9], SamplingParams())
     with pytest.raises(ValueError, match="n must be 1"):

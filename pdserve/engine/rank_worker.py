@@ -1,0 +1,291 @@
+"""One tensor-parallel rank: its model shard, KV pool shard and model runner, and the loop
+of a rank process (ranks ``1..N-1``; rank 0 lives in the scheduler's process).
+
+:func:`build_rank` is the one way any rank (TP=1 included) builds what it runs: the model
+(``LlamaForCausalLM(..., tp=group)``: the rank's heads, rows and vocabulary shard), its
+weights, the KV pool of the rank's KV heads, CUDA graphs (TP=1 on CUDA only) and the
+:class:`~pdserve.engine.model_runner.ModelRunner`.  Every rank gets the same ``num_pages``:
+each computes what its memory allows and ``agree_num_pages`` (rank 0: the minimum over the
+ranks) decides.
+
+A rank process (:func:`rank_main`) talks to rank 0 over one pipe
+(``multiprocessing.Connection``): at start a few pickled messages (hello, its page count,
+built); then per step a fixed header (``HEADER_LEN`` int64, ``model_runner.StepHeader`` plus
+a kind) and the step's flat int64 inputs (``ModelRunner.stage``), received straight into the
+rank's staging buffer; per :meth:`Executor.call_rank` one pickled ``(fn, args)`` and its
+pickled result.  The model's collectives go over ``torch.distributed`` (gloo on CPU, NCCL on
+CUDA), never over the pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
+from pdserve.engine.kv_pool import KVPool, compute_num_pages
+from pdserve.engine.model_runner import HEADER_LEN, ModelRunner, StepHeader
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.tp_group import TPGroup
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from pdserve.model.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+# Message kinds of a rank's pipe (header[0]).
+STEP, CALL, STOP = 1, 2, 3
+
+
+@dataclass
+class RankContext:
+    """What one rank holds; what a :meth:`Executor.call_rank` function receives.
+
+    tp: the rank's group (``tp.rank``, ``tp.size``; collectives). device: its torch device.
+    gpu_id: its CUDA device index (``ModelConfig.rank_gpu_id``; on CPU the configured index,
+    as ``KVArgs.gpu_id`` carries it). pool: its KV pool (its KV heads only, the same
+    ``num_pages`` on every rank). model: its model shard. runner: its model runner.
+    max_model_len: the context limit before the pool's capacity caps it.
+    """
+
+    tp: TPGroup
+    device: torch.device
+    gpu_id: int
+    pool: KVPool
+    model: LlamaForCausalLM
+    runner: ModelRunner
+    max_model_len: int
+
+
+def model_max_len(config: EngineConfig, max_positions: int) -> int:
+    """The context limit: ``max_model_len`` or the model's positions.  ValueError naming
+    ``max_model_len`` when it exceeds the model's context."""
+    max_len = config.model.max_model_len or max_positions
+    if max_len > max_positions:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's context ({max_positions} positions)"
+        )
+    return max_len
+
+
+def build_rank(
+    config: EngineConfig,
+    source: ModelSource,
+    tp: TPGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_backend: str,
+    agree_num_pages: Callable[[int], int],
+    generator: torch.Generator | None = None,
+) -> RankContext:
+    """Build rank ``tp.rank``'s model shard, weights, KV pool and runner on ``device``.
+
+    agree_num_pages(n): given the pages this rank's memory allows, the count every rank
+    uses (rank 0's choice; TP=1: ``n`` itself). generator: the shared draw of unseeded
+    random rows (rank 0 only: only rank 0 samples). CUDA graphs are captured only for
+    TP=1 (a graph would have to capture the collectives too; not done yet).
+    Raises ValueError naming the field for a bad context limit or pool size.
+    """
+    mc, sc = config.model, config.scheduler
+    shard = {"tp": tp} if tp.size > 1 else {}  # TP=1: the unsharded model, no group at all
+    model = LlamaForCausalLM(
+        source.hf_config, dtype=dtype, device=device, attn_backend=attention_backend, **shard
+    )
+    # A rank reads only its slice of each tensor (safetensors: from disk); TP=1 all of it.
+    model.load_weights(source.weights(shard=model.weight_shard) if shard else source.weights())
+    shapes = model.shapes
+    max_len = model_max_len(config, shapes.max_positions)
+    use_graphs = (
+        tp.size == 1
+        and device.type == "cuda"
+        and not mc.enforce_eager
+        and model.backend.supports_cuda_graphs
+    )
+    # The graphs' memory is held back while the pool is sized from free memory, then
+    # released for the capture (which needs the pool's address), so capture cannot OOM.
+    reserve = (
+        torch.empty(
+            capture_reserve_bytes(model, sc.max_running_requests), dtype=torch.uint8, device=device
+        )
+        if use_graphs
+        else None
+    )
+    num_pages = compute_num_pages(
+        config.cache,
+        num_layers=shapes.n_layers,
+        num_kv_heads=shapes.n_kv_heads,  # this rank's KV heads
+        head_dim=shapes.head_dim,
+        dtype=dtype,
+        device=device,
+        max_running_requests=sc.max_running_requests,
+        max_model_len=max_len,
+    )
+    num_pages = agree_num_pages(num_pages)
+    pool = KVPool(
+        num_layers=shapes.n_layers,
+        num_kv_heads=shapes.n_kv_heads,
+        head_dim=shapes.head_dim,
+        dtype=dtype,
+        device=device,
+        page_size=config.cache.page_size,
+        num_pages=num_pages,
+        num_aux_slots=max(16, 2 * sc.max_running_requests),
+        model_fingerprint=source.fingerprint,
+        kv_order=config.cache.kv_order,
+    )
+    graphs = None
+    if use_graphs:
+        del reserve
+        torch.cuda.empty_cache()
+        graphs = CUDAGraphRunner(
+            model,
+            pool.layer_caches,
+            config.cache.page_size,
+            sc.max_running_requests,
+            CUDAGraphRunner.max_pages_for(
+                min(max_len, num_pages * config.cache.page_size), config.cache.page_size
+            ),
+        )
+        graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
+    runner = ModelRunner(model, pool, device, generator, graphs)
+    gpu_id = device.index if device.index is not None else mc.rank_gpu_id(tp.rank)
+    return RankContext(tp, device, gpu_id, pool, model, runner, max_len)
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    """What a rank process is started with (pickled once, by the spawn).
+
+    rank/size: its place in the group. store_address: ``host:port`` of rank 0's rendezvous
+    store. config: the engine's config. num_threads: torch CPU threads (rank 0's count).
+    timeout_s: rendezvous and collective timeout. parent_pid: rank 0's process (the rank
+    exits when it is gone).
+    """
+
+    rank: int
+    size: int
+    store_address: str
+    config: EngineConfig
+    num_threads: int
+    timeout_s: float
+    parent_pid: int
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this process as soon as rank 0's process is gone (no stray ranks)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.5):
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="pdserve-tp-parent-watch", daemon=True).start()
+
+
+def rank_main(args: RankArgs, conn: Connection) -> None:
+    """Entry point of rank ``args.rank``'s process: join the group, build the rank, serve
+    steps and calls from rank 0 until STOP or a closed pipe.  Any failure is reported on the
+    pipe (``("error", text)``) before the process exits with status 1."""
+    from pdserve.engine.device import resolve_dtype, resolve_rank_device
+    from pdserve.model.attention import default_backend
+    from pdserve.model.loader import load_model_source
+    from pdserve.model.tp_group import init_local_group
+
+    _watch_parent(args.parent_pid)
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    conn.send(("hello", os.getpid()))
+    try:
+        mc = args.config.model
+        device = resolve_rank_device(mc, args.rank)
+        dtype = resolve_dtype(mc.dtype, device)
+        tp = init_local_group(
+            args.rank, args.size, args.store_address, device=device, timeout_s=args.timeout_s
+        )
+        source = load_model_source(mc.model, seed=mc.seed)
+        backend = (
+            default_backend(device) if mc.attention_backend == "auto" else mc.attention_backend
+        )
+
+        def agree(n: int) -> int:
+            conn.send(("num_pages", n))
+            kind, decided = conn.recv()
+            assert kind == "num_pages", kind
+            return int(decided)
+
+        with torch.inference_mode():
+            ctx = build_rank(args.config, source, tp, device, dtype, backend, agree)
+        conn.send(("built", ctx.pool.num_pages))
+    except BaseException as exc:  # noqa: BLE001 reported to rank 0, then this rank exits
+        _report_and_exit(conn, f"start-up failed: {type(exc).__name__}: {exc}")
+    try:
+        serve_rank(ctx, conn)
+    except (EOFError, OSError):
+        os._exit(0)  # rank 0 is gone: nothing to report to
+    except BaseException as exc:  # noqa: BLE001
+        _report_and_exit(conn, f"{type(exc).__name__}: {exc}")
+
+
+def _report_and_exit(conn: Connection, text: str) -> None:
+    traceback.print_exc(file=sys.stderr)
+    try:
+        conn.send(("error", text))
+    except OSError:
+        pass
+    sys.stderr.flush()
+    os._exit(1)  # no atexit handlers: a torch.distributed teardown could wait for peers
+
+
+@torch.inference_mode()
+def serve_rank(ctx: RankContext, conn: Connection) -> None:
+    """The rank's loop: per message, run the step's forward and logits (the collectives
+    every rank makes), or run a call and send its result; return on STOP."""
+    header = np.zeros(HEADER_LEN, dtype=np.int64)
+    while True:
+        conn.recv_bytes_into(header)
+        kind = int(header[0])
+        if kind == STEP:
+            step = StepHeader.from_array(header)
+            host = ctx.runner.staging_view(step.total)
+            conn.recv_bytes_into(host)
+            ctx.runner.run_staged(step, host)  # logits are rank 0's to sample
+        elif kind == CALL:
+            fn, fn_args = conn.recv()
+            reply = run_call(ctx, fn, fn_args)
+            try:
+                conn.send(reply)  # pickled whole before a byte is written
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                name = getattr(fn, "__name__", repr(fn))
+                conn.send(("error", RuntimeError(f"{name}'s result does not pickle: {exc}"), ""))
+        elif kind == STOP:
+            return
+        else:
+            raise RuntimeError(f"unknown message kind {kind} from rank 0")
+
+
+def run_call(ctx: RankContext, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``("ok", fn(ctx, *args))`` or ``("error", exception, traceback text)`` (the exception
+    replaced by a RuntimeError carrying its text when it does not pickle)."""
+    try:
+        return ("ok", fn(ctx, *args))
+    except Exception as exc:  # noqa: BLE001 re-raised on the caller's side
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        return ("error", exc, tb)
