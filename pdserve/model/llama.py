@@ -354,6 +354,8 @@ class LlamaForCausalLM(nn.Module):
         logits = lin.linear(hidden, w, None, self._lm_head_packed)
         if self._tp is None:
             return logits.float()
+        if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
+            return logits.new_empty((0, self.shapes.vocab), dtype=torch.float32)
         logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
         V = self.shapes.vocab
         if logits.shape[-1] != V:

@@ -100,6 +100,8 @@ def test_tp2_greedy_equals_tp1(arch, folders, tp2_runs):
     else:  # qwen2 has 1 KV head: replicated on both ranks
         assert [f["kv_head_range"] for f in facts] == [(0, 1), (0, 1)]
     assert all(f["n_heads"] == 2 for f in facts)  # 4 query heads over 2 ranks
+    vocab = len(runs[arch][0][1][0][0])
+    assert all(f["empty_logits"] == (0, vocab) for f in facts)  # no rows: no gather, no hang
 
 
 @pytest.mark.timeout(300)

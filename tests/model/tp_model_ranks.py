@@ -177,6 +177,7 @@ def rank_greedy(
         "packed": sorted(next(model.decoder_layers()).packed),
     }
     tokens, logits = greedy_paged(model, PROMPTS, DECODE_STEPS)
+    facts["empty_logits"] = tuple(model.compute_logits(torch.empty(0, s.hidden)).shape)
     return tokens, logits, facts
 
 
