@@ -26,7 +26,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,6 +68,8 @@ class RankContext:
     model: LlamaForCausalLM
     runner: ModelRunner
     max_model_len: int
+    # what other layers keep in the rank between calls (disagg.tp: "kv", its KV manager)
+    services: dict[str, Any] = field(default_factory=dict)
 
 
 def model_max_len(config: EngineConfig, max_positions: int) -> int:

@@ -25,16 +25,32 @@ def _create_managers(
     from pdserve.disagg.registry import create_kv_manager
 
     kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
-    managers = {
-        disagg.transfer_backend: create_kv_manager(
+    host, port = disagg.bootstrap_host, disagg.bootstrap_port
+    advertise = advertised_host(disagg.bootstrap_host, disagg.advertise_host)
+    transfer: KVManager
+    if core.executor.tp_size > 1 and disagg.transfer_backend != "fake":
+        from pdserve.disagg.tp import create_tp_kv_manager
+
+        # one manager per rank, each created in its own process on its own device
+        transfer = create_tp_kv_manager(
+            core.executor,
+            disagg.transfer_backend,
+            disagg.role,
+            core.model.shapes.total_kv_heads,
+            bootstrap_host=host,
+            bootstrap_port=port,
+            advertise_host=advertise,
+        )
+    else:
+        transfer = create_kv_manager(
             disagg.transfer_backend,
             kv_args,
             disagg.role,
-            bootstrap_host=disagg.bootstrap_host,
-            bootstrap_port=disagg.bootstrap_port,
-            advertise_host=advertised_host(disagg.bootstrap_host, disagg.advertise_host),
+            bootstrap_host=host,
+            bootstrap_port=port,
+            advertise_host=advertise,
         )
-    }
+    managers: dict[str, KVManager] = {disagg.transfer_backend: transfer}
     if "fake" not in managers:  # /health_generate goes through the fake backend
         managers["fake"] = create_kv_manager(
             "fake", kv_args, disagg.role, bootstrap_host=disagg.bootstrap_host, bootstrap_port=0
