@@ -191,7 +191,10 @@ def rank_collectives(group: TPGroup) -> tuple[list[float], list[list[float]], li
 
 
 def rank_raise(group: TPGroup) -> int:
-    """Rank 1 raises (no collective, so rank 0 finishes): the harness must report it."""
+    """Rank 1 raises after a barrier (rank 0 then finishes): the harness must report it."""
+    # The barrier first: a rank can return from init_local_group while its peer's gloo
+    # mesh set-up is still finishing; exiting then broke the peer's init (seen under load).
+    group.barrier()
     if group.rank == 1:
         raise ValueError("boom from rank 1")
     return group.rank
