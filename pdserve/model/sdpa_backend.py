@@ -56,8 +56,15 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     _, ps, H, D = cache.shape
     flat = pages.reshape(-1)
     if cache.stride(1) < cache.stride(2):  # head-major inside a page (page_major order)
-        g = cache.transpose(1, 2).index_select(0, flat)  # [n*m, H, ps, D], one block a page
-        return g.view(n, m, H, ps, D).transpose(1, 2).reshape(n, H, m * ps, D)
+        # One gather per head straight into a head-outer buffer: a head's pages are
+        # contiguous [ps, D] blocks, and the result is a strided [n, H, m * ps, D] view of
+        # it, so nothing is copied twice (gathering [n*m, H, ps, D] and then swapping m and
+        # H cost a second full copy: 20-30 % of a CPU decode step at 16 sequences).
+        by_head = cache.transpose(1, 2)  # [P, H, ps, D]
+        out = cache.new_empty(H, n * m, ps, D)
+        for h in range(H):
+            torch.index_select(by_head[:, h], 0, flat, out=out[h])
+        return out.view(H, n, m * ps, D).transpose(0, 1)
     g = cache.index_select(0, flat)  # [n*m, ps, H, D]
     return g.view(n, m * ps, H, D).transpose(1, 2)
 
