@@ -57,6 +57,8 @@ class EngineCore:
         self.config = config
         mc, sc = config.model, config.scheduler
         self.device = resolve_rank_device(mc, 0)
+        if self.device.type == "cpu" and mc.gpu_ids is not None:
+            logger.warning("gpu_ids %s ignored: this worker runs on the CPU", list(mc.gpu_ids))
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.source = load_model_source(mc.model, seed=mc.seed)
         if not hasattr(self.source.tokenizer, "backend_tokenizer"):
