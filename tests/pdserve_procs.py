@@ -185,15 +185,15 @@ def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def pd_and_mixed(logs: Path) -> Iterator[dict[str, Any]]:
+def pd_and_mixed(logs: Path, model: str = TINY) -> Iterator[dict[str, Any]]:
     """A prefill, a decode and a router over them, beside one mixed worker (the reference),
-    all healthy; ``procs`` lists the four, ``baseline`` each PD worker's free pages at start.
-    Every process is stopped however the block ends."""
+    all on ``model`` and healthy; ``procs`` lists the four, ``baseline`` each PD worker's
+    free pages at start. Every process is stopped however the block ends."""
     prefill = start_worker(
-        "prefill", "prefill", logs, extra=["--disaggregation-bootstrap-port", "0"]
+        "prefill", "prefill", logs, model=model, extra=["--disaggregation-bootstrap-port", "0"]
     )
-    decode = start_worker("decode", "decode", logs)
-    mixed = start_worker("mixed", "mixed", logs)
+    decode = start_worker("decode", "decode", logs, model=model)
+    mixed = start_worker("mixed", "mixed", logs, model=model)
     router = start_router("router", logs, prefill=[prefill], decode=[decode])
     procs = [prefill, decode, mixed, router]
     try:

@@ -17,11 +17,8 @@ from pd_compare import assert_same, fold, pair, post, sse
 from pdserve_procs import (
     assert_all_healthy,
     build_eos_model,
-    start_router,
-    start_worker,
-    stop,
+    pd_and_mixed,
     wait_for,
-    wait_healthy,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,28 +32,8 @@ def cluster(tmp_path_factory):
     eos = build_eos_model(folder, EOS_PROMPT)
     logs = tmp_path_factory.mktemp("pd-logs")
     model = str(folder)
-    prefill = start_worker(
-        "prefill", "prefill", logs, model=model, extra=["--disaggregation-bootstrap-port", "0"]
-    )
-    decode = start_worker("decode", "decode", logs, model=model)
-    mixed = start_worker("mixed", "mixed", logs, model=model)
-    router = start_router("router", logs, prefill=[prefill], decode=[decode])
-    procs = [prefill, decode, mixed, router]
-    try:
-        wait_healthy(procs)
-        baseline = {p.name: p.get_info()["num_free_pages"] for p in (prefill, decode)}
-        yield {
-            "prefill": prefill,
-            "decode": decode,
-            "mixed": mixed,
-            "router": router,
-            "procs": procs,
-            "eos": eos,
-            "model": model,
-            "baseline": baseline,
-        }
-    finally:
-        stop(procs)
+    with pd_and_mixed(logs, model) as c:
+        yield {**c, "eos": eos, "model": model}
 
 
 def _completion(prompt, **kw) -> dict:
