@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from pdserve.config import ModelConfig, default_of
+from pdserve.config import CacheConfig, ModelConfig, default_of
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,9 +35,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "offline", help="engine vs transformers generate: output tokens/s and ratio"
     )
-    p.add_argument("--model", default=default_of(ModelConfig, "model"))
-    p.add_argument("--dtype", default=default_of(ModelConfig, "dtype"))
-    p.add_argument("--device", default=default_of(ModelConfig, "device"))
+    p.add_argument(
+        "--model",
+        default=default_of(ModelConfig, "model"),
+        help="model id, local path or random:<preset> (default: the embedded model)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=default_of(ModelConfig, "dtype"),
+        help="auto, float32, bfloat16 or float16 (default %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default=default_of(ModelConfig, "device"),
+        help="auto, cpu, cuda or cuda:N (default %(default)s)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=default_of(CacheConfig, "page_size"),
+        help="tokens per KV page of our engine (default %(default)s)",
+    )
     p.add_argument(
         "--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)"
     )
@@ -264,6 +282,7 @@ def run_offline(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             kv_order=args.kv_order,
+            page_size=args.page_size,
             tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as exc:
@@ -293,7 +312,7 @@ def _run(
         f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
     )
     print(
-        f"attention {engine.attention_backend}  kv order {engine.pool.kv_layout.order}"
+        f"attention {engine.attention_backend}  kv order {engine.pool.kv_layout.order}  page size {engine.pool.page_size}"
         f"  cuda graphs {'on' if graphs else 'off'}"
         f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
     )
@@ -358,6 +377,7 @@ def _run(
             "machine": platform.processor() or platform.machine(),
             "attention_backend": engine.attention_backend,
             "kv_order": engine.pool.kv_layout.order,
+            "page_size": engine.pool.page_size,
             "cuda_graphs": graphs,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth",
