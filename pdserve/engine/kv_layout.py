@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import KVLayout
+from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
 
 LAYER_MAJOR = "layer_major"
 PAGE_MAJOR = "page_major"
@@ -192,6 +192,47 @@ class KVCacheLayout:
                 for s in (0, 1)
             ]
         return [(kv.data_ptr(), self.num_pages * item, item)]
+
+    def kv_args(
+        self,
+        kv: torch.Tensor,
+        aux_ptr: int,
+        aux_len: int,
+        fingerprint: KVLayout,
+        *,
+        gpu_id: int = 0,
+        engine_rank: int = 0,
+        tp_size: int = 1,
+    ) -> KVArgs:
+        """What the transfer layer registers for pool tensor ``kv`` of this layout: its
+        :meth:`regions` and a host aux buffer at ``aux_ptr`` of ``aux_len`` bytes, slots of
+        :data:`AUX_RECORD_BYTES`.  ``fingerprint`` is what peers compare
+        (:meth:`fingerprint`, with the model's total KV heads under tensor parallelism);
+        ``gpu_id`` is used when ``kv``'s device has no index.  The pool must hold rank
+        ``engine_rank``/``tp_size``'s share of ``fingerprint.num_kv_heads``
+        (``parallel.kv_head_range``): ValueError naming ``num_kv_heads`` otherwise, and
+        ``KVArgs``' own errors for a split not allowed."""
+        regions = self.regions(kv)
+        args = KVArgs(
+            kv_data_ptrs=tuple(r[0] for r in regions),
+            kv_data_lens=tuple(r[1] for r in regions),
+            kv_item_lens=tuple(r[2] for r in regions),
+            aux_data_ptr=aux_ptr,
+            aux_data_len=aux_len,
+            aux_item_len=AUX_RECORD_BYTES,
+            layout=fingerprint,
+            device=kv.device.type,
+            gpu_id=gpu_id if kv.device.index is None else kv.device.index,
+            engine_rank=engine_rank,
+            tp_size=tp_size,
+        )
+        start, end = args.kv_heads
+        if end - start != self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: the pool holds {self.num_kv_heads} KV heads, rank "
+                f"{engine_rank}/{tp_size} of {fingerprint.num_kv_heads} holds {end - start}"
+            )
+        return args
 
     def page_byte_ranges(self, page: int) -> list[tuple[int, int]]:
         """``(offset from the pool's base, bytes)`` of every byte range NIXL moves for

@@ -177,32 +177,20 @@ class KVPool:
         tp_size: int = 1,
         total_kv_heads: int | None = None,
     ) -> KVArgs:
-        """Addresses of the pool for the transfer layer: the layout's regions
-        (:meth:`~.kv_layout.KVCacheLayout.regions`) and the aux buffer.  Under tensor
-        parallelism the pool holds rank ``engine_rank``'s KV heads of the model's
+        """Addresses of the pool for the transfer layer (the layout's regions and the aux
+        buffer, :meth:`~.kv_layout.KVCacheLayout.kv_args`).  Under tensor parallelism
+        the pool holds rank ``engine_rank``'s KV heads of the model's
         ``total_kv_heads`` (default: this pool's count); ValueError naming
         ``num_kv_heads`` when that is not the rank's share (``parallel.kv_head_range``)."""
-        regions = self.kv_layout.regions(self.kv)
         layout = self._layout
         if total_kv_heads is not None:
             layout = self.kv_layout.fingerprint(layout.model, total_kv_heads)
-        args = KVArgs(
-            kv_data_ptrs=tuple(r[0] for r in regions),
-            kv_data_lens=tuple(r[1] for r in regions),
-            kv_item_lens=tuple(r[2] for r in regions),
-            aux_data_ptr=self.aux.data_ptr(),
-            aux_data_len=self.aux.numel(),
-            aux_item_len=AUX_RECORD_BYTES,
-            layout=layout,
-            device=self.device.type,
-            gpu_id=gpu_id if self.device.index is None else self.device.index,
+        return self.kv_layout.kv_args(
+            self.kv,
+            self.aux.data_ptr(),
+            self.aux.numel(),
+            layout,
+            gpu_id=gpu_id,
             engine_rank=engine_rank,
             tp_size=tp_size,
         )
-        start, end = args.kv_heads
-        if end - start != self.kv_layout.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: the pool holds {self.kv_layout.num_kv_heads} KV heads, rank "
-                f"{engine_rank}/{tp_size} of {layout.num_kv_heads} holds {end - start}"
-            )
-        return args

@@ -22,7 +22,7 @@ import traceback
 import numpy as np
 import torch
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVLayout, KVPoll
+from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVLayout, KVPoll
 from pdserve.engine.kv_layout import KVCacheLayout
 
 LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 4, 4, 2, 16  # float32: page_bytes = 4*2*16*4 = 512
@@ -70,16 +70,7 @@ class Pool:
         self.quarantined: list = []  # (handle, pages, slot) of failed rooms a peer may write
         self.kept: dict = {}  # room -> (pages, slot) of successful rooms kept for a recheck
         self.kept_skip = 0
-        regions = self.layout.regions(self.kv)
-        self.args = KVArgs(
-            kv_data_ptrs=tuple(r[0] for r in regions),
-            kv_data_lens=tuple(r[1] for r in regions),
-            kv_item_lens=tuple(r[2] for r in regions),
-            aux_data_ptr=self.aux.ctypes.data,
-            aux_data_len=self.aux.nbytes,
-            aux_item_len=AUX_RECORD_BYTES,
-            layout=lay,
-        )
+        self.args = self.layout.kv_args(self.kv, self.aux.ctypes.data, self.aux.nbytes, lay)
 
     def page(self, p: int) -> np.ndarray:
         """The bytes of page ``p`` (a copy)."""

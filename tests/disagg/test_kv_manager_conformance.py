@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, DuplicateRoomError, KVArgs, KVPoll
+from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.probe import nixl_problem
 from pdserve.engine.kv_layout import KVCacheLayout
 
@@ -34,15 +34,8 @@ class _Pool:
             )
         )
         self.aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
-        regions = self.layout.regions(self.kv)
-        self.args = KVArgs(
-            tuple(r[0] for r in regions),
-            tuple(r[1] for r in regions),
-            tuple(r[2] for r in regions),
-            self.aux.data_ptr(),
-            self.aux.numel(),
-            AUX_RECORD_BYTES,
-            self.layout.fingerprint("conformance"),
+        self.args = self.layout.kv_args(
+            self.kv, self.aux.data_ptr(), self.aux.numel(), self.layout.fingerprint("conformance")
         )
 
 

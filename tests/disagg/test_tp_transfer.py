@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVPoll
+from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll
 from pdserve.disagg.head_map import is_writer, reads_from, writes_into
 from pdserve.disagg.probe import nixl_problem
 from pdserve.engine.kv_layout import KVCacheLayout
@@ -38,14 +38,10 @@ class RankPool:
                 part = part.permute(1, 2, 0, 4, 3, 5)
             self.kv.copy_(part)
         self.aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
-        regions = self.layout.regions(self.kv)
-        self.args = KVArgs(
-            tuple(r[0] for r in regions),
-            tuple(r[1] for r in regions),
-            tuple(r[2] for r in regions),
+        self.args = self.layout.kv_args(
+            self.kv,
             self.aux.data_ptr(),
             self.aux.numel(),
-            AUX_RECORD_BYTES,
             self.layout.fingerprint("tp-test", total),
             engine_rank=tp.rank,
             tp_size=tp.size,

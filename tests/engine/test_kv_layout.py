@@ -65,6 +65,25 @@ def test_shapes_strides_regions_and_fingerprint(order):
         lay.layer_views(torch.zeros(3))
 
 
+@pytest.mark.parametrize("order", KV_ORDERS)
+def test_kv_args_are_the_regions_and_the_rank_share(order):
+    """One rank's pool of a TP=2 split: 2 of the model's 4 KV heads; any other share raises."""
+    lay = _layout(order)
+    kv = lay.allocate("cpu")
+    aux = torch.zeros(3, AUX_RECORD_BYTES, dtype=torch.uint8)
+    args = lay.kv_args(
+        kv, aux.data_ptr(), aux.numel(), lay.fingerprint("m", 2 * H), engine_rank=1, tp_size=2
+    )
+    regions = lay.regions(kv)
+    assert args.kv_data_ptrs == tuple(r[0] for r in regions)
+    assert args.kv_data_lens == tuple(r[1] for r in regions)
+    assert args.kv_item_lens == tuple(r[2] for r in regions)
+    assert (args.aux_data_ptr, args.aux_data_len) == (aux.data_ptr(), aux.numel())
+    assert args.num_aux_slots == 3 and args.device == "cpu" and args.kv_heads == (H, 2 * H)
+    with pytest.raises(ValueError, match="num_kv_heads: the pool holds 2 KV heads"):
+        lay.kv_args(kv, aux.data_ptr(), aux.numel(), lay.fingerprint("m", 4 * H), tp_size=2)
+
+
 def _token_bytes(lay: KVCacheLayout, kv: torch.Tensor, layer: int, s: int, page: int, off: int):
     """K (s=0) or V (s=1) of one token, every head, read from the bytes NIXL moves for its
     page, following the order's definition (docstring of pdserve.engine.kv_layout)."""
