@@ -204,6 +204,34 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
+    @classmethod
+    def from_fields(cls, **values: Any) -> EngineConfig:
+        """An EngineConfig from flat field names (``model=..., page_size=...,
+        max_running_requests=...``): each value goes to the one of ModelConfig,
+        CacheConfig, SchedulerConfig that declares the field (no name is in two); the
+        rest keep their defaults.  How ``LLM(...)`` and the engine flags
+        (``server.engine_args``) build theirs.  TypeError naming a field none declares;
+        the sub-configs' ValueError naming a bad value."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owner = {
+            f.name: part
+            for part, sub in (
+                ("model", ModelConfig),
+                ("cache", CacheConfig),
+                ("scheduler", SchedulerConfig),
+            )
+            for f in fields(sub)
+        }
+        for name, value in values.items():
+            if name not in owner:
+                raise TypeError(f"EngineConfig has no field {name!r} in any of its parts")
+            parts[owner[name]][name] = value
+        return cls(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+        )
+
 
 @dataclass(frozen=True)
 class ServerConfig:

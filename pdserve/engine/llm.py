@@ -64,30 +64,24 @@ class LLM:
         tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
         gpu_ids: Sequence[int] | None = None,
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                max_model_len=max_model_len,
-                attention_backend=attention_backend,
-                enforce_eager=enforce_eager,
-                tensor_parallel_size=tensor_parallel_size,
-                gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
-            ),
-            cache=CacheConfig(
-                page_size=page_size,
-                kv_cache_memory=kv_cache_memory,
-                num_pages=num_pages,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_order=kv_order,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_running_requests=max_running_requests,
-            ),
+        config = EngineConfig.from_fields(
+            model=model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            max_model_len=max_model_len,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
+            page_size=page_size,
+            kv_cache_memory=kv_cache_memory,
+            num_pages=num_pages,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_order=kv_order,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_running_requests=max_running_requests,
         )
         self.engine = EngineCore(config)
         self._ids = itertools.count()

@@ -166,15 +166,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; ValueError naming the field when one is invalid."""
-    values: dict[type, dict[str, Any]] = {
-        cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig)
-    }
-    for flag, cls, name, _, _ in ENGINE_FLAGS:
-        values[cls][name] = getattr(args, _dest(flag))
-    return EngineConfig(
-        model=ModelConfig(**values[ModelConfig]),
-        cache=CacheConfig(**values[CacheConfig]),
-        scheduler=SchedulerConfig(**values[SchedulerConfig]),
+    return EngineConfig.from_fields(
+        **{name: getattr(args, _dest(flag)) for flag, _, name, _, _ in ENGINE_FLAGS}
     )
 
 

@@ -1,0 +1,43 @@
+"""EngineConfig.from_fields: the one builder of ``LLM(...)`` and the engine flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.server.engine_args import add_engine_args, engine_config_from_args
+
+
+def test_from_fields_sends_each_name_to_the_part_that_declares_it():
+    cfg = EngineConfig.from_fields(
+        model="random:tiny",
+        page_size=8,
+        max_running_requests=3,
+        tensor_parallel_size=2,
+        gpu_ids=(0, 1),
+    )
+    assert cfg == EngineConfig(
+        model=ModelConfig(model="random:tiny", tensor_parallel_size=2, gpu_ids=(0, 1)),
+        cache=CacheConfig(page_size=8),
+        scheduler=SchedulerConfig(max_running_requests=3),
+    )
+    assert EngineConfig.from_fields() == EngineConfig()
+
+
+def test_from_fields_errors_name_the_field():
+    with pytest.raises(TypeError, match="'page_sise'"):
+        EngineConfig.from_fields(page_sise=8)
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig.from_fields(page_size=0)
+
+
+def test_engine_flags_build_the_same_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--page-size", "8", "--tp", "3", "--max-running-requests", "5"])
+    assert engine_config_from_args(args) == EngineConfig.from_fields(
+        page_size=8, tensor_parallel_size=3, max_running_requests=5
+    )
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
