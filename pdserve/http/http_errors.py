@@ -13,7 +13,16 @@ _TYPES = {
 }
 
 
-def error_json(status: int, message: str, param: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}``; ``code`` is the HTTP status."""
+def error_json(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error object.
+
+    ``status`` is the HTTP status (the response's, not in the body): it picks ``type``
+    (``invalid_request_error`` for 400, ``service_unavailable`` for 503, ...), which is
+    also what tells errors apart inside a stream.  ``code`` is a string naming the error
+    where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,
+    as OpenAI's API sends it (vLLM and SGLang put the status number there instead; the
+    ``openai`` client types ``APIError.code`` as ``str | None``)."""
     kind = _TYPES.get(status, "internal_server_error" if status >= 500 else "error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -112,7 +112,9 @@ def build_worker_app(
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_json(exc.status, exc.message, exc.param), status_code=exc.status)
+        return JSONResponse(
+            error_json(exc.status, exc.message, exc.param, exc.code), status_code=exc.status
+        )
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:

@@ -57,12 +57,14 @@ class WorkerContext:
         )
 
 
-def _check_model(ctx: WorkerContext, model: str | None) -> None:
+def check_model(ctx: WorkerContext, model: str | None) -> None:
+    """404 ``model_not_found`` unless ``model`` is unset or the one this worker serves."""
     if model is not None and model != ctx.model_name:
         raise APIError(
             404,
             f"the model '{model}' does not exist; this worker serves '{ctx.model_name}'",
             "model",
+            code="model_not_found",
         )
 
 
@@ -133,7 +135,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         ctx.accept(req, "/v1/completions")
-        _check_model(ctx, req.model)
+        check_model(ctx, req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(
                 400, "best_of is not supported (leave it unset or equal to n)", "best_of"
@@ -216,7 +218,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         ctx.accept(req, "/v1/chat/completions")
-        _check_model(ctx, req.model)
+        check_model(ctx, req.model)
         plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
         chat_messages(ctx, req.messages)  # checks every message's text
         messages, template_kwargs = tl.template_messages(req.messages, plan)

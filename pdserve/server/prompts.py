@@ -38,6 +38,7 @@ def check_text(text: str, field: str, *, limit: int, max_model_len: int) -> None
             f"{field} is {len(text)} characters long, more than can fit this model's context "
             f"limit of {max_model_len} tokens (at most {limit} characters)",
             field,
+            code="context_length_exceeded",
         )
     try:
         text.encode("utf-8")

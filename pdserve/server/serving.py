@@ -20,13 +20,17 @@ from pdserve.server.metrics import ServerMetrics
 
 
 class APIError(Exception):
-    """An error answer: HTTP ``status`` and a message (``param`` names the field)."""
+    """An error answer: HTTP ``status`` and a message (``param`` names the field, ``code``
+    is OpenAI's string for the error where it has one: ``http_errors.error_json``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
 
 def _sink(inbox: asyncio.Queue[tuple[int, Any]], index: int) -> Callable[[Any], None]:
@@ -99,6 +103,7 @@ class Serving:
                 f"needs {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} of "
                 f"max_tokens)",
                 "max_tokens" if n_prompt < self.max_model_len else "prompt",
+                code="context_length_exceeded",
             )
         if self.role == "mixed" or job.fake_transfer:
             return

@@ -54,7 +54,7 @@ async def sse_response(
             for chunk in tail():
                 yield sse(chunk)
         except APIError as exc:
-            yield sse(error_json(exc.status, exc.message, exc.param))
+            yield sse(error_json(exc.status, exc.message, exc.param, exc.code))
         finally:
             with anyio.CancelScope(shield=True):
                 await it.aclose()  # aborts unfinished samples when the client went away

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 import pdserve
 from pdserve.server import prompts
-from pdserve.server.openai_api import WorkerContext, chat_messages
+from pdserve.server.openai_api import WorkerContext, chat_messages, check_model
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import APIError
 
@@ -19,20 +19,12 @@ def build_tokenize_router(ctx: WorkerContext) -> APIRouter:
     """The tokenizer endpoints and ``/version`` bound to ``ctx``."""
     api = APIRouter()
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != ctx.model_name:
-            raise APIError(
-                404,
-                f"the model '{model}' does not exist; this worker serves '{ctx.model_name}'",
-                "model",
-            )
-
     @api.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         """``{count, max_model_len, tokens, token_strs}`` of ``prompt`` or ``messages``
         (``token_strs`` only with ``return_token_strs``, else null)."""
         ctx.accept(req, "/tokenize")
-        check_model(req.model)
+        check_model(ctx, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
@@ -62,7 +54,7 @@ def build_tokenize_router(ctx: WorkerContext) -> APIRouter:
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         """``{prompt}``: the text of ``tokens`` (400 for ids outside the vocabulary)."""
         ctx.accept(req, "/detokenize")
-        check_model(req.model)
+        check_model(ctx, req.model)
         vocab = ctx.serving.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

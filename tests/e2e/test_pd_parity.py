@@ -246,10 +246,16 @@ def test_openai_client_against_the_router(cluster):
         )
     )
     assert streamed == comp.choices[0].text
-    with pytest.raises(openai.NotFoundError):
+    # the openai client reads body["error"]: OpenAI's code strings (or null) pass through
+    with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-nope", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError):
+    assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+    with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt="x", max_tokens=-3)
+    assert bad.value.code is None and bad.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=model, prompt="x", max_tokens=10**6)
+    assert long.value.code == "context_length_exceeded", long.value.body
 
 
 ROUTER_BAD = [

@@ -182,7 +182,7 @@ def test_decode_killed_mid_stream_ends_with_an_error_event(cluster):
                 os.killpg(cluster["decode"].popen.pid, signal.SIGKILL)
     assert datas[-1] == "[DONE]", datas[-3:]
     error = json.loads(datas[-2])
-    assert error["error"]["code"] == 502 and "decode worker" in error["error"]["message"]
+    assert error["error"]["type"] == "bad_gateway" and "decode worker" in error["error"]["message"]
     cluster["decode"].popen.wait(timeout=30)
     wait_for(
         lambda: httpx.get(cluster["router"].url + "/health", timeout=10).status_code == 503,

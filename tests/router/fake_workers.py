@@ -114,7 +114,7 @@ class FakeWorker:
                             "message": f"{self.role} failed: KV transfer failed (injected)",
                             "type": "internal_server_error",
                             "param": None,
-                            "code": 500,
+                            "code": None,
                         }
                     },
                     status_code=500,

@@ -52,7 +52,8 @@ def port():
 
 def _assert_413(resp: http.client.HTTPResponse) -> None:
     body = json.loads(resp.read())
-    assert resp.status == 413 and body["error"]["code"] == 413, body
+    assert resp.status == 413 and body["error"]["type"] == "request_too_large", body
+    assert body["error"]["code"] is None, body  # OpenAI's shape: a string or null
     assert "larger than the limit of 1048576 bytes" in body["error"]["message"]
 
 
