@@ -145,10 +145,15 @@ class SchedulerConfig:
 
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_running_requests: requests in the running batch at once.
+    overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
+        N's results are processed (``engine/overlap.py``); ``None`` = on for CUDA, off on
+        CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
+        CPU tests do); ``False`` = off.
     """
 
     max_num_batched_tokens: int = 2048
     max_running_requests: int = 64
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -24,6 +24,12 @@ never reused in between. Measured once each (8B, bf16): split before layer 2, an
 decode step took 5.18 ms instead of 5.33 at 1 prompt but 7.58 instead of 7.31 at 64, hence
 the default ``GRAPH_SPLITS = ()`` (one graph per bucket).
 
+Overlap scheduling (``engine/overlap.py``): ``replay(..., ids_from=prev)`` takes each row's
+input id from the previous replay's ``[B', 2]`` greedy output on the device (``token_ids``
+then hold row indices), and ``greedy_packed`` hands out a replay's output without waiting;
+the pinned host staging buffers are two sets used in turn, so filling step N+1's never
+races step N's queued copies.
+
 Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
 largest first into one shared memory pool (so smaller graphs reuse the largest one's
 activations), before any KV transfer thread starts (GPU work from another thread during a
@@ -110,8 +116,15 @@ class CUDAGraphRunner:
         self._rows[2].fill_(-1)
         self._table = torch.zeros(max_batch, self.max_pages, dtype=torch.int32, device=dev)
         self._qsl = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
-        self._rows_host = torch.zeros(4, max_batch, dtype=torch.int64).pin_memory()
-        self._table_host = torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory()
+        # Two pinned host staging sets, used in turn: with overlap scheduling the host fills
+        # step N+1's while step N's copies may still be queued (``_staged[i]``: the event
+        # after the last copy out of set i).
+        self._rows_hosts = [torch.zeros(4, max_batch, dtype=torch.int64).pin_memory() for _ in "ab"]
+        self._table_hosts = [
+            torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory() for _ in "ab"
+        ]
+        self._staged: list[Any] = [None, None]
+        self._turn = 0
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
         n_layers = model.shapes.n_layers
         splits = GRAPH_SPLITS if split_layers is None else split_layers
@@ -203,21 +216,31 @@ class CUDAGraphRunner:
         token_ids: np.ndarray,
         positions: np.ndarray,
         page_tables: list[list[int]],
+        ids_from: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run a decode step of ``B = len(token_ids)`` rows: token ``token_ids[b]`` at
         position ``positions[b]`` of a sequence whose pages are ``page_tables[b]``. Returns
         the fp32 logits ``[B, V]`` (a view of the graph's output, valid until the next replay).
+
+        ids_from: the previous step's ``[B', 2]`` float64 (id, logprob) rows on the device
+        (:meth:`greedy_packed`); then ``token_ids[b]`` is a row index into it and row b's
+        token is that row's id, gathered on the device in stream order (overlap scheduling:
+        no host round trip). Returns without waiting for the GPU.
         """
         B = len(token_ids)
         bs = self.bucket(B)
         assert bs is not None
         ps = self.page_size
         width = max(len(p) for p in page_tables)
-        table = self._table_host[: B * width].numpy().reshape(B, width)
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()  # that set's last copies ran (long ago, in practice)
+        rows_host, table_host = self._rows_hosts[turn], self._table_hosts[turn]
+        table = table_host[: B * width].numpy().reshape(B, width)
         for b, pages in enumerate(page_tables):
             table[b, : len(pages)] = pages
         pages_of = table[np.arange(B), positions // ps].astype(np.int64)
-        rows = self._rows_host.numpy()
+        rows = rows_host.numpy()
         rows[0, :B] = token_ids
         rows[1, :B] = positions
         rows[2, :B] = pages_of * ps + positions % ps
@@ -225,14 +248,24 @@ class CUDAGraphRunner:
         rows[0:2, B:bs] = 0
         rows[2, B:bs] = -1
         rows[3, B:bs] = 0
-        self._rows.copy_(self._rows_host, non_blocking=True)
+        self._rows.copy_(rows_host, non_blocking=True)
         dev_table = self._table_dev[: B * width]
-        dev_table.copy_(self._table_host[: B * width], non_blocking=True)
+        dev_table.copy_(table_host[: B * width], non_blocking=True)
+        self._staged[turn] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._staged[turn].record()
         self._table[:B, :width].copy_(dev_table.view(B, width))
+        if ids_from is not None:  # row b's token: row token_ids[b] of the previous step's ids
+            self._rows[0, :B].copy_(ids_from.index_select(0, self._rows[0, :B])[:, 0])
         for piece in self._graphs[bs]:
             piece.replay()
         self._last_bucket = bs
         return self._logits[bs][:B]
+
+    def greedy_packed(self, batch: int) -> torch.Tensor:
+        """The last replay's ``[batch, 2]`` float64 (argmax id, its raw logprob) on the
+        device, not waited for (a view of the graph's output: read it, or queue a copy of
+        it, before the next replay of the same bucket)."""
+        return self._greedy[self._last_bucket][:batch]
 
     def greedy_tokens(self, batch: int) -> list[SampledToken]:
         """The argmax token of each of the first ``batch`` rows of the last replay and its

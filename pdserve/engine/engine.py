@@ -23,6 +23,7 @@ from pdserve.engine.executor import RankFailedError, create_executor
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.model_runner import StepResult
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.overlap import OverlapScheduler
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
@@ -108,6 +109,13 @@ class EngineCore:
             self._append_token,
         )
         self._managers_bound = bool(kv_managers)
+        overlap = sc.overlap_schedule
+        self.overlap = OverlapScheduler(
+            self.scheduler,
+            self.executor,
+            self.max_model_len,
+            self.device.type == "cuda" if overlap is None else overlap,
+        )
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._counters = {
@@ -218,25 +226,42 @@ class EngineCore:
         if req.sender is not None or req.receiver is not None:
             self.disagg.abort(req)
         else:
-            self.scheduler.remove(req)
             req.finish("abort")
+            self.overlap.remove(req)  # pages: after a launched step that writes them
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.disagg.num_draining > 0
+        """True while a request is live, an aborted room drains, or a launched step waits."""
+        return bool(self._requests) or self.disagg.num_draining > 0 or self.overlap.pending
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for every request that advanced."""
+        """Run one scheduling step; returns an output for every request that advanced.
+        Overlap scheduling (``engine/overlap.py``): a launched step's results come in the
+        next call, after the step that follows it was launched."""
         touched: dict[str, Request] = {r.request_id: r for r in self.disagg.poll()}
-        plan = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        ahead = False
+        if self.overlap.pending:
+            ahead, lagged = self.overlap.advance(self._apply)
+            self._counters["steps"] += ahead
+            if ahead:  # disjoint from the polled requests (none of those is in the batch)
+                touched.update(lagged)
+            else:  # drained: its outputs first, so every delta is one step's, as in sync
+                outputs = self._outputs(lagged)
+        plan = BatchPlan(()) if ahead else self.scheduler.schedule()
         if plan.seqs:
             plan = self._attach_grammar_masks(plan)
             self._counters["steps"] += 1
-            try:
-                result = self.executor.execute(plan)
-            except RankFailedError as exc:
-                return self._fail_all(str(exc), touched)
-            self._apply(plan, result, touched)
+            if not self.overlap.try_launch(plan, self._requests, touched):
+                try:
+                    result = self.executor.execute(plan)
+                except RankFailedError as exc:
+                    return outputs + self._fail_all(str(exc), touched)
+                self._apply(plan, result, touched)
         touched.update((r.request_id, r) for r in self.disagg.admit_receivers())
+        return outputs + self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """An output per touched request; finished ones leave the engine."""
         outputs = [self._make_output(r) for r in touched.values()]
         for r in touched.values():
             if r.finished:
@@ -269,6 +294,8 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **self._counters,
+            "overlap_launched_steps": self.overlap.num_launched,
+            "overlap_ahead_steps": self.overlap.num_ahead,
             **self.kv.stats(),
         }
 
@@ -280,15 +307,10 @@ class EngineCore:
             if req.sender is not None or req.receiver is not None:
                 self.disagg.abort(req, "error", error=error)
             else:
-                self.scheduler.remove(req)
                 req.finish("error", error=error)
+                self.overlap.remove(req)
             touched[req.request_id] = req
-        outputs = [self._make_output(r) for r in touched.values()]
-        for r in touched.values():
-            if r.finished:
-                self._requests.pop(r.request_id, None)
-                self._counters["finished_requests"] += 1
-        return outputs
+        return self._outputs(touched)
 
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         sampled = self.scheduler.update_from_output(plan, result)
@@ -298,7 +320,7 @@ class EngineCore:
             prefill_role = req.disagg is not None and req.disagg.role == "prefill"
             self._append_token(req, tok, prefill_role)
             if req.finished:
-                self.scheduler.remove(req)
+                self.overlap.remove(req)  # pages: after a launched step that writes them
 
     def _attach_grammar_masks(self, plan: BatchPlan) -> BatchPlan:
         """Give each sampling row of a request with a live grammar its allowed-token mask

@@ -38,7 +38,7 @@ import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import HEADER_LEN, StepHeader, StepResult
+from pdserve.engine.model_runner import HEADER_LEN, InFlightTokens, StepHeader, StepResult
 from pdserve.engine.rank_worker import (
     CALL,
     STEP,
@@ -86,6 +86,19 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's sampled tokens and prompt logprobs.
         Raises RankFailedError when a rank is gone."""
 
+    # Overlap scheduling (engine/overlap.py): only an in-process rank launches steps without
+    # waiting for them; a TP step is a collective over every rank, run in sync.
+    supports_overlap = False
+
+    def can_launch(self, plan: BatchPlan) -> bool:
+        """Whether :meth:`launch_greedy` can run ``plan`` (``ModelRunner.can_launch``)."""
+        return False
+
+    def launch_greedy(self, plan: BatchPlan, prev: InFlightTokens | None) -> InFlightTokens:
+        """Launch a plain-greedy decode step without waiting (``ModelRunner.launch_greedy``);
+        NotImplementedError unless ``supports_overlap``."""
+        raise NotImplementedError("this executor runs every step synchronously")
+
     @abstractmethod
     def call_rank(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(ctx, *args)`` in rank ``rank``'s process with its :class:`RankContext`
@@ -114,8 +127,16 @@ class LocalExecutor(Executor):
     def __init__(self, rank0: RankContext) -> None:
         self.rank0 = rank0
 
+    supports_overlap = True
+
     def execute(self, plan: BatchPlan) -> StepResult:
         return self.rank0.runner.execute(plan)
+
+    def can_launch(self, plan: BatchPlan) -> bool:
+        return self.rank0.runner.can_launch(plan)
+
+    def launch_greedy(self, plan: BatchPlan, prev: InFlightTokens | None) -> InFlightTokens:
+        return self.rank0.runner.launch_greedy(plan, prev)
 
     def call_rank(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
         if rank != 0:

@@ -41,6 +41,36 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
+@dataclass
+class InFlightTokens:
+    """The greedy tokens of a launched step, not yet waited for (overlap scheduling).
+
+    device: ``[B, 2]`` float64 (argmax id, its raw logprob) per row on the device; the next
+        step gathers its input ids from it (valid until that step is launched).
+    host: the same, on the host (pinned on CUDA), filled by a copy queued after the step.
+    ready: the event after that copy (``None`` on CPU: the step ran synchronously).
+    """
+
+    device: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def tokens(self) -> list[SampledToken]:
+        """Wait for the step and return each row's token (what ``sampler.sample`` returns
+        for a plain greedy row: the argmax, its logprob, no top logprobs)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [SampledToken(int(t), lp, ()) for t, lp in self.host.tolist()]
+
+
+def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, 2]`` float64 (argmax id, its logprob) of ``logits [B, V]`` fp32: the sampler's
+    own greedy ops (``argmax``, ``log_softmax`` + ``gather``), so the numbers are equal."""
+    ids = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [B, 1]
+    return torch.cat((ids.double(), chosen.double()), dim=1)
+
+
 class ModelRunner:
     """Runs ``model`` (a ``pdserve.model.llama.LlamaForCausalLM``) over the pool's KV cache.
 
@@ -74,6 +104,10 @@ class ModelRunner:
         # Called with each eager step's staged inputs before its forward (a TP executor
         # sends them to the other ranks here); None for TP=1.
         self.on_staged: Callable[[StepHeader, np.ndarray], None] | None = None
+        # Overlap scheduling: two pinned [n, 2] float64 buffers that launched steps' tokens
+        # are copied into, used in turn (step N's is read after step N+1 is launched).
+        self._token_hosts: list[torch.Tensor] = [torch.empty(0, 2, dtype=torch.float64)] * 2
+        self._token_turn = 0
 
     def _stage(self, n: int) -> torch.Tensor:
         """The pinned (on CUDA) int64 staging buffer, at least ``n`` long; grows by doubling
@@ -102,6 +136,58 @@ class ModelRunner:
         ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=len(seqs))
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         return g.replay(ids, pos, tables)
+
+    def can_launch(self, plan: BatchPlan) -> bool:
+        """Whether :meth:`launch_greedy` runs ``plan`` (decode-only rows, all plain greedy):
+        on CUDA through a captured graph only; on CPU always (tests force overlap there)."""
+        seqs = plan.seqs
+        if not seqs or not all(
+            len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs_targets for s in seqs
+        ):
+            return False
+        if not all(plain_greedy(s) for s in seqs):
+            return False
+        if self.device.type == "cpu":
+            return True
+        g = self.graphs
+        return g is not None and g.fits(len(seqs), max(len(s.pages) for s in seqs))
+
+    @torch.inference_mode()
+    def launch_greedy(self, plan: BatchPlan, prev: InFlightTokens | None) -> InFlightTokens:
+        """Launch a step that :meth:`can_launch` accepts without waiting for it. With
+        ``plan.input_rows`` the rows' input ids are ``prev``'s tokens at those rows, read on
+        the device (``prev`` = the step launched just before); else the plan's token ids.
+        The tokens' copy to the host is queued right after the step."""
+        seqs = plan.seqs
+        B = len(seqs)
+        src = plan.input_rows
+        ids_from = None
+        if src is not None:
+            assert prev is not None and len(src) == B  # rows of the previous step
+            ids_from = prev.device
+        g = self.graphs
+        if g is not None and self.device.type == "cuda":
+            ids = np.asarray(src if src is not None else [s.token_ids[0] for s in seqs])
+            pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=B)
+            g.replay(ids.astype(np.int64), pos, [s.pages for s in seqs], ids_from=ids_from)
+            packed = g.greedy_packed(B)
+        else:
+            header, host = self.stage(plan)
+            if src is not None:  # staged ids are row indices into ids_from
+                host[: header.num_tokens] = src
+            logits = self.run_staged(header, host, input_from=ids_from)
+            assert logits is not None  # every row samples
+            packed = greedy_pack(logits)
+        if self.device.type != "cuda":
+            return InFlightTokens(packed, packed, None)
+        turn, self._token_turn = self._token_turn, 1 - self._token_turn
+        if self._token_hosts[turn].shape[0] < B:
+            self._token_hosts[turn] = torch.empty(max(B, 256), 2, dtype=torch.float64).pin_memory()
+        host_tokens = self._token_hosts[turn][:B]
+        host_tokens.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        return InFlightTokens(packed, host_tokens, ready)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
@@ -179,12 +265,15 @@ class ModelRunner:
         header: StepHeader,
         host: np.ndarray,
         on_chunk: Callable[[int, torch.Tensor], None] | None = None,
+        input_from: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The forward of staged inputs (``host`` is the staging buffer's view, see
         :meth:`stage`), then ``compute_logits`` of each prompt-logprob chunk (passed to
         ``on_chunk(i, logits [n, V])`` when given) and of the sampling rows, in that order
         (under TP each is a collective every rank makes).  Returns the sampling rows'
-        logits ``[n_sample, V]`` fp32, or None when no row samples."""
+        logits ``[n_sample, V]`` fp32, or None when no row samples.  input_from: the
+        previous step's ``[B', 2]`` (id, logprob) rows on the device; then the staged ids
+        are row indices into it (overlap scheduling, :meth:`launch_greedy`)."""
         B, T, width, n_sample = header.num_seqs, header.num_tokens, header.width, header.n_sample
         offs = header.offsets
         total = int(offs[-1])
@@ -194,6 +283,8 @@ class ModelRunner:
             self._staged_copy.record()
         sizes = np.diff(offs[:8]).tolist()
         ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev[: offs[7]], sizes)
+        if input_from is not None:
+            ids_t = input_from.index_select(0, ids_t)[:, 0].to(torch.int64)
         attn = AttentionMetadata(
             query_start_loc=qsl_t,
             seq_lens=lens_t,

@@ -24,7 +24,7 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,10 +76,16 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What one step computes: the sequences in batch order, and who was preempted."""
+    """What one step computes: the sequences in batch order, and who was preempted.
+
+    input_rows: ``None``, or (overlap scheduling, ``engine/overlap.py``) for each sequence
+    the row of the step launched just before whose sampled token is its input: its
+    ``token_ids`` is then ``[-1]``, the token not being known on the host yet.
+    """
 
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[str, ...] = ()
+    input_rows: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +107,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv
-        self._banned_before_min = banned_before_min
+        self.banned_before_min = banned_before_min
         self.waiting: list[Request] = []  # sorted by arrival (FCFS)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -198,6 +204,37 @@ class Scheduler:
             budget -= n
         return BatchPlan(tuple(seqs), tuple(preempted))
 
+    def schedule_ahead(
+        self, reqs: Sequence[Request], starts: Sequence[int]
+    ) -> list[ScheduledSeq] | None:
+        """Decode rows of a step launched before the previous step's tokens are known
+        (overlap scheduling, ``engine/overlap.py``): ``reqs[i]`` computes the token at
+        position ``starts[i]`` (unknown to the host: ``token_ids == [-1]``) and samples the
+        next one.  Pages for ``starts[i] + 1`` tokens come from the pool's free list only
+        (no eviction, no preemption, so the prefix cache and the queues change as a
+        synchronous step would change them); ``None``, nothing allocated, when it is short."""
+        needs = [self.pages_needed(s + 1) - len(r.pages) for r, s in zip(reqs, starts)]
+        if sum(n for n in needs if n > 0) > self.kv.num_free_pages:
+            return None
+        seqs = []
+        for req, start, need in zip(reqs, starts, needs):
+            if need > 0:
+                req.pages.extend(self.kv.allocate(need, req.pages[-1] if req.pages else None))
+            seqs.append(
+                ScheduledSeq(
+                    request_id=req.request_id,
+                    token_ids=[-1],
+                    start_pos=start,
+                    pages=list(req.pages),
+                    sample=True,
+                    prompt_logprobs_start=0,
+                    prompt_logprobs_targets=[],
+                    params=req.params,
+                    generator=req.generator,
+                )
+            )
+        return seqs
+
     def _attach_prefix(self, req: Request, hit: list[int], keys: list[bytes]) -> None:
         self.kv.share(hit)
         req.pages, req.page_keys = list(hit), list(keys)
@@ -245,7 +282,7 @@ class Scheduler:
             lp_targets = req.prompt_token_ids[lp_start + 1 : end + 1]
         banned: tuple[int, ...] = ()
         if sample and req.num_output_tokens < req.params.min_tokens:
-            banned = self._banned_before_min(req)
+            banned = self.banned_before_min(req)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],

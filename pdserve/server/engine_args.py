@@ -135,6 +135,15 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         int,
         "requests in the running batch",
     ),
+    (
+        "--overlap-schedule",
+        SchedulerConfig,
+        "overlap_schedule",
+        bool,
+        "launch each greedy decode step from the previous step's tokens on the device while "
+        "the host processes that step's results; unset: on for CUDA, off on CPU "
+        "(--no-overlap-schedule turns it off)",
+    ),
 )
 
 

@@ -168,3 +168,80 @@ def test_chunked_prefill_on_cuda_equals_one_chunk():
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+def _overlap_run(overlap, enforce_eager, requests, late):
+    """Greedy outputs of ``requests`` ((id, prompt, params)) on a CUDA engine, ``late`` added
+    after 5 steps; returns ({id: (token ids, logprobs, finish_reason)}, stats)."""
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.engine import EngineCore
+
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(
+                model="random:tiny", device="cuda", dtype="float32", enforce_eager=enforce_eager
+            ),
+            cache=CacheConfig(kv_cache_memory=0.25),
+            scheduler=SchedulerConfig(max_running_requests=8, overlap_schedule=overlap),
+        )
+    )
+    for rid, prompt, params in requests:
+        core.add_request(rid, prompt, params)
+    finals = {}
+    for k in range(2000):
+        if k == 5 and late:
+            core.add_request(*late)
+        if k > 5 and not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            if out.finished:
+                c = out.outputs[0]
+                lps = [t.logprob for t in c.logprobs] if c.logprobs is not None else None
+                finals[out.request_id] = (c.token_ids, lps, c.finish_reason)
+    assert core.num_free_pages == core.pool.num_pages
+    stats = core.stats()
+    del core
+    torch.cuda.empty_cache()
+    return finals, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_overlap_schedule_matches_sync_and_eager():
+    """Overlap scheduling (on by default on CUDA) gives the synchronous graph run's and the
+    eager run's greedy tokens, with rows that end mid-batch (a stop token id, staggered
+    max_tokens, max_tokens=1) and a request arriving mid-decode; eager CUDA steps do not
+    overlap (only graph steps do)."""
+    _needs_cuda()
+    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
+    probe, _ = _overlap_run(
+        False,
+        False,
+        [("p", prompts[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))],
+        None,
+    )
+    stop = probe["p"][0][6]
+
+    def params(max_tokens, **kw):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+    requests = [
+        ("stop", prompts[0], params(30, stop_token_ids=[stop], logprobs=0)),
+        ("long", prompts[1], params(40, logprobs=0)),
+        ("short", prompts[2], params(3)),
+        ("one", prompts[3], params(1)),
+        ("mid", prompts[4], params(17, logprobs=0)),
+    ]
+    late = ("late", prompts[5], params(12, logprobs=0))
+    on, on_stats = _overlap_run(None, False, requests, late)
+    off, off_stats = _overlap_run(False, False, requests, late)
+    eager, eager_stats = _overlap_run(None, True, requests, late)
+    assert on_stats["overlap_ahead_steps"] > 10 and off_stats["overlap_launched_steps"] == 0
+    assert eager_stats["overlap_launched_steps"] == 0
+    assert on["stop"][2] == "stop" and on["long"][2] == "length"
+    for other in (off, eager):
+        assert on.keys() == other.keys()
+        for rid, (ids, lps, reason) in on.items():
+            assert ids == other[rid][0] and reason == other[rid][2], rid
+            if lps is not None:
+                assert max(abs(a - b) for a, b in zip(lps, other[rid][1])) < 1e-4

@@ -1,0 +1,206 @@
+"""Overlap scheduling of greedy decode steps: the host prepares and launches step N+1 while
+the GPU still runs step N, then processes N's results.
+
+The contract (the engine's ``step`` drives it; see docs/architecture.md, "a decode step"):
+
+- **When it engages.** A step is *launched* (queued on the device, not waited for) instead
+  of executed when the executor supports it (TP = 1), the switch is on
+  (``SchedulerConfig.overlap_schedule``; default on for CUDA) and the runner can launch the
+  plan (``ModelRunner.can_launch``: every row one decode token, sampled, plain greedy
+  (``sampler.plain_greedy``), no prompt logprobs; on CUDA within a captured graph) and no
+  row is a prefill-role request.  Everything else runs synchronously as before.
+- **Step N+1 ahead of N's results** (:meth:`OverlapScheduler.launch_ahead`), only when the
+  synchronous scheduler would schedule exactly those rows: nothing waits (a new or joined
+  request drains the pipeline and is scheduled normally, in a mixed step), the running
+  batch is step N's live rows in order, each row stays plain greedy one token later
+  (``min_tokens`` bans, grammars, penalties are not), the rows fit the token budget and the
+  graph, and their new pages come from the pool's free list (no eviction, no preemption).
+  Rows whose finish at N is known on the host (``max_tokens``, ``max_model_len``) are left
+  out.  Row b's input id is row ``input_rows[b]`` of N's sampled ids, gathered on the device.
+- **Results lag one step** (:meth:`collect`): N's tokens (a device-to-host copy queued right
+  after N) are read after N+1 is launched; rows of requests that finished or were aborted
+  meanwhile are dropped, and so is N+1's row of a request that N finished (EOS, stop string,
+  stop token): it computed one row in vain.
+- **Pages are freed after the last step that writes them** (:meth:`remove`): a request that
+  ends while a launched step holds its row keeps its pages until that step is collected (its
+  K/V is written there; a reused page could be a NIXL receive's, written outside stream
+  order).  Frees keep their order, so the prefix cache evicts as a synchronous run does.
+- **Outputs equal a synchronous run's**: greedy tokens, logprobs, text, finish reasons,
+  usage, and each request's streaming deltas (one token per processed step).  A step whose
+  live rows are all gone is waited for at once, so an idle engine holds no page.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from pdserve.engine.model_runner import InFlightTokens, StepResult
+from pdserve.engine.request import Request, Status
+from pdserve.engine.scheduler import BatchPlan, Scheduler
+
+if TYPE_CHECKING:
+    from pdserve.engine.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device: its plan, each row's request, its tokens (not waited
+    for), the page lists released once it is collected, and the requests touched before it
+    whose outputs wait for its results (a decode request that just joined: its first token
+    and this step's go out in one output, as in a synchronous run)."""
+
+    plan: BatchPlan
+    reqs: list[Request]
+    tokens: InFlightTokens
+    deferred: list[list[int]] = field(default_factory=list)
+    carried: dict[str, Request] = field(default_factory=dict)
+
+    def holds(self, req: Request) -> bool:
+        return any(r is req for r in self.reqs)
+
+
+class OverlapScheduler:
+    """The launched steps of one engine (at most one between ``EngineCore.step`` calls, two
+    inside one) and the pages they keep (see the module docstring).
+
+    scheduler: the engine's scheduler (queues, pages).  executor: runs launches
+    (``Executor.supports_overlap``).  max_model_len: the engine's context limit.
+    enabled: the switch, already resolved for the device.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, max_model_len: int, enabled: bool
+    ) -> None:
+        self._scheduler = scheduler
+        self._executor = executor
+        self._max_model_len = max_model_len
+        self.enabled = enabled and executor.supports_overlap
+        if enabled and not self.enabled:
+            logger.warning("overlap scheduling is off: tensor parallelism runs steps in sync")
+        self._launched: list[_Launched] = []  # oldest first
+        self.num_launched = 0  # steps launched without waiting
+        self.num_ahead = 0  # of those, launched before the previous step's results
+
+    @property
+    def pending(self) -> bool:
+        """Whether a launched step waits to be collected."""
+        return bool(self._launched)
+
+    # --- launching ------------------------------------------------------------------------
+    def try_launch(
+        self, plan: BatchPlan, requests: Mapping[str, Request], touched: dict[str, Request]
+    ) -> bool:
+        """Launch ``plan`` without waiting when overlap applies to it (the first step of a
+        run of overlapped ones; ``requests``: the engine's live requests by id; its rows
+        leave ``touched``, their outputs come with its results); False: execute it
+        synchronously."""
+        if not self.enabled or self._launched:
+            return False
+        reqs = [requests[s.request_id] for s in plan.seqs]
+        if any(r.sender is not None for r in reqs):  # prefill role: its step sends KV after
+            return False
+        if not self._executor.can_launch(plan):
+            return False
+        self._push(plan, reqs, None)
+        carried = self._launched[-1].carried
+        for req in reqs:
+            if req.request_id in touched:
+                carried[req.request_id] = touched.pop(req.request_id)
+        return True
+
+    def launch_ahead(self) -> bool:
+        """Launch step N+1 from the pending step N's device tokens when the synchronous
+        scheduler would schedule exactly its rows (module docstring); False: drain instead."""
+        if not self.enabled or len(self._launched) != 1:
+            return False
+        sched = self._scheduler
+        prev = self._launched[0]
+        live = [(i, r) for i, r in enumerate(prev.reqs) if r.status is Status.RUNNING]
+        if sched.waiting or len(live) != len(sched.running):
+            return False
+        if any(r is not q for (_, r), q in zip(live, sched.running)):
+            return False
+        rows, reqs, starts = [], [], []
+        for i, req in live:
+            p = req.params
+            n_out = req.num_output_tokens + 1  # after N's token
+            if (p.max_tokens is not None and n_out >= p.max_tokens) or (
+                req.num_tokens + 1 >= self._max_model_len
+            ):
+                continue  # N ends it: not scheduled into N+1
+            if req.grammar is not None or (n_out < p.min_tokens and sched.banned_before_min(req)):
+                return False  # its next row is not plain greedy
+            rows.append(i)
+            reqs.append(req)
+            starts.append(prev.plan.seqs[i].start_pos + 1)
+        if not rows or len(rows) > sched.config.max_num_batched_tokens:
+            return False
+        had = [len(r.pages) for r in reqs]
+        seqs = sched.schedule_ahead(reqs, starts)
+        if seqs is None:
+            return False
+        plan = BatchPlan(tuple(seqs), input_rows=tuple(rows))
+        if not self._executor.can_launch(plan):  # the page table outgrew the graph: undo
+            for req, n in zip(reqs, had):
+                new, req.pages = req.pages[n:], req.pages[:n]
+                sched.kv.release(new)
+            return False
+        self._push(plan, reqs, prev.tokens)
+        self.num_ahead += 1
+        return True
+
+    def _push(self, plan: BatchPlan, reqs: list[Request], prev: InFlightTokens | None) -> None:
+        tokens = self._executor.launch_greedy(plan, prev)
+        self._launched.append(_Launched(plan, reqs, tokens))
+        self.num_launched += 1
+
+    # --- results --------------------------------------------------------------------------
+    def advance(
+        self, apply: Callable[[BatchPlan, StepResult, dict[str, Request]], None]
+    ) -> tuple[bool, dict[str, Request]]:
+        """With a step pending: launch the next one ahead when possible, then collect the
+        pending one and ``apply`` it (the engine's bookkeeping, filling the touched requests).
+        Returns (launched ahead, touched); not ahead = drained, nothing launched."""
+        ahead = self.launch_ahead()
+        touched = self._launched[0].carried
+        apply(*self.collect(), touched)
+        self.retire_idle()
+        return ahead, touched
+
+    def collect(self) -> tuple[BatchPlan, StepResult]:
+        """Wait for the oldest launched step, release the pages deferred to it, and return
+        its plan and result restricted to the rows whose request still runs."""
+        step = self._launched.pop(0)
+        tokens = step.tokens.tokens()
+        for pages in step.deferred:
+            self._scheduler.kv.release(pages)
+        keep = [i for i, r in enumerate(step.reqs) if r.status is Status.RUNNING]
+        seqs = tuple(step.plan.seqs[i] for i in keep)
+        result = StepResult(sampled={seqs[j].request_id: tokens[i] for j, i in enumerate(keep)})
+        return replace(step.plan, seqs=seqs, input_rows=None), result
+
+    def retire_idle(self) -> None:
+        """Collect (and discard) a launched step none of whose rows still runs, so its
+        deferred pages are freed now rather than at the next request."""
+        while self._launched and not any(
+            r.status is Status.RUNNING for r in self._launched[0].reqs
+        ):
+            self.collect()
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted ``req`` out of the queues and release its pages: now,
+        or, when a launched step holds its row, once that step is collected."""
+        step = next((s for s in reversed(self._launched) if s.holds(req)), None)
+        if step is None:
+            self._scheduler.remove(req)
+            return
+        if req in self._scheduler.running:
+            self._scheduler.take_running(req)
+        pages, req.pages, req.page_keys = req.pages, [], []
+        if pages:
+            step.deferred.append(pages)

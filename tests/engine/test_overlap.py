@@ -1,0 +1,312 @@
+"""Overlap scheduling (engine/overlap.py) forced on for the CPU against the same engine with it
+off: identical outputs (token ids, text, logprobs, finish reasons, usage and every streaming
+delta) over EOS mid-batch, stop strings and stop ids, staggered max_tokens, max_model_len,
+plain and non-plain rows, arrivals mid-decode, aborts during a launched step, preemption,
+the PD decode role; pages back to baseline after every run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.disagg.fake import FakeKVManager, link
+from pdserve.engine.engine import EngineCore
+from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
+
+
+def core_of(folder, overlap, num_pages=128, page_size=4, max_model_len=None, **sched):
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(model=folder, device="cpu", max_model_len=max_model_len),
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+            scheduler=SchedulerConfig(overlap_schedule=overlap, **sched),
+        )
+    )
+
+
+def _delta(out):
+    c = out.outputs[0]
+    lps = None if c.delta_logprobs is None else [(t.token_id, t.logprob) for t in c.delta_logprobs]
+    return (tuple(c.delta_token_ids), c.delta_text, lps, out.finished, c.finish_reason)
+
+
+def _final(out):
+    c = out.outputs[0]
+    lps = None if c.logprobs is None else [(t.token_id, t.logprob, t.top) for t in c.logprobs]
+    return (
+        c.token_ids,
+        c.text,
+        lps,
+        c.cumulative_logprob,
+        c.finish_reason,
+        c.stop_reason,
+        out.num_cached_tokens,
+        out.error,
+    )
+
+
+def drive(core, requests, events=None, max_steps=2000):
+    """Add ``requests`` ((id, prompt, params) triples), step ``core`` until idle, calling
+    ``events[k](core)`` before step k; returns (deltas by id, final by id). Checks the pages
+    are back to baseline."""
+    for rid, prompt, params in requests:
+        core.add_request(rid, prompt, params)
+    events = dict(events or {})
+    deltas: dict[str, list] = {}
+    finals = {}
+    for k in range(max_steps):
+        if k in events:
+            events.pop(k)(core)
+        if not core.has_unfinished_requests() and not events:
+            assert core.num_free_pages == core.pool.num_pages
+            assert core.kv.num_held_pages == 0
+            return deltas, finals
+        for out in core.step():
+            assert out.request_id not in finals, "an output after the final one"
+            deltas.setdefault(out.request_id, []).append(_delta(out))
+            if out.finished:
+                finals[out.request_id] = _final(out)
+    raise AssertionError("the engine did not become idle")
+
+
+def assert_same(a, b, path="out"):
+    """``a == b`` where every float may differ by 1e-4 (a logprob; a cumulative one 1e-3):
+    a step's batch differs with overlap (a row computed in vain, a request joining one step
+    later), which moves fp32 results in the last bits; tokens, text and reasons are exact."""
+    if isinstance(a, float) and isinstance(b, float):
+        assert abs(a - b) < (1e-3 if abs(a) > 1 else 1e-4), (path, a, b)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (path, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def assert_same_runs(folder, requests, events=None, min_ahead=1, **kw):
+    """The run with overlap forced on equals the run with it off; returns both cores."""
+    cores = {}
+    runs = {}
+    for overlap in (False, True):
+        cores[overlap] = core_of(folder, overlap, **kw)
+        runs[overlap] = drive(cores[overlap], requests, events)
+    (d_off, f_off), (d_on, f_on) = runs[False], runs[True]
+    assert_same(f_on, f_off)
+    assert_same(d_on, d_off, "deltas")
+    assert cores[False].stats()["overlap_launched_steps"] == 0
+    assert cores[True].stats()["overlap_ahead_steps"] >= min_ahead
+    assert cores[True].stats()["generation_tokens"] == cores[False].stats()["generation_tokens"]
+    return cores[False], cores[True]
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama with an EOS that greedy decoding of PROMPTS[0] emits as its 7th token
+    (the way test_generation builds one); returns (folder, that prompt's greedy tokens)."""
+    folder = tmp_path_factory.mktemp("overlap-eos")
+    shutil.copytree(tiny_model_dir("llama"), folder, dirs_exist_ok=True)
+    probe = core_of(str(folder), False)
+    _, finals = drive(
+        probe, [("p", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+    )
+    full = finals["p"][0]
+    eos = full[6]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
+    return str(folder), full
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0, **kw)
+
+
+def test_eos_stops_and_staggered_lengths_equal_sync(eos_model):
+    folder, full = eos_model
+    requests = [
+        ("eos", PROMPTS[0], greedy(max_tokens=30, logprobs=0)),  # EOS at token 7
+        ("long", PROMPTS[1], greedy(max_tokens=40, ignore_eos=True)),
+        ("short", PROMPTS[2], greedy(max_tokens=3, ignore_eos=True)),
+        ("mid", PROMPTS[3], greedy(max_tokens=17, ignore_eos=True, logprobs=0)),
+        ("stop-id", PROMPTS[0], greedy(max_tokens=30, ignore_eos=True, stop_token_ids=[full[4]])),
+        ("one", PROMPTS[4], greedy(max_tokens=1)),
+        ("eos-or-len", PROMPTS[5], greedy(max_tokens=25)),
+    ]
+    _, on = assert_same_runs(folder, requests, min_ahead=10)
+    runs = drive(core_of(folder, True), requests)[1]
+    assert runs["eos"][4] == "stop" and runs["eos"][0] == full[:7]
+    assert runs["stop-id"][4:6] == ("stop", full[4]) and runs["stop-id"][0] == full[:5]
+    assert runs["long"][4] == "length" and len(runs["long"][0]) == 40
+
+
+def test_stop_strings_and_max_model_len_equal_sync(eos_model):
+    folder, _ = eos_model
+    probe = drive(
+        core_of(folder, False), [("p", PROMPTS[1], greedy(max_tokens=20, ignore_eos=True))]
+    )[1]
+    text = probe["p"][1]
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    assert stop.strip()
+    requests = [
+        ("stop-str", PROMPTS[1], greedy(max_tokens=20, ignore_eos=True, stop=[stop])),
+        ("ctx", PROMPTS[2], greedy(ignore_eos=True, max_tokens=None)),  # runs to max_model_len
+        ("other", PROMPTS[3], greedy(max_tokens=20, ignore_eos=True)),
+    ]
+    _, on = assert_same_runs(folder, requests, max_model_len=40)
+    finals = drive(core_of(folder, True, max_model_len=40), requests)[1]
+    assert finals["stop-str"][4:6] == ("stop", stop) and stop not in finals["stop-str"][1]
+    assert finals["ctx"][4] == "length" and len(PROMPTS[2]) + len(finals["ctx"][0]) == 40
+
+
+def test_plain_and_non_plain_rows_equal_sync(eos_model):
+    """Rows that are not plain greedy (top logprobs, seeded and unseeded sampling, penalties,
+    logit bias, min_tokens bans) run their steps in sync; the plain ones overlap once they
+    are alone."""
+    folder, _ = eos_model
+    requests = [
+        ("plain", PROMPTS[0], greedy(max_tokens=24, ignore_eos=True, logprobs=0)),
+        ("top", PROMPTS[1], greedy(max_tokens=4, logprobs=2)),
+        ("seeded", PROMPTS[2], SamplingParams(temperature=0.8, seed=5, max_tokens=6)),
+        ("unseeded", PROMPTS[3], SamplingParams(temperature=0.8, max_tokens=5)),
+        ("penalty", PROMPTS[4], greedy(max_tokens=7, repetition_penalty=1.3)),
+        ("bias", PROMPTS[5], greedy(max_tokens=3, logit_bias={5: 2.0})),
+        ("min", PROMPTS[0], greedy(max_tokens=20, min_tokens=10)),  # bans until 10 tokens
+    ]
+    assert_same_runs(folder, requests, min_ahead=5)
+
+
+def test_arrivals_mid_decode_equal_sync(eos_model):
+    """A request arriving while a step is launched drains the pipeline and is scheduled in a
+    mixed step (no TTFT cost); overlap resumes afterwards."""
+    folder, _ = eos_model
+
+    def add(rid, prompt, **kw):
+        return lambda core: core.add_request(rid, prompt, greedy(ignore_eos=True, **kw))
+
+    requests = [("first", PROMPTS[0], greedy(max_tokens=30, ignore_eos=True))]
+    events = {
+        4: add("second", PROMPTS[1], max_tokens=12),
+        5: add("third", PROMPTS[2], max_tokens=20, logprobs=0),
+        13: add("fourth", PROMPTS[3], max_tokens=5),
+    }
+    assert_same_runs(folder, requests, events, min_ahead=10)
+
+
+def test_abort_during_a_launched_step(eos_model):
+    folder, _ = eos_model
+    core = core_of(folder, True)
+    params = greedy(max_tokens=30, ignore_eos=True)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
+        core.add_request(rid, prompt, params)
+    seen: dict[str, int] = {}
+    while core.stats()["overlap_ahead_steps"] < 3:
+        for out in core.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+    assert core.overlap.pending
+    b = core._requests["b"]
+    held = core.kv.num_held_pages
+    pages = list(b.pages)
+    core.abort_request("b")  # its row is in the launched step: its pages stay held
+    assert b.finish_reason == "abort" and b.pages == []
+    assert core.kv.num_held_pages == held and all(core.kv.refcount(p) == 1 for p in pages)
+    finals = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.request_id != "b", "an aborted request emits nothing"
+            if out.finished:
+                finals[out.request_id] = _final(out)
+    assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
+    ref = drive(core_of(folder, False), [("a", PROMPTS[0], params), ("c", PROMPTS[2], params)])
+    assert_same(finals, ref[1])
+    # every request aborted while a step is launched: nothing is held once it is collected
+    for rid in ("x", "y"):
+        core.add_request(rid, PROMPTS[3], params)
+    ahead = core.stats()["overlap_ahead_steps"]
+    while core.stats()["overlap_ahead_steps"] < ahead + 2:
+        core.step()
+    core.abort_request("x")
+    core.abort_request("y")
+    assert core.overlap.pending and core.has_unfinished_requests()
+    assert core.step() == []
+    assert not core.has_unfinished_requests()
+    assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
+
+
+def test_preemption_when_pages_run_out_equals_sync(eos_model):
+    """24 pages of 4 tokens cannot hold the batch: the overlapped steps stop when the free
+    list is short, the synchronous scheduler preempts, the outputs still equal sync's."""
+    folder, _ = eos_model
+    requests = [(f"r{i}", p, greedy(max_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    off, on = assert_same_runs(folder, requests, num_pages=24, min_ahead=5)
+    assert off.stats()["num_preemptions"] > 0
+    assert on.stats()["num_preemptions"] == off.stats()["num_preemptions"]
+
+
+def pd_run(folder, overlap, params):
+    """Decode requests (``overlap`` on the decode engine) fed by a prefill engine over the
+    loopback fake backend; returns (decode deltas, finals, decode engine)."""
+    prefill, decode = core_of(folder, False), core_of(folder, overlap)
+    mp = FakeKVManager(prefill.pool.kv_args(), "prefill")
+    md = FakeKVManager(decode.pool.kv_args(), "decode")
+    prefill.bind_kv_managers({"nixl": mp})
+    decode.bind_kv_managers({"nixl": md})
+    link(mp, md)
+    for i, p in enumerate(params):
+        kw = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7000 + i}
+        decode.add_request(f"d{i}", PROMPTS[i], p, DisaggRequestInfo(role="decode", **kw))
+        prefill.add_request(f"p{i}", PROMPTS[i], p, DisaggRequestInfo(role="prefill", **kw))
+    deltas: dict[str, list] = {}
+    finals = {}
+    for _ in range(500):
+        if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+            break
+        prefill.step()
+        for out in decode.step():
+            deltas.setdefault(out.request_id, []).append(_delta(out))
+            if out.finished:
+                finals[out.request_id] = _final(out)
+    assert decode.num_free_pages == decode.pool.num_pages == prefill.num_free_pages
+    assert decode.kv.num_held_pages == 0
+    return deltas, finals, decode
+
+
+def test_pd_decode_role_overlaps_and_equals_sync(tiny_model_dir):
+    """Decode requests join from a KV transfer (first token from the aux record), then
+    their decode steps overlap: the same deltas as a synchronous decode worker, the same
+    tokens as a mixed one."""
+    folder = tiny_model_dir("llama")
+    params = [greedy(max_tokens=12 + 5 * i, ignore_eos=True, logprobs=0) for i in range(3)]
+    d_off, f_off, off = pd_run(folder, False, params)
+    d_on, f_on, on = pd_run(folder, True, params)
+    assert_same(d_on, d_off, "deltas")
+    assert_same(f_on, f_off)
+    assert on.stats()["overlap_ahead_steps"] > 5 and off.stats()["overlap_launched_steps"] == 0
+    ref = drive(core_of(folder, False), [(f"d{i}", PROMPTS[i], p) for i, p in enumerate(params)])
+    for rid, want in ref[1].items():
+        assert f_on[rid][:2] == want[:2] and f_on[rid][4] == want[4]
+
+
+def test_overlap_switch(tiny_model_dir):
+    """Off on CPU by default (a CPU forward is synchronous), forced on by the config;
+    ``--overlap-schedule`` / ``--no-overlap-schedule`` set it, unset = auto."""
+    folder = tiny_model_dir("llama")
+    assert not core_of(folder, None).overlap.enabled
+    assert core_of(folder, True).overlap.enabled
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).scheduler.overlap_schedule is None
+    args = parser.parse_args(["--no-overlap-schedule"])
+    assert engine_config_from_args(args).scheduler.overlap_schedule is False
+    assert engine_argv(args) == ["--no-overlap-schedule"]
+    args = parser.parse_args(["--overlap-schedule"])
+    assert engine_config_from_args(args).scheduler.overlap_schedule is True
