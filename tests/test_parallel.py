@@ -47,3 +47,20 @@ def test_rank_validation() -> None:
         TPRank(0, 0)
     with pytest.raises(ValueError, match="tp_rank"):
         TPRank(2, 2)
+
+
+@pytest.mark.parametrize(
+    "preset,sizes", [("tiny", [1, 2, 4]), ("smollm2-135m", [1, 3]), ("qwen2.5-0.5b", [1, 2])]
+)
+def test_valid_tp_sizes_are_those_model_shapes_accepts(
+    preset: str, sizes: list[int], tmp_path
+) -> None:
+    """SmolLM2: 9 query heads and 3 KV heads would allow 9, its 1536 MLP rows do not.  The
+    config read from a folder (``model_config``, no weights there) gives the same sizes."""
+    from pdserve.model.loader import model_config
+    from pdserve.model.presets import preset_config
+    from pdserve.model.shapes import valid_tp_sizes
+
+    assert valid_tp_sizes(model_config(f"random:{preset}")) == sizes
+    preset_config(preset).save_pretrained(tmp_path)
+    assert valid_tp_sizes(model_config(str(tmp_path))) == sizes

@@ -148,8 +148,33 @@ def role_tp(args: argparse.Namespace, role: str) -> int:
     if value is None:
         return int(args.tensor_parallel_size)
     if value < 1:
-        raise ValueError(f"{role}_tp must be >= 1, got {value}")
+        raise ValueError(f"--{role}-tp must be >= 1, got {value}")
     return int(value)
+
+
+def check_tp_sizes(args: argparse.Namespace) -> None:
+    """ValueError naming the flag and the valid sizes when a role's tensor-parallel size
+    (:func:`role_tp`) does not split ``--model`` (checked on its config alone, before any
+    worker loads weights; TP=1 needs no check).  Raises the model's own ValueError when it
+    cannot be resolved."""
+    tp = {role: role_tp(args, role) for role in ("prefill", "decode")}
+    if max(tp.values()) == 1:
+        return
+    from pdserve.model.loader import model_config
+    from pdserve.model.shapes import valid_tp_sizes
+
+    valid = valid_tp_sizes(model_config(args.model))
+    for role, size in tp.items():
+        if size not in valid:
+            flag = (
+                f"--{role}-tp"
+                if getattr(args, f"{role}_tp") is not None
+                else "--tensor-parallel-size"
+            )
+            raise ValueError(
+                f"{flag} {size}: model {args.model} cannot be split over {size} "
+                f"tensor-parallel ranks; valid sizes: {', '.join(map(str, valid))}"
+            )
 
 
 def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
@@ -289,7 +314,11 @@ def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> st
         f"pdserve is ready at {url}  (model {args.model}; "
         f"{args.num_prefill} prefill + {args.num_decode} decode, KV over {args.transfer_backend})"
     ]
-    lines += [f"  {c.name:<10} pid {c.pid:<8} {c.url}" for c in workers + [router]]
+    lines += [
+        f"  {c.name:<10} pid {c.pid:<8} {c.url}  tp {role_tp(args, c.name.split('-')[0])}"
+        for c in workers
+    ]
+    lines.append(f"  {router.name:<10} pid {router.pid:<8} {router.url}")
     lines += [
         f"  logs in {router.log_path.parent}",
         "",
@@ -315,8 +344,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve up: error: router {exc}; choose another with --port", file=sys.stderr)
         return 2
     try:
-        for role in ("prefill", "decode"):
-            role_tp(args, role)
+        check_tp_sizes(args)
     except ValueError as exc:
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -261,6 +261,41 @@ def _load_random(model: str, seed: int) -> ModelSource:
             for name, t in _random_weights(cfg, seed)
         ),
     )
+
+
+def model_config(model: str) -> transformers.PretrainedConfig:
+    """The transformers config of ``model`` (any source :func:`load_model_source` takes),
+    read without its weights or tokenizer: a folder's ``config.json``, a preset's config, a
+    GGUF's metadata (its cached conversion's ``config.json`` when there is one).  For
+    checks before workers start (``pdserve up``'s tensor-parallel sizes).  Raises
+    ``ValueError`` naming ``model`` when it cannot be resolved."""
+    if not isinstance(model, str) or not model:
+        raise _usage(str(model), "empty model name")
+    if model.startswith(RANDOM_PREFIX):
+        name = model[len(RANDOM_PREFIX) :]
+        if name not in presets.PRESETS:
+            raise _usage(model, f"unknown random preset {name!r}")
+        return presets.preset_config(name)
+    gguf_file: str | None = None
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise _usage(model, "folder has no config.json")
+        folder = model
+    elif model == EMBEDDED_MODEL_ID or model.endswith(".gguf"):
+        gguf = embedded_gguf_path() if model == EMBEDDED_MODEL_ID else model
+        if not os.path.isfile(gguf):
+            raise _usage(model, "GGUF file not found")
+        cached = find_cached_gguf_dir(gguf)
+        if cached is None:  # transformers reads the GGUF's metadata, not its tensors
+            folder, gguf_file = os.path.dirname(gguf), os.path.basename(gguf)
+        else:
+            folder = cached
+    else:
+        raise _usage(
+            model, "not an existing folder, .gguf file, random preset or the embedded model id"
+        )
+    cfg = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    return cast(transformers.PretrainedConfig, cfg)
 
 
 def load_model_source(model: str, *, seed: int = 0) -> ModelSource:

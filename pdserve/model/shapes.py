@@ -76,3 +76,19 @@ class ModelShapes:
         self.n_heads = self.head_range[1] - self.head_range[0]
         self.n_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.intermediate = self.intermediate_range[1] - self.intermediate_range[0]
+
+
+def valid_tp_sizes(c: PretrainedConfig) -> list[int]:
+    """The tensor-parallel sizes config ``c`` splits over (those :class:`ModelShapes`
+    accepts: query heads, KV heads and intermediate rows split by :mod:`pdserve.parallel`'s
+    rules), ascending; ``[1, 3]`` for SmolLM2-135M (9 query heads, 3 KV heads,
+    intermediate 1536).  Raises ``ValueError`` when ``c`` is not supported at all."""
+    ModelShapes(c)  # an unsupported model raises its own error, not "no valid size"
+    sizes = []
+    for size in range(1, c.num_attention_heads + 1):
+        try:
+            ModelShapes(c, TPRank(0, size))
+        except ValueError:
+            continue
+        sizes.append(size)
+    return sizes
