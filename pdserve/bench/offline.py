@@ -10,11 +10,15 @@ random weights make whole sequences diverge.
 
 How close to the memory roofline: a decode step must read every weight once (the input
 embedding table only for its rows unless it is tied to the LM head) and the KV of every
-context token. Per concurrency we report ms per output step (wall time / ``max_tokens``) of
-each side, and ``roofline`` = (bytes a step must read / copy bandwidth) / our ms per step,
-where the copy bandwidth is the read+write traffic of a large device-to-device copy measured
-in the same run (GPU.md: ~4.3 TB/s on an H200). ``--prefill NxL`` adds a prefill row: N
-random prompts of L tokens, one output token each, prompt tokens/s of each side.
+context token. Per concurrency we report ms per output step (wall time / ``max_tokens``,
+the prefill included) of each side; the decode rate alone, from a second timed run of one
+output token per prompt (decode ms/step = (full run - that run) / (``max_tokens`` - 1),
+decode tok/s = prompts / decode s/step); and ``roofline`` = (bytes a decode step must read /
+copy bandwidth) / our decode ms per step, where the copy bandwidth is the read+write traffic
+of a large device-to-device copy measured in the same run (GPU.md: ~4.3 TB/s on an H200).
+Each of our timed runs starts from an empty prefix cache, so it computes its prompts as
+transformers does. ``--prefill NxL`` adds a prefill row: N random prompts of L tokens, one
+output token each, prompt tokens/s of each side.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--json", default=None, metavar="FILE", help="write the results and workload here"
     )
     p.set_defaults(func=run_offline)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _parse_counts(text: str) -> list[int]:
@@ -206,9 +214,13 @@ def _prompts(llm, n: int) -> list[list[int]]:
 
 
 def _time_ours(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds to generate ``max_tokens`` for every prompt, and the output ids. The prefix
+    cache is emptied first: every run computes its prompts, as transformers does (a repeat
+    would otherwise find the warm-up's prompt pages cached and time decode alone)."""
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
@@ -318,19 +330,23 @@ def _run(
     )
     print(
         f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}"
-        f" {'ours ms/step':>12} {'hf ms/step':>10} {'roofline':>8}"
+        f" {'ours ms/step':>12} {'hf ms/step':>10} {'ours decode/s':>14} {'hf decode/s':>12}"
+        f" {'decode ms/step':>13} {'roofline':>8}"
     )
     for n in counts:
         prompts = all_prompts[:n]
         # Warm-up at full length: first-call allocations, kernel selection for every shape.
         _time_ours(llm, prompts, args.max_tokens)
         _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
-        ours_runs, hf_runs = [], []
+        ours_runs, hf_runs, ours_first, hf_first = [], [], [], []
         for _ in range(args.repeats):  # interleaved, so load changes hit both alike
             dt, ours_ids = _time_ours(llm, prompts, args.max_tokens)
             ours_runs.append(n * args.max_tokens / dt)
             dt, hf_ids = _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
             hf_runs.append(n * args.max_tokens / dt)
+            if args.max_tokens > 1:  # the prefill and first token alone, for the decode rate
+                ours_first.append(_time_ours(llm, prompts, 1)[0])
+                hf_first.append(_time_hf(hf, prompts, 1, pad_id, engine.device)[0])
         same = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
         same_first = sum(a[0] == b[0] for a, b in zip(ours_ids, hf_ids)) / n
         row = {
@@ -347,14 +363,22 @@ def _run(
         mean_ctx = statistics.mean(len(p) for p in prompts) + (args.max_tokens + 1) / 2
         row["ours_ms_per_step"] = 1e3 * n / row["ours_tok_s"]
         row["hf_ms_per_step"] = 1e3 * n / row["hf_tok_s"]
+        # Decode alone: (full run - prefill-and-first-token run) / (max_tokens - 1) steps.
+        for side, runs, first in (("ours", ours_runs, ours_first), ("hf", hf_runs, hf_first)):
+            full = statistics.median(n * args.max_tokens / r for r in runs)
+            dec = (full - statistics.median(first)) / (args.max_tokens - 1) if first else None
+            row[f"{side}_decode_ms_per_step"] = None if dec is None else 1e3 * dec
+            row[f"{side}_decode_tok_s"] = None if not dec or dec <= 0 else n / dec
         row["step_bytes"] = step_bytes(engine, n, mean_ctx)
         row["roofline_ms_per_step"] = 1e3 * row["step_bytes"] / bandwidth
-        row["roofline_fraction"] = row["roofline_ms_per_step"] / row["ours_ms_per_step"]
+        decode_ms = row["ours_decode_ms_per_step"] or row["ours_ms_per_step"]
+        row["roofline_fraction"] = row["roofline_ms_per_step"] / decode_ms
         results.append(row)
         print(
             f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
             f"{same:>12.0%} {same_first:>8.0%} {row['ours_ms_per_step']:>12.2f} "
-            f"{row['hf_ms_per_step']:>10.2f} {row['roofline_fraction']:>8.0%}"
+            f"{row['hf_ms_per_step']:>10.2f} {_fmt(row['ours_decode_tok_s']):>14} "
+            f"{_fmt(row['hf_decode_tok_s']):>12} {decode_ms:>13.2f} {row['roofline_fraction']:>8.0%}"
         )
     prefill_row = None
     if prefill:
@@ -380,7 +404,10 @@ def _run(
             "page_size": engine.pool.page_size,
             "cuda_graphs": graphs,
             "copy_bandwidth_bytes_per_s": bandwidth,
-            "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth",
+            "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth, "
+            "over our decode ms/step",
+            "decode": "(time of max_tokens - time of 1 token) / (max_tokens - 1): steps after "
+            "the prefill; each timed run starts with an empty prefix cache",
             "results": results,
             "prefill": prefill_row,
         }

@@ -89,6 +89,11 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV page no request holds (they go back to the pool), so the
+        next prompts are computed in full; returns how many pages were dropped."""
+        return self.engine.kv.reset_cache()
+
     def shutdown(self) -> None:
         """Stop the engine's rank processes (tensor parallelism); idempotent."""
         self.engine.shutdown()
