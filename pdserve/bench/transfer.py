@@ -4,8 +4,9 @@ one process (numpy ``copyto`` on CPU, ``torch`` device-to-device ``copy_`` on CU
 
 Rows, interleaved in one run: the request through the managers (until prefill, and until
 decode, see ``Success``), a *raw NIXL* WRITE of the same bytes between the same two
-processes (one descriptor, NIXL alone), the contiguous copy, and a one-page request (the
-fixed cost).  The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
+processes (one descriptor, NIXL alone), the contiguous copy, and a one-page request
+beside a raw NIXL WRITE of one page's bytes: their difference is the *fixed cost* of a
+request in the transfer layer (posting, completion, notification, thread hand-offs).  The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
 (``--kv-order``: ``layer_major`` or ``page_major``); the request's
 pages are scattered over the pool (runs of ``--run-len`` consecutive pages, shuffled) on
 both sides. The transfer time is ``send()`` until the room is a ``Success`` on prefill
@@ -289,12 +290,22 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             raise RuntimeError(f"decode process: {detail}")
         conn.send(("raw", nbytes))
         raw = RawSide(args, "prefill", nbytes)
-        raw.connect(*conn.recv())
+        metadata, remote_desc = conn.recv()
+        raw.connect(metadata, remote_desc, lay.page_bytes)
         transfer(1)  # warm-up: connection, registration caches
         transfer(2, one_src, one_dst)
         raw.write()
+        raw.write(small=True)
         copy()
-        names = ("nixl", "nixl_decode", "raw_nixl", "copy", "one_page", "one_page_decode")
+        names = (
+            "nixl",
+            "nixl_decode",
+            "raw_nixl",
+            "copy",
+            "one_page",
+            "one_page_decode",
+            "raw_one_page",
+        )
         times: dict[str, list[float]] = {k: [] for k in names}
         for i in range(cfg.repeats):
 
@@ -307,6 +318,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
                 p, d = transfer(10_000 + i, one_src, one_dst)
                 times["one_page"].append(p)
                 times["one_page_decode"].append(d)
+                times["raw_one_page"].append(raw.write(small=True))
 
             order = [
                 request,
@@ -347,7 +359,15 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         "gbps": {k: nbytes / med[k] / 1e9 for k in big},
         "ratio": med["copy"] / med["nixl"],
         "ratio_to_raw_nixl": med["raw_nixl"] / med["nixl"],
-        "fixed_cost_s": {"prefill": med["one_page"], "decode": med["one_page_decode"]},
+        # a one-page request through the managers, the raw one-page WRITE, and what the
+        # transfer layer adds to it (until prefill / decode see Success)
+        "fixed_cost_s": {
+            "prefill": med["one_page"],
+            "decode": med["one_page_decode"],
+            "raw_one_page": med["raw_one_page"],
+            "layer_prefill": med["one_page"] - med["raw_one_page"],
+            "layer_decode": med["one_page_decode"] - med["raw_one_page"],
+        },
         "times_s": times,
         "host": platform.node(),
         "env": {
@@ -382,8 +402,13 @@ def _print(result: dict) -> None:
         )
     fixed = result["fixed_cost_s"]
     print(
-        f"  one-page request (fixed cost): prefill {fixed['prefill'] * 1e3:.3f} ms, "
-        f"decode {fixed['decode'] * 1e3:.3f} ms"
+        f"  one-page request ({result['page_bytes_per_buffer'] * result['buffers'] / 2**20:.2f} MiB): "
+        f"prefill {fixed['prefill'] * 1e3:.3f} ms, decode {fixed['decode'] * 1e3:.3f} ms; "
+        f"raw NIXL WRITE of one page {fixed['raw_one_page'] * 1e3:.3f} ms"
+    )
+    print(
+        f"  fixed cost of a request in the transfer layer (one-page request - raw): "
+        f"prefill {fixed['layer_prefill'] * 1e3:.3f} ms, decode {fixed['layer_decode'] * 1e3:.3f} ms"
     )
     print(
         f"  descriptors: {result['descriptors_posted']} posted, {result['descriptors_merged']} "

@@ -44,8 +44,11 @@ class RawSide:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def connect(self, metadata: bytes, remote_desc: tuple[int, int, int]) -> None:
-        """Initiator: load the target and prepare the one-descriptor WRITE, once."""
+    def connect(
+        self, metadata: bytes, remote_desc: tuple[int, int, int], small_bytes: int = 0
+    ) -> None:
+        """Initiator: load the target and prepare the one-descriptor WRITE of the whole
+        buffer, and of its first ``small_bytes`` (the one-page reference), once."""
         import numpy as np
 
         name = self.agent.add_remote_agent(metadata)
@@ -53,15 +56,26 @@ class RawSide:
         rows = lambda d: np.asarray([d], dtype=np.int64)  # noqa: E731 - (addr, len, dev)
         local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(self.desc()), self.mem)
         remote = self.agent.prep_xfer_dlist(name, rows(remote_desc), self.mem)
-        self._lists = (local, remote)
+        self._lists: tuple = (local, remote)
         self.agent.make_connection(name)
         self.handle = self.agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
+        self.small = None
+        if small_bytes:
+            head = lambda d: (d[0], small_bytes, d[2])  # noqa: E731
+            lists = (
+                self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(head(self.desc())), self.mem),
+                self.agent.prep_xfer_dlist(name, rows(head(remote_desc)), self.mem),
+            )
+            self._lists += lists
+            self.small = self.agent.make_prepped_xfer("WRITE", lists[0], [0], lists[1], [0])
 
-    def write(self) -> float:
-        """Post the WRITE and busy-poll it to ``DONE``; seconds."""
+    def write(self, small: bool = False) -> float:
+        """Post the WRITE (of the first ``small_bytes`` when ``small``) and busy-poll it to
+        ``DONE``; seconds."""
+        handle = self.small if small else self.handle
         t = time.perf_counter()
-        self.agent.transfer(self.handle)
-        while (state := self.agent.check_xfer_state(self.handle)) == "PROC":
+        self.agent.transfer(handle)
+        while (state := self.agent.check_xfer_state(handle)) == "PROC":
             pass
         if state != "DONE":
             raise RuntimeError(f"raw NIXL WRITE ended in {state}")

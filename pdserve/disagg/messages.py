@@ -6,8 +6,8 @@ Three channels use them:
 - ZMQ control (msgpack, decode DEALER <-> prefill ROUTER): :class:`Envelope` holding
   :class:`Hello`, :class:`RoomDest`, :class:`RoomAbort` (decode -> prefill) or
   :class:`RoomStatus` / :class:`Ping` (prefill -> decode).
-- NIXL notification (msgpack): :class:`XferDone`, posted by prefill after a room's WRITEs
-  completed.
+- NIXL notification (msgpack): :class:`XferDone`, sent by prefill once a room's WRITEs
+  completed (riding on the last KV WRITE, or on its own), with the aux record.
 A message of another protocol version is rejected with :class:`WireError` naming both versions.
 """
 
@@ -135,11 +135,14 @@ class Envelope(msgspec.Struct, frozen=True):
 
 
 class XferDone(msgspec.Struct, frozen=True):
-    """NIXL notification payload: all WRITEs of ``room`` (KV pages and aux) are complete."""
+    """NIXL notification payload: all KV WRITEs of ``room`` are complete. ``aux``: the
+    room's packed :class:`~pdserve.disagg.base.AuxRecord` for the decode rank that takes it
+    (rank 0; empty for the others), which decode stores in the room's aux slot."""
 
     v: int
     room: int
     prefill_instance: str
+    aux: bytes = b""
 
 
 class _Header(msgspec.Struct):
@@ -174,8 +177,8 @@ def decode_control(data: bytes) -> ControlMessage:
         raise WireError(f"undecodable control message: {exc}") from exc
 
 
-def encode_xfer_done(room: int, prefill_instance: str) -> bytes:
-    return _ENC.encode(XferDone(PROTOCOL_VERSION, room, prefill_instance))
+def encode_xfer_done(room: int, prefill_instance: str, aux: bytes = b"") -> bytes:
+    return _ENC.encode(XferDone(PROTOCOL_VERSION, room, prefill_instance, aux))
 
 
 def decode_xfer_done(data: bytes) -> XferDone:

@@ -495,7 +495,7 @@ class NixlDecodeManager(KVManager):
         r = self._rooms.get(done.room)
         rank = r.rank_of(done.prefill_instance) if r is not None else None
         if r is not None and rank is not None:
-            r.on_done(rank)
+            r.on_done(rank, done.aux)
 
     # --- heartbeat thread -------------------------------------------------------------------
     def _heartbeat_loop(self, stop: threading.Event) -> None:

@@ -264,9 +264,11 @@ class NixlPrefillManager(KVManager):
         self.engine.close()
 
     # --- used by senders ----------------------------------------------------------------
-    def submit(self, sender: NixlSender, src: list[int], dst: list[int], last: bool) -> None:
-        """Queue one ``send`` of a room for a transfer worker."""
-        self._workers.submit(sender, src, dst, last)
+    def submit(
+        self, sender: NixlSender, src: list[int], dst: list[int], last: bool, solo: bool
+    ) -> None:
+        """Post (or queue for a transfer thread) one ``send`` of a room (:mod:`.transfer_workers`)."""
+        self._workers.submit(sender, src, dst, last, solo)
 
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""

@@ -221,8 +221,10 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._update_quarantine()
         self._fail(f"prefill rank {rank} failed room {self.room}: {status.reason}", PEER_FAILED)
 
-    def on_done(self, rank: int) -> None:
-        """Writer ``rank``'s completion notification arrived: its WRITEs are in our memory."""
+    def on_done(self, rank: int, aux: bytes = b"") -> None:
+        """Writer ``rank``'s completion notification arrived: its WRITEs are in our memory;
+        ``aux``: the aux record it carries (for decode rank 0), stored in the room's slot
+        here, the slot's one writer, while the room still owns the slot."""
         with self._lock:
             self.ended.add(rank)
             self.done.add(rank)
@@ -230,6 +232,10 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._update_quarantine()
             if self.is_terminal():
                 return
+            if aux and self._mgr.writes_aux and self.aux_slot is not None:
+                args = self._mgr.engine.kv_args
+                n = min(len(aux), args.aux_item_len)
+                ctypes.memmove(args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux, n)
             if self.abort_request is not None:
                 if self._settled():
                     self._finish_failed(*self.abort_request)

@@ -1,25 +1,26 @@
-"""Prefill side of one room over NIXL: waits for decode's destination, then its pages and
-aux record are WRITTEN by a transfer worker of :class:`~.prefill.NixlPrefillManager`.
+"""Prefill side of one room over NIXL: waits for decode's destination, then its pages are
+WRITTEN (:mod:`.transfer_workers`: posted on the calling thread when few descriptors, else
+by a transfer thread) and decode is told with ``XferDone``, which carries the aux record.
 
 States: ``Bootstrapping`` (not every destination yet; fails after the bootstrap
 timeout) -> ``WaitingForInput`` (the destination of every decode rank this rank writes
 into is known: one under equal TP, several when this rank's heads are split over
-decode ranks; they list the same pages) -> ``Transferring`` (a first ``send`` queued) ->
-``Success`` (NIXL reported every WRITE of every ``send`` done, then decode notified once)
-or ``Failed``. Each ``send`` is one job of the transfer workers (a chunk of the prompt's
-pages, WRITTEN into every destination; the last one also the aux slot, which only this
-class writes, and only prefill rank 0 into decode rank 0). A failure asked for
+decode ranks; they list the same pages) -> ``Transferring`` (a first ``send`` posted or queued) ->
+``Success`` (NIXL reported every WRITE of every ``send`` done, and decode notified once)
+or ``Failed``. Each ``send`` is one job of :mod:`.transfer_workers` (a chunk of the
+prompt's pages, WRITTEN into every destination); the last one packs the aux record
+(``aux_bytes``, only here), which ``XferDone`` takes to decode rank 0 only (from prefill
+rank 0; decode stores it in the room's aux slot). A failure asked for
 while WRITEs are in flight (abort, decode's abort, injection) takes effect when they all
 end, so ``Failed`` is never reported while NIXL may still read the pages.
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll, KVSender
+from pdserve.disagg.base import AuxRecord, KVPoll, KVSender
 from pdserve.disagg.messages import RoomDest
 from pdserve.disagg.rooms import BOOTSTRAP_TIMEOUT, PEER_FAILED, TRANSFER_ERROR, RoomHandle
 
@@ -40,6 +41,7 @@ class NixlSender(RoomHandle, KVSender):
         self._reply: dict[bytes, None] = {}  # decode ZMQ identities to tell, in order
         self.num_pages: int | None = None
         self.aux_slot: int | None = None
+        self.aux_bytes = b""  # the packed aux record, set by the last send
         self.pages: list[int] = []  # every page handed to send, prompt order
         self.sent_at = 0.0
         self.inflight = 0  # send() jobs queued to or posted by a transfer worker
@@ -97,12 +99,7 @@ class NixlSender(RoomHandle, KVSender):
                 self.num_pages = first + len(page_ids)
                 if not self._check_counts():
                     return
-                args = self._mgr.engine.kv_args
-                ctypes.memmove(
-                    args.aux_data_ptr + self.aux_slot * args.aux_item_len,
-                    aux.pack(),
-                    AUX_RECORD_BYTES,
-                )
+                self.aux_bytes = aux.pack()
                 self.last_sent = True
             assert self.dest is not None  # WaitingForInput: decode's destination arrived
             skip = self.dest.skip_pages
@@ -113,8 +110,9 @@ class NixlSender(RoomHandle, KVSender):
             if self._state == KVPoll.WaitingForInput:
                 self._state = KVPoll.Transferring
                 self.sent_at = time.monotonic()
+            solo = self.inflight == 0  # no earlier send still in flight
             self.inflight += 1
-        self._mgr.submit(self, src, dst, last)
+        self._mgr.submit(self, src, dst, last, solo)
 
     def peers(self) -> list[DecodePeer]:
         """The decode rank peers of the destinations received so far."""
@@ -125,7 +123,7 @@ class NixlSender(RoomHandle, KVSender):
         return [self.dests[r] for r in sorted(self.dests)]
 
     def writes_aux(self, peer: DecodePeer) -> bool:
-        """The aux record goes from prefill rank 0 to decode rank 0 only."""
+        """The aux record goes from prefill rank 0 to decode rank 0 only (in ``XferDone``)."""
         return self._mgr.rank.rank == 0 and peer.engine_rank == 0
 
     def reply_identities(self) -> list[bytes]:
@@ -202,9 +200,9 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(f"decode gave up on room {self.room}: {reason}", kind)
 
     def chunk_finished(self, error: str | None) -> bool:
-        """A transfer worker is done with one ``send``'s WRITEs (NIXL no longer touches
-        those pages). True when the room's last WRITEs are all done without error: the
-        worker then notifies decode and calls :meth:`transfer_finished`. Else, once
+        """One ``send``'s WRITEs ended (NIXL no longer touches those pages). True when the
+        room's last WRITEs are all done without error: the caller then notifies decode
+        (unless ``XferDone`` rode on them) and calls :meth:`transfer_finished`. Else, once
         nothing is in flight any more, the room ends here."""
         with self._lock:
             self.inflight -= 1

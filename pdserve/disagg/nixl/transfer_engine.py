@@ -99,9 +99,11 @@ def _slice_rows(
     return np.asarray(rows, dtype=np.int64)
 
 
-def page_indices(num_buffers: int, num_pages: int, pages: list[int]) -> np.ndarray:
+def page_indices(num_buffers: int, num_pages: int, pages: list[int] | np.ndarray) -> np.ndarray:
     """``int32[num_buffers * len(pages)]``: descriptor indices of ``pages`` in every buffer,
     buffer-major, pages in the given order."""
+    if num_buffers == 1:  # page-major, whole pages: the page ids themselves
+        return np.asarray(pages, dtype=np.int32)
     buf = np.arange(num_buffers, dtype=np.int64)[:, None] * num_pages
     return (buf + np.asarray(pages, dtype=np.int64)[None, :]).ravel().astype(np.int32)
 
@@ -298,26 +300,30 @@ class NixlTransferEngine:
     def post_room_write(
         self,
         remote: RemoteSide,
-        src_pages: list[int],
-        dst_pages: list[int],
-        src_slot: int | None,
-        dst_slot: int | None,
+        src_pages: list[int] | np.ndarray,
+        dst_pages: list[int] | np.ndarray,
+        src_slot: int | None = None,
+        dst_slot: int | None = None,
+        notif: bytes = b"",
     ) -> list[Any]:
         """Post the WRITE of ``src_pages`` (all buffers, or the peer's head slice) onto
-        ``dst_pages`` of the peer, and
-        of aux slot ``src_slot`` onto the peer's ``dst_slot`` (none when ``src_slot`` is
-        None). The index arrays go to NIXL's prepared lists, which merge adjacent pages.
-        Returns the posted handles (KV first; none for KV when there are no pages).
-        ValueError for ids out of range."""
-        if len(src_pages) != len(dst_pages):
+        ``dst_pages`` of the peer, and of aux slot ``src_slot`` onto the peer's
+        ``dst_slot`` (none when ``src_slot`` is None). The index arrays go to NIXL's
+        prepared lists, which merge adjacent pages. ``notif``: a NIXL notification the
+        peer receives once the KV WRITE is complete (sent from the poll that sees it
+        done; needs pages). Returns the posted handles (KV first; none for KV when there
+        are no pages). ValueError for ids out of range."""
+        src = np.asarray(src_pages, dtype=np.int64)
+        dst = np.asarray(dst_pages, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1:
             raise ValueError(
-                f"page count mismatch: {len(src_pages)} source vs {len(dst_pages)} destination pages"
+                f"page count mismatch: {src.size} source vs {dst.size} destination pages"
             )
         for what, pages, n in (
-            ("source", src_pages, self.num_pages),
-            ("destination", dst_pages, remote.num_pages),
+            ("source", src, self.num_pages),
+            ("destination", dst, remote.num_pages),
         ):
-            if pages and not (min(pages) >= 0 and max(pages) < n):
+            if pages.size and not (pages.min() >= 0 and pages.max() < n):
                 raise ValueError(f"{what} page id out of range [0, {n})")
         if src_slot is not None and (
             dst_slot is None
@@ -325,15 +331,18 @@ class NixlTransferEngine:
             or not 0 <= src_slot < self.num_aux_slots
         ):
             raise ValueError(f"aux slot out of range (source {src_slot}, destination {dst_slot})")
+        if notif and not src.size:
+            raise ValueError("a notification rides on a KV WRITE: no pages given")
         handles = []
-        if src_pages:
+        if src.size:
             handles.append(
                 self.agent.make_prepped_xfer(
                     "WRITE",
                     remote.local_kv,
-                    page_indices(remote.num_rows, self.num_pages, src_pages),
+                    page_indices(remote.num_rows, self.num_pages, src),
                     remote.kv,
-                    page_indices(remote.num_rows, remote.num_pages, dst_pages),
+                    page_indices(remote.num_rows, remote.num_pages, dst),
+                    notif,
                 )
             )
         if src_slot is not None:

@@ -1,14 +1,24 @@
-"""Prefill's transfer workers: each takes one ``send`` of a room (a chunk of its pages; the
-last one with the aux slot), posts its WRITEs (KV pages of every buffer, the aux slot),
-busy-polls NIXL until every WRITE ended, and when that was the room's last outstanding
-``send`` notifies decode once with a NIXL notification (``XferDone``). The room learns
-the outcome through ``NixlSender.chunk_finished`` / ``transfer_finished`` only when NIXL
-no longer touches its pages (a WRITE still running at the deadline is cancelled; until
-NIXL accepts the cancellation it keeps being polled).
+"""Prefill's posting and completion of a room's WRITEs: one ``send`` of a room (a chunk of
+its pages; the last one with the aux record) is one :class:`Job`.
 
-Polling: right after posting, the handles are polled back to back (yielding the GIL
-between polls) for ``SPIN_S``; a one-page WRITE ends in microseconds, and a sleep there
-is the fixed cost of every request. Past that, every ``BACKOFF_S``.
+Posting: a send of few descriptors (``INLINE_MAX_DESCS`` after merging adjacent pages; on
+host memory also at most ``INLINE_MAX_HOST_BYTES``, since a CMA copy runs inside the
+post) is posted on the calling thread (the engine's), so no thread hand-off sits in front
+of the WRITE; a larger one is queued to the ``transfer-i`` threads, which post it there
+(posting costs ~2.5 us a descriptor on VRAM: GPU.md). After an inline post the handles are
+polled back to back for up to ``INLINE_SPIN_S``: a one-page WRITE often ends within it,
+and then the room ends on the calling thread too. Otherwise a transfer thread completes
+it: polled back to back (yielding the GIL) for ``SPIN_S``, then every ``BACKOFF_S``.
+
+Completion notification (``XferDone``, carrying the aux record for the decode rank that
+takes it): when a room's last send is the only one still in flight, it rides on that
+send's KV WRITE of each destination (``make_prepped_xfer(..., notif_msg)``: UCX sends it
+once that WRITE is complete, from the poll that sees it done), so a room is one prepared
+transfer per destination and nothing is posted after it. Else (an earlier chunk still in
+flight, or no pages left to write) it is sent on its own once every WRITE ended. The room
+learns the outcome through ``NixlSender.chunk_finished`` / ``transfer_finished`` only when
+NIXL no longer touches its pages (a WRITE still running at the deadline is cancelled;
+until NIXL accepts the cancellation it keeps being polled).
 """
 
 from __future__ import annotations
@@ -16,7 +26,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from pdserve.disagg.messages import encode_xfer_done
 from pdserve.disagg.nixl.agent_init import select_device
@@ -26,12 +39,39 @@ if TYPE_CHECKING:
     from pdserve.disagg.metrics import TransferMetrics
     from pdserve.disagg.nixl.sender import NixlSender
 
-SPIN_S = 0.005  # busy-poll this long after posting (covers a 1 GiB WRITE on an H200)
+SPIN_S = 0.005  # a transfer thread busy-polls this long after posting (a 1 GiB WRITE on an H200)
 BACKOFF_S = 0.0001
+INLINE_MAX_DESCS = 16  # descriptors (merged, all destinations) a send may post inline
+INLINE_MAX_HOST_BYTES = 4 << 20  # on host memory the post is the copy: keep it short there
+INLINE_SPIN_S = 30e-6  # the calling thread polls an inline post this long before handing off
+
+
+@dataclass
+class Job:
+    """One ``send`` of a room: ``src`` pages onto decode's ``dst`` pages (int32 arrays),
+    ``last``: the room's last send; ``attach``: the room's ``XferDone`` rides on these
+    KV WRITEs; ``handles``/``error``/``t0`` once posted."""
+
+    sender: NixlSender
+    src: np.ndarray
+    dst: np.ndarray
+    last: bool
+    attach: bool
+    handles: list[Any] = field(default_factory=list)
+    error: str | None = None
+    t0: float = 0.0
+
+
+def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
+    """Descriptor runs of a page list pair: pages consecutive on both sides are one."""
+    if src.size <= 1:
+        return int(src.size)
+    return 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
 
 
 class TransferWorkers:
-    """The job queue and loop shared by the ``transfer-i`` threads of one prefill manager.
+    """Posting and completion of prefill's WRITEs (module doc): the job queue and loop of
+    the ``transfer-i`` threads of one prefill manager, and the inline path.
 
     timeout_s: how long a room's WRITEs may run before they are cancelled and the room fails.
     """
@@ -47,84 +87,122 @@ class TransferWorkers:
         self.instance_id = instance_id
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self.on_host = engine.kv_mem == "DRAM"
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, sender: NixlSender, src: list[int], dst: list[int], last: bool) -> None:
-        """Queue one ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages,
-        and the aux slot when ``last``."""
-        self._jobs.put((sender, src, dst, last))
+    def submit(
+        self, sender: NixlSender, src: list[int], dst: list[int], last: bool, solo: bool
+    ) -> None:
+        """One ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages, the
+        room's last when ``last``; ``solo``: no other send of the room is in flight.
+        Posted here or queued (module doc); never raises for a NIXL error (the room
+        fails)."""
+        s = np.asarray(src, dtype=np.int32)
+        d = np.asarray(dst, dtype=np.int32)
+        job = Job(sender, s, d, last, last and solo and s.size > 0)
+        targets = [peer.remote for _, peer in sender.targets() if peer.remote is not None]
+        descs = merged_runs(s, d) * sum(r.num_rows for r in targets)
+        nbytes = s.size * self.engine.page_bytes * len(targets)
+        if descs > INLINE_MAX_DESCS or (self.on_host and nbytes > INLINE_MAX_HOST_BYTES):
+            self._jobs.put(job)
+            return
+        self._post(job)
+        if not self._poll(job, time.monotonic() + INLINE_SPIN_S, spin_only=True):
+            self._jobs.put(job)  # still running: a transfer thread completes it
+            return
+        self._finish(job)
 
     def loop(self, stop: threading.Event) -> None:
-        """One worker thread's body."""
+        """One transfer thread's body."""
         select_device(self.engine.kv_args)  # the current device is thread-local
         while not stop.is_set():
             try:
-                sender, src, dst, last = self._jobs.get(timeout=0.1)
+                job = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
-            t0 = time.perf_counter()
-            if sender.chunk_finished(self._transfer(sender, src, dst, last)):
-                sender.transfer_finished(self._notify(sender))
-                if self.metrics is not None:
-                    self.metrics.record_completion(time.perf_counter() - t0)
+            if not job.t0:
+                self._post(job)
+            self._poll(job, job.t0 + SPIN_S, spin_only=False)
+            self._finish(job)
 
-    def _notify(self, sender: NixlSender) -> str | None:
-        """Tell every destination decode rank that each WRITE of the room is done; the
-        error, or None."""
-        for _, peer in sender.targets():
-            assert peer.remote is not None  # a destination is attached only with its peer
-            try:
-                self.engine.send_notif(
-                    peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id)
-                )
-            except Exception as exc:  # noqa: BLE001
-                return f"completion notification failed: {type(exc).__name__}: {exc}"
-        return None
+    # --- one job ------------------------------------------------------------------------
+    def _payload(self, job: Job, peer) -> bytes:
+        aux = job.sender.aux_bytes if job.last and job.sender.writes_aux(peer) else b""
+        return encode_xfer_done(job.sender.room, self.instance_id, aux)
 
-    def _transfer(
-        self, sender: NixlSender, src: list[int], dst: list[int], last: bool
-    ) -> str | None:
-        """Post and complete one ``send``'s WRITEs; the error, or None on success."""
-        if sender.abort_request is not None:
-            return None  # aborted before posting: nothing to undo
-        # A sender reaches this queue only once its destinations and decode peers are known.
-        assert sender.aux_slot is not None
-        handles: list = []
-        error = None
+    def _post(self, job: Job) -> None:
+        """Post the job's WRITEs (KV pages of every destination, with ``XferDone`` when
+        ``job.attach``)."""
+        job.t0 = time.monotonic()
+        sender = job.sender
+        if sender.abort_request is not None or not job.src.size:
+            job.attach = False
+            return  # aborted before posting (nothing to undo), or no pages to WRITE
         try:
-            for dest, peer in sender.targets():
-                assert peer.remote is not None
-                aux = last and sender.writes_aux(peer)
-                handles += self.engine.post_room_write(
-                    peer.remote,
-                    src,
-                    dst,
-                    sender.aux_slot if aux else None,
-                    dest.aux_slot if aux else None,
+            for _, peer in sender.targets():
+                assert peer.remote is not None  # a destination is attached only with its peer
+                notif = self._payload(job, peer) if job.attach else b""
+                job.handles += self.engine.post_room_write(
+                    peer.remote, job.src, job.dst, None, None, notif
                 )
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
-            error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end below
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        pending = list(handles)
+            job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
+            job.attach = False
+
+    def _poll(self, job: Job, spin_until: float, *, spin_only: bool) -> bool:
+        """Poll the job's handles until none is running (True), or, with ``spin_only``,
+        give up at ``spin_until`` (False). Past ``spin_until`` it backs off; past the
+        deadline the WRITEs are cancelled."""
+        deadline = job.t0 + self.timeout_s
+        pending = list(job.handles)
         while pending:
             for h in list(pending):
                 state = self.engine.state(h)
                 if state == "DONE":
                     pending.remove(h)
                 elif state == "ERR":
-                    error = error or "NIXL reported ERR for a WRITE"
+                    job.error = job.error or "NIXL reported ERR for a WRITE"
                     pending.remove(h)
-            if pending and time.monotonic() > deadline and error is None:
-                error = f"WRITEs still in flight after {self.timeout_s:g} s"
-            if pending and error is not None:
+            if not pending:
+                break
+            now = time.monotonic()
+            if spin_only:
+                if now > spin_until:
+                    return False
+                continue
+            if now > deadline and job.error is None:
+                job.error = f"WRITEs still in flight after {self.timeout_s:g} s"
+            if job.error is not None:
                 pending = [h for h in pending if not self._try_release(h)]
                 time.sleep(0.01)
-            elif pending:  # spin (small rooms end in microseconds), then back off
-                time.sleep(0 if time.monotonic() - start < SPIN_S else BACKOFF_S)
-        for h in handles:
+            else:  # spin (small rooms end in microseconds), then back off
+                time.sleep(0 if now < spin_until else BACKOFF_S)
+        return True
+
+    def _finish(self, job: Job) -> None:
+        """Every WRITE of the job ended: release the handles; the room learns it, and when
+        this was its last outstanding send decode is told (unless told already)."""
+        for h in job.handles:
             self._try_release(h)
-        return error
+        sender = job.sender
+        if sender.chunk_finished(job.error):
+            sender.transfer_finished(None if job.attach else self._notify(sender))
+            if self.metrics is not None:
+                self.metrics.record_completion(time.monotonic() - job.t0)
+
+    def _notify(self, sender: NixlSender) -> str | None:
+        """Tell every destination decode rank that each WRITE of the room is done (with
+        the aux record to the rank that takes it); the error, or None."""
+        for _, peer in sender.targets():
+            assert peer.remote is not None  # a destination is attached only with its peer
+            aux = sender.aux_bytes if sender.writes_aux(peer) else b""
+            try:
+                self.engine.send_notif(
+                    peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id, aux)
+                )
+            except Exception as exc:  # noqa: BLE001
+                return f"completion notification failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _try_release(self, handle) -> bool:
         """Release a transfer handle (cancels it if still running); False if NIXL refused."""

@@ -1,0 +1,190 @@
+"""Prefill's posting/completion path (pdserve.disagg.nixl.transfer_workers) with a stub NIXL
+engine: what is posted where, on which thread, and how decode is told. No thread is started
+(the queued jobs are run by calling the worker's steps here)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pdserve.disagg.messages import decode_xfer_done
+from pdserve.disagg.nixl import transfer_workers as tw
+
+
+class StubEngine:
+    """Records posts and notifications; a handle is DONE after ``polls_to_done`` polls."""
+
+    def __init__(self, kv_mem: str = "VRAM", polls_to_done: int = 1, fail_post: bool = False):
+        self.kv_mem = kv_mem
+        self.page_bytes = 1 << 20
+        self.kv_args = SimpleNamespace(device="cpu")
+        self.posts: list[tuple] = []
+        self.notifs: list[tuple[str, bytes]] = []
+        self.released: list[int] = []
+        self.polls: dict[int, int] = {}
+        self.polls_to_done = polls_to_done
+        self.fail_post = fail_post
+        self.threads: set[str] = set()
+
+    def post_room_write(self, remote, src, dst, src_slot, dst_slot, notif=b""):
+        self.threads.add(threading.current_thread().name)
+        if self.fail_post:
+            raise RuntimeError("post refused")
+        self.posts.append((remote.agent_name, list(src), list(dst), notif))
+        h = len(self.posts)
+        self.polls[h] = 0
+        return [h]
+
+    def state(self, h):
+        self.polls[h] += 1
+        return "DONE" if self.polls[h] >= self.polls_to_done else "PROC"
+
+    def release(self, h):
+        self.released.append(h)
+
+    def send_notif(self, agent, payload):
+        self.notifs.append((agent, payload))
+
+
+class StubSender:
+    """The part of NixlSender the workers use; ``peers``: decode ranks written."""
+
+    def __init__(self, peers=(0,), rows: int = 1):
+        self.room = 42
+        self.aux_bytes = b"aux-record"
+        self.abort_request = None
+        self._targets = [
+            (None, SimpleNamespace(engine_rank=r, remote=SimpleNamespace(agent_name=f"d{r}", num_rows=rows)))
+            for r in peers
+        ]  # fmt: skip
+        self.inflight = 0
+        self.finished: list[str | None] = []
+        self.chunk_errors: list[str | None] = []
+
+    def targets(self):
+        return self._targets
+
+    def writes_aux(self, peer):
+        return peer.engine_rank == 0
+
+    def chunk_finished(self, error):
+        self.chunk_errors.append(error)
+        self.inflight -= 1
+        return self.inflight == 0 and error is None
+
+    def transfer_finished(self, error):
+        self.finished.append(error)
+
+
+def _workers(engine) -> tw.TransferWorkers:
+    return tw.TransferWorkers(engine, "prefill-instance", timeout_s=5.0)
+
+
+def _drain(workers: tw.TransferWorkers) -> None:
+    """Run the queued jobs the way a transfer thread does."""
+    while not workers._jobs.empty():
+        job = workers._jobs.get()
+        if not job.t0:
+            workers._post(job)
+        workers._poll(job, job.t0 + tw.SPIN_S, spin_only=False)
+        workers._finish(job)
+
+
+def test_one_page_last_send_is_one_write_carrying_xferdone_and_aux_ended_on_the_caller():
+    engine, sender = StubEngine(), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [5], [9], last=True, solo=True)
+    assert len(engine.posts) == 1 and engine.notifs == []  # no aux WRITE, no separate notif
+    agent, src, dst, notif = engine.posts[0]
+    assert (agent, src, dst) == ("d0", [5], [9])
+    done = decode_xfer_done(notif)
+    assert (done.room, done.prefill_instance, done.aux) == (42, "prefill-instance", b"aux-record")
+    assert sender.finished == [None] and engine.released == [1]  # ended inline
+    assert workers._jobs.empty()
+    assert engine.threads == {threading.current_thread().name}
+
+
+def test_aux_goes_to_decode_rank_0_only():
+    engine, sender = StubEngine(), StubSender(peers=(0, 1))
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [1, 2], [3, 4], last=True, solo=True)
+    auxes = {p[0]: decode_xfer_done(p[3]).aux for p in engine.posts}
+    assert auxes == {"d0": b"aux-record", "d1": b""}
+
+
+def test_an_unfinished_inline_write_is_completed_by_a_transfer_thread():
+    engine, sender = StubEngine(polls_to_done=10**9), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [5], [9], last=True, solo=True)
+    assert len(engine.posts) == 1 and sender.finished == []  # posted, still running
+    assert not workers._jobs.empty()
+    engine.polls_to_done = 0
+    _drain(workers)
+    assert sender.finished == [None] and engine.notifs == [] and len(engine.posts) == 1
+
+
+def test_with_an_earlier_send_in_flight_xferdone_is_sent_alone_after_every_write():
+    engine, sender = StubEngine(), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 2  # an earlier chunk is still in flight
+    workers.submit(sender, [5], [9], last=True, solo=False)
+    assert engine.posts[0][3] == b""  # nothing rides on this WRITE
+    assert sender.finished == [] and engine.notifs == []
+    sender.chunk_finished(None)  # ... the earlier chunk ends: nothing to tell yet
+    sender.inflight = 1
+    workers.submit(sender, [6], [10], last=True, solo=False)
+    assert len(engine.notifs) == 1 and sender.finished == [None]
+    assert decode_xfer_done(engine.notifs[0][1]).aux == b"aux-record"
+
+
+def test_a_last_send_without_pages_notifies_alone():
+    engine, sender = StubEngine(), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [], [], last=True, solo=True)
+    assert engine.posts == [] and len(engine.notifs) == 1 and sender.finished == [None]
+
+
+@pytest.mark.parametrize(
+    "kv_mem,pages,rows,inline",
+    [
+        ("VRAM", 512, 1, True),  # 512 consecutive pages: one descriptor
+        ("VRAM", tw.INLINE_MAX_DESCS + 1, 1, False),  # every page apart below
+        ("VRAM", 1, tw.INLINE_MAX_DESCS + 1, False),  # head slices: a row per (layer, K|V)
+        ("DRAM", 4, 1, True),  # 4 MiB on host memory
+        ("DRAM", 5, 1, False),  # the CMA copy would run on the caller
+    ],
+)
+def test_what_is_posted_inline(kv_mem, pages, rows, inline):
+    engine, sender = StubEngine(kv_mem=kv_mem), StubSender(rows=rows)
+    workers = _workers(engine)
+    contiguous = not (kv_mem == "VRAM" and pages == tw.INLINE_MAX_DESCS + 1)
+    src = list(range(pages)) if contiguous else list(range(0, 2 * pages, 2))
+    sender.inflight = 1
+    workers.submit(sender, src, list(range(100, 100 + pages)), last=True, solo=True)
+    assert (len(engine.posts) == 1) is inline
+    _drain(workers)
+    assert len(engine.posts) == 1 and sender.finished == [None]
+
+
+def test_a_refused_post_fails_the_send_without_raising_to_the_caller():
+    engine, sender = StubEngine(fail_post=True), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [5], [9], last=True, solo=True)
+    assert sender.chunk_errors == ["RuntimeError: post refused"]
+    assert sender.finished == [] and engine.notifs == []
+
+
+def test_merged_runs_counts_pages_consecutive_on_both_sides():
+    a = np.asarray
+    assert tw.merged_runs(a([], dtype=np.int32), a([], dtype=np.int32)) == 0
+    assert tw.merged_runs(a([3]), a([7])) == 1
+    assert tw.merged_runs(a([1, 2, 3, 9]), a([5, 6, 7, 8])) == 2
+    assert tw.merged_runs(a([1, 2, 3]), a([5, 7, 8])) == 2
