@@ -105,7 +105,8 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV pool.
 
-    page_size: tokens per page.
+    page_size: tokens per page; ``None`` means the device's default
+        (``pdserve.engine.kv_layout.default_page_size``: 16 on CPU, 128 on CUDA).
     kv_cache_memory: pool size in GiB; ``None`` means 1 GiB on CPU, or
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
@@ -115,7 +116,7 @@ class CacheConfig:
         ``pdserve.engine.kv_layout``); ``None`` means the device's default order.
     """
 
-    page_size: int = 16
+    page_size: int | None = None
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.85
     num_pages: int | None = None
@@ -123,7 +124,7 @@ class CacheConfig:
     kv_order: str | None = None
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
+        if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")

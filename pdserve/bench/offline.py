@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--page-size",
         type=int,
         default=default_of(CacheConfig, "page_size"),
-        help="tokens per KV page of our engine (default %(default)s)",
+        help="tokens per KV page of our engine (default: 16 on CPU, 128 on CUDA)",
     )
     p.add_argument(
         "--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)"

@@ -82,7 +82,7 @@ class EngineCore:
         self.model, self.pool, self.runner = rank0.model, rank0.pool, rank0.runner
         self.vocab_size = self.model.shapes.vocab
         max_len = rank0.max_model_len
-        capacity = self.pool.num_pages * config.cache.page_size
+        capacity = self.pool.num_pages * self.pool.page_size
         if capacity < max_len:
             logger.warning(
                 "KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len

@@ -15,7 +15,12 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.engine.kv_layout import KVCacheLayout, check_order, default_order
+from pdserve.engine.kv_layout import (
+    KVCacheLayout,
+    check_order,
+    default_order,
+    default_page_size,
+)
 from pdserve.engine.page_runs import RunAllocator
 
 logger = logging.getLogger(__name__)
@@ -52,7 +57,8 @@ def compute_num_pages(
     """
     if cache.num_pages is not None:
         return cache.num_pages
-    page_bytes = cache.page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    page_size = cache.page_size or default_page_size(device)
+    page_bytes = page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     if cache.kv_cache_memory is not None:
         field, budget = "kv_cache_memory", int(cache.kv_cache_memory * GiB)
         pages = budget // page_bytes
@@ -62,7 +68,7 @@ def compute_num_pages(
         pages = budget // page_bytes
     else:
         field, budget = "kv_cache_memory", CPU_DEFAULT_KV_BYTES
-        needed = max_running_requests * math.ceil(max_model_len / cache.page_size)
+        needed = max_running_requests * math.ceil(max_model_len / page_size)
         pages = min(budget // page_bytes, needed)
     if pages < 1:
         raise ValueError(f"{field}: {budget} bytes of KV cache hold no page of {page_bytes} bytes")

@@ -34,6 +34,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
+from pdserve.engine.kv_layout import default_page_size
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
 from pdserve.engine.model_runner import HEADER_LEN, ModelRunner, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
@@ -101,6 +102,7 @@ def build_rank(
     TP=1 (a graph would have to capture the collectives too; not done yet).
     Raises ValueError naming the field for a bad context limit or pool size.
     """
+    page_size = config.cache.page_size or default_page_size(device)  # same on every rank
     mc, sc = config.model, config.scheduler
     shard = {"tp": tp} if tp.size > 1 else {}  # TP=1: the unsharded model, no group at all
     model = LlamaForCausalLM(
@@ -142,7 +144,7 @@ def build_rank(
         head_dim=shapes.head_dim,
         dtype=dtype,
         device=device,
-        page_size=config.cache.page_size,
+        page_size=page_size,
         num_pages=num_pages,
         num_aux_slots=max(16, 2 * sc.max_running_requests),
         model_fingerprint=source.fingerprint,
@@ -155,11 +157,9 @@ def build_rank(
         graphs = CUDAGraphRunner(
             model,
             pool.layer_caches,
-            config.cache.page_size,
+            page_size,
             sc.max_running_requests,
-            CUDAGraphRunner.max_pages_for(
-                min(max_len, num_pages * config.cache.page_size), config.cache.page_size
-            ),
+            CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
     runner = ModelRunner(model, pool, device, generator, graphs)

@@ -84,7 +84,13 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         gpu_id_tuple,
         "comma-separated CUDA device of each tensor-parallel rank; unset: --gpu-id + rank",
     ),
-    ("--page-size", CacheConfig, "page_size", int, "tokens per KV page"),
+    (
+        "--page-size",
+        CacheConfig,
+        "page_size",
+        int,
+        "tokens per KV page (default: 16 on CPU, 128 on CUDA)",
+    ),
     (
         "--kv-cache-memory",
         CacheConfig,

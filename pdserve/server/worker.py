@@ -121,7 +121,7 @@ def build_worker(
         "device": str(core.device),
         "dtype": str(core.dtype).replace("torch.", ""),
         "layout": core.layout.to_dict(),
-        "page_size": engine_cfg.cache.page_size,
+        "page_size": core.pool.page_size,
         "num_total_pages": core.pool.num_pages,
         "num_threads": torch.get_num_threads(),
         "tensor_parallel_size": core.executor.tp_size,

@@ -7,6 +7,7 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord
+from pdserve.engine.kv_layout import default_page_size
 from pdserve.engine.kv_pool import KVPool, compute_num_pages, kv_bytes_per_token
 
 
@@ -145,3 +146,30 @@ def test_sizing_precedence():
     assert compute_num_pages(CacheConfig(), **shape) == 4 * 7
     with pytest.raises(ValueError, match="kv_cache_memory"):
         compute_num_pages(CacheConfig(kv_cache_memory=1e-9), **shape)
+
+
+def test_page_size_defaults_by_device():
+    """An unset page size is 16 tokens on CPU and 128 on CUDA (one large NIXL descriptor a
+    page); an explicit one wins. Sizing by memory uses the resolved size (no GPU needed:
+    ``kv_cache_memory`` does not ask the device for its free memory)."""
+    assert CacheConfig().page_size is None
+    assert default_page_size("cpu") == 16
+    assert default_page_size(torch.device("cuda", 0)) == 128
+    shape = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_running_requests=4,
+        max_model_len=100,
+    )
+    per_token = kv_bytes_per_token(2, 2, 8, torch.float32)
+    cfg = CacheConfig(kv_cache_memory=1.0)
+    cuda = compute_num_pages(cfg, device=torch.device("cuda"), **shape)
+    assert cuda == (1 << 30) // (128 * per_token)
+    explicit = CacheConfig(kv_cache_memory=1.0, page_size=32)
+    assert compute_num_pages(explicit, device=torch.device("cuda"), **shape) == (1 << 30) // (
+        32 * per_token
+    )
+    with pytest.raises(ValueError, match="page_size"):
+        CacheConfig(page_size=0)
