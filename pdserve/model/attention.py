@@ -151,6 +151,9 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
     supports_cuda_graphs: bool = False
+    # Whether the model may write this step's K/V itself, inside its RoPE kernel
+    # (``fused_ops.rope_store_kv``, CUDA only), and call :meth:`forward` with ``kv_stored``.
+    accepts_stored_kv: bool = False
 
     @abc.abstractmethod
     def plan(self, attn: AttentionMetadata, page_size: int) -> Any:
@@ -173,8 +176,10 @@ class AttentionBackend(abc.ABC):
         attn: AttentionMetadata,
         plan: Any,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend.
+        """Write this step's K/V into the cache (unless ``kv_stored``: the caller already
+        wrote them at ``attn.slot_mapping``), then attend.
 
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; k_cache, v_cache: ``[P, page_size, Hkv, D]``
         strided views of the pool (``KVCacheLayout.layer_views``; written in place at

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place, SiLU-and-mul,
+"""Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place (optionally
+storing the rotated K and V into the paged KV cache in the same kernel), SiLU-and-mul,
 residual add + RMSNorm.
 
 A decode step at batch 1 is ~500 kernels; each small elementwise one costs a launch gap
@@ -24,16 +25,38 @@ def _rope_kernel(
     x_ptr,
     table_ptr,
     pos_ptr,
+    v_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
     s_xt,
     s_xh,
     s_tp,
+    s_vt,
+    s_vh,
+    s_kcp,
+    s_kct,
+    s_kch,
+    s_vcp,
+    s_vct,
+    s_vch,
     H: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """One program per token: rotate its ``H`` heads in place by the table row of its
-    position (``table[pos] = cos[HALF] | sin[HALF]``)."""
+    position (``table[pos] = cos[HALF] | sin[HALF]``). With ``STORE`` the last ``HKV`` of
+    them are K heads: the rotated K and the token's V ``[HKV, D]`` are also written to the
+    paged cache at slot ``slot_mapping[t]`` (a negative slot, a padded row of a captured
+    batch, writes nothing), the same bytes the attention backend's store would write."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
@@ -53,6 +76,27 @@ def _rope_kernel(
     o2 = (b * cos).to(ty).to(tl.float32) + (a * sin).to(ty).to(tl.float32)
     tl.store(base, o1.to(ty), mask=mask)
     tl.store(base + HALF, o2.to(ty), mask=mask)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        page = slot // PAGE_SIZE
+        off = slot % PAGE_SIZE
+        # K: rows HQ .. HQ + HKV of the tile, written at their KV head (row - HQ).
+        slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a tensor mask (the
+        kmask = mask & (hh >= HQ) & (slots >= 0)  # interpreter rejects a scalar one)
+        kbase = kc_ptr + page * s_kcp + off * s_kct + tl.where(hh >= HQ, hh - HQ, 0) * s_kch + dd
+        cty = kc_ptr.dtype.element_ty
+        tl.store(kbase, o1.to(ty).to(cty), mask=kmask)
+        tl.store(kbase + HALF, o2.to(ty).to(cty), mask=kmask)
+        vh = tl.arange(0, BLOCK_KV)[:, None]
+        vd = tl.arange(0, BLOCK_DV)[None, :]
+        vslots = tl.zeros([BLOCK_KV, BLOCK_DV], tl.int64) + slot
+        vmask = (vh < HKV) & (vd < D) & (vslots >= 0)
+        v = tl.load(v_ptr + t * s_vt + vh * s_vh + vd, mask=vmask)
+        tl.store(
+            vc_ptr + page * s_vcp + off * s_vct + vh * s_vch + vd,
+            v.to(vc_ptr.dtype.element_ty),
+            mask=vmask,
+        )
 
 
 def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
@@ -63,17 +107,83 @@ def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) 
     if T == 0:
         return
     assert x.stride(-1) == 1 and table.stride(-1) == 1
+    z = (0,) * 6
     _rope_kernel[(T,)](
         x,
         table,
         positions,
+        x,
+        positions,
+        x,
+        x,
         x.stride(0),
         x.stride(1),
         table.stride(0),
+        0,
+        0,
+        *z,
         H=H,
         HALF=D // 2,
         BLOCK_H=triton.next_power_of_2(H),
         BLOCK_D=triton.next_power_of_2(D // 2),
+        STORE=False,
+        HQ=0,
+        HKV=1,
+        D=D,
+        PAGE_SIZE=1,
+        BLOCK_KV=1,
+        BLOCK_DV=1,
+    )
+
+
+def rope_store_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`rope_inplace` of ``qk`` ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
+    in the same kernel the rotated K heads and ``v`` ``[T, Hkv, D]`` written into one
+    layer's paged cache views ``k_cache`` / ``v_cache`` ``[P, page_size, Hkv, D]`` (any
+    strides, dim stride 1; ``KVCacheLayout.layer_views``) at ``slot_mapping`` ``[T]`` int64
+    (``page * page_size + offset``; negative: not written). Replaces the attention backend's
+    KV store (one kernel a layer fewer); the cache gets the bytes that store would write
+    (cast to the cache's dtype)."""
+    T, H, D = qk.shape
+    Hkv = v.shape[1]
+    if T == 0:
+        return
+    assert qk.stride(-1) == 1 and v.stride(-1) == 1 and table.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _rope_kernel[(T,)](
+        qk,
+        table,
+        positions,
+        v,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        qk.stride(0),
+        qk.stride(1),
+        table.stride(0),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        H=H,
+        HALF=D // 2,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D // 2),
+        STORE=True,
+        HQ=H - Hkv,
+        HKV=Hkv,
+        D=D,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_KV=triton.next_power_of_2(Hkv),
+        BLOCK_DV=triton.next_power_of_2(D),
     )
 
 

@@ -100,11 +100,15 @@ class LlamaDecoderLayer(nn.Module):
         plan: Any,
         backend: AttentionBackend,
         fused: Any = None,
+        rope_store: Callable[..., None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
         output, None for the first layer) is still to be added; rope: rotates
         ``[T, heads, D]`` (returns the rotated tensor, may be in place); fused:
-        ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one kernel).
+        ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one kernel);
+        rope_store: ``(qk, v, k_cache, v_cache)`` -> rotates ``qk`` in place and writes K/V
+        into the cache (one kernel, CUDA with a backend that ``accepts_stored_kv``), used
+        instead of ``rope`` and the backend's own store when given.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA)."""
         s = self.s
@@ -124,9 +128,14 @@ class LlamaDecoderLayer(nn.Module):
             )
         else:
             qk = qkv[:, :nqk]
-        qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
-        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
-        o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale)  # [T, Hq * D]
+        v = qkv[:, nqk:]
+        if rope_store is not None:
+            rope_store(qk, v, k_cache, v_cache)  # rotated in place, K/V already in the cache
+        else:
+            qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
+        q, k = qk[:, :nq], qk[:, nq:]
+        stored = rope_store is not None
+        o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored)
         o = self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
@@ -310,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
             plan = self.backend.plan(attn, kv_cache[0][0].shape[1])
         fused: Any = None
         rope: Callable[[torch.Tensor], torch.Tensor]
-        if input_ids.is_cuda:  # one kernel each: RoPE, SiLU-and-mul, add + RMSNorm
+        rope_store: Callable[..., None] | None = None
+        if input_ids.is_cuda:  # one kernel each: RoPE (+ KV store), SiLU-and-mul, add + RMSNorm
             from pdserve.model import fused_ops
 
             fused = fused_ops
@@ -319,6 +329,14 @@ class LlamaForCausalLM(nn.Module):
             def rope(x: torch.Tensor) -> torch.Tensor:
                 fused_ops.rope_inplace(x, table, positions)
                 return x
+
+            if self.backend.accepts_stored_kv:
+                slots = attn.slot_mapping
+
+                def rope_store(
+                    qk: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+                ) -> None:
+                    fused_ops.rope_store_kv(qk, v, table, positions, kc, vc, slots)
         else:
             cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
             cos, sin = cs.chunk(2, dim=-1)
@@ -330,7 +348,16 @@ class LlamaForCausalLM(nn.Module):
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.decoder_layers()):
             h, delta = layer(
-                h, delta, rope, kv_cache[i][0], kv_cache[i][1], attn, plan, self.backend, fused
+                h,
+                delta,
+                rope,
+                kv_cache[i][0],
+                kv_cache[i][1],
+                attn,
+                plan,
+                self.backend,
+                fused,
+                rope_store,
             )
         return add_rms_norm(h, delta, self.norm, self.shapes.eps, fused)[1]
 

@@ -130,14 +130,16 @@ class TorchSDPABackend(AttentionBackend):
         attn: AttentionMetadata,
         plan: SDPAPlan,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq*D]``."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        idx = (plan.write_pages, plan.write_offsets)
-        k_cache.index_put_(idx, k.to(k_cache.dtype))  # strided views: writes land in the pool
-        v_cache.index_put_(idx, v.to(v_cache.dtype))
+        if not kv_stored:
+            idx = (plan.write_pages, plan.write_offsets)
+            k_cache.index_put_(idx, k.to(k_cache.dtype))  # strided views: writes land in the pool
+            v_cache.index_put_(idx, v.to(v_cache.dtype))
 
         dg = plan.decode
         if dg is not None and dg.rows is None:

@@ -4,7 +4,8 @@ A step is planned once (outside the model's forward). A decode-only step runs th
 decode kernel and its merge; any other step (prefill, chunked prefill over a cached prefix,
 mixed decode + prefill) runs the varlen extend kernel over every sequence. Both read K/V in
 place from the paged cache, through its strides; this step's K/V are stored first by the
-store kernel.
+store kernel, or, on CUDA, by the model's RoPE kernel (``fused_ops.rope_store_kv``: one
+kernel a layer fewer; ``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size (the split count is fixed per batch size; each program derives
@@ -86,6 +87,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    accepts_stored_kv = True
 
     def plan(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
         """Plan an eager step (reads the host lengths; one device read when absent)."""
@@ -108,20 +110,25 @@ class TritonBackend(AttentionBackend):
         attn: AttentionMetadata,
         plan: TritonPlan,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
-        any strides with dim stride 1. Returns ``[T, Hq * D]`` in q's dtype."""
+        any strides with dim stride 1. With ``kv_stored`` (the model's RoPE kernel wrote K/V,
+        ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
+        dtype."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
         page_size = k_cache.shape[1]
-        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if k.dtype != k_cache.dtype:
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
         block_d = _pow2(D)
-        if T:
+        if T and not kv_stored:
+            if k.stride(-1) != 1 or v.stride(-1) != 1:
+                k, v = k.contiguous(), v.contiguous()
+            if k.dtype != k_cache.dtype:
+                k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             store_kv_kernel[(T,)](
                 k,
                 v,

@@ -74,3 +74,48 @@ def test_add_rms_norm_matches_add_then_rms_norm(dtype, with_residual):
     assert (y.float() - ref_y.float()).abs().max().item() <= tol
     if dtype == torch.float32:  # and as the model's torch path (F.rms_norm) computes it
         assert (y - rms_norm(ref_h, w, eps)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("order", ["page_major", "layer_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
+    """The fused RoPE + KV store leaves q/k and the pool byte for byte as RoPE followed by
+    the triton backend's store kernel (the unfused path); a padded row (slot -1) writes
+    nothing. bf16 too on CPU: both paths convert the same way under the interpreter."""
+    from pdserve.engine.kv_layout import KVCacheLayout
+    from pdserve.model.attention import build_attention_metadata
+    from pdserve.model.fused_ops import rope_inplace, rope_store_kv
+    from pdserve.model.triton_backend import TritonBackend
+
+    gen = torch.Generator().manual_seed(3)
+    Hq, Hkv, D, ps, L = 4, 2, 16, 3, 2
+    layout = KVCacheLayout(order, L, Hkv, D, ps, 8, dtype)
+    # Three sequences: a 2-token prefill over a cached prefix, two decodes, one padded row.
+    md = build_attention_metadata([2, 1, 1], [5, 1, 7], [[6, 2], [0], [3, 5, 1]], ps, DEVICE)
+    slots = torch.cat((md.slot_mapping, torch.tensor([-1], device=DEVICE)))
+    positions = torch.tensor([3, 4, 0, 6, 9], device=DEVICE)
+    T = slots.shape[0]
+    qkv = torch.randn(T, Hq + 2 * Hkv, D, generator=gen).to(dtype).to(DEVICE)
+    table = torch.randn(64, D, generator=gen).to(dtype).to(DEVICE)
+    pool = torch.randn(layout.shape, generator=gen).to(dtype).to(DEVICE)
+    layer, before = 1, pool.clone()
+
+    ref_qkv, ref_pool = qkv.clone(), pool.clone()
+    rope_inplace(ref_qkv[:, : Hq + Hkv], table, positions)
+    kc, vc = layout.layer_views(ref_pool)[layer]
+    md.slot_mapping = slots
+    plan = TritonBackend().plan(md, ps)
+    k, v = ref_qkv[:, Hq : Hq + Hkv], ref_qkv[:, Hq + Hkv :]
+    TritonBackend().forward(ref_qkv[:, :Hq], k, v, kc, vc, md, plan, D**-0.5)
+
+    kc, vc = layout.layer_views(pool)[layer]
+    rope_store_kv(qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv :], table, positions, kc, vc, slots)
+    assert torch.equal(qkv, ref_qkv)  # q and k rotated as RoPE alone does, V untouched
+    assert torch.equal(pool, ref_pool)  # the same bytes in the pool, nothing else written
+    kc, vc = layout.layer_views(pool)[layer]
+    for t in range(T - 1):  # each real token's rotated K and its V sit at its slot
+        page, off = divmod(int(slots[t]), ps)
+        assert torch.equal(kc[page, off], qkv[t, Hq : Hq + Hkv])
+        assert torch.equal(vc[page, off], qkv[t, Hq + Hkv :])
+    changed = (pool != before).movedim(layout.page_dim, 0).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == [0, 1, 2]  # the pages of the 4 slots
