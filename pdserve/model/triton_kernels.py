@@ -60,6 +60,67 @@ def store_kv_kernel(
 
 
 @triton.jit
+def _attend_block(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    pos,
+    nmask,
+    visible,
+    kvh,
+    dd,
+    dmask,
+    scale,
+    s_cp,
+    s_ct,
+    s_ch,
+    s_vcp,
+    s_vct,
+    s_vch,
+    PAGE_SIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One step of the online softmax over a block of context positions ``pos``
+    ``[BLOCK_N]`` (``nmask``: inside the range) of one sequence (``table_row_ptr``: its
+    page-table row) and KV head ``kvh``: gather their K and V tiles ``[BLOCK_N, BLOCK_D]``
+    through the page table, attend the query rows ``q`` ``[R, BLOCK_D]`` where ``visible``
+    ``[R, BLOCK_N]`` and fold the result into ``(acc [R, BLOCK_D], m_i [R], l_i [R])``,
+    returned updated. A row that sees nothing keeps ``m`` at 0 and adds nothing."""
+    page = tl.load(table_row_ptr + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+    off = (pos % PAGE_SIZE).to(tl.int64)
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(
+        k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + page[:, None] * s_vcp + off[:, None] * s_vct + kvh * s_vch + dd[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -122,34 +183,30 @@ def decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + nn
         nmask = pos < hi
-        page = tl.load(table_ptr + b * s_tb + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
-        off = (pos % PAGE_SIZE).to(tl.int64)
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(
-            k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + page[:, None] * s_vcp + off[:, None] * s_vct + kvh * s_vch + dd[None, :],
-            mask=kv_mask,
-            other=0.0,
+        acc, m_i, l_i = _attend_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr + b * s_tb,
+            pos,
+            nmask,
+            nmask[None, :],
+            kvh,
+            dd,
+            dmask,
+            scale,
+            s_cp,
+            s_ct,
+            s_ch,
+            s_vcp,
+            s_vct,
+            s_vch,
+            PAGE_SIZE,
+            IEEE,
         )
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
     nonempty = hi > lo
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -260,42 +317,31 @@ def extend_kernel(
         for start in range(0, hi, BLOCK_N):
             pos = start + nn
             nmask = pos < hi
-            page = tl.load(table_ptr + b * s_tb + pos // PAGE_SIZE, mask=nmask, other=0).to(
-                tl.int64
-            )
-            off = (pos % PAGE_SIZE).to(tl.int64)
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(
-                k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
             causal = (pos[None, :] <= qpos[:, None]) & nmask[None, :]
-            s = tl.where(causal, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see nothing
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr
-                + page[:, None] * s_vcp
-                + off[:, None] * s_vct
-                + kvh * s_vch
-                + dd[None, :],
-                mask=kv_mask,
-                other=0.0,
+            acc, m_i, l_i = _attend_block(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_cache_ptr,
+                v_cache_ptr,
+                table_ptr + b * s_tb,
+                pos,
+                nmask,
+                causal,
+                kvh,
+                dd,
+                dmask,
+                scale,
+                s_cp,
+                s_ct,
+                s_ch,
+                s_vcp,
+                s_vct,
+                s_vch,
+                PAGE_SIZE,
+                IEEE,
             )
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + (q0 + mm)[:, None] * s_ot + h * s_oh + dd[None, :],
