@@ -1,4 +1,5 @@
-"""CPU weight pre-packing for linear layers (oneDNN), with a plain ``F.linear`` fallback.
+"""CPU weight pre-packing for linear layers (oneDNN), with a plain ``F.linear`` fallback; on
+CUDA a measured Triton GEMV for the few-row shapes where it beat cuBLAS (``gemv_table``).
 
 On CPU, a weight reordered once into oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU backend uses) runs
@@ -17,10 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import envs
+from pdserve.model import gemv_table
 
 logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Whether a down projection the GEMV runs also computes SwiGLU's ``silu(gate) * up`` (one
+# kernel instead of two; see :func:`silu_mul_linear`). Off: measured slower on the H200
+# (2026-12-01, Llama-3.1-8B bf16, batch-1 decode graph 4.60 ms with it vs 4.39 without: every
+# program recomputes the activation of the whole row; scripts/gpu_graph_profile.py).
+FUSE_SILU_MUL = False
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -52,8 +59,33 @@ def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given."""
+    """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given.
+    On CUDA a shape and row count that ``gemv_table.TABLE`` lists (measured faster than
+    cuBLAS there) runs the Triton GEMV of ``triton_gemv``; everything else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
+    if gemv_table.TABLE and x.is_cuda and x.dim() == 2:
+        from pdserve.model import triton_gemv
+
+        config = triton_gemv.pick(gemv_table.TABLE, x, weight)
+        if config is not None:
+            return triton_gemv.gemv(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``(silu(gate) * up) @ weight.T + bias`` of ``gate_up = [gate | up]`` ``[T, 2I]`` ->
+    ``[T, out]`` in one Triton GEMV kernel when ``gemv_table.TABLE`` lists ``weight``'s
+    shape at T rows (CUDA); None otherwise (the caller runs the activation, then
+    :func:`linear`)."""
+    if not (FUSE_SILU_MUL and gemv_table.TABLE and gate_up.is_cuda and gate_up.dim() == 2):
+        return None
+    from pdserve.model import triton_gemv
+
+    config = triton_gemv.pick(gemv_table.TABLE, gate_up, weight)
+    if config is None:
+        return None
+    return triton_gemv.gemv(gate_up, weight, bias, config, silu_mul=True)

@@ -140,6 +140,10 @@ class LlamaDecoderLayer(nn.Module):
         h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
         if fused is not None:
+            if self.tp is None:  # SwiGLU inside the down projection's GEMV, where it runs
+                down = lin.silu_mul_linear(gate_up, self.down_proj, self.down_bias)
+                if down is not None:
+                    return h, down
             act = fused.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -1,0 +1,129 @@
+"""The decode graph with and without each kernel lever of issue 10, in one process on the GPU.
+
+Variants (command-line words, measured in order): ``base`` (the attention backend's own KV
+store kernel, cuBLAS for every linear layer), ``fused`` (K/V stored by the RoPE kernel),
+``gemv`` (fused + the measured ``gemv_table``, SwiGLU inside the down projection's GEMV),
+``gemv-nosilu`` (the same with SwiGLU as its own kernel). For each: ``random:llama-3.1-8b`` bf16, the
+captured graph's GPU time at batch 1 and 64 (200-token contexts; 20 replays timed with CUDA
+events), its kernels (torch.profiler, top 12), then an engine decode step at 1 and 64
+prompts ((time of 96 tokens - time of 32) / 64). One engine: its graphs are captured again
+for each variant. Run from the repo root on the GPU machine:
+``python3 scripts/gpu_graph_profile.py base fused gemv-nosilu gemv``; writes ``$OUT/graph_profile.json``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model import gemv_table, linear
+from pdserve.model.triton_backend import TritonBackend
+
+CTX = 200
+MEASURED_TABLE = dict(gemv_table.TABLE)
+
+
+def graph_figures(g, bs: int) -> dict:
+    ids = np.zeros(bs, dtype="int64") + 5
+    pos = np.zeros(bs, dtype="int64") + CTX - 1
+    tables = [list(range(i * 14, i * 14 + 13)) for i in range(bs)]
+    for _ in range(3):
+        g.replay(ids, pos, tables)
+    torch.cuda.synchronize()
+    pieces = g._graphs[g.bucket(bs)]
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        for p in pieces:
+            p.replay()
+    e.record()
+    torch.cuda.synchronize()
+    gpu_ms = s.elapsed_time(e) / 20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            for p in pieces:
+                p.replay()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    rows = sorted(ka, key=lambda a: -a.device_time_total)
+    tot = sum(a.device_time_total for a in ka) / 5 / 1e3
+    n = sum(a.count for a in ka) / 5
+    print(
+        f"  bs {bs}: graph {gpu_ms:.3f} ms GPU; kernels {tot:.3f} ms over {n:.0f}; gaps {gpu_ms - tot:.3f} ms"
+    )
+    for a in rows[:12]:
+        print(f"  {a.device_time_total / 5 / 1e3:8.3f} ms {a.count // 5:5d}x  {a.key[:100]}")
+    return dict(graph_ms=gpu_ms, kernel_ms=tot, kernels=n)
+
+
+def engine_step_ms(llm, n: int) -> float:
+    prompts = [[1 + (i * 7 + j) % 4000 for j in range(CTX - 64)] for i in range(n)]
+    t = {}
+    for mt in (32, 96, 32, 96):
+        p = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, p)
+        t[mt] = time.perf_counter() - t0
+    return (t[96] - t[32]) / 64 * 1e3
+
+
+def set_variant(variant: str) -> None:
+    TritonBackend.accepts_stored_kv = variant != "base"
+    gemv_table.TABLE = MEASURED_TABLE if variant.startswith("gemv") else {}
+    linear.FUSE_SILU_MUL = variant != "gemv-nosilu"
+
+
+def main() -> None:
+    out = os.environ.get("OUT", ".")
+    res: dict = {}
+    args = sys.argv[1:]
+    max_batch = 64
+    if "--max-batch" in args:  # fewer buckets: a shorter start (bs 64 then not measured)
+        i = args.index("--max-batch")
+        max_batch = int(args[i + 1])
+        del args[i : i + 2]
+    variants = args
+    set_variant(variants[0])
+    t0 = time.time()
+    llm = LLM(
+        "random:llama-3.1-8b",
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=max_batch,
+        kv_cache_memory=16,
+    )
+    print(f"engine up in {time.time() - t0:.0f} s", flush=True)
+    g = llm.engine.runner.graphs
+    for i, variant in enumerate(variants):
+        if i:  # the same engine, its graphs captured again under this variant
+            set_variant(variant)
+            g._graphs.clear(), g._logits.clear(), g._greedy.clear()
+            g._pool = None  # a fresh pool: the old one went with its graphs
+            gc.collect()
+            g.capture()
+        print(f"== {variant} (table entries {len(gemv_table.TABLE)})", flush=True)
+        sizes = [bs for bs in (1, 64) if bs <= max_batch]
+        r = {f"bs{bs}": graph_figures(g, bs) for bs in sizes}
+        for n in sizes:
+            r[f"engine_step_ms_{n}"] = engine_step_ms(llm, n)
+            print(
+                f"  engine decode step, {n} prompts: {r[f'engine_step_ms_{n}']:.3f} ms", flush=True
+            )
+        res[variant] = r
+    print("SUMMARY", json.dumps(res))
+    with open(os.path.join(out, "graph_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The Triton GEMV (``model/triton_gemv.py``) equals ``F.linear``; the measured table decides
+where it runs. Kernels run on CPU under Triton's interpreter (this folder's conftest), on the
+GPU in the model (the ``gpu``-marked test, run on the GPU machine by path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gpu_backends import SCENARIOS, scenario_logits
+
+from pdserve.model import gemv_table, triton_gemv
+from pdserve.model.llama import LlamaForCausalLM
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 only on the GPU: the interpreter converts fp32 -> bf16 by truncation, not rounding.
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+CONFIGS = [("rows", 8, 32, 4, 1), ("dot", 16, 32, 4, 2), ("dot", 32, 64, 4, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemv_matches_linear(dtype, config, m, with_bias):
+    if config[0] == "rows" and m != 1:
+        with pytest.raises(ValueError, match="one row"):
+            triton_gemv.gemv(torch.zeros(m, 4), torch.zeros(2, 4), None, config)
+        return
+    gen = torch.Generator().manual_seed(m)
+    N, K = 72, 100  # neither a multiple of the tiles: the masked tails count nothing
+    x = torch.randn(m, 2 * K, generator=gen).to(dtype).to(DEVICE)[:, :K]  # a strided view
+    w = torch.randn(N, K, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    got = triton_gemv.gemv(x, w, b, config)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (m, N) and got.dtype == dtype
+    # fp32: summation order only; bf16: one rounding of the output.
+    tol = 1e-4 if dtype == torch.float32 else 2**-7 * ref.abs().max().item()
+    assert (got.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(config, m):
+    """SwiGLU computed inside the GEMV's loads gives the bits of silu_mul, then the GEMV."""
+    from pdserve.model.fused_ops import silu_mul
+
+    if config[0] == "rows" and m != 1:
+        return
+    gen = torch.Generator().manual_seed(10 + m)
+    N, K = 40, 70
+    gate_up = torch.randn(m, 2 * K, generator=gen).to(DEVICE)
+    w = torch.randn(N, K, generator=gen).to(DEVICE)
+    got = triton_gemv.gemv(gate_up, w, None, config, silu_mul=True)
+    ref = triton_gemv.gemv(silu_mul(gate_up), w, None, config)
+    assert torch.equal(got, ref)
+
+
+def test_gemv_rejects_too_many_rows_and_unknown_kernels():
+    with pytest.raises(ValueError, match="at most 16"):
+        triton_gemv.gemv(torch.zeros(17, 4), torch.zeros(2, 4), None, ("dot", 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="unknown GEMV kernel"):
+        triton_gemv.gemv(torch.zeros(1, 4), torch.zeros(2, 4), None, ("bogus", 16, 16, 4, 1))
+
+
+def test_pick_takes_the_smallest_measured_row_count_at_or_above_m():
+    rows = ("rows", 4, 1024, 4, 1)
+    dot = ("dot", 16, 256, 4, 4)
+    table = {("bfloat16", 8, 4): ((1, rows), (2, None), (8, dot))}
+    w = torch.zeros(8, 4, dtype=torch.bfloat16)
+
+    def picked(m, dtype=torch.bfloat16, weight=w):
+        return triton_gemv.pick(table, torch.zeros(m, 4, dtype=dtype), weight)
+
+    assert picked(1) == rows
+    assert picked(2) is None  # measured: cuBLAS won there
+    assert picked(3) == dot and picked(8) == dot
+    assert picked(9) is None  # past the last measured row count
+    assert picked(1, torch.float32) is None  # another dtype
+    assert picked(1, weight=torch.zeros(8, 5, dtype=torch.bfloat16)) is None  # another shape
+
+
+def test_committed_table_is_well_formed():
+    for (dtype, n, k), rows in gemv_table.TABLE.items():
+        assert dtype in ("bfloat16", "float16", "float32") and n > 0 and k > 0
+        ms = [m for m, _ in rows]
+        assert ms == sorted(ms) and len(set(ms)) == len(ms)
+        for m, config in rows:
+            if config is not None:
+                assert config[0] in ("rows", "dot") and len(config) == 5
+                assert m == 1 or config[0] == "dot"
+                assert m <= triton_gemv.BLOCK_M
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch):
+    """bf16: the tiny model with every linear layer routed through the GEMV (both kernels,
+    every row count <= 16) keeps >= 0.99 top-1 agreement with the cuBLAS path."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    hf = tiny_hf_builder("qwen2")  # biases on q/k/v: the bias path too
+    model = LlamaForCausalLM(hf.config, torch.bfloat16, "cuda", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    table = {}
+    for p in model.parameters():
+        if p.dim() == 2:
+            table[("bfloat16", p.shape[0], p.shape[1])] = (
+                (1, ("rows", 8, 64, 4, 1)),
+                (16, ("dot", 16, 64, 4, 3)),
+            )
+    agree = total = 0
+    one_seq = ([[7]] + [[1]] * 6, 4)  # M = 1 decode rows: the rows kernel
+    for i, (steps, ps) in enumerate([*SCENARIOS, one_seq]):
+        monkeypatch.setattr(gemv_table, "TABLE", {})
+        ref = scenario_logits(model, steps, ps, seed=i)
+        monkeypatch.setattr(gemv_table, "TABLE", table)
+        got = scenario_logits(model, steps, ps, seed=i)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += ref.shape[0]
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
