@@ -120,3 +120,47 @@ def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch)
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += ref.shape[0]
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+class _EveryShape(dict):
+    """A GEMV table that routes every bf16 linear layer through the GEMV (tests only)."""
+
+    ROWS = ((1, ("rows", 8, 64, 4, 1)), (16, ("dot", 16, 64, 4, 3)))
+
+    def __init__(self) -> None:
+        super().__init__({("bfloat16", 0, 0): self.ROWS})  # non-empty: the dispatch looks
+
+    def get(self, key, default=None):
+        return self.ROWS if key[0] == "bfloat16" else default
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_captured_graphs_through_the_gemv_match_eager(monkeypatch):
+    """Greedy bf16 decode with every linear layer on the GEMV: the captured graphs (buckets
+    1, 2, 4, 8; 3 and 5 rows pad) give the eager run's tokens."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(gemv_table, "TABLE", _EveryShape())
+    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(
+            "random:tiny",
+            device="cuda",
+            dtype="bfloat16",
+            max_running_requests=8,
+            kv_cache_memory=0.25,
+            enforce_eager=eager,
+        )
+        assert (llm.engine.runner.graphs is None) == eager
+        runs[eager] = [
+            [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)
+        ]
+        del llm
+        torch.cuda.empty_cache()
+    assert runs[False] == runs[True]
