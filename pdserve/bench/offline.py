@@ -80,6 +80,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap scheduling of greedy decode steps (unset: on for CUDA, off on CPU)",
+    )
+    p.add_argument(
         "--kv-order",
         default=None,
         help="physical order of the KV pool: layer_major or page_major (default: the "
@@ -293,6 +299,7 @@ def run_offline(args: argparse.Namespace) -> int:
             gpu_memory_utilization=0.4,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            overlap_schedule=args.overlap_schedule,
             kv_order=args.kv_order,
             page_size=args.page_size,
             tensor_parallel_size=args.tensor_parallel_size,

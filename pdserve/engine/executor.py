@@ -90,7 +90,7 @@ class Executor(ABC):
     # waiting for them; a TP step is a collective over every rank, run in sync.
     supports_overlap = False
 
-    def can_launch(self, plan: BatchPlan) -> bool:
+    def can_launch(self, plan: BatchPlan, rows_checked: bool = False) -> bool:
         """Whether :meth:`launch_greedy` can run ``plan`` (``ModelRunner.can_launch``)."""
         return False
 
@@ -132,8 +132,8 @@ class LocalExecutor(Executor):
     def execute(self, plan: BatchPlan) -> StepResult:
         return self.rank0.runner.execute(plan)
 
-    def can_launch(self, plan: BatchPlan) -> bool:
-        return self.rank0.runner.can_launch(plan)
+    def can_launch(self, plan: BatchPlan, rows_checked: bool = False) -> bool:
+        return self.rank0.runner.can_launch(plan, rows_checked)
 
     def launch_greedy(self, plan: BatchPlan, prev: InFlightTokens | None) -> InFlightTokens:
         return self.rank0.runner.launch_greedy(plan, prev)

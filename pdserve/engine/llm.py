@@ -36,6 +36,8 @@ class LLM:
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
+    overlap_schedule: launch each greedy decode step before the previous one's results are
+    processed (``engine/overlap.py``); ``None`` = on for CUDA, off on CPU.
     tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
     started with the ``spawn`` method: a script must guard its entry point with
     ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
@@ -61,6 +63,7 @@ class LLM:
         kv_order: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        overlap_schedule: bool | None = None,
         tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
         gpu_ids: Sequence[int] | None = None,
     ) -> None:
@@ -72,6 +75,7 @@ class LLM:
             max_model_len=max_model_len,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            overlap_schedule=overlap_schedule,
             tensor_parallel_size=tensor_parallel_size,
             gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
             page_size=page_size,

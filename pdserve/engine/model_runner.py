@@ -137,15 +137,17 @@ class ModelRunner:
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
         return g.replay(ids, pos, tables)
 
-    def can_launch(self, plan: BatchPlan) -> bool:
+    def can_launch(self, plan: BatchPlan, rows_checked: bool = False) -> bool:
         """Whether :meth:`launch_greedy` runs ``plan`` (decode-only rows, all plain greedy):
-        on CUDA through a captured graph only; on CPU always (tests force overlap there)."""
+        on CUDA through a captured graph only; on CPU always (tests force overlap there).
+        rows_checked: the caller knows the rows qualify (only the graph's fit is checked)."""
         seqs = plan.seqs
-        if not seqs or not all(
-            len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs_targets for s in seqs
-        ):
+        if not seqs:
             return False
-        if not all(plain_greedy(s) for s in seqs):
+        if not rows_checked and not all(
+            len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs_targets and plain_greedy(s)
+            for s in seqs
+        ):
             return False
         if self.device.type == "cpu":
             return True

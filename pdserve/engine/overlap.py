@@ -145,7 +145,7 @@ class OverlapScheduler:
         if seqs is None:
             return False
         plan = BatchPlan(tuple(seqs), input_rows=tuple(rows))
-        if not self._executor.can_launch(plan):  # the page table outgrew the graph: undo
+        if not self._executor.can_launch(plan, rows_checked=True):  # outgrew the graph: undo
             for req, n in zip(reqs, had):
                 new, req.pages = req.pages[n:], req.pages[:n]
                 sched.kv.release(new)

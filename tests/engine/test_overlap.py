@@ -53,10 +53,23 @@ def _final(out):
     )
 
 
-def drive(core, requests, events=None, max_steps=2000):
+def check_pages(core):
+    """Page accounting adds up (live requests + pages deferred to launched steps), and every
+    page a launched step writes is still held (none freed under a queued step)."""
+    launched = core.overlap._launched
+    holders = [r.pages for r in core._requests.values()]
+    holders += [pages for step in launched for pages in step.deferred]
+    core.kv.check_integrity(holders)
+    for step in launched:
+        for seq in step.plan.seqs:
+            assert all(core.kv.refcount(p) > 0 for p in seq.pages), seq.request_id
+
+
+def drive(core, requests, events=None, max_steps=2000, first_steps=None):
     """Add ``requests`` ((id, prompt, params) triples), step ``core`` until idle, calling
     ``events[k](core)`` before step k; returns (deltas by id, final by id). Checks the pages
-    are back to baseline."""
+    are back to baseline.  ``first_steps`` (a dict) gets the step of each request's first
+    output."""
     for rid, prompt, params in requests:
         core.add_request(rid, prompt, params)
     events = dict(events or {})
@@ -69,7 +82,11 @@ def drive(core, requests, events=None, max_steps=2000):
             assert core.num_free_pages == core.pool.num_pages
             assert core.kv.num_held_pages == 0
             return deltas, finals
-        for out in core.step():
+        outs = core.step()
+        check_pages(core)
+        for out in outs:
+            if first_steps is not None:
+                first_steps.setdefault(out.request_id, k)
             assert out.request_id not in finals, "an output after the final one"
             deltas.setdefault(out.request_id, []).append(_delta(out))
             if out.finished:
@@ -200,6 +217,12 @@ def test_arrivals_mid_decode_equal_sync(eos_model):
         13: add("fourth", PROMPTS[3], max_tokens=5),
     }
     assert_same_runs(folder, requests, events, min_ahead=10)
+    # no TTFT cost: an arrival's first token comes in the step call it was added before, as
+    # in a synchronous run (the launched step is drained, the arrival prefilled at once)
+    for overlap in (False, True):
+        first: dict[str, int] = {}
+        drive(core_of(folder, overlap), requests, events, first_steps=first)
+        assert (first["second"], first["third"], first["fourth"]) == (4, 5, 13), overlap
 
 
 def test_abort_during_a_launched_step(eos_model):
@@ -219,9 +242,12 @@ def test_abort_during_a_launched_step(eos_model):
     core.abort_request("b")  # its row is in the launched step: its pages stay held
     assert b.finish_reason == "abort" and b.pages == []
     assert core.kv.num_held_pages == held and all(core.kv.refcount(p) == 1 for p in pages)
+    check_pages(core)
     finals = {}
     while core.has_unfinished_requests():
-        for out in core.step():
+        outs = core.step()
+        check_pages(core)
+        for out in outs:
             assert out.request_id != "b", "an aborted request emits nothing"
             if out.finished:
                 finals[out.request_id] = _final(out)
@@ -271,7 +297,9 @@ def pd_run(folder, overlap, params):
         if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
             break
         prefill.step()
-        for out in decode.step():
+        outs = decode.step()
+        check_pages(decode)
+        for out in outs:
             deltas.setdefault(out.request_id, []).append(_delta(out))
             if out.finished:
                 finals[out.request_id] = _final(out)
