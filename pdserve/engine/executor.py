@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
@@ -185,6 +186,25 @@ def create_executor(
     return MultiprocExecutor(config, source, dtype, attention_backend, generator)
 
 
+# torch.distributed's C++ errors start with their source location ("[../gloo/...cc:84] ").
+_SOURCE_PREFIX = re.compile(r"\[[^\]\s]+:\d+\]\s*")
+_PROC_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in disk sleep"}
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed collective timed out (a hung peer) rather than lost a peer."""
+    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+
+
+def _proc_state(pid: int) -> str | None:
+    """What a rank process that does not answer is doing, when Linux says (``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return _PROC_STATES.get(f.read().rsplit(")", 1)[1].split()[0])
+    except (OSError, IndexError):
+        return None
+
+
 def _how_it_ended(code: int | None) -> str:
     if code is None:
         return "is gone"
@@ -230,12 +250,13 @@ class MultiprocExecutor(Executor):
         self._procs: list[Any] = []  # multiprocessing.Process of ranks 1..N-1
         self._conns: list[Any] = []
         self._failure: str | None = None
+        self._failure_lock = threading.Lock()
         self._closed = False
         self._sent = False
         self._group: Any = None
         self._watcher: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
-        timeout = envs.TP_TIMEOUT.get()
+        timeout = self._timeout = envs.TP_TIMEOUT.get()
         device0 = resolve_rank_device(mc, 0)
         for r in range(1, n):
             resolve_rank_device(mc, r)  # ValueError naming gpu_ids before anything starts
@@ -319,6 +340,15 @@ class MultiprocExecutor(Executor):
             pass
         return text
 
+    def _fail(self, text: str) -> None:
+        """Record why the executor cannot serve; logged once, by whoever notices first (a
+        richer text for the same failure replaces it silently)."""
+        with self._failure_lock:
+            first = self._failure is None
+            self._failure = text
+        if first:
+            logger.error("%s; the engine stops serving", text)
+
     def _watch(self) -> None:
         """Background: wait on the rank sentinels; the first to fire fails the executor."""
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs, 1)}
@@ -327,9 +357,8 @@ class MultiprocExecutor(Executor):
             return
         rank = min(sentinels[s] for s in ready if s in sentinels)
         self._procs[rank - 1].join(1.0)
-        if self._failure is None:
-            self._failure = self._rank_failure(rank)
-            logger.error("%s; the engine stops serving", self._failure)
+        if self._failure is None and not self._closed:
+            self._fail(self._rank_failure(rank))
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -338,23 +367,44 @@ class MultiprocExecutor(Executor):
             raise RankFailedError("the tensor-parallel executor is shut down")
 
     def _fail_from(self, exc: BaseException) -> RankFailedError:
-        """A step or call failed after the ranks were involved: name the dead rank (waiting
-        briefly for its exit), else rank 0's own error; the group is unusable either way."""
+        """A step or call failed after the ranks were involved; the group is unusable.  A
+        collective that timed out names the ranks that did not answer (alive, silent: the
+        peers that merely waited report their own timeout and exit); otherwise the rank
+        that died (waiting briefly for its exit), else rank 0's own error."""
         deadline = time.monotonic() + 5.0
-        dead = None
-        while dead is None and time.monotonic() < deadline:
-            dead = next((r for r, p in enumerate(self._procs, 1) if not p.is_alive()), None)
-            if dead is None:
-                time.sleep(0.05)
-        if dead is not None:
-            text = self._rank_failure(dead)
+        timed_out = _timed_out(exc)
+        while True:
+            dead = [r for r, p in enumerate(self._procs, 1) if not p.is_alive()]
+            silent = [
+                r
+                for r, (p, c) in enumerate(zip(self._procs, self._conns), 1)
+                if p.is_alive() and not c.poll(0)
+            ]
+            if (dead and not timed_out) or (timed_out and not silent):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if timed_out and silent:
+            text = "; ".join(self._silent_failure(r) for r in silent)
+        elif dead:
+            text = self._rank_failure(dead[0])
         else:
-            text = f"tensor-parallel rank 0 failed mid-step: {type(exc).__name__}: {exc}"
-        if self._failure is None or dead is not None:
-            self._failure = text
-        logger.error("%s; the engine stops serving", self._failure)
+            reason = _SOURCE_PREFIX.sub("", f"{type(exc).__name__}: {exc}")
+            text = f"tensor-parallel rank 0 (pid {os.getpid()}) failed mid-step: {reason}"
+        self._fail(text)
         self._terminate()
-        return RankFailedError(self._failure)
+        return RankFailedError(text)
+
+    def _silent_failure(self, rank: int) -> str:
+        """Rank ``rank`` is alive but did not answer a collective within the timeout."""
+        pid = int(self._procs[rank - 1].pid)
+        state = _proc_state(pid)
+        return (
+            f"tensor-parallel rank {rank} (pid {pid}) did not answer for "
+            f"{self._timeout:g} s ({envs.TP_TIMEOUT.name})"
+            + (f"; its process is {state}" if state else "")
+        )
 
     # --- steps and calls ------------------------------------------------------------
     def _send_step(self, header: StepHeader, host: np.ndarray) -> None:
@@ -403,15 +453,13 @@ class MultiprocExecutor(Executor):
 
     # --- shutdown -------------------------------------------------------------------
     def _terminate(self) -> None:
-        """Stop every rank process now (SIGTERM, then SIGKILL) and reap it."""
+        """Stop every rank process now and reap it: SIGKILL, since a rank ignores SIGTERM
+        (``rank_worker.rank_main``) and a hung or stopped one would not act on it."""
         for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(5.0)
             if proc.is_alive():
                 proc.kill()
-                proc.join(5.0)
+        for proc in self._procs:
+            proc.join(5.0)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import traceback
@@ -201,12 +202,18 @@ def _watch_parent(parent_pid: int) -> None:
 def rank_main(args: RankArgs, conn: Connection) -> None:
     """Entry point of rank ``args.rank``'s process: join the group, build the rank, serve
     steps and calls from rank 0 until STOP or a closed pipe.  Any failure is reported on the
-    pipe (``("error", text)``) before the process exits with status 1."""
+    pipe (``("error", text)``) before the process exits with status 1.  SIGINT and SIGTERM
+    are ignored: rank 0 stops the rank (STOP, or SIGKILL), and the rank exits by itself
+    when rank 0's process is gone."""
     from pdserve.engine.device import resolve_dtype, resolve_rank_device
     from pdserve.model.attention import default_backend
     from pdserve.model.loader import load_model_source
     from pdserve.model.tp_group import init_local_group
 
+    # Ctrl-C and `kill` of the process group reach rank 0's process too, which stops its
+    # ranks itself (STOP, then SIGKILL): a rank dying of them first would read as a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(args.parent_pid)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)

@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running; the message says why it stopped."""
 
 
+class _EngineFailed(Exception):
+    """Ends the engine thread's loop: the engine reports a ``failure`` (already logged)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine counters published after every step (read by /health, /metrics, server info)."""
@@ -170,13 +174,14 @@ class AsyncEngine:
                 )
                 failure = getattr(self.core, "failure", None)
                 if failure is not None:  # a rank is gone: its requests ended with an error
-                    raise RuntimeError(failure)
+                    raise _EngineFailed(failure)
         except BaseException as exc:  # the worker turns unhealthy; every caller learns why
             # A rank that is gone is the cause (core.failure names it); else the exception.
             self._error = getattr(self.core, "failure", None) or (
                 f"engine thread died: {type(exc).__name__}: {exc}"
             )
-            log.exception("engine thread died")
+            if not isinstance(exc, _EngineFailed):  # the executor logged its failure once
+                log.exception("engine thread died")
             for sink in self._sinks.values():
                 self._deliver(sink, EngineDeadError(self.error))
             self._sinks.clear()

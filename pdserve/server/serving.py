@@ -137,7 +137,8 @@ class Serving:
     async def stream(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Submit ``job`` and yield ``(sample index, output)`` as the engine produces them,
         until every sample finished. Raises APIError (400 bad input, 409 duplicate room,
-        500 failed request / KV transfer, 503 engine down). Closing the iterator early (client
+        500 failed request / KV transfer, 503 engine down: a request the engine was running
+        when it went down too, e.g. a tensor-parallel rank gone). Closing the iterator early (client
         gone, cancellation) aborts every unfinished sample, which frees its pages."""
         self.check(job)
         samples = job.params.fan_out(job.request_id)
@@ -164,6 +165,8 @@ class Serving:
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None or any(o.finish_reason == "error" for o in item.outputs):
+                    if not self.engine.alive:  # the engine cannot serve (a rank is gone):
+                        raise EngineDeadError(item.error or self.engine.error or "engine stopped")
                     raise APIError(500, item.error or "request failed in the engine")
                 self._observe(job, index, item, last_token_time)
                 if item.finished:

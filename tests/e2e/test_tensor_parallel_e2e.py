@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 
@@ -52,8 +53,18 @@ def test_tp2_worker_answers_as_a_tp1_worker(tmp_path):
                 sorted(t) for t in lb["top_logprobs"]
             ]
     finally:
-        stop(procs)
+        stop(procs)  # SIGTERM to each process group: ranks included
     assert not any(pid_alive(p) for p in ranks), "a rank process outlived its worker"
+    log = tp2.log_path.read_text(errors="replace")
+    assert " ERROR " not in log and "SIGTERM" not in log, log[-2000:]  # a normal stop
+
+
+def _rank_error_lines(log_path, rank: int) -> list[str]:
+    return [
+        line
+        for line in log_path.read_text(errors="replace").splitlines()
+        if " ERROR " in line and f"tensor-parallel rank {rank} " in line
+    ]
 
 
 def _stream(url: str, events: list, first: threading.Event) -> None:
@@ -88,8 +99,9 @@ def test_killed_rank_fails_its_request_and_the_worker_turns_unhealthy(tmp_path):
         t.join(240)
         assert not t.is_alive(), "the stream did not end after its rank died"
         assert events[0] == 200 and events[-1] == "[DONE]"
-        error = json.loads(events[-2])
-        assert "tensor-parallel rank 1" in json.dumps(error), error
+        error = json.loads(events[-2])["error"]
+        assert f"tensor-parallel rank 1 (pid {rank1}) was killed by SIGKILL" in error["message"]
+        assert error["type"] == "service_unavailable", error  # as requests after it: 503
         tokens = [json.loads(e) for e in events[1:-2]]
         assert 0 < len(tokens) < 3000
         health = wait_for(
@@ -105,6 +117,55 @@ def test_killed_rank_fails_its_request_and_the_worker_turns_unhealthy(tmp_path):
         )
         assert resp.status_code == 503 and "rank 1" in resp.text, resp.text
         assert worker.exit_status() is None  # the worker still answers (unhealthy), no hang
+        assert len(_rank_error_lines(worker.log_path, 1)) == 1, worker.log_tail(40)
+    finally:
+        stop([worker])
+    assert not pid_alive(rank1)
+
+
+def _running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(r"^\w*num_running (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_hung_rank_fails_its_request_naming_the_rank_like_a_dead_one(tmp_path):
+    """Rank 1 stopped (SIGSTOP) under a non-streamed request: after PDSERVE_TP_TIMEOUT the
+    request is a 503 naming rank 1 and its pid (not rank 0, not gloo), logged once."""
+    worker = start_worker(
+        "tp2-hung",
+        "mixed",
+        tmp_path,
+        env={"PDSERVE_TP_TIMEOUT": "10"},
+        extra=[*ONE_THREAD, "--tp", "2"],
+    )
+    try:
+        wait_healthy([worker])
+        rank1 = worker.get_info()["tp_rank_pids"][1]
+        answer: list = []
+        body = {"model": TINY, "prompt": "Tell me a long story:", "max_tokens": 3000}
+        t = threading.Thread(
+            target=lambda: answer.append(
+                httpx.post(
+                    f"{worker.url}/v1/completions",
+                    json={**body, "temperature": 0, "ignore_eos": True},
+                    timeout=300,
+                )
+            )
+        )
+        t.start()
+        wait_for(lambda: _running(worker.url) >= 1, 120, "the request to run")
+        os.kill(rank1, signal.SIGSTOP)
+        t.join(240)
+        assert not t.is_alive(), "the request did not end after its rank hung"
+        resp = answer[0]
+        error = resp.json()["error"]
+        assert resp.status_code == 503 and error["type"] == "service_unavailable", resp.text
+        want = f"tensor-parallel rank 1 (pid {rank1}) did not answer for 10 s"
+        assert want in error["message"] and "gloo" not in error["message"], error
+        assert "rank 0" not in error["message"], error
+        assert len(_rank_error_lines(worker.log_path, 1)) == 1, worker.log_tail(40)
+        assert "gloo" not in worker.log_path.read_text(errors="replace")
     finally:
         stop([worker])
     assert not pid_alive(rank1)

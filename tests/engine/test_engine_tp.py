@@ -5,6 +5,7 @@ the engine refuses more, and shutdown leaves no process behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -109,20 +110,32 @@ def test_call_rank_runs_in_the_rank_process_and_reraises(tp2_core):
     assert len(done[0].outputs[0].token_ids) == 3 and done[0].outputs[0].finish_reason == "length"
 
 
+def _rank_errors(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and "tensor-parallel rank" in r.getMessage()
+    ]
+
+
 @pytest.mark.timeout(300)
-def test_killed_rank_ends_requests_with_error_and_nothing_hangs(tp2_core):
+def test_killed_rank_ends_requests_with_error_and_nothing_hangs(tp2_core, caplog):
     core = tp2_core
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     core.add_request("doomed", list(range(1, 40)), params)
     for _ in range(3):
         core.step()
     rank1 = core.executor.rank_pids()[1]
+    caplog.set_level(logging.INFO, logger="pdserve.engine.executor")
     os.kill(rank1, signal.SIGKILL)
     finished = []
     for _ in range(1000):  # the next step fails: the collective's peer is gone
         finished += [o for o in core.step() if o.finished]
         if not core.has_unfinished_requests():
             break
+    # the watcher and the failed step both notice; the death is logged once
+    assert len(_rank_errors(caplog)) == 1, _rank_errors(caplog)
+    assert f"tensor-parallel rank 1 (pid {rank1}) was killed by SIGKILL" in _rank_errors(caplog)[0]
     assert [o.request_id for o in finished] == ["doomed"]
     out = finished[0]
     assert out.outputs[0].finish_reason == "error"
@@ -133,6 +146,43 @@ def test_killed_rank_ends_requests_with_error_and_nothing_hangs(tp2_core):
         core.add_request("later", [1, 2, 3], params)
     core.shutdown()
     core.shutdown()  # idempotent
+    assert not pid_alive(rank1)
+
+
+@pytest.mark.timeout(300)
+def test_hung_rank_is_named_after_the_timeout_and_a_normal_stop_logs_no_error(monkeypatch, caplog):
+    """A rank stopped (SIGSTOP) mid-request: after PDSERVE_TP_TIMEOUT the request ends with
+    an error naming that rank and its pid (not rank 0, not gloo's source path), logged
+    once.  The healthy engine before it stops without an ERROR."""
+    monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "10")
+    caplog.set_level(logging.INFO, logger="pdserve.engine.executor")
+    cfg = EngineConfig(
+        model=ModelConfig(model=TINY, tensor_parallel_size=2, device="cpu"),
+        cache=CacheConfig(num_pages=64),
+    )
+    healthy = EngineCore(cfg)
+    healthy.shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    core = EngineCore(cfg)
+    rank1 = core.executor.rank_pids()[1]
+    try:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        core.add_request("stuck", list(range(1, 40)), params)
+        core.step()
+        os.kill(rank1, signal.SIGSTOP)
+        finished = []
+        while core.has_unfinished_requests():
+            finished += [o for o in core.step() if o.finished]
+        (out,) = finished
+        assert out.outputs[0].finish_reason == "error"
+        want = f"tensor-parallel rank 1 (pid {rank1}) did not answer for 10 s (PDSERVE_TP_TIMEOUT)"
+        assert want in out.error and "stopped (SIGSTOP)" in out.error, out.error
+        assert "gloo" not in out.error and "rank 0" not in out.error, out.error
+        assert core.failure == out.error and _rank_errors(caplog) == [
+            f"{out.error}; the engine stops serving"
+        ]
+    finally:
+        core.shutdown()  # SIGKILL reaches a stopped process
     assert not pid_alive(rank1)
 
 
