@@ -59,9 +59,13 @@ class _Launched:
     tokens: InFlightTokens
     deferred: list[list[int]] = field(default_factory=list)
     carried: dict[str, Request] = field(default_factory=dict)
+    _ids: set[int] = field(default_factory=set)  # id() of each row's request (alive in reqs)
+
+    def __post_init__(self) -> None:
+        self._ids = {id(r) for r in self.reqs}
 
     def holds(self, req: Request) -> bool:
-        return any(r is req for r in self.reqs)
+        return id(req) in self._ids
 
 
 class OverlapScheduler:
