@@ -17,6 +17,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.serve",
     "pdserve.bench.grammar",
     "pdserve.bench.sampler",
+    "pdserve.bench.host",
 )
 
 

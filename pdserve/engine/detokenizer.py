@@ -51,10 +51,12 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return None
+        if not check_stop or not self._stop:
+            self.text += piece
+            return None
+        # a stop string may start in the held-back tail of the text before this piece
         start = max(0, len(self.text) - self._hold)
         self.text += piece
-        if not check_stop or not self._stop:
-            return None
         best: tuple[int, str] | None = None
         for s in self._stop:
             i = self.text.find(s, start)
@@ -67,7 +69,12 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out that is safe to show (all of it once finished)."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted : end]
+        text = self.text
+        end = len(text)
+        if not finished and self._hold:
+            end = max(self._emitted, end - self._hold)
+        if end == self._emitted:
+            return ""
+        delta = text[self._emitted : end]
         self._emitted = end
         return delta

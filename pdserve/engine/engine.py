@@ -28,7 +28,7 @@ from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import BatchPlan, Scheduler
-from pdserve.engine.stop import check_token_stop, tokens_banned_before_min
+from pdserve.engine.stop import TokenStop, tokens_banned_before_min
 from pdserve.engine.structured.manager import StructuredOutputManager
 from pdserve.model.attention import default_backend
 from pdserve.model.loader import load_model_source
@@ -349,35 +349,31 @@ class EngineCore:
         grammar advances its matcher here, on every worker: decode's matcher thereby
         resumes from the prompt plus the first token that prefill sampled."""
         params = req.params
-        req.append_token(tok.token_id, tok.logprob, tok.top)
-        if req.grammar is not None and not req.grammar.accept(tok.token_id) and not prefill_role:
+        token_id = tok.token_id
+        req.append_token(token_id, tok.logprob, tok.top)
+        if req.grammar is not None and not req.grammar.accept(token_id) and not prefill_role:
             # Only a token sampled without this grammar's mask gets here (e.g. a prefill
             # worker of another version): say so instead of producing invalid output.
-            req.finish(
-                "error", error=f"the structured-output grammar rejected token {tok.token_id}"
-            )
+            req.finish("error", error=f"the structured-output grammar rejected token {token_id}")
             return
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
-        verdict: tuple[str, str | int | None] | None = check_token_stop(
-            params,
-            tok.token_id,
-            req.num_output_tokens,
-            req.num_tokens,
-            self.eos_token_ids,
-            self.max_model_len,
-        )
+        stop = req.token_stop
+        if stop is None:
+            stop = req.token_stop = TokenStop(
+                params, self.eos_token_ids, self.max_model_len, req.num_prompt_tokens
+            )
+        num_output = len(req.all_token_ids) - req.num_prompt_tokens
+        verdict: tuple[str, str | int | None] | None = stop.check(token_id, num_output)
         if (
             req.grammar is not None
-            and tok.token_id in self.eos_token_ids
+            and token_id in self.eos_token_ids
             and not params.ignore_eos
             and req.grammar.is_terminated
         ):
             verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
         if verdict is None or verdict[0] == "length":  # an EOS / stop token adds no text (vLLM)
-            stop_str = req.detokenizer.add_token(
-                tok.token_id, check_stop=req.num_output_tokens > params.min_tokens
-            )
+            stop_str = req.detokenizer.add_token(token_id, check_stop=num_output > stop.min_tokens)
             if stop_str is not None:
                 verdict = ("stop", stop_str)
         if prefill_role:
@@ -386,32 +382,29 @@ class EngineCore:
             req.finish(*verdict)
 
     def _make_output(self, req: Request) -> RequestOutput:
-        outs = req.output_token_ids
-        new = outs[req.num_reported_tokens :]
-        delta_lps = None if req.logprobs is None else req.logprobs[req.num_reported_tokens :]
-        req.num_reported_tokens = len(outs)
-        completion = CompletionOutput(
-            index=0,
+        """``req`` as it stands after this step, with the delta since its last output.
+        O(1): the totals are views cut on first read (``CompletionOutput.snapshot``)."""
+        finished = req.status is Status.FINISHED
+        completion = CompletionOutput.snapshot(
+            req.all_token_ids,
+            req.num_prompt_tokens,
+            req.num_reported_tokens,
+            req.logprobs,
             text=req.detokenizer.text,
-            token_ids=outs,
+            delta_text=req.detokenizer.take_delta(finished),
             cumulative_logprob=req.cumulative_logprob,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            delta_text=req.detokenizer.take_delta(req.finished),
-            delta_token_ids=new,
-            delta_logprobs=delta_lps,
         )
-        prompt_lps = (
-            None
-            if req.prompt_logprobs is None or req.needs_prompt_logprobs()
-            else req.prompt_logprobs
-        )
+        req.num_reported_tokens = len(req.all_token_ids) - req.num_prompt_tokens
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < req.num_prompt_tokens:
+            prompt_lps = None  # not all computed yet
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
-            finished=req.finished,
+            finished=finished,
             prompt_logprobs=prompt_lps,
             error=req.error,
             num_cached_tokens=req.num_cached_tokens,

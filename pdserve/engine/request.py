@@ -19,6 +19,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop import TokenStop
 from pdserve.engine.structured.manager import GrammarState
 
 
@@ -76,11 +77,13 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)  # the prompt never changes
         self.params = params
         self.arrival = arrival
         self.detokenizer = detokenizer
         self.generator = generator  # seeded random requests only (others: the shared one)
         self.disagg = disagg
+        # Append-only, as is ``logprobs``: outputs are views of them (outputs.py).
         self.all_token_ids = list(prompt_token_ids)
         # the sampler's penalty state: these tokens on the device, grown as they are appended
         self.penalty_tokens = (
@@ -105,6 +108,7 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured outputs: the output's matcher
+        self.token_stop: TokenStop | None = None  # its stop conditions, built on first token
         # disaggregation
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
@@ -119,10 +123,6 @@ class Request:
         )  # prefill: after Success
         # streaming: how much was already reported
         self.num_reported_tokens = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

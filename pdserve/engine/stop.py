@@ -6,34 +6,57 @@ from collections.abc import Collection
 
 from pdserve.engine.sampling_params import SamplingParams
 
+_LENGTH = ("length", None)
+_MISS = object()
 
-def check_token_stop(
-    params: SamplingParams,
-    token_id: int,
-    num_output_tokens: int,
-    num_tokens: int,
-    eos_token_ids: Collection[int],
-    max_model_len: int,
-) -> tuple[str, int | None] | None:
-    """Whether the request ends with the token just appended.
 
-    Returns ``("stop", token_id)`` for an EOS (unless ``ignore_eos``; stop_reason ``None``)
-    or a ``stop_token_ids`` hit, ``("length", None)`` at ``max_tokens`` output tokens or
-    ``max_model_len`` tokens in all, else ``None``.  EOS and stop tokens count only once
-    more than ``min_tokens`` tokens exist (the sampler also masks them before that), and
-    take precedence over length, so a request that emits EOS as its last allowed token
-    reports ``"stop"``.
+class TokenStop:
+    """Token-level stop conditions of one request, precomputed once so each sampled
+    token costs a dict lookup and a comparison.
+
+    params: the request's sampling params; eos_token_ids: the model's EOS ids;
+    max_model_len: the engine's context limit (prompt + output tokens); num_prompt: the
+    request's prompt length.
     """
-    if num_output_tokens > params.min_tokens:
-        if token_id in (params.stop_token_ids or ()):
-            return "stop", token_id
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return "stop", None
-    if (
-        params.max_tokens is not None and num_output_tokens >= params.max_tokens
-    ) or num_tokens >= max_model_len:
-        return "length", None
-    return None
+
+    __slots__ = ("min_tokens", "max_output", "_stops")
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        eos_token_ids: Collection[int],
+        max_model_len: int,
+        num_prompt: int,
+    ) -> None:
+        self.min_tokens = params.min_tokens
+        # output tokens at which "length" ends it: max_tokens, or the context limit
+        limit = max_model_len - num_prompt
+        self.max_output = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        # token id -> stop_reason; a stop_token_ids hit names the id, even for an EOS id
+        stops: dict[int, int | None] = {}
+        if not params.ignore_eos:
+            stops.update(dict.fromkeys(eos_token_ids))
+        stops.update((t, t) for t in params.stop_token_ids or ())
+        self._stops = stops
+
+    def check(self, token_id: int, num_output_tokens: int) -> tuple[str, int | None] | None:
+        """Whether the request ends with ``token_id``, its ``num_output_tokens``-th output
+        token (just appended).
+
+        Returns ``("stop", token_id)`` for a ``stop_token_ids`` hit, ``("stop", None)`` for
+        an EOS (unless ``ignore_eos``), ``("length", None)`` at ``max_tokens`` output tokens
+        or ``max_model_len`` tokens in all, else ``None``.  EOS and stop tokens count only
+        once more than ``min_tokens`` tokens exist (the sampler also masks them before
+        that), and take precedence over length, so a request that emits EOS as its last
+        allowed token reports ``"stop"`` (vLLM's semantics).
+        """
+        if num_output_tokens > self.min_tokens:
+            reason = self._stops.get(token_id, _MISS)
+            if reason is not _MISS:
+                return "stop", reason  # type: ignore[return-value]
+        if num_output_tokens >= self.max_output:
+            return _LENGTH
+        return None
 
 
 def tokens_banned_before_min(
