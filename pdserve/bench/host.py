@@ -253,7 +253,9 @@ def run_host(args: argparse.Namespace) -> int:
         ),
         cache=CacheConfig(),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=max(2048, n_max * args.prompt_len), max_running_requests=n_max
+            max_num_batched_tokens=max(2048, n_max * args.prompt_len),
+            max_running_requests=n_max,
+            overlap_schedule=False,  # every step runs synchronously, through the executor
         ),
     )
     engine = EngineCore(config)
