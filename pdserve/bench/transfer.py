@@ -180,8 +180,9 @@ def _decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
                 r.init(pages, 0)
             while r.poll() not in (KVPoll.Success, KVPoll.Failed):
                 time.sleep(POLL_S)  # no spin: see POLL_S
-            done_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
-            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at))
+            polled_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            done_at = getattr(r, "finished_at", None) or polled_at  # the manager's own record
+            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
             r.close()
         elif cmd == "raw":
             raw = RawSide(args, "decode", arg)
@@ -253,10 +254,13 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         lat = prefill.stats()["transfer_latency_seconds"]
         return lat["sum"], lat["count"]
 
-    def transfer(room: int, src: list[int] = src, dst: list[int] = dst) -> tuple[float, float]:
+    def transfer(
+        room: int, src: list[int] = src, dst: list[int] = dst
+    ) -> tuple[float, float, float]:
         """One room through the managers: seconds from ``send`` until the room is a
         ``Success`` on prefill (the manager's own latency record of the room, so the
-        harness's polling adds nothing), and until decode polls ``Success``."""
+        harness's polling adds nothing), until decode's manager made it ``Success``
+        (its ``finished_at``), and until decode's harness polled it (every ``POLL_S``)."""
         conn.send(("room", (room, dst)))
         s = prefill.create_sender(room)
         while s.poll() == KVPoll.Bootstrapping:
@@ -273,13 +277,13 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         elapsed = after[0] - before[0] if after[1] == before[1] + 1 else time.perf_counter() - t
         state, error = s.poll(), s.failure_exception()
         s.close()
-        d_state, d_error, d_done = conn.recv()
+        d_state, d_error, d_done, d_polled = conn.recv()
         if state != KVPoll.Success or d_state != "Success":
             raise RuntimeError(
                 f"transfer of room {room} failed: prefill {state.name} {error or ''}; "
                 f"decode {d_state} {d_error}"
             )
-        return elapsed, d_done - t
+        return elapsed, d_done - t, d_polled - t
 
     raw = None
     try:
@@ -305,19 +309,23 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             "one_page",
             "one_page_decode",
             "raw_one_page",
+            "nixl_decode_polled",
+            "one_page_decode_polled",
         )
         times: dict[str, list[float]] = {k: [] for k in names}
         for i in range(cfg.repeats):
 
             def request(i=i) -> None:
-                p, d = transfer(100 + i)
+                p, d, dp = transfer(100 + i)
                 times["nixl"].append(p)
                 times["nixl_decode"].append(d)
+                times["nixl_decode_polled"].append(dp)
 
             def one(i=i) -> None:
-                p, d = transfer(10_000 + i, one_src, one_dst)
+                p, d, dp = transfer(10_000 + i, one_src, one_dst)
                 times["one_page"].append(p)
                 times["one_page_decode"].append(d)
+                times["one_page_decode_polled"].append(dp)
                 times["raw_one_page"].append(raw.write(small=True))
 
             order = [
@@ -367,6 +375,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             "raw_one_page": med["raw_one_page"],
             "layer_prefill": med["one_page"] - med["raw_one_page"],
             "layer_decode": med["one_page_decode"] - med["raw_one_page"],
+            "decode_polled": med["one_page_decode_polled"],  # + the harness's POLL_S polling
         },
         "times_s": times,
         "host": platform.node(),
@@ -392,7 +401,7 @@ def _print(result: dict) -> None:
     )
     for name, label in (
         ("nixl", "NIXL WRITE via the managers, until prefill Success"),
-        ("nixl_decode", "  ... until decode sees Success"),
+        ("nixl_decode", "  ... until decode's manager sees Success"),
         ("raw_nixl", "raw NIXL WRITE, same bytes, one descriptor"),
         ("copy", "contiguous copy, 1 process (reference)"),
     ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from typing import Generic, TypeVar
 
@@ -117,6 +118,9 @@ class RoomHandle:
         self._error: KVTransferError | None = None
         self._closed = False
         self._rolled: KVPoll | None = None  # last state failure injection rolled for
+        # time.perf_counter() when the room turned terminal here (CLOCK_MONOTONIC: benchmarks
+        # compare it across processes of one host)
+        self.finished_at: float | None = None
 
     # --- subclass hooks -----------------------------------------------------------
     def _tick(self) -> None:
@@ -171,6 +175,7 @@ class RoomHandle:
         with self._lock:
             if self._state in _TERMINAL:
                 return False
+            self.finished_at = time.perf_counter()
             self._state = KVPoll.Failed
             self._error = KVTransferError(reason)
         self._metrics.record_failure(kind)
@@ -181,6 +186,7 @@ class RoomHandle:
         with self._lock:
             if self._state in _TERMINAL:
                 return False
+            self.finished_at = time.perf_counter()
             self._state = KVPoll.Success
         self._metrics.record_success(nbytes, npages, seconds)
         return True

@@ -188,3 +188,45 @@ def test_merged_runs_counts_pages_consecutive_on_both_sides():
     assert tw.merged_runs(a([3]), a([7])) == 1
     assert tw.merged_runs(a([1, 2, 3, 9]), a([5, 6, 7, 8])) == 2
     assert tw.merged_runs(a([1, 2, 3]), a([5, 7, 8])) == 2
+
+
+class _Agent:
+    def __init__(self):
+        self.made: list[tuple] = []
+        self.posted = 0
+
+    def make_prepped_xfer(self, op, local, li, remote, ri, notif=b""):
+        self.made.append((op, list(li), list(ri), notif))
+        return len(self.made)
+
+    def transfer(self, h):
+        self.posted += 1
+        return "PROC"
+
+
+def _engine_with_stub_agent():
+    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+
+    eng = NixlTransferEngine.__new__(NixlTransferEngine)  # no NIXL: the index/validation part
+    eng.agent, eng.num_pages, eng.num_aux_slots = _Agent(), 8, 2
+    eng.local_aux = "local-aux"
+    remote = SimpleNamespace(
+        num_pages=4, num_rows=1, local_kv="l", kv="r", aux="ra", num_aux_slots=2
+    )
+    return eng, remote
+
+
+def test_post_room_write_passes_the_notification_with_the_kv_write_and_checks_ids():
+    eng, remote = _engine_with_stub_agent()
+    assert eng.post_room_write(remote, [7, 1], [3, 0], notif=b"done") == [1]
+    assert eng.agent.made == [("WRITE", [7, 1], [3, 0], b"done")] and eng.agent.posted == 1
+    for src, dst, what in (([8], [0], "source"), ([0], [4], "destination"), ([-1], [0], "source")):
+        with pytest.raises(ValueError, match=f"{what} page id out of range"):
+            eng.post_room_write(remote, src, dst)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.post_room_write(remote, [2**40], [0])
+    with pytest.raises(ValueError, match="page count mismatch"):
+        eng.post_room_write(remote, [1, 2], [0])
+    with pytest.raises(ValueError, match="rides on a KV WRITE"):
+        eng.post_room_write(remote, [], [], notif=b"done")
+    assert eng.post_room_write(remote, [], [], 1, 0) == [2]  # the aux slot alone

@@ -24,6 +24,7 @@ page ``p``'s run ``j``, the same index formula as whole pages with ``2L`` buffer
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,22 +223,8 @@ class NixlTransferEngine:
                 f"{self.num_buffers}, page bytes {kv.item_lens[:2]}... vs "
                 f"{list(self.kv_args.kv_item_lens[:2])}...)"
             )
-        if aux.item_lens != [self.kv_args.aux_item_len]:
-            raise ValueError(
-                f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}"
-            )
-        num_pages = check_descs(kv, f"peer {agent_name} kv")
-        num_slots = check_descs(aux, f"peer {agent_name} aux")
-        return RemoteSide(
-            agent_name,
-            self._prep(agent_name, kv),
-            self._prep(agent_name, aux),
-            num_pages,
-            num_slots,
-            tuple(kv.item_lens),
-            self.local_kv,
-            self.num_buffers,
-            heads,
+        return self._remote_side(
+            agent_name, kv, aux, None, lambda: self.local_kv, self.num_buffers, heads
         )
 
     def _prepare_slice(
@@ -255,12 +242,6 @@ class NixlTransferEngine:
                 f"holding heads {list(self.kv_args.kv_heads)} and {list(peer_heads)} "
                 f"(a head slice of a page is contiguous only in {PAGE_MAJOR!r})"
             )
-        if aux.item_lens != [self.kv_args.aux_item_len]:
-            raise ValueError(
-                f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}"
-            )
-        num_pages = check_descs(kv, f"peer {agent_name} kv")
-        num_slots = check_descs(aux, f"peer {agent_name} aux")
         layers = self.kv_args.layout.num_layers
         rows = _slice_rows(kv, layers, peer_heads, heads, f"peer {agent_name}")
         if (
@@ -268,15 +249,39 @@ class NixlTransferEngine:
             != _slice_rows(self.kv_descs, layers, self.kv_args.kv_heads, heads, "ours")[0, 1]
         ):
             raise ValueError(f"peer {agent_name}: bytes per head differ from ours")
+        return self._remote_side(
+            agent_name, kv, aux, rows, lambda: self._local_slice(heads), 2 * layers, heads
+        )
+
+    def _remote_side(
+        self,
+        agent_name: str,
+        kv: BufferDescs,
+        aux: BufferDescs,
+        kv_rows: np.ndarray | None,
+        local_kv: Callable[[], Any],
+        num_rows: int,
+        heads: tuple[int, int],
+    ) -> RemoteSide:
+        """The peer's prepared lists (KV as ``kv_rows``, default whole pages; aux) with
+        the local list its WRITEs read from (``local_kv()``, asked for once the peer's are
+        prepared). ValueError when its aux record size differs from ours or a buffer's
+        item count is off."""
+        if aux.item_lens != [self.kv_args.aux_item_len]:
+            raise ValueError(
+                f"peer {agent_name}: aux record size {aux.item_lens} vs {self.kv_args.aux_item_len}"
+            )
+        num_pages = check_descs(kv, f"peer {agent_name} kv")
+        num_slots = check_descs(aux, f"peer {agent_name} aux")
         return RemoteSide(
             agent_name,
-            self._prep(agent_name, kv, rows),
+            self._prep(agent_name, kv, kv_rows),
             self._prep(agent_name, aux),
             num_pages,
             num_slots,
             tuple(kv.item_lens),
-            self._local_slice(heads),
-            2 * layers,
+            local_kv(),
+            num_rows,
             heads,
         )
 
@@ -313,18 +318,22 @@ class NixlTransferEngine:
         peer receives once the KV WRITE is complete (sent from the poll that sees it
         done; needs pages). Returns the posted handles (KV first; none for KV when there
         are no pages). ValueError for ids out of range."""
-        src = np.asarray(src_pages, dtype=np.int64)
-        dst = np.asarray(dst_pages, dtype=np.int64)
+        try:
+            src = np.asarray(src_pages, dtype=np.int32)  # int32 already: no copy
+            dst = np.asarray(dst_pages, dtype=np.int32)
+        except OverflowError:
+            raise ValueError("page id out of range (beyond int32)") from None
         if src.shape != dst.shape or src.ndim != 1:
             raise ValueError(
                 f"page count mismatch: {src.size} source vs {dst.size} destination pages"
             )
-        for what, pages, n in (
-            ("source", src, self.num_pages),
-            ("destination", dst, remote.num_pages),
-        ):
-            if pages.size and not (pages.min() >= 0 and pages.max() < n):
-                raise ValueError(f"{what} page id out of range [0, {n})")
+        if src.size:
+            both = np.concatenate((src, dst))  # one reduction each for both sides
+            lo = both.reshape(2, -1).min(axis=1)
+            hi = both.reshape(2, -1).max(axis=1)
+            for what, i, n in (("source", 0, self.num_pages), ("destination", 1, remote.num_pages)):
+                if lo[i] < 0 or hi[i] >= n:
+                    raise ValueError(f"{what} page id out of range [0, {n})")
         if src_slot is not None and (
             dst_slot is None
             or not 0 <= dst_slot < remote.num_aux_slots
