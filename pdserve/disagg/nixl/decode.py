@@ -20,7 +20,8 @@ never on a timeout alone. Such a peer is kept as a *suspect* (agent loaded, stil
 heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_agent``).
 A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
-forgotten too, so restarts leave remote agents flat.
+forgotten too, so restarts leave remote agents flat. The peers, suspects and these
+counts are kept by :class:`~.prefill_peers.PrefillPeers`.
 
 Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
 are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
@@ -33,14 +34,12 @@ bootstrap naming ``kv_order``. The heartbeat reads every rank's instance from th
 
 from __future__ import annotations
 
-import base64
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -73,6 +72,7 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
 from pdserve.disagg.nixl.receiver import NixlReceiver
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.disagg.rooms import (
@@ -96,18 +96,6 @@ log = logging.getLogger(__name__)
 NOTIF_SPIN_S = 0.002
 
 
-@dataclass
-class PrefillPeer:
-    """One instance of a prefill rank, as found at its bootstrap server ``key[:2]``;
-    ``key`` is ``(host, port, engine_rank)``."""
-
-    key: tuple[str, int, int]
-    info: RankInfo
-    agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
-    misses: int = 0
-    dead: bool = False
-
-
 def _positive(var, kind=float):
     value = var.get()
     if value <= 0:
@@ -129,15 +117,13 @@ class NixlDecodeManager(KVManager):
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
-        self._peers: dict[tuple[str, int, int], PrefillPeer] = {}
-        self._suspects: dict[str, PrefillPeer] = {}  # by instance: dead, may still WRITE
-        self._peers_lock = threading.Lock()
         self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
             api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}"
         )
+        self._prefills = PrefillPeers(self.engine, self._rooms)
         self._hello = Hello(
             "",
             self.instance_id,
@@ -190,26 +176,13 @@ class NixlDecodeManager(KVManager):
         return len(self._rooms)
 
     def stats(self) -> dict:
-        quarantined = [r for r in self._rooms.handles() if r.holds_pages()]
-        now = time.monotonic()
-        unhealthy: dict[str, float] = {}
-        for r in quarantined:
-            age = now - (r.quarantined_at or now)
-            if age > self.quarantine_bound:
-                key = f"{r.key[0]}:{r.key[1]}"
-                unhealthy[key] = max(unhealthy.get(key, 0.0), age)
         return dict(
             self._metrics.snapshot(),
             role="decode",
             backend="nixl",
             rooms=self._rooms.count_by_state(),
             live_rooms=len(self._rooms),
-            prefill_peers=len(self._peers),
-            suspect_prefill_peers=len(self._suspects),
-            remote_agents=len(self._peers) + len(self._suspects),
-            quarantined_rooms=len(quarantined),
-            quarantined_pages=sum(len(r.dst_pages) for r in quarantined),
-            unhealthy_prefill_peers=unhealthy,  # "host:port" -> oldest quarantine, s
+            **self._prefills.stats(self.quarantine_bound),
             healthy=self.is_healthy(),
         )
 
@@ -288,7 +261,7 @@ class NixlDecodeManager(KVManager):
             return
         try:
             peers = {
-                sl.src_rank: self._peer_for((host, port, sl.src_rank), infos[sl.src_rank])
+                sl.src_rank: self._prefills.peer_for((host, port, sl.src_rank), infos[sl.src_rank])
                 for sl in slices
             }
         except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
@@ -343,83 +316,6 @@ class NixlDecodeManager(KVManager):
                 LAYOUT_MISMATCH,
             )
         return None
-
-    def _peer_for(self, key: tuple[str, int, int], info: RankInfo) -> PrefillPeer:
-        """The peer of this instance; a new instance replaces (and fails) the old one."""
-        with self._peers_lock:
-            old = self._peers.get(key)
-            if old is not None and old.info.instance_id == info.instance_id and not old.dead:
-                return old
-            suspect = self._suspects.get(info.instance_id)
-            if suspect is not None:  # a frozen prefill answers again: its agent is loaded
-                self._suspects.pop(info.instance_id)
-                suspect.dead, suspect.misses = False, 0
-                self._peers[key] = suspect
-                return suspect
-        if old is not None:
-            self._peer_gone(
-                old,
-                f"prefill {key[0]}:{key[1]} rank {key[2]} restarted as a new instance",
-                PEER_RESTARTED,
-            )
-        for s in list(self._suspects.values()):
-            if s.key == key:  # another instance answers at that address: the old one is gone
-                self._peer_gone(s, "", PEER_RESTARTED)
-        name = self.engine.add_remote(base64.b64decode(info.agent_metadata))
-        peer = PrefillPeer(key, info, name)
-        with self._peers_lock:
-            self._peers[key] = peer
-        return peer
-
-    def _peer_gone(self, peer: PrefillPeer, reason: str, kind: str, gone: bool = True) -> None:
-        """Every room of ``peer`` fails now. ``gone``: the incarnation is known gone (new
-        instance, connection refused), so quarantined pages are released and its agent
-        removed; else (declared dead by the heartbeat) rooms whose destination went out
-        are quarantined, RoomAbort is queued to it, and it is kept as a suspect."""
-        with self._peers_lock:
-            peer.dead = True
-            if self._peers.get(peer.key) is peer:
-                del self._peers[peer.key]
-            if gone:
-                self._suspects.pop(peer.info.instance_id, None)
-        rank = peer.info.engine_rank
-        for r in self._rooms.handles():
-            if r.peers.get(rank) is peer:
-                r.writer_lost(rank, f"room {r.room}: {reason}", kind, gone)
-        if not gone and any(
-            r.peers.get(rank) is peer and rank in r.suspects and r.holds_pages()
-            for r in self._rooms.handles()
-        ):
-            with self._peers_lock:
-                self._suspects[peer.info.instance_id] = peer
-            return
-        with self._peers_lock:
-            self._suspects.pop(peer.info.instance_id, None)
-        self._forget_agent(peer)
-
-    def _forget_agent(self, peer: PrefillPeer) -> None:
-        if peer.agent_name is not None:
-            name, peer.agent_name = peer.agent_name, None
-            try:
-                self.engine.remove_remote(name)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-
-    def _settle_suspects(self) -> None:
-        """Forget suspects none of whose rooms is quarantined any more."""
-        held = {
-            r.peers[rank].info.instance_id
-            for r in self._rooms.handles()
-            if r.holds_pages()
-            for rank in r.suspects - r.ended
-            if rank in r.peers
-        }
-        with self._peers_lock:
-            done = [s for i, s in self._suspects.items() if i not in held]
-            for s in done:
-                del self._suspects[s.info.instance_id]
-        for s in done:
-            self._forget_agent(s)
 
     # --- control thread ---------------------------------------------------------------------
     def _control_loop(self, stop: threading.Event) -> None:
@@ -515,8 +411,7 @@ class NixlDecodeManager(KVManager):
             if not r.is_terminal()
             for p in r.peers.values()
         }
-        with self._peers_lock:
-            peers = list(self._peers.values()) + list(self._suspects.values())
+        peers = self._prefills.all()
         servers: dict[tuple[str, int], list[PrefillPeer]] = defaultdict(list)
         for peer in peers:
             servers[peer.key[:2]].append(peer)
@@ -530,9 +425,9 @@ class NixlDecodeManager(KVManager):
                     suspect = peer.dead
                     peer.misses += 1
                     if refused and (suspect or peer.info.instance_id not in busy):
-                        self._peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
+                        self._prefills.peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
                     elif not suspect and peer.misses >= self.heartbeat_max_failure:
-                        self._peer_gone(
+                        self._prefills.peer_gone(
                             peer,
                             f"{where} missed {peer.misses} heartbeats ({exc})",
                             HEARTBEAT_LOST,
@@ -543,18 +438,14 @@ class NixlDecodeManager(KVManager):
                 rank = peer.info.engine_rank
                 now = health.ranks.get(rank, health.instance_id if rank == 0 else None)
                 if now is None:
-                    self._peer_gone(peer, f"{where} rank {rank} is gone", HEARTBEAT_LOST)
+                    self._prefills.peer_gone(peer, f"{where} rank {rank} is gone", HEARTBEAT_LOST)
                 elif now != peer.info.instance_id:
-                    self._peer_gone(
+                    self._prefills.peer_gone(
                         peer, f"{where} rank {rank} restarted as a new instance", PEER_RESTARTED
                     )
                 else:
                     peer.misses = 0
-        self._settle_suspects()
-
-
-def _abort_room(room: int, peer: PrefillPeer, decode_instance: str, reason: str, kind: str):
-    return RoomAbort(room, peer.info.instance_id, decode_instance, reason, kind)
+        self._prefills.settle_suspects()
 
 
 def _abort(

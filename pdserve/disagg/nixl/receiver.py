@@ -27,7 +27,8 @@ from pdserve.disagg.messages import RoomAbort, RoomDest, RoomStatus
 from pdserve.disagg.rooms import PEER_FAILED, TRANSFER_ERROR, WAITING_TIMEOUT, RoomHandle
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.decode import NixlDecodeManager, PrefillPeer
+    from pdserve.disagg.nixl.decode import NixlDecodeManager
+    from pdserve.disagg.nixl.prefill_peers import PrefillPeer
 
 
 class NixlReceiver(RoomHandle, KVReceiver):
