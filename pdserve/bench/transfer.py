@@ -6,15 +6,19 @@ Rows, interleaved in one run: the request through the managers (until prefill, a
 decode, see ``Success``), a *raw NIXL* WRITE of the same bytes between the same two
 processes (one descriptor, NIXL alone), the contiguous copy, and a one-page request
 beside a raw NIXL WRITE of one page's bytes: their difference is the *fixed cost* of a
-request in the transfer layer (posting, completion, notification, thread hand-offs).  The pools are laid out like the engine's, by the same :class:`~pdserve.engine.kv_layout.KVCacheLayout`
-(``--kv-order``: ``layer_major`` or ``page_major``); the request's
-pages are scattered over the pool (runs of ``--run-len`` consecutive pages, shuffled) on
-both sides. The transfer time is ``send()`` until the room is a ``Success`` on prefill
-(NIXL reports every WRITE done in decode's memory), as the prefill manager records it
-(its ``transfer_latency_seconds``); the harness polls without spinning (``POLL_S``). The
-rows run interleaved,
-``--repeats`` times after a warm-up; medians, GB/s (1e9 bytes/s) and their ratio are
-reported (BENCHMARKS.md). Decode's pages are checked byte for byte (a hash) at the end.
+request in the transfer layer (posting, completion, notification, thread hand-offs).
+The pools are laid out like the engine's, by the same
+:class:`~pdserve.engine.kv_layout.KVCacheLayout` (``--kv-order``: ``layer_major`` or
+``page_major``); the request's pages are scattered over the pool (runs of ``--run-len``
+consecutive pages, shuffled, or ``--pattern served``) on both sides. The transfer time
+is ``send()`` until the room is a ``Success`` on prefill (NIXL reports every WRITE done
+in decode's memory), as the prefill manager records it (its
+``transfer_latency_seconds``), and until decode's manager made the room a ``Success``
+(its ``finished_at``; the harness, which polls without spinning every ``POLL_S``, sees
+it up to ``POLL_S`` later: the ``*_polled`` rows of ``--json``). The rows run
+interleaved, ``--repeats`` times after a warm-up; medians, GB/s (1e9 bytes/s) and their
+ratio are reported (BENCHMARKS.md). Decode's pages are checked byte for byte (a hash) at
+the end.
 """
 
 from __future__ import annotations
