@@ -9,12 +9,12 @@ merges the single-sample engine requests of an ``n > 1`` request into one output
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Logprob of one token at one position.
+class TokenLogprob(NamedTuple):
+    """Logprob of one token at one position (a named tuple: one is built per token, and
+    a frozen dataclass's ``__init__`` costs several times a tuple's).
 
     token_id / logprob: the chosen token (sampled, or the actual prompt token) and its
         log-probability under the model's raw distribution (log_softmax of the logits,

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,9 +31,8 @@ from pdserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SampleRequest:
-    """Sampling inputs of one row.
+class SampleRequest(NamedTuple):
+    """Sampling inputs of one row (a named tuple: one is built per row per step).
 
     params: the request's sampling params.
     generator: the row's own generator, for seeded random rows only (``params.seed`` set);
@@ -86,9 +84,11 @@ def plain_greedy(seq: Any) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    """One row's result: the token, its logprob and its top-k ``(id, logprob)``."""
+class SampledToken(NamedTuple):
+    """One row's result: the token, its logprob and its top-k ``(id, logprob)``.
+
+    A named tuple (immutable, typed) rather than a frozen dataclass: one is built per row
+    per step, and a frozen dataclass's ``__init__`` costs several times a tuple's."""
 
     token_id: int
     logprob: float
@@ -273,6 +273,8 @@ def sample(
         vals, ids = logprobs.topk(k_max, dim=-1)
         packed += [ids.double(), vals.double()]
     host = torch.cat(packed, dim=1).tolist()
+    if not k_max:  # no row asked for alternatives: no per-row slicing
+        return [SampledToken(int(t), lp, ()) for t, lp in host]
     out = []
     for row, k in zip(host, ks):
         top = tuple(zip((int(t) for t in row[2 : 2 + k]), row[2 + k_max : 2 + k_max + k]))
