@@ -15,7 +15,9 @@ is ``send()`` until the room is a ``Success`` on prefill (NIXL reports every WRI
 in decode's memory), as the prefill manager records it (its
 ``transfer_latency_seconds``), and until decode's manager made the room a ``Success``
 (its ``finished_at``; the harness, which polls without spinning every ``POLL_S``, sees
-it up to ``POLL_S`` later: the ``*_polled`` rows of ``--json``). The rows run
+it up to ``POLL_S`` later: the ``*_polled`` rows of ``--json``). The sender is given
+the request's pages ahead (``KVSender.expect_pages``), so its WRITE is made before the
+timed ``send``, which only posts it. The rows run
 interleaved, ``--repeats`` times after a warm-up; medians, GB/s (1e9 bytes/s) and their
 ratio are reported (BENCHMARKS.md). Decode's pages are checked byte for byte (a hash) at
 the end.
@@ -273,6 +275,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         before = latency()
         if s.poll() == KVPoll.WaitingForInput:
             s.init(len(src), 0)
+            s.expect_pages(src)  # the WRITE is made here, before the timed send
             t = time.perf_counter()
             s.send(src, last=True, aux=AuxRecord(room, 1, -0.5))
             while s.poll() == KVPoll.Transferring:

@@ -199,6 +199,14 @@ class KVSender(ABC):
     def init(self, num_pages: int, aux_slot: int) -> None:
         """Declare how many pages the prompt will send and which local aux slot to use."""
 
+    def expect_pages(self, page_ids: list[int]) -> None:
+        """Optional hint, before any ``send``: the prompt's pages (all of them, prompt
+        order) as one last ``send`` will list them.  A backend may prepare that transfer
+        ahead (NIXL: the WRITE handles, made once decode's destination is known too), so
+        the ``send`` only posts it; any other ``send`` goes the usual way, and what was
+        prepared is released on that send or when the room fails.  Default: nothing."""
+        return None
+
     @abstractmethod
     def send(self, page_ids: list[int], *, last: bool, aux: AuxRecord | None = None) -> None:
         """Post the WRITE of the prompt's next ``page_ids`` (all layers, prompt order,

@@ -126,12 +126,14 @@ def _drive(
     chunk: int = 0,
     skip: int = 0,
     keep: bool = False,
+    expect: bool = False,
 ) -> dict:
     """Drive ``rooms`` ({room: num_pages}) to terminal states; returns per-room results.
     Prefill: ``chunk`` > 0 sends the pages ``chunk`` at a time (``send(last=False)``, then
     the rest with ``last=True``). Decode: ``skip`` leading pages are declared held
     (``init(..., skip_pages=skip)``) and not checked; ``keep``: successful rooms keep their
-    pages for ``Pool.recheck``. A terminal room whose pages the manager still holds
+    pages for ``Pool.recheck``; ``expect``: prefill hints each room's pages
+    (``expect_pages``) right after ``init``. A terminal room whose pages the manager still holds
     (``holds_pages``) goes to ``Pool.quarantined`` instead of being freed."""
     handles, held, results, started = {}, {}, {}, {}
     t0 = time.monotonic()
@@ -182,6 +184,8 @@ def _drive(
                 pages, slot = got
                 if role == "prefill":
                     h.init(len(pages), slot)
+                    if expect:
+                        h.expect_pages(pages)
                     for i, p in enumerate(pages):
                         pool.fill(p, pattern(room, i, pool.page(p).shape))
                     ready_at[room] = time.monotonic() + send_delay
@@ -396,9 +400,10 @@ class Peer:
         chunk: int = 0,
         skip: int = 0,
         keep: bool = False,
+        expect: bool = False,
     ) -> None:
         """Start driving ``rooms`` ({room: num_pages}); collect with :meth:`result`.
-        ``chunk``/``skip``/``keep``: see ``_drive``."""
+        ``chunk``/``skip``/``keep``/``expect``: see ``_drive``."""
         self.call(
             "run",
             rooms=rooms,
@@ -410,6 +415,7 @@ class Peer:
             chunk=chunk,
             skip=skip,
             keep=keep,
+            expect=expect,
         )
 
     def result(self, timeout: float = 60.0) -> dict:

@@ -105,6 +105,57 @@ def test_chunked_sends_and_decode_held_prefix_byte_exact(fresh):
 
 
 @pytest.mark.timeout(120)
+def test_writes_made_ahead_are_posted_with_the_notification_byte_exact(fresh):
+    """Prefill hints every room's pages (``expect_pages``) before its single last send:
+    the WRITE made ahead is what is posted, with ``XferDone`` (and the aux record) set at
+    post time; every page arrives byte for byte (decode holding a first page or not), and
+    no handle made ahead is left."""
+    prefill, decode = fresh
+    for skip in (0, 1):
+        rooms = {(1 << 60) + 11 * i + skip: 2 + i % 8 for i in range(24)}  # 2..9 pages
+        before = prefill.call("state")["stats"]["premade_writes_posted"]
+        decode.run(rooms, port=prefill.port, skip=skip)
+        prefill.run(rooms, expect=True)
+        got_d, got_p = decode.result(), prefill.result()
+        assert {r["state"] for r in got_p.values()} == {"Success"}, got_p
+        assert {r["state"] for r in got_d.values()} == {"Success"}, got_d
+        assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
+        stats = prefill.call("state")["stats"]
+        assert stats["premade_writes_posted"] - before == len(rooms)
+        assert stats["premade_writes"] == 0
+    _nothing_leaked(prefill, decode)
+
+
+@pytest.mark.timeout(120)
+def test_writes_made_ahead_are_released_on_chunked_sends_and_aborts(fresh):
+    """A hinted room sent in chunks posts the usual way (what was made ahead is released
+    at its first send); hinted rooms aborted from either side before their send (the
+    send waits 20 ms) release theirs: none is posted, none is left, nothing leaked."""
+    prefill, decode = fresh
+    rooms = {(1 << 59) + 3 * i: 3 + i % 5 for i in range(16)}
+    decode.run(rooms, port=prefill.port)
+    prefill.run(rooms, chunk=2, expect=True)
+    got_d, got_p = decode.result(), prefill.result()
+    assert {r["state"] for r in got_p.values()} == {"Success"}, got_p
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
+    stats = prefill.call("state")["stats"]
+    assert stats["premade_writes_posted"] == 0
+    assert stats["premade_writes"] == 0
+    rooms = {(1 << 58) + 5 * i: 1 + i % 4 for i in range(24)}
+    aborts_p = {r: 0.1 for i, r in enumerate(rooms) if i % 2 == 0}
+    aborts_d = {r: 0.2 for i, r in enumerate(rooms) if i % 2 == 1}
+    decode.run(rooms, port=prefill.port, abort_after=aborts_d)
+    prefill.run(rooms, abort_after=aborts_p, send_delay=0.5, expect=True)
+    got_d, got_p = decode.result(), prefill.result()
+    assert all(got_p[r]["state"] == "Failed" for r in aborts_p), got_p
+    assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values() if r["state"] == "Success")
+    stats = prefill.call("state")["stats"]
+    assert stats["premade_writes_made"] > stats["premade_writes_posted"]  # some never posted
+    assert stats["premade_writes"] == 0
+    _nothing_leaked(prefill, decode)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -322,7 +373,7 @@ def test_restart_loop_leaves_remote_agents_and_prepared_lists_flat(fresh):
 
     def one_room(room: int) -> None:
         decode.run({room: 2}, port=prefill.port)
-        prefill.run({room: 2})
+        prefill.run({room: 2}, expect=room % 2 == 0)  # every other room's WRITE made ahead
         got = decode.result() | prefill.result()
         assert {r["state"] for r in got.values()} == {"Success"}, got
 
@@ -335,7 +386,7 @@ def test_restart_loop_leaves_remote_agents_and_prepared_lists_flat(fresh):
         one_room(7000 + i)
         _wait(lambda: prefill.call("state")["stats"]["remote_agents"] == 1, "prefill forgets")
         stats = prefill.call("state")["stats"]
-        seen.append((stats["remote_agents"], stats["prepared_dlists"]))
+        seen.append((stats["remote_agents"], stats["prepared_dlists"], stats["premade_writes"]))
     assert len(set(seen)) == 1, seen
     seen = []
     for i in range(20):  # prefill restarts (a new port each time); decode forgets the old

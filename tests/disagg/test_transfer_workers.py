@@ -38,6 +38,13 @@ class StubEngine:
         self.polls[h] = 0
         return [h]
 
+    def post(self, h, notif=b""):  # a WRITE made ahead (make_room_write)
+        self.threads.add(threading.current_thread().name)
+        if self.fail_post:
+            raise RuntimeError("post refused")
+        self.posts.append(("premade", h, None, notif))
+        self.polls[h] = 0
+
     def state(self, h):
         self.polls[h] += 1
         return "DONE" if self.polls[h] >= self.polls_to_done else "PROC"
@@ -182,6 +189,32 @@ def test_a_refused_post_fails_the_send_without_raising_to_the_caller():
     assert sender.finished == [] and engine.notifs == []
 
 
+def test_a_write_made_ahead_is_posted_with_xferdone_set_at_post_and_released():
+    engine, sender = StubEngine(), StubSender(peers=(0, 1))
+    workers = _workers(engine)
+    sender.inflight = 1
+    workers.submit(sender, [5], [9], last=True, solo=True, premade={0: "made-0"})
+    kinds = {p[0]: p for p in engine.posts}
+    assert set(kinds) == {"premade", "d1"}  # rank 1 had none made: the usual post
+    assert kinds["premade"][1] == "made-0"
+    assert decode_xfer_done(kinds["premade"][3]).aux == b"aux-record"  # rank 0 takes aux
+    assert decode_xfer_done(kinds["d1"][3]).aux == b""
+    assert sender.finished == [None] and engine.notifs == []
+    assert sorted(map(str, engine.released)) == ["2", "made-0"]
+
+
+@pytest.mark.parametrize("why", ["abort", "refused"])
+def test_a_write_made_ahead_and_never_posted_is_released(why):
+    engine, sender = StubEngine(fail_post=why == "refused"), StubSender()
+    workers = _workers(engine)
+    sender.inflight = 1
+    if why == "abort":
+        sender.abort_request = ("aborted", "aborted")
+    workers.submit(sender, [5], [9], last=True, solo=True, premade={0: "made-0"})
+    assert engine.posts == [] and engine.released == ["made-0"]
+    assert sender.chunk_errors == [None if why == "abort" else "RuntimeError: post refused"]
+
+
 def test_merged_runs_counts_pages_consecutive_on_both_sides():
     a = np.asarray
     assert tw.merged_runs(a([], dtype=np.int32), a([], dtype=np.int32)) == 0
@@ -194,14 +227,19 @@ class _Agent:
     def __init__(self):
         self.made: list[tuple] = []
         self.posted = 0
+        self.notifs: list[bytes] = []
 
     def make_prepped_xfer(self, op, local, li, remote, ri, notif=b""):
         self.made.append((op, list(li), list(ri), notif))
         return len(self.made)
 
-    def transfer(self, h):
+    def transfer(self, h, notif=b""):
         self.posted += 1
+        self.notifs.append(notif)
         return "PROC"
+
+    def release_xfer_handle(self, h):
+        pass
 
 
 def _engine_with_stub_agent():
@@ -210,6 +248,7 @@ def _engine_with_stub_agent():
     eng = NixlTransferEngine.__new__(NixlTransferEngine)  # no NIXL: the index/validation part
     eng.agent, eng.num_pages, eng.num_aux_slots = _Agent(), 8, 2
     eng.local_aux = "local-aux"
+    eng._lock, eng._made, eng.premade_made, eng.premade_posted = threading.Lock(), set(), 0, 0
     remote = SimpleNamespace(
         num_pages=4, num_rows=1, local_kv="l", kv="r", aux="ra", num_aux_slots=2
     )
@@ -230,3 +269,19 @@ def test_post_room_write_passes_the_notification_with_the_kv_write_and_checks_id
     with pytest.raises(ValueError, match="rides on a KV WRITE"):
         eng.post_room_write(remote, [], [], notif=b"done")
     assert eng.post_room_write(remote, [], [], 1, 0) == [2]  # the aux slot alone
+
+
+def test_make_room_write_makes_without_notification_and_post_sets_it():
+    eng, remote = _engine_with_stub_agent()
+    h = eng.make_room_write(remote, [2, 3], [0, 1])
+    assert eng.agent.made == [("WRITE", [2, 3], [0, 1], b"")] and eng.agent.posted == 0
+    assert eng.num_premade_writes() == 1
+    eng.post(h, b"done")
+    assert eng.agent.notifs == [b"done"] and eng.premade_posted == 1
+    eng.release(h)
+    assert eng.num_premade_writes() == 0
+    with pytest.raises(ValueError, match="destination page id out of range"):
+        eng.make_room_write(remote, [0], [4])
+    with pytest.raises(ValueError, match="needs pages"):
+        eng.make_room_write(remote, [], [])
+    assert eng.num_premade_writes() == 0

@@ -246,6 +246,9 @@ class NixlPrefillManager(KVManager):
             decode_peers=len(self._peers),
             remote_agents=sum(1 for p in self._peers.values() if p.remote is not None),
             prepared_dlists=self.engine.num_prepared_lists(),
+            premade_writes=self.engine.num_premade_writes(),
+            premade_writes_made=self.engine.premade_made,
+            premade_writes_posted=self.engine.premade_posted,
             healthy=self.is_healthy(),
         )
 
@@ -265,10 +268,17 @@ class NixlPrefillManager(KVManager):
 
     # --- used by senders ----------------------------------------------------------------
     def submit(
-        self, sender: NixlSender, src: list[int], dst: list[int], last: bool, solo: bool
+        self,
+        sender: NixlSender,
+        src: list[int],
+        dst: list[int],
+        last: bool,
+        solo: bool,
+        premade: dict | None = None,
     ) -> None:
-        """Post (or queue for a transfer thread) one ``send`` of a room (:mod:`.transfer_workers`)."""
-        self._workers.submit(sender, src, dst, last, solo)
+        """Post (or queue for a transfer thread) one ``send`` of a room
+        (:mod:`.transfer_workers`); ``premade``: its KV WRITEs made ahead, by decode rank."""
+        self._workers.submit(sender, src, dst, last, solo, premade)
 
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""

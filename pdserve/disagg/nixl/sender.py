@@ -17,6 +17,7 @@ end, so ``Failed`` is never reported while NIXL may still read the pages.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from pdserve.disagg.rooms import BOOTSTRAP_TIMEOUT, PEER_FAILED, TRANSFER_ERROR,
 
 if TYPE_CHECKING:
     from pdserve.disagg.nixl.prefill import DecodePeer, NixlPrefillManager
+
+log = logging.getLogger(__name__)
 
 
 class NixlSender(RoomHandle, KVSender):
@@ -48,6 +51,8 @@ class NixlSender(RoomHandle, KVSender):
         self.last_sent = False
         self.chunk_error: str | None = None
         self.abort_request: tuple[str, str] | None = None
+        self.expected_pages: list[int] | None = None  # expect_pages' hint
+        self.premade: dict[int, object] | None = None  # decode rank -> WRITE made ahead
 
     # --- engine side ------------------------------------------------------------------
     def _tick(self) -> None:
@@ -71,6 +76,51 @@ class NixlSender(RoomHandle, KVSender):
         with self._lock:
             self.num_pages, self.aux_slot = num_pages, aux_slot
             self._check_counts()
+
+    def expect_pages(self, page_ids: list[int]) -> None:
+        """The hint of :meth:`KVSender.expect_pages`: once decode's destination is known
+        too, the KV WRITE of each destination is made ahead (``make_prepped_xfer``), so
+        that a single last ``send`` of exactly these pages only posts it."""
+        with self._lock:
+            if self.is_terminal() or self.pages or self.expected_pages is not None:
+                return
+            self.expected_pages = list(page_ids)
+            self._premake()
+
+    def _premake(self) -> None:
+        """Make the WRITEs of the expected pages into every destination (caller holds
+        the lock); on any error none is kept and ``send`` takes the usual path."""
+        if (
+            self.premade is not None
+            or self.expected_pages is None
+            or self._state != KVPoll.WaitingForInput
+            or self.pages
+            or self.dest is None
+        ):
+            return
+        src = self.expected_pages[self.dest.skip_pages :]
+        if not src or len(src) != len(self.dest.dst_pages):
+            return
+        made: dict[int, object] = {}
+        try:
+            for rank, (_, peer) in sorted(self.dests.items()):
+                assert peer.remote is not None  # a destination is attached only with its peer
+                made[rank] = self._mgr.engine.make_room_write(peer.remote, src, self.dest.dst_pages)
+        except Exception as exc:  # noqa: BLE001 - send() posts the usual way
+            log.warning("room %d: WRITE not made ahead: %s", self.room, exc)
+            self.premade = made
+            self._drop_premade()
+            return
+        self.premade = made
+
+    def _drop_premade(self) -> None:
+        """Release the WRITEs made ahead and never posted (caller holds the lock)."""
+        made, self.premade = self.premade, None
+        for h in (made or {}).values():
+            try:
+                self._mgr.engine.release(h)
+            except Exception as exc:  # noqa: BLE001 - never posted: NIXL has nothing to cancel
+                log.warning("room %d: releasing a WRITE made ahead: %s", self.room, exc)
 
     def send(self, page_ids: list[int], *, last: bool, aux: AuxRecord | None = None) -> None:
         if last and aux is None or not last and aux is not None:
@@ -111,8 +161,18 @@ class NixlSender(RoomHandle, KVSender):
                 self._state = KVPoll.Transferring
                 self.sent_at = time.monotonic()
             solo = self.inflight == 0  # no earlier send still in flight
+            premade = None
+            if (
+                self.premade is not None
+                and last
+                and solo
+                and first == 0
+                and self.expected_pages == list(page_ids)
+            ):
+                premade, self.premade = self.premade, None  # the job posts (and releases) them
+            self._drop_premade()  # any other send: they are not these WRITEs
             self.inflight += 1
-        self._mgr.submit(self, src, dst, last, solo)
+        self._mgr.submit(self, src, dst, last, solo, premade)
 
     def peers(self) -> list[DecodePeer]:
         """The decode rank peers of the destinations received so far."""
@@ -148,6 +208,7 @@ class NixlSender(RoomHandle, KVSender):
 
     def _fail(self, reason: str, kind: str) -> None:
         with self._lock:
+            self._drop_premade()
             if self.is_terminal():
                 return
             if self.inflight:
@@ -182,7 +243,8 @@ class NixlSender(RoomHandle, KVSender):
                     self.dest = first or dest
                     if self._state == KVPoll.Bootstrapping and set(self.dests) >= expected:
                         self._state = KVPoll.WaitingForInput
-                    self._check_counts()
+                    if self._check_counts():
+                        self._premake()
         if problem is not None:
             self._fail(f"room {self.room}: destinations disagree: {problem}", PEER_FAILED)
         elif terminal and self._state == KVPoll.Failed:

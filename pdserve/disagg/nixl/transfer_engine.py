@@ -144,6 +144,9 @@ class NixlTransferEngine:
         self._lock = threading.Lock()
         self._regs: list[Any] = []
         self._dlists: list[Any] = []
+        self._made: set[int] = set()  # ids of make_room_write handles not released yet
+        self.premade_made = 0  # make_room_write handles made, total
+        self.premade_posted = 0  # of them posted (by post), total
         self._regs.append(
             self.agent.register_memory(
                 [(p, n, dev, "") for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)],
@@ -302,22 +305,14 @@ class NixlTransferEngine:
         self.agent.make_connection(agent_name)
 
     # --- transfers ------------------------------------------------------------------
-    def post_room_write(
+    def _kv_indices(
         self,
         remote: RemoteSide,
         src_pages: list[int] | np.ndarray,
         dst_pages: list[int] | np.ndarray,
-        src_slot: int | None = None,
-        dst_slot: int | None = None,
-        notif: bytes = b"",
-    ) -> list[Any]:
-        """Post the WRITE of ``src_pages`` (all buffers, or the peer's head slice) onto
-        ``dst_pages`` of the peer, and of aux slot ``src_slot`` onto the peer's
-        ``dst_slot`` (none when ``src_slot`` is None). The index arrays go to NIXL's
-        prepared lists, which merge adjacent pages. ``notif``: a NIXL notification the
-        peer receives once the KV WRITE is complete (sent from the poll that sees it
-        done; needs pages). Returns the posted handles (KV first; none for KV when there
-        are no pages). ValueError for ids out of range."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``int32`` page id arrays of a WRITE of ``src_pages`` onto the peer's
+        ``dst_pages``; ValueError for unequal counts or ids out of range."""
         try:
             src = np.asarray(src_pages, dtype=np.int32)  # int32 already: no copy
             dst = np.asarray(dst_pages, dtype=np.int32)
@@ -334,6 +329,71 @@ class NixlTransferEngine:
             for what, i, n in (("source", 0, self.num_pages), ("destination", 1, remote.num_pages)):
                 if lo[i] < 0 or hi[i] >= n:
                     raise ValueError(f"{what} page id out of range [0, {n})")
+        return src, dst
+
+    def _make_kv_write(
+        self, remote: RemoteSide, src: np.ndarray, dst: np.ndarray, notif: bytes
+    ) -> Any:
+        return self.agent.make_prepped_xfer(
+            "WRITE",
+            remote.local_kv,
+            page_indices(remote.num_rows, self.num_pages, src),
+            remote.kv,
+            page_indices(remote.num_rows, remote.num_pages, dst),
+            notif,
+        )
+
+    def make_room_write(
+        self,
+        remote: RemoteSide,
+        src_pages: list[int] | np.ndarray,
+        dst_pages: list[int] | np.ndarray,
+    ) -> Any:
+        """Make, without posting, the KV WRITE of ``src_pages`` onto the peer's
+        ``dst_pages`` (as :meth:`post_room_write` would): a handle for :meth:`post`, which
+        sets its notification. Every handle made here is released by :meth:`release`
+        (posted or not); :meth:`num_premade_writes` counts those not yet released.
+        ValueError as :meth:`post_room_write`, and for no pages."""
+        src, dst = self._kv_indices(remote, src_pages, dst_pages)
+        if not src.size:
+            raise ValueError("a WRITE made ahead needs pages")
+        handle = self._make_kv_write(remote, src, dst, b"")
+        with self._lock:
+            self._made.add(id(handle))
+            self.premade_made += 1
+        return handle
+
+    def post(self, handle: Any, notif: bytes = b"") -> None:
+        """Post a handle of :meth:`make_room_write`; ``notif``: the NIXL notification the
+        peer receives once that WRITE is complete (NIXL's ``transfer(handle, notif_msg)``
+        sets it per post). Raises NIXL's error when the post is refused."""
+        if self.agent.transfer(handle, notif) == "ERR":
+            raise RuntimeError("NIXL refused to post a prepared WRITE")
+        with self._lock:
+            self.premade_posted += 1
+
+    def num_premade_writes(self) -> int:
+        """Handles of :meth:`make_room_write` not released yet (posted ones included)."""
+        with self._lock:
+            return len(self._made)
+
+    def post_room_write(
+        self,
+        remote: RemoteSide,
+        src_pages: list[int] | np.ndarray,
+        dst_pages: list[int] | np.ndarray,
+        src_slot: int | None = None,
+        dst_slot: int | None = None,
+        notif: bytes = b"",
+    ) -> list[Any]:
+        """Post the WRITE of ``src_pages`` (all buffers, or the peer's head slice) onto
+        ``dst_pages`` of the peer, and of aux slot ``src_slot`` onto the peer's
+        ``dst_slot`` (none when ``src_slot`` is None). The index arrays go to NIXL's
+        prepared lists, which merge adjacent pages. ``notif``: a NIXL notification the
+        peer receives once the KV WRITE is complete (sent from the poll that sees it
+        done; needs pages). Returns the posted handles (KV first; none for KV when there
+        are no pages). ValueError for ids out of range."""
+        src, dst = self._kv_indices(remote, src_pages, dst_pages)
         if src_slot is not None and (
             dst_slot is None
             or not 0 <= dst_slot < remote.num_aux_slots
@@ -344,16 +404,7 @@ class NixlTransferEngine:
             raise ValueError("a notification rides on a KV WRITE: no pages given")
         handles = []
         if src.size:
-            handles.append(
-                self.agent.make_prepped_xfer(
-                    "WRITE",
-                    remote.local_kv,
-                    page_indices(remote.num_rows, self.num_pages, src),
-                    remote.kv,
-                    page_indices(remote.num_rows, remote.num_pages, dst),
-                    notif,
-                )
-            )
+            handles.append(self._make_kv_write(remote, src, dst, notif))
         if src_slot is not None:
             handles.append(
                 self.agent.make_prepped_xfer(
@@ -369,7 +420,10 @@ class NixlTransferEngine:
         return self.agent.check_xfer_state(handle)
 
     def release(self, handle: Any) -> None:
+        """Release a transfer handle (NIXL cancels it if running; raises if it cannot)."""
         self.agent.release_xfer_handle(handle)
+        with self._lock:
+            self._made.discard(id(handle))
 
     def send_notif(self, agent_name: str, payload: bytes) -> None:
         self.agent.send_notif(agent_name, payload)

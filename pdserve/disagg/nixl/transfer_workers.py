@@ -17,7 +17,9 @@ Completion notification (``XferDone``, carrying the aux record for the decode ra
 takes it): when a room's last send is the only one still in flight, it rides on that
 send's KV WRITE of each destination (``make_prepped_xfer(..., notif_msg)``: UCX sends it
 once that WRITE is complete, from the poll that sees it done), so a room is one prepared
-transfer per destination and nothing is posted after it. Else (an earlier chunk still in
+transfer per destination and nothing is posted after it; when the sender made that
+WRITE ahead (``NixlSender.expect_pages``) the job only posts it, the notification set at
+post time (``transfer(handle, notif_msg)``), and releases it if never posted. Else (an earlier chunk still in
 flight, or no pages left to write) it is sent on its own once every WRITE ended. The room
 learns the outcome through ``NixlSender.chunk_finished`` / ``transfer_finished`` only when
 NIXL no longer touches its pages (a WRITE still running at the deadline is cancelled;
@@ -54,13 +56,15 @@ INLINE_SPIN_MAX_BYTES = 64 << 20  # larger WRITEs do not end within the spin: ha
 class Job:
     """One ``send`` of a room: ``src`` pages onto decode's ``dst`` pages (int32 arrays),
     ``last``: the room's last send; ``attach``: the room's ``XferDone`` rides on these
-    KV WRITEs; ``handles``/``error``/``t0`` once posted."""
+    KV WRITEs; ``premade``: those KV WRITEs made ahead (decode rank -> handle, posted
+    with the notification set then); ``handles``/``error``/``t0`` once posted."""
 
     sender: NixlSender
     src: np.ndarray
     dst: np.ndarray
     last: bool
     attach: bool
+    premade: dict[int, Any] | None = None
     handles: list[Any] = field(default_factory=list)
     error: str | None = None
     t0: float = 0.0
@@ -95,15 +99,22 @@ class TransferWorkers:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     def submit(
-        self, sender: NixlSender, src: list[int], dst: list[int], last: bool, solo: bool
+        self,
+        sender: NixlSender,
+        src: list[int],
+        dst: list[int],
+        last: bool,
+        solo: bool,
+        premade: dict[int, Any] | None = None,
     ) -> None:
         """One ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages, the
-        room's last when ``last``; ``solo``: no other send of the room is in flight.
-        Posted here or queued (module doc); never raises for a NIXL error (the room
-        fails)."""
+        room's last when ``last``; ``solo``: no other send of the room is in flight;
+        ``premade``: its KV WRITEs made ahead (by decode rank; only for a last, solo
+        send), which the job posts or releases. Posted here or queued (module doc);
+        never raises for a NIXL error (the room fails)."""
         s = np.asarray(src, dtype=np.int32)
         d = np.asarray(dst, dtype=np.int32)
-        job = Job(sender, s, d, last, last and solo and s.size > 0)
+        job = Job(sender, s, d, last, last and solo and s.size > 0, premade)
         targets = [peer.remote for _, peer in sender.targets() if peer.remote is not None]
         descs = merged_runs(s, d) * sum(r.num_rows for r in targets)
         nbytes = s.size * self.engine.page_bytes * len(targets)
@@ -140,19 +151,33 @@ class TransferWorkers:
         ``job.attach``)."""
         job.t0 = time.monotonic()
         sender = job.sender
+        premade, job.premade = job.premade or {}, None
         if sender.abort_request is not None or not job.src.size:
+            for h in premade.values():  # never posted: nothing for NIXL to cancel
+                self._try_release(h)
             job.attach = False
             return  # aborted before posting (nothing to undo), or no pages to WRITE
         try:
             for _, peer in sender.targets():
                 assert peer.remote is not None  # a destination is attached only with its peer
                 notif = self._payload(job, peer) if job.attach else b""
-                job.handles += self.engine.post_room_write(
-                    peer.remote, job.src, job.dst, None, None, notif
-                )
+                h = premade.pop(peer.engine_rank, None)
+                if h is None:
+                    job.handles += self.engine.post_room_write(
+                        peer.remote, job.src, job.dst, None, None, notif
+                    )
+                    continue
+                try:
+                    self.engine.post(h, notif)
+                except Exception:
+                    self._try_release(h)  # not posted: nothing for NIXL to cancel
+                    raise
+                job.handles.append(h)  # released in _finish
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
             job.attach = False
+        for h in premade.values():  # left over (a failed post): never posted
+            self._try_release(h)
 
     def _poll(self, job: Job, spin_until: float, *, spin_only: bool) -> bool:
         """Poll the job's handles until none is running (True), or, with ``spin_only``,
