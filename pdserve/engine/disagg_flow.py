@@ -21,6 +21,7 @@ from the pool.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 from pdserve.disagg.base import (
@@ -36,6 +37,8 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken, skip_draw
 from pdserve.engine.scheduler import BatchPlan, Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 def _poll(handle: KVSender | KVReceiver) -> tuple[KVPoll, str | None]:
@@ -222,6 +225,23 @@ class DisaggFlow:
                 self.abort(req, reason="error", error=f"KV receiver init failed: {exc}")
                 failed.append(req)
         return failed
+
+    def expect_sends(self, plan: BatchPlan) -> None:
+        """Before a step: each prefill-role request whose last prompt chunk is in ``plan``
+        and that has sent no page yet tells its sender the pages its one last send will
+        list (``KVSender.expect_pages``: NIXL makes that WRITE once decode's destination is
+        known too, so the send after the forward only posts it)."""
+        if not self._live:
+            return
+        by_id = {r.request_id: r for r in self._live if r.sender is not None}
+        for seq in plan.seqs:
+            req = by_id.get(seq.request_id)
+            if req is None or req.sender is None or not seq.sample or req.kv_pages_sent:
+                continue
+            try:
+                req.sender.expect_pages(list(req.pages))
+            except Exception as exc:  # noqa: BLE001 - a hint; the send goes the usual way
+                logger.warning("request %s: KV send hint failed: %s", req.request_id, exc)
 
     def send_chunks(self, plan: BatchPlan) -> None:
         """After a step: every prefill-role request whose prompt is not finished sends the

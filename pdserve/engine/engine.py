@@ -250,6 +250,7 @@ class EngineCore:
         plan = BatchPlan(()) if ahead else self.scheduler.schedule()
         if plan.seqs:
             plan = self._attach_grammar_masks(plan)
+            self.disagg.expect_sends(plan)  # prefill: the last send's WRITE made ahead
             self._counters["steps"] += 1
             if not self.overlap.try_launch(plan, self._requests, touched):
                 try:

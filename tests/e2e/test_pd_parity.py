@@ -389,3 +389,16 @@ def test_all_processes_healthy_and_pages_back_at_baseline(cluster):
             60,
             f"{name} free KV pages back at baseline {cluster['baseline'][name]}",
         )
+
+
+def test_prefill_last_sends_post_writes_made_ahead(cluster):
+    """The engine hints each one-chunk prompt's pages before its step
+    (``DisaggFlow.expect_sends``), so prefill's last send posts a WRITE made ahead; by now
+    (every test's requests done) none is left unposted or unreleased."""
+    stats = cluster["prefill"].get_info()["transfer"]
+    assert stats["premade_writes_posted"] > 0, stats
+    wait_for(
+        lambda: cluster["prefill"].get_info()["transfer"]["premade_writes"] == 0,
+        30,
+        "prefill to release every WRITE made ahead",
+    )
