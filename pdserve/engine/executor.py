@@ -106,8 +106,10 @@ class Executor(ABC):
         between steps, in call order, and return its result (picklable for ranks > 0).
 
         ``fn`` must be a module-level function (it is pickled by reference); its exception
-        is re-raised here, caused by a :class:`RemoteTraceback` holding the rank's traceback.  Raises ValueError naming
-        ``rank`` when out of range, RankFailedError when that rank is gone."""
+        is re-raised here, caused by a :class:`RemoteTraceback` holding the rank's
+        traceback.  Raises ValueError naming ``rank`` when out of range, RankFailedError
+        when that rank is gone or does not answer within ``PDSERVE_TP_TIMEOUT`` (the
+        executor is then failed for good, as for a hung collective)."""
 
     @property
     def failure(self) -> str | None:
@@ -439,9 +441,15 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send_bytes(head)
                 conn.send((fn, args))
-                reply = conn.recv()
+                answered = conn.poll(self._timeout)  # a stopped rank must not block us
+                reply = conn.recv() if answered else None
             except (EOFError, OSError) as exc:
                 raise self._fail_from(exc) from exc
+            if reply is None:
+                text = self._silent_failure(rank)
+                self._fail(text)
+                self._terminate()
+                raise RankFailedError(text)
         if reply[0] == "ok":
             return reply[1]
         if len(reply) == 2:  # the rank itself failed (it exits)

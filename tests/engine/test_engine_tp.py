@@ -186,6 +186,37 @@ def test_hung_rank_is_named_after_the_timeout_and_a_normal_stop_logs_no_error(mo
     assert not pid_alive(rank1)
 
 
+def _rank_pid(ctx):
+    return os.getpid()
+
+
+@pytest.mark.timeout(300)
+def test_call_rank_to_a_hung_rank_fails_naming_it_after_the_timeout(monkeypatch):
+    """``call_rank`` between steps to a stopped rank raises RankFailedError naming that rank
+    and its pid after PDSERVE_TP_TIMEOUT instead of blocking the engine thread; the engine
+    is failed for good and its ranks are stopped."""
+    monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "5")
+    cfg = EngineConfig(
+        model=ModelConfig(model=TINY, tensor_parallel_size=2, device="cpu"),
+        cache=CacheConfig(num_pages=64),
+    )
+    core = EngineCore(cfg)
+    rank1 = core.executor.rank_pids()[1]
+    try:
+        assert core.executor.call_rank(1, _rank_pid) == rank1
+        os.kill(rank1, signal.SIGSTOP)
+        with pytest.raises(RankFailedError) as info:
+            core.executor.call_rank(1, _rank_pid)
+        want = f"tensor-parallel rank 1 (pid {rank1}) did not answer for 5 s (PDSERVE_TP_TIMEOUT)"
+        assert want in str(info.value), info.value
+        assert core.failure == str(info.value)
+        with pytest.raises(RankFailedError):
+            core.executor.call_rank(1, _rank_pid)
+    finally:
+        core.shutdown()
+    assert not pid_alive(rank1)
+
+
 def test_tp_config_errors_name_the_field(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ModelConfig(tensor_parallel_size=0)
