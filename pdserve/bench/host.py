@@ -41,10 +41,12 @@ PHASES = ("schedule", "update", "append", "output", "disagg", "masks", "gc", "ot
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``pdserve bench host``."""
     p = subparsers.add_parser(
-        "host", help="engine host time per decode step by phase (schedule, append, outputs)"
+        "host",
+        help="engine host time per decode step by phase (schedule, append, outputs)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="random:tiny", help="model (default random:tiny)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--model", default="random:tiny", help="model")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--num-prompts", default="1,64", help="comma-separated concurrencies")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt")

@@ -473,16 +473,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transfer",
         help="KV transfer over NIXL vs an in-process copy: GB/s and ratio",
         description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model-shape", default=d.model_shape, choices=sorted(MODEL_SHAPES))
+    p.add_argument(
+        "--model-shape",
+        default=d.model_shape,
+        choices=sorted(MODEL_SHAPES),
+        help="layers, KV heads and head size of the KV pools",
+    )
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="tokens of the request")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    p.add_argument("--dtype", default=d.dtype, choices=_DTYPES)
-    p.add_argument("--device", default=d.device, choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default=d.dtype, choices=_DTYPES, help="KV cache dtype")
+    p.add_argument(
+        "--device", default=d.device, choices=("cpu", "cuda"), help="where both pools live"
+    )
     p.add_argument(
         "--gpu-id", type=int, default=d.gpu_id, help="CUDA index of both processes' pools"
     )
-    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument(
+        "--repeats", type=int, default=d.repeats, help="interleaved timed runs (medians)"
+    )
     p.add_argument(
         "--run-len",
         type=int,
@@ -492,7 +502,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pool-factor", type=int, default=d.pool_factor, help="pool pages / request pages"
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the page lists and the KV bytes"
+    )
     p.add_argument(
         "--hugepages",
         action=argparse.BooleanOptionalAction,
