@@ -71,3 +71,26 @@ def test_prefill_row_times_new_prompts_every_run(monkeypatch):
     row = offline._time_prefill(llm, None, (2, 16), 0, 3)
     assert len(seen) == 4 and len(set(seen)) == 4  # the warm-up and 3 runs, all different
     assert row["ours_tok_s"] == 32.0 and row["ratio"] == 2.0
+
+
+@pytest.mark.timeout(300)
+def test_one_token_runs_are_warmed_up_before_they_are_timed(monkeypatch, capsys):
+    """The one-token run (the decode rate's reference) has step shapes of its own; its first
+    run must be a warm-up, never a timed one."""
+    from pdserve.bench import offline
+
+    calls: list[int] = []
+    real = offline._time_ours
+
+    def recording(llm, prompts, max_tokens):
+        calls.append(max_tokens)
+        return real(llm, prompts, max_tokens)
+
+    monkeypatch.setattr(offline, "_time_ours", recording)
+    args = ["bench", "offline", "--model", "random:tiny", "--device", "cpu"]
+    assert main(args + ["--num-prompts", "2", "--max-tokens", "3", "--repeats", "2"]) == 0
+    assert calls == [3, 1, 3, 1, 3, 1]  # warm-up of both lengths, then 2 timed pairs
+    calls.clear()
+    assert main(args + ["--num-prompts", "2", "--max-tokens", "1", "--repeats", "1"]) == 0
+    assert calls == [1, 1]
+    capsys.readouterr()
