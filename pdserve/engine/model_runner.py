@@ -249,12 +249,12 @@ class ModelRunner:
         offs = header.offsets
         buf = self._stage(int(offs[-1]))
         host = buf.numpy()
-        host[offs[0] : offs[1]] = np.fromiter(
+        host[offs[0] : offs[0] + T] = np.fromiter(
             itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T
         )
-        for i, arr in enumerate((positions, slots, s_lens, qsl, sample_rows, table.reshape(-1))):
-            host[offs[i + 1] : offs[i + 2]] = arr
-        host[offs[7] : offs[8]] = chunks
+        segments = (positions, slots, s_lens, qsl, sample_rows, table.reshape(-1), chunks)
+        for i, (arr, n) in enumerate(zip(segments, header.sizes[1:]), start=1):
+            host[offs[i] : offs[i] + n] = arr
         return header, host[: int(offs[-1])]
 
     def staging_view(self, n: int) -> np.ndarray:
@@ -283,8 +283,9 @@ class ModelRunner:
         if self._pin:
             self._staged_copy = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._staged_copy.record()
-        sizes = np.diff(offs[:8]).tolist()
-        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = torch.split(dev[: offs[7]], sizes)
+        ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = (
+            dev[o : o + n] for o, n in zip(offs[:7].tolist(), header.sizes)
+        )
         if input_from is not None:
             ids_t = input_from.index_select(0, ids_t)[:, 0].to(torch.int64)
         attn = AttentionMetadata(
@@ -292,12 +293,12 @@ class ModelRunner:
             seq_lens=lens_t,
             page_table=table_t.view(B, width),
             slot_mapping=slots_t,
-            query_lens_host=tuple(np.diff(host[offs[4] : offs[5]]).tolist()),
-            seq_lens_host=tuple(host[offs[3] : offs[4]].tolist()),
+            query_lens_host=tuple(np.diff(host[offs[4] : offs[4] + B + 1]).tolist()),
+            seq_lens_host=tuple(host[offs[3] : offs[3] + B].tolist()),
         )
         attn_plan = self.model.backend.plan(attn, self.pool.page_size)  # outside the forward
         hidden = self.model(ids_t, pos_t, attn, self.pool.layer_caches, attn_plan)  # [T, H]
-        chunks = host[offs[7] : offs[8]].reshape(-1, 2).tolist()
+        chunks = host[offs[7] : offs[7] + 2 * header.n_chunks].reshape(-1, 2).tolist()
         for i, (row0, n) in enumerate(chunks):
             logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V] fp32
             if on_chunk is not None:
@@ -340,11 +341,21 @@ class StepHeader:
     n_chunks: int
 
     @functools.cached_property
-    def offsets(self) -> np.ndarray:
-        """Start of each segment of the staged buffer and its total length (int64 ``[9]``)."""
+    def sizes(self) -> tuple[int, ...]:
+        """Length of each of the 8 segments of the staged buffer (int64 values)."""
         B, T = self.num_seqs, self.num_tokens
-        sizes = (T, T, T, B, B + 1, self.n_sample, B * self.width, 2 * self.n_chunks)
-        return np.concatenate(([0], np.cumsum(sizes)))
+        return (T, T, T, B, B + 1, self.n_sample, B * self.width, 2 * self.n_chunks)
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """Start of each segment of the staged buffer and its total length (int64 ``[9]``).
+        Each start is a multiple of ``_SEGMENT_ALIGN`` values (16 bytes): Triton compiles a
+        kernel once per alignment of its pointer arguments, so a segment at an odd offset
+        would cost a new compile (~0.8 s on the H200) whenever the alignment changed."""
+        starts = [0]
+        for n in self.sizes:
+            starts.append(-(-(starts[-1] + n) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN)
+        return np.array(starts, dtype=np.int64)
 
     @property
     def total(self) -> int:
@@ -362,6 +373,7 @@ class StepHeader:
 
 
 HEADER_LEN = 8
+_SEGMENT_ALIGN = 2  # int64 values: 16 bytes, the alignment Triton specializes pointers on
 
 
 def _prompt_chunks(seqs: Sequence[ScheduledSeq], row0s: list[int]) -> np.ndarray:
