@@ -5,6 +5,8 @@ PD protocol: both legs get the client's body plus ``bootstrap_host``, ``bootstra
 (the prefill worker's bootstrap server) and ``bootstrap_room``; a request with ``n``
 samples reserves the rooms ``bootstrap_room .. bootstrap_room + n - 1`` (sample ``i``
 uses ``bootstrap_room + i`` on both workers), so every sample has a distinct live room.
+A ``/v1/completions`` batch of ``P`` prompts reserves ``P * n`` rooms (sample ``i`` of
+prompt ``p`` uses ``bootstrap_room + p * n + i``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
 
-MAX_ROOMS_PER_REQUEST = 1024  # cap on n reserved per request (workers reject larger n)
+MAX_ROOMS_PER_REQUEST = 1024  # cap on rooms reserved per request (workers reject n > 128)
 
 
 class LegError(Exception):
@@ -55,15 +57,25 @@ def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:
     return body.get("prompt_logprobs") is not None
 
 
+def _num_prompts(endpoint: str, body: dict) -> int:
+    """Prompts of the request: the length of a ``/v1/completions`` batch, else 1."""
+    prompt = body.get("prompt") if endpoint == "/v1/completions" else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def _num_samples(endpoint: str, body: dict) -> int:
+    """Rooms the request needs: ``n`` per prompt (1 for an invalid ``n``, which the
+    workers reject with a 400)."""
     n = (
         (body.get("sampling_params") or {}).get("n", 1)
         if endpoint == "/generate"
         else body.get("n", 1)
     )
-    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROOMS_PER_REQUEST:
-        return n
-    return 1  # invalid n: the workers reject it with a 400
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROOMS_PER_REQUEST):
+        n = 1
+    return n * _num_prompts(endpoint, body)
 
 
 class Dispatcher:
@@ -201,6 +213,13 @@ class Dispatcher:
         prefill, decode = self.pool.pick_pair(key)
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
+        if n > MAX_ROOMS_PER_REQUEST:
+            return error_response(
+                400,
+                f"a request may have at most {MAX_ROOMS_PER_REQUEST} samples in PD mode "
+                f"(prompts x n), this one has {n}",
+                param="prompt",
+            )
         room = self.reserve_rooms(n)
         handed_off = False
         try:

@@ -44,7 +44,8 @@ MEANINGS: dict[str, str] = {
     "user": "accepted, no effect (as metadata, store, service_tier, "
     "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities; "
     "parallel_tool_calls: false limits tool_choice required to one call)",
-    "CompletionRequest.prompt": "one string or one list of token ids (a one-element batch too)",
+    "CompletionRequest.prompt": "one string or list of token ids, or a batch of them: n choices "
+    "per prompt, index p * n + i, usage summed",
     "CompletionRequest.max_tokens": "most tokens to generate; 0 only with echo (scores the prompt)",
     "CompletionRequest.logprobs": "top-k alternatives per token (<= 20), OpenAI's legacy layout "
     "(tokens, token_logprobs, top_logprobs, text_offset)",

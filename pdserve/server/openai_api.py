@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -140,38 +140,50 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             raise APIError(
                 400, "best_of is not supported (leave it unset or equal to n)", "best_of"
             )
-        prompt_ids: list[int]
-        if isinstance(req.prompt, list):  # one list of token ids (the validator unwraps)
-            prompt_ids = list(cast("list[int]", req.prompt))
-        else:
-            ctx.check_text(req.prompt, "prompt")
-            prompt_ids = await prompts.encode(ctx.tokenizer, req.prompt)
+        batch = req.prompts()
+        many = len(batch) > 1
+        ids_of: list[list[int]] = []  # each prompt's token ids
+        echo_of: list[str] = []  # each prompt's echoed text
+        for p, prompt in enumerate(batch):
+            if isinstance(prompt, list):
+                ids_of.append(list(prompt))
+            else:
+                ctx.check_text(prompt, f"prompt[{p}]" if many else "prompt")
+                ids_of.append(await prompts.encode(ctx.tokenizer, prompt))
         scoring = req.max_tokens == 0  # no output: the engine's one token is dropped
         if scoring and not req.echo:
             raise APIError(
                 400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens"
             )
-        echo_text = ""
         if req.echo:
-            echo_text = (
-                req.prompt
-                if isinstance(req.prompt, str)
-                else await asyncio.to_thread(ctx.tokenizer.decode, prompt_ids)
-            )
+            for prompt, ids in zip(batch, ids_of):
+                echo_of.append(
+                    prompt
+                    if isinstance(prompt, str)
+                    else await asyncio.to_thread(ctx.tokenizer.decode, ids)
+                )
         echo_lp = req.echo and req.logprobs is not None
         prompt_k = req.prompt_logprobs
         if echo_lp:
             prompt_k = max(req.logprobs or 0, prompt_k or 0)
         spec = structured_params(req)
         await compile_or_400(ctx.serving.engine.core, spec)
-        job = _job(
-            ctx, req, prompt_ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k, spec
-        )
-        head = response_head("cmpl", "text_completion", job.request_id, ctx.model_name)
+        jobs = [
+            _job(ctx, req, ids, 1 if scoring else req.max_tokens, req.logprobs, prompt_k, spec)
+            for ids in ids_of
+        ]
+        head = response_head("cmpl", "text_completion", jobs[0].request_id, ctx.model_name)
+        for p, job in enumerate(jobs[1:], 1):  # prompt p: its own engine requests and rooms
+            job.request_id = f"{jobs[0].request_id}-{p}"
+            if job.bootstrap_room is not None:
+                job.bootstrap_room += p * req.n
 
         def choice(index: int, out: RequestOutput, o: Any, first: bool, delta: bool) -> dict:
-            """One choice: the whole sample, or (``delta``) this chunk's part of it; the
-            echoed prompt (and its logprobs) goes in front of the first."""
+            """One choice (``index``: ``p * n + i`` for sample ``i`` of prompt ``p``): the
+            whole sample, or (``delta``) this chunk's part of it; the echoed prompt (and its
+            logprobs) goes in front of the first."""
+            p = index // req.n
+            echo_text = echo_of[p] if req.echo else ""
             text = "" if scoring else (o.delta_text if delta else o.text)
             ids = [] if scoring else list(o.delta_token_ids if delta else o.token_ids)
             entries = [] if scoring else ((o.delta_logprobs if delta else o.logprobs) or [])
@@ -180,7 +192,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             if req.logprobs is not None:
                 lp = fmt.completion_logprobs(entries, tt, offset)
                 if req.echo and first:
-                    head_lp = fmt.echo_logprobs(prompt_ids, out.prompt_logprobs, tt, req.logprobs)
+                    head_lp = fmt.echo_logprobs(ids_of[p], out.prompt_logprobs, tt, req.logprobs)
                     lp = fmt.join_logprobs(head_lp, lp)
             if req.echo and first:
                 text = echo_text + text
@@ -195,9 +207,10 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 **choice_extras(req, tt, out, ids, first),
             }
 
+        lengths = [len(ids) for ids in ids_of]
         offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
         if req.stream:
-            samples = StreamSamples(req, len(prompt_ids), scoring)
+            samples = StreamSamples(req, lengths, scoring)
 
             def chunks(index: int, out: RequestOutput):
                 o, first, worth = samples.see(index, out)
@@ -206,13 +219,15 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 if worth:
                     yield samples.with_usage(dict(head, choices=[body]), o, out)
 
-            return await sse_response(request, ctx.serving, job, chunks, lambda: samples.tail(head))
+            return await sse_response(
+                request, ctx.serving, jobs, chunks, lambda: samples.tail(head)
+            )
 
-        outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
+        outs = await cancel_on_disconnect(request, ctx.serving.collect(jobs))
         choices = [
             choice(index, out, out.outputs[0], True, delta=False) for index, out in enumerate(outs)
         ]
-        usage = final_usage(len(prompt_ids), outs, scoring)
+        usage = final_usage(lengths, outs, scoring)
         return JSONResponse(dict(head, choices=choices, usage=usage))
 
     @api.post("/v1/chat/completions")

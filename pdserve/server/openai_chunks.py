@@ -6,7 +6,7 @@ the extension fields of a choice, and the ``usage`` of whole answers and of stre
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
@@ -45,23 +45,51 @@ def choice_extras(
     return extra
 
 
-def final_usage(prompt_tokens: int, outs: Sequence[RequestOutput], scoring: bool = False) -> dict:
-    """``usage`` of a whole answer whose samples are ``outs``."""
-    return fmt.usage(
-        prompt_tokens,
-        [out.outputs[0] for out in outs],
-        scoring=scoring,
-        cached_tokens=fmt.cached_tokens(outs),
+def final_usage(
+    prompt_tokens: int | Sequence[int], outs: Sequence[RequestOutput], scoring: bool = False
+) -> dict:
+    """``usage`` of a whole answer whose samples are ``outs``; for a batch,
+    ``prompt_tokens`` lists each prompt's length, ``outs`` holds ``n`` samples per prompt in
+    order, and the counts are the prompts' usages summed (as vLLM)."""
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    n = len(outs) // max(len(lengths), 1)
+    return summed_usage(
+        fmt.usage(
+            length,
+            [out.outputs[0] for out in outs[p * n : (p + 1) * n]],
+            scoring=scoring,
+            cached_tokens=fmt.cached_tokens(outs[p * n : (p + 1) * n]),
+        )
+        for p, length in enumerate(lengths)
     )
+
+
+def summed_usage(usages: Iterable[dict]) -> dict:
+    """Field-wise sum of ``fmt.usage`` dicts (the usage of a batch of prompts)."""
+    total: dict[str, Any] = {}
+    for u in usages:
+        if not total:
+            total = dict(u, prompt_tokens_details=dict(u["prompt_tokens_details"]))
+            continue
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+    return total
 
 
 class StreamSamples:
     """Per-sample state of one streamed answer: which samples sent their first chunk, and
-    the final output and cached prompt tokens of each finished one (for the usage)."""
+    the final output and cached prompt tokens of each finished one (for the usage).
+    ``prompt_tokens``: the prompt's length, or each prompt's of a batch (sample ``index``
+    belongs to prompt ``index // n``)."""
 
-    def __init__(self, req: _OpenAISampling, prompt_tokens: int, scoring: bool = False) -> None:
+    def __init__(
+        self, req: _OpenAISampling, prompt_tokens: int | Sequence[int], scoring: bool = False
+    ) -> None:
         self._req = req
-        self._prompt_tokens = prompt_tokens
+        self._lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
         self._scoring = scoring
         self._started: set[int] = set()
         self._finals: dict[int, CompletionOutput] = {}
@@ -83,18 +111,31 @@ class StreamSamples:
         opts = self._req.stream_options
         if opts and opts.continuous_usage_stats:
             chunk["usage"] = fmt.usage(
-                self._prompt_tokens, [o], scoring=self._scoring, cached_tokens=out.num_cached_tokens
+                self._lengths[self._prompt_of(chunk)],
+                [o],
+                scoring=self._scoring,
+                cached_tokens=out.num_cached_tokens,
             )
         return chunk
 
+    def _prompt_of(self, chunk: dict) -> int:
+        return int(chunk["choices"][0]["index"]) // self._req.n if chunk.get("choices") else 0
+
     def tail(self, head: dict) -> Iterator[dict]:
-        """The last chunk (no choices, the request's usage) under ``include_usage``."""
+        """The last chunk (no choices, the request's usage, summed over a batch's prompts)
+        under ``include_usage``."""
         opts = self._req.stream_options
         if opts and opts.include_usage:
-            usage = fmt.usage(
-                self._prompt_tokens,
-                list(self._finals.values()),
-                scoring=self._scoring,
-                cached_tokens=min(self._cached.values(), default=0),
+            n = self._req.n
+            usage = summed_usage(
+                fmt.usage(
+                    length,
+                    [o for i, o in self._finals.items() if i // n == p],
+                    scoring=self._scoring,
+                    cached_tokens=min(
+                        (c for i, c in self._cached.items() if i // n == p), default=0
+                    ),
+                )
+                for p, length in enumerate(self._lengths)
             )
             yield dict(head, choices=[], usage=usage)

@@ -133,7 +133,10 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
 
 
 class CompletionRequest(_OpenAISampling):
-    """``POST /v1/completions``; ``prompt`` is one string or one list of token ids.
+    """``POST /v1/completions``; ``prompt`` is one string, one list of token ids, or a
+    batch (a list of strings or of token-id lists): each prompt gets ``n`` choices,
+    numbered ``p * n + i`` across the batch (vLLM's and SGLang's order), the usage sums
+    the prompts'.
 
     ``echo`` prepends the prompt to the text (and, with ``logprobs``, the prompt tokens'
     logprobs to the logprobs, the first one null); ``max_tokens`` 0 generates nothing
@@ -150,16 +153,21 @@ class CompletionRequest(_OpenAISampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError(
-                    "exactly one prompt per request is supported (send a batch as separate requests)"
-                )
-            value = value[0]
+    def _non_empty(cls, value: Any) -> Any:
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):  # a batch
+            for p, prompt in enumerate(value):
+                if len(prompt) == 0:
+                    raise ValueError(f"prompt[{p}] must not be empty")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or each of a batch (text or token ids)."""
+        value = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return list(value)
+        return [value]  # type: ignore[list-item]
 
     @field_validator("suffix")
     @classmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +120,8 @@ class Serving:
         if room + job.params.n > ROOM_LIMIT:
             raise APIError(
                 400,
-                "bootstrap_room + n must be <= 2**63 (sample i uses room bootstrap_room + i)",
+                "bootstrap_room + n (times the prompts of a batch) must be <= 2**63 (sample i "
+                "of prompt p uses room bootstrap_room + p * n + i)",
                 "bootstrap_room",
             )
 
@@ -188,10 +189,52 @@ class Serving:
             for rid in live:
                 self.engine.abort(rid)
 
-    async def collect(self, job: Job) -> list[RequestOutput]:
-        """Run ``job`` to the end; the final output of each sample, in index order."""
+    async def stream_all(
+        self, jobs: Sequence[Job]
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Run several jobs at once (a batch of prompts, each with the same ``n``) and yield
+        ``(p * n + sample index, output)`` for job ``p``, interleaved as the engine produces
+        them (vLLM's and SGLang's numbering of a batch's choices). Every job is checked
+        before any starts; the first failure (an APIError as :meth:`stream`) ends them all,
+        and so does closing the iterator (every unfinished sample is aborted)."""
+        if len(jobs) == 1:
+            async for item in self.stream(jobs[0]):
+                yield item
+            return
+        for job in jobs:
+            self.check(job)
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(p: int, job: Job) -> None:
+            try:
+                async for index, out in self.stream(job):
+                    queue.put_nowait((p * job.params.n + index, out))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised there
+                queue.put_nowait((-1, exc))
+                return
+            queue.put_nowait((-1, None))  # job p is done
+
+        tasks = [asyncio.ensure_future(pump(p, job)) for p, job in enumerate(jobs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if index < 0:
+                    if item is not None:
+                        raise item
+                    running -= 1
+                    continue
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()  # each job's stream aborts its unfinished samples
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, job: Job | Sequence[Job]) -> list[RequestOutput]:
+        """Run ``job`` (or a batch: :meth:`stream_all`) to the end; the final output of
+        each sample, in index order."""
         finals: dict[int, RequestOutput] = {}
-        async for index, out in self.stream(job):
+        async for index, out in self.stream_all([job] if isinstance(job, Job) else job):
             if out.finished:
                 finals[index] = out
         return [finals[i] for i in sorted(finals)]

@@ -5,7 +5,7 @@ well-formed SSE error event followed by ``data: [DONE]``."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -27,14 +27,15 @@ def sse(data: Any) -> bytes:
 async def sse_response(
     request: Request,
     serving: Serving,
-    job: Job,
+    job: Job | Sequence[Job],
     chunks: ChunkFn,
     tail: Callable[[], Iterable[dict]] = lambda: (),
 ) -> StreamingResponse:
-    """Start ``job`` and stream ``chunks(index, output)`` for each engine output, then
-    ``tail()`` (e.g. the usage chunk), then ``[DONE]``. Raises APIError if the job fails
-    before its first output."""
-    it: AsyncGenerator[Any, None] = serving.stream(job)  # its own async iterator
+    """Start ``job`` (or a batch of jobs, numbered as ``Serving.stream_all``) and stream
+    ``chunks(index, output)`` for each engine output, then ``tail()`` (e.g. the usage
+    chunk), then ``[DONE]``. Raises APIError if the job fails before its first output."""
+    jobs = [job] if isinstance(job, Job) else job
+    it: AsyncGenerator[Any, None] = serving.stream_all(jobs)  # its own async iterator
     try:
         first = await cancel_on_disconnect(request, it.__anext__())
     except BaseException:

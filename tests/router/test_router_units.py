@@ -210,6 +210,14 @@ def test_num_samples_reads_n_per_endpoint():
     )
 
 
+def test_num_samples_counts_n_per_prompt_of_a_completions_batch():
+    assert _num_samples("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}) == 6
+    assert _num_samples("/v1/completions", {"prompt": [[1, 2], [3]]}) == 2
+    assert _num_samples("/v1/completions", {"prompt": [1, 2, 3], "n": 2}) == 2  # one prompt
+    assert _num_samples("/v1/completions", {"prompt": "abc", "n": 2}) == 2
+    assert _num_samples("/v1/chat/completions", {"prompt": ["a", "b"], "n": 2}) == 2
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [
