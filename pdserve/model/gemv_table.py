@@ -15,6 +15,8 @@ TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, int, int, int, int
         (4, None),
         (8, None),
         (16, ("dot", 32, 256, 4, 4)),
+        (32, None),
+        (48, ("dot", 32, 128, 4, 5)),
     ),
     ("bfloat16", 4096, 14336): ((1, ("rows", 16, 1024, 8, 1)),),
 }

@@ -1,24 +1,35 @@
 """Skinny matmul ``x @ w.T`` for a few rows (decode at small batch), in Triton, CUDA only.
 
-At batch 1 a decode step is weight reads: every linear layer is a GEMV over a bf16 matrix
-``w [N, K]`` (row-major, K contiguous) with fp32 accumulation. Two kernels, one launch each
-(no split-K reduce):
+At decode a step is mostly weight reads: every linear layer multiplies ``M`` rows (the batch,
+a captured graph's bucket: 1, 2, 4, 8, 16, 32, 48, 64) by a bf16 matrix ``w [N, K]``
+(row-major, K contiguous) read once from HBM, with fp32 accumulation. Kernels:
 
 ``rows``  M = 1 only: each program owns ``BLOCK_N`` output features and walks K in
           ``BLOCK_K`` chunks, accumulating ``w * x`` elementwise in fp32 and summing once at
-          the end (no tensor cores; wide loads, many programs).
-``dot``   M <= ``BLOCK_M`` (16): the same walk with ``tl.dot`` on ``[BLOCK_M, BLOCK_K] x
-          [BLOCK_K, BLOCK_N]`` tiles, the loads software-pipelined (``num_stages``), rows past
-          M masked to zero.
+          the end (no tensor cores; wide loads, many programs). One launch.
+``dot``   M <= ``MAX_ROWS`` (64): the same walk with ``tl.dot`` on ``[BLOCK_M, BLOCK_K] x
+          [BLOCK_K, BLOCK_N]`` tiles, ``BLOCK_M`` = M rounded up to 16, 32 or 64
+          (:func:`block_m`), the loads software-pipelined (``num_stages``), rows past M
+          masked to zero. One launch.
+``splitkS`` (S = 2, 4, 8) the ``dot`` walk with K cut into S slices, one program per
+          (``BLOCK_N`` features, slice), each storing fp32 partials ``[S, M, N]``; a second
+          kernel sums them in slice order (deterministic) and rounds once. Two launches; it
+          gives wide tiles (few re-reads of x from L2 at 64 rows) enough programs for the
+          GPU's 132 SMs when N is small.
 
 Which shape and row count use which kernel and tile, or cuBLAS, is not guessed: it is the
 table ``pdserve.model.gemv_table.TABLE``, written by ``scripts/gpu_gemv_sweep.py`` from a
 measurement on the GPU (each configuration timed in a CUDA graph over weight copies that
-do not fit in L2, against ``F.linear`` timed the same way; every timing in
-``docs/figures/h200_gemv_sweep.json``). :func:`pick` reads it. On the H200 (2026-12-01) the
-``rows`` kernel won at M = 1 for qkv (14.2 vs 15.3 µs), o_proj (10.5 vs 12.4: cuBLAS runs
-split-K plus a reduce there) and down_proj (28.8 vs 30.7); gate_up and the LM head were
-within 3 % (cuBLAS kept), and at M = 2..16 cuBLAS was as fast except o_proj at 16.
+do not fit in L2, against ``F.linear`` timed the same way; a configuration is used only
+where it beat cuBLAS by >= 3 %; every timing in ``docs/figures/h200_gemv_sweep.json``).
+:func:`pick` reads it. On the H200 (2026-12-01, Llama-3.1-8B shapes, bf16) the ``rows`` kernel
+won at M = 1 for qkv (14.2 vs 15.3 µs), o_proj (10.5 vs 12.4: cuBLAS runs split-K plus a
+reduce there) and down_proj (28.8 vs 30.7); gate_up and the LM head were within 3 % (cuBLAS
+kept). At M = 2..16 cuBLAS was as fast except o_proj at 16. At M = 32, 48, 64 cuBLAS (TMA-fed
+``nvjet`` kernels, 3.1-4.0 TB/s) was as fast or faster everywhere but o_proj at 48 (``dot``
+12.2 vs 13.3 µs, where cuBLAS picks split-K plus a reduce); at 64 our best were qkv 17.1 vs
+16.0 µs, o_proj 12.3 vs 12.0, down 34.6 vs 35.6 (``splitk2``, under the 3 % margin), gate_up
+62.4 vs 63.0: these kernels' pipelined loads reach ~3.0-3.8 TB/s at 64 rows, not more.
 """
 
 from __future__ import annotations
@@ -29,9 +40,20 @@ import torch
 import triton
 import triton.language as tl
 
-# A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows" or "dot".
+# A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot" or
+# "splitk2" / "splitk4" / "splitk8".
 Config = tuple[str, int, int, int, int]
-BLOCK_M = 16  # rows of the dot kernel's tile (tl.dot's smallest)
+MAX_ROWS = 64  # the most rows the dot kernels take (the largest BLOCK_M)
+SPLITS = {"dot": 1, "splitk2": 2, "splitk4": 4, "splitk8": 8}  # kernel name -> K slices
+REDUCE_BLOCK = 1024  # elements a program of the split-K reduce sums
+
+
+def block_m(m: int) -> int:
+    """The dot kernels' row tile for ``m`` rows: 16, 32 or 64 (``tl.dot`` takes powers of two
+    >= 16). ValueError past ``MAX_ROWS``."""
+    if m > MAX_ROWS:
+        raise ValueError(f"the dot kernel takes at most {MAX_ROWS} rows, got M={m}")
+    return max(16, 1 << (m - 1).bit_length())  # the power of two >= m
 
 
 @triton.jit
@@ -93,24 +115,37 @@ def _gemv_dot_kernel(
     M,
     N,
     K,
+    K_SPLIT,
     s_xm,
     s_wn,
     s_om,
+    s_os,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N),)``, ``M <= BLOCK_M`` rows: ``o = x @ w.T (+ b)``."""
+    """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``, ``M <= BLOCK_M`` rows: ``o = x @ w.T (+ b)``.
+
+    With ``SPLIT_K == 1`` the program stores the output; otherwise program ``(n, s)`` sums K
+    in ``[s * K_SPLIT, (s + 1) * K_SPLIT)`` and stores fp32 partials at ``o + s * s_os``
+    (the bias is then the reduce kernel's)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT_K == 1:  # the whole of K (a loop from 0: what the measured M <= 16 entries ran)
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = k_lo + K_SPLIT
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         kmask = kk < K
         x = _load_x(
@@ -125,13 +160,38 @@ def _gemv_dot_kernel(
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        o = o_ptr + rm[:, None] * s_om + rn[None, :]
+        tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=omask)
+    else:
+        o = o_ptr + tl.program_id(1) * s_os + rm[:, None] * s_om + rn[None, :]
+        tl.store(o, acc, mask=omask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    p_ptr,
+    b_ptr,
+    o_ptr,
+    N,
+    MN,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(cdiv(MN, BLOCK),)``: ``o = sum_s p[s] (+ b)`` over ``p [SPLIT_K, M, N]`` fp32,
+    in the order s = 0, 1, ... (deterministic), rounded once to o's dtype."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < MN
+    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + r, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        o_ptr + rm[:, None] * s_om + rn[None, :],
-        acc.to(o_ptr.dtype.element_ty),
-        mask=mmask[:, None] & nmask[None, :],
-    )
+        acc += tl.load(b_ptr + r % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + r, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv(
@@ -143,13 +203,14 @@ def gemv(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with the kernel and tile of ``config``.
 
-    x ``[M, K]`` (dim stride 1; M <= 16, and M == 1 for the ``rows`` kernel), weight
-    ``[N, K]`` (dim stride 1), bias ``[N]`` or None; same dtype. With ``silu_mul`` x is
-    ``[gate | up]`` ``[M, 2K]`` and the product is taken with ``silu(gate) * up`` computed
+    x ``[M, K]`` (dim stride 1; M <= ``MAX_ROWS`` (64), and M == 1 for the ``rows`` kernel),
+    weight ``[N, K]`` (dim stride 1), bias ``[N]`` or None; same dtype. With ``silu_mul`` x
+    is ``[gate | up]`` ``[M, 2K]`` and the product is taken with ``silu(gate) * up`` computed
     on the fly (``fused_ops.silu_mul``'s rounding; SwiGLU's activation and the down
     projection in one kernel). Returns a new ``[M, N]`` tensor in x's dtype (fp32
-    accumulation, one rounding at the end). ValueError for a row count the kernel cannot
-    take or an unknown kernel name.
+    accumulation, one rounding at the end; split-K sums its fp32 slices in a fixed order, so
+    results are deterministic). ValueError for a row count the kernel cannot take or an
+    unknown kernel name.
     """
     kind, block_n, block_k, warps, stages = config
     M, K = x.shape
@@ -163,11 +224,10 @@ def gemv(
         x = x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == K
     b: Any = bias if bias is not None else weight
-    grid = (triton.cdiv(N, block_n),)
     if kind == "rows":
         if M != 1:
             raise ValueError(f"the rows kernel takes one row, got M={M}")
-        _gemv_rows_kernel[grid](
+        _gemv_rows_kernel[(triton.cdiv(N, block_n),)](
             x,
             weight,
             b,
@@ -182,31 +242,49 @@ def gemv(
             num_warps=warps,
             num_stages=stages,
         )
-    elif kind == "dot":
-        if M > BLOCK_M:
-            raise ValueError(f"the dot kernel takes at most {BLOCK_M} rows, got M={M}")
-        _gemv_dot_kernel[grid](
-            x,
-            weight,
+        return out
+    split = SPLITS.get(kind)
+    if split is None:
+        raise ValueError(f"unknown GEMV kernel {kind!r}; known: rows, {', '.join(SPLITS)}")
+    bm = block_m(M)
+    # K per slice, a multiple of BLOCK_K (the last slice's tail is masked).
+    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    dst = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    _gemv_dot_kernel[(triton.cdiv(N, block_n), split)](
+        x,
+        weight,
+        b,
+        dst,
+        M,
+        N,
+        K,
+        k_split,
+        x.stride(0),
+        weight.stride(0),
+        N,
+        M * N,
+        HAS_BIAS=bias is not None,
+        SILU=silu_mul,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        IEEE=x.dtype == torch.float32,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    if split > 1:
+        _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            dst,
             b,
             out,
-            M,
             N,
-            K,
-            x.stride(0),
-            weight.stride(0),
-            out.stride(0),
+            M * N,
             HAS_BIAS=bias is not None,
-            SILU=silu_mul,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            IEEE=x.dtype == torch.float32,
-            num_warps=warps,
-            num_stages=stages,
+            SPLIT_K=split,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=4,
         )
-    else:
-        raise ValueError(f"unknown GEMV kernel {kind!r}; known: rows, dot")
     return out
 
 

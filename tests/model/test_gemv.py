@@ -15,12 +15,18 @@ from pdserve.model.llama import LlamaForCausalLM
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 only on the GPU: the interpreter converts fp32 -> bf16 by truncation, not rounding.
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-CONFIGS = [("rows", 8, 32, 4, 1), ("dot", 16, 32, 4, 2), ("dot", 32, 64, 4, 3)]
+CONFIGS = [
+    ("rows", 8, 32, 4, 1),
+    ("dot", 16, 32, 4, 2),
+    ("dot", 32, 64, 4, 3),
+    ("splitk2", 16, 32, 4, 2),  # K = 100 in slices of 64: the second one's tail masked
+    ("splitk8", 32, 16, 4, 1),  # slices of 16: the last one lies wholly past K
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 20, 48, 64])  # row tiles of 16, 32 and 64
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_gemv_matches_linear(dtype, config, m, with_bias):
     if config[0] == "rows" and m != 1:
@@ -40,8 +46,8 @@ def test_gemv_matches_linear(dtype, config, m, with_bias):
     assert (got.float() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]])
+@pytest.mark.parametrize("m", [1, 5, 40])
 def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(config, m):
     """SwiGLU computed inside the GEMV's loads gives the bits of silu_mul, then the GEMV."""
     from pdserve.model.fused_ops import silu_mul
@@ -57,17 +63,45 @@ def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(config, m):
     assert torch.equal(got, ref)
 
 
+def test_gemv_split_k_is_deterministic_and_sums_slices_in_order():
+    """The split-K result is the same bits on every call, and equals the fp32 sum of the
+    slices' products taken in slice order (what the reduce kernel promises)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 96, generator=gen).to(DEVICE)
+    w = torch.randn(40, 96, generator=gen).to(DEVICE)
+    config = ("splitk4", 16, 16, 4, 1)  # slices of 32 (= 96 / 4 rounded up to BLOCK_K 16)
+    got = triton_gemv.gemv(x, w, None, config)
+    assert torch.equal(got, triton_gemv.gemv(x, w, None, config))
+    ref = sum(x[:, s : s + 32].double() @ w[:, s : s + 32].double().T for s in (0, 32, 64))
+    assert (got.double() - ref).abs().max().item() <= 1e-4
+
+
 def test_gemv_rejects_too_many_rows_and_unknown_kernels():
-    with pytest.raises(ValueError, match="at most 16"):
-        triton_gemv.gemv(torch.zeros(17, 4), torch.zeros(2, 4), None, ("dot", 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="at most 64"):
+        triton_gemv.gemv(torch.zeros(65, 4), torch.zeros(2, 4), None, ("dot", 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="at most 64"):
+        triton_gemv.gemv(torch.zeros(65, 4), torch.zeros(2, 4), None, ("splitk2", 16, 16, 4, 1))
     with pytest.raises(ValueError, match="unknown GEMV kernel"):
         triton_gemv.gemv(torch.zeros(1, 4), torch.zeros(2, 4), None, ("bogus", 16, 16, 4, 1))
+
+
+def test_block_m_rounds_rows_up_to_a_dot_tile():
+    assert [triton_gemv.block_m(m) for m in (1, 16, 17, 32, 33, 48, 64)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        64,
+    ]
 
 
 def test_pick_takes_the_smallest_measured_row_count_at_or_above_m():
     rows = ("rows", 4, 1024, 4, 1)
     dot = ("dot", 16, 256, 4, 4)
-    table = {("bfloat16", 8, 4): ((1, rows), (2, None), (8, dot))}
+    split = ("splitk2", 64, 128, 4, 4)
+    table = {("bfloat16", 8, 4): ((1, rows), (2, None), (8, dot), (32, None), (64, split))}
     w = torch.zeros(8, 4, dtype=torch.bfloat16)
 
     def picked(m, dtype=torch.bfloat16, weight=w):
@@ -76,7 +110,9 @@ def test_pick_takes_the_smallest_measured_row_count_at_or_above_m():
     assert picked(1) == rows
     assert picked(2) is None  # measured: cuBLAS won there
     assert picked(3) == dot and picked(8) == dot
-    assert picked(9) is None  # past the last measured row count
+    assert picked(9) is None and picked(32) is None  # measured: cuBLAS won there
+    assert picked(33) == split and picked(64) == split
+    assert picked(65) is None  # past the last measured row count
     assert picked(1, torch.float32) is None  # another dtype
     assert picked(1, weight=torch.zeros(8, 5, dtype=torch.bfloat16)) is None  # another shape
 
@@ -88,16 +124,16 @@ def test_committed_table_is_well_formed():
         assert ms == sorted(ms) and len(set(ms)) == len(ms)
         for m, config in rows:
             if config is not None:
-                assert config[0] in ("rows", "dot") and len(config) == 5
-                assert m == 1 or config[0] == "dot"
-                assert m <= triton_gemv.BLOCK_M
+                assert config[0] in ("rows", *triton_gemv.SPLITS) and len(config) == 5
+                assert m == 1 or config[0] != "rows"
+                assert m <= triton_gemv.MAX_ROWS
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch):
-    """bf16: the tiny model with every linear layer routed through the GEMV (both kernels,
-    every row count <= 16) keeps >= 0.99 top-1 agreement with the cuBLAS path."""
+    """bf16: the tiny model with every linear layer routed through the GEMV (every kernel,
+    every row count <= 64) keeps >= 0.99 top-1 agreement with the cuBLAS path."""
     if not torch.cuda.is_available():
         pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
     hf = tiny_hf_builder("qwen2")  # biases on q/k/v: the bias path too
@@ -106,10 +142,7 @@ def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch)
     table = {}
     for p in model.parameters():
         if p.dim() == 2:
-            table[("bfloat16", p.shape[0], p.shape[1])] = (
-                (1, ("rows", 8, 64, 4, 1)),
-                (16, ("dot", 16, 64, 4, 3)),
-            )
+            table[("bfloat16", p.shape[0], p.shape[1])] = _EveryShape.ROWS
     agree = total = 0
     one_seq = ([[7]] + [[1]] * 6, 4)  # M = 1 decode rows: the rows kernel
     for i, (steps, ps) in enumerate([*SCENARIOS, one_seq]):
@@ -125,7 +158,12 @@ def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch)
 class _EveryShape(dict):
     """A GEMV table that routes every bf16 linear layer through the GEMV (tests only)."""
 
-    ROWS = ((1, ("rows", 8, 64, 4, 1)), (16, ("dot", 16, 64, 4, 3)))
+    ROWS = (
+        (1, ("rows", 8, 64, 4, 1)),
+        (16, ("dot", 16, 64, 4, 3)),
+        (32, ("dot", 32, 64, 4, 3)),
+        (64, ("splitk2", 16, 64, 4, 3)),
+    )
 
     def __init__(self) -> None:
         super().__init__({("bfloat16", 0, 0): self.ROWS})  # non-empty: the dispatch looks
@@ -138,14 +176,14 @@ class _EveryShape(dict):
 @pytest.mark.timeout(600)
 def test_captured_graphs_through_the_gemv_match_eager(monkeypatch):
     """Greedy bf16 decode with every linear layer on the GEMV: the captured graphs (buckets
-    1, 2, 4, 8; 3 and 5 rows pad) give the eager run's tokens."""
+    1, 2, 4, 8, 16, 32, 48; 3, 5, 20 and 40 rows pad) give the eager run's tokens."""
     if not torch.cuda.is_available():
         pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     monkeypatch.setattr(gemv_table, "TABLE", _EveryShape())
-    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(5)]
+    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * (i % 8))] for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = {}
     for eager in (False, True):
@@ -153,13 +191,14 @@ def test_captured_graphs_through_the_gemv_match_eager(monkeypatch):
             "random:tiny",
             device="cuda",
             dtype="bfloat16",
-            max_running_requests=8,
+            max_running_requests=48,
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
         assert (llm.engine.runner.graphs is None) == eager
         runs[eager] = [
-            [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)
+            [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)]
+            for n in (1, 3, 5, 20, 40)
         ]
         del llm
         torch.cuda.empty_cache()
