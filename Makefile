@@ -40,6 +40,8 @@ test: lint
 
 # On the GPU machine (torch with CUDA already installed there, pdserve on PYTHONPATH):
 # the tests marked `gpu` (CUDA graphs vs eager, triton vs torch_sdpa in bf16, fp32 parity).
+# Only modules holding a gpu test are imported (tests/conftest.py), so the CPU tests' extra
+# packages (xgrammar, jsonschema, openai, kubernetes-validate) need not be there.
 GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -x -q --timeout=900 -m gpu tests
