@@ -18,10 +18,10 @@ cached and this is plain refcounted allocation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.prefix_cache import ROOT_KEY, PrefixCache, page_keys
+from pdserve.engine.prefix_cache import ROOT_KEY, PrefixCache, page_key, page_keys
 
 
 class KVCacheManager:
@@ -137,6 +137,34 @@ class KVCacheManager:
         keys = page_keys(token_ids[: max_tokens - max_tokens % self.page_size], self.page_size)
         pages = self.cache.match(keys)
         return pages, keys[: len(pages)]
+
+    def num_matchable(
+        self, token_ids: Sequence[int], max_tokens: int, soon: Collection[bytes] = ()
+    ) -> int:
+        """An upper bound on ``len(match_prefix(token_ids, max_tokens)[0])`` once the keys
+        ``soon`` are cached too: the longest run of leading full pages whose keys are cached
+        or in ``soon`` (0 when prefix caching is off).  Takes no reference."""
+        if not self.enable_prefix_caching or max_tokens < self.page_size:
+            return 0
+        ps, parent = self.page_size, ROOT_KEY
+        for p in range(max_tokens // ps):
+            parent = page_key(parent, token_ids[p * ps : (p + 1) * ps])
+            if not (self.cache.has(parent) or parent in soon):
+                return p
+        return max_tokens // ps
+
+    def keys_to_cache(
+        self, token_ids: Sequence[int], keys: Sequence[bytes], num_computed: int
+    ) -> list[bytes]:
+        """The keys :meth:`cache_full_pages` would add for a request (its ``token_ids``,
+        its page ``keys`` so far) once ``num_computed`` tokens have KV; changes nothing."""
+        full = num_computed // self.page_size
+        if not self.enable_prefix_caching or full <= len(keys):
+            return []
+        parent = keys[-1] if keys else ROOT_KEY
+        return page_keys(
+            token_ids[: full * self.page_size], self.page_size, start=len(keys), parent=parent
+        )
 
     def num_evictable_among(self, pages: Iterable[int]) -> int:
         """How many of ``pages`` are unreferenced cached pages (sharing them makes them

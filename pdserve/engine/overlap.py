@@ -10,8 +10,13 @@ The contract (the engine's ``step`` drives it; see docs/architecture.md, "a deco
   (``sampler.plain_greedy``), no prompt logprobs; on CUDA within a captured graph) and no
   row is a prefill-role request.  Everything else runs synchronously as before.
 - **Step N+1 ahead of N's results** (:meth:`OverlapScheduler.launch_ahead`), only when the
-  synchronous scheduler would schedule exactly those rows: nothing waits (a new or joined
-  request drains the pipeline and is scheduled normally, in a mixed step), the running
+  synchronous scheduler would schedule exactly those rows: no waiting request could be
+  admitted into N+1 whatever N's unseen tokens do (``Scheduler.admits_none``: every request
+  slot or the token budget stays taken, or the FCFS head needs more pages than could be
+  available; a row that N's token may end, by EOS or a stop, counts as possibly freeing its
+  slot and pages; a row N ends for sure, by ``max_tokens``, does free them), else the
+  pipeline drains and the waiting request is scheduled normally, in a mixed step, in the
+  very step a synchronous run admits it (no TTFT cost).  The running
   batch is step N's live rows in order, each row stays plain greedy one token later
   (``min_tokens`` bans, grammars, penalties are not), the rows fit the token budget and the
   graph, and their new pages come from the pool's free list (no eviction, no preemption).
@@ -125,25 +130,34 @@ class OverlapScheduler:
         sched = self._scheduler
         prev = self._launched[0]
         live = [(i, r) for i, r in enumerate(prev.reqs) if r.status is Status.RUNNING]
-        if sched.waiting or len(live) != len(sched.running):
+        if len(live) != len(sched.running):
             return False
         if any(r is not q for (_, r), q in zip(live, sched.running)):
             return False
-        rows, reqs, starts = [], [], []
+        rows, reqs, starts, ended, may_end = [], [], [], [], []
         for i, req in live:
             p = req.params
             n_out = req.num_output_tokens + 1  # after N's token
             if (p.max_tokens is not None and n_out >= p.max_tokens) or (
                 req.num_tokens + 1 >= self._max_model_len
             ):
+                ended.append(req)
                 continue  # N ends it: not scheduled into N+1
             if req.grammar is not None or (n_out < p.min_tokens and sched.banned_before_min(req)):
                 return False  # its next row is not plain greedy
             rows.append(i)
             reqs.append(req)
             starts.append(prev.plan.seqs[i].start_pos + 1)
+            stop = req.token_stop
+            may_end.append(
+                stop is None
+                or stop.may_stop_on_token(n_out)
+                or bool(p.stop and n_out > stop.min_tokens)
+            )
         if not rows or len(rows) > sched.config.max_num_batched_tokens:
             return False
+        if sched.waiting and not self._admits_none(prev, reqs, starts, ended, may_end):
+            return False  # the synchronous step may admit one: drain, schedule it normally
         had = [len(r.pages) for r in reqs]
         seqs = sched.schedule_ahead(reqs, starts)
         if seqs is None:
@@ -157,6 +171,43 @@ class OverlapScheduler:
         self._push(plan, reqs, prev.tokens)
         self.num_ahead += 1
         return True
+
+    def _admits_none(
+        self,
+        prev: _Launched,
+        reqs: list[Request],
+        starts: list[int],
+        ended: list[Request],
+        may_end: list[bool],
+    ) -> bool:
+        """Whether the synchronous scheduler, after step ``prev``'s results, would admit no
+        waiting request into the next step (``Scheduler.admits_none``).  ``reqs`` (at
+        ``starts``) are the rows of the next step, ``ended`` the rows ``prev`` ends for sure
+        (their pages come back before that admission), ``may_end[j]``: ``prev``'s token may
+        end ``reqs[j]`` (EOS, stop), unseen here, so its slot and pages are counted as
+        possibly free.  Pages a finished request left to ``prev`` are free by then too."""
+        sched, kv = self._scheduler, self._scheduler.kv
+        sure = [r for r, m in zip(reqs, may_end) if not m]
+        taken = sum(
+            max(0, sched.pages_needed(s + 1) - len(r.pages))
+            for r, s, m in zip(reqs, starts, may_end)
+            if not m
+        )
+        # pages whose last reference may be dropped before the admission (free or cached)
+        drops: dict[int, int] = {}
+        freed = [r.pages for r, m in zip(reqs, may_end) if m] + [r.pages for r in ended]
+        for pages in freed + prev.deferred:
+            for page in pages:
+                drops[page] = drops.get(page, 0) + 1
+        back = sum(1 for page, n in drops.items() if kv.refcount(page) <= n)
+        soon: set[bytes] = set()
+        if kv.enable_prefix_caching:  # what prev's bookkeeping indexes (every row it keeps)
+            for seq, req in zip(prev.plan.seqs, prev.reqs):
+                if req.status is Status.RUNNING:
+                    soon.update(
+                        kv.keys_to_cache(req.all_token_ids, req.page_keys, seq.start_pos + 1)
+                    )
+        return sched.admits_none(len(sure), len(reqs), kv.num_available_pages - taken + back, soon)
 
     def _push(self, plan: BatchPlan, reqs: list[Request], prev: InFlightTokens | None) -> None:
         tokens = self._executor.launch_greedy(plan, prev)

@@ -81,6 +81,10 @@ class PrefixCache:
     def is_evictable(self, page: int) -> bool:
         return page in self._lru
 
+    def has(self, key: bytes) -> bool:
+        """Whether a page is cached under ``key``."""
+        return key in self._page_of
+
     def key_of(self, page: int) -> bytes | None:
         return self._key_of.get(page)
 

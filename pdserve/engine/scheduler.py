@@ -24,7 +24,7 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -203,6 +203,43 @@ class Scheduler:
             seqs.append(self._schedule(req, n, need))
             budget -= n
         return BatchPlan(tuple(seqs), tuple(preempted))
+
+    def admits_none(
+        self,
+        min_running: int,
+        max_running: int,
+        max_available: int,
+        cached_soon: Collection[bytes] = (),
+    ) -> bool:
+        """Whether the next :meth:`schedule` surely admits no waiting request, whatever the
+        pending step's unseen outcome (overlap scheduling, ``engine/overlap.py``).
+
+        It mirrors the admission loop for the FCFS head (nobody overtakes it) over bounds:
+        the running batch then holds between ``min_running`` and ``max_running`` decode
+        rows (one token each, scheduled first); at most ``max_available`` pages are
+        available (``KVCacheManager.num_available_pages``) once those rows took theirs;
+        the prefix cache holds at most its keys now plus ``cached_soon``.  True when no
+        request waits, every slot or the token budget is taken even at ``min_running``, or
+        the head needs more pages than ``max_available`` even with the largest budget-free
+        prefix hit and the smallest chunk.  False means it may admit (the caller drains)."""
+        if not self.waiting:
+            return True
+        cfg = self.config
+        if min_running >= cfg.max_running_requests or cfg.max_num_batched_tokens <= min_running:
+            return True
+        req = self.waiting[0]
+        budget = max(1, cfg.max_num_batched_tokens - max_running)  # the smallest chunk
+        hit = 0
+        if not req.pages and req.num_computed_tokens == 0:
+            if not req.needs_prompt_logprobs():
+                hit = self.kv.num_matchable(req.all_token_ids, req.num_tokens - 1, cached_soon)
+            start = hit * self.kv.page_size
+        else:
+            start = req.num_computed_tokens
+        # schedule admits iff need <= available - evictable hits, need = pages - held - hit;
+        # need only falls as the hit grows and rises with the chunk
+        need = self.pages_needed(min(req.num_tokens, start + budget)) - len(req.pages) - hit
+        return need > max_available
 
     def schedule_ahead(
         self, reqs: Sequence[Request], starts: Sequence[int]

@@ -39,6 +39,12 @@ class TokenStop:
         stops.update((t, t) for t in params.stop_token_ids or ())
         self._stops = stops
 
+    def may_stop_on_token(self, num_output_tokens: int) -> bool:
+        """Whether some token id would end the request as its ``num_output_tokens``-th
+        output token (an EOS or stop token past ``min_tokens``), i.e. whether its end can
+        depend on a token the host has not seen (overlap scheduling, ``engine/overlap.py``)."""
+        return num_output_tokens > self.min_tokens and bool(self._stops)
+
     def check(self, token_id: int, num_output_tokens: int) -> tuple[str, int | None] | None:
         """Whether the request ends with ``token_id``, its ``num_output_tokens``-th output
         token (just appended).
