@@ -230,7 +230,7 @@ class ModelRunner:
         state): fills the staging buffer, returns its header and the host view of its first
         ``header.total`` values: ids | positions | slots | seq_lens | qsl | sample rows |
         page table | prompt-logprob chunks (row start, rows) pairs.  A TP executor sends
-        exactly these to the other ranks (``engine/executor.py``)."""
+        exactly these to the other ranks (``engine/multiproc_executor.py``)."""
         seqs = plan.seqs
         B = len(seqs)
         q = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
