@@ -1,11 +1,11 @@
 """``triton`` attention backend: our own paged kernels (``triton_kernels.py``), CUDA-graph safe.
 
 A step is planned once (outside the model's forward). A decode-only step runs the split-KV
-decode kernel and its merge; any other step (prefill, chunked prefill over a cached prefix,
-mixed decode + prefill) runs the varlen extend kernel over every sequence. Both read K/V in
-place from the paged cache, through its strides; this step's K/V are stored first by the
-store kernel, or, on CUDA, by the model's RoPE kernel (``fused_ops.rope_store_kv``: one
-kernel a layer fewer; ``forward(..., kv_stored=True)``).
+decode kernel and, with more than one split, its merge; any other step (prefill, chunked
+prefill over a cached prefix, mixed decode + prefill) runs the varlen extend kernel over
+every sequence. Both read K/V in place from the paged cache, through its strides; this
+step's K/V are stored first by the store kernel, or, on CUDA, by the model's RoPE kernel
+(``fused_ops.rope_store_kv``: one kernel a layer fewer; ``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size (the split count is fixed per batch size; each program derives
@@ -30,12 +30,11 @@ from pdserve.model.triton_kernels import (
     store_kv_kernel,
 )
 
-# Context tokens one decode program covers per iteration, and the extend kernel's tiles.
-_DECODE_BLOCK_N = 64
+# The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
 _EXTEND_BLOCK_N = 64
 # Splits of a decode step: about 8 programs per SM of an H200 (132 SMs) for latency hiding,
-# at most 32 splits.
+# at most 32 splits (``capture_reserve_bytes`` counts scratch for 32).
 _TARGET_PROGRAMS = 1024
 _MAX_SPLITS = 32
 
@@ -44,40 +43,82 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the split-KV decode kernel for one step.
+
+    splits: programs per (row, KV head), 1..32 (1: the kernel writes the output, no merge);
+    block_n: context tokens a program reads per iteration (a power of two >= 16);
+    num_warps / num_stages: Triton launch options; min_split: fewest tokens a split covers
+    (a multiple of ``block_n``; 0: none), so short contexts leave later splits empty."""
+
+    splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_split: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.splits <= _MAX_SPLITS:
+            raise ValueError(f"splits: {self.splits} is outside 1..{_MAX_SPLITS}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n: {self.block_n} is not a power of two >= 16")
+        if self.min_split < 0 or self.min_split % self.block_n:
+            raise ValueError(f"min_split: {self.min_split} is not a multiple of {self.block_n}")
+
+
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None) -> int:
     """Split count of a decode step: ``B * Hkv * splits`` near 1024 programs (about 8 per SM
-    of an H200's 132, so loads of one program overlap another's math), at most 32, no more splits than ``max_seq_len`` has blocks of
-    64 tokens when that bound is known (eager steps); a captured graph passes ``None``."""
+    of an H200's 132, so loads of one program overlap another's math), at most 32, no more
+    splits than ``max_seq_len`` has blocks of 64 tokens when that bound is known (eager
+    steps); a captured graph passes ``None``."""
     splits = max(1, min(_MAX_SPLITS, -(-_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))))
     if max_seq_len is not None:
-        splits = max(1, min(splits, -(-max_seq_len // _DECODE_BLOCK_N)))
+        splits = max(1, min(splits, -(-max_seq_len // 64)))
     return splits
 
 
-def decode_tile(num_splits: int) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` of the split-KV decode kernel. With 2 splits or fewer (large
-    batches: ``B * Hkv`` programs already fill the GPU) 32-token tiles and 2 warps ran 12 %
-    faster than 64 and 4 on the H200 (batch 64 x 8 KV heads, 200-token contexts: 29.3 vs
-    33.2 us for split + merge; 1,000 tokens: 81.5 vs 84.4 us; 2026-12-01, scripts/gpu_decode_kernel_sweep.py);
-    otherwise 64 and 4."""
-    return (32, 2) if num_splits <= 2 else (_DECODE_BLOCK_N, 4)
+def decode_config(
+    num_seqs: int, num_kv_heads: int, page_size: int, max_seq_len: int | None
+) -> DecodeConfig:
+    """The decode kernel's configuration for ``num_seqs`` rows (``max_seq_len``: the longest
+    context of an eager step, ``None`` when captured: then it depends on the batch only).
+
+    Splits as :func:`num_decode_splits`; 64-token tiles, 4 warps, 2 stages; once the rows
+    alone make 256 programs or more (``B * Hkv``, batch 32 and up at 8 KV heads) a split
+    covers at least 256 tokens, so a short context runs as one program a (row, KV head)
+    and only longer ones are split. Measured on the H200 (2026-12-01, Llama-8B heads, bf16,
+    page-major 128-token pages, the 32 layers' decode in one CUDA graph,
+    ``scripts/gpu_decode_kernel_sweep.py``): batch 64 at 125-330 tokens 23.3 us a layer
+    (2.62 TB/s of K/V; main 8b5b962's 2 splits of 32-token tiles and 2 warps: 26.0); batch
+    1 at 200 tokens 5.83 us (main: 6.72). Faster there but not measured beyond 330 tokens,
+    so not chosen: one split at batch 64 (21.7 us, 3 stages; one program then walks a
+    long context alone) and 8 splits of 32-token tiles at batch 1 (4.86 us; a quarter of
+    the programs at 8,000 tokens). A merge fused into the split kernel (the last split of
+    a group merges, after an atomic count) was slower in every case measured (batch 64:
+    23.9 us; batch 1: 6.8-9.2 us), so the merge stays a kernel of its own."""
+    splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len)
+    min_split = 256 if num_seqs * num_kv_heads >= 256 else 0
+    return DecodeConfig(splits, 64, 4, 2, min_split)
 
 
 @dataclass
 class TritonPlan:
     """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
 
-    max_seq_len: longest context of an eager decode step (``None`` when captured: the split
-    count then depends on the batch size only); num_splits: fixed on the first layer (0
-    until then); max_q_len: longest query of an extend step.
-    mid_o ``[B, Hq, S, D]`` fp32 / mid_lse ``[B, Hq, S]`` fp32: decode scratch, reused by
-    every layer (allocated lazily on the first layer, once per step or once per graph).
+    max_seq_len: longest context of an eager decode step (``None`` when captured: the
+    decode configuration then depends on the batch size only); config: the decode kernel's
+    :class:`DecodeConfig`, fixed on the first layer (``None`` until then); max_q_len:
+    longest query of an extend step.
+    mid_o ``[B, Hq, S, D]`` fp32 / mid_lse ``[B, Hq, S]`` fp32: decode scratch of ``S > 1``
+    splits, reused by every layer (allocated lazily on the first layer, once per step or
+    once per graph); ``None`` with one split (the kernel writes the output).
     """
 
     decode: bool
     max_seq_len: int | None
     max_q_len: int
-    num_splits: int = 0
+    config: DecodeConfig | None = None
     mid_o: torch.Tensor | None = None
     mid_lse: torch.Tensor | None = None
 
@@ -154,15 +195,15 @@ class TritonBackend(AttentionBackend):
         if B == 0:
             return out.view(T, Hq * D)
         if plan.decode:
-            if not plan.num_splits:
-                plan.num_splits = num_decode_splits(B, Hkv, plan.max_seq_len)
-            S = plan.num_splits
-            if plan.mid_o is None or plan.mid_o.shape[0] != B:
+            if plan.config is None:
+                plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len)
+            cfg = plan.config
+            S = cfg.splits
+            if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
                 plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
                 plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
-            mid_o, mid_lse = plan.mid_o, plan.mid_lse
-            assert mid_lse is not None
-            block_n, warps = decode_tile(S)
+            mid_o = out if plan.mid_o is None else plan.mid_o  # unused with one split
+            mid_lse = out if plan.mid_lse is None else plan.mid_lse
             decode_split_kernel[(B, Hkv, S)](
                 q,
                 k_cache,
@@ -171,6 +212,7 @@ class TritonBackend(AttentionBackend):
                 attn.seq_lens,
                 mid_o,
                 mid_lse,
+                out,
                 scale,
                 q.stride(0),
                 q.stride(1),
@@ -179,29 +221,35 @@ class TritonBackend(AttentionBackend):
                 table.stride(0),
                 *mid_o.stride()[:3],
                 *mid_lse.stride()[:2],
+                out.stride(0),
+                out.stride(1),
                 G=G,
                 D=D,
                 PAGE_SIZE=page_size,
                 NUM_SPLITS=S,
+                MIN_SPLIT=cfg.min_split,
                 BLOCK_H=_pow2(G),
-                BLOCK_N=block_n,
+                BLOCK_N=cfg.block_n,
                 BLOCK_D=block_d,
+                TILE_IN_PAGE=page_size % cfg.block_n == 0,
                 IEEE=ieee,
-                num_warps=warps,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )
-            decode_merge_kernel[(B, Hq)](
-                mid_o,
-                mid_lse,
-                out,
-                *mid_o.stride()[:3],
-                *mid_lse.stride()[:2],
-                out.stride(0),
-                out.stride(1),
-                D=D,
-                NUM_SPLITS=S,
-                BLOCK_S=_pow2(S, 1),
-                BLOCK_D=block_d,
-            )
+            if S > 1:
+                decode_merge_kernel[(B, Hq)](
+                    mid_o,
+                    mid_lse,
+                    out,
+                    *mid_o.stride()[:3],
+                    *mid_lse.stride()[:2],
+                    out.stride(0),
+                    out.stride(1),
+                    D=D,
+                    NUM_SPLITS=S,
+                    BLOCK_S=_pow2(S, 1),
+                    BLOCK_D=block_d,
+                )
         else:
             grid = (B, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
             extend_kernel[grid](

@@ -129,6 +129,7 @@ def decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    out_ptr,
     scale,
     s_qt,
     s_qh,
@@ -144,30 +145,46 @@ def decode_split_kernel(
     s_os,
     s_lb,
     s_lh,
+    s_tt,
+    s_th,
     G: tl.constexpr,
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
-    (one query token each) over split ``s`` of its context. The split length is derived from
-    ``seq_lens[b]`` on the device (so a captured graph stays valid for any length).
-    Writes the normalised partial output ``mid_o[b, h, s, :]`` (fp32) and its log-sum-exp
-    ``mid_lse[b, h, s]`` (``-inf`` for an empty split)."""
+    (one query token each; K/V read once for the group) over split ``s`` of its context.
+
+    The split length is derived from ``seq_lens[b]`` on the device (so a captured graph
+    stays valid for any length): ``cdiv(seq_len, NUM_SPLITS)`` rounded up to ``BLOCK_N``,
+    at least ``MIN_SPLIT`` tokens (a multiple of ``BLOCK_N``; 0: no floor), so a short
+    context leaves its later splits empty. With ``NUM_SPLITS == 1`` the program writes the
+    normalised output ``out[b, h, :]`` (q's dtype) itself and no merge runs; otherwise the
+    partial output ``mid_o[b, h, s, :]`` (fp32) and its log-sum-exp ``mid_lse[b, h, s]``
+    (``-inf`` for an empty split). ``TILE_IN_PAGE`` (``PAGE_SIZE % BLOCK_N == 0``): every
+    tile lies inside one page (splits start at multiples of ``BLOCK_N``), so a tile reads
+    one page-table entry; else each position reads its own. A row of context 0 (a padded
+    row) outputs 0. K and V of a tile are both loaded before its first dot, so their
+    memory latencies overlap."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if MIN_SPLIT > 0:
+        per_split = tl.maximum(per_split, MIN_SPLIT)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
+    nn = tl.arange(0, BLOCK_N)
     heads = kvh * G + hh
     hmask = hh < G
     dmask = dd < D
@@ -179,44 +196,56 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    nn = tl.arange(0, BLOCK_N)
+    table_row = table_ptr + b * s_tb
+    k_head = k_cache_ptr + kvh * s_ch
+    v_head = v_cache_ptr + kvh * s_vch
     for start in range(lo, hi, BLOCK_N):
         pos = start + nn
         nmask = pos < hi
-        acc, m_i, l_i = _attend_block(
-            q,
-            acc,
-            m_i,
-            l_i,
-            k_cache_ptr,
-            v_cache_ptr,
-            table_ptr + b * s_tb,
-            pos,
-            nmask,
-            nmask[None, :],
-            kvh,
-            dd,
-            dmask,
-            scale,
-            s_cp,
-            s_ct,
-            s_ch,
-            s_vcp,
-            s_vct,
-            s_vch,
-            PAGE_SIZE,
-            IEEE,
-        )
-    nonempty = hi > lo
+        kv_mask = nmask[:, None] & dmask[None, :]
+        if TILE_IN_PAGE:
+            page = tl.load(table_row + start // PAGE_SIZE).to(tl.int64)
+            off = (start % PAGE_SIZE + nn).to(tl.int64)
+            k_rows = k_head + page * s_cp + off * s_ct  # [BLOCK_N]
+            v_rows = v_head + page * s_vcp + off * s_vct
+        else:
+            pages = tl.load(table_row + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+            off = (pos % PAGE_SIZE).to(tl.int64)
+            k_rows = k_head + pages * s_cp + off * s_ct
+            v_rows = v_head + pages * s_vcp + off * s_vct
+        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(
-        mid_o_ptr + b * s_ob + heads[:, None] * s_oh + split * s_os + dd[None, :],
-        out,
-        mask=hmask[:, None] & dmask[None, :],
-    )
-    tl.store(mid_lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=hmask)
+    res = acc / l_safe[:, None]
+    omask = hmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * s_tt + heads[:, None] * s_th + dd[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
+    else:
+        lse = tl.where(hi > lo, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(
+            mid_o_ptr + b * s_ob + heads[:, None] * s_oh + split * s_os + dd[None, :],
+            res,
+            mask=omask,
+        )
+        tl.store(mid_lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=hmask)
 
 
 @triton.jit

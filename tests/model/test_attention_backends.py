@@ -118,18 +118,58 @@ def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
 
 
 @pytest.mark.timeout(300)
-def test_triton_large_batch_decode_tile_matches_sdpa(monkeypatch):
-    """The decode kernel's large-batch tile (1-2 splits: 32-token blocks, 2 warps), reached
-    here by asking for fewer programs than the rows x KV heads, equals torch_sdpa too."""
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        (1, 16, 4, 1, 0),  # one split: the kernel writes the output, no merge kernel
+        (1, 32, 2, 2, 0),  # a tile of two pages at page size 16 (gathered)
+        (3, 16, 4, 1, 32),  # merge kernel; a floor of 32 tokens leaves splits empty
+        (4, 16, 2, 2, 0),
+        (2, 64, 4, 1, 128),  # every row but the longest in its first split
+    ],
+)
+def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
+    """Every kind of decode configuration (one split without a merge, the merge kernel, a
+    split floor, tiles inside a page or across pages) equals torch_sdpa on a page-major
+    pool, twice with the same plan (its scratch reused)."""
     from pdserve.model import triton_backend
 
-    monkeypatch.setattr(triton_backend, "_TARGET_PROGRAMS", 8)
-    assert triton_backend.num_decode_splits(3, 2, None) <= 2
-    assert triton_backend.decode_tile(2) == (32, 2) and triton_backend.decode_tile(3)[0] == 64
-    args = _random_step([1, 1, 1], [1, 70, 300], 16, 8, 2, 32, 48, torch.float32, 4, True)
-    ref, _, _ = _attend("torch_sdpa", *args, 16)
-    out, _, _ = _attend("triton", *args, 16)
-    assert (out - ref).abs().max().item() < 1e-5
+    config = triton_backend.DecodeConfig(*cfg)
+    monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    args = _random_step([1, 1, 1], [1, 70, 300], page_size, 8, 2, 32, 128, torch.float32, 4, True)
+    ref, _, _ = _attend("torch_sdpa", *args, page_size)
+    backend = get_attention_backend("triton")
+    q, k, v, k_cache, v_cache, md = args
+    plan = backend.plan(md, page_size)
+    for _ in range(2):
+        out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), md, plan, 32**-0.5)
+        assert (out - ref).abs().max().item() < 1e-5
+    assert plan.config == config
+    assert (plan.mid_o is None) == (config.splits == 1)
+
+
+def test_decode_config_choice_and_validation():
+    """Rows x KV heads x splits near 1024 programs; from 256 rows x KV heads a split covers
+    256 tokens or more (short contexts: one program a row and head); one split (no merge)
+    at 128 rows; an eager step's short contexts need fewer splits; bad values name the
+    field."""
+    from pdserve.model.triton_backend import DecodeConfig, decode_config
+
+    assert decode_config(64, 8, 128, None) == DecodeConfig(2, 64, 4, 2, 256)
+    assert decode_config(128, 8, 128, None).splits == 1
+    small = decode_config(1, 8, 128, None)
+    assert small.splits == 32 and small.min_split == 0
+    assert decode_config(1, 8, 128, 100).splits == 2
+    for bad, field in (
+        (dict(splits=0), "splits"),
+        (dict(splits=33), "splits"),
+        (dict(block_n=48), "block_n"),
+        (dict(min_split=100), "min_split"),
+    ):
+        kw = dict(splits=2, block_n=64, num_warps=4, num_stages=2) | bad
+        with pytest.raises(ValueError, match=field):
+            DecodeConfig(**kw)
 
 
 def test_triton_padded_rows_write_nothing_and_output_zero():

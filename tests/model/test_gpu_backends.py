@@ -78,3 +78,67 @@ def test_triton_bf16_top1_agrees_with_sdpa(tiny_hf_builder):
             assert (ref - got).abs().max().item() < 0.5, f"{arch} scenario {i}"
     assert total > 100
     assert same / total >= 0.99, f"top-1 agreement {same}/{total}"
+
+
+DECODE_CONFIGS = [
+    (1, 64, 4, 2, 0),  # one split: the kernel writes the output, no merge
+    (1, 128, 8, 3, 0),
+    (1, 32, 2, 1, 0),
+    (2, 32, 2, 2, 0),  # merge kernel
+    (2, 64, 4, 2, 256),  # a floor of 256 tokens a split: short rows use one (batch 64)
+    (4, 64, 4, 2, 256),
+    (32, 64, 4, 2, 0),  # batch 1
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS)
+def test_triton_decode_configs_match_fp32_attention_at_llama_shapes(cfg, monkeypatch):
+    """Every decode configuration the backend may pick, on a page-major bf16 pool of
+    128-token pages at Llama-8B head shapes (32 q / 8 KV heads, head_dim 128), rows of
+    1-700 tokens and a padded row (context 0), captured in a CUDA graph and replayed twice:
+    equal to fp32 attention within bf16 rounding."""
+    from pdserve.model import triton_backend
+    from pdserve.model.attention import AttentionMetadata, get_attention_backend
+
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    config = triton_backend.DecodeConfig(*cfg)
+    monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    Hq, Hkv, D, ps, L = 32, 8, 128, 128, 2
+    gen = torch.Generator(device="cuda").manual_seed(sum(cfg[:4]))
+    lens = [1, 127, 128, 129, 700, 300, 0, 255]
+    pool = torch.randn(48, L, 2, Hkv, ps, D, device="cuda", generator=gen).bfloat16()
+    kc, vc = pool[:, 1, 0].permute(0, 2, 1, 3), pool[:, 1, 1].permute(0, 2, 1, 3)
+    perm = torch.randperm(48, device="cuda", generator=gen).to(torch.int32)
+    table = perm[: len(lens) * 6].view(len(lens), 6).contiguous()
+    q = torch.randn(len(lens), Hq, D, device="cuda", generator=gen).bfloat16()
+    md = AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(lens, dtype=torch.int64, device="cuda"),
+        page_table=table,
+        slot_mapping=torch.full((len(lens),), -1, dtype=torch.int64, device="cuda"),
+    )
+    tri = get_attention_backend("triton")
+    plan = tri.plan_for_capture(md, ps)
+    static = torch.empty(len(lens), Hq * D, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(len(lens), Hkv, D, device="cuda", dtype=torch.bfloat16)
+    static.copy_(tri.forward(q, k, k, kc, vc, md, plan, D**-0.5, kv_stored=True))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.copy_(tri.forward(q, k, k, kc, vc, md, plan, D**-0.5, kv_stored=True))
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.zeros(len(lens), Hq, D, device="cuda")
+    for b, s in enumerate(lens):
+        if s == 0:
+            continue
+        pages = table[b, : math.ceil(s / ps)].long()
+        kk = kc[pages].reshape(-1, Hkv, D)[:s].float().repeat_interleave(Hq // Hkv, 1)
+        vv = vc[pages].reshape(-1, Hkv, D)[:s].float().repeat_interleave(Hq // Hkv, 1)
+        w = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), kk) * D**-0.5, -1)
+        ref[b] = torch.einsum("ht,thd->hd", w, vv)
+    err = (static.view(len(lens), Hq, D).float() - ref).abs().max().item()
+    assert err < 2e-2, f"{config}: max abs diff {err:.3e}"
