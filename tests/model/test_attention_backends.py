@@ -192,3 +192,17 @@ def test_triton_padded_rows_write_nothing_and_output_zero():
     assert k_cache.abs().max().item() == 0 and v_cache.abs().max().item() == 0
     assert torch.allclose(out[0].view(Hq, D), v[0].repeat_interleave(Hq // Hkv, 0), atol=1e-6)
     assert out[1].abs().max().item() == 0
+
+
+def test_paged_kernels_compile_one_variant_for_every_page_table_width():
+    """The page table's row stride (its width in pages) changes from step to step: Triton must
+    not specialise on it (a width of 1, of 16, of neither would each compile a kernel again,
+    ~0.8 s on the H200, during a request's step)."""
+    from pdserve.model import triton_kernels
+
+    for kernel in (triton_kernels.extend_kernel, triton_kernels.decode_split_kernel):
+        if hasattr(kernel, "params"):  # compiled
+            unspecialised = {p.name for p in kernel.params if p.do_not_specialize}
+        else:  # under TRITON_INTERPRET=1: the decorator's arguments as given
+            unspecialised = set(kernel.kwargs["do_not_specialize"])
+        assert unspecialised == {"s_tb"}, kernel
