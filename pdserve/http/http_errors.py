@@ -19,10 +19,11 @@ def error_json(
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error object.
 
     ``status`` is the HTTP status (the response's, not in the body): it picks ``type``
-    (``invalid_request_error`` for 400, ``service_unavailable`` for 503, ...), which is
+    (``invalid_request_error`` for 400 and any other 4xx without its own, e.g. 405,
+    ``service_unavailable`` for 503, ...), which is
     also what tells errors apart inside a stream.  ``code`` is a string naming the error
     where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,
     as OpenAI's API sends it (vLLM and SGLang put the status number there instead; the
     ``openai`` client types ``APIError.code`` as ``str | None``)."""
-    kind = _TYPES.get(status, "internal_server_error" if status >= 500 else "error")
+    kind = _TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -54,6 +54,20 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class _OtherThreadsOnly(logging.Filter):
+    """Drops records of thread ``ident`` below ``level``: uvicorn logs every server's
+    lifecycle lines ("Started server process", "Shutting down", "Finished server process")
+    on the one process-wide ``uvicorn.error`` logger, whose level the main server sets, so a
+    thread's server would repeat them among the worker's own."""
+
+    def __init__(self, ident: int, level: int) -> None:
+        super().__init__()
+        self.ident, self.level = ident, level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident or record.levelno >= self.level
+
+
 class ThreadedServer:
     """An ASGI ``app`` served by uvicorn (:class:`GracefulServer`) on a daemon thread of
     this process: the bootstrap server, and the in-process servers of the tests.
@@ -61,8 +75,9 @@ class ThreadedServer:
     The socket is bound in :meth:`start` (``port`` 0 = a free one; a taken port raises
     :class:`PortInUseError` naming it) before the thread starts, so no other process can
     take the port in between. ``config`` goes to ``uvicorn.Config`` (defaults: warnings
-    only, no access log, 5 s graceful shutdown). ``stop()`` asks uvicorn to exit, as
-    SIGTERM does, and joins the thread.
+    only, no access log, 5 s graceful shutdown); its ``log_level`` holds for the lines its
+    thread logs whatever level another server of the process set on uvicorn's loggers.
+    ``stop()`` asks uvicorn to exit, as SIGTERM does, and joins the thread.
     """
 
     def __init__(
@@ -82,6 +97,10 @@ class ThreadedServer:
         }
         options.update(config)
         self.server = GracefulServer(uvicorn.Config(app, **options))
+        level = options["log_level"]
+        self._log_level = (
+            level if isinstance(level, int) else logging.getLevelName(str(level).upper())
+        )
         self.error: BaseException | None = None  # what ended the thread, if it failed
         self._thread: threading.Thread | None = None
 
@@ -99,12 +118,16 @@ class ThreadedServer:
         self.port = sock.getsockname()[1]
 
         def run() -> None:
+            quiet = _OtherThreadsOnly(threading.get_ident(), self._log_level)
+            uvicorn_log = logging.getLogger("uvicorn.error")
+            uvicorn_log.addFilter(quiet)
             try:
                 self.server.run(sockets=[sock])
             except BaseException as exc:  # noqa: BLE001 - reported through is_alive()/error
                 self.error = exc
             finally:
                 sock.close()
+                uvicorn_log.removeFilter(quiet)
 
         self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()

@@ -27,6 +27,7 @@ from pdserve.router.workers import NoHealthyWorker, WorkerPool
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
+WITH_MODEL = ("/v1/completions", "/v1/chat/completions", *TOKENIZER_PATHS)  # bodies' `model`
 
 
 def _reject_constant(name: str):
@@ -131,6 +132,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             return _count(
                 error_response(400, "stream must be a boolean", param="stream"), endpoint, start
             )
+        if (missing := unknown_model(endpoint, body)) is not None:
+            return _count(missing, endpoint, start)
         try:
             response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
         except NoHealthyWorker as exc:
@@ -138,6 +141,25 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         except ClientDisconnected:
             response = Response(status_code=499)
         return _count(response, endpoint, start)
+
+    def unknown_model(endpoint: str, body: dict) -> Response | None:
+        """404 ``model_not_found`` in the router's words for a ``model`` that no worker
+        serves (their ``served_model_name``, from the health checks); None to forward
+        (no model, not a string: the workers' 400, or no worker checked yet)."""
+        model = body.get("model")
+        if endpoint not in WITH_MODEL or not isinstance(model, str):
+            return None
+        names = [w.server_info.get("served_model_name") for w in pool.all()]
+        if not names or None in names or model in names:
+            return None
+        served = sorted(set(names))
+        return error_response(
+            404,
+            f"the model '{model}' does not exist; this router serves "
+            + ", ".join(f"'{name}'" for name in served),
+            param="model",
+            code="model_not_found",
+        )
 
     def _count(response: Response, endpoint: str, start: float) -> Response:
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
@@ -178,11 +200,14 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         async def tokenizer_handler(request: Request, _path: str = path) -> Response:
             start = time.perf_counter()
             try:
-                parse_json_body(raw := await request.body())
+                body = parse_json_body(raw := await request.body())
             except ValueError as exc:
                 response: Response = error_response(400, f"request body is not valid JSON: {exc}")
             else:
-                response = await ask_a_worker("POST", _path, raw)
+                missing = unknown_model(_path, body) if isinstance(body, dict) else None
+                response = (
+                    missing if missing is not None else await ask_a_worker("POST", _path, raw)
+                )
             return _count(response, _path, start)
 
         app.add_api_route(path, tokenizer_handler, methods=["POST"], name=path)

@@ -9,9 +9,11 @@ from fastapi.responses import JSONResponse
 from pdserve.http.http_errors import error_json
 
 
-def error_response(status: int, message: str, *, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     """A JSON error response with ``status`` and OpenAI's error body."""
-    return JSONResponse(error_json(status, message, param), status_code=status)
+    return JSONResponse(error_json(status, message, param, code), status_code=status)
 
 
 def sse_error(status: int, message: str) -> bytes:

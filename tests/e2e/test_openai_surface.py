@@ -275,3 +275,33 @@ def test_openai_client_echo_scoring_and_penalties_through_the_router(c):
     with pytest.raises(openai.BadRequestError):
         pd.completions.create(model=model, prompt="x", suffix="y", max_tokens=2)
     assert_all_healthy(c["procs"])
+
+
+def test_wrong_model_and_wrong_method_are_openai_errors_in_the_routers_words(c):
+    pd = openai.OpenAI(base_url=c["router"].url + "/v1", api_key="x", max_retries=0)
+    served = pd.models.list().data[0].id
+    with pytest.raises(openai.NotFoundError) as missing:
+        pd.completions.create(model="gpt-nope", prompt="x", max_tokens=2)
+    err = missing.value.body
+    assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+    assert err["message"] == f"the model 'gpt-nope' does not exist; this router serves '{served}'"
+    with pytest.raises(openai.NotFoundError) as chat_missing:
+        pd.chat.completions.create(
+            model="gpt-nope", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+    assert "this router serves" in chat_missing.value.body["message"]
+    tok = httpx.post(c["router"].url + "/tokenize", json={"model": "gpt-nope", "prompt": "x"})
+    assert tok.status_code == 404 and tok.json()["error"]["code"] == "model_not_found"
+    assert "this router serves" in tok.json()["error"]["message"]
+    # the worker itself still speaks for itself; the served name passes the router
+    direct = httpx.post(
+        c["mixed"].url + "/v1/completions", json={"model": "gpt-nope", "prompt": "x"}
+    )
+    assert direct.status_code == 404 and "this worker serves" in direct.json()["error"]["message"]
+    ok = pd.completions.create(model=served, prompt="x", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+    for url in (c["router"].url, c["mixed"].url):  # 405: an OpenAI type, as every 4xx
+        r = httpx.get(url + "/v1/completions")
+        assert r.status_code == 405, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert_all_healthy(c["procs"])
