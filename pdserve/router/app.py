@@ -152,7 +152,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         names = [w.server_info.get("served_model_name") for w in pool.all()]
         if not names or None in names or model in names:
             return None
-        served = sorted(set(names))
+        served = sorted({str(name) for name in names})
         return error_response(
             404,
             f"the model '{model}' does not exist; this router serves "
