@@ -31,34 +31,13 @@ import sys
 import time
 from typing import Any
 
-from pdserve.config import CacheConfig, ModelConfig, default_of
+from pdserve.server.engine_args import add_engine_flags
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``bench offline``."""
+    """Register ``bench offline``; the engine flags are ``serve``'s (``ENGINE_FLAGS``)."""
     p = subparsers.add_parser(
         "offline", help="engine vs transformers generate: output tokens/s and ratio"
-    )
-    p.add_argument(
-        "--model",
-        default=default_of(ModelConfig, "model"),
-        help="model id, local path or random:<preset> (default: the embedded model)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=default_of(ModelConfig, "dtype"),
-        help="auto, float32, bfloat16 or float16 (default %(default)s)",
-    )
-    p.add_argument(
-        "--device",
-        default=default_of(ModelConfig, "device"),
-        help="auto, cpu, cuda or cuda:N (default %(default)s)",
-    )
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=default_of(CacheConfig, "page_size"),
-        help="tokens per KV page of our engine (default: 16 on CPU, 128 on CUDA)",
     )
     p.add_argument(
         "--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)"
@@ -74,33 +53,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also time prefill of N random prompts of L tokens (e.g. 8x2048)",
     )
     p.add_argument(
-        "--attention-backend",
-        default=default_of(ModelConfig, "attention_backend"),
-        help="auto (triton on CUDA, torch_sdpa on CPU), triton or torch_sdpa",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--overlap-schedule",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap scheduling of greedy decode steps (unset: on for CUDA, off on CPU)",
-    )
-    p.add_argument(
-        "--kv-order",
-        default=None,
-        help="physical order of the KV pool: layer_major or page_major (default: the "
-        "device's, pdserve.engine.kv_layout)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        type=int,
-        default=default_of(ModelConfig, "tensor_parallel_size"),
-        help="ranks our engine splits the model over (the transformers side runs whole, in "
-        "this process); the roofline counts one rank's weights (default %(default)s)",
-    )
-    p.add_argument(
         "--json", default=None, metavar="FILE", help="write the results and workload here"
+    )
+    add_engine_flags(
+        p,
+        (
+            "--model",
+            "--dtype",
+            "--device",
+            "--page-size",
+            "--kv-order",
+            "--attention-backend",
+            "--enforce-eager",
+            "--overlap-schedule",
+            "--tensor-parallel-size",
+        ),
+        notes={
+            "--model": "the transformers side loads the same weights",
+            "--tensor-parallel-size": "the transformers side runs whole, in this process; "
+            "the roofline counts one rank's weights",
+        },
     )
     p.set_defaults(func=run_offline)
 

@@ -4,6 +4,7 @@ config dataclasses, so each default is written once)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_of
@@ -159,8 +160,29 @@ def _dest(flag: str) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to ``parser``."""
+    add_engine_flags(parser, [flag for flag, *_ in ENGINE_FLAGS])
+
+
+def add_engine_flags(
+    parser: argparse.ArgumentParser,
+    flags: Iterable[str],
+    *,
+    notes: Mapping[str, str] | None = None,
+) -> None:
+    """Add the engine flags named in ``flags`` (in that order) to ``parser``, defined as for
+    ``serve`` and ``up`` (type, default, aliases, help), for a command that takes only some
+    of them (``bench offline``). ``notes``: text appended to a flag's help, for what the
+    flag also means in that command. ValueError for a name not in :data:`ENGINE_FLAGS`."""
+    known = {entry[0]: entry for entry in ENGINE_FLAGS}
+    flags = list(flags)
+    unknown = [flag for flag in flags if flag not in known]
+    if unknown:
+        raise ValueError(f"not engine flags: {', '.join(unknown)}")
     group = parser.add_argument_group("engine")
-    for flag, cls, name, typ, help_text in ENGINE_FLAGS:
+    for flag in flags:
+        _, cls, name, typ, help_text = known[flag]
+        if notes and flag in notes:
+            help_text = f"{help_text}; {notes[flag]}"
         if typ is bool:
             group.add_argument(
                 flag,

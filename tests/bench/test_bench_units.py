@@ -232,3 +232,38 @@ def test_bench_sampler_times_every_case_and_reports_ratios(tmp_path):
     assert all(v > 0 for v in r["ms"].values())
     assert r["unseeded_over_seeded"] == r["ms"]["unseeded"] / r["ms"]["seeded"]
     assert r["penalties_over_greedy"] == r["ms"]["penalties"] / r["ms"]["greedy"]
+
+
+def test_bench_offline_takes_serves_engine_flags():
+    """Each engine flag of ``bench offline`` is ``serve``'s (ENGINE_FLAGS): same option
+    strings, type, default, action and help (plus a bench note), parsed to the same value."""
+    import argparse
+
+    from pdserve.cli import build_parser
+    from pdserve.server.engine_args import ENGINE_FLAGS
+
+    def actions(*command: str) -> dict[str, argparse.Action]:
+        parser = build_parser()
+        for name in command:
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            parser = sub.choices[name]
+        return {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+
+    serve, offline = actions("serve"), actions("bench", "offline")
+    shared = [flag for flag, *_ in ENGINE_FLAGS if flag in offline]
+    assert {"--model", "--dtype", "--device", "--page-size", "--enforce-eager"} <= set(shared)
+    assert "--tensor-parallel-size" in shared and "--overlap-schedule" in shared
+    for flag in shared:
+        a, b = serve[flag], offline[flag]
+        assert (a.option_strings, a.type, a.default, type(a)) == (
+            b.option_strings,
+            b.type,
+            b.default,
+            type(b),
+        ), flag
+        head = (a.help or "").replace(" (default %(default)s)", "")
+        assert (b.help or "").startswith(head), flag
+    args = build_parser().parse_args(
+        ["bench", "offline", "--tp", "2", "--no-enforce-eager", "--page-size", "32"]
+    )
+    assert (args.tensor_parallel_size, args.enforce_eager, args.page_size) == (2, False, 32)
