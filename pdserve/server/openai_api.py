@@ -208,14 +208,17 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             }
 
         lengths = [len(ids) for ids in ids_of]
-        offsets: dict[int, int] = {}  # streams: output characters sent so far, per sample
+        offsets: dict[int, int] = {}  # streams: text_offset reached so far, per sample
         if req.stream:
             samples = StreamSamples(req, lengths, scoring)
 
             def chunks(index: int, out: RequestOutput):
                 o, first, worth = samples.see(index, out)
                 body = choice(index, out, o, first, delta=True)
-                offsets[index] = offsets.get(index, 0) + (0 if scoring else len(o.delta_text))
+                # text_offset counts token strings, as within a chunk (completion_logprobs),
+                # so a stream's offsets are the whole answer's whatever its chunking
+                sent = 0 if scoring else sum(len(tt(e.token_id)) for e in o.delta_logprobs or [])
+                offsets[index] = offsets.get(index, 0) + sent
                 if worth:
                     yield samples.with_usage(dict(head, choices=[body]), o, out)
 

@@ -140,6 +140,7 @@ def test_streamed_batch_through_pd_folds_to_mixed_with_continuous_usage(c):
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
+        "logprobs": 1,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
@@ -147,6 +148,12 @@ def test_streamed_batch_through_pd_folds_to_mixed_with_continuous_usage(c):
     pd, mixed = fold(raw), fold(sse(post(c["mixed"].url, "/v1/completions", body)))
     assert_same(pd, mixed)
     assert pd["usage"]["prompt_tokens"] == 8 and pd["usage"]["completion_tokens"] == 8
+    # chunked differently (decode's first chunk has prefill's token too), a stream adds up
+    # to the whole answer, text offsets included
+    whole = post(c["mixed"].url, "/v1/completions", dict(body, stream=False)).json()
+    for choice in whole["choices"]:
+        assert_same(pd[choice["index"]]["logprobs"], choice["logprobs"])
+        assert pd[choice["index"]]["token_ids"] == choice["token_ids"]
     for chunk in raw:  # every choice chunk's usage counts its own prompt
         if chunk["choices"]:
             index = chunk["choices"][0]["index"]
