@@ -132,14 +132,17 @@ def test_set_device_then_create_backend_on_one_helper_thread(rec, role, gpu_id, 
     mgr = create(role, "cuda", gpu_id)
     try:
         calls = device_calls(rec)
+        # prefill has a second agent, the notifier: same device, no worker threads
+        notifier = [("set_device", "cuda", gpu_id), ("create_backend", "UCX", {})]
         assert [c[:-1] for c in calls] == [
             ("set_device", "cuda", gpu_id),
             ("create_backend", "UCX", params),
-        ]
+        ] + (notifier if role == "prefill" else [])
         assert calls[0][-1] == calls[1][-1] != caller
-        agent = next(c for c in rec.calls if c[0] == "agent")
-        assert agent[2]["backends"] == [] and agent[2]["num_threads"] == threads
-        assert agent[2]["sync_mode"] == "STRICT"
+        agents = [c for c in rec.calls if c[0] == "agent"]
+        assert agents[0][2]["backends"] == [] and agents[0][2]["num_threads"] == threads
+        assert all(a[2]["sync_mode"] == "STRICT" for a in agents)
+        assert [a[2]["num_threads"] for a in agents[1:]] == ([0] if role == "prefill" else [])
         assert ("register_memory", "VRAM", [gpu_id] * 8) == next(
             c for c in rec.calls if c[0] == "register_memory"
         )[:-1]
@@ -154,7 +157,10 @@ def test_cpu_creates_backend_on_helper_thread_without_selecting_a_device(rec):
     mgr = create("prefill", "cpu", 5)
     mgr.shutdown()
     calls = device_calls(rec)
-    assert [c[:-1] for c in calls] == [("create_backend", "UCX", {"num_threads": "8"})]
+    assert [c[:-1] for c in calls] == [
+        ("create_backend", "UCX", {"num_threads": "8"}),
+        ("create_backend", "UCX", {}),  # the notifier agent
+    ]
     assert calls[0][-1] != threading.get_ident()
 
 
@@ -167,7 +173,8 @@ def test_user_thread_param_wins_and_env_thread_count(rec, monkeypatch):
     monkeypatch.setenv("PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS", "3")
     create("decode").shutdown()
     created = [c[2] for c in rec.calls if c[0] == "create_backend"]
-    assert created == [{"num_threads": "2", "x": "y"}, {"num_threads": "3"}]
+    # prefill's notifier agent keeps the user's other params, never worker threads
+    assert created == [{"num_threads": "2", "x": "y"}, {"x": "y"}, {"num_threads": "3"}]
 
 
 @pytest.mark.parametrize(
@@ -277,10 +284,11 @@ def test_every_tp_rank_creates_its_backend_on_its_own_gpu_on_a_helper_thread(rec
             start_rank_manager(ctx, "nixl", role, 2, "127.0.0.1", port, None)
             managers.append(ctx.services["kv"].manager)
             calls = device_calls(rec)
+            notifier = [("set_device", "cuda", first_gpu + r), ("create_backend", "UCX", {})]
             assert [c[:-1] for c in calls] == [
                 ("set_device", "cuda", first_gpu + r),
                 ("create_backend", "UCX", {"num_threads": "8"} if role == "prefill" else {}),
-            ], r
+            ] + (notifier if role == "prefill" else []), r
             assert calls[0][-1] == calls[1][-1] != caller
             reg = next(c for c in rec.calls if c[0] == "register_memory")
             assert reg[1:-1] == ("VRAM", [first_gpu + r] * 8)

@@ -377,6 +377,10 @@ def test_restart_loop_leaves_remote_agents_and_prepared_lists_flat(fresh):
         got = decode.result() | prefill.result()
         assert {r["state"] for r in got.values()} == {"Success"}, got
 
+    def prefill_agents() -> list[int]:  # remote agents of prefill's two NIXL agents
+        stats = prefill.call("state")["stats"]
+        return [stats["remote_agents"], stats["notifier_remote_agents"]]
+
     # Flat means: after each restart the survivor gets back to exactly one remote agent (the
     # live peer) and the same number of prepared lists. Forgetting runs on the survivor's own
     # clock (a ping round a second), so each round waits for it instead of racing it.
@@ -384,9 +388,16 @@ def test_restart_loop_leaves_remote_agents_and_prepared_lists_flat(fresh):
     for i in range(20):  # decode restarts; prefill must forget each old decode
         decode.reset(FAST_HEARTBEAT, unset=RESET)
         one_room(7000 + i)
-        _wait(lambda: prefill.call("state")["stats"]["remote_agents"] == 1, "prefill forgets")
+        _wait(lambda: prefill_agents() == [1, 1], "prefill forgets")
         stats = prefill.call("state")["stats"]
-        seen.append((stats["remote_agents"], stats["prepared_dlists"], stats["premade_writes"]))
+        seen.append(
+            (
+                stats["remote_agents"],
+                stats["notifier_remote_agents"],  # its notifier agent forgets them too
+                stats["prepared_dlists"],
+                stats["premade_writes"],
+            )
+        )
     assert len(set(seen)) == 1, seen
     seen = []
     for i in range(20):  # prefill restarts (a new port each time); decode forgets the old

@@ -1,6 +1,7 @@
 """Prefill's posting/completion path (pdserve.disagg.nixl.transfer_workers) with a stub NIXL
-engine: what is posted where, on which thread, and how decode is told. No thread is started
-(the queued jobs are run by calling the worker's steps here)."""
+engine: what is posted where, on which thread, and how decode is told (``XferDone`` by the
+notifier agent, never riding on a WRITE). No thread is started (the queued jobs are run by
+calling the worker's steps here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from pdserve.disagg.base import KVPoll
 from pdserve.disagg.messages import decode_xfer_done
 from pdserve.disagg.nixl import transfer_workers as tw
 
@@ -22,14 +24,13 @@ class StubEngine:
         self.page_bytes = 1 << 20
         self.kv_args = SimpleNamespace(device="cpu")
         self.posts: list[tuple] = []
-        self.notifs: list[tuple[str, bytes]] = []
         self.released: list[int] = []
         self.polls: dict[int, int] = {}
         self.polls_to_done = polls_to_done
         self.fail_post = fail_post
         self.threads: set[str] = set()
 
-    def post_room_write(self, remote, src, dst, src_slot, dst_slot, notif=b""):
+    def post_room_write(self, remote, src, dst, src_slot=None, dst_slot=None, notif=b""):
         self.threads.add(threading.current_thread().name)
         if self.fail_post:
             raise RuntimeError("post refused")
@@ -52,8 +53,25 @@ class StubEngine:
     def release(self, h):
         self.released.append(h)
 
+    def send_notif(self, agent, payload):  # never: notifications are the notifier's
+        raise AssertionError("a notification from the WRITEs' agent")
+
+
+class StubNotifier:
+    """The notifier agent: records notifications and progress calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.notifs: list[tuple[str, bytes]] = []
+        self.progressed = 0
+        self.fail = fail
+
     def send_notif(self, agent, payload):
+        if self.fail:
+            raise RuntimeError("peer gone")
         self.notifs.append((agent, payload))
+
+    def progress(self):
+        self.progressed += 1
 
 
 class StubSender:
@@ -70,6 +88,7 @@ class StubSender:
         self.inflight = 0
         self.finished: list[str | None] = []
         self.chunk_errors: list[str | None] = []
+        self.state = KVPoll.Transferring
 
     def targets(self):
         return self._targets
@@ -84,10 +103,17 @@ class StubSender:
 
     def transfer_finished(self, error):
         self.finished.append(error)
+        ok = error is None and self.abort_request is None
+        self.state = KVPoll.Success if ok else KVPoll.Failed
+
+    def poll_state(self):
+        return self.state
 
 
-def _workers(engine) -> tw.TransferWorkers:
-    return tw.TransferWorkers(engine, "prefill-instance", timeout_s=5.0)
+def _workers(engine, notifier=None) -> tw.TransferWorkers:
+    return tw.TransferWorkers(
+        engine, "prefill-instance", timeout_s=5.0, notifier=notifier or StubNotifier()
+    )
 
 
 def _drain(workers: tw.TransferWorkers) -> None:
@@ -100,15 +126,16 @@ def _drain(workers: tw.TransferWorkers) -> None:
         workers._finish(job)
 
 
-def test_one_page_last_send_is_one_write_carrying_xferdone_and_aux_ended_on_the_caller():
-    engine, sender = StubEngine(), StubSender()
-    workers = _workers(engine)
+def test_one_page_last_send_is_one_write_then_xferdone_by_the_notifier_on_the_caller():
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [5], [9], last=True, solo=True)
-    assert len(engine.posts) == 1 and engine.notifs == []  # no aux WRITE, no separate notif
-    agent, src, dst, notif = engine.posts[0]
-    assert (agent, src, dst) == ("d0", [5], [9])
-    done = decode_xfer_done(notif)
+    workers.submit(sender, [5], [9], last=True)
+    assert engine.posts == [("d0", [5], [9], b"")]  # one KV WRITE, nothing rides on it
+    assert len(notifier.notifs) == 1 and notifier.progressed == 1
+    agent, payload = notifier.notifs[0]
+    done = decode_xfer_done(payload)
+    assert agent == "d0"
     assert (done.room, done.prefill_instance, done.aux) == (42, "prefill-instance", b"aux-record")
     assert sender.finished == [None] and engine.released == [1]  # ended inline
     assert workers._jobs.empty()
@@ -116,46 +143,82 @@ def test_one_page_last_send_is_one_write_carrying_xferdone_and_aux_ended_on_the_
 
 
 def test_aux_goes_to_decode_rank_0_only():
-    engine, sender = StubEngine(), StubSender(peers=(0, 1))
-    workers = _workers(engine)
+    engine, sender, notifier = StubEngine(), StubSender(peers=(0, 1)), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [1, 2], [3, 4], last=True, solo=True)
-    auxes = {p[0]: decode_xfer_done(p[3]).aux for p in engine.posts}
+    workers.submit(sender, [1, 2], [3, 4], last=True)
+    auxes = {agent: decode_xfer_done(p).aux for agent, p in notifier.notifs}
     assert auxes == {"d0": b"aux-record", "d1": b""}
+    assert [p[3] for p in engine.posts] == [b"", b""]
 
 
 def test_an_unfinished_inline_write_is_completed_by_a_transfer_thread():
-    engine, sender = StubEngine(polls_to_done=10**9), StubSender()
-    workers = _workers(engine)
+    engine, sender, notifier = StubEngine(polls_to_done=10**9), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [5], [9], last=True, solo=True)
+    workers.submit(sender, [5], [9], last=True)
     assert len(engine.posts) == 1 and sender.finished == []  # posted, still running
+    assert notifier.notifs == []  # decode is told only once the WRITE is done
     assert not workers._jobs.empty()
     engine.polls_to_done = 0
     _drain(workers)
-    assert sender.finished == [None] and engine.notifs == [] and len(engine.posts) == 1
+    assert sender.finished == [None] and len(notifier.notifs) == 1 and len(engine.posts) == 1
 
 
-def test_with_an_earlier_send_in_flight_xferdone_is_sent_alone_after_every_write():
-    engine, sender = StubEngine(), StubSender()
-    workers = _workers(engine)
+def test_with_an_earlier_send_in_flight_xferdone_is_sent_after_every_write():
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 2  # an earlier chunk is still in flight
-    workers.submit(sender, [5], [9], last=True, solo=False)
-    assert engine.posts[0][3] == b""  # nothing rides on this WRITE
-    assert sender.finished == [] and engine.notifs == []
+    workers.submit(sender, [5], [9], last=True)
+    assert engine.posts[0][3] == b""
+    assert sender.finished == [] and notifier.notifs == []
     sender.chunk_finished(None)  # ... the earlier chunk ends: nothing to tell yet
     sender.inflight = 1
-    workers.submit(sender, [6], [10], last=True, solo=False)
-    assert len(engine.notifs) == 1 and sender.finished == [None]
-    assert decode_xfer_done(engine.notifs[0][1]).aux == b"aux-record"
+    workers.submit(sender, [6], [10], last=True)
+    assert len(notifier.notifs) == 1 and sender.finished == [None]
+    assert decode_xfer_done(notifier.notifs[0][1]).aux == b"aux-record"
 
 
 def test_a_last_send_without_pages_notifies_alone():
-    engine, sender = StubEngine(), StubSender()
-    workers = _workers(engine)
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [], [], last=True, solo=True)
-    assert engine.posts == [] and len(engine.notifs) == 1 and sender.finished == [None]
+    workers.submit(sender, [], [], last=True)
+    assert engine.posts == [] and len(notifier.notifs) == 1 and sender.finished == [None]
+
+
+def test_the_room_ends_before_decode_is_told_and_an_unsent_notification_only_warns(caplog):
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
+    order = []
+    real_finished, real_send = sender.transfer_finished, notifier.send_notif
+    sender.transfer_finished = lambda e: (order.append("success"), real_finished(e))
+    notifier.send_notif = lambda a, p: (order.append("notif"), real_send(a, p))
+    sender.inflight = 1
+    workers.submit(sender, [5], [9], last=True)
+    assert order == ["success", "notif"]
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier(fail=True)
+    sender.inflight = 1
+    _workers(engine, notifier).submit(sender, [5], [9], last=True)
+    assert sender.finished == [None] and sender.state == KVPoll.Success
+    assert "completion notification failed: RuntimeError: peer gone" in caplog.text
+
+
+def test_a_room_that_failed_as_its_writes_ended_sends_no_xferdone():
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
+    sender.inflight = 1
+    real = sender.chunk_finished
+
+    def abort_meanwhile(error):  # an abort lands after the WRITEs ended
+        done = real(error)
+        sender.abort_request = ("aborted", "aborted")
+        return done
+
+    sender.chunk_finished = abort_meanwhile
+    workers.submit(sender, [5], [9], last=True)
+    assert sender.finished == [None] and sender.state == KVPoll.Failed
+    assert notifier.notifs == []  # decode hears of it through RoomStatus instead
 
 
 @pytest.mark.parametrize(
@@ -174,32 +237,32 @@ def test_what_is_posted_inline(kv_mem, pages, rows, inline):
     contiguous = not (kv_mem == "VRAM" and pages == tw.INLINE_MAX_DESCS + 1)
     src = list(range(pages)) if contiguous else list(range(0, 2 * pages, 2))
     sender.inflight = 1
-    workers.submit(sender, src, list(range(100, 100 + pages)), last=True, solo=True)
+    workers.submit(sender, src, list(range(100, 100 + pages)), last=True)
     assert (len(engine.posts) == 1) is inline
     _drain(workers)
     assert len(engine.posts) == 1 and sender.finished == [None]
 
 
 def test_a_refused_post_fails_the_send_without_raising_to_the_caller():
-    engine, sender = StubEngine(fail_post=True), StubSender()
-    workers = _workers(engine)
+    engine, sender, notifier = StubEngine(fail_post=True), StubSender(), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [5], [9], last=True, solo=True)
+    workers.submit(sender, [5], [9], last=True)
     assert sender.chunk_errors == ["RuntimeError: post refused"]
-    assert sender.finished == [] and engine.notifs == []
+    assert sender.finished == [] and notifier.notifs == []
 
 
-def test_a_write_made_ahead_is_posted_with_xferdone_set_at_post_and_released():
-    engine, sender = StubEngine(), StubSender(peers=(0, 1))
-    workers = _workers(engine)
+def test_a_write_made_ahead_is_posted_as_made_then_xferdone_and_released():
+    engine, sender, notifier = StubEngine(), StubSender(peers=(0, 1)), StubNotifier()
+    workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [5], [9], last=True, solo=True, premade={0: "made-0"})
+    workers.submit(sender, [5], [9], last=True, premade={0: "made-0"})
     kinds = {p[0]: p for p in engine.posts}
     assert set(kinds) == {"premade", "d1"}  # rank 1 had none made: the usual post
-    assert kinds["premade"][1] == "made-0"
-    assert decode_xfer_done(kinds["premade"][3]).aux == b"aux-record"  # rank 0 takes aux
-    assert decode_xfer_done(kinds["d1"][3]).aux == b""
-    assert sender.finished == [None] and engine.notifs == []
+    assert kinds["premade"][1] == "made-0" and kinds["premade"][3] == b""
+    auxes = {agent: decode_xfer_done(p).aux for agent, p in notifier.notifs}
+    assert auxes == {"d0": b"aux-record", "d1": b""}  # rank 0 takes aux
+    assert sender.finished == [None]
     assert sorted(map(str, engine.released)) == ["2", "made-0"]
 
 
@@ -210,7 +273,7 @@ def test_a_write_made_ahead_and_never_posted_is_released(why):
     sender.inflight = 1
     if why == "abort":
         sender.abort_request = ("aborted", "aborted")
-    workers.submit(sender, [5], [9], last=True, solo=True, premade={0: "made-0"})
+    workers.submit(sender, [5], [9], last=True, premade={0: "made-0"})
     assert engine.posts == [] and engine.released == ["made-0"]
     assert sender.chunk_errors == [None if why == "abort" else "RuntimeError: post refused"]
 

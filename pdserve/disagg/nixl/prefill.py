@@ -5,6 +5,9 @@ Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, Ro
 out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server. A destination may arrive before the engine created the
 room (the router sends to both workers at once): it waits in ``_pending`` (bounded by the
 bootstrap timeout); an abort for a room not created yet waits in ``_early_aborts``.
+Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
+(:mod:`.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
+each decode agent is loaded into both.
 
 Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
 worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
@@ -47,6 +50,7 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.notifier import NixlNotifier
 from pdserve.disagg.nixl.sender import NixlSender
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
 from pdserve.disagg.nixl.transfer_workers import TransferWorkers
@@ -127,8 +131,9 @@ class NixlPrefillManager(KVManager):
         self.engine = NixlTransferEngine(
             api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
         )
+        self.notifier = NixlNotifier(api, f"{self.engine.name}-notif", args, self.engine.spec)
         self._workers = TransferWorkers(
-            self.engine, self.instance_id, self.transfer_timeout, self._metrics
+            self.engine, self.instance_id, self.transfer_timeout, self.notifier, self._metrics
         )
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
@@ -245,6 +250,7 @@ class NixlPrefillManager(KVManager):
             live_rooms=len(self._rooms),
             decode_peers=len(self._peers),
             remote_agents=sum(1 for p in self._peers.values() if p.remote is not None),
+            notifier_remote_agents=self.notifier.num_remotes(),
             prepared_dlists=self.engine.num_prepared_lists(),
             premade_writes=self.engine.num_premade_writes(),
             premade_writes_made=self.engine.premade_made,
@@ -273,12 +279,11 @@ class NixlPrefillManager(KVManager):
         src: list[int],
         dst: list[int],
         last: bool,
-        solo: bool,
         premade: dict | None = None,
     ) -> None:
         """Post (or queue for a transfer thread) one ``send`` of a room
         (:mod:`.transfer_workers`); ``premade``: its KV WRITEs made ahead, by decode rank."""
-        self._workers.submit(sender, src, dst, last, solo, premade)
+        self._workers.submit(sender, src, dst, last, premade)
 
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""
@@ -302,6 +307,7 @@ class NixlPrefillManager(KVManager):
             # anyone reads): a peer's one-sided READ over TCP (`pdserve doctor --peer`) and
             # connection wire-up need this side to answer.
             self.engine.new_notifs()
+            self.notifier.progress()
             for frames in recv_all(self._router):
                 self._on_message(frames[0], frames[-1])
             for identity, msg in self._outbox.drain():
@@ -361,6 +367,7 @@ class NixlPrefillManager(KVManager):
                 name, hello.kv, hello.aux, heads, (hello.kv_heads[0], hello.kv_heads[1])
             )
             self.engine.connect(name)
+            self.notifier.add_remote(hello.agent_metadata)
             peer = DecodePeer(
                 hello.decode_instance, identity, remote, None, hello.engine_rank, hello.tp_size
             )
@@ -454,6 +461,7 @@ class NixlPrefillManager(KVManager):
                 try:
                     self.engine.release_remote(peer.remote)
                     self.engine.remove_remote(peer.remote.agent_name)
+                    self.notifier.remove_remote(peer.remote.agent_name)
                 except Exception as exc:  # noqa: BLE001 - best effort
                     log.warning("forgetting decode %s: %s", instance, exc)
 

@@ -172,7 +172,7 @@ class NixlSender(RoomHandle, KVSender):
                 premade, self.premade = self.premade, None  # the job posts (and releases) them
             self._drop_premade()  # any other send: they are not these WRITEs
             self.inflight += 1
-        self._mgr.submit(self, src, dst, last, solo, premade)
+        self._mgr.submit(self, src, dst, last, premade)
 
     def peers(self) -> list[DecodePeer]:
         """The decode rank peers of the destinations received so far."""

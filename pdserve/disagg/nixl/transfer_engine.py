@@ -366,7 +366,8 @@ class NixlTransferEngine:
     def post(self, handle: Any, notif: bytes = b"") -> None:
         """Post a handle of :meth:`make_room_write`; ``notif``: the NIXL notification the
         peer receives once that WRITE is complete (NIXL's ``transfer(handle, notif_msg)``
-        sets it per post). Raises NIXL's error when the post is refused."""
+        sets it per post; prefill sends none this way: :mod:`.notifier` says why). Raises
+        NIXL's error when the post is refused."""
         if self.agent.transfer(handle, notif) == "ERR":
             raise RuntimeError("NIXL refused to post a prepared WRITE")
         with self._lock:
@@ -424,9 +425,6 @@ class NixlTransferEngine:
         self.agent.release_xfer_handle(handle)
         with self._lock:
             self._made.discard(id(handle))
-
-    def send_notif(self, agent_name: str, payload: bytes) -> None:
-        self.agent.send_notif(agent_name, payload)
 
     def new_notifs(self) -> dict[str, list[bytes]]:
         return self.agent.get_new_notifs()

@@ -10,24 +10,30 @@ of the WRITE; a larger one is queued to the ``transfer-i`` threads, which post i
 a one-page WRITE ends within it, and then the room ends on the calling thread too
 (measured on an H200, one 2 MiB page: 0.21 ms from ``send`` to ``Success`` with a 200 us
 spin, 0.28 ms with 30 us, 0.31 ms handing off at once). Otherwise a transfer thread
-completes it: polled back to back (yielding the GIL) for ``SPIN_S``, then every
-``BACKOFF_S``.
+completes it: polled back to back for ``SPIN_S`` (``os.sched_yield`` between polls, not
+``time.sleep(0)``, which sleeps ~60 us: the timer slack), then every ``BACKOFF_S``. A
+poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run meanwhile.
 
-Completion notification (``XferDone``, carrying the aux record for the decode rank that
-takes it): when a room's last send is the only one still in flight, it rides on that
-send's KV WRITE of each destination (``make_prepped_xfer(..., notif_msg)``: UCX sends it
-once that WRITE is complete, from the poll that sees it done), so a room is one prepared
-transfer per destination and nothing is posted after it; when the sender made that
-WRITE ahead (``NixlSender.expect_pages``) the job only posts it, the notification set at
-post time (``transfer(handle, notif_msg)``), and releases it if never posted. Else (an earlier chunk still in
-flight, or no pages left to write) it is sent on its own once every WRITE ended. The room
-learns the outcome through ``NixlSender.chunk_finished`` / ``transfer_finished`` only when
-NIXL no longer touches its pages (a WRITE still running at the deadline is cancelled;
-until NIXL accepts the cancellation it keeps being polled).
+Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
+once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
+room is a ``Success`` and its last outstanding send tells each destination decode rank,
+with a NIXL notification sent by the manager's *notifier* (:mod:`.notifier`), a second
+agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its endpoint, which ends every
+WRITE, wait for the peer's progress. So a room is one prepared transfer per destination
+and one notification, and its ``DONE`` waits for nothing of decode's (measured on the
+H200, a one-page room of 16 MiB from ``send`` to ``Success``: 0.16-0.21 ms with the
+notification riding on the WRITE, 0.11 ms with it off the WRITEs' agent (sent over ZMQ in
+that run); a raw NIXL WRITE 0.04 ms). When the sender made the WRITE
+ahead (``NixlSender.expect_pages``) the job only posts it, and releases it if never
+posted. The room learns the outcome through ``NixlSender.chunk_finished`` /
+``transfer_finished`` only when NIXL no longer touches its pages (a WRITE still running at
+the deadline is cancelled; until NIXL accepts the cancellation it keeps being polled).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -36,13 +42,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdserve.disagg.base import KVPoll
 from pdserve.disagg.messages import encode_xfer_done
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 
 if TYPE_CHECKING:
     from pdserve.disagg.metrics import TransferMetrics
+    from pdserve.disagg.nixl.notifier import NixlNotifier
     from pdserve.disagg.nixl.sender import NixlSender
+
+log = logging.getLogger(__name__)
 
 SPIN_S = 0.005  # a transfer thread busy-polls this long after posting (a 1 GiB WRITE on an H200)
 BACKOFF_S = 0.0001
@@ -55,15 +65,13 @@ INLINE_SPIN_MAX_BYTES = 64 << 20  # larger WRITEs do not end within the spin: ha
 @dataclass
 class Job:
     """One ``send`` of a room: ``src`` pages onto decode's ``dst`` pages (int32 arrays),
-    ``last``: the room's last send; ``attach``: the room's ``XferDone`` rides on these
-    KV WRITEs; ``premade``: those KV WRITEs made ahead (decode rank -> handle, posted
-    with the notification set then); ``handles``/``error``/``t0`` once posted."""
+    ``last``: the room's last send; ``premade``: its KV WRITEs made ahead (decode rank ->
+    handle); ``handles``/``error``/``t0`` once posted."""
 
     sender: NixlSender
     src: np.ndarray
     dst: np.ndarray
     last: bool
-    attach: bool
     premade: dict[int, Any] | None = None
     handles: list[Any] = field(default_factory=list)
     error: str | None = None
@@ -81,7 +89,8 @@ class TransferWorkers:
     """Posting and completion of prefill's WRITEs (module doc): the job queue and loop of
     the ``transfer-i`` threads of one prefill manager, and the inline path.
 
-    timeout_s: how long a room's WRITEs may run before they are cancelled and the room fails.
+    timeout_s: how long a room's WRITEs may run before they are cancelled and the room
+    fails; notifier: the agent that sends ``XferDone`` (``send_notif``, ``progress``).
     """
 
     def __init__(
@@ -89,11 +98,13 @@ class TransferWorkers:
         engine: NixlTransferEngine,
         instance_id: str,
         timeout_s: float,
+        notifier: NixlNotifier,
         metrics: TransferMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.instance_id = instance_id
         self.timeout_s = timeout_s
+        self.notifier = notifier
         self.metrics = metrics
         self.on_host = engine.kv_mem == "DRAM"
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,17 +115,16 @@ class TransferWorkers:
         src: list[int],
         dst: list[int],
         last: bool,
-        solo: bool,
         premade: dict[int, Any] | None = None,
     ) -> None:
         """One ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages, the
-        room's last when ``last``; ``solo``: no other send of the room is in flight;
-        ``premade``: its KV WRITEs made ahead (by decode rank; only for a last, solo
-        send), which the job posts or releases. Posted here or queued (module doc);
+        room's last when ``last``; ``premade``: its KV WRITEs made ahead (by decode rank;
+        only for a last send with no other in flight), which the job posts or releases.
+        Posted here or queued (module doc);
         never raises for a NIXL error (the room fails)."""
         s = np.asarray(src, dtype=np.int32)
         d = np.asarray(dst, dtype=np.int32)
-        job = Job(sender, s, d, last, last and solo and s.size > 0, premade)
+        job = Job(sender, s, d, last, premade)
         targets = [peer.remote for _, peer in sender.targets() if peer.remote is not None]
         descs = merged_runs(s, d) * sum(r.num_rows for r in targets)
         nbytes = s.size * self.engine.page_bytes * len(targets)
@@ -142,40 +152,30 @@ class TransferWorkers:
             self._finish(job)
 
     # --- one job ------------------------------------------------------------------------
-    def _payload(self, job: Job, peer) -> bytes:
-        aux = job.sender.aux_bytes if job.last and job.sender.writes_aux(peer) else b""
-        return encode_xfer_done(job.sender.room, self.instance_id, aux)
-
     def _post(self, job: Job) -> None:
-        """Post the job's WRITEs (KV pages of every destination, with ``XferDone`` when
-        ``job.attach``)."""
+        """Post the job's WRITEs (KV pages of every destination)."""
         job.t0 = time.monotonic()
         sender = job.sender
         premade, job.premade = job.premade or {}, None
         if sender.abort_request is not None or not job.src.size:
             for h in premade.values():  # never posted: nothing for NIXL to cancel
                 self._try_release(h)
-            job.attach = False
             return  # aborted before posting (nothing to undo), or no pages to WRITE
         try:
             for _, peer in sender.targets():
                 assert peer.remote is not None  # a destination is attached only with its peer
-                notif = self._payload(job, peer) if job.attach else b""
                 h = premade.pop(peer.engine_rank, None)
                 if h is None:
-                    job.handles += self.engine.post_room_write(
-                        peer.remote, job.src, job.dst, None, None, notif
-                    )
+                    job.handles += self.engine.post_room_write(peer.remote, job.src, job.dst)
                     continue
                 try:
-                    self.engine.post(h, notif)
+                    self.engine.post(h)
                 except Exception:
                     self._try_release(h)  # not posted: nothing for NIXL to cancel
                     raise
                 job.handles.append(h)  # released in _finish
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
-            job.attach = False
         for h in premade.values():  # left over (a failed post): never posted
             self._try_release(h)
 
@@ -205,29 +205,40 @@ class TransferWorkers:
             if job.error is not None:
                 pending = [h for h in pending if not self._try_release(h)]
                 time.sleep(0.01)
-            else:  # spin (small rooms end in microseconds), then back off
-                time.sleep(0 if now < spin_until else BACKOFF_S)
+            elif now < spin_until:  # spin (small rooms end in microseconds) ...
+                os.sched_yield()
+            else:  # ... then back off
+                time.sleep(BACKOFF_S)
         return True
 
     def _finish(self, job: Job) -> None:
         """Every WRITE of the job ended: release the handles; the room learns it, and when
-        this was its last outstanding send decode is told (unless told already)."""
+        this was its last outstanding send and the room is a ``Success`` here, decode is
+        told (an abort that came meanwhile fails the room instead, and decode hears that
+        in a ``RoomStatus``). The room ends first: a notification costs a system call,
+        and one that cannot be sent means decode is gone (its side fails the room)."""
         for h in job.handles:
             self._try_release(h)
         sender = job.sender
         if sender.chunk_finished(job.error):
-            sender.transfer_finished(None if job.attach else self._notify(sender))
+            sender.transfer_finished(None)
+            if sender.poll_state() == KVPoll.Success:
+                error = self._notify(sender)
+                if error is not None:
+                    log.warning("room %d: %s", sender.room, error)
+            self.notifier.progress()  # completes the sends (UCX frees their buffers)
             if self.metrics is not None:
                 self.metrics.record_completion(time.monotonic() - job.t0)
 
     def _notify(self, sender: NixlSender) -> str | None:
         """Tell every destination decode rank that each WRITE of the room is done (with
-        the aux record to the rank that takes it); the error, or None."""
+        the aux record to the rank that takes it), through the notifier; the error, or
+        None."""
         for _, peer in sender.targets():
             assert peer.remote is not None  # a destination is attached only with its peer
             aux = sender.aux_bytes if sender.writes_aux(peer) else b""
             try:
-                self.engine.send_notif(
+                self.notifier.send_notif(
                     peer.remote.agent_name, encode_xfer_done(sender.room, self.instance_id, aux)
                 )
             except Exception as exc:  # noqa: BLE001
