@@ -25,7 +25,8 @@ from pdserve.parallel import TPRank, kv_head_range
 # 3: chunked sending (a room's pages in several send() batches, one XferDone), Ping.
 # 4: tensor parallelism: RankInfo/Hello carry rank facts (TP size, rank, KV head range),
 #    HealthInfo lists the registered ranks' instances; a room has one writer per head.
-# 5: the aux record rides in XferDone (no aux WRITE), XferDone on the last KV WRITE.
+# 5: the aux record rides in XferDone (no aux WRITE), XferDone on the last KV WRITE;
+#    since sent after the WRITEs by prefill's notifier agent (same bytes, no wire change).
 PROTOCOL_VERSION = 5
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the

@@ -18,13 +18,13 @@ Completion (``XferDone``, carrying the aux record for the decode rank that takes
 once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
 room is a ``Success`` and its last outstanding send tells each destination decode rank,
 with a NIXL notification sent by the manager's *notifier* (:mod:`.notifier`), a second
-agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its endpoint, which ends every
-WRITE, wait for the peer's progress. So a room is one prepared transfer per destination
-and one notification, and its ``DONE`` waits for nothing of decode's (measured on the
-H200, a one-page room of 16 MiB from ``send`` to ``Success``: 0.16-0.21 ms with the
-notification riding on the WRITE, 0.11 ms with it off the WRITEs' agent (sent over ZMQ in
-that run); a raw NIXL WRITE 0.04 ms). When the sender made the WRITE
-ahead (``NixlSender.expect_pages``) the job only posts it, and releases it if never
+agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
+endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
+transfer per destination and one notification, and its ``DONE`` waits for nothing of
+decode's (measured on the H200, a one-page room of 16 MiB from ``send`` to ``Success``:
+0.16-0.21 ms with the notification riding on the WRITE, 0.11 ms with it off the WRITEs'
+agent (sent over ZMQ in that run); a raw NIXL WRITE 0.04 ms). When the sender made the
+WRITE ahead (``NixlSender.expect_pages``) the job only posts it, and releases it if never
 posted. The room learns the outcome through ``NixlSender.chunk_finished`` /
 ``transfer_finished`` only when NIXL no longer touches its pages (a WRITE still running at
 the deadline is cancelled; until NIXL accepts the cancellation it keeps being polled).
@@ -120,8 +120,8 @@ class TransferWorkers:
         """One ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages, the
         room's last when ``last``; ``premade``: its KV WRITEs made ahead (by decode rank;
         only for a last send with no other in flight), which the job posts or releases.
-        Posted here or queued (module doc);
-        never raises for a NIXL error (the room fails)."""
+        Posted here or queued (module doc); never raises for a NIXL error (the room
+        fails)."""
         s = np.asarray(src, dtype=np.int32)
         d = np.asarray(dst, dtype=np.int32)
         job = Job(sender, s, d, last, premade)
