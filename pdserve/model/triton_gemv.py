@@ -16,6 +16,10 @@ a captured graph's bucket: 1, 2, 4, 8, 16, 32, 48, 64) by a bf16 matrix ``w [N, 
           kernel sums them in slice order (deterministic) and rounds once. Two launches; it
           gives wide tiles (few re-reads of x from L2 at 64 rows) enough programs for the
           GPU's 132 SMs when N is small.
+``tma*``  M <= 64: the weight streamed through Hopper's bulk tensor copies (TMA) by a
+          persistent grid, one tile a unit, K slices or stream-K, optionally
+          warp-specialized: :mod:`pdserve.model.triton_gemv_tma` (written 2026-12-01 without
+          GPU time; in no table until a sweep measures it).
 
 Which shape and row count use which kernel and tile, or cuBLAS, is not guessed: it is the
 table ``pdserve.model.gemv_table.TABLE``, written by ``scripts/gpu_gemv_sweep.py`` from a
@@ -40,12 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
-# A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot" or
-# "splitk2" / "splitk4" / "splitk8".
+# A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot",
+# "splitk2" / "splitk4" / "splitk8" or one of the "tma*" kinds (KNOWN below).
 Config = tuple[str, int, int, int, int]
 MAX_ROWS = 64  # the most rows the dot kernels take (the largest BLOCK_M)
 SPLITS = {"dot": 1, "splitk2": 2, "splitk4": 4, "splitk8": 8}  # kernel name -> K slices
 REDUCE_BLOCK = 1024  # elements a program of the split-K reduce sums
+# The TMA-fed kernels (model/triton_gemv_tma.py), M <= 64: "tma" (a BLOCK_N tile a unit),
+# "tma_skS" (S = 2..32 K slices, this module's reduce), "tma_stream" (stream-K), each also
+# warp-specialized as "tma_ws", "tma_ws_skS", "tma_ws_stream".
+KNOWN = "rows, dot, splitk2, splitk4, splitk8, tma, tma_skS, tma_stream, tma_ws*"
 
 
 def block_m(m: int) -> int:
@@ -209,8 +217,9 @@ def gemv(
     on the fly (``fused_ops.silu_mul``'s rounding; SwiGLU's activation and the down
     projection in one kernel). Returns a new ``[M, N]`` tensor in x's dtype (fp32
     accumulation, one rounding at the end; split-K sums its fp32 slices in a fixed order, so
-    results are deterministic). ValueError for a row count the kernel cannot take or an
-    unknown kernel name.
+    results are deterministic). ValueError for a row count the kernel cannot take, an
+    unknown kernel name, or (``tma*`` kinds) a weight whose base or row stride is not
+    16-byte aligned.
     """
     kind, block_n, block_k, warps, stages = config
     M, K = x.shape
@@ -243,9 +252,16 @@ def gemv(
             num_stages=stages,
         )
         return out
+    if kind.startswith("tma"):
+        from pdserve.model import triton_gemv_tma
+
+        if triton_gemv_tma.parse_kind(kind) is None:
+            raise ValueError(f"unknown GEMV kernel {kind!r}; known: {KNOWN}")
+        triton_gemv_tma.gemv_tma(x, weight, bias, out, config, block_m(M), silu_mul)
+        return out
     split = SPLITS.get(kind)
     if split is None:
-        raise ValueError(f"unknown GEMV kernel {kind!r}; known: rows, {', '.join(SPLITS)}")
+        raise ValueError(f"unknown GEMV kernel {kind!r}; known: {KNOWN}")
     bm = block_m(M)
     # K per slice, a multiple of BLOCK_K (the last slice's tail is masked).
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k

@@ -21,6 +21,12 @@ CONFIGS = [
     ("dot", 32, 64, 4, 3),
     ("splitk2", 16, 32, 4, 2),  # K = 100 in slices of 64: the second one's tail masked
     ("splitk8", 32, 16, 4, 1),  # slices of 16: the last one lies wholly past K
+    # TMA-fed kernels (host tensor descriptors; the interpreter zero-fills boxes past N, K, M)
+    ("tma", 16, 32, 4, 2),
+    ("tma_sk2", 16, 32, 4, 2),
+    ("tma_ws_sk8", 32, 16, 4, 1),  # the last slice wholly past K: its boxes read zeros
+    ("tma_stream", 16, 16, 4, 2),  # 5 tiles x 7 boxes over 3 programs: tiles shared
+    ("tma_ws_stream", 32, 32, 4, 3),
 ]
 
 
@@ -46,7 +52,7 @@ def test_gemv_matches_linear(dtype, config, m, with_bias):
     assert (got.float() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3]])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[5], CONFIGS[8]])
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(config, m):
     """SwiGLU computed inside the GEMV's loads gives the bits of silu_mul, then the GEMV."""
@@ -55,7 +61,7 @@ def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(config, m):
     if config[0] == "rows" and m != 1:
         return
     gen = torch.Generator().manual_seed(10 + m)
-    N, K = 40, 70
+    N, K = 40, 68  # the weight's rows 272 bytes: TMA-aligned for the tma kinds
     gate_up = torch.randn(m, 2 * K, generator=gen).to(DEVICE)
     w = torch.randn(N, K, generator=gen).to(DEVICE)
     got = triton_gemv.gemv(gate_up, w, None, config, silu_mul=True)
@@ -76,13 +82,86 @@ def test_gemv_split_k_is_deterministic_and_sums_slices_in_order():
     assert (got.double() - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["tma", "tma_sk3", "tma_stream", "tma_ws_stream"])
+@pytest.mark.parametrize("programs", [1, 2, 5, 7, 64])
+def test_tma_kernels_match_linear_for_any_persistent_grid(kind, programs):
+    """Whatever the persistent grid (one program, programs that split a tile, a grid capped
+    at the work), every output is the fp32 sum over all of K, the same bits on every call."""
+    from pdserve.model import triton_gemv_tma
+
+    gen = torch.Generator().manual_seed(programs)
+    m, N, K = 37, 80, 96  # 5 tiles of 16 x 6 boxes of 16
+    x = torch.randn(m, K, generator=gen).to(DEVICE)
+    w = torch.randn(N, K, generator=gen).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(DEVICE)
+    outs = []
+    for _ in range(2):
+        out = x.new_empty(m, N)
+        triton_gemv_tma.gemv_tma(x, w, b, out, (kind, 16, 16, 4, 2), 64, False, programs)
+        outs.append(out)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (outs[0].double() - ref).abs().max().item() <= 1e-4
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_tma_stream_fixup_sums_shared_tiles_in_program_order():
+    """Stream-K: with 4 programs over 2 tiles x 6 boxes (3 boxes each) every tile is shared by
+    two programs; the fixup's fp32 sum is theirs in program order: (boxes 0-2) + (boxes 3-5)."""
+    from pdserve.model import triton_gemv_tma
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, generator=gen).to(DEVICE)
+    w = torch.randn(32, 96, generator=gen).to(DEVICE)
+    out = x.new_empty(3, 32)
+    triton_gemv_tma.gemv_tma(x, w, None, out, ("tma_stream", 16, 16, 4, 2), 16, False, 4)
+    halves = [x[:, s : s + 48].double() @ w[:, s : s + 48].double().T for s in (0, 48)]
+    assert (out.double() - (halves[0] + halves[1])).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["tma", "tma_sk2", "tma_stream"])
+def test_tma_kernels_read_an_unaligned_x_through_pointers(kind):
+    """x whose base is 4 bytes off a 16-byte boundary cannot have a TMA descriptor: the
+    kernels then load it with masked pointer loads, same result."""
+    gen = torch.Generator().manual_seed(2)
+    buf = torch.randn(20, 101, generator=gen).to(DEVICE)
+    x = buf[:, 1:]  # base 4 bytes in, row stride 404 bytes
+    w = torch.randn(40, 100, generator=gen).to(DEVICE)
+    got = triton_gemv.gemv(x, w, None, (kind, 16, 32, 4, 2))
+    assert (got.double() - x.double() @ w.double().T).abs().max().item() <= 1e-4
+
+
+def test_tma_kernels_reject_an_unaligned_weight():
+    w = torch.zeros(8, 6)  # rows of 24 bytes: no TMA descriptor
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        triton_gemv.gemv(torch.zeros(2, 6), w, None, ("tma", 16, 16, 4, 1))
+
+
+def test_tma_kind_names():
+    from pdserve.model.triton_gemv_tma import parse_kind
+
+    assert parse_kind("tma") == (1, False, False)
+    assert parse_kind("tma_sk4") == (4, False, False)
+    assert parse_kind("tma_ws_sk16") == (16, False, True)
+    assert parse_kind("tma_stream") == (1, True, False)
+    assert parse_kind("tma_ws_stream") == (1, True, True)
+    for other in ("dot", "tma_", "tma_sk", "tma_ws_ws", "tma_stream_sk2", "splitk2"):
+        assert parse_kind(other) is None
+    with pytest.raises(ValueError, match="2..32"):
+        parse_kind("tma_sk1")
+    with pytest.raises(ValueError, match="2..32"):
+        parse_kind("tma_sk64")
+
+
 def test_gemv_rejects_too_many_rows_and_unknown_kernels():
     with pytest.raises(ValueError, match="at most 64"):
         triton_gemv.gemv(torch.zeros(65, 4), torch.zeros(2, 4), None, ("dot", 16, 16, 4, 1))
     with pytest.raises(ValueError, match="at most 64"):
         triton_gemv.gemv(torch.zeros(65, 4), torch.zeros(2, 4), None, ("splitk2", 16, 16, 4, 1))
-    with pytest.raises(ValueError, match="unknown GEMV kernel"):
-        triton_gemv.gemv(torch.zeros(1, 4), torch.zeros(2, 4), None, ("bogus", 16, 16, 4, 1))
+    with pytest.raises(ValueError, match="at most 64"):
+        triton_gemv.gemv(torch.zeros(65, 4), torch.zeros(2, 4), None, ("tma_stream", 16, 16, 4, 1))
+    for bogus in ("bogus", "tmax", "tma_sk"):
+        with pytest.raises(ValueError, match="unknown GEMV kernel"):
+            triton_gemv.gemv(torch.zeros(1, 4), torch.zeros(2, 4), None, (bogus, 16, 16, 4, 1))
 
 
 def test_block_m_rounds_rows_up_to_a_dot_tile():
@@ -118,22 +197,27 @@ def test_pick_takes_the_smallest_measured_row_count_at_or_above_m():
 
 
 def test_committed_table_is_well_formed():
+    from pdserve.model.triton_gemv_tma import parse_kind
+
     for (dtype, n, k), rows in gemv_table.TABLE.items():
         assert dtype in ("bfloat16", "float16", "float32") and n > 0 and k > 0
         ms = [m for m, _ in rows]
         assert ms == sorted(ms) and len(set(ms)) == len(ms)
         for m, config in rows:
             if config is not None:
-                assert config[0] in ("rows", *triton_gemv.SPLITS) and len(config) == 5
+                assert len(config) == 5
+                assert config[0] in ("rows", *triton_gemv.SPLITS) or parse_kind(config[0])
                 assert m == 1 or config[0] != "rows"
                 assert m <= triton_gemv.MAX_ROWS
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch):
+@pytest.mark.parametrize("kernels", ["pointer", "tma"])
+def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch, kernels):
     """bf16: the tiny model with every linear layer routed through the GEMV (every kernel,
-    every row count <= 64) keeps >= 0.99 top-1 agreement with the cuBLAS path."""
+    every row count <= 64; ``tma``: the TMA-fed kinds from 2 rows) keeps >= 0.99 top-1
+    agreement with the cuBLAS path."""
     if not torch.cuda.is_available():
         pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
     hf = tiny_hf_builder("qwen2")  # biases on q/k/v: the bias path too
@@ -142,7 +226,7 @@ def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch)
     table = {}
     for p in model.parameters():
         if p.dim() == 2:
-            table[("bfloat16", p.shape[0], p.shape[1])] = _EveryShape.ROWS
+            table[("bfloat16", p.shape[0], p.shape[1])] = _EveryShape.KERNELS[kernels]
     agree = total = 0
     one_seq = ([[7]] + [[1]] * 6, 4)  # M = 1 decode rows: the rows kernel
     for i, (steps, ps) in enumerate([*SCENARIOS, one_seq]):
@@ -158,31 +242,43 @@ def test_model_through_the_gemv_agrees_with_cublas(tiny_hf_builder, monkeypatch)
 class _EveryShape(dict):
     """A GEMV table that routes every bf16 linear layer through the GEMV (tests only)."""
 
-    ROWS = (
-        (1, ("rows", 8, 64, 4, 1)),
-        (16, ("dot", 16, 64, 4, 3)),
-        (32, ("dot", 32, 64, 4, 3)),
-        (64, ("splitk2", 16, 64, 4, 3)),
-    )
+    KERNELS = {
+        "pointer": (
+            (1, ("rows", 8, 64, 4, 1)),
+            (16, ("dot", 16, 64, 4, 3)),
+            (32, ("dot", 32, 64, 4, 3)),
+            (64, ("splitk2", 16, 64, 4, 3)),
+        ),
+        "tma": (
+            (1, ("rows", 8, 64, 4, 1)),
+            (4, ("tma", 64, 64, 4, 3)),
+            (16, ("tma_stream", 64, 64, 4, 3)),
+            (32, ("tma_sk2", 64, 64, 4, 3)),
+            (64, ("tma_ws_stream", 64, 64, 4, 3)),
+        ),
+    }
 
-    def __init__(self) -> None:
-        super().__init__({("bfloat16", 0, 0): self.ROWS})  # non-empty: the dispatch looks
+    def __init__(self, kernels: str = "pointer") -> None:
+        self.rows = self.KERNELS[kernels]
+        super().__init__({("bfloat16", 0, 0): self.rows})  # non-empty: the dispatch looks
 
     def get(self, key, default=None):
-        return self.ROWS if key[0] == "bfloat16" else default
+        return self.rows if key[0] == "bfloat16" else default
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_captured_graphs_through_the_gemv_match_eager(monkeypatch):
+@pytest.mark.parametrize("kernels", ["pointer", "tma"])
+def test_captured_graphs_through_the_gemv_match_eager(monkeypatch, kernels):
     """Greedy bf16 decode with every linear layer on the GEMV: the captured graphs (buckets
-    1, 2, 4, 8, 16, 32, 48; 3, 5, 20 and 40 rows pad) give the eager run's tokens."""
+    1, 2, 4, 8, 16, 32, 48; 3, 5, 20 and 40 rows pad) give the eager run's tokens (the TMA
+    kinds' descriptors are built at capture and replayed by value)."""
     if not torch.cuda.is_available():
         pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
-    monkeypatch.setattr(gemv_table, "TABLE", _EveryShape())
+    monkeypatch.setattr(gemv_table, "TABLE", _EveryShape(kernels))
     prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * (i % 8))] for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     runs = {}
