@@ -138,6 +138,11 @@ class EngineCore:
         """Pages no request holds: free in the pool, or cached and evictable."""
         return self.kv.num_available_pages
 
+    @property
+    def num_steps(self) -> int:
+        """Steps run or launched so far (``stats()["steps"]``, without building the dict)."""
+        return self._counters["steps"]
+
     def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Give the engine its KV transfer managers by backend name after construction (a
         manager needs ``self.pool.kv_args()``, which exists only once the engine does).
@@ -341,7 +346,7 @@ class EngineCore:
                 # The grammar is complete and allows only EOS: it ends the output even
                 # before min_tokens (masking both would leave no token at all).
                 banned = ()
-            seqs[i] = replace(seqs[i], logits_mask=mask, banned_token_ids=banned)
+            seqs[i] = seqs[i]._replace(logits_mask=mask, banned_token_ids=banned)
         return replace(plan, seqs=tuple(seqs))
 
     def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:

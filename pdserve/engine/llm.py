@@ -233,9 +233,9 @@ class LLM:
             done: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(live), disable=not use_tqdm, desc="generate")
             while live:
-                steps = self.engine.stats()["steps"]
+                steps = self.engine.num_steps  # cheap: stats() builds a dict of gauges
                 outs = self.engine.step()
-                if not outs and self.engine.stats()["steps"] == steps:
+                if not outs and self.engine.num_steps == steps:
                     raise RuntimeError(
                         "engine made no progress (a scheduler bug): "
                         f"{len(live)} requests left, stats {self.engine.stats()}"

@@ -28,19 +28,30 @@ class PenaltyTokens:
     def __init__(self, token_ids: list[int], num_prompt: int) -> None:
         self._ids = token_ids
         self.num_prompt = num_prompt
-        self._t: torch.Tensor | None = None
+        # ids [0, _n) on the device, in a buffer of spare capacity (doubling): a step
+        # writes only its new tokens, no concatenation of the whole history
+        self._buf: torch.Tensor | None = None
+        self._n = 0
 
     def tensor(self, device: torch.device) -> torch.Tensor:
-        """``[L]`` int64 ids on ``device`` (prompt, then output), copying only new tokens."""
-        n = len(self._ids)
-        t = self._t
-        if t is None or t.device != device or t.numel() > n:
-            t = torch.tensor(self._ids, dtype=torch.int64, device=device)
-        elif t.numel() < n:
-            tail = torch.tensor(self._ids[t.numel() : n], dtype=torch.int64, device=device)
-            t = torch.cat([t, tail])
-        self._t = t
-        return t
+        """``[L]`` int64 ids on ``device`` (prompt, then output), copying only new tokens.
+        A view of a buffer: positions past ``L`` may be written later, never those."""
+        ids, n, done = self._ids, len(self._ids), self._n
+        buf = self._buf
+        if buf is None or buf.device != device or done > n:
+            buf = torch.empty(max(16, 2 * n), dtype=torch.int64, device=device)
+            buf[:n] = torch.tensor(ids, dtype=torch.int64)
+        elif done < n:
+            if n > buf.numel():
+                grown = torch.empty(2 * n, dtype=torch.int64, device=device)
+                grown[:done] = buf[:done]
+                buf = grown
+            if n - done == 1:
+                buf[done] = ids[done]  # one token a decode step: a fill, no host tensor
+            else:
+                buf[done:n] = torch.tensor(ids[done:n], dtype=torch.int64)
+        self._buf, self._n = buf, n
+        return buf[:n]
 
     def output(self, device: torch.device) -> torch.Tensor:
         """``[L - num_prompt]`` int64 ids of the output tokens (a view)."""

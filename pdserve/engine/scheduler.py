@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -41,13 +41,15 @@ if TYPE_CHECKING:
     from pdserve.engine.model_runner import StepResult
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step.
+class ScheduledSeq(NamedTuple):
+    """One request's share of a step: immutable plain data (a NamedTuple: one is built per
+    row per step, at a fraction of a frozen dataclass's cost; ``_replace`` derives one).
 
     token_ids: the ``n`` tokens whose KV this step computes (positions
         ``start_pos .. start_pos + n - 1``).
-    pages: the request's page table, covering at least ``start_pos + n`` tokens.
+    pages: the request's page table, covering at least ``start_pos + n`` tokens (the
+        request's own list, shared, never changed in place: the scheduler grows a page
+        table by replacing the list).
     sample: the last position's logits are sampled (the request is fully computed).
     prompt_logprobs_start/prompt_logprobs_targets: the logits of positions
         ``start .. start + len(targets) - 1`` give the logprobs of the prompt tokens
@@ -109,7 +111,8 @@ class Scheduler:
         self.kv = kv
         self.banned_before_min = banned_before_min
         self.waiting: list[Request] = []  # sorted by arrival (FCFS)
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # changed only here, with _running_by_id
+        self._running_by_id: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
 
@@ -122,6 +125,7 @@ class Scheduler:
         """Take ``req`` out of the queues and release its pages (finish or abort)."""
         if req in self.running:
             self.running.remove(req)
+            del self._running_by_id[req.request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         self.free_pages(req)
@@ -130,6 +134,7 @@ class Scheduler:
         """Take a running ``req`` out of the batch keeping its pages (a prefill-role request
         whose pages the transfer layer reads next)."""
         self.running.remove(req)
+        del self._running_by_id[req.request_id]
 
     def free_pages(self, req: Request) -> None:
         """Release ``req``'s pages (cached full pages stay in the prefix cache)."""
@@ -143,6 +148,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        del self._running_by_id[req.request_id]
         self.free_pages(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -153,14 +159,17 @@ class Scheduler:
     def schedule(self) -> BatchPlan:
         """Pick this step's tokens (see the module docstring)."""
         budget = self.config.max_num_batched_tokens
+        kv, page_size = self.kv, self.kv.page_size
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.pages_needed(req.num_computed_tokens + n) - len(req.pages)
-            while need > self.kv.num_available_pages and req.status is Status.RUNNING:
+            computed = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - computed, budget)
+            need = -(-(computed + n) // page_size) - len(req.pages)  # pages_needed
+            # (most decode rows need no page: the pool is not asked how many it has)
+            while need > 0 and need > kv.num_available_pages and req.status is Status.RUNNING:
                 # pages handed to a KV sender (chunked sending) are the transfer layer's
                 victim = next((r for r in reversed(self.running) if not r.kv_pages_sent), None)
                 if victim is None:
@@ -169,7 +178,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
             if req.status is not Status.RUNNING:
                 break  # it was the last one and preempted itself
-            if need > self.kv.num_available_pages:
+            if need > 0 and need > kv.num_available_pages:
                 i += 1  # only requests whose pages are being sent are left: wait for pages
                 continue
             seqs.append(self._schedule(req, n, need))
@@ -200,6 +209,7 @@ class Scheduler:
                 self._attach_prefix(req, hit, keys)
             req.status = Status.RUNNING
             self.running.append(req)
+            self._running_by_id[req.request_id] = req
             seqs.append(self._schedule(req, n, need))
             budget -= n
         return BatchPlan(tuple(seqs), tuple(preempted))
@@ -256,13 +266,13 @@ class Scheduler:
         seqs = []
         for req, start, need in zip(reqs, starts, needs):
             if need > 0:
-                req.pages.extend(self.kv.allocate(need, req.pages[-1] if req.pages else None))
+                self._grow(req, need)
             seqs.append(
                 ScheduledSeq(
                     request_id=req.request_id,
                     token_ids=[-1],
                     start_pos=start,
-                    pages=list(req.pages),
+                    pages=req.pages,
                     sample=True,
                     prompt_logprobs_start=0,
                     prompt_logprobs_targets=[],
@@ -288,43 +298,53 @@ class Scheduler:
         appended.  Returns ``(request, sampled token)`` of the requests that sampled, in
         batch order: the caller appends the token and applies the stop checks (then
         :meth:`remove` or :meth:`take_running`)."""
-        by_id = {r.request_id: r for r in self.running}
+        by_id = self._running_by_id
+        kv = self.kv
+        page_size = kv.page_size if kv.enable_prefix_caching else 0
+        prompt_lps = result.prompt_logprobs
+        tokens = result.sampled
         sampled: list[tuple[Request, SampledToken]] = []
         for seq in plan.seqs:
             req = by_id[seq.request_id]
-            req.num_computed_tokens += len(seq.token_ids)
-            self.num_prompt_tokens_computed += max(
-                0, min(req.num_computed_tokens, req.num_prompt_tokens) - seq.start_pos
-            )
-            self.kv.cache_full_pages(
-                req.all_token_ids, req.pages, req.page_keys, req.num_computed_tokens
-            )
-            lps = result.prompt_logprobs.get(seq.request_id)
-            if lps:
-                assert req.prompt_logprobs is not None  # only a request that asked gets them
-                req.prompt_logprobs.extend(lps)
+            computed = req.num_computed_tokens = req.num_computed_tokens + len(seq.token_ids)
+            if seq.start_pos < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += (
+                    min(computed, req.num_prompt_tokens) - seq.start_pos
+                )
+            if page_size and computed // page_size > len(req.page_keys):  # a page filled
+                kv.cache_full_pages(req.all_token_ids, req.pages, req.page_keys, computed)
+            if prompt_lps:
+                lps = prompt_lps.get(seq.request_id)
+                if lps:
+                    assert req.prompt_logprobs is not None  # only a request that asked
+                    req.prompt_logprobs.extend(lps)
             if seq.sample:
-                sampled.append((req, result.sampled[seq.request_id]))
+                sampled.append((req, tokens[seq.request_id]))
         return sampled
+
+    def _grow(self, req: Request, n: int) -> None:
+        """``n`` more pages for ``req``: a new list (a plan holds the old one, unchanged)."""
+        req.pages = req.pages + self.kv.allocate(n, req.pages[-1] if req.pages else None)
 
     def _schedule(self, req: Request, n: int, new_pages: int) -> ScheduledSeq:
         if new_pages > 0:
-            req.pages.extend(self.kv.allocate(new_pages, req.pages[-1] if req.pages else None))
+            self._grow(req, new_pages)
         start = req.num_computed_tokens
-        sample = start + n == req.num_tokens
+        sample = start + n == len(req.all_token_ids)
         lp_start, lp_targets = 0, []
-        if req.needs_prompt_logprobs():
+        if req.prompt_logprobs is not None and req.needs_prompt_logprobs():
             lp_start = max(start, req.prompt_logprobs_done - 1)
             end = min(start + n, req.num_prompt_tokens - 1)
             lp_targets = req.prompt_token_ids[lp_start + 1 : end + 1]
         banned: tuple[int, ...] = ()
-        if sample and req.num_output_tokens < req.params.min_tokens:
+        min_tokens = req.params.min_tokens
+        if sample and min_tokens and len(req.all_token_ids) - req.num_prompt_tokens < min_tokens:
             banned = self.banned_before_min(req)
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
-            pages=list(req.pages),
+            pages=req.pages,
             sample=sample,
             prompt_logprobs_start=lp_start,
             prompt_logprobs_targets=lp_targets,

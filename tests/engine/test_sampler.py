@@ -200,3 +200,11 @@ def test_penalty_tokens_follow_the_request_and_sample_as_plain_lists():
         )
         assert via_state == via_lists
         assert pt.tensor(torch.device("cpu")).tolist() == ids
+    # several tokens at once, and past the buffer's capacity: earlier views keep their ids
+    before = pt.tensor(torch.device("cpu"))
+    snapshot = before.tolist()
+    ids.extend([13, 2, 2])
+    assert pt.tensor(torch.device("cpu")).tolist() == ids
+    ids.extend(range(40))
+    assert pt.tensor(torch.device("cpu")).tolist() == ids and pt.output("cpu").tolist() == ids[2:]
+    assert before.tolist() == snapshot

@@ -345,3 +345,59 @@ def test_a_preempted_request_matches_its_cached_pages_again():
     assert "b" in preempted and restarts and restarts[0] > 0  # it did not start from 0
     assert b.output_token_ids == [7] * 12
     assert b.num_cached_tokens == 0  # usage counts the first admission only
+
+
+def test_admits_none_bounds_the_next_admission():
+    """``admits_none`` (overlap scheduling's check) over the running-count and page bounds:
+    slots or budget taken at the smallest count, the FCFS head's pages against the most
+    that could be available, a prefix hit (cached now or by the pending step) lowering its
+    need (at most the full pages of all but its last token)."""
+    from pdserve.engine.prefix_cache import page_keys
+
+    s = make(num_pages=16, page_size=4, budget=32, max_running=2, prefix_caching=True)
+    assert s.admits_none(0, 0, 0)  # nothing waits
+    head = req("head", 20, 4, arrival=0)  # 5 pages
+    s.add_waiting(head)
+    assert s.admits_none(2, 2, 16)  # both slots stay taken
+    assert not s.admits_none(1, 2, 16)  # one may free: it fits
+    assert s.admits_none(1, 2, 4)  # it needs 5 pages
+    assert not s.admits_none(1, 2, 5)
+    # with 28 rows the budget leaves its chunk 4 tokens (1 page) at least
+    assert not s.admits_none(1, 28, 1) and s.admits_none(1, 28, 0)
+    keys = page_keys(head.all_token_ids, 4)  # 5 keys; 19 tokens hold 4 full pages
+    assert not s.admits_none(1, 2, 3, cached_soon=keys[:2])  # 2 hit: 3 to find
+    assert s.admits_none(1, 2, 2, cached_soon=keys[:2])
+    assert not s.admits_none(1, 2, 1, cached_soon=keys) and s.admits_none(1, 2, 0, keys)
+    s = make(num_pages=16, page_size=4, budget=8, max_running=64)
+    s.add_waiting(req("head", 20, 4, arrival=0))
+    assert s.admits_none(8, 8, 16) and not s.admits_none(7, 8, 16)  # the token budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_admits_none_agrees_with_schedule(seed):
+    """Whenever ``admits_none`` says the next step admits nobody (exact running count, the
+    pages available now), ``schedule`` admits nobody: random workloads on a small pool and
+    few slots, prefix caching on (shared prefixes); both outcomes occur."""
+    rng = random.Random(seed)
+    s = make(
+        num_pages=24, page_size=4, budget=rng.choice([8, 32]), max_running=3, prefix_caching=True
+    )
+    shared = list(range(50, 62))
+    by_id = {}
+    for i in range(12):
+        prompt = (shared if rng.random() < 0.5 else []) + [
+            rng.randrange(1, 40) for _ in range(rng.randrange(2, 20))
+        ]
+        by_id[str(i)] = r = req(i, 0, rng.randrange(1, 12), arrival=i, prompt=prompt)
+        s.add_waiting(r)
+    blocked = admitted = 0
+    while s.running or s.waiting:
+        none = s.admits_none(len(s.running), len(s.running), s.kv.num_available_pages)
+        waiting = [r.request_id for r in s.waiting]
+        run_step(s, by_id)
+        if none:
+            blocked += 1
+            assert all(by_id[w] in s.waiting for w in waiting), waiting
+        elif any(by_id[w] not in s.waiting for w in waiting):
+            admitted += 1
+    assert blocked and admitted
