@@ -8,11 +8,19 @@ weight from HBM as the decode graph's layers do), median of 5 replays; cuBLAS th
 A configuration counts only if its result is within twice cuBLAS's error of the fp32
 reference. A configuration wins a (shape, M) when it is >= 3 % faster than cuBLAS there.
 
+Configurations: ``rows`` (M = 1), ``dot`` (M <= 16), ``dot``/``splitkS`` and the TMA-fed
+``tma*`` kinds (M = 17..64; ``model/triton_gemv_tma.py``). Before timing, each configuration
+runs in a process of its own (``--probe-jobs`` at once, 8 by default): one that fails to
+compile on this machine (a Triton version without warp specialization on Hopper, a tile past
+shared memory), crashes, hangs past ``PROBE_TIMEOUT`` or computes wrong is skipped with its
+reason printed and listed under ``skipped`` in the json, instead of aborting the sweep.
+
 Run on the GPU machine from the repo root:
 ``python3 scripts/gpu_gemv_sweep.py [--ms 32,48,64] [--shapes qkv,o_proj] [--merge OLD.json]
-[--jobs 12] [--write]``. ``--ms``/``--shapes`` measure a subset; ``--merge`` keeps an earlier
-sweep's results for the (shape, M) pairs not measured now, and the table is built from all of
-them; ``--jobs`` compiles the kernels in that many processes first (Triton's disk cache).
+[--jobs 12] [--probe-jobs 8] [--write]``. ``--ms``/``--shapes`` measure a subset;
+``--merge`` keeps an earlier sweep's results for the (shape, M) pairs not measured now, and
+the table is built from all of them; ``--jobs`` compiles the kernels in that many processes
+first (Triton's disk cache).
 Prints the table, writes ``$OUT/gemv_sweep.json`` (every timing) and ``$OUT/gemv_table.py``;
 with ``--write`` also ``pdserve/model/gemv_table.py`` (then ``ruff format`` it: ``make lint``
 checks the format).
@@ -26,6 +34,8 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -88,17 +98,51 @@ WIDE = [
         ("splitk8", 128, 64, 4, 4),
     )
 ]
+# M = 17..64, the TMA-fed kinds (model/triton_gemv_tma.py): the weight in [BLOCK_N, BLOCK_K]
+# boxes, x in [BLOCK_M, BLOCK_K] boxes, num_stages of both in shared memory (bf16, BLOCK_M
+# 64: 120-192 KB of the H200's 227 KB); the persistent grid is min(132, work). "tma": a tile
+# a unit (qkv 48 tiles of 128, o_proj/down 32, gate_up 224); "tma_sk4": o_proj/down 128 units;
+# "tma_stream": equal weight bytes a program whatever the tile count; "_ws": warp-specialized.
+TMA = [
+    ("tma", 128, 128, 4, 3),
+    ("tma", 64, 128, 4, 4),
+    ("tma", 128, 64, 4, 5),
+    ("tma", 256, 64, 8, 4),
+    ("tma_stream", 128, 128, 4, 3),
+    ("tma_stream", 128, 64, 4, 5),
+    ("tma_stream", 64, 128, 4, 4),
+    ("tma_stream", 256, 64, 8, 3),
+    ("tma_stream", 128, 128, 8, 4),
+    ("tma_sk2", 128, 128, 4, 3),
+    ("tma_sk4", 128, 64, 4, 5),
+    ("tma_sk4", 64, 128, 4, 4),
+    ("tma_ws", 128, 128, 4, 3),
+    ("tma_ws_stream", 128, 128, 4, 3),
+    ("tma_ws_stream", 128, 64, 4, 4),
+    ("tma_ws_sk4", 128, 64, 4, 4),
+]
 DEVICE = "cuda"
 MARGIN = 0.97
 L2_DEFEAT = 256 << 20
 REPS = 8
+PROBE_TIMEOUT = 300  # s for one configuration's probe process (its compiles and runs)
 
 
 def configs_for(m: int) -> list[tuple]:
     """The configurations tried at ``m`` rows."""
     if m == 1:
         return ROWS + DOTS
-    return DOTS if m <= 16 else WIDE
+    return DOTS if m <= 16 else WIDE + TMA
+
+
+def parse_shape(name: str) -> tuple[int, int]:
+    """``(N, K)`` of a ``SHAPES`` name or of ``NxK`` (e.g. ``4096x14336``)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    n, sep, k = name.partition("x")
+    if not (sep and n.isdigit() and k.isdigit()):
+        raise SystemExit(f"unknown shape {name!r}: one of {', '.join(SHAPES)} or NxK")
+    return int(n), int(k)
 
 
 def time_us(launch, n_copies: int) -> float:
@@ -146,12 +190,14 @@ def _compile(job: tuple[list[tuple[int, int, int]], list[tuple]]) -> int:
     return n
 
 
-def precompile(shapes: dict, ms: list[int], jobs: int) -> None:
-    """Compile every (configuration, row tile) in ``jobs`` processes at once."""
+def precompile(shapes: dict, ms: list[int], jobs: int, skip: dict[tuple, str]) -> None:
+    """Compile every (configuration not in ``skip``, row tile) in ``jobs`` processes at once."""
     by_tile: dict[tuple, list[tuple[int, int, int]]] = {}
     for m in ms:
         for N, K in shapes.values():
             for cfg in configs_for(m):
+                if cfg in skip:
+                    continue
                 # the compiled kernel depends on the row tile and K/N divisibility only
                 key = (cfg, m == 1, triton_gemv.block_m(m) if m > 1 else 1)
                 by_tile.setdefault(key, [(m, N, K)])
@@ -161,6 +207,77 @@ def precompile(shapes: dict, ms: list[int], jobs: int) -> None:
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         done = sum(pool.map(_compile, job_list))
     print(f"precompiled {done} of {len(job_list)} in {time.time() - t0:.0f} s", flush=True)
+
+
+def probe_one(cfg: tuple, shapes: dict, ms: list[int]) -> None:
+    """In a probe process: run ``cfg`` once at every (shape, M) and check it as
+    :func:`measure` does; prints ``PROBE OK``, or ``PROBE FAILED: <where>: <why>`` and exits 1
+    (a crash or a hang ends the process: the parent reports it)."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter: fp32
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=DEVICE, dtype=dt) * 0.02
+        for M in ms:
+            where = f"{name} M={M}"
+            x = torch.randn(M, K, device=DEVICE, dtype=dt)
+            ref = x.double() @ w.double().T
+            cub_err = (F.linear(x, w).double() - ref).abs().max().item()
+            try:
+                got = triton_gemv.gemv(x, w, None, cfg)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 (the reason is the probe's answer)
+                first = " ".join(str(exc).split())[:300]
+                print(f"PROBE FAILED: {where}: {type(exc).__name__}: {first}", flush=True)
+                raise SystemExit(1) from None
+            err = (got.double() - ref).abs().max().item()
+            if not err <= 2 * cub_err + 1e-3:
+                print(f"PROBE FAILED: {where}: max error {err:.3g} (cuBLAS {cub_err:.3g})")
+                raise SystemExit(1)
+    print("PROBE OK", flush=True)
+
+
+def probe(
+    shapes: dict, ms: list[int], jobs: int, cfgs: list[tuple] | None = None
+) -> dict[tuple, str]:
+    """Each configuration (``cfgs``, default every one this sweep tries) run in its own
+    process at the row counts that try it (``jobs`` at once, each at most ``PROBE_TIMEOUT``
+    s): ``{config: reason}`` of those that did not compile, crashed (an illegal address would
+    poison this process's CUDA context), hung or computed wrong; the sweep skips them. Their
+    compiles land in Triton's disk cache for the timing pass."""
+    if cfgs is None:
+        cfgs = list(dict.fromkeys(cfg for m in ms for cfg in configs_for(m)))
+    base = [sys.executable, os.path.abspath(__file__), "--device", DEVICE]
+    base += ["--shapes", ",".join(f"{N}x{K}" for N, K in shapes.values())]
+
+    def run(cfg: tuple) -> tuple[tuple, str | None]:
+        rows = [m for m in ms if cfg in configs_for(m)] or ms
+        try:
+            done = subprocess.run(
+                [*base, "--ms", ",".join(map(str, rows)), "--probe", json.dumps(cfg)],
+                capture_output=True,
+                text=True,
+                timeout=PROBE_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            return cfg, f"no answer within {PROBE_TIMEOUT} s (killed)"
+        if done.returncode == 0 and "PROBE OK" in done.stdout:
+            return cfg, None
+        lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if ln.startswith("PROBE FAILED")), None)
+        return cfg, f"exit {done.returncode}: {why or (lines[-1][:300] if lines else 'no output')}"
+
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        answers = list(pool.map(run, cfgs))
+    failed = {cfg: why for cfg, why in answers if why is not None}
+    for cfg, why in failed.items():
+        print(f"  skipped {cfg}: {why}", flush=True)
+    print(
+        f"probed {len(cfgs)} configurations in {time.time() - t0:.0f} s: {len(failed)} skipped",
+        flush=True,
+    )
+    return failed
 
 
 def build_table(results: list[dict]) -> dict[tuple[str, int, int], list[tuple[int, tuple | None]]]:
@@ -185,7 +302,9 @@ def build_table(results: list[dict]) -> dict[tuple[str, int, int], list[tuple[in
     return table
 
 
-def measure(shapes: dict, ms: list[int]) -> list[dict]:
+def measure(shapes: dict, ms: list[int], skip: dict[tuple, str] | None = None) -> list[dict]:
+    """Time cuBLAS and every configuration not in ``skip`` at each (shape, M)."""
+    skip = skip or {}
     torch.manual_seed(0)
     dt = torch.bfloat16
     t_start = time.time()
@@ -202,9 +321,11 @@ def measure(shapes: dict, ms: list[int]) -> list[dict]:
             cub_us = time_us(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies)
             best: tuple[float, tuple | None] = (cub_us, None)
             for cfg in configs_for(M):
+                if cfg in skip:
+                    continue
                 try:
                     got = triton_gemv.gemv(x, ws[0], None, cfg)
-                    err = (got.float() - ref).abs().max().item()
+                    err = (got.double() - ref).abs().max().item()
                     us = time_us(
                         lambda i, x=x, ws=ws, cfg=cfg: triton_gemv.gemv(x, ws[i], None, cfg),
                         copies,
@@ -269,12 +390,29 @@ def main() -> None:
     ap.add_argument("--merge", default=None, help="an earlier gemv_sweep.json to keep")
     ap.add_argument("--jobs", type=int, default=0, help="compile in this many processes first")
     ap.add_argument("--write", action="store_true", help="also write pdserve/model/gemv_table.py")
+    ap.add_argument(
+        "--probe-jobs",
+        type=int,
+        default=8,
+        help="first run each configuration in its own process, this many at once, and skip "
+        "those that fail to compile, crash, hang or compute wrong (0: no probe)",
+    )
+    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # a probe process's config
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for --probe (the tests)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     ms = [int(m) for m in args.ms.split(",")]
-    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    shapes = {s: parse_shape(s) for s in args.shapes.split(",")}
+    if args.probe is not None:
+        probe_one(tuple(json.loads(args.probe)), shapes, ms)
+        return
+    if any(s not in SHAPES for s in shapes):
+        raise SystemExit("NxK shapes are for --probe; the sweep measures named shapes")
+    skip = probe(shapes, ms, args.probe_jobs) if args.probe_jobs > 0 else {}
     if args.jobs > 1:
-        precompile(shapes, ms, args.jobs)
-    results = measure(shapes, ms)
+        precompile(shapes, ms, args.jobs, skip)
+    results = measure(shapes, ms, skip)
     if args.merge:
         with open(args.merge) as f:
             old = json.load(f)["results"]
@@ -288,6 +426,7 @@ def main() -> None:
             dict(
                 device=device_name(),
                 results=results,
+                skipped=[dict(config=cfg, reason=why) for cfg, why in skip.items()],
                 table={f"{k[0]}:{k[1]}x{k[2]}": v for k, v in table.items()},
             ),
             f,

@@ -196,6 +196,44 @@ def test_pick_takes_the_smallest_measured_row_count_at_or_above_m():
     assert picked(1, weight=torch.zeros(8, 5, dtype=torch.bfloat16)) is None  # another shape
 
 
+def _sweep_script():
+    """scripts/gpu_gemv_sweep.py as a module (it is a script, not a package module)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "gpu_gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gpu_gemv_sweep", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(600)
+def test_sweep_probe_skips_configurations_that_fail_and_keeps_those_that_run(monkeypatch):
+    """The sweep's probe runs each configuration in its own process (here on CPU, under the
+    interpreter): one that raises is skipped with the reason its process printed, one that
+    does not answer in time is killed and skipped, the others are kept; every TMA kind the
+    sweep tries is a name gemv knows."""
+    sweep = _sweep_script()
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    good = [("tma_stream", 16, 32, 4, 2), ("dot", 16, 16, 4, 1)]
+    bad = ("tma_sk64", 16, 16, 4, 1)  # 64 K slices: gemv raises ValueError
+    failed = sweep.probe({"tiny": (40, 96)}, [20], 2, [*good, bad])
+    assert list(failed) == [bad]
+    assert "PROBE FAILED: 40x96 M=20: ValueError" in failed[bad] and "2..32" in failed[bad]
+    monkeypatch.setattr(sweep, "PROBE_TIMEOUT", 0.01)
+    assert sweep.probe({"tiny": (40, 96)}, [20], 1, good[:1]) == {
+        good[0]: "no answer within 0.01 s (killed)"
+    }
+    from pdserve.model.triton_gemv_tma import parse_kind
+
+    kinds = {cfg[0] for m in sweep.MS for cfg in sweep.configs_for(m)}
+    assert {k for k in kinds if k.startswith("tma")} and all(
+        k in ("rows", *triton_gemv.SPLITS) or parse_kind(k) for k in kinds
+    )
+
+
 def test_committed_table_is_well_formed():
     from pdserve.model.triton_gemv_tma import parse_kind
 
