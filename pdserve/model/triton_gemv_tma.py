@@ -124,14 +124,16 @@ def _store_tile(acc, o_ptr, b_ptr, off_n, M, N, s_om, HAS_BIAS: tl.constexpr, RO
     with ``ROUND`` (else fp32 partials, no bias)."""
     rn = off_n + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    mask = (rn < N)[:, None] & (rm < M)[None, :]
-    o = o_ptr + rm[None, :] * s_om + rn[:, None]
+    # stored as [BLOCK_M, BLOCK_N], rows of N contiguous: coalesced (the accumulator's own
+    # layout holds neighbours along M, a row apart in memory: one 2-byte store each)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    o = o_ptr + rm[:, None] * s_om + rn[None, :]
     if ROUND:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o, tl.trans(acc.to(o_ptr.dtype.element_ty)), mask=mask)
     else:
-        tl.store(o, acc, mask=mask)
+        tl.store(o, tl.trans(acc), mask=mask)
 
 
 @triton.jit
