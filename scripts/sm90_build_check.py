@@ -1,0 +1,148 @@
+"""Build the TMA GEMV kernels (``pdserve/model/triton_gemv_tma.py``) for Hopper (sm_90) on a
+machine without a GPU, and count what their machine code uses.
+
+Triton compiles ahead of time for a named target (``triton.compile`` with
+``GPUTarget("cuda", 90, 32)``) through its bundled ``ptxas``; ``cuobjdump -sass`` (bundled
+too) lists the instructions. Each kernel is specialised as a launch would specialise it
+(integer arguments and pointers divisible by 16 marked so, as Triton's JIT does at run time).
+Counted per kernel: ``HGMMA`` (Hopper's warpgroup MMA, wgmma), ``UTMALDG`` (bulk tensor
+copies, TMA), ``SYNCS`` (mbarrier operations), ``STG.E.128`` / ``STG.E.U16`` (16-byte and
+2-byte global stores), ``LDL``/``STL`` (local memory: spills), the shared memory and the warps
+(warp specialization adds warps). This says the kernel builds and which instructions it
+uses, with this machine's Triton (3.9 in the CPU venv; the H200 image has 3.6): not its
+speed, nor its results (the CPU tests run it under the interpreter; the sweep on the GPU).
+
+``python3 scripts/sm90_build_check.py [--configs "('tma', 128, 128, 4, 3)" ...] [--ms 32,64]
+[--json]``: default every ``tma*`` configuration of ``scripts/gpu_gemv_sweep.py`` at the
+Llama-3.1-8B o_proj shape (N = K = 4096), bf16. Run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from pdserve.model import triton_gemv, triton_gemv_tma
+
+TARGET = GPUTarget("cuda", 90, 32)
+OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL")
+
+
+def build(fn, args: dict, constexprs: dict, warps: int, stages: int):
+    """``fn`` compiled for sm_90 with ``args`` (name -> value) specialised as a launch would."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, args[name], False, True, True)[:2]
+        sig[name] = ty
+        if isinstance(attr, str) and "D" in attr:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+
+
+def sass_counts(kernel) -> dict[str, int]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    words = collections.Counter(re.findall(r"\b([A-Z][A-Z0-9]*(?:\.[A-Z0-9]+)*)\b", sass))
+    return {op: sum(n for w, n in words.items() if w == op or w.startswith(op + ".")) for op in OPS}
+
+
+def check(cfg: tuple, m: int, n: int = 4096, k: int = 4096) -> dict:
+    """Build ``cfg``'s kernel for ``m`` rows of bf16 ``[m, k] @ [n, k].T`` and count its SASS."""
+    kind, block_n, block_k, warps, stages = cfg
+    parsed = triton_gemv_tma.parse_kind(kind)
+    if parsed is None:
+        raise SystemExit(f"{kind!r} is not a tma kind")
+    split, stream, ws = parsed
+    bm = triton_gemv.block_m(m)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    common = dict(
+        x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, block_k]),
+        w_desc=TensorDescriptor(w, [n, k], [k, 1], [block_n, block_k]),
+        x_ptr=x,
+        b_ptr=w,
+        o_ptr=out,
+        M=m,
+        N=n,
+        K=k,
+        s_xm=k,
+        s_om=n,
+        NUM_PROGRAMS=132,
+    )
+    consts = dict(
+        HAS_BIAS=False,
+        SILU=False,
+        X_DESC=True,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        WARP_SPEC=ws,
+        FLATTEN=not ws,
+        IEEE=False,
+    )
+    if stream:
+        fn = triton_gemv_tma._gemv_tma_stream_kernel
+        args = dict(common, p_ptr=torch.empty(1, dtype=torch.float32))
+    else:
+        fn = triton_gemv_tma._gemv_tma_kernel
+        args = dict(common, K_TILES=triton.cdiv(k // block_k, split), s_os=m * n)
+        consts["SPLIT_K"] = split
+    kernel = build(fn, args, consts, warps, stages)
+    return dict(
+        config=list(cfg),
+        M=m,
+        shared=kernel.metadata.shared,
+        warps=kernel.metadata.num_warps,
+        sass=sass_counts(kernel),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="*", default=None, help="config tuples (Python syntax)")
+    ap.add_argument("--ms", default="32,64", help="row counts")
+    ap.add_argument("--json", action="store_true", help="one json line a (config, M)")
+    args = ap.parse_args()
+    if args.configs:
+        cfgs = [tuple(ast.literal_eval(c)) for c in args.configs]
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_gemv_sweep
+
+        cfgs = gpu_gemv_sweep.TMA
+    for cfg in cfgs:
+        for m in (int(s) for s in args.ms.split(",")):
+            try:
+                row = check(cfg, m)
+            except Exception as exc:  # noqa: BLE001 (reported: a configuration that does not build)
+                row = dict(config=list(cfg), M=m, error=" ".join(str(exc).split())[:300])
+            print(json.dumps(row) if args.json else row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
