@@ -134,6 +134,7 @@ class OverlapScheduler:
             return False
         if any(r is not q for (_, r), q in zip(live, sched.running)):
             return False
+        waiting = bool(sched.waiting)
         rows, reqs, starts, ended, may_end = [], [], [], [], []
         for i, req in live:
             p = req.params
@@ -148,15 +149,16 @@ class OverlapScheduler:
             rows.append(i)
             reqs.append(req)
             starts.append(prev.plan.seqs[i].start_pos + 1)
-            stop = req.token_stop
-            may_end.append(
-                stop is None
-                or stop.may_stop_on_token(n_out)
-                or bool(p.stop and n_out > stop.min_tokens)
-            )
+            if waiting:  # whether N's unseen token may end it (only an admission asks)
+                stop = req.token_stop
+                may_end.append(
+                    stop is None
+                    or stop.may_stop_on_token(n_out)
+                    or bool(p.stop and n_out > stop.min_tokens)
+                )
         if not rows or len(rows) > sched.config.max_num_batched_tokens:
             return False
-        if sched.waiting and not self._admits_none(prev, reqs, starts, ended, may_end):
+        if waiting and not self._admits_none(prev, reqs, starts, ended, may_end):
             return False  # the synchronous step may admit one: drain, schedule it normally
         had = [len(r.pages) for r in reqs]
         seqs = sched.schedule_ahead(reqs, starts)
