@@ -125,7 +125,7 @@ DEVICE = "cuda"
 MARGIN = 0.97
 L2_DEFEAT = 256 << 20
 REPS = 8
-PROBE_TIMEOUT = 300  # s for one configuration's probe process (its compiles and runs)
+PROBE_TIMEOUT = 150  # s for one configuration's probe process (its compiles and runs)
 
 
 def configs_for(m: int) -> list[tuple]:

@@ -46,15 +46,21 @@ Design, each choice with its source:
   ``_ws`` after ``tma`` (``tma_ws``, ``tma_ws_sk4``, ``tma_ws_stream``) asks Triton for
   automatic warp specialization of the persistent loop (``tl.range(...,
   warp_specialize=True)``: producer warps issue the copies, consumer warps the MMAs, what
-  cuBLAS's kernels do; Triton documents it for Blackwell, 3.6's NVIDIA backend also runs a
-  Hopper warp-spec pass). Whether it compiles and pays on the H200 is for the sweep to find
-  (``scripts/gpu_gemv_sweep.py`` skips a configuration that fails to compile); flattening
-  is off with it.
+  cuBLAS's kernels do; Triton documents it for Blackwell, but Triton 3.9's NVIDIA backend
+  runs a Hopper warp-spec pass too). Flattening is off with it. Built for sm_90 with Triton
+  3.9 (``scripts/sm90_build_check.py``): at BLOCK_N 64 and 4 warps the pass splits the loop
+  (12 warps: producer warps issue the copies); at BLOCK_N 128 it fails ("descriptor block
+  and tensor must have the same number of elements"), and the stream-K loop it leaves as it
+  is. Whether Triton 3.6 (the H200's) does the same, and whether it pays, is for the sweep
+  (``scripts/gpu_gemv_sweep.py`` skips a configuration that fails to build or run).
 
-Not measured on a GPU when written (2026-12-01 night, no device time): correctness is tested
+Not measured on a GPU when written (2026-12-01 night, no device time). Correctness is tested
 on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs host tensor descriptors,
-zero-filling out-of-range boxes); the interpreter does not model TMA, mbarriers, warp
-specialization or the pipeliner, so those are the GPU sweep's and the ``gpu``-marked tests'.
+zero-filling out-of-range boxes), which does not model TMA, mbarriers, warp specialization
+or the pipeliner. Built for sm_90 on CPU with Triton 3.9's ptxas (``scripts/
+sm90_build_check.py``), every sweep configuration uses wgmma (HGMMA) fed by TMA copies
+(UTMALDG), 16-byte stores, no spills, 78-197 KB of shared memory. Speed, and the runtime
+behaviour on Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests'.
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ CONFIGS = [
     ("rows", 8, 32, 4, 1),
     ("dot", 16, 32, 4, 2),
     ("dot", 32, 64, 4, 3),
-    ("splitk2", 16, 32, 4, 2),  # K = 100 in slices of 64: the second one's tail masked
+    ("splitk2", 16, 32, 4, 2),  # K = 104 in slices of 64: the second one's tail masked
     ("splitk8", 32, 16, 4, 1),  # slices of 16: the last one lies wholly past K
     # TMA-fed kernels (host tensor descriptors; the interpreter zero-fills boxes past N, K, M)
     ("tma", 16, 32, 4, 2),
     ("tma_sk2", 16, 32, 4, 2),
     ("tma_ws_sk8", 32, 16, 4, 1),  # the last slice wholly past K: its boxes read zeros
-    ("tma_stream", 16, 16, 4, 2),  # 5 tiles x 7 boxes over 3 programs: tiles shared
+    ("tma_stream", 16, 16, 4, 2),  # 5 tiles x 7 boxes (3 programs on CPU): tiles shared
     ("tma_ws_stream", 32, 32, 4, 3),
 ]
 
@@ -40,7 +40,8 @@ def test_gemv_matches_linear(dtype, config, m, with_bias):
             triton_gemv.gemv(torch.zeros(m, 4), torch.zeros(2, 4), None, config)
         return
     gen = torch.Generator().manual_seed(m)
-    N, K = 72, 100  # neither a multiple of the tiles: the masked tails count nothing
+    N, K = 72, 104  # neither a multiple of the tiles: the masked tails count nothing
+    # (rows of 208 bytes in bf16: the tma kinds need a 16-byte row stride)
     x = torch.randn(m, 2 * K, generator=gen).to(dtype).to(DEVICE)[:, :K]  # a strided view
     w = torch.randn(N, K, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
