@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from pdserve.engine.executor import Executor, RankFailedError, RemoteTraceback
 from pdserve.engine.model_runner import HEADER_LEN, StepHeader, StepResult
 from pdserve.engine.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
 from pdserve.engine.scheduler import BatchPlan
+from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:
     from pdserve.model.loader import ModelSource
@@ -60,17 +60,6 @@ def _proc_state(pid: int) -> str | None:
             return _PROC_STATES.get(f.read().rsplit(")", 1)[1].split()[0])
     except (OSError, IndexError):
         return None
-
-
-def _how_it_ended(code: int | None) -> str:
-    if code is None:
-        return "is gone"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class MultiprocExecutor(Executor):
@@ -171,7 +160,7 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError):
             proc.join(5.0)
             raise RuntimeError(
-                f"tensor-parallel rank {rank} {_how_it_ended(proc.exitcode)} during start-up"
+                f"tensor-parallel rank {rank} {death_cause(proc.exitcode)} during start-up"
             ) from None
         if msg[0] == "error":
             raise RuntimeError(f"tensor-parallel rank {rank}: {msg[1]}")
@@ -187,7 +176,7 @@ class MultiprocExecutor(Executor):
     def _rank_failure(self, rank: int) -> str:
         """What happened to rank ``rank`` (its exit and, when it said so, why)."""
         proc, conn = self._procs[rank - 1], self._conns[rank - 1]
-        text = f"tensor-parallel rank {rank} (pid {proc.pid}) {_how_it_ended(proc.exitcode)}"
+        text = f"tensor-parallel rank {rank} (pid {proc.pid}) {death_cause(proc.exitcode)}"
         try:
             if threading.current_thread() is not self._watcher and conn.poll(0):
                 msg = conn.recv()

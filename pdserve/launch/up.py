@@ -18,6 +18,7 @@ import httpx
 from pdserve import envs
 from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
 from pdserve.launch.supervisor import Child, stop_all
+from pdserve.process_exit import death_cause
 from pdserve.server.engine_args import add_engine_args, engine_argv
 from pdserve.server.launch import add_strict_fields_arg
 
@@ -248,16 +249,6 @@ def _healthy(client: httpx.Client, url: str) -> bool:
         return client.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def death_cause(code: int) -> str:
-    """How a child ended, from ``Popen.returncode``: ``-N`` means killed by signal N."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _check_children(children: list[Child]) -> None:
