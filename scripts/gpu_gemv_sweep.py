@@ -100,9 +100,11 @@ WIDE = [
 ]
 # M = 17..64, the TMA-fed kinds (model/triton_gemv_tma.py): the weight in [BLOCK_N, BLOCK_K]
 # boxes, x in [BLOCK_M, BLOCK_K] boxes, num_stages of both in shared memory (bf16, BLOCK_M
-# 64: 120-192 KB of the H200's 227 KB); the persistent grid is min(132, work). "tma": a tile
-# a unit (qkv 48 tiles of 128, o_proj/down 32, gate_up 224); "tma_sk4": o_proj/down 128 units;
-# "tma_stream": equal weight bytes a program whatever the tile count; "_ws": warp-specialized.
+# 64: 96-197 KB of the H200's 227 KB, as built for sm_90 by scripts/sm90_build_check.py);
+# the persistent grid is min(132, work). "tma": a tile a unit (qkv 48 tiles of 128,
+# o_proj/down 32, gate_up 224); "tma_sk4": o_proj/down 128 units; "tma_stream": equal weight
+# bytes a program whatever the tile count; "_ws": warp-specialized (64-wide tiles: the ones
+# Triton 3.9's Hopper pass splits).
 TMA = [
     ("tma", 128, 128, 4, 3),
     ("tma", 64, 128, 4, 4),
@@ -113,6 +115,8 @@ TMA = [
     ("tma_stream", 64, 128, 4, 4),
     ("tma_stream", 256, 64, 8, 3),
     ("tma_stream", 128, 128, 8, 4),
+    ("tma_stream", 64, 64, 4, 6),  # 64-wide tiles: smaller partial slots, more x from L2
+    ("tma_stream", 64, 256, 4, 3),
     ("tma_sk2", 128, 128, 4, 3),
     ("tma_sk4", 128, 64, 4, 5),
     ("tma_sk4", 64, 128, 4, 4),
