@@ -21,6 +21,10 @@ Run on the GPU machine from the repo root:
 ``--merge`` keeps an earlier sweep's results for the (shape, M) pairs not measured now, and
 the table is built from all of them; ``--jobs`` compiles the kernels in that many processes
 first (Triton's disk cache).
+The TMA kinds' first measurement (issue 10; ~31 configurations at 4 shapes x 3 row counts):
+``timeout 580 python3 scripts/gpu_gemv_sweep.py --ms 32,48,64 --shapes qkv,o_proj,down,gate_up
+--merge docs/figures/h200_gemv_sweep.json --write``, then copy ``$OUT/gemv_sweep.json`` over
+``docs/figures/h200_gemv_sweep.json`` and ``ruff format`` the table.
 Prints the table, writes ``$OUT/gemv_sweep.json`` (every timing) and ``$OUT/gemv_table.py``;
 with ``--write`` also ``pdserve/model/gemv_table.py`` (then ``ruff format`` it: ``make lint``
 checks the format).
