@@ -10,8 +10,9 @@ of the WRITE; a larger one is queued to the ``transfer-i`` threads, which post i
 a one-page WRITE ends within it, and then the room ends on the calling thread too
 (measured on an H200, one 2 MiB page: 0.21 ms from ``send`` to ``Success`` with a 200 us
 spin, 0.28 ms with 30 us, 0.31 ms handing off at once). Otherwise a transfer thread
-completes it: polled back to back for ``SPIN_S`` (``os.sched_yield`` between polls, not
-``time.sleep(0)``, which sleeps ~60 us: the timer slack), then every ``BACKOFF_S``. A
+completes it: polled back to back for ``SPIN_S`` (on VRAM ``os.sched_yield`` between polls,
+not ``time.sleep(0)``, which sleeps ~60 us: the timer slack; on host memory, where a CPU
+does the copy, ``time.sleep(0)``), then every ``BACKOFF_S``. A
 poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run meanwhile.
 
 Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
@@ -206,7 +207,13 @@ class TransferWorkers:
                 pending = [h for h in pending if not self._try_release(h)]
                 time.sleep(0.01)
             elif now < spin_until:  # spin (small rooms end in microseconds) ...
-                os.sched_yield()
+                # On VRAM the copy engines move the bytes and the CPU idles: yield only. On
+                # host memory a CPU moves them (UCX CMA, milliseconds a room), so the poll
+                # sleeps (~60 us) rather than keep a core of a small machine busy.
+                if self.on_host:
+                    time.sleep(0)
+                else:
+                    os.sched_yield()
             else:  # ... then back off
                 time.sleep(BACKOFF_S)
         return True
