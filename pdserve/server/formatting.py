@@ -57,9 +57,20 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
+def completion_top(entry: TokenLogprob, tt: TokenText, k: int | None = None) -> dict[str, float]:
+    """One ``top_logprobs`` dict of the legacy completions layout: the ``k`` best tokens
+    (all of ``entry.top`` when ``k`` is None) plus the chosen token itself, so up to
+    ``k + 1`` entries (OpenAI's API reference: "the API will always return the logprob of
+    the sampled token, so there may be up to logprobs+1 elements"; vLLM does the same)."""
+    top = {tt(i): lp for i, lp in entry.top[:k]}
+    top.setdefault(tt(entry.token_id), entry.logprob)
+    return top
+
+
 def completion_logprobs(entries: Sequence[TokenLogprob], tt: TokenText, offset: int) -> dict:
     """Legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs,
-    text_offset), text offsets counted from ``offset``."""
+    text_offset), text offsets counted from ``offset``; each top dict holds the sampled
+    token too (:func:`completion_top`)."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
@@ -68,7 +79,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob], tt: TokenText, offset: 
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tt(i): lp for i, lp in e.top} for e in entries],
+        "top_logprobs": [completion_top(e, tt) for e in entries],
         "text_offset": offsets,
     }
 
@@ -80,7 +91,8 @@ def echo_logprobs(
     k: int,
 ) -> dict:
     """Completions ``logprobs`` object of an echoed prompt (OpenAI's layout): the first
-    token's logprob and top are null; text offsets from 0. ``entries`` is the engine's
+    token's logprob and top are null; each other top dict holds the prompt token too
+    (:func:`completion_top`); text offsets from 0. ``entries`` is the engine's
     prompt logprobs, or ``None`` on a decode worker (which never ran the prompt): then
     every logprob and top is null and the router fills them in from the prefill leg's
     answer (``router/merge.py``)."""
@@ -93,7 +105,7 @@ def echo_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e.logprob for e in rows],
-        "top_logprobs": [None if e is None else {tt(i): lp for i, lp in e.top[:k]} for e in rows],
+        "top_logprobs": [None if e is None else completion_top(e, tt, k) for e in rows],
         "text_offset": offsets,
     }
 

@@ -100,6 +100,12 @@ def test_batch_echo_with_logprobs_through_pd_equals_mixed(c):
     for ch in pd["choices"]:  # the echoed prompts' logprobs came from the prefill leg
         lp = ch["logprobs"]["token_logprobs"]
         assert lp[0] is None and all(isinstance(x, float) for x in lp[1:])
+        tokens, tops = ch["logprobs"]["tokens"], ch["logprobs"]["top_logprobs"]
+        # each prompt token is in its own top dict (OpenAI: up to logprobs + 1 entries)
+        assert tops[0] is None and all(
+            top[t] == pytest.approx(x) and 1 <= len(top) <= 2
+            for t, x, top in zip(tokens[1:], lp[1:], tops[1:])
+        )
     assert pd["usage"]["completion_tokens"] == 0
 
 

@@ -119,6 +119,39 @@ def test_completion_logprob_lengths(worker):
     assert all(len(e["top_logprobs"]) == 2 for e in prompt_lps[1:])
 
 
+def _assert_top_has_own_token(lp: dict, k: int) -> None:
+    """Each legacy ``top_logprobs`` dict holds its own token with its logprob (OpenAI:
+    up to ``logprobs + 1`` entries); the first echoed prompt token's is null."""
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        if logprob is None:
+            assert top is None
+            continue
+        assert top[token] == pytest.approx(logprob) and k <= len(top) <= k + 1, (token, top)
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(worker):
+    # temperature 1.5: the sampled tokens are mostly not the model's best one
+    body = {"prompt": "The sky is", "max_tokens": 8, "temperature": 1.5, "seed": 3}
+    lp = post(worker, "/v1/completions", dict(body, logprobs=1)).json()["choices"][0]["logprobs"]
+    _assert_top_has_own_token(lp, 1)
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # some sampled token not the best
+    only = post(worker, "/v1/completions", dict(body, logprobs=0)).json()["choices"][0]
+    assert [list(t) for t in only["logprobs"]["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    events = sse_events(post(worker, "/v1/completions", dict(body, logprobs=1, stream=True)))
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [t for s in streamed for t in s["top_logprobs"]] == lp["top_logprobs"]
+    # echo: each prompt token is in its own top dict too (they are rarely the best)
+    scored = post(
+        worker,
+        "/v1/completions",
+        {"prompt": "The sky is blue today", "max_tokens": 0, "echo": True, "logprobs": 1},
+    ).json()["choices"][0]["logprobs"]
+    _assert_top_has_own_token(scored, 1)
+    echoed = post(worker, "/v1/completions", dict(body, logprobs=1, echo=True)).json()
+    _assert_top_has_own_token(echoed["choices"][0]["logprobs"], 1)
+
+
 def test_chat_logprobs_and_generate_logprobs(worker):
     r = post(
         worker,
