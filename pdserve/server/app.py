@@ -18,6 +18,7 @@ from pdserve.disagg.base import KVManager
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected
 from pdserve.http.http_errors import error_json
+from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
@@ -102,6 +103,10 @@ def build_worker_app(
     app.include_router(build_openai_router(ctx))
     app.include_router(build_generate_router(ctx))
     app.include_router(build_tokenize_router(ctx))
+    stopping = ShutdownFlag()
+    app.state.before_shutdown = stopping.set  # run by netutil.GracefulServer
+    # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
+    app.add_middleware(ShutdownAnswer, flag=stopping, who="the worker")
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(_RequestMetrics, metrics=metrics)  # outermost: counts the 413s too
 

@@ -1,0 +1,64 @@
+"""A worker stopped (SIGTERM, as ``pdserve up`` on Ctrl-C) while a non-streaming request
+runs past the graceful-shutdown time: the request is answered 503 ``service_unavailable``
+"server shutting down" JSON, not uvicorn's bare 500 and a traceback in the log, and a
+router in front passes that answer on. Real processes, real HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from pdserve_procs import start_router, start_worker, stop, wait_for, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _first_token_seen(url: str) -> bool:
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_time_to_first_token_seconds_count")
+    ]
+    return sum(counts) > 0
+
+
+@pytest.mark.parametrize("through_router", [False, True])
+def test_stopping_a_worker_answers_an_inflight_request_503_json(tmp_path, through_router):
+    worker = start_worker("mixed", "mixed", tmp_path, extra=["--num-threads", "1"])
+    router = None
+    try:
+        wait_healthy([worker])
+        target = worker
+        if through_router:
+            router = start_router("regular", tmp_path, workers=[worker])
+            wait_healthy([router])
+            target = router
+        # 4 samples x 4000 tokens: far longer than the worker's 5 s of graceful shutdown
+        body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
+        answer: dict = {}
+
+        def send() -> None:
+            answer["r"] = httpx.post(target.url + "/v1/completions", json=body, timeout=120.0)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            wait_for(lambda: _first_token_seen(worker.url), 60.0, "generation to start")
+            os.killpg(worker.popen.pid, signal.SIGTERM)
+        finally:
+            sender.join(120.0)
+        r = answer["r"]
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["type"] == "service_unavailable", error
+        assert error["message"].startswith("server shutting down"), error
+        worker.popen.wait(60.0)
+        log = worker.log_path.read_text(errors="replace")
+        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+    finally:
+        stop([p for p in (router, worker) if p is not None])
