@@ -124,7 +124,12 @@ class Dispatcher:
         return LegError(worker.role, msg, error_response(502, msg))
 
     def _http_error(self, worker: WorkerState, status: int, content: bytes) -> LegError:
-        self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()
+        """The client's error from a worker's non-200 answer. A 5xx counts as a failed leg;
+        a 4xx is the worker rejecting the client's request (bad input, unknown model): no
+        worker failure (the client's status is in ``pdserve_router_requests_total``), and
+        neither marks the worker unhealthy (only probes and transport errors do)."""
+        if status >= 500 or status < 400:
+            self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()
         who = f"{worker.role} worker {worker.url}"
         return LegError(
             worker.role, f"{who} answered HTTP {status}", error_from_worker(status, content, who)

@@ -70,7 +70,8 @@ class RouterMetrics:
         )
         self.leg_failures = Counter(
             "pdserve_router_leg_failures",
-            "failed worker legs by role and reason (http_<status>, connect, timeout, ...)",
+            "failed worker legs by role and reason (http_<status> for a 5xx, connect, stream; "
+            "a worker's 4xx answer to a bad request is the client's, not counted here)",
             ["role", "reason"],
             registry=self.registry,
         )

@@ -24,7 +24,8 @@ async def _wait_for(event: threading.Event, what: str, timeout: float = 60.0) ->
 
 
 class FakeWorker:
-    """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` | ``hang`` | ``stream_break`` |
+    """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` (500) | ``bad`` (400) |
+    ``hang`` | ``stream_break`` |
     ``drop`` (connection closed mid-answer);
     ``health``: the status of /health; ``delay``: seconds before answering (or failing);
     ``bootstrap_port`` (prefill) and ``transfer`` (the KV manager's stats, e.g. a decode's
@@ -118,6 +119,18 @@ class FakeWorker:
                         }
                     },
                     status_code=500,
+                )
+            if self.mode == "bad":  # the client's request is invalid: the worker's 400
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "max_tokens must be at least 1 (injected)",
+                            "type": "invalid_request_error",
+                            "param": "max_tokens",
+                            "code": None,
+                        }
+                    },
+                    status_code=400,
                 )
             if self.mode == "hang":
                 for _ in range(600):

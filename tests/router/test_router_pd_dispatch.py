@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from fake_workers import FakeWorker
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import RouterConfig
 from pdserve.http.netutil import ThreadedServer
@@ -365,3 +366,48 @@ def test_a_worker_dying_mid_request_is_502_streaming_or_not(setup):
     _wait_health(url, 200)  # the failure ejected decode until its next good probe
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
     assert json.loads(r.text.split("data: ")[-2])["error"]["type"] == "bad_gateway"
+
+
+def _samples(url: str) -> dict[tuple, float]:
+    """The router's /metrics as {(sample name, sorted labels...): value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            out[(s.name, *sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _latency_count(url: str, endpoint: str) -> float:
+    return _samples(url).get(
+        ("pdserve_router_request_latency_seconds_count", ("endpoint", endpoint)), 0.0
+    )
+
+
+def _requests(url: str, endpoint: str, status: int) -> float:
+    key = ("pdserve_router_requests_total", ("endpoint", endpoint), ("status", str(status)))
+    return _samples(url).get(key, 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_workers_400_is_no_leg_failure_and_keeps_it_healthy(setup, stream):
+    prefill, decode, url = setup
+    ep = "/v1/completions"
+
+    def failures(role: str, reason: str) -> float:
+        key = ("pdserve_router_leg_failures_total", ("reason", reason), ("role", role))
+        return _samples(url).get(key, 0.0)
+
+    before = {r: (failures(r, "http_400"), failures(r, "http_500")) for r in ("prefill", "decode")}
+    prefill.mode = decode.mode = "bad"
+    for _ in range(3):
+        r = httpx.post(url + ep, json={"prompt": "x", "max_tokens": 0, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    for role in ("prefill", "decode"):
+        assert failures(role, "http_400") == before[role][0] == 0.0
+    workers = httpx.get(url + "/get_server_info").json()["workers"]
+    assert all(w["healthy"] for w in workers), workers
+    assert _requests(url, ep, 400) >= 3
+    prefill.mode, decode.mode = "ok", "fail"  # a 5xx is still the worker's failure
+    r = httpx.post(url + ep, json={"prompt": "x", "stream": stream})
+    assert r.status_code == 500
+    assert failures("decode", "http_500") == before["decode"][1] + 1
