@@ -38,7 +38,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or (where or None)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        msg = err.get("msg")
+        if err.get("type") == "value_error":  # our validators' ValueError, without pydantic's
+            msg = str((err.get("ctx") or {}).get("error", msg))  # "Value error, " prefix
+        parts.append(f"{where}: {msg}" if where else str(msg))
     return "; ".join(parts) or "invalid request", param
 
 

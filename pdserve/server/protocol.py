@@ -25,6 +25,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
 )
 
@@ -130,6 +131,14 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     skip_special_tokens: StrictBool = True
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool = False
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        # OpenAI and vLLM answer 400 too; ``stream`` is declared (so validated) before it
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
 
 class CompletionRequest(_OpenAISampling):

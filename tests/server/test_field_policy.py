@@ -26,6 +26,7 @@ def test_unknown_fields_at_every_depth_and_noop_fields_are_known():
                 {"role": "user", "content": "a", "refusal": None},
                 {"role": "user", "content": [{"type": "text", "text": "b", "cache": 1}]},
             ],
+            "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True, "z": 1},
             "user": "u",
             "metadata": {"free": "form"},

@@ -338,6 +338,28 @@ def test_bad_completion_input_is_4xx_json(worker, body, status):
     assert err["code"] == ("model_not_found" if status == 404 else code), err
 
 
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_stream_is_400_naming_it(worker, stream):
+    # OpenAI and vLLM refuse it too; stream_options null is fine
+    extra = {} if stream is None else {"stream": stream}
+    opts = {"stream_options": {"include_usage": True}, **extra}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", chat),
+    ):
+        r = post(worker, path, dict(body, **opts))
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "stream_options" and err["type"] == "invalid_request_error", err
+        assert (
+            err["message"] == "stream_options: stream_options is only allowed when stream is true"
+        )
+        assert post(worker, path, dict(body, stream_options=None, **extra)).status_code == 200
+        streamed = sse_events(post(worker, path, {**body, **opts, "stream": True}))
+        assert streamed[-1]["usage"]["completion_tokens"] == 2
+
+
 def test_bad_chat_and_generate_input(worker):
     cases = [
         ("/v1/chat/completions", {"messages": []}),
@@ -515,9 +537,14 @@ def test_unknown_fields_are_ignored_with_a_warning_and_counted(worker):
     )
     r = post(worker, "/v1/completions", noop)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
-    odd = dict(base, some_new_option=1, stream_options={"include_usage": True, "x_future": 2})
-    r = post(worker, "/v1/completions", odd)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    odd = dict(
+        base,
+        some_new_option=1,
+        stream=True,
+        stream_options={"include_usage": True, "x_future": 2},
+    )
+    events = sse_events(post(worker, "/v1/completions", odd))
+    assert "".join(ch["text"] for e in events for ch in e["choices"]) == want
     r = post(
         worker, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
     )
