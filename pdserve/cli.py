@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 # (module, what it adds); imported lazily so `pdserve --help` stays fast.
@@ -35,12 +36,84 @@ def _env_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# A default already written into a help text, in any of the spellings the modules use:
+# "(default %(default)s)", "(default: X)", "(default X)" at the end.
+_STATED_DEFAULT = re.compile(r"\s*\(default:? ((?:[^()]|\([^()]*\))*)\)\s*$")
+# What an unset (None) default means, as the help says it: "...; unset: MEANING" at the end.
+_UNSET = re.compile(r"[;,]?\s*\bunset: (.*)$")
+DEFAULT_MARK, REQUIRED_MARK = " (default: ", " (required)"
+
+
+def value_text(value: object) -> str:
+    """How a default value is written in a help text (a list as comma-separated items)."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) if value else "none"
+    return str(value)
+
+
+def document_default(action: argparse.Action) -> None:
+    """Rewrite ``action.help`` to end with its default in one format: ``(default: X)``, or
+    ``(required)`` for a required option. X is the default value; for a default of None
+    (or an unset on/off flag) it is what unset means, in the help's own words (its trailing
+    ``unset: ...`` or ``(default: ...)`` text). ValueError naming the option when its help
+    is empty or a None default has no such words (``tests/test_cli_help.py`` walks every
+    sub-command)."""
+    name = "/".join(action.option_strings) or action.dest
+    text = (action.help or "").strip()
+    if not text or text == argparse.SUPPRESS:
+        raise ValueError(f"{name}: no help text")
+    text = text.replace(" (default: %(default)s)", "")  # BooleanOptionalAction's, 3.10-3.12
+    stated = None
+    m = _STATED_DEFAULT.search(text)
+    if m:
+        text, stated = text[: m.start()], m.group(1)
+    m = _UNSET.search(text)
+    unset_like = action.default is None or (
+        action.default is False and isinstance(action, argparse._StoreTrueAction)
+    )
+    if m and unset_like:
+        text, stated = text[: m.start()], m.group(1)
+    text = text.rstrip(" ;,")
+    if action.required:
+        action.help = text + REQUIRED_MARK
+        return
+    if not unset_like or stated in (None, "%(default)s"):
+        if action.default is None:
+            raise ValueError(f"{name}: default None, and the help does not say what unset means")
+        stated = value_text(action.default).replace("%", "%%")
+    action.help = f"{text}{DEFAULT_MARK}{stated})"
+
+
+def split_help(help_text: str) -> tuple[str, str]:
+    """``(meaning, default)`` of a help text that :func:`document_default` wrote; default is
+    ``"required"`` for a required option. ``%%`` is unescaped."""
+    if help_text.endswith(REQUIRED_MARK):
+        meaning, default = help_text[: -len(REQUIRED_MARK)], "required"
+    else:
+        meaning, _, default = help_text.rpartition(DEFAULT_MARK)
+        default = default[:-1]
+    return meaning.replace("%%", "%"), default.replace("%%", "%")
+
+
+def _document_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:  # argparse offers no public accessor for sub-commands
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _document_defaults(sub)
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            document_default(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every available sub-command registered."""
+    """Return the top-level parser with every available sub-command registered; each flag's
+    help ends with its default (:func:`document_default`)."""
+    from pdserve import __version__
+
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="LLM serving with prefill/decode disaggregation over NIXL.",
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _COMMANDS:
         try:
@@ -54,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "env", help="list every environment variable pdserve reads, its current value and default"
     )
     env.set_defaults(func=_env_command)
+    _document_defaults(parser)
     return parser
 
 

@@ -64,7 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per batch")
     p.add_argument("--repeats", type=int, default=5, help="replays of the answer per library")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--json", default=None, help="also write the results to this JSON file; unset: not written"
+    )
     p.set_defaults(func=run_grammar)
 
 

@@ -43,9 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "host",
         help="engine host time per decode step by phase (schedule, append, outputs)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="random:tiny", help="model")
+    p.add_argument(
+        "--model",
+        default="random:tiny",
+        help="HF folder, .gguf file, random:<preset> or the embedded id",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--num-prompts", default="1,64", help="comma-separated concurrencies")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
@@ -56,8 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="synthetic",
         help="synthetic: random tokens, no model (host time alone); model: run the model",
     )
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
+    p.add_argument(
+        "--stop", action="append", default=None, help="a stop string (repeatable); unset: none"
+    )
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="top logprobs per token; unset: no logprobs"
+    )
     p.add_argument(
         "--clock",
         choices=tuple(CLOCKS),
@@ -65,7 +72,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="wall: elapsed time; cpu: this thread's CPU time (steadier on a busy machine)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (best kept)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the results here; unset: not written",
+    )
     p.set_defaults(func=run_host)
 
 

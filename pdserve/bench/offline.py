@@ -50,10 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prefill",
         default=None,
         metavar="NxL",
-        help="also time prefill of N random prompts of L tokens (e.g. 8x2048)",
+        help="also time prefill of N random prompts of L tokens (e.g. 8x2048); unset: no prefill timing",
     )
     p.add_argument(
-        "--json", default=None, metavar="FILE", help="write the results and workload here"
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write the results and workload here; unset: not written",
     )
     add_engine_flags(
         p,

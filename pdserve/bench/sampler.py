@@ -25,13 +25,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "sampler", help="sampler cost per step: greedy, batched vs per-row draws, penalties"
     )
-    p.add_argument("--vocab", type=int, default=49152, help="vocabulary size V (default SmolLM2's)")
+    p.add_argument("--vocab", type=int, default=49152, help="vocabulary size V (SmolLM2's)")
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=1000, help="prompt tokens of a penalised row")
     p.add_argument("--output-len", type=int, default=200, help="output tokens of a penalised row")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per case (median kept)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--json", default=None, help="also write the results to this JSON file; unset: not written"
+    )
     p.set_defaults(func=run_sampler)
 
 

@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     t.add_argument(
         "--compare",
         metavar="URL",
-        help="second target, run on the same requests in interleaved blocks; ratios are compare / target",
+        help="second target, run on the same requests in interleaved blocks; ratios are compare / "
+        "target; unset: the --url target alone",
     )
     t.add_argument(
         "--model-name",
@@ -63,14 +64,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)"
     )
     load = p.add_argument_group("load")
-    load.add_argument("--scenario", choices=("standard", "interference"), default="standard")
+    load.add_argument(
+        "--scenario",
+        choices=("standard", "interference"),
+        default="standard",
+        help="standard: the workload below at --concurrency / --request-rate; interference: "
+        "decode ITL while long prompts arrive at --long-request-rate",
+    )
     load.add_argument(
         "--concurrency",
         type=int,
         help="requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)",
     )
     load.add_argument(
-        "--request-rate", help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf"
+        "--request-rate",
+        help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf; unset: closed "
+        "loop at --concurrency",
     )
     load.add_argument(
         "--num-requests",
@@ -90,7 +99,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="interleaved blocks per target when comparing (default 4; 1 without --compare)",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=DATASETS, default="random")
+    w.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="random",
+        help="prompts: random words, GSM8K questions, groups sharing a system prompt, or "
+        "multi-turn conversations",
+    )
     w.add_argument(
         "--input-len",
         type=int,
@@ -101,15 +116,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
     )
     w.add_argument(
-        "--endpoint", choices=ENDPOINTS, help="default: completions for random, chat for gsm8k"
+        "--endpoint",
+        choices=ENDPOINTS,
+        help="API the requests go to (default: completions for random, chat for gsm8k)",
     )
     w.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="ask for exactly max_tokens (pdserve extension field; default on)",
+        help="ask for exactly max_tokens (pdserve extension field)",
     )
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"
+    )
     w.add_argument(
         "--num-groups",
         type=int,
@@ -140,9 +159,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="Poisson rate of long prompts in req/s (default 1)",
     )
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write results and the full workload spec here")
     o.add_argument(
-        "--plot", metavar="FILE.png", help="write latency CDFs (and throughput vs rate) here"
+        "--json",
+        metavar="FILE",
+        help="write results and the full workload spec here; unset: not written",
+    )
+    o.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="write latency CDFs (and throughput vs rate) here; unset: no plot",
     )
     o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)

@@ -34,8 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tp-profile",
         help="decode tok/s at TP=1 and TP=N in one run, and a TP=N step's time breakdown",
     )
-    p.add_argument("--model", default=default_of(ModelConfig, "model"))
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--model",
+        default=default_of(ModelConfig, "model"),
+        help="HF folder, .gguf file, random:<preset> or the embedded id",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--tp", type=int, default=2, help="the TP size compared with 1 (default 2)")
     p.add_argument(
         "--num-threads",
@@ -48,7 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="write the results here; unset: not written"
+    )
     p.set_defaults(func=run_tp_profile)
 
 

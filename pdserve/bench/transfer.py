@@ -473,7 +473,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transfer",
         help="KV transfer over NIXL vs an in-process copy: GB/s and ratio",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--model-shape",
@@ -523,5 +522,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="page lists: served = the real allocator's after a churn of mixed-length "
         "requests; runs = runs of --run-len consecutive pages, shuffled",
     )
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="write the results here; unset: not written"
+    )
     p.set_defaults(func=_run)

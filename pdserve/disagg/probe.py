@@ -179,7 +179,8 @@ def add_parser(subparsers) -> None:
         default=None,
         metavar="HOST:PORT",
         help="instead: check a prefill worker's bootstrap server at HOST:PORT is reachable, a "
-        "NIXL connection to it opens, and which UCX transport a READ from it uses",
+        "NIXL connection to it opens, and which UCX transport a READ from it uses; unset: probe "
+        "the local backends",
     )
     p.add_argument(
         "--timeout",

@@ -19,13 +19,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=default_of(ModelConfig, "model"),
         help="HF folder, .gguf file, random:<preset> or the embedded id (default %(default)s)",
     )
-    p.add_argument("--system", default=None, help="optional system message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default=default_of(ModelConfig, "dtype"))
-    p.add_argument("--device", default=default_of(ModelConfig, "device"))
+    p.add_argument("--system", default=None, help="system message; unset: none")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of the answer")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top_p")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; unset: unseeded")
+    p.add_argument(
+        "--dtype",
+        default=default_of(ModelConfig, "dtype"),
+        help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+    )
+    p.add_argument(
+        "--device", default=default_of(ModelConfig, "device"), help="auto, cpu, cuda or cuda:N"
+    )
     p.set_defaults(func=run_chat)
 
 

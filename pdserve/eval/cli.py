@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compare",
         metavar="URL",
-        help="second target, asked the same questions; differing answers are counted",
+        help="second target, asked the same questions; differing answers are counted; unset: "
+        "the --url target alone",
     )
     p.add_argument(
         "--model-name",
@@ -56,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="write every question's prompt, output, answers and the summary here",
+        help="write every question's prompt, output, answers and the summary here; unset: "
+        "not written",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_gsm8k)

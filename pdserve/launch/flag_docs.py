@@ -6,10 +6,9 @@ and every HTTP request field, generated from the argparse parsers, ``pdserve.env
 from __future__ import annotations
 
 import argparse
-import re
 
 from pdserve import envs
-from pdserve.cli import build_parser
+from pdserve.cli import build_parser, split_help, value_text
 
 
 def _cell(text: object) -> str:
@@ -24,7 +23,8 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def flag_table(parser: argparse.ArgumentParser) -> str:
-    """One markdown table: flag, default, meaning (argparse's own help strings)."""
+    """One markdown table: flag, default, meaning (argparse's own help strings, split where
+    :func:`pdserve.cli.document_default` wrote the default)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._HelpAction):
@@ -32,10 +32,12 @@ def flag_table(parser: argparse.ArgumentParser) -> str:
         flag = ", ".join(f"`{o}`" for o in action.option_strings)
         if action.choices and not isinstance(action, argparse._SubParsersAction):
             flag += " {" + ",".join(str(c) for c in action.choices) + "}"
-        default = "" if action.default in (None, argparse.SUPPRESS, []) else f"`{action.default}`"
-        help_text = re.sub(r"\s*\(default %\(default\)s\)", "", action.help or "").replace(
-            "%%", "%"
-        )
+        if isinstance(action, argparse._VersionAction):
+            help_text, default = (action.help or ""), ""
+        else:
+            help_text, default = split_help(action.help or "")
+            if action.default is not None and default == value_text(action.default):
+                default = f"`{default}`"  # a value, not words saying what unset means
         rows.append(f"| {flag} | {_cell(default)} | {_cell(help_text)} |")
     return "\n".join(rows)
 

@@ -90,7 +90,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         CacheConfig,
         "page_size",
         int,
-        "tokens per KV page (default: 16 on CPU, 128 on CUDA)",
+        "tokens per KV page; unset: 16 on CPU, 128 on CUDA",
     ),
     (
         "--kv-cache-memory",
@@ -111,7 +111,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         CacheConfig,
         "num_pages",
         int,
-        "exact KV page count (overrides --kv-cache-memory)",
+        "exact KV page count (overrides --kv-cache-memory); unset: from --kv-cache-memory",
     ),
     (
         "--enable-prefix-caching",
@@ -126,7 +126,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         "kv_order",
         str,
         "physical order of the KV pool: layer_major or page_major; unset: the device's "
-        "default (page_major, chosen by bench transfer)",
+        "default, page_major (chosen by bench transfer)",
     ),
     (
         "--max-num-batched-tokens",
@@ -148,8 +148,8 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         "overlap_schedule",
         bool,
         "launch each greedy decode step from the previous step's tokens on the device while "
-        "the host processes that step's results; unset: on for CUDA, off on CPU "
-        "(--no-overlap-schedule turns it off)",
+        "the host processes that step's results (--no-overlap-schedule turns it off); "
+        "unset: on for CUDA, off on CPU",
     ),
 )
 
@@ -172,7 +172,9 @@ def add_engine_flags(
     """Add the engine flags named in ``flags`` (in that order) to ``parser``, defined as for
     ``serve`` and ``up`` (type, default, aliases, help), for a command that takes only some
     of them (``bench offline``). ``notes``: text appended to a flag's help, for what the
-    flag also means in that command. ValueError for a name not in :data:`ENGINE_FLAGS`."""
+    flag also means in that command. Each help ends with its default once ``pdserve.cli``
+    builds the tree (:func:`pdserve.cli.document_default`; a None default's help says what
+    unset means: ``...; unset: MEANING``). ValueError for a name not in :data:`ENGINE_FLAGS`."""
     known = {entry[0]: entry for entry in ENGINE_FLAGS}
     flags = list(flags)
     unknown = [flag for flag in flags if flag not in known]
@@ -181,14 +183,15 @@ def add_engine_flags(
     group = parser.add_argument_group("engine")
     for flag in flags:
         _, cls, name, typ, help_text = known[flag]
-        if notes and flag in notes:
-            help_text = f"{help_text}; {notes[flag]}"
+        if notes and flag in notes:  # before "; unset: ...", which ends a help
+            text, unset, meaning = help_text.partition("; unset: ")
+            help_text = f"{text}; {notes[flag]}{unset}{meaning}"
         if typ is bool:
             group.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=default_of(cls, name),
-                help=f"{help_text} (default %(default)s)",
+                help=help_text,
             )
             continue
         group.add_argument(
@@ -197,7 +200,7 @@ def add_engine_flags(
             dest=_dest(flag),
             type=typ,
             default=default_of(cls, name),
-            help=f"{help_text} (default %(default)s)",
+            help=help_text,
         )
 
 
