@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,7 @@ from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.relay import RelayedStream
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -162,10 +164,34 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         )
 
     def _count(response: Response, endpoint: str, start: float) -> Response:
+        """Count the request and observe its latency; a relayed stream when it ends."""
+        if isinstance(response, RelayedStream):
+            response.body_iterator = _observed(response, endpoint, start)
+            return response
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if not hasattr(response, "body_iterator"):  # streams: counted at start only
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
         return response
+
+    async def _observed(
+        response: RelayedStream, endpoint: str, start: float
+    ) -> AsyncIterator[bytes]:
+        """The stream's chunks; at its end (after the last byte, or when the client left)
+        one request counted with the status the stream ended with (``StreamEnd``: the
+        router's SSE error's status, 200 after a clean ``[DONE]``; 499 when the client
+        left first, like a client gone before the answer) and one latency sample."""
+        chunks = response.relay
+        try:
+            async for chunk in chunks:
+                try:
+                    yield chunk
+                except GeneratorExit:  # closed between chunks: end the relay (its legs) now
+                    with anyio.CancelScope(shield=True):
+                        await chunks.aclose()
+                    raise
+        finally:
+            status = response.end.status
+            metrics.requests.labels(endpoint, str(499 if status is None else status)).inc()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
     for path in FORWARDED:
 

@@ -17,14 +17,14 @@ import logging
 import random
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState, routing_key
-from pdserve.router.relay import OpenStreams, PrefillWatch, relay_sse
+from pdserve.router.relay import OpenStreams, PrefillWatch, RelayedStream, StreamEnd, relay_sse
 from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
@@ -199,7 +199,9 @@ class Dispatcher:
         def on_close() -> None:
             worker.outstanding -= 1
 
-        return StreamingResponse(
+        end = StreamEnd()
+        return RelayedStream(
+            end,
             relay_sse(
                 resp,
                 worker,
@@ -209,8 +211,8 @@ class Dispatcher:
                 metrics=self.metrics,
                 on_close=on_close,
                 streams=self.streams,
+                end=end,
             ),
-            media_type="text/event-stream",
         )
 
     async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
@@ -256,7 +258,9 @@ class Dispatcher:
 
             handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
-            return StreamingResponse(
+            end = StreamEnd()
+            return RelayedStream(
+                end,
                 relay_sse(
                     d_task.result(),
                     decode,
@@ -267,8 +271,8 @@ class Dispatcher:
                     on_close=on_close,
                     prefill=watch,
                     streams=self.streams,
+                    end=end,
                 ),
-                media_type="text/event-stream",
             )
         finally:
             if not handed_off:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
+from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
 
 from pdserve.router.errors import sse_error
@@ -53,6 +54,26 @@ class OpenStreams:
 
 
 @dataclass
+class StreamEnd:
+    """How a relayed stream ended, for the router's metrics: ``status`` is the HTTP status
+    of the SSE error event the relay sent last (502 broken, 503 shutdown, 504 timeout, a
+    failed prefill leg's own), 200 for a stream that ended with ``[DONE]`` and no error,
+    None while it runs (and for a stream the client left before its end)."""
+
+    status: int | None = None
+
+
+class RelayedStream(StreamingResponse):
+    """The client's SSE response from ``relay_sse``; ``end`` is how the stream ended (the
+    router's metrics read it once the last byte is sent)."""
+
+    def __init__(self, end: StreamEnd, chunks: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self.end = end
+        self.relay = chunks
+
+
+@dataclass
 class PrefillWatch:
     """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
     ``httpx.Response`` or raises ``LegError`` (whose ``response`` is the JSON error);
@@ -62,14 +83,14 @@ class PrefillWatch:
     hold_first: bool
 
 
-def _sse_from_error(exc: BaseException) -> bytes:
-    """One SSE error event + [DONE] from a failed leg (``LegError.response`` holds an
-    OpenAI error body) or any other exception."""
+def _sse_from_error(exc: BaseException) -> tuple[int, bytes]:
+    """(HTTP status, one SSE error event + [DONE]) from a failed leg (``LegError.response``
+    holds an OpenAI error body and its status) or any other exception (502)."""
     response = getattr(exc, "response", None)
     body = getattr(response, "body", None)
     if isinstance(body, (bytes, bytearray)) and body:
-        return b"data: " + bytes(body) + b"\n\n" + DONE
-    return sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
+        return int(getattr(response, "status_code", 502)), b"data: " + bytes(body) + b"\n\n" + DONE
+    return 502, sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
 
 
 async def _pump(resp: httpx.Response, queue: asyncio.Queue) -> None:
@@ -106,7 +127,8 @@ async def relay_sse(
     on_close: Callable[[], None],
     prefill: PrefillWatch | None = None,
     streams: OpenStreams | None = None,
-) -> AsyncIterator[bytes]:
+    end: StreamEnd | None = None,
+) -> AsyncGenerator[bytes, None]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
     deadline: loop time (s) by which the whole request must end (then a 504 SSE error);
@@ -118,8 +140,19 @@ async def relay_sse(
     after it, so the answer is already there). A stream that breaks or ends early yields
     a 502 SSE error. ``streams``: registry whose ``shutdown()`` ends the stream with a 503
     SSE error ("router shutting down") + ``[DONE]``. ``on_close`` runs once at the end,
-    after both legs ended.
+    after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
     """
+    end = end if end is not None else StreamEnd()
+
+    def error(status: int, message: str) -> bytes:
+        end.status = status
+        return sse_error(status, message)
+
+    def done() -> bytes:
+        if end.status is None:
+            end.status = 200
+        return DONE
+
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     if streams is not None:
@@ -156,7 +189,7 @@ async def relay_sse(
                 raise asyncio.TimeoutError
             kind, item = await asyncio.wait_for(queue.get(), remaining)
             if kind == "shutdown":
-                yield sse_error(
+                yield error(
                     503, "server shutting down: the router was stopped while this request ran"
                 )
                 return
@@ -168,7 +201,8 @@ async def relay_sse(
                     answer = None
                 except BaseException as exc:  # noqa: BLE001 - LegError, or anything unforeseen
                     if not decode_done:
-                        yield _sse_from_error(exc)
+                        end.status, event = _sse_from_error(exc)
+                        yield event
                         return
                     # decode's answer is complete (its KV arrived): the client keeps it
                     log.warning("prefill leg failed after decode finished: %s", exc)
@@ -176,12 +210,12 @@ async def relay_sse(
                     yield render(data)
                 held.clear()
                 if decode_done:
-                    yield DONE
+                    yield done()
                     return
             elif kind == "event":
                 if item.data == "[DONE]":
                     if prefill_over:
-                        yield DONE
+                        yield done()
                         return
                     decode_done = True  # end once prefill answered (its room is live till then)
                 elif (
@@ -199,13 +233,13 @@ async def relay_sse(
             elif decode_done:
                 continue  # decode's stream closing after its [DONE]: expected
             elif kind == "end":
-                yield sse_error(
+                yield error(
                     502, f"{worker.role} worker {worker.url} ended its stream before [DONE]"
                 )
                 return
             else:  # broken
                 metrics.leg_failures.labels(worker.role, "stream").inc()
-                yield sse_error(
+                yield error(
                     502,
                     f"{worker.role} worker {worker.url} stream broke: "
                     f"{type(item).__name__}: {item}",
@@ -216,11 +250,9 @@ async def relay_sse(
             # only prefill's late answer is missing (held chunks waited only for its counts)
             for data in held:
                 yield render(data)
-            yield DONE
+            yield done()
         else:
-            yield sse_error(
-                504, f"request timed out after {timeout_s:g} s (router --request-timeout)"
-            )
+            yield error(504, f"request timed out after {timeout_s:g} s (router --request-timeout)")
     finally:
         with anyio.CancelScope(shield=True):
             if streams is not None:

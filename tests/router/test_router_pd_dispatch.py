@@ -388,6 +388,29 @@ def _requests(url: str, endpoint: str, status: int) -> float:
     return _samples(url).get(key, 0.0)
 
 
+def test_a_stream_is_observed_when_it_ends_with_the_status_it_ended_with(setup):
+    prefill, decode, url = setup
+    ep = "/v1/completions"
+    lat, ok, bad_gw = _latency_count(url, ep), _requests(url, ep, 200), _requests(url, ep, 502)
+    r = httpx.post(url + ep, json={"prompt": "x", "stream": True})
+    assert r.text.endswith("data: [DONE]\n\n")
+    assert _latency_count(url, ep) == lat + 1 and _requests(url, ep, 200) == ok + 1
+    decode.mode = "stream_break"  # 200 at its start, the router's 502 SSE error at its end
+    r = httpx.post(url + ep, json={"prompt": "x", "stream": True})
+    assert "bad_gateway" in r.text
+    assert _latency_count(url, ep) == lat + 2
+    assert _requests(url, ep, 200) == ok + 1 and _requests(url, ep, 502) == bad_gw + 1
+    # the client leaves after the first chunk: counted when the relay ends, as 499
+    decode.mode, gone = "ok", _requests(url, ep, 499)
+    decode.chunks, decode.chunk_gates = 200, _gates(3, open_=1)
+    with httpx.stream("POST", url + ep, json={"prompt": "x", "stream": True}, timeout=10) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    decode.chunk_gates[1].set()  # one more chunk: the router finds the client gone
+    _wait(lambda: _requests(url, ep, 499) == gone + 1, timeout=20)
+    assert _latency_count(url, ep) == lat + 3 and _requests(url, ep, 200) == ok + 1
+    _wait(lambda: decode.disconnects == 1, timeout=20)  # and closed the decode leg
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_workers_400_is_no_leg_failure_and_keeps_it_healthy(setup, stream):
     prefill, decode, url = setup
