@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -158,4 +160,24 @@ def build_worker(
         health_generate_timeout=server_cfg.health_generate_timeout,
         max_request_body_bytes=server_cfg.max_request_body_bytes,
     )
+    if ucx_log is not None:
+        _close_with_the_app(app, ucx_log.close)
     return app, static
+
+
+def _close_with_the_app(app: FastAPI, close: Callable[[], None]) -> None:
+    """Run ``close`` at the end of the app's lifespan. uvicorn ends its SIGINT/SIGTERM
+    shutdown by raising the signal again with the default handler restored, so a SIGTERM
+    kills the process without running ``atexit`` handlers: the lifespan's end (after
+    "Waiting for application shutdown") is the last code that runs on a clean stop."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            close()
+
+    app.router.lifespan_context = lifespan

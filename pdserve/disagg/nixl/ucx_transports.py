@@ -187,7 +187,10 @@ class UcxTransportLog:
 
         self._thread = threading.Thread(target=run, name="pdserve-ucx-log", daemon=True)
         self._thread.start()
-        atexit.register(self.close)  # the worker's normal exit (SIGTERM through uvicorn)
+        # An interpreter exit that runs atexit (doctor --peer, a failed start-up, SIGINT's
+        # KeyboardInterrupt); uvicorn ends a SIGTERM by re-raising it with the default
+        # handler (no atexit), so a worker also calls close() at its app's lifespan end.
+        atexit.register(self.close)
 
     def close(self) -> None:
         """Stop the thread, relay what is left, delete the file (idempotent)."""
