@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from pdserve import envs
-from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
+from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig, default_of
 from pdserve.launch.supervisor import Child, stop_all
 from pdserve.process_exit import death_cause
 from pdserve.server.engine_args import add_engine_args, engine_argv
@@ -108,6 +108,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="where each process writes its log; unset: a new temporary folder",
     )
+    p.add_argument(
+        "--served-model-name",
+        default=default_of(ServerConfig, "served_model_name"),
+        help="model name of the workers' OpenAI API; unset: the --model value",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads of each worker; 0 = the cores shared over the CPU workers' "
+        "ranks (none set when OMP_NUM_THREADS is)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=default_of(ServerConfig, "max_request_body_bytes"),
+        help="largest request body the router and the workers accept, in bytes; 413 above",
+    )
     add_strict_fields_arg(p)
     add_engine_args(p)
     p.set_defaults(func=main)
@@ -187,10 +205,18 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     # Every rank is a torch process: the CPU threads are shared over all of them.
     ranks = args.num_prefill * tp["prefill"] + args.num_decode * tp["decode"]
     threads, env = cpu_threads_plan(ranks if _on_cpu(args) else 0, os.environ)
+    if args.num_threads < 0:
+        raise ValueError(f"--num-threads must be >= 0, got {args.num_threads}")
+    if args.num_threads > 0:
+        threads = args.num_threads  # the user's count wins over the plan
     if threads is not None:
         passthrough += ["--num-threads", str(threads)]
     if args.strict_request_fields:
         passthrough.append("--strict-request-fields")
+    if args.served_model_name is not None:
+        passthrough += ["--served-model-name", args.served_model_name]
+    body_limit = ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    passthrough += body_limit
     workers: list[Child] = []
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         gpu_ids = getattr(args, f"{role}_gpu_ids")
@@ -235,6 +261,7 @@ def _plan(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
         str(args.port),
         "--policy",
         args.policy,
+        *body_limit,
     ]
     for w in workers:
         router_argv += ["--prefill" if w.name.startswith("prefill") else "--decode", w.url]

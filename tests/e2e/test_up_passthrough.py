@@ -1,0 +1,56 @@
+"""``pdserve up`` takes the worker flags of ``pdserve serve`` that are not engine flags
+(``--served-model-name``, ``--num-threads``, ``--max-request-body-bytes``) and passes them
+to its workers (and the body limit to its router): each child's argv, parsed by the real
+``serve`` / ``router`` parsers, carries the value."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.launch.up import _plan
+
+
+def _parsed(argv: list[str]):
+    assert argv[1:3] == ["-m", "pdserve"]
+    return build_parser().parse_args(argv[3:])
+
+
+def test_up_passes_worker_flags_through(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    args = build_parser().parse_args(
+        ["up", "--device", "cpu", "--served-model-name", "tiny", "--num-threads", "3"]
+        + ["--max-request-body-bytes", "4096", "--model", "random:tiny"]
+    )
+    workers, router = _plan(args, tmp_path)
+    assert len(workers) == 2
+    for w in workers:
+        parsed = _parsed(w.argv)
+        assert parsed.command == "serve"
+        assert (parsed.served_model_name, parsed.num_threads) == ("tiny", 3)  # not the plan's 4
+        assert (parsed.max_request_body_bytes, parsed.model) == (4096, "random:tiny")
+    parsed = _parsed(router.argv)
+    assert parsed.command == "router" and parsed.max_request_body_bytes == 4096
+
+
+def test_up_defaults_leave_the_workers_defaults(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    up = build_parser().parse_args(["up", "--device", "cpu"])
+    serve = build_parser().parse_args(["serve"])
+    workers, router = _plan(up, tmp_path)
+    for w in workers:
+        parsed = _parsed(w.argv)
+        assert parsed.served_model_name is None
+        assert parsed.max_request_body_bytes == serve.max_request_body_bytes
+        assert parsed.num_threads == 4  # the plan: 8 cores // 2 CPU workers
+    assert _parsed(router.argv).max_request_body_bytes == serve.max_request_body_bytes
+
+
+def test_up_refuses_negative_threads(tmp_path):
+    args = build_parser().parse_args(["up", "--device", "cpu", "--num-threads", "-1"])
+    with pytest.raises(ValueError, match="--num-threads"):
+        _plan(args, tmp_path)
