@@ -41,7 +41,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         msg = err.get("msg")
         if err.get("type") == "value_error":  # our validators' ValueError, without pydantic's
             msg = str((err.get("ctx") or {}).get("error", msg))  # "Value error, " prefix
-        parts.append(f"{where}: {msg}" if where else str(msg))
+        named = where and not str(msg).startswith((where + " ", where + "[", where + ":"))
+        parts.append(f"{where}: {msg}" if named else str(msg))
     return "; ".join(parts) or "invalid request", param
 
 

@@ -25,7 +25,9 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
 )
 
@@ -141,6 +143,36 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
         return value
 
 
+# the prompt shapes of a list, picked by its first element: (union member, what the list is,
+# what each element must be)
+_PROMPT_LISTS = {
+    str: ("list[str]", "a list of strings", "a string"),
+    int: ("list[int]", "a list of token ids", "a token id (an integer)"),
+    list: ("list[list[int]]", "a list of token-id lists", "a list of token ids"),
+}
+
+
+def _prompt_error(value: Any, exc: ValidationError) -> str:
+    """The message of a ``prompt`` that fits none of its shapes, from pydantic's errors of
+    the member the value's shape picks: e.g. ``prompt[1]: must be a string like the others
+    (prompt is a list of strings)``, ``prompt[1][0]: must be a token id (an integer)``."""
+    shape = type(value[0]) if isinstance(value, list) and value else None
+    if isinstance(value, list) and value and shape in _PROMPT_LISTS:
+        member, kind, each = _PROMPT_LISTS[shape]
+        for err in exc.errors():
+            loc = err["loc"]
+            if loc[:1] != (member,) or len(loc) < 2:
+                continue
+            where = "prompt" + "".join(f"[{i}]" for i in loc[1:])
+            if len(loc) == 2:
+                return f"{where}: must be {each} like the others (prompt is {kind})"
+            return f"{where}: must be a token id (an integer)"
+    return (
+        "prompt must be a string, a list of token ids, a list of strings or a list of "
+        "token-id lists"
+    )
+
+
 class CompletionRequest(_OpenAISampling):
     """``POST /v1/completions``; ``prompt`` is one string, one list of token ids, or a
     batch (a list of strings or of token-id lists): each prompt gets ``n`` choices,
@@ -159,6 +191,16 @@ class CompletionRequest(_OpenAISampling):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = Field(None, ge=1)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_clear_error(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # pydantic checks the union; a failure is told as the one error of the shape the
+        # first element picks (pydantic's own dump lists every member's errors)
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            raise ValueError(_prompt_error(value, exc)) from None
 
     @field_validator("prompt")
     @classmethod

@@ -201,8 +201,15 @@ class Serving:
             async for item in self.stream(jobs[0]):
                 yield item
             return
-        for job in jobs:
-            self.check(job)
+        for p, job in enumerate(jobs):
+            try:
+                self.check(job)
+            except APIError as exc:  # a prompt of the batch: name it
+                if exc.param not in ("prompt", "max_tokens"):
+                    raise
+                raise APIError(
+                    exc.status, f"prompt[{p}]: {exc.message}", exc.param, exc.code
+                ) from None
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(p: int, job: Job) -> None:

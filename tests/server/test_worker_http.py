@@ -352,12 +352,55 @@ def test_stream_options_without_stream_is_400_naming_it(worker, stream):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["param"] == "stream_options" and err["type"] == "invalid_request_error", err
-        assert (
-            err["message"] == "stream_options: stream_options is only allowed when stream is true"
-        )
+        assert err["message"] == "stream_options is only allowed when stream is true"
         assert post(worker, path, dict(body, stream_options=None, **extra)).status_code == 200
         streamed = sse_events(post(worker, path, {**body, **opts, "stream": True}))
         assert streamed[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        (["ok", 5], "prompt[1]: must be a string like the others (prompt is a list of strings)"),
+        (
+            ["ok", [1, 2]],
+            "prompt[1]: must be a string like the others (prompt is a list of strings)",
+        ),
+        ([[1, 2], [3, "a"]], "prompt[1][1]: must be a token id (an integer)"),
+        (
+            [[1, 2], 5],
+            "prompt[1]: must be a list of token ids like the others "
+            "(prompt is a list of token-id lists)",
+        ),
+        (
+            [1, "a"],
+            "prompt[1]: must be a token id (an integer) like the others "
+            "(prompt is a list of token ids)",
+        ),
+        (
+            5,
+            "prompt must be a string, a list of token ids, a list of strings or a list of "
+            "token-id lists",
+        ),
+    ],
+)
+def test_a_bad_batch_element_is_one_clear_400_naming_its_index(worker, prompt, message):
+    r = post(worker, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == message and err["param"] == "prompt", err
+
+
+def test_an_over_long_batch_element_is_named_by_its_index(worker):
+    n = worker.get_info()["max_model_len"]
+    r = post(worker, "/v1/completions", {"prompt": [[5, 6], [7] * n, [8]], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith("prompt[1]: this model's context limit is"), err
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+    r = post(worker, "/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]: "), r.text
+    assert_all_healthy([worker])
 
 
 def test_bad_chat_and_generate_input(worker):
