@@ -136,7 +136,12 @@ def test_echo_through_pd_equals_mixed(c, case):
         assert len(lp["tokens"]) == len(ids) + generated == len(lp["token_logprobs"])
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
-        assert all(len(t) <= body["logprobs"] for t in lp["top_logprobs"][1:])
+        # each top dict: the k best and its own token (OpenAI: up to logprobs + 1 entries)
+        k = body["logprobs"]
+        assert all(
+            k <= len(top) <= k + 1 and top[t] == pytest.approx(x)
+            for t, x, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+        ), lp
         assert lp["text_offset"][0] == 0
     if body["max_tokens"] == 0:
         assert pd["usage"]["completion_tokens"] == 0
@@ -159,7 +164,9 @@ def test_echo_streams_and_continuous_usage_equal_mixed(c):
     )
     pd, mixed, chunks = streams(c, "/v1/completions", body)
     assert_same(pd, mixed)
-    non_stream = post(c["mixed"].url, "/v1/completions", dict(body, stream=False)).json()
+    # the same request unstreamed (stream_options is a 400 without stream)
+    whole_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    non_stream = post(c["mixed"].url, "/v1/completions", whole_body).json()
     assert pd[0]["text"] == non_stream["choices"][0]["text"]
     assert_same(pd[0]["logprobs"], non_stream["choices"][0]["logprobs"])
     assert pd["usage"] == non_stream["usage"]
