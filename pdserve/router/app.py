@@ -115,8 +115,11 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        """413 from the body cap, 404/405 for unknown routes/methods: OpenAI's error shape."""
-        return error_response(exc.status_code, str(exc.detail))
+        """413 from the body cap, 404/405 for unknown routes/methods: OpenAI's error shape
+        (a 405 keeps Starlette's ``Allow`` header, which RFC 9110 15.5.6 requires)."""
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
 
     async def forward(request: Request, endpoint: str) -> Response:
         start = time.perf_counter()

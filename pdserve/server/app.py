@@ -131,8 +131,11 @@ def build_worker_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # exc.headers: Starlette's ``Allow`` of a 405 (RFC 9110 15.5.6 requires it)
         return JSONResponse(
-            error_json(exc.status_code, str(exc.detail)), status_code=exc.status_code
+            error_json(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(Exception)

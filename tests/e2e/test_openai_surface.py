@@ -311,4 +311,7 @@ def test_wrong_model_and_wrong_method_are_openai_errors_in_the_routers_words(c):
         r = httpx.get(url + "/v1/completions")
         assert r.status_code == 405, r.text
         assert r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert r.headers["allow"].split(", ") == ["POST"], r.headers  # RFC 9110 15.5.6
+    r = httpx.post(c["mixed"].url + "/health")  # a GET-only route
+    assert r.status_code == 405 and "GET" in r.headers["allow"].split(", "), (r.headers, r.text)
     assert_all_healthy(c["procs"])
