@@ -20,6 +20,7 @@ import pdserve
 from pdserve.config import RouterConfig
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
+from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
@@ -109,7 +110,15 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
-    app.state.before_shutdown = dispatcher.streams.shutdown  # run by netutil.GracefulServer
+    stopping = ShutdownFlag()
+
+    def before_shutdown() -> None:  # run by netutil.GracefulServer
+        stopping.set()
+        dispatcher.streams.shutdown()
+
+    app.state.before_shutdown = before_shutdown
+    # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
+    app.add_middleware(ShutdownAnswer, flag=stopping, who="the router")
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     app.include_router(build_admin_router(pool, config.admin_token))
 

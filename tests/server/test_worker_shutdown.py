@@ -1,7 +1,8 @@
 """A worker stopped (SIGTERM, as ``pdserve up`` on Ctrl-C) while a non-streaming request
 runs past the graceful-shutdown time: the request is answered 503 ``service_unavailable``
 "server shutting down" JSON, not uvicorn's bare 500 and a traceback in the log, and a
-router in front passes that answer on. Real processes, real HTTP."""
+router in front passes that answer on; a router stopped the same way answers so itself.
+Real processes, real HTTP."""
 
 from __future__ import annotations
 
@@ -59,6 +60,38 @@ def test_stopping_a_worker_answers_an_inflight_request_503_json(tmp_path, throug
         assert error["message"].startswith("server shutting down"), error
         worker.popen.wait(60.0)
         log = worker.log_path.read_text(errors="replace")
+        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+    finally:
+        stop([p for p in (router, worker) if p is not None])
+
+
+def test_stopping_the_router_answers_an_inflight_request_503_json(tmp_path):
+    worker = start_worker("mixed", "mixed", tmp_path, extra=["--num-threads", "1"])
+    router = None
+    try:
+        wait_healthy([worker])
+        router = start_router("regular", tmp_path, workers=[worker])
+        wait_healthy([router])
+        body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
+        answer: dict = {}
+
+        def send() -> None:
+            answer["r"] = httpx.post(router.url + "/v1/completions", json=body, timeout=120.0)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            wait_for(lambda: _first_token_seen(worker.url), 60.0, "generation to start")
+            os.killpg(router.popen.pid, signal.SIGTERM)
+        finally:
+            sender.join(120.0)
+        r = answer["r"]
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["type"] == "service_unavailable", error
+        assert error["message"].startswith("server shutting down: the router"), error
+        router.popen.wait(60.0)
+        log = router.log_path.read_text(errors="replace")
         assert "Exception in ASGI application" not in log and "Traceback" not in log, log
     finally:
         stop([p for p in (router, worker) if p is not None])
