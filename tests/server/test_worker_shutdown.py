@@ -28,6 +28,37 @@ def _first_token_seen(url: str) -> bool:
     return sum(counts) > 0
 
 
+def _stop_during_a_long_request(target, worker, victim) -> httpx.Response:
+    """POST a long completion to ``target``, SIGTERM ``victim`` once ``worker`` generates,
+    and return the answer the client got."""
+    # 4 samples x 4000 tokens: far longer than the 5 s of graceful shutdown
+    body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
+    answer: dict = {}
+
+    def send() -> None:
+        answer["r"] = httpx.post(target.url + "/v1/completions", json=body, timeout=120.0)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for(lambda: _first_token_seen(worker.url), 60.0, "generation to start")
+        os.killpg(victim.popen.pid, signal.SIGTERM)
+    finally:
+        sender.join(120.0)
+    return answer["r"]
+
+
+def _assert_shutdown_503(r: httpx.Response, message_start: str, victim) -> None:
+    """A 503 service_unavailable JSON error, and no traceback in the stopped process's log."""
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["type"] == "service_unavailable", error
+    assert error["message"].startswith(message_start), error
+    victim.popen.wait(60.0)
+    log = victim.log_path.read_text(errors="replace")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+
+
 @pytest.mark.parametrize("through_router", [False, True])
 def test_stopping_a_worker_answers_an_inflight_request_503_json(tmp_path, through_router):
     worker = start_worker("mixed", "mixed", tmp_path, extra=["--num-threads", "1"])
@@ -39,28 +70,8 @@ def test_stopping_a_worker_answers_an_inflight_request_503_json(tmp_path, throug
             router = start_router("regular", tmp_path, workers=[worker])
             wait_healthy([router])
             target = router
-        # 4 samples x 4000 tokens: far longer than the worker's 5 s of graceful shutdown
-        body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
-        answer: dict = {}
-
-        def send() -> None:
-            answer["r"] = httpx.post(target.url + "/v1/completions", json=body, timeout=120.0)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        try:
-            wait_for(lambda: _first_token_seen(worker.url), 60.0, "generation to start")
-            os.killpg(worker.popen.pid, signal.SIGTERM)
-        finally:
-            sender.join(120.0)
-        r = answer["r"]
-        assert r.status_code == 503, r.text
-        error = r.json()["error"]
-        assert error["type"] == "service_unavailable", error
-        assert error["message"].startswith("server shutting down"), error
-        worker.popen.wait(60.0)
-        log = worker.log_path.read_text(errors="replace")
-        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+        r = _stop_during_a_long_request(target, worker, victim=worker)
+        _assert_shutdown_503(r, "server shutting down", worker)
     finally:
         stop([p for p in (router, worker) if p is not None])
 
@@ -72,26 +83,7 @@ def test_stopping_the_router_answers_an_inflight_request_503_json(tmp_path):
         wait_healthy([worker])
         router = start_router("regular", tmp_path, workers=[worker])
         wait_healthy([router])
-        body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
-        answer: dict = {}
-
-        def send() -> None:
-            answer["r"] = httpx.post(router.url + "/v1/completions", json=body, timeout=120.0)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        try:
-            wait_for(lambda: _first_token_seen(worker.url), 60.0, "generation to start")
-            os.killpg(router.popen.pid, signal.SIGTERM)
-        finally:
-            sender.join(120.0)
-        r = answer["r"]
-        assert r.status_code == 503, r.text
-        error = r.json()["error"]
-        assert error["type"] == "service_unavailable", error
-        assert error["message"].startswith("server shutting down: the router"), error
-        router.popen.wait(60.0)
-        log = router.log_path.read_text(errors="replace")
-        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+        r = _stop_during_a_long_request(router, worker, victim=router)
+        _assert_shutdown_503(r, "server shutting down: the router", router)
     finally:
         stop([p for p in (router, worker) if p is not None])
