@@ -3,7 +3,8 @@
 Variants (command-line words, measured in order): ``base`` (the attention backend's own KV
 store kernel, cuBLAS for every linear layer), ``fused`` (K/V stored by the RoPE kernel),
 ``gemv`` (fused + the measured ``gemv_table``, SwiGLU inside the down projection's GEMV),
-``gemv-nosilu`` (the same with SwiGLU as its own kernel). For each: ``random:llama-3.1-8b`` bf16, the
+``gemv-nosilu`` (the same with SwiGLU as its own kernel); a ``+attn1`` suffix also runs the
+decode attention as one split (no merge) at rows x KV heads >= 256. For each: ``random:llama-3.1-8b`` bf16, the
 captured graph's GPU time at batch 1 and 64 (200-token contexts; 20 replays timed with CUDA
 events), its kernels (torch.profiler, top 12), then an engine decode step at 1 and 64
 prompts ((time of 96 tokens - time of 32) / 64). One engine: its graphs are captured again
@@ -25,11 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model import gemv_table, linear
-from pdserve.model.triton_backend import TritonBackend
+from pdserve.model import gemv_table, linear, triton_backend
+from pdserve.model.triton_backend import DecodeConfig, TritonBackend
 
 CTX = 200
 MEASURED_TABLE = dict(gemv_table.TABLE)
+DEFAULT_DECODE_CONFIG = triton_backend.decode_config
 
 
 def graph_figures(g, bs: int) -> dict:
@@ -77,10 +79,22 @@ def engine_step_ms(llm, n: int) -> float:
     return (t[96] - t[32]) / 64 * 1e3
 
 
+def _one_split_at_large_batch(num_seqs: int, num_kv_heads: int, page_size: int, max_seq_len):
+    """The ``+attn1`` lever: one split (no merge) once rows x KV heads >= 256, 3 stages."""
+    if num_seqs * num_kv_heads >= 256:
+        return DecodeConfig(1, 64, 4, 3)
+    return DEFAULT_DECODE_CONFIG(num_seqs, num_kv_heads, page_size, max_seq_len)
+
+
 def set_variant(variant: str) -> None:
+    """``variant`` optionally ends in ``+attn1`` (:func:`_one_split_at_large_batch`)."""
+    variant, _, extra = variant.partition("+")
     TritonBackend.accepts_stored_kv = variant != "base"
     gemv_table.TABLE = MEASURED_TABLE if variant.startswith("gemv") else {}
     linear.FUSE_SILU_MUL = variant != "gemv-nosilu"
+    triton_backend.decode_config = (
+        _one_split_at_large_batch if extra == "attn1" else DEFAULT_DECODE_CONFIG
+    )
 
 
 def main() -> None:
