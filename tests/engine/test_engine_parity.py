@@ -1,5 +1,8 @@
 """Greedy parity with transformers ``generate`` (CPU, fp32): identical token ids, logprobs
-within 1e-4; and the same outputs alone, in a mixed batch, chunked, and after preemption."""
+within 1e-4; and the same outputs alone, in a mixed batch, chunked, and after preemption.
+
+The CUDA cases (fp32 parity on CUDA, bf16 top-1 agreement) are marked ``gpu``: ``make
+test-gpu`` runs them on the GPU machine, ``make test`` deselects them (never skipped)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,12 @@ PROMPTS = [
 ]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
 
 
 def hf_greedy(model, input_ids: list[int], max_new_tokens: int, stop_at_eos: bool):
@@ -47,10 +55,7 @@ def assert_same(ours, ids, lps):
     assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_match_transformers(arch, device, tiny_model_dir, tokenizer):
+def _match_transformers(arch, device, tiny_model_dir, tokenizer):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on CUDA too
     folder = tiny_model_dir(arch)
     hf = (
@@ -65,6 +70,21 @@ def test_tiny_models_match_transformers(arch, device, tiny_model_dir, tokenizer)
     )
     for prompt, ours in zip(prompts, outs):
         assert_same(ours, *hf_greedy(hf, prompt, 24, stop_at_eos=False))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_models_match_transformers(arch, tiny_model_dir, tokenizer):
+    _match_transformers(arch, "cpu", tiny_model_dir, tokenizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_tiny_models_match_transformers(arch, tiny_model_dir, tokenizer):
+    """The same fp32 parity on CUDA (TF32 off)."""
+    _needs_cuda()
+    _match_transformers(arch, "cuda", tiny_model_dir, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +154,13 @@ def test_same_outputs_alone_batched_chunked_preempted(tiny_model_dir, tokenizer)
     assert tight.engine.num_free_pages == 24
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="bf16 agreement is measured on CUDA (CPU: fp32 above)"
-)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_bf16_top1_agreement(arch, tiny_model_dir, tokenizer):
     """bf16 cannot match bit for bit; report how often our top-1 equals transformers' (bf16,
     teacher-forced over the fp32 greedy continuation) and require most positions to agree."""
+    _needs_cuda()
     folder = tiny_model_dir(arch)
     hf = (
         transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
