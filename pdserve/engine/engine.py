@@ -241,8 +241,14 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that advanced.
         Overlap scheduling (``engine/overlap.py``): a launched step's results come in the
-        next call, after the step that follows it was launched."""
+        next call, after the step that follows it was launched.  A decode request whose KV
+        arrived is returned at once with prefill's first token alone, before any step runs
+        (the step that follows schedules it)."""
         touched: dict[str, Request] = {r.request_id: r for r in self.disagg.poll()}
+        if any(not r.finished for r in touched.values()):
+            # A decode request joined with prefill's first token: out now, not after a step
+            # (the client's TTFT); its next token comes with the next step, as when mixed.
+            return self._outputs(touched)
         outputs: list[RequestOutput] = []
         ahead = False
         if self.overlap.pending:

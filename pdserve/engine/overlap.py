@@ -56,8 +56,8 @@ logger = logging.getLogger(__name__)
 class _Launched:
     """A step queued on the device: its plan, each row's request, its tokens (not waited
     for), the page lists released once it is collected, and the requests touched before it
-    whose outputs wait for its results (a decode request that just joined: its first token
-    and this step's go out in one output, as in a synchronous run)."""
+    whose outputs wait for its results (one output per request and step, as in a
+    synchronous run)."""
 
     plan: BatchPlan
     reqs: list[Request]

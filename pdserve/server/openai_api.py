@@ -279,8 +279,17 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             tool_streams: dict[int, tl.ToolStream] = {}
 
             def chunks(index: int, out: RequestOutput):
-                o, first, worth = samples.see(index, out)
-                if not worth:
+                o, first, _ = samples.see(index, out)
+                if first:  # OpenAI's (and vLLM's) opening chunk: the role, no content yet
+                    opening = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        **choice_extras(req, tt, out, [], True),
+                    }
+                    yield samples.with_usage(dict(chunk_head, choices=[opening]), None, out)
+                if not (o.delta_token_ids or o.delta_text or o.finished):
                     return
                 reason = fmt.openai_finish_reason(o.finish_reason)
                 if plan.mode == "none":
@@ -290,8 +299,6 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     deltas = ts.feed(o.delta_text, o.finished) or [{}]
                     if o.finished:
                         reason = tl.finish_reason(o.finish_reason, ts.calls)
-                if first:
-                    deltas[0] = {"role": "assistant", **deltas[0]}
                 lp = fmt.chat_logprobs(o.delta_logprobs or [], tt) if top is not None else None
                 for delta in deltas[:-1]:  # tool-call deltas before the one that finishes
                     yield dict(
@@ -311,7 +318,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     "delta": delta,
                     "logprobs": lp,
                     "finish_reason": reason,
-                    **choice_extras(req, tt, out, list(o.delta_token_ids), first),
+                    **choice_extras(req, tt, out, list(o.delta_token_ids), False),
                 }
                 yield samples.with_usage(dict(chunk_head, choices=[choice]), o, out)
 

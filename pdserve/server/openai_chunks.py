@@ -106,13 +106,14 @@ class StreamSamples:
             self._cached[index] = out.num_cached_tokens
         return o, first, bool(o.delta_token_ids or o.delta_text or o.finished or first)
 
-    def with_usage(self, chunk: dict, o: CompletionOutput, out: RequestOutput) -> dict:
-        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``."""
+    def with_usage(self, chunk: dict, o: CompletionOutput | None, out: RequestOutput) -> dict:
+        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``
+        (``o`` None: a chunk before any output token, e.g. chat's opening role chunk)."""
         opts = self._req.stream_options
         if opts and opts.continuous_usage_stats:
             chunk["usage"] = fmt.usage(
                 self._lengths[self._prompt_of(chunk)],
-                [o],
+                [] if o is None else [o],
                 scoring=self._scoring,
                 cached_tokens=out.num_cached_tokens,
             )

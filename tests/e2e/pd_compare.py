@@ -54,8 +54,8 @@ def sse(resp: httpx.Response) -> list:
 
 
 def fold(chunks: list, path: str = "") -> dict:
-    """What a stream adds up to, per sample (chunk boundaries differ between PD and
-    mixed: decode gets the first token from prefill). OpenAI streams: text, token ids,
+    """What a stream adds up to, per sample, whatever its chunk boundaries. OpenAI
+    streams: text, token ids,
     the lists of a completions ``logprobs`` object (or chat ``content`` entries),
     finish_reason, the prompt logprobs of the sample's first chunk (never in another),
     and the last usage under ``"usage"``; ``/generate`` chunks are cumulative: the last

@@ -315,3 +315,66 @@ def test_wrong_model_and_wrong_method_are_openai_errors_in_the_routers_words(c):
     r = httpx.post(c["mixed"].url + "/health")  # a GET-only route
     assert r.status_code == 405 and "GET" in r.headers["allow"].split(", "), (r.headers, r.text)
     assert_all_healthy(c["procs"])
+
+
+GREEDY_STREAMS = {
+    "/v1/completions": {"prompt": "Say something", "max_tokens": 5, "ignore_eos": True},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Say something"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+    },
+    "/generate": {
+        "text": "Say something",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    },
+}
+
+
+@pytest.mark.parametrize("path", list(GREEDY_STREAMS))
+@pytest.mark.parametrize("where", ["router", "mixed"])
+def test_the_first_content_chunk_carries_exactly_the_first_token(c, where, path):
+    """The client's TTFT is the first token's: in PD, decode streams prefill's first token
+    as soon as its KV arrived, not together with the token of its first step; mixed, the
+    prefill step's token alone. (Greedy: the tokens are the unstreamed answer's.)"""
+    body = dict(GREEDY_STREAMS[path])
+    if path != "/generate":
+        body.update(temperature=0, return_token_ids=True)
+    whole = post(c["mixed"].url, path, body).json()
+    want = whole["output_ids"] if path == "/generate" else whole["choices"][0]["token_ids"]
+    assert len(want) == 5, whole
+    chunks = sse(post(c[where].url, path, dict(body, stream=True)))
+    if path == "/generate":  # cumulative chunks
+        assert [ch["output_ids"] for ch in chunks][:2] == [want[:1], want[:2]], chunks
+        return
+    content = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    if path == "/v1/chat/completions":
+        opening = content.pop(0)
+        assert opening["delta"] == {"role": "assistant", "content": ""}, opening
+        assert opening["token_ids"] == [] and opening["finish_reason"] is None
+    assert [ch["token_ids"] for ch in content] == [[t] for t in want], content
+
+
+@pytest.mark.parametrize("where", ["router", "mixed"])
+def test_chat_streams_open_with_the_assistant_role_and_empty_content(c, where):
+    """OpenAI's first chat chunk of each choice is ``delta: {"role": "assistant",
+    "content": ""}``; the content follows in later chunks, with no role."""
+    client = openai.OpenAI(base_url=c[where].url + "/v1", api_key="x", max_retries=0)
+    kw: dict = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Tell me something"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kw)
+    for n in (1, 2):
+        chunks = [ch for ch in client.chat.completions.create(**kw, n=n, stream=True)]
+        for index in range(n):
+            mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == index]
+            opening, rest = mine[0], mine[1:]
+            assert (opening.delta.role, opening.delta.content) == ("assistant", ""), opening
+            assert opening.finish_reason is None
+            assert rest and all(ch.delta.role is None for ch in rest), rest
+            text = "".join(ch.delta.content or "" for ch in rest)
+            assert text == whole.choices[0].message.content
+            assert rest[-1].finish_reason == "length"
