@@ -30,6 +30,12 @@ then hold row indices), and ``greedy_packed`` hands out a replay's output withou
 the pinned host staging buffers are two sets used in turn, so filling step N+1's never
 races step N's queued copies.
 
+Context bounds: where the attention backend launches differently when every context is known
+to be short (``capture_context_bounds``: the ``triton`` backend's one-split decode at large
+batches, contexts up to ``ONE_SPLIT_MAX_CONTEXT`` tokens), a bucket also gets a graph
+captured for that bound; a replay runs the smallest bounded graph that holds the step's
+longest context, else the bucket's unbounded one.
+
 Buckets: 1, 2, 4, 8, then every 16 up to the largest batch (nano-vllm's spacing); captured
 largest first into one shared memory pool (so smaller graphs reuse the largest one's
 activations), before any KV transfer thread starts (GPU work from another thread during a
@@ -67,15 +73,35 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+# A captured graph: (batch-size bucket, longest context it may run in tokens, or None: any).
+GraphKey = tuple[int, int | None]
+
+
+def graph_context_bounds(model: LlamaForCausalLM, bs: int) -> tuple[int, ...]:
+    """The context bounds bucket ``bs`` gets a graph of its own for (the attention
+    backend's ``capture_context_bounds`` at the model's KV heads a rank)."""
+    return tuple(model.backend.capture_context_bounds(bs, model.shapes.n_kv_heads))
+
+
+def pick_graph(bs: int, bounds: Sequence[int], max_context: int) -> GraphKey:
+    """The key of the graph that runs a step of bucket ``bs`` whose longest context is
+    ``max_context`` tokens: the smallest of ``bounds`` (ascending) that holds it, else the
+    unbounded graph."""
+    return bs, next((b for b in bounds if max_context <= b), None)
+
+
 def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
     """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
-    the fp32 logits every bucket keeps (``bucket * vocab * 4``, twice for the cast), the
+    the fp32 logits every graph keeps (``bucket * vocab * 4``, twice for the cast), the
     largest bucket's log-softmax (its greedy pick), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
     elt = int(torch.empty((), dtype=model.dtype).element_size())
-    logits = (sum(graph_batch_sizes(max_batch)) * 2 + max_batch) * s.vocab * 4
+    graphs = [
+        bs for bs in graph_batch_sizes(max_batch) for _ in (None, *graph_context_bounds(model, bs))
+    ]
+    logits = (sum(graphs) * 2 + max_batch) * s.vocab * 4
     per_row = (
         4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
     ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
@@ -129,10 +155,12 @@ class CUDAGraphRunner:
         n_layers = model.shapes.n_layers
         splits = GRAPH_SPLITS if split_layers is None else split_layers
         self.split_layers = tuple(sorted({k for k in splits if 0 < k < n_layers}))
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> its pieces
-        self._logits: dict[int, torch.Tensor] = {}
-        self._greedy: dict[int, torch.Tensor] = {}  # [bs, 2] float64: argmax id, its logprob
-        self._last_bucket = 0  # the bucket of the last replay
+        # A graph's key: (bucket, context bound or None); see "Context bounds" above.
+        self._bounds = {bs: graph_context_bounds(model, bs) for bs in self.sizes}
+        self._graphs: dict[GraphKey, list[torch.cuda.CUDAGraph]] = {}  # key -> its pieces
+        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._greedy: dict[GraphKey, torch.Tensor] = {}  # [bs, 2] float64: argmax id, logprob
+        self._last_key: GraphKey = (0, None)  # the graph of the last replay
         self._pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -143,9 +171,10 @@ class CUDAGraphRunner:
             slot_mapping=self._rows[2, :bs],
         )
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, bound = key
         md = self._metadata(bs)
-        plan = self.model.backend.plan_for_capture(md, self.page_size)
+        plan = self.model.backend.plan_for_capture(md, self.page_size, bound)
         hidden = self.model(self._rows[0, :bs], self._rows[1, :bs], md, self.kv_cache, plan)
         logits = self.model.compute_logits(hidden)  # [bs, V] fp32
         ids = logits.argmax(dim=-1, keepdim=True)  # [bs, 1] (the sampler's greedy pick)
@@ -157,20 +186,30 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first, into one memory pool (padded rows only:
         nothing is written to the KV cache)."""
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        for bs in reversed(self.sizes):
-            self._run(bs)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
+        for key in self.keys():
+            self._run(key)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
-            self._graphs[bs] = self._capture_pieces(bs, stream)
+            self._graphs[key] = self._capture_pieces(key, stream)
             torch.cuda.synchronize()
         torch.cuda.synchronize()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s (pieces split before layers %s)",
+            "captured CUDA graphs for decode batch sizes %s (pieces split before layers %s; "
+            "also for contexts up to %s tokens at %s)",
             self.sizes,
             self.split_layers,
+            sorted({b for bounds in self._bounds.values() for b in bounds}),
+            [bs for bs in self.sizes if self._bounds[bs]],
         )
 
-    def _capture_pieces(self, bs: int, stream: torch.cuda.Stream) -> list[torch.cuda.CUDAGraph]:
-        """Capture bucket ``bs`` on ``stream`` into the shared pool as consecutive graphs, a
+    def keys(self) -> list[GraphKey]:
+        """Every graph's key, in capture order: largest bucket first, each bucket's
+        unbounded graph before its bounded ones."""
+        return [(bs, b) for bs in reversed(self.sizes) for b in (None, *self._bounds[bs])]
+
+    def _capture_pieces(
+        self, key: GraphKey, stream: torch.cuda.Stream
+    ) -> list[torch.cuda.CUDAGraph]:
+        """Capture graph ``key`` on ``stream`` into the shared pool as consecutive graphs, a
         new one starting before each layer of ``split_layers``."""
         pieces = [torch.cuda.CUDAGraph() for _ in range(len(self.split_layers) + 1)]
         current = 0
@@ -191,7 +230,7 @@ class CUDAGraphRunner:
                     pieces[0].capture_begin()
                 else:
                     pieces[0].capture_begin(pool=self._pool)
-                self._logits[bs], self._greedy[bs] = self._run(bs)
+                self._logits[key], self._greedy[key] = self._run(key)
                 pieces[-1].capture_end()
         finally:
             for hook in hooks:
@@ -256,22 +295,23 @@ class CUDAGraphRunner:
         self._table[:B, :width].copy_(dev_table.view(B, width))
         if ids_from is not None:  # row b's token: row token_ids[b] of the previous step's ids
             self._rows[0, :B].copy_(ids_from.index_select(0, self._rows[0, :B])[:, 0])
-        for piece in self._graphs[bs]:
+        key = pick_graph(bs, self._bounds[bs], int(positions.max()) + 1)
+        for piece in self._graphs[key]:
             piece.replay()
-        self._last_bucket = bs
-        return self._logits[bs][:B]
+        self._last_key = key
+        return self._logits[key][:B]
 
     def greedy_packed(self, batch: int) -> torch.Tensor:
         """The last replay's ``[batch, 2]`` float64 (argmax id, its raw logprob) on the
         device, not waited for (a view of the graph's output: read it, or queue a copy of
         it, before the next replay of the same bucket)."""
-        return self._greedy[self._last_bucket][:batch]
+        return self._greedy[self._last_key][:batch]
 
     def greedy_tokens(self, batch: int) -> list[SampledToken]:
         """The argmax token of each of the first ``batch`` rows of the last replay and its
         raw logprob (no top logprobs): what ``sampler.sample`` returns for plain greedy rows.
         Waits for the replay (one device-to-host copy)."""
-        rows = self._greedy[self._last_bucket][:batch].tolist()
+        rows = self._greedy[self._last_key][:batch].tolist()
         return [SampledToken(int(t), lp, ()) for t, lp in rows]
 
     @staticmethod

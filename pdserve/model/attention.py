@@ -159,11 +159,22 @@ class AttentionBackend(abc.ABC):
     def plan(self, attn: AttentionMetadata, page_size: int) -> Any:
         """Precompute per-step data for :meth:`forward` (called once per model forward)."""
 
-    def plan_for_capture(self, attn: AttentionMetadata, page_size: int) -> Any:
+    def plan_for_capture(
+        self, attn: AttentionMetadata, page_size: int, max_seq_len: int | None = None
+    ) -> Any:
         """Plan a decode-only step of ``attn.num_seqs`` rows (one token each) for CUDA-graph
-        capture over static buffers: no host lengths are read. NotImplementedError unless
+        capture over static buffers: no host lengths are read. ``max_seq_len``: the graph
+        will only run steps whose longest context is at most this many tokens (one of
+        :meth:`capture_context_bounds`; ``None``: any context). NotImplementedError unless
         ``supports_cuda_graphs``."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
+
+    def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:
+        """Context bounds (tokens, ascending) for which a decode graph of ``num_seqs`` rows
+        launches differently from the unbounded one, so the graph runner captures one graph
+        per bound besides it and replays the smallest that holds the step's longest
+        context. Default: none (one graph per batch size)."""
+        return ()
 
     @abc.abstractmethod
     def forward(

@@ -37,6 +37,8 @@ _EXTEND_BLOCK_N = 64
 # at most 32 splits (``capture_reserve_bytes`` counts scratch for 32).
 _TARGET_PROGRAMS = 1024
 _MAX_SPLITS = 32
+# The longest context (tokens) a large decode batch runs as one split (see decode_config).
+ONE_SPLIT_MAX_CONTEXT = 1024
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -87,7 +89,14 @@ def decode_config(
     Splits as :func:`num_decode_splits`; 64-token tiles, 4 warps, 2 stages; once the rows
     alone make 256 programs or more (``B * Hkv``, batch 32 and up at 8 KV heads) a split
     covers at least 256 tokens, so a short context runs as one program a (row, KV head)
-    and only longer ones are split. Measured on the H200 (2026-12-01, Llama-8B heads, bf16,
+    and only longer ones are split. There, when every context is known to be at most
+    ``ONE_SPLIT_MAX_CONTEXT`` tokens (an eager step, or a graph captured for that bound:
+    :meth:`TritonBackend.capture_context_bounds`), one split of 3 stages and no merge:
+    the batch-64 decode graph of Llama-3.1-8B (200-token contexts) took 5.401 ms instead
+    of 5.539 on the H200 (2026-12-01, ``scripts/gpu_graph_profile.py gemv-nosilu
+    gemv-nosilu+attn1``; docs/figures/h200_graph_profile_attn1.json): no merge launches
+    (0.082 ms) and a faster split kernel (0.606 vs 0.628 ms). A longer context stays
+    split, so that one long row among short ones is not walked by a few programs alone. Measured on the H200 (2026-12-01, Llama-8B heads, bf16,
     page-major 128-token pages, the 32 layers' decode in one CUDA graph,
     ``scripts/gpu_decode_kernel_sweep.py``): batch 64 at 125-330 tokens 23.3 us a layer
     (2.62 TB/s of K/V; main 8b5b962's 2 splits of 32-token tiles and 2 warps: 26.0); batch
@@ -97,9 +106,11 @@ def decode_config(
     the programs at 8,000 tokens). A merge fused into the split kernel (the last split of
     a group merges, after an atomic count) was slower in every case measured (batch 64:
     23.9 us; batch 1: 6.8-9.2 us), so the merge stays a kernel of its own."""
+    large = num_seqs * num_kv_heads >= 256
+    if large and max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
+        return DecodeConfig(1, 64, 4, 3)
     splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len)
-    min_split = 256 if num_seqs * num_kv_heads >= 256 else 0
-    return DecodeConfig(splits, 64, 4, 2, min_split)
+    return DecodeConfig(splits, 64, 4, 2, 256 if large else 0)
 
 
 @dataclass
@@ -136,10 +147,20 @@ class TritonBackend(AttentionBackend):
         decode = all(q == 1 for q in q_lens)
         return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1))
 
-    def plan_for_capture(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
+    def plan_for_capture(
+        self, attn: AttentionMetadata, page_size: int, max_seq_len: int | None = None
+    ) -> TritonPlan:
         """Plan a decode step of ``attn.num_seqs`` rows for CUDA-graph capture: no host
-        lengths are read; the split count depends on the batch size only."""
-        return TritonPlan(decode=True, max_seq_len=None, max_q_len=1)
+        lengths are read; the split count depends on the batch size and on the bound
+        ``max_seq_len`` the graph is captured for (``None``: any context) only."""
+        return TritonPlan(decode=True, max_seq_len=max_seq_len, max_q_len=1)
+
+    def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:
+        """``(ONE_SPLIT_MAX_CONTEXT,)`` where a batch of ``num_seqs`` rows decodes short
+        contexts as one split (``num_seqs * num_kv_heads >= 256``: :func:`decode_config`),
+        else ``()`` (smaller batches keep one graph: their split count is fixed by the
+        batch alone)."""
+        return (ONE_SPLIT_MAX_CONTEXT,) if num_seqs * num_kv_heads >= 256 else ()
 
     def forward(
         self,

@@ -29,11 +29,17 @@ def test_graph_batch_sizes_cover_every_batch():
         graph_batch_sizes(0)
 
 
-def test_capture_reserve_holds_every_buckets_logits():
+def test_capture_reserve_holds_every_graphs_logits():
+    """Every graph keeps its bucket's fp32 logits: with the triton backend the buckets of 32
+    rows and more have a second, short-context graph, counted too."""
     model = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta")
-    reserve = capture_reserve_bytes(model, 64)
     logits = sum(graph_batch_sizes(64)) * 128256 * 4
-    assert logits < reserve < 4 << 30  # a few hundred MiB, not a KV pool's worth
+    assert logits < capture_reserve_bytes(model, 64) < 4 << 30  # not a KV pool's worth
+    tri = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta", "triton")
+    bounded = (32 + 48 + 64) * 128256 * 4
+    reserve = capture_reserve_bytes(tri, 64)
+    assert reserve - capture_reserve_bytes(model, 64) == 2 * bounded  # twice: the cast
+    assert logits + bounded < reserve < 4 << 30
 
 
 def test_attention_backend_and_enforce_eager_flags():
@@ -143,6 +149,51 @@ def test_graph_pieces_match_eager(monkeypatch):
     for g, e in zip(outs[False], outs[True]):
         assert g.token_ids == e.token_ids
         assert abs(g.cumulative_logprob - e.cumulative_logprob) < 16 * 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_short_context_graphs_and_unbounded_ones_match_eager(monkeypatch):
+    """At rows x KV heads >= 256 (128 rows of the 2-KV-head tiny model) a step whose contexts
+    all fit ONE_SPLIT_MAX_CONTEXT replays the bucket's short-context graph (one split), and
+    once one row's context passes it the unbounded graph (split); greedy fp32 tokens equal
+    the eager run's either way."""
+    _needs_cuda()
+    from pdserve.engine import cuda_graph
+    from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT
+
+    picked: list = []
+    real_pick = cuda_graph.pick_graph
+
+    def recording_pick(bs, bounds, max_context):
+        key = real_pick(bs, bounds, max_context)
+        picked.append((key, max_context))
+        return key
+
+    monkeypatch.setattr(cuda_graph, "pick_graph", recording_pick)
+    n = 128
+    prompts = [[1 + (3 * i + j) % 300 for j in range(8 + i % 7)] for i in range(n - 1)]
+    prompts.append([1 + j % 250 for j in range(ONE_SPLIT_MAX_CONTEXT - 12)])  # crosses the bound
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(
+            "random:tiny",
+            device="cuda",
+            dtype="float32",
+            max_running_requests=n,
+            kv_cache_memory=1.0,
+            enforce_eager=eager,
+        )
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+    keys = {key for key, _ in picked if key[0] == n}
+    assert keys == {(n, ONE_SPLIT_MAX_CONTEXT), (n, None)}, picked
+    for (bs, bound), longest in picked:
+        if bs == n:  # the bounded graph exactly while every context fits its bound
+            assert (bound is not None) == (longest <= ONE_SPLIT_MAX_CONTEXT)
 
 
 @pytest.mark.gpu

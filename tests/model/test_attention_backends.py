@@ -161,6 +161,12 @@ def test_decode_config_choice_and_validation():
     small = decode_config(1, 8, 128, None)
     assert small.splits == 32 and small.min_split == 0
     assert decode_config(1, 8, 128, 100).splits == 2
+    # Known short contexts at a large batch (an eager step, or a graph captured for the
+    # bound): one split of 3 stages, no merge; past the bound the split rule again.
+    assert decode_config(64, 8, 128, 1024) == DecodeConfig(1, 64, 4, 3)
+    assert decode_config(32, 8, 128, 200) == DecodeConfig(1, 64, 4, 3)
+    assert decode_config(64, 8, 128, 1025) == DecodeConfig(2, 64, 4, 2, 256)
+    assert decode_config(16, 8, 128, 500) == DecodeConfig(8, 64, 4, 2, 0)  # 128 programs
     for bad, field in (
         (dict(splits=0), "splits"),
         (dict(splits=33), "splits"),
@@ -170,6 +176,27 @@ def test_decode_config_choice_and_validation():
         kw = dict(splits=2, block_n=64, num_warps=4, num_stages=2) | bad
         with pytest.raises(ValueError, match=field):
             DecodeConfig(**kw)
+
+
+def test_graphs_of_large_batches_get_a_short_context_bound():
+    """The triton backend asks for a graph bounded at ONE_SPLIT_MAX_CONTEXT where its decode
+    runs short contexts as one split (rows x KV heads >= 256), and only there; the CPU
+    backend never; the runner replays the smallest bound that holds the longest context."""
+    from pdserve.engine.cuda_graph import pick_graph
+    from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT, TritonBackend, decode_config
+
+    tri, sdpa = TritonBackend(), get_attention_backend("torch_sdpa")
+    for bs in (1, 8, 16, 31, 32, 48, 64, 128):
+        one_split = decode_config(bs, 8, 128, ONE_SPLIT_MAX_CONTEXT).splits == 1
+        assert decode_config(bs, 8, 128, None).splits > 1 or bs >= 128
+        assert tri.capture_context_bounds(bs, 8) == ((ONE_SPLIT_MAX_CONTEXT,) if bs >= 32 else ())
+        assert one_split == (bs >= 32)
+        assert sdpa.capture_context_bounds(bs, 8) == ()
+    assert pick_graph(64, (1024,), 1) == (64, 1024)
+    assert pick_graph(64, (1024,), 1024) == (64, 1024)
+    assert pick_graph(64, (1024,), 1025) == (64, None)
+    assert pick_graph(64, (256, 1024), 300) == (64, 1024)
+    assert pick_graph(8, (), 5) == (8, None)
 
 
 def test_triton_padded_rows_write_nothing_and_output_zero():
