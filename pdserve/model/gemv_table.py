@@ -18,6 +18,15 @@ TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, int, int, int, int
         (32, None),
         (48, ("dot", 32, 128, 4, 5)),
     ),
+    ("bfloat16", 28672, 4096): (
+        (1, None),
+        (2, None),
+        (4, None),
+        (8, None),
+        (16, None),
+        (32, None),
+        (48, ("dot", 64, 64, 4, 6)),
+    ),
     ("bfloat16", 4096, 14336): (
         (1, ("rows", 16, 1024, 8, 1)),
         (2, None),
