@@ -4,7 +4,6 @@ from __future__ import annotations
 
 _TYPES = {
     400: "invalid_request_error",
-    404: "not_found_error",
     409: "conflict_error",
     413: "request_too_large",
     502: "bad_gateway",
@@ -19,7 +18,8 @@ def error_json(
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error object.
 
     ``status`` is the HTTP status (the response's, not in the body): it picks ``type``
-    (``invalid_request_error`` for 400 and any other 4xx without its own, e.g. 405,
+    (``invalid_request_error`` for 400 and any other 4xx without its own, e.g. 404 (as
+    OpenAI's ``model_not_found`` and unknown-URL answers) or 405,
     ``service_unavailable`` for 503, ...), which is
     also what tells errors apart inside a stream.  ``code`` is a string naming the error
     where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,

@@ -378,3 +378,37 @@ def test_chat_streams_open_with_the_assistant_role_and_empty_content(c, where):
             text = "".join(ch.delta.content or "" for ch in rest)
             assert text == whole.choices[0].message.content
             assert rest[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_model_is_openai_s_404_on_the_router_and_every_worker(c, stream):
+    """OpenAI's answer to a model it does not serve: HTTP 404, ``error.type``
+    ``invalid_request_error``, ``error.code`` ``model_not_found`` (streamed or not); the
+    router and each worker alike, each in its own words."""
+    requests = {
+        "/v1/completions": {"prompt": "x", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    }
+    for name in ("router", "mixed", "prefill", "decode"):
+        who = "router" if name == "router" else "worker"
+        for path, body in requests.items():
+            r = post(c[name].url, path, dict(body, model="gpt-nope", stream=stream))
+            assert r.status_code == 404, (name, path, r.text)
+            assert r.headers["content-type"] == "application/json", (name, path, r.headers)
+            err = r.json()["error"]
+            assert (err["type"], err["code"], err["param"]) == (
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            ), (name, path, err)
+            assert f"this {who} serves 'random:tiny'" in err["message"], (name, err)
+        client = openai.OpenAI(base_url=c[name].url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="gpt-nope", prompt="x", max_tokens=2, stream=stream)
+        assert (missing.value.type, missing.value.code) == (
+            "invalid_request_error",
+            "model_not_found",
+        )
+    r = httpx.get(c["router"].url + "/v1/no-such-route")  # an unknown URL: OpenAI's type too
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert_all_healthy(c["procs"])
