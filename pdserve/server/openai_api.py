@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,6 +45,8 @@ class WorkerContext:
     token_text: fmt.TokenText
     max_prompt_chars: int = 0  # prompts.max_prompt_chars; 0 = no bound
     fields: FieldPolicy | None = None  # unknown request fields; None: ignored silently
+    # /v1/models' ``created``: Unix time (s) the model was loaded and this worker set up
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def accept(self, body: Any, endpoint: str) -> None:
         """Apply the field policy to a parsed body (400 for unknown fields when strict)."""
@@ -124,7 +127,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     {
                         "id": ctx.model_name,
                         "object": "model",
-                        "created": 0,
+                        "created": ctx.created,
                         "owned_by": "pdserve",
                         "max_model_len": ctx.serving.max_model_len,
                     }

@@ -2,10 +2,14 @@
 decode + router, KV over real NIXL on CPU) against a mixed worker on the same tiny model:
 penalties and logit_bias (greedy and seeded), echo with prompt logprobs (also the
 loglikelihood request of evaluation harnesses), continuous usage stats, unknown and
-no-op fields, /tokenize, /detokenize, /version and /v1/models. Every answer — tokens,
+no-op fields, /tokenize, /detokenize, /version and /v1/models (its created time), the
+first chunk of streams, unknown models. Every answer — tokens,
 text, logprobs, finish_reason, usage — equals the mixed worker's."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import httpx
 import openai
@@ -412,3 +416,28 @@ def test_an_unknown_model_is_openai_s_404_on_the_router_and_every_worker(c, stre
     r = httpx.get(c["router"].url + "/v1/no-such-route")  # an unknown URL: OpenAI's type too
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert_all_healthy(c["procs"])
+
+
+def _process_start(pid: int) -> float:
+    """Unix time (s) process ``pid`` started: boot time + its start in clock ticks."""
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_models_list_the_time_the_model_was_loaded(c):
+    """``/v1/models``' ``created``: Unix seconds when the worker loaded its model (after
+    its process started, before now), the same on every call; the router lists its
+    decode worker's."""
+    started = {name: _process_start(c[name].pid) for name in ("mixed", "decode")}
+    seen = {}
+    for name, owner in (("mixed", "mixed"), ("router", "decode"), ("decode", "decode")):
+        client = openai.OpenAI(base_url=c[name].url + "/v1", api_key="x", max_retries=0)
+        (model,) = client.models.list().data
+        assert (model.id, model.object, model.owned_by) == ("random:tiny", "model", "pdserve")
+        assert int(started[owner]) <= model.created <= time.time(), (name, model, started)
+        assert client.models.list().data[0].created == model.created
+        seen[name] = model.created
+    assert seen["router"] == seen["decode"], seen
