@@ -29,7 +29,9 @@ from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
 
-MAX_ROOMS_PER_REQUEST = 1024  # cap on rooms reserved per request (workers reject n > 128)
+# cap on rooms reserved per request, one per sample (workers reject n > protocol.MAX_N);
+# documented in the README's `n` row (server/api_docs.py)
+MAX_ROOMS_PER_REQUEST = 1024
 
 
 class LegError(Exception):

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from pdserve.router.dispatch import MAX_ROOMS_PER_REQUEST
 from pdserve.server import protocol as p
 from pdserve.server.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsObject
 from pdserve.server.tools import FunctionDef
@@ -20,7 +21,9 @@ from pdserve.server.tools import FunctionDef
 # field -> meaning; "Model.field" overrides where one name means something else.
 MEANINGS: dict[str, str] = {
     "model": "must be the served model name when given (404 otherwise)",
-    "n": "samples per prompt; each is its own engine request (and bootstrap room)",
+    "n": f"samples per prompt, 1 to {p.MAX_N}; each is its own engine request (and bootstrap "
+    f"room); through a PD router a request has at most {MAX_ROOMS_PER_REQUEST} samples "
+    "(prompts x n; 400 otherwise)",
     "temperature": "0 = greedy (exact argmax); > 0 divides the logits",
     "top_p": "nucleus mass in (0, 1]; 1 disables",
     "top_k": "keep the k most likely tokens; 0 or -1 disables",

@@ -35,6 +35,8 @@ from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.server.structured import GuidedFields, ResponseFormatField
 from pdserve.server.tools import ToolFields, ToolMessageFields
 
+MAX_N = 128  # most samples per prompt (`n`), OpenAI's own limit on n
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields: see server/field_policy.py
@@ -117,7 +119,7 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
-    n: StrictInt = Field(1, ge=1, le=128)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -268,7 +270,7 @@ class GenerateSamplingParams(_Penalties, GuidedFields):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    n: StrictInt = Field(1, ge=1, le=128)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     seed: StrictInt | None = None
 
 

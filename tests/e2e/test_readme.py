@@ -9,7 +9,10 @@ from pathlib import Path
 from pdserve import envs
 from pdserve.cli import build_parser
 from pdserve.launch.flag_docs import _subparsers, flag_table
+from pdserve.router.dispatch import MAX_ROOMS_PER_REQUEST
 from pdserve.server.api_docs import api_tables, missing_meanings
+from pdserve.server.protocol import MAX_N, GenerateSamplingParams
+from pdserve.server.protocol import _OpenAISampling as OpenAISampling
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -45,3 +48,18 @@ def test_readme_lists_every_request_field_with_its_meaning():
         "/v1/models",
     ):
         assert f"`POST {endpoint}`" in README or f"`GET {endpoint}`" in README, endpoint
+
+
+def test_readme_states_the_limits_on_samples_that_are_enforced():
+    """The README's `n` rows give the limits the code enforces: n <= the request models'
+    bound (OpenAI endpoints and /generate alike) and the PD router's samples per request."""
+    bounds = {
+        getattr(m, "le", None)
+        for model in (OpenAISampling, GenerateSamplingParams)
+        for m in model.model_fields["n"].metadata
+    } - {None}
+    assert bounds == {MAX_N}, bounds
+    rows = [row for row in README.splitlines() if row.startswith("| `n` |")]
+    assert len(rows) == 2, rows  # the OpenAI table and /generate's sampling_params
+    for row in rows:
+        assert f"1 to {MAX_N};" in row and f"at most {MAX_ROOMS_PER_REQUEST} samples" in row, row
