@@ -4,9 +4,10 @@ sends each room's destination, learns of completion, and watches prefill peers.
 Threads: ``bootstrap`` (HTTP lookups grouped per prefill; protocol/layout checks; loads
 the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
-RoomStatus), ``notifs`` (NIXL completion notifications: polled back to back while a room
-is transferring, so a finished room is seen within microseconds, else it sleeps on an
-event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
+RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
+while a room is transferring, with ``os.sched_yield`` between reads on VRAM and no
+back-off, on host memory sleeping ``time.sleep(0)`` and then backing off; else it waits
+on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
 every room of that prefill fails at once).
@@ -37,7 +38,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import uuid
 from collections import defaultdict
 
@@ -72,6 +72,7 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.notif_poll import NotifPoller
 from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
 from pdserve.disagg.nixl.receiver import NixlReceiver
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
@@ -90,10 +91,6 @@ from pdserve.disagg.rooms import (
 from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
-
-# Poll notifications back to back this long after the last one (or a destination sent),
-# then every 50 us for 50 ms, then every 250 us (a long prefill is not worth a core).
-NOTIF_SPIN_S = 0.002
 
 
 def _positive(var, kind=float):
@@ -352,23 +349,24 @@ class NixlDecodeManager(KVManager):
     # --- notification thread ----------------------------------------------------------------
     def _notif_loop(self, stop: threading.Event) -> None:
         select_device(self.engine.kv_args)
-        idle_since = time.monotonic()
-        while not stop.is_set():
-            got = False
-            for payloads in self.engine.new_notifs().values():
-                for payload in payloads:
-                    got = True
-                    self._on_notif(payload)
-            now = time.monotonic()
-            if got:
-                idle_since = now
-            if any(r.poll_state() == KVPoll.Transferring for r in self._rooms.handles()):
-                quiet = now - idle_since  # back to back just after activity, then back off
-                time.sleep(0 if quiet < NOTIF_SPIN_S else 50e-6 if quiet < 0.05 else 250e-6)
-            else:
-                self._transferring.clear()
-                self._transferring.wait(0.02)  # notifications of late rooms still drain
-                idle_since = time.monotonic()
+        NotifPoller(
+            self._drain_notifs,
+            self._awaiting_completion,
+            self._transferring,
+            on_host=self.engine.kv_mem == "DRAM",
+        ).run(stop)
+
+    def _drain_notifs(self) -> bool:
+        """Handle the notifications NIXL has; True if there were any."""
+        got = False
+        for payloads in self.engine.new_notifs().values():
+            for payload in payloads:
+                got = True
+                self._on_notif(payload)
+        return got
+
+    def _awaiting_completion(self) -> bool:
+        return any(r.poll_state() == KVPoll.Transferring for r in self._rooms.handles())
 
     def _on_message(self, data: bytes) -> None:
         try:
