@@ -192,13 +192,16 @@ def _decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
             r.close()
         elif cmd == "raw":
             raw = RawSide(args, "decode", arg)
-            threading.Thread(target=raw.serve, daemon=True).start()  # the target progresses
+            raw.serve()  # the target progresses
             conn.send((raw.metadata(), raw.desc()))
         elif cmd == "digest":
             conn.send(_digest(cfg, kv, arg))
-        else:
+        else:  # quit: every thread of ours joined, so none is inside NIXL at exit
+            if raw is not None:
+                raw.close()
             mgr.shutdown()
-            conn.send("bye")
+            others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+            conn.send(("bye", others))
             return
 
 
@@ -346,11 +349,13 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         conn.send(("digest", dst))
         ok = conn.recv() == _digest(cfg, kv, src)
         conn.send(("quit", None))
-        conn.recv()
+        _, decode_threads = conn.recv()
+        raw.close()
     finally:
         child.join(30)
         if child.is_alive():
             child.kill()
+            child.join(10)
         prefill.shutdown()
     if not ok:
         raise RuntimeError("decode's pages differ from prefill's after the transfer")
@@ -370,6 +375,10 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         "descriptors_posted": cfg.num_pages * lay.descs_per_page,
         "descriptors_merged": paired_runs(src, dst) * lay.descs_per_page,
         "data_checked": ok,
+        # the decode process's end: threads of its own still alive after its managers and
+        # raw agent were shut down (none: nothing is inside NIXL at exit), its exit code
+        "decode_threads_at_exit": decode_threads,
+        "decode_exit_code": child.exitcode,
         "median_s": med,
         "gbps": {k: nbytes / med[k] / 1e9 for k in big},
         "ratio": med["copy"] / med["nixl"],
@@ -435,6 +444,11 @@ def _print(result: dict) -> None:
         f"  ratio NIXL / copy: {result['ratio']:.3f}   NIXL / raw NIXL: "
         f"{result['ratio_to_raw_nixl']:.3f}   data checked: {result['data_checked']}"
     )
+    if result["decode_exit_code"] != 0 or result["decode_threads_at_exit"]:
+        print(
+            f"  WARNING: the decode process exited with code {result['decode_exit_code']}, "
+            f"threads still alive at its exit: {result['decode_threads_at_exit']}"
+        )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ churn of mixed-length requests).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,10 @@ class RawSide:
             [(self.buf.data_ptr(), nbytes, self.dev, "")], self.mem
         )
         self.handle = None
+        self.small = None
+        self._lists: tuple = ()
+        self._stop = threading.Event()
+        self._server: threading.Thread | None = None
 
     def desc(self) -> tuple[int, int, int]:
         return (self.buf.data_ptr(), self.buf.numel(), self.dev)
@@ -56,10 +61,9 @@ class RawSide:
         rows = lambda d: np.asarray([d], dtype=np.int64)  # noqa: E731 - (addr, len, dev)
         local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(self.desc()), self.mem)
         remote = self.agent.prep_xfer_dlist(name, rows(remote_desc), self.mem)
-        self._lists: tuple = (local, remote)
+        self._lists = (local, remote)
         self.agent.make_connection(name)
         self.handle = self.agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
-        self.small = None
         if small_bytes:
             head = lambda d: (d[0], small_bytes, d[2])  # noqa: E731
             lists = (
@@ -82,10 +86,36 @@ class RawSide:
         return time.perf_counter() - t
 
     def serve(self) -> None:
-        """Target: progress the agent every millisecond (wire-up), for the process's life."""
-        while True:
-            self.agent.get_new_notifs()
-            time.sleep(0.001)
+        """Target: progress the agent every millisecond (wire-up) on a thread of its own,
+        until :meth:`close`."""
+
+        def loop() -> None:
+            while not self._stop.wait(0.001):
+                self.agent.get_new_notifs()
+
+        self._server = threading.Thread(target=loop, name="bench-raw-serve", daemon=True)
+        self._server.start()
+
+    def close(self) -> None:
+        """Stop and join the serving thread, then release the handles, lists and memory.
+
+        Why: a thread still inside NIXL when the interpreter exits is ended by
+        ``pthread_exit`` while it unwinds through NIXL's C++ frames, and the process
+        aborts with "terminate called without an active exception" (exit code 134)."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.join()
+            self._server = None
+        for h in (self.handle, self.small):
+            if h is not None:
+                self.agent.release_xfer_handle(h)
+        self.handle = self.small = None
+        for lst in self._lists:
+            lst.release()
+        self._lists = ()
+        if self.reg is not None:
+            self.agent.deregister_memory(self.reg)
+            self.reg = None
 
 
 def served_pages(num_pages: int, pool_pages: int, seed: int) -> list[int]:

@@ -258,7 +258,11 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ratio NIXL / copy" in proc.stdout
+    # both processes end cleanly: no thread of ours left inside NIXL at interpreter exit
+    # (that aborts with std::terminate's line and exit code 134)
+    assert "terminate called" not in proc.stderr + proc.stdout
     result = json.loads(out.read_text())
+    assert result["decode_threads_at_exit"] == [] and result["decode_exit_code"] == 0
     assert (
         result["data_checked"] is True
         and result["pages"] == 16
