@@ -70,8 +70,9 @@ class RouterMetrics:
         )
         self.leg_failures = Counter(
             "pdserve_router_leg_failures",
-            "failed worker legs by role and reason (http_<status> for a 5xx, connect, stream; "
-            "a worker's 4xx answer to a bad request is the client's, not counted here)",
+            "failed worker legs by role and reason (http_<status> for a 5xx, connect, stream, "
+            "stream_error for a worker's own 5xx error event mid-stream; a worker's 4xx "
+            "answer to a bad request is the client's, not counted here)",
             ["role", "reason"],
             registry=self.registry,
         )

@@ -21,6 +21,7 @@ import httpx
 from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
 
+from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.merge import is_final_chunk, merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
@@ -57,7 +58,8 @@ class OpenStreams:
 class StreamEnd:
     """How a relayed stream ended, for the router's metrics: ``status`` is the HTTP status
     of the SSE error event the relay sent last (502 broken, 503 shutdown, 504 timeout, a
-    failed prefill leg's own), 200 for a stream that ended with ``[DONE]`` and no error,
+    failed prefill leg's own, the one a worker's own error event stands for:
+    ``http_errors.error_status``), 200 for a stream that ended with ``[DONE]`` and no error,
     None while it runs (and for a stream the client left before its end)."""
 
     status: int | None = None
@@ -138,7 +140,8 @@ async def relay_sse(
     prefill's answer are merged into decode's chunks once it has arrived; when they were
     asked for, the first chunk is held until then (only that one: later chunks come
     after it, so the answer is already there). A stream that breaks or ends early yields
-    a 502 SSE error. ``streams``: registry whose ``shutdown()`` ends the stream with a 503
+    a 502 SSE error; a worker's own SSE error event (its request failed mid-stream) is
+    relayed as is, with the ``[DONE]`` that follows it. ``streams``: registry whose ``shutdown()`` ends the stream with a 503
     SSE error ("router shutting down") + ``[DONE]``. ``on_close`` runs once at the end,
     after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
     """
@@ -175,6 +178,21 @@ async def relay_sse(
             except ValueError:
                 pass
         return f"data: {data}\n\n".encode()
+
+    def note_error(data: str) -> None:
+        """A worker's own SSE error event (its request failed mid-stream; ``[DONE]``
+        follows): the stream ends with that error's status (a 5xx counts as the leg's
+        failure, as before the first byte)."""
+        if '"error"' not in data:  # cheap: content chunks never carry that key
+            return
+        try:
+            status = error_status(json.loads(data))
+        except ValueError:
+            return
+        if status is not None:
+            end.status = status
+            if status >= 500:
+                metrics.leg_failures.labels(worker.role, "stream_error").inc()
 
     def is_final(data: str) -> bool:
         try:
@@ -218,7 +236,9 @@ async def relay_sse(
                         yield done()
                         return
                     decode_done = True  # end once prefill answered (its room is live till then)
-                elif (
+                    continue
+                note_error(item.data)
+                if (
                     prefill is not None
                     and not prefill_over
                     and (prefill.hold_first or held or is_final(item.data))

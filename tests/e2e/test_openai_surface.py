@@ -441,3 +441,23 @@ def test_models_list_the_time_the_model_was_loaded(c):
         assert client.models.list().data[0].created == model.created
         seen[name] = model.created
     assert seen["router"] == seen["decode"], seen
+
+
+@pytest.mark.parametrize("where", ["router", "mixed"])
+def test_a_stream_that_fails_before_its_first_byte_is_the_workers_status_and_json(c, where):
+    """A streamed request the worker rejects before any output gets the worker's HTTP
+    status and JSON error body (through the PD router too), never a 200 with an error
+    event; the official client raises the matching error."""
+    body = {"prompt": "x", "max_tokens": 10**6, "stream": True}
+    r = post(c[where].url, "/v1/completions", body)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+    client = openai.OpenAI(base_url=c[where].url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="random:tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=10**6,
+            stream=True,
+        )
+    assert bad.value.code == "context_length_exceeded"

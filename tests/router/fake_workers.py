@@ -23,9 +23,21 @@ async def _wait_for(event: threading.Event, what: str, timeout: float = 60.0) ->
         await asyncio.sleep(0.002)
 
 
+# what a worker's stream sends when its request fails after the first chunk
+STREAM_ERROR = {
+    "error": {
+        "message": "request failed in the engine (injected)",
+        "type": "internal_server_error",
+        "param": None,
+        "code": None,
+    }
+}
+
+
 class FakeWorker:
     """A fake worker of ``role``. ``mode``: ``ok`` | ``fail`` (500) | ``bad`` (400) |
-    ``hang`` | ``stream_break`` |
+    ``hang`` | ``stream_break`` | ``stream_error`` (the chunks, then the worker's own SSE
+    error event and ``[DONE]``, as a worker whose request fails mid-stream) |
     ``drop`` (connection closed mid-answer);
     ``health``: the status of /health; ``delay``: seconds before answering (or failing);
     ``bootstrap_port`` (prefill) and ``transfer`` (the KV manager's stats, e.g. a decode's
@@ -160,6 +172,8 @@ class FakeWorker:
                             raise
                     if self.mode == "stream_break":
                         raise RuntimeError("worker died mid-stream")
+                    if self.mode == "stream_error":
+                        yield f"data: {json.dumps(STREAM_ERROR)}\n\n"
                     yield "data: [DONE]\n\n"
                     self.stream_done.set()
 

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from fake_workers import FakeWorker
+from fake_workers import STREAM_ERROR, FakeWorker
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import RouterConfig
@@ -434,3 +434,22 @@ def test_a_workers_400_is_no_leg_failure_and_keeps_it_healthy(setup, stream):
     r = httpx.post(url + ep, json={"prompt": "x", "stream": stream})
     assert r.status_code == 500
     assert failures("decode", "http_500") == before["decode"][1] + 1
+
+
+def test_a_workers_error_event_mid_stream_is_relayed_then_done_and_counted_as_its_status(setup):
+    """A worker whose request fails after its stream started sends an SSE error event and
+    ``[DONE]`` (as vLLM): the client gets exactly that after the chunks before it, and the
+    router counts the request with the error's status, not as a 200."""
+    prefill, decode, url = setup
+    ep = "/v1/completions"
+    ok, failed = _requests(url, ep, 200), _requests(url, ep, 500)
+    decode.mode = "stream_error"
+    r = httpx.post(url + ep, json={"prompt": "x", "stream": True})
+    events = [e[len("data: ") :] for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == ["0", "1"], events
+    assert json.loads(events[-2]) == STREAM_ERROR, events
+    assert _requests(url, ep, 500) == failed + 1 and _requests(url, ep, 200) == ok, _samples(url)
+    leg = ("pdserve_router_leg_failures_total", ("reason", "stream_error"), ("role", "decode"))
+    assert _samples(url)[leg] == 1.0
+    assert all(w["healthy"] for w in httpx.get(url + "/get_server_info").json()["workers"])
