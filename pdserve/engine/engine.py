@@ -224,7 +224,8 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         """End a request now (``finish_reason="abort"``); unknown or finished ids are
         ignored.  Its pages are freed exactly once (disaggregated ones after the room's
-        terminal poll)."""
+        terminal poll), its full computed pages staying in the prefix cache as a finished
+        request's do."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
@@ -232,7 +233,10 @@ class EngineCore:
             self.disagg.abort(req)
         else:
             req.finish("abort")
-            self.overlap.remove(req)  # pages: after a launched step that writes them
+            # Pages: after a launched step that writes them, its row cached as in sync; that
+            # step is waited for now when it holds no live row (pages back at once).
+            self.overlap.remove(req, between_steps=True)
+            self.overlap.retire_idle()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live, an aborted room drains, or a launched step waits."""

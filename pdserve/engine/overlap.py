@@ -30,6 +30,10 @@ The contract (the engine's ``step`` drives it; see docs/architecture.md, "a deco
   ends while a launched step holds its row keeps its pages until that step is collected (its
   K/V is written there; a reused page could be a NIXL receive's, written outside stream
   order).  Frees keep their order, so the prefix cache evicts as a synchronous run does.
+  A request aborted between step calls was aborted after that step in a synchronous run:
+  its row's full pages enter the prefix cache when the step is collected, as they would
+  there; and when no launched row is live any more the step is collected at once
+  (:meth:`retire_idle`), so its pages are back as they would be there.
 - **Outputs equal a synchronous run's**: greedy tokens, logprobs, text, finish reasons,
   usage, and each request's streaming deltas (one token per processed step).  A step whose
   live rows are all gone is waited for at once, so an idle engine holds no page.
@@ -55,7 +59,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     """A step queued on the device: its plan, each row's request, its tokens (not waited
-    for), the page lists released once it is collected, and the requests touched before it
+    for), the page lists released once it is collected, the rows of aborted requests whose
+    full pages are cached then (``(token ids, pages, page keys, computed tokens)``, as
+    ``KVCacheManager.cache_full_pages`` takes them), and the requests touched before it
     whose outputs wait for its results (one output per request and step, as in a
     synchronous run)."""
 
@@ -63,6 +69,7 @@ class _Launched:
     reqs: list[Request]
     tokens: InFlightTokens
     deferred: list[list[int]] = field(default_factory=list)
+    to_cache: list[tuple[list[int], list[int], list[bytes], int]] = field(default_factory=list)
     carried: dict[str, Request] = field(default_factory=dict)
     _ids: set[int] = field(default_factory=set)  # id() of each row's request (alive in reqs)
 
@@ -209,6 +216,8 @@ class OverlapScheduler:
                     soon.update(
                         kv.keys_to_cache(req.all_token_ids, req.page_keys, seq.start_pos + 1)
                     )
+            for token_ids, _, keys, computed in prev.to_cache:  # and its aborted rows
+                soon.update(kv.keys_to_cache(token_ids, keys, computed))
         return sched.admits_none(len(sure), len(reqs), kv.num_available_pages - taken + back, soon)
 
     def _push(self, plan: BatchPlan, reqs: list[Request], prev: InFlightTokens | None) -> None:
@@ -234,8 +243,11 @@ class OverlapScheduler:
         its plan and result restricted to the rows whose request still runs."""
         step = self._launched.pop(0)
         tokens = step.tokens.tokens()
+        kv = self._scheduler.kv
+        for token_ids, pages, keys, computed in step.to_cache:  # before release: they stay
+            kv.cache_full_pages(token_ids, pages, keys, computed)
         for pages in step.deferred:
-            self._scheduler.kv.release(pages)
+            kv.release(pages)
         keep = [i for i, r in enumerate(step.reqs) if r.status is Status.RUNNING]
         seqs = tuple(step.plan.seqs[i] for i in keep)
         result = StepResult(sampled={seqs[j].request_id: tokens[i] for j, i in enumerate(keep)})
@@ -249,15 +261,25 @@ class OverlapScheduler:
         ):
             self.collect()
 
-    def remove(self, req: Request) -> None:
+    def remove(self, req: Request, between_steps: bool = False) -> None:
         """Take a finished or aborted ``req`` out of the queues and release its pages: now,
-        or, when a launched step holds its row, once that step is collected."""
+        or, when a launched step holds its row, once that step is collected.
+
+        between_steps: ``req`` ends between step calls (an abort), after the launched step
+        in a synchronous run, so that step's row counts: its full pages enter the prefix
+        cache when the step is collected.  Otherwise ``req`` ended with the results of the
+        step before (EOS, stop, length), and its row in the launched one was computed in
+        vain."""
         step = next((s for s in reversed(self._launched) if s.holds(req)), None)
         if step is None:
             self._scheduler.remove(req)
             return
         if req in self._scheduler.running:
             self._scheduler.take_running(req)
-        pages, req.pages, req.page_keys = req.pages, [], []
+        pages, keys, req.pages, req.page_keys = req.pages, req.page_keys, [], []
+        if between_steps and pages and self._scheduler.kv.enable_prefix_caching:
+            seq = next(q for q, r in zip(step.plan.seqs, step.reqs) if r is req)
+            computed = seq.start_pos + len(seq.token_ids)
+            step.to_cache.append((req.all_token_ids, pages, keys, computed))
         if pages:
             step.deferred.append(pages)

@@ -280,18 +280,63 @@ def test_abort_during_a_launched_step(eos_model):
     assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
     ref = drive(core_of(folder, False), [("a", PROMPTS[0], params), ("c", PROMPTS[2], params)])
     assert_same(finals, ref[1])
-    # every request aborted while a step is launched: nothing is held once it is collected
+    # every request aborted while a step is launched: the last abort collects it (no row is
+    # live), so nothing is held and nothing waits, as after a synchronous run's aborts
     for rid in ("x", "y"):
         core.add_request(rid, PROMPTS[3], params)
     ahead = core.stats()["overlap_ahead_steps"]
     while core.stats()["overlap_ahead_steps"] < ahead + 2:
         core.step()
     core.abort_request("x")
+    assert core.overlap.pending and core.has_unfinished_requests()  # y's row is live
     core.abort_request("y")
-    assert core.overlap.pending and core.has_unfinished_requests()
-    assert core.step() == []
-    assert not core.has_unfinished_requests()
+    assert not core.overlap.pending and not core.has_unfinished_requests()
     assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
+    assert core.step() == []
+
+
+def _abort_then_share(folder, overlap, abort_after, other, share=None):
+    """Request "a" (and "o" when ``other``) decoding; "a" aborted after ``abort_after``
+    step calls, then "b" sharing ``share`` (default: "a"'s tokens so far) plus 3 tokens.
+    Returns (a's tokens at the abort, a launched step held a's row, pages no request holds
+    and cached pages right after the abort, b's final, the prefix cache once idle)."""
+    core = core_of(folder, overlap)
+    params = greedy(max_tokens=30, ignore_eos=True)
+    core.add_request("a", PROMPTS[3], params)
+    if other:
+        core.add_request("o", PROMPTS[1], params)
+    for _ in range(abort_after):
+        core.step()
+        check_pages(core)
+    a = core._requests["a"]
+    tokens, held = (
+        list(a.all_token_ids),
+        core.overlap.pending and core.overlap._launched[0].holds(a),
+    )
+    core.abort_request("a")
+    check_pages(core)
+    after_abort = (core.num_free_pages, core.kv.num_cached_pages, len(core.kv.cache))
+    core.add_request("b", (share or tokens) + [7, 8, 9], greedy(max_tokens=4, ignore_eos=True))
+    finals = drive(core, [])[1]
+    idle = (core.kv.num_cached_pages, len(core.kv.cache), core.stats()["prefix_cache_hit_tokens"])
+    return tokens, held, after_abort, finals["b"], idle
+
+
+@pytest.mark.parametrize("other", [False, True])
+def test_abort_during_a_launched_step_caches_as_sync(eos_model, other):
+    """A request aborted while a launched step holds its row: that step is the one the
+    synchronous engine had run by then, so its full pages enter the prefix cache as there
+    (a request continuing the conversation hits them), and once no launched row is live
+    the pages are back at once, as in sync (none held until another step call)."""
+    folder, _ = eos_model
+    for abort_after in (3, 4, 5, 6):  # PROMPTS[3] has 14 tokens: 4-token pages fill at 16, 20
+        sync = _abort_then_share(folder, False, abort_after, other)
+        over = _abort_then_share(folder, True, abort_after, other, share=sync[0])
+        assert over[1], "the abort came while a launched step held the row"
+        if not other:  # with "o" running, the launched step is collected by the next step
+            assert over[2] == sync[2], abort_after
+        assert_same(over[3], sync[3])  # b's output and num_cached_tokens
+        assert over[4] == sync[4], abort_after
 
 
 def test_preemption_when_pages_run_out_equals_sync(eos_model):
