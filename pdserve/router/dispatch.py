@@ -24,7 +24,7 @@ from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState, routing_key
-from pdserve.router.relay import OpenStreams, PrefillWatch, RelayedStream, StreamEnd, relay_sse
+from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import WorkerPool, bootstrap_address
 
 log = logging.getLogger("pdserve.router")
@@ -202,7 +202,7 @@ class Dispatcher:
             worker.outstanding -= 1
 
         end = StreamEnd()
-        return RelayedStream(
+        return await start_relay(
             end,
             relay_sse(
                 resp,
@@ -261,7 +261,7 @@ class Dispatcher:
             handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
             end = StreamEnd()
-            return RelayedStream(
+            return await start_relay(
                 end,
                 relay_sse(
                     d_task.result(),

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 import httpx
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from httpx_sse import EventSource
 
 from pdserve.http.http_errors import error_status
@@ -73,6 +73,38 @@ class RelayedStream(StreamingResponse):
         super().__init__(chunks, media_type="text/event-stream")
         self.end = end
         self.relay = chunks
+
+
+async def _after(first: bytes, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """``first``, then the rest of ``chunks``; closing this closes ``chunks``."""
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
+
+
+async def start_relay(end: StreamEnd, chunks: AsyncGenerator[bytes, None]) -> Response:
+    """The client's response for a relay (``relay_sse``'s generator, whose outcome goes to
+    ``end``), once its first bytes are known: an error before any data chunk (a prefill
+    leg that failed while decode's first chunk was held for its answer, a broken or timed
+    out stream, a worker's error event first) is answered with that status and the JSON
+    error body, as a worker's error before the first byte of its stream; otherwise the
+    stream, 200, starting with those bytes. Cancellation closes the relay (both legs)."""
+    try:
+        first = await chunks.__anext__()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
+        raise
+    if end.status is None or end.status == 200:
+        return RelayedStream(end, _after(first, chunks))
+    with anyio.CancelScope(shield=True):
+        await chunks.aclose()
+    body = first.split(b"\n\n", 1)[0].removeprefix(b"data: ")
+    return Response(body, status_code=end.status, media_type="application/json")
 
 
 @dataclass

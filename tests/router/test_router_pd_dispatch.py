@@ -453,3 +453,28 @@ def test_a_workers_error_event_mid_stream_is_relayed_then_done_and_counted_as_it
     leg = ("pdserve_router_leg_failures_total", ("reason", "stream_error"), ("role", "decode"))
     assert _samples(url)[leg] == 1.0
     assert all(w["healthy"] for w in httpx.get(url + "/get_server_info").json()["workers"])
+
+
+def test_a_prefill_failing_before_the_clients_first_chunk_is_its_status_and_json(setup):
+    """Decode's stream is open but its first chunk waits for prefill's prompt logprobs:
+    prefill's failure then reaches the client before any byte of the stream, so it is
+    prefill's own status and JSON body (as a worker's error before its first byte), not a
+    200 with an SSE error event; decode's leg is closed."""
+    prefill, decode, url = setup
+    prefill.mode, prefill.gate = "fail", threading.Event()
+    decode.chunks, decode.chunk_gates = 3, _gates(3)
+
+    def release_prefill() -> None:  # prefill fails once decode's first chunk is held
+        _wait(lambda: decode.chunks_sent >= 1, 60)
+        prefill.gate.set()
+
+    release = threading.Thread(target=release_prefill)
+    release.start()
+    body = {"prompt": "x", "stream": True, "prompt_logprobs": 1}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    release.join(60)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    assert "prefill failed: KV transfer failed" in r.json()["error"]["message"], r.text
+    _wait(lambda: decode.disconnects == 1)
+    assert _requests(url, "/v1/completions", 500) >= 1
+    assert httpx.get(url + "/get_server_info").json()["live_bootstrap_rooms"] == 0
