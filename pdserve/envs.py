@@ -136,6 +136,16 @@ CACHE_DIR = EnvVar(
 )
 
 
+TRITON_PDL = EnvVar(
+    "PDSERVE_TRITON_PDL",
+    _parse_bool,
+    False,
+    "Launch our Triton kernels with programmatic dependent launch on CUDA sm_90+ (each "
+    "waits for its predecessor in-kernel, so its launch overlaps the predecessor's tail). "
+    "Off by default: measured only in a probe (scripts/gpu_pdl_probe.py), not in the engine.",
+)
+
+
 def _parse_packed_linear(raw: str) -> str:
     value = raw.strip().lower()
     if value not in ("auto", "all", "none"):

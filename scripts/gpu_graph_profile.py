@@ -4,7 +4,10 @@ Variants (command-line words, measured in order): ``base`` (the attention backen
 store kernel, cuBLAS for every linear layer), ``fused`` (K/V stored by the RoPE kernel),
 ``gemv`` (fused + the measured ``gemv_table``, SwiGLU inside the down projection's GEMV),
 ``gemv-nosilu`` (the same with SwiGLU as its own kernel); a ``+attn1`` suffix also runs the
-decode attention as one split (no merge) at rows x KV heads >= 256. For each: ``random:llama-3.1-8b`` bf16, the
+decode attention as one split (no merge) at rows x KV heads >= 256 (now the default for
+contexts <= 1024 tokens), ``+tri64`` our GEMV for every linear layer at 64 rows, ``+pdl`` our
+Triton kernels launched with programmatic dependent launch (``+`` words combine:
+``gemv-nosilu+tri64+pdl``). For each: ``random:llama-3.1-8b`` bf16, the
 captured graph's GPU time at batch 1 and 64 (200-token contexts; 20 replays timed with CUDA
 events), its kernels (torch.profiler, top 12), then an engine decode step at 1 and 64
 prompts ((time of 96 tokens - time of 32) / 64). One engine: its graphs are captured again
@@ -26,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model import gemv_table, linear, triton_backend
+from pdserve.model import gemv_table, linear, pdl, triton_backend
 from pdserve.model.triton_backend import DecodeConfig, TritonBackend
 
 CTX = 200
@@ -86,15 +89,37 @@ def _one_split_at_large_batch(num_seqs: int, num_kv_heads: int, page_size: int, 
     return DEFAULT_DECODE_CONFIG(num_seqs, num_kv_heads, page_size, max_seq_len)
 
 
+# ``+tri64``: our GEMV for every linear layer at 64 rows, in the configurations of the PDL
+# probe (scripts/gpu_pdl_probe.py): (N, K) -> config.
+TRITON_AT_64 = {
+    (6144, 4096): ("dot", 64, 128, 4, 4),
+    (4096, 4096): ("dot", 32, 128, 4, 5),
+    (28672, 4096): ("dot", 256, 64, 8, 4),
+    (4096, 14336): ("splitk2", 64, 128, 4, 4),
+}
+
+
+def _with_triton_at_64(table: dict) -> dict:
+    out = dict(table)
+    for (n, k), cfg in TRITON_AT_64.items():
+        rows = [r for r in table.get(("bfloat16", n, k), ()) if r[0] < 64]
+        out[("bfloat16", n, k)] = (*rows, (64, cfg))
+    return out
+
+
 def set_variant(variant: str) -> None:
-    """``variant`` optionally ends in ``+attn1`` (:func:`_one_split_at_large_batch`)."""
-    variant, _, extra = variant.partition("+")
+    """``variant`` optionally ends in ``+`` words: ``attn1`` (:func:`_one_split_at_large_batch`),
+    ``tri64`` (:data:`TRITON_AT_64`), ``pdl`` (``PDSERVE_TRITON_PDL=1``: model/pdl.py)."""
+    variant, *extras = variant.split("+")
     TritonBackend.accepts_stored_kv = variant != "base"
-    gemv_table.TABLE = MEASURED_TABLE if variant.startswith("gemv") else {}
+    table = MEASURED_TABLE if variant.startswith("gemv") else {}
+    gemv_table.TABLE = _with_triton_at_64(table) if "tri64" in extras else table
     linear.FUSE_SILU_MUL = variant != "gemv-nosilu"
     triton_backend.decode_config = (
-        _one_split_at_large_batch if extra == "attn1" else DEFAULT_DECODE_CONFIG
+        _one_split_at_large_batch if "attn1" in extras else DEFAULT_DECODE_CONFIG
     )
+    os.environ["PDSERVE_TRITON_PDL"] = "1" if "pdl" in extras else "0"
+    pdl._options.cache_clear()
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ speed, nor its results (the CPU tests run it under the interpreter; the sweep on
 
 ``python3 scripts/sm90_build_check.py [--configs "('tma', 128, 128, 4, 3)" ...] [--ms 32,64]
 [--json]``: default every ``tma*`` configuration of ``scripts/gpu_gemv_sweep.py`` at the
-Llama-3.1-8B o_proj shape (N = K = 4096), bf16. Run with ``TRITON_INTERPRET`` unset.
+Llama-3.1-8B o_proj shape (N = K = 4096), bf16. ``--pdl`` instead builds every kernel that
+takes a ``PDL`` constexpr (``model/pdl.py``) with it on and off and says whether the PTX has
+``griddepcontrol.wait`` / ``.launch_dependents``. Run with ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -122,12 +124,81 @@ def check(cfg: tuple, m: int, n: int = 4096, k: int = 4096) -> dict:
     )
 
 
+# The kernels that take a ``PDL`` constexpr (model/pdl.py), with the other constexprs of a
+# Llama-3.1-8B bf16 launch and the dtypes of their non-bf16 pointers.
+_I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
+PDL_KERNELS = {
+    "fused_ops._rope_kernel": (
+        dict(H=40, HALF=64, BLOCK_H=64, BLOCK_D=64, STORE=True, HQ=32, HKV=8, D=128,
+             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128),
+        dict(pos_ptr=_I64, slot_ptr=_I64), 4),
+    "fused_ops._silu_mul_kernel": (dict(BLOCK=1024), {}, 4),
+    "fused_ops._add_rms_norm_kernel": (dict(HAS_RES=True, BLOCK=4096), {}, 8),
+    "triton_kernels.store_kv_kernel": (
+        dict(HKV=8, D=128, PAGE_SIZE=128, BLOCK_H=8, BLOCK_D=128), dict(slot_ptr=_I64), 4),
+    "triton_kernels.decode_split_kernel": (
+        dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BLOCK_H=16, BLOCK_N=64,
+             BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False),
+        dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
+    "triton_kernels.decode_merge_kernel": (
+        dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
+    "triton_kernels.extend_kernel": (
+        dict(G=4, D=128, PAGE_SIZE=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, IEEE=False),
+        dict(table_ptr=_I32, qsl_ptr=_I32, seq_lens_ptr=_I64), 4),
+    "triton_gemv._gemv_rows_kernel": (
+        dict(HAS_BIAS=False, SILU=False, BLOCK_N=16, BLOCK_K=1024), {}, 8),
+    "triton_gemv._gemv_dot_kernel": (
+        dict(HAS_BIAS=False, SILU=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2,
+             IEEE=False), dict(o_ptr=_F32), 4),
+    "triton_gemv._splitk_reduce_kernel": (
+        dict(HAS_BIAS=False, SPLIT_K=2, BLOCK=1024), dict(p_ptr=_F32), 4),
+}  # fmt: skip
+
+
+def check_pdl(name: str, pdl: bool) -> dict:
+    """Build kernel ``name`` (``module.kernel`` of pdserve.model) for sm_90 with ``PDL``
+    set or not; say whether its PTX waits on the previous grid and lets the next launch."""
+    import importlib
+
+    module, attr = name.split(".")
+    fn = getattr(importlib.import_module(f"pdserve.model.{module}"), attr)
+    consts, dtypes, warps = PDL_KERNELS[name]
+    consts = dict(consts, PDL=pdl)
+    args: dict = {}
+    for arg in fn.arg_names:
+        if arg in consts:
+            continue
+        if arg.endswith("_ptr"):
+            args[arg] = torch.empty(64, dtype=dtypes.get(arg, torch.bfloat16))
+        else:
+            args[arg] = 0.5 if arg in ("scale", "eps") else 4096
+    ptx = build(fn, args, consts, warps, 2).asm["ptx"]
+    return dict(
+        kernel=name,
+        pdl=pdl,
+        wait="griddepcontrol.wait" in ptx,
+        launch_dependents="griddepcontrol.launch_dependents" in ptx,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=None, help="config tuples (Python syntax)")
     ap.add_argument("--ms", default="32,64", help="row counts")
     ap.add_argument("--json", action="store_true", help="one json line a (config, M)")
+    ap.add_argument(
+        "--pdl", action="store_true", help="build the PDL kernels with and without PDL instead"
+    )
     args = ap.parse_args()
+    if args.pdl:
+        for name in PDL_KERNELS:
+            for pdl in (True, False):
+                try:
+                    row = check_pdl(name, pdl)
+                except Exception as exc:  # noqa: BLE001 (reported: a kernel that does not build)
+                    row = dict(kernel=name, pdl=pdl, error=" ".join(str(exc).split())[:300])
+                print(json.dumps(row) if args.json else row, flush=True)
+        return
     if args.configs:
         cfgs = [tuple(ast.literal_eval(c)) for c in args.configs]
     else:

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.model import pdl
+from pdserve.model.pdl import pdl_enter
+
 
 @triton.jit
 def _rope_kernel(
@@ -51,12 +54,14 @@ def _rope_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: rotate its ``H`` heads in place by the table row of its
     position (``table[pos] = cos[HALF] | sin[HALF]``). With ``STORE`` the last ``HKV`` of
     them are K heads: the rotated K and the token's V ``[HKV, D]`` are also written to the
     paged cache at slot ``slot_mapping[t]`` (a negative slot, a padded row of a captured
     batch, writes nothing), the same bytes the attention backend's store would write."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
@@ -133,6 +138,7 @@ def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) 
         PAGE_SIZE=1,
         BLOCK_KV=1,
         BLOCK_DV=1,
+        **pdl.launch_options(x),
     )
 
 
@@ -184,12 +190,14 @@ def rope_store_kv(
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_KV=triton.next_power_of_2(Hkv),
         BLOCK_DV=triton.next_power_of_2(D),
+        **pdl.launch_options(qk),
     )
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, s_xt, s_ot, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, s_xt, s_ot, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(T, cdiv(N, BLOCK))``: ``out[t, n] = silu(x[t, n]) * x[t, N + n]``."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     nn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = nn < N
@@ -209,7 +217,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     assert x.stride(-1) == 1
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    grid = (T, triton.cdiv(n, block))
+    _silu_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, **pdl.launch_options(x)
+    )
     return out
 
 
@@ -228,10 +239,12 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: ``h = x + r`` (rounded to x's dtype, as torch's add; stored
     when ``HAS_RES``), ``y = w * (h * rsqrt(mean(h^2) + eps))`` with fp32 statistics and the
     normalised value rounded to x's dtype before the weight (transformers' order)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -280,5 +293,6 @@ def add_rms_norm(
         HAS_RES=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
+        **pdl.launch_options(x),
     )
     return h, y

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model import pdl
 from pdserve.model.attention import AttentionBackend, AttentionMetadata
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
@@ -208,6 +209,7 @@ class TritonBackend(AttentionBackend):
                 PAGE_SIZE=page_size,
                 BLOCK_H=_pow2(Hkv, 1),
                 BLOCK_D=block_d,
+                **pdl.launch_options(k),
             )
         out = q.new_empty(T, Hq, D)
         ieee = q.dtype == torch.float32  # fp32 stays exact: no TF32 in the dots
@@ -256,6 +258,7 @@ class TritonBackend(AttentionBackend):
                 IEEE=ieee,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
+                **pdl.launch_options(q),
             )
             if S > 1:
                 decode_merge_kernel[(B, Hq)](
@@ -270,6 +273,7 @@ class TritonBackend(AttentionBackend):
                     NUM_SPLITS=S,
                     BLOCK_S=_pow2(S, 1),
                     BLOCK_D=block_d,
+                    **pdl.launch_options(q),
                 )
         else:
             grid = (B, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
@@ -296,5 +300,6 @@ class TritonBackend(AttentionBackend):
                 BLOCK_N=_EXTEND_BLOCK_N,
                 BLOCK_D=block_d,
                 IEEE=ieee,
+                **pdl.launch_options(q),
             )
         return out.view(T, Hq * D)

@@ -44,6 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.model import pdl
+from pdserve.model.pdl import pdl_enter
+
 # A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot",
 # "splitk2" / "splitk4" / "splitk8" or one of the "tma*" kinds (KNOWN below).
 Config = tuple[str, int, int, int, int]
@@ -92,8 +95,10 @@ def _gemv_rows_kernel(
     SILU: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = sum_k w[n, k] x[k] (+ b[n])``."""
+    pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
@@ -135,12 +140,14 @@ def _gemv_dot_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``, ``M <= BLOCK_M`` rows: ``o = x @ w.T (+ b)``.
 
     With ``SPLIT_K == 1`` the program stores the output; otherwise program ``(n, s)`` sums K
     in ``[s * K_SPLIT, (s + 1) * K_SPLIT)`` and stores fp32 partials at ``o + s * s_os``
     (the bias is then the reduce kernel's)."""
+    pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K == 1:  # the whole of K (a loop from 0: what the measured M <= 16 entries ran)
         k_lo = 0
@@ -189,9 +196,11 @@ def _splitk_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(MN, BLOCK),)``: ``o = sum_s p[s] (+ b)`` over ``p [SPLIT_K, M, N]`` fp32,
     in the order s = 0, 1, ... (deterministic), rounded once to o's dtype."""
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = r < MN
     acc = tl.load(p_ptr + r, mask=mask, other=0.0)
@@ -250,6 +259,7 @@ def gemv(
             BLOCK_K=block_k,
             num_warps=warps,
             num_stages=stages,
+            **pdl.launch_options(x),
         )
         return out
     if kind.startswith("tma"):
@@ -288,6 +298,7 @@ def gemv(
         IEEE=x.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
+        **pdl.launch_options(x),
     )
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
@@ -300,6 +311,7 @@ def gemv(
             SPLIT_K=split,
             BLOCK=REDUCE_BLOCK,
             num_warps=4,
+            **pdl.launch_options(x),
         )
     return out
 

@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pdserve.model import pdl
 from pdserve.model.triton_gemv import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 CPU_PROGRAMS = 3  # persistent programs under the interpreter: a test sees several units each
@@ -326,5 +327,5 @@ def gemv_tma(
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             dst, b, out, N, M * N, HAS_BIAS=bias is not None, SPLIT_K=split,
-            BLOCK=REDUCE_BLOCK, num_warps=4,
+            BLOCK=REDUCE_BLOCK, num_warps=4, **pdl.launch_options(x),
         )  # fmt: skip

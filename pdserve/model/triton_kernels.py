@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pdserve.model.pdl import pdl_enter
+
 # Integer arguments that change from step to step (the page table's row stride = its width
 # in pages). Triton compiles a kernel again for an int that is 1, or divisible by 16, or
 # neither (~0.8 s per compile on the H200, paid by the request whose step first has that
@@ -47,10 +49,12 @@ def store_kv_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per new token: copy its ``[Hkv, D]`` K and V into slot
     ``slot_mapping[t]`` (``page * page_size + offset``); a negative slot (a padded row of a
     captured batch) writes nothing. The last dim of every tensor has stride 1."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -163,6 +167,7 @@ def decode_split_kernel(
     BLOCK_D: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -178,6 +183,7 @@ def decode_split_kernel(
     one page-table entry; else each position reads its own. A row of context 0 (a padded
     row) outputs 0. K and V of a tile are both loaded before its first dot, so their
     memory latencies overlap."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,9 +276,11 @@ def decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(B, Hq)``: merge the splits' partial outputs by their log-sum-exp weights into
     ``out[b, h, :]`` (q's dtype). A row whose splits are all empty (a padded row) gets 0."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -320,11 +328,13 @@ def extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(B, Hq, cdiv(max_q_len, BLOCK_M))``: query rows ``m`` of sequence ``b`` (its new
     tokens, at positions ``seq_len - q_len + m``) against every cached position up to their
     own (causal with the cached prefix before it). K/V of the new tokens are already in the
     cache. Output ``out[t, h, :]`` in q's dtype."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)

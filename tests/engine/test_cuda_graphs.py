@@ -198,6 +198,43 @@ def test_short_context_graphs_and_unbounded_ones_match_eager(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
+def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
+    """PDSERVE_TRITON_PDL=1 (model/pdl.py): graphs and eager steps with every Triton kernel
+    launched under PDL give the tokens and logprobs of the run without it, bit for bit (each
+    kernel waits for its predecessor before touching memory)."""
+    _needs_cuda()
+    from pdserve.model import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    prompts = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_TRITON_PDL", on)
+        pdl._options.cache_clear()
+        for eager in (False, True):
+            llm = LLM(
+                "random:tiny",
+                device="cuda",
+                dtype="float32",
+                max_running_requests=8,
+                kv_cache_memory=0.25,
+                enforce_eager=eager,
+            )
+            outs = llm.generate(prompts, params)
+            runs[on, eager] = [
+                (o.outputs[0].token_ids, [t.logprob for t in o.outputs[0].logprobs]) for o in outs
+            ]
+            del llm
+            torch.cuda.empty_cache()
+    pdl._options.cache_clear()
+    assert runs["1", False] == runs["0", False]
+    assert runs["1", True] == runs["0", True]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
 def test_chunked_prefill_on_cuda_equals_one_chunk():
     """A prompt prefilled in many chunks that sample nothing (so no step ends with a device
     read) gives the tokens of the same prompt prefilled in one step. Guards the pinned staging
