@@ -2,9 +2,11 @@
 and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
-out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server. A destination may arrive before the engine created the
-room (the router sends to both workers at once): it waits in ``_pending`` (bounded by the
-bootstrap timeout); an abort for a room not created yet waits in ``_early_aborts``.
+out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server
+(:mod:`.prefill_bootstrap`: rank 0 serves it, every rank registers there). A destination
+may arrive before the engine created the room (the router sends to both workers at
+once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
+not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
 (:mod:`.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
 each decode agent is loaded into both.
@@ -20,7 +22,6 @@ Only rank 0 writes the aux record, and only into decode rank 0.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -32,14 +33,12 @@ import zmq
 from pdserve import envs
 from pdserve.advertise import advertised_host, url_host
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
-from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.head_map import reads_from
 from pdserve.disagg.messages import (
     HealthInfo,
     Hello,
     Ping,
-    RankInfo,
     RoomAbort,
     RoomDest,
     RoomStatus,
@@ -51,6 +50,7 @@ from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.notifier import NixlNotifier
+from pdserve.disagg.nixl.prefill_bootstrap import PrefillBootstrap, rank_info
 from pdserve.disagg.nixl.sender import NixlSender
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
 from pdserve.disagg.nixl.transfer_workers import TransferWorkers
@@ -119,6 +119,9 @@ class NixlPrefillManager(KVManager):
             raise ValueError(
                 f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}"
             )
+        self.rank = args.tp
+        # checked before any agent or socket exists (a bad port leaks nothing)
+        self._bootstrap = PrefillBootstrap(self.rank, bootstrap_host, bootstrap_port, self._health)
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlSender] = RoomTable("prefill")
@@ -148,19 +151,6 @@ class NixlPrefillManager(KVManager):
         advertised = url_host(advertised_host(host, advertise_host))
         self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
-        self.rank = args.tp
-        self._bootstrap_host = host
-        self._bootstrap: BootstrapServer | None = None
-        self._port: int | None = None
-        if self.rank.rank == 0:
-            self._bootstrap = BootstrapServer(host, bootstrap_port, self._health)
-        elif not 1 <= bootstrap_port <= 65535:
-            raise ValueError(
-                f"bootstrap_port: rank {self.rank.rank} registers at rank 0's bootstrap "
-                f"server, got port {bootstrap_port}"
-            )
-        else:
-            self._port = bootstrap_port
         self._start_threads = start_threads
         try:
             if start_threads:
@@ -171,30 +161,13 @@ class NixlPrefillManager(KVManager):
 
     # --- start-up -------------------------------------------------------------------
     def _start(self) -> None:
-        if self._bootstrap is not None:
-            self._port = self._bootstrap.start()
-        assert self._port is not None  # rank 0 bound it; other ranks were given it
+        self._bootstrap.serve()
         for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
             self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
-        info = RankInfo(
-            PROTOCOL_VERSION,
-            self.instance_id,
-            self.engine.kv_args.engine_rank,
-            self.engine.name,
-            base64.b64encode(self.engine.metadata()).decode(),
-            self.control_endpoint,
-            self.engine.kv_args.layout.to_dict(),
-            self.engine.kv_descs,
-            self.engine.aux_descs,
-            self.rank.size,
-            list(self.engine.kv_args.kv_heads),
+        self._bootstrap.register(
+            rank_info(self.instance_id, self.engine, self.control_endpoint, self.rank.size)
         )
-        client = BootstrapClient()
-        try:  # every rank registers over HTTP, rank 0 included
-            client.register(self._bootstrap_host, self._port, info)
-        finally:
-            client.close()
 
     def _health(self) -> HealthInfo:
         return HealthInfo(
@@ -204,7 +177,7 @@ class NixlPrefillManager(KVManager):
     # --- KVManager ------------------------------------------------------------------
     @property
     def bootstrap_port(self) -> int | None:
-        return self._port
+        return self._bootstrap.port
 
     def create_sender(self, bootstrap_room: int) -> KVSender:
         room = check_room(bootstrap_room)
@@ -229,14 +202,12 @@ class NixlPrefillManager(KVManager):
         raise RuntimeError("create_receiver on a prefill KV manager")
 
     def is_healthy(self) -> bool:
-        serving = self._bootstrap is None or self._bootstrap.is_alive()
-        return not self._down and self._threads.healthy() and serving
+        return not self._down and self._threads.healthy() and self._bootstrap.serving()
 
     def forget_rank(self, engine_rank: int) -> None:
         """Rank 0: the process of ``engine_rank`` died; its registration is removed, so
         decode's heartbeat knows that rank's instance gone (its rooms fail there)."""
-        if self._bootstrap is not None:
-            self._bootstrap.deregister(engine_rank)
+        self._bootstrap.forget_rank(engine_rank)
 
     def num_live_rooms(self) -> int:
         return len(self._rooms)
@@ -265,8 +236,7 @@ class NixlPrefillManager(KVManager):
         for sender in self._rooms.handles():
             sender._fail("the prefill KV manager shut down", SHUTDOWN)
         self._threads.stop()
-        if self._bootstrap is not None:
-            self._bootstrap.stop()
+        self._bootstrap.stop()
         self._outbox.close()
         self._router.close(linger=0)
         self._ctx.term()
