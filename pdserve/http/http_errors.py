@@ -31,14 +31,12 @@ def error_json(
 
 def error_status(body: object) -> int | None:
     """The HTTP status an OpenAI error body stands for (its ``error.type``, the inverse of
-    :func:`error_json`'s choice: ``invalid_request_error`` 400, any other 5xx type 500), or
+    :func:`error_json`'s choice: ``invalid_request_error`` 400, ``service_unavailable``
+    503, ..., a type of no status of its own 500), or
     None when ``body`` is not an error body. For an error event inside a stream, whose
     HTTP status was 200 already."""
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return None
     kind = error.get("type")
-    for status, name in _TYPES.items():
-        if name == kind:
-            return status
-    return 400 if kind == "invalid_request_error" else 500
+    return next((status for status, name in _TYPES.items() if name == kind), 500)

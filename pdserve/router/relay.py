@@ -173,8 +173,9 @@ async def relay_sse(
     asked for, the first chunk is held until then (only that one: later chunks come
     after it, so the answer is already there). A stream that breaks or ends early yields
     a 502 SSE error; a worker's own SSE error event (its request failed mid-stream) is
-    relayed as is, with the ``[DONE]`` that follows it. ``streams``: registry whose ``shutdown()`` ends the stream with a 503
-    SSE error ("router shutting down") + ``[DONE]``. ``on_close`` runs once at the end,
+    relayed as is, with the ``[DONE]`` that follows it. ``streams``: registry whose
+    ``shutdown()`` ends the stream with a 503 SSE error ("router shutting down") +
+    ``[DONE]``. ``on_close`` runs once at the end,
     after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
     """
     end = end if end is not None else StreamEnd()
@@ -215,7 +216,7 @@ async def relay_sse(
         """A worker's own SSE error event (its request failed mid-stream; ``[DONE]``
         follows): the stream ends with that error's status (a 5xx counts as the leg's
         failure, as before the first byte)."""
-        if '"error"' not in data:  # cheap: content chunks never carry that key
+        if '"error"' not in data:  # cheap pre-check: only an error body has that key
             return
         try:
             status = error_status(json.loads(data))

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.http.http_errors import error_json, error_status
 from pdserve.router.dispatch import Dispatcher, _num_samples
 from pdserve.router.merge import merge_prompt_logprobs
 from pdserve.router.policies import WorkerState, _block_keys, create_policy, routing_key
@@ -242,3 +243,12 @@ def test_num_samples_counts_n_per_prompt_of_a_completions_batch():
 def test_router_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**kwargs)
+
+
+def test_error_status_reads_back_the_status_of_an_error_body():
+    for status in (400, 409, 413, 500, 502, 503, 504):
+        assert error_status(error_json(status, "m")) == status
+    assert error_status(error_json(404, "m")) == 400  # OpenAI's type of a 404: the 4xx one
+    assert error_status({"error": {"type": "something_else"}}) == 500
+    for body in ({"choices": []}, {"error": "text"}, [1], None):
+        assert error_status(body) is None
