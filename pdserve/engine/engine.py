@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,14 +21,14 @@ from pdserve.engine.disagg_flow import DisaggFlow
 from pdserve.engine.executor import RankFailedError, create_executor
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.model_runner import StepResult
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import OverlapScheduler
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import BatchPlan, Scheduler
-from pdserve.engine.stop import TokenStop, tokens_banned_before_min
-from pdserve.engine.structured.manager import StructuredOutputManager
+from pdserve.engine.stop import check_stops, tokens_banned_before_min
+from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
 from pdserve.model.attention import default_backend
 from pdserve.model.loader import load_model_source
 
@@ -339,32 +338,18 @@ class EngineCore:
                 self.overlap.remove(req)  # pages: after a launched step that writes them
 
     def _attach_grammar_masks(self, plan: BatchPlan) -> BatchPlan:
-        """Give each sampling row of a request with a live grammar its allowed-token mask
-        (``ScheduledSeq.logits_mask``), all rows filled in one batched call."""
-        rows = []
-        for i, seq in enumerate(plan.seqs):
-            grammar = self._requests[seq.request_id].grammar if seq.sample else None
-            if grammar is not None and not grammar.failed and not grammar.is_terminated:
-                rows.append((i, grammar))
-        if not rows:
-            return plan
-        masks = self.structured.masks([g for _, g in rows], self.device)
-        seqs = list(plan.seqs)
-        for (i, _), mask in zip(rows, masks):
-            banned = seqs[i].banned_token_ids
-            if banned and int(mask.sum()) == int(mask[list(banned)].sum()):
-                # The grammar is complete and allows only EOS: it ends the output even
-                # before min_tokens (masking both would leave no token at all).
-                banned = ()
-            seqs[i] = seqs[i]._replace(logits_mask=mask, banned_token_ids=banned)
-        return replace(plan, seqs=tuple(seqs))
+        """``plan`` with the allowed-token masks of its live grammars (a separate method:
+        ``bench host`` times it)."""
+        return self.structured.attach_masks(plan, self._grammar_of, self.device)
+
+    def _grammar_of(self, request_id: str) -> GrammarState | None:
+        return self._requests[request_id].grammar
 
     def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:
         """Append a sampled token, update text, and apply the stop checks (finishing
         ``req`` in place; a prefill-role request instead sends its KV).  A request with a
         grammar advances its matcher here, on every worker: decode's matcher thereby
         resumes from the prompt plus the first token that prefill sampled."""
-        params = req.params
         token_id = tok.token_id
         req.append_token(token_id, tok.logprob, tok.top)
         if req.grammar is not None and not req.grammar.accept(token_id) and not prefill_role:
@@ -374,54 +359,13 @@ class EngineCore:
             return
         if not prefill_role:  # decode counts the first token too; count it once per request
             self._counters["generation_tokens"] += 1
-        stop = req.token_stop
-        if stop is None:
-            stop = req.token_stop = TokenStop(
-                params, self.eos_token_ids, self.max_model_len, req.num_prompt_tokens
-            )
-        num_output = len(req.all_token_ids) - req.num_prompt_tokens
-        verdict: tuple[str, str | int | None] | None = stop.check(token_id, num_output)
-        if (
-            req.grammar is not None
-            and token_id in self.eos_token_ids
-            and not params.ignore_eos
-            and req.grammar.is_terminated
-        ):
-            verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
-        if verdict is None or verdict[0] == "length":  # an EOS / stop token adds no text (vLLM)
-            stop_str = req.detokenizer.add_token(token_id, check_stop=num_output > stop.min_tokens)
-            if stop_str is not None:
-                verdict = ("stop", stop_str)
+        verdict = check_stops(req, token_id, self.eos_token_ids, self.max_model_len)
         if prefill_role:
             self.disagg.send_prefill(req, tok, verdict or ("length", None))
         elif verdict is not None:
             req.finish(*verdict)
 
     def _make_output(self, req: Request) -> RequestOutput:
-        """``req`` as it stands after this step, with the delta since its last output.
-        O(1): the totals are views cut on first read (``CompletionOutput.snapshot``)."""
-        finished = req.status is Status.FINISHED
-        completion = CompletionOutput.snapshot(
-            req.all_token_ids,
-            req.num_prompt_tokens,
-            req.num_reported_tokens,
-            req.logprobs,
-            text=req.detokenizer.text,
-            delta_text=req.detokenizer.take_delta(finished),
-            cumulative_logprob=req.cumulative_logprob,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        req.num_reported_tokens = len(req.all_token_ids) - req.num_prompt_tokens
-        prompt_lps = req.prompt_logprobs
-        if prompt_lps is not None and len(prompt_lps) < req.num_prompt_tokens:
-            prompt_lps = None  # not all computed yet
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            prompt_logprobs=prompt_lps,
-            error=req.error,
-            num_cached_tokens=req.num_cached_tokens,
-        )
+        """``req``'s output after this step (``Request.make_output``; a separate method:
+        ``bench host`` times it)."""
+        return req.make_output()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,16 +18,13 @@ from pdserve.engine.sampler import (
     sample_request_of,
     top_logprobs,
 )
-from pdserve.engine.scheduler import BatchPlan, ScheduledSeq
-from pdserve.model.attention import AttentionMetadata, page_table_array, token_slots
+from pdserve.engine.scheduler import BatchPlan
+from pdserve.engine.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
+from pdserve.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graph import CUDAGraphRunner
     from pdserve.model.llama import LlamaForCausalLM
-
-# Prompt-logprob rows go through the LM head in chunks so a long prompt never makes a
-# [prompt_len, vocab] fp32 logits tensor at once.
-_PROMPT_LOGITS_CHUNK = 256
 
 
 @dataclass
@@ -95,12 +90,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.generator = generator  # draws of unseeded random rows (seeded rows own theirs)
         self.graphs = graphs  # CUDAGraphRunner | None
-        self._pin = self.device.type == "cuda"
-        self._staging = torch.empty(0, dtype=torch.int64)
-        # The last host-to-device copy out of the staging buffer. A step that samples ends
-        # with a device read, but a step that does not (a middle chunk of a chunked prefill)
-        # returns at once: the buffer must not be rewritten until that copy has run.
-        self._staged_copy: torch.cuda.Event | None = None
+        self._staging = StagingBuffer(pin=self.device.type == "cuda")
         # Called with each eager step's staged inputs before its forward (a TP executor
         # sends them to the other ranks here); None for TP=1.
         self.on_staged: Callable[[StepHeader, np.ndarray], None] | None = None
@@ -108,18 +98,6 @@ class ModelRunner:
         # are copied into, used in turn (step N's is read after step N+1 is launched).
         self._token_hosts: list[torch.Tensor] = [torch.empty(0, 2, dtype=torch.float64)] * 2
         self._token_turn = 0
-
-    def _stage(self, n: int) -> torch.Tensor:
-        """The pinned (on CUDA) int64 staging buffer, at least ``n`` long; grows by doubling
-        (each step ends with a device read, so the previous copy out of it is complete)."""
-        if self._staged_copy is not None:
-            self._staged_copy.synchronize()
-            self._staged_copy = None
-        if self._staging.numel() < n:
-            size = max(n, 2 * self._staging.numel(), 4096)
-            buf = torch.empty(size, dtype=torch.int64)
-            self._staging = buf.pin_memory() if self._pin else buf
-        return self._staging
 
     def _graph_step(self, plan: BatchPlan) -> torch.Tensor | None:
         """Logits ``[B, V]`` of a decode-only step through a CUDA graph, or None when the step
@@ -226,41 +204,16 @@ class ModelRunner:
         return self.run_staged(header, host, on_chunk)
 
     def stage(self, plan: BatchPlan) -> tuple[StepHeader, np.ndarray]:
-        """The step's inputs as flat int64 (what every rank's forward needs, no sampling
-        state): fills the staging buffer, returns its header and the host view of its first
-        ``header.total`` values: ids | positions | slots | seq_lens | qsl | sample rows |
-        page table | prompt-logprob chunks (row start, rows) pairs.  A TP executor sends
-        exactly these to the other ranks (``engine/multiproc_executor.py``)."""
-        seqs = plan.seqs
-        B = len(seqs)
-        q = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
-        start = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=B)
-        s_lens = start + q
-        tables = [s.pages for s in seqs]
-        width = max(1, max((len(t) for t in tables), default=1))
-        if any(len(t) * self.pool.page_size < n for t, n in zip(tables, s_lens.tolist())):
-            raise ValueError("a sequence's pages are too few for its tokens")
-        table = page_table_array(tables, width)
-        qsl, positions, slots = token_slots(q, s_lens, table, self.pool.page_size)
-        T = int(qsl[-1])
-        sample_rows = (qsl[1:] - 1)[[s.sample for s in seqs]]
-        chunks = _prompt_chunks(seqs, qsl[:-1].tolist())
-        header = StepHeader(B, T, width, len(sample_rows), len(chunks) // 2)
-        offs = header.offsets
-        buf = self._stage(int(offs[-1]))
-        host = buf.numpy()
-        host[offs[0] : offs[0] + T] = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=T
-        )
-        segments = (positions, slots, s_lens, qsl, sample_rows, table.reshape(-1), chunks)
-        for i, (arr, n) in enumerate(zip(segments, header.sizes[1:]), start=1):
-            host[offs[i] : offs[i] + n] = arr
-        return header, host[: int(offs[-1])]
+        """The step's inputs as flat int64 in the staging buffer: its header and the host
+        view of its first ``header.total`` values (``engine/staging.py``: the segments).
+        A TP executor sends exactly these to the other ranks
+        (``engine/multiproc_executor.py``)."""
+        return stage_plan(plan, self.pool.page_size, self._staging)
 
     def staging_view(self, n: int) -> np.ndarray:
         """The host view of the first ``n`` values of the staging buffer (grown as needed),
         for a rank that receives a step's inputs instead of staging a plan."""
-        return self._stage(n).numpy()[:n]
+        return self._staging.reserve(n)[:n]
 
     def run_staged(
         self,
@@ -278,11 +231,7 @@ class ModelRunner:
         are row indices into it (overlap scheduling, :meth:`launch_greedy`)."""
         B, T, width, n_sample = header.num_seqs, header.num_tokens, header.width, header.n_sample
         offs = header.offsets
-        total = int(offs[-1])
-        dev = self._staging[:total].to(self.device, non_blocking=True)
-        if self._pin:
-            self._staged_copy = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._staged_copy.record()
+        dev = self._staging.to_device(int(offs[-1]), self.device)
         ids_t, pos_t, slots_t, lens_t, qsl_t, rows_t, table_t = (
             dev[o : o + n] for o, n in zip(offs[:7].tolist(), header.sizes)
         )
@@ -311,86 +260,22 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_chunk_targets(plan: BatchPlan) -> list[tuple[str, list[int], int]]:
-        """Per prompt-logprob chunk (the order of :func:`_prompt_chunks`): request id,
+        """Per prompt-logprob chunk (the order of ``staging._prompt_chunks``): request id,
         target tokens, top-k."""
         out: list[tuple[str, list[int], int]] = []
         if not any(s.prompt_logprobs_targets for s in plan.seqs):
             return out
         for seq in plan.seqs:
             tg = seq.prompt_logprobs_targets
-            for c in range(0, len(tg), _PROMPT_LOGITS_CHUNK):
+            for c in range(0, len(tg), PROMPT_LOGITS_CHUNK):
                 out.append(
                     (
                         seq.request_id,
-                        tg[c : c + _PROMPT_LOGITS_CHUNK],
+                        tg[c : c + PROMPT_LOGITS_CHUNK],
                         seq.params.prompt_logprobs or 0,
                     )
                 )
         return out
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """The fixed-size part of a staged step: sequences, tokens, page-table width, sampling
-    rows, prompt-logprob chunks.  ``HEADER_LEN`` int64 values on the wire (``to_array``)."""
-
-    num_seqs: int
-    num_tokens: int
-    width: int
-    n_sample: int
-    n_chunks: int
-
-    @functools.cached_property
-    def sizes(self) -> tuple[int, ...]:
-        """Length of each of the 8 segments of the staged buffer (int64 values)."""
-        B, T = self.num_seqs, self.num_tokens
-        return (T, T, T, B, B + 1, self.n_sample, B * self.width, 2 * self.n_chunks)
-
-    @functools.cached_property
-    def offsets(self) -> np.ndarray:
-        """Start of each segment of the staged buffer and its total length (int64 ``[9]``).
-        Each start is a multiple of ``_SEGMENT_ALIGN`` values (16 bytes): Triton compiles a
-        kernel once per alignment of its pointer arguments, so a segment at an odd offset
-        would cost a new compile (~0.8 s on the H200) whenever the alignment changed."""
-        starts = [0]
-        for n in self.sizes:
-            starts.append(-(-(starts[-1] + n) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN)
-        return np.array(starts, dtype=np.int64)
-
-    @property
-    def total(self) -> int:
-        return int(self.offsets[-1])
-
-    def to_array(self, kind: int = 0) -> np.ndarray:
-        """``[kind, num_seqs, num_tokens, width, n_sample, n_chunks, 0, 0]`` int64."""
-        out = np.zeros(HEADER_LEN, dtype=np.int64)
-        out[:6] = (kind, self.num_seqs, self.num_tokens, self.width, self.n_sample, self.n_chunks)
-        return out
-
-    @classmethod
-    def from_array(cls, a: np.ndarray) -> StepHeader:
-        return cls(*(int(x) for x in a[1:6]))
-
-
-HEADER_LEN = 8
-_SEGMENT_ALIGN = 2  # int64 values: 16 bytes, the alignment Triton specializes pointers on
-
-
-def _prompt_chunks(seqs: Sequence[ScheduledSeq], row0s: list[int]) -> np.ndarray:
-    """Flat ``(row start, rows)`` pairs of every prompt-logprob chunk (int64 ``[2 * n]``):
-    the rows of the step's hidden states whose logits give the prompt logprobs, in chunks
-    of at most ``_PROMPT_LOGITS_CHUNK``."""
-    pairs: list[int] = []
-    if not any(s.prompt_logprobs_targets for s in seqs):
-        return np.zeros(0, dtype=np.int64)
-    for seq, row0 in zip(seqs, row0s):
-        n = len(seq.prompt_logprobs_targets)
-        if not n:
-            continue
-        first = row0 + seq.prompt_logprobs_start - seq.start_pos
-        for c in range(0, n, _PROMPT_LOGITS_CHUNK):
-            pairs += (first + c, min(_PROMPT_LOGITS_CHUNK, n - c))
-    return np.asarray(pairs, dtype=np.int64)
 
 
 def _chunk_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:

@@ -32,9 +32,10 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.executor import Executor, RankFailedError, RemoteTraceback
-from pdserve.engine.model_runner import HEADER_LEN, StepHeader, StepResult
+from pdserve.engine.model_runner import StepResult
 from pdserve.engine.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
 from pdserve.engine.scheduler import BatchPlan
+from pdserve.engine.staging import HEADER_LEN, StepHeader
 from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:

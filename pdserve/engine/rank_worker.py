@@ -10,7 +10,7 @@ ranks) decides.
 
 A rank process (:func:`rank_main`) talks to rank 0 over one pipe
 (``multiprocessing.Connection``): at start a few pickled messages (hello, its page count,
-built); then per step a fixed header (``HEADER_LEN`` int64, ``model_runner.StepHeader`` plus
+built); then per step a fixed header (``HEADER_LEN`` int64, ``staging.StepHeader`` plus
 a kind) and the step's flat int64 inputs (``ModelRunner.stage``), received straight into the
 rank's staging buffer; per :meth:`Executor.call_rank` one pickled ``(fn, args)`` and its
 pickled result.  The model's collectives go over ``torch.distributed`` (gloo on CPU, NCCL on
@@ -37,7 +37,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
 from pdserve.engine.kv_layout import default_page_size
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
-from pdserve.engine.model_runner import HEADER_LEN, ModelRunner, StepHeader
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.staging import HEADER_LEN, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
 

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.disagg.base import PD_ROLES, KVReceiver, KVSender
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import TokenStop
@@ -165,3 +165,33 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+
+    def make_output(self) -> RequestOutput:
+        """This request as it stands after this step, with the delta since its last
+        output (advances ``num_reported_tokens``).  O(1): the totals are views cut on first
+        read (``CompletionOutput.snapshot``)."""
+        finished = self.status is Status.FINISHED
+        completion = CompletionOutput.snapshot(
+            self.all_token_ids,
+            self.num_prompt_tokens,
+            self.num_reported_tokens,
+            self.logprobs,
+            text=self.detokenizer.text,
+            delta_text=self.detokenizer.take_delta(finished),
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.num_reported_tokens = len(self.all_token_ids) - self.num_prompt_tokens
+        prompt_lps = self.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < self.num_prompt_tokens:
+            prompt_lps = None  # not all computed yet
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            prompt_logprobs=prompt_lps,
+            error=self.error,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -6,14 +6,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdserve.engine.structured.backend import XGrammarBackend
 from pdserve.engine.structured.bitmask import allocate_bitmask, bitmask_to_bool
 from pdserve.engine.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import BatchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +91,31 @@ class StructuredOutputManager:
         self.backend.fill([s.matcher for s in states], bitmask)
         allowed = bitmask_to_bool(bitmask, self.vocab_size).to(device, non_blocking=True)
         return list(allowed.unbind(0))
+
+    def attach_masks(
+        self,
+        plan: BatchPlan,
+        grammar_of: Callable[[str], GrammarState | None],
+        device: torch.device,
+    ) -> BatchPlan:
+        """``plan`` with each sampling row of a request with a live grammar
+        (``grammar_of(request_id)``: not failed, not terminated) given its allowed-token mask
+        (``ScheduledSeq.logits_mask``), all rows filled in one batched call; ``plan`` itself
+        when no row has one."""
+        rows = []
+        for i, seq in enumerate(plan.seqs):
+            grammar = grammar_of(seq.request_id) if seq.sample else None
+            if grammar is not None and not grammar.failed and not grammar.is_terminated:
+                rows.append((i, grammar))
+        if not rows:
+            return plan
+        masks = self.masks([g for _, g in rows], device)
+        seqs = list(plan.seqs)
+        for (i, _), mask in zip(rows, masks):
+            banned = seqs[i].banned_token_ids
+            if banned and int(mask.sum()) == int(mask[list(banned)].sum()):
+                # The grammar is complete and allows only EOS: it ends the output even
+                # before min_tokens (masking both would leave no token at all).
+                banned = ()
+            seqs[i] = seqs[i]._replace(logits_mask=mask, banned_token_ids=banned)
+        return replace(plan, seqs=tuple(seqs))
