@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from pdserve.bench.hf_reference import hf_model
+from pdserve.bench.roofline import copy_bandwidth, step_bytes
 from pdserve.server.engine_args import add_engine_flags
 
 
@@ -106,86 +108,11 @@ def _parse_prefill(text: str | None) -> tuple[int, int] | None:
     return n, length
 
 
-def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float:
-    """Read+write bytes/s of a device-to-device copy of ``nbytes`` (default 1 GiB on CUDA,
-    256 MiB on CPU), best of ``repeats`` after a warm-up: 2 * nbytes / seconds."""
-    import torch
-
-    if nbytes is None:
-        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * nbytes / best
-
-
-def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
-    """Bytes one decode step of ``num_seqs`` sequences must read: every weight of the model
-    (the input embeddings only when tied to the LM head) + the KV of ``mean_context`` tokens
-    per sequence (all layers, K and V)."""
-    from pdserve.engine.kv_pool import kv_bytes_per_token
-
-    model = engine.model
-    s = model.shapes
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += sum(
-        t.numel() * t.element_size() for layer in model.layers for t in layer.packed.values()
-    )
-    if not s.tied:
-        weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
-    return int(weights + num_seqs * mean_context * kv)
-
-
 def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n, length), generator=gen).tolist()
-
-
-def _hf_model(engine):
-    """The HF reference model with the engine's exact weights, dtype and device (built on
-    the device without random init, weights streamed in one tensor at a time)."""
-    import torch
-    import transformers
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights(), torch.device(engine.device):
-        model = transformers.AutoModelForCausalLM.from_config(
-            engine.source.hf_config, dtype=engine.dtype
-        )
-    params = model.state_dict()
-    loaded = set()
-    with torch.no_grad():
-        for name, tensor in engine.source.weights():
-            if name not in params:
-                raise ValueError(f"model: weight {name!r} does not fit the transformers model")
-            params[name].copy_(tensor)
-            loaded.add(name)
-    model.tie_weights()  # no_init_weights skips the tying of lm_head to the embeddings
-    missing = [k for k in params if k not in loaded and not k.startswith("lm_head")]
-    if missing or (
-        model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
-        and "lm_head.weight" not in loaded
-    ):
-        raise ValueError(
-            f"model: weights missing for the transformers model: {missing[:3] or ['lm_head']}"
-        )
-    return model.eval()
 
 
 def _prompts(llm, n: int) -> list[list[int]]:
@@ -294,7 +221,7 @@ def _run(
     import torch
 
     engine = llm.engine
-    hf = _hf_model(engine)
+    hf = hf_model(engine)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
     all_prompts = _prompts(llm, max(counts))

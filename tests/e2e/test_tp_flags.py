@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.launch.up import _banner, _plan
+from pdserve.launch.plan import plan_children as _plan
+from pdserve.launch.up import _banner
 from pdserve.server.engine_args import engine_argv, engine_config_from_args
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.launch.up import _plan
+from pdserve.launch.plan import plan_children as _plan
 
 
 def _parsed(argv: list[str]):

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.config import ServerConfig
-from pdserve.launch.up import _plan, cpu_threads_plan
+from pdserve.launch.plan import cpu_threads_plan
+from pdserve.launch.plan import plan_children as _plan
 
 
 def _threads_flag(argv: list[str]) -> int | None:
