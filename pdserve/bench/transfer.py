@@ -45,11 +45,13 @@ MODEL_SHAPES = {
     "smollm2-135m": (30, 3, 64),
 }
 _DTYPES = ("bfloat16", "float16", "float32")
-# How often the harness polls a room (both processes). Not a spin: on a 2-core machine a
-# spinning harness thread on each side takes the CPU the copy needs (CMA copies run on
-# prefill's posting thread) and cost the managed row 0.70-0.75 of raw NIXL, where the raw
-# row's target sleeps; an engine polls once per step (idle: every 2 ms).
-POLL_S = 1e-4
+# How often the harness polls a room (both processes). Not a spin, and not often: on a
+# 2-core machine each wake-up costs CPU the copy needs (CMA copies run inside prefill's
+# post): a spinning harness cost the managed row 0.70-0.75 of raw NIXL, and a
+# time.sleep(1e-4) costs ~13 us CPU a wake-up. The rows are the managers' own records,
+# so the harness's cadence adds nothing to them; an engine polls once per step (idle:
+# every 2 ms).
+POLL_S = 1e-3
 
 
 @dataclass(frozen=True)
