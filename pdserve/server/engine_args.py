@@ -21,6 +21,26 @@ def gpu_id_tuple(text: str) -> tuple[int, ...]:
     return ids
 
 
+def config_value(cls: type, name: str, parse: Any = str) -> Any:
+    """An argparse ``type`` for the flag of field ``name`` of config dataclass ``cls``: it
+    parses the text with ``parse`` and checks the value by building ``cls(name=value)``,
+    so the flag accepts exactly what the config's own ``__post_init__`` accepts (one list
+    of allowed values, checked at parse time in ``serve`` and in ``up`` before any process
+    starts). argparse error with the config's message (naming the field and the allowed
+    values) otherwise."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        try:
+            cls(**{name: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    check.__name__ = name  # argparse names the type in its "invalid ... value" message
+    return check
+
+
 # Short spellings of a few engine flags (vLLM's ``--tp`` among them).
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--tensor-parallel-size": ("--tp",)}
 
@@ -37,10 +57,16 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         "--dtype",
         ModelConfig,
         "dtype",
-        str,
+        config_value(ModelConfig, "dtype"),
         "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
     ),
-    ("--device", ModelConfig, "device", str, "auto, cpu, cuda or cuda:N"),
+    (
+        "--device",
+        ModelConfig,
+        "device",
+        config_value(ModelConfig, "device"),
+        "auto, cpu, cuda or cuda:N",
+    ),
     ("--gpu-id", ModelConfig, "gpu_id", int, "CUDA device index when --device does not name one"),
     (
         "--max-model-len",
@@ -60,7 +86,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         "--attention-backend",
         ModelConfig,
         "attention_backend",
-        str,
+        config_value(ModelConfig, "attention_backend"),
         "auto (triton on CUDA, torch_sdpa on CPU), triton or torch_sdpa",
     ),
     (
@@ -124,7 +150,7 @@ ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
         "--kv-order",
         CacheConfig,
         "kv_order",
-        str,
+        config_value(CacheConfig, "kv_order"),
         "physical order of the KV pool: layer_major or page_major; unset: the device's "
         "default, page_major (chosen by bench transfer)",
     ),
