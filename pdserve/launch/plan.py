@@ -1,5 +1,6 @@
 """What ``pdserve up`` starts: each worker's and the router's command line and environment
-(ports, roles, tensor-parallel sizes, CPU threads, the engine flags passed through), planned
+(ports, roles, tensor-parallel sizes, CPU threads, the engine and router flags passed
+through), planned
 before any process starts."""
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from pathlib import Path
 from pdserve import envs
 from pdserve.launch.supervisor import Child
 from pdserve.server.engine_args import engine_argv
+
+# The router's tuning flags that ``up`` takes (defined by ``pdserve router``'s parser) and
+# puts on its router's command line.
+ROUTER_FLAGS = (
+    "--request-timeout",
+    "--health-check-interval",
+    "--health-check-timeout",
+    "--health-failure-threshold",
+)
 
 
 def on_cpu(args: argparse.Namespace) -> bool:
@@ -150,6 +160,8 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
         args.policy,
         *body_limit,
     ]
+    for flag in ROUTER_FLAGS:
+        router_argv += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
     for w in workers:
         router_argv += ["--prefill" if w.name.startswith("prefill") else "--decode", w.url]
     router = Child(

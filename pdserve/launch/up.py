@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig, default_of
-from pdserve.launch.plan import check_tp_sizes, plan_children, role_tp
+from pdserve.launch.plan import ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
 from pdserve.launch.supervisor import Child, stop_all
 from pdserve.process_exit import death_cause
 from pdserve.server.engine_args import add_engine_args
@@ -35,6 +35,19 @@ def _int_list(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return ids
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """Add :data:`ROUTER_FLAGS` to ``parser`` as ``pdserve router`` defines them (type,
+    default, help: the actions of a router parser built for this, so no definition is
+    copied)."""
+    from pdserve.router import launch as router_launch
+
+    router = router_launch.add_parser(argparse.ArgumentParser().add_subparsers())
+    group = parser.add_argument_group("router")
+    for action in router._actions:  # argparse offers no public accessor for an option
+        if action.option_strings and action.option_strings[0] in ROUTER_FLAGS:
+            group._add_action(action)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -125,6 +138,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="largest request body the router and the workers accept, in bytes; 413 above",
     )
     add_strict_fields_arg(p)
+    add_router_flags(p)
     add_engine_args(p)
     p.set_defaults(func=main)
     return p

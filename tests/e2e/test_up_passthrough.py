@@ -54,3 +54,35 @@ def test_up_refuses_negative_threads(tmp_path):
     args = build_parser().parse_args(["up", "--device", "cpu", "--num-threads", "-1"])
     with pytest.raises(ValueError, match="--num-threads"):
         _plan(args, tmp_path)
+
+
+def test_up_passes_router_flags_through(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = build_parser().parse_args(
+        ["up", "--device", "cpu", "--request-timeout", "12.5", "--health-check-interval", "0.5"]
+        + ["--health-check-timeout", "0.25", "--health-failure-threshold", "7"]
+    )
+    _, router = _plan(args, tmp_path)
+    parsed = _parsed(router.argv)
+    assert parsed.command == "router"
+    assert (parsed.request_timeout, parsed.health_check_interval) == (12.5, 0.5)
+    assert (parsed.health_check_timeout, parsed.health_failure_threshold) == (0.25, 7)
+
+
+def test_up_router_flags_are_the_routers(tmp_path, monkeypatch):
+    """Same defaults and help as ``pdserve router``'s, and the router gets its defaults."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    up, router = sub["up"], sub["router"]
+    flags = ["--request-timeout", "--health-check-interval", "--health-check-timeout"]
+    flags.append("--health-failure-threshold")
+    for flag in flags:
+        (mine,) = [a for a in up._actions if flag in a.option_strings]
+        (theirs,) = [a for a in router._actions if flag in a.option_strings]
+        assert (mine.type, mine.default, mine.help) == (theirs.type, theirs.default, theirs.help)
+    _, child = _plan(parser.parse_args(["up", "--device", "cpu"]), tmp_path)
+    parsed, defaults = _parsed(child.argv), parser.parse_args(["router"])
+    for flag in flags:
+        dest = flag[2:].replace("-", "_")
+        assert getattr(parsed, dest) == getattr(defaults, dest)
