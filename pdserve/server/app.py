@@ -67,15 +67,32 @@ class _RequestMetrics:
                 + [(b"content-type", b"application/json")],
             )
 
+        ended = {"body": False, "client": False}
+
+        async def receive_wrapper():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not ended["body"]:
+                ended["client"] = True  # left before the last byte
+            return message
+
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-            await send(message)
+            try:
+                await send(message)
+            except OSError:  # the client is gone (starlette: ClientDisconnect)
+                ended["client"] = True
+                raise
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                ended["body"] = True
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         finally:
-            self.metrics.requests.labels(path, str(status["code"])).inc()
+            # a stream the client abandoned after its 200 started: 499 (client closed
+            # request), as the router counts it
+            code = 499 if ended["client"] and not ended["body"] else status["code"]
+            self.metrics.requests.labels(path, str(code)).inc()
             self.metrics.e2e.labels(path).observe(time.perf_counter() - start)
 
 

@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from pdserve.server.metric_help import COUNTER, GAUGE, HELP, SKIPPED
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -32,22 +38,23 @@ def _is_number(value: Any) -> bool:
 def _families(prefix: str, data: dict) -> Iterable[Any]:
     """Metric families for a stats dict: numbers -> gauges; ``{sum, count, buckets}`` ->
     a histogram (cumulative buckets keyed by upper bound); a nested ``{name: number}``
-    dict -> one gauge with a label (``state``, ``reason`` or ``key``); strings are skipped."""
+    dict -> one gauge (a counter where ``metric_help`` says so) with a label (``state``,
+    ``reason`` or ``key``); strings are skipped. Help texts and types: ``metric_help``."""
     for key, value in data.items():
+        if key in SKIPPED:
+            continue
         name = f"{prefix}_{_NAME.sub('_', str(key))}"
+        doc, kind = HELP.get(str(key), (str(key), GAUGE))
         if _is_number(value):
-            yield GaugeMetricFamily(name, f"{key} (from {prefix})", value=float(value))
+            yield GaugeMetricFamily(name, doc, value=float(value))
         elif isinstance(value, dict) and {"sum", "count", "buckets"} <= set(value):
             buckets = [(str(le), float(n)) for le, n in value["buckets"].items()]
             if not buckets or buckets[-1][0] != "+Inf":
                 buckets.append(("+Inf", float(value["count"])))
-            yield HistogramMetricFamily(
-                name, f"{key} (from {prefix})", buckets=buckets, sum_value=float(value["sum"])
-            )
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(value["sum"]))
         elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
-            family = GaugeMetricFamily(
-                name, f"{key} (from {prefix})", labels=[_LABELS.get(str(key), "key")]
-            )
+            make = CounterMetricFamily if kind == COUNTER else GaugeMetricFamily
+            family = make(name, doc, labels=[_LABELS.get(str(key), "key")])
             for label, number in value.items():
                 family.add_metric([str(label)], float(number))
             yield family

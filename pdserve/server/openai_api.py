@@ -98,7 +98,10 @@ def _job(
         skip_special_tokens=req.skip_special_tokens,
         **req.penalty_params(),
     )
-    return Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    if isinstance(req, ChatCompletionRequest):  # a chat's prompt is its messages
+        job.prompt_field = "messages"
+    return job
 
 
 def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]:

@@ -230,6 +230,24 @@ class CompletionRequest(_OpenAISampling):
         return value
 
 
+def _unsupported_part(messages: Any) -> str | None:
+    """The error for the first content part whose type is not ``text``, else ``None``."""
+    if not isinstance(messages, list):
+        return None
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                return (
+                    f"messages[{i}].content[{j}]: content part type {kind!r} is not supported "
+                    "by this model; only 'text' parts are"
+                )
+    return None
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -255,6 +273,26 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
+
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _clear_content_errors(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # pydantic checks each content union; a part other than text is told as one error
+        # naming it (pydantic's own dump lists the str and list members' errors)
+        try:
+            messages = handler(value)
+        except ValidationError:
+            unsupported = _unsupported_part(value)
+            if unsupported:
+                raise ValueError(unsupported) from None
+            raise
+        for i, m in enumerate(messages):
+            if m.content is None and m.role != "assistant":  # OpenAI: assistant only
+                raise ValueError(
+                    f"messages[{i}].content must not be null for a {m.role} message "
+                    "(only an assistant message, e.g. one with tool_calls, may omit it)"
+                )
+        return messages
 
 
 class GenerateSamplingParams(_Penalties, GuidedFields):

@@ -49,6 +49,7 @@ class Job:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     fake_transfer: bool = False  # /health_generate in PD roles
+    prompt_field: str = "prompt"  # the request field errors about the prompt name
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -85,9 +86,11 @@ class Serving:
         bootstrap fields in a PD role."""
         n_prompt = len(job.prompt_ids)
         if n_prompt == 0:
-            raise APIError(400, "prompt must not be empty", "prompt")
+            raise APIError(400, "prompt must not be empty", job.prompt_field)
         if any(not 0 <= t < self.vocab_size for t in job.prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            raise APIError(
+                400, f"prompt token ids must be in [0, {self.vocab_size})", job.prompt_field
+            )
         bad_bias = [t for t, _ in job.params.logit_bias_items if t >= self.vocab_size]
         if bad_bias:
             raise APIError(
@@ -102,7 +105,7 @@ class Serving:
                 f"this model's context limit is {self.max_model_len} tokens, but the request "
                 f"needs {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} of "
                 f"max_tokens)",
-                "max_tokens" if n_prompt < self.max_model_len else "prompt",
+                "max_tokens" if n_prompt < self.max_model_len else job.prompt_field,
                 code="context_length_exceeded",
             )
         if self.role == "mixed" or job.fake_transfer:

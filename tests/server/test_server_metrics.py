@@ -59,3 +59,22 @@ def test_registries_are_independent_and_a_failing_source_is_skipped():
     assert [
         s.value for s in _families(a)["pdserve_requests"].samples if s.name.endswith("_total")
     ] == [1.0]
+
+
+def test_failed_transfers_are_a_counter_and_every_transfer_stat_has_a_meaning():
+    from pdserve.disagg.metrics import TransferMetrics
+    from pdserve.server.metric_help import HELP, SKIPPED
+
+    t = TransferMetrics()
+    t.record_failure("timeout")
+    t.record_failure("timeout")
+    stats = dict(t.snapshot(), rooms={"Success": 1}, live_rooms=1, healthy=True)
+    assert set(stats) <= set(HELP) | SKIPPED
+    text = ServerMetrics({"pdserve_kv_transfer": lambda: stats}).render().decode()
+    assert 'pdserve_kv_transfer_transfers_failed_total{reason="timeout"} 2.0' in text
+    # one family of that name (the unlabelled sum is not exported: sum() over reasons)
+    assert text.count("# TYPE pdserve_kv_transfer_transfers_failed") == 1, text
+    fams = _families(ServerMetrics({"pdserve_kv_transfer": lambda: stats}))
+    assert fams["pdserve_kv_transfer_transfers_failed"].type == "counter"
+    for name, fam in fams.items():
+        assert "(from " not in fam.documentation and fam.documentation != name, name

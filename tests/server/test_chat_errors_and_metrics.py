@@ -1,0 +1,138 @@
+"""A real mixed worker (``pdserve serve``, tiny random model) over HTTP: chat input errors
+name the chat's own fields (``messages``, not ``prompt``), a content part other than text
+is one clear 400, null content only for assistant messages; /metrics gives every family a
+meaning, and a stream the client abandoned is counted 499."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve_procs import Proc, assert_all_healthy, start_worker, stop, wait_for, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory) -> Proc:
+    proc = start_worker(
+        "mixed", "mixed", tmp_path_factory.mktemp("worker-logs"), extra=["--num-threads", "1"]
+    )
+    try:
+        wait_healthy([proc])
+        yield proc
+    finally:
+        stop([proc])
+
+
+def post(worker: Proc, path: str, body) -> httpx.Response:
+    return httpx.post(worker.url + path, json=body, timeout=60.0)
+
+
+def error(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_an_over_long_chat_names_messages_and_a_completion_names_prompt(worker):
+    n = worker.get_info()["max_model_len"]
+    long = "hi " * n  # fewer characters than the cheap bound, more tokens than the limit
+    err = error(post(worker, CHAT, {"messages": [{"role": "user", "content": long}]}))
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    err = error(post(worker, "/v1/completions", {"prompt": long, "max_tokens": 1}))
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+
+
+def test_a_content_part_other_than_text_is_one_clear_400(worker):
+    parts = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    err = error(post(worker, CHAT, {"messages": messages, "max_tokens": 1}))
+    assert err["message"] == (
+        "messages[1].content[1]: content part type 'image_url' is not supported by this "
+        "model; only 'text' parts are"
+    ), err
+    assert err["param"] == "messages", err
+    ok = post(worker, CHAT, {"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("role", ["user", "system"])
+def test_null_content_is_400_except_for_an_assistant_message(worker, role):
+    messages = [{"role": role, "content": None}, {"role": "user", "content": "hi"}][
+        : 1 if role == "user" else 2
+    ]
+    err = error(post(worker, CHAT, {"messages": messages, "max_tokens": 1}))
+    assert err["param"] == "messages", err
+    assert err["message"].startswith(f"messages[0].content must not be null for a {role}"), err
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = post(
+        worker,
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": "call f"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+                {"role": "user", "content": "thanks"},
+            ],
+            "max_tokens": 1,
+        },
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def _families(worker: Proc) -> dict:
+    text = httpx.get(worker.url + "/metrics", timeout=30).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _requests(worker: Proc, endpoint: str, status: str) -> float:
+    fam = _families(worker)["pdserve_requests"]
+    return sum(
+        s.value
+        for s in fam.samples
+        if s.name == "pdserve_requests_total"
+        and s.labels == {"endpoint": endpoint, "status": status}
+    )
+
+
+def test_every_metric_has_a_meaning(worker):
+    assert post(worker, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    fams = {n: f for n, f in _families(worker).items() if n.startswith("pdserve_")}
+    assert "pdserve_engine_num_held_pages" in fams
+    for name, fam in fams.items():
+        key = name.removeprefix("pdserve_engine_")
+        assert fam.documentation not in (name, key) and "(from " not in fam.documentation, (
+            name,
+            fam.documentation,
+        )
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+def test_an_abandoned_stream_is_counted_499(worker, path):
+    body = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+    body.update(
+        {"prompt": "go on"} if path != CHAT else {"messages": [{"role": "user", "content": "go"}]}
+    )
+    before = _requests(worker, path, "499"), _requests(worker, path, "200")
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", worker.url + path, json=body) as r,
+    ):
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            break  # the stream runs; leaving closes the connection
+    wait_for(lambda: _requests(worker, path, "499") == before[0] + 1, 60, "the 499 to be counted")
+    assert _requests(worker, path, "200") == before[1]
+    wait_for(lambda: worker.get_info()["engine"]["num_running"] == 0, 60, "the abort")
+    # a stream read to its end still counts 200
+    done = post(worker, path, dict(body, max_tokens=2))
+    assert done.status_code == 200 and done.text.rstrip().endswith("[DONE]")
+    wait_for(lambda: _requests(worker, path, "200") == before[1] + 1, 30, "the 200")
+    assert_all_healthy([worker])
