@@ -9,6 +9,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from pdserve.http.aio import retrieve_later
+
 T = TypeVar("T")
 
 
@@ -35,6 +37,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     except asyncio.CancelledError:
         task.cancel()
         watcher.cancel()
+        retrieve_later(task)  # it may end with the engine's failure after we are gone
         raise
     if task in done:
         watcher.cancel()

@@ -21,6 +21,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from httpx_sse import EventSource
 
+from pdserve.http.aio import get_within
 from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.merge import is_final_chunk, merge_cached_tokens, merge_prompt_logprobs
@@ -238,7 +239,7 @@ async def relay_sse(
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise asyncio.TimeoutError
-            kind, item = await asyncio.wait_for(queue.get(), remaining)
+            kind, item = await get_within(queue, remaining)
             if kind == "shutdown":
                 yield error(
                     503, "server shutting down: the router was stopped while this request ran"

@@ -15,6 +15,7 @@ from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.http.aio import get_within
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.server.metrics import ServerMetrics
 
@@ -161,7 +162,7 @@ class Serving:
                 )
             while live:
                 try:
-                    index, item = await asyncio.wait_for(inbox.get(), 1.0)
+                    index, item = await get_within(inbox, 1.0)
                 except asyncio.TimeoutError:
                     if not self.engine.alive:
                         raise EngineDeadError(self.engine.error or "engine stopped") from None
