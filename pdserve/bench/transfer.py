@@ -26,210 +26,42 @@ the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import platform
 import statistics
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-# (num_layers, num_kv_heads, head_dim) of public model configs.
-MODEL_SHAPES = {
-    "llama-3.1-8b": (32, 8, 128),
-    "llama-3.1-70b": (80, 8, 128),
-    "qwen2.5-7b": (28, 4, 128),
-    "qwen3-8b": (36, 8, 128),
-    "smollm2-135m": (30, 3, 64),
-}
-_DTYPES = ("bfloat16", "float16", "float32")
-# How often the harness polls a room (both processes). Not a spin, and not often: on a
-# 2-core machine each wake-up costs CPU the copy needs (CMA copies run inside prefill's
-# post): a spinning harness cost the managed row 0.70-0.75 of raw NIXL, and a
-# time.sleep(1e-4) costs ~13 us CPU a wake-up. The rows are the managers' own records,
-# so the harness's cadence adds nothing to them; an engine polls once per step (idle:
-# every 2 ms).
-POLL_S = 1e-3
-
-
-@dataclass(frozen=True)
-class TransferBenchConfig:
-    """One benchmark run; ValueError naming the field when invalid."""
-
-    model_shape: str = "llama-3.1-8b"
-    prompt_len: int = 1024
-    page_size: int = 16
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    gpu_id: int = 0
-    repeats: int = 7
-    run_len: int = 1
-    pool_factor: int = 2
-    seed: int = 0
-    hugepages: bool = True
-    kv_order: str = "page_major"
-    pattern: str = "served"
-
-    def __post_init__(self) -> None:
-        if self.model_shape not in MODEL_SHAPES:
-            raise ValueError(
-                f"model_shape must be one of {sorted(MODEL_SHAPES)}, got {self.model_shape!r}"
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        for name in ("prompt_len", "page_size", "repeats", "run_len", "pool_factor"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.gpu_id < 0:
-            raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
-        from pdserve.engine.kv_layout import check_order
-
-        check_order(self.kv_order)
-        if self.pattern not in ("served", "runs"):
-            raise ValueError(f"pattern must be served or runs, got {self.pattern!r}")
-
-    @property
-    def num_pages(self) -> int:
-        return -(-self.prompt_len // self.page_size)
-
-    @property
-    def pool_pages(self) -> int:
-        return self.num_pages * self.pool_factor
-
-
-def _layout(cfg: TransferBenchConfig):
-    """The :class:`~pdserve.engine.kv_layout.KVCacheLayout` of both sides' pools."""
-    import torch
-
-    from pdserve.engine.kv_layout import KVCacheLayout
-
-    layers, heads, dim = MODEL_SHAPES[cfg.model_shape]
-    return KVCacheLayout(
-        cfg.kv_order, layers, heads, dim, cfg.page_size, cfg.pool_pages, getattr(torch, cfg.dtype)
-    )
-
-
-def _pool(cfg: TransferBenchConfig):
-    """``(kv, aux uint8[4, AUX], KVArgs)`` on the configured device, laid out by :func:`_layout`."""
-    import torch
-
-    from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
-
-    lay = _layout(cfg)
-    device = torch.device(cfg.device, cfg.gpu_id) if cfg.device == "cuda" else torch.device("cpu")
-    if cfg.device == "cpu" and not cfg.hugepages:
-        kv = torch.zeros(lay.shape, dtype=lay.dtype)
-    else:
-        kv = lay.allocate(device)
-    aux = torch.zeros(4, AUX_RECORD_BYTES, dtype=torch.uint8)
-    regions = lay.regions(kv)
-    args = KVArgs(
-        tuple(r[0] for r in regions),
-        tuple(r[1] for r in regions),
-        tuple(r[2] for r in regions),
-        aux.data_ptr(),
-        aux.numel(),
-        AUX_RECORD_BYTES,
-        lay.fingerprint(f"bench:{cfg.model_shape}"),
-        device=cfg.device,
-        gpu_id=cfg.gpu_id,
-    )
-    return kv, aux, args
-
-
-def scattered_pages(num_pages: int, pool_pages: int, run_len: int, seed: int) -> list[int]:
-    """``num_pages`` distinct page ids of a ``pool_pages`` pool: runs of ``run_len``
-    consecutive ids at shuffled, non-adjacent places."""
-    import random
-
-    starts = list(range(0, pool_pages - run_len + 1, run_len + 1)) or [0]
-    random.Random(seed).shuffle(starts)
-    pages: list[int] = []
-    for s in starts:
-        pages.extend(range(s, min(s + run_len, pool_pages)))
-        if len(pages) >= num_pages:
-            return pages[:num_pages]
-    raise ValueError(f"pool_factor too small for {num_pages} pages in runs of {run_len}")
-
-
-def _digest(cfg: TransferBenchConfig, kv, pages: list[int]) -> str:
-    data = _layout(cfg).pages(kv, pages).contiguous().view(-1).view(__import__("torch").uint8)
-    data = data.cpu().numpy()
-    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
-
-
-def _decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
-    """Decode process: a receiver per room asked for (onto the pages given), the raw
-    NIXL target, digests of pages."""
-    from pdserve.bench.transfer_raw import RawSide
-    from pdserve.disagg.base import KVPoll
-    from pdserve.disagg.registry import create_kv_manager
-
-    try:
-        kv, aux, args = _pool(cfg)
-        mgr = create_kv_manager("nixl", args, "decode")
-        conn.send(("ok", None))
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    raw = None
-    while True:
-        cmd, arg = conn.recv()
-        if cmd == "room":
-            room, pages = arg
-            r = mgr.create_receiver(host, port, room)
-            while r.poll() < KVPoll.WaitingForInput and r.poll() != KVPoll.Failed:
-                time.sleep(0.0005)
-            if r.poll() != KVPoll.Failed:
-                r.init(pages, 0)
-            while r.poll() not in (KVPoll.Success, KVPoll.Failed):
-                time.sleep(POLL_S)  # no spin: see POLL_S
-            polled_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
-            done_at = getattr(r, "finished_at", None) or polled_at  # the manager's own record
-            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
-            r.close()
-        elif cmd == "raw":
-            raw = RawSide(args, "decode", arg)
-            raw.serve()  # the target progresses
-            conn.send((raw.metadata(), raw.desc()))
-        elif cmd == "digest":
-            conn.send(_digest(cfg, kv, arg))
-        else:  # quit: every thread of ours joined, so none is inside NIXL at exit
-            if raw is not None:
-                raw.close()
-            mgr.shutdown()
-            others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-            conn.send(("bye", others))
-            return
+from pdserve.bench.transfer_decode import POLL_S, decode_main
+from pdserve.bench.transfer_pool import (
+    DTYPES,
+    MODEL_SHAPES,
+    TransferBenchConfig,
+    make_pool,
+    pages_digest,
+    pool_layout,
+)
 
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     """Run the benchmark; returns the results dict (also what ``--json`` writes).
     RuntimeError when a transfer fails or decode's bytes differ."""
-    import numpy as np
     import torch
 
-    from pdserve.bench.transfer_raw import RawSide, served_pages
+    from pdserve.bench.transfer_pages import page_lists
+    from pdserve.bench.transfer_raw import RawSide, contiguous_copy
     from pdserve.disagg.base import AuxRecord, KVPoll
     from pdserve.disagg.registry import create_kv_manager
     from pdserve.engine.page_runs import paired_runs
 
-    kv, aux, args = _pool(cfg)
-    lay = _layout(cfg)
+    kv, aux, args = make_pool(cfg)
+    lay = pool_layout(cfg)
     kv.view(torch.uint8).random_(generator=torch.Generator(kv.device).manual_seed(cfg.seed))
-    if cfg.pattern == "served":
-        src = served_pages(cfg.num_pages, cfg.pool_pages, cfg.seed + 1)
-        dst = served_pages(cfg.num_pages, cfg.pool_pages, cfg.seed + 2)
-    else:
-        src = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 1)
-        dst = scattered_pages(cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed + 2)
-    # the one-page request: a page outside the big request's on each side
-    one_src = [min(set(range(cfg.pool_pages)) - set(src))]
-    one_dst = [min(set(range(cfg.pool_pages)) - set(dst))]
+    src, dst, one_src, one_dst = page_lists(
+        cfg.pattern, cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed
+    )
     nbytes = cfg.num_pages * lay.page_bytes
     prefill = create_kv_manager(
         "nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0
@@ -237,29 +69,12 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(
-        target=_decode_main,
+        target=decode_main,
         args=(child_conn, cfg, "127.0.0.1", prefill.bootstrap_port),
         daemon=True,
     )
     child.start()
-    if cfg.device == "cuda":
-        ref_src = torch.empty(nbytes, dtype=torch.uint8, device=kv.device).random_()
-        ref_dst = torch.empty_like(ref_src)
-
-        def copy() -> float:
-            torch.cuda.synchronize(kv.device)
-            t = time.perf_counter()
-            ref_dst.copy_(ref_src)
-            torch.cuda.synchronize(kv.device)
-            return time.perf_counter() - t
-    else:
-        host_src = np.random.default_rng(cfg.seed).integers(0, 256, nbytes, dtype=np.uint8)
-        host_dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the timing
-
-        def copy() -> float:
-            t = time.perf_counter()
-            np.copyto(host_dst, host_src)
-            return time.perf_counter() - t
+    copy = contiguous_copy(kv.device, nbytes, cfg.seed)
 
     def latency() -> tuple[float, int]:
         lat = prefill.stats()["transfer_latency_seconds"]
@@ -349,7 +164,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             for fn in order if i % 2 == 0 else order[::-1]:
                 fn()
         conn.send(("digest", dst))
-        ok = conn.recv() == _digest(cfg, kv, src)
+        ok = conn.recv() == pages_digest(cfg, kv, src)
         conn.send(("quit", None))
         _, decode_threads = conn.recv()
         raw.close()
@@ -498,7 +313,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="tokens of the request")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    p.add_argument("--dtype", default=d.dtype, choices=_DTYPES, help="KV cache dtype")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="KV cache dtype")
     p.add_argument(
         "--device", default=d.device, choices=("cpu", "cuda"), help="where both pools live"
     )

@@ -1,14 +1,14 @@
 """The reference rows of ``bench transfer`` that do not go through pdserve's managers:
-the *raw NIXL* WRITE (the same bytes, between the same two processes, one descriptor,
-NIXL alone) and the ``served`` page pattern (page lists of the real allocator after a
-churn of mixed-length requests).
+the *raw NIXL* WRITE (:class:`RawSide`: the same bytes between the same two processes, one
+descriptor, NIXL alone, on each side's own agent) and the contiguous copy of the same
+number of bytes in one process (:func:`contiguous_copy`).
 """
 
 from __future__ import annotations
 
-import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -118,22 +118,31 @@ class RawSide:
             self.reg = None
 
 
-def served_pages(num_pages: int, pool_pages: int, seed: int) -> list[int]:
-    """The page list the real allocator (:class:`~pdserve.engine.page_runs.RunAllocator`)
-    hands a ``num_pages`` request after 500 mixed-length requests (1 page to half the
-    request) were allocated and freed at random, the pool kept up to 3/4 full around the
-    room the request needs: the pool as a busy server leaves it."""
-    from pdserve.engine.page_runs import RunAllocator
+def contiguous_copy(device: Any, nbytes: int, seed: int) -> Callable[[], float]:
+    """The copy row: a function that copies ``nbytes`` bytes (uint8) from one buffer into
+    another on ``device`` (a ``torch.device``: numpy ``copyto`` on the host, ``torch``
+    device-to-device ``copy_`` on CUDA, synchronized before and after) and returns the
+    seconds it took."""
+    import numpy as np
+    import torch
 
-    rng = random.Random(seed)
-    alloc, held = RunAllocator(pool_pages), list[list[int]]()
-    room = pool_pages - num_pages
-    top = max(1, num_pages // 2)
-    for _ in range(500):
-        n = rng.randint(1, top)
-        used = pool_pages - alloc.num_free
-        if held and (used + n > min(room, 3 * pool_pages // 4) or rng.random() < 0.4):
-            alloc.free(held.pop(rng.randrange(len(held))))
-        elif used + n <= room:
-            held.append(alloc.allocate(n, None))
-    return alloc.allocate(num_pages)
+    if device.type == "cuda":
+        ref_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+        ref_dst = torch.empty_like(ref_src)
+
+        def copy() -> float:
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            ref_dst.copy_(ref_src)
+            torch.cuda.synchronize(device)
+            return time.perf_counter() - t
+    else:
+        host_src = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        host_dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the timing
+
+        def copy() -> float:
+            t = time.perf_counter()
+            np.copyto(host_dst, host_src)
+            return time.perf_counter() - t
+
+    return copy

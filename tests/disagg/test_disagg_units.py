@@ -278,7 +278,7 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
 
 
 def test_served_pattern_is_what_the_allocator_hands_out():
-    from pdserve.bench.transfer_raw import served_pages
+    from pdserve.bench.transfer_pages import served_pages
     from pdserve.engine.page_runs import paired_runs, runs_of
 
     pages = served_pages(64, 256, seed=3)

@@ -1,0 +1,65 @@
+"""The decode process of ``bench transfer`` (spawned by :func:`~.transfer.run_transfer_bench`):
+its own pool and decode KV manager, a receiver per room the parent asks for, the raw-NIXL
+target (:class:`~.transfer_raw.RawSide`), and digests of its pages; and how often either
+process polls a room (:data:`POLL_S`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pdserve.bench.transfer_pool import TransferBenchConfig, make_pool, pages_digest
+
+# How often the harness polls a room (both processes). Not a spin, and not often: on a
+# 2-core machine each wake-up costs CPU the copy needs (CMA copies run inside prefill's
+# post): a spinning harness cost the managed row 0.70-0.75 of raw NIXL, and a
+# time.sleep(1e-4) costs ~13 us CPU a wake-up. The rows are the managers' own records,
+# so the harness's cadence adds nothing to them; an engine polls once per step (idle:
+# every 2 ms).
+POLL_S = 1e-3
+
+
+def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
+    """Decode process: a receiver per room asked for (onto the pages given), the raw
+    NIXL target, digests of pages."""
+    from pdserve.bench.transfer_raw import RawSide
+    from pdserve.disagg.base import KVPoll
+    from pdserve.disagg.registry import create_kv_manager
+
+    try:
+        kv, aux, args = make_pool(cfg)
+        mgr = create_kv_manager("nixl", args, "decode")
+        conn.send(("ok", None))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    raw = None
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "room":
+            room, pages = arg
+            r = mgr.create_receiver(host, port, room)
+            while r.poll() < KVPoll.WaitingForInput and r.poll() != KVPoll.Failed:
+                time.sleep(0.0005)
+            if r.poll() != KVPoll.Failed:
+                r.init(pages, 0)
+            while r.poll() not in (KVPoll.Success, KVPoll.Failed):
+                time.sleep(POLL_S)  # no spin: see POLL_S
+            polled_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            done_at = getattr(r, "finished_at", None) or polled_at  # the manager's own record
+            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
+            r.close()
+        elif cmd == "raw":
+            raw = RawSide(args, "decode", arg)
+            raw.serve()  # the target progresses
+            conn.send((raw.metadata(), raw.desc()))
+        elif cmd == "digest":
+            conn.send(pages_digest(cfg, kv, arg))
+        else:  # quit: every thread of ours joined, so none is inside NIXL at exit
+            if raw is not None:
+                raw.close()
+            mgr.shutdown()
+            others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+            conn.send(("bye", others))
+            return
