@@ -266,7 +266,9 @@ class EngineCore:
             plan = self._attach_grammar_masks(plan)
             self.disagg.expect_sends(plan)  # prefill: the last send's WRITE made ahead
             self._counters["steps"] += 1
-            if not self.overlap.try_launch(plan, self._requests, touched):
+            # touched holds only finished polled requests here (a joined one returned
+            # above), none of them in plan: a launched step's outputs are its rows alone.
+            if not self.overlap.try_launch(plan, self._requests):
                 try:
                     result = self.executor.execute(plan)
                 except RankFailedError as exc:

@@ -59,18 +59,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Launched:
     """A step queued on the device: its plan, each row's request, its tokens (not waited
-    for), the page lists released once it is collected, the rows of aborted requests whose
-    full pages are cached then (``(token ids, pages, page keys, computed tokens)``, as
-    ``KVCacheManager.cache_full_pages`` takes them), and the requests touched before it
-    whose outputs wait for its results (one output per request and step, as in a
-    synchronous run)."""
+    for), the page lists released once it is collected, and the rows of aborted requests
+    whose full pages are cached then (``(token ids, pages, page keys, computed tokens)``, as
+    ``KVCacheManager.cache_full_pages`` takes them)."""
 
     plan: BatchPlan
     reqs: list[Request]
     tokens: InFlightTokens
     deferred: list[list[int]] = field(default_factory=list)
     to_cache: list[tuple[list[int], list[int], list[bytes], int]] = field(default_factory=list)
-    carried: dict[str, Request] = field(default_factory=dict)
     _ids: set[int] = field(default_factory=set)  # id() of each row's request (alive in reqs)
 
     def __post_init__(self) -> None:
@@ -108,13 +105,10 @@ class OverlapScheduler:
         return bool(self._launched)
 
     # --- launching ------------------------------------------------------------------------
-    def try_launch(
-        self, plan: BatchPlan, requests: Mapping[str, Request], touched: dict[str, Request]
-    ) -> bool:
+    def try_launch(self, plan: BatchPlan, requests: Mapping[str, Request]) -> bool:
         """Launch ``plan`` without waiting when overlap applies to it (the first step of a
-        run of overlapped ones; ``requests``: the engine's live requests by id; its rows
-        leave ``touched``, their outputs come with its results); False: execute it
-        synchronously."""
+        run of overlapped ones; ``requests``: the engine's live requests by id; its rows'
+        outputs come with its results); False: execute it synchronously."""
         if not self.enabled or self._launched:
             return False
         reqs = [requests[s.request_id] for s in plan.seqs]
@@ -123,10 +117,6 @@ class OverlapScheduler:
         if not self._executor.can_launch(plan):
             return False
         self._push(plan, reqs, None)
-        carried = self._launched[-1].carried
-        for req in reqs:
-            if req.request_id in touched:
-                carried[req.request_id] = touched.pop(req.request_id)
         return True
 
     def launch_ahead(self) -> bool:
@@ -233,7 +223,7 @@ class OverlapScheduler:
         pending one and ``apply`` it (the engine's bookkeeping, filling the touched requests).
         Returns (launched ahead, touched); not ahead = drained, nothing launched."""
         ahead = self.launch_ahead()
-        touched = self._launched[0].carried
+        touched: dict[str, Request] = {}
         apply(*self.collect(), touched)
         self.retire_idle()
         return ahead, touched
