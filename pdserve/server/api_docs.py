@@ -65,7 +65,8 @@ MEANINGS: dict[str, str] = {
     "role": "system, developer (= system), user, assistant or tool",
     "content": 'text, or a list of {"type": "text", "text"} parts (concatenated)',
     "name": "the speaker's name (passed to the template)",
-    "include_usage": "add a last chunk with the usage of the whole request",
+    "include_usage": "add a last chunk with the usage of the whole request (no choices); "
+    'every chunk before it has `"usage": null`, as OpenAI\'s',
     "continuous_usage_stats": "put the usage so far in every chunk (vLLM's extension)",
     "max_new_tokens": "most tokens to generate",
     "min_new_tokens": "as min_tokens",

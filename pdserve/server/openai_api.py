@@ -286,10 +286,10 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
 
             def chunks(index: int, out: RequestOutput):
                 o, first, _ = samples.see(index, out)
-                if first:  # OpenAI's (and vLLM's) opening chunk: the role, no content yet
+                if first:  # OpenAI's opening chunk: the role, no content (nor refusal) yet
                     opening = {
                         "index": index,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": "", "refusal": None},
                         "logprobs": None,
                         "finish_reason": None,
                         **choice_extras(req, tt, out, [], True),
@@ -307,17 +307,13 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                         reason = tl.finish_reason(o.finish_reason, ts.calls)
                 lp = fmt.chat_logprobs(o.delta_logprobs or [], tt) if top is not None else None
                 for delta in deltas[:-1]:  # tool-call deltas before the one that finishes
-                    yield dict(
-                        chunk_head,
-                        choices=[
-                            {
-                                "index": index,
-                                "delta": delta,
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    )
+                    between = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield samples.with_usage(dict(chunk_head, choices=[between]), o, out)
                 delta = deltas[-1]
                 choice = {
                     "index": index,

@@ -1,7 +1,8 @@
 """What ``/v1/completions`` and ``/v1/chat/completions`` build alike: the response head,
 the extension fields of a choice, and the ``usage`` of whole answers and of streams
-(``stream_options``: ``include_usage`` adds a last chunk with the request's usage,
-``continuous_usage_stats`` the usage so far to every chunk)."""
+(``stream_options``: ``include_usage`` adds a last chunk with the request's usage and
+``"usage": null`` to every chunk before it, as OpenAI; ``continuous_usage_stats`` the usage
+so far to every chunk)."""
 
 from __future__ import annotations
 
@@ -107,10 +108,13 @@ class StreamSamples:
         return o, first, bool(o.delta_token_ids or o.delta_text or o.finished or first)
 
     def with_usage(self, chunk: dict, o: CompletionOutput | None, out: RequestOutput) -> dict:
-        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``
+        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``, else
+        ``"usage": null`` under ``include_usage`` (OpenAI's chunks before the usage chunk)
         (``o`` None: a chunk before any output token, e.g. chat's opening role chunk)."""
         opts = self._req.stream_options
-        if opts and opts.continuous_usage_stats:
+        if opts and opts.include_usage and not opts.continuous_usage_stats:
+            chunk["usage"] = None
+        elif opts and opts.continuous_usage_stats:
             chunk["usage"] = fmt.usage(
                 self._lengths[self._prompt_of(chunk)],
                 [] if o is None else [o],

@@ -354,7 +354,7 @@ def test_the_first_content_chunk_carries_exactly_the_first_token(c, where, path)
     content = [ch["choices"][0] for ch in chunks if ch["choices"]]
     if path == "/v1/chat/completions":
         opening = content.pop(0)
-        assert opening["delta"] == {"role": "assistant", "content": ""}, opening
+        assert opening["delta"] == {"role": "assistant", "content": "", "refusal": None}, opening
         assert opening["token_ids"] == [] and opening["finish_reason"] is None
     assert [ch["token_ids"] for ch in content] == [[t] for t in want], content
 
@@ -382,6 +382,48 @@ def test_chat_streams_open_with_the_assistant_role_and_empty_content(c, where):
             text = "".join(ch.delta.content or "" for ch in rest)
             assert text == whole.choices[0].message.content
             assert rest[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("where", ["router", "mixed"])
+def test_stream_chunks_are_openai_s_role_refusal_and_null_usage_until_the_usage_chunk(
+    c, where, path
+):
+    """OpenAI's stream with ``include_usage``: every chunk before the last has ``"usage":
+    null``, the last one ``choices: []`` and the request's usage; a chat choice's first
+    chunk is ``delta: {"role": "assistant", "content": "", "refusal": null}`` (read with
+    the official client, whose models record which fields the JSON had). Through the PD
+    router (decode's chunks with prefill's counts merged) as from the worker."""
+    client = openai.OpenAI(base_url=c[where].url + "/v1", api_key="x", max_retries=0)
+    kw: dict = dict(
+        model="random:tiny",
+        max_tokens=4,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    if path == "/v1/completions":
+        chunks = list(client.completions.create(prompt="Count with me", **kw))
+    else:
+        chunks = list(
+            client.chat.completions.create(
+                messages=[{"role": "user", "content": "Count with me"}], **kw
+            )
+        )
+    *body, last = chunks
+    assert body and all(ch.choices for ch in body), chunks
+    assert all("usage" in ch.model_fields_set and ch.usage is None for ch in body), body
+    assert last.choices == [] and last.usage is not None, last
+    assert last.usage.completion_tokens == 8, last.usage
+    if path == "/v1/chat/completions":
+        for index in (0, 1):
+            first = next(ch.choices[0] for ch in body if ch.choices[0].index == index)
+            assert first.delta.model_dump(exclude_unset=True) == {
+                "role": "assistant",
+                "content": "",
+                "refusal": None,
+            }, first
 
 
 @pytest.mark.parametrize("stream", [False, True])

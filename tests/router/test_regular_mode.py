@@ -80,6 +80,28 @@ def test_same_answers_as_a_worker_and_load_is_spread(procs):
     assert_all_healthy(workers + [router])
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_relayed_streams_keep_openai_s_null_usage_and_opening_chunk(procs, path):
+    """The relayed stream (``include_usage``) is OpenAI's: ``"usage": null`` in every chunk
+    before the last, which has ``choices: []`` and the usage; chat opens with ``delta:
+    {"role": "assistant", "content": "", "refusal": null}``."""
+    _, router = procs
+    body: dict = {"max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    if path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    r = httpx.post(router.url + path, json=body, timeout=60)
+    events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", r.text
+    *chunks, last = [json.loads(e) for e in events[:-1]]
+    assert chunks and all("usage" in ch and ch["usage"] is None for ch in chunks), chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3, last
+    if path == "/v1/chat/completions":
+        opening = chunks[0]["choices"][0]["delta"]
+        assert opening == {"role": "assistant", "content": "", "refusal": None}, chunks[0]
+
+
 def test_dead_worker_is_ejected_and_the_other_serves(procs):
     workers, router = procs
     stop([workers[1]])
