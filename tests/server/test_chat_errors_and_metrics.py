@@ -9,23 +9,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve_procs import Proc, assert_all_healthy, start_worker, stop, wait_for, wait_healthy
+from pdserve_procs import Proc, assert_all_healthy, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory) -> Proc:
-    proc = start_worker(
-        "mixed", "mixed", tmp_path_factory.mktemp("worker-logs"), extra=["--num-threads", "1"]
-    )
-    try:
-        wait_healthy([proc])
-        yield proc
-    finally:
-        stop([proc])
 
 
 def post(worker: Proc, path: str, body) -> httpx.Response:
