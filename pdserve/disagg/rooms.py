@@ -1,5 +1,5 @@
 """What every backend's rooms share: the live-room table, failure kinds, failure injection,
-and the terminal-state bookkeeping of one sender/receiver."""
+the terminal-state bookkeeping of one sender/receiver, and the check of timing settings."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ SHUTDOWN = "shutdown"  # the manager shut down
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 H = TypeVar("H", bound="RoomHandle")
+N = TypeVar("N", int, float)
 
 
 def check_room(bootstrap_room: int) -> int:
@@ -44,6 +45,15 @@ def check_room(bootstrap_room: int) -> int:
     ):
         raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {bootstrap_room!r}")
     return bootstrap_room
+
+
+def positive_env(var: envs.EnvVar[N]) -> N:
+    """The value of a timing setting (``pdserve.envs``) both managers read at start;
+    ValueError naming the variable unless it is > 0."""
+    value = var.get()
+    if value <= 0:
+        raise ValueError(f"{var.name} must be > 0, got {value}")
+    return value
 
 
 class FailureInjector:

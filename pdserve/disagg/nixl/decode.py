@@ -1,8 +1,8 @@
 """The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
 sends each room's destination, learns of completion, and watches prefill peers.
 
-Threads: ``bootstrap`` (HTTP lookups grouped per prefill; protocol/layout checks; loads
-the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
+Threads: ``bootstrap`` (:mod:`.decode_bootstrap`: HTTP lookups grouped per prefill;
+protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
 RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
 while a room is transferring, with ``os.sched_yield`` between reads on VRAM and no
@@ -10,7 +10,7 @@ back-off, on host memory sleeping ``time.sleep(0)`` and then backing off; else i
 on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
-every room of that prefill fails at once).
+every room of that prefill fails at once; the round: :meth:`~.prefill_peers.PrefillPeers.heartbeat`).
 
 Quarantine (a late WRITE must never land in pages given to another request): a room
 whose destination went out and whose prefill was declared dead by the heartbeat fails at
@@ -22,7 +22,8 @@ heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_
 A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
 forgotten too, so restarts leave remote agents flat. The peers, suspects and these
-counts are kept by :class:`~.prefill_peers.PrefillPeers`.
+counts are kept by :class:`~.prefill_peers.PrefillPeers`; a peer's agent is forgotten by
+:func:`~.peer_life.forget_agent`, as on prefill.
 
 Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
 are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
@@ -36,32 +37,24 @@ bootstrap naming ``kv_order``. The heartbeat reads every rank's instance from th
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import uuid
-from collections import defaultdict
 
-import httpx
 import msgspec
 import zmq
 
 from pdserve import envs
 from pdserve.disagg.base import (
-    PROTOCOL_VERSION,
     KVArgs,
-    KVLayout,
     KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
 )
-from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
+from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import (
     Hello,
-    RankInfo,
-    RoomAbort,
     RoomDest,
     RoomStatus,
     WireError,
@@ -72,32 +65,21 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.decode_bootstrap import DecodeBootstrap
 from pdserve.disagg.nixl.notif_poll import NotifPoller
 from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
 from pdserve.disagg.nixl.receiver import NixlReceiver
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.disagg.rooms import (
-    BOOTSTRAP_ERROR,
-    HEARTBEAT_LOST,
-    LAYOUT_MISMATCH,
-    PEER_RESTARTED,
-    PROTOCOL_MISMATCH,
     SHUTDOWN,
     FailureInjector,
     RoomTable,
     ServiceThreads,
     check_room,
+    positive_env,
 )
-from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
-
-
-def _positive(var, kind=float):
-    value = var.get()
-    if value <= 0:
-        raise ValueError(f"{var.name} must be > 0, got {value}")
-    return kind(value)
 
 
 class NixlDecodeManager(KVManager):
@@ -107,14 +89,13 @@ class NixlDecodeManager(KVManager):
 
     def __init__(self, args: KVArgs, *, api: NixlApi, start_threads: bool = True) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.waiting_timeout = _positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
-        self.heartbeat_interval = _positive(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
-        self.heartbeat_max_failure = _positive(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE, int)
-        self.quarantine_bound = _positive(envs.DISAGGREGATION_QUARANTINE_BOUND)
+        self.waiting_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
+        self.heartbeat_interval = positive_env(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
+        self.heartbeat_max_failure = positive_env(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE)
+        self.quarantine_bound = positive_env(envs.DISAGGREGATION_QUARANTINE_BOUND)
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
-        self._boot_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
@@ -134,11 +115,12 @@ class NixlDecodeManager(KVManager):
         )
         self.rank = args.tp
         self.writes_aux = args.engine_rank == 0  # prefill rank 0 writes aux here only
+        self._bootstrap = DecodeBootstrap(args, self._prefills, self.send, self.instance_id)
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._threads = ServiceThreads("pdserve-decode")
         if start_threads:
-            self._threads.start("bootstrap", self._bootstrap_loop)
+            self._threads.start("bootstrap", self._bootstrap.loop)
             self._threads.start("control", self._control_loop)
             self._threads.start("notifs", self._notif_loop)
             self._threads.start("heartbeat", self._heartbeat_loop)
@@ -163,7 +145,7 @@ class NixlDecodeManager(KVManager):
             raise RuntimeError("the decode KV manager is shut down")
         receiver = NixlReceiver(room, self, bootstrap_host, bootstrap_port)
         self._rooms.add(room, receiver)
-        self._boot_queue.put(receiver)
+        self._bootstrap.put(receiver)
         return receiver
 
     def is_healthy(self) -> bool:
@@ -200,119 +182,6 @@ class NixlDecodeManager(KVManager):
         self._outbox.put((peer.info.control_endpoint, peer.info.instance_id, msg))
         if isinstance(msg, RoomDest):
             self._transferring.set()
-
-    # --- bootstrap thread ---------------------------------------------------------------------
-    def _bootstrap_loop(self, stop: threading.Event) -> None:
-        select_device(self.engine.kv_args)
-        client = BootstrapClient()
-        try:
-            while not stop.is_set():
-                try:
-                    batch = [self._boot_queue.get(timeout=0.1)]
-                except queue.Empty:
-                    continue
-                while True:
-                    try:
-                        batch.append(self._boot_queue.get_nowait())
-                    except queue.Empty:
-                        break
-                groups: dict[tuple[str, int], list[NixlReceiver]] = {}
-                for r in batch:
-                    groups.setdefault(r.key, []).append(r)
-                for key, receivers in groups.items():
-                    self._bootstrap_group(client, key, receivers)
-        finally:
-            client.close()
-
-    def _bootstrap_group(
-        self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]
-    ) -> None:
-        host, port = key
-        infos: dict[int, RankInfo] = {}
-        slices: list[HeadSlice] = []
-        problem = None
-        try:
-            infos[0] = client.fetch_rank(host, port, 0)
-            problem = self._check_info(key, infos[0], None)
-            if problem is None:
-                slices = writes_into(
-                    self.engine.kv_args.layout.num_kv_heads, infos[0].tp_size, self.rank
-                )
-                for sl in slices:
-                    if sl.src_rank not in infos:
-                        infos[sl.src_rank] = client.fetch_rank(host, port, sl.src_rank)
-                        problem = problem or self._check_info(key, infos[sl.src_rank], infos[0])
-                problem = problem or self._check_split(key, slices, infos)
-        except BootstrapError as exc:
-            for r in receivers:
-                r.fail_now(f"room {r.room}: {exc}", BOOTSTRAP_ERROR)
-            return
-        if problem is not None:
-            for r in receivers:
-                r.fail_now(f"room {r.room}: {problem[0]}", problem[1])
-            if problem[1] == LAYOUT_MISMATCH:  # same protocol: prefill's rooms fail too
-                for rank, info in infos.items():
-                    stranger = PrefillPeer((host, port, rank), info, None)
-                    for r in receivers:
-                        self.send(stranger, _abort(r, info, self.instance_id, *problem))
-            return
-        try:
-            peers = {
-                sl.src_rank: self._prefills.peer_for((host, port, sl.src_rank), infos[sl.src_rank])
-                for sl in slices
-            }
-        except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
-            for r in receivers:
-                r.fail_now(
-                    f"room {r.room}: prefill {host}:{port} agent unusable: {exc}", BOOTSTRAP_ERROR
-                )
-            return
-        for r in receivers:
-            r.bootstrapped(peers)
-
-    def _check_info(
-        self, key: tuple[str, int], info: RankInfo, rank0: RankInfo | None
-    ) -> tuple[str, str] | None:
-        """Why a prefill rank cannot write here (protocol, model facts, rank facts), or None."""
-        host, port = key
-        if info.protocol_version != PROTOCOL_VERSION:
-            return (
-                f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
-                PROTOCOL_MISMATCH,
-            )
-        try:
-            theirs = KVLayout.from_dict(info.layout)
-            diff = self.engine.kv_args.layout.first_difference(theirs)
-            if diff is None:
-                tp = TPRank(info.engine_rank, info.tp_size)
-                if rank0 is not None and info.tp_size != rank0.tp_size:
-                    diff = f"tp_size: rank {tp.rank} has {tp.size}, rank 0 {rank0.tp_size}"
-                elif list(kv_head_range(theirs.num_kv_heads, tp)) != list(info.kv_heads):
-                    diff = f"kv_heads: rank {tp.rank}/{tp.size} holds {info.kv_heads}"
-        except (KeyError, TypeError, ValueError) as exc:
-            diff = f"unreadable layout or rank facts ({exc})"
-        if diff is not None:
-            return f"KV layout mismatch with prefill {host}:{port}: {diff}", LAYOUT_MISMATCH
-        return None
-
-    def _check_split(
-        self, key: tuple[str, int], slices: list[HeadSlice], infos: dict[int, RankInfo]
-    ) -> tuple[str, str] | None:
-        """Heads split between ranks (any writer's or our range differs) need page-major."""
-        order = self.engine.kv_args.layout.kv_order
-        mine = tuple(self.engine.kv_args.kv_heads)
-        split = any(
-            (sl.start, sl.end) != mine or tuple(infos[sl.src_rank].kv_heads) != mine
-            for sl in slices
-        )
-        if split and order != "page_major":
-            return (
-                f"KV layout mismatch with prefill {key[0]}:{key[1]}: kv_order: {order!r} cannot "
-                f"split KV heads between prefill TP {infos[0].tp_size} and decode TP "
-                f"{self.rank.size} (page_major can)",
-                LAYOUT_MISMATCH,
-            )
-        return None
 
     # --- control thread ---------------------------------------------------------------------
     def _control_loop(self, stop: threading.Event) -> None:
@@ -396,57 +265,8 @@ class NixlDecodeManager(KVManager):
         client = BootstrapClient()
         try:
             while not stop.wait(self.heartbeat_interval):
-                self._heartbeat(client)
+                self._prefills.heartbeat(
+                    client, self.heartbeat_interval, self.heartbeat_max_failure
+                )
         finally:
             client.close()
-
-    def _heartbeat(self, client: BootstrapClient) -> None:
-        """One round: one ``/health`` per prefill bootstrap server, judging every known
-        peer and suspect of it (module doc for what a miss means)."""
-        busy = {
-            p.info.instance_id
-            for r in self._rooms.handles()
-            if not r.is_terminal()
-            for p in r.peers.values()
-        }
-        peers = self._prefills.all()
-        servers: dict[tuple[str, int], list[PrefillPeer]] = defaultdict(list)
-        for peer in peers:
-            servers[peer.key[:2]].append(peer)
-        for (host, port), group in servers.items():
-            where = f"prefill {host}:{port}"
-            try:
-                health = client.health(host, port, self.heartbeat_interval)
-            except BootstrapError as exc:
-                refused = isinstance(exc.__cause__, httpx.ConnectError)
-                for peer in group:
-                    suspect = peer.dead
-                    peer.misses += 1
-                    if refused and (suspect or peer.info.instance_id not in busy):
-                        self._prefills.peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
-                    elif not suspect and peer.misses >= self.heartbeat_max_failure:
-                        self._prefills.peer_gone(
-                            peer,
-                            f"{where} missed {peer.misses} heartbeats ({exc})",
-                            HEARTBEAT_LOST,
-                            gone=refused,
-                        )
-                continue
-            for peer in group:
-                rank = peer.info.engine_rank
-                now = health.ranks.get(rank, health.instance_id if rank == 0 else None)
-                if now is None:
-                    self._prefills.peer_gone(peer, f"{where} rank {rank} is gone", HEARTBEAT_LOST)
-                elif now != peer.info.instance_id:
-                    self._prefills.peer_gone(
-                        peer, f"{where} rank {rank} restarted as a new instance", PEER_RESTARTED
-                    )
-                else:
-                    peer.misses = 0
-        self._prefills.settle_suspects()
-
-
-def _abort(
-    r: NixlReceiver, info: RankInfo, decode_instance: str, reason: str, kind: str
-) -> RoomAbort:
-    return RoomAbort(r.room, info.instance_id, decode_instance, reason, kind)

@@ -9,7 +9,8 @@ once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for
 not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
 (:mod:`.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
-each decode agent is loaded into both.
+each decode agent is loaded into both. The decode peers (Hello, the heads written there,
+forgetting those a ``Ping`` cannot reach): :mod:`.decode_peers`.
 
 Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
 worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
@@ -26,7 +27,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import zmq
 
@@ -34,7 +34,6 @@ from pdserve import envs
 from pdserve.advertise import advertised_host, url_host
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
 from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.head_map import reads_from
 from pdserve.disagg.messages import (
     HealthInfo,
     Hello,
@@ -49,10 +48,11 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.decode_peers import DecodePeers
 from pdserve.disagg.nixl.notifier import NixlNotifier
 from pdserve.disagg.nixl.prefill_bootstrap import PrefillBootstrap, rank_info
 from pdserve.disagg.nixl.sender import NixlSender
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
+from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.disagg.nixl.transfer_workers import TransferWorkers
 from pdserve.disagg.rooms import (
     PEER_FAILED,
@@ -62,30 +62,10 @@ from pdserve.disagg.rooms import (
     RoomTable,
     ServiceThreads,
     check_room,
+    positive_env,
 )
-from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodePeer:
-    """A decode rank instance that said Hello: its NIXL agent and memory (prepared for the
-    heads this rank writes there), or why it is unusable; its rank and TP size."""
-
-    instance_id: str
-    identity: bytes
-    remote: RemoteSide | None
-    error: str | None = None
-    engine_rank: int = 0
-    tp_size: int = 1
-
-
-def _env_positive(var) -> float:
-    value = var.get()
-    if value <= 0:
-        raise ValueError(f"{var.name} must be > 0, got {value}")
-    return value
 
 
 class NixlPrefillManager(KVManager):
@@ -112,8 +92,8 @@ class NixlPrefillManager(KVManager):
         start_threads: bool = True,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.bootstrap_timeout = _env_positive(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
-        self.transfer_timeout = _env_positive(envs.DISAGGREGATION_WAITING_TIMEOUT)
+        self.bootstrap_timeout = positive_env(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
+        self.transfer_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
         num_workers = envs.DISAGGREGATION_TRANSFER_WORKERS.get()
         if num_workers < 1:
             raise ValueError(
@@ -129,12 +109,12 @@ class NixlPrefillManager(KVManager):
         self._pending: dict[int, tuple[RoomDest, bytes, float]] = {}
         self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
-        self._peers: dict[str, DecodePeer] = {}
         self._down = False
         self.engine = NixlTransferEngine(
             api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
         )
         self.notifier = NixlNotifier(api, f"{self.engine.name}-notif", args, self.engine.spec)
+        self._peers = DecodePeers(self.engine, self.notifier, self.rank)
         self._workers = TransferWorkers(
             self.engine, self.instance_id, self.transfer_timeout, self.notifier, self._metrics
         )
@@ -219,8 +199,7 @@ class NixlPrefillManager(KVManager):
             backend="nixl",
             rooms=self._rooms.count_by_state(),
             live_rooms=len(self._rooms),
-            decode_peers=len(self._peers),
-            remote_agents=sum(1 for p in self._peers.values() if p.remote is not None),
+            **self._peers.counts(),
             notifier_remote_agents=self.notifier.num_remotes(),
             prepared_dlists=self.engine.num_prepared_lists(),
             premade_writes=self.engine.num_premade_writes(),
@@ -319,61 +298,11 @@ class NixlPrefillManager(KVManager):
                 )
             return
         if isinstance(msg, Hello):
-            self._on_hello(identity, msg)
+            self._peers.hello(identity, msg)
         elif isinstance(msg, RoomDest):
             self._on_dest(identity, msg)
         elif isinstance(msg, RoomAbort):
             self._on_abort(identity, msg)
-
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        peer = self._peers.get(hello.decode_instance)
-        if peer is not None:
-            peer.identity = identity
-            return
-        try:
-            heads = self._heads_for(hello)
-            name = self.engine.add_remote(hello.agent_metadata)
-            remote = self.engine.prepare_remote(
-                name, hello.kv, hello.aux, heads, (hello.kv_heads[0], hello.kv_heads[1])
-            )
-            self.engine.connect(name)
-            self.notifier.add_remote(hello.agent_metadata)
-            peer = DecodePeer(
-                hello.decode_instance, identity, remote, None, hello.engine_rank, hello.tp_size
-            )
-        except Exception as exc:  # noqa: BLE001 - the peer is unusable, the worker is fine
-            log.warning("decode %s cannot be used: %s", hello.decode_instance, exc)
-            peer = DecodePeer(
-                hello.decode_instance,
-                identity,
-                None,
-                f"{type(exc).__name__}: {exc}",
-                hello.engine_rank,
-                hello.tp_size,
-            )
-        self._peers[hello.decode_instance] = peer
-
-    def _heads_for(self, hello: Hello) -> tuple[int, int]:
-        """The model heads this rank writes into the decode rank of ``hello``. ValueError
-        when its rank facts break the split rules or it needs no head of ours."""
-        total = self.engine.kv_args.layout.num_kv_heads
-        theirs = TPRank(hello.engine_rank, hello.tp_size)
-        if list(kv_head_range(total, theirs)) != list(hello.kv_heads):
-            raise ValueError(
-                f"decode rank {theirs.rank}/{theirs.size} says it holds heads "
-                f"{list(hello.kv_heads)}, the split rules give {list(kv_head_range(total, theirs))}"
-            )
-        mine = [s for s in reads_from(total, self.rank, theirs.size) if s.dst_rank == theirs.rank]
-        if not mine:
-            raise ValueError(
-                f"prefill rank {self.rank.rank} writes no KV head of decode rank {theirs.rank}"
-            )
-        return mine[0].start, mine[0].end
-
-    def expected_dests(self, decode_tp_size: int) -> frozenset[int]:
-        """The decode ranks whose destination a room waits for: those this rank writes."""
-        total = self.engine.kv_args.layout.num_kv_heads
-        return frozenset(s.dst_rank for s in reads_from(total, self.rank, decode_tp_size))
 
     def _on_dest(self, identity: bytes, dest: RoomDest) -> None:
         with self._match:
@@ -397,7 +326,7 @@ class NixlPrefillManager(KVManager):
                 f"decode {dest.decode_instance} is unusable: {why}", PEER_FAILED, identity
             )
             return
-        sender.attach_dest(dest, peer, identity, self.expected_dests(peer.tp_size))
+        sender.attach_dest(dest, peer, identity, self._peers.expected_dests(peer.tp_size))
 
     def _on_abort(self, identity: bytes, abort: RoomAbort) -> None:
         with self._match:
@@ -418,27 +347,12 @@ class NixlPrefillManager(KVManager):
         else:
             sender.peer_abort(abort.reason, abort.kind, identity)
 
-    def _forget_dead_decodes(self) -> None:
-        """Ping every decode peer; one ZMQ can no longer route to is gone (its process
-        ended or restarted as a new instance): release its prepared descriptor lists and
-        remove its NIXL agent, unless a room still holds it (then at the next round)."""
-        used = {id(p) for s in self._rooms.handles() for p in s.peers()}
-        for instance, peer in list(self._peers.items()):
-            if self._send(peer.identity, Ping(self.instance_id)) or id(peer) in used:
-                continue
-            del self._peers[instance]
-            if peer.remote is not None:
-                try:
-                    self.engine.release_remote(peer.remote)
-                    self.engine.remove_remote(peer.remote.agent_name)
-                    self.notifier.remove_remote(peer.remote.agent_name)
-                except Exception as exc:  # noqa: BLE001 - best effort
-                    log.warning("forgetting decode %s: %s", instance, exc)
-
     def _prune(self) -> None:
         """Forget destinations, aborts and endings older than the bootstrap timeout; a
-        destination nobody claimed fails on decode; decode peers that are gone."""
-        self._forget_dead_decodes()
+        destination nobody claimed fails on decode; decode peers that are gone (a
+        ``Ping`` ZMQ cannot route: :meth:`~.decode_peers.DecodePeers.forget_gone`)."""
+        used = {id(p) for s in self._rooms.handles() for p in s.peers()}
+        self._peers.forget_gone(lambda identity: self._send(identity, Ping(self.instance_id)), used)
         cutoff = time.monotonic() - self.bootstrap_timeout
         with self._match:
             stale = [(r, v) for r, v in self._pending.items() if v[2] < cutoff]

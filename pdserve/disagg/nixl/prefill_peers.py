@@ -6,8 +6,10 @@ engine_rank)``), with its NIXL agent loaded once. A peer declared dead by the he
 while one of its rooms holds decode's pages stays a *suspect* (agent loaded, still
 heartbeaten) until that incarnation ends the room or is known gone; then, as any peer
 that is gone, its agent is removed (``remove_remote_agent``), so restarts leave remote
-agents flat. Used by the bootstrap thread (``peer_for``) and the heartbeat thread
-(``peer_gone``, ``settle_suspects``); ``stats`` by whoever reads the manager's stats.
+agents flat (:func:`~.peer_life.forget_agent`). The heartbeat (:meth:`PrefillPeers.heartbeat`:
+one ``GET /health`` per prefill bootstrap server, judging every peer and suspect of it)
+declares peers dead or gone. Used by the bootstrap thread (``peer_for``) and the heartbeat
+thread (``heartbeat``); ``stats`` by whoever reads the manager's stats.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import httpx
+
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.messages import RankInfo
-from pdserve.disagg.rooms import PEER_RESTARTED, RoomTable
+from pdserve.disagg.nixl.peer_life import forget_agent
+from pdserve.disagg.rooms import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 
 if TYPE_CHECKING:
     from pdserve.disagg.nixl.receiver import NixlReceiver
@@ -107,6 +114,52 @@ class PrefillPeers:
             self._suspects.pop(peer.info.instance_id, None)
         self._forget_agent(peer)
 
+    def heartbeat(self, client: BootstrapClient, interval: float, max_failure: int) -> None:
+        """One round: one ``/health`` per prefill bootstrap server (``interval``: its
+        timeout, s), judging every known peer and suspect of it: ``max_failure`` misses in
+        a row, a rank missing there or a new instance id fail all that peer's rooms; an
+        idle peer (or a suspect) whose server refuses connections is gone."""
+        busy = {
+            p.info.instance_id
+            for r in self._rooms.handles()
+            if not r.is_terminal()
+            for p in r.peers.values()
+        }
+        servers: dict[tuple[str, int], list[PrefillPeer]] = defaultdict(list)
+        for peer in self.all():
+            servers[peer.key[:2]].append(peer)
+        for (host, port), group in servers.items():
+            where = f"prefill {host}:{port}"
+            try:
+                health = client.health(host, port, interval)
+            except BootstrapError as exc:
+                refused = isinstance(exc.__cause__, httpx.ConnectError)
+                for peer in group:
+                    suspect = peer.dead
+                    peer.misses += 1
+                    if refused and (suspect or peer.info.instance_id not in busy):
+                        self.peer_gone(peer, f"{where} is gone ({exc})", HEARTBEAT_LOST)
+                    elif not suspect and peer.misses >= max_failure:
+                        self.peer_gone(
+                            peer,
+                            f"{where} missed {peer.misses} heartbeats ({exc})",
+                            HEARTBEAT_LOST,
+                            gone=refused,
+                        )
+                continue
+            for peer in group:
+                rank = peer.info.engine_rank
+                now = health.ranks.get(rank, health.instance_id if rank == 0 else None)
+                if now is None:
+                    self.peer_gone(peer, f"{where} rank {rank} is gone", HEARTBEAT_LOST)
+                elif now != peer.info.instance_id:
+                    self.peer_gone(
+                        peer, f"{where} rank {rank} restarted as a new instance", PEER_RESTARTED
+                    )
+                else:
+                    peer.misses = 0
+        self.settle_suspects()
+
     def settle_suspects(self) -> None:
         """Forget suspects none of whose rooms is quarantined any more."""
         held = {
@@ -148,7 +201,4 @@ class PrefillPeers:
     def _forget_agent(self, peer: PrefillPeer) -> None:
         if peer.agent_name is not None:
             name, peer.agent_name = peer.agent_name, None
-            try:
-                self._engine.remove_remote(name)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+            forget_agent(self._engine, name, f"prefill {peer.key}")

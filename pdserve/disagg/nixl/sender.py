@@ -26,7 +26,8 @@ from pdserve.disagg.messages import RoomDest
 from pdserve.disagg.rooms import BOOTSTRAP_TIMEOUT, PEER_FAILED, TRANSFER_ERROR, RoomHandle
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.prefill import DecodePeer, NixlPrefillManager
+    from pdserve.disagg.nixl.decode_peers import DecodePeer
+    from pdserve.disagg.nixl.prefill import NixlPrefillManager
 
 log = logging.getLogger(__name__)
 
