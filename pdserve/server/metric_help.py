@@ -9,8 +9,9 @@ from __future__ import annotations
 
 GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 
-# key -> (help, type). Counters are monotonic since the worker started; CounterMetricFamily
-# names their sample ``<name>_total``.
+# key -> (help, type). Counters are monotonic since the worker started (every "cumulative"
+# count here: tests/server/test_metric_counters.py checks that); CounterMetricFamily names
+# their sample ``<name>_total`` (the family keeps ``<name>``), as Prometheus' convention.
 HELP: dict[str, tuple[str, str]] = {
     # --- engine (EngineCore.stats, KVCacheManager.stats) ----------------------------------
     "num_running": ("requests in the running batch", GAUGE),
@@ -32,43 +33,43 @@ HELP: dict[str, tuple[str, str]] = {
     "num_total_pages": ("KV cache pages of the pool (pages)", GAUGE),
     "num_preemptions": (
         "requests preempted for lack of KV pages since start (cumulative count)",
-        GAUGE,
+        COUNTER,
     ),
     "prompt_tokens_computed": (
         "prompt tokens run through prefill since start, prefix-cache hits excluded "
         "(cumulative tokens)",
-        GAUGE,
+        COUNTER,
     ),
-    "steps": ("engine steps run since start (cumulative count)", GAUGE),
-    "generation_tokens": ("output tokens sampled since start (cumulative tokens)", GAUGE),
-    "finished_requests": ("requests finished since start (cumulative count)", GAUGE),
+    "steps": ("engine steps run since start (cumulative count)", COUNTER),
+    "generation_tokens": ("output tokens sampled since start (cumulative tokens)", COUNTER),
+    "finished_requests": ("requests finished since start (cumulative count)", COUNTER),
     "overlap_launched_steps": (
         "steps launched without waiting for the host since start (cumulative count)",
-        GAUGE,
+        COUNTER,
     ),
     "overlap_ahead_steps": (
         "of the overlap-launched steps, those launched before the previous step's "
         "results were read (cumulative count)",
-        GAUGE,
+        COUNTER,
     ),
     "prefix_cache_query_tokens": (
         "prompt tokens looked up in the prefix cache since start (cumulative tokens)",
-        GAUGE,
+        COUNTER,
     ),
     "prefix_cache_hit_tokens": (
         "prompt tokens found in the prefix cache since start (cumulative tokens)",
-        GAUGE,
+        COUNTER,
     ),
     "prefix_cache_evicted_pages": (
         "prefix-cache pages evicted to make room since start (cumulative pages)",
-        GAUGE,
+        COUNTER,
     ),
     "num_cached_pages": ("KV pages held only by the prefix cache, evictable (pages)", GAUGE),
     "num_held_pages": ("KV pages held by live requests or draining rooms (pages)", GAUGE),
     # --- KV transfer (KVManager.stats) ------------------------------------------------------
-    "bytes_transferred": ("KV cache bytes moved by finished transfers (cumulative bytes)", GAUGE),
-    "pages_transferred": ("KV cache pages moved by finished transfers (cumulative pages)", GAUGE),
-    "transfers_succeeded": ("rooms whose KV transfer succeeded (cumulative count)", GAUGE),
+    "bytes_transferred": ("KV cache bytes moved by finished transfers (cumulative bytes)", COUNTER),
+    "pages_transferred": ("KV cache pages moved by finished transfers (cumulative pages)", COUNTER),
+    "transfers_succeeded": ("rooms whose KV transfer succeeded (cumulative count)", COUNTER),
     "transfer_latency_seconds": (
         "one room's KV transfer, prefill: send to WRITEs done; decode: destination sent "
         "to completion notification (seconds)",
@@ -87,10 +88,10 @@ HELP: dict[str, tuple[str, str]] = {
     "notifier_remote_agents": ("prefill: remote agents of the notification agent", GAUGE),
     "prepared_dlists": ("NIXL prepared descriptor lists alive", GAUGE),
     "premade_writes": ("prefill: premade NIXL WRITE handles not yet released", GAUGE),
-    "premade_writes_made": ("prefill: premade NIXL WRITE handles made (cumulative count)", GAUGE),
+    "premade_writes_made": ("prefill: premade NIXL WRITE handles made (cumulative count)", COUNTER),
     "premade_writes_posted": (
         "prefill: premade NIXL WRITE handles posted (cumulative count)",
-        GAUGE,
+        COUNTER,
     ),
     "prefill_peers": ("decode: prefill workers known to this manager", GAUGE),
     "suspect_prefill_peers": ("decode: prefill workers suspected gone", GAUGE),

@@ -36,7 +36,8 @@ def _is_number(value: Any) -> bool:
 
 
 def _families(prefix: str, data: dict) -> Iterable[Any]:
-    """Metric families for a stats dict: numbers -> gauges; ``{sum, count, buckets}`` ->
+    """Metric families for a stats dict: numbers -> gauges, or counters (sample
+    ``<name>_total``) where ``metric_help`` says so; ``{sum, count, buckets}`` ->
     a histogram (cumulative buckets keyed by upper bound); a nested ``{name: number}``
     dict -> one gauge (a counter where ``metric_help`` says so) with a label (``state``,
     ``reason`` or ``key``); strings are skipped. Help texts and types: ``metric_help``."""
@@ -46,7 +47,8 @@ def _families(prefix: str, data: dict) -> Iterable[Any]:
         name = f"{prefix}_{_NAME.sub('_', str(key))}"
         doc, kind = HELP.get(str(key), (str(key), GAUGE))
         if _is_number(value):
-            yield GaugeMetricFamily(name, doc, value=float(value))
+            make = CounterMetricFamily if kind == COUNTER else GaugeMetricFamily
+            yield make(name, doc, value=float(value))
         elif isinstance(value, dict) and {"sum", "count", "buckets"} <= set(value):
             buckets = [(str(le), float(n)) for le, n in value["buckets"].items()]
             if not buckets or buckets[-1][0] != "+Inf":
