@@ -1,124 +1,18 @@
 """Scheduler alone (no model): token budget, chunked prefill, FCFS, max_running_requests,
-preemption by recompute, aborts; random workloads never deadlock and free every page, with
-the prefix cache off and on (page accounting checked every step, and a simulated KV store
-checks that every page a request reads holds that request's tokens)."""
+preemption by recompute, prompt logprob targets, overlap scheduling's ``admits_none``;
+random workloads with aborts never deadlock and free every page, with the prefix cache off
+and on (page accounting checked every step, and a simulated KV store checks that every
+page a request reads holds that request's tokens).  With the prefix cache:
+test_scheduler_prefix_cache.py; the simulation: scheduler_sim.py."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-import torch
+from scheduler_sim import FakeKV, make, req, run_step
 
-from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_runner import StepResult
-from pdserve.engine.request import Request, Status
-from pdserve.engine.sampler import SampledToken
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import BatchPlan, Scheduler
-
-EMPTY_PLAN = BatchPlan(())
-
-
-def make(num_pages=64, page_size=4, budget=32, max_running=8, prefix_caching=False):
-    pool = KVPool(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        page_size=page_size,
-        num_pages=num_pages,
-        num_aux_slots=1,
-        model_fingerprint="x",
-    )
-    return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
-        KVCacheManager(pool, enable_prefix_caching=prefix_caching),
-        lambda r: (),
-    )
-
-
-def req(rid, prompt_len, max_tokens, arrival, prompt_logprobs=None, prompt=None):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
-    return Request(
-        str(rid),
-        list(prompt) if prompt is not None else list(range(1, prompt_len + 1)),
-        params,
-        arrival=arrival,
-        detokenizer=None,
-        generator=None,
-    )
-
-
-def check_invariants(s: Scheduler, plan):
-    """Every step: budget and batch limits; page accounting (each page's refcount equals
-    how many requests list it, none lists a page twice, held + cached + free == total);
-    every sequence's pages cover what it computes; the queue is FCFS."""
-    assert plan.num_tokens <= s.config.max_num_batched_tokens
-    assert len(s.running) <= s.config.max_running_requests
-    s.kv.check_integrity(r.pages for r in s.running + s.waiting)
-    if not s.kv.enable_prefix_caching:  # without a cache no page is ever shared
-        held = [p for r in s.running + s.waiting for p in r.pages]
-        assert len(held) == len(set(held))
-        assert len(held) + s.kv.num_free_pages == s.kv.num_pages
-    for seq in plan.seqs:
-        assert len(seq.pages) * s.kv.page_size >= seq.start_pos + len(seq.token_ids)
-    assert [r.arrival for r in s.waiting] == sorted(r.arrival for r in s.waiting)
-
-
-class FakeKV:
-    """What each page slot holds: ``(token id, position)`` written by the last step that
-    computed it.  A step reading positions ``< start_pos`` must find its own tokens there,
-    and no step may write into a page the prefix cache indexes."""
-
-    def __init__(self, s: Scheduler) -> None:
-        self.s = s
-        self.slots: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def execute(self, seq, r) -> None:
-        ps = self.s.kv.page_size
-        for pos in range(seq.start_pos):  # the context this step attends to
-            page = seq.pages[pos // ps]
-            assert self.slots.get((page, pos % ps)) == (r.all_token_ids[pos], pos), (
-                f"request {r.request_id} reads position {pos} from page {page}: wrong KV"
-            )
-        for i, tok in enumerate(seq.token_ids):
-            pos = seq.start_pos + i
-            page = seq.pages[pos // ps]
-            assert not self.s.kv.cache.is_cached(page) or self.slots.get((page, pos % ps)) == (
-                tok,
-                pos,
-            ), f"write into cached page {page}"
-            self.slots[(page, pos % ps)] = (tok, pos)
-
-
-def run_step(s: Scheduler, by_id: dict, log: list | None = None, kv: FakeKV | None = None):
-    """Schedule and pretend to execute: sampled tokens are 7; a request ends at max_tokens."""
-    plan = s.schedule()
-    check_invariants(s, plan)
-    result = StepResult()
-    for seq in plan.seqs:
-        r = by_id[seq.request_id]
-        assert seq.token_ids == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
-        if kv is not None:
-            kv.execute(seq, r)
-        if log is not None:
-            log.append((seq.request_id, len(seq.token_ids), seq.sample))
-        if r.prompt_logprobs is not None and seq.prompt_logprobs_targets:
-            assert seq.prompt_logprobs_start == len(r.prompt_logprobs) - 1
-            result.prompt_logprobs[seq.request_id] = list(seq.prompt_logprobs_targets)
-        if seq.sample:
-            result.sampled[seq.request_id] = SampledToken(7, 0.0, ())
-    for r, tok in s.update_from_output(plan, result):
-        r.append_token(tok.token_id, tok.logprob, tok.top)
-        if r.num_output_tokens >= r.params.max_tokens:
-            r.finish("length")
-            s.remove(r)
-    check_invariants(s, EMPTY_PLAN)
-    return plan
+from pdserve.engine.request import Status
 
 
 def test_chunked_prefill_respects_the_budget():
@@ -232,119 +126,6 @@ def test_random_workloads_finish_and_free_every_page(seed, prefix_caching):
         if r.finish_reason == "length":
             assert r.num_output_tokens == r.params.max_tokens
             assert r.status is Status.FINISHED
-
-
-def finish_all(s, by_id, kv=None):
-    """Queue the requests of ``by_id`` not queued yet, and run until all are done."""
-    for r in by_id.values():
-        if r not in s.waiting and r not in s.running and not r.finished:
-            s.add_waiting(r)
-    while s.running or s.waiting:
-        run_step(s, by_id, kv=kv)
-
-
-def test_a_shared_prefix_is_computed_once_and_a_hit_can_end_mid_page():
-    s = make(page_size=4, budget=64, prefix_caching=True)
-    kv = FakeKV(s)
-    a = req("a", 0, 2, 0, prompt=list(range(1, 11)))  # 10 tokens: 2 full pages + 2
-    finish_all(s, {"a": a}, kv)
-    # b shares 9 tokens with a: the hit is the 2 full pages (8 tokens), ending mid-page
-    b = req("b", 0, 2, 1, prompt=list(range(1, 10)) + [40, 41])
-    s.add_waiting(b)
-    plan = run_step(s, {"b": b}, kv=kv)
-    assert plan.seqs[0].start_pos == 8 and plan.seqs[0].token_ids == [9, 40, 41]
-    assert b.num_cached_tokens == 8
-    assert plan.seqs[0].pages[:2] == a_pages_of(s, list(range(1, 9)))
-    finish_all(s, {"b": b}, kv)
-    assert s.kv.cache.num_query_tokens == 10 + 11 and s.kv.cache.num_hit_tokens == 8
-
-
-def a_pages_of(s, tokens):
-    pages, _ = s.kv.match_prefix(tokens, len(tokens))
-    return pages
-
-
-@pytest.mark.parametrize("prompt_len", [8, 9, 12])
-def test_a_full_prompt_hit_still_computes_the_last_token(prompt_len):
-    s = make(page_size=4, budget=64, prefix_caching=True)
-    kv = FakeKV(s)
-    prompt = list(range(1, prompt_len + 1))
-    a = req("a", 0, 1, 0, prompt=prompt)
-    finish_all(s, {"a": a}, kv)
-    b = req("b", 0, 1, 1, prompt=prompt)
-    s.add_waiting(b)
-    plan = run_step(s, {"b": b}, kv=kv)
-    (seq,) = plan.seqs
-    cached = (prompt_len - 1) // 4 * 4  # full pages of all but the last token
-    assert seq.start_pos == cached and seq.sample
-    assert seq.token_ids == prompt[cached:]
-    assert b.num_cached_tokens == cached and b.output_token_ids == [7]
-
-
-def test_prompt_logprob_requests_recompute_their_whole_prompt():
-    s = make(page_size=4, budget=64, prefix_caching=True)
-    a = req("a", 12, 1, 0)
-    finish_all(s, {"a": a})
-    b = req("b", 12, 1, 1, prompt_logprobs=0)
-    s.add_waiting(b)
-    plan = run_step(s, {"b": b})
-    assert plan.seqs[0].start_pos == 0 and b.num_cached_tokens == 0
-    assert b.prompt_logprobs == [None] + b.prompt_token_ids[1:]
-
-
-def test_unreferenced_cached_pages_are_evicted_lru_when_pages_run_out():
-    s = make(num_pages=6, page_size=4, budget=64, prefix_caching=True)
-    kv = FakeKV(s)
-    old = req("old", 0, 1, 0, prompt=[1] * 8)
-    finish_all(s, {"old": old}, kv)
-    new = req("new", 0, 1, 1, prompt=[2] * 8)
-    finish_all(s, {"new": new}, kv)
-    assert s.kv.num_cached_pages == 4 and s.kv.num_free_pages == 2
-    big = req("big", 0, 2, 2, prompt=[3] * 15)  # 4 pages: 2 free + the 2 oldest cached
-    finish_all(s, {"big": big}, kv)
-    assert s.kv.cache.num_evicted >= 2
-    assert a_pages_of(s, [1] * 8) == []  # "old" went first
-    again = req("again", 0, 1, 3, prompt=[2] * 4 + [5])
-    s.add_waiting(again)
-    run_step(s, {"again": again}, kv=kv)
-    assert again.num_cached_tokens == 4  # "new"'s head page survived
-
-
-def test_aborting_one_of_two_requests_that_share_pages_keeps_the_pages_for_the_other():
-    s = make(page_size=4, budget=64, prefix_caching=True)
-    kv = FakeKV(s)
-    a = req("a", 12, 1, 0)
-    finish_all(s, {"a": a}, kv)
-    b, c = req("b", 12, 5, 1), req("c", 12, 5, 2)
-    by_id = {"b": b, "c": c}
-    s.add_waiting(b)
-    s.add_waiting(c)
-    run_step(s, by_id, kv=kv)
-    shared = b.pages[:2]
-    assert c.pages[:2] == shared and all(s.kv.refcount(p) == 2 for p in shared)
-    s.remove(b)
-    b.finish("abort")
-    assert all(s.kv.refcount(p) == 1 for p in shared)
-    finish_all(s, by_id, kv)
-    assert c.output_token_ids == [7] * 5 and s.kv.num_held_pages == 0
-
-
-def test_a_preempted_request_matches_its_cached_pages_again():
-    s = make(num_pages=8, page_size=4, budget=64, prefix_caching=True)
-    kv = FakeKV(s)
-    a, b = req("a", 12, 12, 0), req("b", 0, 12, 1, prompt=[9] * 12)
-    by_id = {"a": a, "b": b}
-    s.add_waiting(a)
-    s.add_waiting(b)
-    preempted, restarts = [], []
-    while s.running or s.waiting:
-        was_waiting = b in s.waiting and b.num_preemptions > 0
-        plan = run_step(s, by_id, kv=kv)
-        preempted += plan.preempted
-        restarts += [q.start_pos for q in plan.seqs if q.request_id == "b" and was_waiting]
-    assert "b" in preempted and restarts and restarts[0] > 0  # it did not start from 0
-    assert b.output_token_ids == [7] * 12
-    assert b.num_cached_tokens == 0  # usage counts the first admission only
 
 
 def test_admits_none_bounds_the_next_admission():
