@@ -1,10 +1,16 @@
-"""Shared fixtures of the engine tests: tiny random HF models saved to disk, the tokenizer."""
+"""Shared fixtures of the engine tests: tiny random HF models saved to disk, the tokenizer,
+the tiny Llama with an EOS of the overlap tests."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import transformers
+from overlap_runs import PROMPTS, core_of, drive
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import embedded_tokenizer
 from tiny_models import random_tiny_model
 
@@ -93,3 +99,20 @@ def tiny_llm(tiny_model_dir):
     from pdserve import LLM
 
     return LLM(tiny_model_dir("llama"), device="cpu", num_pages=256)
+
+
+@pytest.fixture(scope="session")
+def eos_model(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama with an EOS that greedy decoding of PROMPTS[0] emits as its 7th token
+    (the way test_generation builds one), for the overlap tests; returns (folder, that
+    prompt's greedy tokens)."""
+    folder = tmp_path_factory.mktemp("overlap-eos")
+    shutil.copytree(tiny_model_dir("llama"), folder, dirs_exist_ok=True)
+    probe = core_of(str(folder), False)
+    _, finals = drive(
+        probe, [("p", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+    )
+    full = finals["p"][0]
+    eos = full[6]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
+    return str(folder), full

@@ -1,177 +1,31 @@
 """Overlap scheduling (engine/overlap.py) forced on for the CPU against the same engine with it
 off: identical outputs (token ids, text, logprobs, finish reasons, usage and every streaming
 delta) over EOS mid-batch, stop strings and stop ids, staggered max_tokens, max_model_len,
-plain and non-plain rows, arrivals mid-decode, aborts during a launched step, preemption,
-the PD decode role; pages back to baseline after every run."""
+plain and non-plain rows, arrivals mid-decode, aborts during a launched step, the PD decode
+role; pages back to baseline after every run.  Admission while slots or pages are scarce:
+test_overlap_admission.py; the runs and their comparison: overlap_runs.py."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 
 import pytest
+from overlap_runs import (
+    PROMPTS,
+    assert_same,
+    assert_same_runs,
+    check_pages,
+    core_of,
+    delta_of,
+    drive,
+    final_of,
+    greedy,
+)
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.disagg.fake import FakeKVManager, link
-from pdserve.engine.engine import EngineCore
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
-
-PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
-
-
-def core_of(folder, overlap, num_pages=128, page_size=4, max_model_len=None, **sched):
-    return EngineCore(
-        EngineConfig(
-            model=ModelConfig(model=folder, device="cpu", max_model_len=max_model_len),
-            cache=CacheConfig(page_size=page_size, num_pages=num_pages),
-            scheduler=SchedulerConfig(overlap_schedule=overlap, **sched),
-        )
-    )
-
-
-def _delta(out):
-    c = out.outputs[0]
-    lps = None if c.delta_logprobs is None else [(t.token_id, t.logprob) for t in c.delta_logprobs]
-    return (tuple(c.delta_token_ids), c.delta_text, lps, out.finished, c.finish_reason)
-
-
-def _final(out):
-    c = out.outputs[0]
-    lps = None if c.logprobs is None else [(t.token_id, t.logprob, t.top) for t in c.logprobs]
-    return (
-        c.token_ids,
-        c.text,
-        lps,
-        c.cumulative_logprob,
-        c.finish_reason,
-        c.stop_reason,
-        out.num_cached_tokens,
-        out.error,
-    )
-
-
-def check_pages(core):
-    """Page accounting adds up (live requests + pages deferred to launched steps), and every
-    page a launched step writes is still held (none freed under a queued step)."""
-    launched = core.overlap._launched
-    holders = [r.pages for r in core._requests.values()]
-    holders += [pages for step in launched for pages in step.deferred]
-    core.kv.check_integrity(holders)
-    for step in launched:
-        for seq in step.plan.seqs:
-            assert all(core.kv.refcount(p) > 0 for p in seq.pages), seq.request_id
-
-
-def drive(
-    core, requests, events=None, max_steps=2000, first_steps=None, saturated=None, admitted=None
-):
-    """Add ``requests`` ((id, prompt, params) triples), step ``core`` until idle, calling
-    ``events[k](core)`` before step k; returns (deltas by id, final by id). Checks the pages
-    are back to baseline.  ``first_steps`` (a dict) gets the step of each request's first
-    output; ``saturated[0]`` (a list) counts the steps launched ahead while a request
-    waited; ``admitted`` (a dict) gets the engine step (``stats()["steps"]``, which counts
-    launched steps too) that admitted each request (first seen running or with an output):
-    with overlap, outputs of launched steps come one ``step`` call later, steps do not."""
-    for rid, prompt, params in requests:
-        core.add_request(rid, prompt, params)
-    events = dict(events or {})
-    deltas: dict[str, list] = {}
-    finals = {}
-    for k in range(max_steps):
-        if k in events:
-            events.pop(k)(core)
-        if not core.has_unfinished_requests() and not events:
-            assert core.num_free_pages == core.pool.num_pages
-            assert core.kv.num_held_pages == 0
-            return deltas, finals
-        waited, ahead = bool(core.scheduler.waiting), core.overlap.num_ahead
-        outs = core.step()
-        if saturated is not None and waited:
-            saturated[0] += core.overlap.num_ahead - ahead
-        if admitted is not None:
-            seen = [r.request_id for r in core.scheduler.running] + [o.request_id for o in outs]
-            for rid in seen:
-                admitted.setdefault(rid, core.stats()["steps"])
-        check_pages(core)
-        for out in outs:
-            if first_steps is not None:
-                first_steps.setdefault(out.request_id, k)
-            assert out.request_id not in finals, "an output after the final one"
-            deltas.setdefault(out.request_id, []).append(_delta(out))
-            if out.finished:
-                finals[out.request_id] = _final(out)
-    raise AssertionError("the engine did not become idle")
-
-
-def assert_same(a, b, path="out"):
-    """``a == b`` where every float may differ by 1e-4 (a logprob; a cumulative one 1e-3):
-    a step's batch differs with overlap (a row computed in vain, a request joining one step
-    later), which moves fp32 results in the last bits; tokens, text and reasons are exact."""
-    if isinstance(a, float) and isinstance(b, float):
-        assert abs(a - b) < (1e-3 if abs(a) > 1 else 1e-4), (path, a, b)
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), (path, a, b)
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, dict) and isinstance(b, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    else:
-        assert a == b, (path, a, b)
-
-
-def assert_same_runs(folder, requests, events=None, min_ahead=1, min_saturated=0, **kw):
-    """The run with overlap forced on equals the run with it off (and every request is
-    admitted in the same engine step); at least ``min_saturated`` steps were launched ahead
-    while a request waited; returns both cores."""
-    cores = {}
-    runs = {}
-    admitted: dict[bool, dict[str, int]] = {False: {}, True: {}}
-    saturated = {False: [0], True: [0]}
-    for overlap in (False, True):
-        cores[overlap] = core_of(folder, overlap, **kw)
-        runs[overlap] = drive(
-            cores[overlap],
-            requests,
-            events,
-            saturated=saturated[overlap],
-            admitted=admitted[overlap],
-        )
-    (d_off, f_off), (d_on, f_on) = runs[False], runs[True]
-    assert_same(f_on, f_off)
-    assert_same(d_on, d_off, "deltas")
-    assert admitted[True] == admitted[False], "a request admitted in another step than in sync"
-    assert saturated[True][0] >= min_saturated, saturated[True][0]
-    for key in ("num_preemptions", "prompt_tokens_computed", "prefix_cache_hit_tokens"):
-        assert cores[True].stats()[key] == cores[False].stats()[key], key
-    assert cores[False].stats()["overlap_launched_steps"] == 0
-    assert cores[True].stats()["overlap_ahead_steps"] >= min_ahead
-    assert cores[True].stats()["generation_tokens"] == cores[False].stats()["generation_tokens"]
-    return cores[False], cores[True]
-
-
-@pytest.fixture(scope="module")
-def eos_model(tiny_model_dir, tmp_path_factory):
-    """The tiny Llama with an EOS that greedy decoding of PROMPTS[0] emits as its 7th token
-    (the way test_generation builds one); returns (folder, that prompt's greedy tokens)."""
-    folder = tmp_path_factory.mktemp("overlap-eos")
-    shutil.copytree(tiny_model_dir("llama"), folder, dirs_exist_ok=True)
-    probe = core_of(str(folder), False)
-    _, finals = drive(
-        probe, [("p", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
-    )
-    full = finals["p"][0]
-    eos = full[6]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
-    return str(folder), full
-
-
-def greedy(**kw):
-    return SamplingParams(temperature=0, **kw)
 
 
 def test_eos_stops_and_staggered_lengths_equal_sync(eos_model):
@@ -276,7 +130,7 @@ def test_abort_during_a_launched_step(eos_model):
         for out in outs:
             assert out.request_id != "b", "an aborted request emits nothing"
             if out.finished:
-                finals[out.request_id] = _final(out)
+                finals[out.request_id] = final_of(out)
     assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
     ref = drive(core_of(folder, False), [("a", PROMPTS[0], params), ("c", PROMPTS[2], params)])
     assert_same(finals, ref[1])
@@ -339,101 +193,6 @@ def test_abort_during_a_launched_step_caches_as_sync(eos_model, other):
         assert over[4] == sync[4], abort_after
 
 
-def test_preemption_when_pages_run_out_equals_sync(eos_model):
-    """24 pages of 4 tokens cannot hold the batch: the overlapped steps stop when the free
-    list is short, the synchronous scheduler preempts, the outputs still equal sync's."""
-    folder, _ = eos_model
-    requests = [(f"r{i}", p, greedy(max_tokens=24, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-    off, on = assert_same_runs(folder, requests, num_pages=24, min_ahead=5)
-    assert off.stats()["num_preemptions"] > 0
-    assert on.stats()["num_preemptions"] == off.stats()["num_preemptions"]
-
-
-def test_more_requests_than_slots_equal_sync(eos_model):
-    """Two request slots, six requests of staggered lengths: while the slots are full and
-    no row can end unseen (EOS ignored, no stops) overlap engages with requests waiting; a
-    row that ``max_tokens`` ends at N frees its slot for N+1, so that step drains and admits
-    the next request exactly when a synchronous run does."""
-    folder, _ = eos_model
-    requests = [
-        (f"r{i}", p, greedy(max_tokens=6 + 4 * i, ignore_eos=True, logprobs=0))
-        for i, p in enumerate(PROMPTS)
-    ]
-    _, on = assert_same_runs(folder, requests, max_running_requests=2, min_saturated=15)
-    assert on.stats()["num_preemptions"] == 0
-
-
-def test_rows_that_may_end_unseen_drain_while_saturated(eos_model):
-    """Rows whose end may come from a token the host has not seen yet (EOS, stop ids, stop
-    strings) may free a slot at any step: with requests waiting, their steps run in sync
-    (outputs still equal sync's); past ``min_tokens`` only (before it no token ends them)."""
-    folder, full = eos_model
-    requests = [
-        ("eos", PROMPTS[0], greedy(max_tokens=30)),  # EOS at its 7th token
-        ("len", PROMPTS[1], greedy(max_tokens=12, ignore_eos=True)),
-        ("stop-id", PROMPTS[0], greedy(max_tokens=30, ignore_eos=True, stop_token_ids=[full[4]])),
-        ("wait", PROMPTS[2], greedy(max_tokens=9, ignore_eos=True)),
-    ]
-    _, on = assert_same_runs(folder, requests, max_running_requests=2)
-    assert on.stats()["overlap_ahead_steps"] > 0  # once "wait" runs, nothing waits
-    saturated = [0]
-    drive(core_of(folder, True, max_running_requests=2), requests, saturated=saturated)
-    assert saturated[0] == 0
-    # a stop string counts only past min_tokens: before that both rows overlap while
-    # "wait" waits (stop strings keep a row plain greedy; EOS is ignored)
-    probe = drive(
-        core_of(folder, False), [("p", PROMPTS[1], greedy(max_tokens=24, ignore_eos=True))]
-    )[1]
-    text = probe["p"][1]
-    stop = text[-len(text) // 4 :][:3]
-    requests = [
-        ("min", PROMPTS[1], greedy(max_tokens=24, min_tokens=12, ignore_eos=True, stop=[stop])),
-        ("len", PROMPTS[3], greedy(max_tokens=16, ignore_eos=True)),
-        ("wait", PROMPTS[2], greedy(max_tokens=9, ignore_eos=True)),
-    ]
-    assert_same_runs(folder, requests, max_running_requests=2, min_saturated=8)
-
-
-def test_pool_too_small_for_all_equal_sync(eos_model):
-    """A pool of 16 pages of 4 tokens: a 52-token prompt (13 pages) waits until both running
-    rows ended (``max_tokens`` frees their pages), so meanwhile they overlap; it is admitted
-    in the step a synchronous run admits it, and a request sharing its prefix (matched
-    pages, held) joins it as in sync.  No preemption in either run."""
-    folder, _ = eos_model
-    long = [1 + (11 * j) % 300 for j in range(52)]
-    requests = [
-        ("r0", PROMPTS[0], greedy(max_tokens=20, ignore_eos=True)),
-        ("r1", PROMPTS[2], greedy(max_tokens=14, ignore_eos=True, logprobs=0)),
-        ("long", long, greedy(max_tokens=4, ignore_eos=True)),
-        ("shared", long[:40] + [5, 6, 7], greedy(max_tokens=4, ignore_eos=True)),
-        ("tail", PROMPTS[1], greedy(max_tokens=9, ignore_eos=True)),
-    ]
-    off, on = assert_same_runs(folder, requests, num_pages=16, min_saturated=10)
-    assert on.stats()["prefix_cache_hit_tokens"] >= 40
-    assert on.stats()["num_preemptions"] == 0
-
-
-def test_staggered_arrivals_while_saturated_equal_sync(eos_model):
-    """Requests arriving while every slot is taken join the queue without draining the
-    pipeline (they could not be admitted anyway) and are admitted when a slot frees."""
-    folder, _ = eos_model
-
-    def add(rid, prompt, **kw):
-        return lambda core: core.add_request(rid, prompt, greedy(ignore_eos=True, **kw))
-
-    requests = [
-        ("a", PROMPTS[0], greedy(max_tokens=20, ignore_eos=True)),
-        ("b", PROMPTS[1], greedy(max_tokens=11, ignore_eos=True)),
-    ]
-    events = {
-        3: add("c", PROMPTS[2], max_tokens=8),
-        5: add("d", PROMPTS[3], max_tokens=14, logprobs=0),
-        9: add("e", PROMPTS[4], max_tokens=6),
-        10: add("f", PROMPTS[5], max_tokens=5),
-    }
-    assert_same_runs(folder, requests, events, max_running_requests=2, min_saturated=8)
-
-
 def pd_run(folder, overlap, params):
     """Decode requests (``overlap`` on the decode engine) fed by a prefill engine over the
     loopback fake backend; returns (decode deltas, finals, decode engine)."""
@@ -456,9 +215,9 @@ def pd_run(folder, overlap, params):
         outs = decode.step()
         check_pages(decode)
         for out in outs:
-            deltas.setdefault(out.request_id, []).append(_delta(out))
+            deltas.setdefault(out.request_id, []).append(delta_of(out))
             if out.finished:
-                finals[out.request_id] = _final(out)
+                finals[out.request_id] = final_of(out)
     assert decode.num_free_pages == decode.pool.num_pages == prefill.num_free_pages
     assert decode.kv.num_held_pages == 0
     return deltas, finals, decode
