@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from pdserve.disagg.head_map import reads_from
 from pdserve.disagg.messages import Hello
+from pdserve.disagg.nixl.dlists import RemoteSide
 from pdserve.disagg.nixl.notifier import NixlNotifier
 from pdserve.disagg.nixl.peer_life import forget_agent
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
+from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pdserve.disagg.nixl.dlists import RemoteSide
     from pdserve.disagg.nixl.notifier import NixlNotifier
-    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine, RemoteSide
+    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 
 log = logging.getLogger(__name__)
 
