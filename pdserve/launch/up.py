@@ -71,7 +71,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--port",
         type=int,
         default=default_of(RouterConfig, "port"),
-        help="router port; fails at once if it is taken (default %(default)s)",
+        help="router port; 0 = a free one (the URL printed names it); fails at once if it "
+        "is taken (default %(default)s)",
     )
     p.add_argument(
         "--policy",
@@ -230,18 +231,26 @@ def main(args: argparse.Namespace) -> int:
         print("pdserve up: error: --num-prefill and --num-decode must be >= 1", file=sys.stderr)
         return 2
     try:
-        bind_socket(args.host, args.port).close()  # fail fast, before any model loads
+        probe = bind_socket(args.host, args.port)  # fail fast, before any model loads
     except PortInUseError as exc:
         print(f"pdserve up: error: router {exc}; choose another with --port", file=sys.stderr)
         return 2
+    # --port 0: the router gets the free port the kernel gave the probe (so the URL printed
+    # and probed is the one it listens on); the probe holds it while the workers' free
+    # ports are planned, so none of them is planned on it.
+    args.port = probe.getsockname()[1]
     try:
         check_tp_sizes(args)
     except ValueError as exc:
+        probe.close()
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    workers, router = plan_children(args, log_dir)
+    try:
+        workers, router = plan_children(args, log_dir)
+    finally:
+        probe.close()
     children = workers + [router]
 
     def on_signal(signum, frame):
