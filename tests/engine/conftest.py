@@ -1,5 +1,5 @@
 """Shared fixtures of the engine tests: tiny random HF models saved to disk, the tokenizer,
-the tiny Llama with an EOS of the overlap tests."""
+the tiny Llama with an EOS of the overlap tests, the engine pair of the disagg tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 import transformers
+from disagg_pairs import assert_closed_once_after_terminal, pd_pair
 from overlap_runs import PROMPTS, core_of, drive
 
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import embedded_tokenizer
 from tiny_models import random_tiny_model
@@ -116,3 +118,27 @@ def eos_model(tiny_model_dir, tmp_path_factory):
     eos = full[6]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, eos]}))
     return str(folder), full
+
+
+@pytest.fixture(scope="module")
+def pd_cores(tiny_model_dir):
+    """(prefill engine, decode engine, managers) sharing one tiny Llama, pools of 64 pages
+    of 4 tokens (``disagg_pairs.pd_pair``); one pair per test module."""
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+    )
+    return pd_pair(cfg)
+
+
+@pytest.fixture
+def pd_clean(pd_cores):
+    """A test (of a module that uses this fixture for all its tests) must leave both engines
+    of ``pd_cores`` idle with all pages and aux slots free, and every room closed once after
+    a terminal poll."""
+    before = frozenset(id(h) for mgr in pd_cores[2].values() for h in mgr.handles())
+    yield
+    for core in pd_cores[:2]:
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+        assert core.pool.num_free_aux_slots == core.pool.aux.shape[0]
+    assert_closed_once_after_terminal(pd_cores[2].values(), before)
