@@ -43,9 +43,6 @@ class RunAllocator:
     def num_free(self) -> int:
         return self._num_free
 
-    def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
-
     def free_runs(self) -> list[tuple[int, int]]:
         """``(start, length)`` of every free run, by start (for tests and metrics)."""
         return sorted(self._start.items())

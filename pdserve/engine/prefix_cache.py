@@ -85,9 +85,6 @@ class PrefixCache:
         """Whether a page is cached under ``key``."""
         return key in self._page_of
 
-    def key_of(self, page: int) -> bytes | None:
-        return self._key_of.get(page)
-
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """Pages of the longest cached prefix of ``keys`` (one page per key, in order)."""
         pages: list[int] = []
