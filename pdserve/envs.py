@@ -120,6 +120,14 @@ DISAGGREGATION_NIXL_PROGRESS_THREAD = EnvVar(
     False,
     "Enable NIXL's progress thread (off: on few cores it competes with the polling threads).",
 )
+UCX_LOG_DIR = EnvVar(
+    "PDSERVE_UCX_LOG_DIR",
+    str,
+    "",
+    "Folder of a PD worker's UCX protocol report, pdserve-ucx-<pid>.log (deleted when the "
+    "worker stops cleanly); empty: the system's temporary folder. `pdserve up` sets it to "
+    "its log folder.",
+)
 TEST_DISAGG_FAILURE_PROB = EnvVar(
     "PDSERVE_TEST_DISAGG_FAILURE_PROB",
     float,

@@ -90,8 +90,11 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
 def spawn(
     name: str, args: list[str], log_dir: Path, *, port: int, env: dict[str, str] | None = None
 ) -> Proc:
-    """Start ``python -m pdserve <args>`` (its own process group), log to ``log_dir/name.log``."""
+    """Start ``python -m pdserve <args>`` (its own process group), log to ``log_dir/name.log``;
+    a PD worker's UCX report goes to ``log_dir`` too (one the test killed leaves it there,
+    not in the system's temporary folder)."""
     log_path = log_dir / f"{name}.log"
+    env = {"PDSERVE_UCX_LOG_DIR": str(log_dir), **(env or {})}
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args],

@@ -92,7 +92,8 @@ def check_tp_sizes(args: argparse.Namespace) -> None:
 def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], Child]:
     """The workers (``--num-prefill`` prefill then ``--num-decode`` decode, each on a free
     port of ``--host``, with the engine flags passed through) and the router that
-    ``pdserve up`` starts, not started; each child logs to ``log_dir/<name>.log``.
+    ``pdserve up`` starts, not started; each child logs to ``log_dir/<name>.log`` (a PD
+    worker's UCX report goes there too, unless ``PDSERVE_UCX_LOG_DIR`` is set).
     ValueError naming the flag for a bad ``--num-threads`` or tensor-parallel size."""
     from pdserve.http.netutil import free_port
 
@@ -102,6 +103,8 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
     # Every rank is a torch process: the CPU threads are shared over all of them.
     ranks = args.num_prefill * tp["prefill"] + args.num_decode * tp["decode"]
     threads, env = cpu_threads_plan(ranks if on_cpu(args) else 0, os.environ)
+    # UCX's report of a worker that dies stays beside its log (removed with a clean stop's)
+    env.setdefault(envs.UCX_LOG_DIR.name, str(log_dir))
     if args.num_threads < 0:
         raise ValueError(f"--num-threads must be >= 0, got {args.num_threads}")
     if args.num_threads > 0:

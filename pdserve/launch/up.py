@@ -5,6 +5,7 @@ until all are ready (with a progress line while the model loads), print the URL 
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -118,7 +119,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir",
         default=None,
-        help="where each process writes its log; unset: a new temporary folder",
+        help="where each process writes its log; unset: a new temporary folder, removed "
+        "when pdserve stops cleanly and kept (its path printed) when a process failed",
     )
     p.add_argument(
         "--served-model-name",
@@ -249,6 +251,11 @@ def main(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         workers, router = plan_children(args, log_dir)
+    except ValueError as exc:  # a bad --num-threads or tensor-parallel size
+        if args.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         probe.close()
     children = workers + [router]
@@ -257,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
+    code = 1  # whatever ends ``up`` but a signal is a failure (its logs are kept)
     try:
         for child in children:
             child.start()
@@ -273,6 +280,7 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(0.5)
     except _Stop as exc:
         print(f"\n{exc} received: stopping pdserve ...", flush=True)
+        code = 0
     except RuntimeError as exc:
         print(f"\npdserve up: {exc}", file=sys.stderr, flush=True)
         code = 1
@@ -287,4 +295,18 @@ def main(args: argparse.Namespace) -> int:
             f"{', '.join(str(c.pid) for c in children if c.proc)}).",
             flush=True,
         )
+        _keep_or_remove_logs(log_dir, children, code, created=args.log_dir is None)
     return code
+
+
+def _keep_or_remove_logs(log_dir: Path, children: list[Child], code: int, created: bool) -> None:
+    """A clean stop (``code`` 0, every child ended by the SIGTERM it was sent, or exited
+    0) removes the temporary log folder ``up`` ``created``; otherwise the logs are what
+    the user needs to see what failed: they stay, and the last line names the folder."""
+    clean = code == 0 and all(
+        c.exit_code() in (0, -signal.SIGTERM) for c in children if c.proc is not None
+    )
+    if clean and created:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif not clean:
+        print(f"pdserve up: logs kept in {log_dir}", file=sys.stderr, flush=True)

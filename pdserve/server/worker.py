@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import pdserve
+from pdserve import envs
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager
@@ -82,7 +83,7 @@ def build_worker(
     if pd and disagg.transfer_backend == "nixl":  # before UCX loads: it reads its env once
         from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
 
-        ucx_log = UcxTransportLog.install()
+        ucx_log = UcxTransportLog.install(envs.UCX_LOG_DIR.get() or None)
         if ucx_log is not None:
             ucx_log.start()
     if pd:  # the managers need the pool's addresses, so they are bound after the engine is built

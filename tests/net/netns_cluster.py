@@ -26,7 +26,12 @@ TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 def spawn_in(host: netns.Host, name: str, args: list[str], url: str, log_dir: Path, env: dict):
     """``python -m pdserve <args>`` inside ``host``'s namespace (own process group)."""
     log_path = log_dir / f"{name}.log"
-    full_env = dict(__import__("os").environ, PDSERVE_LOG_LEVEL="INFO", **env)
+    full_env = dict(
+        __import__("os").environ,
+        PDSERVE_LOG_LEVEL="INFO",
+        PDSERVE_UCX_LOG_DIR=str(log_dir),  # a worker a test kills leaves its UCX report there
+        **env,
+    )
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             host.argv(sys.executable, "-m", "pdserve", *args),

@@ -132,7 +132,9 @@ class UcxTransportLog:
         path.write_text("")
         os.environ["UCX_PROTO_INFO"] = PATTERN
         os.environ["UCX_LOG_FILE"] = str(path)
-        return cls(path)
+        report = cls(path)
+        atexit.register(report.close)  # also a process that never start()s (doctor --peer)
+        return report
 
     def poll(self) -> list[EndpointTransports]:
         """Read what UCX wrote since the last call; log new endpoint configurations and
