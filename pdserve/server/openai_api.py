@@ -334,7 +334,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
             o = out.outputs[0]
             lp = fmt.chat_logprobs(o.logprobs or [], tt) if top is not None else None
             content, calls = tl.parse_output(o.text, plan)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             if calls:
                 message["tool_calls"] = calls
             choices.append(

@@ -417,6 +417,13 @@ def test_stream_chunks_are_openai_s_role_refusal_and_null_usage_until_the_usage_
     assert last.choices == [] and last.usage is not None, last
     assert last.usage.completion_tokens == 8, last.usage
     if path == "/v1/chat/completions":
+        whole = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Count with me"}],
+            **dict(kw, stream=False, stream_options=None),
+        )
+        message = whole.choices[0].message  # OpenAI's message has "refusal": null too
+        assert {"role", "content", "refusal"} <= message.model_fields_set, message
+        assert message.refusal is None, message
         for index in (0, 1):
             first = next(ch.choices[0] for ch in body if ch.choices[0].index == index)
             assert first.delta.model_dump(exclude_unset=True) == {
