@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.kv_probe import BYTES_METRIC
 from pdserve.server.metric_help import COUNTER, GAUGE, HELP
 from pdserve.server.metrics import ServerMetrics
-from pdserve_procs import Proc, start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,21 +30,11 @@ ENGINE_COUNTERS = (
 )
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory) -> Proc:
-    proc = start_worker("mixed", "mixed", tmp_path_factory.mktemp("counter-logs"))
-    try:
-        wait_healthy([proc])
-        yield proc
-    finally:
-        stop([proc])
-
-
 def _families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def test_a_workers_cumulative_counts_are_counters_with_total_samples(worker):
+def test_a_workers_cumulative_counts_are_counters_with_total_samples(worker):  # conftest's
     prompt = "the same long prompt for the prefix cache " * 6
     for _ in range(2):
         r = httpx.post(
