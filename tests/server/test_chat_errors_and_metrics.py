@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from http_calls import post
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve_procs import Proc, assert_all_healthy, wait_for
@@ -14,10 +15,6 @@ from pdserve_procs import Proc, assert_all_healthy, wait_for
 pytestmark = pytest.mark.timeout(300)
 
 CHAT = "/v1/chat/completions"
-
-
-def post(worker: Proc, path: str, body) -> httpx.Response:
-    return httpx.post(worker.url + path, json=body, timeout=60.0)
 
 
 def error(r: httpx.Response) -> dict:
