@@ -36,6 +36,21 @@ def _env_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_number(text: str) -> int:
+    """The argparse ``type`` of every port flag (``serve --port``,
+    ``--disaggregation-bootstrap-port``, ``router --port``, ``up --port``): an integer in
+    [0, 65535] (the range of a TCP port; 0 asks the kernel for a free one). An
+    ``argparse.ArgumentTypeError`` otherwise, so a bad port is the usual ``argument --port:
+    ...`` usage error (exit 2), before any socket or process."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return port
+
+
 # A default already written into a help text, in any of the spellings the modules use:
 # "(default %(default)s)", "(default: X)", "(default X)" at the end.
 _STATED_DEFAULT = re.compile(r"\s*\(default:? ((?:[^()]|\([^()]*\))*)\)\s*$")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.cli import port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig, default_of
 from pdserve.launch.plan import ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
 from pdserve.launch.supervisor import Child, stop_all
@@ -70,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=default_of(RouterConfig, "port"),
         help="router port; 0 = a free one (the URL printed names it); fails at once if it "
         "is taken (default %(default)s)",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pdserve import envs
+from pdserve.cli import port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
 
 
@@ -42,7 +43,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=d("host"), help="address to listen on (default %(default)s)")
     p.add_argument(
-        "--port", type=int, default=d("port"), help="port to listen on (default %(default)s)"
+        "--port",
+        type=port_number,
+        default=d("port"),
+        help="port to listen on (default %(default)s)",
     )
     p.add_argument(
         "--policy",

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pdserve import envs
+from pdserve.cli import port_number
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig, default_of
 from pdserve.disagg.base import ROLES
 from pdserve.server.engine_args import add_engine_args, engine_config_from_args
@@ -34,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default=s("host"), help="address to listen on (default %(default)s)")
     p.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=s("port"),
         help="port to listen on; 0 = a free one (default %(default)s)",
     )
@@ -57,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--disaggregation-bootstrap-port",
-        type=int,
+        type=port_number,
         default=d("bootstrap_port"),
         help="port of a prefill worker's bootstrap server; 0 = a free one, reported by "
         "/get_server_info (default %(default)s)",

@@ -1,0 +1,81 @@
+"""Every port flag of every sub-command takes a port, 0 to 65535, and refuses anything else
+as an argparse usage error (``argument --port: ...``, exit 2) while parsing: no traceback,
+no socket bound, no process started (``pdserve up --port 70000`` once ended in
+``OverflowError`` from ``bind()``)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import build_parser, port_number
+
+
+def _port_flags(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], str, argparse.Action]]:
+    """(sub-command path, flag, action) of every option whose name ends in ``port``, in
+    every sub-command (nested ones too)."""
+    found = []
+    for action in parser._actions:  # argparse offers no public accessor for sub-commands
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _port_flags(sub, (*path, name))
+        for flag in action.option_strings:
+            if flag.endswith("port"):
+                found.append((path, flag, action))
+    return found
+
+
+PORT_FLAGS = [(path, flag) for path, flag, _ in _port_flags(build_parser())]
+
+
+def test_every_port_flag_is_found_and_typed_as_a_port() -> None:
+    assert {
+        (("serve",), "--port"),
+        (("serve",), "--disaggregation-bootstrap-port"),
+        (("router",), "--port"),
+        (("up",), "--port"),
+    } <= set(PORT_FLAGS), PORT_FLAGS
+    for path, flag, action in _port_flags(build_parser()):
+        assert action.type is port_number, f"pdserve {' '.join(path)} {flag}: {action.type}"
+
+
+@pytest.mark.parametrize(("path", "flag"), PORT_FLAGS)
+@pytest.mark.parametrize("value", ["-1", "70000", "65536", "abc", "80.5"])
+def test_a_bad_port_is_a_usage_error(
+    path: tuple[str, ...], flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*path, f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a port in [0, 65535], got '{value}'" in err, err
+
+
+@pytest.mark.parametrize(("path", "flag"), PORT_FLAGS)
+@pytest.mark.parametrize("value", [0, 1, 65535])
+def test_a_good_port_parses_to_an_int(path: tuple[str, ...], flag: str, value: int) -> None:
+    args = build_parser().parse_args([*path, flag, str(value)])
+    action = next(a for p, f, a in _port_flags(build_parser()) if (p, f) == (path, flag))
+    assert getattr(args, action.dest) == value
+
+
+@pytest.mark.parametrize("value", ["-1", "70000"])
+def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) -> None:
+    log_dir = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--port", value, "--log-dir", str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"pdserve up: error: argument --port: expected a port in [0, 65535], got '{value}'" in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+    assert not log_dir.exists()  # nothing was planned or started
