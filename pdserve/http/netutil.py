@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -12,12 +13,33 @@ import uvicorn
 
 
 class PortInUseError(OSError):
-    """The port asked for is taken; the message names host and port."""
+    """A listening socket could not be bound on ``host:port``. The message names host, port,
+    the system's reason and its likely cause; ``flag`` is the option to change: ``"port"``
+    when the port is taken (EADDRINUSE), ``"host"`` when the host is not an address of
+    this machine (EADDRNOTAVAIL) or does not resolve, ``None`` for another reason. (Its
+    name is the commonest cause; every caller catches this one class.)"""
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+def _bind_cause(host: str, port: int, exc: OSError) -> tuple[str, str | None]:
+    """(likely cause for the message, option to change) of a failed ``bind``."""
+    if isinstance(exc, socket.gaierror):
+        return f"{host} is not an address or a host name this machine can resolve", "host"
+    if exc.errno == errno.EADDRINUSE:
+        return f"is another process using port {port}?", "port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine", "host"
+    return "", None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind a listening TCP socket on ``host:port`` (port 0 = a free one). Binding before
-    the model loads makes a taken port fail fast. Raises PortInUseError naming the port."""
+    the model loads makes a taken port fail fast. Raises PortInUseError naming host, port
+    and the likely cause (a taken port, a host not of this machine), with the option to
+    change in its ``flag``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -25,9 +47,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        cause, flag = _bind_cause(host, port, exc)
         raise PortInUseError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc} "
-            f"(is another process using port {port}?)"
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            + (f" ({cause})" if cause else ""),
+            flag,
         ) from exc
     sock.listen(2048)
     sock.set_inheritable(True)

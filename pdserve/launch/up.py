@@ -236,7 +236,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         probe = bind_socket(args.host, args.port)  # fail fast, before any model loads
     except PortInUseError as exc:
-        print(f"pdserve up: error: router {exc}; choose another with --port", file=sys.stderr)
+        hint = f"; choose another with --{exc.flag}" if exc.flag else ""
+        print(f"pdserve up: error: router {exc}{hint}", file=sys.stderr)
         return 2
     # --port 0: the router gets the free port the kernel gave the probe (so the URL printed
     # and probed is the one it listens on); the probe holds it while the workers' free

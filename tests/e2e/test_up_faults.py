@@ -198,6 +198,9 @@ def test_taken_port_fails_fast_naming_it():
         up = Up(["--model", TINY, "--port", str(port)])
         assert up.finish(30) == 2
     assert time.monotonic() - start < 20 and str(port) in up.text, up.text
+    assert f"(is another process using port {port}?); choose another with --port" in up.text, (
+        up.text
+    )
     assert "started" not in up.text
 
 

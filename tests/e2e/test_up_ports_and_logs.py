@@ -93,3 +93,16 @@ def test_doctor_peer_leaves_no_ucx_report(tmp_path):
     )
     assert done.returncode == 1 and "127.0.0.1:1" in done.stdout + done.stderr, done
     assert _leftovers(tmp_path) == [], done
+
+
+@pytest.mark.timeout(120)
+def test_a_host_not_of_this_machine_names_the_host_not_the_port(tmp_path):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): documentation only, never a local address
+    up = Up(["--model", TINY, "--host", "192.0.2.1", "--port", "0"], env={"TMPDIR": str(tmp_path)})
+    assert up.finish(100) == 2, up.text
+    assert (
+        "pdserve up: error: router cannot listen on 192.0.2.1:0: Cannot assign requested "
+        "address (192.0.2.1 is not an address of this machine); choose another with --host"
+    ) in up.text, up.text
+    assert "another process" not in up.text and "--port" not in up.text, up.text
+    assert "started" not in up.text and _leftovers(tmp_path) == [], up.text
