@@ -24,7 +24,10 @@ class Child:
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 (closed once the child has it)
+        """Start the process, its stdout and stderr in ``log_path``: a fresh file, so the
+        log (and :meth:`log_tail`) holds this run only, never an earlier run's lines from
+        a reused ``--log-dir``."""
+        log = open(self.log_path, "wb")  # noqa: SIM115 (closed once the child has it)
         try:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -120,8 +120,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir",
         default=None,
-        help="where each process writes its log; unset: a new temporary folder, removed "
-        "when pdserve stops cleanly and kept (its path printed) when a process failed",
+        help="where each process writes its log, <name>.log (e.g. prefill-0.log), started "
+        "fresh each run (an earlier run's log of that name is replaced); unset: a new "
+        "temporary folder, removed when pdserve stops cleanly and kept (its path printed) "
+        "when a process failed",
     )
     p.add_argument(
         "--served-model-name",
@@ -159,7 +161,8 @@ def _check_children(children: list[Child]) -> None:
     for child in children:
         code = child.exit_code()
         if code is not None:
-            # The log's tail may hold an old, unrelated traceback: label it as what it is.
+            # The tail is this run's (fresh log files), but its last lines need not be the
+            # cause (e.g. a tensor-parallel rank's or a warning): label it as what it is.
             raise RuntimeError(
                 f"{child.name} (pid {child.pid}) {death_cause(code)}; stopping everything.\n"
                 f"  last lines of its log {child.log_path} (not necessarily the cause):\n"

@@ -3,7 +3,8 @@ router bound, not ``:0``; a clean stop leaves nothing in the temporary folder (i
 folder removed, every worker's UCX report deleted), a failed run keeps its logs (with the
 UCX report of the worker that died) and names their folder. ``pdserve doctor --peer``
 leaves no UCX report behind either. Each run gets its own ``TMPDIR`` (the test's folder),
-so what is left there is what the run left."""
+so what is left there is what the run left. A --host that is not an address of this
+machine is named as such (not as a taken port); a reused --log-dir's files hold one run."""
 
 from __future__ import annotations
 
@@ -106,3 +107,30 @@ def test_a_host_not_of_this_machine_names_the_host_not_the_port(tmp_path):
     ) in up.text, up.text
     assert "another process" not in up.text and "--port" not in up.text, up.text
     assert "started" not in up.text and _leftovers(tmp_path) == [], up.text
+
+
+def _failed_up(model: str, log_dir: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--model", model, "--port", "0"]
+        + ["--num-threads", "1", "--log-dir", str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=250,
+    )
+    assert done.returncode == 1, done
+    return done.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_reused_log_dir_shows_this_runs_error_only(tmp_path):
+    """Two failed runs with one --log-dir: the second run's crash excerpt and log files
+    hold its own error, not the first run's (the files are started fresh, not appended)."""
+    log_dir = tmp_path / "logs"
+    first = _failed_up("/nonexistent/model", log_dir)
+    assert "model '/nonexistent/model'" in first, first
+    second = _failed_up("random:nope", log_dir)
+    excerpt = second.split("last lines of its log", 1)[1]
+    assert "unknown random preset 'nope'" in excerpt, second
+    assert "/nonexistent/model" not in second, second
+    for log in log_dir.glob("*.log"):
+        assert "/nonexistent/model" not in log.read_text(), log
