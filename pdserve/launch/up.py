@@ -5,6 +5,8 @@ until all are ready (with a progress line while the model loads), print the URL 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import shutil
 import signal
 import sys
@@ -207,9 +209,21 @@ def _wait_ready(
 
 
 def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> str:
+    """What ``up`` prints once everything is ready: the URL, the model name the API takes
+    (``--served-model-name``, else ``--model``; the weights too when they differ), each
+    process, and a ``curl`` and a Python (official ``openai`` client) example naming that
+    model, both of which work as printed."""
     url = router.url
+    name = args.served_model_name or args.model
+    model = name if name == args.model else f"{name}, weights {args.model}"
+    body = {
+        "model": name,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 64,
+        "temperature": 0,
+    }
     lines = [
-        f"pdserve is ready at {url}  (model {args.model}; "
+        f"pdserve is ready at {url}  (model {model}; "
         f"{args.num_prefill} prefill + {args.num_decode} decode, KV over {args.transfer_backend})"
     ]
     lines += [
@@ -222,8 +236,14 @@ def _banner(args: argparse.Namespace, workers: list[Child], router: Child) -> st
         "",
         "Try:",
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        '    -d \'{"messages": [{"role": "user", "content": "What is the capital of France?"}], '
-        '"max_tokens": 64, "temperature": 0}\'',
+        f"    -d {shlex.quote(json.dumps(body))}",
+        "",
+        "or in Python, with the official openai client:",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{url}/v1", api_key="unused")',
+        f"  reply = client.chat.completions.create(model={json.dumps(name)}, max_tokens=64,",
+        '      messages=[{"role": "user", "content": "Name three colours."}], temperature=0)',
+        "  print(reply.choices[0].message.content)",
         "",
         "Press Ctrl-C to stop.",
     ]

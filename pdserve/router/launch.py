@@ -150,14 +150,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     port = sock.getsockname()[1]
     mode = (
-        f"PD mode, {len(config.prefill_urls)} prefill + {len(config.decode_urls)} decode"
+        f"PD mode, {len(config.prefill_urls)} prefill + {len(config.decode_urls)} decode workers"
         if config.pd_mode
-        else f"regular mode, {len(config.worker_urls)} mixed"
+        else f"regular mode, {len(config.worker_urls)} mixed worker"
+        + "s" * (len(config.worker_urls) != 1)
     )
     if config.admin_token is not None:
         mode += ", admin API on"
     print(
-        f"pdserve router ({mode} workers, policy {config.policy}) on http://{config.host}:{port}",
+        f"pdserve router ({mode}, policy {config.policy}) on http://{config.host}:{port}",
         flush=True,
     )
     serve_app(build_router_app(config), sock, log_level=envs.LOG_LEVEL.get())
