@@ -29,7 +29,8 @@ def test_a_stopped_pd_worker_leaves_no_ucx_log(tmp_path, sig):
         "decode",
         "decode",
         tmp_path,
-        env={"TMPDIR": str(tmp)},
+        # the default folder: the temporary one (the launcher points it at the test's logs)
+        env={"TMPDIR": str(tmp), "PDSERVE_UCX_LOG_DIR": ""},
         extra=["--disaggregation-transfer-backend", "nixl"],
     )
     try:
