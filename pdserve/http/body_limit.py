@@ -13,11 +13,11 @@ Only a body more than ``DRAIN_LIMIT_BYTES`` past the cap is answered without bei
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 
 from pdserve.http.http_errors import error_json
 
@@ -66,7 +66,8 @@ class BodySizeLimit:
         return False
 
     async def _reject(self, send: Send, *, close: bool) -> None:
-        body = json.dumps(error_json(413, self._text())).encode()
+        # rendered as every other error body (JSONResponse: compact, UTF-8)
+        body = JSONResponse(error_json(413, self._text())).body
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -5,7 +5,6 @@ from __future__ import annotations
 _TYPES = {
     400: "invalid_request_error",
     409: "conflict_error",
-    413: "request_too_large",
     502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout_error",
@@ -19,7 +18,8 @@ def error_json(
 
     ``status`` is the HTTP status (the response's, not in the body): it picks ``type``
     (``invalid_request_error`` for 400 and any other 4xx without its own, e.g. 404 (as
-    OpenAI's ``model_not_found`` and unknown-URL answers) or 405,
+    OpenAI's ``model_not_found`` and unknown-URL answers), 405 or 413 (a body over the
+    cap: OpenAI has no type of its own for it),
     ``service_unavailable`` for 503, ...), which is
     also what tells errors apart inside a stream.  ``code`` is a string naming the error
     where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,

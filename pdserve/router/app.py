@@ -1,6 +1,6 @@
 """The router's FastAPI app: OpenAI + native endpoints forwarded by the dispatcher, plus
-``/health``, ``/metrics``, ``/get_server_info``, ``/v1/models`` and the admin API
-(:mod:`pdserve.router.admin`)."""
+``/health``, ``/metrics``, ``/get_server_info``, ``/v1/models`` (and ``/v1/models/{id}``)
+and the admin API (:mod:`pdserve.router.admin`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -142,7 +143,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             return _count(
                 error_response(400, "request body must be a JSON object"), endpoint, start
             )
-        if "stream" in body and not isinstance(body["stream"], bool):
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
             return _count(
                 error_response(400, "stream must be a boolean", param="stream"), endpoint, start
             )
@@ -163,6 +164,11 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         model = body.get("model")
         if endpoint not in WITH_MODEL or not isinstance(model, str):
             return None
+        return model_not_served(model)
+
+    def model_not_served(model: str) -> Response | None:
+        """The 404 of :func:`unknown_model` for ``model``, None when a worker serves it or
+        no worker was checked yet."""
         names = [w.server_info.get("served_model_name") for w in pool.all()]
         if not names or None in names or model in names:
             return None
@@ -232,6 +238,15 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     @app.get("/v1/models")
     async def models() -> Response:
         return await ask_a_worker("GET", "/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        """``client.models.retrieve(name)``: a worker's model object; 404
+        ``model_not_found`` in the router's words for an id no worker serves."""
+        missing = model_not_served(model_id)
+        if missing is not None:
+            return missing
+        return await ask_a_worker("GET", f"/v1/models/{quote(model_id, safe='')}")
 
     for path in TOKENIZER_PATHS:
 

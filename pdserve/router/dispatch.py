@@ -44,12 +44,23 @@ class LegError(Exception):
         self.response = response
 
 
+def _int(value: object, default: int) -> int | None:
+    """A body's integer field as the workers read it (``protocol.Int``): an int, or an
+    integral float (``2.0``); ``default`` for null or absent; None for anything else
+    (which the workers reject with a 400)."""
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:
     """Whether the client asked for prompt logprobs (which only the prefill leg has),
     also as the logprobs of an echoed prompt."""
     if endpoint == "/generate":
-        start = body.get("logprob_start_len", -1)
-        return body.get("return_logprob") is True and isinstance(start, int) and start >= 0
+        start = _int(body.get("logprob_start_len"), -1)
+        return body.get("return_logprob") is True and start is not None and start >= 0
     if (
         endpoint == "/v1/completions"
         and body.get("echo") is True
@@ -68,14 +79,11 @@ def _num_prompts(endpoint: str, body: dict) -> int:
 
 
 def _num_samples(endpoint: str, body: dict) -> int:
-    """Rooms the request needs: ``n`` per prompt (1 for an invalid ``n``, which the
-    workers reject with a 400)."""
-    n = (
-        (body.get("sampling_params") or {}).get("n", 1)
-        if endpoint == "/generate"
-        else body.get("n", 1)
-    )
-    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROOMS_PER_REQUEST):
+    """Rooms the request needs: ``n`` per prompt (null: 1; 1 for an invalid ``n``, which
+    the workers reject with a 400)."""
+    params = body.get("sampling_params") if endpoint == "/generate" else body
+    n = _int(params.get("n") if isinstance(params, dict) else None, 1)
+    if n is None or not 1 <= n <= MAX_ROOMS_PER_REQUEST:
         n = 1
     return n * _num_prompts(endpoint, body)
 

@@ -49,7 +49,8 @@ MEANINGS: dict[str, str] = {
     "parallel_tool_calls: false limits tool_choice required to one call)",
     "CompletionRequest.prompt": "one string or list of token ids, or a batch of them: n choices "
     "per prompt, index p * n + i, usage summed",
-    "CompletionRequest.max_tokens": "most tokens to generate; 0 only with echo (scores the prompt)",
+    "CompletionRequest.max_tokens": "most tokens to generate (null: 16, OpenAI's default); 0 only "
+    "with echo (scores the prompt)",
     "CompletionRequest.logprobs": "top-k alternatives per token (<= 20), OpenAI's legacy layout "
     "(tokens, token_logprobs, top_logprobs, text_offset)",
     "echo": "prepend the prompt to the text and, with logprobs, its tokens' logprobs (the first "
@@ -57,7 +58,8 @@ MEANINGS: dict[str, str] = {
     "suffix": "not supported: a non-empty suffix is a 400",
     "best_of": "only as n (another value is a 400)",
     "messages": "the conversation, rendered by the model's chat template",
-    "ChatCompletionRequest.max_tokens": "most tokens to generate (max_completion_tokens wins)",
+    "ChatCompletionRequest.max_tokens": "most tokens to generate, up to the context limit when "
+    "omitted or null (max_completion_tokens wins)",
     "max_completion_tokens": "most tokens to generate",
     "ChatCompletionRequest.logprobs": "return the sampled tokens' logprobs (choices[i].logprobs)",
     "top_logprobs": "alternatives per token (<= 20); needs logprobs true",
@@ -68,7 +70,7 @@ MEANINGS: dict[str, str] = {
     "include_usage": "add a last chunk with the usage of the whole request (no choices); "
     'every chunk before it has `"usage": null`, as OpenAI\'s',
     "continuous_usage_stats": "put the usage so far in every chunk (vLLM's extension)",
-    "max_new_tokens": "most tokens to generate",
+    "max_new_tokens": "most tokens to generate (null: 128)",
     "min_new_tokens": "as min_tokens",
     "text": "the prompt text (or give input_ids)",
     "input_ids": "the prompt as token ids (or give text)",
@@ -191,9 +193,26 @@ def missing_meanings() -> list[str]:
     ]
 
 
+def _field_type(info: Any) -> str:
+    """The type column: the annotation's, with ``null`` for every optional field (a JSON
+    null there means its default: ``protocol._Body``)."""
+    text = _type(info.annotation)
+    if info.is_required() or text.endswith("null"):
+        return text
+    return f"{text} \\| null"
+
+
+NULL_NOTE = (
+    "An optional field may be given as JSON `null`: it then means the field's default, "
+    "as when it is left out (OpenAI's spec marks these fields nullable; the official "
+    "`openai` client sends `null` for an argument given as `None`). An integer field takes "
+    "an integral number too (`2.0`, as Python's `json` writes it); `2.5` is a 400.\n\n"
+)
+
+
 def api_tables() -> str:
-    """Every section's table: field, type, default, meaning."""
-    out = []
+    """Every section's table: field, type, default, meaning (after :data:`NULL_NOTE`)."""
+    out = [NULL_NOTE.rstrip("\n") + "\n"]
     for title, model, skip in SECTIONS:
         rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
         for name, info in model.model_fields.items():
@@ -201,7 +220,7 @@ def api_tables() -> str:
                 continue
             text = (meaning(model, name) or "").replace("|", "\\|")
             rows.append(
-                f"| `{info.alias or name}` | {_type(info.annotation)} | {_default(info)} | {text} |"
+                f"| `{info.alias or name}` | {_field_type(info)} | {_default(info)} | {text} |"
             )
         out.append(f"##### {title}\n\n" + "\n".join(rows) + "\n")
     return "\n".join(out)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -29,21 +30,51 @@ from pdserve.server.tokenize_api import build_tokenize_router
 _COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize")
 
 
+def _where(loc: tuple, body: Any, missing: bool) -> str:
+    """The place of a pydantic error as the messages write it (``messages[0].role``),
+    following ``loc`` through the request ``body``: a loc item that names no key of the
+    value there is the tag of a union member pydantic tried (``stop.str``, ``content.
+    list[TextPart]``) and is left out, except the last item of a ``missing`` error (the
+    absent field's name)."""
+    out, value = "", body
+    for i, key in enumerate(loc):
+        if isinstance(key, int):
+            out += f"[{key}]"
+            value = (
+                value[key] if isinstance(value, list) and -len(value) <= key < len(value) else None
+            )
+        elif isinstance(value, dict) and key in value:
+            out, value = f"{out}.{key}" if out else str(key), value[key]
+        elif (missing and i == len(loc) - 1) or not isinstance(
+            value, (dict, list, str, int, float)
+        ):
+            out, value = f"{out}.{key}" if out else str(key), None  # an absent field, or no body
+        # else: a union member's tag
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request's validation errors: each error as ``place: text``
+    (our validators' own text as is when it starts with its place), ``param`` the place
+    of the first one, as precise as its text names it (``messages[0].content`` for an
+    error raised on ``messages``)."""
     parts, param = [], None
     for err in exc.errors():
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"request body is not valid JSON: {detail}".rstrip(": "), None
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or (where or None)
-        msg = err.get("msg")
+        loc = tuple(err.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ("body",) else loc
+        where = _where(loc, exc.body, err.get("type") == "missing")
+        msg = str(err.get("msg"))
         if err.get("type") == "value_error":  # our validators' ValueError, without pydantic's
             msg = str((err.get("ctx") or {}).get("error", msg))  # "Value error, " prefix
-        named = where and not str(msg).startswith((where + " ", where + "[", where + ":"))
-        parts.append(f"{where}: {msg}" if named else str(msg))
-    return "; ".join(parts) or "invalid request", param
+        named = where and re.match(re.escape(where) + r"((\[\d+\]|\.\w+)*)[ :]", msg)
+        if named:  # the text names its place, maybe a finer one than the loc's
+            where += named.group(1)
+        param = param or (where or None)
+        parts.append(msg if named or not where else f"{where}: {msg}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
 
 
 class _RequestMetrics:

@@ -1,5 +1,5 @@
 """OpenAI-compatible endpoints of a worker: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``."""
+``/v1/models``, ``/v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -121,22 +121,26 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     api = APIRouter()
     tt = ctx.token_text
 
+    def model_card() -> dict[str, Any]:
+        """OpenAI's model object of the served model (plus vLLM's ``max_model_len``)."""
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "pdserve",
+            "max_model_len": ctx.serving.max_model_len,
+        }
+
     @api.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": ctx.model_name,
-                        "object": "model",
-                        "created": ctx.created,
-                        "owned_by": "pdserve",
-                        "max_model_len": ctx.serving.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        """``client.models.retrieve(name)``: the served model's object; 404
+        ``model_not_found`` for another id (``:path``: an id may hold ``/``)."""
+        check_model(ctx, model_id)
+        return JSONResponse(model_card())
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

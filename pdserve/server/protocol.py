@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     StrictBool,
@@ -32,13 +31,18 @@ from pydantic import (
 )
 
 from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.server.body_base import Int, RequestModel
 from pdserve.server.structured import GuidedFields, ResponseFormatField
 from pdserve.server.tools import ToolFields, ToolMessageFields
 
 MAX_N = 128  # most samples per prompt (`n`), OpenAI's own limit on n
 
 
-class _Body(BaseModel):
+class _Body(RequestModel):
+    """The base of the request bodies: unknown fields are kept (see the module's
+    docstring); a JSON ``null`` for an optional field means its default
+    (``body_base.RequestModel``)."""
+
     model_config = ConfigDict(extra="allow")  # unknown fields: see server/field_policy.py
 
 
@@ -119,21 +123,21 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)
-    top_k: StrictInt = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool = False
 
     @field_validator("stream_options")
@@ -188,11 +192,11 @@ class CompletionRequest(_OpenAISampling):
     """
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=0)
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    max_tokens: Int = Field(16, ge=0)
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -268,10 +272,10 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     """``POST /v1/chat/completions``; the chat template of the model builds the prompt."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
 
     @field_validator("messages", mode="wrap")
@@ -298,18 +302,18 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
 class GenerateSamplingParams(_Penalties, GuidedFields):
     """``sampling_params`` of ``/generate`` (SGLang's names)."""
 
-    max_new_tokens: StrictInt | None = Field(128, ge=1)
-    min_new_tokens: StrictInt = Field(0, ge=0)
+    max_new_tokens: Int = Field(128, ge=1)
+    min_new_tokens: Int = Field(0, ge=0)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
-    seed: StrictInt | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    seed: Int | None = None
 
 
 class GenerateRequest(Bootstrap):
@@ -322,8 +326,8 @@ class GenerateRequest(Bootstrap):
         default_factory=lambda: GenerateSamplingParams.model_validate({})
     )
     return_logprob: StrictBool = False
-    top_logprobs_num: StrictInt = Field(0, ge=0, le=20)
-    logprob_start_len: StrictInt = Field(-1, ge=-1)
+    top_logprobs_num: Int = Field(0, ge=0, le=20)
+    logprob_start_len: Int = Field(-1, ge=-1)
     stream: StrictBool = False
     rid: str | None = None
 

@@ -16,9 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from pdserve.engine.structured.params import StructuredOutputsParams
+from pdserve.server.body_base import RequestModel
 
 
-class _Fields(BaseModel):
+class _Fields(RequestModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 

@@ -28,14 +28,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import ConfigDict, StrictBool
 
 from pdserve.engine.structured.params import StructuredOutputsParams
+from pdserve.server.body_base import RequestModel
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-class _Fields(BaseModel):
+class _Fields(RequestModel):
     model_config = ConfigDict(extra="allow")
 
 

@@ -211,6 +211,15 @@ def test_num_samples_reads_n_per_endpoint():
     )
 
 
+def test_num_samples_reads_n_as_the_workers_do_null_and_integral_floats():
+    # the workers read n: null as 1 and n: 2.0 as 2 (protocol.Int): as many rooms
+    assert _num_samples("/v1/completions", {"n": None}) == 1
+    assert _num_samples("/v1/completions", {"n": 2.0, "prompt": ["a", "b"]}) == 4
+    assert _num_samples("/generate", {"sampling_params": {"n": 3.0}}) == 3
+    assert _num_samples("/generate", {"sampling_params": None}) == 1
+    assert _num_samples("/v1/completions", {"n": 2.5}) == 1  # the workers' 400
+
+
 def test_num_samples_counts_n_per_prompt_of_a_completions_batch():
     assert _num_samples("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}) == 6
     assert _num_samples("/v1/completions", {"prompt": [[1, 2], [3]]}) == 2
@@ -246,9 +255,10 @@ def test_router_config_validation_names_the_field(kwargs, field):
 
 
 def test_error_status_reads_back_the_status_of_an_error_body():
-    for status in (400, 409, 413, 500, 502, 503, 504):
+    for status in (400, 409, 500, 502, 503, 504):
         assert error_status(error_json(status, "m")) == status
-    assert error_status(error_json(404, "m")) == 400  # OpenAI's type of a 404: the 4xx one
+    for status in (404, 413):  # OpenAI's type of a 404 or a 413: the 4xx one
+        assert error_status(error_json(status, "m")) == 400
     assert error_status({"error": {"type": "something_else"}}) == 500
     for body in ({"choices": []}, {"error": "text"}, [1], None):
         assert error_status(body) is None

@@ -52,7 +52,7 @@ def port():
 
 def _assert_413(resp: http.client.HTTPResponse) -> None:
     body = json.loads(resp.read())
-    assert resp.status == 413 and body["error"]["type"] == "request_too_large", body
+    assert resp.status == 413 and body["error"]["type"] == "invalid_request_error", body
     assert body["error"]["code"] is None, body  # OpenAI's shape: a string or null
     assert "larger than the limit of 1048576 bytes" in body["error"]["message"]
 

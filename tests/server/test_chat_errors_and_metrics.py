@@ -42,7 +42,7 @@ def test_a_content_part_other_than_text_is_one_clear_400(worker):
         "messages[1].content[1]: content part type 'image_url' is not supported by this "
         "model; only 'text' parts are"
     ), err
-    assert err["param"] == "messages", err
+    assert err["param"] == "messages[1].content[1]", err  # the place the message names
     ok = post(worker, CHAT, {"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
     assert ok.status_code == 200, ok.text
 
@@ -53,7 +53,7 @@ def test_null_content_is_400_except_for_an_assistant_message(worker, role):
         : 1 if role == "user" else 2
     ]
     err = error(post(worker, CHAT, {"messages": messages, "max_tokens": 1}))
-    assert err["param"] == "messages", err
+    assert err["param"] == "messages[0].content", err  # the place the message names
     assert err["message"].startswith(f"messages[0].content must not be null for a {role}"), err
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     ok = post(
