@@ -3,7 +3,8 @@ decode + router, KV over real NIXL on CPU) against a mixed worker on the same ti
 penalties and logit_bias (greedy and seeded), echo with prompt logprobs (also the
 loglikelihood request of evaluation harnesses), continuous usage stats, unknown and
 no-op fields, /tokenize, /detokenize, /version and /v1/models (its created time), the
-first chunk of streams, unknown models. Every answer — tokens,
+first chunk of streams, unknown models, JSON nulls and integral floats of the official
+client, models.retrieve. Every answer — tokens,
 text, logprobs, finish_reason, usage — equals the mixed worker's."""
 
 from __future__ import annotations
@@ -510,3 +511,52 @@ def test_a_stream_that_fails_before_its_first_byte_is_the_workers_status_and_jso
             stream=True,
         )
     assert bad.value.code == "context_length_exceeded"
+
+
+def test_null_fields_and_integral_floats_through_the_pd_router_equal_mixed(c):
+    """The official client's ``None`` arguments (sent as JSON null) and Python's ``2.0``
+    for an integer, through the PD router (which reads ``stream`` and ``n`` itself) as on
+    the mixed worker: each null is its field's default, ``n: 2.0`` two samples (rooms)."""
+    pd = openai.OpenAI(base_url=c["router"].url + "/v1", api_key="x", max_retries=0)
+    mx = openai.OpenAI(base_url=c["mixed"].url + "/v1", api_key="x", max_retries=0)
+    model = pd.models.list().data[0].id
+    nulls = {"top_k": None, "min_p": None, "ignore_eos": None, "return_token_ids": None}
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=5,
+        seed=3,
+        temperature=None,
+        top_p=None,
+        n=None,
+        presence_penalty=None,
+        logprobs=None,
+        stream=None,
+        extra_body=nulls,
+    )
+    x, y = pd.chat.completions.create(**kw), mx.chat.completions.create(**kw)
+    assert x.choices[0].message.content == y.choices[0].message.content and len(x.choices) == 1
+    body = {"prompt": "one two", "max_tokens": None, "n": 2.0, "seed": 9.0, "stream": None}
+    body.update(echo=None, ignore_eos=True, logprobs=1.0)
+    a, b = pair(c, "/v1/completions", body)
+    assert_same(a, b)
+    assert len(a["choices"]) == 2 and a["usage"]["completion_tokens"] == 2 * 16  # null: 16
+    gen = {"text": "one two", "sampling_params": {"n": 2.0, "max_new_tokens": 3.0, "seed": 1}}
+    a, b = pair(c, "/generate", {**gen, "stream": None, "return_logprob": None})
+    assert_same(a, b)
+    assert len(a) == 2 and all(g["meta_info"]["completion_tokens"] <= 3 for g in a), a
+    assert_all_healthy(c["procs"])
+
+
+def test_models_retrieve_on_the_router_and_every_worker(c):
+    served = c["mixed"].get_info()["served_model_name"]
+    listed = httpx.get(c["router"].url + "/v1/models").json()["data"][0]
+    for name in ("router", "prefill", "decode", "mixed"):
+        client = openai.OpenAI(base_url=c[name].url + "/v1", api_key="x", max_retries=0)
+        model = client.models.retrieve(served)
+        assert (model.id, model.object, model.owned_by) == (served, "model", "pdserve"), name
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("org/no-such-model")
+        assert (missing.value.code, missing.value.param) == ("model_not_found", "model"), name
+        assert "'org/no-such-model' does not exist" in missing.value.message, name
+    assert httpx.get(f"{c['router'].url}/v1/models/{served}").json() == listed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from pdserve_procs import (
@@ -100,6 +101,22 @@ def test_relayed_streams_keep_openai_s_null_usage_and_opening_chunk(procs, path)
     if path == "/v1/chat/completions":
         opening = chunks[0]["choices"][0]["delta"]
         assert opening == {"role": "assistant", "content": "", "refusal": None}, chunks[0]
+
+
+def test_the_openai_clients_nulls_and_models_retrieve_through_the_router(procs):
+    """The official client's ``None`` arguments (JSON null; the router reads ``stream``
+    itself) and ``client.models.retrieve``, through the router as from a worker."""
+    workers, router = procs
+    routed = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    direct = openai.OpenAI(base_url=workers[0].url + "/v1", api_key="x", max_retries=0)
+    served = direct.models.list().data[0].id
+    kw = dict(model=served, prompt="Tell me", max_tokens=4, temperature=0, stream=None, n=None)
+    a, b = routed.completions.create(**kw), direct.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
+    assert routed.models.retrieve(served) == direct.models.retrieve(served)
+    with pytest.raises(openai.NotFoundError) as missing:
+        routed.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found", missing.value.body
 
 
 def test_dead_worker_is_ejected_and_the_other_serves(procs):

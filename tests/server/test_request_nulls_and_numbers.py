@@ -49,7 +49,7 @@ def test_null_optional_fields_mean_their_defaults_through_the_openai_client(work
     nulls = {name: None for name in NULLABLE if name not in ("temperature", "top_p", "n")}
     kw = dict(model=worker.get_info()["served_model_name"], seed=11, max_tokens=6)
     chat = client.chat.completions.create(
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         temperature=None,
         top_p=None,
         n=None,
@@ -60,7 +60,7 @@ def test_null_optional_fields_mean_their_defaults_through_the_openai_client(work
         extra_body={k: v for k, v in nulls.items() if k not in ("presence_penalty", "stream")},
         **kw,
     )
-    plain = client.chat.completions.create(messages=MESSAGES, **kw)  # type: ignore[arg-type]
+    plain = client.chat.completions.create(messages=MESSAGES, **kw)
     # seeded sampling at the defaults (temperature 1, top_p 1): the same tokens
     assert chat.choices[0].message.content == plain.choices[0].message.content
     assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
@@ -181,7 +181,7 @@ def test_models_retrieve_is_openai_s_model_object_and_a_404_for_another_id(worke
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no-such/model")
     assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
-    assert missing.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    assert missing.value.body["type"] == "invalid_request_error"
 
 
 def test_400s_name_the_field_as_their_message_does(worker):
