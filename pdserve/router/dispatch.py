@@ -26,6 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState, routing_key
 from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import WorkerPool, bootstrap_address
+from pdserve.server.body_base import as_int
 
 log = logging.getLogger("pdserve.router")
 
@@ -45,14 +46,9 @@ class LegError(Exception):
 
 
 def _int(value: object, default: int) -> int | None:
-    """A body's integer field as the workers read it (``protocol.Int``): an int, or an
-    integral float (``2.0``); ``default`` for null or absent; None for anything else
-    (which the workers reject with a 400)."""
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A body's integer field as the workers read it (``body_base.as_int``); ``default``
+    for null or absent; None for anything else (which the workers reject with a 400)."""
+    return default if value is None else as_int(value)
 
 
 def _wants_prompt_logprobs(endpoint: str, body: dict) -> bool:

@@ -14,13 +14,23 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, StrictInt, model_validator
 
 
+def as_int(value: Any) -> int | None:
+    """``value`` as an integer field reads it: an int (not a bool), or a float of integral
+    value (``2.0`` -> 2); None for anything else (``2.5``, a bool, a string). The router
+    counts a request's rooms with it, so it reads ``n`` as the workers do."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _integral(value: Any) -> Any:
     """An integral float (``2.0``) as its int; ValueError for a fractional one (``2.5``);
     anything else as is, for the strict int check (a bool or a string stays a 400)."""
     if isinstance(value, float):
-        if not value.is_integer():
+        integer = as_int(value)
+        if integer is None:
             raise ValueError(f"must be an integer, got {value!r}")
-        return int(value)
+        return integer
     return value
 
 
