@@ -10,6 +10,7 @@ import itertools
 import json
 import re
 
+import disagg_pairs
 import jsonschema
 import pytest
 import torch
@@ -87,16 +88,8 @@ def cores(tiny_model_dir):
     return prefill, decode, p, d
 
 
-def drive(*cores, max_steps=400):
-    final = {}
-    for _ in range(max_steps):
-        for core in cores:
-            for out in core.step():
-                if out.finished:
-                    final[out.request_id] = out
-        if not any(c.has_unfinished_requests() for c in cores):
-            return final
-    raise AssertionError("engines did not become idle")
+def drive(*cores):
+    return disagg_pairs.drive(*cores, max_steps=400)
 
 
 def info(role, room):
