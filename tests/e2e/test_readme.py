@@ -1,8 +1,10 @@
-"""The README's reference section stays true: every flag of serve/router/up and every
-environment variable appears in it, with the default the parser has; every request field
-of the HTTP API appears with its type, default and meaning; every endpoint is listed; the
-commands it tells a user to type exist (make targets, `make run ARGS=...`, the `pdserve`
-command lines of its shell blocks parse with pdserve's own parser)."""
+"""The README and the docs it sends a user to stay true. docs/reference.md (the generated
+reference, which the README links to): every flag of serve/router/up and every environment
+variable appears in it, with the default the parser has; every request field of the HTTP
+API appears with its type, default and meaning. The README lists every endpoint and keeps
+the two commands; its links reach files and headings that exist. The commands these pages
+tell a user to type exist (make targets, `make run ARGS=...`, the `pdserve` command lines
+of their shell blocks parse with pdserve's own parser)."""
 
 from __future__ import annotations
 
@@ -25,28 +27,70 @@ from pdserve.server.protocol import _OpenAISampling as OpenAISampling
 
 ROOT = Path(__file__).parents[2]
 README = (ROOT / "README.md").read_text()
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
+# The pages a user reads for what to type: the README and the two docs it sends them to
+# (docs/architecture.md and docs/benchmarks.md quote commands of past runs, not checked here).
+USER_PAGES = {
+    name: (ROOT / name).read_text()
+    for name in ("README.md", "docs/reference.md", "docs/deployment.md")
+}
+STALE = "regenerate with: python -m pdserve.launch.flag_docs --update docs/reference.md"
 
 
-def test_readme_lists_every_flag_of_serve_router_up_and_every_env_var():
+def test_reference_lists_every_flag_of_serve_router_up_and_every_env_var():
     commands = _subparsers(build_parser())
     for name in ("serve", "router", "up"):
         for row in flag_table(commands[name]).splitlines()[2:]:
-            assert row in README, (
-                f"README is stale for `pdserve {name}`: {row}\n"
-                "regenerate with: python -m pdserve.launch.flag_docs --update README.md"
+            assert row in REFERENCE, (
+                f"docs/reference.md is stale for `pdserve {name}`: {row}\n{STALE}"
             )
     for var in envs.ALL:
-        assert f"`{var.name}`" in README, var.name
+        assert f"`{var.name}`" in REFERENCE, var.name
     assert "make run" in README and "make test" in README
+
+
+def test_the_generated_reference_is_in_docs_reference_only_and_the_readme_links_to_it():
+    """One generated region, in docs/reference.md (the file flag_docs --update names in its
+    marker); the README carries none of it and links to it."""
+    from pdserve.launch.flag_docs import BEGIN, END
+
+    assert BEGIN.endswith("--update docs/reference.md) -->"), BEGIN
+    assert REFERENCE.count(BEGIN) == 1 and REFERENCE.count(END) == 1
+    assert REFERENCE.index(BEGIN) < REFERENCE.index(END)
+    for name, text in USER_PAGES.items():
+        if name != "docs/reference.md":
+            assert "reference:begin" not in text and "| flag | default | meaning |" not in text, (
+                name
+            )
+    assert "](docs/reference.md" in README
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but `-` and `_` dropped,
+    spaces to `-`."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_of_the_readme_and_docs_reach_files_and_headings_that_exist():
+    for name, text in USER_PAGES.items():
+        base = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            page = (base / path).resolve() if path else ROOT / name
+            assert page.exists(), f"{name} links to {target}, which does not exist"
+            if anchor:
+                assert anchor in _anchors(page.read_text()), f"{name}: no heading for {target}"
 
 
 def test_readme_lists_every_request_field_with_its_meaning():
     missing = missing_meanings()
     assert not missing, f"request fields without a meaning in pdserve/server/api_docs.py: {missing}"
     for row in api_tables().splitlines():
-        assert row in README, (
-            f"README is stale for the request fields: {row}\n"
-            "regenerate with: python -m pdserve.launch.flag_docs --update README.md"
+        assert row in REFERENCE, (
+            f"docs/reference.md is stale for the request fields: {row}\n{STALE}"
         )
     for endpoint in (
         "/v1/completions",
@@ -57,11 +101,12 @@ def test_readme_lists_every_request_field_with_its_meaning():
         "/version",
         "/v1/models",
     ):
-        assert f"`POST {endpoint}`" in README or f"`GET {endpoint}`" in README, endpoint
+        for text in (README, REFERENCE):
+            assert f"`POST {endpoint}`" in text or f"`GET {endpoint}`" in text, endpoint
 
 
-def test_readme_states_the_limits_on_samples_that_are_enforced():
-    """The README's `n` rows give the limits the code enforces: n <= the request models'
+def test_reference_states_the_limits_on_samples_that_are_enforced():
+    """The reference's `n` rows give the limits the code enforces: n <= the request models'
     bound (OpenAI endpoints and /generate alike) and the PD router's samples per request."""
     bounds = {
         getattr(m, "le", None)
@@ -69,7 +114,7 @@ def test_readme_states_the_limits_on_samples_that_are_enforced():
         for m in model.model_fields["n"].metadata
     } - {None}
     assert bounds == {MAX_N}, bounds
-    rows = [row for row in README.splitlines() if row.startswith("| `n` |")]
+    rows = [row for row in REFERENCE.splitlines() if row.startswith("| `n` |")]
     assert len(rows) == 2, rows  # the OpenAI table and /generate's sampling_params
     for row in rows:
         assert f"1 to {MAX_N};" in row and f"at most {MAX_ROOMS_PER_REQUEST} samples" in row, row
@@ -93,12 +138,14 @@ def _make_dry_run(*make_args: str) -> list[str]:
 
 
 def test_readme_make_commands_exist_and_run_passes_its_args_to_up():
-    """Every `make X` the README names is a Makefile target; `make run` alone is exactly
-    `.venv/bin/pdserve up`; each `make run ARGS="..."` example puts its flags on that
-    command line, and they are flags `pdserve up` accepts."""
-    targets = set(re.findall(r"`make (\w[\w-]*)", README)) | set(
-        re.findall(r"^make (\w[\w-]*)", README, flags=re.M)
-    )
+    """Every `make X` the README (or a doc it sends a user to) names is a Makefile target;
+    `make run` alone is exactly `.venv/bin/pdserve up`; each `make run ARGS="..."` example
+    puts its flags on that command line, and they are flags `pdserve up` accepts."""
+    targets: set[str] = set()
+    for text in USER_PAGES.values():
+        targets |= set(re.findall(r"`make (\w[\w-]*)", text))
+        targets |= set(re.findall(r"^make (\w[\w-]*)", text, flags=re.M))
+    assert {"run", "test"} <= set(re.findall(r"^make (\w[\w-]*)", README, flags=re.M))
     assert {"run", "test"} <= targets, targets
     for target in sorted(targets):
         _make_dry_run(target)  # make fails on an unknown target
@@ -123,11 +170,11 @@ def test_readme_says_how_to_run_pdserve_itself():
     assert f"`source {venv.group(1)}/bin/activate`" in README
 
 
-def _shell_lines() -> list[str]:
-    """The command lines of the README's ```bash blocks (continuations joined, comments
-    and trailing `&` removed, `a & b` split)."""
+def _shell_lines(text: str) -> list[str]:
+    """The command lines of a page's ```bash blocks (continuations joined, comments and
+    trailing `&` removed, `a & b` split)."""
     lines: list[str] = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README, flags=re.M | re.S):
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #", 1)[0].strip()
             if line and not line.startswith("#"):
@@ -135,17 +182,25 @@ def _shell_lines() -> list[str]:
     return [line.rstrip(" &") for line in lines]
 
 
-def test_readme_pdserve_command_lines_parse():
-    """Each `pdserve ...` line of the README's shell blocks is a command pdserve's parser
-    accepts (sub-command and flags), and each sub-command it names inline exists."""
-    commands = [line for line in _shell_lines() if line.startswith("pdserve ")]
+def test_readme_and_docs_pdserve_command_lines_parse():
+    """Each `pdserve ...` line of the shell blocks of the README and the docs it sends a user
+    to is a command pdserve's parser accepts (sub-command and flags), and each sub-command
+    they name inline exists."""
+    commands = [
+        (name, line)
+        for name, text in USER_PAGES.items()
+        for line in _shell_lines(text)
+        if line.startswith("pdserve ")
+    ]
     assert len(commands) >= 8, commands
-    for line in commands:
+    for name, line in commands:
         try:
             args = build_parser().parse_args(shlex.split(line)[1:])
         except SystemExit as exc:
-            raise AssertionError(f"README's command does not parse: {line}") from exc
+            raise AssertionError(f"{name}'s command does not parse: {line}") from exc
         assert args.func is not None, line
     names = set(_subparsers(build_parser()))
-    for name in set(re.findall(r"`pdserve (\w+)", README)):
-        assert name in names, f"README names `pdserve {name}`, which is no sub-command"
+    for page, text in USER_PAGES.items():
+        for name in set(re.findall(r"`pdserve (\w+)", text)):
+            assert name in names, f"{page} names `pdserve {name}`, which is no sub-command"
+    assert any(line.startswith("curl ") for line in _shell_lines(README)), "README: no curl"
