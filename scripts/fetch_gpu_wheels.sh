@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Download (no install) the wheels pdserve needs on the GPU machine, which has torch but no
-# internet: Python 3.12, manylinux x86_64. Writes to ${PDSERVE_WHEELS:-wheels}/.
-# There: install only what is missing (the machine's own pydantic/httpx serve its
-# transformers), e.g. `python3 -m pip install --no-index --no-deps --target site wheels/X.whl`,
-# and put the repository and ./site on PYTHONPATH. nixl-cu13's wheel (59 MB) is over the carry
-# limit as it is: ../shared/facts/GPU.md says which of its parts to leave out.
+# internet: Python 3.12, manylinux x86_64. Writes to ${PDSERVE_WHEELS:-.whl}/, the folder
+# from which scripts/gpu_check.sh installs on the GPU machine (only what is missing: its own
+# pydantic/httpx serve its transformers). nixl-cu13's wheel (59 MB) is over the carry limit
+# as it is: ../shared/facts/GPU.md says which of its parts to leave out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEST=${PDSERVE_WHEELS:-wheels}
+DEST=${PDSERVE_WHEELS:-.whl}
 PIP=${PIP:-python3 -m pip}
 $PIP download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
