@@ -17,8 +17,8 @@ import pytest
 
 from pdserve import envs
 from pdserve.cli import build_parser
+from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST
 from pdserve.launch.flag_docs import _subparsers, flag_table
-from pdserve.router.dispatch import MAX_ROOMS_PER_REQUEST
 from pdserve.server.api_docs import api_tables, missing_meanings
 from pdserve.server.protocol import MAX_N, GenerateSamplingParams
 from pdserve.server.protocol import _OpenAISampling as OpenAISampling
