@@ -18,13 +18,13 @@ from fastapi.responses import Response
 
 from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST, rooms_needed
+from pdserve.http.json_fields import as_int
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState, routing_key
 from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import WorkerPool, bootstrap_address
-from pdserve.server.body_base import as_int
 
 log = logging.getLogger("pdserve.router")
 
@@ -40,7 +40,7 @@ class LegError(Exception):
 
 
 def _int(value: object, default: int) -> int | None:
-    """A body's integer field as the workers read it (``body_base.as_int``); ``default``
+    """A body's integer field as the workers read it (``http.json_fields.as_int``); ``default``
     for null or absent; None for anything else (which the workers reject with a 400)."""
     return default if value is None else as_int(value)
 
