@@ -30,9 +30,15 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 FUSE_SILU_MUL = False
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ``[out, in]`` can be pre-packed here (CPU, fp32/bf16, ops present)."""
-    mode = envs.CPU_PACKED_LINEAR.get()
+def packing_mode() -> str:
+    """``PDSERVE_CPU_PACKED_LINEAR`` (``auto``, ``all`` or ``none``), read once per model
+    load by the caller and passed to :func:`pack`."""
+    return envs.CPU_PACKED_LINEAR.get()
+
+
+def packing_supported(weight: torch.Tensor, mode: str) -> bool:
+    """Whether ``weight`` ``[out, in]`` can be pre-packed here (CPU, fp32/bf16, ops present)
+    under packing ``mode`` (:func:`packing_mode`)."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or mode == "none":
         return False
     if weight.dtype == torch.float32 and mode != "all":
@@ -44,9 +50,10 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
-    """The oneDNN-packed copy of ``weight`` ``[out, in]``, or ``None`` when unsupported."""
-    if not packing_supported(weight):
+def pack(weight: torch.Tensor, mode: str, batch_hint: int = 16) -> torch.Tensor | None:
+    """The oneDNN-packed copy of ``weight`` ``[out, in]``, or ``None`` when unsupported or
+    ``mode`` (:func:`packing_mode`) leaves it plain."""
+    if not packing_supported(weight, mode):
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)

@@ -46,15 +46,15 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 # A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot",
 # "splitk2" / "splitk4" / "splitk8" or one of the "tma*" kinds (KNOWN below).
 Config = tuple[str, int, int, int, int]
 MAX_ROWS = 64  # the most rows the dot kernels take (the largest BLOCK_M)
 SPLITS = {"dot": 1, "splitk2": 2, "splitk4": 4, "splitk8": 8}  # kernel name -> K slices
-REDUCE_BLOCK = 1024  # elements a program of the split-K reduce sums
 # The TMA-fed kernels (model/triton_gemv_tma.py), M <= 64: "tma" (a BLOCK_N tile a unit),
-# "tma_skS" (S = 2..32 K slices, this module's reduce), "tma_stream" (stream-K), each also
+# "tma_skS" (S = 2..32 K slices, the split-K reduce of triton_gemv_parts), "tma_stream" (stream-K), each also
 # warp-specialized as "tma_ws", "tma_ws_skS", "tma_ws_stream".
 KNOWN = "rows, dot, splitk2, splitk4, splitk8, tma, tma_skS, tma_stream, tma_ws*"
 
@@ -65,21 +65,6 @@ def block_m(m: int) -> int:
     if m > MAX_ROWS:
         raise ValueError(f"the dot kernel takes at most {MAX_ROWS} rows, got M={m}")
     return max(16, 1 << (m - 1).bit_length())  # the power of two >= m
-
-
-@triton.jit
-def _load_x(x_ptr, offs, mask, K, SILU: tl.constexpr):
-    """x at ``offs``; with ``SILU`` the row is ``[gate | up]`` (``2K`` wide) and x is
-    ``silu(gate) * up``, rounded as ``fused_ops.silu_mul`` rounds it."""
-    if SILU:
-        g = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        x = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    return x
 
 
 @triton.jit
@@ -184,31 +169,6 @@ def _gemv_dot_kernel(
     else:
         o = o_ptr + tl.program_id(1) * s_os + rm[:, None] * s_om + rn[None, :]
         tl.store(o, acc, mask=omask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    p_ptr,
-    b_ptr,
-    o_ptr,
-    N,
-    MN,
-    HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid ``(cdiv(MN, BLOCK),)``: ``o = sum_s p[s] (+ b)`` over ``p [SPLIT_K, M, N]`` fp32,
-    in the order s = 0, 1, ... (deterministic), rounded once to o's dtype."""
-    pdl_enter(PDL)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = r < MN
-    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + r, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + r % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv(

@@ -33,7 +33,7 @@ Design, each choice with its source:
 - Work split, one of three (the kind's name):
   ``tma``        a unit is one ``BLOCK_N`` tile over the whole of K; one launch.
   ``tma_skS``    a unit is (tile, one of S K slices), fp32 partials ``[S, M, N]`` summed in
-                 slice order by ``triton_gemv``'s reduce kernel (deterministic); two launches.
+                 slice order by the split-K reduce kernel (``triton_gemv_parts``) (deterministic); two launches.
   ``tma_stream`` stream-K: the ``tiles * K/BLOCK_K`` box iterations are cut into equal
                  contiguous ranges, one a program, so every SM streams the same number of
                  weight bytes whatever the tile count (with one unit a tile, 48 qkv tiles or
@@ -75,7 +75,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pdserve.model import pdl
-from pdserve.model.triton_gemv import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
+from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 CPU_PROGRAMS = 3  # persistent programs under the interpreter: a test sees several units each
 _KIND = re.compile(r"tma(_ws)?(?:_sk([0-9]+)|_(stream))?")
