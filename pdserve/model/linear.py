@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Whether a down projection the GEMV runs also computes SwiGLU's ``silu(gate) * up`` (one
-# kernel instead of two; see :func:`silu_mul_linear`). Off: measured slower on the H200
-# (2026-12-01, Llama-3.1-8B bf16, batch-1 decode graph 4.60 ms with it vs 4.39 without: every
-# program recomputes the activation of the whole row; scripts/gpu_graph_profile.py).
+# kernel instead of two; see :func:`silu_mul_linear`). Off: slower on the H200, since every
+# program recomputes the activation of the whole row (docs/benchmarks.md, "Notes moved from
+# model/server/router docstrings").
 FUSE_SILU_MUL = False
 
 

@@ -18,22 +18,17 @@ a captured graph's bucket: 1, 2, 4, 8, 16, 32, 48, 64) by a bf16 matrix ``w [N, 
           GPU's 132 SMs when N is small.
 ``tma*``  M <= 64: the weight streamed through Hopper's bulk tensor copies (TMA) by a
           persistent grid, one tile a unit, K slices or stream-K, optionally
-          warp-specialized: :mod:`pdserve.model.triton_gemv_tma` (written 2026-12-01 without
-          GPU time; in no table until a sweep measures it).
+          warp-specialized: :mod:`pdserve.model.triton_gemv_tma`.
 
 Which shape and row count use which kernel and tile, or cuBLAS, is not guessed: it is the
 table ``pdserve.model.gemv_table.TABLE``, written by ``scripts/gpu_gemv_sweep.py`` from a
 measurement on the GPU (each configuration timed in a CUDA graph over weight copies that
 do not fit in L2, against ``F.linear`` timed the same way; a configuration is used only
 where it beat cuBLAS by >= 3 %; every timing in ``docs/figures/h200_gemv_sweep.json``).
-:func:`pick` reads it. On the H200 (2026-12-01, Llama-3.1-8B shapes, bf16) the ``rows`` kernel
-won at M = 1 for qkv (14.2 vs 15.3 µs), o_proj (10.5 vs 12.4: cuBLAS runs split-K plus a
-reduce there) and down_proj (28.8 vs 30.7); gate_up and the LM head were within 3 % (cuBLAS
-kept). At M = 2..16 cuBLAS was as fast except o_proj at 16. At M = 32, 48, 64 cuBLAS (TMA-fed
-``nvjet`` kernels, 3.1-4.0 TB/s) was as fast or faster everywhere but o_proj at 48 (``dot``
-12.2 vs 13.3 µs, where cuBLAS picks split-K plus a reduce); at 64 our best were qkv 17.1 vs
-16.0 µs, o_proj 12.3 vs 12.0, down 34.6 vs 35.6 (``splitk2``, under the 3 % margin), gate_up
-62.4 vs 63.0: these kernels' pipelined loads reach ~3.0-3.8 TB/s at 64 rows, not more.
+:func:`pick` reads it. On the H200 the ``rows`` kernel wins at M = 1 for most Llama
+shapes; at more rows cuBLAS (TMA-fed ``nvjet`` kernels) is as fast or faster almost
+everywhere, since these kernels' pipelined loads stay below its bandwidth (the figures:
+docs/benchmarks.md, "Notes moved from model/server/router docstrings").
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 The ``tma*`` kernel kinds of :mod:`pdserve.model.triton_gemv` (same configuration tuple
 ``(kind, BLOCK_N, BLOCK_K, num_warps, num_stages)``, same ``gemv`` entry point, used only
 where a measured ``gemv_table`` entry names them). Why another kernel: at M = 32..64 our
-pointer-load ``dot``/``splitkS`` kernels read the weight at ~3.0-3.8 TB/s and stayed 0-7 %
-behind cuBLAS, whose ``nvjet`` kernels feed the tensor cores from bulk tensor copies (TMA)
-issued by dedicated producer warps (H200 sweep of 2026-12-01, docs/figures/h200_gemv_sweep.json).
+pointer-load ``dot``/``splitkS`` kernels stayed behind cuBLAS, whose ``nvjet`` kernels feed
+the tensor cores from bulk tensor copies (TMA) issued by dedicated producer warps (figures:
+docs/benchmarks.md, "Notes moved from model/server/router docstrings").
 Design, each choice with its source:
 
 - The weight ``w [N, K]`` (K contiguous) is read through a host-side
@@ -54,13 +54,11 @@ Design, each choice with its source:
   is. Whether Triton 3.6 (the H200's) does the same, and whether it pays, is for the sweep
   (``scripts/gpu_gemv_sweep.py`` skips a configuration that fails to build or run).
 
-Not measured on a GPU when written (2026-12-01 night, no device time). Correctness is tested
-on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs host tensor descriptors,
-zero-filling out-of-range boxes), which does not model TMA, mbarriers, warp specialization
-or the pipeliner. Built for sm_90 on CPU with Triton 3.9's ptxas (``scripts/
-sm90_build_check.py``), every sweep configuration uses wgmma (HGMMA) fed by TMA copies
-(UTMALDG), 16-byte stores, no spills, 78-197 KB of shared memory. Speed, and the runtime
-behaviour on Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests'.
+Correctness is tested on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs
+host tensor descriptors, zero-filling out-of-range boxes), which does not model TMA,
+mbarriers, warp specialization or the pipeliner; the sm_90 build is checked on CPU with
+Triton's ptxas (``scripts/sm90_build_check.py``). Speed, and the runtime behaviour on
+Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests' (docs/benchmarks.md).
 """
 
 from __future__ import annotations
