@@ -30,13 +30,14 @@ ARGS ?=
 run: $(STAMP)
 	$(BIN)/pdserve up $(ARGS)
 
-# The gates: lint and format (ruff) and types (mypy; strict for engine/, model/ and the
-# disagg contract: see [tool.mypy] in pyproject.toml), run before the tests so CI fails
-# on a finding.
+# The gates: lint and format (ruff), types (mypy; strict for engine/, model/ and the
+# disagg contract: see [tool.mypy] in pyproject.toml) and the layer contracts of
+# .importlinter (lint-imports), run before the tests so CI fails on a finding.
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests
 	$(BIN)/ruff format --check pdserve tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" tests

@@ -14,6 +14,10 @@ from pdserve.disagg.base import ROLES
 
 EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
 
+# The attention backends' names, so that ModelConfig checks a name without importing the
+# model; ``model/attention.py``'s registry maps each to its class (a test keeps the two equal).
+ATTENTION_BACKENDS = ("torch_sdpa", "triton")
+
 
 def default_of(cls: type, name: str) -> Any:
     """Return the declared default of dataclass field ``name`` of ``cls``."""
@@ -38,7 +42,7 @@ class ModelConfig:
     max_model_len: context limit in tokens; ``None`` means the model's own.
     seed: seed of random weights (``random:`` models).
     attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
-        backend name (``pdserve.model.attention.available_backends()``).
+        backend name (:data:`ATTENTION_BACKENDS`).
     enforce_eager: never capture CUDA graphs (every step runs eagerly).
     tensor_parallel_size: ranks the model is split over (``engine/executor.py``): rank 0 in
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
@@ -58,11 +62,9 @@ class ModelConfig:
     gpu_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        from pdserve.model.attention import available_backends
-
-        if self.attention_backend != "auto" and self.attention_backend not in available_backends():
+        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto or one of {', '.join(available_backends())}, "
+                f"attention_backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
         if not self.model:

@@ -1,6 +1,6 @@
 """Markdown tables of every ``pdserve`` sub-command's flags, every environment variable
 and every HTTP request field, generated from the argparse parsers, ``pdserve.envs`` and
-``pdserve.server.api_docs`` (the README's reference section is this output:
+``pdserve.launch.api_docs`` (the README's reference section is this output:
 ``python -m pdserve.launch.flag_docs``)."""
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ BEGIN, END = (
 
 def reference() -> str:
     """The whole generated section: every command's flags, every environment variable,
-    then every request field of the HTTP API (``pdserve.server.api_docs``)."""
-    from pdserve.server.api_docs import api_tables
+    then every request field of the HTTP API (``pdserve.launch.api_docs``)."""
+    from pdserve.launch.api_docs import api_tables
 
     return (
         f"{command_tables()}\n#### Environment variables\n\n{env_table()}\n"

@@ -40,7 +40,8 @@ def cpu_threads_plan(
     """Threads per CPU worker and the environment of every child.
 
     Co-located torch processes spinning OpenMP threads against each other slow a CPU
-    matmul many times over (24x measured on 2 cores); each CPU worker therefore gets
+    matmul many times over (docs/benchmarks.md, "Notes moved from model/server/router
+    docstrings"); each CPU worker therefore gets
     ``max(1, os.cpu_count() // num_cpu_workers)`` threads (None: leave torch's default,
     because the user set ``OMP_NUM_THREADS`` or no worker runs on CPU) and the children
     ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep) unless the user set it.

@@ -211,7 +211,7 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Names accepted by :func:`get_attention_backend`."""
+    """Names accepted by :func:`get_attention_backend` (``config.ATTENTION_BACKENDS``)."""
     return tuple(_REGISTRY)
 
 

@@ -6,7 +6,8 @@ A decode step at batch 1 is ~500 kernels; each small elementwise one costs a lau
 inside a CUDA graph, so RoPE (7 kernels in torch: chunks, products, differences, cat) and
 SwiGLU's ``silu(gate) * up`` (2) become one kernel each, and each residual add with the
 RMSNorm after it one kernel (torch's add + ``F.rms_norm``: 2 kernels, and its norm kernel
-took 5.9 us a row on the H200, 2026-12-01, 0.39 ms of a 5.0 ms step at batch 1). Each operation is rounded to the
+was a visible share of a batch-1 step on the H200: docs/benchmarks.md, "Notes moved from
+model/server/router docstrings"). Each operation is rounded to the
 input dtype where torch rounds it (products, sums); on the H200 bf16 results still differ
 from torch's by up to one rounding of the products (the compiler may fold a round trip), fp32
 in the last bits (fused multiply-add). The model uses them for CUDA

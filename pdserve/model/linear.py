@@ -24,15 +24,21 @@ logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Whether a down projection the GEMV runs also computes SwiGLU's ``silu(gate) * up`` (one
-# kernel instead of two; see :func:`silu_mul_linear`). Off: measured slower on the H200
-# (2026-12-01, Llama-3.1-8B bf16, batch-1 decode graph 4.60 ms with it vs 4.39 without: every
-# program recomputes the activation of the whole row; scripts/gpu_graph_profile.py).
+# kernel instead of two; see :func:`silu_mul_linear`). Off: slower on the H200, since every
+# program recomputes the activation of the whole row (docs/benchmarks.md, "Notes moved from
+# model/server/router docstrings").
 FUSE_SILU_MUL = False
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ``[out, in]`` can be pre-packed here (CPU, fp32/bf16, ops present)."""
-    mode = envs.CPU_PACKED_LINEAR.get()
+def packing_mode() -> str:
+    """``PDSERVE_CPU_PACKED_LINEAR`` (``auto``, ``all`` or ``none``), read once per model
+    load by the caller and passed to :func:`pack`."""
+    return envs.CPU_PACKED_LINEAR.get()
+
+
+def packing_supported(weight: torch.Tensor, mode: str) -> bool:
+    """Whether ``weight`` ``[out, in]`` can be pre-packed here (CPU, fp32/bf16, ops present)
+    under packing ``mode`` (:func:`packing_mode`)."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or mode == "none":
         return False
     if weight.dtype == torch.float32 and mode != "all":
@@ -44,9 +50,10 @@ def packing_supported(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
-    """The oneDNN-packed copy of ``weight`` ``[out, in]``, or ``None`` when unsupported."""
-    if not packing_supported(weight):
+def pack(weight: torch.Tensor, mode: str, batch_hint: int = 16) -> torch.Tensor | None:
+    """The oneDNN-packed copy of ``weight`` ``[out, in]``, or ``None`` when unsupported or
+    ``mode`` (:func:`packing_mode`) leaves it plain."""
+    if not packing_supported(weight, mode):
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)

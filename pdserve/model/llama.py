@@ -279,16 +279,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _pack(self) -> None:
         """Pre-pack linear weights for CPU (no-op elsewhere); drop the plain copies."""
+        mode = lin.packing_mode()  # once per load
         for layer in self.decoder_layers():
             for name in self._PACKED:
                 param = getattr(layer, name)
-                packed = lin.pack(param)
+                packed = lin.pack(param, mode)
                 if packed is not None:
                     layer.packed[name] = packed
                     self._freed[param] = param.shape
                     param.data = param.data.new_empty(0)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self._lm_head_packed = lin.pack(head)  # the plain copy stays: embedding lookups need it
+        # the plain copy stays: embedding lookups need it
+        self._lm_head_packed = lin.pack(head, mode)
 
     def _unpack(self) -> None:
         """Undo :meth:`_pack` so weights can be loaded again."""

@@ -8,11 +8,9 @@ it launch early (``griddepcontrol.launch_dependents``). Every kernel of ours tha
 the only overlap is launch latency and CTA scheduling; results are the same bits. A kernel
 launched without PDL (cuBLAS, torch) runs as before: it starts after its predecessor ends.
 
-Measured once (H200, 2026-12-01, ``scripts/gpu_pdl_probe.py``: a 32-layer chain shaped
-like a batch-64 Llama-3.1-8B decode step without attention, one CUDA graph): Triton GEMVs
-4.320 ms, the same with every kernel under PDL 4.239 ms; cuBLAS GEMVs 4.370 ms, with only
-the small kernels under PDL 4.381 (nothing gained next to cuBLAS). Not yet measured in the
-engine, hence off unless ``PDSERVE_TRITON_PDL=1``.
+Off unless ``PDSERVE_TRITON_PDL=1``: a probe gained about 2 % with Triton GEMVs and
+nothing next to cuBLAS, and it is not measured in the engine (figures: docs/benchmarks.md,
+"Notes moved from model/server/router docstrings").
 """
 
 from __future__ import annotations

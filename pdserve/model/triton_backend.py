@@ -92,21 +92,15 @@ def decode_config(
     covers at least 256 tokens, so a short context runs as one program a (row, KV head)
     and only longer ones are split. There, when every context is known to be at most
     ``ONE_SPLIT_MAX_CONTEXT`` tokens (an eager step, or a graph captured for that bound:
-    :meth:`TritonBackend.capture_context_bounds`), one split of 3 stages and no merge:
-    the batch-64 decode graph of Llama-3.1-8B (200-token contexts) took 5.401 ms instead
-    of 5.539 on the H200 (2026-12-01, ``scripts/gpu_graph_profile.py gemv-nosilu
-    gemv-nosilu+attn1``; docs/figures/h200_graph_profile_attn1.json): no merge launches
-    (0.082 ms) and a faster split kernel (0.606 vs 0.628 ms). A longer context stays
-    split, so that one long row among short ones is not walked by a few programs alone. Measured on the H200 (2026-12-01, Llama-8B heads, bf16,
-    page-major 128-token pages, the 32 layers' decode in one CUDA graph,
-    ``scripts/gpu_decode_kernel_sweep.py``): batch 64 at 125-330 tokens 23.3 us a layer
-    (2.62 TB/s of K/V; main 8b5b962's 2 splits of 32-token tiles and 2 warps: 26.0); batch
-    1 at 200 tokens 5.83 us (main: 6.72). Faster there but not measured beyond 330 tokens,
-    so not chosen: one split at batch 64 (21.7 us, 3 stages; one program then walks a
-    long context alone) and 8 splits of 32-token tiles at batch 1 (4.86 us; a quarter of
-    the programs at 8,000 tokens). A merge fused into the split kernel (the last split of
-    a group merges, after an atomic count) was slower in every case measured (batch 64:
-    23.9 us; batch 1: 6.8-9.2 us), so the merge stays a kernel of its own."""
+    :meth:`TritonBackend.capture_context_bounds`), one split of 3 stages and no merge: no
+    merge launches and a faster split kernel. A longer context stays split, so that one
+    long row among short ones is not walked by a few programs alone. These tiles, warps
+    and stages were the fastest of a sweep on the H200; the faster choices left out (one
+    split at batch 64 whatever the context, 8 splits at batch 1) were not measured on long
+    contexts, where one program would walk a long context alone or a quarter of the
+    programs would idle. A merge fused into the split kernel was slower in every case, so
+    the merge stays a kernel of its own. Figures: docs/benchmarks.md, "Notes moved from
+    model/server/router docstrings"."""
     large = num_seqs * num_kv_heads >= 256
     if large and max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
         return DecodeConfig(1, 64, 4, 3)

@@ -18,22 +18,17 @@ a captured graph's bucket: 1, 2, 4, 8, 16, 32, 48, 64) by a bf16 matrix ``w [N, 
           GPU's 132 SMs when N is small.
 ``tma*``  M <= 64: the weight streamed through Hopper's bulk tensor copies (TMA) by a
           persistent grid, one tile a unit, K slices or stream-K, optionally
-          warp-specialized: :mod:`pdserve.model.triton_gemv_tma` (written 2026-12-01 without
-          GPU time; in no table until a sweep measures it).
+          warp-specialized: :mod:`pdserve.model.triton_gemv_tma`.
 
 Which shape and row count use which kernel and tile, or cuBLAS, is not guessed: it is the
 table ``pdserve.model.gemv_table.TABLE``, written by ``scripts/gpu_gemv_sweep.py`` from a
 measurement on the GPU (each configuration timed in a CUDA graph over weight copies that
 do not fit in L2, against ``F.linear`` timed the same way; a configuration is used only
 where it beat cuBLAS by >= 3 %; every timing in ``docs/figures/h200_gemv_sweep.json``).
-:func:`pick` reads it. On the H200 (2026-12-01, Llama-3.1-8B shapes, bf16) the ``rows`` kernel
-won at M = 1 for qkv (14.2 vs 15.3 µs), o_proj (10.5 vs 12.4: cuBLAS runs split-K plus a
-reduce there) and down_proj (28.8 vs 30.7); gate_up and the LM head were within 3 % (cuBLAS
-kept). At M = 2..16 cuBLAS was as fast except o_proj at 16. At M = 32, 48, 64 cuBLAS (TMA-fed
-``nvjet`` kernels, 3.1-4.0 TB/s) was as fast or faster everywhere but o_proj at 48 (``dot``
-12.2 vs 13.3 µs, where cuBLAS picks split-K plus a reduce); at 64 our best were qkv 17.1 vs
-16.0 µs, o_proj 12.3 vs 12.0, down 34.6 vs 35.6 (``splitk2``, under the 3 % margin), gate_up
-62.4 vs 63.0: these kernels' pipelined loads reach ~3.0-3.8 TB/s at 64 rows, not more.
+:func:`pick` reads it. On the H200 the ``rows`` kernel wins at M = 1 for most Llama
+shapes; at more rows cuBLAS (TMA-fed ``nvjet`` kernels) is as fast or faster almost
+everywhere, since these kernels' pipelined loads stay below its bandwidth (the figures:
+docs/benchmarks.md, "Notes moved from model/server/router docstrings").
 """
 
 from __future__ import annotations
@@ -46,15 +41,15 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 # A configuration: (kernel, BLOCK_N, BLOCK_K, num_warps, num_stages); kernel "rows", "dot",
 # "splitk2" / "splitk4" / "splitk8" or one of the "tma*" kinds (KNOWN below).
 Config = tuple[str, int, int, int, int]
 MAX_ROWS = 64  # the most rows the dot kernels take (the largest BLOCK_M)
 SPLITS = {"dot": 1, "splitk2": 2, "splitk4": 4, "splitk8": 8}  # kernel name -> K slices
-REDUCE_BLOCK = 1024  # elements a program of the split-K reduce sums
 # The TMA-fed kernels (model/triton_gemv_tma.py), M <= 64: "tma" (a BLOCK_N tile a unit),
-# "tma_skS" (S = 2..32 K slices, this module's reduce), "tma_stream" (stream-K), each also
+# "tma_skS" (S = 2..32 K slices, the split-K reduce of triton_gemv_parts), "tma_stream" (stream-K), each also
 # warp-specialized as "tma_ws", "tma_ws_skS", "tma_ws_stream".
 KNOWN = "rows, dot, splitk2, splitk4, splitk8, tma, tma_skS, tma_stream, tma_ws*"
 
@@ -65,21 +60,6 @@ def block_m(m: int) -> int:
     if m > MAX_ROWS:
         raise ValueError(f"the dot kernel takes at most {MAX_ROWS} rows, got M={m}")
     return max(16, 1 << (m - 1).bit_length())  # the power of two >= m
-
-
-@triton.jit
-def _load_x(x_ptr, offs, mask, K, SILU: tl.constexpr):
-    """x at ``offs``; with ``SILU`` the row is ``[gate | up]`` (``2K`` wide) and x is
-    ``silu(gate) * up``, rounded as ``fused_ops.silu_mul`` rounds it."""
-    if SILU:
-        g = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        x = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    return x
 
 
 @triton.jit
@@ -184,31 +164,6 @@ def _gemv_dot_kernel(
     else:
         o = o_ptr + tl.program_id(1) * s_os + rm[:, None] * s_om + rn[None, :]
         tl.store(o, acc, mask=omask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    p_ptr,
-    b_ptr,
-    o_ptr,
-    N,
-    MN,
-    HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid ``(cdiv(MN, BLOCK),)``: ``o = sum_s p[s] (+ b)`` over ``p [SPLIT_K, M, N]`` fp32,
-    in the order s = 0, 1, ... (deterministic), rounded once to o's dtype."""
-    pdl_enter(PDL)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = r < MN
-    acc = tl.load(p_ptr + r, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + r, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + r % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv(

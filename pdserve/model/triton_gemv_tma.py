@@ -3,9 +3,9 @@
 The ``tma*`` kernel kinds of :mod:`pdserve.model.triton_gemv` (same configuration tuple
 ``(kind, BLOCK_N, BLOCK_K, num_warps, num_stages)``, same ``gemv`` entry point, used only
 where a measured ``gemv_table`` entry names them). Why another kernel: at M = 32..64 our
-pointer-load ``dot``/``splitkS`` kernels read the weight at ~3.0-3.8 TB/s and stayed 0-7 %
-behind cuBLAS, whose ``nvjet`` kernels feed the tensor cores from bulk tensor copies (TMA)
-issued by dedicated producer warps (H200 sweep of 2026-12-01, docs/figures/h200_gemv_sweep.json).
+pointer-load ``dot``/``splitkS`` kernels stayed behind cuBLAS, whose ``nvjet`` kernels feed
+the tensor cores from bulk tensor copies (TMA) issued by dedicated producer warps (figures:
+docs/benchmarks.md, "Notes moved from model/server/router docstrings").
 Design, each choice with its source:
 
 - The weight ``w [N, K]`` (K contiguous) is read through a host-side
@@ -33,7 +33,7 @@ Design, each choice with its source:
 - Work split, one of three (the kind's name):
   ``tma``        a unit is one ``BLOCK_N`` tile over the whole of K; one launch.
   ``tma_skS``    a unit is (tile, one of S K slices), fp32 partials ``[S, M, N]`` summed in
-                 slice order by ``triton_gemv``'s reduce kernel (deterministic); two launches.
+                 slice order by the split-K reduce kernel (``triton_gemv_parts``) (deterministic); two launches.
   ``tma_stream`` stream-K: the ``tiles * K/BLOCK_K`` box iterations are cut into equal
                  contiguous ranges, one a program, so every SM streams the same number of
                  weight bytes whatever the tile count (with one unit a tile, 48 qkv tiles or
@@ -54,13 +54,11 @@ Design, each choice with its source:
   is. Whether Triton 3.6 (the H200's) does the same, and whether it pays, is for the sweep
   (``scripts/gpu_gemv_sweep.py`` skips a configuration that fails to build or run).
 
-Not measured on a GPU when written (2026-12-01 night, no device time). Correctness is tested
-on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs host tensor descriptors,
-zero-filling out-of-range boxes), which does not model TMA, mbarriers, warp specialization
-or the pipeliner. Built for sm_90 on CPU with Triton 3.9's ptxas (``scripts/
-sm90_build_check.py``), every sweep configuration uses wgmma (HGMMA) fed by TMA copies
-(UTMALDG), 16-byte stores, no spills, 78-197 KB of shared memory. Speed, and the runtime
-behaviour on Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests'.
+Correctness is tested on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs
+host tensor descriptors, zero-filling out-of-range boxes), which does not model TMA,
+mbarriers, warp specialization or the pipeliner; the sm_90 build is checked on CPU with
+Triton's ptxas (``scripts/sm90_build_check.py``). Speed, and the runtime behaviour on
+Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests' (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pdserve.model import pdl
-from pdserve.model.triton_gemv import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
+from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 CPU_PROGRAMS = 3  # persistent programs under the interpreter: a test sees several units each
 _KIND = re.compile(r"tma(_ws)?(?:_sk([0-9]+)|_(stream))?")

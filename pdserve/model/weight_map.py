@@ -11,16 +11,34 @@ The ranges come from :class:`pdserve.model.shapes.ModelShapes` (i.e. ``pdserve.p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
-    from pdserve.model.llama import LlamaDecoderLayer
     from pdserve.model.shapes import ModelShapes
 
 # (dim, start, end) of the full tensor that a rank reads; None: the whole tensor.
 ShardSpec = tuple[int, int, int]
+
+
+class LayerWeights(Protocol):
+    """The parameters of one decoder layer that checkpoint tensors land in (what
+    ``llama.LlamaDecoderLayer`` holds; ``None``: the model has no such tensor)."""
+
+    input_layernorm: nn.Parameter
+    post_attention_layernorm: nn.Parameter
+    qkv_proj: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+    o_proj: nn.Parameter
+    o_bias: nn.Parameter | None
+    gate_up_proj: nn.Parameter
+    gate_up_bias: nn.Parameter | None
+    down_proj: nn.Parameter
+    down_bias: nn.Parameter | None
 
 
 class Target(NamedTuple):
@@ -65,7 +83,7 @@ def weight_targets(
     embed_tokens: torch.Tensor,
     norm: torch.Tensor,
     lm_head: torch.Tensor | None,
-    layers: Iterable[LlamaDecoderLayer],
+    layers: Iterable[LayerWeights],
 ) -> dict[str, Target]:
     """HF name -> :class:`Target` for every weight the model expects."""
     D = s.head_dim

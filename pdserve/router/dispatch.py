@@ -2,11 +2,8 @@
 worker in regular mode; streaming pass-through, merged prompt logprobs, one clear error.
 
 PD protocol: both legs get the client's body plus ``bootstrap_host``, ``bootstrap_port``
-(the prefill worker's bootstrap server) and ``bootstrap_room``; a request with ``n``
-samples reserves the rooms ``bootstrap_room .. bootstrap_room + n - 1`` (sample ``i``
-uses ``bootstrap_room + i`` on both workers), so every sample has a distinct live room.
-A ``/v1/completions`` batch of ``P`` prompts reserves ``P * n`` rooms (sample ``i`` of
-prompt ``p`` uses ``bootstrap_room + p * n + i``).
+(the prefill worker's bootstrap server) and ``bootstrap_room``; the router reserves the
+request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.room_plan`).
 """
 
 from __future__ import annotations
@@ -20,19 +17,16 @@ import httpx
 from fastapi.responses import Response
 
 from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST, rooms_needed
+from pdserve.http.json_fields import as_int
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.merge import merge_cached_tokens, merge_prompt_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import WorkerState, routing_key
 from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import WorkerPool, bootstrap_address
-from pdserve.server.body_base import as_int
 
 log = logging.getLogger("pdserve.router")
-
-# cap on rooms reserved per request, one per sample (workers reject n > protocol.MAX_N);
-# documented in the README's `n` row (server/api_docs.py)
-MAX_ROOMS_PER_REQUEST = 1024
 
 
 class LegError(Exception):
@@ -46,7 +40,7 @@ class LegError(Exception):
 
 
 def _int(value: object, default: int) -> int | None:
-    """A body's integer field as the workers read it (``body_base.as_int``); ``default``
+    """A body's integer field as the workers read it (``http.json_fields.as_int``); ``default``
     for null or absent; None for anything else (which the workers reject with a 400)."""
     return default if value is None else as_int(value)
 
@@ -81,7 +75,7 @@ def _num_samples(endpoint: str, body: dict) -> int:
     n = _int(params.get("n") if isinstance(params, dict) else None, 1)
     if n is None or not 1 <= n <= MAX_ROOMS_PER_REQUEST:
         n = 1
-    return n * _num_prompts(endpoint, body)
+    return rooms_needed(_num_prompts(endpoint, body), n)
 
 
 class Dispatcher:
@@ -109,7 +103,8 @@ class Dispatcher:
 
     # --- rooms -------------------------------------------------------------------------
     def reserve_rooms(self, n: int) -> int:
-        """Draw a random room R with R .. R+n-1 all free and below 2**63; mark them live."""
+        """Draw a random room R with R .. R+n-1 all free and below ``ROOM_LIMIT``; mark
+        them live."""
         while True:
             room = self._rng.randrange(0, ROOM_LIMIT - n + 1)
             if not any(room + i in self.live_rooms for i in range(n)):

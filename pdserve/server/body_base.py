@@ -13,14 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, StrictInt, model_validator
 
-
-def as_int(value: Any) -> int | None:
-    """``value`` as an integer field reads it: an int (not a bool), or a float of integral
-    value (``2.0`` -> 2); None for anything else (``2.5``, a bool, a string). The router
-    counts a request's rooms with it, so it reads ``n`` as the workers do."""
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+from pdserve.http.json_fields import as_int
 
 
 def _integral(value: Any) -> Any:

@@ -185,8 +185,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         head = response_head("cmpl", "text_completion", jobs[0].request_id, ctx.model_name)
         for p, job in enumerate(jobs[1:], 1):  # prompt p: its own engine requests and rooms
             job.request_id = f"{jobs[0].request_id}-{p}"
-            if job.bootstrap_room is not None:
-                job.bootstrap_room += p * req.n
+            job.prompt_index = p
 
         def choice(index: int, out: RequestOutput, o: Any, first: bool, delta: bool) -> dict:
             """One choice (``index``: ``p * n + i`` for sample ``i`` of prompt ``p``): the

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError
+from pdserve.disagg.room_plan import sample_room
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
@@ -48,7 +49,8 @@ class Job:
     params: SamplingParams
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_room: int | None = None  # the request's; rooms: disagg.room_plan.sample_room
+    prompt_index: int = 0  # which prompt of a /v1/completions batch this job is
     fake_transfer: bool = False  # /health_generate in PD roles
     prompt_field: str = "prompt"  # the request field errors about the prompt name
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -119,9 +121,9 @@ class Serving:
                     f"(send requests through the router)",
                     name,
                 )
-        room = job.bootstrap_room
+        room, n = job.bootstrap_room, job.params.n
         assert room is not None  # checked just above
-        if room + job.params.n > ROOM_LIMIT:
+        if sample_room(room, job.prompt_index, n, n - 1) >= ROOM_LIMIT:
             raise APIError(
                 400,
                 "bootstrap_room + n (times the prompts of a batch) must be <= 2**63 (sample i "
@@ -136,7 +138,8 @@ class Serving:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
         host, port, room = job.bootstrap_host, job.bootstrap_port, job.bootstrap_room
         assert host is not None and port is not None and room is not None  # check() ran first
-        return DisaggRequestInfo(self.role, host, port, room + index)
+        room = sample_room(room, job.prompt_index, job.params.n, index)
+        return DisaggRequestInfo(self.role, host, port, room)
 
     # --- running --------------------------------------------------------------------------
     async def stream(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:

@@ -19,9 +19,9 @@ import pytest
 
 from pdserve import envs
 from pdserve.cli import build_parser
+from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST
+from pdserve.launch.api_docs import api_tables, missing_meanings
 from pdserve.launch.flag_docs import _subparsers, flag_table
-from pdserve.router.dispatch import MAX_ROOMS_PER_REQUEST
-from pdserve.server.api_docs import api_tables, missing_meanings
 from pdserve.server.protocol import MAX_N, GenerateSamplingParams
 from pdserve.server.protocol import _OpenAISampling as OpenAISampling
 
@@ -87,7 +87,7 @@ def test_links_of_the_readme_and_docs_reach_files_and_headings_that_exist():
 
 def test_readme_lists_every_request_field_with_its_meaning():
     missing = missing_meanings()
-    assert not missing, f"request fields without a meaning in pdserve/server/api_docs.py: {missing}"
+    assert not missing, f"request fields without a meaning in pdserve/launch/api_docs.py: {missing}"
     for row in api_tables().splitlines():
         assert row in REFERENCE, (
             f"docs/reference.md is stale for the request fields: {row}\n{STALE}"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_parity import TOL, run_paged_scenario
 
+from pdserve.config import ATTENTION_BACKENDS
 from pdserve.model.attention import (
     AttentionMetadata,
     available_backends,
@@ -28,6 +29,7 @@ BACKENDS = list(available_backends())
 
 def test_registry_names_every_backend_and_rejects_unknown():
     assert {"torch_sdpa", "triton"} <= set(BACKENDS)
+    assert tuple(BACKENDS) == ATTENTION_BACKENDS  # the names ModelConfig accepts
     with pytest.raises(ValueError, match="bogus"):
         get_attention_backend("bogus")
 

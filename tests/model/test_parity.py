@@ -166,7 +166,7 @@ def test_parity_packed_and_plain_linear_and_reload(
     )  # other weights first ...
     model.load_weights(hf.state_dict().items())  # ... then the real ones (after packing)
     assert bool(model.layers[0].packed) == (
-        packed != "none" and lin.packing_supported(torch.ones(1, 1, dtype=dtype))
+        packed != "none" and lin.packing_supported(torch.ones(1, 1, dtype=dtype), packed)
     )
     err = run_paged_scenario(model, hf, [[6, 3], [1, 1]], [6, 3], page_size=4, seed=3)
     assert err < tol, f"packed={packed} {dtype}: max log-prob diff {err:.2e}"

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.disagg.room_plan import check_room, rooms_needed, sample_room
 from pdserve.http.http_errors import error_json, error_status
 from pdserve.router.dispatch import Dispatcher, _num_samples
 from pdserve.router.merge import merge_prompt_logprobs
@@ -200,6 +201,16 @@ def test_rooms_are_unique_63_bit_and_cover_n_samples():
     real = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0)
     rooms = [real.reserve_rooms(5) for _ in range(200)]
     assert all(r >= 0 and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live_rooms) == 1000
+
+
+def test_room_plan_numbers_sample_i_of_prompt_p_after_the_p_prompts_before_it():
+    n, prompts, room = 3, 2, 100
+    rooms = [sample_room(room, p, n, i) for p in range(prompts) for i in range(n)]
+    assert rooms == list(range(room, room + rooms_needed(prompts, n)))
+    assert check_room(ROOM_LIMIT - 1) == ROOM_LIMIT - 1 and check_room(0) == 0
+    for bad in (-1, ROOM_LIMIT, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="the_field must be an integer in"):
+            check_room(bad, "the_field")
 
 
 def test_num_samples_reads_n_per_endpoint():
