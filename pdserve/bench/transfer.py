@@ -52,7 +52,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
 
     from pdserve.bench.transfer_pages import page_lists
     from pdserve.bench.transfer_raw import RawSide, contiguous_copy
-    from pdserve.disagg.base import AuxRecord, KVPoll
+    from pdserve.disagg.base import AuxRecord, KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
     from pdserve.engine.page_runs import paired_runs
 
@@ -64,7 +64,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     )
     nbytes = cfg.num_pages * lay.page_bytes
     prefill = create_kv_manager(
-        "nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0
+        "nixl", args, Role.PREFILL, bootstrap_host="127.0.0.1", bootstrap_port=0
     )
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -120,7 +120,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         if status != "ok":
             raise RuntimeError(f"decode process: {detail}")
         conn.send(("raw", nbytes))
-        raw = RawSide(args, "prefill", nbytes)
+        raw = RawSide(args, Role.PREFILL, nbytes)
         metadata, remote_desc = conn.recv()
         raw.connect(metadata, remote_desc, lay.page_bytes)
         transfer(1)  # warm-up: connection, registration caches

@@ -24,12 +24,12 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
     """Decode process: a receiver per room asked for (onto the pages given), the raw
     NIXL target, digests of pages."""
     from pdserve.bench.transfer_raw import RawSide
-    from pdserve.disagg.base import KVPoll
+    from pdserve.disagg.base import KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
 
     try:
         kv, aux, args = make_pool(cfg)
-        mgr = create_kv_manager("nixl", args, "decode")
+        mgr = create_kv_manager("nixl", args, Role.DECODE)
         conn.send(("ok", None))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -51,7 +51,7 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
             conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
             r.close()
         elif cmd == "raw":
-            raw = RawSide(args, "decode", arg)
+            raw = RawSide(args, Role.DECODE, arg)
             raw.serve()  # the target progresses
             conn.send((raw.metadata(), raw.desc()))
         elif cmd == "digest":

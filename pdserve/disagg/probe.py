@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pdserve import envs
-from pdserve.disagg.base import PD_ROLES
+from pdserve.disagg.base import PD_ROLES, Role
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ProbeReport:
 
 def probe_nixl(
     backends: list[str] | None = None,
-    role: str = "prefill",
+    role: Role = Role.PREFILL,
     device: str = "cpu",
     gpu_id: int = 0,
     timeout_s: float | None = None,
@@ -166,6 +166,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--role",
+        type=Role,
         choices=PD_ROLES,
         default="prefill",
         help="whose thread count to pass (prefill 8, decode 0 unless configured)",

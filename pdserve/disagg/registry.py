@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.disagg.base import PD_ROLES, KVArgs, KVManager
+from pdserve.disagg.base import KVArgs, KVManager, pd_role
+from pdserve.ports import check_port
 
 # name -> (module, factory function(args, role, bootstrap_host=, bootstrap_port=) -> KVManager)
 _BACKENDS: dict[str, tuple[str, str]] = {
@@ -14,6 +15,7 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def backend_names() -> tuple[str, ...]:
+    """The names ``create_kv_manager`` takes (the ``transfer_backend`` choices)."""
     return tuple(_BACKENDS)
 
 
@@ -38,17 +40,15 @@ def create_kv_manager(
     """
     if name not in _BACKENDS:
         raise ValueError(f"transfer backend name must be one of {sorted(_BACKENDS)}, got {name!r}")
-    if role not in PD_ROLES:
-        raise ValueError(f"role must be prefill or decode, got {role!r}")
-    if not 0 <= bootstrap_port <= 65535:
-        raise ValueError(f"bootstrap_port must be in [0, 65535], got {bootstrap_port}")
+    pd = pd_role(role)
+    check_port(bootstrap_port, "bootstrap_port", allow_zero=True)
     module_name, attr = _BACKENDS[name]
     factory = getattr(importlib.import_module(module_name), attr)
     if name == "fake":
-        return factory(args, role)
+        return factory(args, pd)
     return factory(
         args,
-        role,
+        pd,
         bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port,
         advertise_host=advertise_host,

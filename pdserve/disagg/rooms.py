@@ -8,10 +8,10 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pdserve import envs
-from pdserve.disagg.base import DuplicateRoomError, KVPoll, KVTransferError
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, KVPoll, KVTransferError, Role
 from pdserve.disagg.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,13 @@ N = TypeVar("N", int, float)
 
 
 def check_room(bootstrap_room: int) -> int:
-    """ValueError naming ``bootstrap_room`` unless it is an int in [0, 2**64)."""
+    """ValueError naming ``bootstrap_room`` unless it is an int in [0, ROOM_LIMIT)."""
     if (
         isinstance(bootstrap_room, bool)
         or not isinstance(bootstrap_room, int)
-        or not 0 <= bootstrap_room < 2**64
+        or not 0 <= bootstrap_room < ROOM_LIMIT
     ):
-        raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {bootstrap_room!r}")
+        raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {bootstrap_room!r}")
     return bootstrap_room
 
 
@@ -77,7 +77,7 @@ class FailureInjector:
 class RoomTable(Generic[H]):
     """Live rooms of one manager, by room id; a room stays live until ``close()``."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: Role) -> None:
         self._role = role
         self._lock = threading.Lock()
         self._rooms: dict[int, H] = {}
@@ -110,6 +110,17 @@ class RoomTable(Generic[H]):
     def count_by_state(self) -> dict[str, int]:
         counts = Counter(h.poll_state().name for h in self.handles())
         return {s.name: counts.get(s.name, 0) for s in KVPoll}
+
+    def stats(self, metrics: TransferMetrics, backend: str) -> dict[str, Any]:
+        """The head every manager's ``stats()`` starts with: the transfer counters, the
+        role and backend, live rooms by state and in all."""
+        return dict(
+            metrics.snapshot(),
+            role=str(self._role),
+            backend=backend,
+            rooms=self.count_by_state(),
+            live_rooms=len(self),
+        )
 
 
 class RoomHandle:

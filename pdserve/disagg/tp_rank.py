@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender
+from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender, Role
 
 # (state, failure text, holds_pages) of one room on one rank
 RankState = tuple[int, str | None, bool]
@@ -31,7 +31,7 @@ class RankRooms:
 
     def create(self, room: int, host: str | None = None, port: int | None = None) -> None:
         """A sender (prefill) or a receiver of ``host:port`` (decode) for ``room``."""
-        if self.manager.role == "prefill":
+        if self.manager.role == Role.PREFILL:
             handle: KVSender | KVReceiver = self.manager.create_sender(room)
         else:
             assert host is not None and port is not None  # decode rooms name their prefill

@@ -36,18 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-
-LAYER_MAJOR = "layer_major"
-PAGE_MAJOR = "page_major"
-KV_ORDERS = (LAYER_MAJOR, PAGE_MAJOR)
-
-
-def check_order(order: str, field: str = "kv_order") -> str:
-    """Return ``order``; ValueError naming ``field`` and the known orders otherwise."""
-    if order not in KV_ORDERS:
-        raise ValueError(f"{field}: {order!r} is not a KV order; known: {', '.join(KV_ORDERS)}")
-    return order
+from pdserve.disagg.base import AUX_RECORD_BYTES, LAYER_MAJOR, PAGE_MAJOR, KVArgs, KVLayout
+from pdserve.disagg.base import KV_ORDERS as KV_ORDERS  # re-exported: the order names' owner
+from pdserve.disagg.base import check_order as check_order
 
 
 def default_order(device: torch.device | str) -> str:

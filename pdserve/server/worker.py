@@ -12,7 +12,7 @@ import pdserve
 from pdserve import envs
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
-from pdserve.disagg.base import KVManager
+from pdserve.disagg.base import KVManager, Role
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
@@ -76,7 +76,7 @@ def build_worker(
         server_cfg.num_threads
     ):  # before any op runs: co-located workers must not oversubscribe cores
         torch.set_num_threads(server_cfg.num_threads)
-    pd = disagg.role != "mixed"
+    pd = disagg.role != Role.MIXED
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
     managers: dict[str, KVManager] = {}
     ucx_log = None
@@ -131,10 +131,10 @@ def build_worker(
         "tp_rank_pids": core.executor.rank_pids(),
         "transfer_backend": disagg.transfer_backend if pd else None,
         "bootstrap_host": advertised_host(disagg.bootstrap_host, disagg.advertise_host)
-        if disagg.role == "prefill"
+        if disagg.role == Role.PREFILL
         else None,
         "bootstrap_port": transfer.bootstrap_port
-        if transfer is not None and disagg.role == "prefill"
+        if transfer is not None and disagg.role == Role.PREFILL
         else None,
     }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import envs
-from pdserve.disagg.base import KVArgs
+from pdserve.disagg.base import KVArgs, Role
 from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.nixl.api import NixlApi
 
@@ -33,7 +33,7 @@ THREAD_PARAM = {
     "GDS_MT": "thread_count",
     "UCCL": "num_cpus",
 }
-ROLE_DEFAULT_NUM_THREADS = {"prefill": 8, "decode": 0}
+ROLE_DEFAULT_NUM_THREADS: dict[str, int] = {Role.PREFILL: 8, Role.DECODE: 0}
 
 _PARAMS_VAR = "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS"
 

@@ -50,6 +50,7 @@ from pdserve.disagg.base import (
     KVPoll,
     KVReceiver,
     KVSender,
+    Role,
 )
 from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.control import Outbox, recv_all
@@ -78,6 +79,7 @@ from pdserve.disagg.rooms import (
     check_room,
     positive_env,
 )
+from pdserve.ports import check_port
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ log = logging.getLogger(__name__)
 class NixlDecodeManager(KVManager):
     """Decode role over NIXL (see module doc). Raises whatever NIXL initialisation raises."""
 
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, args: KVArgs, *, api: NixlApi, start_threads: bool = True) -> None:
         self.instance_id = uuid.uuid4().hex
@@ -95,7 +97,7 @@ class NixlDecodeManager(KVManager):
         self.quarantine_bound = positive_env(envs.DISAGGREGATION_QUARANTINE_BOUND)
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
-        self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
+        self._rooms: RoomTable[NixlReceiver] = RoomTable(Role.DECODE)
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
@@ -135,12 +137,7 @@ class NixlDecodeManager(KVManager):
         room = check_room(bootstrap_room)
         if not isinstance(bootstrap_host, str) or not bootstrap_host:
             raise ValueError(f"bootstrap_host must be a non-empty string, got {bootstrap_host!r}")
-        if (
-            isinstance(bootstrap_port, bool)
-            or not isinstance(bootstrap_port, int)
-            or not 1 <= bootstrap_port <= 65535
-        ):
-            raise ValueError(f"bootstrap_port must be in [1, 65535], got {bootstrap_port!r}")
+        check_port(bootstrap_port, "bootstrap_port", allow_zero=False)
         if self._down:
             raise RuntimeError("the decode KV manager is shut down")
         receiver = NixlReceiver(room, self, bootstrap_host, bootstrap_port)
@@ -156,11 +153,7 @@ class NixlDecodeManager(KVManager):
 
     def stats(self) -> dict:
         return dict(
-            self._metrics.snapshot(),
-            role="decode",
-            backend="nixl",
-            rooms=self._rooms.count_by_state(),
-            live_rooms=len(self._rooms),
+            self._rooms.stats(self._metrics, "nixl"),
             **self._prefills.stats(self.quarantine_bound),
             healthy=self.is_healthy(),
         )

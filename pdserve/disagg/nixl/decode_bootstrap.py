@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVLayout
+from pdserve.disagg.base import PAGE_MAJOR, PROTOCOL_VERSION, KVArgs, KVLayout
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import RankInfo, RoomAbort
@@ -152,7 +152,7 @@ class DecodeBootstrap:
             (sl.start, sl.end) != mine or tuple(infos[sl.src_rank].kv_heads) != mine
             for sl in slices
         )
-        if split and order != "page_major":
+        if split and order != PAGE_MAJOR:
             return (
                 f"KV layout mismatch with prefill {key[0]}:{key[1]}: kv_order: {order!r} cannot "
                 f"split KV heads between prefill TP {infos[0].tp_size} and decode TP "

@@ -29,10 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.disagg.base import KVArgs
+from pdserve.disagg.base import PAGE_MAJOR, KVArgs, Role
 from pdserve.disagg.messages import BufferDescs
-
-PAGE_MAJOR = "page_major"  # the name of that order in pdserve.engine.kv_layout (engine side)
 
 
 def _strided_rows(d: BufferDescs) -> np.ndarray:
@@ -121,7 +119,7 @@ class PreparedLists:
         self._dlists: list[Any] = []
         self.local_kv = self.local_aux = None
         self._local_slices: dict[tuple[int, int], Any] = {}  # heads -> local slice list
-        if role == "prefill":
+        if role == Role.PREFILL:
             self.local_kv = self._prep("NIXL_INIT_AGENT", self.kv_descs)
             self.local_aux = self._prep("NIXL_INIT_AGENT", self.aux_descs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.disagg.base import KVArgs, KVManager
+from pdserve.disagg.base import KVArgs, KVManager, Role, pd_role
 from pdserve.disagg.nixl.api import load_nixl_api
 
 
@@ -17,7 +17,7 @@ def create_nixl_manager(
     """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
     Raises NixlUnavailableError when NIXL cannot be imported."""
     api = load_nixl_api()
-    if role == "prefill":
+    if pd_role(role) == Role.PREFILL:
         from pdserve.disagg.nixl.prefill import NixlPrefillManager
 
         return NixlPrefillManager(
@@ -27,8 +27,6 @@ def create_nixl_manager(
             advertise_host=advertise_host,
             api=api,
         )
-    if role == "decode":
-        from pdserve.disagg.nixl.decode import NixlDecodeManager
+    from pdserve.disagg.nixl.decode import NixlDecodeManager
 
-        return NixlDecodeManager(args, api=api)
-    raise ValueError(f"role must be prefill or decode, got {role!r}")
+    return NixlDecodeManager(args, api=api)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from pdserve.disagg.base import KVArgs
+from pdserve.disagg.base import KVArgs, Role
 from pdserve.disagg.nixl.agent_init import THREAD_PARAM, NixlInitSpec, create_agent
 from pdserve.disagg.nixl.api import NixlApi
 
@@ -39,7 +39,7 @@ class NixlNotifier:
         thread_key = THREAD_PARAM.get(spec.backend)
         params = {k: v for k, v in spec.params.items() if k != thread_key}
         self.agent, _ = create_agent(
-            api, name, kv_args, "prefill", replace(spec, params=params, num_threads=0)
+            api, name, kv_args, Role.PREFILL, replace(spec, params=params, num_threads=0)
         )
         self._lock = threading.Lock()
         self._remotes: set[str] = set()

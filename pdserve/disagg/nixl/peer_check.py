@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.disagg.base import PROTOCOL_VERSION
+from pdserve.disagg.base import PROTOCOL_VERSION, Role
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
+from pdserve.ports import check_port
 
 
 @dataclass
@@ -44,9 +45,12 @@ def parse_peer(peer: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port). ValueError naming --peer."""
     host, sep, port = peer.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--peer must be HOST:PORT of a bootstrap server, got {peer!r}")
-    return host, int(port)
+    if sep and host and port.isdigit():
+        try:
+            return host, check_port(int(port), "--peer", allow_zero=False)
+        except ValueError:
+            pass
+    raise ValueError(f"--peer must be HOST:PORT of a bootstrap server, got {peer!r}")
 
 
 def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
@@ -109,7 +113,7 @@ def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
     # The backend and its parameters as a worker here would have them (env), on CPU.
     dummy = KVArgs((0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device="cpu")
     try:
-        agent, _ = create_agent(api, f"pdserve-doctor-{uuid.uuid4().hex[:8]}", dummy, "decode")
+        agent, _ = create_agent(api, f"pdserve-doctor-{uuid.uuid4().hex[:8]}", dummy, Role.DECODE)
         name = agent.add_remote_agent(base64.b64decode(info.agent_metadata))
         name = name.decode() if isinstance(name, bytes) else name
         agent.make_connection(name)

@@ -32,7 +32,7 @@ import zmq
 
 from pdserve import envs
 from pdserve.advertise import advertised_host, url_host
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
+from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender, Role
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     HealthInfo,
@@ -79,7 +79,7 @@ class NixlPrefillManager(KVManager):
     OSError naming the port when it is taken, and whatever NIXL initialisation raises.
     """
 
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class NixlPrefillManager(KVManager):
         self._bootstrap = PrefillBootstrap(self.rank, bootstrap_host, bootstrap_port, self._health)
         self._injector = FailureInjector()
         self._metrics = TransferMetrics()
-        self._rooms: RoomTable[NixlSender] = RoomTable("prefill")
+        self._rooms: RoomTable[NixlSender] = RoomTable(Role.PREFILL)
         self._match = threading.Lock()  # rooms vs pending destinations / early aborts
         self._pending: dict[int, tuple[RoomDest, bytes, float]] = {}
         self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
@@ -194,11 +194,7 @@ class NixlPrefillManager(KVManager):
 
     def stats(self) -> dict:
         return dict(
-            self._metrics.snapshot(),
-            role="prefill",
-            backend="nixl",
-            rooms=self._rooms.count_by_state(),
-            live_rooms=len(self._rooms),
+            self._rooms.stats(self._metrics, "nixl"),
             **self._peers.counts(),
             notifier_remote_agents=self.notifier.num_remotes(),
             prepared_dlists=self.engine.num_prepared_lists(),
