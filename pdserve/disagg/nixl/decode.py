@@ -56,6 +56,7 @@ from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     Hello,
+    RoomAbort,
     RoomDest,
     RoomStatus,
     WireError,
@@ -68,8 +69,8 @@ from pdserve.disagg.nixl.agent_init import select_device
 from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.decode_bootstrap import DecodeBootstrap
 from pdserve.disagg.nixl.notif_poll import NotifPoller
-from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
-from pdserve.disagg.nixl.receiver import NixlReceiver
+from pdserve.disagg.nixl.prefill_peers import PrefillPeers
+from pdserve.disagg.nixl.receiver import NixlReceiver, PrefillPeer, ReceiverContext
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.disagg.rooms import (
     SHUTDOWN,
@@ -101,7 +102,7 @@ class NixlDecodeManager(KVManager):
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}"
+            api, args, Role.DECODE, f"pdserve-decode-{self.instance_id[:12]}"
         )
         self._prefills = PrefillPeers(self.engine, self._rooms)
         self._hello = Hello(
@@ -118,6 +119,16 @@ class NixlDecodeManager(KVManager):
         self.rank = args.tp
         self.writes_aux = args.engine_rank == 0  # prefill rank 0 writes aux here only
         self._bootstrap = DecodeBootstrap(args, self._prefills, self.send, self.instance_id)
+        self._room_ctx = ReceiverContext(
+            self._rooms,
+            self._metrics,
+            self._injector,
+            self.engine,
+            self.instance_id,
+            self.writes_aux,
+            self.waiting_timeout,
+            self.send,
+        )
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._threads = ServiceThreads("pdserve-decode")
@@ -140,7 +151,7 @@ class NixlDecodeManager(KVManager):
         check_port(bootstrap_port, "bootstrap_port", allow_zero=False)
         if self._down:
             raise RuntimeError("the decode KV manager is shut down")
-        receiver = NixlReceiver(room, self, bootstrap_host, bootstrap_port)
+        receiver = NixlReceiver(room, self._room_ctx, bootstrap_host, bootstrap_port)
         self._rooms.add(room, receiver)
         self._bootstrap.put(receiver)
         return receiver
@@ -170,7 +181,7 @@ class NixlDecodeManager(KVManager):
         self.engine.close()
 
     # --- used by receivers ------------------------------------------------------------------
-    def send(self, peer: PrefillPeer, msg) -> None:
+    def send(self, peer: PrefillPeer, msg: RoomDest | RoomAbort) -> None:
         """Queue a control message to ``peer`` (sent by the control thread)."""
         self._outbox.put((peer.info.control_endpoint, peer.info.instance_id, msg))
         if isinstance(msg, RoomDest):

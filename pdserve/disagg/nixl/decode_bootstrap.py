@@ -17,8 +17,8 @@ from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import RankInfo, RoomAbort
 from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
-from pdserve.disagg.nixl.receiver import NixlReceiver
+from pdserve.disagg.nixl.prefill_peers import PrefillPeers
+from pdserve.disagg.nixl.receiver import NixlReceiver, PrefillPeer
 from pdserve.disagg.rooms import BOOTSTRAP_ERROR, LAYOUT_MISMATCH, PROTOCOL_MISMATCH
 from pdserve.parallel import TPRank, kv_head_range
 

@@ -51,7 +51,7 @@ from pdserve.disagg.nixl.api import NixlApi
 from pdserve.disagg.nixl.decode_peers import DecodePeers
 from pdserve.disagg.nixl.notifier import NixlNotifier
 from pdserve.disagg.nixl.prefill_bootstrap import PrefillBootstrap, rank_info
-from pdserve.disagg.nixl.sender import NixlSender
+from pdserve.disagg.nixl.sender import NixlSender, SenderContext
 from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
 from pdserve.disagg.nixl.transfer_workers import TransferWorkers
 from pdserve.disagg.rooms import (
@@ -111,12 +111,22 @@ class NixlPrefillManager(KVManager):
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
+            api, args, Role.PREFILL, f"pdserve-prefill-{self.instance_id[:12]}"
         )
         self.notifier = NixlNotifier(api, f"{self.engine.name}-notif", args, self.engine.spec)
         self._peers = DecodePeers(self.engine, self.notifier, self.rank)
         self._workers = TransferWorkers(
             self.engine, self.instance_id, self.transfer_timeout, self.notifier, self._metrics
+        )
+        self._room_ctx = SenderContext(
+            self._rooms,
+            self._metrics,
+            self._injector,
+            self.engine,
+            self.rank,
+            self.bootstrap_timeout,
+            self._workers.submit,
+            self.room_failed,
         )
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
@@ -163,7 +173,7 @@ class NixlPrefillManager(KVManager):
         room = check_room(bootstrap_room)
         if self._down:
             raise RuntimeError("the prefill KV manager is shut down")
-        sender = NixlSender(room, self)
+        sender = NixlSender(room, self._room_ctx)
         with self._match:
             self._rooms.add(room, sender)
             self._ended.pop(room, None)
@@ -209,7 +219,7 @@ class NixlPrefillManager(KVManager):
             return
         self._down = True
         for sender in self._rooms.handles():
-            sender._fail("the prefill KV manager shut down", SHUTDOWN)
+            sender.fail("the prefill KV manager shut down", SHUTDOWN)
         self._threads.stop()
         self._bootstrap.stop()
         self._outbox.close()
@@ -218,18 +228,6 @@ class NixlPrefillManager(KVManager):
         self.engine.close()
 
     # --- used by senders ----------------------------------------------------------------
-    def submit(
-        self,
-        sender: NixlSender,
-        src: list[int],
-        dst: list[int],
-        last: bool,
-        premade: dict | None = None,
-    ) -> None:
-        """Post (or queue for a transfer thread) one ``send`` of a room
-        (:mod:`.transfer_workers`); ``premade``: its KV WRITEs made ahead, by decode rank."""
-        self._workers.submit(sender, src, dst, last, premade)
-
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""
         with self._match:

@@ -18,7 +18,6 @@ import base64
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
@@ -26,23 +25,11 @@ import httpx
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.messages import RankInfo
 from pdserve.disagg.nixl.peer_life import forget_agent
+from pdserve.disagg.nixl.receiver import NixlReceiver, PrefillPeer
 from pdserve.disagg.rooms import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.receiver import NixlReceiver
     from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
-
-
-@dataclass
-class PrefillPeer:
-    """One instance of a prefill rank, as found at its bootstrap server ``key[:2]``;
-    ``key`` is ``(host, port, engine_rank)``."""
-
-    key: tuple[str, int, int]
-    info: RankInfo
-    agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
-    misses: int = 0
-    dead: bool = False
 
 
 class PrefillPeers:
