@@ -24,7 +24,7 @@ _COMMANDS: tuple[str, ...] = (
     "pdserve.launch.up",
     "pdserve.bench.cli",
     "pdserve.eval.cli",
-    "pdserve.disagg.probe",
+    "pdserve.disagg.nixl.probe",
     "pdserve.engine.chat_cli",
 )
 

@@ -52,7 +52,7 @@ run runlen1 -m pdserve "${BASE[@]}" --pattern runs --run-len 1
 NOTIF_NONE='
 import sys
 from dataclasses import replace
-import pdserve.disagg.nixl.notifier as notifier
+import pdserve.disagg.nixl.agent.notifier as notifier
 _create = notifier.create_agent
 def create_agent(api, name, kv_args, role, spec):
     params = {**spec.params, "ucx_error_handling_mode": "none"}

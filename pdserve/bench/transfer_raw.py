@@ -20,8 +20,8 @@ class RawSide:
     def __init__(self, args: Any, role: str, nbytes: int) -> None:
         import torch
 
-        from pdserve.disagg.nixl.agent_init import create_agent, device_type
-        from pdserve.disagg.nixl.api import load_nixl_api
+        from pdserve.disagg.nixl.agent.api import load_nixl_api
+        from pdserve.disagg.nixl.agent.init import create_agent, device_type
 
         on_gpu = device_type(args) != "cpu"
         device = torch.device("cuda", args.gpu_id) if on_gpu else torch.device("cpu")

@@ -81,7 +81,7 @@ def build_worker(
     managers: dict[str, KVManager] = {}
     ucx_log = None
     if pd and disagg.transfer_backend == "nixl":  # before UCX loads: it reads its env once
-        from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
+        from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog
 
         ucx_log = UcxTransportLog.install(envs.UCX_LOG_DIR.get() or None)
         if ucx_log is not None:

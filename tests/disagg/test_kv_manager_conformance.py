@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, DuplicateRoomError, KVPoll
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.engine.kv_layout import KVCacheLayout
 
 BACKENDS = ["loopback", "nixl"]

@@ -14,9 +14,10 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.disagg import registry
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.disagg.nixl import factory, prefill
-from pdserve.disagg.nixl.agent_init import backend_init_params, parse_backend_params
-from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl import factory
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import backend_init_params, parse_backend_params
+from pdserve.disagg.nixl.prefill.manager import NixlPrefillManager
 from pdserve.disagg.rooms import ServiceThreads
 
 ENV = (
@@ -92,9 +93,7 @@ def rec(monkeypatch):
     monkeypatch.setattr(
         ServiceThreads, "start", lambda self, name, loop: r.add("thread stubbed", name)
     )
-    monkeypatch.setattr(
-        prefill.NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed")
-    )
+    monkeypatch.setattr(NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed"))
     return r
 
 

@@ -19,7 +19,7 @@ import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVLayout, KVPoll
 from pdserve.disagg.fake import FakeKVManager
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.disagg.tp import (
     RankRooms,
     RemoteRank,

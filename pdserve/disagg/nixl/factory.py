@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.disagg.base import KVArgs, KVManager, Role, pd_role
-from pdserve.disagg.nixl.api import load_nixl_api
+from pdserve.disagg.nixl.agent.api import load_nixl_api
 
 
 def create_nixl_manager(
@@ -14,11 +14,11 @@ def create_nixl_manager(
     bootstrap_port: int = 0,
     advertise_host: str | None = None,
 ) -> KVManager:
-    """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
+    """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill.manager`, :mod:`.decode.manager`).
     Raises NixlUnavailableError when NIXL cannot be imported."""
     api = load_nixl_api()
     if pd_role(role) == Role.PREFILL:
-        from pdserve.disagg.nixl.prefill import NixlPrefillManager
+        from pdserve.disagg.nixl.prefill.manager import NixlPrefillManager
 
         return NixlPrefillManager(
             args,
@@ -27,6 +27,6 @@ def create_nixl_manager(
             advertise_host=advertise_host,
             api=api,
         )
-    from pdserve.disagg.nixl.decode import NixlDecodeManager
+    from pdserve.disagg.nixl.decode.manager import NixlDecodeManager
 
     return NixlDecodeManager(args, api=api)

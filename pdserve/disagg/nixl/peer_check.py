@@ -6,7 +6,7 @@ protocol version); its rank 0 info (agent name, control endpoint, KV memory kind
 agent of our own loads the peer's agent metadata and opens the connection
 (``make_connection``); then a READ of one aux slot of the peer (host memory, only read,
 so a serving worker is not disturbed) shows data moves, and UCX's protocol report
-(:mod:`.ucx_transports`) names the transport it used. The READ needs the peer's UCX
+(:mod:`.agent.ucx_transports`) names the transport it used. The READ needs the peer's UCX
 worker to make progress for transports without one-sided hardware support (TCP): a
 prefill worker without NIXL's progress thread answers it once busy with transfers, so a
 READ that times out on an idle peer is a warning, not a failure.
@@ -56,7 +56,7 @@ def parse_peer(peer: str) -> tuple[str, int]:
 def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
     """Run the checks of the module doc against the bootstrap server at ``host:port``.
     Never raises for a problem of the peer or of NIXL: they are ``fail`` lines."""
-    from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
+    from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog
 
     ucx_log = UcxTransportLog.install()  # before NIXL loads UCX in this process
     report = PeerReport()
@@ -100,7 +100,7 @@ def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
 
 
 def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
-    from pdserve.disagg.nixl.api import NixlUnavailableError, load_nixl_api
+    from pdserve.disagg.nixl.agent.api import NixlUnavailableError, load_nixl_api
 
     try:
         api = load_nixl_api()
@@ -108,7 +108,7 @@ def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
         report.add("fail", str(exc))
         return
     from pdserve.disagg.base import KVArgs, KVLayout
-    from pdserve.disagg.nixl.agent_init import create_agent
+    from pdserve.disagg.nixl.agent.init import create_agent
 
     # The backend and its parameters as a worker here would have them (env), on CPU.
     dummy = KVArgs((0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device="cpu")

@@ -1,7 +1,7 @@
 """The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
 sends each room's destination, learns of completion, and watches prefill peers.
 
-Threads: ``bootstrap`` (:mod:`.decode_bootstrap`: HTTP lookups grouped per prefill;
+Threads: ``bootstrap`` (:mod:`.bootstrap`: HTTP lookups grouped per prefill;
 protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
 RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
@@ -10,7 +10,7 @@ back-off, on host memory sleeping ``time.sleep(0)`` and then backing off; else i
 on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
-every room of that prefill fails at once; the round: :meth:`~.prefill_peers.PrefillPeers.heartbeat`).
+every room of that prefill fails at once; the round: :meth:`~.peers.PrefillPeers.heartbeat`).
 
 Quarantine (a late WRITE must never land in pages given to another request): a room
 whose destination went out and whose prefill was declared dead by the heartbeat fails at
@@ -22,8 +22,8 @@ heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_
 A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
 forgotten too, so restarts leave remote agents flat. The peers, suspects and these
-counts are kept by :class:`~.prefill_peers.PrefillPeers`; a peer's agent is forgotten by
-:func:`~.peer_life.forget_agent`, as on prefill.
+counts are kept by :class:`~.peers.PrefillPeers`; a peer's agent is forgotten by
+:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`, as on prefill.
 
 Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
 are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
@@ -65,13 +65,13 @@ from pdserve.disagg.messages import (
     encode_control,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.decode_bootstrap import DecodeBootstrap
-from pdserve.disagg.nixl.notif_poll import NotifPoller
-from pdserve.disagg.nixl.prefill_peers import PrefillPeers
-from pdserve.disagg.nixl.receiver import NixlReceiver, PrefillPeer, ReceiverContext
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.decode.bootstrap import DecodeBootstrap
+from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
+from pdserve.disagg.nixl.decode.peers import PrefillPeers
+from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer, ReceiverContext
 from pdserve.disagg.rooms import (
     SHUTDOWN,
     FailureInjector,

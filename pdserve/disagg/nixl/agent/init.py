@@ -24,7 +24,7 @@ from typing import Any
 from pdserve import envs
 from pdserve.disagg.base import KVArgs, Role
 from pdserve.disagg.deadline import run_with_deadline
-from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.agent.api import NixlApi
 
 # The backend's own name of its thread-count parameter (NIXL plugin docs).
 THREAD_PARAM = {

@@ -13,9 +13,9 @@ import numpy as np
 
 from pdserve.disagg.base import KVArgs
 from pdserve.disagg.messages import BufferDescs
-from pdserve.disagg.nixl.agent_init import NixlInitSpec, create_agent, device_type
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.dlists import PreparedLists, RemoteSide, check_descs, page_indices
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.dlists import PreparedLists, RemoteSide, check_descs, page_indices
+from pdserve.disagg.nixl.agent.init import NixlInitSpec, create_agent, device_type
 
 
 def _as_str(name: Any) -> str:

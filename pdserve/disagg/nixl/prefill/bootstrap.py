@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pdserve.disagg.base import PROTOCOL_VERSION
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.messages import HealthInfo, RankInfo
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.parallel import TPRank
 from pdserve.ports import check_port
 

@@ -19,8 +19,8 @@ import threading
 from dataclasses import replace
 
 from pdserve.disagg.base import KVArgs, Role
-from pdserve.disagg.nixl.agent_init import THREAD_PARAM, NixlInitSpec, create_agent
-from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import THREAD_PARAM, NixlInitSpec, create_agent
 
 
 def _as_str(name: str | bytes) -> str:

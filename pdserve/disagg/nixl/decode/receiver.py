@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll, KVReceiver, KVTransferError
 from pdserve.disagg.messages import RankInfo, RoomAbort, RoomDest, RoomStatus
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.disagg.rooms import (
     PEER_FAILED,
     TRANSFER_ERROR,
@@ -40,7 +40,7 @@ from pdserve.disagg.rooms import (
 @dataclass
 class PrefillPeer:
     """A room's writer: one instance of a prefill rank, as found at its bootstrap server
-    ``key[:2]``; ``key`` is ``(host, port, engine_rank)`` (:mod:`.prefill_peers` keeps
+    ``key[:2]``; ``key`` is ``(host, port, engine_rank)`` (:mod:`.peers` keeps
     them; here so that a room and the peer table need not import each other)."""
 
     key: tuple[str, int, int]

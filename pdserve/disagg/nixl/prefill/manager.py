@@ -3,14 +3,14 @@ and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
 out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server
-(:mod:`.prefill_bootstrap`: rank 0 serves it, every rank registers there). A destination
+(:mod:`.bootstrap`: rank 0 serves it, every rank registers there). A destination
 may arrive before the engine created the room (the router sends to both workers at
 once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
 not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:mod:`.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
+(:mod:`~pdserve.disagg.nixl.agent.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
 each decode agent is loaded into both. The decode peers (Hello, the heads written there,
-forgetting those a ``Ping`` cannot reach): :mod:`.decode_peers`.
+forgetting those a ``Ping`` cannot reach): :mod:`.peers`.
 
 Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
 worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
@@ -46,14 +46,14 @@ from pdserve.disagg.messages import (
     encode_control,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.decode_peers import DecodePeers
-from pdserve.disagg.nixl.notifier import NixlNotifier
-from pdserve.disagg.nixl.prefill_bootstrap import PrefillBootstrap, rank_info
-from pdserve.disagg.nixl.sender import NixlSender, SenderContext
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
-from pdserve.disagg.nixl.transfer_workers import TransferWorkers
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.notifier import NixlNotifier
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
+from pdserve.disagg.nixl.prefill.peers import DecodePeers
+from pdserve.disagg.nixl.prefill.sender import NixlSender, SenderContext
+from pdserve.disagg.nixl.prefill.transfer_workers import TransferWorkers
 from pdserve.disagg.rooms import (
     PEER_FAILED,
     PEER_RESTARTED,
@@ -344,7 +344,7 @@ class NixlPrefillManager(KVManager):
     def _prune(self) -> None:
         """Forget destinations, aborts and endings older than the bootstrap timeout; a
         destination nobody claimed fails on decode; decode peers that are gone (a
-        ``Ping`` ZMQ cannot route: :meth:`~.decode_peers.DecodePeers.forget_gone`)."""
+        ``Ping`` ZMQ cannot route: :meth:`~.peers.DecodePeers.forget_gone`)."""
         used = {id(p) for s in self._rooms.handles() for p in s.peers()}
         self._peers.forget_gone(lambda identity: self._send(identity, Ping(self.instance_id)), used)
         cutoff = time.monotonic() - self.bootstrap_timeout

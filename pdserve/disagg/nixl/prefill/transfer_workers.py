@@ -18,7 +18,7 @@ poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run m
 Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
 once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
 room is a ``Success`` and its last outstanding send tells each destination decode rank,
-with a NIXL notification sent by the manager's *notifier* (:mod:`.notifier`), a second
+with a NIXL notification sent by the manager's *notifier* (:mod:`~pdserve.disagg.nixl.agent.notifier`), a second
 agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
 endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
 transfer per destination and one notification, and its ``DONE`` waits for nothing of
@@ -45,13 +45,13 @@ import numpy as np
 
 from pdserve.disagg.base import KVPoll
 from pdserve.disagg.messages import encode_xfer_done
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 
 if TYPE_CHECKING:
     from pdserve.disagg.metrics import TransferMetrics
-    from pdserve.disagg.nixl.notifier import NixlNotifier
-    from pdserve.disagg.nixl.sender import NixlSender
+    from pdserve.disagg.nixl.agent.notifier import NixlNotifier
+    from pdserve.disagg.nixl.prefill.sender import NixlSender
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ def probe_nixl(
     thread count), others none. Never raises for NIXL problems: they land in ``problems``."""
     from pdserve.disagg.base import KVArgs, KVLayout
     from pdserve.disagg.deadline import run_with_deadline
-    from pdserve.disagg.nixl.agent_init import NixlInitSpec, select_device
+    from pdserve.disagg.nixl.agent.init import NixlInitSpec, select_device
 
     configured = envs.DISAGGREGATION_NIXL_BACKEND.get()
     report = ProbeReport(configured)
@@ -55,7 +55,7 @@ def probe_nixl(
     except ValueError as exc:
         report.problems.append(f"configuration: {exc}")
         return report
-    from pdserve.disagg.nixl.api import NixlUnavailableError, load_nixl_api
+    from pdserve.disagg.nixl.agent.api import NixlUnavailableError, load_nixl_api
 
     try:
         api = load_nixl_api()

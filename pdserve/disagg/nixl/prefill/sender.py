@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from pdserve.disagg.base import AuxRecord, KVPoll, KVSender
 from pdserve.disagg.messages import RoomDest
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.disagg.rooms import (
     BOOTSTRAP_TIMEOUT,
     PEER_FAILED,
@@ -38,7 +38,7 @@ from pdserve.disagg.rooms import (
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.decode_peers import DecodePeer
+    from pdserve.disagg.nixl.prefill.peers import DecodePeer
 
 log = logging.getLogger(__name__)
 
