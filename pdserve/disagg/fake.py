@@ -277,7 +277,7 @@ class FakeKVManager(KVManager):
         self.peer: FakeKVManager | None = None
         self._rooms: RoomTable = RoomTable(self.role)
         self._metrics = TransferMetrics()
-        self._injector = FailureInjector(prob=0.0)  # health probes must not fail by injection
+        self._injector = FailureInjector()  # never fails a room: health probes run on it
         self._aux: dict[int, AuxRecord] = {}
         self._dests: dict[int, tuple[list[int], int, int]] = {}  # before the sender exists
         self._history: OrderedDict[int, FakeSender | FakeReceiver] = OrderedDict()

@@ -1,5 +1,5 @@
 """What every backend's rooms share: the live-room table, failure kinds, failure injection,
-the terminal-state bookkeeping of one sender/receiver, and the check of timing settings."""
+and the terminal-state bookkeeping of one sender/receiver."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import time
 from collections import Counter
 from typing import Any, Generic, TypeVar
 
-from pdserve import envs
 from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, KVPoll, KVTransferError, Role
 from pdserve.disagg.metrics import TransferMetrics
 
@@ -33,7 +32,6 @@ SHUTDOWN = "shutdown"  # the manager shut down
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 H = TypeVar("H", bound="RoomHandle")
-N = TypeVar("N", int, float)
 
 
 def check_room(bootstrap_room: int) -> int:
@@ -47,25 +45,16 @@ def check_room(bootstrap_room: int) -> int:
     return bootstrap_room
 
 
-def positive_env(var: envs.EnvVar[N]) -> N:
-    """The value of a timing setting (``pdserve.envs``) both managers read at start;
-    ValueError naming the variable unless it is > 0."""
-    value = var.get()
-    if value <= 0:
-        raise ValueError(f"{var.name} must be > 0, got {value}")
-    return value
-
-
 class FailureInjector:
-    """Testing only: ``roll()`` is True with probability ``PDSERVE_TEST_DISAGG_FAILURE_PROB``
-    (read once, when the manager is created).
+    """Testing only: ``roll()`` is True with probability ``prob`` (a manager's
+    ``TransferConfig.failure_prob``: ``PDSERVE_TEST_DISAGG_FAILURE_PROB``; 0 = never).
 
     ``poll()`` rolls once per non-terminal state it reports for the first time (so at most
     three times per room), not once per call: the engine polls every step, and a per-call
     probability would fail nearly every room whatever its value."""
 
-    def __init__(self, prob: float | None = None, seed: int | None = None) -> None:
-        self.prob = envs.TEST_DISAGG_FAILURE_PROB.get() if prob is None else prob
+    def __init__(self, prob: float = 0.0, seed: int | None = None) -> None:
+        self.prob = prob
         if not 0.0 <= self.prob <= 1.0:
             raise ValueError(f"PDSERVE_TEST_DISAGG_FAILURE_PROB must be in [0, 1], got {self.prob}")
         self._rng = random.Random(seed)

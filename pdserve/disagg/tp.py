@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.disagg.base import (
@@ -44,6 +45,7 @@ from pdserve.disagg.base import (
 )
 from pdserve.disagg.head_map import is_writer
 from pdserve.disagg.tp_rank import RankRooms, RankState, RemoteRank, rank_call, start_rank_manager
+from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.parallel import TPRank
 
 __all__ = [
@@ -66,27 +68,21 @@ def create_tp_kv_manager(
     backend: str,
     role: str,
     total_kv_heads: int,
-    *,
-    bootstrap_host: str = "127.0.0.1",
-    bootstrap_port: int = 0,
-    advertise_host: str | None = None,
+    cfg: TransferConfig,
 ) -> TPKVManager:
     """Start a manager in every rank of ``executor`` (``call_rank``, ``tp_size``,
     ``failure``, ``rank0``: tpexec's executor; rank 0 first: on prefill its bootstrap port
-    goes to the others) and return the facade over them. Raises what a rank's manager
-    creation raises (the managers already started are shut down first)."""
+    goes to the others) and return the facade over them. ``cfg``: the worker's transfer
+    settings, sent to every rank (pickled by ``call_rank``), so no rank reads the
+    environment. Raises what a rank's manager creation raises (the managers already
+    started are shut down first)."""
     started: list[int] = []
     try:
-        port = executor.call_rank(
-            0, start_rank_manager, backend, role, total_kv_heads,
-            bootstrap_host, bootstrap_port, advertise_host,
-        )  # fmt: skip
+        port = executor.call_rank(0, start_rank_manager, backend, role, total_kv_heads, cfg)
         started.append(0)
+        rank0 = replace(cfg, bootstrap=replace(cfg.bootstrap, port=port or 0))
         for r in range(1, executor.tp_size):
-            executor.call_rank(
-                r, start_rank_manager, backend, role, total_kv_heads,
-                bootstrap_host, port or 0, advertise_host,
-            )  # fmt: skip
+            executor.call_rank(r, start_rank_manager, backend, role, total_kv_heads, rank0)
             started.append(r)
     except BaseException:
         for r in reversed(started):

@@ -23,6 +23,7 @@ import numpy as np
 
 from pdserve.disagg.base import PROTOCOL_VERSION, Role
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
+from pdserve.disagg.transfer_config import NixlInitSpec
 from pdserve.ports import check_port
 
 
@@ -53,8 +54,9 @@ def parse_peer(peer: str) -> tuple[str, int]:
     raise ValueError(f"--peer must be HOST:PORT of a bootstrap server, got {peer!r}")
 
 
-def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
-    """Run the checks of the module doc against the bootstrap server at ``host:port``.
+def check_peer(host: str, port: int, spec: NixlInitSpec, timeout_s: float = 10.0) -> PeerReport:
+    """Run the checks of the module doc against the bootstrap server at ``host:port``,
+    with an agent as ``spec`` says (a decode worker's, from the environment: the doctor).
     Never raises for a problem of the peer or of NIXL: they are ``fail`` lines."""
     from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog
 
@@ -85,7 +87,7 @@ def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
         return report
     finally:
         client.close()
-    _nixl_checks(report, info, timeout_s)
+    _nixl_checks(report, info, spec, timeout_s)
     if ucx_log is not None:
         report.transports = ucx_log.snapshot()["endpoints"]
         for t in report.transports:
@@ -99,7 +101,7 @@ def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
     return report
 
 
-def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
+def _nixl_checks(report: PeerReport, info, spec: NixlInitSpec, timeout_s: float) -> None:
     from pdserve.disagg.nixl.agent.api import NixlUnavailableError, load_nixl_api
 
     try:
@@ -110,10 +112,11 @@ def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
     from pdserve.disagg.base import KVArgs, KVLayout
     from pdserve.disagg.nixl.agent.init import create_agent
 
-    # The backend and its parameters as a worker here would have them (env), on CPU.
+    # The backend and its parameters as a worker here would have them (spec), on CPU.
     dummy = KVArgs((0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device="cpu")
     try:
-        agent, _ = create_agent(api, f"pdserve-doctor-{uuid.uuid4().hex[:8]}", dummy, Role.DECODE)
+        name = f"pdserve-doctor-{uuid.uuid4().hex[:8]}"
+        agent = create_agent(api, name, dummy, Role.DECODE, spec)
         name = agent.add_remote_agent(base64.b64decode(info.agent_metadata))
         name = name.decode() if isinstance(name, bytes) else name
         agent.make_connection(name)

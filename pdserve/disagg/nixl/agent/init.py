@@ -1,5 +1,7 @@
 """Creating a worker's NIXL agent and backend: the initialisation contract of
-ARCHITECTURE.md ("NIXL backend initialisation"), written once here.
+ARCHITECTURE.md ("NIXL backend initialisation"), written once here (the settings come in
+a :class:`~pdserve.disagg.transfer_config.NixlInitSpec`, read from these variables at
+the process edge).
 
 - backend name ``PDSERVE_DISAGGREGATION_NIXL_BACKEND`` (default ``UCX``), parameters
   ``PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS`` (JSON object of string -> string);
@@ -17,91 +19,12 @@ ARCHITECTURE.md ("NIXL backend initialisation"), written once here.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Any
 
-from pdserve import envs
-from pdserve.disagg.base import KVArgs, Role
+from pdserve.disagg.base import KVArgs
 from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.nixl.agent.api import NixlApi
-
-# The backend's own name of its thread-count parameter (NIXL plugin docs).
-THREAD_PARAM = {
-    "UCX": "num_threads",
-    "OBJ": "num_threads",
-    "GDS_MT": "thread_count",
-    "UCCL": "num_cpus",
-}
-ROLE_DEFAULT_NUM_THREADS: dict[str, int] = {Role.PREFILL: 8, Role.DECODE: 0}
-
-_PARAMS_VAR = "PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS"
-
-
-def parse_backend_params(raw: str) -> dict[str, str]:
-    """Parse the backend parameters: a JSON object whose keys and values are strings.
-    Anything else raises ValueError saying exactly that, naming the variable."""
-    want = f"{_PARAMS_VAR} must be a JSON object of string keys to string values"
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{want}; got {raw!r}, which is not JSON ({exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{want}; got a JSON {type(data).__name__}: {raw!r}")
-    for key, value in data.items():
-        if not isinstance(value, str):
-            raise ValueError(f"{want}; the value of {key!r} is a {type(value).__name__}: {value!r}")
-    return data
-
-
-def resolve_num_threads(role: str) -> int:
-    """The agent's ``num_threads``: the env value when >= 0, else the role's default."""
-    value = envs.DISAGGREGATION_NIXL_NUM_THREADS.get()
-    if value < -1:
-        raise ValueError(f"PDSERVE_DISAGGREGATION_NIXL_NUM_THREADS must be >= -1, got {value}")
-    return ROLE_DEFAULT_NUM_THREADS[role] if value == -1 else value
-
-
-def backend_init_params(backend: str, params: dict[str, str], num_threads: int) -> dict[str, str]:
-    """``params`` plus the thread count under the backend's own key, unless already set."""
-    out = dict(params)
-    key = THREAD_PARAM.get(backend)
-    if num_threads > 0 and key is not None and key not in out:
-        out[key] = str(num_threads)
-    return out
-
-
-@dataclass(frozen=True)
-class NixlInitSpec:
-    """Everything the agent is created with (read from the environment once)."""
-
-    backend: str
-    params: dict
-    num_threads: int
-    progress_thread: bool
-    timeout_s: float
-
-    @classmethod
-    def from_env(cls, role: str) -> NixlInitSpec:
-        if role not in ROLE_DEFAULT_NUM_THREADS:
-            raise ValueError(f"role must be prefill or decode, got {role!r}")
-        backend = envs.DISAGGREGATION_NIXL_BACKEND.get()
-        if not backend:
-            raise ValueError("PDSERVE_DISAGGREGATION_NIXL_BACKEND must name a NIXL plugin, got ''")
-        num_threads = resolve_num_threads(role)
-        params = backend_init_params(
-            backend,
-            parse_backend_params(envs.DISAGGREGATION_NIXL_BACKEND_PARAMS.get()),
-            num_threads,
-        )
-        timeout = envs.DISAGGREGATION_ENGINE_INIT_TIMEOUT.get()
-        if timeout <= 0:
-            raise ValueError(
-                f"PDSERVE_DISAGGREGATION_ENGINE_INIT_TIMEOUT must be > 0, got {timeout}"
-            )
-        return cls(
-            backend, params, num_threads, envs.DISAGGREGATION_NIXL_PROGRESS_THREAD.get(), timeout
-        )
+from pdserve.disagg.transfer_config import NixlInitSpec
 
 
 def device_type(kv_args: KVArgs) -> str:
@@ -118,15 +41,14 @@ def select_device(kv_args: KVArgs) -> None:
         torch.get_device_module(kind).set_device(kv_args.gpu_id)
 
 
-def create_agent(
-    api: NixlApi, name: str, kv_args: KVArgs, role: str, spec: NixlInitSpec | None = None
-) -> tuple[Any, NixlInitSpec]:
-    """Create the agent (no backend) and then its backend under the init deadline.
+def create_agent(api: NixlApi, name: str, kv_args: KVArgs, role: str, spec: NixlInitSpec) -> Any:
+    """Create the agent (no backend) and then its backend under the init deadline, as
+    ``spec`` says (:class:`~pdserve.disagg.transfer_config.NixlInitSpec`, built at the
+    process edge).
 
-    Returns ``(agent, spec)``. Raises ValueError for bad parameters, ``TimeoutError``
-    naming ``create_backend`` at the deadline, or NIXL's own exception object unchanged.
+    Returns the agent. Raises ``TimeoutError`` naming ``create_backend`` at the deadline,
+    or NIXL's own exception object unchanged.
     """
-    spec = spec or NixlInitSpec.from_env(role)
     config = api.nixl_agent_config(
         enable_prog_thread=spec.progress_thread,
         enable_listen_thread=False,
@@ -145,4 +67,4 @@ def create_agent(
         spec.timeout_s,
         f"NIXL create_backend({spec.backend!r}) on the {role} worker",
     )
-    return agent, spec
+    return agent

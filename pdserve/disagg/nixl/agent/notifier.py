@@ -20,7 +20,8 @@ from dataclasses import replace
 
 from pdserve.disagg.base import KVArgs, Role
 from pdserve.disagg.nixl.agent.api import NixlApi
-from pdserve.disagg.nixl.agent.init import THREAD_PARAM, NixlInitSpec, create_agent
+from pdserve.disagg.nixl.agent.init import create_agent
+from pdserve.disagg.transfer_config import THREAD_PARAM, NixlInitSpec
 
 
 def _as_str(name: str | bytes) -> str:
@@ -38,7 +39,7 @@ class NixlNotifier:
     def __init__(self, api: NixlApi, name: str, kv_args: KVArgs, spec: NixlInitSpec) -> None:
         thread_key = THREAD_PARAM.get(spec.backend)
         params = {k: v for k, v in spec.params.items() if k != thread_key}
-        self.agent, _ = create_agent(
+        self.agent = create_agent(
             api, name, kv_args, Role.PREFILL, replace(spec, params=params, num_threads=0)
         )
         self._lock = threading.Lock()

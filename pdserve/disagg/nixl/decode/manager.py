@@ -43,7 +43,6 @@ import uuid
 import msgspec
 import zmq
 
-from pdserve import envs
 from pdserve.disagg.base import (
     KVArgs,
     KVManager,
@@ -78,31 +77,35 @@ from pdserve.disagg.rooms import (
     RoomTable,
     ServiceThreads,
     check_room,
-    positive_env,
 )
+from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.ports import check_port
 
 log = logging.getLogger(__name__)
 
 
 class NixlDecodeManager(KVManager):
-    """Decode role over NIXL (see module doc). Raises whatever NIXL initialisation raises."""
+    """Decode role over NIXL (see module doc); ``cfg``: the worker's transfer settings
+    (timeouts, heartbeat, quarantine bound, the agent's spec). Raises whatever NIXL
+    initialisation raises."""
 
     role = Role.DECODE
 
-    def __init__(self, args: KVArgs, *, api: NixlApi, start_threads: bool = True) -> None:
+    def __init__(
+        self, args: KVArgs, cfg: TransferConfig, *, api: NixlApi, start_threads: bool = True
+    ) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.waiting_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
-        self.heartbeat_interval = positive_env(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
-        self.heartbeat_max_failure = positive_env(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE)
-        self.quarantine_bound = positive_env(envs.DISAGGREGATION_QUARANTINE_BOUND)
-        self._injector = FailureInjector()
+        self.waiting_timeout = cfg.waiting_timeout_s
+        self.heartbeat_interval = cfg.heartbeat_interval_s
+        self.heartbeat_max_failure = cfg.heartbeat_max_failure
+        self.quarantine_bound = cfg.quarantine_bound_s
+        self._injector = FailureInjector(cfg.failure_prob)
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlReceiver] = RoomTable(Role.DECODE)
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, Role.DECODE, f"pdserve-decode-{self.instance_id[:12]}"
+            api, args, Role.DECODE, f"pdserve-decode-{self.instance_id[:12]}", cfg.agent
         )
         self._prefills = PrefillPeers(self.engine, self._rooms)
         self._hello = Hello(

@@ -30,7 +30,6 @@ import uuid
 
 import zmq
 
-from pdserve import envs
 from pdserve.advertise import advertised_host, url_host
 from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender, Role
 from pdserve.disagg.control import Outbox, recv_all
@@ -62,8 +61,8 @@ from pdserve.disagg.rooms import (
     RoomTable,
     ServiceThreads,
     check_room,
-    positive_env,
 )
+from pdserve.disagg.transfer_config import TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +70,12 @@ log = logging.getLogger(__name__)
 class NixlPrefillManager(KVManager):
     """Prefill role over NIXL (see module doc).
 
-    args: the KV pool and aux buffer to register; bootstrap_host/bootstrap_port: where the
-    bootstrap server and the ZMQ control endpoint listen (port 0 = free port); for a rank
-    >= 1 (``args.engine_rank``) ``bootstrap_port`` is rank 0's server, where it registers;
-    advertise_host: the address decode reaches the control endpoint by (``None``: derived
-    from ``bootstrap_host`` by :func:`pdserve.advertise.advertised_host`). Raises
+    args: the KV pool and aux buffer to register; cfg: the worker's transfer settings
+    (``cfg.bootstrap``: where the bootstrap server and the ZMQ control endpoint listen,
+    port 0 = free port; for a rank >= 1 (``args.engine_rank``) its port is rank 0's
+    server, where it registers; its ``advertise_host``: the address decode reaches the
+    control endpoint by, ``None``: derived from the host by
+    :func:`pdserve.advertise.advertised_host`). Raises
     OSError naming the port when it is taken, and whatever NIXL initialisation raises.
     """
 
@@ -84,25 +84,22 @@ class NixlPrefillManager(KVManager):
     def __init__(
         self,
         args: KVArgs,
+        cfg: TransferConfig,
         *,
-        bootstrap_host: str,
-        bootstrap_port: int,
         api: NixlApi,
-        advertise_host: str | None = None,
         start_threads: bool = True,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.bootstrap_timeout = positive_env(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
-        self.transfer_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
-        num_workers = envs.DISAGGREGATION_TRANSFER_WORKERS.get()
-        if num_workers < 1:
-            raise ValueError(
-                f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}"
-            )
+        self.cfg = cfg
+        self.bootstrap_timeout = cfg.bootstrap_timeout_s
+        self.transfer_timeout = cfg.waiting_timeout_s
         self.rank = args.tp
+        bootstrap_host = cfg.bootstrap.host
         # checked before any agent or socket exists (a bad port leaks nothing)
-        self._bootstrap = PrefillBootstrap(self.rank, bootstrap_host, bootstrap_port, self._health)
-        self._injector = FailureInjector()
+        self._bootstrap = PrefillBootstrap(
+            self.rank, bootstrap_host, cfg.bootstrap.port, self._health
+        )
+        self._injector = FailureInjector(cfg.failure_prob)
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlSender] = RoomTable(Role.PREFILL)
         self._match = threading.Lock()  # rooms vs pending destinations / early aborts
@@ -111,7 +108,7 @@ class NixlPrefillManager(KVManager):
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, Role.PREFILL, f"pdserve-prefill-{self.instance_id[:12]}"
+            api, args, Role.PREFILL, f"pdserve-prefill-{self.instance_id[:12]}", cfg.agent
         )
         self.notifier = NixlNotifier(api, f"{self.engine.name}-notif", args, self.engine.spec)
         self._peers = DecodePeers(self.engine, self.notifier, self.rank)
@@ -138,7 +135,7 @@ class NixlPrefillManager(KVManager):
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         control_port = self._router.bind_to_random_port(f"tcp://{zmq_host}")
-        advertised = url_host(advertised_host(host, advertise_host))
+        advertised = url_host(advertised_host(host, cfg.bootstrap.advertise_host))
         self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
         self._start_threads = start_threads
@@ -152,7 +149,7 @@ class NixlPrefillManager(KVManager):
     # --- start-up -------------------------------------------------------------------
     def _start(self) -> None:
         self._bootstrap.serve()
-        for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
+        for i in range(self.cfg.transfer_workers):
             self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
         self._bootstrap.register(
