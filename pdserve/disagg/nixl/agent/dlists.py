@@ -7,8 +7,7 @@ layout's descriptor order, :meth:`pdserve.engine.kv_layout.KVCacheLayout.regions
 for a layer-major pool, one for a page-major pool). A room's transfer lists its indices
 buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
 address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
-(measured: 2048 consecutive 4 KiB pages go 7x faster than 2048 scattered ones, and as
-fast as hand-built coalesced descriptors).
+(as fast as hand-built coalesced descriptors: docs/benchmarks.md).
 
 Tensor parallelism: when this rank writes exactly the KV heads the peer rank holds (equal
 head ranges, the usual case) the lists are the whole-page ones above.  Otherwise

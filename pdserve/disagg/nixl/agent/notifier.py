@@ -4,10 +4,9 @@ Why a second agent: with UCX, a notification is an active message on the endpoin
 lane, which flags that UCT endpoint (``NEED_FLUSH``); the flush that ends the next WRITE
 on it then sends an empty PUT and waits for the peer's acknowledgement, i.e. for decode's
 worker to progress (``uct_tcp_ep_flush``). Sent on the WRITEs' own endpoint, every room's
-notification so cost the next room's WRITE a round trip on decode's polling cadence:
-measured with two processes and one descriptor of 16 MiB on an H200 (a target progressing
-every 50 us), a WRITE is DONE in 18 us before any notification and in 138-148 us after one;
-on the CPU machine (23 KiB) 7 us and 130-390 us. This agent has no memory registered and
+notification so cost the next room's WRITE a round trip on decode's polling cadence
+(several times the WRITE itself: docs/benchmarks.md, "Notes moved from disagg
+docstrings"). This agent has no memory registered and
 posts no WRITE, so nothing of it is ever flushed; the WRITEs' agent sends no active message
 at all. Decode needs nothing of it: it reads notifications of any agent
 (``get_new_notifs``), and UCX wires the endpoint up from its side.
