@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from pdserve.ports import check_port
+
 # (module, what it adds); imported lazily so `pdserve --help` stays fast.
 _COMMANDS: tuple[str, ...] = (
     "pdserve.server.launch",
@@ -22,7 +24,7 @@ _COMMANDS: tuple[str, ...] = (
     "pdserve.launch.up",
     "pdserve.bench.cli",
     "pdserve.eval.cli",
-    "pdserve.disagg.probe",
+    "pdserve.disagg.nixl.probe",
     "pdserve.engine.chat_cli",
 )
 
@@ -43,12 +45,9 @@ def port_number(text: str) -> int:
     ``argparse.ArgumentTypeError`` otherwise, so a bad port is the usual ``argument --port:
     ...`` usage error (exit 2), before any socket or process."""
     try:
-        port = int(text)
+        return check_port(int(text), "port", allow_zero=True)
     except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
-    return port
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
 
 
 # A default already written into a help text, in any of the spellings the modules use:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from pdserve.disagg.base import ROLES
+from pdserve.disagg.base import Role, check_order
+from pdserve.disagg.registry import backend_names
+from pdserve.ports import check_port
 
 EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
 
@@ -137,8 +139,6 @@ class CacheConfig:
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_order is not None:
-            from pdserve.engine.kv_layout import check_order  # engine imports config
-
             check_order(self.kv_order)
 
 
@@ -171,8 +171,10 @@ class SchedulerConfig:
 class DisaggConfig:
     """Prefill/decode disaggregation of one worker.
 
-    role: ``mixed`` (no disaggregation), ``prefill`` or ``decode``.
-    transfer_backend: registry name of the KV transfer backend (``nixl`` or ``fake``).
+    role: ``mixed`` (no disaggregation), ``prefill`` or ``decode`` (a string is parsed
+        into :class:`~pdserve.disagg.base.Role`).
+    transfer_backend: registry name of the KV transfer backend
+        (:func:`pdserve.disagg.registry.backend_names`: ``nixl`` or ``fake``).
     bootstrap_host: address the prefill bootstrap server and ZMQ control endpoint listen
         on (``0.0.0.0`` / ``::``: every interface, an explicit choice).
     bootstrap_port: HTTP port of the prefill bootstrap server (0 = pick a free one).
@@ -181,21 +183,22 @@ class DisaggConfig:
         for a wildcard this host's address on the network (:mod:`pdserve.advertise`).
     """
 
-    role: str = "mixed"
+    role: Role = Role.MIXED
     transfer_backend: str = "nixl"
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
     advertise_host: str | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
+        if self.role not in tuple(Role):
             raise ValueError(f"role must be mixed, prefill or decode, got {self.role!r}")
-        if self.transfer_backend not in ("nixl", "fake"):
+        object.__setattr__(self, "role", Role(self.role))  # parsed at the edge
+        if self.transfer_backend not in backend_names():
             raise ValueError(
-                f"transfer_backend must be nixl or fake, got {self.transfer_backend!r}"
+                f"transfer_backend must be {' or '.join(backend_names())}, "
+                f"got {self.transfer_backend!r}"
             )
-        if not 0 <= self.bootstrap_port <= 65535:
-            raise ValueError(f"bootstrap_port must be in [0, 65535], got {self.bootstrap_port}")
+        check_port(self.bootstrap_port, "bootstrap_port", allow_zero=True)
         if not self.bootstrap_host:
             raise ValueError("bootstrap_host must be a non-empty address (0.0.0.0 = all)")
         if self.advertise_host is not None and self.advertise_host in ("", "0.0.0.0", "::"):
@@ -269,8 +272,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must be a non-empty string")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        check_port(self.port, "port", allow_zero=True)
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty when given")
         if self.health_generate_timeout <= 0:
@@ -358,8 +360,7 @@ class RouterConfig:
             for url in getattr(self, name):
                 if not (url.startswith("http://") or url.startswith("https://")):
                     raise ValueError(f"{name}: {url!r} must start with http:// or https://")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        check_port(self.port, "port", allow_zero=True)
         if self.max_request_body_bytes <= 0:
             raise ValueError(
                 f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.disagg.base import Role
+
 BYTES_METRIC = "pdserve_kv_transfer_bytes_transferred"
 
 
@@ -26,7 +28,7 @@ async def prefill_urls(client: httpx.AsyncClient, base_url: str) -> list[str] | 
     workers = info.get("workers") if isinstance(info, dict) else None
     if not isinstance(workers, list):
         return None
-    urls = [w["url"] for w in workers if isinstance(w, dict) and w.get("role") == "prefill"]
+    urls = [w["url"] for w in workers if isinstance(w, dict) and w.get("role") == Role.PREFILL]
     return urls or None
 
 

@@ -52,8 +52,9 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
 
     from pdserve.bench.transfer_pages import page_lists
     from pdserve.bench.transfer_raw import RawSide, contiguous_copy
-    from pdserve.disagg.base import AuxRecord, KVPoll
+    from pdserve.disagg.base import AuxRecord, KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
+    from pdserve.disagg.transfer_config import TransferConfig
     from pdserve.engine.page_runs import paired_runs
 
     kv, aux, args = make_pool(cfg)
@@ -63,9 +64,9 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         cfg.pattern, cfg.num_pages, cfg.pool_pages, cfg.run_len, cfg.seed
     )
     nbytes = cfg.num_pages * lay.page_bytes
-    prefill = create_kv_manager(
-        "nixl", args, "prefill", bootstrap_host="127.0.0.1", bootstrap_port=0
-    )
+    # this process's edge: the managers' settings from the environment, as a worker's
+    transfer_cfg = TransferConfig.from_env(Role.PREFILL, bootstrap_host="127.0.0.1")
+    prefill = create_kv_manager("nixl", args, Role.PREFILL, transfer_cfg)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(
@@ -120,7 +121,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         if status != "ok":
             raise RuntimeError(f"decode process: {detail}")
         conn.send(("raw", nbytes))
-        raw = RawSide(args, "prefill", nbytes)
+        raw = RawSide(args, Role.PREFILL, nbytes, transfer_cfg.agent)
         metadata, remote_desc = conn.recv()
         raw.connect(metadata, remote_desc, lay.page_bytes)
         transfer(1)  # warm-up: connection, registration caches

@@ -24,12 +24,14 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
     """Decode process: a receiver per room asked for (onto the pages given), the raw
     NIXL target, digests of pages."""
     from pdserve.bench.transfer_raw import RawSide
-    from pdserve.disagg.base import KVPoll
+    from pdserve.disagg.base import KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
+    from pdserve.disagg.transfer_config import TransferConfig
 
     try:
         kv, aux, args = make_pool(cfg)
-        mgr = create_kv_manager("nixl", args, "decode")
+        transfer_cfg = TransferConfig.from_env(Role.DECODE)  # this process's edge
+        mgr = create_kv_manager("nixl", args, Role.DECODE, transfer_cfg)
         conn.send(("ok", None))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -51,7 +53,7 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
             conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
             r.close()
         elif cmd == "raw":
-            raw = RawSide(args, "decode", arg)
+            raw = RawSide(args, Role.DECODE, arg, transfer_cfg.agent)
             raw.serve()  # the target progresses
             conn.send((raw.metadata(), raw.desc()))
         elif cmd == "digest":

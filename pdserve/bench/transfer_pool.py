@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from pdserve.disagg.base import PAGE_MAJOR, check_order
+
 # (num_layers, num_kv_heads, head_dim) of public model configs.
 MODEL_SHAPES = {
     "llama-3.1-8b": (32, 8, 128),
@@ -35,7 +37,7 @@ class TransferBenchConfig:
     pool_factor: int = 2
     seed: int = 0
     hugepages: bool = True
-    kv_order: str = "page_major"
+    kv_order: str = PAGE_MAJOR
     pattern: str = "served"
 
     def __post_init__(self) -> None:
@@ -52,8 +54,6 @@ class TransferBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_id < 0:
             raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
-        from pdserve.engine.kv_layout import check_order
-
         check_order(self.kv_order)
         if self.pattern not in ("served", "runs"):
             raise ValueError(f"pattern must be served or runs, got {self.pattern!r}")

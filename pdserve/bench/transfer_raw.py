@@ -15,13 +15,14 @@ from typing import Any
 class RawSide:
     """One process's side of the raw-NIXL row: its own agent (the managers' settings:
     ``create_agent``) with one contiguous buffer of ``nbytes`` registered on the pool's
-    device.  ``role``: ``prefill`` (initiator) or ``decode`` (target)."""
+    device.  ``role``: ``prefill`` (initiator) or ``decode`` (target); ``spec``: the
+    agent's :class:`~pdserve.disagg.transfer_config.NixlInitSpec` (the managers')."""
 
-    def __init__(self, args: Any, role: str, nbytes: int) -> None:
+    def __init__(self, args: Any, role: str, nbytes: int, spec: Any) -> None:
         import torch
 
-        from pdserve.disagg.nixl.agent_init import create_agent, device_type
-        from pdserve.disagg.nixl.api import load_nixl_api
+        from pdserve.disagg.nixl.agent.api import load_nixl_api
+        from pdserve.disagg.nixl.agent.init import create_agent, device_type
 
         on_gpu = device_type(args) != "cpu"
         device = torch.device("cuda", args.gpu_id) if on_gpu else torch.device("cpu")
@@ -33,7 +34,7 @@ class RawSide:
             self.buf = empty_host((nbytes,), torch.uint8).fill_(1)
         self.mem = "VRAM" if on_gpu else "DRAM"
         self.dev = args.gpu_id if on_gpu else 0
-        self.agent, _ = create_agent(load_nixl_api(), f"bench-raw-{role}", args, role)
+        self.agent = create_agent(load_nixl_api(), f"bench-raw-{role}", args, role, spec)
         self.reg = self.agent.register_memory(
             [(self.buf.data_ptr(), nbytes, self.dev, "")], self.mem
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any
 
 from pdserve.parallel import TPRank, kv_head_range
@@ -33,10 +33,43 @@ PROTOCOL_VERSION = 5
 # router draws them and the worker checks them.
 ROOM_LIMIT = 2**63
 
-# Worker roles: a mixed worker runs whole requests; prefill and decode workers split them.
-ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE = "mixed", "prefill", "decode"
-PD_ROLES = (ROLE_PREFILL, ROLE_DECODE)
-ROLES = (ROLE_MIXED, *PD_ROLES)
+
+class Role(str, Enum):
+    """A worker's role: a mixed worker runs whole requests; prefill and decode workers
+    split them.  A ``str``, so ``Role.PREFILL == "prefill"``; parse a string at the edge
+    with ``Role(text)`` (ValueError for an unknown one)."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:  # f"{role}" is the value on every Python (3.11 changed it)
+        return self.value
+
+
+PD_ROLES = (Role.PREFILL, Role.DECODE)
+
+
+def pd_role(value: str, field: str = "role") -> Role:
+    """``value`` as a PD role (prefill or decode); ValueError naming ``field`` otherwise."""
+    if value not in PD_ROLES:
+        raise ValueError(f"{field} must be prefill or decode, got {value!r}")
+    return Role(value)
+
+
+# The KV pool's physical orders (pdserve.engine.kv_layout says what each one is); the name
+# travels in KVLayout.kv_order, so both sides of a transfer compare it.
+LAYER_MAJOR = "layer_major"
+PAGE_MAJOR = "page_major"
+KV_ORDERS = (LAYER_MAJOR, PAGE_MAJOR)
+
+
+def check_order(order: str, field: str = "kv_order") -> str:
+    """Return ``order``; ValueError naming ``field`` and the known orders otherwise."""
+    if order not in KV_ORDERS:
+        raise ValueError(f"{field}: {order!r} is not a KV order; known: {', '.join(KV_ORDERS)}")
+    return order
+
 
 # OpenAI allows at most 20 top_logprobs; the aux record has room for that many.
 MAX_TOP_LOGPROBS = 20
@@ -67,7 +100,7 @@ class KVLayout:
 
     ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
     ``float32``; ``page_size`` tokens per page; ``kv_order`` the pool's physical order
-    (``layer_major`` or ``page_major``, see :mod:`pdserve.engine.kv_layout`); the rest are
+    (:data:`KV_ORDERS`, default page-major as the pools', see :mod:`pdserve.engine.kv_layout`); the rest are
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.
@@ -79,7 +112,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    kv_order: str = "layer_major"
+    kv_order: str = PAGE_MAJOR
 
     def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
@@ -278,7 +311,7 @@ class KVManager(ABC):
     """One per worker: owns the transfer engine, the bootstrap (prefill) or the peer cache
     and heartbeats (decode), and every live room."""
 
-    role: str  # "prefill" or "decode"
+    role: Role  # PREFILL or DECODE
 
     @abstractmethod
     def create_sender(self, bootstrap_room: int) -> KVSender:
@@ -294,6 +327,10 @@ class KVManager(ABC):
     @abstractmethod
     def is_healthy(self) -> bool:
         """False once any background thread (listener, bootstrap, heartbeat, transfer) died."""
+
+    @abstractmethod
+    def num_live_rooms(self) -> int:
+        """Rooms created and not yet closed (the engine's check that every room ended)."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

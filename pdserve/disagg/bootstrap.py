@@ -115,11 +115,6 @@ class BootstrapServer(KVBootstrapServer):
         self._server = server
         return self.port
 
-    def register_local(self, info: RankInfo) -> None:
-        """Register a rank living in this process (same effect as its HTTP PUT)."""
-        with self._lock:
-            self._ranks[info.engine_rank] = info
-
     def deregister(self, engine_rank: int) -> None:
         """Forget a rank (its process died): ``/health`` stops listing it, so decode
         knows its instance gone, and lookups of it answer 404."""

@@ -43,7 +43,6 @@ from collections import OrderedDict
 
 from pdserve.disagg.base import (
     AUX_RECORD_BYTES,
-    PD_ROLES,
     AuxRecord,
     KVArgs,
     KVManager,
@@ -51,15 +50,17 @@ from pdserve.disagg.base import (
     KVReceiver,
     KVSender,
     KVTransferError,
+    Role,
+    pd_role,
 )
 from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.room_plan import check_room
 from pdserve.disagg.rooms import (
     PEER_FAILED,
     TRANSFER_ERROR,
     FailureInjector,
     RoomHandle,
     RoomTable,
-    check_room,
 )
 
 HISTORY = 256  # handles a manager remembers after close (tests read them; bounded for probes)
@@ -270,15 +271,13 @@ class FakeKVManager(KVManager):
     ``scripted``: rooms move only as the test says. ValueError for an unknown role."""
 
     def __init__(self, args: KVArgs, role: str, *, scripted: bool = False) -> None:
-        if role not in PD_ROLES:
-            raise ValueError(f"role must be prefill or decode, got {role!r}")
-        self.role = role
+        self.role = pd_role(role)
         self.args = args
         self.scripted = scripted
         self.peer: FakeKVManager | None = None
-        self._rooms: RoomTable = RoomTable(role)
+        self._rooms: RoomTable = RoomTable(self.role)
         self._metrics = TransferMetrics()
-        self._injector = FailureInjector(prob=0.0)  # health probes must not fail by injection
+        self._injector = FailureInjector()  # never fails a room: health probes run on it
         self._aux: dict[int, AuxRecord] = {}
         self._dests: dict[int, tuple[list[int], int, int]] = {}  # before the sender exists
         self._history: OrderedDict[int, FakeSender | FakeReceiver] = OrderedDict()
@@ -336,7 +335,7 @@ class FakeKVManager(KVManager):
 
     # --- KVManager -----------------------------------------------------------------
     def create_sender(self, bootstrap_room: int) -> KVSender:
-        if self.role != "prefill":
+        if self.role != Role.PREFILL:
             raise RuntimeError("create_sender on a decode manager")
         room = check_room(bootstrap_room)
         sender = FakeSender(room, self)
@@ -351,7 +350,7 @@ class FakeKVManager(KVManager):
     def create_receiver(
         self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
     ) -> KVReceiver:
-        if self.role != "decode":
+        if self.role != Role.DECODE:
             raise RuntimeError("create_receiver on a prefill manager")
         room = check_room(bootstrap_room)
         with self._lock:
@@ -368,13 +367,7 @@ class FakeKVManager(KVManager):
         return not self._down
 
     def stats(self) -> dict:
-        return dict(
-            self._metrics.snapshot(),
-            backend="fake" if self.peer is None else "loopback",
-            role=self.role,
-            rooms=self._rooms.count_by_state(),
-            live_rooms=len(self._rooms),
-        )
+        return self._rooms.stats(self._metrics, "fake" if self.peer is None else "loopback")
 
     def shutdown(self) -> None:
         self._down = True
@@ -383,7 +376,7 @@ class FakeKVManager(KVManager):
 def link(prefill: FakeKVManager, decode: FakeKVManager) -> None:
     """Make the two managers a loopback pair (module doc). ValueError when the roles are
     not prefill and decode, one is scripted, or the pools' geometries differ."""
-    if prefill.role != "prefill" or decode.role != "decode":
+    if prefill.role != Role.PREFILL or decode.role != Role.DECODE:
         raise ValueError("link(prefill, decode): roles must be prefill and decode")
     if prefill.scripted or decode.scripted:
         raise ValueError("link(): a scripted manager has no peer (the test plays it)")

@@ -3,9 +3,8 @@
 Between two processes on one host, UCX copies with CMA (``process_vm_writev``), which pins
 the pages of every descriptor; on 2 MiB pages that costs far less than on 4 KiB pages.
 numpy asks the kernel for huge pages on large arrays (``madvise(MADV_HUGEPAGE)``), torch
-does not. Measured on the 2-core CI-like machine (THP in ``madvise`` mode), 128 MiB in
-4096 scattered 32 KiB pages, one NIXL WRITE: 7.2 GB/s from/to huge-page memory vs 5.1 GB/s
-from/to torch's default allocation.
+does not; so the pools ask for them here (the gain: docs/benchmarks.md, "Notes moved from
+disagg docstrings").
 """
 
 from __future__ import annotations

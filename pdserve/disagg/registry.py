@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.disagg.base import PD_ROLES, KVArgs, KVManager
+from pdserve.disagg.base import KVArgs, KVManager, pd_role
+from pdserve.disagg.transfer_config import TransferConfig
 
-# name -> (module, factory function(args, role, bootstrap_host=, bootstrap_port=) -> KVManager)
+# name -> (module, factory function(args, role[, cfg]) -> KVManager)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "nixl": ("pdserve.disagg.nixl.factory", "create_nixl_manager"),
     "fake": ("pdserve.disagg.fake", "FakeKVManager"),
@@ -14,42 +15,31 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def backend_names() -> tuple[str, ...]:
+    """The names ``create_kv_manager`` takes (the ``transfer_backend`` choices)."""
     return tuple(_BACKENDS)
 
 
 def create_kv_manager(
-    name: str,
-    args: KVArgs,
-    role: str,
-    *,
-    bootstrap_host: str = "127.0.0.1",
-    bootstrap_port: int = 0,
-    advertise_host: str | None = None,
+    name: str, args: KVArgs, role: str, cfg: TransferConfig | None = None
 ) -> KVManager:
     """Create the KV manager of backend ``name`` (``"nixl"`` or ``"fake"``) for ``role``
     (``"prefill"`` or ``"decode"``) over the memory described by ``args``.
 
-    bootstrap_host/bootstrap_port: where a prefill manager's bootstrap server listens
-    (port 0 picks a free port; read it back from ``manager.bootstrap_port``); decode
-    ignores them. advertise_host: the address decode peers reach it by (``None``: derived
-    from ``bootstrap_host``, see :mod:`pdserve.advertise`). Raises ValueError naming ``name`` or ``role`` when unknown; a NIXL
-    backend that cannot start raises its own error (ValueError for bad parameters,
-    TimeoutError naming the call, or NIXL's exception).
+    cfg: the worker's transfer settings, built at the process edge
+    (:meth:`TransferConfig.from_env`): the bootstrap address (port 0 picks a free port;
+    read it back from ``manager.bootstrap_port``), timeouts, the NIXL agent's spec. The
+    ``nixl`` backend needs it; ``fake`` has no settings and ignores it. Raises ValueError
+    naming ``name``, ``role`` or ``cfg`` when unknown or missing; a NIXL backend that
+    cannot start raises its own error (ValueError for bad parameters, TimeoutError
+    naming the call, or NIXL's exception).
     """
     if name not in _BACKENDS:
         raise ValueError(f"transfer backend name must be one of {sorted(_BACKENDS)}, got {name!r}")
-    if role not in PD_ROLES:
-        raise ValueError(f"role must be prefill or decode, got {role!r}")
-    if not 0 <= bootstrap_port <= 65535:
-        raise ValueError(f"bootstrap_port must be in [0, 65535], got {bootstrap_port}")
+    pd = pd_role(role)
     module_name, attr = _BACKENDS[name]
     factory = getattr(importlib.import_module(module_name), attr)
     if name == "fake":
-        return factory(args, role)
-    return factory(
-        args,
-        role,
-        bootstrap_host=bootstrap_host,
-        bootstrap_port=bootstrap_port,
-        advertise_host=advertise_host,
-    )
+        return factory(args, pd)
+    if cfg is None:
+        raise ValueError(f"the {name} transfer backend needs a TransferConfig (cfg)")
+    return factory(args, pd, cfg)

@@ -1,5 +1,5 @@
 """What every backend's rooms share: the live-room table, failure kinds, failure injection,
-the terminal-state bookkeeping of one sender/receiver, and the check of timing settings."""
+and the terminal-state bookkeeping of one sender/receiver."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import random
 import threading
 import time
 from collections import Counter
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from pdserve import envs
-from pdserve.disagg.base import DuplicateRoomError, KVPoll, KVTransferError
+from pdserve.disagg.base import DuplicateRoomError, KVPoll, KVTransferError, Role
 from pdserve.disagg.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
@@ -33,39 +32,18 @@ SHUTDOWN = "shutdown"  # the manager shut down
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 H = TypeVar("H", bound="RoomHandle")
-N = TypeVar("N", int, float)
-
-
-def check_room(bootstrap_room: int) -> int:
-    """ValueError naming ``bootstrap_room`` unless it is an int in [0, 2**64)."""
-    if (
-        isinstance(bootstrap_room, bool)
-        or not isinstance(bootstrap_room, int)
-        or not 0 <= bootstrap_room < 2**64
-    ):
-        raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {bootstrap_room!r}")
-    return bootstrap_room
-
-
-def positive_env(var: envs.EnvVar[N]) -> N:
-    """The value of a timing setting (``pdserve.envs``) both managers read at start;
-    ValueError naming the variable unless it is > 0."""
-    value = var.get()
-    if value <= 0:
-        raise ValueError(f"{var.name} must be > 0, got {value}")
-    return value
 
 
 class FailureInjector:
-    """Testing only: ``roll()`` is True with probability ``PDSERVE_TEST_DISAGG_FAILURE_PROB``
-    (read once, when the manager is created).
+    """Testing only: ``roll()`` is True with probability ``prob`` (a manager's
+    ``TransferConfig.failure_prob``: ``PDSERVE_TEST_DISAGG_FAILURE_PROB``; 0 = never).
 
     ``poll()`` rolls once per non-terminal state it reports for the first time (so at most
     three times per room), not once per call: the engine polls every step, and a per-call
     probability would fail nearly every room whatever its value."""
 
-    def __init__(self, prob: float | None = None, seed: int | None = None) -> None:
-        self.prob = envs.TEST_DISAGG_FAILURE_PROB.get() if prob is None else prob
+    def __init__(self, prob: float = 0.0, seed: int | None = None) -> None:
+        self.prob = prob
         if not 0.0 <= self.prob <= 1.0:
             raise ValueError(f"PDSERVE_TEST_DISAGG_FAILURE_PROB must be in [0, 1], got {self.prob}")
         self._rng = random.Random(seed)
@@ -77,7 +55,7 @@ class FailureInjector:
 class RoomTable(Generic[H]):
     """Live rooms of one manager, by room id; a room stays live until ``close()``."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: Role) -> None:
         self._role = role
         self._lock = threading.Lock()
         self._rooms: dict[int, H] = {}
@@ -110,6 +88,17 @@ class RoomTable(Generic[H]):
     def count_by_state(self) -> dict[str, int]:
         counts = Counter(h.poll_state().name for h in self.handles())
         return {s.name: counts.get(s.name, 0) for s in KVPoll}
+
+    def stats(self, metrics: TransferMetrics, backend: str) -> dict[str, Any]:
+        """The head every manager's ``stats()`` starts with: the transfer counters, the
+        role and backend, live rooms by state and in all."""
+        return dict(
+            metrics.snapshot(),
+            role=str(self._role),
+            backend=backend,
+            rooms=self.count_by_state(),
+            live_rooms=len(self),
+        )
 
 
 class RoomHandle:

@@ -30,11 +30,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender, KVTransferError
+from pdserve.disagg.base import (
+    AuxRecord,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    Role,
+    pd_role,
+)
 from pdserve.disagg.head_map import is_writer
 from pdserve.disagg.tp_rank import RankRooms, RankState, RemoteRank, rank_call, start_rank_manager
+from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.parallel import TPRank
 
 __all__ = [
@@ -57,27 +68,21 @@ def create_tp_kv_manager(
     backend: str,
     role: str,
     total_kv_heads: int,
-    *,
-    bootstrap_host: str = "127.0.0.1",
-    bootstrap_port: int = 0,
-    advertise_host: str | None = None,
+    cfg: TransferConfig,
 ) -> TPKVManager:
     """Start a manager in every rank of ``executor`` (``call_rank``, ``tp_size``,
     ``failure``, ``rank0``: tpexec's executor; rank 0 first: on prefill its bootstrap port
-    goes to the others) and return the facade over them. Raises what a rank's manager
-    creation raises (the managers already started are shut down first)."""
+    goes to the others) and return the facade over them. ``cfg``: the worker's transfer
+    settings, sent to every rank (pickled by ``call_rank``), so no rank reads the
+    environment. Raises what a rank's manager creation raises (the managers already
+    started are shut down first)."""
     started: list[int] = []
     try:
-        port = executor.call_rank(
-            0, start_rank_manager, backend, role, total_kv_heads,
-            bootstrap_host, bootstrap_port, advertise_host,
-        )  # fmt: skip
+        port = executor.call_rank(0, start_rank_manager, backend, role, total_kv_heads, cfg)
         started.append(0)
+        rank0 = replace(cfg, bootstrap=replace(cfg.bootstrap, port=port or 0))
         for r in range(1, executor.tp_size):
-            executor.call_rank(
-                r, start_rank_manager, backend, role, total_kv_heads,
-                bootstrap_host, port or 0, advertise_host,
-            )  # fmt: skip
+            executor.call_rank(r, start_rank_manager, backend, role, total_kv_heads, rank0)
             started.append(r)
     except BaseException:
         for r in reversed(started):
@@ -103,7 +108,7 @@ class _Room(KVSender, KVReceiver):
 
     # --- KVSender / KVReceiver --------------------------------------------------------
     def init(self, *args: Any, **kwargs: Any) -> None:
-        if self._mgr.role == "decode":
+        if self._mgr.role == Role.DECODE:
             dst_pages, aux_slot = args[0], args[1]
             skip = kwargs.get("skip_pages", args[2] if len(args) > 2 else 0)
             args = (list(dst_pages), aux_slot, skip)
@@ -161,14 +166,14 @@ class TPKVManager(KVManager):
         num_kv_heads: int,
         failure: Callable[[], str | None] = lambda: None,
     ) -> None:
-        self.role = role
+        self.role = pd_role(role)
         self.ranks = list(ranks)
         self._failure = failure
         self._gone: str | None = None
         size = len(self.ranks)
         self._room_ranks = (
             [r for r in range(size) if is_writer(num_kv_heads, TPRank(r, size))]
-            if role == "prefill"
+            if self.role == Role.PREFILL
             else list(range(size))
         )
         self._rooms: dict[int, _Room] = {}
@@ -197,7 +202,7 @@ class TPKVManager(KVManager):
             self._gone = self._failure()
             rooms = list(self._rooms)
         log.error("KV ranks >= 1 are gone: %s", self._gone)
-        if self.role == "prefill":  # decode's heartbeat learns it from rank 0's server
+        if self.role == Role.PREFILL:  # decode's heartbeat learns it from rank 0's server
             for r in range(1, len(self.ranks)):
                 self.ranks[0].forget_rank(r)
         for room in rooms:  # their peers are told now, not at their timeouts
@@ -228,14 +233,14 @@ class TPKVManager(KVManager):
 
     # --- KVManager ---------------------------------------------------------------------
     def create_sender(self, bootstrap_room: int) -> KVSender:
-        if self.role != "prefill":
+        if self.role != Role.PREFILL:
             raise RuntimeError("create_sender on a decode KV manager")
         return self._create(bootstrap_room)
 
     def create_receiver(
         self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int
     ) -> KVReceiver:
-        if self.role != "decode":
+        if self.role != Role.DECODE:
             raise RuntimeError("create_receiver on a prefill KV manager")
         return self._create(bootstrap_room, bootstrap_host, bootstrap_port)
 
@@ -332,7 +337,7 @@ class TPKVManager(KVManager):
             if s is not None:
                 self._healthy[r] = bool(s.get("healthy", True))
         out = dict(per[0], ranks=per, healthy=self.is_healthy())
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             merged: dict[str, float] = {}
             for s in per:
                 for k, v in (s or {}).get("unhealthy_prefill_peers", {}).items():

@@ -11,7 +11,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender
+from pdserve.disagg.base import AuxRecord, KVManager, KVPoll, KVReceiver, KVSender, Role
+from pdserve.disagg.transfer_config import TransferConfig
 
 # (state, failure text, holds_pages) of one room on one rank
 RankState = tuple[int, str | None, bool]
@@ -31,7 +32,7 @@ class RankRooms:
 
     def create(self, room: int, host: str | None = None, port: int | None = None) -> None:
         """A sender (prefill) or a receiver of ``host:port`` (decode) for ``room``."""
-        if self.manager.role == "prefill":
+        if self.manager.role == Role.PREFILL:
             handle: KVSender | KVReceiver = self.manager.create_sender(room)
         else:
             assert host is not None and port is not None  # decode rooms name their prefill
@@ -114,28 +115,20 @@ def start_rank_manager(
     backend: str,
     role: str,
     total_kv_heads: int,
-    bootstrap_host: str,
-    bootstrap_port: int,
-    advertise_host: str | None,
+    cfg: TransferConfig,
 ) -> int | None:
     """Create this rank's manager over its pool (its KV heads of ``total_kv_heads``; its
     backend created on its own device, ``ctx.gpu_id``, by the backend's initialisation
-    contract) and keep it in ``ctx.services["kv"]``. ``bootstrap_port``: rank 0's server
-    for ranks >= 1. Returns the manager's bootstrap port."""
+    contract) with the worker's settings ``cfg`` and keep it in ``ctx.services["kv"]``.
+    ``cfg.bootstrap.port``: rank 0's server for ranks >= 1. Returns the manager's
+    bootstrap port."""
     from pdserve.disagg.registry import create_kv_manager
 
     tp = ctx.tp.tp  # the rank's TPGroup -> its TPRank
     args = ctx.pool.kv_args(
         gpu_id=ctx.gpu_id, engine_rank=tp.rank, tp_size=tp.size, total_kv_heads=total_kv_heads
     )
-    manager = create_kv_manager(
-        backend,
-        args,
-        role,
-        bootstrap_host=bootstrap_host,
-        bootstrap_port=bootstrap_port,
-        advertise_host=advertise_host,
-    )
+    manager = create_kv_manager(backend, args, role, cfg)
     ctx.services["kv"] = RankRooms(manager)
     return manager.bootstrap_port
 

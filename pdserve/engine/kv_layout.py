@@ -12,7 +12,7 @@ Two orders are supported (``KV_ORDERS``); ``L`` layers, ``P`` pages of ``ps`` to
     buffer of ``P`` items of ``L*2*H*ps*D`` elements: one page is one descriptor.  Inside
     a page, head ``h`` of layer ``l``'s K is a contiguous ``[ps, D]`` block (HND), so a
     head slice is contiguous: heterogeneous TP moves ``2L`` runs a page
-    (:mod:`pdserve.disagg.nixl.dlists` builds them from the registered region).
+    (:mod:`pdserve.disagg.nixl.agent.dlists` builds them from the registered region).
 
 What attention reads, for every order (:meth:`KVCacheLayout.layer_views`): per layer a
 ``(k_cache, v_cache)`` pair of *strided views* of logical shape ``[P, ps, H, D]``; token
@@ -36,18 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-
-LAYER_MAJOR = "layer_major"
-PAGE_MAJOR = "page_major"
-KV_ORDERS = (LAYER_MAJOR, PAGE_MAJOR)
-
-
-def check_order(order: str, field: str = "kv_order") -> str:
-    """Return ``order``; ValueError naming ``field`` and the known orders otherwise."""
-    if order not in KV_ORDERS:
-        raise ValueError(f"{field}: {order!r} is not a KV order; known: {', '.join(KV_ORDERS)}")
-    return order
+from pdserve.disagg.base import AUX_RECORD_BYTES, LAYER_MAJOR, PAGE_MAJOR, KVArgs, KVLayout
+from pdserve.disagg.base import KV_ORDERS as KV_ORDERS  # re-exported: the order names' owner
+from pdserve.disagg.base import check_order as check_order
 
 
 def default_order(device: torch.device | str) -> str:

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg.base import PD_ROLES, KVReceiver, KVSender
+from pdserve.disagg.room_plan import check_room
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import TokenStop
 from pdserve.engine.structured.manager import GrammarState
+from pdserve.ports import check_port
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,8 @@ class DisaggRequestInfo:
     def __post_init__(self) -> None:
         if self.role not in PD_ROLES:
             raise ValueError(f"disagg.role must be prefill or decode, got {self.role!r}")
-        if not 0 <= self.bootstrap_port <= 65535:
-            raise ValueError(
-                f"disagg.bootstrap_port must be in [0, 65535], got {self.bootstrap_port}"
-            )
-        if not 0 <= self.bootstrap_room < 2**64:
-            raise ValueError(
-                f"disagg.bootstrap_room must be in [0, 2**64), got {self.bootstrap_room}"
-            )
+        check_port(self.bootstrap_port, "disagg.bootstrap_port", allow_zero=False)  # a peer's
+        check_room(self.bootstrap_room, "disagg.bootstrap_room")
 
 
 class Status(enum.Enum):

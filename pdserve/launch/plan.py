@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.disagg.base import PD_ROLES, Role
 from pdserve.launch.supervisor import Child
 from pdserve.server.engine_args import engine_argv
 
@@ -70,7 +71,7 @@ def check_tp_sizes(args: argparse.Namespace) -> None:
     (:func:`role_tp`) does not split ``--model`` (checked on its config alone, before any
     worker loads weights; TP=1 needs no check).  Raises the model's own ValueError when it
     cannot be resolved."""
-    tp = {role: role_tp(args, role) for role in ("prefill", "decode")}
+    tp = {role: role_tp(args, role) for role in PD_ROLES}
     if max(tp.values()) == 1:
         return
     from pdserve.model.loader import model_config
@@ -100,9 +101,9 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
 
     py = [sys.executable, "-m", "pdserve"]
     passthrough = engine_argv(args)
-    tp = {role: role_tp(args, role) for role in ("prefill", "decode")}
+    tp = {role: role_tp(args, role) for role in PD_ROLES}
     # Every rank is a torch process: the CPU threads are shared over all of them.
-    ranks = args.num_prefill * tp["prefill"] + args.num_decode * tp["decode"]
+    ranks = args.num_prefill * tp[Role.PREFILL] + args.num_decode * tp[Role.DECODE]
     threads, env = cpu_threads_plan(ranks if on_cpu(args) else 0, os.environ)
     # UCX's report of a worker that dies stays beside its log (removed with a clean stop's)
     env.setdefault(envs.UCX_LOG_DIR.name, str(log_dir))
@@ -119,14 +120,14 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
     body_limit = ["--max-request-body-bytes", str(args.max_request_body_bytes)]
     passthrough += body_limit
     workers: list[Child] = []
-    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+    for role, count in ((Role.PREFILL, args.num_prefill), (Role.DECODE, args.num_decode)):
         gpu_ids = getattr(args, f"{role}_gpu_ids")
         for i in range(count):
             port = free_port(args.host)
             argv = py + [
                 "serve",
                 "--role",
-                role,
+                str(role),
                 "--host",
                 args.host,
                 "--port",
@@ -138,7 +139,7 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
             if gpu_ids:
                 argv += ["--gpu-id", str(gpu_ids[i % len(gpu_ids)])]  # the last --gpu-id wins
             argv += ["--tensor-parallel-size", str(tp[role])]  # the last one wins
-            if role == "prefill":
+            if role == Role.PREFILL:
                 argv += [
                     "--disaggregation-bootstrap-host",
                     args.host,

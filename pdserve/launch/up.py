@@ -18,6 +18,8 @@ import httpx
 
 from pdserve.cli import port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig, default_of
+from pdserve.disagg.base import PD_ROLES
+from pdserve.disagg.registry import backend_names
 from pdserve.launch.plan import ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
 from pdserve.launch.supervisor import Child, stop_all
 from pdserve.process_exit import death_cause
@@ -86,7 +88,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--transfer-backend",
-        choices=("nixl", "fake"),
+        choices=backend_names(),
         default="nixl",
         help="KV transfer backend of the workers (default %(default)s)",
     )
@@ -104,7 +106,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
     )
-    for role in ("prefill", "decode"):
+    for role in PD_ROLES:
         p.add_argument(
             f"--{role}-tp",
             type=int,

@@ -263,7 +263,7 @@ def unhealthy_prefill_peers(decode: WorkerState) -> dict[str, float]:
     """What a decode worker's last ``/get_server_info`` lists under
     ``transfer.unhealthy_prefill_peers``: ``"host:port"`` of a prefill's bootstrap server
     -> age in seconds of the oldest quarantine of its pages there (the NIXL decode
-    manager, pdserve/disagg/nixl/decode.py); ``{}`` when absent or of another shape."""
+    manager, pdserve/disagg/nixl/decode/manager.py); ``{}`` when absent or of another shape."""
     transfer = decode.server_info.get("transfer")
     peers = transfer.get("unhealthy_prefill_peers") if isinstance(transfer, dict) else None
     return peers if isinstance(peers, dict) else {}

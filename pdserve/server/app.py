@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.disagg.base import KVManager
+from pdserve.disagg.base import KVManager, Role
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected
 from pdserve.http.http_errors import error_json
@@ -218,9 +218,9 @@ def build_worker_app(
             return JSONResponse(error_json(503, "; ".join(found)), status_code=503)
         role = ctx.serving.role
         params = make_params(
-            temperature=0.0, max_tokens=2 if role == "decode" else 1, ignore_eos=True
+            temperature=0.0, max_tokens=2 if role == Role.DECODE else 1, ignore_eos=True
         )
-        job = Job(ctx.tokenizer.encode("Hello") or [0], params, fake_transfer=role != "mixed")
+        job = Job(ctx.tokenizer.encode("Hello") or [0], params, fake_transfer=role != Role.MIXED)
         try:
             await asyncio.wait_for(ctx.serving.collect(job), health_generate_timeout)
         except asyncio.TimeoutError:

@@ -9,7 +9,8 @@ import sys
 from pdserve import envs
 from pdserve.cli import port_number
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig, default_of
-from pdserve.disagg.base import ROLES
+from pdserve.disagg.base import Role
+from pdserve.disagg.registry import backend_names
 from pdserve.server.engine_args import add_engine_args, engine_config_from_args
 
 log = logging.getLogger("pdserve.server")
@@ -28,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--role",
-        choices=ROLES,
+        type=Role,
+        choices=tuple(Role),
         default=d("role"),
         help="mixed serves whole requests; prefill/decode serve one half each (default %(default)s)",
     )
@@ -65,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--disaggregation-transfer-backend",
-        choices=("nixl", "fake"),
+        choices=backend_names(),
         default=d("transfer_backend"),
         help="KV transfer backend of prefill/decode workers (default %(default)s)",
     )

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.ports import PORT_MAX
 from pdserve.server.body_base import Int, RequestModel
 from pdserve.server.structured import GuidedFields, ResponseFormatField
 from pdserve.server.tools import ToolFields, ToolMessageFields
@@ -50,7 +51,7 @@ class Bootstrap(_Body):
     """The disaggregation fields (required on prefill/decode workers, ignored on mixed)."""
 
     bootstrap_host: str | None = None
-    bootstrap_port: StrictInt | None = Field(None, ge=1, le=65535)
+    bootstrap_port: StrictInt | None = Field(None, ge=1, le=PORT_MAX)
     bootstrap_room: StrictInt | None = Field(None, ge=0, lt=ROOM_LIMIT)
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
 from pdserve.disagg.room_plan import sample_room
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import DisaggRequestInfo
@@ -72,13 +72,13 @@ class Serving:
         self,
         engine: AsyncEngine,
         *,
-        role: str,
+        role: str | Role,
         max_model_len: int,
         vocab_size: int,
         metrics: ServerMetrics,
     ) -> None:
         self.engine = engine
-        self.role = role
+        self.role = Role(role)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
@@ -111,7 +111,7 @@ class Serving:
                 "max_tokens" if n_prompt < self.max_model_len else job.prompt_field,
                 code="context_length_exceeded",
             )
-        if self.role == "mixed" or job.fake_transfer:
+        if self.role == Role.MIXED or job.fake_transfer:
             return
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if getattr(job, name) in (None, ""):
@@ -132,7 +132,7 @@ class Serving:
             )
 
     def _disagg(self, job: Job, index: int) -> DisaggRequestInfo | None:
-        if self.role == "mixed":
+        if self.role == Role.MIXED:
             return None
         if job.fake_transfer:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
@@ -190,7 +190,9 @@ class Serving:
             self.metrics.failures.labels("engine_dead").inc()
             raise APIError(503, str(exc)) from exc
         except APIError:
-            self.metrics.failures.labels("kv_transfer" if self.role != "mixed" else "engine").inc()
+            self.metrics.failures.labels(
+                "kv_transfer" if self.role != Role.MIXED else "engine"
+            ).inc()
             raise
         finally:
             for rid in live:

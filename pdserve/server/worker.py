@@ -12,7 +12,7 @@ import pdserve
 from pdserve import envs
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
-from pdserve.disagg.base import KVManager
+from pdserve.disagg.base import KVManager, Role
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
@@ -26,12 +26,21 @@ def _create_managers(
     core: Any, engine_cfg: EngineConfig, disagg: DisaggConfig
 ) -> dict[str, KVManager]:
     from pdserve.disagg.registry import create_kv_manager
+    from pdserve.disagg.transfer_config import TransferConfig
 
     kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
-    host, port = disagg.bootstrap_host, disagg.bootstrap_port
-    advertise = advertised_host(disagg.bootstrap_host, disagg.advertise_host)
     transfer: KVManager
-    if core.executor.tp_size > 1 and disagg.transfer_backend != "fake":
+    if disagg.transfer_backend == "fake":
+        transfer = create_kv_manager("fake", kv_args, disagg.role)
+        return {"fake": transfer}
+    # the edge: the one place a worker reads the transfer settings (flags + environment)
+    cfg = TransferConfig.from_env(
+        disagg.role,
+        bootstrap_host=disagg.bootstrap_host,
+        bootstrap_port=disagg.bootstrap_port,
+        advertise_host=advertised_host(disagg.bootstrap_host, disagg.advertise_host),
+    )
+    if core.executor.tp_size > 1:
         from pdserve.disagg.tp import create_tp_kv_manager
 
         # one manager per rank, each created in its own process on its own device
@@ -40,25 +49,15 @@ def _create_managers(
             disagg.transfer_backend,
             disagg.role,
             core.model.shapes.total_kv_heads,
-            bootstrap_host=host,
-            bootstrap_port=port,
-            advertise_host=advertise,
+            cfg,
         )
     else:
-        transfer = create_kv_manager(
-            disagg.transfer_backend,
-            kv_args,
-            disagg.role,
-            bootstrap_host=host,
-            bootstrap_port=port,
-            advertise_host=advertise,
-        )
-    managers: dict[str, KVManager] = {disagg.transfer_backend: transfer}
-    if "fake" not in managers:  # /health_generate goes through the fake backend
-        managers["fake"] = create_kv_manager(
-            "fake", kv_args, disagg.role, bootstrap_host=disagg.bootstrap_host, bootstrap_port=0
-        )
-    return managers
+        transfer = create_kv_manager(disagg.transfer_backend, kv_args, disagg.role, cfg)
+    # /health_generate goes through the fake backend
+    return {
+        disagg.transfer_backend: transfer,
+        "fake": create_kv_manager("fake", kv_args, disagg.role),
+    }
 
 
 def build_worker(
@@ -76,12 +75,12 @@ def build_worker(
         server_cfg.num_threads
     ):  # before any op runs: co-located workers must not oversubscribe cores
         torch.set_num_threads(server_cfg.num_threads)
-    pd = disagg.role != "mixed"
+    pd = disagg.role != Role.MIXED
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
     managers: dict[str, KVManager] = {}
     ucx_log = None
     if pd and disagg.transfer_backend == "nixl":  # before UCX loads: it reads its env once
-        from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
+        from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog
 
         ucx_log = UcxTransportLog.install(envs.UCX_LOG_DIR.get() or None)
         if ucx_log is not None:
@@ -131,10 +130,10 @@ def build_worker(
         "tp_rank_pids": core.executor.rank_pids(),
         "transfer_backend": disagg.transfer_backend if pd else None,
         "bootstrap_host": advertised_host(disagg.bootstrap_host, disagg.advertise_host)
-        if disagg.role == "prefill"
+        if disagg.role == Role.PREFILL
         else None,
         "bootstrap_port": transfer.bootstrap_port
-        if transfer is not None and disagg.role == "prefill"
+        if transfer is not None and disagg.role == Role.PREFILL
         else None,
     }
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pdserve.cli import main
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 
 
 @pytest.mark.timeout(300)

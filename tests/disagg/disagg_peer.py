@@ -213,11 +213,13 @@ def _make(
     role: str, env: dict, num_pages: int, num_slots: int, lay_over: dict, seed: int, bport: int = 0
 ):
     from pdserve.disagg.registry import create_kv_manager
+    from pdserve.disagg.transfer_config import TransferConfig
 
     for key, value in env.items():
         os.environ[key] = value
     pool = Pool(num_pages, num_slots, layout(**lay_over), seed)
-    return pool, create_kv_manager("nixl", pool.args, role, bootstrap_port=bport)
+    cfg = TransferConfig.from_env(role, bootstrap_port=bport)  # this process's edge
+    return pool, create_kv_manager("nixl", pool.args, role, cfg)
 
 
 def _child(

@@ -211,13 +211,20 @@ def test_metrics_histogram_is_cumulative():
 
 
 def test_failure_injection_probability(monkeypatch):
-    monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "0.2")
-    inj = FailureInjector(seed=1)
+    inj = FailureInjector(0.2, seed=1)
     hits = sum(inj.roll() for _ in range(5000))
     assert 800 < hits < 1200
+    assert not any(FailureInjector().roll() for _ in range(100))  # 0: never
+    with pytest.raises(ValueError, match="PDSERVE_TEST_DISAGG_FAILURE_PROB"):
+        FailureInjector(1.5)
+    # the worker's edge reads it from the environment, and names the variable
+    from pdserve.disagg.transfer_config import TransferConfig
+
+    monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "0.2")
+    assert TransferConfig.from_env("prefill").failure_prob == 0.2
     monkeypatch.setenv("PDSERVE_TEST_DISAGG_FAILURE_PROB", "1.5")
     with pytest.raises(ValueError, match="PDSERVE_TEST_DISAGG_FAILURE_PROB"):
-        FailureInjector()
+        TransferConfig.from_env("decode")
 
 
 @pytest.mark.timeout(180)

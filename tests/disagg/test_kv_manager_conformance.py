@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, DuplicateRoomError, KVPoll
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.engine.kv_layout import KVCacheLayout
 
 BACKENDS = ["loopback", "nixl"]
@@ -53,14 +53,16 @@ def pair(request):
         if problem:
             pytest.fail(problem)  # fail, never skip
         from pdserve.disagg.registry import create_kv_manager
+        from pdserve.disagg.transfer_config import TransferConfig
 
-        p = create_kv_manager("nixl", src.args, "prefill", bootstrap_port=0)
+        p = create_kv_manager("nixl", src.args, "prefill", TransferConfig.from_env("prefill"))
+        d_cfg = TransferConfig.from_env("decode")
         try:
-            d = create_kv_manager("nixl", dst.args, "decode")
+            d = create_kv_manager("nixl", dst.args, "decode", d_cfg)
         except Exception:  # noqa: BLE001 - seen once under load: UCX "intra-agent transfer
             # setup" failing for a second agent in one process; one retry, then it fails
             time.sleep(1.0)
-            d = create_kv_manager("nixl", dst.args, "decode")
+            d = create_kv_manager("nixl", dst.args, "decode", d_cfg)
     try:
         yield p, d, src, dst, p.bootstrap_port or 1
     finally:

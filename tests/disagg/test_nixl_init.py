@@ -14,10 +14,15 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.disagg import registry
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.disagg.nixl import factory, prefill
-from pdserve.disagg.nixl.agent_init import backend_init_params, parse_backend_params
-from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.nixl import factory
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.prefill.manager import NixlPrefillManager
 from pdserve.disagg.rooms import ServiceThreads
+from pdserve.disagg.transfer_config import (
+    TransferConfig,
+    backend_init_params,
+    parse_backend_params,
+)
 
 ENV = (
     "PDSERVE_DISAGGREGATION_NIXL_BACKEND",
@@ -92,9 +97,7 @@ def rec(monkeypatch):
     monkeypatch.setattr(
         ServiceThreads, "start", lambda self, name, loop: r.add("thread stubbed", name)
     )
-    monkeypatch.setattr(
-        prefill.NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed")
-    )
+    monkeypatch.setattr(NixlPrefillManager, "_start", lambda self: r.add("prefill start stubbed"))
     return r
 
 
@@ -116,7 +119,9 @@ def kv_args(device: str, gpu_id: int) -> KVArgs:
 
 
 def create(role: str, device: str = "cuda", gpu_id: int = 0):
-    return registry.create_kv_manager("nixl", kv_args(device, gpu_id), role)
+    """A manager as a worker makes one: its settings read from the environment first."""
+    cfg = TransferConfig.from_env(role)
+    return registry.create_kv_manager("nixl", kv_args(device, gpu_id), role, cfg)
 
 
 def device_calls(rec: Recorder) -> list[tuple]:
@@ -281,7 +286,8 @@ def test_every_tp_rank_creates_its_backend_on_its_own_gpu_on_a_helper_thread(rec
                 services={},
             )
             port = 0 if r == 0 else 4321  # ranks >= 1 register at rank 0's server
-            start_rank_manager(ctx, "nixl", role, 2, "127.0.0.1", port, None)
+            cfg = TransferConfig.from_env(role, bootstrap_port=port)
+            start_rank_manager(ctx, "nixl", role, 2, cfg)
             managers.append(ctx.services["kv"].manager)
             calls = device_calls(rec)
             notifier = [("set_device", "cuda", first_gpu + r), ("create_backend", "UCX", {})]

@@ -13,7 +13,7 @@ import time
 import pytest
 from disagg_peer import Peer  # tests/disagg is on sys.path (rootdir-less test dirs)
 
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 
 QUICK = {
     "PDSERVE_DISAGGREGATION_TRANSFER_WORKERS": "2",

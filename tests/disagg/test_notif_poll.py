@@ -1,12 +1,12 @@
-"""Decode's notification poller (pdserve/disagg/nixl/notif_poll.py), driven step by step
+"""Decode's notification poller (pdserve/disagg/nixl/decode/notif_poll.py), driven step by step
 with recorded waits: no thread, no timing."""
 
 from __future__ import annotations
 
 import threading
 
-from pdserve.disagg.nixl import notif_poll
-from pdserve.disagg.nixl.notif_poll import NotifPoller
+from pdserve.disagg.nixl.decode import notif_poll
+from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
 
 
 class RecordingEvent(threading.Event):

@@ -19,7 +19,7 @@ import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVArgs, KVLayout, KVPoll
 from pdserve.disagg.fake import FakeKVManager
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.disagg.tp import (
     RankRooms,
     RemoteRank,
@@ -27,6 +27,7 @@ from pdserve.disagg.tp import (
     create_tp_kv_manager,
     rank_call,
 )
+from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.engine.kv_pool import KVPool
 from pdserve.parallel import TPRank, kv_head_range
 
@@ -210,7 +211,8 @@ def _rank_ctx(full: torch.Tensor, tp: TPRank, fill: bool) -> SimpleNamespace:
 
 def _facade(role: str, full: torch.Tensor, size: int):
     ranks = Ranks([_rank_ctx(full, TPRank(r, size), role == "prefill") for r in range(size)])
-    return create_tp_kv_manager(ranks, "nixl", role, full.shape[3], bootstrap_port=0), ranks
+    cfg = TransferConfig.from_env(role)
+    return create_tp_kv_manager(ranks, "nixl", role, full.shape[3], cfg), ranks
 
 
 def _until(cond, what: str, timeout: float = 60.0) -> None:

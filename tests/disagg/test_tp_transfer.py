@@ -10,13 +10,15 @@ When NIXL cannot be used here these tests fail with the probe's reason (never sk
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll
 from pdserve.disagg.head_map import is_writer, reads_from, writes_into
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
+from pdserve.disagg.transfer_config import BootstrapAddress, TransferConfig
 from pdserve.engine.kv_layout import KVCacheLayout
 from pdserve.parallel import TPRank, kv_head_range
 
@@ -55,16 +57,20 @@ class RankPool:
         return got
 
 
-def _managers(p: int, d: int, full: torch.Tensor, order: str = "page_major"):
+def _managers(p: int, d: int, full: torch.Tensor, order: str = "page_major", **settings):
+    """``settings``: TransferConfig fields that differ from the defaults (both sides)."""
     from pdserve.disagg.registry import create_kv_manager
 
     pre = [RankPool(full, TPRank(r, p), order, True) for r in range(p)]
     dec = [RankPool(full, TPRank(s, d), order, False) for s in range(d)]
-    pm = [create_kv_manager("nixl", pre[0].args, "prefill", bootstrap_port=0)]
+    p_cfg = replace(TransferConfig.from_env("prefill"), **settings)
+    d_cfg = replace(TransferConfig.from_env("decode"), **settings)
+    pm = [create_kv_manager("nixl", pre[0].args, "prefill", p_cfg)]
     port = pm[0].bootstrap_port
     assert port
-    pm += [create_kv_manager("nixl", pool.args, "prefill", bootstrap_port=port) for pool in pre[1:]]
-    dm = [create_kv_manager("nixl", pool.args, "decode") for pool in dec]
+    rank0 = replace(p_cfg, bootstrap=BootstrapAddress(port=port))
+    pm += [create_kv_manager("nixl", pool.args, "prefill", rank0) for pool in pre[1:]]
+    dm = [create_kv_manager("nixl", pool.args, "decode", d_cfg) for pool in dec]
     return pre, dec, pm, dm, port
 
 
@@ -209,15 +215,14 @@ def test_layer_major_with_equal_tp_moves_whole_pages(nixl_ok):
 
 
 @pytest.mark.timeout(120)
-def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(nixl_ok, monkeypatch):
+def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(nixl_ok):
     """Prefill TP 2 -> decode TP 1: destinations went out, prefill rank 1's process "dies"
     (rank 0 deregisters it, as the TP facade does once the executor failed; its manager is
     left silent, as a killed process is). Decode's next
     heartbeat finds rank 1 missing from ``/health``: the room fails naming it, rank 0 is
     told (its sender fails too), and no page stays quarantined (a gone rank cannot write)."""
-    monkeypatch.setenv("PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL", "0.2")
     full = torch.randn(P, L, 2, 4, PS, D, generator=torch.Generator().manual_seed(9))
-    pre, dec, pm, dm, port = _managers(2, 1, full)
+    pre, dec, pm, dm, port = _managers(2, 1, full, heartbeat_interval_s=0.2)
     try:
         room = 501
         recv = dm[0].create_receiver("127.0.0.1", port, room)

@@ -1,4 +1,4 @@
-"""Prefill's posting/completion path (pdserve.disagg.nixl.transfer_workers) with a stub NIXL
+"""Prefill's posting/completion path (pdserve.disagg.nixl.prefill.transfer_workers) with a stub NIXL
 engine: what is posted where, on which thread, and how decode is told (``XferDone`` by the
 notifier agent, never riding on a WRITE). No thread is started (the queued jobs are run by
 calling the worker's steps here)."""
@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.disagg.base import KVPoll
 from pdserve.disagg.messages import decode_xfer_done
-from pdserve.disagg.nixl import transfer_workers as tw
+from pdserve.disagg.nixl.prefill import transfer_workers as tw
 
 
 class StubEngine:
@@ -306,7 +306,7 @@ class _Agent:
 
 
 def _engine_with_stub_agent():
-    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+    from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 
     eng = NixlTransferEngine.__new__(NixlTransferEngine)  # no NIXL: the index/validation part
     eng.agent, eng.num_pages, eng.num_aux_slots = _Agent(), 8, 2

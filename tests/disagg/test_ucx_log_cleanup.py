@@ -1,5 +1,5 @@
 """A PD worker on NIXL points UCX's log at ``pdserve-ucx-<pid>.log`` in the temp folder
-(``pdserve.disagg.nixl.ucx_transports``); a real worker stopped by SIGINT or SIGTERM
+(``pdserve.disagg.nixl.agent.ucx_transports``); a real worker stopped by SIGINT or SIGTERM
 removes it (uvicorn re-raises SIGTERM with the default handler, so atexit never runs: the
 app's lifespan end does it) and leaves every other file of the folder alone."""
 
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve_procs import start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
 from pdserve.disagg.messages import BufferDescs
-from pdserve.disagg.probe import nixl_problem
+from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.engine.kv_layout import KV_ORDERS, KVCacheLayout, check_order
 from pdserve.engine.kv_pool import KVPool
 from pdserve.model.attention import build_attention_metadata
@@ -156,8 +156,9 @@ def test_pages_moved_by_nixl_let_attention_continue(order):
     problem = nixl_problem()
     if problem:
         pytest.fail(problem)  # fail, never skip
-    from pdserve.disagg.nixl.api import load_nixl_api
-    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+    from pdserve.disagg.nixl.agent.api import load_nixl_api
+    from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+    from pdserve.disagg.transfer_config import NixlInitSpec
 
     src, dst = _pool(order), _pool(order)
     n, src_pages, dst_pages = 10, [7, 2, 9], [3, 4, 11]
@@ -172,8 +173,9 @@ def test_pages_moved_by_nixl_let_attention_continue(order):
         )
 
     api = load_nixl_api()
-    p_eng = NixlTransferEngine(api, src.kv_args(), "prefill", f"conf-p-{order}")
-    d_eng = NixlTransferEngine(api, dst.kv_args(), "decode", f"conf-d-{order}")
+    p_spec, d_spec = NixlInitSpec.from_env("prefill"), NixlInitSpec.from_env("decode")
+    p_eng = NixlTransferEngine(api, src.kv_args(), "prefill", f"conf-p-{order}", p_spec)
+    d_eng = NixlTransferEngine(api, dst.kv_args(), "decode", f"conf-d-{order}", d_spec)
     try:
         name = p_eng.add_remote(d_eng.metadata())
         remote = p_eng.prepare_remote(name, d_eng.kv_descs, d_eng.aux_descs)

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from pdserve.disagg.nixl import ucx_transports
+from pdserve.disagg.nixl.agent import ucx_transports
+from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog, parse_lines
 from pdserve.disagg.nixl.peer_check import parse_peer
-from pdserve.disagg.nixl.ucx_transports import UcxTransportLog, parse_lines
 
 P = "[1796116864.044009] [vm:7826 :0]   "
 Q = "[1796116864.079106] [vm:7826 :1]   "

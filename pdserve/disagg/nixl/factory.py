@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-from pdserve.disagg.base import KVArgs, KVManager
-from pdserve.disagg.nixl.api import load_nixl_api
+from pdserve.disagg.base import KVArgs, KVManager, Role, pd_role
+from pdserve.disagg.nixl.agent.api import load_nixl_api
+from pdserve.disagg.transfer_config import TransferConfig
 
 
-def create_nixl_manager(
-    args: KVArgs,
-    role: str,
-    *,
-    bootstrap_host: str = "127.0.0.1",
-    bootstrap_port: int = 0,
-    advertise_host: str | None = None,
-) -> KVManager:
-    """A prefill or decode NIXL manager over ``args`` (see :mod:`.prefill`, :mod:`.decode`).
-    Raises NixlUnavailableError when NIXL cannot be imported."""
+def create_nixl_manager(args: KVArgs, role: str, cfg: TransferConfig) -> KVManager:
+    """A prefill or decode NIXL manager over ``args`` with the settings ``cfg`` (see
+    :mod:`.prefill.manager`, :mod:`.decode.manager`). Raises NixlUnavailableError when
+    NIXL cannot be imported."""
+    role = pd_role(role)
     api = load_nixl_api()
-    if role == "prefill":
-        from pdserve.disagg.nixl.prefill import NixlPrefillManager
+    if role == Role.PREFILL:
+        from pdserve.disagg.nixl.prefill.manager import NixlPrefillManager
 
-        return NixlPrefillManager(
-            args,
-            bootstrap_host=bootstrap_host,
-            bootstrap_port=bootstrap_port,
-            advertise_host=advertise_host,
-            api=api,
-        )
-    if role == "decode":
-        from pdserve.disagg.nixl.decode import NixlDecodeManager
+        return NixlPrefillManager(args, cfg, api=api)
+    from pdserve.disagg.nixl.decode.manager import NixlDecodeManager
 
-        return NixlDecodeManager(args, api=api)
-    raise ValueError(f"role must be prefill or decode, got {role!r}")
+    return NixlDecodeManager(args, cfg, api=api)

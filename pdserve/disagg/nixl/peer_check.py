@@ -6,7 +6,7 @@ protocol version); its rank 0 info (agent name, control endpoint, KV memory kind
 agent of our own loads the peer's agent metadata and opens the connection
 (``make_connection``); then a READ of one aux slot of the peer (host memory, only read,
 so a serving worker is not disturbed) shows data moves, and UCX's protocol report
-(:mod:`.ucx_transports`) names the transport it used. The READ needs the peer's UCX
+(:mod:`.agent.ucx_transports`) names the transport it used. The READ needs the peer's UCX
 worker to make progress for transports without one-sided hardware support (TCP): a
 prefill worker without NIXL's progress thread answers it once busy with transfers, so a
 READ that times out on an idle peer is a warning, not a failure.
@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.disagg.base import PROTOCOL_VERSION
+from pdserve.disagg.base import PROTOCOL_VERSION, Role
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
+from pdserve.disagg.transfer_config import NixlInitSpec
+from pdserve.ports import check_port
 
 
 @dataclass
@@ -44,15 +46,19 @@ def parse_peer(peer: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port). ValueError naming --peer."""
     host, sep, port = peer.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--peer must be HOST:PORT of a bootstrap server, got {peer!r}")
-    return host, int(port)
+    if sep and host and port.isdigit():
+        try:
+            return host, check_port(int(port), "--peer", allow_zero=False)
+        except ValueError:
+            pass
+    raise ValueError(f"--peer must be HOST:PORT of a bootstrap server, got {peer!r}")
 
 
-def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
-    """Run the checks of the module doc against the bootstrap server at ``host:port``.
+def check_peer(host: str, port: int, spec: NixlInitSpec, timeout_s: float = 10.0) -> PeerReport:
+    """Run the checks of the module doc against the bootstrap server at ``host:port``,
+    with an agent as ``spec`` says (a decode worker's, from the environment: the doctor).
     Never raises for a problem of the peer or of NIXL: they are ``fail`` lines."""
-    from pdserve.disagg.nixl.ucx_transports import UcxTransportLog
+    from pdserve.disagg.nixl.agent.ucx_transports import UcxTransportLog
 
     ucx_log = UcxTransportLog.install()  # before NIXL loads UCX in this process
     report = PeerReport()
@@ -81,7 +87,7 @@ def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
         return report
     finally:
         client.close()
-    _nixl_checks(report, info, timeout_s)
+    _nixl_checks(report, info, spec, timeout_s)
     if ucx_log is not None:
         report.transports = ucx_log.snapshot()["endpoints"]
         for t in report.transports:
@@ -95,8 +101,8 @@ def check_peer(host: str, port: int, timeout_s: float = 10.0) -> PeerReport:
     return report
 
 
-def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
-    from pdserve.disagg.nixl.api import NixlUnavailableError, load_nixl_api
+def _nixl_checks(report: PeerReport, info, spec: NixlInitSpec, timeout_s: float) -> None:
+    from pdserve.disagg.nixl.agent.api import NixlUnavailableError, load_nixl_api
 
     try:
         api = load_nixl_api()
@@ -104,12 +110,13 @@ def _nixl_checks(report: PeerReport, info, timeout_s: float) -> None:
         report.add("fail", str(exc))
         return
     from pdserve.disagg.base import KVArgs, KVLayout
-    from pdserve.disagg.nixl.agent_init import create_agent
+    from pdserve.disagg.nixl.agent.init import create_agent
 
-    # The backend and its parameters as a worker here would have them (env), on CPU.
+    # The backend and its parameters as a worker here would have them (spec), on CPU.
     dummy = KVArgs((0,), (1,), (1,), 0, 1, 1, KVLayout("", "", 1, 1, 1, 1), device="cpu")
     try:
-        agent, _ = create_agent(api, f"pdserve-doctor-{uuid.uuid4().hex[:8]}", dummy, "decode")
+        name = f"pdserve-doctor-{uuid.uuid4().hex[:8]}"
+        agent = create_agent(api, name, dummy, Role.DECODE, spec)
         name = agent.add_remote_agent(base64.b64decode(info.agent_metadata))
         name = name.decode() if isinstance(name, bytes) else name
         agent.make_connection(name)

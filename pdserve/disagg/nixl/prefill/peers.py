@@ -1,9 +1,9 @@
 """Prefill's decode peers: the decode rank instances that said Hello, each with its NIXL
 agent loaded (into the WRITE agent and the notifier) and its memory prepared for the
 heads this rank writes there, or why it is unusable; and their end (the rules:
-:mod:`.prefill`'s module doc). A decode that ZMQ can no longer route a ``Ping`` to is gone
+:mod:`.manager`'s module doc). A decode that ZMQ can no longer route a ``Ping`` to is gone
 (its process ended or restarted as a new instance): its prepared lists are released and
-its agent removed (:func:`~.peer_life.forget_agent`), unless a room still holds it.
+its agent removed (:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`), unless a room still holds it.
 Used by the control thread only (``hello``, ``forget_gone``); ``counts`` by stats.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from pdserve.disagg.head_map import reads_from
 from pdserve.disagg.messages import Hello
-from pdserve.disagg.nixl.dlists import RemoteSide
-from pdserve.disagg.nixl.notifier import NixlNotifier
-from pdserve.disagg.nixl.peer_life import forget_agent
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.dlists import RemoteSide
+from pdserve.disagg.nixl.agent.notifier import NixlNotifier
+from pdserve.disagg.nixl.agent.peer_life import forget_agent
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)

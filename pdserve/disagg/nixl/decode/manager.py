@@ -1,7 +1,7 @@
 """The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
 sends each room's destination, learns of completion, and watches prefill peers.
 
-Threads: ``bootstrap`` (:mod:`.decode_bootstrap`: HTTP lookups grouped per prefill;
+Threads: ``bootstrap`` (:mod:`.bootstrap`: HTTP lookups grouped per prefill;
 protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
 RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
@@ -10,7 +10,7 @@ back-off, on host memory sleeping ``time.sleep(0)`` and then backing off; else i
 on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
-every room of that prefill fails at once; the round: :meth:`~.prefill_peers.PrefillPeers.heartbeat`).
+every room of that prefill fails at once; the round: :meth:`~.peers.PrefillPeers.heartbeat`).
 
 Quarantine (a late WRITE must never land in pages given to another request): a room
 whose destination went out and whose prefill was declared dead by the heartbeat fails at
@@ -22,8 +22,8 @@ heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_
 A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
 forgotten too, so restarts leave remote agents flat. The peers, suspects and these
-counts are kept by :class:`~.prefill_peers.PrefillPeers`; a peer's agent is forgotten by
-:func:`~.peer_life.forget_agent`, as on prefill.
+counts are kept by :class:`~.peers.PrefillPeers`; a peer's agent is forgotten by
+:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`, as on prefill.
 
 Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
 are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
@@ -43,18 +43,19 @@ import uuid
 import msgspec
 import zmq
 
-from pdserve import envs
 from pdserve.disagg.base import (
     KVArgs,
     KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
+    Role,
 )
 from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     Hello,
+    RoomAbort,
     RoomDest,
     RoomStatus,
     WireError,
@@ -63,43 +64,48 @@ from pdserve.disagg.messages import (
     encode_control,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.decode_bootstrap import DecodeBootstrap
-from pdserve.disagg.nixl.notif_poll import NotifPoller
-from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
-from pdserve.disagg.nixl.receiver import NixlReceiver
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.decode.bootstrap import DecodeBootstrap
+from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
+from pdserve.disagg.nixl.decode.peers import PrefillPeers
+from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer, ReceiverContext
+from pdserve.disagg.room_plan import check_room
 from pdserve.disagg.rooms import (
     SHUTDOWN,
     FailureInjector,
     RoomTable,
     ServiceThreads,
-    check_room,
-    positive_env,
 )
+from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.ports import check_port
 
 log = logging.getLogger(__name__)
 
 
 class NixlDecodeManager(KVManager):
-    """Decode role over NIXL (see module doc). Raises whatever NIXL initialisation raises."""
+    """Decode role over NIXL (see module doc); ``cfg``: the worker's transfer settings
+    (timeouts, heartbeat, quarantine bound, the agent's spec). Raises whatever NIXL
+    initialisation raises."""
 
-    role = "decode"
+    role = Role.DECODE
 
-    def __init__(self, args: KVArgs, *, api: NixlApi, start_threads: bool = True) -> None:
+    def __init__(
+        self, args: KVArgs, cfg: TransferConfig, *, api: NixlApi, start_threads: bool = True
+    ) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.waiting_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
-        self.heartbeat_interval = positive_env(envs.DISAGGREGATION_HEARTBEAT_INTERVAL)
-        self.heartbeat_max_failure = positive_env(envs.DISAGGREGATION_HEARTBEAT_MAX_FAILURE)
-        self.quarantine_bound = positive_env(envs.DISAGGREGATION_QUARANTINE_BOUND)
-        self._injector = FailureInjector()
+        self.waiting_timeout = cfg.waiting_timeout_s
+        self.heartbeat_interval = cfg.heartbeat_interval_s
+        self.heartbeat_max_failure = cfg.heartbeat_max_failure
+        self.quarantine_bound = cfg.quarantine_bound_s
+        self._injector = FailureInjector(cfg.failure_prob)
         self._metrics = TransferMetrics()
-        self._rooms: RoomTable[NixlReceiver] = RoomTable("decode")
+        self._rooms: RoomTable[NixlReceiver] = RoomTable(Role.DECODE)
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, "decode", f"pdserve-decode-{self.instance_id[:12]}"
+            api, args, Role.DECODE, f"pdserve-decode-{self.instance_id[:12]}", cfg.agent
         )
         self._prefills = PrefillPeers(self.engine, self._rooms)
         self._hello = Hello(
@@ -116,6 +122,16 @@ class NixlDecodeManager(KVManager):
         self.rank = args.tp
         self.writes_aux = args.engine_rank == 0  # prefill rank 0 writes aux here only
         self._bootstrap = DecodeBootstrap(args, self._prefills, self.send, self.instance_id)
+        self._room_ctx = ReceiverContext(
+            self._rooms,
+            self._metrics,
+            self._injector,
+            self.engine,
+            self.instance_id,
+            self.writes_aux,
+            self.waiting_timeout,
+            self.send,
+        )
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._threads = ServiceThreads("pdserve-decode")
@@ -135,15 +151,10 @@ class NixlDecodeManager(KVManager):
         room = check_room(bootstrap_room)
         if not isinstance(bootstrap_host, str) or not bootstrap_host:
             raise ValueError(f"bootstrap_host must be a non-empty string, got {bootstrap_host!r}")
-        if (
-            isinstance(bootstrap_port, bool)
-            or not isinstance(bootstrap_port, int)
-            or not 1 <= bootstrap_port <= 65535
-        ):
-            raise ValueError(f"bootstrap_port must be in [1, 65535], got {bootstrap_port!r}")
+        check_port(bootstrap_port, "bootstrap_port", allow_zero=False)
         if self._down:
             raise RuntimeError("the decode KV manager is shut down")
-        receiver = NixlReceiver(room, self, bootstrap_host, bootstrap_port)
+        receiver = NixlReceiver(room, self._room_ctx, bootstrap_host, bootstrap_port)
         self._rooms.add(room, receiver)
         self._bootstrap.put(receiver)
         return receiver
@@ -156,11 +167,7 @@ class NixlDecodeManager(KVManager):
 
     def stats(self) -> dict:
         return dict(
-            self._metrics.snapshot(),
-            role="decode",
-            backend="nixl",
-            rooms=self._rooms.count_by_state(),
-            live_rooms=len(self._rooms),
+            self._rooms.stats(self._metrics, "nixl"),
             **self._prefills.stats(self.quarantine_bound),
             healthy=self.is_healthy(),
         )
@@ -177,7 +184,7 @@ class NixlDecodeManager(KVManager):
         self.engine.close()
 
     # --- used by receivers ------------------------------------------------------------------
-    def send(self, peer: PrefillPeer, msg) -> None:
+    def send(self, peer: PrefillPeer, msg: RoomDest | RoomAbort) -> None:
         """Queue a control message to ``peer`` (sent by the control thread)."""
         self._outbox.put((peer.info.control_endpoint, peer.info.instance_id, msg))
         if isinstance(msg, RoomDest):

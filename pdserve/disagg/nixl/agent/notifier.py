@@ -4,10 +4,9 @@ Why a second agent: with UCX, a notification is an active message on the endpoin
 lane, which flags that UCT endpoint (``NEED_FLUSH``); the flush that ends the next WRITE
 on it then sends an empty PUT and waits for the peer's acknowledgement, i.e. for decode's
 worker to progress (``uct_tcp_ep_flush``). Sent on the WRITEs' own endpoint, every room's
-notification so cost the next room's WRITE a round trip on decode's polling cadence:
-measured with two processes and one descriptor of 16 MiB on an H200 (a target progressing
-every 50 us), a WRITE is DONE in 18 us before any notification and in 138-148 us after one;
-on the CPU machine (23 KiB) 7 us and 130-390 us. This agent has no memory registered and
+notification so cost the next room's WRITE a round trip on decode's polling cadence
+(several times the WRITE itself: docs/benchmarks.md, "Notes moved from disagg
+docstrings"). This agent has no memory registered and
 posts no WRITE, so nothing of it is ever flushed; the WRITEs' agent sends no active message
 at all. Decode needs nothing of it: it reads notifications of any agent
 (``get_new_notifs``), and UCX wires the endpoint up from its side.
@@ -18,9 +17,10 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from pdserve.disagg.base import KVArgs
-from pdserve.disagg.nixl.agent_init import THREAD_PARAM, NixlInitSpec, create_agent
-from pdserve.disagg.nixl.api import NixlApi
+from pdserve.disagg.base import KVArgs, Role
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import create_agent
+from pdserve.disagg.transfer_config import THREAD_PARAM, NixlInitSpec
 
 
 def _as_str(name: str | bytes) -> str:
@@ -38,8 +38,8 @@ class NixlNotifier:
     def __init__(self, api: NixlApi, name: str, kv_args: KVArgs, spec: NixlInitSpec) -> None:
         thread_key = THREAD_PARAM.get(spec.backend)
         params = {k: v for k, v in spec.params.items() if k != thread_key}
-        self.agent, _ = create_agent(
-            api, name, kv_args, "prefill", replace(spec, params=params, num_threads=0)
+        self.agent = create_agent(
+            api, name, kv_args, Role.PREFILL, replace(spec, params=params, num_threads=0)
         )
         self._lock = threading.Lock()
         self._remotes: set[str] = set()

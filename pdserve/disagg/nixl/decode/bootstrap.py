@@ -1,7 +1,7 @@
 """Decode's bootstrap thread: the prefill ranks a batch of rooms writes from, looked up at
 their bootstrap server (``GET /route/0``, then the other writer ranks' routes, one lookup
 per prefill and batch), checked (protocol version, ``KVLayout.first_difference``, rank
-facts, the head split), and made peers (:meth:`~.prefill_peers.PrefillPeers.peer_for`:
+facts, the head split), and made peers (:meth:`~.peers.PrefillPeers.peer_for`:
 the prefill's NIXL agent is loaded once per instance). A mismatch fails the rooms at once
 naming the field; a layout mismatch tells prefill too (``RoomAbort``), whose rooms fail.
 """
@@ -12,13 +12,13 @@ import queue
 import threading
 from collections.abc import Callable
 
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVLayout
+from pdserve.disagg.base import PAGE_MAJOR, PROTOCOL_VERSION, KVArgs, KVLayout
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import RankInfo, RoomAbort
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.prefill_peers import PrefillPeer, PrefillPeers
-from pdserve.disagg.nixl.receiver import NixlReceiver
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.decode.peers import PrefillPeers
+from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
 from pdserve.disagg.rooms import BOOTSTRAP_ERROR, LAYOUT_MISMATCH, PROTOCOL_MISMATCH
 from pdserve.parallel import TPRank, kv_head_range
 
@@ -152,7 +152,7 @@ class DecodeBootstrap:
             (sl.start, sl.end) != mine or tuple(infos[sl.src_rank].kv_heads) != mine
             for sl in slices
         )
-        if split and order != "page_major":
+        if split and order != PAGE_MAJOR:
             return (
                 f"KV layout mismatch with prefill {key[0]}:{key[1]}: kv_order: {order!r} cannot "
                 f"split KV heads between prefill TP {infos[0].tp_size} and decode TP "

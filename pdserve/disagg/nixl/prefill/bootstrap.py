@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pdserve.disagg.base import PROTOCOL_VERSION
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdserve.disagg.messages import HealthInfo, RankInfo
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.parallel import TPRank
+from pdserve.ports import check_port
 
 
 class PrefillBootstrap:
@@ -39,13 +40,10 @@ class PrefillBootstrap:
         self._port: int | None = None
         if rank.rank == 0:
             self._server = BootstrapServer(host, port, health)
-        elif not 1 <= port <= 65535:
-            raise ValueError(
-                f"bootstrap_port: rank {rank.rank} registers at rank 0's bootstrap "
-                f"server, got port {port}"
+        else:  # rank >= 1 registers at rank 0's bootstrap server: a peer's port
+            self._port = check_port(
+                port, f"bootstrap_port (rank 0's, for rank {rank.rank})", allow_zero=False
             )
-        else:
-            self._port = port
 
     @property
     def port(self) -> int | None:

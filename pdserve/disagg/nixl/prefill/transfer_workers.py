@@ -7,9 +7,9 @@ post) is posted on the calling thread (the engine's), so no thread hand-off sits
 of the WRITE; a larger one is queued to the ``transfer-i`` threads, which post it there
 (posting costs ~2.5 us a descriptor on VRAM: GPU.md). After an inline post of at most
 ``INLINE_SPIN_MAX_BYTES`` the handles are polled back to back for up to ``INLINE_SPIN_S``:
-a one-page WRITE ends within it, and then the room ends on the calling thread too
-(measured on an H200, one 2 MiB page: 0.21 ms from ``send`` to ``Success`` with a 200 us
-spin, 0.28 ms with 30 us, 0.31 ms handing off at once). Otherwise a transfer thread
+a one-page WRITE ends within it, and then the room ends on the calling thread too, sooner
+than after a hand-off (figures: docs/benchmarks.md, "Notes moved from disagg docstrings").
+Otherwise a transfer thread
 completes it: polled back to back for ``SPIN_S`` (on VRAM ``os.sched_yield`` between polls,
 not ``time.sleep(0)``, which sleeps ~60 us: the timer slack; on host memory, where a CPU
 does the copy, ``time.sleep(0)``), then every ``BACKOFF_S``. A
@@ -18,13 +18,11 @@ poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run m
 Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
 once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
 room is a ``Success`` and its last outstanding send tells each destination decode rank,
-with a NIXL notification sent by the manager's *notifier* (:mod:`.notifier`), a second
+with a NIXL notification sent by the manager's *notifier* (:mod:`~pdserve.disagg.nixl.agent.notifier`), a second
 agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
 endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
 transfer per destination and one notification, and its ``DONE`` waits for nothing of
-decode's (measured on the H200, a one-page room of 16 MiB from ``send`` to ``Success``:
-0.16-0.21 ms with the notification riding on the WRITE, 0.11 ms with it off the WRITEs'
-agent (sent over ZMQ in that run); a raw NIXL WRITE 0.04 ms). When the sender made the
+decode's (figures: docs/benchmarks.md). When the sender made the
 WRITE ahead (``NixlSender.expect_pages``) the job only posts it, and releases it if never
 posted. The room learns the outcome through ``NixlSender.chunk_finished`` /
 ``transfer_finished`` only when NIXL no longer touches its pages (a WRITE still running at
@@ -45,13 +43,13 @@ import numpy as np
 
 from pdserve.disagg.base import KVPoll
 from pdserve.disagg.messages import encode_xfer_done
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 
 if TYPE_CHECKING:
     from pdserve.disagg.metrics import TransferMetrics
-    from pdserve.disagg.nixl.notifier import NixlNotifier
-    from pdserve.disagg.nixl.sender import NixlSender
+    from pdserve.disagg.nixl.agent.notifier import NixlNotifier
+    from pdserve.disagg.nixl.prefill.sender import NixlSender
 
 log = logging.getLogger(__name__)
 

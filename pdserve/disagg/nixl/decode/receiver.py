@@ -20,23 +20,60 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll, KVReceiver, KVTransferError
-from pdserve.disagg.messages import RoomAbort, RoomDest, RoomStatus
-from pdserve.disagg.rooms import PEER_FAILED, TRANSFER_ERROR, WAITING_TIMEOUT, RoomHandle
+from pdserve.disagg.messages import RankInfo, RoomAbort, RoomDest, RoomStatus
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.rooms import (
+    PEER_FAILED,
+    TRANSFER_ERROR,
+    WAITING_TIMEOUT,
+    FailureInjector,
+    RoomHandle,
+    RoomTable,
+)
 
-if TYPE_CHECKING:
-    from pdserve.disagg.nixl.decode import NixlDecodeManager
-    from pdserve.disagg.nixl.prefill_peers import PrefillPeer
+
+@dataclass
+class PrefillPeer:
+    """A room's writer: one instance of a prefill rank, as found at its bootstrap server
+    ``key[:2]``; ``key`` is ``(host, port, engine_rank)`` (:mod:`.peers` keeps
+    them; here so that a room and the peer table need not import each other)."""
+
+    key: tuple[str, int, int]
+    info: RankInfo
+    agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
+    misses: int = 0
+    dead: bool = False
+
+
+@dataclass(frozen=True)
+class ReceiverContext:
+    """What a decode room uses of its manager, fixed when the manager starts: the room
+    table, counters and failure injection every room shares, the transfer engine, this
+    manager's instance id, whether aux records land on this rank (decode rank 0), the
+    waiting timeout, and how a control message reaches a prefill peer (``send``: queued
+    for the control thread)."""
+
+    rooms: RoomTable[NixlReceiver]
+    metrics: TransferMetrics
+    injector: FailureInjector
+    engine: NixlTransferEngine
+    instance_id: str
+    writes_aux: bool
+    waiting_timeout_s: float
+    send: Callable[[PrefillPeer, RoomDest | RoomAbort], None]
 
 
 class NixlReceiver(RoomHandle, KVReceiver):
     """See module doc. Created by ``NixlDecodeManager.create_receiver``."""
 
-    def __init__(self, room: int, manager: NixlDecodeManager, host: str, port: int) -> None:
-        super().__init__(room, manager._rooms, manager._metrics, manager._injector)
-        self._mgr = manager
+    def __init__(self, room: int, ctx: ReceiverContext, host: str, port: int) -> None:
+        super().__init__(room, ctx.rooms, ctx.metrics, ctx.injector)
+        self._ctx = ctx
         self.key = (host, port)
         self.peers: dict[int, PrefillPeer] = {}  # writer prefill rank -> its peer
         self.dst_pages: list[int] = []
@@ -69,16 +106,16 @@ class NixlReceiver(RoomHandle, KVReceiver):
         if (
             self._state == KVPoll.Transferring
             and self.abort_request is None
-            and time.monotonic() - self.init_at > self._mgr.waiting_timeout
+            and time.monotonic() - self.init_at > self._ctx.waiting_timeout_s
         ):
             self._fail(
-                f"room {self.room}: the KV cache did not arrive within {self._mgr.waiting_timeout:g} s "
+                f"room {self.room}: the KV cache did not arrive within {self._ctx.waiting_timeout_s:g} s "
                 "(PDSERVE_DISAGGREGATION_WAITING_TIMEOUT)",
                 WAITING_TIMEOUT,
             )
 
     def init(self, dst_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
-        eng = self._mgr.engine
+        eng = self._ctx.engine
         if skip_pages < 0:
             raise ValueError(f"skip_pages must be >= 0, got {skip_pages}")
         if dst_pages and not (min(dst_pages) >= 0 and max(dst_pages) < eng.num_pages):
@@ -105,12 +142,12 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self.init_at = time.monotonic()
             peers = list(self.peers.values())
         for peer in peers:
-            self._mgr.send(
+            self._ctx.send(
                 peer,
                 RoomDest(
                     self.room,
                     peer.info.instance_id,
-                    self._mgr.instance_id,
+                    self._ctx.instance_id,
                     self.dst_pages,
                     aux_slot,
                     skip_pages,
@@ -122,7 +159,7 @@ class NixlReceiver(RoomHandle, KVReceiver):
         mismatch, or on a decode rank other than 0 (the record goes to rank 0 only)."""
         if self._state != KVPoll.Success:
             raise KVTransferError(f"room {self.room} has no aux record in state {self._state.name}")
-        if not self._mgr.writes_aux:
+        if not self._ctx.writes_aux:
             raise KVTransferError(
                 f"room {self.room}: the aux record is written into decode rank 0 only"
             )
@@ -134,7 +171,7 @@ class NixlReceiver(RoomHandle, KVReceiver):
         return rec
 
     def _read_aux(self) -> AuxRecord:
-        args = self._mgr.engine.kv_args
+        args = self._ctx.engine.kv_args
         assert self.aux_slot is not None  # read only after init() gave the slot
         return AuxRecord.unpack(
             ctypes.string_at(
@@ -157,9 +194,9 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._told.update(p.info.engine_rank for p in tell)
         # the writers' senders fail too (and acknowledge when they hold our pages)
         for peer in tell:
-            self._mgr.send(
+            self._ctx.send(
                 peer,
-                RoomAbort(self.room, peer.info.instance_id, self._mgr.instance_id, reason, kind),
+                RoomAbort(self.room, peer.info.instance_id, self._ctx.instance_id, reason, kind),
             )
 
     def _settled(self) -> bool:
@@ -179,10 +216,10 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._told.update(peers)
         exc = self.failure_exception()
         for peer in tell:  # e.g. aborted while bootstrapping: prefill's senders must end too
-            self._mgr.send(
+            self._ctx.send(
                 peer,
                 RoomAbort(
-                    self.room, peer.info.instance_id, self._mgr.instance_id, str(exc), PEER_FAILED
+                    self.room, peer.info.instance_id, self._ctx.instance_id, str(exc), PEER_FAILED
                 ),
             )
 
@@ -233,8 +270,8 @@ class NixlReceiver(RoomHandle, KVReceiver):
             self._update_quarantine()
             if self.is_terminal():
                 return
-            if aux and self._mgr.writes_aux and self.aux_slot is not None:
-                args = self._mgr.engine.kv_args
+            if aux and self._ctx.writes_aux and self.aux_slot is not None:
+                args = self._ctx.engine.kv_args
                 n = min(len(aux), args.aux_item_len)
                 ctypes.memmove(args.aux_data_ptr + self.aux_slot * args.aux_item_len, aux, n)
             if self.abort_request is not None:
@@ -243,7 +280,7 @@ class NixlReceiver(RoomHandle, KVReceiver):
                 return
             if not self.done >= set(self.peers):
                 return
-            if self._mgr.writes_aux:
+            if self._ctx.writes_aux:
                 rec = self._read_aux()
                 if rec.room != self.room:
                     self._finish_failed(
@@ -251,8 +288,8 @@ class NixlReceiver(RoomHandle, KVReceiver):
                         TRANSFER_ERROR,
                     )
                     return
-            eng = self._mgr.engine
-            aux_bytes = eng.kv_args.aux_item_len if self._mgr.writes_aux else 0
+            eng = self._ctx.engine
+            aux_bytes = eng.kv_args.aux_item_len if self._ctx.writes_aux else 0
             self._finish_success(
                 len(self.dst_pages) * eng.page_bytes + aux_bytes,
                 len(self.dst_pages),

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pdserve import envs
-from pdserve.disagg.base import PD_ROLES
+from pdserve.disagg.base import PD_ROLES, Role
+from pdserve.disagg.transfer_config import NixlInitSpec
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ProbeReport:
 
 def probe_nixl(
     backends: list[str] | None = None,
-    role: str = "prefill",
+    role: Role = Role.PREFILL,
     device: str = "cpu",
     gpu_id: int = 0,
     timeout_s: float | None = None,
@@ -45,7 +46,7 @@ def probe_nixl(
     thread count), others none. Never raises for NIXL problems: they land in ``problems``."""
     from pdserve.disagg.base import KVArgs, KVLayout
     from pdserve.disagg.deadline import run_with_deadline
-    from pdserve.disagg.nixl.agent_init import NixlInitSpec, select_device
+    from pdserve.disagg.nixl.agent.init import select_device
 
     configured = envs.DISAGGREGATION_NIXL_BACKEND.get()
     report = ProbeReport(configured)
@@ -55,7 +56,7 @@ def probe_nixl(
     except ValueError as exc:
         report.problems.append(f"configuration: {exc}")
         return report
-    from pdserve.disagg.nixl.api import NixlUnavailableError, load_nixl_api
+    from pdserve.disagg.nixl.agent.api import NixlUnavailableError, load_nixl_api
 
     try:
         api = load_nixl_api()
@@ -122,7 +123,12 @@ def _doctor_peer(peer: str, timeout_s: float) -> int:
     except ValueError as exc:
         print(f"pdserve doctor: error: {exc}")
         return 2
-    report = check_peer(host, port, timeout_s)
+    try:
+        spec = NixlInitSpec.from_env(Role.DECODE)
+    except ValueError as exc:
+        print(f"PROBLEM: configuration: {exc}")
+        return 1
+    report = check_peer(host, port, spec, timeout_s)
     for kind, text in report.lines:
         print(f"{ {'ok': 'OK', 'warn': 'WARNING', 'fail': 'PROBLEM'}[kind] }: {text}")
     return 0 if report.ok else 1
@@ -166,6 +172,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--role",
+        type=Role,
         choices=PD_ROLES,
         default="prefill",
         help="whose thread count to pass (prefill 8, decode 0 unless configured)",

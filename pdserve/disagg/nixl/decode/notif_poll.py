@@ -6,18 +6,14 @@ the notifications are read:
 
 - on VRAM, back to back with ``os.sched_yield`` between reads and no back-off, however
   long the prefill takes: the copy engines move the bytes and the CPU has nothing else to
-  do for the room; ``time.sleep(0)`` would sleep the timer slack (~50-60 us) and a
-  back-off after a few ms put decode 0.1-0.3 ms behind prefill on every room (H200, main
-  a8c6fea: a one-page room was ``Success`` on prefill 0.094 ms after ``send``, on decode
-  0.270 ms);
+  do for the room; ``time.sleep(0)`` would sleep the timer slack and a back-off put
+  decode behind prefill on every room (figures: docs/benchmarks.md, "Notes moved from
+  disagg docstrings");
 - on host memory, every ``HOST_POLL_S``: there a CPU does the copy (UCX CMA, inside
   prefill's post) while decode waits, and each read of decode's takes CPU from that copy
-  on a small machine (2-core CPU machine: a read ~5 us CPU, a ``time.sleep(50e-6)``
-  ~13 us CPU). Decode read every ~60-140 us for 50 ms after each destination or
-  notification before; ``bench transfer`` at 64 and 128 MiB, 9 interleaved pairs of
-  runs, loaded machine: managed / raw NIXL median 0.76 then, 0.85 reading every
-  250 us (with the bench's harness polling every 1 ms), decode's one-page fixed cost no
-  worse; a CPU engine polls its rooms once per step, milliseconds apart.
+  on a small machine; reading less often made large transfers faster and small ones no
+  slower (figures: docs/benchmarks.md); a CPU engine polls its rooms once per step,
+  milliseconds apart.
 
 With no room transferring it waits on the manager's *wake* event (set when a destination
 goes out) for at most ``IDLE_WAIT_S``, so late notifications still drain. The event is

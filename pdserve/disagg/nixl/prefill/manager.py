@@ -3,14 +3,14 @@ and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
 out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server
-(:mod:`.prefill_bootstrap`: rank 0 serves it, every rank registers there). A destination
+(:mod:`.bootstrap`: rank 0 serves it, every rank registers there). A destination
 may arrive before the engine created the room (the router sends to both workers at
 once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
 not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:mod:`.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
+(:mod:`~pdserve.disagg.nixl.agent.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
 each decode agent is loaded into both. The decode peers (Hello, the heads written there,
-forgetting those a ``Ping`` cannot reach): :mod:`.decode_peers`.
+forgetting those a ``Ping`` cannot reach): :mod:`.peers`.
 
 Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
 worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
@@ -30,9 +30,8 @@ import uuid
 
 import zmq
 
-from pdserve import envs
 from pdserve.advertise import advertised_host, url_host
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender
+from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender, Role
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     HealthInfo,
@@ -46,14 +45,15 @@ from pdserve.disagg.messages import (
     encode_control,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent_init import select_device
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.decode_peers import DecodePeers
-from pdserve.disagg.nixl.notifier import NixlNotifier
-from pdserve.disagg.nixl.prefill_bootstrap import PrefillBootstrap, rank_info
-from pdserve.disagg.nixl.sender import NixlSender
-from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
-from pdserve.disagg.nixl.transfer_workers import TransferWorkers
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.notifier import NixlNotifier
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
+from pdserve.disagg.nixl.prefill.peers import DecodePeers
+from pdserve.disagg.nixl.prefill.sender import NixlSender, SenderContext
+from pdserve.disagg.nixl.prefill.transfer_workers import TransferWorkers
+from pdserve.disagg.room_plan import check_room
 from pdserve.disagg.rooms import (
     PEER_FAILED,
     PEER_RESTARTED,
@@ -61,9 +61,8 @@ from pdserve.disagg.rooms import (
     FailureInjector,
     RoomTable,
     ServiceThreads,
-    check_room,
-    positive_env,
 )
+from pdserve.disagg.transfer_config import TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,52 +70,60 @@ log = logging.getLogger(__name__)
 class NixlPrefillManager(KVManager):
     """Prefill role over NIXL (see module doc).
 
-    args: the KV pool and aux buffer to register; bootstrap_host/bootstrap_port: where the
-    bootstrap server and the ZMQ control endpoint listen (port 0 = free port); for a rank
-    >= 1 (``args.engine_rank``) ``bootstrap_port`` is rank 0's server, where it registers;
-    advertise_host: the address decode reaches the control endpoint by (``None``: derived
-    from ``bootstrap_host`` by :func:`pdserve.advertise.advertised_host`). Raises
+    args: the KV pool and aux buffer to register; cfg: the worker's transfer settings
+    (``cfg.bootstrap``: where the bootstrap server and the ZMQ control endpoint listen,
+    port 0 = free port; for a rank >= 1 (``args.engine_rank``) its port is rank 0's
+    server, where it registers; its ``advertise_host``: the address decode reaches the
+    control endpoint by, ``None``: derived from the host by
+    :func:`pdserve.advertise.advertised_host`). Raises
     OSError naming the port when it is taken, and whatever NIXL initialisation raises.
     """
 
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(
         self,
         args: KVArgs,
+        cfg: TransferConfig,
         *,
-        bootstrap_host: str,
-        bootstrap_port: int,
         api: NixlApi,
-        advertise_host: str | None = None,
         start_threads: bool = True,
     ) -> None:
         self.instance_id = uuid.uuid4().hex
-        self.bootstrap_timeout = positive_env(envs.DISAGGREGATION_BOOTSTRAP_TIMEOUT)
-        self.transfer_timeout = positive_env(envs.DISAGGREGATION_WAITING_TIMEOUT)
-        num_workers = envs.DISAGGREGATION_TRANSFER_WORKERS.get()
-        if num_workers < 1:
-            raise ValueError(
-                f"PDSERVE_DISAGGREGATION_TRANSFER_WORKERS must be >= 1, got {num_workers}"
-            )
+        self.cfg = cfg
+        self.bootstrap_timeout = cfg.bootstrap_timeout_s
+        self.transfer_timeout = cfg.waiting_timeout_s
         self.rank = args.tp
+        bootstrap_host = cfg.bootstrap.host
         # checked before any agent or socket exists (a bad port leaks nothing)
-        self._bootstrap = PrefillBootstrap(self.rank, bootstrap_host, bootstrap_port, self._health)
-        self._injector = FailureInjector()
+        self._bootstrap = PrefillBootstrap(
+            self.rank, bootstrap_host, cfg.bootstrap.port, self._health
+        )
+        self._injector = FailureInjector(cfg.failure_prob)
         self._metrics = TransferMetrics()
-        self._rooms: RoomTable[NixlSender] = RoomTable("prefill")
+        self._rooms: RoomTable[NixlSender] = RoomTable(Role.PREFILL)
         self._match = threading.Lock()  # rooms vs pending destinations / early aborts
         self._pending: dict[int, tuple[RoomDest, bytes, float]] = {}
         self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._down = False
         self.engine = NixlTransferEngine(
-            api, args, "prefill", f"pdserve-prefill-{self.instance_id[:12]}"
+            api, args, Role.PREFILL, f"pdserve-prefill-{self.instance_id[:12]}", cfg.agent
         )
         self.notifier = NixlNotifier(api, f"{self.engine.name}-notif", args, self.engine.spec)
         self._peers = DecodePeers(self.engine, self.notifier, self.rank)
         self._workers = TransferWorkers(
             self.engine, self.instance_id, self.transfer_timeout, self.notifier, self._metrics
+        )
+        self._room_ctx = SenderContext(
+            self._rooms,
+            self._metrics,
+            self._injector,
+            self.engine,
+            self.rank,
+            self.bootstrap_timeout,
+            self._workers.submit,
+            self.room_failed,
         )
         self._threads = ServiceThreads("pdserve-prefill")
         self._ctx = zmq.Context()
@@ -128,7 +135,7 @@ class NixlPrefillManager(KVManager):
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         control_port = self._router.bind_to_random_port(f"tcp://{zmq_host}")
-        advertised = url_host(advertised_host(host, advertise_host))
+        advertised = url_host(advertised_host(host, cfg.bootstrap.advertise_host))
         self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
         self._start_threads = start_threads
@@ -142,7 +149,7 @@ class NixlPrefillManager(KVManager):
     # --- start-up -------------------------------------------------------------------
     def _start(self) -> None:
         self._bootstrap.serve()
-        for i in range(envs.DISAGGREGATION_TRANSFER_WORKERS.get()):
+        for i in range(self.cfg.transfer_workers):
             self._threads.start(f"transfer-{i}", self._workers.loop)
         self._threads.start("control", self._control_loop)
         self._bootstrap.register(
@@ -163,7 +170,7 @@ class NixlPrefillManager(KVManager):
         room = check_room(bootstrap_room)
         if self._down:
             raise RuntimeError("the prefill KV manager is shut down")
-        sender = NixlSender(room, self)
+        sender = NixlSender(room, self._room_ctx)
         with self._match:
             self._rooms.add(room, sender)
             self._ended.pop(room, None)
@@ -194,11 +201,7 @@ class NixlPrefillManager(KVManager):
 
     def stats(self) -> dict:
         return dict(
-            self._metrics.snapshot(),
-            role="prefill",
-            backend="nixl",
-            rooms=self._rooms.count_by_state(),
-            live_rooms=len(self._rooms),
+            self._rooms.stats(self._metrics, "nixl"),
             **self._peers.counts(),
             notifier_remote_agents=self.notifier.num_remotes(),
             prepared_dlists=self.engine.num_prepared_lists(),
@@ -213,7 +216,7 @@ class NixlPrefillManager(KVManager):
             return
         self._down = True
         for sender in self._rooms.handles():
-            sender._fail("the prefill KV manager shut down", SHUTDOWN)
+            sender.fail("the prefill KV manager shut down", SHUTDOWN)
         self._threads.stop()
         self._bootstrap.stop()
         self._outbox.close()
@@ -222,18 +225,6 @@ class NixlPrefillManager(KVManager):
         self.engine.close()
 
     # --- used by senders ----------------------------------------------------------------
-    def submit(
-        self,
-        sender: NixlSender,
-        src: list[int],
-        dst: list[int],
-        last: bool,
-        premade: dict | None = None,
-    ) -> None:
-        """Post (or queue for a transfer thread) one ``send`` of a room
-        (:mod:`.transfer_workers`); ``premade``: its KV WRITEs made ahead, by decode rank."""
-        self._workers.submit(sender, src, dst, last, premade)
-
     def room_failed(self, sender: NixlSender, reason: str, kind: str) -> None:
         """Tell decode (if it is known) that the room ended on prefill."""
         with self._match:
@@ -350,7 +341,7 @@ class NixlPrefillManager(KVManager):
     def _prune(self) -> None:
         """Forget destinations, aborts and endings older than the bootstrap timeout; a
         destination nobody claimed fails on decode; decode peers that are gone (a
-        ``Ping`` ZMQ cannot route: :meth:`~.decode_peers.DecodePeers.forget_gone`)."""
+        ``Ping`` ZMQ cannot route: :meth:`~.peers.DecodePeers.forget_gone`)."""
         used = {id(p) for s in self._rooms.handles() for p in s.peers()}
         self._peers.forget_gone(lambda identity: self._send(identity, Ping(self.instance_id)), used)
         cutoff = time.monotonic() - self.bootstrap_timeout

@@ -13,9 +13,10 @@ import numpy as np
 
 from pdserve.disagg.base import KVArgs
 from pdserve.disagg.messages import BufferDescs
-from pdserve.disagg.nixl.agent_init import NixlInitSpec, create_agent, device_type
-from pdserve.disagg.nixl.api import NixlApi
-from pdserve.disagg.nixl.dlists import PreparedLists, RemoteSide, check_descs, page_indices
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.dlists import PreparedLists, RemoteSide, check_descs, page_indices
+from pdserve.disagg.nixl.agent.init import create_agent, device_type
+from pdserve.disagg.transfer_config import NixlInitSpec
 
 
 def _as_str(name: Any) -> str:
@@ -31,12 +32,13 @@ class NixlTransferEngine(PreparedLists):
     """
 
     def __init__(
-        self, api: NixlApi, kv_args: KVArgs, role: str, name: str, spec: NixlInitSpec | None = None
+        self, api: NixlApi, kv_args: KVArgs, role: str, name: str, spec: NixlInitSpec
     ) -> None:
         self.name = name
         self.role = role
         self.kv_args = kv_args
-        self.agent, self.spec = create_agent(api, name, kv_args, role, spec)
+        self.spec = spec
+        self.agent = create_agent(api, name, kv_args, role, spec)
         on_gpu = device_type(kv_args) != "cpu"
         self.kv_mem = "VRAM" if on_gpu else "DRAM"
         dev = kv_args.gpu_id if on_gpu else 0

@@ -19,25 +19,53 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.disagg.base import AuxRecord, KVPoll, KVSender
 from pdserve.disagg.messages import RoomDest
-from pdserve.disagg.rooms import BOOTSTRAP_TIMEOUT, PEER_FAILED, TRANSFER_ERROR, RoomHandle
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.rooms import (
+    BOOTSTRAP_TIMEOUT,
+    PEER_FAILED,
+    TRANSFER_ERROR,
+    FailureInjector,
+    RoomHandle,
+    RoomTable,
+)
+from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.decode_peers import DecodePeer
-    from pdserve.disagg.nixl.prefill import NixlPrefillManager
+    from pdserve.disagg.nixl.prefill.peers import DecodePeer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SenderContext:
+    """What a prefill room uses of its manager, fixed when the manager starts: the room
+    table, counters and failure injection every room shares, the transfer engine, this
+    rank, the bootstrap timeout, where a ``send`` goes (``TransferWorkers.submit``) and
+    how decode is told that a room ended here (``room_failed``)."""
+
+    rooms: RoomTable[NixlSender]
+    metrics: TransferMetrics
+    injector: FailureInjector
+    engine: NixlTransferEngine
+    rank: TPRank
+    bootstrap_timeout_s: float
+    submit: Callable[[NixlSender, list[int], list[int], bool, dict | None], None]
+    room_failed: Callable[[NixlSender, str, str], None]
 
 
 class NixlSender(RoomHandle, KVSender):
     """See module doc. Created by ``NixlPrefillManager.create_sender``."""
 
-    def __init__(self, room: int, manager: NixlPrefillManager) -> None:
-        super().__init__(room, manager._rooms, manager._metrics, manager._injector)
-        self._mgr = manager
+    def __init__(self, room: int, ctx: SenderContext) -> None:
+        super().__init__(room, ctx.rooms, ctx.metrics, ctx.injector)
+        self._ctx = ctx
         self._created = time.monotonic()
         self.dest: RoomDest | None = None  # the first destination (all list the same pages)
         self.dests: dict[int, tuple[RoomDest, DecodePeer]] = {}  # by decode rank
@@ -59,20 +87,20 @@ class NixlSender(RoomHandle, KVSender):
     def _tick(self) -> None:
         if (
             self._state == KVPoll.Bootstrapping
-            and time.monotonic() - self._created > self._mgr.bootstrap_timeout
+            and time.monotonic() - self._created > self._ctx.bootstrap_timeout_s
         ):
             self._fail(
                 f"room {self.room}: decode's destination did not arrive within "
-                f"{self._mgr.bootstrap_timeout:g} s (PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                f"{self._ctx.bootstrap_timeout_s:g} s (PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
                 BOOTSTRAP_TIMEOUT,
             )
 
     def init(self, num_pages: int, aux_slot: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        if not 0 <= aux_slot < self._mgr.engine.num_aux_slots:
+        if not 0 <= aux_slot < self._ctx.engine.num_aux_slots:
             raise ValueError(
-                f"aux_slot must be in [0, {self._mgr.engine.num_aux_slots}), got {aux_slot}"
+                f"aux_slot must be in [0, {self._ctx.engine.num_aux_slots}), got {aux_slot}"
             )
         with self._lock:
             self.num_pages, self.aux_slot = num_pages, aux_slot
@@ -106,7 +134,7 @@ class NixlSender(RoomHandle, KVSender):
         try:
             for rank, (_, peer) in sorted(self.dests.items()):
                 assert peer.remote is not None  # a destination is attached only with its peer
-                made[rank] = self._mgr.engine.make_room_write(peer.remote, src, self.dest.dst_pages)
+                made[rank] = self._ctx.engine.make_room_write(peer.remote, src, self.dest.dst_pages)
         except Exception as exc:  # noqa: BLE001 - send() posts the usual way
             log.warning("room %d: WRITE not made ahead: %s", self.room, exc)
             self.premade = made
@@ -119,7 +147,7 @@ class NixlSender(RoomHandle, KVSender):
         made, self.premade = self.premade, None
         for h in (made or {}).values():
             try:
-                self._mgr.engine.release(h)
+                self._ctx.engine.release(h)
             except Exception as exc:  # noqa: BLE001 - never posted: NIXL has nothing to cancel
                 log.warning("room %d: releasing a WRITE made ahead: %s", self.room, exc)
 
@@ -173,7 +201,7 @@ class NixlSender(RoomHandle, KVSender):
                 premade, self.premade = self.premade, None  # the job posts (and releases) them
             self._drop_premade()  # any other send: they are not these WRITEs
             self.inflight += 1
-        self._mgr.submit(self, src, dst, last, premade)
+        self._ctx.submit(self, src, dst, last, premade)
 
     def peers(self) -> list[DecodePeer]:
         """The decode rank peers of the destinations received so far."""
@@ -185,7 +213,7 @@ class NixlSender(RoomHandle, KVSender):
 
     def writes_aux(self, peer: DecodePeer) -> bool:
         """The aux record goes from prefill rank 0 to decode rank 0 only (in ``XferDone``)."""
-        return self._mgr.rank.rank == 0 and peer.engine_rank == 0
+        return self._ctx.rank.rank == 0 and peer.engine_rank == 0
 
     def reply_identities(self) -> list[bytes]:
         """The decode ranks to tell when the room ends here."""
@@ -207,7 +235,13 @@ class NixlSender(RoomHandle, KVSender):
                 return False
         return True
 
-    def _fail(self, reason: str, kind: str) -> None:
+    def fail(self, reason: str, kind: str) -> None:
+        """End the room as failed (``kind``: a failure kind of :mod:`pdserve.disagg.rooms`)
+        and tell decode; while WRITEs are in flight it ends when they all have (module
+        doc). Nothing once terminal. The manager's shutdown calls it."""
+        self._fail(reason, kind)
+
+    def _fail(self, reason: str, kind: str) -> None:  # RoomHandle's hook (abort, injection)
         with self._lock:
             self._drop_premade()
             if self.is_terminal():
@@ -216,7 +250,7 @@ class NixlSender(RoomHandle, KVSender):
                 self.abort_request = self.abort_request or (reason, kind)
                 return
             self._finish_failed(reason, kind)
-        self._mgr.room_failed(self, reason, kind)
+        self._ctx.room_failed(self, reason, kind)
 
     # --- control thread / transfer workers ----------------------------------------------
     def attach_dest(
@@ -250,7 +284,7 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(f"room {self.room}: destinations disagree: {problem}", PEER_FAILED)
         elif terminal and self._state == KVPoll.Failed:
             exc = self.failure_exception()
-            self._mgr.room_failed(self, str(exc), PEER_FAILED)
+            self._ctx.room_failed(self, str(exc), PEER_FAILED)
 
     def peer_abort(self, reason: str, kind: str, identity: bytes) -> None:
         """Decode gave up on the room (control thread); answered once terminal."""
@@ -258,7 +292,7 @@ class NixlSender(RoomHandle, KVSender):
             self._reply[identity] = None
             already = self.is_terminal()
         if already:
-            self._mgr.room_failed(self, f"room {self.room} had already ended on prefill", kind)
+            self._ctx.room_failed(self, f"room {self.room} had already ended on prefill", kind)
         else:
             self._fail(f"decode gave up on room {self.room}: {reason}", kind)
 
@@ -289,7 +323,7 @@ class NixlSender(RoomHandle, KVSender):
         elif abort is not None:
             self._fail(*abort)
         else:
-            eng = self._mgr.engine
+            eng = self._ctx.engine
             start, end = eng.kv_args.kv_heads
             heads = sum(
                 peer.remote.heads[1] - peer.remote.heads[0] for peer in self.peers() if peer.remote

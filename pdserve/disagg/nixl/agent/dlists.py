@@ -7,8 +7,7 @@ layout's descriptor order, :meth:`pdserve.engine.kv_layout.KVCacheLayout.regions
 for a layer-major pool, one for a page-major pool). A room's transfer lists its indices
 buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
 address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
-(measured: 2048 consecutive 4 KiB pages go 7x faster than 2048 scattered ones, and as
-fast as hand-built coalesced descriptors).
+(as fast as hand-built coalesced descriptors: docs/benchmarks.md).
 
 Tensor parallelism: when this rank writes exactly the KV heads the peer rank holds (equal
 head ranges, the usual case) the lists are the whole-page ones above.  Otherwise
@@ -29,10 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.disagg.base import KVArgs
+from pdserve.disagg.base import PAGE_MAJOR, KVArgs, Role
 from pdserve.disagg.messages import BufferDescs
-
-PAGE_MAJOR = "page_major"  # the name of that order in pdserve.engine.kv_layout (engine side)
 
 
 def _strided_rows(d: BufferDescs) -> np.ndarray:
@@ -121,7 +118,7 @@ class PreparedLists:
         self._dlists: list[Any] = []
         self.local_kv = self.local_aux = None
         self._local_slices: dict[tuple[int, int], Any] = {}  # heads -> local slice list
-        if role == "prefill":
+        if role == Role.PREFILL:
             self.local_kv = self._prep("NIXL_INIT_AGENT", self.kv_descs)
             self.local_aux = self._prep("NIXL_INIT_AGENT", self.aux_descs)
 

@@ -1,12 +1,12 @@
 """Decode's prefill peers: the prefill rank instances it writes rooms with, the suspects
-among them, and the quarantine bookkeeping (the rules: :mod:`.decode`'s module doc).
+among them, and the quarantine bookkeeping (the rules: :mod:`.manager`'s module doc).
 
 A peer is one prefill rank *instance* (``PrefillPeer``, keyed ``(host, port,
 engine_rank)``), with its NIXL agent loaded once. A peer declared dead by the heartbeat
 while one of its rooms holds decode's pages stays a *suspect* (agent loaded, still
 heartbeaten) until that incarnation ends the room or is known gone; then, as any peer
 that is gone, its agent is removed (``remove_remote_agent``), so restarts leave remote
-agents flat (:func:`~.peer_life.forget_agent`). The heartbeat (:meth:`PrefillPeers.heartbeat`:
+agents flat (:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`). The heartbeat (:meth:`PrefillPeers.heartbeat`:
 one ``GET /health`` per prefill bootstrap server, judging every peer and suspect of it)
 declares peers dead or gone. Used by the bootstrap thread (``peer_for``) and the heartbeat
 thread (``heartbeat``); ``stats`` by whoever reads the manager's stats.
@@ -18,31 +18,18 @@ import base64
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
 
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.messages import RankInfo
-from pdserve.disagg.nixl.peer_life import forget_agent
+from pdserve.disagg.nixl.agent.peer_life import forget_agent
+from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
 from pdserve.disagg.rooms import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.receiver import NixlReceiver
-    from pdserve.disagg.nixl.transfer_engine import NixlTransferEngine
-
-
-@dataclass
-class PrefillPeer:
-    """One instance of a prefill rank, as found at its bootstrap server ``key[:2]``;
-    ``key`` is ``(host, port, engine_rank)``."""
-
-    key: tuple[str, int, int]
-    info: RankInfo
-    agent_name: str | None  # None: never loaded (mismatched peer, only told about aborts)
-    misses: int = 0
-    dead: bool = False
+    from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 
 
 class PrefillPeers:
