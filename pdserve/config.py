@@ -12,9 +12,8 @@ from typing import Any
 
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
+from pdserve.embedded import EMBEDDED_MODEL_ID
 from pdserve.ports import check_port
-
-EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
 
 # The attention backends' names, so that ModelConfig checks a name without importing the
 # model; ``model/attention.py``'s registry maps each to its class (a test keeps the two equal).

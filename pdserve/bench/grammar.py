@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pdserve.config import EMBEDDED_MODEL_ID
+from pdserve.embedded import EMBEDDED_MODEL_ID
 
 # A typical response_format schema: strings, an integer, an enum, an array, a nested object.
 BENCH_SCHEMA = {

@@ -116,7 +116,7 @@ def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list
 
 
 def _prompts(llm, n: int) -> list[list[int]]:
-    from pdserve.eval.gsm8k import build_messages, load_gsm8k_test
+    from pdserve.bench.gsm8k_data import build_messages, load_gsm8k_test
 
     return [llm.chat_token_ids(build_messages(item.question)) for item in load_gsm8k_test()[:n]]
 

@@ -168,7 +168,7 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
             )
             for i in range(n)
         ]
-    from pdserve.eval.gsm8k import format_question, load_gsm8k_test
+    from pdserve.bench.gsm8k_data import format_question, load_gsm8k_test
 
     items = load_gsm8k_test()
     return [

@@ -1,7 +1,8 @@
 """``pdserve eval gsm8k``: GSM8K accuracy of an OpenAI-compatible URL (and a second one).
 
-The prompt format, the few-shot source and the answer extraction are stated in
-``pdserve/eval/gsm8k.py``; scoring and comparison in ``pdserve/eval/runner.py``.
+The prompt format and the few-shot source are stated in ``pdserve/bench/gsm8k_data.py``, the
+answer extraction in ``pdserve/eval/gsm8k.py``; scoring and comparison in
+``pdserve/eval/runner.py``.
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def _print(targets: list[dict[str, Any]], comparison: dict[str, Any] | None) -> 
 def run_gsm8k(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve eval gsm8k``: 0 ok, 1 unreachable target or every request
     failed, 2 bad arguments."""
+    from pdserve.bench import gsm8k_data
     from pdserve.bench.report import json_safe
     from pdserve.eval import gsm8k
 
@@ -204,8 +206,8 @@ def run_gsm8k(args: argparse.Namespace) -> int:
             "arguments": {k: v for k, v in vars(args).items() if k != "func"},
             "machine": {"host": platform.node(), "platform": platform.platform()},
             "prompt_format": {
-                "instruction": gsm8k.INSTRUCTION,
-                "user_message": gsm8k.format_question("<question>"),
+                "instruction": gsm8k_data.INSTRUCTION,
+                "user_message": gsm8k_data.format_question("<question>"),
                 "few_shot_source": "first num_shots rows of the test split, excluded from scoring",
                 "extraction": gsm8k.EXTRACTION_RULE,
                 "sampling": {"temperature": 0.0, "max_tokens": args.max_tokens},

@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.gsm8k_data import GSM8KItem, build_messages
 from pdserve.bench.openai_client import chat_completion
-from pdserve.eval.gsm8k import GSM8KItem, build_messages, extract_answer, wilson_interval
+from pdserve.eval.gsm8k import extract_answer, wilson_interval
 
 
 @dataclass(frozen=True)

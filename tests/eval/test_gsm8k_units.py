@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.eval.gsm8k import (
+from pdserve.bench.gsm8k_data import (
     INSTRUCTION,
     build_messages,
-    extract_answer,
     format_solution,
     load_gsm8k_test,
     normalize_number,
-    split_shots,
-    wilson_interval,
 )
+from pdserve.eval.gsm8k import extract_answer, split_shots, wilson_interval
 from pdserve.eval.runner import QuestionResult, compare_results, summarize_eval
 
 
