@@ -1,8 +1,8 @@
 """Every environment variable pdserve reads, declared once, typed, with its default.
 
 Read a value with ``envs.NAME.get()``; the value is parsed on each call so tests can
-set the variable with ``monkeypatch.setenv``. ``pdserve --help-env`` and the README's
-table are generated from :data:`ALL`.
+set the variable with ``monkeypatch.setenv``. ``pdserve --help-env`` and the table in
+docs/reference.md are generated from :data:`ALL`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pdserve.disagg.base import ROOM_LIMIT
 
 # Cap on the rooms one request reserves through a PD router (workers reject
-# n > protocol.MAX_N); documented in the README's `n` row (launch/api_docs.py).
+# n > protocol.MAX_N); documented in docs/reference.md's `n` row (launch/api_docs.py).
 MAX_ROOMS_PER_REQUEST = 1024
 
 

@@ -1,8 +1,8 @@
 """Markdown tables of every request field of the HTTP API, generated from the pydantic
 models of ``server/protocol.py`` (names, types, defaults) and the meanings below (one
-sentence per field). The README's reference section includes them
-(``python -m pdserve.launch.flag_docs --update README.md``); ``tests/e2e/test_readme.py``
-fails when a field has no meaning here or the README is stale."""
+sentence per field). docs/reference.md includes them
+(``python -m pdserve.launch.flag_docs --update docs/reference.md``); ``tests/e2e/test_readme.py``
+fails when a field has no meaning here or docs/reference.md is stale."""
 
 from __future__ import annotations
 

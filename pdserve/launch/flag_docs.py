@@ -1,6 +1,6 @@
 """Markdown tables of every ``pdserve`` sub-command's flags, every environment variable
 and every HTTP request field, generated from the argparse parsers, ``pdserve.envs`` and
-``pdserve.launch.api_docs`` (the README's reference section is this output:
+``pdserve.launch.api_docs`` (the generated part of docs/reference.md is this output:
 ``python -m pdserve.launch.flag_docs``)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Rendering: a chat template that knows tools (its source mentions ``tools``) gets
 through ``apply_chat_template(tools=...)`` and the messages as they are (an assistant's
 ``tool_calls`` with ``arguments`` parsed to objects, ``tool`` messages with
 ``tool_call_id``).  A template without tools (the embedded SmolLM2's) gets pdserve's
-default format, documented in the README:
+default format, documented in docs/reference.md:
 
 * a system message listing the functions (one JSON object per line: name, description,
   parameters) and asking for calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``

@@ -1,6 +1,6 @@
 """deploy/: the Kubernetes manifests pass a strict schema check (kubernetes-validate, the
 Kubernetes OpenAPI schemas), their container arguments parse with pdserve's own CLI into
-valid configs, probes/ports/anti-affinity are what the README promises, and the
+valid configs, probes/ports/anti-affinity are what docs/deployment.md promises, and the
 Dockerfiles pass hadolint and install the versions the Makefile pins."""
 
 from __future__ import annotations
