@@ -124,8 +124,7 @@ def timer_overhead_us(clock: Callable[[], float], calls: int = 20000) -> float:
 def synthetic_executor(vocab: int, eos: frozenset[int], logprobs: int | None, seed: int = 0):
     """An ``execute(plan)`` that returns a random non-EOS token (logprob -1.0, and
     ``logprobs`` made-up alternatives) for each sampling row: no model, no tensors."""
-    from pdserve.engine.model_runner import StepResult
-    from pdserve.engine.sampler import SampledToken
+    from pdserve.engine.step import SampledToken, StepResult
 
     rng = random.Random(seed)
     k = logprobs or 0

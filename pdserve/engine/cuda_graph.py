@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import SampledToken
+from pdserve.engine.step import SampledToken
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import LlamaForCausalLM
 

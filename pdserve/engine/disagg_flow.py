@@ -35,8 +35,9 @@ from pdserve.disagg.base import (
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
-from pdserve.engine.sampler import SampledToken, skip_draw
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.sampler import skip_draw
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import BatchPlan, SampledToken
 
 logger = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from pdserve.disagg.base import KVLayout, KVManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_dtype, resolve_rank_device
 from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.executor import RankFailedError, create_executor
+from pdserve.engine.executor import RankFailedError
+from pdserve.engine.executor_factory import create_executor
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.model_runner import StepResult
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import OverlapScheduler
 from pdserve.engine.request import DisaggRequestInfo, Request, Status
-from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.stop import check_stops, tokens_banned_before_min
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
 from pdserve.model.attention import default_backend

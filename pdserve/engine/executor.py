@@ -1,7 +1,8 @@
 """How the scheduler runs a step: over one in-process rank (TP=1) or N tensor-parallel ranks.
 
-``EngineCore`` owns the scheduler and hands each :class:`~pdserve.engine.scheduler.BatchPlan`
-to an :class:`Executor` made by :func:`create_executor`:
+``EngineCore`` owns the scheduler and hands each :class:`~pdserve.engine.step.BatchPlan`
+to an :class:`Executor` made by ``create_executor`` (``engine/executor_factory.py``, apart
+so that this module and ``multiproc_executor`` do not import each other):
 
 - :class:`LocalExecutor` (TP=1, here): the rank lives in this process; ``execute`` is the
   model runner's ``execute``, nothing else (same behaviour, same speed as before the split).
@@ -18,18 +19,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import InFlightTokens, StepResult
-from pdserve.engine.rank_worker import RankContext, build_rank
-from pdserve.engine.scheduler import BatchPlan
+from pdserve.engine.rank_worker import RankContext
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from pdserve.model.loader import ModelSource
 
 
 class RankFailedError(RuntimeError):
@@ -127,36 +122,3 @@ def check_tp_split(hf_config: PretrainedConfig, tp_size: int) -> None:
 
     for rank in range(tp_size):
         ModelShapes(hf_config, TPRank(rank, tp_size))
-
-
-def create_executor(
-    config: EngineConfig,
-    source: ModelSource,
-    dtype: torch.dtype,
-    attention_backend: str,
-    generator: torch.Generator,
-) -> Executor:
-    """The executor of ``config.model.tensor_parallel_size`` ranks, rank 0 built here
-    (``generator``: its draws of unseeded random rows).  ValueError naming the field for a
-    model that does not split, or a bad device, context limit or pool size."""
-    from pdserve.engine.device import resolve_rank_device
-    from pdserve.model.tp_group import TPGroup
-
-    n = config.model.tensor_parallel_size
-    if n == 1:
-        device = resolve_rank_device(config.model, 0)
-        ctx = build_rank(
-            config,
-            source,
-            TPGroup.single(),
-            device,
-            dtype,
-            attention_backend,
-            lambda p: p,
-            generator,
-        )
-        return LocalExecutor(ctx)
-    check_tp_split(source.hf_config, n)
-    from pdserve.engine.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, source, dtype, attention_backend, generator)

@@ -3,59 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampler import (
-    SampledToken,
-    plain_greedy,
-    sample,
-    sample_request_of,
-    top_logprobs,
-)
-from pdserve.engine.scheduler import BatchPlan
+from pdserve.engine.sampler import plain_greedy, sample, sample_request_of, top_logprobs
 from pdserve.engine.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult, TokenLogprob
 from pdserve.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graph import CUDAGraphRunner
     from pdserve.model.llama import LlamaForCausalLM
-
-
-@dataclass
-class StepResult:
-    """What a step produced: a sampled token per sampling sequence, and prompt logprobs
-    (one ``TokenLogprob`` per target token of the plan) per request that asked for them."""
-
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-
-
-@dataclass
-class InFlightTokens:
-    """The greedy tokens of a launched step, not yet waited for (overlap scheduling).
-
-    device: ``[B, 2]`` float64 (argmax id, its raw logprob) per row on the device; the next
-        step gathers its input ids from it (valid until that step is launched).
-    host: the same, on the host (pinned on CUDA), filled by a copy queued after the step.
-    ready: the event after that copy (``None`` on CPU: the step ran synchronously).
-    """
-
-    device: torch.Tensor
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def tokens(self) -> list[SampledToken]:
-        """Wait for the step and return each row's token (what ``sampler.sample`` returns
-        for a plain greedy row: the argmax, its logprob, no top logprobs)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return [SampledToken(int(t), lp, ()) for t, lp in self.host.tolist()]
 
 
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:

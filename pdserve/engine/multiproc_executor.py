@@ -11,7 +11,7 @@ or times out after ``PDSERVE_TP_TIMEOUT``) turns the executor failed for good:
 ``failure`` names the rank, ``execute`` and ``call_rank`` raise
 :class:`~pdserve.engine.executor.RankFailedError`, and the engine ends its requests with
 ``finish_reason="error"``.  ``shutdown`` stops, joins (terminating when needed) every rank
-process.  Made by :func:`pdserve.engine.executor.create_executor` for N > 1.
+process.  Made by :func:`pdserve.engine.executor_factory.create_executor` for N > 1.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.executor import Executor, RankFailedError, RemoteTraceback
-from pdserve.engine.model_runner import StepResult
 from pdserve.engine.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
-from pdserve.engine.scheduler import BatchPlan
 from pdserve.engine.staging import HEADER_LEN, StepHeader
+from pdserve.engine.step import BatchPlan, StepResult
 from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:

@@ -46,9 +46,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pdserve.engine.model_runner import InFlightTokens, StepResult
 from pdserve.engine.request import Request, Status
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
 
 if TYPE_CHECKING:
     from pdserve.engine.executor import Executor

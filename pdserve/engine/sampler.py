@@ -27,6 +27,7 @@ import torch
 
 from pdserve.engine.penalties import PenaltyTokens, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step import SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class SampleRequest(NamedTuple):
 
 
 def sample_request_of(seq: Any) -> SampleRequest:
-    """The :class:`SampleRequest` of a scheduled sequence (``scheduler.ScheduledSeq``):
+    """The :class:`SampleRequest` of a scheduled sequence (``step.ScheduledSeq``):
     the model runner's one way to build rows, so new sampling inputs need no runner change."""
     return SampleRequest(
         seq.params,
@@ -82,17 +83,6 @@ def plain_greedy(seq: Any) -> bool:
         and not seq.banned_token_ids
         and getattr(seq, "logits_mask", None) is None
     )
-
-
-class SampledToken(NamedTuple):
-    """One row's result: the token, its logprob and its top-k ``(id, logprob)``.
-
-    A named tuple (immutable, typed) rather than a frozen dataclass: one is built per row
-    per step, and a frozen dataclass's ``__init__`` costs several times a tuple's."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:

@@ -25,73 +25,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.request import Request, Status
-from pdserve.engine.sampler import SampledToken
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step import BatchPlan, SampledToken, ScheduledSeq
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import StepResult
-
-
-class ScheduledSeq(NamedTuple):
-    """One request's share of a step: immutable plain data (a NamedTuple: one is built per
-    row per step, at a fraction of a frozen dataclass's cost; ``_replace`` derives one).
-
-    token_ids: the ``n`` tokens whose KV this step computes (positions
-        ``start_pos .. start_pos + n - 1``).
-    pages: the request's page table, covering at least ``start_pos + n`` tokens (the
-        request's own list, shared, never changed in place: the scheduler grows a page
-        table by replacing the list).
-    sample: the last position's logits are sampled (the request is fully computed).
-    prompt_logprobs_start/prompt_logprobs_targets: the logits of positions
-        ``start .. start + len(targets) - 1`` give the logprobs of the prompt tokens
-        ``targets`` (those at positions ``start + 1 ..``); empty when not asked or done.
-    params/generator/banned_token_ids: how to sample (``banned`` = masked ids while
-        ``min_tokens`` is not reached).
-    penalty_tokens: the request's tokens on the device, for the sampler's penalties
-        (``None`` unless ``sample`` and ``params.has_penalties``).
-    logits_mask: bool ``[V]`` allowed tokens of a structured-output row (True = allowed),
-        set by the engine after scheduling; ``None`` = unconstrained.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    pages: list[int]
-    sample: bool
-    prompt_logprobs_start: int
-    prompt_logprobs_targets: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    banned_token_ids: tuple[int, ...] = ()
-    penalty_tokens: PenaltyTokens | None = None
-    logits_mask: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """What one step computes: the sequences in batch order, and who was preempted.
-
-    input_rows: ``None``, or (overlap scheduling, ``engine/overlap.py``) for each sequence
-    the row of the step launched just before whose sampled token is its input: its
-    ``token_ids`` is then ``[-1]``, the token not being known on the host yet.
-    """
-
-    seqs: tuple[ScheduledSeq, ...]
-    preempted: tuple[str, ...] = ()
-    input_rows: tuple[int, ...] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+    from pdserve.engine.step import StepResult
 
 
 class Scheduler:

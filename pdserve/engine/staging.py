@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.scheduler import BatchPlan, ScheduledSeq
+from pdserve.engine.step import BatchPlan, ScheduledSeq
 from pdserve.model.attention import page_table_array, token_slots
 
 # Prompt-logprob rows go through the LM head in chunks so a long prompt never makes a

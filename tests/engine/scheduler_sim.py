@@ -9,11 +9,10 @@ import torch
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_runner import StepResult
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 
 EMPTY_PLAN = BatchPlan(())
 

@@ -62,7 +62,7 @@ def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
 
 def test_plain_greedy_rows_are_argmax_only():
     from pdserve.engine.sampler import plain_greedy
-    from pdserve.engine.scheduler import ScheduledSeq
+    from pdserve.engine.step import ScheduledSeq
 
     def row(banned=(), **kw):
         return ScheduledSeq("r", [1], 0, [0], True, 0, [], SamplingParams(**kw), None, banned)
