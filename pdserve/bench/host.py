@@ -250,7 +250,7 @@ def run_host(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve bench host``; prints one row per concurrency."""
     from pdserve.bench.offline import _parse_counts
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     try:
         counts = _parse_counts(args.num_prompts)

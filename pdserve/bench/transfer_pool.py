@@ -1,6 +1,6 @@
 """What both processes of ``bench transfer`` build alike: the run's configuration
 (:class:`TransferBenchConfig`, the model shapes it names), the KV pool and aux buffer laid
-out like the engine's (:class:`~pdserve.engine.kv_layout.KVCacheLayout`), and the digest
+out like the engine's (:class:`~pdserve.engine.kv.layout.KVCacheLayout`), and the digest
 that checks decode's pages against prefill's.
 """
 
@@ -52,7 +52,7 @@ class TransferBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_id < 0:
             raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
-        from pdserve.engine.kv_layout import check_order
+        from pdserve.engine.kv.layout import check_order
 
         check_order(self.kv_order)
         if self.pattern not in ("served", "runs"):
@@ -68,10 +68,10 @@ class TransferBenchConfig:
 
 
 def pool_layout(cfg: TransferBenchConfig):
-    """The :class:`~pdserve.engine.kv_layout.KVCacheLayout` of both sides' pools."""
+    """The :class:`~pdserve.engine.kv.layout.KVCacheLayout` of both sides' pools."""
     import torch
 
-    from pdserve.engine.kv_layout import KVCacheLayout
+    from pdserve.engine.kv.layout import KVCacheLayout
 
     layers, heads, dim = MODEL_SHAPES[cfg.model_shape]
     return KVCacheLayout(

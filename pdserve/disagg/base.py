@@ -67,7 +67,7 @@ class KVLayout:
 
     ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
     ``float32``; ``page_size`` tokens per page; ``kv_order`` the pool's physical order
-    (``layer_major`` or ``page_major``, see :mod:`pdserve.engine.kv_layout`); the rest are
+    (``layer_major`` or ``page_major``, see :mod:`pdserve.engine.kv.layout`); the rest are
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.

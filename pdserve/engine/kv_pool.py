@@ -15,13 +15,13 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.engine.kv_layout import (
+from pdserve.engine.kv.layout import (
     KVCacheLayout,
     check_order,
     default_order,
     default_page_size,
 )
-from pdserve.engine.page_runs import RunAllocator
+from pdserve.engine.kv.page_runs import RunAllocator
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The step boundary: the plain data that crosses between the engine thread and the ranks.
 
-The scheduler (``engine/scheduler.py``) builds a :class:`BatchPlan` of
-:class:`ScheduledSeq` rows; the executor's ranks (``engine/model_runner.py``) run it and
+The scheduler (``engine/core/scheduler.py``) builds a :class:`BatchPlan` of
+:class:`ScheduledSeq` rows; the executor's ranks (``engine/worker/model_runner.py``) run it and
 return a :class:`StepResult` of :class:`SampledToken` per sampling row and
 :class:`TokenLogprob` per prompt position asked for; an overlapped step's greedy tokens
 come back as :class:`InFlightTokens`.  Both sides import this module and it imports
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # annotations only: importing this module imports no torch
     import torch
 
-    from pdserve.engine.penalties import PenaltyTokens
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.worker.penalties import PenaltyTokens
 
 
 class TokenLogprob(NamedTuple):
@@ -85,7 +85,7 @@ class ScheduledSeq(NamedTuple):
 class BatchPlan:
     """What one step computes: the sequences in batch order, and who was preempted.
 
-    input_rows: ``None``, or (overlap scheduling, ``engine/overlap.py``) for each sequence
+    input_rows: ``None``, or (overlap scheduling, ``engine/core/overlap.py``) for each sequence
     the row of the step launched just before whose sampled token is its input: its
     ``token_ids`` is then ``[-1]``, the token not being known on the host yet.
     """

@@ -70,7 +70,7 @@ def build_worker(
     Raises ValueError naming the field for a bad model/device/dtype."""
     import torch
 
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     if (
         server_cfg.num_threads

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 
 from pdserve.disagg.fake import TERMINAL, FakeKVManager, link
-from pdserve.engine.engine import EngineCore
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.request import DisaggRequestInfo
 
 PROMPT = list(range(300, 322))  # 22 tokens = 6 pages of 4
 rooms = itertools.count(1000)

@@ -6,7 +6,7 @@ output, the page checks made after every step, and the comparison of two runs (f
 from __future__ import annotations
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.engine import EngineCore
+from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]

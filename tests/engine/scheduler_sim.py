@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 
 EMPTY_PLAN = BatchPlan(())

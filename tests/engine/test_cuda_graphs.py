@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.engine.cuda_graph import capture_reserve_bytes, graph_batch_sizes
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker.cuda_graph import capture_reserve_bytes, graph_batch_sizes
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.presets import preset_config
 from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
@@ -61,8 +61,8 @@ def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
 
 
 def test_plain_greedy_rows_are_argmax_only():
-    from pdserve.engine.sampler import plain_greedy
     from pdserve.engine.step import ScheduledSeq
+    from pdserve.engine.worker.sampler import plain_greedy
 
     def row(banned=(), **kw):
         return ScheduledSeq("r", [1], 0, [0], True, 0, [], SamplingParams(**kw), None, banned)
@@ -125,7 +125,7 @@ def test_graph_pieces_match_eager(monkeypatch):
     """Each bucket captured in two pieces (split before layer 1 of the 2-layer model) gives
     the eager run's greedy tokens and logprobs."""
     _needs_cuda()
-    from pdserve.engine import cuda_graph
+    from pdserve.engine.worker import cuda_graph
 
     prompts = [[1 + (5 * i + j) % 300 for j in range(4 + 5 * i)] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -159,7 +159,7 @@ def test_short_context_graphs_and_unbounded_ones_match_eager(monkeypatch):
     once one row's context passes it the unbounded graph (split); greedy fp32 tokens equal
     the eager run's either way."""
     _needs_cuda()
-    from pdserve.engine import cuda_graph
+    from pdserve.engine.worker import cuda_graph
     from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT
 
     picked: list = []
@@ -262,7 +262,7 @@ def _overlap_run(overlap, enforce_eager, requests, late):
     """Greedy outputs of ``requests`` ((id, prompt, params)) on a CUDA engine, ``late`` added
     after 5 steps; returns ({id: (token ids, logprobs, finish_reason)}, stats)."""
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     core = EngineCore(
         EngineConfig(

@@ -12,8 +12,8 @@ from disagg_pairs import PROMPT, drive, info, rooms
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.fake import FakeKVManager
-from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.engine import EngineCore
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.pd_flow import DisaggFlow
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("pd_clean")

@@ -16,7 +16,7 @@ import torch
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
 from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.probe import nixl_problem
-from pdserve.engine.kv_layout import KV_ORDERS, KVCacheLayout, check_order
+from pdserve.engine.kv.layout import KV_ORDERS, KVCacheLayout, check_order
 from pdserve.engine.kv_pool import KVPool
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.sdpa_backend import TorchSDPABackend
@@ -86,7 +86,7 @@ def test_kv_args_are_the_regions_and_the_rank_share(order):
 
 def _token_bytes(lay: KVCacheLayout, kv: torch.Tensor, layer: int, s: int, page: int, off: int):
     """K (s=0) or V (s=1) of one token, every head, read from the bytes NIXL moves for its
-    page, following the order's definition (docstring of pdserve.engine.kv_layout)."""
+    page, following the order's definition (docstring of pdserve.engine.kv.layout)."""
     e = 4
     ranges = lay.page_byte_ranges(page)
     if lay.order == "layer_major":  # buffer (layer, s) holds [ps, H, D] a page

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord
-from pdserve.engine.kv_layout import default_page_size
+from pdserve.engine.kv.layout import default_page_size
 from pdserve.engine.kv_pool import KVPool, compute_num_pages, kv_bytes_per_token
 
 

@@ -1,4 +1,4 @@
-"""Overlap scheduling (engine/overlap.py) forced on for the CPU against the same engine with it
+"""Overlap scheduling (engine/core/overlap.py) forced on for the CPU against the same engine with it
 off: identical outputs (token ids, text, logprobs, finish reasons, usage and every streaming
 delta) over EOS mid-batch, stop strings and stop ids, staggered max_tokens, max_model_len,
 plain and non-plain rows, arrivals mid-decode, aborts during a launched step, the PD decode
@@ -23,7 +23,7 @@ from overlap_runs import (
 )
 
 from pdserve.disagg.fake import FakeKVManager, link
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
 

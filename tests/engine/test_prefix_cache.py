@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.prefix_cache import ROOT_KEY, page_key, page_keys
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.prefix_cache import ROOT_KEY, page_key, page_keys
 
 _KEYS_SCRIPT = (
-    "from pdserve.engine.prefix_cache import page_keys; "
+    "from pdserve.engine.kv.prefix_cache import page_keys; "
     "print(','.join(k.hex() for k in page_keys(list(range(100, 140)), 16)))"
 )
 

@@ -18,8 +18,8 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import KVPoll
 from pdserve.disagg.fake import FakeKVManager, link
-from pdserve.engine.engine import EngineCore
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.bitmask import allocate_bitmask, bitmask_to_bool
 from pdserve.engine.structured.params import StructuredOutputsParams as SO

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg.base import PD_ROLES, KVReceiver, KVSender
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.stop import TokenStop
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.penalties import PenaltyTokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import TokenLogprob
-from pdserve.engine.stop import TokenStop
 from pdserve.engine.structured.manager import GrammarState
+from pdserve.engine.worker.penalties import PenaltyTokens
 
 
 @dataclass(frozen=True)

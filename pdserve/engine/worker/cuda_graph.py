@@ -24,7 +24,7 @@ never reused in between. Measured once each (8B, bf16): split before layer 2, an
 decode step took 5.18 ms instead of 5.33 at 1 prompt but 7.58 instead of 7.31 at 64, hence
 the default ``GRAPH_SPLITS = ()`` (one graph per bucket).
 
-Overlap scheduling (``engine/overlap.py``): ``replay(..., ids_from=prev)`` takes each row's
+Overlap scheduling (``engine/core/overlap.py``): ``replay(..., ids_from=prev)`` takes each row's
 input id from the previous replay's ``[B', 2]`` greedy output on the device (``token_ids``
 then hold row indices), and ``greedy_packed`` hands out a replay's output without waiting;
 the pinned host staging buffers are two sets used in turn, so filling step N+1's never

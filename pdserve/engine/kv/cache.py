@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
+from pdserve.engine.kv.prefix_cache import ROOT_KEY, PrefixCache, page_key, page_keys
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.prefix_cache import ROOT_KEY, PrefixCache, page_key, page_keys
 
 
 class KVCacheManager:

@@ -1,12 +1,12 @@
 """How the scheduler runs a step: over one in-process rank (TP=1) or N tensor-parallel ranks.
 
 ``EngineCore`` owns the scheduler and hands each :class:`~pdserve.engine.step.BatchPlan`
-to an :class:`Executor` made by ``create_executor`` (``engine/executor_factory.py``, apart
+to an :class:`Executor` made by ``create_executor`` (``engine/worker/executor_factory.py``, apart
 so that this module and ``multiproc_executor`` do not import each other):
 
 - :class:`LocalExecutor` (TP=1, here): the rank lives in this process; ``execute`` is the
   model runner's ``execute``, nothing else (same behaviour, same speed as before the split).
-- ``MultiprocExecutor`` (TP=N, ``engine/multiproc_executor.py``, imported only for N > 1):
+- ``MultiprocExecutor`` (TP=N, ``engine/worker/multiproc_executor.py``, imported only for N > 1):
   rank 0 in this process, ranks ``1..N-1`` spawned processes, the plan sent to them each
   step; a rank that dies or hangs fails the executor for good with
   :class:`RankFailedError` naming it.
@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.rank_worker import RankContext
 from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
+from pdserve.engine.worker.rank_worker import RankContext
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's sampled tokens and prompt logprobs.
         Raises RankFailedError when a rank is gone."""
 
-    # Overlap scheduling (engine/overlap.py): only an in-process rank launches steps without
+    # Overlap scheduling (engine/core/overlap.py): only an in-process rank launches steps without
     # waiting for them; a TP step is a collective over every rank, run in sync.
     supports_overlap = False
 

@@ -15,20 +15,20 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.base import KVLayout, KVManager
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.device import resolve_dtype, resolve_rank_device
-from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.executor import RankFailedError
-from pdserve.engine.executor_factory import create_executor
-from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.overlap import OverlapScheduler
+from pdserve.engine.core.pd_flow import DisaggFlow
+from pdserve.engine.core.request import DisaggRequestInfo, Request, Status
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.stop import check_stops, tokens_banned_before_min
+from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.overlap import OverlapScheduler
-from pdserve.engine.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
-from pdserve.engine.stop import check_stops, tokens_banned_before_min
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
+from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
+from pdserve.engine.worker.executor import RankFailedError
+from pdserve.engine.worker.executor_factory import create_executor
 from pdserve.model.attention import default_backend
 from pdserve.model.loader import load_model_source
 
@@ -243,7 +243,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that advanced.
-        Overlap scheduling (``engine/overlap.py``): a launched step's results come in the
+        Overlap scheduling (``engine/core/overlap.py``): a launched step's results come in the
         next call, after the step that follows it was launched.  A decode request whose KV
         arrived is returned at once with prefill's first token alone, before any step runs
         (the step that follows schedules it)."""

@@ -32,12 +32,12 @@ from pdserve.disagg.base import (
     KVSender,
     KVTransferError,
 )
-from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.core.request import DisaggRequestInfo, Request, Status
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.request import DisaggRequestInfo, Request, Status
-from pdserve.engine.sampler import skip_draw
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step import BatchPlan, SampledToken
+from pdserve.engine.worker.sampler import skip_draw
 
 logger = logging.getLogger(__name__)
 

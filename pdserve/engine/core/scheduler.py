@@ -16,7 +16,7 @@ prompt logprobs bypass the lookup and recompute their prompt (vLLM does the same
 logprobs of every prompt position come from this step's logits, never from a cache.
 After each step :meth:`Scheduler.update_from_output` advances the requests and indexes
 their newly full pages, so the next admission can match them.  Pages come from one
-owner, :class:`pdserve.engine.kv_cache.KVCacheManager`.
+owner, :class:`pdserve.engine.kv.cache.KVCacheManager`.
 
 The result is a :class:`BatchPlan`, plain data that the model runner executes.
 """
@@ -28,8 +28,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.request import Request, Status
+from pdserve.engine.core.request import Request, Status
+from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.step import BatchPlan, SampledToken, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class Scheduler:
         cached_soon: Collection[bytes] = (),
     ) -> bool:
         """Whether the next :meth:`schedule` surely admits no waiting request, whatever the
-        pending step's unseen outcome (overlap scheduling, ``engine/overlap.py``).
+        pending step's unseen outcome (overlap scheduling, ``engine/core/overlap.py``).
 
         It mirrors the admission loop for the FCFS head (nobody overtakes it) over bounds:
         the running batch then holds between ``min_running`` and ``max_running`` decode
@@ -197,7 +197,7 @@ class Scheduler:
         self, reqs: Sequence[Request], starts: Sequence[int]
     ) -> list[ScheduledSeq] | None:
         """Decode rows of a step launched before the previous step's tokens are known
-        (overlap scheduling, ``engine/overlap.py``): ``reqs[i]`` computes the token at
+        (overlap scheduling, ``engine/core/overlap.py``): ``reqs[i]`` computes the token at
         position ``starts[i]`` (unknown to the host: ``token_ids == [-1]``) and samples the
         next one.  Pages for ``starts[i] + 1`` tokens come from the pool's free list only
         (no eviction, no preemption, so the prefix cache and the queues change as a

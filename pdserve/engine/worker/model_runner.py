@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.sampler import plain_greedy, sample, sample_request_of, top_logprobs
-from pdserve.engine.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
 from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult, TokenLogprob
+from pdserve.engine.worker.sampler import plain_greedy, sample, sample_request_of, top_logprobs
+from pdserve.engine.worker.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
 from pdserve.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pdserve.engine.cuda_graph import CUDAGraphRunner
+    from pdserve.engine.worker.cuda_graph import CUDAGraphRunner
     from pdserve.model.llama import LlamaForCausalLM
 
 
@@ -35,7 +35,7 @@ class ModelRunner:
     at once; the attention plan is built here, outside the model's forward; then the
     forward, logits for the last token of each sampling sequence (plus the prompt positions
     whose logprobs were asked), and sampling. A decode-only step replays a captured CUDA
-    graph when ``graphs`` is given (see ``engine/cuda_graph.py``).
+    graph when ``graphs`` is given (see ``engine/worker/cuda_graph.py``).
     """
 
     def __init__(
@@ -166,9 +166,9 @@ class ModelRunner:
 
     def stage(self, plan: BatchPlan) -> tuple[StepHeader, np.ndarray]:
         """The step's inputs as flat int64 in the staging buffer: its header and the host
-        view of its first ``header.total`` values (``engine/staging.py``: the segments).
+        view of its first ``header.total`` values (``engine/worker/staging.py``: the segments).
         A TP executor sends exactly these to the other ranks
-        (``engine/multiproc_executor.py``)."""
+        (``engine/worker/multiproc_executor.py``)."""
         return stage_plan(plan, self.pool.page_size, self._staging)
 
     def staging_view(self, n: int) -> np.ndarray:

@@ -46,12 +46,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pdserve.engine.request import Request, Status
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.core.request import Request, Status
+from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
 
 if TYPE_CHECKING:
-    from pdserve.engine.executor import Executor
+    from pdserve.engine.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Makes the engine's :class:`~pdserve.engine.executor.Executor`: :func:`create_executor`.
+"""Makes the engine's :class:`~pdserve.engine.worker.executor.Executor`: :func:`create_executor`.
 
 A module of its own because it names both kinds: ``LocalExecutor`` (``executor.py``) and,
 for N > 1 only, ``MultiprocExecutor`` (``multiproc_executor.py``, which subclasses
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.executor import Executor, LocalExecutor, check_tp_split
-from pdserve.engine.rank_worker import build_rank
+from pdserve.engine.worker.executor import Executor, LocalExecutor, check_tp_split
+from pdserve.engine.worker.rank_worker import build_rank
 
 if TYPE_CHECKING:
     from pdserve.model.loader import ModelSource
@@ -29,7 +29,7 @@ def create_executor(
     """The executor of ``config.model.tensor_parallel_size`` ranks, rank 0 built here
     (``generator``: its draws of unseeded random rows).  ValueError naming the field for a
     model that does not split, or a bad device, context limit or pool size."""
-    from pdserve.engine.device import resolve_rank_device
+    from pdserve.engine.worker.device import resolve_rank_device
     from pdserve.model.tp_group import TPGroup
 
     n = config.model.tensor_parallel_size
@@ -47,6 +47,6 @@ def create_executor(
         )
         return LocalExecutor(ctx)
     check_tp_split(source.hf_config, n)
-    from pdserve.engine.multiproc_executor import MultiprocExecutor
+    from pdserve.engine.worker.multiproc_executor import MultiprocExecutor
 
     return MultiprocExecutor(config, source, dtype, attention_backend, generator)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.request import Request
+    from pdserve.engine.core.request import Request
 
 _LENGTH = ("length", None)
 _MISS = object()
@@ -48,7 +48,7 @@ class TokenStop:
     def may_stop_on_token(self, num_output_tokens: int) -> bool:
         """Whether some token id would end the request as its ``num_output_tokens``-th
         output token (an EOS or stop token past ``min_tokens``), i.e. whether its end can
-        depend on a token the host has not seen (overlap scheduling, ``engine/overlap.py``)."""
+        depend on a token the host has not seen (overlap scheduling, ``engine/core/overlap.py``)."""
         return num_output_tokens > self.min_tokens and bool(self._stops)
 
     def check(self, token_id: int, num_output_tokens: int) -> tuple[str, int | None] | None:

@@ -4,7 +4,7 @@ of a rank process (ranks ``1..N-1``; rank 0 lives in the scheduler's process).
 :func:`build_rank` is the one way any rank (TP=1 included) builds what it runs: the model
 (``LlamaForCausalLM(..., tp=group)``: the rank's heads, rows and vocabulary shard), its
 weights, the KV pool of the rank's KV heads, CUDA graphs (TP=1 on CUDA only) and the
-:class:`~pdserve.engine.model_runner.ModelRunner`.  Every rank gets the same ``num_pages``:
+:class:`~pdserve.engine.worker.model_runner.ModelRunner`.  Every rank gets the same ``num_pages``:
 each computes what its memory allows and ``agree_num_pages`` (rank 0: the minimum over the
 ranks) decides.
 
@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
-from pdserve.engine.kv_layout import default_page_size
+from pdserve.engine.kv.layout import default_page_size
 from pdserve.engine.kv_pool import KVPool, compute_num_pages
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.staging import HEADER_LEN, StepHeader
+from pdserve.engine.worker.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
 
@@ -206,7 +206,7 @@ def rank_main(args: RankArgs, conn: Connection) -> None:
     pipe (``("error", text)``) before the process exits with status 1.  SIGINT and SIGTERM
     are ignored: rank 0 stops the rank (STOP, or SIGKILL), and the rank exits by itself
     when rank 0's process is gone."""
-    from pdserve.engine.device import resolve_dtype, resolve_rank_device
+    from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
     from pdserve.model.attention import default_backend
     from pdserve.model.loader import load_model_source
     from pdserve.model.tp_group import init_local_group
