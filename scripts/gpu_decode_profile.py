@@ -15,7 +15,7 @@ out = os.environ.get("OUT", ".")
 llm = LLM("random:llama-3.1-8b", device="cuda", dtype="bfloat16", max_running_requests=64,
           gpu_memory_utilization=0.5)
 eng = llm.engine
-g = eng.runner.graphs
+g = eng.executor.rank0.runner.graphs
 print("buckets", g.sizes)
 summary = []
 CTX = 200
@@ -55,9 +55,9 @@ def timed(obj, name, key):
         t0 = time.perf_counter(); r = f(*a, **k); T[key] += time.perf_counter() - t0; return r
     setattr(obj, name, w)
 timed(eng.scheduler, "schedule", "schedule")
-timed(eng.runner, "_graph_step", "graph_step(prep+launch)")
-timed(eng.runner.graphs, "greedy_tokens", "greedy_tokens(wait)")
-timed(eng.runner, "execute", "execute")
+timed(eng.executor.rank0.runner, "_graph_step", "graph_step(prep+launch)")
+timed(eng.executor.rank0.runner.graphs, "greedy_tokens", "greedy_tokens(wait)")
+timed(eng.executor.rank0.runner, "execute", "execute")
 timed(eng, "_apply", "apply")
 timed(eng, "_make_output", "make_output")
 timed(eng, "step", "engine.step")

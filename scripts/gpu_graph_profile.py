@@ -142,7 +142,7 @@ def main() -> None:
         kv_cache_memory=16,
     )
     print(f"engine up in {time.time() - t0:.0f} s", flush=True)
-    g = llm.engine.runner.graphs
+    g = llm.engine.executor.rank0.runner.graphs
     for i, variant in enumerate(variants):
         if i:  # the same engine, its graphs captured again under this variant
             set_variant(variant)

@@ -27,7 +27,7 @@ def _create_managers(
 ) -> dict[str, KVManager]:
     from pdserve.disagg.registry import create_kv_manager
 
-    kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
+    kv_args = core.executor.kv_args(gpu_id=engine_cfg.model.gpu_id)
     host, port = disagg.bootstrap_host, disagg.bootstrap_port
     advertise = advertised_host(disagg.bootstrap_host, disagg.advertise_host)
     transfer: KVManager
@@ -39,7 +39,7 @@ def _create_managers(
             core.executor,
             disagg.transfer_backend,
             disagg.role,
-            core.model.shapes.total_kv_heads,
+            core.executor.geometry.total_kv_heads,
             bootstrap_host=host,
             bootstrap_port=port,
             advertise_host=advertise,
@@ -124,8 +124,8 @@ def build_worker(
         "device": str(core.device),
         "dtype": str(core.dtype).replace("torch.", ""),
         "layout": core.layout.to_dict(),
-        "page_size": core.pool.page_size,
-        "num_total_pages": core.pool.num_pages,
+        "page_size": core.kv.page_size,
+        "num_total_pages": core.kv.num_pages,
         "num_threads": torch.get_num_threads(),
         "tensor_parallel_size": core.executor.tp_size,
         "tp_rank_pids": core.executor.rank_pids(),

@@ -74,7 +74,7 @@ def drive(
         if k in events:
             events.pop(k)(core)
         if not core.has_unfinished_requests() and not events:
-            assert core.num_free_pages == core.pool.num_pages
+            assert core.num_free_pages == core.kv.num_pages
             assert core.kv.num_held_pages == 0
             return deltas, finals
         waited, ahead = bool(core.scheduler.waiting), core.overlap.num_ahead

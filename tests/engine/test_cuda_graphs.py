@@ -57,7 +57,7 @@ def test_attention_backend_and_enforce_eager_flags():
 def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
     llm = LLM("random:tiny", device="cpu", num_pages=16)
     assert llm.engine.attention_backend == "torch_sdpa"
-    assert llm.engine.runner.graphs is None
+    assert llm.engine.executor.rank0.runner.graphs is None
 
 
 def test_plain_greedy_rows_are_argmax_only():
@@ -102,7 +102,7 @@ def test_graphs_match_eager(dtype, logprobs):
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.rank0.runner.graphs is None) == eager
         assert llm.engine.attention_backend == "triton"
         runs[eager] = [[o.outputs[0] for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)]
         del llm
@@ -141,8 +141,10 @@ def test_graph_pieces_match_eager(monkeypatch):
             enforce_eager=eager,
         )
         if not eager:
-            assert llm.engine.runner.graphs.split_layers == (1,)
-            assert all(len(p) == 2 for p in llm.engine.runner.graphs._graphs.values())
+            assert llm.engine.executor.rank0.runner.graphs.split_layers == (1,)
+            assert all(
+                len(p) == 2 for p in llm.engine.executor.rank0.runner.graphs._graphs.values()
+            )
         outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()
@@ -286,7 +288,7 @@ def _overlap_run(overlap, enforce_eager, requests, late):
                 c = out.outputs[0]
                 lps = [t.logprob for t in c.logprobs] if c.logprobs is not None else None
                 finals[out.request_id] = (c.token_ids, lps, c.finish_reason)
-    assert core.num_free_pages == core.pool.num_pages
+    assert core.num_free_pages == core.kv.num_pages
     stats = core.stats()
     del core
     torch.cuda.empty_cache()

@@ -56,9 +56,9 @@ def test_tp2_greedy_equals_tp1(arch, tiny_model_dir, tokenizer):
     with LLM(folder, tensor_parallel_size=2, **kw) as llm:
         core = llm.engine
         assert core.executor.tp_size == 2 and len(set(core.executor.rank_pids())) == 2
-        shapes = core.model.shapes
+        shapes = core.executor.rank0.model.shapes
         assert shapes.n_heads == shapes.total_heads // 2  # rank 0 holds its share only
-        assert core.pool.kv_layout.num_kv_heads == shapes.n_kv_heads
+        assert core.executor.rank0.storage.kv_layout.num_kv_heads == shapes.n_kv_heads
         outs = llm.generate(prompts, params)
     assert_same_outputs(outs, ref)
 
@@ -68,7 +68,7 @@ def _rank_facts(ctx: RankContext, tag: str) -> dict:
         "pid": os.getpid(),
         "rank": ctx.tp.rank,
         "size": ctx.tp.size,
-        "num_pages": ctx.pool.num_pages,
+        "num_pages": ctx.storage.num_pages,
         "kv_head_range": ctx.model.shapes.kv_head_range,
         "tag": tag,
     }

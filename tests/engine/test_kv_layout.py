@@ -17,7 +17,7 @@ from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
 from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.probe import nixl_problem
 from pdserve.engine.kv.layout import KV_ORDERS, KVCacheLayout, check_order
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.sdpa_backend import TorchSDPABackend
 
@@ -100,7 +100,7 @@ def _token_bytes(lay: KVCacheLayout, kv: torch.Tensor, layer: int, s: int, page:
 
 @pytest.mark.parametrize("order", KV_ORDERS)
 def test_attention_writes_the_bytes_the_transfer_moves(order):
-    pool = KVPool(
+    pool = KVStorage(
         num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32,
         device=torch.device("cpu"), page_size=PS, num_pages=P, num_aux_slots=1,
         model_fingerprint="m", kv_order=order,
@@ -127,7 +127,7 @@ def test_attention_writes_the_bytes_the_transfer_moves(order):
     assert lay.pages(pool.kv, untouched).abs().max().item() == 0.0
 
 
-def _attend(pool: KVPool, table: list[int], n: int, q: torch.Tensor) -> torch.Tensor:
+def _attend(pool: KVStorage, table: list[int], n: int, q: torch.Tensor) -> torch.Tensor:
     """Decode one new token at position ``n`` over ``table`` (every layer), its output."""
     backend = TorchSDPABackend()
     md = build_attention_metadata([1], [n + 1], [table], PS)
@@ -139,8 +139,8 @@ def _attend(pool: KVPool, table: list[int], n: int, q: torch.Tensor) -> torch.Te
     return torch.stack(outs)
 
 
-def _pool(order: str) -> KVPool:
-    return KVPool(
+def _pool(order: str) -> KVStorage:
+    return KVStorage(
         num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32,
         device=torch.device("cpu"), page_size=PS, num_pages=P, num_aux_slots=2,
         model_fingerprint="m", kv_order=order,

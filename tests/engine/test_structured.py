@@ -80,8 +80,8 @@ def cores(tiny_model_dir):
         cache=CacheConfig(page_size=4, num_pages=128),
     )
     prefill, decode = EngineCore(cfg), EngineCore(cfg)
-    p = FakeKVManager(prefill.pool.kv_args(), "prefill")
-    d = FakeKVManager(decode.pool.kv_args(), "decode")
+    p = FakeKVManager(prefill.executor.kv_args(), "prefill")
+    d = FakeKVManager(decode.executor.kv_args(), "decode")
     link(p, d)
     prefill.bind_kv_managers({"nixl": p})
     decode.bind_kv_managers({"nixl": d})

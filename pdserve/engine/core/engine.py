@@ -1,4 +1,5 @@
-"""``EngineCore``: one worker's engine — model, KV pool, scheduler, runner, outputs.
+"""``EngineCore``: one worker's engine thread — scheduler, page ids, PD flow, outputs; the
+ranks (model, KV storage, runner) behind its executor.
 
 Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) calls
 ``add_request`` / ``abort_request`` / ``step``.  ``step`` never blocks on the network;
@@ -22,6 +23,7 @@ from pdserve.engine.core.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import check_stops, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
@@ -77,19 +79,22 @@ class EngineCore:
         self.executor = create_executor(
             config, self.source, self.dtype, self.attention_backend, self._unseeded
         )
-        rank0 = self.executor.rank0
-        self.model, self.pool, self.runner = rank0.model, rank0.pool, rank0.runner
-        self.vocab_size = self.model.shapes.vocab
-        max_len = rank0.max_model_len
-        capacity = self.pool.num_pages * self.pool.page_size
+        # What the ranks agree on (pages, aux slots, layout, vocabulary, context limit);
+        # the ids of those pages and slots live here, on the engine thread.
+        geo = self.executor.geometry
+        self._layout = geo.layout
+        self.vocab_size = geo.vocab_size
+        max_len = geo.max_model_len
+        capacity = geo.num_pages * geo.page_size
         if capacity < max_len:
             logger.warning(
                 "KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len
             )
         self.max_model_len = min(max_len, capacity)  # so a lone request always fits
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.page_ids = PageIds(geo.num_pages, geo.page_size, geo.num_aux_slots)
         self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
+            self.page_ids, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
@@ -99,7 +104,7 @@ class EngineCore:
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         self.disagg = DisaggFlow(
-            self.pool,
+            self.page_ids,
             self.kv,
             self.scheduler,
             kv_managers or {},
@@ -130,7 +135,7 @@ class EngineCore:
 
     @property
     def layout(self) -> KVLayout:
-        return self.pool.layout
+        return self._layout
 
     @property
     def num_free_pages(self) -> int:
@@ -144,7 +149,7 @@ class EngineCore:
 
     def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Give the engine its KV transfer managers by backend name after construction (a
-        manager needs ``self.pool.kv_args()``, which exists only once the engine does).
+        manager needs ``self.executor.kv_args()``, which exists only once the engine does).
         Valid once, before the first request; ValueError naming ``kv_managers`` when
         managers were given already (here or to the constructor), a request was added,
         or ``managers`` is empty or holds something that is not a KVManager."""
@@ -307,7 +312,7 @@ class EngineCore:
             "num_draining": self.disagg.num_draining,
             "num_quarantined_pages": self.disagg.num_quarantined_pages,
             "num_free_pages": self.kv.num_available_pages,
-            "num_total_pages": self.pool.num_pages,
+            "num_total_pages": self.kv.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **self._counters,

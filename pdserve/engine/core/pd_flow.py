@@ -16,7 +16,7 @@ at ``Success`` it joins the batch with the prompt "computed elsewhere" and the f
 token from the aux record.  Pages handed to the transfer layer are released only after
 a terminal poll (also after an abort); then ``close()`` is called once.  Pages are
 allocated and released through the one page owner (``KVCacheManager``); aux slots come
-from the pool.
+from ``PageIds``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pdserve.disagg.base import (
 from pdserve.engine.core.request import DisaggRequestInfo, Request, Status
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.step import BatchPlan, SampledToken
 from pdserve.engine.worker.sampler import skip_draw
 
@@ -78,7 +78,7 @@ class DisaggFlow:
 
     def __init__(
         self,
-        pool: KVPool,
+        page_ids: PageIds,
         kv: KVCacheManager,
         scheduler: Scheduler,
         managers: Mapping[str, KVManager],
@@ -86,7 +86,7 @@ class DisaggFlow:
         vocab_size: int,
         append_token: Callable[[Request, SampledToken], None],
     ) -> None:
-        self._pool = pool
+        self._page_ids = page_ids
         self._kv = kv
         self._vocab_size = vocab_size
         self._scheduler = scheduler
@@ -177,7 +177,7 @@ class DisaggFlow:
         return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
     def _start_prefill(self, req: Request) -> None:
-        slot = self._pool.allocate_aux_slot()
+        slot = self._page_ids.allocate_aux_slot()
         if slot is None:
             return  # all aux slots in use: try again next step
         req.aux_slot = slot
@@ -207,10 +207,10 @@ class DisaggFlow:
             fresh = need - len(held)
             if (
                 fresh > self._kv.num_available_pages - self._kv.num_evictable_among(held)
-                or self._pool.num_free_aux_slots == 0
+                or self._page_ids.num_free_aux_slots == 0
             ):
                 break
-            slot = self._pool.allocate_aux_slot()
+            slot = self._page_ids.allocate_aux_slot()
             assert slot is not None  # a free slot was checked just above
             assert req.receiver is not None  # a decode request waiting for its peer has one
             req.aux_slot = slot
@@ -252,7 +252,7 @@ class DisaggFlow:
             req = by_id.get(seq.request_id)
             if req is None or req.sender is None or seq.sample or req.status is not Status.RUNNING:
                 continue
-            full = min(req.num_computed_tokens // self._pool.page_size, len(req.pages))
+            full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
             if full <= req.kv_pages_sent:
                 continue
             pages, req.kv_pages_sent = req.pages[req.kv_pages_sent : full], full
@@ -352,5 +352,5 @@ class DisaggFlow:
         if pages:
             self._kv.release(pages)
         if slot is not None:
-            self._pool.free_aux_slot(slot)
+            self._page_ids.free_aux_slot(slot)
         handle.close()

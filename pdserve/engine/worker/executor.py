@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.disagg.base import KVArgs, KVLayout
 from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
 from pdserve.engine.worker.rank_worker import RankContext
 from pdserve.parallel import TPRank
@@ -37,10 +39,31 @@ class RemoteTraceback(Exception):
     ``__cause__`` of the exception :meth:`Executor.call_rank` re-raises)."""
 
 
+@dataclass(frozen=True)
+class RankGeometry:
+    """What the engine thread knows of its ranks, the same on every rank: the ids it hands
+    out must fit every rank's storage.
+
+    page_size: tokens per page. num_pages: pages of every rank's storage (agreed at
+    start-up). num_aux_slots: aux slots of every rank's storage. layout: the KV layout
+    peers compare at bootstrap (rank 0's storage). vocab_size: the model's vocabulary.
+    max_model_len: the context limit before the pages cap it. total_kv_heads: the model's
+    KV heads over all ranks.
+    """
+
+    page_size: int
+    num_pages: int
+    num_aux_slots: int
+    layout: KVLayout
+    vocab_size: int
+    max_model_len: int
+    total_kv_heads: int
+
+
 class Executor(ABC):
     """Runs the engine's steps over its ranks (see the module docstring).
 
-    rank0: rank 0's context (its model, KV pool and runner live in this process).
+    rank0: rank 0's context (its model, KV storage and runner live in this process).
     """
 
     rank0: RankContext
@@ -48,6 +71,26 @@ class Executor(ABC):
     @property
     def tp_size(self) -> int:
         return self.rank0.tp.size
+
+    @property
+    def geometry(self) -> RankGeometry:
+        """The ranks' shared facts (:class:`RankGeometry`), read from rank 0."""
+        r = self.rank0
+        s, shapes = r.storage, r.model.shapes
+        return RankGeometry(
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            num_aux_slots=s.num_aux_slots,
+            layout=s.layout,
+            vocab_size=shapes.vocab,
+            max_model_len=r.max_model_len,
+            total_kv_heads=shapes.total_kv_heads,
+        )
+
+    def kv_args(self, gpu_id: int = 0) -> KVArgs:
+        """Rank 0's KV addresses for a transfer manager in this process
+        (``KVStorage.kv_args``; ranks > 0 give theirs through :meth:`call_rank`)."""
+        return self.rank0.storage.kv_args(gpu_id=gpu_id)
 
     @abstractmethod
     def execute(self, plan: BatchPlan) -> StepResult:

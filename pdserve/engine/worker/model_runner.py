@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult, TokenLogprob
+from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.engine.worker.sampler import plain_greedy, sample, sample_request_of, top_logprobs
 from pdserve.engine.worker.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
 from pdserve.model.attention import AttentionMetadata
@@ -28,7 +28,7 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Runs ``model`` (a ``pdserve.model.llama.LlamaForCausalLM``) over the pool's KV cache.
+    """Runs ``model`` (a ``pdserve.model.llama.LlamaForCausalLM``) over the rank's KV cache (``storage``).
 
     Per step: the step's token ids, positions, slots, lengths and page table are built with
     numpy (no per-token Python loop) into one pinned staging buffer and copied to the device
@@ -41,13 +41,13 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        pool: KVPool,
+        storage: KVStorage,
         device: torch.device,
         generator: torch.Generator | None = None,
         graphs: CUDAGraphRunner | None = None,
     ) -> None:
         self.model = model
-        self.pool = pool
+        self.storage = storage
         self.device = torch.device(device)
         self.generator = generator  # draws of unseeded random rows (seeded rows own theirs)
         self.graphs = graphs  # CUDAGraphRunner | None
@@ -169,7 +169,7 @@ class ModelRunner:
         view of its first ``header.total`` values (``engine/worker/staging.py``: the segments).
         A TP executor sends exactly these to the other ranks
         (``engine/worker/multiproc_executor.py``)."""
-        return stage_plan(plan, self.pool.page_size, self._staging)
+        return stage_plan(plan, self.storage.page_size, self._staging)
 
     def staging_view(self, n: int) -> np.ndarray:
         """The host view of the first ``n`` values of the staging buffer (grown as needed),
@@ -206,8 +206,8 @@ class ModelRunner:
             query_lens_host=tuple(np.diff(host[offs[4] : offs[4] + B + 1]).tolist()),
             seq_lens_host=tuple(host[offs[3] : offs[3] + B].tolist()),
         )
-        attn_plan = self.model.backend.plan(attn, self.pool.page_size)  # outside the forward
-        hidden = self.model(ids_t, pos_t, attn, self.pool.layer_caches, attn_plan)  # [T, H]
+        attn_plan = self.model.backend.plan(attn, self.storage.page_size)  # outside the forward
+        hidden = self.model(ids_t, pos_t, attn, self.storage.layer_caches, attn_plan)  # [T, H]
         chunks = host[offs[7] : offs[7] + 2 * header.n_chunks].reshape(-1, 2).tolist()
         for i, (row0, n) in enumerate(chunks):
             logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V] fp32

@@ -148,7 +148,7 @@ class MultiprocExecutor(Executor):
             "tensor parallel: %d ranks (pids %s), %d KV pages each",
             n,
             self.rank_pids(),
-            self.rank0.pool.num_pages,
+            self.rank0.storage.num_pages,
         )
 
     # --- start-up -------------------------------------------------------------------
