@@ -167,9 +167,9 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
             ("append", engine, "_append_token"),
             ("output", engine, "_make_output"),
             ("masks", engine, "_attach_grammar_masks"),
-            ("disagg", engine.disagg, "poll"),
-            ("disagg", engine.disagg, "admit_receivers"),
-            ("disagg", engine.disagg, "send_chunks"),
+            ("disagg", engine.pd, "poll"),
+            ("disagg", engine.pd, "admit_receivers"),
+            ("disagg", engine.pd, "send_chunks"),
         ]
     accs = {name: [0.0] for name, _, _ in wrapped}
     # (object, attribute, what its instance dict held before: None = nothing)

@@ -13,7 +13,7 @@ from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.fake import FakeKVManager
 from pdserve.engine.core.engine import EngineCore
-from pdserve.engine.core.pd_flow import DisaggFlow
+from pdserve.engine.core.pd_flow import PDFlow
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("pd_clean")
@@ -144,8 +144,8 @@ def test_manager_selection_and_duplicate_rooms(pd_cores):
     prefill.abort_request("a")
     m["pm"].handle(room).fail("aborted")
     drive(prefill)
-    no_managers = DisaggFlow(
-        prefill.page_ids, prefill.kv, prefill.scheduler, {}, "nixl", prefill.vocab_size, None
+    no_managers = PDFlow(
+        prefill.page_ids, prefill.kv, prefill.scheduler, {}, "nixl", prefill.vocab_size
     )
     with pytest.raises(ValueError, match="disagg: this engine has no 'nixl'"):
         no_managers.manager_for(info("prefill", 1))

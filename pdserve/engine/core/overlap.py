@@ -112,7 +112,9 @@ class OverlapScheduler:
         if not self.enabled or self._launched:
             return False
         reqs = [requests[s.request_id] for s in plan.seqs]
-        if any(r.sender is not None for r in reqs):  # prefill role: its step sends KV after
+        if any(
+            r.pd is not None and r.pd.sender is not None for r in reqs
+        ):  # prefill role: its step sends KV after
             return False
         if not self._executor.can_launch(plan):
             return False

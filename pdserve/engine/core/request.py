@@ -54,6 +54,34 @@ class DisaggRequestInfo:
             )
 
 
+@dataclass
+class PDState:
+    """A request's part in prefill/decode disaggregation: its address and its room's
+    progress, in one place (``Request.pd``; ``None`` on a mixed worker).  Only the PD flow
+    (``engine/core/pd_flow.py``) changes it.
+
+    info: role, bootstrap address and room, as the router drew them.
+    sender/receiver: the room's KV sender (prefill) or receiver (decode) while the request
+        holds the room; both ``None`` before it is created and once it is released.
+    aux_slot: the aux slot the room uses, while it holds one.
+    """
+
+    info: DisaggRequestInfo
+    sender: KVSender | None = None
+    receiver: KVReceiver | None = None
+    aux_slot: int | None = None
+    peer_ready: bool = False  # decode: receiver bootstrapped, waiting for pages
+    # prefill: leading pages already handed to sender.send (chunked sending); while > 0
+    # the transfer layer may read them, so they are never freed or preempted
+    kv_pages_sent: int = 0
+    pending_finish: tuple[str, str | int | None] = ("length", None)  # prefill: after Success
+
+    @property
+    def handle(self) -> KVSender | KVReceiver | None:
+        """The room's sender or receiver, whichever the request holds (or ``None``)."""
+        return self.sender or self.receiver
+
+
 class Status(enum.Enum):
     WAITING_FOR_PEER = "waiting_for_peer"  # disagg: transfer not yet bootstrapped; no pages
     WAITING = "waiting"  # in the FCFS queue
@@ -83,7 +111,7 @@ class Request:
         self.arrival = arrival
         self.detokenizer = detokenizer
         self.generator = generator  # seeded random requests only (others: the shared one)
-        self.disagg = disagg
+        self.pd = PDState(disagg) if disagg is not None else None  # disaggregation
         # Append-only, as is ``logprobs``: outputs are views of them (outputs.py).
         self.all_token_ids = list(prompt_token_ids)
         # the sampler's penalty state: these tokens on the device, grown as they are appended
@@ -110,20 +138,13 @@ class Request:
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured outputs: the output's matcher
         self.token_stop: TokenStop | None = None  # its stop conditions, built on first token
-        # disaggregation
-        self.sender: KVSender | None = None
-        self.receiver: KVReceiver | None = None
-        self.aux_slot: int | None = None
-        self.peer_ready = False  # decode: receiver bootstrapped, waiting for pages
-        # prefill: leading pages already handed to sender.send (chunked sending); while > 0
-        # the transfer layer may read them, so they are never freed or preempted
-        self.kv_pages_sent = 0
-        self.pending_finish: tuple[str, str | int | None] = (
-            "length",
-            None,
-        )  # prefill: after Success
         # streaming: how much was already reported
         self.num_reported_tokens = 0
+
+    def pages_pinned(self) -> bool:
+        """Whether the transfer layer may read this request's pages now (prefill: pages
+        handed to its sender), so they are never freed or preempted."""
+        return self.pd is not None and self.pd.kv_pages_sent > 0
 
     @property
     def num_tokens(self) -> int:

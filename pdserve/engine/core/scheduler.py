@@ -88,6 +88,17 @@ class Scheduler:
     def pages_needed(self, num_tokens: int) -> int:
         return self.kv.pages_needed(num_tokens)
 
+    def need_pages(self, req: Request, num_tokens: int, num_hit: int = 0) -> int:
+        """New pages ``req`` takes to hold ``num_tokens`` tokens when ``num_hit`` leading
+        pages come from the prefix cache: the pages those tokens fill, less the ones it
+        holds and the hits (<= 0: none).  The one rule of admission, of
+        :meth:`admits_none` and of a decode request's receive pages."""
+        return self.kv.pages_needed(num_tokens) - len(req.pages) - num_hit
+
+    def has_waiting(self) -> bool:
+        """Whether a request waits in the queue (admitted work runs before new transfers)."""
+        return bool(self.waiting)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         del self._running_by_id[req.request_id]
@@ -113,7 +124,7 @@ class Scheduler:
             # (most decode rows need no page: the pool is not asked how many it has)
             while need > 0 and need > kv.num_available_pages and req.status is Status.RUNNING:
                 # pages handed to a KV sender (chunked sending) are the transfer layer's
-                victim = next((r for r in reversed(self.running) if not r.kv_pages_sent), None)
+                victim = next((r for r in reversed(self.running) if not r.pages_pinned()), None)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -143,7 +154,7 @@ class Scheduler:
             else:
                 start = req.num_computed_tokens  # decode role: the prompt arrived by transfer
             n = min(req.num_tokens - start, budget)
-            need = self.pages_needed(start + n) - len(req.pages) - len(hit)
+            need = self.need_pages(req, start + n, len(hit))
             if need > self.kv.num_available_pages - self.kv.num_evictable_among(hit):
                 break  # FCFS: the head waits for pages, nobody overtakes it
             self.waiting.pop(0)
@@ -190,7 +201,7 @@ class Scheduler:
             start = req.num_computed_tokens
         # schedule admits iff need <= available - evictable hits, need = pages - held - hit;
         # need only falls as the hit grows and rises with the chunk
-        need = self.pages_needed(min(req.num_tokens, start + budget)) - len(req.pages) - hit
+        need = self.need_pages(req, min(req.num_tokens, start + budget), hit)
         return need > max_available
 
     def schedule_ahead(
