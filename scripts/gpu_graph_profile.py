@@ -44,7 +44,7 @@ def graph_figures(g, bs: int) -> dict:
     for _ in range(3):
         g.replay(ids, pos, tables)
     torch.cuda.synchronize()
-    pieces = g._graphs[g._last_key]  # the graph the replays above ran
+    pieces = [g._graphs[g._last_key]]  # the graph the replays above ran
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):

@@ -121,40 +121,6 @@ def test_graphs_match_eager(dtype, logprobs):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_graph_pieces_match_eager(monkeypatch):
-    """Each bucket captured in two pieces (split before layer 1 of the 2-layer model) gives
-    the eager run's greedy tokens and logprobs."""
-    _needs_cuda()
-    from pdserve.engine.worker import cuda_graph
-
-    prompts = [[1 + (5 * i + j) % 300 for j in range(4 + 5 * i)] for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = {}
-    for eager in (False, True):
-        monkeypatch.setattr(cuda_graph, "GRAPH_SPLITS", (1,))
-        llm = LLM(
-            "random:tiny",
-            device="cuda",
-            dtype="float32",
-            max_running_requests=4,
-            kv_cache_memory=0.25,
-            enforce_eager=eager,
-        )
-        if not eager:
-            assert llm.engine.executor.rank0.runner.graphs.split_layers == (1,)
-            assert all(
-                len(p) == 2 for p in llm.engine.executor.rank0.runner.graphs._graphs.values()
-            )
-        outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
-    for g, e in zip(outs[False], outs[True]):
-        assert g.token_ids == e.token_ids
-        assert abs(g.cumulative_logprob - e.cumulative_logprob) < 16 * 1e-4
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
 def test_short_context_graphs_and_unbounded_ones_match_eager(monkeypatch):
     """At rows x KV heads >= 256 (128 rows of the 2-KV-head tiny model) a step whose contexts
     all fit ONE_SPLIT_MAX_CONTEXT replays the bucket's short-context graph (one split), and
