@@ -19,9 +19,9 @@ from pdserve.disagg.base import KVLayout, KVManager
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.overlap import OverlapScheduler
 from pdserve.engine.core.pd_flow import PDFlow
-from pdserve.engine.core.request import DisaggRequestInfo, Request, Status
+from pdserve.engine.core.request import DisaggRequestInfo, Request, Status, check_stops
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.core.stop import check_stops, tokens_banned_before_min
+from pdserve.engine.core.stop import tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.outputs import RequestOutput

@@ -10,6 +10,7 @@ decode and recompute after preemption are all the same rule.
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -217,3 +218,35 @@ class Request:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def check_stops(
+    req: Request, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+) -> tuple[str, str | int | None] | None:
+    """Whether ``req`` ends with ``token_id``, its output token just appended: ``(reason,
+    stop_reason)`` (``"stop"`` or ``"length"``, as :meth:`TokenStop.check`, or ``("stop",
+    the stop string)``), else None.  A complete grammar ends it at an EOS even before
+    ``min_tokens`` (unless ``ignore_eos``).  Unless an EOS or stop token ends it, the token
+    goes to ``req.detokenizer`` (its text; a stop string, checked once past ``min_tokens``,
+    ends it): an EOS or stop token adds no text (vLLM).  Builds ``req.token_stop`` on the
+    first call."""
+    params = req.params
+    stop = req.token_stop
+    if stop is None:
+        stop = req.token_stop = TokenStop(
+            params, eos_token_ids, max_model_len, req.num_prompt_tokens
+        )
+    num_output = len(req.all_token_ids) - req.num_prompt_tokens
+    verdict: tuple[str, str | int | None] | None = stop.check(token_id, num_output)
+    if (
+        req.grammar is not None
+        and token_id in eos_token_ids
+        and not params.ignore_eos
+        and req.grammar.is_terminated
+    ):
+        verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
+    if verdict is None or verdict[0] == "length":
+        stop_str = req.detokenizer.add_token(token_id, check_stop=num_output > stop.min_tokens)
+        if stop_str is not None:
+            verdict = ("stop", stop_str)
+    return verdict
