@@ -45,7 +45,7 @@ class ModelConfig:
     attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
         backend name (:data:`ATTENTION_BACKENDS`).
     enforce_eager: never capture CUDA graphs (every step runs eagerly).
-    tensor_parallel_size: ranks the model is split over (``engine/executor.py``): rank 0 in
+    tensor_parallel_size: ranks the model is split over (``engine/worker/executor.py``): rank 0 in
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
@@ -109,14 +109,14 @@ class CacheConfig:
     """The paged KV pool.
 
     page_size: tokens per page; ``None`` means the device's default
-        (``pdserve.engine.kv_layout.default_page_size``: 16 on CPU, 128 on CUDA).
+        (``pdserve.engine.kv.layout.default_page_size``: 16 on CPU, 128 on CUDA).
     kv_cache_memory: pool size in GiB; ``None`` means 1 GiB on CPU, or
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
-        (``pdserve.engine.prefix_cache``); on decode workers, receive only what is not held.
+        (``pdserve.engine.kv.prefix_cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
-        ``pdserve.engine.kv_layout``); ``None`` means the device's default order.
+        ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
     """
 
     page_size: int | None = None
@@ -148,7 +148,7 @@ class SchedulerConfig:
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     max_running_requests: requests in the running batch at once.
     overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
-        N's results are processed (``engine/overlap.py``); ``None`` = on for CUDA, off on
+        N's results are processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on
         CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
         CPU tests do); ``False`` = off.
     """

@@ -44,7 +44,7 @@ def graph_figures(g, bs: int) -> dict:
     for _ in range(3):
         g.replay(ids, pos, tables)
     torch.cuda.synchronize()
-    pieces = g._graphs[g._last_key]  # the graph the replays above ran
+    pieces = [g._graphs[g._last_key]]  # the graph the replays above ran
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):
@@ -142,7 +142,7 @@ def main() -> None:
         kv_cache_memory=16,
     )
     print(f"engine up in {time.time() - t0:.0f} s", flush=True)
-    g = llm.engine.runner.graphs
+    g = llm.engine.executor.rank0.runner.graphs
     for i, variant in enumerate(variants):
         if i:  # the same engine, its graphs captured again under this variant
             set_variant(variant)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.engine.kv_layout import KV_ORDERS
+from pdserve.engine.kv.layout import KV_ORDERS
 from pdserve.model.attention import available_backends
 
 BAD = [

@@ -124,8 +124,7 @@ def timer_overhead_us(clock: Callable[[], float], calls: int = 20000) -> float:
 def synthetic_executor(vocab: int, eos: frozenset[int], logprobs: int | None, seed: int = 0):
     """An ``execute(plan)`` that returns a random non-EOS token (logprob -1.0, and
     ``logprobs`` made-up alternatives) for each sampling row: no model, no tensors."""
-    from pdserve.engine.model_runner import StepResult
-    from pdserve.engine.sampler import SampledToken
+    from pdserve.engine.step import SampledToken, StepResult
 
     rng = random.Random(seed)
     k = logprobs or 0
@@ -168,9 +167,9 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
             ("append", engine, "_append_token"),
             ("output", engine, "_make_output"),
             ("masks", engine, "_attach_grammar_masks"),
-            ("disagg", engine.disagg, "poll"),
-            ("disagg", engine.disagg, "admit_receivers"),
-            ("disagg", engine.disagg, "send_chunks"),
+            ("disagg", engine.pd, "poll"),
+            ("disagg", engine.pd, "admit_receivers"),
+            ("disagg", engine.pd, "send_chunks"),
         ]
     accs = {name: [0.0] for name, _, _ in wrapped}
     # (object, attribute, what its instance dict held before: None = nothing)
@@ -251,7 +250,7 @@ def run_host(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve bench host``; prints one row per concurrency."""
     from pdserve.bench.offline import _parse_counts
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     try:
         counts = _parse_counts(args.num_prompts)

@@ -227,13 +227,13 @@ def _run(
     all_prompts = _prompts(llm, max(counts))
     results = []
     bandwidth = copy_bandwidth(engine.device)
-    graphs = engine.runner.graphs is not None
+    graphs = engine.executor.rank0.runner.graphs is not None
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
         f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
     )
     print(
-        f"attention {engine.attention_backend}  kv order {engine.pool.kv_layout.order}  page size {engine.pool.page_size}"
+        f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
         f"  cuda graphs {'on' if graphs else 'off'}"
         f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
     )
@@ -320,8 +320,8 @@ def _run(
             "tensor_parallel_size": engine.executor.tp_size,
             "machine": platform.processor() or platform.machine(),
             "attention_backend": engine.attention_backend,
-            "kv_order": engine.pool.kv_layout.order,
-            "page_size": engine.pool.page_size,
+            "kv_order": engine.executor.rank0.storage.kv_layout.order,
+            "page_size": engine.executor.rank0.storage.page_size,
             "cuda_graphs": graphs,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth, "

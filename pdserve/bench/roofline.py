@@ -35,9 +35,9 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     """Bytes one decode step of ``num_seqs`` sequences must read: every weight of the model
     (the input embeddings only when tied to the LM head) + the KV of ``mean_context`` tokens
     per sequence (all layers, K and V)."""
-    from pdserve.engine.kv_pool import kv_bytes_per_token
+    from pdserve.engine.worker.kv_storage import kv_bytes_per_token
 
-    model = engine.model
+    model = engine.executor.rank0.model
     s = model.shapes
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(

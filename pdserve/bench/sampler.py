@@ -54,9 +54,9 @@ def measure(
     """Median milliseconds of one ``sample`` call per case, and the two ratios."""
     import torch
 
-    from pdserve.engine.penalties import PenaltyTokens
-    from pdserve.engine.sampler import SampleRequest, sample
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.worker.penalties import PenaltyTokens
+    from pdserve.engine.worker.sampler import SampleRequest, sample
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -8,7 +8,7 @@ processes (one descriptor, NIXL alone), the contiguous copy, and a one-page requ
 beside a raw NIXL WRITE of one page's bytes: their difference is the *fixed cost* of a
 request in the transfer layer (posting, completion, notification, thread hand-offs).
 The pools are laid out like the engine's, by the same
-:class:`~pdserve.engine.kv_layout.KVCacheLayout` (``--kv-order``: ``layer_major`` or
+:class:`~pdserve.engine.kv.layout.KVCacheLayout` (``--kv-order``: ``layer_major`` or
 ``page_major``); the request's pages are scattered over the pool (runs of ``--run-len``
 consecutive pages, shuffled, or ``--pattern served``) on both sides. The transfer time
 is ``send()`` until the room is a ``Success`` on prefill (NIXL reports every WRITE done
@@ -55,7 +55,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     from pdserve.disagg.base import AuxRecord, KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
     from pdserve.disagg.transfer_config import TransferConfig
-    from pdserve.engine.page_runs import paired_runs
+    from pdserve.engine.kv.page_runs import paired_runs
 
     kv, aux, args = make_pool(cfg)
     lay = pool_layout(cfg)
@@ -345,7 +345,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-order",
         default=d.kv_order,
-        help="physical order of both pools: layer_major or page_major (pdserve.engine.kv_layout)",
+        help="physical order of both pools: layer_major or page_major (pdserve.engine.kv.layout)",
     )
     p.add_argument(
         "--pattern",

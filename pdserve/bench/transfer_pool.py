@@ -1,6 +1,6 @@
 """What both processes of ``bench transfer`` build alike: the run's configuration
 (:class:`TransferBenchConfig`, the model shapes it names), the KV pool and aux buffer laid
-out like the engine's (:class:`~pdserve.engine.kv_layout.KVCacheLayout`), and the digest
+out like the engine's (:class:`~pdserve.engine.kv.layout.KVCacheLayout`), and the digest
 that checks decode's pages against prefill's.
 """
 
@@ -68,10 +68,10 @@ class TransferBenchConfig:
 
 
 def pool_layout(cfg: TransferBenchConfig):
-    """The :class:`~pdserve.engine.kv_layout.KVCacheLayout` of both sides' pools."""
+    """The :class:`~pdserve.engine.kv.layout.KVCacheLayout` of both sides' pools."""
     import torch
 
-    from pdserve.engine.kv_layout import KVCacheLayout
+    from pdserve.engine.kv.layout import KVCacheLayout
 
     layers, heads, dim = MODEL_SHAPES[cfg.model_shape]
     return KVCacheLayout(

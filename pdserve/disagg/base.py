@@ -57,7 +57,7 @@ def pd_role(value: str, field: str = "role") -> Role:
     return Role(value)
 
 
-# The KV pool's physical orders (pdserve.engine.kv_layout says what each one is); the name
+# The KV pool's physical orders (pdserve.engine.kv.layout says what each one is); the name
 # travels in KVLayout.kv_order, so both sides of a transfer compare it.
 LAYER_MAJOR = "layer_major"
 PAGE_MAJOR = "page_major"
@@ -100,7 +100,7 @@ class KVLayout:
 
     ``model`` is the weight source's fingerprint; ``dtype`` a torch dtype name such as
     ``float32``; ``page_size`` tokens per page; ``kv_order`` the pool's physical order
-    (:data:`KV_ORDERS`, default page-major as the pools', see :mod:`pdserve.engine.kv_layout`); the rest are
+    (:data:`KV_ORDERS`, default page-major as the pools', see :mod:`pdserve.engine.kv.layout`); the rest are
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.

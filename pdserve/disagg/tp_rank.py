@@ -125,7 +125,7 @@ def start_rank_manager(
     from pdserve.disagg.registry import create_kv_manager
 
     tp = ctx.tp.tp  # the rank's TPGroup -> its TPRank
-    args = ctx.pool.kv_args(
+    args = ctx.storage.kv_args(
         gpu_id=ctx.gpu_id, engine_rank=tp.rank, tp_size=tp.size, total_kv_heads=total_kv_heads
     )
     manager = create_kv_manager(backend, args, role, cfg)

@@ -16,7 +16,7 @@ from pdserve.config import (
     SchedulerConfig,
     default_of,
 )
-from pdserve.engine.engine import EngineCore
+from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -30,14 +30,14 @@ class LLM:
     model: HF folder, ``.gguf`` file, ``random:<preset>`` or the embedded id (default).
     dtype/device: ``auto`` = fp32 on CPU / bf16 on CUDA, cuda when available.
     page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization, kv_order: the KV
-    pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv_layout``).
+    pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv.layout``).
     enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
     max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
     overlap_schedule: launch each greedy decode step before the previous one's results are
-    processed (``engine/overlap.py``); ``None`` = on for CUDA, off on CPU.
+    processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on CPU.
     tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
     started with the ``spawn`` method: a script must guard its entry point with
     ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call

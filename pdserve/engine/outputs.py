@@ -9,23 +9,9 @@ merges the single-sample engine requests of an ``n > 1`` request into one output
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-
-class TokenLogprob(NamedTuple):
-    """Logprob of one token at one position (a named tuple: one is built per token, and
-    a frozen dataclass's ``__init__`` costs several times a tuple's).
-
-    token_id / logprob: the chosen token (sampled, or the actual prompt token) and its
-        log-probability under the model's raw distribution (log_softmax of the logits,
-        before temperature / top-k / top-p, as OpenAI and vLLM report it).
-    top: the ``k`` most likely tokens at that position as ``(token_id, logprob)``, best first.
-    """
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
+from pdserve.engine.step import TokenLogprob
 
 _LAZY: Any = object()  # a field not materialized yet (``None`` is a value of logprobs)
 

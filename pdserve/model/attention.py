@@ -1,7 +1,7 @@
 """Attention over a paged KV cache: per-step metadata, backend ABC + registry, torch SDPA backend.
 
 Cache (one layer): ``k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]``, strided
-views into the pool whose strides come from ``pdserve.engine.kv_layout.KVCacheLayout``
+views into the pool whose strides come from ``pdserve.engine.kv.layout.KVCacheLayout``
 (``view_strides``; never assume contiguity, never flatten); token ``j`` of sequence ``b`` lives
 at ``[page_table[b, j // page_size], j % page_size]``, i.e. slot
 ``page_table[b, j // page_size] * page_size + j % page_size``.

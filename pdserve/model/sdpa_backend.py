@@ -1,7 +1,7 @@
 """``torch_sdpa`` attention backend: paged KV cache + ``F.scaled_dot_product_attention`` (CPU, CUDA).
 
 The caches are the pool's per-layer views ``[P, page_size, Hkv, D]`` in whatever physical
-order the pool has (``pdserve.engine.kv_layout``): they are strided, never flattened, and
+order the pool has (``pdserve.engine.kv.layout``): they are strided, never flattened, and
 read a whole page at a time. Decode rows (one new token per sequence) of a step are
 attended in ONE batched SDPA call over the batch's pages gathered into
 ``[Bd, Hkv, max_pages * page_size, D]``, with GQA folded into the query dimension

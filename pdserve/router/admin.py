@@ -22,6 +22,7 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.disagg.base import Role
 from pdserve.router.errors import error_response
 from pdserve.router.policies import WorkerState
 from pdserve.router.workers import WorkerPool, unhealthy_prefill_peers
@@ -40,7 +41,7 @@ def worker_json(pool: WorkerPool, w: WorkerState) -> dict:
         "outstanding": w.outstanding,
         "last_error": w.last_error,
     }
-    if w.role == "decode":
+    if w.role == Role.DECODE:
         view["unhealthy_prefill_peers"] = unhealthy_prefill_peers(w)
     return view
 

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdserve.advertise import WILDCARDS, is_loopback
+from pdserve.disagg.base import Role
 from pdserve.router.policies import Policy, WorkerState, create_policy
 
 log = logging.getLogger("pdserve.router")
@@ -207,7 +208,7 @@ class WorkerPool:
                     f"it serves role {info.get('role')!r}, not {worker.role!r} "
                     f"(check the router's --prefill/--decode/--worker flags)"
                 )
-            if worker.role == "prefill" and not isinstance(info.get("bootstrap_port"), int):
+            if worker.role == Role.PREFILL and not isinstance(info.get("bootstrap_port"), int):
                 raise RuntimeError("/get_server_info has no bootstrap_port")
             worker.server_info = info
         except Exception as exc:  # noqa: BLE001 any failure of the probe counts against the worker

@@ -155,13 +155,12 @@ class AsyncEngine:
                     self._drain(0 if progressed else self._idle)
                 if self._stopping:
                     break
+                steps_before = self.core.num_steps
                 outputs = self.core.step()
                 stats = _safe_stats(self.core)
                 # A chunked-prefill step emits nothing while work remains: the model having run
-                # (EngineCore's "steps" counter moved) is progress too, so no idle wait.
-                progressed = bool(outputs) or _forward_steps(stats) != _forward_steps(
-                    self.snapshot.stats
-                )
+                # (EngineCore.num_steps moved) is progress too, so no idle wait.
+                progressed = bool(outputs) or self.core.num_steps != steps_before
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is None:
@@ -205,11 +204,6 @@ class AsyncEngine:
                     pass
                 self._deliver(sink, EngineDeadError("worker is shutting down"))
             self._sinks.clear()
-
-
-def _forward_steps(stats: dict | None) -> int | None:
-    """EngineCore's count of steps that ran the model (None when not reported)."""
-    return stats.get("steps") if stats else None
 
 
 def _safe_stats(core: Any) -> dict | None:

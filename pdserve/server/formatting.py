@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.step import TokenLogprob
 
 
 class TokenText:

@@ -28,7 +28,7 @@ def _create_managers(
     from pdserve.disagg.registry import create_kv_manager
     from pdserve.disagg.transfer_config import TransferConfig
 
-    kv_args = core.pool.kv_args(gpu_id=engine_cfg.model.gpu_id)
+    kv_args = core.executor.kv_args(gpu_id=engine_cfg.model.gpu_id)
     transfer: KVManager
     if disagg.transfer_backend == "fake":
         transfer = create_kv_manager("fake", kv_args, disagg.role)
@@ -48,7 +48,7 @@ def _create_managers(
             core.executor,
             disagg.transfer_backend,
             disagg.role,
-            core.model.shapes.total_kv_heads,
+            core.executor.geometry.total_kv_heads,
             cfg,
         )
     else:
@@ -69,7 +69,7 @@ def build_worker(
     Raises ValueError naming the field for a bad model/device/dtype."""
     import torch
 
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     if (
         server_cfg.num_threads
@@ -123,8 +123,8 @@ def build_worker(
         "device": str(core.device),
         "dtype": str(core.dtype).replace("torch.", ""),
         "layout": core.layout.to_dict(),
-        "page_size": core.pool.page_size,
-        "num_total_pages": core.pool.num_pages,
+        "page_size": core.kv.page_size,
+        "num_total_pages": core.kv.num_pages,
         "num_threads": torch.get_num_threads(),
         "tensor_parallel_size": core.executor.tp_size,
         "tp_rank_pids": core.executor.rank_pids(),

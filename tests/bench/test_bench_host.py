@@ -38,6 +38,6 @@ def test_measure_restores_the_engine():
     assert res["num_prompts"] == 2 and res["host_us"] > 0
     assert engine.executor.execute is execute  # the synthetic executor is back, not a timer
     assert "_append_token" not in vars(engine) and "_make_output" not in vars(engine)
-    assert "schedule" not in vars(engine.scheduler) and "poll" not in vars(engine.disagg)
+    assert "schedule" not in vars(engine.scheduler) and "poll" not in vars(engine.pd)
     assert not engine.has_unfinished_requests()
     llm.shutdown()

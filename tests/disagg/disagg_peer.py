@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVLayout, KVPoll
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 
 LAYERS, PAGE_SIZE, HEADS, HEAD_DIM = 4, 4, 2, 16  # float32: page_bytes = 4*2*16*4 = 512
 

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.nixl.probe import nixl_problem
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 
 BACKENDS = ["loopback", "nixl"]
 TERMINAL = (KVPoll.Success, KVPoll.Failed)

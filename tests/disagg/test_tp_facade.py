@@ -28,7 +28,7 @@ from pdserve.disagg.tp import (
     rank_call,
 )
 from pdserve.disagg.transfer_config import TransferConfig
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.parallel import TPRank, kv_head_range
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
@@ -197,16 +197,16 @@ L, D, PS, P = 2, 8, 4, 16
 
 
 def _rank_ctx(full: torch.Tensor, tp: TPRank, fill: bool) -> SimpleNamespace:
-    """What a rank's context holds for the facade: its pool of its heads, tp, gpu_id."""
+    """What a rank's context holds for the facade: its storage of its heads, tp, gpu_id."""
     start, end = kv_head_range(full.shape[3], tp)
-    pool = KVPool(
+    storage = KVStorage(
         num_layers=L, num_kv_heads=end - start, head_dim=D, dtype=torch.float32,
         device=torch.device("cpu"), page_size=PS, num_pages=P, num_aux_slots=4,
         model_fingerprint="tp-facade", kv_order="page_major",
     )  # fmt: skip
     if fill:
-        pool.kv.copy_(full[:, :, :, start:end])
-    return SimpleNamespace(tp=SimpleNamespace(tp=tp), gpu_id=0, pool=pool, services={})
+        storage.kv.copy_(full[:, :, :, start:end])
+    return SimpleNamespace(tp=SimpleNamespace(tp=tp), gpu_id=0, storage=storage, services={})
 
 
 def _facade(role: str, full: torch.Tensor, size: int):
@@ -251,7 +251,7 @@ def test_facades_over_nixl_ranks_move_a_room(p, d):
         assert r.aux_record() == AuxRecord(room, 5, -0.75, (5,), (-0.75,))
         for rank, ctx in enumerate(dec_ranks.ctxs):
             start, end = kv_head_range(4, TPRank(rank, d))
-            got = ctx.pool.kv_layout.pages(ctx.pool.kv, dst)
+            got = ctx.storage.kv_layout.pages(ctx.storage.kv, dst)
             assert torch.equal(got, full[src][:, :, :, start:end]), rank
         s.close()
         r.close()

@@ -19,7 +19,7 @@ from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll
 from pdserve.disagg.head_map import is_writer, reads_from, writes_into
 from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.disagg.transfer_config import BootstrapAddress, TransferConfig
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.parallel import TPRank, kv_head_range
 
 L, D, PS, P = 2, 8, 4, 24

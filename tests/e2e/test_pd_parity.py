@@ -393,7 +393,7 @@ def test_all_processes_healthy_and_pages_back_at_baseline(cluster):
 
 def test_prefill_last_sends_post_writes_made_ahead(cluster):
     """The engine hints each one-chunk prompt's pages before its step
-    (``DisaggFlow.expect_sends``), so prefill's last send posts a WRITE made ahead; by now
+    (``PDFlow.expect_sends``), so prefill's last send posts a WRITE made ahead; by now
     (every test's requests done) none is left unposted or unreleased."""
     stats = cluster["prefill"].get_info()["transfer"]
     assert stats["premade_writes_posted"] > 0, stats

@@ -140,5 +140,5 @@ def pd_clean(pd_cores):
     yield
     for core in pd_cores[:2]:
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()
-        assert core.pool.num_free_aux_slots == core.pool.aux.shape[0]
+        assert core.page_ids.num_free_aux_slots == core.page_ids.num_aux_slots
     assert_closed_once_after_terminal(pd_cores[2].values(), before)

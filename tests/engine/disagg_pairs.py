@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 
 from pdserve.disagg.fake import TERMINAL, FakeKVManager, link
-from pdserve.engine.engine import EngineCore
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.request import DisaggRequestInfo
 
 PROMPT = list(range(300, 322))  # 22 tokens = 6 pages of 4
 rooms = itertools.count(1000)
@@ -23,8 +23,8 @@ def pd_pair(cfg):
     prefill, decode = EngineCore(cfg), EngineCore(cfg)
     m = {}
     for core, role, key in ((prefill, "prefill", "p"), (decode, "decode", "d")):
-        m[key] = FakeKVManager(core.pool.kv_args(), role)
-        m[key + "m"] = FakeKVManager(core.pool.kv_args(), role, scripted=True)
+        m[key] = FakeKVManager(core.executor.kv_args(), role)
+        m[key + "m"] = FakeKVManager(core.executor.kv_args(), role, scripted=True)
         core.bind_kv_managers({"nixl": m[key], "fake": m[key + "m"]})
     link(m["p"], m["d"])
     return prefill, decode, m

@@ -6,7 +6,7 @@ output, the page checks made after every step, and the comparison of two runs (f
 from __future__ import annotations
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.engine.engine import EngineCore
+from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
@@ -74,7 +74,7 @@ def drive(
         if k in events:
             events.pop(k)(core)
         if not core.has_unfinished_requests() and not events:
-            assert core.num_free_pages == core.pool.num_pages
+            assert core.num_free_pages == core.kv.num_pages
             assert core.kv.num_held_pages == 0
             return deltas, finals
         waited, ahead = bool(core.scheduler.waiting), core.overlap.num_ahead

@@ -4,35 +4,22 @@ step that pretends to execute a plan (every sampled token is 7)."""
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_runner import StepResult
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampledToken
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 
 EMPTY_PLAN = BatchPlan(())
 
 
 def make(num_pages=64, page_size=4, budget=32, max_running=8, prefix_caching=False):
-    pool = KVPool(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        page_size=page_size,
-        num_pages=num_pages,
-        num_aux_slots=1,
-        model_fingerprint="x",
-    )
+    page_ids = PageIds(num_pages, page_size, num_aux_slots=1)
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
-        KVCacheManager(pool, enable_prefix_caching=prefix_caching),
+        KVCacheManager(page_ids, enable_prefix_caching=prefix_caching),
         lambda r: (),
     )
 

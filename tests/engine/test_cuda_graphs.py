@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.engine.cuda_graph import capture_reserve_bytes, graph_batch_sizes
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker.cuda_graph import capture_reserve_bytes, graph_batch_sizes
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.presets import preset_config
 from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
@@ -57,12 +57,12 @@ def test_attention_backend_and_enforce_eager_flags():
 def test_cpu_engine_defaults_to_torch_sdpa_without_graphs():
     llm = LLM("random:tiny", device="cpu", num_pages=16)
     assert llm.engine.attention_backend == "torch_sdpa"
-    assert llm.engine.runner.graphs is None
+    assert llm.engine.executor.rank0.runner.graphs is None
 
 
 def test_plain_greedy_rows_are_argmax_only():
-    from pdserve.engine.sampler import plain_greedy
-    from pdserve.engine.scheduler import ScheduledSeq
+    from pdserve.engine.step import ScheduledSeq
+    from pdserve.engine.worker.sampler import plain_greedy
 
     def row(banned=(), **kw):
         return ScheduledSeq("r", [1], 0, [0], True, 0, [], SamplingParams(**kw), None, banned)
@@ -102,7 +102,7 @@ def test_graphs_match_eager(dtype, logprobs):
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.rank0.runner.graphs is None) == eager
         assert llm.engine.attention_backend == "triton"
         runs[eager] = [[o.outputs[0] for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)]
         del llm
@@ -121,45 +121,13 @@ def test_graphs_match_eager(dtype, logprobs):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_graph_pieces_match_eager(monkeypatch):
-    """Each bucket captured in two pieces (split before layer 1 of the 2-layer model) gives
-    the eager run's greedy tokens and logprobs."""
-    _needs_cuda()
-    from pdserve.engine import cuda_graph
-
-    prompts = [[1 + (5 * i + j) % 300 for j in range(4 + 5 * i)] for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = {}
-    for eager in (False, True):
-        monkeypatch.setattr(cuda_graph, "GRAPH_SPLITS", (1,))
-        llm = LLM(
-            "random:tiny",
-            device="cuda",
-            dtype="float32",
-            max_running_requests=4,
-            kv_cache_memory=0.25,
-            enforce_eager=eager,
-        )
-        if not eager:
-            assert llm.engine.runner.graphs.split_layers == (1,)
-            assert all(len(p) == 2 for p in llm.engine.runner.graphs._graphs.values())
-        outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
-    for g, e in zip(outs[False], outs[True]):
-        assert g.token_ids == e.token_ids
-        assert abs(g.cumulative_logprob - e.cumulative_logprob) < 16 * 1e-4
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
 def test_short_context_graphs_and_unbounded_ones_match_eager(monkeypatch):
     """At rows x KV heads >= 256 (128 rows of the 2-KV-head tiny model) a step whose contexts
     all fit ONE_SPLIT_MAX_CONTEXT replays the bucket's short-context graph (one split), and
     once one row's context passes it the unbounded graph (split); greedy fp32 tokens equal
     the eager run's either way."""
     _needs_cuda()
-    from pdserve.engine import cuda_graph
+    from pdserve.engine.worker import cuda_graph
     from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT
 
     picked: list = []
@@ -262,7 +230,7 @@ def _overlap_run(overlap, enforce_eager, requests, late):
     """Greedy outputs of ``requests`` ((id, prompt, params)) on a CUDA engine, ``late`` added
     after 5 steps; returns ({id: (token ids, logprobs, finish_reason)}, stats)."""
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import EngineCore
+    from pdserve.engine.core.engine import EngineCore
 
     core = EngineCore(
         EngineConfig(
@@ -286,7 +254,7 @@ def _overlap_run(overlap, enforce_eager, requests, late):
                 c = out.outputs[0]
                 lps = [t.logprob for t in c.logprobs] if c.logprobs is not None else None
                 finals[out.request_id] = (c.token_ids, lps, c.finish_reason)
-    assert core.num_free_pages == core.pool.num_pages
+    assert core.num_free_pages == core.kv.num_pages
     stats = core.stats()
     del core
     torch.cuda.empty_cache()

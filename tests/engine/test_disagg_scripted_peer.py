@@ -12,8 +12,8 @@ from disagg_pairs import PROMPT, drive, info, rooms
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.fake import FakeKVManager
-from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.engine import EngineCore
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.pd_flow import PDFlow
 from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("pd_clean")
@@ -144,8 +144,8 @@ def test_manager_selection_and_duplicate_rooms(pd_cores):
     prefill.abort_request("a")
     m["pm"].handle(room).fail("aborted")
     drive(prefill)
-    no_managers = DisaggFlow(
-        prefill.pool, prefill.kv, prefill.scheduler, {}, "nixl", prefill.vocab_size, None
+    no_managers = PDFlow(
+        prefill.page_ids, prefill.kv, prefill.scheduler, {}, "nixl", prefill.vocab_size
     )
     with pytest.raises(ValueError, match="disagg: this engine has no 'nixl'"):
         no_managers.manager_for(info("prefill", 1))
@@ -156,7 +156,7 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
         model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
         cache=CacheConfig(page_size=4, num_pages=64),
     )
-    core = EngineCore(cfg)  # no managers yet: they need core.pool (its kv_args) first
+    core = EngineCore(cfg)  # no managers yet: they need core.executor.kv_args() first
     with pytest.raises(ValueError, match="disagg"):
         core.add_request(
             "early", PROMPT, SamplingParams(max_tokens=2), info("prefill", 1, fake=True)
@@ -164,7 +164,7 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
     for bad in ({}, {"fake": object()}):
         with pytest.raises(ValueError, match="kv_managers"):
             core.bind_kv_managers(bad)
-    manager = FakeKVManager(core.pool.kv_args(), "prefill", scripted=True)
+    manager = FakeKVManager(core.executor.kv_args(), "prefill", scripted=True)
     core.bind_kv_managers({"fake": manager})
     with pytest.raises(ValueError, match="bound already"):
         core.bind_kv_managers({"fake": manager})
@@ -179,7 +179,7 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
     late = EngineCore(cfg)
     late.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=1))
     with pytest.raises(ValueError, match="before the first request"):
-        late.bind_kv_managers({"fake": FakeKVManager(late.pool.kv_args(), "prefill")})
+        late.bind_kv_managers({"fake": FakeKVManager(late.executor.kv_args(), "prefill")})
     drive(late)
     with pytest.raises(ValueError, match="bound already"):
         EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})

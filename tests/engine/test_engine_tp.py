@@ -15,9 +15,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.engine.engine import EngineCore
-from pdserve.engine.executor import RankFailedError, check_tp_split
-from pdserve.engine.rank_worker import RankContext
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.worker.executor import RankFailedError, check_tp_split
+from pdserve.engine.worker.rank_worker import RankContext
 from pdserve_procs import TINY, pid_alive
 
 PROMPTS = [
@@ -56,9 +56,9 @@ def test_tp2_greedy_equals_tp1(arch, tiny_model_dir, tokenizer):
     with LLM(folder, tensor_parallel_size=2, **kw) as llm:
         core = llm.engine
         assert core.executor.tp_size == 2 and len(set(core.executor.rank_pids())) == 2
-        shapes = core.model.shapes
+        shapes = core.executor.rank0.model.shapes
         assert shapes.n_heads == shapes.total_heads // 2  # rank 0 holds its share only
-        assert core.pool.kv_layout.num_kv_heads == shapes.n_kv_heads
+        assert core.executor.rank0.storage.kv_layout.num_kv_heads == shapes.n_kv_heads
         outs = llm.generate(prompts, params)
     assert_same_outputs(outs, ref)
 
@@ -68,7 +68,7 @@ def _rank_facts(ctx: RankContext, tag: str) -> dict:
         "pid": os.getpid(),
         "rank": ctx.tp.rank,
         "size": ctx.tp.size,
-        "num_pages": ctx.pool.num_pages,
+        "num_pages": ctx.storage.num_pages,
         "kv_head_range": ctx.model.shapes.kv_head_range,
         "tag": tag,
     }
@@ -128,7 +128,7 @@ def test_killed_rank_ends_requests_with_error_and_nothing_hangs(tp2_core, caplog
     for _ in range(3):
         core.step()
     rank1 = core.executor.rank_pids()[1]
-    caplog.set_level(logging.INFO, logger="pdserve.engine.multiproc_executor")
+    caplog.set_level(logging.INFO, logger="pdserve.engine.worker.multiproc_executor")
     os.kill(rank1, signal.SIGKILL)
     finished = []
     for _ in range(1000):  # the next step fails: the collective's peer is gone
@@ -157,7 +157,7 @@ def test_hung_rank_is_named_after_the_timeout_and_a_normal_stop_logs_no_error(mo
     an error naming that rank and its pid (not rank 0, not gloo's source path), logged
     once.  The healthy engine before it stops without an ERROR."""
     monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "10")
-    caplog.set_level(logging.INFO, logger="pdserve.engine.multiproc_executor")
+    caplog.set_level(logging.INFO, logger="pdserve.engine.worker.multiproc_executor")
     cfg = EngineConfig(
         model=ModelConfig(model=TINY, tensor_parallel_size=2, device="cpu"),
         cache=CacheConfig(num_pages=64),
@@ -241,21 +241,21 @@ def test_tp_config_errors_name_the_field(tiny_model_dir):
 
 
 def test_a_tp1_engine_never_imports_the_multiproc_executor():
-    """TP=1 runs on ``LocalExecutor`` alone: ``engine/multiproc_executor.py`` (spawned
+    """TP=1 runs on ``LocalExecutor`` alone: ``engine/worker/multiproc_executor.py`` (spawned
     ranks, pipes, failure bookkeeping) is imported only by ``create_executor`` for N > 1."""
     code = (
         "import sys\n"
         "from pdserve.config import CacheConfig, EngineConfig, ModelConfig\n"
-        "from pdserve.engine.engine import EngineCore\n"
+        "from pdserve.engine.core.engine import EngineCore\n"
         f"core = EngineCore(EngineConfig(model=ModelConfig(model={TINY!r}, device='cpu'),"
         " cache=CacheConfig(num_pages=16)))\n"
         "assert type(core.executor).__name__ == 'LocalExecutor'\n"
         "core.shutdown()\n"
-        "print('multiproc' if 'pdserve.engine.multiproc_executor' in sys.modules else 'local')\n"
+        "print('multiproc' if 'pdserve.engine.worker.multiproc_executor' in sys.modules else 'local')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "local"
-    from pdserve.engine.multiproc_executor import MultiprocExecutor
+    from pdserve.engine.worker.multiproc_executor import MultiprocExecutor
 
-    assert MultiprocExecutor.__module__ == "pdserve.engine.multiproc_executor"
+    assert MultiprocExecutor.__module__ == "pdserve.engine.worker.multiproc_executor"

@@ -16,8 +16,8 @@ import torch
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
 from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.nixl.probe import nixl_problem
-from pdserve.engine.kv_layout import KV_ORDERS, KVCacheLayout, check_order
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv.layout import KV_ORDERS, KVCacheLayout, check_order
+from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.sdpa_backend import TorchSDPABackend
 
@@ -86,7 +86,7 @@ def test_kv_args_are_the_regions_and_the_rank_share(order):
 
 def _token_bytes(lay: KVCacheLayout, kv: torch.Tensor, layer: int, s: int, page: int, off: int):
     """K (s=0) or V (s=1) of one token, every head, read from the bytes NIXL moves for its
-    page, following the order's definition (docstring of pdserve.engine.kv_layout)."""
+    page, following the order's definition (docstring of pdserve.engine.kv.layout)."""
     e = 4
     ranges = lay.page_byte_ranges(page)
     if lay.order == "layer_major":  # buffer (layer, s) holds [ps, H, D] a page
@@ -100,7 +100,7 @@ def _token_bytes(lay: KVCacheLayout, kv: torch.Tensor, layer: int, s: int, page:
 
 @pytest.mark.parametrize("order", KV_ORDERS)
 def test_attention_writes_the_bytes_the_transfer_moves(order):
-    pool = KVPool(
+    pool = KVStorage(
         num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32,
         device=torch.device("cpu"), page_size=PS, num_pages=P, num_aux_slots=1,
         model_fingerprint="m", kv_order=order,
@@ -127,7 +127,7 @@ def test_attention_writes_the_bytes_the_transfer_moves(order):
     assert lay.pages(pool.kv, untouched).abs().max().item() == 0.0
 
 
-def _attend(pool: KVPool, table: list[int], n: int, q: torch.Tensor) -> torch.Tensor:
+def _attend(pool: KVStorage, table: list[int], n: int, q: torch.Tensor) -> torch.Tensor:
     """Decode one new token at position ``n`` over ``table`` (every layer), its output."""
     backend = TorchSDPABackend()
     md = build_attention_metadata([1], [n + 1], [table], PS)
@@ -139,8 +139,8 @@ def _attend(pool: KVPool, table: list[int], n: int, q: torch.Tensor) -> torch.Te
     return torch.stack(outs)
 
 
-def _pool(order: str) -> KVPool:
-    return KVPool(
+def _pool(order: str) -> KVStorage:
+    return KVStorage(
         num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32,
         device=torch.device("cpu"), page_size=PS, num_pages=P, num_aux_slots=2,
         model_fingerprint="m", kv_order=order,

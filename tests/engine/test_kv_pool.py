@@ -1,18 +1,27 @@
-"""KV pool: allocation, exactly-once free, aux slots, what the transfer layer sees, sizing."""
+"""KV memory's two halves: page and aux-slot ids (``kv/page_ids.py``: allocation,
+exactly-once free, aux slots) and each rank's storage (``worker/kv_storage.py``: the aux
+bytes and what the transfer layer sees, sizing)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord
-from pdserve.engine.kv_layout import default_page_size
-from pdserve.engine.kv_pool import KVPool, compute_num_pages, kv_bytes_per_token
+from pdserve.engine.kv.layout import default_page_size
+from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages, kv_bytes_per_token
+
+
+def make_ids(num_pages=10):
+    return PageIds(num_pages, page_size=4, num_aux_slots=3)
 
 
 def make_pool(num_pages=10, dtype=torch.float32, kv_order=None):
-    return KVPool(
+    return KVStorage(
         num_layers=3,
         num_kv_heads=2,
         head_dim=8,
@@ -27,7 +36,7 @@ def make_pool(num_pages=10, dtype=torch.float32, kv_order=None):
 
 
 def test_allocate_and_free_exactly_once():
-    pool = make_pool()
+    pool = make_ids()
     a = pool.allocate(3)
     assert a == [0, 1, 2] and pool.num_free_pages == 7
     b = pool.allocate(7)
@@ -48,14 +57,19 @@ def test_allocate_and_free_exactly_once():
 
 
 def test_aux_slots():
-    pool = make_pool()
+    pool, storage = make_ids(), make_pool()
     slots = [pool.allocate_aux_slot() for _ in range(3)]
     assert slots == [0, 1, 2] and pool.allocate_aux_slot() is None
     rec = AuxRecord(
         room=7, first_token_id=42, logprob=-0.5, top_ids=(42, 3), top_logprobs=(-0.5, -2.0)
     )
-    pool.write_aux(1, rec.pack())
-    assert AuxRecord.unpack(pool.read_aux(1)) == rec
+    # the record's bytes through the addresses the transfer layer registers (kv_args), as
+    # a receiver writes and reads slot 1: they land in the storage's aux buffer, row 1
+    args = storage.kv_args()
+    ctypes.memmove(args.aux_data_ptr + 1 * args.aux_item_len, rec.pack(), AUX_RECORD_BYTES)
+    assert storage.aux[1].numpy().tobytes() == rec.pack()
+    got = ctypes.string_at(args.aux_data_ptr + 1 * args.aux_item_len, AUX_RECORD_BYTES)
+    assert AuxRecord.unpack(got) == rec
     pool.free_aux_slot(1)
     with pytest.raises(RuntimeError):
         pool.free_aux_slot(1)
@@ -95,7 +109,7 @@ def test_default_order_and_bad_order():
 
 
 def test_allocator_hands_out_contiguous_runs_and_merges_freed_pages():
-    pool = make_pool(num_pages=32)
+    pool = make_ids(num_pages=32)
     a, b, c = pool.allocate(4), pool.allocate(4), pool.allocate(4)
     assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7] and c == [8, 9, 10, 11]
     pool.free(b)  # a hole of 4 between a and c
@@ -114,7 +128,7 @@ def test_allocator_hands_out_contiguous_runs_and_merges_freed_pages():
 def test_churn_keeps_accounting_exact_and_runs_few():
     import random
 
-    pool = make_pool(num_pages=512)
+    pool = make_ids(num_pages=512)
     rng, held = random.Random(0), []
     for _ in range(3000):
         if held and (rng.random() < 0.5 or pool.num_free_pages < 40):

@@ -12,12 +12,11 @@ import pickle
 
 import pytest
 
+from pdserve.engine.core.stop import TokenStop
 from pdserve.engine.llm import LLM
-from pdserve.engine.model_runner import StepResult
-from pdserve.engine.outputs import CompletionOutput, TokenLogprob
-from pdserve.engine.sampler import SampledToken
+from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import TokenStop
+from pdserve.engine.step import SampledToken, StepResult, TokenLogprob
 
 # multi-byte UTF-8 (2, 3 and 4 bytes), split across tokens by the byte-level BPE
 TEXT = "Hello wörld! 你好, 🙂 naïve café — done. Ünïcödé 🚀🚀 ok; " * 6

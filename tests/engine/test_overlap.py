@@ -1,4 +1,4 @@
-"""Overlap scheduling (engine/overlap.py) forced on for the CPU against the same engine with it
+"""Overlap scheduling (engine/core/overlap.py) forced on for the CPU against the same engine with it
 off: identical outputs (token ids, text, logprobs, finish reasons, usage and every streaming
 delta) over EOS mid-batch, stop strings and stop ids, staggered max_tokens, max_model_len,
 plain and non-plain rows, arrivals mid-decode, aborts during a launched step, the PD decode
@@ -23,7 +23,7 @@ from overlap_runs import (
 )
 
 from pdserve.disagg.fake import FakeKVManager, link
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.server.engine_args import add_engine_args, engine_argv, engine_config_from_args
 
@@ -131,7 +131,7 @@ def test_abort_during_a_launched_step(eos_model):
             assert out.request_id != "b", "an aborted request emits nothing"
             if out.finished:
                 finals[out.request_id] = final_of(out)
-    assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
+    assert core.num_free_pages == core.kv.num_pages and core.kv.num_held_pages == 0
     ref = drive(core_of(folder, False), [("a", PROMPTS[0], params), ("c", PROMPTS[2], params)])
     assert_same(finals, ref[1])
     # every request aborted while a step is launched: the last abort collects it (no row is
@@ -145,7 +145,7 @@ def test_abort_during_a_launched_step(eos_model):
     assert core.overlap.pending and core.has_unfinished_requests()  # y's row is live
     core.abort_request("y")
     assert not core.overlap.pending and not core.has_unfinished_requests()
-    assert core.num_free_pages == core.pool.num_pages and core.kv.num_held_pages == 0
+    assert core.num_free_pages == core.kv.num_pages and core.kv.num_held_pages == 0
     assert core.step() == []
 
 
@@ -197,8 +197,8 @@ def pd_run(folder, overlap, params):
     """Decode requests (``overlap`` on the decode engine) fed by a prefill engine over the
     loopback fake backend; returns (decode deltas, finals, decode engine)."""
     prefill, decode = core_of(folder, False), core_of(folder, overlap)
-    mp = FakeKVManager(prefill.pool.kv_args(), "prefill")
-    md = FakeKVManager(decode.pool.kv_args(), "decode")
+    mp = FakeKVManager(prefill.executor.kv_args(), "prefill")
+    md = FakeKVManager(decode.executor.kv_args(), "decode")
     prefill.bind_kv_managers({"nixl": mp})
     decode.bind_kv_managers({"nixl": md})
     link(mp, md)
@@ -218,7 +218,7 @@ def pd_run(folder, overlap, params):
             deltas.setdefault(out.request_id, []).append(delta_of(out))
             if out.finished:
                 finals[out.request_id] = final_of(out)
-    assert decode.num_free_pages == decode.pool.num_pages == prefill.num_free_pages
+    assert decode.num_free_pages == decode.kv.num_pages == prefill.num_free_pages
     assert decode.kv.num_held_pages == 0
     return deltas, finals, decode
 

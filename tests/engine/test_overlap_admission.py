@@ -1,4 +1,4 @@
-"""Overlap scheduling (engine/overlap.py) forced on for the CPU against the same engine with it
+"""Overlap scheduling (engine/core/overlap.py) forced on for the CPU against the same engine with it
 off while request slots or pages are scarce: a step is launched ahead with requests waiting
 only when the synchronous scheduler could admit none of them, so every request is admitted
 in the same engine step and the outputs are identical (preemption, more requests than

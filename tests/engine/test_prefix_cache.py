@@ -8,31 +8,20 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.prefix_cache import ROOT_KEY, page_key, page_keys
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.kv.prefix_cache import ROOT_KEY, page_key, page_keys
 
 _KEYS_SCRIPT = (
-    "from pdserve.engine.prefix_cache import page_keys; "
+    "from pdserve.engine.kv.prefix_cache import page_keys; "
     "print(','.join(k.hex() for k in page_keys(list(range(100, 140)), 16)))"
 )
 
 
 def manager(num_pages=8, page_size=4, enable=True):
-    pool = KVPool(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        page_size=page_size,
-        num_pages=num_pages,
-        num_aux_slots=1,
-        model_fingerprint="x",
-    )
-    return KVCacheManager(pool, enable_prefix_caching=enable)
+    page_ids = PageIds(num_pages, page_size, num_aux_slots=1)
+    return KVCacheManager(page_ids, enable_prefix_caching=enable)
 
 
 def test_keys_are_equal_across_processes_with_different_hash_seeds():

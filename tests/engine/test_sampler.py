@@ -7,7 +7,7 @@ import collections
 import torch
 
 from pdserve import SamplingParams
-from pdserve.engine.sampler import SampleRequest, sample, skip_draw
+from pdserve.engine.worker.sampler import SampleRequest, sample, skip_draw
 
 
 def gen(seed):
@@ -184,7 +184,7 @@ def test_logits_mask_restricts_greedy_and_sampled_rows():
 
 
 def test_penalty_tokens_follow_the_request_and_sample_as_plain_lists():
-    from pdserve.engine.penalties import PenaltyTokens
+    from pdserve.engine.worker.penalties import PenaltyTokens
 
     torch.manual_seed(6)
     logits = torch.randn(2, 80)

@@ -18,8 +18,8 @@ import torch
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.disagg.base import KVPoll
 from pdserve.disagg.fake import FakeKVManager, link
-from pdserve.engine.engine import EngineCore
-from pdserve.engine.request import DisaggRequestInfo
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.core.request import DisaggRequestInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.bitmask import allocate_bitmask, bitmask_to_bool
 from pdserve.engine.structured.params import StructuredOutputsParams as SO
@@ -80,8 +80,8 @@ def cores(tiny_model_dir):
         cache=CacheConfig(page_size=4, num_pages=128),
     )
     prefill, decode = EngineCore(cfg), EngineCore(cfg)
-    p = FakeKVManager(prefill.pool.kv_args(), "prefill")
-    d = FakeKVManager(decode.pool.kv_args(), "decode")
+    p = FakeKVManager(prefill.executor.kv_args(), "prefill")
+    d = FakeKVManager(decode.executor.kv_args(), "decode")
     link(p, d)
     prefill.bind_kv_managers({"nixl": p})
     decode.bind_kv_managers({"nixl": d})

@@ -17,7 +17,7 @@ import time
 import torch
 import transformers
 
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.presets import preset_config

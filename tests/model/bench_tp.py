@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tp_model_ranks import run_ranks
 
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup

@@ -184,7 +184,7 @@ def test_graphs_of_large_batches_get_a_short_context_bound():
     """The triton backend asks for a graph bounded at ONE_SPLIT_MAX_CONTEXT where its decode
     runs short contexts as one split (rows x KV heads >= 256), and only there; the CPU
     backend never; the runner replays the smallest bound that holds the longest context."""
-    from pdserve.engine.cuda_graph import pick_graph
+    from pdserve.engine.worker.cuda_graph import pick_graph
     from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT, TritonBackend, decode_config
 
     tri, sdpa = TritonBackend(), get_attention_backend("torch_sdpa")

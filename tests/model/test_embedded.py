@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.model import gguf_reader
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM

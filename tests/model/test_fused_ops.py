@@ -82,7 +82,7 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
     """The fused RoPE + KV store leaves q/k and the pool byte for byte as RoPE followed by
     the triton backend's store kernel (the unfused path); a padded row (slot -1) writes
     nothing. bf16 too on CPU: both paths convert the same way under the interpreter."""
-    from pdserve.engine.kv_layout import KVCacheLayout
+    from pdserve.engine.kv.layout import KVCacheLayout
     from pdserve.model.attention import build_attention_metadata
     from pdserve.model.fused_ops import rope_inplace, rope_store_kv
     from pdserve.model.triton_backend import TritonBackend

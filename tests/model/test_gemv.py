@@ -364,7 +364,7 @@ def test_captured_graphs_through_the_gemv_match_eager(monkeypatch, kernels):
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.rank0.runner.graphs is None) == eager
         runs[eager] = [
             [o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)]
             for n in (1, 3, 5, 20, 40)

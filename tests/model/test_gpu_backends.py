@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 

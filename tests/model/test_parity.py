@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.kv_layout import KV_ORDERS, KVCacheLayout
+from pdserve.engine.kv.layout import KV_ORDERS, KVCacheLayout
 from pdserve.model import linear as lin
 from pdserve.model.attention import AttentionMetadata, build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM

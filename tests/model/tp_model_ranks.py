@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from pdserve.engine.kv_layout import KVCacheLayout
+from pdserve.engine.kv.layout import KVCacheLayout
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import (

@@ -47,6 +47,10 @@ class StubCore:
     def has_unfinished_requests(self):
         return bool(self.live)
 
+    @property
+    def num_steps(self):  # EngineCore.num_steps: no model steps here, outputs are progress
+        return 0
+
     def step(self):
         self.threads.add(threading.current_thread().name)
         self.n_steps += 1
@@ -141,7 +145,7 @@ def test_engine_thread_death_is_reported():
 @dataclass
 class ChunkedCore(StubCore):
     """Each request first needs ``silent`` model steps that emit nothing (prefill chunks;
-    ``stats()["steps"]`` counts them like EngineCore), then ``steps`` steps with output.
+    ``num_steps`` counts them like EngineCore), then ``steps`` steps with output.
     ``rooms_pending``: unfinished work that nothing can schedule (KV transfer rooms)."""
 
     silent: int = 10
@@ -166,6 +170,10 @@ class ChunkedCore(StubCore):
     def add_request(self, request_id, prompt, params, disagg=None):
         super().add_request(request_id, prompt, params, disagg)
         self.live[request_id] = -self.silent
+
+    @property
+    def num_steps(self):
+        return self.model_steps
 
     def stats(self):
         return {"num_running": len(self.live), "steps": self.model_steps}

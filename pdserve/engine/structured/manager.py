@@ -17,7 +17,7 @@ from pdserve.engine.structured.bitmask import allocate_bitmask, bitmask_to_bool
 from pdserve.engine.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.scheduler import BatchPlan
+    from pdserve.engine.step import BatchPlan
 
 logger = logging.getLogger(__name__)
 

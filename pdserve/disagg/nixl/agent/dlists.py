@@ -3,7 +3,7 @@ remote: once per peer instance), and the descriptor indices of one room's pages 
 
 Lists are in NIXL's strided form, one row per KV buffer expanding to one descriptor per
 page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers in the pool
-layout's descriptor order, :meth:`pdserve.engine.kv_layout.KVCacheLayout.regions`: 2L
+layout's descriptor order, :meth:`pdserve.engine.kv.layout.KVCacheLayout.regions`: 2L
 for a layer-major pool, one for a page-major pool). A room's transfer lists its indices
 buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
 address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one

@@ -3,59 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampler import (
-    SampledToken,
-    plain_greedy,
-    sample,
-    sample_request_of,
-    top_logprobs,
-)
-from pdserve.engine.scheduler import BatchPlan
-from pdserve.engine.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult, TokenLogprob
+from pdserve.engine.worker.kv_storage import KVStorage
+from pdserve.engine.worker.sampler import plain_greedy, sample, sample_request_of, top_logprobs
+from pdserve.engine.worker.staging import PROMPT_LOGITS_CHUNK, StagingBuffer, StepHeader, stage_plan
 from pdserve.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pdserve.engine.cuda_graph import CUDAGraphRunner
+    from pdserve.engine.worker.cuda_graph import CUDAGraphRunner
     from pdserve.model.llama import LlamaForCausalLM
-
-
-@dataclass
-class StepResult:
-    """What a step produced: a sampled token per sampling sequence, and prompt logprobs
-    (one ``TokenLogprob`` per target token of the plan) per request that asked for them."""
-
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-
-
-@dataclass
-class InFlightTokens:
-    """The greedy tokens of a launched step, not yet waited for (overlap scheduling).
-
-    device: ``[B, 2]`` float64 (argmax id, its raw logprob) per row on the device; the next
-        step gathers its input ids from it (valid until that step is launched).
-    host: the same, on the host (pinned on CUDA), filled by a copy queued after the step.
-    ready: the event after that copy (``None`` on CPU: the step ran synchronously).
-    """
-
-    device: torch.Tensor
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def tokens(self) -> list[SampledToken]:
-        """Wait for the step and return each row's token (what ``sampler.sample`` returns
-        for a plain greedy row: the argmax, its logprob, no top logprobs)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return [SampledToken(int(t), lp, ()) for t, lp in self.host.tolist()]
 
 
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
@@ -67,26 +28,26 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Runs ``model`` (a ``pdserve.model.llama.LlamaForCausalLM``) over the pool's KV cache.
+    """Runs ``model`` (a ``pdserve.model.llama.LlamaForCausalLM``) over the rank's KV cache (``storage``).
 
     Per step: the step's token ids, positions, slots, lengths and page table are built with
     numpy (no per-token Python loop) into one pinned staging buffer and copied to the device
     at once; the attention plan is built here, outside the model's forward; then the
     forward, logits for the last token of each sampling sequence (plus the prompt positions
     whose logprobs were asked), and sampling. A decode-only step replays a captured CUDA
-    graph when ``graphs`` is given (see ``engine/cuda_graph.py``).
+    graph when ``graphs`` is given (see ``engine/worker/cuda_graph.py``).
     """
 
     def __init__(
         self,
         model: LlamaForCausalLM,
-        pool: KVPool,
+        storage: KVStorage,
         device: torch.device,
         generator: torch.Generator | None = None,
         graphs: CUDAGraphRunner | None = None,
     ) -> None:
         self.model = model
-        self.pool = pool
+        self.storage = storage
         self.device = torch.device(device)
         self.generator = generator  # draws of unseeded random rows (seeded rows own theirs)
         self.graphs = graphs  # CUDAGraphRunner | None
@@ -205,10 +166,10 @@ class ModelRunner:
 
     def stage(self, plan: BatchPlan) -> tuple[StepHeader, np.ndarray]:
         """The step's inputs as flat int64 in the staging buffer: its header and the host
-        view of its first ``header.total`` values (``engine/staging.py``: the segments).
+        view of its first ``header.total`` values (``engine/worker/staging.py``: the segments).
         A TP executor sends exactly these to the other ranks
-        (``engine/multiproc_executor.py``)."""
-        return stage_plan(plan, self.pool.page_size, self._staging)
+        (``engine/worker/multiproc_executor.py``)."""
+        return stage_plan(plan, self.storage.page_size, self._staging)
 
     def staging_view(self, n: int) -> np.ndarray:
         """The host view of the first ``n`` values of the staging buffer (grown as needed),
@@ -245,8 +206,8 @@ class ModelRunner:
             query_lens_host=tuple(np.diff(host[offs[4] : offs[4] + B + 1]).tolist()),
             seq_lens_host=tuple(host[offs[3] : offs[3] + B].tolist()),
         )
-        attn_plan = self.model.backend.plan(attn, self.pool.page_size)  # outside the forward
-        hidden = self.model(ids_t, pos_t, attn, self.pool.layer_caches, attn_plan)  # [T, H]
+        attn_plan = self.model.backend.plan(attn, self.storage.page_size)  # outside the forward
+        hidden = self.model(ids_t, pos_t, attn, self.storage.layer_caches, attn_plan)  # [T, H]
         chunks = host[offs[7] : offs[7] + 2 * header.n_chunks].reshape(-1, 2).tolist()
         for i, (row0, n) in enumerate(chunks):
             logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V] fp32

@@ -1,16 +1,13 @@
 """The stop conditions of one request, checked after each sampled token: token-level
 (:class:`TokenStop`: EOS, stop token ids, length), a complete grammar, stop strings
-(:func:`check_stops` combines them)."""
+(``request.check_stops`` combines them, in ``engine/core/request.py`` beside the
+``Request`` it reads)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pdserve.engine.request import Request
 
 _LENGTH = ("length", None)
 _MISS = object()
@@ -48,7 +45,7 @@ class TokenStop:
     def may_stop_on_token(self, num_output_tokens: int) -> bool:
         """Whether some token id would end the request as its ``num_output_tokens``-th
         output token (an EOS or stop token past ``min_tokens``), i.e. whether its end can
-        depend on a token the host has not seen (overlap scheduling, ``engine/overlap.py``)."""
+        depend on a token the host has not seen (overlap scheduling, ``engine/core/overlap.py``)."""
         return num_output_tokens > self.min_tokens and bool(self._stops)
 
     def check(self, token_id: int, num_output_tokens: int) -> tuple[str, int | None] | None:
@@ -69,38 +66,6 @@ class TokenStop:
         if num_output_tokens >= self.max_output:
             return _LENGTH
         return None
-
-
-def check_stops(
-    req: Request, token_id: int, eos_token_ids: Collection[int], max_model_len: int
-) -> tuple[str, str | int | None] | None:
-    """Whether ``req`` ends with ``token_id``, its output token just appended: ``(reason,
-    stop_reason)`` (``"stop"`` or ``"length"``, as :meth:`TokenStop.check`, or ``("stop",
-    the stop string)``), else None.  A complete grammar ends it at an EOS even before
-    ``min_tokens`` (unless ``ignore_eos``).  Unless an EOS or stop token ends it, the token
-    goes to ``req.detokenizer`` (its text; a stop string, checked once past ``min_tokens``,
-    ends it): an EOS or stop token adds no text (vLLM).  Builds ``req.token_stop`` on the
-    first call."""
-    params = req.params
-    stop = req.token_stop
-    if stop is None:
-        stop = req.token_stop = TokenStop(
-            params, eos_token_ids, max_model_len, req.num_prompt_tokens
-        )
-    num_output = len(req.all_token_ids) - req.num_prompt_tokens
-    verdict: tuple[str, str | int | None] | None = stop.check(token_id, num_output)
-    if (
-        req.grammar is not None
-        and token_id in eos_token_ids
-        and not params.ignore_eos
-        and req.grammar.is_terminated
-    ):
-        verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
-    if verdict is None or verdict[0] == "length":
-        stop_str = req.detokenizer.add_token(token_id, check_stop=num_output > stop.min_tokens)
-        if stop_str is not None:
-            verdict = ("stop", stop_str)
-    return verdict
 
 
 def tokens_banned_before_min(

@@ -54,11 +54,10 @@ def default_page_size(device: torch.device | str) -> int:
     """Tokens per page on ``device`` unless configured (``CacheConfig.page_size``).
 
     16 on CPU. 128 on CUDA: a page-major page of Llama-3.1-8B shapes in bf16 is then one
-    16 MiB NIXL descriptor (UCX ``cuda_ipc`` costs ~6.6 µs a descriptor whatever its size, so
-    a request whose pages are all apart moves at 0.48 of a device copy instead of 0.12 at
-    16 tokens), and the batch-1 decode step was faster too (5.23 -> 4.99 ms, H200):
-    docs/benchmarks.md, "KV transfer by order, page size and page pattern". The price is a
-    prefix cache that reuses whole 128-token pages only."""
+    16 MiB NIXL descriptor, and a transfer costs per descriptor whatever its size (the
+    measurements: docs/benchmarks.md, "KV transfer by order, page size and page pattern",
+    and "Notes moved from engine docstrings"). The price is a prefix cache that reuses
+    whole 128-token pages only."""
     return 128 if torch.device(device).type == "cuda" else 16
 
 

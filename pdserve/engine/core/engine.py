@@ -1,4 +1,5 @@
-"""``EngineCore``: one worker's engine — model, KV pool, scheduler, runner, outputs.
+"""``EngineCore``: one worker's engine thread — scheduler, page ids, PD flow, outputs; the
+ranks (model, KV storage, runner) behind its executor.
 
 Not thread-safe: one thread (the server's engine thread, or ``LLM.generate``) calls
 ``add_request`` / ``abort_request`` / ``step``.  ``step`` never blocks on the network;
@@ -15,20 +16,21 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.base import KVLayout, KVManager
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.device import resolve_dtype, resolve_rank_device
-from pdserve.engine.disagg_flow import DisaggFlow
-from pdserve.engine.executor import RankFailedError, create_executor
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.model_runner import StepResult
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.overlap import OverlapScheduler
+from pdserve.engine.core.pd_flow import PDFlow
+from pdserve.engine.core.request import DisaggRequestInfo, Request, Status, check_stops
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.stop import tokens_banned_before_min
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.overlap import OverlapScheduler
-from pdserve.engine.request import DisaggRequestInfo, Request, Status
-from pdserve.engine.sampler import SampledToken
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import BatchPlan, Scheduler
-from pdserve.engine.stop import check_stops, tokens_banned_before_min
+from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
+from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
+from pdserve.engine.worker.executor import RankFailedError
+from pdserve.engine.worker.executor_factory import create_executor
 from pdserve.model.attention import default_backend
 from pdserve.model.loader import load_model_source
 
@@ -77,19 +79,22 @@ class EngineCore:
         self.executor = create_executor(
             config, self.source, self.dtype, self.attention_backend, self._unseeded
         )
-        rank0 = self.executor.rank0
-        self.model, self.pool, self.runner = rank0.model, rank0.pool, rank0.runner
-        self.vocab_size = self.model.shapes.vocab
-        max_len = rank0.max_model_len
-        capacity = self.pool.num_pages * self.pool.page_size
+        # What the ranks agree on (pages, aux slots, layout, vocabulary, context limit);
+        # the ids of those pages and slots live here, on the engine thread.
+        geo = self.executor.geometry
+        self._layout = geo.layout
+        self.vocab_size = geo.vocab_size
+        max_len = geo.max_model_len
+        capacity = geo.num_pages * geo.page_size
         if capacity < max_len:
             logger.warning(
                 "KV pool holds %d tokens; max_model_len lowered from %d", capacity, max_len
             )
         self.max_model_len = min(max_len, capacity)  # so a lone request always fits
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.page_ids = PageIds(geo.num_pages, geo.page_size, geo.num_aux_slots)
         self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.cache.enable_prefix_caching
+            self.page_ids, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
@@ -98,14 +103,14 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
-        self.disagg = DisaggFlow(
-            self.pool,
+        # Prefill/decode disaggregation: the rooms and Request.pd (engine/core/pd_flow.py).
+        self.pd = PDFlow(
+            self.page_ids,
             self.kv,
             self.scheduler,
             kv_managers or {},
             transfer_backend,
             self.vocab_size,
-            self._append_token,
         )
         self._managers_bound = bool(kv_managers)
         overlap = sc.overlap_schedule
@@ -130,7 +135,7 @@ class EngineCore:
 
     @property
     def layout(self) -> KVLayout:
-        return self.pool.layout
+        return self._layout
 
     @property
     def num_free_pages(self) -> int:
@@ -144,7 +149,7 @@ class EngineCore:
 
     def bind_kv_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Give the engine its KV transfer managers by backend name after construction (a
-        manager needs ``self.pool.kv_args()``, which exists only once the engine does).
+        manager needs ``self.executor.kv_args()``, which exists only once the engine does).
         Valid once, before the first request; ValueError naming ``kv_managers`` when
         managers were given already (here or to the constructor), a request was added,
         or ``managers`` is empty or holds something that is not a KVManager."""
@@ -154,7 +159,7 @@ class EngineCore:
             raise ValueError("kv_managers: must be bound before the first request")
         if not managers or not all(isinstance(m, KVManager) for m in managers.values()):
             raise ValueError("kv_managers must be a non-empty mapping of backend name to KVManager")
-        self.disagg.set_managers(managers)
+        self.pd.set_managers(managers)
         self._managers_bound = True
 
     def add_request(
@@ -190,7 +195,7 @@ class EngineCore:
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                 f"{self.max_model_len}, which leaves no room for output"
             )
-        manager = self.disagg.manager_for(disagg) if disagg is not None else None
+        manager = self.pd.manager_for(disagg) if disagg is not None else None
         so = params.structured_outputs
         grammar = self.structured.new_state(so) if so is not None else None
         generator = None
@@ -215,7 +220,7 @@ class EngineCore:
         req.grammar = grammar
         self._arrivals += 1
         if manager is not None:
-            self.disagg.add(req, manager)
+            self.pd.add(req, manager)
         else:
             self.scheduler.add_waiting(req)
         self._requests[request_id] = req
@@ -228,8 +233,8 @@ class EngineCore:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        if req.sender is not None or req.receiver is not None:
-            self.disagg.abort(req)
+        if self.pd.holds_room(req):
+            self.pd.abort(req)
         else:
             req.finish("abort")
             # Pages: after a launched step that writes them, its row cached as in sync; that
@@ -239,15 +244,20 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is live, an aborted room drains, or a launched step waits."""
-        return bool(self._requests) or self.disagg.num_draining > 0 or self.overlap.pending
+        return bool(self._requests) or self.pd.num_draining > 0 or self.overlap.pending
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that advanced.
-        Overlap scheduling (``engine/overlap.py``): a launched step's results come in the
+        Overlap scheduling (``engine/core/overlap.py``): a launched step's results come in the
         next call, after the step that follows it was launched.  A decode request whose KV
         arrived is returned at once with prefill's first token alone, before any step runs
         (the step that follows schedules it)."""
-        touched: dict[str, Request] = {r.request_id: r for r in self.disagg.poll()}
+        touched: dict[str, Request] = {}
+        for req, first in self.pd.poll():
+            if first is not None:  # decode: joined with prefill's first token
+                self._append_token(req, first)
+                self.pd.join(req)
+            touched[req.request_id] = req
         if any(not r.finished for r in touched.values()):
             # A decode request joined with prefill's first token: out now, not after a step
             # (the client's TTFT); its next token comes with the next step, as when mixed.
@@ -264,7 +274,7 @@ class EngineCore:
         plan = BatchPlan(()) if ahead else self.scheduler.schedule()
         if plan.seqs:
             plan = self._attach_grammar_masks(plan)
-            self.disagg.expect_sends(plan)  # prefill: the last send's WRITE made ahead
+            self.pd.expect_sends(plan)  # prefill: the last send's WRITE made ahead
             self._counters["steps"] += 1
             # touched holds only finished polled requests here (a joined one returned
             # above), none of them in plan: a launched step's outputs are its rows alone.
@@ -274,7 +284,7 @@ class EngineCore:
                 except RankFailedError as exc:
                     return outputs + self._fail_all(str(exc), touched)
                 self._apply(plan, result, touched)
-        touched.update((r.request_id, r) for r in self.disagg.admit_receivers())
+        touched.update((r.request_id, r) for r in self.pd.admit_receivers())
         return outputs + self._outputs(touched)
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
@@ -302,12 +312,12 @@ class EngineCore:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_for_peer": self.disagg.count(Status.WAITING_FOR_PEER),
-            "num_transferring": self.disagg.count(Status.TRANSFERRING),
-            "num_draining": self.disagg.num_draining,
-            "num_quarantined_pages": self.disagg.num_quarantined_pages,
+            "num_waiting_for_peer": self.pd.count(Status.WAITING_FOR_PEER),
+            "num_transferring": self.pd.count(Status.TRANSFERRING),
+            "num_draining": self.pd.num_draining,
+            "num_quarantined_pages": self.pd.num_quarantined_pages,
             "num_free_pages": self.kv.num_available_pages,
-            "num_total_pages": self.pool.num_pages,
+            "num_total_pages": self.kv.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             **self._counters,
@@ -321,8 +331,8 @@ class EngineCore:
         """A rank is gone: end every live request with ``finish_reason="error"`` naming it
         (pages released, rooms aborted), and return their outputs."""
         for req in list(self._requests.values()):
-            if req.sender is not None or req.receiver is not None:
-                self.disagg.abort(req, "error", error=error)
+            if self.pd.holds_room(req):
+                self.pd.abort(req, "error", error=error)
             else:
                 req.finish("error", error=error)
                 self.overlap.remove(req)
@@ -331,11 +341,13 @@ class EngineCore:
 
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         sampled = self.scheduler.update_from_output(plan, result)
-        self.disagg.send_chunks(plan)  # prefill: full pages of finished chunks move now
+        self.pd.send_chunks(plan)  # prefill: full pages of finished chunks move now
         for req, tok in sampled:
             touched[req.request_id] = req
-            prefill_role = req.disagg is not None and req.disagg.role == "prefill"
-            self._append_token(req, tok, prefill_role)
+            if self.pd.sends_first_token(req):  # prefill: the token goes to decode with the KV
+                self.pd.send_prefill(req, tok, self._stop_verdict(req, tok) or ("length", None))
+            else:
+                self._append_token(req, tok)
             if req.finished:
                 self.overlap.remove(req)  # pages: after a launched step that writes them
 
@@ -347,25 +359,34 @@ class EngineCore:
     def _grammar_of(self, request_id: str) -> GrammarState | None:
         return self._requests[request_id].grammar
 
-    def _append_token(self, req: Request, tok: SampledToken, prefill_role: bool = False) -> None:
+    def _append_token(self, req: Request, tok: SampledToken) -> None:
         """Append a sampled token, update text, and apply the stop checks (finishing
-        ``req`` in place; a prefill-role request instead sends its KV).  A request with a
-        grammar advances its matcher here, on every worker: decode's matcher thereby
-        resumes from the prompt plus the first token that prefill sampled."""
+        ``req`` in place).  A request with a grammar advances its matcher here, on every
+        worker: decode's matcher thereby resumes from the prompt plus the first token that
+        prefill sampled."""
         token_id = tok.token_id
         req.append_token(token_id, tok.logprob, tok.top)
-        if req.grammar is not None and not req.grammar.accept(token_id) and not prefill_role:
+        if req.grammar is not None and not req.grammar.accept(token_id):
             # Only a token sampled without this grammar's mask gets here (e.g. a prefill
             # worker of another version): say so instead of producing invalid output.
             req.finish("error", error=f"the structured-output grammar rejected token {token_id}")
             return
-        if not prefill_role:  # decode counts the first token too; count it once per request
-            self._counters["generation_tokens"] += 1
+        # decode counts the first token too; count it once per request
+        self._counters["generation_tokens"] += 1
         verdict = check_stops(req, token_id, self.eos_token_ids, self.max_model_len)
-        if prefill_role:
-            self.disagg.send_prefill(req, tok, verdict or ("length", None))
-        elif verdict is not None:
+        if verdict is not None:
             req.finish(*verdict)
+
+    def _stop_verdict(self, req: Request, tok: SampledToken) -> tuple[str, str | int | None] | None:
+        """A prefill-role request's sampled token: appended (text, grammar matcher) and
+        checked, finishing nothing; returns the stop verdict that decode's request ends
+        with when it stops on this token (``None``: it goes on).  Decode checks the token
+        against its grammar and counts it."""
+        token_id = tok.token_id
+        req.append_token(token_id, tok.logprob, tok.top)
+        if req.grammar is not None:
+            req.grammar.accept(token_id)
+        return check_stops(req, token_id, self.eos_token_ids, self.max_model_len)
 
     def _make_output(self, req: Request) -> RequestOutput:
         """``req``'s output after this step (``Request.make_output``; a separate method:

@@ -46,12 +46,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pdserve.engine.model_runner import InFlightTokens, StepResult
-from pdserve.engine.request import Request, Status
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.core.request import Request, Status
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
 
 if TYPE_CHECKING:
-    from pdserve.engine.executor import Executor
+    from pdserve.engine.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ class OverlapScheduler:
         if not self.enabled or self._launched:
             return False
         reqs = [requests[s.request_id] for s in plan.seqs]
-        if any(r.sender is not None for r in reqs):  # prefill role: its step sends KV after
+        if any(
+            r.pd is not None and r.pd.sender is not None for r in reqs
+        ):  # prefill role: its step sends KV after
             return False
         if not self._executor.can_launch(plan):
             return False

@@ -6,7 +6,7 @@ The buffer holds, each segment 16-byte aligned: ids | positions | slots | seq_le
 sample rows | page table | prompt-logprob chunks (row start, rows) pairs.  That is what every
 rank's forward needs and no sampling state: one host-to-device copy per step
 (``ModelRunner.run_staged``), and under tensor parallelism exactly what rank 0 sends each
-other rank after the header (``engine/multiproc_executor.py``, ``engine/rank_worker.py``).
+other rank after the header (``engine/worker/multiproc_executor.py``, ``engine/worker/rank_worker.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.scheduler import BatchPlan, ScheduledSeq
+from pdserve.engine.step import BatchPlan, ScheduledSeq
 from pdserve.model.attention import page_table_array, token_slots
 
 # Prompt-logprob rows go through the LM head in chunks so a long prompt never makes a

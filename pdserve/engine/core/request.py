@@ -10,18 +10,20 @@ decode and recompute after preemption are all the same rule.
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import PD_ROLES, KVReceiver, KVSender
+from pdserve.disagg.base import KVReceiver, KVSender, Role, pd_role
 from pdserve.disagg.room_plan import check_room
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from pdserve.engine.penalties import PenaltyTokens
+from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.stop import TokenStop
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import TokenStop
+from pdserve.engine.step import TokenLogprob
 from pdserve.engine.structured.manager import GrammarState
+from pdserve.engine.worker.penalties import PenaltyTokens
 from pdserve.ports import check_port
 
 
@@ -29,24 +31,52 @@ from pdserve.ports import check_port
 class DisaggRequestInfo:
     """How a request takes part in prefill/decode disaggregation.
 
-    role: ``"prefill"`` (compute the prompt, sample the first token, send the KV) or
-        ``"decode"`` (receive the KV and the first token, generate the rest).
+    role: ``Role.PREFILL`` (compute the prompt, sample the first token, send the KV) or
+        ``Role.DECODE`` (receive the KV and the first token, generate the rest); the strings
+        ``"prefill"`` / ``"decode"`` are parsed into the enum.
     bootstrap_host/bootstrap_port/bootstrap_room: the prefill worker's bootstrap server
         and the transfer's room id, as the router drew them.
     fake: use the ``fake`` transfer backend's manager (health probes) instead of the real one.
     """
 
-    role: str
+    role: Role
     bootstrap_host: str
     bootstrap_port: int
     bootstrap_room: int
     fake: bool = False
 
     def __post_init__(self) -> None:
-        if self.role not in PD_ROLES:
-            raise ValueError(f"disagg.role must be prefill or decode, got {self.role!r}")
+        object.__setattr__(self, "role", pd_role(self.role, "disagg.role"))  # frozen: parse once
         check_port(self.bootstrap_port, "disagg.bootstrap_port", allow_zero=False)  # a peer's
         check_room(self.bootstrap_room, "disagg.bootstrap_room")
+
+
+@dataclass
+class PDState:
+    """A request's part in prefill/decode disaggregation: its address and its room's
+    progress, in one place (``Request.pd``; ``None`` on a mixed worker).  Only the PD flow
+    (``engine/core/pd_flow.py``) changes it.
+
+    info: role, bootstrap address and room, as the router drew them.
+    sender/receiver: the room's KV sender (prefill) or receiver (decode) while the request
+        holds the room; both ``None`` before it is created and once it is released.
+    aux_slot: the aux slot the room uses, while it holds one.
+    """
+
+    info: DisaggRequestInfo
+    sender: KVSender | None = None
+    receiver: KVReceiver | None = None
+    aux_slot: int | None = None
+    peer_ready: bool = False  # decode: receiver bootstrapped, waiting for pages
+    # prefill: leading pages already handed to sender.send (chunked sending); while > 0
+    # the transfer layer may read them, so they are never freed or preempted
+    kv_pages_sent: int = 0
+    pending_finish: tuple[str, str | int | None] = ("length", None)  # prefill: after Success
+
+    @property
+    def handle(self) -> KVSender | KVReceiver | None:
+        """The room's sender or receiver, whichever the request holds (or ``None``)."""
+        return self.sender or self.receiver
 
 
 class Status(enum.Enum):
@@ -78,7 +108,7 @@ class Request:
         self.arrival = arrival
         self.detokenizer = detokenizer
         self.generator = generator  # seeded random requests only (others: the shared one)
-        self.disagg = disagg
+        self.pd = PDState(disagg) if disagg is not None else None  # disaggregation
         # Append-only, as is ``logprobs``: outputs are views of them (outputs.py).
         self.all_token_ids = list(prompt_token_ids)
         # the sampler's penalty state: these tokens on the device, grown as they are appended
@@ -105,20 +135,13 @@ class Request:
         self.num_preemptions = 0
         self.grammar: GrammarState | None = None  # structured outputs: the output's matcher
         self.token_stop: TokenStop | None = None  # its stop conditions, built on first token
-        # disaggregation
-        self.sender: KVSender | None = None
-        self.receiver: KVReceiver | None = None
-        self.aux_slot: int | None = None
-        self.peer_ready = False  # decode: receiver bootstrapped, waiting for pages
-        # prefill: leading pages already handed to sender.send (chunked sending); while > 0
-        # the transfer layer may read them, so they are never freed or preempted
-        self.kv_pages_sent = 0
-        self.pending_finish: tuple[str, str | int | None] = (
-            "length",
-            None,
-        )  # prefill: after Success
         # streaming: how much was already reported
         self.num_reported_tokens = 0
+
+    def pages_pinned(self) -> bool:
+        """Whether the transfer layer may read this request's pages now (prefill: pages
+        handed to its sender), so they are never freed or preempted."""
+        return self.pd is not None and self.pd.kv_pages_sent > 0
 
     @property
     def num_tokens(self) -> int:
@@ -191,3 +214,35 @@ class Request:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def check_stops(
+    req: Request, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+) -> tuple[str, str | int | None] | None:
+    """Whether ``req`` ends with ``token_id``, its output token just appended: ``(reason,
+    stop_reason)`` (``"stop"`` or ``"length"``, as :meth:`TokenStop.check`, or ``("stop",
+    the stop string)``), else None.  A complete grammar ends it at an EOS even before
+    ``min_tokens`` (unless ``ignore_eos``).  Unless an EOS or stop token ends it, the token
+    goes to ``req.detokenizer`` (its text; a stop string, checked once past ``min_tokens``,
+    ends it): an EOS or stop token adds no text (vLLM).  Builds ``req.token_stop`` on the
+    first call."""
+    params = req.params
+    stop = req.token_stop
+    if stop is None:
+        stop = req.token_stop = TokenStop(
+            params, eos_token_ids, max_model_len, req.num_prompt_tokens
+        )
+    num_output = len(req.all_token_ids) - req.num_prompt_tokens
+    verdict: tuple[str, str | int | None] | None = stop.check(token_id, num_output)
+    if (
+        req.grammar is not None
+        and token_id in eos_token_ids
+        and not params.ignore_eos
+        and req.grammar.is_terminated
+    ):
+        verdict = ("stop", None)  # the grammar is complete: it ends the output (min_tokens too)
+    if verdict is None or verdict[0] == "length":
+        stop_str = req.detokenizer.add_token(token_id, check_stop=num_output > stop.min_tokens)
+        if stop_str is not None:
+            verdict = ("stop", stop_str)
+    return verdict

@@ -16,7 +16,7 @@ prompt logprobs bypass the lookup and recompute their prompt (vLLM does the same
 logprobs of every prompt position come from this step's logits, never from a cache.
 After each step :meth:`Scheduler.update_from_output` advances the requests and indexes
 their newly full pages, so the next admission can match them.  Pages come from one
-owner, :class:`pdserve.engine.kv_cache.KVCacheManager`.
+owner, :class:`pdserve.engine.kv.cache.KVCacheManager`.
 
 The result is a :class:`BatchPlan`, plain data that the model runner executes.
 """
@@ -25,73 +25,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.penalties import PenaltyTokens
-from pdserve.engine.request import Request, Status
-from pdserve.engine.sampler import SampledToken
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.request import Request, Status
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.step import BatchPlan, SampledToken, ScheduledSeq
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import StepResult
-
-
-class ScheduledSeq(NamedTuple):
-    """One request's share of a step: immutable plain data (a NamedTuple: one is built per
-    row per step, at a fraction of a frozen dataclass's cost; ``_replace`` derives one).
-
-    token_ids: the ``n`` tokens whose KV this step computes (positions
-        ``start_pos .. start_pos + n - 1``).
-    pages: the request's page table, covering at least ``start_pos + n`` tokens (the
-        request's own list, shared, never changed in place: the scheduler grows a page
-        table by replacing the list).
-    sample: the last position's logits are sampled (the request is fully computed).
-    prompt_logprobs_start/prompt_logprobs_targets: the logits of positions
-        ``start .. start + len(targets) - 1`` give the logprobs of the prompt tokens
-        ``targets`` (those at positions ``start + 1 ..``); empty when not asked or done.
-    params/generator/banned_token_ids: how to sample (``banned`` = masked ids while
-        ``min_tokens`` is not reached).
-    penalty_tokens: the request's tokens on the device, for the sampler's penalties
-        (``None`` unless ``sample`` and ``params.has_penalties``).
-    logits_mask: bool ``[V]`` allowed tokens of a structured-output row (True = allowed),
-        set by the engine after scheduling; ``None`` = unconstrained.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    pages: list[int]
-    sample: bool
-    prompt_logprobs_start: int
-    prompt_logprobs_targets: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    banned_token_ids: tuple[int, ...] = ()
-    penalty_tokens: PenaltyTokens | None = None
-    logits_mask: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """What one step computes: the sequences in batch order, and who was preempted.
-
-    input_rows: ``None``, or (overlap scheduling, ``engine/overlap.py``) for each sequence
-    the row of the step launched just before whose sampled token is its input: its
-    ``token_ids`` is then ``[-1]``, the token not being known on the host yet.
-    """
-
-    seqs: tuple[ScheduledSeq, ...]
-    preempted: tuple[str, ...] = ()
-    input_rows: tuple[int, ...] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+    from pdserve.engine.step import StepResult
 
 
 class Scheduler:
@@ -146,6 +88,17 @@ class Scheduler:
     def pages_needed(self, num_tokens: int) -> int:
         return self.kv.pages_needed(num_tokens)
 
+    def need_pages(self, req: Request, num_tokens: int, num_hit: int = 0) -> int:
+        """New pages ``req`` takes to hold ``num_tokens`` tokens when ``num_hit`` leading
+        pages come from the prefix cache: the pages those tokens fill, less the ones it
+        holds and the hits (<= 0: none).  The one rule of admission, of
+        :meth:`admits_none` and of a decode request's receive pages."""
+        return self.kv.pages_needed(num_tokens) - len(req.pages) - num_hit
+
+    def has_waiting(self) -> bool:
+        """Whether a request waits in the queue (admitted work runs before new transfers)."""
+        return bool(self.waiting)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         del self._running_by_id[req.request_id]
@@ -171,7 +124,7 @@ class Scheduler:
             # (most decode rows need no page: the pool is not asked how many it has)
             while need > 0 and need > kv.num_available_pages and req.status is Status.RUNNING:
                 # pages handed to a KV sender (chunked sending) are the transfer layer's
-                victim = next((r for r in reversed(self.running) if not r.kv_pages_sent), None)
+                victim = next((r for r in reversed(self.running) if not r.pages_pinned()), None)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -201,7 +154,7 @@ class Scheduler:
             else:
                 start = req.num_computed_tokens  # decode role: the prompt arrived by transfer
             n = min(req.num_tokens - start, budget)
-            need = self.pages_needed(start + n) - len(req.pages) - len(hit)
+            need = self.need_pages(req, start + n, len(hit))
             if need > self.kv.num_available_pages - self.kv.num_evictable_among(hit):
                 break  # FCFS: the head waits for pages, nobody overtakes it
             self.waiting.pop(0)
@@ -222,7 +175,7 @@ class Scheduler:
         cached_soon: Collection[bytes] = (),
     ) -> bool:
         """Whether the next :meth:`schedule` surely admits no waiting request, whatever the
-        pending step's unseen outcome (overlap scheduling, ``engine/overlap.py``).
+        pending step's unseen outcome (overlap scheduling, ``engine/core/overlap.py``).
 
         It mirrors the admission loop for the FCFS head (nobody overtakes it) over bounds:
         the running batch then holds between ``min_running`` and ``max_running`` decode
@@ -248,14 +201,14 @@ class Scheduler:
             start = req.num_computed_tokens
         # schedule admits iff need <= available - evictable hits, need = pages - held - hit;
         # need only falls as the hit grows and rises with the chunk
-        need = self.pages_needed(min(req.num_tokens, start + budget)) - len(req.pages) - hit
+        need = self.need_pages(req, min(req.num_tokens, start + budget), hit)
         return need > max_available
 
     def schedule_ahead(
         self, reqs: Sequence[Request], starts: Sequence[int]
     ) -> list[ScheduledSeq] | None:
         """Decode rows of a step launched before the previous step's tokens are known
-        (overlap scheduling, ``engine/overlap.py``): ``reqs[i]`` computes the token at
+        (overlap scheduling, ``engine/core/overlap.py``): ``reqs[i]`` computes the token at
         position ``starts[i]`` (unknown to the host: ``token_ids == [-1]``) and samples the
         next one.  Pages for ``starts[i] + 1`` tokens come from the pool's free list only
         (no eviction, no preemption, so the prefix cache and the queues change as a

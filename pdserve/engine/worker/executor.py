@@ -1,11 +1,12 @@
 """How the scheduler runs a step: over one in-process rank (TP=1) or N tensor-parallel ranks.
 
-``EngineCore`` owns the scheduler and hands each :class:`~pdserve.engine.scheduler.BatchPlan`
-to an :class:`Executor` made by :func:`create_executor`:
+``EngineCore`` owns the scheduler and hands each :class:`~pdserve.engine.step.BatchPlan`
+to an :class:`Executor` made by ``create_executor`` (``engine/worker/executor_factory.py``, apart
+so that this module and ``multiproc_executor`` do not import each other):
 
 - :class:`LocalExecutor` (TP=1, here): the rank lives in this process; ``execute`` is the
   model runner's ``execute``, nothing else (same behaviour, same speed as before the split).
-- ``MultiprocExecutor`` (TP=N, ``engine/multiproc_executor.py``, imported only for N > 1):
+- ``MultiprocExecutor`` (TP=N, ``engine/worker/multiproc_executor.py``, imported only for N > 1):
   rank 0 in this process, ranks ``1..N-1`` spawned processes, the plan sent to them each
   step; a rank that dies or hangs fails the executor for good with
   :class:`RankFailedError` naming it.
@@ -16,20 +17,16 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pdserve.config import EngineConfig
-from pdserve.engine.model_runner import InFlightTokens, StepResult
-from pdserve.engine.rank_worker import RankContext, build_rank
-from pdserve.engine.scheduler import BatchPlan
+from pdserve.disagg.base import KVArgs, KVLayout
+from pdserve.engine.step import BatchPlan, InFlightTokens, StepResult
+from pdserve.engine.worker.rank_worker import RankContext
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from pdserve.model.loader import ModelSource
 
 
 class RankFailedError(RuntimeError):
@@ -42,10 +39,31 @@ class RemoteTraceback(Exception):
     ``__cause__`` of the exception :meth:`Executor.call_rank` re-raises)."""
 
 
+@dataclass(frozen=True)
+class RankGeometry:
+    """What the engine thread knows of its ranks, the same on every rank: the ids it hands
+    out must fit every rank's storage.
+
+    page_size: tokens per page. num_pages: pages of every rank's storage (agreed at
+    start-up). num_aux_slots: aux slots of every rank's storage. layout: the KV layout
+    peers compare at bootstrap (rank 0's storage). vocab_size: the model's vocabulary.
+    max_model_len: the context limit before the pages cap it. total_kv_heads: the model's
+    KV heads over all ranks.
+    """
+
+    page_size: int
+    num_pages: int
+    num_aux_slots: int
+    layout: KVLayout
+    vocab_size: int
+    max_model_len: int
+    total_kv_heads: int
+
+
 class Executor(ABC):
     """Runs the engine's steps over its ranks (see the module docstring).
 
-    rank0: rank 0's context (its model, KV pool and runner live in this process).
+    rank0: rank 0's context (its model, KV storage and runner live in this process).
     """
 
     rank0: RankContext
@@ -54,12 +72,32 @@ class Executor(ABC):
     def tp_size(self) -> int:
         return self.rank0.tp.size
 
+    @property
+    def geometry(self) -> RankGeometry:
+        """The ranks' shared facts (:class:`RankGeometry`), read from rank 0."""
+        r = self.rank0
+        s, shapes = r.storage, r.model.shapes
+        return RankGeometry(
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            num_aux_slots=s.num_aux_slots,
+            layout=s.layout,
+            vocab_size=shapes.vocab,
+            max_model_len=r.max_model_len,
+            total_kv_heads=shapes.total_kv_heads,
+        )
+
+    def kv_args(self, gpu_id: int = 0) -> KVArgs:
+        """Rank 0's KV addresses for a transfer manager in this process
+        (``KVStorage.kv_args``; ranks > 0 give theirs through :meth:`call_rank`)."""
+        return self.rank0.storage.kv_args(gpu_id=gpu_id)
+
     @abstractmethod
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run one step on every rank; rank 0's sampled tokens and prompt logprobs.
         Raises RankFailedError when a rank is gone."""
 
-    # Overlap scheduling (engine/overlap.py): only an in-process rank launches steps without
+    # Overlap scheduling (engine/core/overlap.py): only an in-process rank launches steps without
     # waiting for them; a TP step is a collective over every rank, run in sync.
     supports_overlap = False
 
@@ -127,36 +165,3 @@ def check_tp_split(hf_config: PretrainedConfig, tp_size: int) -> None:
 
     for rank in range(tp_size):
         ModelShapes(hf_config, TPRank(rank, tp_size))
-
-
-def create_executor(
-    config: EngineConfig,
-    source: ModelSource,
-    dtype: torch.dtype,
-    attention_backend: str,
-    generator: torch.Generator,
-) -> Executor:
-    """The executor of ``config.model.tensor_parallel_size`` ranks, rank 0 built here
-    (``generator``: its draws of unseeded random rows).  ValueError naming the field for a
-    model that does not split, or a bad device, context limit or pool size."""
-    from pdserve.engine.device import resolve_rank_device
-    from pdserve.model.tp_group import TPGroup
-
-    n = config.model.tensor_parallel_size
-    if n == 1:
-        device = resolve_rank_device(config.model, 0)
-        ctx = build_rank(
-            config,
-            source,
-            TPGroup.single(),
-            device,
-            dtype,
-            attention_backend,
-            lambda p: p,
-            generator,
-        )
-        return LocalExecutor(ctx)
-    check_tp_split(source.hf_config, n)
-    from pdserve.engine.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, source, dtype, attention_backend, generator)

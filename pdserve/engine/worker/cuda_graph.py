@@ -14,17 +14,11 @@ greedy (``sampler.plain_greedy``) reads only that (:meth:`CUDAGraphRunner.greedy
 one device-to-host copy of ``B x 2`` numbers, no sampler kernels launched after the graph);
 any other step samples from the logits as before.
 
-Launch in pieces (off by default): preparing and launching one ~430-node decode graph took
-0.3-0.6 ms of host time on the H200 (2026-12-01), the GPU idle meanwhile. ``split_layers``
-captures each bucket's forward as consecutive graphs split before those decoder layers (a
-forward pre-hook ends one capture and begins the next on the same stream and pool), so the
-GPU can start on the first piece while the host launches the rest. The pieces of a bucket
-are replayed back to back, so the tensors one hands to the next (the residual stream) are
-never reused in between. Measured once each (8B, bf16): split before layer 2, an engine
-decode step took 5.18 ms instead of 5.33 at 1 prompt but 7.58 instead of 7.31 at 64, hence
-the default ``GRAPH_SPLITS = ()`` (one graph per bucket).
+One graph per bucket and context bound, captured whole: splitting a bucket's forward into
+pieces launched back to back was tried and removed (slower at large batches; the figures
+are in docs/benchmarks.md, "Notes moved from engine docstrings").
 
-Overlap scheduling (``engine/overlap.py``): ``replay(..., ids_from=prev)`` takes each row's
+Overlap scheduling (``engine/core/overlap.py``): ``replay(..., ids_from=prev)`` takes each row's
 input id from the previous replay's ``[B', 2]`` greedy output on the device (``token_ids``
 then hold row indices), and ``greedy_packed`` hands out a replay's output without waiting;
 the pinned host staging buffers are two sets used in turn, so filling step N+1's never
@@ -52,15 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import SampledToken
+from pdserve.engine.step import SampledToken
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-# Decoder layers before which a new graph piece starts (see "Launch in pieces" above); indices
-# outside ``1 .. num_layers - 1`` are dropped, ``()`` captures one graph per bucket.
-GRAPH_SPLITS: tuple[int, ...] = ()
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -115,8 +105,7 @@ class CUDAGraphRunner:
     per-layer ``(k_cache, v_cache)`` views (their addresses are baked into the graphs, so the
     pool must outlive them).
     max_batch: largest batch captured. max_pages: page-table width (pages of the longest
-    context). split_layers: layers where a new graph piece starts (default
-    ``GRAPH_SPLITS``). Raises RuntimeError if the device is not CUDA.
+    context). Raises RuntimeError if the device is not CUDA.
     """
 
     def __init__(
@@ -126,7 +115,6 @@ class CUDAGraphRunner:
         page_size: int,
         max_batch: int,
         max_pages: int,
-        split_layers: Sequence[int] | None = None,
     ) -> None:
         if kv_cache[0][0].device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
@@ -152,12 +140,9 @@ class CUDAGraphRunner:
         self._staged: list[Any] = [None, None]
         self._turn = 0
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
-        n_layers = model.shapes.n_layers
-        splits = GRAPH_SPLITS if split_layers is None else split_layers
-        self.split_layers = tuple(sorted({k for k in splits if 0 < k < n_layers}))
         # A graph's key: (bucket, context bound or None); see "Context bounds" above.
         self._bounds = {bs: graph_context_bounds(model, bs) for bs in self.sizes}
-        self._graphs: dict[GraphKey, list[torch.cuda.CUDAGraph]] = {}  # key -> its pieces
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._greedy: dict[GraphKey, torch.Tensor] = {}  # [bs, 2] float64: argmax id, logprob
         self._last_key: GraphKey = (0, None)  # the graph of the last replay
@@ -189,14 +174,13 @@ class CUDAGraphRunner:
         for key in self.keys():
             self._run(key)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
-            self._graphs[key] = self._capture_pieces(key, stream)
+            self._graphs[key] = self._capture(key, stream)
             torch.cuda.synchronize()
         torch.cuda.synchronize()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s (pieces split before layers %s; "
-            "also for contexts up to %s tokens at %s)",
+            "captured CUDA graphs for decode batch sizes %s "
+            "(also for contexts up to %s tokens at %s)",
             self.sizes,
-            self.split_layers,
             sorted({b for bounds in self._bounds.values() for b in bounds}),
             [bs for bs in self.sizes if self._bounds[bs]],
         )
@@ -206,38 +190,20 @@ class CUDAGraphRunner:
         unbounded graph before its bounded ones."""
         return [(bs, b) for bs in reversed(self.sizes) for b in (None, *self._bounds[bs])]
 
-    def _capture_pieces(
-        self, key: GraphKey, stream: torch.cuda.Stream
-    ) -> list[torch.cuda.CUDAGraph]:
-        """Capture graph ``key`` on ``stream`` into the shared pool as consecutive graphs, a
-        new one starting before each layer of ``split_layers``."""
-        pieces = [torch.cuda.CUDAGraph() for _ in range(len(self.split_layers) + 1)]
-        current = 0
-
-        def next_piece(module: Any, args: Any) -> None:
-            nonlocal current
-            pieces[current].capture_end()
+    def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """Capture graph ``key`` on ``stream`` into the shared pool (the first capture makes
+        the pool)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
             if self._pool is None:
-                self._pool = pieces[0].pool()
-            current += 1
-            pieces[current].capture_begin(pool=self._pool)
-
-        layers = list(self.model.decoder_layers())
-        hooks = [layers[k].register_forward_pre_hook(next_piece) for k in self.split_layers]
-        try:
-            with torch.cuda.stream(stream):
-                if self._pool is None:  # the first capture makes the pool
-                    pieces[0].capture_begin()
-                else:
-                    pieces[0].capture_begin(pool=self._pool)
-                self._logits[key], self._greedy[key] = self._run(key)
-                pieces[-1].capture_end()
-        finally:
-            for hook in hooks:
-                hook.remove()
+                graph.capture_begin()
+            else:
+                graph.capture_begin(pool=self._pool)
+            self._logits[key], self._greedy[key] = self._run(key)
+            graph.capture_end()
         if self._pool is None:
-            self._pool = pieces[0].pool()
-        return pieces
+            self._pool = graph.pool()
+        return graph
 
     def bucket(self, batch: int) -> int | None:
         """The captured size that runs ``batch`` rows, or ``None`` when it is too large."""
@@ -296,8 +262,7 @@ class CUDAGraphRunner:
         if ids_from is not None:  # row b's token: row token_ids[b] of the previous step's ids
             self._rows[0, :B].copy_(ids_from.index_select(0, self._rows[0, :B])[:, 0])
         key = pick_graph(bs, self._bounds[bs], int(positions.max()) + 1)
-        for piece in self._graphs[key]:
-            piece.replay()
+        self._graphs[key].replay()
         self._last_key = key
         return self._logits[key][:B]
 

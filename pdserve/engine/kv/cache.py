@@ -1,18 +1,18 @@
-"""The one owner of KV pages: reference counts over the pool's storage, plus the prefix cache.
+"""The one owner of KV pages: reference counts over the page ids, plus the prefix cache.
 
 Every page is in exactly one of three states:
 
 - **held**: referenced by one or more requests (``refcount > 0``); a page is shared only
   when it is a cached full page that several requests matched;
 - **cached**: unreferenced but indexed by the prefix cache (evictable, LRU);
-- **free**: in the pool's free list (:class:`pdserve.engine.kv_pool.KVPool` is storage and
-  keeps its own allocation policy).
+- **free**: in the free list of :class:`pdserve.engine.kv.page_ids.PageIds` (which keeps its
+  own allocation policy; the bytes are each rank's ``KVStorage``).
 
 So ``held + cached + free == total`` at all times.  The scheduler (admission, growth,
 preemption, end of a request) and the PD flow (decode's receive pages, a prefill room's
 pages until its terminal poll) allocate and release only through this class; the end of a
 request is one decision here: a full computed page that is cached stays (evictable), any
-other page goes back to the pool.  With ``enable_prefix_caching=False`` nothing is ever
+other page goes back to the free list.  With ``enable_prefix_caching=False`` nothing is ever
 cached and this is plain refcounted allocation.
 """
 
@@ -20,33 +20,33 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.prefix_cache import ROOT_KEY, PrefixCache, page_key, page_keys
+from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.kv.prefix_cache import ROOT_KEY, PrefixCache, page_key, page_keys
 
 
 class KVCacheManager:
-    """Refcounted pages over ``pool`` with an optional prefix cache.
+    """Refcounted pages over ``page_ids`` with an optional prefix cache.
 
-    pool: the storage (``allocate(n)`` / ``free(pages)`` / ``num_free_pages``).
+    page_ids: the ids and their free list (``allocate(n)`` / ``free(pages)`` / ``num_free_pages``).
     enable_prefix_caching: index full computed pages for reuse by later requests.
     Errors: ``RuntimeError`` on allocating more than is available or releasing a page not
     held (nothing changes then).
     """
 
-    def __init__(self, pool: KVPool, *, enable_prefix_caching: bool = True) -> None:
-        self.pool = pool
-        self.page_size = pool.page_size
-        self.num_pages = pool.num_pages
+    def __init__(self, page_ids: PageIds, *, enable_prefix_caching: bool = True) -> None:
+        self.page_ids = page_ids
+        self.page_size = page_ids.page_size
+        self.num_pages = page_ids.num_pages
         self.enable_prefix_caching = enable_prefix_caching
         self.cache = PrefixCache()
-        self._ref = [0] * pool.num_pages
+        self._ref = [0] * page_ids.num_pages
         self._num_held = 0
 
     # --- counts ----------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        """Pages in the pool's free list (not counting evictable cached pages)."""
-        return self.pool.num_free_pages
+        """Pages in the free list (not counting evictable cached pages)."""
+        return self.page_ids.num_free_pages
 
     @property
     def num_cached_pages(self) -> int:
@@ -60,7 +60,7 @@ class KVCacheManager:
     @property
     def num_available_pages(self) -> int:
         """Pages an ``allocate`` can hand out now: free plus evictable."""
-        return self.pool.num_free_pages + self.cache.num_evictable
+        return self.page_ids.num_free_pages + self.cache.num_evictable
 
     def refcount(self, page: int) -> int:
         return self._ref[page]
@@ -72,15 +72,15 @@ class KVCacheManager:
     # --- allocation ---------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` fresh pages, each held once.  Evicts least recently used cached pages
-        when the pool's free list is short.  ``after``: the caller's last page, whose run
-        the pool extends first (``KVPool.allocate``: contiguous runs, few transfer
+        when the free list is short.  ``after``: the caller's last page, whose run
+        the free list extends first (``PageIds.allocate``: contiguous runs, few transfer
         descriptors).  RuntimeError if fewer than ``n`` are available."""
         if n > self.num_available_pages:
             raise RuntimeError(f"asked for {n} KV pages, {self.num_available_pages} available")
-        short = n - self.pool.num_free_pages
+        short = n - self.page_ids.num_free_pages
         if short > 0:
-            self.pool.free(self.cache.evict(short))
-        pages = self.pool.allocate(n, after)
+            self.page_ids.free(self.cache.evict(short))
+        pages = self.page_ids.allocate(n, after)
         for p in pages:
             self._ref[p] = 1
         self._num_held += n
@@ -101,7 +101,7 @@ class KVCacheManager:
 
     def release(self, pages: Iterable[int]) -> None:
         """Drop one reference on each of ``pages``; a page left unreferenced stays cached
-        (evictable) if the prefix cache indexes it, else goes back to the pool.
+        (evictable) if the prefix cache indexes it, else goes back to the free list.
         Pages are released last to first (a page table's tail is evicted before its head).
         RuntimeError (and nothing released) if a page is not held as often as listed."""
         pages = list(pages)
@@ -123,7 +123,7 @@ class KVCacheManager:
                 else:
                     to_free.append(p)
         if to_free:
-            self.pool.free(to_free)
+            self.page_ids.free(to_free)
 
     # --- prefix cache -------------------------------------------------------------------
     def match_prefix(
@@ -198,7 +198,7 @@ class KVCacheManager:
     def reset_cache(self) -> int:
         """Evict every unreferenced cached page; returns how many."""
         evicted = self.cache.clear_evictable()
-        self.pool.free(evicted)
+        self.page_ids.free(evicted)
         return len(evicted)
 
     # --- stats and checks ----------------------------------------------------------------
@@ -229,8 +229,8 @@ class KVCacheManager:
         for p in range(self.num_pages):
             if self.cache.is_evictable(p):
                 assert self._ref[p] == 0 and self.cache.is_cached(p), f"page {p}"
-        total = held + self.cache.num_evictable + self.pool.num_free_pages
+        total = held + self.cache.num_evictable + self.page_ids.num_free_pages
         assert total == self.num_pages, (
             f"held {held} + cached {self.cache.num_evictable} + free "
-            f"{self.pool.num_free_pages} != {self.num_pages}"
+            f"{self.page_ids.num_free_pages} != {self.num_pages}"
         )

@@ -6,7 +6,7 @@ this order (vLLM v1's order):
 1. logprobs: ``log_softmax`` of the raw logits, before anything below (what OpenAI and
    vLLM report);
 2. ``logit_bias`` added, ``min_tokens``' banned ids set to ``-inf``;
-3. penalties (``engine/penalties.py``): ``repetition_penalty`` over prompt + output
+3. penalties (``engine/worker/penalties.py``): ``repetition_penalty`` over prompt + output
    tokens, then ``frequency_penalty`` / ``presence_penalty`` over the output tokens;
 4. :func:`apply_logits_masks`: the per-row allowed-token mask (structured outputs plug
    their grammar in here);
@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pdserve.engine.penalties import PenaltyTokens, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step import SampledToken
+from pdserve.engine.worker.penalties import PenaltyTokens, apply_penalties
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class SampleRequest(NamedTuple):
     generator: the row's own generator, for seeded random rows only (``params.seed`` set);
         ``None`` for greedy rows and unseeded ones (those use ``sample``'s ``generator``).
     banned_token_ids: ids masked to ``-inf`` (EOS / stop ids before ``min_tokens``).
-    penalty_tokens: the request's tokens on the device (``engine/penalties.py``), read
+    penalty_tokens: the request's tokens on the device (``engine/worker/penalties.py``), read
         only when ``params.has_penalties``: the penalty state is a function of them, so a
         decode worker that holds prompt + first token samples as a mixed worker does.
     prompt_token_ids / output_token_ids: the same as plain lists, for callers without
@@ -57,7 +58,7 @@ class SampleRequest(NamedTuple):
 
 
 def sample_request_of(seq: Any) -> SampleRequest:
-    """The :class:`SampleRequest` of a scheduled sequence (``scheduler.ScheduledSeq``):
+    """The :class:`SampleRequest` of a scheduled sequence (``step.ScheduledSeq``):
     the model runner's one way to build rows, so new sampling inputs need no runner change."""
     return SampleRequest(
         seq.params,
@@ -72,7 +73,7 @@ def plain_greedy(seq: Any) -> bool:
     """Whether a scheduled sequence's token is the exact argmax of its raw logits and needs
     nothing but that token's logprob: greedy, no ``logit_bias``, no banned ids, no
     penalties, no logits mask, no top logprobs. Such rows of a CUDA-graph step take the
-    graph's own argmax (``engine/cuda_graph.py``) instead of :func:`sample`."""
+    graph's own argmax (``engine/worker/cuda_graph.py``) instead of :func:`sample`."""
     p = seq.params
     return bool(
         p.greedy
@@ -82,17 +83,6 @@ def plain_greedy(seq: Any) -> bool:
         and not seq.banned_token_ids
         and getattr(seq, "logits_mask", None) is None
     )
-
-
-class SampledToken(NamedTuple):
-    """One row's result: the token, its logprob and its top-k ``(id, logprob)``.
-
-    A named tuple (immutable, typed) rather than a frozen dataclass: one is built per row
-    per step, and a frozen dataclass's ``__init__`` costs several times a tuple's."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:
@@ -143,7 +133,7 @@ def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> t
 
 
 def _apply_penalties(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
-    """The penalties of the rows that have any (``engine/penalties.py``); a row without
+    """The penalties of the rows that have any (``engine/worker/penalties.py``); a row without
     ``penalty_tokens`` (a direct caller) gets them built from its token lists."""
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     tokens = []

@@ -1,29 +1,28 @@
-"""The paged KV pool: one tensor for every layer's K and V pages, plus host aux slots.
+"""The bytes of one rank's KV cache: one tensor for every layer's K and V pages, plus the
+host aux buffer.
 
 The physical order of the tensor, the per-layer views attention reads and the byte
-ranges the transfer layer registers all come from one :class:`~.kv_layout.KVCacheLayout`
-(``pool.kv_layout``); this module computes no offset itself.
+ranges the transfer layer registers all come from one
+:class:`~pdserve.engine.kv.layout.KVCacheLayout` (``storage.kv_layout``); this module
+computes no offset itself.  It allocates no ids: which pages and aux slots a request
+uses is decided on the engine thread (:class:`pdserve.engine.kv.page_ids.PageIds`), so
+every rank builds only this.  :func:`compute_num_pages` sizes it on each rank.
 """
 
 from __future__ import annotations
 
-import heapq
-import logging
 import math
 
 import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
-from pdserve.engine.kv_layout import (
+from pdserve.engine.kv.layout import (
     KVCacheLayout,
     check_order,
     default_order,
     default_page_size,
 )
-from pdserve.engine.page_runs import RunAllocator
-
-logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GiB
@@ -75,16 +74,16 @@ def compute_num_pages(
     return pages
 
 
-class KVPool:
-    """Pages of KV cache and aux slots, each owned by at most one request at a time.
+class KVStorage:
+    """One rank's KV cache tensor and aux buffer (no allocator).
 
-    kv: the pool tensor on ``device``, of ``kv_layout.shape`` (the order ``kv_order``,
-    default :func:`~.kv_layout.default_order` of the device); layer_caches: per layer the
-    ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]`` attention reads and writes.
+    kv: the tensor on ``device``, of ``kv_layout.shape`` (the order ``kv_order``, default
+    :func:`~pdserve.engine.kv.layout.default_order` of the device); layer_caches: per layer
+    the ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]`` attention reads and writes.
     aux: ``uint8[num_aux_slots, AUX_RECORD_BYTES]`` in host memory (aux records of
-    disaggregated requests).  ``allocate``/``free`` keep the free pages as runs of
-    consecutive ids and hand a request as few runs as they can (:mod:`.page_runs`), so
-    its transfer is few NIXL descriptors.
+    disaggregated requests, written and read by the transfer layer at ``kv_args()``'s
+    address).  ValueError when ``num_pages`` or ``num_aux_slots`` is below 1, or for an
+    unknown ``kv_order``.
     """
 
     def __init__(
@@ -107,6 +106,7 @@ class KVPool:
             raise ValueError(f"num_aux_slots must be >= 1, got {num_aux_slots}")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.num_aux_slots = num_aux_slots
         self.device = torch.device(device)
         order = default_order(self.device) if kv_order is None else check_order(kv_order)
         self.kv_layout = KVCacheLayout(
@@ -116,55 +116,6 @@ class KVPool:
         self.layer_caches = self.kv_layout.layer_views(self.kv)
         self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
         self._layout = self.kv_layout.fingerprint(model_fingerprint)
-        self._pages = RunAllocator(num_pages)
-        self._free_slots = list(range(num_aux_slots))
-        self._slot_is_free = [True] * num_aux_slots
-
-    # --- pages ------------------------------------------------------------------
-    @property
-    def num_free_pages(self) -> int:
-        return self._pages.num_free
-
-    def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """Take ``n`` free pages as few runs of consecutive ids as the free list allows;
-        ``after``: the last page the caller already holds (its run is extended first).
-        RuntimeError if fewer than ``n`` are free."""
-        return self._pages.allocate(n, after)
-
-    def free(self, pages: list[int]) -> None:
-        """Return pages to the pool.  RuntimeError (and nothing freed) if any page is
-        out of range, already free, or listed twice."""
-        self._pages.free(pages)
-
-    def free_page_runs(self) -> list[tuple[int, int]]:
-        """``(start, length)`` of each run of free pages (tests, ``bench transfer``)."""
-        return self._pages.free_runs()
-
-    # --- aux slots ----------------------------------------------------------------
-    @property
-    def num_free_aux_slots(self) -> int:
-        return len(self._free_slots)
-
-    def allocate_aux_slot(self) -> int | None:
-        """Take a free aux slot, or ``None`` when all are in use."""
-        if not self._free_slots:
-            return None
-        slot = heapq.heappop(self._free_slots)
-        self._slot_is_free[slot] = False
-        return slot
-
-    def free_aux_slot(self, slot: int) -> None:
-        """Return an aux slot.  RuntimeError on a double free."""
-        if not 0 <= slot < len(self._slot_is_free) or self._slot_is_free[slot]:
-            raise RuntimeError(f"double free (or foreign slot) of aux slot {slot}")
-        self._slot_is_free[slot] = True
-        heapq.heappush(self._free_slots, slot)
-
-    def read_aux(self, slot: int) -> bytes:
-        return self.aux[slot].numpy().tobytes()
-
-    def write_aux(self, slot: int, data: bytes) -> None:
-        self.aux[slot] = torch.frombuffer(bytearray(data[:AUX_RECORD_BYTES]), dtype=torch.uint8)
 
     # --- what the transfer layer sees ------------------------------------------------
     @property
@@ -183,10 +134,10 @@ class KVPool:
         tp_size: int = 1,
         total_kv_heads: int | None = None,
     ) -> KVArgs:
-        """Addresses of the pool for the transfer layer (the layout's regions and the aux
-        buffer, :meth:`~.kv_layout.KVCacheLayout.kv_args`).  Under tensor parallelism
-        the pool holds rank ``engine_rank``'s KV heads of the model's
-        ``total_kv_heads`` (default: this pool's count); ValueError naming
+        """Addresses of the storage for the transfer layer (the layout's regions and the
+        aux buffer, :meth:`~pdserve.engine.kv.layout.KVCacheLayout.kv_args`).  Under
+        tensor parallelism it holds rank ``engine_rank``'s KV heads of the model's
+        ``total_kv_heads`` (default: this storage's count); ValueError naming
         ``num_kv_heads`` when that is not the rank's share (``parallel.kv_head_range``)."""
         layout = self._layout
         if total_kv_heads is not None:

@@ -1,7 +1,7 @@
 """The free list of the KV pool as runs of consecutive page ids, so a request gets few runs.
 
 Why: a transfer costs per NIXL descriptor, and a run of consecutive pages on both sides is
-one descriptor after NIXL merges adjacent ones (``pdserve.engine.kv_layout``,
+one descriptor after NIXL merges adjacent ones (``pdserve.engine.kv.layout``,
 docs/benchmarks.md).  The policy, in :meth:`RunAllocator.allocate`:
 
 1. growing a request (``after`` = its last page): take the pages right after it first;

@@ -1,7 +1,8 @@
-"""The disagg package's structure rules, read from its source (every import counts: those
-under ``TYPE_CHECKING`` and inside functions too, as in an import graph):
+"""Structure rules read from the source (every import counts: those under
+``TYPE_CHECKING`` and inside functions too, as in an import graph). The layer contracts
+between packages are ``.importlinter``'s (``make lint``); these are the module-level rules:
 
-- no import cycle inside ``pdserve.disagg``;
+- no import cycle anywhere in ``pdserve``, between modules;
 - the NIXL backend by side: ``nixl.prefill`` and ``nixl.decode`` never import each other,
   and ``nixl.agent`` (what both share) imports neither;
 - transfer settings come from the environment in one place: only ``transfer_config`` (and
@@ -13,10 +14,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pdserve.disagg
+import pdserve
 
-ROOT = Path(pdserve.disagg.__file__).parent
-PKG = "pdserve.disagg"
+ROOT = Path(pdserve.__file__).parent
+PKG = "pdserve"
+DISAGG = "pdserve.disagg"
 
 
 def _module_name(path: Path) -> str:
@@ -25,25 +27,28 @@ def _module_name(path: Path) -> str:
     return ".".join([PKG, *parts])
 
 
-def _imports(path: Path) -> set[str]:
-    """Every pdserve module ``path`` imports (``from a import b`` counts ``a.b`` when that
-    is a module, else ``a``)."""
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Every pdserve module ``path`` imports: ``from a import b`` counts ``a.b`` when that is
+    a module, else ``a`` (so ``from pdserve import envs`` is ``pdserve.envs``, not the
+    package's ``__init__``)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("pdserve"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdserve"):
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in modules else node.module)
     return found
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    names = set(paths)
+    return {name: _imports(path, names) & names for name, path in paths.items()}
 
 
-def test_no_import_cycle_in_disagg():
+def test_no_import_cycle_in_pdserve():
     graph = _graph()
     state: dict[str, int] = {}  # 1: on the stack, 2: done
     stack: list[str] = []
@@ -66,7 +71,7 @@ def test_no_import_cycle_in_disagg():
 
 
 def test_nixl_sides_do_not_import_each_other_and_agent_imports_neither():
-    nixl = f"{PKG}.nixl"
+    nixl = f"{DISAGG}.nixl"
     bad = []
     for m, deps in _graph().items():
         for side, others in (
@@ -81,6 +86,8 @@ def test_nixl_sides_do_not_import_each_other_and_agent_imports_neither():
 
 def test_only_transfer_config_and_the_doctor_read_the_environment():
     readers = sorted(
-        _module_name(p) for p in ROOT.rglob("*.py") if any(m == "pdserve.envs" for m in _imports(p))
+        name
+        for name, deps in _graph().items()
+        if name.startswith(f"{DISAGG}.") and "pdserve.envs" in deps
     )
-    assert readers == [f"{PKG}.nixl.probe", f"{PKG}.transfer_config"]
+    assert readers == [f"{DISAGG}.nixl.probe", f"{DISAGG}.transfer_config"]

@@ -8,7 +8,7 @@ processes (any ``PYTHONHASHSEED``) derive the same key for the same tokens.
 
 Only full pages whose KV is computed are cached, and a cached page is never written again
 (writes start at a request's ``num_computed_tokens``, past every page it matched).  The
-cache does not own pages: :class:`pdserve.engine.kv_cache.KVCacheManager` does, and tells
+cache does not own pages: :class:`pdserve.engine.kv.cache.KVCacheManager` does, and tells
 the cache when a cached page is no longer referenced (it becomes evictable, least recently
 used first) or referenced again.
 """

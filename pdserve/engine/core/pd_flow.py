@@ -16,13 +16,13 @@ at ``Success`` it joins the batch with the prompt "computed elsewhere" and the f
 token from the aux record.  Pages handed to the transfer layer are released only after
 a terminal poll (also after an abort); then ``close()`` is called once.  Pages are
 allocated and released through the one page owner (``KVCacheManager``); aux slots come
-from the pool.
+from ``PageIds``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from pdserve.disagg.base import (
     AuxRecord,
@@ -31,12 +31,14 @@ from pdserve.disagg.base import (
     KVReceiver,
     KVSender,
     KVTransferError,
+    Role,
 )
-from pdserve.engine.kv_cache import KVCacheManager
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.request import DisaggRequestInfo, Request, Status
-from pdserve.engine.sampler import SampledToken, skip_draw
-from pdserve.engine.scheduler import BatchPlan, Scheduler
+from pdserve.engine.core.request import DisaggRequestInfo, PDState, Request, Status
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.step import BatchPlan, SampledToken
+from pdserve.engine.worker.sampler import skip_draw
 
 logger = logging.getLogger(__name__)
 
@@ -66,32 +68,38 @@ def _holds(handle: KVSender | KVReceiver | None) -> bool:
         return True
 
 
-class DisaggFlow:
-    """Tracks every request that holds a KV sender or receiver.
+def _pd(req: Request) -> PDState:
+    """``req.pd``: every request the flow tracks is a disaggregated one."""
+    assert req.pd is not None, req.request_id
+    return req.pd
+
+
+class PDFlow:
+    """Tracks every request that holds a KV sender or receiver (``EngineCore.pd``): the
+    room's life, and ``Request.pd`` (:class:`PDState`), which only this class changes.
+    The engine owns the tokens: it appends a token the flow hands it (decode's first token
+    from the aux record) and the flow sends what prefill sampled.
 
     managers: ``{"nixl": ..., "fake": ...}``; a request uses ``"fake"`` when
     ``DisaggRequestInfo.fake`` else ``transfer_backend``.  vocab_size: bound of a valid
-    first token id.  append_token: the engine's callback that appends a sampled token
-    and applies the stop checks.
+    first token id.
     """
 
     def __init__(
         self,
-        pool: KVPool,
+        page_ids: PageIds,
         kv: KVCacheManager,
         scheduler: Scheduler,
         managers: Mapping[str, KVManager],
         transfer_backend: str,
         vocab_size: int,
-        append_token: Callable[[Request, SampledToken], None],
     ) -> None:
-        self._pool = pool
+        self._page_ids = page_ids
         self._kv = kv
         self._vocab_size = vocab_size
         self._scheduler = scheduler
         self._managers = dict(managers)
         self._backend = transfer_backend
-        self._append_token = append_token
         self._live: list[Request] = []  # arrival order
         # (handle, pages, aux slot)
         self._draining: list[tuple[KVSender | KVReceiver, list[int], int | None]] = []
@@ -106,6 +114,17 @@ class DisaggFlow:
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self._live if r.status is status)
+
+    @staticmethod
+    def holds_room(req: Request) -> bool:
+        """Whether ``req`` holds a KV sender or receiver (its end goes through the flow)."""
+        return req.pd is not None and req.pd.handle is not None
+
+    @staticmethod
+    def sends_first_token(req: Request) -> bool:
+        """Whether ``req``'s sampled token goes to decode with its KV (prefill role) instead
+        of being appended and checked here."""
+        return req.pd is not None and req.pd.info.role is Role.PREFILL
 
     def manager_for(self, info: DisaggRequestInfo) -> KVManager:
         """The manager serving ``info``; ValueError naming ``disagg`` when absent or of
@@ -122,12 +141,12 @@ class DisaggFlow:
 
     def add(self, req: Request, manager: KVManager) -> None:
         """Create the room's sender/receiver (DuplicateRoomError passes through)."""
-        info = req.disagg
-        assert info is not None
-        if info.role == "prefill":
-            req.sender = manager.create_sender(info.bootstrap_room)
+        pd = _pd(req)
+        info = pd.info
+        if info.role is Role.PREFILL:
+            pd.sender = manager.create_sender(info.bootstrap_room)
         else:
-            req.receiver = manager.create_receiver(
+            pd.receiver = manager.create_receiver(
                 info.bootstrap_host, info.bootstrap_port, info.bootstrap_room
             )
             req.prompt_logprobs = (
@@ -137,31 +156,35 @@ class DisaggFlow:
         self._live.append(req)
 
     # --- per step -----------------------------------------------------------------------
-    def poll(self) -> list[Request]:
-        """Advance every room by its poll state; returns requests that finished or failed."""
-        changed: list[Request] = []
+    def poll(self) -> list[tuple[Request, SampledToken | None]]:
+        """Advance every room by its poll state; returns the requests that finished, failed
+        or joined, in that order.  A joined decode request comes with prefill's first
+        token (from the aux record): the engine appends it as any token, then calls
+        :meth:`join`; the others come with ``None``."""
+        changed: list[tuple[Request, SampledToken | None]] = []
         for req in list(self._live):
-            handle = req.sender or req.receiver
+            pd = _pd(req)
+            handle = pd.handle
             assert handle is not None  # every live request holds a sender or a receiver
             state, error = _poll(handle)
             if state == KVPoll.Failed:
                 if req.status in (Status.WAITING, Status.RUNNING):
                     self._scheduler.remove(req)  # not yet handed over: the pages are ours
                 self._end(req, "error", error=error)
-                changed.append(req)
+                changed.append((req, None))
             elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
-                if req.sender is not None:
+                if pd.sender is not None:
                     self._start_prefill(req)
                     if req.finished:
-                        changed.append(req)
+                        changed.append((req, None))
                 else:
-                    req.peer_ready = True
+                    pd.peer_ready = True
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
-                if req.sender is not None:
-                    self._end(req, *req.pending_finish)
+                if pd.sender is not None:
+                    self._end(req, *pd.pending_finish)
+                    changed.append((req, None))
                 else:
-                    self._join_decode(req)
-                changed.append(req)
+                    changed.append((req, self._join_decode(req)))
         for item in list(self._draining):
             handle, pages, slot = item
             if _poll(handle)[0] in (KVPoll.Success, KVPoll.Failed) and not _holds(handle):
@@ -176,13 +199,14 @@ class DisaggFlow:
         return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
     def _start_prefill(self, req: Request) -> None:
-        slot = self._pool.allocate_aux_slot()
+        pd = _pd(req)
+        slot = self._page_ids.allocate_aux_slot()
         if slot is None:
             return  # all aux slots in use: try again next step
-        req.aux_slot = slot
-        assert req.sender is not None  # only called for a request with a sender
+        pd.aux_slot = slot
+        assert pd.sender is not None  # only called for a request with a sender
         try:
-            req.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
+            pd.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
             self.abort(req, reason="error", error=f"KV sender init failed: {exc}")
             return
@@ -193,26 +217,26 @@ class DisaggFlow:
         no request waits in the queue (joined or preempted work runs first: KV is not
         received faster than it can be used).  Returns the requests that failed on the way."""
         failed: list[Request] = []
-        if self._scheduler.waiting:
+        if self._scheduler.has_waiting():
             return failed
         for req in list(self._live):
-            if req.status is not Status.WAITING_FOR_PEER or not req.peer_ready:
+            pd = _pd(req)
+            if req.status is not Status.WAITING_FOR_PEER or not pd.peer_ready:
                 continue
-            need = self._scheduler.pages_needed(req.num_prompt_tokens)
             # Leading prompt pages this worker holds already (a conversation's earlier
             # turns): prefill sends only the rest.  At most (n - 1) // page_size, as on
             # admission, so at least the last page moves.
             held, keys = self._kv.match_prefix(req.prompt_token_ids, req.num_prompt_tokens - 1)
-            fresh = need - len(held)
+            fresh = self._scheduler.need_pages(req, req.num_prompt_tokens, len(held))
             if (
                 fresh > self._kv.num_available_pages - self._kv.num_evictable_among(held)
-                or self._pool.num_free_aux_slots == 0
+                or self._page_ids.num_free_aux_slots == 0
             ):
                 break
-            slot = self._pool.allocate_aux_slot()
+            slot = self._page_ids.allocate_aux_slot()
             assert slot is not None  # a free slot was checked just above
-            assert req.receiver is not None  # a decode request waiting for its peer has one
-            req.aux_slot = slot
+            assert pd.receiver is not None  # a decode request waiting for its peer has one
+            pd.aux_slot = slot
             self._kv.share(held)
             req.pages = held + self._kv.allocate(fresh)
             req.page_keys = keys
@@ -220,11 +244,14 @@ class DisaggFlow:
             self._kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
             req.status = Status.TRANSFERRING
             try:
-                req.receiver.init(req.pages[len(held) :], slot, skip_pages=len(held))
+                pd.receiver.init(req.pages[len(held) :], slot, skip_pages=len(held))
             except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
                 self.abort(req, reason="error", error=f"KV receiver init failed: {exc}")
                 failed.append(req)
         return failed
+
+    def _senders_by_id(self) -> dict[str, Request]:
+        return {r.request_id: r for r in self._live if _pd(r).sender is not None}
 
     def expect_sends(self, plan: BatchPlan) -> None:
         """Before a step: each prefill-role request whose last prompt chunk is in ``plan``
@@ -233,30 +260,36 @@ class DisaggFlow:
         known too, so the send after the forward only posts it)."""
         if not self._live:
             return
-        by_id = {r.request_id: r for r in self._live if r.sender is not None}
+        by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
-            if req is None or req.sender is None or not seq.sample or req.kv_pages_sent:
+            if req is None or not seq.sample:
+                continue
+            pd = _pd(req)
+            if pd.sender is None or pd.kv_pages_sent:
                 continue
             try:
-                req.sender.expect_pages(list(req.pages))
+                pd.sender.expect_pages(list(req.pages))
             except Exception as exc:  # noqa: BLE001 - a hint; the send goes the usual way
                 logger.warning("request %s: KV send hint failed: %s", req.request_id, exc)
 
     def send_chunks(self, plan: BatchPlan) -> None:
         """After a step: every prefill-role request whose prompt is not finished sends the
         pages its computed tokens fill completely (chunked sending)."""
-        by_id = {r.request_id: r for r in self._live if r.sender is not None}
+        by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
-            if req is None or req.sender is None or seq.sample or req.status is not Status.RUNNING:
+            if req is None or seq.sample or req.status is not Status.RUNNING:
                 continue
-            full = min(req.num_computed_tokens // self._pool.page_size, len(req.pages))
-            if full <= req.kv_pages_sent:
+            pd = _pd(req)
+            if pd.sender is None:
                 continue
-            pages, req.kv_pages_sent = req.pages[req.kv_pages_sent : full], full
+            full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
+            if full <= pd.kv_pages_sent:
+                continue
+            pages, pd.kv_pages_sent = req.pages[pd.kv_pages_sent : full], full
             try:
-                req.sender.send(list(pages), last=False)
+                pd.sender.send(list(pages), last=False)
             except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
                 self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
@@ -264,35 +297,39 @@ class DisaggFlow:
         self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]
     ) -> None:
         """After the last prefill chunk: post the remaining pages and the aux record."""
-        req.pending_finish = finish
+        pd = _pd(req)
+        pd.pending_finish = finish
         self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
         # A prefill request in the batch holds its disagg info, sender and aux slot.
-        assert req.disagg is not None and req.sender is not None and req.aux_slot is not None
+        assert pd.sender is not None and pd.aux_slot is not None
         aux = AuxRecord(
-            req.disagg.bootstrap_room,
+            pd.info.bootstrap_room,
             first.token_id,
             first.logprob,
             tuple(t for t, _ in first.top),
             tuple(lp for _, lp in first.top),
         )
-        rest, req.kv_pages_sent = req.pages[req.kv_pages_sent :], len(req.pages)
+        rest, pd.kv_pages_sent = req.pages[pd.kv_pages_sent :], len(req.pages)
         try:
-            req.sender.send(list(rest), last=True, aux=aux)
+            pd.sender.send(list(rest), last=True, aux=aux)
         except Exception as exc:  # noqa: BLE001
             self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
-    def _join_decode(self, req: Request) -> None:
-        assert req.receiver is not None  # a transferring decode request holds its receiver
+    def _join_decode(self, req: Request) -> SampledToken | None:
+        """A decode request's KV arrived: release its room (keeping the pages) and return
+        prefill's first token, or end it with an error (``None``) for a bad aux record."""
+        pd = _pd(req)
+        assert pd.receiver is not None  # a transferring decode request holds its receiver
         try:
-            aux = req.receiver.aux_record()
+            aux = pd.receiver.aux_record()
             if not 0 <= aux.first_token_id < self._vocab_size:
                 raise KVTransferError(f"aux record token id {aux.first_token_id} is out of range")
         except KVTransferError as exc:
             self._end(req, "error", error=str(exc))
-            return
-        self._release(req.receiver, [], req.aux_slot)  # keep the pages: they hold the prompt now
-        req.receiver, req.aux_slot = None, None
+            return None
+        self._release(pd.receiver, [], pd.aux_slot)  # keep the pages: they hold the prompt now
+        pd.receiver, pd.aux_slot = None, None
         self._live.remove(req)
         req.num_computed_tokens = req.num_prompt_tokens
         self._kv.cache_full_pages(
@@ -302,7 +339,11 @@ class DisaggFlow:
             skip_draw(req.generator, self._vocab_size, req.generator.device)
         k = req.params.logprobs or 0
         top = tuple(zip(aux.top_ids, aux.top_logprobs))[:k]
-        self._append_token(req, SampledToken(aux.first_token_id, aux.logprob, top))
+        return SampledToken(aux.first_token_id, aux.logprob, top)
+
+    def join(self, req: Request) -> None:
+        """After the engine appended a joined decode request's first token: it queues for
+        its next token, or (it ended on that token) gives its pages back."""
         if req.finished:
             self._scheduler.free_pages(req)
         else:
@@ -312,19 +353,20 @@ class DisaggFlow:
     def abort(self, req: Request, reason: str = "abort", error: str | None = None) -> None:
         """End ``req`` now; its room is aborted and drained (pages the transfer layer may
         hold are freed after a terminal poll, then ``close()``)."""
+        pd = _pd(req)
         if req.status in (Status.WAITING, Status.RUNNING):
-            if req.kv_pages_sent:  # the transfer layer may read them: drained below
+            if pd.kv_pages_sent:  # the transfer layer may read them: drained below
                 self._scheduler.take_running(req)
             else:
                 self._scheduler.remove(req)
-        handle = req.sender or req.receiver
+        handle = pd.handle
         assert handle is not None  # every live request holds a sender or a receiver
         try:
             handle.abort()
         except Exception:  # noqa: BLE001 - still drained below, bounded by the backend's timeouts
             pass
-        self._draining.append((handle, req.pages, req.aux_slot))
-        req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
+        self._draining.append((handle, req.pages, pd.aux_slot))
+        req.pages, pd.aux_slot, pd.sender, pd.receiver = [], None, None, None
         self._live.remove(req)
         req.finish(reason, error=error)
 
@@ -337,19 +379,20 @@ class DisaggFlow:
     ) -> None:
         """The room reached a terminal state: free everything, close, finish ``req``
         (pages a late WRITE may still reach are drained once released instead)."""
+        pd = _pd(req)
         self._live.remove(req)
-        handle = req.sender or req.receiver
+        handle = pd.handle
         assert handle is not None  # every live request holds a sender or a receiver
         if _holds(handle):
-            self._draining.append((handle, req.pages, req.aux_slot))
+            self._draining.append((handle, req.pages, pd.aux_slot))
         else:
-            self._release(handle, req.pages, req.aux_slot)
-        req.pages, req.aux_slot, req.sender, req.receiver = [], None, None, None
+            self._release(handle, req.pages, pd.aux_slot)
+        req.pages, pd.aux_slot, pd.sender, pd.receiver = [], None, None, None
         req.finish(reason, stop_reason, error)
 
     def _release(self, handle: KVSender | KVReceiver, pages: list[int], slot: int | None) -> None:
         if pages:
             self._kv.release(pages)
         if slot is not None:
-            self._pool.free_aux_slot(slot)
+            self._page_ids.free_aux_slot(slot)
         handle.close()

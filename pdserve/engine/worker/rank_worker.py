@@ -1,10 +1,10 @@
-"""One tensor-parallel rank: its model shard, KV pool shard and model runner, and the loop
+"""One tensor-parallel rank: its model shard, KV storage shard and model runner, and the loop
 of a rank process (ranks ``1..N-1``; rank 0 lives in the scheduler's process).
 
 :func:`build_rank` is the one way any rank (TP=1 included) builds what it runs: the model
 (``LlamaForCausalLM(..., tp=group)``: the rank's heads, rows and vocabulary shard), its
-weights, the KV pool of the rank's KV heads, CUDA graphs (TP=1 on CUDA only) and the
-:class:`~pdserve.engine.model_runner.ModelRunner`.  Every rank gets the same ``num_pages``:
+weights, the KV storage of the rank's KV heads, CUDA graphs (TP=1 on CUDA only) and the
+:class:`~pdserve.engine.worker.model_runner.ModelRunner`.  Every rank gets the same ``num_pages``:
 each computes what its memory allows and ``agree_num_pages`` (rank 0: the minimum over the
 ranks) decides.
 
@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
-from pdserve.engine.kv_layout import default_page_size
-from pdserve.engine.kv_pool import KVPool, compute_num_pages
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.staging import HEADER_LEN, StepHeader
+from pdserve.engine.kv.layout import default_page_size
+from pdserve.engine.worker.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
+from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
 
@@ -59,15 +59,16 @@ class RankContext:
 
     tp: the rank's group (``tp.rank``, ``tp.size``; collectives). device: its torch device.
     gpu_id: its CUDA device index (``ModelConfig.rank_gpu_id``; on CPU the configured index,
-    as ``KVArgs.gpu_id`` carries it). pool: its KV pool (its KV heads only, the same
-    ``num_pages`` on every rank). model: its model shard. runner: its model runner.
-    max_model_len: the context limit before the pool's capacity caps it.
+    as ``KVArgs.gpu_id`` carries it). storage: its KV cache bytes (its KV heads only, the
+    same ``num_pages`` and aux slots on every rank; no allocator: ids are the engine
+    thread's). model: its model shard. runner: its model runner.
+    max_model_len: the context limit before the storage's capacity caps it.
     """
 
     tp: TPGroup
     device: torch.device
     gpu_id: int
-    pool: KVPool
+    storage: KVStorage
     model: LlamaForCausalLM
     runner: ModelRunner
     max_model_len: int
@@ -86,6 +87,12 @@ def model_max_len(config: EngineConfig, max_positions: int) -> int:
     return max_len
 
 
+def num_aux_slots(config: EngineConfig) -> int:
+    """Aux slots of every rank's storage (and of the engine thread's ``PageIds``): twice
+    ``max_running_requests``, at least 16."""
+    return max(16, 2 * config.scheduler.max_running_requests)
+
+
 def build_rank(
     config: EngineConfig,
     source: ModelSource,
@@ -96,7 +103,7 @@ def build_rank(
     agree_num_pages: Callable[[int], int],
     generator: torch.Generator | None = None,
 ) -> RankContext:
-    """Build rank ``tp.rank``'s model shard, weights, KV pool and runner on ``device``.
+    """Build rank ``tp.rank``'s model shard, weights, KV storage and runner on ``device``.
 
     agree_num_pages(n): given the pages this rank's memory allows, the count every rank
     uses (rank 0's choice; TP=1: ``n`` itself). generator: the shared draw of unseeded
@@ -120,8 +127,8 @@ def build_rank(
         and not mc.enforce_eager
         and model.backend.supports_cuda_graphs
     )
-    # The graphs' memory is held back while the pool is sized from free memory, then
-    # released for the capture (which needs the pool's address), so capture cannot OOM.
+    # The graphs' memory is held back while the KV storage is sized from free memory, then
+    # released for the capture (which needs the storage's address), so capture cannot OOM.
     reserve = (
         torch.empty(
             capture_reserve_bytes(model, sc.max_running_requests), dtype=torch.uint8, device=device
@@ -140,7 +147,7 @@ def build_rank(
         max_model_len=max_len,
     )
     num_pages = agree_num_pages(num_pages)
-    pool = KVPool(
+    storage = KVStorage(
         num_layers=shapes.n_layers,
         num_kv_heads=shapes.n_kv_heads,
         head_dim=shapes.head_dim,
@@ -148,7 +155,7 @@ def build_rank(
         device=device,
         page_size=page_size,
         num_pages=num_pages,
-        num_aux_slots=max(16, 2 * sc.max_running_requests),
+        num_aux_slots=num_aux_slots(config),
         model_fingerprint=source.fingerprint,
         kv_order=config.cache.kv_order,
     )
@@ -158,15 +165,15 @@ def build_rank(
         torch.cuda.empty_cache()
         graphs = CUDAGraphRunner(
             model,
-            pool.layer_caches,
+            storage.layer_caches,
             page_size,
             sc.max_running_requests,
             CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
-    runner = ModelRunner(model, pool, device, generator, graphs)
+    runner = ModelRunner(model, storage, device, generator, graphs)
     gpu_id = device.index if device.index is not None else mc.rank_gpu_id(tp.rank)
-    return RankContext(tp, device, gpu_id, pool, model, runner, max_len)
+    return RankContext(tp, device, gpu_id, storage, model, runner, max_len)
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ def rank_main(args: RankArgs, conn: Connection) -> None:
     pipe (``("error", text)``) before the process exits with status 1.  SIGINT and SIGTERM
     are ignored: rank 0 stops the rank (STOP, or SIGKILL), and the rank exits by itself
     when rank 0's process is gone."""
-    from pdserve.engine.device import resolve_dtype, resolve_rank_device
+    from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
     from pdserve.model.attention import default_backend
     from pdserve.model.loader import load_model_source
     from pdserve.model.tp_group import init_local_group
@@ -239,7 +246,7 @@ def rank_main(args: RankArgs, conn: Connection) -> None:
 
         with torch.inference_mode():
             ctx = build_rank(args.config, source, tp, device, dtype, backend, agree)
-        conn.send(("built", ctx.pool.num_pages))
+        conn.send(("built", ctx.storage.num_pages))
     except BaseException as exc:  # noqa: BLE001 reported to rank 0, then this rank exits
         _report_and_exit(conn, f"start-up failed: {type(exc).__name__}: {exc}")
     try:

@@ -1,6 +1,6 @@
 """The tensor-parallel executor (TP=N): rank 0 lives in this process and samples (the
 generators, grammar masks and penalty state stay here, out of the plan); ranks ``1..N-1``
-are processes it spawns (``engine/rank_worker.py``), each with its model shard and KV pool
+are processes it spawns (``engine/worker/rank_worker.py``), each with its model shard and KV pool
 shard. Per step rank 0 stages the plan into its flat int64 buffer (``ModelRunner.stage``)
 and writes the fixed header and that buffer to each rank's pipe; then every rank runs the
 same forward and the same ``compute_logits`` calls (collectives over
@@ -9,9 +9,9 @@ same forward and the same ``compute_logits`` calls (collectives over
 A rank that dies (its process sentinel fires, a collective fails on the closed connection,
 or times out after ``PDSERVE_TP_TIMEOUT``) turns the executor failed for good:
 ``failure`` names the rank, ``execute`` and ``call_rank`` raise
-:class:`~pdserve.engine.executor.RankFailedError`, and the engine ends its requests with
+:class:`~pdserve.engine.worker.executor.RankFailedError`, and the engine ends its requests with
 ``finish_reason="error"``.  ``shutdown`` stops, joins (terminating when needed) every rank
-process.  Made by :func:`pdserve.engine.executor.create_executor` for N > 1.
+process.  Made by :func:`pdserve.engine.worker.executor_factory.create_executor` for N > 1.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.engine.executor import Executor, RankFailedError, RemoteTraceback
-from pdserve.engine.model_runner import StepResult
-from pdserve.engine.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
-from pdserve.engine.scheduler import BatchPlan
-from pdserve.engine.staging import HEADER_LEN, StepHeader
+from pdserve.engine.step import BatchPlan, StepResult
+from pdserve.engine.worker.executor import Executor, RankFailedError, RemoteTraceback
+from pdserve.engine.worker.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
+from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
 from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:
@@ -83,7 +82,7 @@ class MultiprocExecutor(Executor):
     ) -> None:
         import torch.distributed as dist
 
-        from pdserve.engine.device import resolve_rank_device
+        from pdserve.engine.worker.device import resolve_rank_device
         from pdserve.model.tp_group import init_local_group, open_local_store
 
         mc = config.model
@@ -149,7 +148,7 @@ class MultiprocExecutor(Executor):
             "tensor parallel: %d ranks (pids %s), %d KV pages each",
             n,
             self.rank_pids(),
-            self.rank0.pool.num_pages,
+            self.rank0.storage.num_pages,
         )
 
     # --- start-up -------------------------------------------------------------------
