@@ -249,8 +249,8 @@ def test_malformed_backend_params_are_a_value_error(rec, monkeypatch, raw, what)
     assert device_calls(rec) == []  # nothing was created
 
 
-class _RankPool:
-    """A rank's pool as ``start_rank_manager`` sees it: KVArgs on its own CUDA device."""
+class _RankStorage:
+    """A rank's KV storage as ``start_rank_manager`` sees it: KVArgs on its own CUDA device."""
 
     def __init__(self, gpu_id: int) -> None:
         self.gpu_id = gpu_id
@@ -282,7 +282,7 @@ def test_every_tp_rank_creates_its_backend_on_its_own_gpu_on_a_helper_thread(rec
             ctx = SimpleNamespace(
                 tp=SimpleNamespace(tp=TPRank(r, size)),
                 gpu_id=first_gpu + r,
-                pool=_RankPool(first_gpu + r),
+                storage=_RankStorage(first_gpu + r),
                 services={},
             )
             port = 0 if r == 0 else 4321  # ranks >= 1 register at rank 0's server
