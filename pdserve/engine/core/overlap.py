@@ -190,9 +190,7 @@ class OverlapScheduler:
         sched, kv = self._scheduler, self._scheduler.kv
         sure = [r for r, m in zip(reqs, may_end) if not m]
         taken = sum(
-            max(0, sched.pages_needed(s + 1) - len(r.pages))
-            for r, s, m in zip(reqs, starts, may_end)
-            if not m
+            max(0, sched.need_pages(r, s + 1)) for r, s, m in zip(reqs, starts, may_end) if not m
         )
         # pages whose last reference may be dropped before the admission (free or cached)
         drops: dict[int, int] = {}

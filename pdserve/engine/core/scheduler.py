@@ -213,7 +213,7 @@ class Scheduler:
         next one.  Pages for ``starts[i] + 1`` tokens come from the pool's free list only
         (no eviction, no preemption, so the prefix cache and the queues change as a
         synchronous step would change them); ``None``, nothing allocated, when it is short."""
-        needs = [self.pages_needed(s + 1) - len(r.pages) for r, s in zip(reqs, starts)]
+        needs = [self.need_pages(r, s + 1) for r, s in zip(reqs, starts)]
         if sum(n for n in needs if n > 0) > self.kv.num_free_pages:
             return None
         seqs = []

@@ -1,2 +1,2 @@
 """Every tensor-parallel rank: the executors, the rank worker, the model runner, staging,
-CUDA graphs, the sampler and penalties.  Nothing here imports ``engine/core``."""
+CUDA graphs, the sampler and penalties, the device choice, and each rank's KV storage.  Nothing here imports ``engine/core``."""

@@ -5,8 +5,8 @@ Threads: ``bootstrap`` (:mod:`.bootstrap`: HTTP lookups grouped per prefill;
 protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
 prefill control endpoint; sends Hello before the first destination to an instance; reads
 RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
-while a room is transferring, with ``os.sched_yield`` between reads on VRAM and no
-back-off, on host memory sleeping ``time.sleep(0)`` and then backing off; else it waits
+while a room is transferring, with ``os.sched_yield`` between reads on VRAM, every
+``HOST_POLL_S`` on host memory; else it waits
 on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
 that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,

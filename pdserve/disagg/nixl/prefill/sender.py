@@ -6,7 +6,8 @@ States: ``Bootstrapping`` (not every destination yet; fails after the bootstrap
 timeout) -> ``WaitingForInput`` (the destination of every decode rank this rank writes
 into is known: one under equal TP, several when this rank's heads are split over
 decode ranks; they list the same pages) -> ``Transferring`` (a first ``send`` posted or queued) ->
-``Success`` (NIXL reported every WRITE of every ``send`` done, and decode notified once)
+``Success`` (NIXL reported every WRITE of every ``send`` done; decode is notified right
+after, once)
 or ``Failed``. Each ``send`` is one job of :mod:`.transfer_workers` (a chunk of the
 prompt's pages, WRITTEN into every destination); the last one packs the aux record
 (``aux_bytes``, only here), which ``XferDone`` takes to decode rank 0 only (from prefill
