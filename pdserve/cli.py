@@ -14,7 +14,10 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
+from pdserve.config import default_of
 from pdserve.ports import check_port
 
 # (module, what it adds); imported lazily so `pdserve --help` stays fast.
@@ -48,6 +51,73 @@ def port_number(text: str) -> int:
         return check_port(int(text), "port", allow_zero=True)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
+
+
+class Flag(NamedTuple):
+    """One flag of a command, declared once in its command's table (``ENGINE_FLAGS``,
+    ``SERVE_FLAGS``, ``ROUTER_FLAGS``, ``UP_FLAGS``): :func:`add_flags` defines it,
+    :func:`flag_values` reads it back into its config's fields."""
+
+    flag: str
+    cls: type | None  # the config dataclass whose field the flag sets (and whose default it has)
+    help: str
+    parse: Any = str  # the argparse type; bool: an on/off pair (--x / --no-x) unless store_true
+    field: str = ""  # the field of ``cls``; "": the flag's name (--page-size: page_size)
+    default: Any = None  # the default of a flag with no config (``cls`` None)
+    choices: Any = None
+    metavar: str | None = None
+    action: str | None = None  # "store_true", or "append" (a list; a tuple in the config)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def name(self) -> str:
+        """The config field the flag sets."""
+        return self.field or self.dest
+
+    def default_value(self) -> Any:
+        """The flag's default: its config field's declared default, else ``default``."""
+        return default_of(self.cls, self.name) if self.cls else self.default
+
+
+def add_flags(
+    parser: argparse.ArgumentParser, flags: Iterable[Flag], group: str | None = None
+) -> None:
+    """Add ``flags`` (in that order) to ``parser``, in an argument group titled ``group``
+    when one is given, each as its :class:`Flag` declares it. Each help ends with its
+    default once :func:`build_parser` builds the tree (:func:`document_default`; a None
+    default's help says what unset means: ``...; unset: MEANING``)."""
+    target = parser.add_argument_group(group) if group else parser
+    for f in flags:
+        kwargs: dict[str, Any] = {"default": f.default_value(), "help": f.help}
+        if f.action == "store_true":
+            kwargs["action"] = f.action
+        elif f.parse is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = f.parse
+        if f.action == "append":
+            kwargs.update(action="append", default=[])
+        if f.choices is not None:
+            kwargs["choices"] = f.choices
+        if f.metavar is not None:
+            kwargs["metavar"] = f.metavar
+        target.add_argument(f.flag, *f.aliases, dest=f.dest, **kwargs)
+
+
+def flag_values(
+    args: argparse.Namespace, flags: Iterable[Flag], cls: type | None = None
+) -> dict[str, Any]:
+    """``{field: parsed value}`` of the ``flags`` that set a field of ``cls`` (of any
+    config when ``cls`` is None), for building that config."""
+    return {
+        f.name: tuple(getattr(args, f.dest)) if f.action == "append" else getattr(args, f.dest)
+        for f in flags
+        if f.cls is not None and (cls is None or f.cls is cls)
+    }
 
 
 # A default already written into a help text, in any of the spellings the modules use:

@@ -16,9 +16,9 @@ from pdserve.disagg.base import PD_ROLES, Role
 from pdserve.launch.supervisor import Child
 from pdserve.server.engine_args import engine_argv
 
-# The router's tuning flags that ``up`` takes (defined by ``pdserve router``'s parser) and
-# puts on its router's command line.
-ROUTER_FLAGS = (
+# The router's tuning flags that ``up`` takes (as ``pdserve router``'s ``ROUTER_FLAGS``
+# declares them) and puts on its router's command line.
+UP_ROUTER_FLAGS = (
     "--request-timeout",
     "--health-check-interval",
     "--health-check-timeout",
@@ -165,7 +165,7 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
         args.policy,
         *body_limit,
     ]
-    for flag in ROUTER_FLAGS:
+    for flag in UP_ROUTER_FLAGS:
         router_argv += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
     for w in workers:
         router_argv += ["--prefill" if w.name.startswith("prefill") else "--decode", w.url]

@@ -16,15 +16,16 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli import port_number
-from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig, default_of
+from pdserve.cli import Flag, add_flags, port_number
+from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
-from pdserve.launch.plan import ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
+from pdserve.launch.plan import UP_ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
 from pdserve.launch.supervisor import Child, stop_all
 from pdserve.process_exit import death_cause
+from pdserve.router.launch import ROUTER_FLAGS
 from pdserve.server.engine_args import add_engine_args
-from pdserve.server.launch import add_strict_fields_arg
+from pdserve.server.launch import STRICT_FIELDS_FLAG
 
 
 class _Stop(Exception):
@@ -43,17 +44,86 @@ def _int_list(text: str) -> list[int]:
     return ids
 
 
-def add_router_flags(parser: argparse.ArgumentParser) -> None:
-    """Add :data:`ROUTER_FLAGS` to ``parser`` as ``pdserve router`` defines them (type,
-    default, help: the actions of a router parser built for this, so no definition is
-    copied)."""
-    from pdserve.router import launch as router_launch
-
-    router = router_launch.add_parser(argparse.ArgumentParser().add_subparsers())
-    group = parser.add_argument_group("router")
-    for action in router._actions:  # argparse offers no public accessor for an option
-        if action.option_strings and action.option_strings[0] in ROUTER_FLAGS:
-            group._add_action(action)
+# ``up``'s own flags, in --help order (the router's tuning flags and the engine's follow).
+UP_FLAGS: tuple[Flag, ...] = (
+    Flag("--num-prefill", None, "prefill workers", int, default=1),
+    Flag("--num-decode", None, "decode workers", int, default=1),
+    Flag("--host", RouterConfig, "address of the router and the workers"),
+    Flag(
+        "--port",
+        RouterConfig,
+        "router port; 0 = a free one (the URL printed names it); fails at once if it is taken",
+        port_number,
+    ),
+    Flag("--policy", RouterConfig, "router policy", choices=ROUTER_POLICIES),
+    Flag(
+        "--transfer-backend",
+        None,
+        "KV transfer backend of the workers",
+        default="nixl",
+        choices=backend_names(),
+    ),
+    Flag(
+        "--prefill-gpu-ids",
+        None,
+        "comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id",
+        _int_list,
+        metavar="IDS",
+    ),
+    Flag(
+        "--decode-gpu-ids",
+        None,
+        "comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
+        _int_list,
+        metavar="IDS",
+    ),
+    *(
+        Flag(
+            f"--{role}-tp",
+            None,
+            f"tensor-parallel size of each {role} worker (its ranks on --gpu-id + rank, "
+            f"or from its --{role}-gpu-ids entry on); unset: --tensor-parallel-size",
+            int,
+            metavar="N",
+        )
+        for role in PD_ROLES
+    ),
+    Flag(
+        "--ready-timeout",
+        None,
+        "seconds to wait for every process to become ready",
+        float,
+        default=900.0,
+    ),
+    Flag(
+        "--log-dir",
+        None,
+        "where each process writes its log, <name>.log (e.g. prefill-0.log), started "
+        "fresh each run (an earlier run's log of that name is replaced); unset: a new "
+        "temporary folder, removed when pdserve stops cleanly and kept (its path printed) "
+        "when a process failed",
+    ),
+    Flag(
+        "--served-model-name",
+        ServerConfig,
+        "model name of the workers' OpenAI API; unset: the --model value",
+    ),
+    Flag(
+        "--num-threads",
+        None,
+        "torch CPU threads of each worker; 0 = the cores shared over the CPU workers' "
+        "ranks (none set when OMP_NUM_THREADS is)",
+        int,
+        default=0,
+    ),
+    Flag(
+        "--max-request-body-bytes",
+        ServerConfig,
+        "largest request body the router and the workers accept, in bytes; 413 above",
+        int,
+    ),
+    STRICT_FIELDS_FLAG,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -64,91 +134,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Start --num-prefill prefill workers, --num-decode decode workers and "
         "a router on free ports of this machine; Ctrl-C stops them all.",
     )
-    p.add_argument(
-        "--num-prefill", type=int, default=1, help="prefill workers (default %(default)s)"
-    )
-    p.add_argument("--num-decode", type=int, default=1, help="decode workers (default %(default)s)")
-    p.add_argument(
-        "--host",
-        default=default_of(RouterConfig, "host"),
-        help="address of the router and the workers (default %(default)s)",
-    )
-    p.add_argument(
-        "--port",
-        type=port_number,
-        default=default_of(RouterConfig, "port"),
-        help="router port; 0 = a free one (the URL printed names it); fails at once if it "
-        "is taken (default %(default)s)",
-    )
-    p.add_argument(
-        "--policy",
-        choices=ROUTER_POLICIES,
-        default=default_of(RouterConfig, "policy"),
-        help="router policy (default %(default)s)",
-    )
-    p.add_argument(
-        "--transfer-backend",
-        choices=backend_names(),
-        default="nixl",
-        help="KV transfer backend of the workers (default %(default)s)",
-    )
-    p.add_argument(
-        "--prefill-gpu-ids",
-        type=_int_list,
-        default=None,
-        metavar="IDS",
-        help="comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id",
-    )
-    p.add_argument(
-        "--decode-gpu-ids",
-        type=_int_list,
-        default=None,
-        metavar="IDS",
-        help="comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
-    )
-    for role in PD_ROLES:
-        p.add_argument(
-            f"--{role}-tp",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"tensor-parallel size of each {role} worker (its ranks on --gpu-id + rank, "
-            f"or from its --{role}-gpu-ids entry on); unset: --tensor-parallel-size",
-        )
-    p.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for every process to become ready (default %(default)s)",
-    )
-    p.add_argument(
-        "--log-dir",
-        default=None,
-        help="where each process writes its log, <name>.log (e.g. prefill-0.log), started "
-        "fresh each run (an earlier run's log of that name is replaced); unset: a new "
-        "temporary folder, removed when pdserve stops cleanly and kept (its path printed) "
-        "when a process failed",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=default_of(ServerConfig, "served_model_name"),
-        help="model name of the workers' OpenAI API; unset: the --model value",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=0,
-        help="torch CPU threads of each worker; 0 = the cores shared over the CPU workers' "
-        "ranks (none set when OMP_NUM_THREADS is)",
-    )
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=default_of(ServerConfig, "max_request_body_bytes"),
-        help="largest request body the router and the workers accept, in bytes; 413 above",
-    )
-    add_strict_fields_arg(p)
-    add_router_flags(p)
+    add_flags(p, UP_FLAGS)
+    add_flags(p, [f for f in ROUTER_FLAGS if f.flag in UP_ROUTER_FLAGS], "router")
     add_engine_args(p)
     p.set_defaults(func=main)
     return p

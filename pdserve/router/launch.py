@@ -6,13 +6,88 @@ import argparse
 import sys
 
 from pdserve import envs
-from pdserve.cli import port_number
-from pdserve.config import ROUTER_POLICIES, RouterConfig, default_of
+from pdserve.cli import Flag, add_flags, flag_values, port_number
+from pdserve.config import ROUTER_POLICIES, RouterConfig
+
+# Every router flag, in --help order; ``pdserve up`` takes the tuning ones too.
+ROUTER_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--prefill",
+        RouterConfig,
+        "URL of a prefill worker (repeat for several); PD mode",
+        field="prefill_urls",
+        metavar="URL",
+        action="append",
+    ),
+    Flag(
+        "--decode",
+        RouterConfig,
+        "URL of a decode worker (repeat for several); PD mode",
+        field="decode_urls",
+        metavar="URL",
+        action="append",
+    ),
+    Flag(
+        "--worker",
+        RouterConfig,
+        "URL of a mixed worker (repeat for several); regular mode",
+        field="worker_urls",
+        metavar="URL",
+        action="append",
+    ),
+    Flag("--host", RouterConfig, "address to listen on"),
+    Flag("--port", RouterConfig, "port to listen on", port_number),
+    Flag(
+        "--policy",
+        RouterConfig,
+        "how a worker of each role is picked",
+        choices=ROUTER_POLICIES,
+    ),
+    Flag(
+        "--request-timeout",
+        RouterConfig,
+        "seconds one request may take end to end; 504 after",
+        float,
+    ),
+    Flag(
+        "--health-check-interval",
+        RouterConfig,
+        "seconds between health probes of each worker",
+        float,
+    ),
+    Flag("--health-check-timeout", RouterConfig, "seconds one health probe may take", float),
+    Flag(
+        "--health-failure-threshold",
+        RouterConfig,
+        "consecutive failed probes that eject a worker",
+        int,
+    ),
+    Flag(
+        "--max-request-body-bytes",
+        RouterConfig,
+        "largest request body accepted, in bytes; 413 above",
+        int,
+    ),
+    Flag(
+        "--mode",
+        RouterConfig,
+        "auto: PD when --prefill/--decode are given, else regular; pd/regular may start "
+        "with no workers when the admin API is on",
+        choices=("auto", "pd", "regular"),
+    ),
+    Flag(  # no field: the config takes the token it names (admin_token_from_args)
+        "--admin-token-file",
+        None,
+        "file holding the bearer token of the admin API (/admin/workers: add, remove, "
+        "list workers); unset: PDSERVE_ROUTER_ADMIN_TOKEN, and when that is empty too the "
+        "admin API is off",
+        metavar="PATH",
+    ),
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``pdserve router``."""
-    d = lambda name: default_of(RouterConfig, name)  # noqa: E731
     p = subparsers.add_parser(
         "router",
         help="route requests to prefill/decode pairs or mixed workers",
@@ -20,85 +95,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "of prefill/decode worker pairs (PD mode, --prefill and --decode) or "
         "mixed workers (regular mode, --worker).",
     )
-    p.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="URL of a prefill worker (repeat for several); PD mode",
-    )
-    p.add_argument(
-        "--decode",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="URL of a decode worker (repeat for several); PD mode",
-    )
-    p.add_argument(
-        "--worker",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="URL of a mixed worker (repeat for several); regular mode",
-    )
-    p.add_argument("--host", default=d("host"), help="address to listen on (default %(default)s)")
-    p.add_argument(
-        "--port",
-        type=port_number,
-        default=d("port"),
-        help="port to listen on (default %(default)s)",
-    )
-    p.add_argument(
-        "--policy",
-        choices=ROUTER_POLICIES,
-        default=d("policy"),
-        help="how a worker of each role is picked (default %(default)s)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d("request_timeout"),
-        help="seconds one request may take end to end; 504 after (default %(default)s)",
-    )
-    p.add_argument(
-        "--health-check-interval",
-        type=float,
-        default=d("health_check_interval"),
-        help="seconds between health probes of each worker (default %(default)s)",
-    )
-    p.add_argument(
-        "--health-check-timeout",
-        type=float,
-        default=d("health_check_timeout"),
-        help="seconds one health probe may take (default %(default)s)",
-    )
-    p.add_argument(
-        "--health-failure-threshold",
-        type=int,
-        default=d("health_failure_threshold"),
-        help="consecutive failed probes that eject a worker (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=d("max_request_body_bytes"),
-        help="largest request body accepted, in bytes; 413 above (default %(default)s)",
-    )
-    p.add_argument(
-        "--mode",
-        choices=("auto", "pd", "regular"),
-        default=d("mode"),
-        help="auto: PD when --prefill/--decode are given, else regular; pd/regular may start "
-        "with no workers when the admin API is on (default %(default)s)",
-    )
-    p.add_argument(
-        "--admin-token-file",
-        default=None,
-        metavar="PATH",
-        help="file holding the bearer token of the admin API (/admin/workers: add, remove, "
-        "list workers); unset: PDSERVE_ROUTER_ADMIN_TOKEN, and when that is empty too the "
-        "admin API is off",
-    )
+    add_flags(p, ROUTER_FLAGS)
     p.set_defaults(func=main)
     return p
 
@@ -120,21 +117,7 @@ def admin_token_from_args(args: argparse.Namespace) -> str | None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """RouterConfig from parsed flags (ValueError naming the field when invalid)."""
-    return RouterConfig(
-        prefill_urls=tuple(args.prefill),
-        decode_urls=tuple(args.decode),
-        worker_urls=tuple(args.worker),
-        host=args.host,
-        port=args.port,
-        policy=args.policy,
-        request_timeout=args.request_timeout,
-        health_check_interval=args.health_check_interval,
-        health_check_timeout=args.health_check_timeout,
-        health_failure_threshold=args.health_failure_threshold,
-        max_request_body_bytes=args.max_request_body_bytes,
-        mode=args.mode,
-        admin_token=admin_token_from_args(args),
-    )
+    return RouterConfig(**flag_values(args, ROUTER_FLAGS), admin_token=admin_token_from_args(args))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ import argparse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_of
+from pdserve.cli import Flag, add_flags, flag_values
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def gpu_id_tuple(text: str) -> tuple[int, ...]:
@@ -41,152 +42,102 @@ def config_value(cls: type, name: str, parse: Any = str) -> Any:
     return check
 
 
-# Short spellings of a few engine flags (vLLM's ``--tp`` among them).
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--tensor-parallel-size": ("--tp",)}
-
-# (flag, config class, field, type, help) — ``up`` forwards exactly these to its workers.
-ENGINE_FLAGS: tuple[tuple[str, type, str, Any, str], ...] = (
-    (
+# ``up`` forwards exactly these to its workers (``--tp`` is vLLM's short spelling).
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag(
         "--model",
         ModelConfig,
-        "model",
-        str,
         "HF folder, .gguf file, random:<preset> or the embedded id smollm2-135m-instruct",
     ),
-    (
+    Flag(
         "--dtype",
         ModelConfig,
-        "dtype",
-        config_value(ModelConfig, "dtype"),
         "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+        config_value(ModelConfig, "dtype"),
     ),
-    (
-        "--device",
-        ModelConfig,
-        "device",
-        config_value(ModelConfig, "device"),
-        "auto, cpu, cuda or cuda:N",
-    ),
-    ("--gpu-id", ModelConfig, "gpu_id", int, "CUDA device index when --device does not name one"),
-    (
-        "--max-model-len",
-        ModelConfig,
-        "max_model_len",
-        int,
-        "context limit in tokens; unset: the model's",
-    ),
-    (
+    Flag("--device", ModelConfig, "auto, cpu, cuda or cuda:N", config_value(ModelConfig, "device")),
+    Flag("--gpu-id", ModelConfig, "CUDA device index when --device does not name one", int),
+    Flag("--max-model-len", ModelConfig, "context limit in tokens; unset: the model's", int),
+    Flag(
         "--seed",
         ModelConfig,
-        "seed",
-        int,
         "seed of random weights (random: models) and of unseeded sampling",
+        int,
     ),
-    (
+    Flag(
         "--attention-backend",
         ModelConfig,
-        "attention_backend",
-        config_value(ModelConfig, "attention_backend"),
         "auto (triton on CUDA, torch_sdpa on CPU), triton or torch_sdpa",
+        config_value(ModelConfig, "attention_backend"),
     ),
-    (
+    Flag(
         "--enforce-eager",
         ModelConfig,
-        "enforce_eager",
-        bool,
         "never capture CUDA graphs of the decode step (every step eager)",
+        bool,
     ),
-    (
+    Flag(
         "--tensor-parallel-size",
         ModelConfig,
-        "tensor_parallel_size",
-        int,
         "ranks the model is split over (tensor parallelism): rank 0 in the worker, the "
         "others processes it starts; gloo on CPU, NCCL on CUDA",
+        int,
+        aliases=("--tp",),
     ),
-    (
+    Flag(
         "--gpu-ids",
         ModelConfig,
-        "gpu_ids",
-        gpu_id_tuple,
         "comma-separated CUDA device of each tensor-parallel rank; unset: --gpu-id + rank",
+        gpu_id_tuple,
     ),
-    (
-        "--page-size",
-        CacheConfig,
-        "page_size",
-        int,
-        "tokens per KV page; unset: 16 on CPU, 128 on CUDA",
-    ),
-    (
+    Flag("--page-size", CacheConfig, "tokens per KV page; unset: 16 on CPU, 128 on CUDA", int),
+    Flag(
         "--kv-cache-memory",
         CacheConfig,
-        "kv_cache_memory",
-        float,
         "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA",
+        float,
     ),
-    (
+    Flag(
         "--gpu-memory-utilization",
         CacheConfig,
-        "gpu_memory_utilization",
-        float,
         "fraction of free GPU memory for the KV pool",
+        float,
     ),
-    (
+    Flag(
         "--num-pages",
         CacheConfig,
-        "num_pages",
-        int,
         "exact KV page count (overrides --kv-cache-memory); unset: from --kv-cache-memory",
+        int,
     ),
-    (
+    Flag(
         "--enable-prefix-caching",
         CacheConfig,
-        "enable_prefix_caching",
-        bool,
         "reuse the KV of cached full pages of a shared prefix",
+        bool,
     ),
-    (
+    Flag(
         "--kv-order",
         CacheConfig,
-        "kv_order",
-        config_value(CacheConfig, "kv_order"),
         "physical order of the KV pool: layer_major or page_major; unset: the device's "
         "default, page_major (chosen by bench transfer)",
+        config_value(CacheConfig, "kv_order"),
     ),
-    (
-        "--max-num-batched-tokens",
-        SchedulerConfig,
-        "max_num_batched_tokens",
-        int,
-        "token budget of one step",
-    ),
-    (
-        "--max-running-requests",
-        SchedulerConfig,
-        "max_running_requests",
-        int,
-        "requests in the running batch",
-    ),
-    (
+    Flag("--max-num-batched-tokens", SchedulerConfig, "token budget of one step", int),
+    Flag("--max-running-requests", SchedulerConfig, "requests in the running batch", int),
+    Flag(
         "--overlap-schedule",
         SchedulerConfig,
-        "overlap_schedule",
-        bool,
         "launch each greedy decode step from the previous step's tokens on the device while "
         "the host processes that step's results (--no-overlap-schedule turns it off); "
         "unset: on for CUDA, off on CPU",
+        bool,
     ),
 )
 
 
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every engine flag to ``parser``."""
-    add_engine_flags(parser, [flag for flag, *_ in ENGINE_FLAGS])
+    add_flags(parser, ENGINE_FLAGS, "engine")
 
 
 def add_engine_flags(
@@ -198,57 +149,39 @@ def add_engine_flags(
     """Add the engine flags named in ``flags`` (in that order) to ``parser``, defined as for
     ``serve`` and ``up`` (type, default, aliases, help), for a command that takes only some
     of them (``bench offline``). ``notes``: text appended to a flag's help, for what the
-    flag also means in that command. Each help ends with its default once ``pdserve.cli``
-    builds the tree (:func:`pdserve.cli.document_default`; a None default's help says what
-    unset means: ``...; unset: MEANING``). ValueError for a name not in :data:`ENGINE_FLAGS`."""
-    known = {entry[0]: entry for entry in ENGINE_FLAGS}
+    flag also means in that command. ValueError for a name not in :data:`ENGINE_FLAGS`."""
+    known = {f.flag: f for f in ENGINE_FLAGS}
     flags = list(flags)
     unknown = [flag for flag in flags if flag not in known]
     if unknown:
         raise ValueError(f"not engine flags: {', '.join(unknown)}")
-    group = parser.add_argument_group("engine")
+    chosen = []
     for flag in flags:
-        _, cls, name, typ, help_text = known[flag]
+        f = known[flag]
         if notes and flag in notes:  # before "; unset: ...", which ends a help
-            text, unset, meaning = help_text.partition("; unset: ")
-            help_text = f"{text}; {notes[flag]}{unset}{meaning}"
-        if typ is bool:
-            group.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=default_of(cls, name),
-                help=help_text,
-            )
-            continue
-        group.add_argument(
-            flag,
-            *FLAG_ALIASES.get(flag, ()),
-            dest=_dest(flag),
-            type=typ,
-            default=default_of(cls, name),
-            help=help_text,
-        )
+            text, unset, meaning = f.help.partition("; unset: ")
+            f = f._replace(help=f"{text}; {notes[flag]}{unset}{meaning}")
+        chosen.append(f)
+    add_flags(parser, chosen, "engine")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; ValueError naming the field when one is invalid."""
-    return EngineConfig.from_fields(
-        **{name: getattr(args, _dest(flag)) for flag, _, name, _, _ in ENGINE_FLAGS}
-    )
+    return EngineConfig.from_fields(**flag_values(args, ENGINE_FLAGS))
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` that differ from their defaults, as an argv list
     (how ``pdserve up`` passes them through to its workers)."""
     argv: list[str] = []
-    for flag, cls, name, _, _ in ENGINE_FLAGS:
-        value = getattr(args, _dest(flag))
-        if value == default_of(cls, name):
+    for f in ENGINE_FLAGS:
+        value = getattr(args, f.dest)
+        if value == f.default_value():
             continue
         if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
+            argv.append(f.flag if value else "--no-" + f.flag[2:])
         elif isinstance(value, tuple):
-            argv += [flag, ",".join(str(v) for v in value)]
+            argv += [f.flag, ",".join(str(v) for v in value)]
         else:
-            argv += [flag, str(value)]
+            argv += [f.flag, str(value)]
     return argv
