@@ -24,10 +24,6 @@ class HeadSlice:
     start: int
     end: int
 
-    @property
-    def num_heads(self) -> int:
-        return self.end - self.start
-
 
 def writer_of(num_kv_heads: int, prefill_tp_size: int, head: int) -> int:
     """The prefill rank that writes ``head``: the lowest one holding it."""

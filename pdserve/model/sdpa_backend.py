@@ -25,7 +25,6 @@ class _DecodeGroup:
     rows: torch.Tensor | None  # [Bd] int64 token rows; None when every token is a decode row
     pages: torch.Tensor  # [Bd, max_pages] int64 page ids (0 past a row's last page)
     mask: torch.Tensor  # [Bd, 1, 1, max_pages * page_size] bool, True = attend
-    num: int
 
 
 @dataclass
@@ -104,7 +103,7 @@ class TorchSDPABackend(AttentionBackend):
             )
             dec_pages = table[:, :max_pages].long()
             dec_pages = torch.where(page_valid, dec_pages, torch.zeros_like(dec_pages))
-            decode = _DecodeGroup(rows, dec_pages, valid[:, None, None, :], len(dec))
+            decode = _DecodeGroup(rows, dec_pages, valid[:, None, None, :])
         prefills = []
         for b, q in enumerate(q_lens):
             if q == 1:

@@ -138,7 +138,6 @@ class NixlPrefillManager(KVManager):
         advertised = url_host(advertised_host(host, cfg.bootstrap.advertise_host))
         self.control_endpoint = f"tcp://{advertised}:{control_port}"
         self._outbox = Outbox(self._ctx)
-        self._start_threads = start_threads
         try:
             if start_threads:
                 self._start()
