@@ -43,6 +43,7 @@ from pdserve.bench.transfer_pool import (
     pages_digest,
     pool_layout,
 )
+from pdserve.cli import Flag, add_flags, flag_values
 
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
@@ -269,23 +270,53 @@ def _print(result: dict) -> None:
         )
 
 
+# Every flag but --json sets the TransferBenchConfig field of its name (and has its default).
+TRANSFER_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--model-shape",
+        TransferBenchConfig,
+        "layers, KV heads and head size of the KV pools",
+        choices=sorted(MODEL_SHAPES),
+    ),
+    Flag("--prompt-len", TransferBenchConfig, "tokens of the request", int),
+    Flag("--page-size", TransferBenchConfig, "tokens per KV page", int),
+    Flag("--dtype", TransferBenchConfig, "KV cache dtype", choices=DTYPES),
+    Flag("--device", TransferBenchConfig, "where both pools live", choices=("cpu", "cuda")),
+    Flag("--gpu-id", TransferBenchConfig, "CUDA index of both processes' pools", int),
+    Flag("--repeats", TransferBenchConfig, "interleaved timed runs (medians)", int),
+    Flag(
+        "--run-len",
+        TransferBenchConfig,
+        "consecutive pages per run of the scattered page list (1 = every page apart)",
+        int,
+    ),
+    Flag("--pool-factor", TransferBenchConfig, "pool pages / request pages", int),
+    Flag("--seed", TransferBenchConfig, "seed of the page lists and the KV bytes", int),
+    Flag(
+        "--hugepages",
+        TransferBenchConfig,
+        "CPU pools on transparent huge pages (pdserve.disagg.hostmem)",
+        bool,
+    ),
+    Flag(
+        "--kv-order",
+        TransferBenchConfig,
+        "physical order of both pools: layer_major or page_major (pdserve.engine.kv.layout)",
+    ),
+    Flag(
+        "--pattern",
+        TransferBenchConfig,
+        "page lists: served = the real allocator's after a churn of mixed-length "
+        "requests; runs = runs of --run-len consecutive pages, shuffled",
+        choices=("served", "runs"),
+    ),
+    Flag("--json", None, "write the results here; unset: not written", metavar="FILE"),
+)
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        cfg = TransferBenchConfig(
-            args.model_shape,
-            args.prompt_len,
-            args.page_size,
-            args.dtype,
-            args.device,
-            args.gpu_id,
-            args.repeats,
-            args.run_len,
-            args.pool_factor,
-            args.seed,
-            args.hugepages,
-            args.kv_order,
-            args.pattern,
-        )
+        cfg = TransferBenchConfig(**flag_values(args, TRANSFER_FLAGS))
     except ValueError as exc:
         print(f"pdserve bench transfer: error: {exc}", file=sys.stderr)
         return 2
@@ -300,61 +331,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``bench transfer``."""
-    d = TransferBenchConfig()
     p = subparsers.add_parser(
         "transfer",
         help="KV transfer over NIXL vs an in-process copy: GB/s and ratio",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument(
-        "--model-shape",
-        default=d.model_shape,
-        choices=sorted(MODEL_SHAPES),
-        help="layers, KV heads and head size of the KV pools",
-    )
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="tokens of the request")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="KV cache dtype")
-    p.add_argument(
-        "--device", default=d.device, choices=("cpu", "cuda"), help="where both pools live"
-    )
-    p.add_argument(
-        "--gpu-id", type=int, default=d.gpu_id, help="CUDA index of both processes' pools"
-    )
-    p.add_argument(
-        "--repeats", type=int, default=d.repeats, help="interleaved timed runs (medians)"
-    )
-    p.add_argument(
-        "--run-len",
-        type=int,
-        default=d.run_len,
-        help="consecutive pages per run of the scattered page list (1 = every page apart)",
-    )
-    p.add_argument(
-        "--pool-factor", type=int, default=d.pool_factor, help="pool pages / request pages"
-    )
-    p.add_argument(
-        "--seed", type=int, default=d.seed, help="seed of the page lists and the KV bytes"
-    )
-    p.add_argument(
-        "--hugepages",
-        action=argparse.BooleanOptionalAction,
-        default=d.hugepages,
-        help="CPU pools on transparent huge pages (pdserve.disagg.hostmem)",
-    )
-    p.add_argument(
-        "--kv-order",
-        default=d.kv_order,
-        help="physical order of both pools: layer_major or page_major (pdserve.engine.kv.layout)",
-    )
-    p.add_argument(
-        "--pattern",
-        default=d.pattern,
-        choices=("served", "runs"),
-        help="page lists: served = the real allocator's after a churn of mixed-length "
-        "requests; runs = runs of --run-len consecutive pages, shuffled",
-    )
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write the results here; unset: not written"
-    )
+    add_flags(p, TRANSFER_FLAGS)
     p.set_defaults(func=_run)
