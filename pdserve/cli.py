@@ -59,15 +59,16 @@ class Flag(NamedTuple):
     :func:`flag_values` reads it back into its config's fields."""
 
     flag: str
-    cls: type | None  # the config dataclass whose field the flag sets (and whose default it has)
     help: str
     parse: Any = str  # the argparse type; bool: an on/off pair (--x / --no-x) unless store_true
+    cls: type | None = None  # the config dataclass whose field the flag sets (and default)
     field: str = ""  # the field of ``cls``; "": the flag's name (--page-size: page_size)
     default: Any = None  # the default of a flag with no config (``cls`` None)
     choices: Any = None
     metavar: str | None = None
     action: str | None = None  # "store_true", or "append" (a list; a tuple in the config)
     aliases: tuple[str, ...] = ()
+    required: bool = False
 
     @property
     def dest(self) -> str:
@@ -105,6 +106,8 @@ def add_flags(
             kwargs["choices"] = f.choices
         if f.metavar is not None:
             kwargs["metavar"] = f.metavar
+        if f.required:
+            kwargs["required"] = True
         target.add_argument(f.flag, *f.aliases, dest=f.dest, **kwargs)
 
 

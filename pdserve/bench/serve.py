@@ -27,6 +27,7 @@ from pdserve.bench.workload import (
     WorkloadSpec,
     build_requests,
 )
+from pdserve.cli import Flag, add_flags, flag_values
 
 if TYPE_CHECKING:
     from pdserve.bench.runner import Series, Target
@@ -38,6 +39,124 @@ _DEFAULTS = {
 }
 
 
+# The flags of each --help group, in order; a flag with a spec class sets its field.
+TARGET_FLAGS: tuple[Flag, ...] = (
+    Flag("--url", "server under test (http://host:port, /v1 optional)", required=True),
+    Flag(
+        "--compare",
+        "second target, run on the same requests in interleaved blocks; ratios are compare / "
+        "target; unset: the --url target alone",
+        metavar="URL",
+    ),
+    Flag(
+        "--model-name",
+        "model field of the requests (default: first id of each target's /v1/models)",
+    ),
+    Flag("--timeout", "seconds allowed per request (default 600)", float, default=600.0),
+)
+LOAD_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--scenario",
+        "standard: the workload below at --concurrency / --request-rate; interference: "
+        "decode ITL while long prompts arrive at --long-request-rate",
+        default="standard",
+        choices=("standard", "interference"),
+    ),
+    Flag(
+        "--concurrency",
+        "requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)",
+        int,
+    ),
+    Flag(
+        "--request-rate",
+        "Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf; unset: closed "
+        "loop at --concurrency",
+    ),
+    Flag(
+        "--num-requests",
+        "requests per target and rate (interference: decode requests)",
+        int,
+        cls=WorkloadSpec,
+    ),
+    Flag("--num-warmups", "unmeasured requests per target first (default 1)", int, default=1),
+    Flag(
+        "--blocks",
+        "interleaved blocks per target when comparing (default 4; 1 without --compare)",
+        int,
+    ),
+)
+WORKLOAD_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--dataset",
+        "prompts: random words, GSM8K questions, groups sharing a system prompt, or "
+        "multi-turn conversations",
+        cls=WorkloadSpec,
+        choices=DATASETS,
+    ),
+    Flag(
+        "--input-len",
+        "prompt words (≈ tokens) of random prompts (default 256; interference 32)",
+        int,
+    ),
+    Flag("--output-len", "output tokens (default 64; interference 128)", int),
+    Flag("--range-ratio", "lengths uniform in [len*(1-r), len*(1+r)]", float, cls=WorkloadSpec),
+    Flag(
+        "--endpoint",
+        "API the requests go to (default: completions for random, chat for gsm8k)",
+        cls=WorkloadSpec,
+        choices=ENDPOINTS,
+    ),
+    Flag(
+        "--ignore-eos",
+        "ask for exactly max_tokens (pdserve extension field)",
+        bool,
+        cls=WorkloadSpec,
+    ),
+    Flag("--temperature", "sampling temperature; 0 = greedy", float, cls=WorkloadSpec),
+    Flag(
+        "--num-groups",
+        "shared-prefix: groups of requests sharing one system prompt (default 4)",
+        int,
+        cls=WorkloadSpec,
+    ),
+    Flag(
+        "--system-prompt-len",
+        "shared-prefix: words (≈ tokens) of each group's system prompt (default 1024)",
+        int,
+        cls=WorkloadSpec,
+    ),
+    Flag(
+        "--num-turns",
+        "multi-turn: turns per conversation; --num-requests counts turns (default 4)",
+        int,
+        cls=WorkloadSpec,
+    ),
+    Flag("--seed", "seeds prompts, lengths and arrivals", int, cls=WorkloadSpec),
+)
+INTERFERENCE_FLAGS: tuple[Flag, ...] = (
+    Flag("--long-input-len", "words of the long prompts (default 1024)", int, cls=InterferenceSpec),
+    Flag(
+        "--long-request-rate",
+        "Poisson rate of long prompts in req/s (default 1)",
+        float,
+        cls=InterferenceSpec,
+    ),
+)
+OUTPUT_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "--json",
+        "write results and the full workload spec here; unset: not written",
+        metavar="FILE",
+    ),
+    Flag(
+        "--plot",
+        "write latency CDFs (and throughput vs rate) here; unset: no plot",
+        metavar="FILE.png",
+    ),
+    Flag("--no-progress", "hide the progress bar", default=False, action="store_true"),
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``serve`` under ``pdserve bench``."""
     p = subparsers.add_parser(
@@ -46,130 +165,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t = p.add_argument_group("targets")
-    t.add_argument(
-        "--url", required=True, help="server under test (http://host:port, /v1 optional)"
-    )
-    t.add_argument(
-        "--compare",
-        metavar="URL",
-        help="second target, run on the same requests in interleaved blocks; ratios are compare / "
-        "target; unset: the --url target alone",
-    )
-    t.add_argument(
-        "--model-name",
-        help="model field of the requests (default: first id of each target's /v1/models)",
-    )
-    t.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)"
-    )
-    load = p.add_argument_group("load")
-    load.add_argument(
-        "--scenario",
-        choices=("standard", "interference"),
-        default="standard",
-        help="standard: the workload below at --concurrency / --request-rate; interference: "
-        "decode ITL while long prompts arrive at --long-request-rate",
-    )
-    load.add_argument(
-        "--concurrency",
-        type=int,
-        help="requests in flight (closed loop); with --request-rate, a cap (default 8; interference 4)",
-    )
-    load.add_argument(
-        "--request-rate",
-        help="Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf; unset: closed "
-        "loop at --concurrency",
-    )
-    load.add_argument(
-        "--num-requests",
-        type=int,
-        default=64,
-        help="requests per target and rate (interference: decode requests)",
-    )
-    load.add_argument(
-        "--num-warmups",
-        type=int,
-        default=1,
-        help="unmeasured requests per target first (default 1)",
-    )
-    load.add_argument(
-        "--blocks",
-        type=int,
-        help="interleaved blocks per target when comparing (default 4; 1 without --compare)",
-    )
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--dataset",
-        choices=DATASETS,
-        default="random",
-        help="prompts: random words, GSM8K questions, groups sharing a system prompt, or "
-        "multi-turn conversations",
-    )
-    w.add_argument(
-        "--input-len",
-        type=int,
-        help="prompt words (≈ tokens) of random prompts (default 256; interference 32)",
-    )
-    w.add_argument("--output-len", type=int, help="output tokens (default 64; interference 128)")
-    w.add_argument(
-        "--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]"
-    )
-    w.add_argument(
-        "--endpoint",
-        choices=ENDPOINTS,
-        help="API the requests go to (default: completions for random, chat for gsm8k)",
-    )
-    w.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ask for exactly max_tokens (pdserve extension field)",
-    )
-    w.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"
-    )
-    w.add_argument(
-        "--num-groups",
-        type=int,
-        default=4,
-        help="shared-prefix: groups of requests sharing one system prompt (default 4)",
-    )
-    w.add_argument(
-        "--system-prompt-len",
-        type=int,
-        default=1024,
-        help="shared-prefix: words (≈ tokens) of each group's system prompt (default 1024)",
-    )
-    w.add_argument(
-        "--num-turns",
-        type=int,
-        default=4,
-        help="multi-turn: turns per conversation; --num-requests counts turns (default 4)",
-    )
-    w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    i = p.add_argument_group("interference scenario")
-    i.add_argument(
-        "--long-input-len", type=int, default=1024, help="words of the long prompts (default 1024)"
-    )
-    i.add_argument(
-        "--long-request-rate",
-        type=float,
-        default=1.0,
-        help="Poisson rate of long prompts in req/s (default 1)",
-    )
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--json",
-        metavar="FILE",
-        help="write results and the full workload spec here; unset: not written",
-    )
-    o.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="write latency CDFs (and throughput vs rate) here; unset: no plot",
-    )
-    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_flags(p, TARGET_FLAGS, "targets")
+    add_flags(p, LOAD_FLAGS, "load")
+    add_flags(p, WORKLOAD_FLAGS, "workload")
+    add_flags(p, INTERFERENCE_FLAGS, "interference scenario")
+    add_flags(p, OUTPUT_FLAGS, "output")
     p.set_defaults(func=run)
     return p
 
@@ -181,18 +181,9 @@ def _resolve(
     blocks); ``ValueError`` naming the option on bad input."""
     d = _DEFAULTS[args.scenario]
     spec = WorkloadSpec(
-        dataset=args.dataset,
-        num_requests=args.num_requests,
+        **flag_values(args, LOAD_FLAGS + WORKLOAD_FLAGS),
         input_len=args.input_len or d["input_len"],
         output_len=args.output_len or d["output_len"],
-        range_ratio=args.range_ratio,
-        endpoint=args.endpoint,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        seed=args.seed,
-        num_groups=args.num_groups,
-        system_prompt_len=args.system_prompt_len,
-        num_turns=args.num_turns,
     )
     for name in ("input_len", "output_len", "concurrency", "blocks"):
         value = getattr(args, name)
@@ -208,7 +199,7 @@ def _resolve(
             raise ValueError(
                 "--request-rate does not apply to --scenario interference (use --long-request-rate)"
             )
-        ispec = InterferenceSpec(args.long_input_len, args.long_request_rate)
+        ispec = InterferenceSpec(**flag_values(args, INTERFERENCE_FLAGS))
         rates: tuple[float, ...] = (math.inf,)
         concurrency: int | None = args.concurrency or d["concurrency"]
     elif args.request_rate:

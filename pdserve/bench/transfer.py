@@ -274,43 +274,43 @@ def _print(result: dict) -> None:
 TRANSFER_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--model-shape",
-        TransferBenchConfig,
         "layers, KV heads and head size of the KV pools",
+        cls=TransferBenchConfig,
         choices=sorted(MODEL_SHAPES),
     ),
-    Flag("--prompt-len", TransferBenchConfig, "tokens of the request", int),
-    Flag("--page-size", TransferBenchConfig, "tokens per KV page", int),
-    Flag("--dtype", TransferBenchConfig, "KV cache dtype", choices=DTYPES),
-    Flag("--device", TransferBenchConfig, "where both pools live", choices=("cpu", "cuda")),
-    Flag("--gpu-id", TransferBenchConfig, "CUDA index of both processes' pools", int),
-    Flag("--repeats", TransferBenchConfig, "interleaved timed runs (medians)", int),
+    Flag("--prompt-len", "tokens of the request", int, cls=TransferBenchConfig),
+    Flag("--page-size", "tokens per KV page", int, cls=TransferBenchConfig),
+    Flag("--dtype", "KV cache dtype", cls=TransferBenchConfig, choices=DTYPES),
+    Flag("--device", "where both pools live", cls=TransferBenchConfig, choices=("cpu", "cuda")),
+    Flag("--gpu-id", "CUDA index of both processes' pools", int, cls=TransferBenchConfig),
+    Flag("--repeats", "interleaved timed runs (medians)", int, cls=TransferBenchConfig),
     Flag(
         "--run-len",
-        TransferBenchConfig,
         "consecutive pages per run of the scattered page list (1 = every page apart)",
         int,
+        cls=TransferBenchConfig,
     ),
-    Flag("--pool-factor", TransferBenchConfig, "pool pages / request pages", int),
-    Flag("--seed", TransferBenchConfig, "seed of the page lists and the KV bytes", int),
+    Flag("--pool-factor", "pool pages / request pages", int, cls=TransferBenchConfig),
+    Flag("--seed", "seed of the page lists and the KV bytes", int, cls=TransferBenchConfig),
     Flag(
         "--hugepages",
-        TransferBenchConfig,
         "CPU pools on transparent huge pages (pdserve.disagg.hostmem)",
         bool,
+        cls=TransferBenchConfig,
     ),
     Flag(
         "--kv-order",
-        TransferBenchConfig,
         "physical order of both pools: layer_major or page_major (pdserve.engine.kv.layout)",
+        cls=TransferBenchConfig,
     ),
     Flag(
         "--pattern",
-        TransferBenchConfig,
         "page lists: served = the real allocator's after a churn of mixed-length "
         "requests; runs = runs of --run-len consecutive pages, shuffled",
+        cls=TransferBenchConfig,
         choices=("served", "runs"),
     ),
-    Flag("--json", None, "write the results here; unset: not written", metavar="FILE"),
+    Flag("--json", "write the results here; unset: not written", metavar="FILE"),
 )
 
 

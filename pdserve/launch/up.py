@@ -46,33 +46,30 @@ def _int_list(text: str) -> list[int]:
 
 # ``up``'s own flags, in --help order (the router's tuning flags and the engine's follow).
 UP_FLAGS: tuple[Flag, ...] = (
-    Flag("--num-prefill", None, "prefill workers", int, default=1),
-    Flag("--num-decode", None, "decode workers", int, default=1),
-    Flag("--host", RouterConfig, "address of the router and the workers"),
+    Flag("--num-prefill", "prefill workers", int, default=1),
+    Flag("--num-decode", "decode workers", int, default=1),
+    Flag("--host", "address of the router and the workers", cls=RouterConfig),
     Flag(
         "--port",
-        RouterConfig,
         "router port; 0 = a free one (the URL printed names it); fails at once if it is taken",
         port_number,
+        cls=RouterConfig,
     ),
-    Flag("--policy", RouterConfig, "router policy", choices=ROUTER_POLICIES),
+    Flag("--policy", "router policy", cls=RouterConfig, choices=ROUTER_POLICIES),
     Flag(
         "--transfer-backend",
-        None,
         "KV transfer backend of the workers",
         default="nixl",
         choices=backend_names(),
     ),
     Flag(
         "--prefill-gpu-ids",
-        None,
         "comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id",
         _int_list,
         metavar="IDS",
     ),
     Flag(
         "--decode-gpu-ids",
-        None,
         "comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
         _int_list,
         metavar="IDS",
@@ -80,7 +77,6 @@ UP_FLAGS: tuple[Flag, ...] = (
     *(
         Flag(
             f"--{role}-tp",
-            None,
             f"tensor-parallel size of each {role} worker (its ranks on --gpu-id + rank, "
             f"or from its --{role}-gpu-ids entry on); unset: --tensor-parallel-size",
             int,
@@ -89,15 +85,10 @@ UP_FLAGS: tuple[Flag, ...] = (
         for role in PD_ROLES
     ),
     Flag(
-        "--ready-timeout",
-        None,
-        "seconds to wait for every process to become ready",
-        float,
-        default=900.0,
+        "--ready-timeout", "seconds to wait for every process to become ready", float, default=900.0
     ),
     Flag(
         "--log-dir",
-        None,
         "where each process writes its log, <name>.log (e.g. prefill-0.log), started "
         "fresh each run (an earlier run's log of that name is replaced); unset: a new "
         "temporary folder, removed when pdserve stops cleanly and kept (its path printed) "
@@ -105,12 +96,11 @@ UP_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--served-model-name",
-        ServerConfig,
         "model name of the workers' OpenAI API; unset: the --model value",
+        cls=ServerConfig,
     ),
     Flag(
         "--num-threads",
-        None,
         "torch CPU threads of each worker; 0 = the cores shared over the CPU workers' "
         "ranks (none set when OMP_NUM_THREADS is)",
         int,
@@ -118,9 +108,9 @@ UP_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--max-request-body-bytes",
-        ServerConfig,
         "largest request body the router and the workers accept, in bytes; 413 above",
         int,
+        cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
 )

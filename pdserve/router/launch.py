@@ -13,71 +13,67 @@ from pdserve.config import ROUTER_POLICIES, RouterConfig
 ROUTER_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--prefill",
-        RouterConfig,
         "URL of a prefill worker (repeat for several); PD mode",
+        cls=RouterConfig,
         field="prefill_urls",
         metavar="URL",
         action="append",
     ),
     Flag(
         "--decode",
-        RouterConfig,
         "URL of a decode worker (repeat for several); PD mode",
+        cls=RouterConfig,
         field="decode_urls",
         metavar="URL",
         action="append",
     ),
     Flag(
         "--worker",
-        RouterConfig,
         "URL of a mixed worker (repeat for several); regular mode",
+        cls=RouterConfig,
         field="worker_urls",
         metavar="URL",
         action="append",
     ),
-    Flag("--host", RouterConfig, "address to listen on"),
-    Flag("--port", RouterConfig, "port to listen on", port_number),
+    Flag("--host", "address to listen on", cls=RouterConfig),
+    Flag("--port", "port to listen on", port_number, cls=RouterConfig),
     Flag(
-        "--policy",
-        RouterConfig,
-        "how a worker of each role is picked",
-        choices=ROUTER_POLICIES,
+        "--policy", "how a worker of each role is picked", cls=RouterConfig, choices=ROUTER_POLICIES
     ),
     Flag(
         "--request-timeout",
-        RouterConfig,
         "seconds one request may take end to end; 504 after",
         float,
+        cls=RouterConfig,
     ),
     Flag(
         "--health-check-interval",
-        RouterConfig,
         "seconds between health probes of each worker",
         float,
+        cls=RouterConfig,
     ),
-    Flag("--health-check-timeout", RouterConfig, "seconds one health probe may take", float),
+    Flag("--health-check-timeout", "seconds one health probe may take", float, cls=RouterConfig),
     Flag(
         "--health-failure-threshold",
-        RouterConfig,
         "consecutive failed probes that eject a worker",
         int,
+        cls=RouterConfig,
     ),
     Flag(
         "--max-request-body-bytes",
-        RouterConfig,
         "largest request body accepted, in bytes; 413 above",
         int,
+        cls=RouterConfig,
     ),
     Flag(
         "--mode",
-        RouterConfig,
         "auto: PD when --prefill/--decode are given, else regular; pd/regular may start "
         "with no workers when the admin API is on",
+        cls=RouterConfig,
         choices=("auto", "pd", "regular"),
     ),
-    Flag(  # no field: the config takes the token it names (admin_token_from_args)
+    Flag(
         "--admin-token-file",
-        None,
         "file holding the bearer token of the admin API (/admin/workers: add, remove, "
         "list workers); unset: PDSERVE_ROUTER_ADMIN_TOKEN, and when that is empty too the "
         "admin API is off",

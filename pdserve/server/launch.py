@@ -19,10 +19,10 @@ log = logging.getLogger("pdserve.server")
 # ``serve`` and ``up`` (which passes it to its workers).
 STRICT_FIELDS_FLAG = Flag(
     "--strict-request-fields",
-    ServerConfig,
     "answer 400 for an unknown request field; unset: ignore it with a warning and "
     "count it in pdserve_ignored_request_fields_total",
     bool,
+    cls=ServerConfig,
     action="store_true",
 )
 
@@ -30,64 +30,64 @@ STRICT_FIELDS_FLAG = Flag(
 SERVE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--role",
-        DisaggConfig,
         "mixed serves whole requests; prefill/decode serve one half each",
         Role,
+        cls=DisaggConfig,
         choices=tuple(Role),
     ),
-    Flag("--host", ServerConfig, "address to listen on"),
-    Flag("--port", ServerConfig, "port to listen on; 0 = a free one", port_number),
+    Flag("--host", "address to listen on", cls=ServerConfig),
+    Flag("--port", "port to listen on; 0 = a free one", port_number, cls=ServerConfig),
     Flag(
         "--served-model-name",
-        ServerConfig,
         "model name of the OpenAI API; unset: the --model value",
+        cls=ServerConfig,
     ),
     Flag(
         "--disaggregation-bootstrap-host",
-        DisaggConfig,
         "address a prefill worker's bootstrap server and ZMQ control endpoint listen on; "
         "0.0.0.0 = every interface",
+        cls=DisaggConfig,
         field="bootstrap_host",
     ),
     Flag(
         "--disaggregation-advertise-host",
-        DisaggConfig,
         "address (IP or DNS name) decode peers and the router use to reach this prefill "
         "worker; unset: the bootstrap host, or for 0.0.0.0 this host's address on the network",
+        cls=DisaggConfig,
         field="advertise_host",
     ),
     Flag(
         "--disaggregation-bootstrap-port",
-        DisaggConfig,
         "port of a prefill worker's bootstrap server; 0 = a free one, reported by /get_server_info",
         port_number,
+        cls=DisaggConfig,
         field="bootstrap_port",
     ),
     Flag(
         "--disaggregation-transfer-backend",
-        DisaggConfig,
         "KV transfer backend of prefill/decode workers",
+        cls=DisaggConfig,
         field="transfer_backend",
         choices=backend_names(),
     ),
     Flag(
         "--health-generate-timeout",
-        ServerConfig,
         "seconds /health_generate waits for its generation",
         float,
+        cls=ServerConfig,
     ),
     Flag(
         "--num-threads",
-        ServerConfig,
         "torch CPU threads of this worker, set before the model loads; 0 = torch's default "
         "(OMP_NUM_THREADS or all cores)",
         int,
+        cls=ServerConfig,
     ),
     Flag(
         "--max-request-body-bytes",
-        ServerConfig,
         "largest request body accepted, in bytes; 413 above",
         int,
+        cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
 )
