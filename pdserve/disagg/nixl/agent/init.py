@@ -27,6 +27,11 @@ from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.transfer_config import NixlInitSpec
 
 
+def as_str(name: Any) -> str:
+    """An agent name as NIXL returns it (``str`` or ``bytes``), as ``str``."""
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
 def device_type(kv_args: KVArgs) -> str:
     """``cpu``/``cuda``/... of the resolved device in ``kv_args`` (``cuda:1`` -> ``cuda``)."""
     return kv_args.device.split(":", 1)[0]

@@ -19,12 +19,8 @@ from dataclasses import replace
 
 from pdserve.disagg.base import KVArgs, Role
 from pdserve.disagg.nixl.agent.api import NixlApi
-from pdserve.disagg.nixl.agent.init import create_agent
+from pdserve.disagg.nixl.agent.init import as_str, create_agent
 from pdserve.disagg.transfer_config import THREAD_PARAM, NixlInitSpec
-
-
-def _as_str(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name
 
 
 class NixlNotifier:
@@ -46,7 +42,7 @@ class NixlNotifier:
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a decode agent's metadata and open the connection; returns its name."""
-        name = _as_str(self.agent.add_remote_agent(metadata))
+        name = as_str(self.agent.add_remote_agent(metadata))
         self.agent.make_connection(name)
         with self._lock:
             self._remotes.add(name)

@@ -15,12 +15,8 @@ from pdserve.disagg.base import KVArgs
 from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.agent.dlists import PreparedLists, RemoteSide, check_descs, page_indices
-from pdserve.disagg.nixl.agent.init import create_agent, device_type
+from pdserve.disagg.nixl.agent.init import as_str, create_agent, device_type
 from pdserve.disagg.transfer_config import NixlInitSpec
-
-
-def _as_str(name: Any) -> str:
-    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
 
 class NixlTransferEngine(PreparedLists):
@@ -80,7 +76,7 @@ class NixlTransferEngine(PreparedLists):
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's agent metadata; returns its agent name."""
-        return _as_str(self.agent.add_remote_agent(metadata))
+        return as_str(self.agent.add_remote_agent(metadata))
 
     def remove_remote(self, agent_name: str) -> None:
         self.agent.remove_remote_agent(agent_name)
