@@ -38,8 +38,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check pdserve tests
 	$(BIN)/mypy
 
+# The files run in parallel: 3 pytest-xdist workers (more than the 2 cores of CI: most slow
+# tests wait on processes they started), each file whole in one worker, some files grouped
+# (tests/conftest.py). The 25 slowest tests are printed so the next slow one shows.
+PYTEST_WORKERS ?= 3
+
 test: lint
-	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" tests
+	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" -n $(PYTEST_WORKERS) --dist loadfile \
+		--durations=25 tests
 
 # On the GPU machine (torch with CUDA already installed there, pdserve on PYTHONPATH):
 # the tests marked `gpu` (CUDA graphs vs eager, triton vs torch_sdpa in bf16, fp32 parity).
