@@ -38,7 +38,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # --- Parallel runs (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----------------
 # Every test file runs whole in one xdist worker (its module fixtures start once), and the
 # files of one group below share one worker, one after another: the network-namespace tests
-# (each topology takes a /24 picked from its process id, so two at once could pick the same).
+# (each topology takes a /24 picked from its process id, so two at once could pick the same;
+# ``make test`` runs them after the others, alone: see the Makefile).
 # A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
 GROUPS = {"tests/net/": "tests/net/"}
 
@@ -60,7 +61,6 @@ SLOW_FIRST = (
     "tests/e2e/test_router_admin_e2e.py",
     "tests/e2e/test_up_faults.py",
     "tests/server/test_worker_shutdown.py",
-    "tests/net/",
 )
 
 
