@@ -39,8 +39,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The files run in parallel: 3 pytest-xdist workers (more than the 2 cores of CI: most slow
+# tests wait on processes they started), each file whole in one worker (tests/conftest.py);
+# then tests/net alone: its topologies add an interface to this machine's namespace, which
+# a UCX agent starting at that moment in another test tries and fails on. The 25 slowest
+# tests are printed so the next slow one shows.
+PYTEST_WORKERS ?= 3
+
 test: lint
-	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" tests
+	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" -n $(PYTEST_WORKERS) --dist loadfile \
+		--durations=25 --ignore=tests/net tests
+	$(BIN)/python -m pytest -x -q --timeout=900 -m "not gpu" --durations=25 tests/net
 
 # On the GPU machine (torch with CUDA already installed there, pdserve on PYTHONPATH):
 # the tests marked `gpu` (CUDA graphs vs eager, triton vs torch_sdpa in bf16, fp32 parity).

@@ -12,6 +12,8 @@ every module as usual.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,88 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return GPU_MARK not in collection_path.read_text(encoding="utf-8")
     except OSError:
         return None
+
+
+# --- Parallel runs (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----------------
+# Every test file runs whole in one xdist worker (its module fixtures start once), and the
+# files of one group below share one worker, one after another: the network-namespace tests
+# (each topology takes a /24 picked from its process id, so two at once could pick the same;
+# ``make test`` runs them after the others, alone: see the Makefile).
+# A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
+GROUPS = {"tests/net/": "tests/net/"}
+
+# Files that take longest (`--durations` of a whole run) start first, so that no long file
+# is left to start last while the other workers sit idle; the rest keep their order.
+SLOW_FIRST = (
+    "tests/engine/test_engine_parity.py",
+    "tests/e2e/test_pd_tensor_parallel.py",
+    "tests/e2e/test_openai_surface.py",
+    "tests/e2e/test_structured_pd.py",
+    "tests/e2e/test_pd_parity.py",
+    "tests/e2e/test_completion_batches.py",
+    "tests/model/test_tensor_parallel.py",
+    "tests/e2e/test_tensor_parallel_e2e.py",
+    "tests/engine/test_engine_tp.py",
+    "tests/server/test_request_nulls_and_numbers.py",
+    "tests/model/test_embedded.py",
+    "tests/disagg/test_nixl_transfer.py",
+    "tests/e2e/test_router_admin_e2e.py",
+    "tests/e2e/test_up_faults.py",
+    "tests/server/test_worker_shutdown.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker, torch computes on one thread: the workers (and the processes
+    their tests start) already share the cores, and two OpenMP threads per worker on a
+    2-core machine wait on each other (a CPU parity test ran 10 times slower)."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_environment() -> Iterator[None]:
+    """Each test file starts from the environment the run started with: what one file's
+    tests leave in ``os.environ`` (e.g. UCX's report variables, set by the code under test)
+    must not reach a later file, whichever files share a worker (parallel runs put them
+    in another order than a plain ``pytest``)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, or its file's group."""
+    path = nodeid.split("::", 1)[0]
+    return next((group for prefix, group in GROUPS.items() if path.startswith(prefix)), path)
+
+
+def _start_rank(nodeid: str) -> int:
+    unit = work_unit(nodeid)
+    return next((i for i, p in enumerate(SLOW_FIRST) if unit.startswith(p)), len(SLOW_FIRST))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with the groups above as one unit each."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order is SLOW_FIRST's (below), not by size
+    return GroupedFiles(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker, put SLOW_FIRST's files first (the controller schedules the work
+    units in the order the workers collected them); stable, so a file keeps its order."""
+    if hasattr(config, "workerinput"):
+        items[:] = sorted(items, key=lambda item: _start_rank(item.nodeid))

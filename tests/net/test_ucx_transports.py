@@ -87,8 +87,10 @@ def test_the_log_reads_incrementally_relays_warnings_and_reports_each_config_onc
 
 
 def test_install_leaves_a_users_ucx_settings_alone(monkeypatch, tmp_path):
-    # Recorded as unset first, so teardown removes what install() sets.
-    monkeypatch.delenv("UCX_PROTO_INFO", raising=False)
+    # Recorded as unset first, so teardown removes what install() sets (delenv of a name
+    # that is not set records nothing: set it first).
+    monkeypatch.setenv("UCX_PROTO_INFO", "")
+    monkeypatch.delenv("UCX_PROTO_INFO")
     monkeypatch.delenv("UCX_LOG_FILE", raising=False)
     monkeypatch.setenv("UCX_LOG_FILE", "/dev/null")
     assert UcxTransportLog.install(str(tmp_path)) is None
