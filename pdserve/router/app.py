@@ -5,6 +5,7 @@ and the admin API (:mod:`pdserve.router.admin`)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -57,12 +58,25 @@ def _check_strings(value, where: str = "body") -> None:
             _check_strings(item, f"{where}[{i}]")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; ValueError for one out of a double's range (``1e400``
+    parses to inf, which JSON cannot carry on to the workers)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
 def parse_json_body(raw: bytes):
     """Parse a client body strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
-    parser accepts but JSON cannot carry on to the workers), strings valid Unicode.
+    parser accepts but JSON cannot carry on to the workers, and no number beyond a double's
+    range), strings valid Unicode, nesting within Python's recursion limit.
     Raises ValueError with the reason."""
-    body = json.loads(raw, parse_constant=_reject_constant)
-    _check_strings(body)
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        _check_strings(body)
+    except RecursionError:
+        raise ValueError("the body is nested too deeply") from None
     return body
 
 

@@ -31,9 +31,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--role",
         "mixed serves whole requests; prefill/decode serve one half each",
-        Role,
+        str,  # DisaggConfig parses it into a Role; a bad value is a usage error listing these
         cls=DisaggConfig,
-        choices=tuple(Role),
+        choices=tuple(r.value for r in Role),
     ),
     Flag("--host", "address to listen on", cls=ServerConfig),
     Flag("--port", "port to listen on; 0 = a free one", port_number, cls=ServerConfig),

@@ -321,6 +321,25 @@ def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
     assert 'pdserve_router_requests_total{endpoint="/generate",status="400"} 4.0' in text
 
 
+def test_numbers_beyond_a_double_and_deep_nesting_are_400_json_not_500(setup):
+    """1e400 parses to inf (JSON cannot carry it on to the workers) and 5,000 nested lists
+    overflow Python's parser: both were a plain-text 500 from the router."""
+    prefill, decode, url = setup
+    deep = b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for path, content, what in (
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1e400}', "out of range"),
+        ("/generate", b'{"text": "hi", "sampling_params": {"temperature": -1e400}}', "range"),
+        ("/v1/completions", deep, "nested too deeply"),
+    ):
+        r = httpx.post(url + path, content=content)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", (path, r.text)
+        assert what in err["message"], err
+    assert not prefill.bodies and not decode.bodies
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1e300 / 1e300})
+    assert ok.status_code == 200, ok.text  # a float in range still passes (1.0)
+
+
 def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
     prefill, decode, url = setup
     decode.chunks, decode.chunk_gates = 200, _gates(3, open_=2)  # chunks 0-1, then it waits
