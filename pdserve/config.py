@@ -307,7 +307,7 @@ class RouterConfig:
         workers at run time); ``None`` = the admin API is off.
     policy: ``random``, ``round_robin``, ``power_of_two`` (fewest outstanding requests of
         two random picks) or ``cache_aware`` (the worker that was sent the longest prefix
-        of the prompt, unless the load is out of balance; ``router/policies.py``).
+        of the prompt, unless the load is out of balance; ``router/workers.py``).
     request_timeout: seconds one client request may take end to end (504 after).
     health_check_interval/timeout: seconds between probes of each worker's ``/health`` and
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
