@@ -16,8 +16,7 @@ from pdserve.disagg.base import KVManager, Role
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.openai_api import WorkerContext
-from pdserve.server.prompts import max_prompt_chars
+from pdserve.server.openai_api import WorkerContext, max_prompt_chars
 from pdserve.server.serving import AsyncEngine, Serving
 
 
