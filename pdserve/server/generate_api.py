@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.outputs import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
+from pdserve.server.formatting import sse_response
 from pdserve.server.openai_api import WorkerContext, encode
 from pdserve.server.protocol import GenerateRequest
 from pdserve.server.serving import APIError, Job, make_params
-from pdserve.server.streaming import sse_response
 from pdserve.server.structured import compile_or_400, structured_params
 
 

@@ -20,13 +20,14 @@ from pdserve.engine.structured.params import StructuredOutputsParams
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
 from pdserve.server import tools as tl
-from pdserve.server.field_policy import FieldPolicy
-from pdserve.server.openai_chunks import (
+from pdserve.server.formatting import (
     StreamSamples,
     choice_extras,
     final_usage,
     response_head,
+    sse_response,
 )
+from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -34,7 +35,6 @@ from pdserve.server.protocol import (
     _OpenAISampling,
 )
 from pdserve.server.serving import APIError, Job, Serving, make_params
-from pdserve.server.streaming import sse_response
 from pdserve.server.structured import compile_or_400, structured_params
 
 MIN_CHARS_PER_TOKEN = 16  # the bound's floor; see max_prompt_chars
@@ -274,7 +274,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 "logprobs": lp,
                 "finish_reason": "length"
                 if scoring and finish
-                else fmt.openai_finish_reason(finish),
+                else tl.openai_finish_reason(finish),
                 **choice_extras(req, tt, out, ids, first),
             }
 
@@ -362,7 +362,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     yield samples.with_usage(dict(chunk_head, choices=[opening]), None, out)
                 if not (o.delta_token_ids or o.delta_text or o.finished):
                     return
-                reason = fmt.openai_finish_reason(o.finish_reason)
+                reason = tl.openai_finish_reason(o.finish_reason)
                 if plan.mode == "none":
                     deltas = [{"content": o.delta_text}]
                 else:
