@@ -30,6 +30,7 @@ from pdserve.http.http_errors import error_json
 from pdserve.server.protocol import _OpenAISampling
 from pdserve.server.serving import APIError, Job, Serving
 
+
 class TokenText:
     """Decodes single token ids, memoised (the same ids recur in logprob answers)."""
 

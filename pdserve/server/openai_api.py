@@ -20,6 +20,7 @@ from pdserve.engine.structured.params import StructuredOutputsParams
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
 from pdserve.server import tools as tl
+from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import (
     StreamSamples,
     choice_extras,
@@ -27,7 +28,6 @@ from pdserve.server.formatting import (
     response_head,
     sse_response,
 )
-from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
