@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.engine.step import TokenLogprob
 
 

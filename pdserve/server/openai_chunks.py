@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.server import formatting as fmt
 from pdserve.server.protocol import _OpenAISampling
 

@@ -13,8 +13,7 @@ from typing import Any
 
 from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
 from pdserve.disagg.room_plan import sample_room
-from pdserve.engine.core.request import DisaggRequestInfo
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import DisaggRequestInfo, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.http.aio import get_within
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError

@@ -12,7 +12,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.http.http_errors import error_json
 from pdserve.server.serving import APIError, Job, Serving

@@ -19,12 +19,17 @@ from pdserve.disagg.base import KVLayout, KVManager
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.overlap import OverlapScheduler
 from pdserve.engine.core.pd_flow import PDFlow
-from pdserve.engine.core.request import DisaggRequestInfo, Request, Status, check_stops
+from pdserve.engine.core.request import (
+    DisaggRequestInfo,
+    Request,
+    RequestOutput,
+    Status,
+    check_stops,
+)
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.kv.page_ids import PageIds
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
