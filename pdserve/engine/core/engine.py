@@ -16,7 +16,6 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.disagg.base import KVLayout, KVManager
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.overlap import OverlapScheduler
 from pdserve.engine.core.pd_flow import PDFlow
 from pdserve.engine.core.request import (
@@ -27,7 +26,7 @@ from pdserve.engine.core.request import (
     check_stops,
 )
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.core.stop import tokens_banned_before_min
+from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager
 from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.sampling_params import SamplingParams

@@ -26,8 +26,7 @@ import torch
 
 from pdserve.disagg.base import KVReceiver, KVSender, Role, pd_role
 from pdserve.disagg.room_plan import check_room
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer
-from pdserve.engine.core.stop import TokenStop
+from pdserve.engine.core.stop import IncrementalDetokenizer, TokenStop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import TokenLogprob
 from pdserve.engine.structured.manager import GrammarState
