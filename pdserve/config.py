@@ -114,7 +114,7 @@ class CacheConfig:
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
-        (``pdserve.engine.kv.prefix_cache``); on decode workers, receive only what is not held.
+        (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
     """

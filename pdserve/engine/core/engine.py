@@ -27,8 +27,7 @@ from pdserve.engine.core.request import (
 )
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
-from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
