@@ -33,8 +33,8 @@ from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.step import BatchPlan, StepResult
 from pdserve.engine.worker.executor import Executor, RankFailedError, RemoteTraceback
+from pdserve.engine.worker.model_runner import HEADER_LEN, StepHeader
 from pdserve.engine.worker.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
-from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
 from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:
