@@ -6,13 +6,9 @@ Tokens are scheduled, not phases (vLLM v1): ``num_tokens`` is prompt + output to
 last position's logits are sampled and one token is appended.  Prefill, chunked prefill,
 decode and recompute after preemption are all the same rule.
 
-This module also holds what the engine returns for a request, ``RequestOutput`` holding
-``CompletionOutput`` samples: ``EngineCore.step`` returns one per engine request that
-advanced, built by ``Request.make_output`` as views of the request's append-only lists;
-each carries the cumulative state (``text``, ``token_ids``, ...) and the delta of this step
-(``delta_text``, ``delta_token_ids``, ``delta_logprobs``) for streaming.  ``LLM.generate``
-merges the single-sample engine requests of an ``n > 1`` request into one output.  The
-request and its outputs live together because the outputs are slices of its state.
+Here too: ``RequestOutput`` / ``CompletionOutput``, what ``EngineCore.step`` returns per
+request that advanced (``Request.make_output``): cumulative state plus this step's deltas,
+as views of the request's append-only lists, hence their place beside it.
 """
 
 from __future__ import annotations

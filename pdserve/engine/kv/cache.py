@@ -5,51 +5,36 @@ Every page is in exactly one of three states:
 - **held**: referenced by one or more requests (``refcount > 0``); a page is shared only
   when it is a cached full page that several requests matched;
 - **cached**: unreferenced but indexed by the prefix cache (evictable, LRU);
-- **free**: in the free list of :class:`PageIds` (which keeps its
-  own allocation policy; the bytes are each rank's ``KVStorage``).
+- **free**: in the free list of :class:`PageIds` (the bytes are each rank's ``KVStorage``).
 
 So ``held + cached + free == total`` at all times.  The scheduler (admission, growth,
 preemption, end of a request) and the PD flow (decode's receive pages, a prefill room's
-pages until its terminal poll) allocate and release only through this class; the end of a
-request is one decision here: a full computed page that is cached stays (evictable), any
-other page goes back to the free list.  With ``enable_prefix_caching=False`` nothing is ever
-cached and this is plain refcounted allocation.
+pages until its terminal poll) allocate and release only through :class:`KVCacheManager`;
+the end of a request is one decision there: a full computed page that is cached stays
+(evictable), any other page goes back to the free list.  With
+``enable_prefix_caching=False`` nothing is cached: plain refcounted allocation.
 
-This module holds the page owner and everything it rests on, one engine-thread concern:
-:class:`KVCacheManager` (the owner, above), :class:`PageIds` (the page and aux-slot ids),
-:class:`RunAllocator` (the free pages as runs) and :class:`PrefixCache` (the hash index).
+The owner and what it rests on live in this one module: :class:`PageIds` (page and aux-slot
+ids; no tensor, the engine thread reaches the bytes only through the executor; aux slots
+are taken by the PD flow), :class:`RunAllocator` (the free pages as runs of consecutive ids)
+and :class:`PrefixCache` (the hash index).
 
-**Page and aux-slot ids.** :class:`PageIds` is the allocator half of the KV memory: the
-free pages as runs of consecutive ids (:class:`RunAllocator`) and the free aux slots.  It
-holds no tensor; the bytes live on every rank in ``engine/worker/kv_storage.py``
-(:class:`KVStorage`), and the engine thread reaches them only through the executor.  Pages
-are taken and returned only through :class:`KVCacheManager`; aux slots by the PD flow
-(``engine/core/pd_flow.py``).
+**Free runs.** A transfer costs per NIXL descriptor, and consecutive pages on both sides
+are one descriptor once NIXL merges adjacent ones, so a request should get few runs.  The
+policy of :meth:`RunAllocator.allocate`: (1) growing a request (``after`` = its last
+page), the pages right after it first; (2) else best fit: the shortest free run that holds
+all ``n`` pages, at its low end (ties: the lowest start), so long runs stay whole; (3) else
+the longest free runs whole, longest first.  Freed pages merge with their free neighbours
+at once: O(log R) per run touched (``R`` distinct free-run lengths), O(k) for ``k`` pages.
 
-**Free runs.** The free list is kept as runs of consecutive page ids, so a request gets few
-runs.  Why: a transfer costs per NIXL descriptor, and a run of consecutive pages on both
-sides is one descriptor after NIXL merges adjacent ones (``pdserve.engine.kv.layout``,
-docs/benchmarks.md).  The policy, in :meth:`RunAllocator.allocate`:
-
-1. growing a request (``after`` = its last page): take the pages right after it first;
-2. else best fit: the shortest free run that holds all ``n`` pages, at its low end
-   (ties: the lowest start), so long runs stay whole for long prompts;
-3. else the longest free runs whole, longest first, until ``n`` pages are taken.
-
-Freed pages merge with their free neighbours at once.  Cost: O(log R) per run touched
-(``R`` distinct free-run lengths), O(k) for ``k`` pages freed; no per-page scan.
-
-**Prefix cache.** Full KV pages indexed by the chained hash of the tokens they hold.  A
-page's key is ``blake2b(parent_key || tokens)`` over the ``page_size`` token ids of that
-page (little-endian int64) and the key of the page before it (16 zero bytes for the
-first), so a key names the whole prefix up to the end of its page (nano-vllm's and vLLM's
-chained block hashes).  Keys come from :mod:`hashlib`, never from Python's ``hash``, so two
-processes (any ``PYTHONHASHSEED``) derive the same key for the same tokens.  Only full
-pages whose KV is computed are cached, and a cached page is never written again (writes
-start at a request's ``num_computed_tokens``, past every page it matched).
-:class:`PrefixCache` does not own pages: :class:`KVCacheManager` does, and tells the cache
-when a cached page is no longer referenced (it becomes evictable, least recently used
-first) or referenced again.
+**Prefix cache.** A full page's key is ``blake2b(parent_key || int64le(tokens))``, the
+parent being the previous page's key (16 zero bytes for the first), so a key names the
+whole prefix up to the end of its page (as nano-vllm's and vLLM's chained block hashes).
+:mod:`hashlib`, never Python's ``hash``: every process (any ``PYTHONHASHSEED``) derives the
+same key.  Only full computed pages are cached, and a cached page is never written again
+(writes start at ``num_computed_tokens``, past every matched page).  :class:`PrefixCache`
+owns no page: the manager tells it when a cached page is unreferenced (evictable, least
+recently used first) or referenced again.
 """
 
 from __future__ import annotations
