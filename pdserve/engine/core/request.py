@@ -14,7 +14,7 @@ as views of the request's append-only lists, hence their place beside it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -439,6 +439,47 @@ class Request:
             prompt_logprobs=prompt_lps,
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class PromptError(ValueError):
+    """A prompt :func:`check_prompt` rejects.  field: ``"prompt"``, ``"logit_bias"`` or
+    ``"max_tokens"`` (the server names its own prompt field); code: OpenAI's, or None."""
+
+    def __init__(self, message: str, field: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
+def check_prompt(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    *,
+    output_tokens: int = 1,
+) -> None:
+    """The one check of a prompt against the model: not empty, integer ids in
+    ``[0, vocab_size)``, ``logit_bias`` ids in the vocabulary, and ``len(prompt) +
+    output_tokens <= max_model_len`` (the engine asks room for 1 output token; the server
+    for ``max_tokens``).  Raises :class:`PromptError` (a ValueError) naming the field."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise PromptError("prompt must not be empty", "prompt")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+    bad_bias = [t for t, _ in params.logit_bias_items if t >= vocab_size]
+    if bad_bias:
+        raise PromptError(
+            f"logit_bias token ids must be in [0, {vocab_size}), got {bad_bias[0]}", "logit_bias"
+        )
+    if n + output_tokens > max_model_len:
+        raise PromptError(
+            f"this model's context limit is {max_model_len} tokens, but the request needs "
+            f"{n + output_tokens} ({n} in the prompt, {output_tokens} of max_tokens)",
+            "max_tokens" if n < max_model_len else "prompt",
+            code="context_length_exceeded",
         )
 
 
