@@ -286,7 +286,7 @@ def test_bench_transfer_runs_and_checks_the_data(tmp_path):
 
 def test_served_pattern_is_what_the_allocator_hands_out():
     from pdserve.bench.transfer_pages import served_pages
-    from pdserve.engine.kv.page_runs import paired_runs, runs_of
+    from pdserve.engine.kv.cache import paired_runs, runs_of
 
     pages = served_pages(64, 256, seed=3)
     assert len(pages) == len(set(pages)) == 64 and all(0 <= p < 256 for p in pages)
