@@ -15,6 +15,7 @@ from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
 from pdserve.ports import check_port
+from pdserve.tracing import traces_url
 
 # The attention backends' names, so that ModelConfig checks a name without importing the
 # model; ``model/attention.py``'s registry maps each to its class (a test keeps the two equal).
@@ -264,6 +265,8 @@ class ServerConfig:
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
     strict_request_fields: answer 400 for an unknown request field instead of ignoring it
         with a warning (``server/field_policy.py``).
+    otlp_traces_endpoint: OTLP/HTTP collector URL the worker sends its traces to
+        (``pdserve/tracing.py``); ``None`` = tracing off.
     """
 
     host: str = "127.0.0.1"
@@ -274,8 +277,11 @@ class ServerConfig:
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
     strict_request_fields: bool = False
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)
@@ -320,6 +326,8 @@ class RouterConfig:
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
         a worker, one success restores it.
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    otlp_traces_endpoint: OTLP/HTTP collector URL the router sends its traces to
+        (``pdserve/tracing.py``); ``None`` = tracing off.
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -335,8 +343,11 @@ class RouterConfig:
     max_request_body_bytes: int = 32 * 2**20
     mode: str = "auto"
     admin_token: str | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)
         if self.mode not in ("auto", "pd", "regular"):
             raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:

@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from pdserve.tracing import RequestIdFilter
+
 
 class PortInUseError(OSError):
     """A listening socket could not be bound on ``host:port``. The message names host, port,
@@ -187,8 +189,13 @@ def serve_app(app, sock: socket.socket, *, log_level: str = "info") -> None:
 
 
 def configure_logging(level: str) -> None:
-    """Log lines with time, process role and level, at ``level`` (PDSERVE_LOG_LEVEL)."""
+    """Log lines with time, process role, level and the request id of the API request
+    being served (``-`` outside one; ``pdserve/tracing.py:RequestIdFilter``), at
+    ``level`` (PDSERVE_LOG_LEVEL)."""
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        level=level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise

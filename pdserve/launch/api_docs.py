@@ -44,6 +44,11 @@ MEANINGS: dict[str, str] = {
     "prompt_logprobs": "top-k logprobs of every prompt token, as choices[i].prompt_logprobs "
     "(the first is null)",
     "return_token_ids": "add choices[i].token_ids (and prompt_token_ids in the first chunk)",
+    "return_timing": "pdserve: add choices[i].timing to each finished choice (streams: its "
+    "last chunk): seconds per phase on each worker, {role: {phases: {name: s}, kv_pages, "
+    "kv_bytes, transfer_gbps}}; through the router in PD mode both prefill and decode",
+    "GenerateRequest.return_timing": "pdserve: add meta_info.timing to the finished answer: "
+    "seconds per phase on each worker, as choices[i].timing of the OpenAI endpoints",
     "user": "accepted, no effect (as metadata, store, service_tier, "
     "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities; "
     "parallel_tool_calls: false limits tool_choice required to one call)",

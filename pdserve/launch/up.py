@@ -113,6 +113,14 @@ UP_FLAGS: tuple[Flag, ...] = (
         cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
+    Flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) that gets the traces of the "
+        "router and of every worker (one trace per request, spans from each process); "
+        "unset: tracing off",
+        cls=RouterConfig,
+        metavar="URL",
+    ),
 )
 
 

@@ -29,6 +29,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
+from pdserve.tracing import RequestContext, Tracing, current_error
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
@@ -103,6 +104,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     )
     live_rooms: set[int] = set()
     metrics = RouterMetrics(pool, live_rooms)
+    tracer = Tracing.create(config.otlp_traces_endpoint, "router")
     dispatcher = Dispatcher(
         pool,
         client,
@@ -122,6 +124,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         finally:
             await pool.stop()
             await client.aclose()
+            if tracer is not None:  # its queued spans exported
+                await anyio.to_thread.run_sync(tracer.shutdown)
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
@@ -135,6 +139,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
     app.add_middleware(ShutdownAnswer, flag=stopping, who="the router")
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    # a request id (x-request-id, passed to both legs) and, with tracing, a span per request
+    app.add_middleware(RequestContext, tracing=tracer, paths=(*FORWARDED, *TOKENIZER_PATHS))
     app.include_router(build_admin_router(pool, config.admin_token))
 
     @app.exception_handler(StarletteHTTPException)
@@ -222,6 +228,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                     raise
         finally:
             status = response.end.status
+            if status is not None and status != 200:
+                current_error(f"the stream ended with an error event (HTTP {status})")
             metrics.requests.labels(endpoint, str(499 if status is None else status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 

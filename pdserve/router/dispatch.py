@@ -16,6 +16,7 @@ import random
 import httpx
 from fastapi.responses import Response
 
+from pdserve import tracing
 from pdserve.disagg.base import ROOM_LIMIT
 from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST, rooms_needed
 from pdserve.http.json_fields import as_int
@@ -27,6 +28,7 @@ from pdserve.router.relay import (
     StreamEnd,
     merge_cached_tokens,
     merge_prompt_logprobs,
+    merge_timing,
     relay_sse,
     start_relay,
 )
@@ -146,7 +148,9 @@ class Dispatcher:
         """POST to one worker; returns the 200 response, else raises LegError."""
         worker.outstanding += 1
         try:
-            resp = await self.client.post(worker.url + endpoint, json=body)
+            resp = await self.client.post(
+                worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
+            )
         except httpx.HTTPError as exc:
             raise self._transport_error(worker, exc) from exc
         finally:
@@ -157,7 +161,9 @@ class Dispatcher:
 
     async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
         """Open a streaming POST; returns the open 200 response (caller closes it)."""
-        request = self.client.build_request("POST", worker.url + endpoint, json=body)
+        request = self.client.build_request(
+            "POST", worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
+        )
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -193,6 +199,7 @@ class Dispatcher:
 
     async def _regular(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
         worker = self.pool.pick("mixed", routing_key(endpoint, body))
+        tracing.phase_so_far("route", {"pdserve.worker": worker.url})
         if not stream:
             resp = await self._post(worker, endpoint, body)
             return Response(resp.content, media_type="application/json")
@@ -235,6 +242,15 @@ class Dispatcher:
                 param="prompt",
             )
         room = self.reserve_rooms(n)
+        tracing.phase_so_far(
+            "route",
+            {
+                "pdserve.prefill": prefill.url,
+                "pdserve.decode": decode.url,
+                "pdserve.room": room,
+                "pdserve.rooms": n,
+            },
+        )
         handed_off = False
         try:
             legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
@@ -247,6 +263,7 @@ class Dispatcher:
                 answer = d_task.result().json()
                 prefill_answer = p_task.result().json()
                 merge_prompt_logprobs(endpoint, answer, prefill_answer)
+                merge_timing(endpoint, answer, prefill_answer)
                 return Response(
                     json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
                     media_type="application/json",

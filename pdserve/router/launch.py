@@ -79,6 +79,14 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         "admin API is off",
         metavar="PATH",
     ),
+    Flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318; /v1/traces is added to a URL "
+        "without a path) that gets the router's traces; the router continues the client's "
+        "W3C traceparent (or starts a trace) and passes it to both legs; unset: tracing off",
+        cls=RouterConfig,
+        metavar="URL",
+    ),
 )
 
 

@@ -216,6 +216,7 @@ async def relay_sse(
         if answer is not None:
             try:
                 chunk = merge_prompt_logprobs(endpoint, json.loads(data), answer, merged)
+                chunk = merge_timing(endpoint, chunk, answer)
                 data = json.dumps(merge_cached_tokens(endpoint, chunk, answer))
             except ValueError:
                 pass
@@ -442,12 +443,41 @@ def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
     return decode
 
 
+def _timings(endpoint: str, answer: Any) -> dict[int, dict]:
+    """Sample index -> the ``timing`` block (``return_timing``) of a full answer or chunk."""
+    if endpoint == "/generate":
+        pairs = [
+            (int(item.get("index", pos)), (item.get("meta_info") or {}).get("timing"))
+            for pos, item in enumerate(_generate_items(answer))
+        ]
+    else:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        pairs = [
+            (int(c.get("index", 0)), c.get("timing")) for c in choices or [] if isinstance(c, dict)
+        ]
+    return {index: block for index, block in pairs if isinstance(block, dict)}
+
+
+def merge_timing(endpoint: str, decode: Any, prefill: Any) -> Any:
+    """Add the prefill leg's timing block (``{"prefill": {...}}``, asked with
+    ``return_timing``) to each sample's block in ``decode`` (a full answer or one stream
+    chunk), in place; returns ``decode``. The client sees both workers' phases."""
+    theirs = _timings(endpoint, prefill)
+    if theirs:
+        for index, block in _timings(endpoint, decode).items():
+            block.update(theirs.get(index) or {})
+    return decode
+
+
 def is_final_chunk(endpoint: str, chunk: Any) -> bool:
     """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk, or a
-    ``/generate`` chunk with a finish reason (its counts should be prefill's)."""
+    ``/generate`` chunk with a finish reason (its counts should be prefill's), or an
+    OpenAI chunk with a sample's timing block (prefill's block is merged into it)."""
     if endpoint == "/generate":
         return any(
             (item.get("meta_info") or {}).get("finish_reason") is not None
             for item in _generate_items(chunk)
         )
-    return isinstance(chunk, dict) and chunk.get("usage") is not None
+    return isinstance(chunk, dict) and (
+        chunk.get("usage") is not None or bool(_timings(endpoint, chunk))
+    )

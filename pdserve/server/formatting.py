@@ -175,9 +175,11 @@ def generate_meta(
     top_logprobs_num: int,
     logprob_start_len: int,
     latency: float,
+    return_timing: bool = False,
 ) -> dict:
     """``meta_info`` of a native ``/generate`` answer (SGLang's shape: logprob entries are
-    ``[logprob, token_id, null]``; the first prompt token's logprob is null)."""
+    ``[logprob, token_id, null]``; the first prompt token's logprob is null); with
+    ``return_timing``, ``timing``: the finished sample's timing block (server/phases.py)."""
     if sample.finish_reason is None:
         finish = None
     elif sample.finish_reason == "length":
@@ -192,6 +194,8 @@ def generate_meta(
         "finish_reason": finish,
         "e2e_latency": latency,
     }
+    if return_timing and out.timing is not None:
+        meta["timing"] = out.timing
     if not return_logprob:
         return meta
     outs = sample.logprobs or []
@@ -238,8 +242,11 @@ def choice_extras(
     first: bool,
 ) -> dict[str, Any]:
     """Extension fields of one choice: token ids (``return_token_ids``; the prompt's with
-    the first chunk) and prompt logprobs (first chunk only)."""
+    the first chunk), prompt logprobs (first chunk only) and, with ``return_timing``, the
+    finished sample's timing block (``server/phases.py``)."""
     extra: dict[str, Any] = {}
+    if req.return_timing and out.timing is not None:
+        extra["timing"] = out.timing
     if req.return_token_ids:
         extra["token_ids"] = token_ids
         if first:

@@ -140,6 +140,8 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     skip_special_tokens: StrictBool = True
     prompt_logprobs: Int | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool = False
+    # pdserve: each finished choice's per-phase timings (server/phases.py)
+    return_timing: StrictBool = False
 
     @field_validator("stream_options")
     @classmethod
@@ -331,6 +333,7 @@ class GenerateRequest(Bootstrap):
     logprob_start_len: Int = Field(-1, ge=-1)
     stream: StrictBool = False
     rid: str | None = None
+    return_timing: StrictBool = False  # pdserve: meta_info.timing (server/phases.py)
 
 
 class TokenizeRequest(_Body):

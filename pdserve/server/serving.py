@@ -25,11 +25,11 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import tracing
 from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
 from pdserve.disagg.room_plan import sample_room
 from pdserve.engine.core.request import (
@@ -41,6 +41,7 @@ from pdserve.engine.core.request import (
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.http.aio import get_within
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.phases import PhaseRecorder
 
 log = logging.getLogger("pdserve.server")
 
@@ -263,7 +264,8 @@ class Job:
     prompt_index: int = 0  # which prompt of a /v1/completions batch this job is
     fake_transfer: bool = False  # /health_generate in PD roles
     prompt_field: str = "prompt"  # the request field errors about the prompt name
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # engine id: the API request's id (x-request-id) and a unique suffix
+    request_id: str = field(default_factory=tracing.engine_request_id)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -286,8 +288,10 @@ class Serving:
         max_model_len: int,
         vocab_size: int,
         metrics: ServerMetrics,
+        phases: PhaseRecorder | None = None,
     ) -> None:
         self.engine = engine
+        self.phases = phases  # per-phase timings of finished samples (server/phases.py)
         self.role = Role(role)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -351,6 +355,10 @@ class Serving:
         inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         live: dict[str, int] = {}
         last_token_time: dict[int, float] = {}
+        # with tracing on: when each sample's tokens arrived (its span's decode events)
+        tokens: dict[int, list[tuple[float, int]]] | None = (
+            None if tracing.CURRENT_SPAN.get() is None else {}
+        )
         try:
             for index, (rid, params) in enumerate(samples):
                 live[rid] = index
@@ -370,6 +378,12 @@ class Serving:
                     continue
                 if isinstance(item, Exception):
                     raise item
+                if tokens is not None:
+                    tokens.setdefault(index, []).append(
+                        (time.perf_counter(), len(item.outputs[0].delta_token_ids))
+                    )
+                if item.finished and self.phases is not None:
+                    self._phases(job, index, item, tokens)
                 if item.error is not None or any(o.finish_reason == "error" for o in item.outputs):
                     if not self.engine.alive:  # the engine cannot serve (a rank is gone):
                         raise EngineDeadError(item.error or self.engine.error or "engine stopped")
@@ -452,6 +466,24 @@ class Serving:
             if out.finished:
                 finals[index] = out
         return [finals[i] for i in sorted(finals)]
+
+    def _phases(
+        self,
+        job: Job,
+        index: int,
+        out: RequestOutput,
+        tokens: dict[int, list[tuple[float, int]]] | None,
+    ) -> None:
+        """Hand finished sample ``index`` to the phase recorder (its room and peer in PD)."""
+        assert self.phases is not None
+        info = self._disagg(job, index) if job.bootstrap_room is not None else None
+        self.phases.finished(
+            out,
+            arrival=job.arrival,
+            room=None if info is None else info.bootstrap_room,
+            peer=None if info is None else f"{info.bootstrap_host}:{info.bootstrap_port}",
+            tokens=None if tokens is None else tokens.get(index),
+        )
 
     def _observe(self, job: Job, index: int, out: RequestOutput, last: dict[int, float]) -> None:
         now = time.perf_counter()

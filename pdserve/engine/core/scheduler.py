@@ -24,6 +24,7 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -161,6 +162,8 @@ class Scheduler:
             if not req.pages and req.num_computed_tokens == 0:
                 self._attach_prefix(req, hit, keys)
             req.status = Status.RUNNING
+            if not req.times.scheduled:
+                req.times.scheduled = time.perf_counter()
             self.running.append(req)
             self._running_by_id[req.request_id] = req
             seqs.append(self._schedule(req, n, need))
