@@ -22,6 +22,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from pdserve.cli import main
 from pdserve.http.netutil import free_port
 from pdserve_procs import start_router, start_worker, stop, wait_healthy
 
@@ -133,9 +134,16 @@ def cluster(tmp_path_factory):
         decode = start_worker("decode", "decode", logs, extra=otlp)
         procs = [prefill, decode]
         router = start_router("router", logs, prefill=[prefill], decode=[decode], extra=otlp)
-        procs.append(router)
+        mixed = start_worker("mixed", "mixed", logs)  # bench serve's --compare; no tracing
+        procs += [router, mixed]
         wait_healthy(procs)
-        yield {"router": router, "prefill": prefill, "decode": decode, "receiver": receiver}
+        yield {
+            "router": router,
+            "prefill": prefill,
+            "decode": decode,
+            "mixed": mixed,
+            "receiver": receiver,
+        }
     finally:
         stop(procs)
         receiver.close()
@@ -297,6 +305,51 @@ def test_client_abort_is_an_error_span(cluster):
     for name in ("router.request", "decode.request"):
         assert by[name]["status"] == ERROR, by[name]
         assert "abort" in by[name]["attrs"]["error.message"], by[name]
+
+
+def test_bench_serve_breaks_ttft_down_by_stage(cluster, tmp_path, capsys):
+    """``bench serve --phase-timing`` against the PD router, compared with a mixed worker:
+    the TTFT stages of both, the stage that grew most named, the PNG beside the JSON."""
+    out_json = tmp_path / "pd.json"
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            cluster["router"].url,
+            "--compare",
+            cluster["mixed"].url,
+            "--num-requests",
+            "4",
+            "--input-len",
+            "40",
+            "--output-len",
+            "4",
+            "--concurrency",
+            "2",
+            "--blocks",
+            "1",
+            "--phase-timing",
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "TTFT by stage" in stdout
+    doc = json.loads(out_json.read_text())
+    (entry,) = doc["ttft_stages"]
+    pd, mixed = entry["stages"]["target"], entry["stages"]["compare"]
+    assert {"prefill", "kv_transfer", "decode_wait", "router_and_stream"} <= set(pd)
+    assert "prefill" in mixed and "kv_transfer" not in mixed
+    assert pd["prefill"]["count"] == 4 and pd["prefill"]["p99_ms"] >= pd["prefill"]["median_ms"]
+    grown = entry["grew_most"]["stage"]
+    assert f"stage that grew most, target vs compare (main closed loop): {grown}" in stdout
+    for record in doc["series"][0]["requests"]:
+        assert set(record["timing"]) == {"prefill", "decode"}
+    png = tmp_path / "pd.phases.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tracing_flag_rejects_a_bad_url():
