@@ -97,7 +97,7 @@ class PhaseMetrics:
             registry=registry,
         )
         self.ttft_engine = Histogram(
-            "pdserve_engine_time_to_first_token_seconds",
+            "pdserve_request_engine_ttft_seconds",
             "engine took the request -> first token on this worker (decode: prefill's token "
             "arrived with the KV; prefill: the token was sampled and posted), by role",
             ["role"],
@@ -105,7 +105,7 @@ class PhaseMetrics:
             registry=registry,
         )
         self.bootstrap = Histogram(
-            "pdserve_kv_bootstrap_seconds",
+            "pdserve_request_kv_bootstrap_seconds",
             "PD: engine took the request -> its room's peer is known (prefill: decode's "
             "destination arrived; decode: the bootstrap with prefill is done), by role",
             ["role"],
@@ -113,7 +113,7 @@ class PhaseMetrics:
             registry=registry,
         )
         self.transfer = Histogram(
-            "pdserve_kv_transfer_request_seconds",
+            "pdserve_request_kv_transfer_seconds",
             "PD, per request: pages posted -> room Success (prefill: the WRITEs and the "
             "notification; decode: waiting for prefill's notification after sending its "
             "page ids, i.e. decode's notification wait), by role",
@@ -122,7 +122,7 @@ class PhaseMetrics:
             registry=registry,
         )
         self.gbps = Histogram(
-            "pdserve_kv_transfer_request_gbps",
+            "pdserve_request_kv_transfer_gbps",
             "PD prefill, per request: KV bytes sent / (pages posted -> room Success), GB/s",
             buckets=_GBPS_BUCKETS,
             registry=registry,

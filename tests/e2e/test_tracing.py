@@ -249,6 +249,55 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     assert timing["prefill"]["transfer_gbps"] > 0
 
 
+def metric(url: str, name: str) -> float:
+    """The value of one sample (``name`` with its labels as printed) of ``url``/metrics."""
+    for line in httpx.get(url + "/metrics", timeout=10.0).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+def test_phase_histograms(cluster):
+    """The per-phase histograms count the requests served (no collector needed)."""
+    httpx.post(
+        cluster["router"].url + "/v1/chat/completions", json=chat(2, stream=False), timeout=120.0
+    ).raise_for_status()
+    prefill, decode = cluster["prefill"].url, cluster["decode"].url
+    for url, role, phase in (
+        (prefill, "prefill", "queue"),
+        (prefill, "prefill", "prefill"),
+        (prefill, "prefill", "kv_transfer"),
+        (decode, "decode", "kv_transfer"),
+        (decode, "decode", "decode"),
+    ):
+        name = f'pdserve_request_phase_seconds_count{{phase="{phase}",role="{role}"}}'
+        assert metric(url, name) >= 1, name
+    assert metric(prefill, "pdserve_request_kv_transfer_gbps_count") >= 1
+    assert metric(prefill, "pdserve_request_kv_transfer_gbps_sum") > 0
+    for url, role in ((prefill, "prefill"), (decode, "decode")):
+        assert metric(url, f'pdserve_request_kv_bootstrap_seconds_count{{role="{role}"}}') >= 1
+        assert metric(url, f'pdserve_request_kv_transfer_seconds_count{{role="{role}"}}') >= 1
+        assert metric(url, f'pdserve_request_engine_ttft_seconds_count{{role="{role}"}}') >= 1
+
+
+def test_request_id_in_both_workers_log_lines(cluster):
+    """One id in the log lines the request causes on prefill and decode (an unknown
+    field's warning), the id the client sent to the router."""
+    httpx.post(
+        cluster["router"].url + "/v1/chat/completions",
+        json=chat(2, stream=False, no_such_field=1),
+        headers={"x-request-id": "log-line-id-7"},
+        timeout=120.0,
+    ).raise_for_status()
+    for role in ("prefill", "decode"):
+        lines = [
+            line
+            for line in cluster[role].log_path.read_text().splitlines()
+            if "no_such_field" in line
+        ]
+        assert lines and all("[log-line-id-7]" in line for line in lines), (role, lines)
+
+
 def test_failed_transfer_is_an_error_span(cluster):
     """A decode leg whose prefill bootstrap address answers nothing: the room fails, the
     500 names the request id, and the decode worker's spans say error."""
