@@ -16,6 +16,7 @@ from pdserve.disagg.base import (
     PROTOCOL_VERSION,
     AuxRecord,
     DuplicateRoomError,
+    FailureInjector,
     KVArgs,
     KVLayout,
     KVPoll,
@@ -24,7 +25,6 @@ from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.fake import HISTORY, FakeKVManager, link
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.registry import create_kv_manager
-from pdserve.disagg.rooms import FailureInjector
 
 ARGS = KVArgs((0,), (4096,), (512,), 0, 1024, 256, KVLayout("m", "float32", 4, 1, 1, 8))
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.base import KVReceiver, KVSender, Role, pd_role
-from pdserve.disagg.room_plan import check_room
+from pdserve.disagg.base import KVReceiver, KVSender, Role, check_room, pd_role
 from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.stop import TokenStop
 from pdserve.engine.outputs import CompletionOutput, RequestOutput

@@ -12,14 +12,21 @@ import queue
 import threading
 from collections.abc import Callable
 
-from pdserve.disagg.base import PAGE_MAJOR, PROTOCOL_VERSION, KVArgs, KVLayout
+from pdserve.disagg.base import (
+    BOOTSTRAP_ERROR,
+    LAYOUT_MISMATCH,
+    PAGE_MAJOR,
+    PROTOCOL_MISMATCH,
+    PROTOCOL_VERSION,
+    KVArgs,
+    KVLayout,
+)
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.head_map import HeadSlice, writes_into
 from pdserve.disagg.messages import RankInfo, RoomAbort
 from pdserve.disagg.nixl.agent.init import select_device
 from pdserve.disagg.nixl.decode.peers import PrefillPeers
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
-from pdserve.disagg.rooms import BOOTSTRAP_ERROR, LAYOUT_MISMATCH, PROTOCOL_MISMATCH
 from pdserve.parallel import TPRank, kv_head_range
 
 

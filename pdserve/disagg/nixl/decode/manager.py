@@ -44,12 +44,17 @@ import msgspec
 import zmq
 
 from pdserve.disagg.base import (
+    SHUTDOWN,
+    FailureInjector,
     KVArgs,
     KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
     Role,
+    RoomTable,
+    ServiceThreads,
+    check_room,
 )
 from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.control import Outbox, recv_all
@@ -71,13 +76,6 @@ from pdserve.disagg.nixl.decode.bootstrap import DecodeBootstrap
 from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
 from pdserve.disagg.nixl.decode.peers import PrefillPeers
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer, ReceiverContext
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    SHUTDOWN,
-    FailureInjector,
-    RoomTable,
-    ServiceThreads,
-)
 from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.ports import check_port
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from pdserve.disagg.base import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.messages import RankInfo
 from pdserve.disagg.nixl.agent.peer_life import forget_agent
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
-from pdserve.disagg.rooms import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 
 if TYPE_CHECKING:
     from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine

@@ -23,18 +23,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll, KVReceiver, KVTransferError
-from pdserve.disagg.messages import RankInfo, RoomAbort, RoomDest, RoomStatus
-from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
-from pdserve.disagg.rooms import (
+from pdserve.disagg.base import (
+    AUX_RECORD_BYTES,
     PEER_FAILED,
     TRANSFER_ERROR,
     WAITING_TIMEOUT,
+    AuxRecord,
     FailureInjector,
+    KVPoll,
+    KVReceiver,
+    KVTransferError,
     RoomHandle,
     RoomTable,
 )
+from pdserve.disagg.messages import RankInfo, RoomAbort, RoomDest, RoomStatus
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 
 
 @dataclass

@@ -31,7 +31,21 @@ import uuid
 import zmq
 
 from pdserve.advertise import advertised_host, url_host
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender, Role
+from pdserve.disagg.base import (
+    PEER_FAILED,
+    PEER_RESTARTED,
+    PROTOCOL_VERSION,
+    SHUTDOWN,
+    FailureInjector,
+    KVArgs,
+    KVManager,
+    KVReceiver,
+    KVSender,
+    Role,
+    RoomTable,
+    ServiceThreads,
+    check_room,
+)
 from pdserve.disagg.control import Outbox, recv_all
 from pdserve.disagg.messages import (
     HealthInfo,
@@ -53,15 +67,6 @@ from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
 from pdserve.disagg.nixl.prefill.peers import DecodePeers
 from pdserve.disagg.nixl.prefill.sender import NixlSender, SenderContext
 from pdserve.disagg.nixl.prefill.transfer_workers import TransferWorkers
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    PEER_FAILED,
-    PEER_RESTARTED,
-    SHUTDOWN,
-    FailureInjector,
-    RoomTable,
-    ServiceThreads,
-)
 from pdserve.disagg.transfer_config import TransferConfig
 
 log = logging.getLogger(__name__)

@@ -24,18 +24,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.disagg.base import AuxRecord, KVPoll, KVSender
-from pdserve.disagg.messages import RoomDest
-from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
-from pdserve.disagg.rooms import (
+from pdserve.disagg.base import (
     BOOTSTRAP_TIMEOUT,
     PEER_FAILED,
     TRANSFER_ERROR,
+    AuxRecord,
     FailureInjector,
+    KVPoll,
+    KVSender,
     RoomHandle,
     RoomTable,
 )
+from pdserve.disagg.messages import RoomDest
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:
@@ -237,7 +239,7 @@ class NixlSender(RoomHandle, KVSender):
         return True
 
     def fail(self, reason: str, kind: str) -> None:
-        """End the room as failed (``kind``: a failure kind of :mod:`pdserve.disagg.rooms`)
+        """End the room as failed (``kind``: a failure kind of :mod:`pdserve.disagg.base`)
         and tell decode; while WRITEs are in flight it ends when they all have (module
         doc). Nothing once terminal. The manager's shutdown calls it."""
         self._fail(reason, kind)
