@@ -5,7 +5,7 @@ Routes: ``PUT /route/{engine_rank}`` (a prefill rank registers its :class:`RankI
 ``GET /route/{engine_rank}`` (decode looks it up; 404 until registered), ``GET /health``
 (:class:`HealthInfo` with every registered rank's instance; 503 while the prefill
 manager is unhealthy) — decode's heartbeat.
-Bodies are JSON of the msgspec types in :mod:`pdserve.disagg.messages`; a bad body is a
+Bodies are JSON of the msgspec types in :mod:`pdserve.disagg.wire`; a bad body is a
 400 with a JSON ``{"error": ...}``.
 """
 
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.base import PROTOCOL_VERSION, KVBootstrapServer
-from pdserve.disagg.messages import HealthInfo, RankInfo
+from pdserve.disagg.wire import HealthInfo, RankInfo
 from pdserve.http.netutil import PortInUseError, ThreadedServer
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pdserve.disagg.base import KVPoll
-from pdserve.disagg.messages import decode_xfer_done
 from pdserve.disagg.nixl.prefill import transfer_workers as tw
+from pdserve.disagg.wire import decode_xfer_done
 
 
 class StubEngine:

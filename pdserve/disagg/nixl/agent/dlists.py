@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.disagg.base import PAGE_MAJOR, KVArgs, Role
-from pdserve.disagg.messages import BufferDescs
+from pdserve.disagg.wire import BufferDescs
 
 
 def _strided_rows(d: BufferDescs) -> np.ndarray:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from pdserve.disagg.base import KVArgs
-from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.agent.dlists import PreparedLists, RemoteSide, check_descs, page_indices
 from pdserve.disagg.nixl.agent.init import as_str, create_agent, device_type
 from pdserve.disagg.transfer_config import NixlInitSpec
+from pdserve.disagg.wire import BufferDescs
 
 
 class NixlTransferEngine(PreparedLists):

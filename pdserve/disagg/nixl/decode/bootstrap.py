@@ -23,10 +23,10 @@ from pdserve.disagg.base import (
 )
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
 from pdserve.disagg.head_map import HeadSlice, writes_into
-from pdserve.disagg.messages import RankInfo, RoomAbort
 from pdserve.disagg.nixl.agent.init import select_device
 from pdserve.disagg.nixl.decode.peers import PrefillPeers
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
+from pdserve.disagg.wire import RankInfo, RoomAbort
 from pdserve.parallel import TPRank, kv_head_range
 
 

@@ -57,17 +57,6 @@ from pdserve.disagg.base import (
     check_room,
 )
 from pdserve.disagg.bootstrap import BootstrapClient
-from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (
-    Hello,
-    RoomAbort,
-    RoomDest,
-    RoomStatus,
-    WireError,
-    decode_control,
-    decode_xfer_done,
-    encode_control,
-)
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.agent.init import select_device
@@ -77,6 +66,18 @@ from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
 from pdserve.disagg.nixl.decode.peers import PrefillPeers
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer, ReceiverContext
 from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.disagg.wire import (
+    Hello,
+    Outbox,
+    RoomAbort,
+    RoomDest,
+    RoomStatus,
+    WireError,
+    decode_control,
+    decode_xfer_done,
+    encode_control,
+    recv_all,
+)
 from pdserve.ports import check_port
 
 log = logging.getLogger(__name__)

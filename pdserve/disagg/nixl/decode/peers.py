@@ -24,9 +24,9 @@ import httpx
 
 from pdserve.disagg.base import HEARTBEAT_LOST, PEER_RESTARTED, RoomTable
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
-from pdserve.disagg.messages import RankInfo
 from pdserve.disagg.nixl.agent.peer_life import forget_agent
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer
+from pdserve.disagg.wire import RankInfo
 
 if TYPE_CHECKING:
     from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine

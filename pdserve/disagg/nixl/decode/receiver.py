@@ -36,9 +36,9 @@ from pdserve.disagg.base import (
     RoomHandle,
     RoomTable,
 )
-from pdserve.disagg.messages import RankInfo, RoomAbort, RoomDest, RoomStatus
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.wire import RankInfo, RoomAbort, RoomDest, RoomStatus
 
 
 @dataclass

@@ -46,18 +46,6 @@ from pdserve.disagg.base import (
     ServiceThreads,
     check_room,
 )
-from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (
-    HealthInfo,
-    Hello,
-    Ping,
-    RoomAbort,
-    RoomDest,
-    RoomStatus,
-    WireError,
-    decode_control,
-    encode_control,
-)
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.agent.init import select_device
@@ -68,6 +56,19 @@ from pdserve.disagg.nixl.prefill.peers import DecodePeers
 from pdserve.disagg.nixl.prefill.sender import NixlSender, SenderContext
 from pdserve.disagg.nixl.prefill.transfer_workers import TransferWorkers
 from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.disagg.wire import (
+    HealthInfo,
+    Hello,
+    Outbox,
+    Ping,
+    RoomAbort,
+    RoomDest,
+    RoomStatus,
+    WireError,
+    decode_control,
+    encode_control,
+    recv_all,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.disagg.head_map import reads_from
-from pdserve.disagg.messages import Hello
 from pdserve.disagg.nixl.agent.dlists import RemoteSide
 from pdserve.disagg.nixl.agent.notifier import NixlNotifier
 from pdserve.disagg.nixl.agent.peer_life import forget_agent
 from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.wire import Hello
 from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)

@@ -35,9 +35,9 @@ from pdserve.disagg.base import (
     RoomHandle,
     RoomTable,
 )
-from pdserve.disagg.messages import RoomDest
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.wire import RoomDest
 from pdserve.parallel import TPRank
 
 if TYPE_CHECKING:

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdserve.disagg.base import KVPoll
-from pdserve.disagg.messages import encode_xfer_done
 from pdserve.disagg.nixl.agent.init import select_device
 from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.wire import encode_xfer_done
 
 if TYPE_CHECKING:
     from pdserve.disagg.metrics import TransferMetrics
