@@ -16,17 +16,17 @@ thread-safe), and other threads hand it messages through the outbox. Both sides'
 use the messages and the plumbing together, so they are one module.
 """
 
-
 from __future__ import annotations
 
-from typing import Any, Union
-import msgspec
-from pdserve.disagg.base import PROTOCOL_VERSION
 import itertools
 import queue
 import threading
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 import zmq
+
+from pdserve.disagg.base import PROTOCOL_VERSION
 
 
 class WireError(ValueError):
@@ -78,7 +78,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     """Decode introduces itself to one prefill rank instance (once per pair): its NIXL
     agent, the memory prefill will WRITE into, and its rank facts (``tp_size``,
     ``engine_rank``, ``kv_heads``), from which prefill computes the heads it writes there
-    (:mod:`pdserve.disagg.head_map`)."""
+    (:mod:`pdserve.disagg.bootstrap`)."""
 
     prefill_instance: str
     decode_instance: str

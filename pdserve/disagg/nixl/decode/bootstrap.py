@@ -21,8 +21,7 @@ from pdserve.disagg.base import (
     KVArgs,
     KVLayout,
 )
-from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError
-from pdserve.disagg.head_map import HeadSlice, writes_into
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError, HeadSlice, writes_into
 from pdserve.disagg.nixl.agent.init import select_device
 from pdserve.disagg.nixl.decode.peers import PrefillPeers
 from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer

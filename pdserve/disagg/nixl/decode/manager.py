@@ -26,7 +26,7 @@ counts are kept by :class:`~.peers.PrefillPeers`; a peer's agent is forgotten by
 :func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`, as on prefill.
 
 Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
-are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
+are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.bootstrap.writes_into`),
 looked up at the prefill's bootstrap server (rank 0 first: it names the TP size); a peer is
 one prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
 page-major pool on both sides: a layer-major pair with different head ranges fails at

@@ -6,7 +6,7 @@ the bootstrap thread; protocol, layout and rank facts checked) -> ``WaitingForIn
 their disposal) -> ``Success`` (every writer's completion notification arrived and, on
 decode rank 0, the aux record's room guard matches) or ``Failed``.
 
-Writers: one prefill rank per KV head (:mod:`pdserve.disagg.head_map`); with equal TP
+Writers: one prefill rank per KV head (:mod:`pdserve.disagg.bootstrap`); with equal TP
 sizes that is one. Once the destination was sent, a failure (abort, waiting timeout,
 injection, one writer failing) is told to every writer and becomes ``Failed`` only when
 each writer answered that it will not WRITE any more (``RoomStatus``), completed anyway

@@ -16,7 +16,7 @@ Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs th
 worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
 over HTTP, ranks >= 1 at the ``bootstrap_host:bootstrap_port`` of rank 0 they are given.
 A decode rank says Hello to each prefill rank that writes some of its heads
-(:mod:`pdserve.disagg.head_map`); a room's sender waits for the destination of every
+(:mod:`pdserve.disagg.bootstrap`); a room's sender waits for the destination of every
 decode rank it writes into (their count follows from the decode TP size in the Hello).
 Only rank 0 writes the aux record, and only into decode rank 0.
 """

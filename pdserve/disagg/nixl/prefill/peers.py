@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.disagg.head_map import reads_from
+from pdserve.disagg.bootstrap import reads_from
 from pdserve.disagg.nixl.agent.dlists import RemoteSide
 from pdserve.disagg.nixl.agent.notifier import NixlNotifier
 from pdserve.disagg.nixl.agent.peer_life import forget_agent
