@@ -3,7 +3,7 @@ known gone (its process ended, or it restarted as a new instance) is forgotten, 
 restarts leave remote agents flat. Who decides that a peer is gone differs by role:
 decode's heartbeat (:class:`~pdserve.disagg.nixl.decode.peers.PrefillPeers`: ``GET /health`` of each
 prefill, suspects kept while they may still WRITE) and prefill's ``Ping`` on its ROUTER
-(:class:`~pdserve.disagg.nixl.prefill.peers.DecodePeers`: a decode it can no longer route to).
+(:class:`~pdserve.disagg.nixl.prefill.manager.DecodePeers`: a decode it can no longer route to).
 """
 
 from __future__ import annotations
