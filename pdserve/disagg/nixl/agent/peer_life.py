@@ -12,9 +12,11 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.agent.dlists import RemoteSide
-    from pdserve.disagg.nixl.agent.notifier import NixlNotifier
-    from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+    from pdserve.disagg.nixl.agent.transfer_engine import (
+        NixlNotifier,
+        NixlTransferEngine,
+        RemoteSide,
+    )
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ may arrive before the engine created the room (the router sends to both workers 
 once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
 not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:mod:`~pdserve.disagg.nixl.agent.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
+(:mod:`~pdserve.disagg.nixl.agent.transfer_engine`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
 each decode agent is loaded into both. The decode peers (Hello, the heads written there,
 forgetting those a ``Ping`` cannot reach): :class:`DecodePeers` below, in this module
 because only the manager's control thread and stats use them.
@@ -59,9 +59,8 @@ from pdserve.disagg.bootstrap import reads_from
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.agent.init import select_device
-from pdserve.disagg.nixl.agent.notifier import NixlNotifier
 from pdserve.disagg.nixl.agent.peer_life import forget_agent
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlNotifier, NixlTransferEngine
 from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
 from pdserve.disagg.nixl.prefill.sender import (
     DecodePeer,

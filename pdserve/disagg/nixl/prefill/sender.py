@@ -39,7 +39,7 @@ poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run m
 Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
 once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
 room is a ``Success`` and its last outstanding send tells each destination decode rank,
-with a NIXL notification sent by the manager's *notifier* (:mod:`~pdserve.disagg.nixl.agent.notifier`), a second
+with a NIXL notification sent by the manager's *notifier* (:mod:`~pdserve.disagg.nixl.agent.transfer_engine`), a second
 agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
 endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
 transfer per destination and one notification, and its ``DONE`` waits for nothing of
@@ -59,7 +59,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -75,14 +75,10 @@ from pdserve.disagg.base import (
     RoomTable,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent.dlists import RemoteSide
 from pdserve.disagg.nixl.agent.init import select_device
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.agent.transfer_engine import NixlNotifier, NixlTransferEngine, RemoteSide
 from pdserve.disagg.wire import RoomDest, encode_xfer_done
 from pdserve.parallel import TPRank
-
-if TYPE_CHECKING:
-    from pdserve.disagg.nixl.agent.notifier import NixlNotifier
 
 log = logging.getLogger(__name__)
 
