@@ -8,7 +8,7 @@ may arrive before the engine created the room (the router sends to both workers 
 once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
 not created yet waits in ``_early_aborts``.
 Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:mod:`~pdserve.disagg.nixl.agent.transfer_engine`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
+(:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
 each decode agent is loaded into both. The decode peers (Hello, the heads written there,
 forgetting those a ``Ping`` cannot reach): :class:`DecodePeers` below, in this module
 because only the manager's control thread and stats use them.

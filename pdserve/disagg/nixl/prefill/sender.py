@@ -39,7 +39,7 @@ poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run m
 Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
 once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
 room is a ``Success`` and its last outstanding send tells each destination decode rank,
-with a NIXL notification sent by the manager's *notifier* (:mod:`~pdserve.disagg.nixl.agent.transfer_engine`), a second
+with a NIXL notification sent by the manager's *notifier* (:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`), a second
 agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
 endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
 transfer per destination and one notification, and its ``DONE`` waits for nothing of
