@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import tracing
-from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
-from pdserve.disagg.room_plan import sample_room
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role, sample_room
 from pdserve.engine.core.request import (
     DisaggRequestInfo,
     PromptError,
@@ -260,7 +259,7 @@ class Job:
     params: SamplingParams
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    bootstrap_room: int | None = None  # the request's; rooms: disagg.room_plan.sample_room
+    bootstrap_room: int | None = None  # the request's; rooms: disagg.base.sample_room
     prompt_index: int = 0  # which prompt of a /v1/completions batch this job is
     fake_transfer: bool = False  # /health_generate in PD roles
     prompt_field: str = "prompt"  # the request field errors about the prompt name

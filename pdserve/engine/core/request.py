@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from pdserve.disagg.base import KVReceiver, KVSender, Role, pd_role
-from pdserve.disagg.room_plan import check_room
+from pdserve.disagg.base import KVReceiver, KVSender, Role, check_room, pd_role
 from pdserve.engine.core.stop import IncrementalDetokenizer, TokenStop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import TokenLogprob
