@@ -22,7 +22,7 @@ PY=${PYTHON:-$(pwd)/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 REF=${REF:-main}
 RUNS=${RUNS:-3}
-NREQ=${NREQ:-48}
+NREQ=${NREQ:-128}
 ILEN=${ILEN:-128}
 OLEN=${OLEN:-32}
 CONC=${CONC:-4}
@@ -35,7 +35,8 @@ port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); prin
 DT=float32; [ "$DEVICE" != cpu ] && DT=bfloat16
 common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "$KV")
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -INT "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$TMP"; }
+# SIGTERM: a background job of a script ignores SIGINT; `pdserve up` stops its children on it
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$TMP"; }
 trap cleanup EXIT
 SINK=$(port)
 $PY - "$SINK" <<'PYEOF' > "$TMP/sink.log" 2>&1 &
@@ -49,13 +50,11 @@ class H(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 PYEOF
 PIDS+=($!)
-start() {  # name dir extra-args...: starts `pdserve up` from dir, echoes its port
-  local name=$1 dir=$2; shift 2
-  local p; p=$(port)
+start() {  # port name dir extra-args...: starts `pdserve up` from dir (in this shell: PIDS)
+  local p=$1 name=$2 dir=$3; shift 3
   (cd "$dir" && exec $PY -m pdserve up "${common[@]}" --port "$p" --log-dir "$TMP/$name" "$@") \
     > "$TMP/$name.out" 2>&1 &
   PIDS+=($!)
-  echo "$p"
 }
 wait_ready() {
   for _ in $(seq 1 600); do
@@ -64,10 +63,10 @@ wait_ready() {
   done
   echo "not ready: port $1"; return 1
 }
-REFP=$(start ref "$TMP/ref")
-OFFP=$(start off "$(pwd)")
-ONP=$(start on "$(pwd)" --otlp-traces-endpoint "http://127.0.0.1:$SINK")
-MIXP=$(port)
+REFP=$(port); OFFP=$(port); ONP=$(port); MIXP=$(port)
+start "$REFP" ref "$TMP/ref"
+start "$OFFP" off "$(pwd)"
+start "$ONP" on "$(pwd)" --otlp-traces-endpoint "http://127.0.0.1:$SINK"
 $PY -m pdserve serve "${common[@]}" --port "$MIXP" > "$TMP/mixed.log" 2>&1 &
 PIDS+=($!)
 for p in $REFP $OFFP $ONP $MIXP; do wait_ready "$p" || exit 1; done

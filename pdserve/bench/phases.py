@@ -8,10 +8,12 @@ router and a mixed worker, so the two can stand side by side:
   prompt (prefill, or the mixed worker);
 - ``bootstrap``, ``kv_transfer``: PD only, prefill's (waiting for decode's destination;
   posting the last pages until the room's Success);
-- ``decode_wait``: PD only, decode's time to its first token beyond prefill's path
-  (decode's tokenize + inbox + bootstrap + page wait + notification wait, minus prefill's
-  path to Success; both legs leave the router together): the notification's lag and the
-  join, negative when decode started later than prefill;
+- ``kv_notice``: PD only, decode's notification lag (the notification arrived → its
+  engine joined the request);
+- ``decode_wait``: PD only, decode's time until the notification arrived beyond prefill's
+  path (decode's tokenize + inbox + bootstrap + page wait + notification wait, minus
+  prefill's path until its notification went out; both legs leave the router together):
+  the notification's flight, negative when decode started later than prefill;
 - ``router_and_stream``: the client's TTFT beyond the worker path (router, HTTP hops,
   the first chunk's way back).
 
@@ -37,6 +39,7 @@ STAGES = (
     "prefill",
     "kv_transfer",
     "decode_wait",
+    "kv_notice",
     "router_and_stream",
 )
 _PREFILL_PATH = ("tokenize", "engine_inbox", "bootstrap", "queue", "prefill", "kv_transfer")
@@ -63,6 +66,7 @@ def ttft_stages(r: StreamResult) -> dict[str, float] | None:
         out = {name: float(prefill.get(name, 0.0)) for name in _PREFILL_PATH}
         decode_path = sum(float(decode.get(name, 0.0)) for name in _DECODE_PATH)
         out["decode_wait"] = decode_path - sum(out.values())
+        out["kv_notice"] = float(decode.get("kv_notice", 0.0))
     else:
         return None
     out["router_and_stream"] = r.ttft - sum(out.values())

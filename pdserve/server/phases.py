@@ -12,11 +12,13 @@ Phases, in time order (each ends where the next reached one starts; seconds):
   (→ finished), ``respond`` (→ the serving layer has the last output);
 - prefill: ``bootstrap`` (→ decode's destination known), ``queue`` (→ scheduled),
   ``prefill`` (→ the first token sampled, the last pages posted), ``kv_transfer``
-  (→ the room's ``Success``: WRITEs and notification done), ``respond``;
+  (→ the transfer layer's ``Success``: WRITEs done, notification sent), ``kv_notice``
+  (→ the engine saw it), ``respond``;
 - decode: ``bootstrap`` (→ the bootstrap with prefill done), ``kv_alloc_wait`` (→ pages
-  reserved, sent to prefill), ``kv_transfer`` (→ the notification with the first token:
-  decode's wait for prefill's queue, compute and WRITE), ``decode_queue`` (→ its first
-  decode step), ``decode`` (→ finished), ``stream_end``.
+  reserved, sent to prefill), ``kv_transfer`` (→ the notification with the first token
+  arrived: decode's wait for prefill's queue, compute and WRITE), ``kv_notice`` (→ the
+  engine saw it: decode's notification lag), ``decode_queue`` (→ its first decode step),
+  ``decode`` (→ finished), ``stream_end``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def phase_bounds(
             ("queue", t.peer_ready),
             ("prefill", t.scheduled),
             ("kv_transfer", t.transfer_posted),
+            ("kv_notice", t.transfer_finished),
             ("respond", t.transfer_done or t.finished),
         ]
     if role is Role.DECODE:
@@ -71,6 +74,7 @@ def phase_bounds(
             ("bootstrap", t.queued),
             ("kv_alloc_wait", t.peer_ready),
             ("kv_transfer", t.transfer_posted),
+            ("kv_notice", t.transfer_finished),
             ("decode_queue", t.transfer_done),
             ("decode", t.scheduled),
             ("stream_end", t.finished),
@@ -91,7 +95,7 @@ class PhaseMetrics:
             "pdserve_request_phase_seconds",
             "time one sample spent in each phase on this worker (server/phases.py: "
             "tokenize, engine_inbox, bootstrap, queue, prefill, kv_alloc_wait, kv_transfer, "
-            "decode_queue, decode, respond, stream_end), by role",
+            "kv_notice, decode_queue, decode, respond, stream_end), by role",
             ["role", "phase"],
             buckets=_PHASE_BUCKETS,
             registry=registry,
@@ -114,9 +118,17 @@ class PhaseMetrics:
         )
         self.transfer = Histogram(
             "pdserve_request_kv_transfer_seconds",
-            "PD, per request: pages posted -> room Success (prefill: the WRITEs and the "
-            "notification; decode: waiting for prefill's notification after sending its "
-            "page ids, i.e. decode's notification wait), by role",
+            "PD, per request: pages posted -> the transfer layer's Success (prefill: the "
+            "WRITEs and the notification; decode: waiting for prefill's notification after "
+            "sending its page ids), by role",
+            ["role"],
+            buckets=_PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.notice = Histogram(
+            "pdserve_request_kv_notice_lag_seconds",
+            "PD, per request: the transfer layer's Success -> the engine saw it (decode: "
+            "the notification with the first token arrived -> the engine joined it), by role",
             ["role"],
             buckets=_PHASE_BUCKETS,
             registry=registry,
@@ -203,8 +215,11 @@ class PhaseRecorder:
                 attrs["pdserve.peer"] = peer
             if t.peer_ready and t.queued:
                 m.bootstrap.labels(role).observe(max(t.peer_ready - t.queued, 0.0))
-            if t.transfer_posted and t.transfer_done:
-                seconds = max(t.transfer_done - t.transfer_posted, 1e-9)
+            if t.transfer_finished and t.transfer_done:
+                m.notice.labels(role).observe(max(t.transfer_done - t.transfer_finished, 0.0))
+            end = t.transfer_finished or t.transfer_done
+            if t.transfer_posted and end:
+                seconds = max(end - t.transfer_posted, 1e-9)
                 m.transfer.labels(role).observe(seconds)
                 if self.role is Role.PREFILL and nbytes:
                     block["transfer_gbps"] = nbytes / seconds / 1e9

@@ -38,6 +38,7 @@ PHASES = {
     "prefill",
     "kv_alloc_wait",
     "kv_transfer",
+    "kv_notice",
     "decode_queue",
     "decode",
     "respond",
@@ -232,7 +233,7 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     names = {(s["service"], s["name"]) for s in spans}
     for phase in ("bootstrap", "queue", "prefill", "kv_transfer"):
         assert ("prefill", phase) in names, phase
-    for phase in ("bootstrap", "kv_transfer", "decode"):
+    for phase in ("bootstrap", "kv_transfer", "kv_notice", "decode"):
         assert ("decode", phase) in names, phase
     p, d = by["prefill", "kv_transfer"]["attrs"], by["decode", "kv_transfer"]["attrs"]
     assert p["pdserve.room"] == d["pdserve.room"] == by["router", "route"]["attrs"]["pdserve.room"]
@@ -273,6 +274,7 @@ def test_phase_histograms(cluster):
         name = f'pdserve_request_phase_seconds_count{{phase="{phase}",role="{role}"}}'
         assert metric(url, name) >= 1, name
     assert metric(prefill, "pdserve_request_kv_transfer_gbps_count") >= 1
+    assert metric(decode, 'pdserve_request_kv_notice_lag_seconds_count{role="decode"}') >= 1
     assert metric(prefill, "pdserve_request_kv_transfer_gbps_sum") > 0
     for url, role in ((prefill, "prefill"), (decode, "decode")):
         assert metric(url, f'pdserve_request_kv_bootstrap_seconds_count{{role="{role}"}}') >= 1
@@ -390,7 +392,7 @@ def test_bench_serve_breaks_ttft_down_by_stage(cluster, tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     (entry,) = doc["ttft_stages"]
     pd, mixed = entry["stages"]["target"], entry["stages"]["compare"]
-    assert {"prefill", "kv_transfer", "decode_wait", "router_and_stream"} <= set(pd)
+    assert {"prefill", "kv_transfer", "decode_wait", "kv_notice", "router_and_stream"} <= set(pd)
     assert "prefill" in mixed and "kv_transfer" not in mixed
     assert pd["prefill"]["count"] == 4 and pd["prefill"]["p99_ms"] >= pd["prefill"]["median_ms"]
     grown = entry["grew_most"]["stage"]

@@ -182,6 +182,7 @@ class PDFlow:
                     req.times.peer_ready = time.perf_counter()
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
                 req.times.transfer_done = time.perf_counter()
+                req.times.transfer_finished = getattr(handle, "finished_at", None) or 0.0
                 if pd.sender is not None:
                     self._end(req, *pd.pending_finish)
                     changed.append((req, None))

@@ -243,8 +243,11 @@ class PhaseTimes:
         step after the KV arrived).
     transfer_posted: PD: prefill posted its last pages and the aux record (the first
         token was sampled then); decode handed its pages to the receiver (``init``).
-    transfer_done: PD: the engine saw the room's ``Success`` (decode: the notification
-        with the first token arrived).
+    transfer_finished: PD: the transfer layer's own record of the room's ``Success``
+        (``RoomHandle.finished_at``; decode: the notification with the first token
+        arrived; prefill: its WRITEs completed and the notification went out).
+    transfer_done: PD: the engine saw the room's ``Success`` (its next poll after
+        ``transfer_finished``).
     first_token: the first output token was appended (not on prefill, which only samples
         it: ``transfer_posted``).
     finished: the request ended (any reason).
@@ -257,6 +260,7 @@ class PhaseTimes:
         "peer_ready",
         "scheduled",
         "transfer_posted",
+        "transfer_finished",
         "transfer_done",
         "first_token",
         "finished",
@@ -268,6 +272,7 @@ class PhaseTimes:
         self.peer_ready = 0.0
         self.scheduled = 0.0
         self.transfer_posted = 0.0
+        self.transfer_finished = 0.0
         self.transfer_done = 0.0
         self.first_token = 0.0
         self.finished = 0.0
