@@ -36,12 +36,12 @@ REQUEST_ID_HEADER = "x-request-id"
 # a caller's x-request-id is kept when it looks like one (else a new id is drawn)
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
-# The current API request's id, and its tracer and server span (None: tracing off or
-# no request).
+# The current API request's id, and its tracer, server span and the phase spans that end
+# with it (None: tracing off or no request).
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "pdserve_request_id", default=None
 )
-CURRENT_SPAN: contextvars.ContextVar[tuple[Tracing, Any] | None] = contextvars.ContextVar(
+CURRENT_SPAN: contextvars.ContextVar[tuple[Tracing, Any, list] | None] = contextvars.ContextVar(
     "pdserve_current_span", default=None
 )
 # When the current API request entered the app (``time.perf_counter()``; 0.0: unknown).
@@ -168,20 +168,24 @@ def set_error(span: Any, message: str) -> None:
 
 
 def add_phases(
-    current: tuple[Tracing, Any],
+    current: tuple[Tracing, Any, list],
     phases: Iterable[tuple[str, float, float]],
     attributes: dict | None = None,
     error: str | None = None,
     events: Mapping[str, list[tuple[float, int]]] | None = None,
+    marks: Mapping[str, float] | None = None,
+    open_last: bool = False,
 ) -> None:
-    """Child spans of ``current`` (a ``CURRENT_SPAN`` value: tracer and span), one per
-    ``(name, start, end)`` (perf_counter seconds), with ``attributes`` on each (and on
-    the request's span); with ``error``, the last phase and the request's span are marked
-    failed. ``events[name]``: ``(perf_counter time, tokens)`` pairs added to phase
-    ``name`` as ``tokens`` events (the decode steps a client saw)."""
+    """Child spans of ``current`` (a ``CURRENT_SPAN`` value: tracer, span, spans ending
+    with it), one per ``(name, start, end)`` (perf_counter seconds), with ``attributes``
+    on each (and on the request's span); with ``error``, the last phase and the request's
+    span are marked failed; ``open_last``: the last phase ends with the request's span
+    (after the response's last byte) instead of at its ``end``. ``events[name]``: ``(perf_counter time, tokens)`` pairs added to phase
+    ``name`` as ``tokens`` events (the decode steps a client saw); ``marks``: events of
+    the request's span at perf_counter times (e.g. ``first_token``; 0.0: skipped)."""
     from opentelemetry.trace import set_span_in_context
 
-    tracing, span = current
+    tracing, span, ending = current
     parent = set_span_in_context(span)
     tracer = tracing.tracer
     phases = list(phases)
@@ -189,15 +193,22 @@ def add_phases(
         span.set_attributes(attributes)
     if error is not None:
         set_error(span, error)
+    for mark, when in (marks or {}).items():
+        if when:
+            span.add_event(mark, timestamp=epoch_ns(when))
     for i, (name, start, end) in enumerate(phases):
         child = tracer.start_span(
             name, context=parent, start_time=epoch_ns(start), attributes=attributes
         )
         for when, count in (events or {}).get(name, ()):
             child.add_event("tokens", {"count": count}, timestamp=epoch_ns(when))
-        if error is not None and i == len(phases) - 1:
+        last = i == len(phases) - 1
+        if error is not None and last:
             set_error(child, error)
-        child.end(end_time=epoch_ns(end))
+        if last and open_last:
+            ending.append(child)
+        else:
+            child.end(end_time=epoch_ns(end))
 
 
 def contiguous(bounds: Iterable[tuple[str, float]], end: float) -> list[tuple[str, float, float]]:
@@ -243,7 +254,8 @@ class RequestContext:
                 headers,
                 {"http.route": scope["path"], "pdserve.request_id": request_id},
             )
-        span_token = CURRENT_SPAN.set(None if span is None else (self.tracing, span))
+        ending: list = []  # phase spans that end with the request's (add_phases open_last)
+        span_token = CURRENT_SPAN.set(None if span is None else (self.tracing, span, ending))
         state = {"status": 0, "done": False}
 
         async def send_wrapper(message) -> None:
@@ -265,6 +277,8 @@ class RequestContext:
             REQUEST_START.reset(start_token)
             CURRENT_SPAN.reset(span_token)
             if span is not None:
+                for child in ending:
+                    child.end()
                 span.set_attribute("http.status_code", state["status"])
                 if not state["done"] or state["status"] == 499:
                     set_error(span, "client aborted before the last byte")

@@ -14,8 +14,10 @@ router and a mixed worker, so the two can stand side by side:
   path (decode's tokenize + inbox + bootstrap + page wait + notification wait, minus
   prefill's path until its notification went out; both legs leave the router together):
   the notification's flight, negative when decode started later than prefill;
-- ``router_and_stream``: the client's TTFT beyond the worker path (router, HTTP hops,
-  the first chunk's way back).
+- ``first_token_out``: the worker that streams (decode, or mixed): from its engine
+  appending the first token to its event loop holding it (the engine thread's hand-off);
+- ``router_and_stream``: the client's TTFT beyond all of the above (router, HTTP hops,
+  the worker's SSE chunk, the first chunk's way back).
 
 Times in ms in the tables and the PNG; seconds in the JSON's blocks.
 """
@@ -40,6 +42,7 @@ STAGES = (
     "kv_transfer",
     "decode_wait",
     "kv_notice",
+    "first_token_out",
     "router_and_stream",
 )
 _PREFILL_PATH = ("tokenize", "engine_inbox", "bootstrap", "queue", "prefill", "kv_transfer")
@@ -69,6 +72,8 @@ def ttft_stages(r: StreamResult) -> dict[str, float] | None:
         out["kv_notice"] = float(decode.get("kv_notice", 0.0))
     else:
         return None
+    streamer = timing.get("mixed" if mixed is not None else "decode") or {}
+    out["first_token_out"] = float(streamer.get("first_token_out", 0.0))
     out["router_and_stream"] = r.ttft - sum(out.values())
     return out
 

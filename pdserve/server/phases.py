@@ -23,7 +23,9 @@ Phases, in time order (each ends where the next reached one starts; seconds):
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -135,7 +137,9 @@ class PhaseMetrics:
         )
         self.gbps = Histogram(
             "pdserve_request_kv_transfer_gbps",
-            "PD prefill, per request: KV bytes sent / (pages posted -> room Success), GB/s",
+            "PD prefill, per request: the prompt's KV bytes (pages decode already held "
+            "included: prefill does not know them) / (last pages posted -> the transfer "
+            "layer's Success), GB/s",
             buckets=_GBPS_BUCKETS,
             registry=registry,
         )
@@ -148,7 +152,12 @@ class PhaseRecorder:
     page_bytes: KV bytes of one page of this worker's pool (every rank's together), for
         the transfer's bytes and GB/s; 0 when unknown.
     transfer_backend: the PD transfer backend's name (a span attribute), or None.
+    ucx: the UCX transport report (``UcxTransportLog.snapshot``: ``{"endpoints": [...]}``)
+        or None; read at most every ``UCX_EVERY_S`` seconds, only for spans: the
+        transports UCX chose for remote writes, the ``kv.ucx_transports`` attribute.
     """
+
+    UCX_EVERY_S = 5.0
 
     def __init__(
         self,
@@ -157,11 +166,35 @@ class PhaseRecorder:
         *,
         page_bytes: int = 0,
         transfer_backend: str | None = None,
+        ucx: Callable[[], dict | None] | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
         self.page_bytes = page_bytes
         self.transfer_backend = transfer_backend
+        self._ucx = ucx
+        self._ucx_at = -math.inf
+        self._ucx_transports = ""
+
+    def ucx_transports(self) -> str:
+        """The transports of UCX's remote-write protocol tables seen so far, e.g.
+        ``"cma/memory, posix/memory"`` ("" when none or no report); cached for
+        ``UCX_EVERY_S`` seconds."""
+        now = time.monotonic()
+        if self._ucx is not None and now - self._ucx_at >= self.UCX_EVERY_S:
+            self._ucx_at = now
+            try:
+                report = self._ucx() or {}
+            except Exception:  # noqa: BLE001 - an attribute, never a failed request
+                report = {}
+            found = {
+                t
+                for e in report.get("endpoints") or []
+                if "write" in str(e.get("operation", ""))
+                for t in e.get("transports") or []
+            }
+            self._ucx_transports = ", ".join(sorted(found))
+        return self._ucx_transports
 
     def finished(
         self,
@@ -171,12 +204,15 @@ class PhaseRecorder:
         room: int | None = None,
         peer: str | None = None,
         tokens: list[tuple[float, int]] | None = None,
+        first_out: float = 0.0,
     ) -> None:
         """Record sample ``out`` (finished): sets ``out.timing`` to ``{role: {"phases":
-        {name: seconds}, "kv_pages", "kv_bytes", "transfer_gbps"}}`` (PD fields only on
-        PD roles), observes the histograms, and adds the phase spans under the current
-        request's span (``tokens``: ``(perf_counter time, new tokens)`` per output,
-        events of the ``decode`` phase)."""
+        {name: seconds}, "first_token_out", "kv_pages", "kv_bytes", "transfer_gbps"}}``
+        (PD fields only on PD roles; ``first_token_out``: seconds from the engine
+        appending the first token to the event loop holding it, from ``first_out``, when
+        both are known), observes the histograms, and adds the phase spans under the
+        current request's span (``tokens``: ``(perf_counter time, new tokens)`` per
+        output, events of the ``decode`` phase)."""
         t = out.times
         if t is None:
             return
@@ -191,6 +227,8 @@ class PhaseRecorder:
         first = t.transfer_posted if self.role is Role.PREFILL else t.first_token
         if first and t.queued:
             m.ttft_engine.labels(role).observe(max(first - t.queued, 0.0))
+        if first_out and t.first_token:
+            block["first_token_out"] = max(first_out - t.first_token, 0.0)
         attrs: dict[str, Any] = {
             "pdserve.role": role,
             "pdserve.engine_request_id": out.request_id,
@@ -228,5 +266,11 @@ class PhaseRecorder:
         current = tracing.CURRENT_SPAN.get()
         if current is None:
             return
+        if self.role is not Role.MIXED and self._ucx is not None:
+            attrs["kv.ucx_transports"] = self.ucx_transports()
         events = {"decode": tokens[:MAX_TOKEN_EVENTS]} if tokens else None
-        tracing.add_phases(current, phases, attrs, error=out.error, events=events)
+        marks = {"first_token": first, "first_token_out": first_out}
+        # the last phase (respond / stream_end) lasts until the response's last byte is sent
+        tracing.add_phases(
+            current, phases, attrs, error=out.error, events=events, marks=marks, open_last=True
+        )

@@ -354,6 +354,7 @@ class Serving:
         inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         live: dict[str, int] = {}
         last_token_time: dict[int, float] = {}
+        first_out: dict[int, float] = {}  # when each sample's first token reached this loop
         # with tracing on: when each sample's tokens arrived (its span's decode events)
         tokens: dict[int, list[tuple[float, int]]] | None = (
             None if tracing.CURRENT_SPAN.get() is None else {}
@@ -377,12 +378,14 @@ class Serving:
                     continue
                 if isinstance(item, Exception):
                     raise item
+                if index not in first_out and item.outputs[0].delta_token_ids:
+                    first_out[index] = time.perf_counter()
                 if tokens is not None:
                     tokens.setdefault(index, []).append(
                         (time.perf_counter(), len(item.outputs[0].delta_token_ids))
                     )
                 if item.finished and self.phases is not None:
-                    self._phases(job, index, item, tokens)
+                    self._phases(job, index, item, tokens, first_out.get(index, 0.0))
                 if item.error is not None or any(o.finish_reason == "error" for o in item.outputs):
                     if not self.engine.alive:  # the engine cannot serve (a rank is gone):
                         raise EngineDeadError(item.error or self.engine.error or "engine stopped")
@@ -472,8 +475,10 @@ class Serving:
         index: int,
         out: RequestOutput,
         tokens: dict[int, list[tuple[float, int]]] | None,
+        first_out: float,
     ) -> None:
-        """Hand finished sample ``index`` to the phase recorder (its room and peer in PD)."""
+        """Hand finished sample ``index`` to the phase recorder (its room and peer in PD;
+        ``first_out``: when its first token reached the event loop, 0.0 if none did)."""
         assert self.phases is not None
         info = self._disagg(job, index) if job.bootstrap_room is not None else None
         self.phases.finished(
@@ -482,6 +487,7 @@ class Serving:
             room=None if info is None else info.bootstrap_room,
             peer=None if info is None else f"{info.bootstrap_host}:{info.bootstrap_port}",
             tokens=None if tokens is None else tokens.get(index),
+            first_out=first_out,
         )
 
     def _observe(self, job: Job, index: int, out: RequestOutput, last: dict[int, float]) -> None:

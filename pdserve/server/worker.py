@@ -106,6 +106,7 @@ def build_worker(
         PhaseMetrics(metrics.registry),
         page_bytes=page_bytes,
         transfer_backend=disagg.transfer_backend if pd else None,
+        ucx=ucx_log.snapshot if ucx_log is not None else None,
     )
     serving = Serving(
         engine,

@@ -32,7 +32,8 @@ PD_TIMING = {
             "kv_notice": 0.002,
             "decode_queue": 0.001,
             "decode": 0.050,
-        }
+        },
+        "first_token_out": 0.001,
     },
 }
 MIXED_TIMING = {
@@ -51,8 +52,9 @@ def test_pd_stages_split_the_clients_ttft():
     # decode's path to the notification (0.023 s) beyond prefill's path to sending it (0.0205 s)
     assert stages["decode_wait"] == pytest.approx(0.023 - 0.0205)
     assert stages["kv_notice"] == pytest.approx(0.002)  # then decode's engine noticed it
+    assert stages["first_token_out"] == pytest.approx(0.001)  # decode's engine -> its loop
     # the rest of the client's 30 ms: router, HTTP, the first chunk's way back
-    assert stages["router_and_stream"] == pytest.approx(0.030 - 0.025)
+    assert stages["router_and_stream"] == pytest.approx(0.030 - 0.026)
     assert sum(stages.values()) == pytest.approx(r.ttft)
 
 
@@ -73,11 +75,11 @@ def test_stats_and_the_stage_that_grew_most(tmp_path):
         [StreamResult(ok=True, ttft=0.030 + i / 1000, timing=PD_TIMING) for i in range(5)]
     )
     mixed = stage_stats([StreamResult(ok=True, ttft=0.020, timing=MIXED_TIMING)] * 5)
-    assert pd["router_and_stream"]["median_ms"] == pytest.approx(7.0)
+    assert pd["router_and_stream"]["median_ms"] == pytest.approx(6.0)
     assert pd["prefill"]["count"] == 5
     assert "decode_wait" not in mixed
     stage, delta = grew_most(pd, mixed)
-    # kv_transfer is 4 ms in PD and absent (0) in mixed; router_and_stream 7 vs 6.5 ms
+    # kv_transfer is 4 ms in PD and absent (0) in mixed; router_and_stream 6 vs 6.5 ms
     assert (stage, delta) == ("kv_transfer", pytest.approx(4.0))
     assert grew_most({}, {}) is None
     assert stage_stats([StreamResult(ok=False, ttft=0.1, timing=PD_TIMING)]) == {}

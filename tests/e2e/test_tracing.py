@@ -184,7 +184,9 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     with httpx.stream(
         "POST",
         cluster["router"].url + "/v1/chat/completions",
-        json=chat(24, return_timing=True),
+        # long enough that the HTTP hop no phase covers (router -> decode, 1-3 ms measured
+        # on a loaded 2-core machine) stays well under 5 %
+        json=chat(64, return_timing=True),
         headers={"traceparent": header},
         timeout=120.0,
     ) as resp:
@@ -228,7 +230,10 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     duration = root["end"] - root["start"]
     assert 0 < duration <= wall + 0.01
     share = covered(phases, root["start"], root["end"]) / duration
-    assert share >= 0.95, f"phase spans cover {share:.1%} of {duration * 1e3:.1f} ms"
+    gap_ms = (duration - covered(phases, root["start"], root["end"])) * 1e3
+    assert share >= 0.95, (
+        f"phase spans cover {share:.1%} of {duration * 1e3:.1f} ms ({gap_ms:.1f} ms not)"
+    )
     # the phases an operator filters on, with their attributes
     names = {(s["service"], s["name"]) for s in spans}
     for phase in ("bootstrap", "queue", "prefill", "kv_transfer"):
@@ -238,8 +243,11 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     p, d = by["prefill", "kv_transfer"]["attrs"], by["decode", "kv_transfer"]["attrs"]
     assert p["pdserve.room"] == d["pdserve.room"] == by["router", "route"]["attrs"]["pdserve.room"]
     assert d["kv.pages"] >= 1 and d["kv.bytes"] > 0 and p["kv.bytes"] >= d["kv.bytes"]
-    assert d["pdserve.finish_reason"] == "length" and d["pdserve.output_tokens"] == 24
+    assert p["kv.backend"] == d["kv.backend"] == "nixl"
+    assert isinstance(d["kv.ucx_transports"], str)  # UCX's choice for remote writes, if reported
+    assert d["pdserve.finish_reason"] == "length" and d["pdserve.output_tokens"] == 64
     assert "tokens" in by["decode", "decode"]["events"]
+    assert "first_token" in by["decode", "decode.request"]["events"]
     # the client's timing block: both workers' phases, in seconds
     timing = next(
         c["choices"][0]["timing"] for c in chunks if c["choices"] and "timing" in c["choices"][0]
@@ -248,6 +256,8 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     assert timing["prefill"]["phases"]["prefill"] > 0
     assert timing["decode"]["phases"]["kv_transfer"] > 0
     assert timing["prefill"]["transfer_gbps"] > 0
+    assert timing["decode"]["first_token_out"] >= 0  # decode's engine -> its event loop
+    assert "first_token_out" in by["decode", "decode.request"]["events"]
 
 
 def metric(url: str, name: str) -> float:
@@ -392,7 +402,8 @@ def test_bench_serve_breaks_ttft_down_by_stage(cluster, tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     (entry,) = doc["ttft_stages"]
     pd, mixed = entry["stages"]["target"], entry["stages"]["compare"]
-    assert {"prefill", "kv_transfer", "decode_wait", "kv_notice", "router_and_stream"} <= set(pd)
+    stages = {"prefill", "kv_transfer", "decode_wait", "kv_notice", "first_token_out"}
+    assert stages | {"router_and_stream"} <= set(pd)
     assert "prefill" in mixed and "kv_transfer" not in mixed
     assert pd["prefill"]["count"] == 4 and pd["prefill"]["p99_ms"] >= pd["prefill"]["median_ms"]
     grown = entry["grew_most"]["stage"]
