@@ -247,15 +247,16 @@ class RequestContext:
         request_id = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
         id_token = REQUEST_ID.set(request_id)
         start_token = REQUEST_START.set(time.perf_counter())
-        span = None
+        span, current = None, None
+        ending: list = []  # phase spans that end with the request's (add_phases open_last)
         if self.tracing is not None:
             span = self.tracing.start_request(
                 f"{self.tracing.service}.request",
                 headers,
                 {"http.route": scope["path"], "pdserve.request_id": request_id},
             )
-        ending: list = []  # phase spans that end with the request's (add_phases open_last)
-        span_token = CURRENT_SPAN.set(None if span is None else (self.tracing, span, ending))
+            current = (self.tracing, span, ending)
+        span_token = CURRENT_SPAN.set(current)
         state = {"status": 0, "done": False}
 
         async def send_wrapper(message) -> None:
