@@ -78,6 +78,8 @@ class StreamResult:
     found in its prefix cache), ``None`` when the server does not say.
     timing: the finished choice's timing block (pdserve's ``return_timing``: role ->
         ``{"phases": {name: seconds}, ...}``), ``None`` when the server sent none.
+    start_unix: when the request was sent, Unix seconds (to place the timing block's
+        ``start_unix`` against it).
     """
 
     ok: bool = False
@@ -92,6 +94,7 @@ class StreamResult:
     finish_reason: str | None = None
     cached_tokens: int | None = None
     timing: dict[str, Any] | None = None
+    start_unix: float = 0.0
 
 
 async def stream_request(
@@ -103,7 +106,7 @@ async def stream_request(
     first ``_ERROR_CHARS`` characters of the message.
     """
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    result = StreamResult(start=time.perf_counter())
+    result = StreamResult(start=time.perf_counter(), start_unix=time.time())
     pieces: list[str] = []
     completion_tokens = None
     last = result.start

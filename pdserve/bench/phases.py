@@ -16,8 +16,12 @@ router and a mixed worker, so the two can stand side by side:
   the notification's flight, negative when decode started later than prefill;
 - ``first_token_out``: the worker that streams (decode, or mixed): from its engine
   appending the first token to its event loop holding it (the engine thread's hand-off);
-- ``router_and_stream``: the client's TTFT beyond all of the above (router, HTTP hops,
-  the worker's SSE chunk, the first chunk's way back).
+- ``to_worker``: the request's way from the client to the streaming worker's app (the
+  router, its pick, the HTTP hop; the worker's ``start_unix`` minus the client's send
+  time: the clocks of the client's and the worker's hosts must agree, as on one host);
+- ``stream_back``: the rest of the client's TTFT (the worker's SSE chunk, the router's
+  relay, the way back); ``router_and_stream`` instead of the last two when the blocks
+  carry no ``start_unix``.
 
 Times in ms in the tables and the PNG; seconds in the JSON's blocks.
 """
@@ -43,6 +47,8 @@ STAGES = (
     "decode_wait",
     "kv_notice",
     "first_token_out",
+    "to_worker",
+    "stream_back",
     "router_and_stream",
 )
 _PREFILL_PATH = ("tokenize", "engine_inbox", "bootstrap", "queue", "prefill", "kv_transfer")
@@ -74,7 +80,11 @@ def ttft_stages(r: StreamResult) -> dict[str, float] | None:
         return None
     streamer = timing.get("mixed" if mixed is not None else "decode") or {}
     out["first_token_out"] = float(streamer.get("first_token_out", 0.0))
-    out["router_and_stream"] = r.ttft - sum(out.values())
+    if streamer.get("start_unix") and r.start_unix:
+        out["to_worker"] = float(streamer["start_unix"]) - r.start_unix
+        out["stream_back"] = r.ttft - sum(out.values())
+    else:
+        out["router_and_stream"] = r.ttft - sum(out.values())
     return out
 
 

@@ -45,8 +45,9 @@ MEANINGS: dict[str, str] = {
     "(the first is null)",
     "return_token_ids": "add choices[i].token_ids (and prompt_token_ids in the first chunk)",
     "return_timing": "pdserve: add choices[i].timing to each finished choice (streams: its "
-    "last chunk): seconds per phase on each worker, {role: {phases: {name: s}, kv_pages, "
-    "kv_bytes, transfer_gbps}}; through the router in PD mode both prefill and decode",
+    "last chunk): seconds per phase on each worker, {role: {phases: {name: s}, start_unix, "
+    "first_token_out, kv_pages, kv_bytes, transfer_gbps}}; through the router in PD mode "
+    "both prefill and decode",
     "GenerateRequest.return_timing": "pdserve: add meta_info.timing to the finished answer: "
     "seconds per phase on each worker, as choices[i].timing of the OpenAI endpoints",
     "user": "accepted, no effect (as metadata, store, service_tier, "

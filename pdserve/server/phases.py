@@ -207,10 +207,11 @@ class PhaseRecorder:
         first_out: float = 0.0,
     ) -> None:
         """Record sample ``out`` (finished): sets ``out.timing`` to ``{role: {"phases":
-        {name: seconds}, "first_token_out", "kv_pages", "kv_bytes", "transfer_gbps"}}``
-        (PD fields only on PD roles; ``first_token_out``: seconds from the engine
-        appending the first token to the event loop holding it, from ``first_out``, when
-        both are known), observes the histograms, and adds the phase spans under the
+        {name: seconds}, "start_unix", "first_token_out", "kv_pages", "kv_bytes",
+        "transfer_gbps"}}`` (PD fields only on PD roles; ``start_unix``: when the request
+        entered this worker's app, Unix seconds; ``first_token_out``: seconds from the
+        engine appending the first token to the event loop holding it, from
+        ``first_out``, when both are known), observes the histograms, and adds the phase spans under the
         current request's span (``tokens``: ``(perf_counter time, new tokens)`` per
         output, events of the ``decode`` phase)."""
         t = out.times
@@ -220,7 +221,10 @@ class PhaseRecorder:
         start = tracing.REQUEST_START.get() or arrival
         phases = tracing.contiguous(phase_bounds(self.role, start, arrival, t), now)
         role = str(self.role)
-        block: dict[str, Any] = {"phases": {name: b - a for name, a, b in phases}}
+        block: dict[str, Any] = {
+            "phases": {name: b - a for name, a, b in phases},
+            "start_unix": tracing.epoch_ns(start) / 1e9,
+        }
         m = self.metrics
         for name, a, b in phases:
             m.phase.labels(role, name).observe(b - a)

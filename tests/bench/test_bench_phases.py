@@ -56,6 +56,12 @@ def test_pd_stages_split_the_clients_ttft():
     # the rest of the client's 30 ms: router, HTTP, the first chunk's way back
     assert stages["router_and_stream"] == pytest.approx(0.030 - 0.026)
     assert sum(stages.values()) == pytest.approx(r.ttft)
+    # with the decode worker's start time: the way there and the way back apart
+    timed = {**PD_TIMING, "decode": {**PD_TIMING["decode"], "start_unix": 1000.003}}
+    split = ttft_stages(StreamResult(ok=True, ttft=0.030, timing=timed, start_unix=1000.0))
+    assert split is not None and "router_and_stream" not in split
+    assert split["to_worker"] == pytest.approx(0.003)
+    assert split["stream_back"] == pytest.approx(0.030 - 0.026 - 0.003)
 
 
 def test_mixed_stages_and_missing_blocks():
