@@ -27,14 +27,14 @@ def error_json(
     where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,
     as OpenAI's API sends it (vLLM and SGLang put the status number there instead; the
     ``openai`` client types ``APIError.code`` as ``str | None``).  Inside an API request
-    the object also has ``request_id``: the id its log lines carry on the router and both
-    workers (``pdserve/tracing.py``)."""
+    the body also has ``request_id`` beside ``error`` (whose keys stay OpenAI's four): the
+    id its log lines carry on the router and both workers (``pdserve/tracing.py``)."""
     kind = _TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
-    error = {"message": message, "type": kind, "param": param, "code": code}
+    body: dict = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     request_id = REQUEST_ID.get()
     if request_id is not None:
-        error["request_id"] = request_id
-    return {"error": error}
+        body["request_id"] = request_id
+    return body
 
 
 def error_status(body: object) -> int | None:

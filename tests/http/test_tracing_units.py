@@ -34,13 +34,14 @@ def test_request_id_in_logs_errors_and_engine_ids(caplog):
     record = logging.LogRecord("x", logging.INFO, "f", 1, "m", None, None)
     tracing.RequestIdFilter().filter(record)
     assert record.request_id == "-"
-    assert "request_id" not in error_json(400, "m")["error"]
+    assert set(error_json(400, "m")) == {"error"}
     assert len(tracing.engine_request_id()) == 32
     token = tracing.REQUEST_ID.set("abc-1")
     try:
         tracing.RequestIdFilter().filter(record)
         assert record.request_id == "abc-1"
-        assert error_json(500, "m")["error"]["request_id"] == "abc-1"
+        assert error_json(500, "m")["request_id"] == "abc-1"
+        assert set(error_json(500, "m")["error"]) == {"message", "type", "param", "code"}
         assert tracing.engine_request_id().startswith("abc-1-")
         assert tracing.outgoing_headers() == {"x-request-id": "abc-1"}  # tracing off
     finally:
