@@ -25,8 +25,9 @@ the pinned host staging buffers are two sets used in turn, so filling step N+1's
 races step N's queued copies.
 
 Context bounds: where the attention backend launches differently when every context is known
-to be short (``capture_context_bounds``: the ``triton`` backend's one-split decode at large
-batches, contexts up to ``ONE_SPLIT_MAX_CONTEXT`` tokens), a bucket also gets a graph
+to be short (``capture_context_bounds``: the ``triton`` backend's short-context decode
+rule, contexts up to ``ONE_SPLIT_MAX_CONTEXT`` tokens, against its balanced split of long
+contexts), a bucket also gets a graph
 captured for that bound; a replay runs the smallest bounded graph that holds the step's
 longest context, else the bucket's unbounded one.
 
