@@ -29,17 +29,17 @@ def test_graph_batch_sizes_cover_every_batch():
         graph_batch_sizes(0)
 
 
-def test_capture_reserve_holds_every_graphs_logits():
-    """Every graph keeps its bucket's fp32 logits: with the triton backend every bucket has
-    a second, short-context graph, counted too."""
+def test_capture_reserve_does_not_grow_with_the_number_of_graphs():
+    """Every graph writes its logits into one shared ``[max_batch, V]`` fp32 buffer, so the
+    reserve holds that buffer and the largest bucket's intermediates, whatever the number
+    of graphs (before: every graph's own logits, 67 GB for Llama-3.1-8B up to 1,024 rows)."""
     model = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta")
-    logits = sum(graph_batch_sizes(64)) * 128256 * 4
-    assert logits < capture_reserve_bytes(model, 64) < 4 << 30  # not a KV pool's worth
     tri = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta", "triton")
-    bounded = sum(graph_batch_sizes(64)) * 128256 * 4
-    reserve = capture_reserve_bytes(tri, 64)
-    assert reserve - capture_reserve_bytes(model, 64) == 2 * bounded  # twice: the cast
-    assert logits + bounded < reserve < 4 << 30
+    assert capture_reserve_bytes(tri, 64) == capture_reserve_bytes(model, 64)
+    for max_batch in (64, 256, 1024):
+        shared = max_batch * 128256 * 4
+        assert 3 * shared < capture_reserve_bytes(tri, max_batch) < 5 * shared + (2 << 30)
+    assert capture_reserve_bytes(tri, 1024) < 5 << 30
 
 
 def test_attention_backend_and_enforce_eager_flags():
@@ -102,8 +102,13 @@ def test_graphs_match_eager(dtype, logprobs):
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
-        assert (llm.engine.executor.rank0.runner.graphs is None) == eager
+        graphs = llm.engine.executor.rank0.runner.graphs
+        assert (graphs is None) == eager
         assert llm.engine.attention_backend == "triton"
+        if graphs is not None:  # every graph's logits: a view of the one shared buffer
+            shared = graphs._logits_out.data_ptr()
+            assert len(graphs._logits) > 3
+            assert all(t.data_ptr() == shared for t in graphs._logits.values())
         runs[eager] = [[o.outputs[0] for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)]
         del llm
         torch.cuda.empty_cache()

@@ -83,16 +83,14 @@ def pick_graph(bs: int, bounds: Sequence[int], max_context: int) -> GraphKey:
 
 def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
     """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
-    the fp32 logits every graph keeps (``bucket * vocab * 4``, twice for the cast), the
-    largest bucket's log-softmax (its greedy pick), the
+    the fp32 logits buffer every graph writes (``max_batch * vocab * 4``), the largest
+    bucket's logits in the model dtype before that cast and its log-softmax (its greedy
+    pick; both counted at 4 bytes), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
     elt = int(torch.empty((), dtype=model.dtype).element_size())
-    graphs = [
-        bs for bs in graph_batch_sizes(max_batch) for _ in (None, *graph_context_bounds(model, bs))
-    ]
-    logits = (sum(graphs) * 2 + max_batch) * s.vocab * 4
+    logits = 3 * max_batch * s.vocab * 4
     per_row = (
         4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
     ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
@@ -144,7 +142,8 @@ class CUDAGraphRunner:
         # A graph's key: (bucket, context bound or None); see "Context bounds" above.
         self._bounds = {bs: graph_context_bounds(model, bs) for bs in self.sizes}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._logits: dict[GraphKey, torch.Tensor] = {}  # views of _logits_out
+        self._logits_out: torch.Tensor | None = None  # [max_batch, V] fp32, every graph's
         self._greedy: dict[GraphKey, torch.Tensor] = {}  # [bs, 2] float64: argmax id, logprob
         self._last_key: GraphKey = (0, None)  # the graph of the last replay
         self._pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
@@ -162,7 +161,10 @@ class CUDAGraphRunner:
         md = self._metadata(bs)
         plan = self.model.backend.plan_for_capture(md, self.page_size, bound)
         hidden = self.model(self._rows[0, :bs], self._rows[1, :bs], md, self.kv_cache, plan)
-        logits = self.model.compute_logits(hidden)  # [bs, V] fp32
+        # [bs, V] fp32, written into the graphs' one shared buffer (a graph's own would
+        # keep bucket x V x 4 bytes per graph: 67 GB for Llama-3.1-8B's graphs up to 1,024)
+        assert self._logits_out is not None  # made by capture()
+        logits = self.model.compute_logits(hidden, out=self._logits_out[:bs])
         ids = logits.argmax(dim=-1, keepdim=True)  # [bs, 1] (the sampler's greedy pick)
         chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [bs, 1]
         return logits, torch.cat((ids.double(), chosen.double()), dim=1)
@@ -172,6 +174,10 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first, into one memory pool (padded rows only:
         nothing is written to the KV cache)."""
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        if self._logits_out is None:
+            dev = self.kv_cache[0][0].device
+            vocab = self.model.shapes.vocab
+            self._logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=dev)
         for key in self.keys():
             self._run(key)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
