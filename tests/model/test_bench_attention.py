@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pdserve.bench.attention import context_lengths, decode_read_bytes, parse_config
 from pdserve.cli import main
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 (conftest)
 
 
 @pytest.mark.timeout(300)
 def test_bench_attention_rows_match_sdpa_and_count_their_bytes(tmp_path, capsys):
     out = tmp_path / "attention.json"
-    args = ["bench", "attention", "--device", "cpu", "--dtype", "float32", "--batch", "2"]
+    args = ["bench", "attention", "--device", DEVICE, "--dtype", "float32", "--batch", "2"]
     args += ["--context", "40", "--layout", "uniform,skewed", "--num-heads", "8"]
     args += ["--num-kv-heads", "2", "--head-dim", "16", "--page-size", "16", "--iters", "1"]
     args += ["--configs", "eager,graph,3/16/4/1/4", "--json", str(out)]
