@@ -46,6 +46,9 @@ ONE_SPLIT_MAX_CONTEXT = 1024
 # graph), so that one long row among short ones can still take up to 32 splits; the
 # kernel cuts the batch's KV into about _TARGET_PROGRAMS pieces on the device.
 _BALANCED_LAUNCH = 2048
+# Context lengths each balanced program sums at a time (a loop: one compiled variant for
+# every batch size).
+_BALANCE_BLOCK_B = 64
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -281,7 +284,7 @@ class TritonBackend(AttentionBackend):
                 NUM_SPLITS=S,
                 MIN_SPLIT=cfg.min_split,
                 BALANCE_PROGRAMS=cfg.balance,
-                BLOCK_B=_pow2(B, 1) if cfg.balance else 1,
+                BLOCK_B=_BALANCE_BLOCK_B if cfg.balance else 1,
                 BLOCK_H=_pow2(G),
                 BLOCK_N=cfg.block_n,
                 BLOCK_D=block_d,

@@ -183,7 +183,7 @@ def decode_split_kernel(
     context leaves its later splits empty. With ``BALANCE_PROGRAMS > 0`` a split also
     covers at least ``cdiv(total * Hkv, BALANCE_PROGRAMS)`` tokens (rounded up to
     ``BLOCK_N``), ``total`` the sum of the ``num_rows`` contexts (read by every program,
-    ``BLOCK_B >= num_rows``): the batch's KV is cut into about ``BALANCE_PROGRAMS`` equal
+    ``BLOCK_B`` at a time: one compiled variant for every batch size): the batch's KV is cut into about ``BALANCE_PROGRAMS`` equal
     pieces whatever its lengths, so one long row among short ones is spread over all
     ``NUM_SPLITS`` programs while a uniform batch gets the same splits as without it. With ``NUM_SPLITS == 1`` the program writes the
     normalised output ``out[b, h, :]`` (q's dtype) itself and no merge runs; otherwise the
@@ -200,8 +200,11 @@ def decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     if BALANCE_PROGRAMS > 0:
-        bb = tl.arange(0, BLOCK_B)
-        total = tl.sum(tl.load(seq_lens_ptr + bb, mask=bb < num_rows, other=0).to(tl.int32), 0)
+        total = tl.zeros([BLOCK_B], tl.int32)
+        for r0 in range(0, num_rows, BLOCK_B):
+            bb = r0 + tl.arange(0, BLOCK_B)
+            total += tl.load(seq_lens_ptr + bb, mask=bb < num_rows, other=0).to(tl.int32)
+        total = tl.sum(total, 0)
         chunk = tl.cdiv(total.to(tl.int64) * tl.num_programs(1), BALANCE_PROGRAMS).to(tl.int32)
         per_split = tl.maximum(per_split, tl.cdiv(chunk, BLOCK_N) * BLOCK_N)
     if MIN_SPLIT > 0:

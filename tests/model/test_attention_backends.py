@@ -170,10 +170,25 @@ def test_triton_decode_splits_gqa_and_lengths_match_sdpa(cfg, s_lens, hkv, monke
 
     config = triton_backend.DecodeConfig(*cfg)
     monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    monkeypatch.setattr(triton_backend, "_BALANCE_BLOCK_B", 2)  # the total: a loop of 2
     args = _random_step([1] * len(s_lens), s_lens, 16, 8, hkv, 32, 128, torch.float32, 5, True)
     ref, _, _ = _attend("torch_sdpa", *args, 16)
-    out, _, _ = _attend("triton", *args, 16)
+    backend = get_attention_backend("triton")
+    q, k, v, k_cache, v_cache, md = args
+    plan = backend.plan(md, 16)
+    out = backend.forward(q, k, v, k_cache, v_cache, md, plan, 32**-0.5)
     assert (out - ref).abs().max().item() < 1e-5
+    if config.splits == 1:
+        return
+    # Which splits hold context (lse > -inf): the length the kernel derived on the device.
+    splits, bn, _, _, floor, balance = cfg
+    per_split = [math.ceil(math.ceil(s / splits) / bn) * bn for s in s_lens]
+    if balance:
+        piece = math.ceil(math.ceil(sum(s_lens) * hkv / balance) / bn) * bn
+        per_split = [max(p, piece) for p in per_split]
+    per_split = [max(p, floor) for p in per_split]
+    used = (plan.mid_lse[:, 0, :] > float("-inf")).sum(1).tolist()
+    assert used == [min(splits, -(-s // p)) for s, p in zip(s_lens, per_split)]
 
 
 def test_decode_config_choice_and_validation():
