@@ -306,3 +306,27 @@ def test_overlap_schedule_matches_sync_and_eager():
             assert ids == other[rid][0] and reason == other[rid][2], rid
             if lps is not None:
                 assert max(abs(a - b) for a, b in zip(lps, other[rid][1])) < 1e-4
+
+
+def test_page_table_rows_are_written_by_difference():
+    """A replay rewrites only the rows whose page list changed (a new list object: the
+    scheduler grows pages into a new list), and every row when the width changes."""
+    import numpy as np
+
+    from pdserve.engine.worker.cuda_graph import TableRows, fill_page_table
+
+    buf = np.zeros(64, dtype=np.int32)
+    written = TableRows()
+    a, b, c = [3, 4], [7], [9, 10]
+    table = buf[:6].reshape(3, 2)
+    assert fill_page_table(table, [a, b, c], written) == 3
+    assert table.tolist() == [[3, 4], [7, 0], [9, 10]]
+    table[0, 0] = -5  # a row that is not rewritten keeps what the buffer holds
+    b = b + [8]  # row 1's request grew a page: a new list
+    assert fill_page_table(table, [a, b, c], written) == 1
+    assert table.tolist() == [[-5, 4], [7, 8], [9, 10]]
+    assert fill_page_table(table, [c, b], written) == 1  # row 0 now another request's list
+    assert table[0].tolist() == [9, 10]
+    wide = buf[:6].reshape(2, 3)  # a new width lays the buffer out anew: every row
+    assert fill_page_table(wide, [c, b + [11]], written) == 2
+    assert wide.tolist() == [[9, 10, wide[0, 2]], [7, 8, 11]]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,40 @@ def pick_graph(bs: int, bounds: Sequence[int], max_context: int) -> GraphKey:
     ``max_context`` tokens: the smallest of ``bounds`` (ascending) that holds it, else the
     unbounded graph."""
     return bs, next((b for b in bounds if max_context <= b), None)
+
+
+@dataclass
+class TableRows:
+    """What a host page-table buffer holds (:func:`fill_page_table`): the width (pages a
+    row) it was last laid out with, and the page list each row was last written from."""
+
+    width: int = 0
+    rows: list[Sequence[int] | None] = field(default_factory=list)
+
+
+def fill_page_table(
+    table: np.ndarray, page_tables: Sequence[Sequence[int]], written: TableRows
+) -> int:
+    """Write ``page_tables[b]`` into row ``b`` of ``table`` ``[B, width]`` (a view of a host
+    buffer that keeps its contents between steps), by difference: a row whose list is the
+    very object it was last written from is skipped (the scheduler never changes a page
+    list in place: it grows a request's pages into a new list), so a decode step's host
+    work follows the rows whose pages changed, not the batch's total context. A new width
+    lays the buffer out anew: every row is written. Entries past a row's pages are left as
+    they are (never read unmasked). ``written`` is updated; returns the rows written."""
+    B, width = table.shape
+    if written.width != width:
+        written.width, written.rows = width, []
+    rows = written.rows
+    if len(rows) < B:
+        rows.extend([None] * (B - len(rows)))
+    n = 0
+    for b, pages in enumerate(page_tables):
+        if rows[b] is not pages:
+            table[b, : len(pages)] = pages
+            rows[b] = pages
+            n += 1
+    return n
 
 
 def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
@@ -137,6 +172,8 @@ class CUDAGraphRunner:
             torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory() for _ in "ab"
         ]
         self._staged: list[Any] = [None, None]
+        # What each host table set holds (fill_page_table): rows are rewritten by difference.
+        self._table_written: list[TableRows] = [TableRows(), TableRows()]
         self._turn = 0
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
         # A graph's key: (bucket, context bound or None); see "Context bounds" above.
@@ -249,8 +286,7 @@ class CUDAGraphRunner:
             self._staged[turn].synchronize()  # that set's last copies ran (long ago, in practice)
         rows_host, table_host = self._rows_hosts[turn], self._table_hosts[turn]
         table = table_host[: B * width].numpy().reshape(B, width)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = pages
+        fill_page_table(table, page_tables, self._table_written[turn])
         pages_of = table[np.arange(B), positions // ps].astype(np.int64)
         rows = rows_host.numpy()
         rows[0, :B] = token_ids
