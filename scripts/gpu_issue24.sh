@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24's H200 figures in one call (about 8 minutes; every step has its own timeout and
-# the script goes on when one fails). Run from the repository root on the GPU machine, with
+# Issue 24's H200 figures in one call (about 7-8 minutes expected; the steps' timeouts add
+# up to 9.5 minutes at worst; every step has its own and the script goes on when one fails). Run from the repository root on the GPU machine, with
 # the wheels in ${WHEELS:-.whl} as for gpu_check.sh. Writes JSON and logs under ${OUT:-gpu24}
 # and ends with a summary table (read back from the JSON).
 #
@@ -17,8 +17,8 @@
 #      (the new balanced split rule for contexts past 1,024) and the configurations the
 #      graphs used before it (32, 4, 2, 1 splits of 64-token tiles); then the tiles, warps
 #      and stages at 32 x 4,096 (the long-context row's shape).
-#   3. gpu_tests.txt: the CUDA-graph tests (graphs == eager token for token; every graph's
-#      logits in the one shared buffer) and the kernel tests on the GPU.
+#   3. gpu_tests.txt: the CUDA-graph tests (graphs == eager token for token, the page table
+#      written by difference; every graph's logits in the one shared buffer).
 #   4. offline_1024.json: bench offline at 1,024 prompts (graphs up to 1,024; their
 #      logits now share one buffer, before they needed 67 GB).
 # DRY_RUN=1: the same steps on CPU with random:tiny at toy shapes (Triton's interpreter),
@@ -48,28 +48,26 @@ fi
 git log --oneline -1 2>/dev/null | tee "$OUT/commit.txt"
 
 echo "== 1. bench offline $N + $LONG + prefill $PRE ($SECONDS s)"
-timeout $((230 * T)) $PY -m pdserve bench offline "${M[@]}" --ours-only --num-prompts $N \
+timeout $((210 * T)) $PY -m pdserve bench offline "${M[@]}" --ours-only --num-prompts $N \
     --max-tokens $OUTLEN --repeats 2 --long-context $LONG --prefill $PRE \
     --json "$OUT/offline.json" 2>&1 | tail -20 | tee "$OUT/offline.txt"
 
 echo "== 2. bench attention ($SECONDS s)"
-timeout $((75 * T)) $PY -m pdserve bench attention "${A[@]}" --batch $BATCHES \
+timeout $((70 * T)) $PY -m pdserve bench attention "${A[@]}" --batch $BATCHES \
     --context $CTX --layout uniform,skewed \
     --configs eager,graph,32/64/4/2,4/64/4/2,2/64/4/2,1/64/4/2 \
     --json "$OUT/attention.json" 2>&1 | tail -52 | tee "$OUT/attention.txt"
-timeout $((45 * T)) $PY -m pdserve bench attention "${A[@]}" --batch $TILE_B \
+timeout $((40 * T)) $PY -m pdserve bench attention "${A[@]}" --batch $TILE_B \
     --context $CTX --layout uniform \
     --configs 4/64/4/2,4/64/4/3,4/64/8/2,4/128/4/2,4/128/8/2,4/128/8/3,4/32/4/3,4/32/4/4,8/64/4/2,8/64/8/3 \
     --json "$OUT/attention_tiles.json" 2>&1 | tail -14 | tee "$OUT/attention_tiles.txt"
 
 echo "== 3. gpu tests: graphs and kernels ($SECONDS s)"
 if [ "$GPU_TESTS" = 1 ]; then
-    timeout 100 $PY -m pytest -x -q --timeout=95 -m gpu tests/engine/test_cuda_graphs.py \
+    # (the kernels' outputs on the GPU are checked against torch_sdpa by every row of step 2)
+    timeout 80 $PY -m pytest -x -q --timeout=75 -m gpu tests/engine/test_cuda_graphs.py \
         -k "graphs_match_eager or short_context_graphs" -p no:cacheprovider 2>&1 | tail -8 \
         | tee "$OUT/gpu_tests.txt"
-    timeout 60 $PY -m pytest -x -q --timeout=55 tests/model/test_attention_backends.py \
-        tests/model/test_bench_attention.py -k "decode_splits_gqa or bench_attention" \
-        -p no:cacheprovider 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.txt"
 fi
 
 echo "== 4. bench offline $BIG prompts ($SECONDS s)"
