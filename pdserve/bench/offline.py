@@ -310,6 +310,15 @@ def run_offline(args: argparse.Namespace) -> int:
         if long_ctx:
             rows.append((long_ctx[0], "random (long context)"))
             prompt_sets.append(_random_prompts(llm.engine.vocab_size, *long_ctx, seed=7))
+        limit = llm.engine.max_model_len
+        for (_, source), prompts in zip(rows, prompt_sets):
+            longest = max(len(p) for p in prompts)
+            if longest + args.max_tokens > limit:
+                name = "long-context" if source.endswith("(long context)") else "input-len"
+                raise ValueError(
+                    f"{name}: prompts of {longest} tokens + max-tokens {args.max_tokens} "
+                    f"exceed the context limit max_model_len {limit}"
+                )
     except ValueError as exc:
         llm.shutdown()
         print(f"pdserve bench offline: {exc}", file=sys.stderr)

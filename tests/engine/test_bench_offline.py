@@ -147,6 +147,8 @@ def test_gsm8k_prompts_cut_or_padded_to_input_len():
         (["--input-source", "gsm8k"], "input-source"),
         (["--long-context", "32"], "long-context"),
         (["--long-context", "2000x16"], "long-context"),
+        (["--input-len", "5000", "--ours-only"], "input-len"),  # random:tiny's limit: 4,096
+        (["--long-context", "1x4095", "--ours-only", "--num-prompts", "1"], "long-context"),
     ],
 )
 def test_new_options_reject_bad_values(extra, field, capsys):
