@@ -45,6 +45,21 @@ from pdserve.bench.transfer_pool import (
 )
 from pdserve.cli import Flag, add_flags, flag_values
 
+BOOTSTRAP_WAIT_S = 120.0
+
+
+def wait_bootstrapped(sender, room: int, wait_s: float = BOOTSTRAP_WAIT_S) -> None:
+    """Poll ``sender`` (a :class:`~pdserve.disagg.base.KVSender`) while it is
+    ``Bootstrapping``; after ``wait_s`` seconds abort it and raise RuntimeError naming the room."""
+    from pdserve.disagg.base import KVPoll
+
+    deadline = time.monotonic() + wait_s
+    while sender.poll() == KVPoll.Bootstrapping:
+        if time.monotonic() > deadline:
+            sender.abort()
+            raise RuntimeError(f"room {room}: decode did not bootstrap within {wait_s:g} s")
+        time.sleep(0.0005)
+
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     """Run the benchmark; returns the results dict (also what ``--json`` writes).
@@ -91,8 +106,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         (its ``finished_at``), and until decode's harness polled it (every ``POLL_S``)."""
         conn.send(("room", (room, dst)))
         s = prefill.create_sender(room)
-        while s.poll() == KVPoll.Bootstrapping:
-            time.sleep(0.0005)
+        wait_bootstrapped(s, room)
         t = time.perf_counter()
         before = latency()
         if s.poll() == KVPoll.WaitingForInput:
