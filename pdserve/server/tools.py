@@ -1,5 +1,5 @@
-"""Tools (function calling) on ``/v1/chat/completions``, as OpenAI defines them; the
-behaviour and pdserve's default tool format are specified in docs/reference.md (its "Tools" paragraph).
+"""Tools (function calling) on ``/v1/chat/completions``, as OpenAI defines them; behaviour
+and default tool format: docs/reference.md, its "Tools" paragraph.
 
 Rendering: a chat template that knows tools (its source mentions ``tools``) gets them
 through ``apply_chat_template(tools=...)`` with the messages as they are; any other (the
