@@ -95,7 +95,8 @@ def parse_config(text: str):
         return DecodeConfig(splits, block_n, warps, stages, 0, balance)
     except (TypeError, ValueError) as exc:
         raise ValueError(
-            f"configs: {text!r} is not eager, graph or splits/block_n/warps/stages[/balance] ({exc})"
+            f"configs: {text!r} is not eager, graph or "
+            f"splits/block_n/warps/stages[/balance] ({exc})"
         ) from None
 
 
@@ -278,7 +279,8 @@ def run_attention(args: argparse.Namespace) -> int:
     page_size = args.page_size or default_page_size(device)
     bandwidth = copy_bandwidth(device)
     print(
-        f"device {device}  dtype {dtype}  heads {args.num_heads}/{args.num_kv_heads}x{args.head_dim}"
+        f"device {device}  dtype {dtype}"
+        f"  heads {args.num_heads}/{args.num_kv_heads}x{args.head_dim}"
         f"  page size {page_size}  kv order {args.kv_order}"
         f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
     )
@@ -306,7 +308,7 @@ def run_attention(args: argparse.Namespace) -> int:
                             order=args.kv_order,
                             iters=args.iters,
                         )
-                    except Exception as exc:  # noqa: BLE001 one failing shape does not end the sweep
+                    except Exception as exc:  # noqa: BLE001 - one failing shape: the sweep goes on
                         print(f"{batch:>5} {context:>7} {layout:>7} failed: {exc!r}")
                         rows.append({"batch": batch, "context": context, "error": repr(exc)})
                         continue

@@ -50,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--num-prompts",
         default="1,16",
-        help=f"comma-separated concurrencies, each 1..{MAX_PROMPTS} (default 1,16; e.g. 1,64,256,1024)",
+        help=f"comma-separated concurrencies, each 1..{MAX_PROMPTS} "
+        "(default 1,16; e.g. 1,64,256,1024)",
     )
     p.add_argument(
         "--input-len",
@@ -153,7 +154,8 @@ def _parse_nxl(
         n = length = 0
     if not 1 <= n <= MAX_PROMPTS or length < 1:
         raise ValueError(
-            f"{name} must be NxL with N in 1..{MAX_PROMPTS} and L >= 1 (e.g. {example}), got {text!r}"
+            f"{name} must be NxL with N in 1..{MAX_PROMPTS} and L >= 1 (e.g. {example}), "
+            f"got {text!r}"
         )
     return n, length
 
@@ -436,7 +438,8 @@ def _run(
         f"  {engine.dtype} matmul {rates['flop_rate'] / 1e12:.2f} TFLOP/s"
     )
     print(
-        f"{'prompts':>7} {'in len':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}"
+        f"{'prompts':>7} {'in len':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}"
+        f" {'same outputs':>12} {'same 1st':>8}"
         f" {'ours ms/step':>12} {'hf ms/step':>10} {'ours decode/s':>14} {'hf decode/s':>12}"
         f" {'ours decode ms':>14} {'roof ms':>8} {'bound':>7} {'roofline':>8}"
     )
@@ -446,7 +449,8 @@ def _run(
         results.append(row)
         pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
         print(
-            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} {_fmt(row['hf_tok_s']):>9} "
+            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
+            f"{_fmt(row['hf_tok_s']):>9} "
             f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
             f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
             f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
@@ -473,7 +477,8 @@ def _run(
             "input_len": args.input_len,
             "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos"
             if args.input_len is None
-            else f"{args.input_len} tokens each ({rows[0][1] if rows else '-'}), greedy, ignore_eos",
+            else f"{args.input_len} tokens each ({rows[0][1] if rows else '-'}), greedy, "
+            "ignore_eos",
             "long_context": args.long_context,
             "ours_only": args.ours_only,
             "torch_threads": torch.get_num_threads(),

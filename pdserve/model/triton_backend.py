@@ -9,10 +9,10 @@ step's K/V are stored first by the store kernel, or, on CUDA, by the model's RoP
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size and the context bound it is captured for (the split count is
-fixed per graph; each program derives its range from ``seq_lens`` on the device, long
-contexts also the batch's total, see ``decode_config``), so a graph captured over static buffers stays
-valid for any context length that fits the page table. Padded rows carry slot ``-1`` (the
-store writes nothing) and ``seq_len`` 0 (their output is 0).
+fixed per graph; each program derives its range from ``seq_lens`` on the device, for long
+contexts from the batch's total too: ``decode_config``), so a graph captured over static
+buffers stays valid for any context length that fits the page table. Padded rows carry
+slot ``-1`` (the store writes nothing) and ``seq_len`` 0 (their output is 0).
 
 Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 """

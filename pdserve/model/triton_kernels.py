@@ -183,9 +183,10 @@ def decode_split_kernel(
     context leaves its later splits empty. With ``BALANCE_PROGRAMS > 0`` a split also
     covers at least ``cdiv(total * Hkv, BALANCE_PROGRAMS)`` tokens (rounded up to
     ``BLOCK_N``), ``total`` the sum of the ``num_rows`` contexts (read by every program,
-    ``BLOCK_B`` at a time: one compiled variant for every batch size): the batch's KV is cut into about ``BALANCE_PROGRAMS`` equal
-    pieces whatever its lengths, so one long row among short ones is spread over all
-    ``NUM_SPLITS`` programs while a uniform batch gets the same splits as without it. With ``NUM_SPLITS == 1`` the program writes the
+    ``BLOCK_B`` at a time: one compiled variant for every batch size): the batch's KV is
+    cut into about ``BALANCE_PROGRAMS`` equal pieces whatever its lengths, so one long row
+    among short ones is spread over all ``NUM_SPLITS`` programs while a uniform batch gets
+    the same splits as without it. With ``NUM_SPLITS == 1`` the program writes the
     normalised output ``out[b, h, :]`` (q's dtype) itself and no merge runs; otherwise the
     partial output ``mid_o[b, h, s, :]`` (fp32) and its log-sum-exp ``mid_lse[b, h, s]``
     (``-inf`` for an empty split). ``TILE_IN_PAGE`` (``PAGE_SIZE % BLOCK_N == 0``): every
