@@ -170,6 +170,24 @@ CPU_PACKED_LINEAR = EnvVar(
     "logprobs differ from transformers by ~1e-4); none = plain F.linear.",
 )
 
+
+def _parse_moe_experts(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "fused", "loop"):
+        raise ValueError("expected auto, fused or loop")
+    return value
+
+
+MOE_EXPERTS = EnvVar(
+    "PDSERVE_MOE_EXPERTS",
+    _parse_moe_experts,
+    "auto",
+    "How a mixture-of-experts layer runs its experts: auto = the fused Triton grouped GEMMs "
+    "on CUDA, the per-expert torch loop on CPU; fused = the Triton kernels everywhere (CPU "
+    "only under TRITON_INTERPRET=1); loop = the per-expert torch loop (syncs with the host, "
+    "so no CUDA graphs: the baseline the fused kernels are measured against).",
+)
+
 # --- router ------------------------------------------------------------------------
 ROUTER_ADMIN_TOKEN = EnvVar(
     "PDSERVE_ROUTER_ADMIN_TOKEN",
