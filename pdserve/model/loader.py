@@ -20,7 +20,7 @@ import transformers
 from pdserve import envs
 from pdserve.embedded import EMBEDDED_GGUF_FILE, EMBEDDED_GGUF_PACKAGE, EMBEDDED_MODEL_ID
 from pdserve.model import presets
-from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
+from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir, gguf_config
 from pdserve.model.weight_map import ShardSpec, narrow_to
 
 RANDOM_PREFIX = "random:"
@@ -274,7 +274,6 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         if name not in presets.PRESETS:
             raise _usage(model, f"unknown random preset {name!r}")
         return presets.preset_config(name)
-    gguf_file: str | None = None
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise _usage(model, "folder has no config.json")
@@ -284,15 +283,14 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         if not os.path.isfile(gguf):
             raise _usage(model, "GGUF file not found")
         cached = find_cached_gguf_dir(gguf)
-        if cached is None:  # transformers reads the GGUF's metadata, not its tensors
-            folder, gguf_file = os.path.dirname(gguf), os.path.basename(gguf)
-        else:
-            folder = cached
+        if cached is None:  # the GGUF's metadata, not its tensors
+            return cast(transformers.PretrainedConfig, gguf_config(gguf))
+        folder = cached
     else:
         raise _usage(
             model, "not an existing folder, .gguf file, random preset or the embedded model id"
         )
-    cfg = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    cfg = transformers.AutoConfig.from_pretrained(folder)
     return cast(transformers.PretrainedConfig, cfg)
 
 
