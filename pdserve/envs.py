@@ -188,6 +188,15 @@ MOE_EXPERTS = EnvVar(
     "so no CUDA graphs: the baseline the fused kernels are measured against).",
 )
 
+MOE_ROUTING_STATS = EnvVar(
+    "PDSERVE_MOE_ROUTING_STATS",
+    _parse_bool,
+    False,
+    "Count, in every mixture-of-experts layer, the distinct experts each forward routes to "
+    "(a few small kernels per layer, inside CUDA graphs too), so `bench offline`'s roofline "
+    "counts the bytes of the experts the batch actually reads instead of all of them.",
+)
+
 # --- router ------------------------------------------------------------------------
 ROUTER_ADMIN_TOKEN = EnvVar(
     "PDSERVE_ROUTER_ADMIN_TOKEN",

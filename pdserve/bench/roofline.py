@@ -1,7 +1,8 @@
 """The memory roofline of a decode step (``bench offline``): the bytes a step must read and
 the device's copy bandwidth, measured in the same run (GPU.md: ~4.3 TB/s read+write on an
 H200).  A decode step reads every weight once (the input embedding table only for its rows
-unless it is tied to the LM head) and the KV of every context token."""
+unless it is tied to the LM head) and the KV of every context token; in a mixture-of-experts
+layer only the experts the batch routes to (see :func:`step_bytes`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float
 def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     """Bytes one decode step of ``num_seqs`` sequences must read: every weight of the model
     (the input embeddings only when tied to the LM head) + the KV of ``mean_context`` tokens
-    per sequence (all layers, K and V)."""
+    per sequence (all layers, K and V). A mixture-of-experts model counts, per sparse layer,
+    only the experts the batch routed to: the mean distinct experts per forward measured
+    since the last call (``PDSERVE_MOE_ROUTING_STATS=1``, read and reset here, so each
+    concurrency of ``bench offline`` gets its own), or every expert when not measured."""
     from pdserve.engine.worker.kv_storage import kv_bytes_per_token
 
     model = engine.executor.rank0.model
@@ -45,5 +49,24 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     )
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    weights -= unrouted_expert_bytes(model)
     kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
     return int(weights + num_seqs * mean_context * kv)
+
+
+def unrouted_expert_bytes(model) -> int:
+    """Bytes of the experts a forward of ``model`` did not read on average: per sparse layer
+    ``(E - routed) * one expert's bytes`` with ``routed`` from
+    :func:`pdserve.model.moe.routed_experts` (reset by this call); 0 for a dense model or
+    when routing was not counted."""
+    from pdserve.model.moe import routed_experts
+
+    blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    routed = routed_experts(blocks) if blocks else None
+    if routed is None:
+        return 0
+    total = 0.0
+    for b in blocks:
+        per_expert = (b.w13[0].numel() + b.w2[0].numel()) * b.w13.element_size()
+        total += (b.w13.shape[0] - routed) * per_expert
+    return int(total)

@@ -176,8 +176,11 @@ def _random_weights(
     cfg: transformers.PretrainedConfig, seed: int, meta: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield HF-named fp32 tensors: norms = 1, everything else N(0, 0.02), each from a CPU
-    generator seeded by (seed, name) so any tensor is reproducible on its own.
-    ``meta=True`` yields shape-only tensors (checks names/shapes without allocating)."""
+    generator seeded by (seed, name) so any tensor is reproducible on its own; a stacked
+    3-D tensor (a mixture of experts' ``[E, ...]``) is drawn one expert at a time, seeded
+    by (seed, name, expert), on a thread pool (Qwen3-30B-A3B's 29 B expert weights would
+    take minutes on one core). ``meta=True`` yields shape-only tensors (checks
+    names/shapes without allocating)."""
     with torch.device("meta"):
         # AutoModelForCausalLM.from_config carries no annotations in transformers.
         hf_model = transformers.AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
@@ -187,8 +190,27 @@ def _random_weights(
             yield name, torch.empty(shape, device="meta")
         elif name.endswith("norm.weight"):
             yield name, torch.ones(shape)
+        elif len(shape) == 3:
+            yield name, _normal_stacked(shape, seed, name)
         else:
             yield name, _normal(shape, seed, name)
+
+
+def _normal_stacked(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """``[E, ...]`` fp32: slice ``e`` is :func:`_normal` of (seed, ``name.e``), the slices
+    drawn in parallel (torch releases the GIL); the values do not depend on the threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = torch.empty(shape)
+
+    def draw(e: int) -> None:
+        digest = hashlib.sha256(f"{seed}:{name}.{e}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        torch.randn(shape[1:], generator=g, out=out[e]).mul_(0.02)
+
+    with ThreadPoolExecutor(max(1, min(shape[0], os.cpu_count() or 1))) as pool:
+        list(pool.map(draw, range(shape[0])))
+    return out
 
 
 def _normal(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:

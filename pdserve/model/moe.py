@@ -110,16 +110,42 @@ class SparseMoeBlock(nn.Module):
         self.gate = empty(E, H)
         self.w13 = empty(E, 2 * inter, H)
         self.w2 = empty(E, H, inter)
+        # PDSERVE_MOE_ROUTING_STATS: [sum over forwards of the distinct experts routed to,
+        # forwards] (float64, on the device; see routed_experts)
+        self.routing_stats: torch.Tensor | None = None
+        if envs.MOE_ROUTING_STATS.get():
+            self.routing_stats = torch.zeros(2, dtype=torch.float64, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
         s = self.s
         weights, ids = route(F.linear(x, self.gate), s.top_k, s.norm_topk_prob)
+        if self.routing_stats is not None:
+            hit = torch.zeros(s.n_experts, dtype=torch.float64, device=x.device)
+            hit.index_fill_(0, ids.flatten(), 1.0)
+            self.routing_stats[0] += hit.sum()
+            self.routing_stats[1] += 1.0
         if experts_impl(x.device) == "fused":
             from pdserve.model import triton_moe
 
             return triton_moe.fused_experts(x, self.w13, self.w2, weights, ids)
         return experts_loop(x, self.w13, self.w2, weights, ids)
+
+
+def routed_experts(blocks: Iterable[SparseMoeBlock], reset: bool = True) -> float | None:
+    """Mean over the sparse layers and their forwards (since the last reset) of the number
+    of distinct experts a forward routed to, from ``PDSERVE_MOE_ROUTING_STATS``'s counters
+    (padded rows of a captured batch count too: their experts are read as well); None when
+    the counters are off or counted nothing. ``reset`` zeroes them afterwards."""
+    total = calls = 0.0
+    for b in blocks:
+        if b.routing_stats is None:
+            return None
+        got, n = b.routing_stats.tolist()
+        total, calls = total + got, calls + n
+        if reset:
+            b.routing_stats.zero_()
+    return total / calls if calls else None
 
 
 # ------------------------------------------------------------------ checkpoint names

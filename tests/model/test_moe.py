@@ -271,3 +271,16 @@ def test_moe_intermediate_must_split_over_tp():
     cfg.moe_intermediate_size = 33
     with pytest.raises(ValueError, match="moe_intermediate_size=33 is not divisible by"):
         ModelShapes(cfg, TPRank(0, 2))
+
+
+def test_random_expert_tensors_are_drawn_per_expert():
+    """A stacked ``[E, ...]`` random tensor: slice e is the draw of (seed, name.e), whatever
+    the threads (the real-shape presets' experts are drawn in parallel)."""
+    from pdserve.model.loader import _normal, _normal_stacked
+
+    stacked = _normal_stacked((5, 3, 4), 7, "model.layers.0.mlp.experts.down_proj")
+    for e in range(5):
+        assert torch.equal(
+            stacked[e], _normal((3, 4), 7, f"model.layers.0.mlp.experts.down_proj.{e}")
+        )
+    assert not torch.equal(stacked[0], stacked[1])
