@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -60,12 +59,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="write the results and workload here; unset: not written",
-    )
-    p.add_argument(
-        "--no-reference",
-        action="store_true",
-        help="time our engine only, without the transformers side (a model whose second copy "
-        "does not fit on the device, e.g. random:qwen3-30b-a3b on one H200); its columns read nan",
     )
     add_engine_flags(
         p,
@@ -143,9 +136,6 @@ def _time_ours(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
 
 def _time_hf(model, prompts, max_tokens: int, pad_id: int, device) -> tuple[float, list[list[int]]]:
     import torch
-
-    if model is None:  # --no-reference: no time, no token (-1 never equals one of ours)
-        return math.nan, [[-1] * max_tokens for _ in prompts]
 
     width = max(len(p) for p in prompts)  # left padding, as HF batched generation needs
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -231,7 +221,7 @@ def _run(
     import torch
 
     engine = llm.engine
-    hf = None if args.no_reference else hf_model(engine)
+    hf = hf_model(engine)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
     all_prompts = _prompts(llm, max(counts))

@@ -1,8 +1,7 @@
 """The memory roofline of a decode step (``bench offline``): the bytes a step must read and
 the device's copy bandwidth, measured in the same run (GPU.md: ~4.3 TB/s read+write on an
 H200).  A decode step reads every weight once (the input embedding table only for its rows
-unless it is tied to the LM head) and the KV of every context token; in a mixture-of-experts
-layer only the experts the batch routes to (see :func:`step_bytes`)."""
+unless it is tied to the LM head) and the KV of every context token."""
 
 from __future__ import annotations
 
@@ -35,10 +34,7 @@ def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float
 def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     """Bytes one decode step of ``num_seqs`` sequences must read: every weight of the model
     (the input embeddings only when tied to the LM head) + the KV of ``mean_context`` tokens
-    per sequence (all layers, K and V). A mixture-of-experts model counts, per sparse layer,
-    only the experts the batch routed to: the mean distinct experts per forward measured
-    since the last call (``PDSERVE_MOE_ROUTING_STATS=1``, read and reset here, so each
-    concurrency of ``bench offline`` gets its own), or every expert when not measured."""
+    per sequence (all layers, K and V)."""
     from pdserve.engine.worker.kv_storage import kv_bytes_per_token
 
     model = engine.executor.rank0.model
@@ -49,16 +45,18 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     )
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    weights -= unrouted_expert_bytes(model)
+    weights -= unrouted_expert_bytes(model)  # a mixture of experts: the routed ones only
     kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
     return int(weights + num_seqs * mean_context * kv)
 
 
 def unrouted_expert_bytes(model) -> int:
-    """Bytes of the experts a forward of ``model`` did not read on average: per sparse layer
-    ``(E - routed) * one expert's bytes`` with ``routed`` from
-    :func:`pdserve.model.moe.routed_experts` (reset by this call); 0 for a dense model or
-    when routing was not counted."""
+    """Bytes of the experts a forward of ``model`` did not read on average, which
+    :func:`step_bytes` leaves out: a mixture-of-experts step reads only the experts its batch
+    routes to. Per sparse layer ``(E - routed) * one expert's bytes``, ``routed`` the mean
+    distinct experts per forward since the last call (:func:`pdserve.model.moe.routed_experts`
+    with ``PDSERVE_MOE_ROUTING_STATS=1``; reset here, so each concurrency of ``bench offline``
+    gets its own); 0 for a dense model or when routing was not counted (every expert)."""
     from pdserve.model.moe import routed_experts
 
     blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
