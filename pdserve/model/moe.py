@@ -119,17 +119,26 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
         s = self.s
-        weights, ids = route(F.linear(x, self.gate), s.top_k, s.norm_topk_prob)
+        logits = F.linear(x, self.gate)
+        if experts_impl(x.device) == "fused" and x.shape[0] > 0:
+            from pdserve.model import triton_moe as tm
+
+            cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
+            if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
+                weights, ids, al = tm.route_align(logits, s.top_k, s.norm_topk_prob, cfg.block_m)
+            else:
+                weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+                al = tm.align(ids, s.n_experts, cfg.block_m)
+            out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
+        else:
+            weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+            out = experts_loop(x, self.w13, self.w2, weights, ids)
         if self.routing_stats is not None:
             hit = torch.zeros(s.n_experts, dtype=torch.float64, device=x.device)
             hit.index_fill_(0, ids.flatten(), 1.0)
             self.routing_stats[0] += hit.sum()
             self.routing_stats[1] += 1.0
-        if experts_impl(x.device) == "fused":
-            from pdserve.model import triton_moe
-
-            return triton_moe.fused_experts(x, self.w13, self.w2, weights, ids)
-        return experts_loop(x, self.w13, self.w2, weights, ids)
+        return out
 
 
 def routed_experts(blocks: Iterable[SparseMoeBlock], reset: bool = True) -> float | None:

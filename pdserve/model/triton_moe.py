@@ -12,7 +12,9 @@ one expert (the block's expert). Then:
    assignment's routing weight, written to ``out[a]`` ``[N, H]``;
 3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``).
 
-Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
+For decode batches (up to :data:`ROUTE_ALIGN_MAX_CELLS` router logits) the routing and the
+alignment are one launch (``_route_align_kernel``) instead of ~20 small torch kernels per
+layer. Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
 (few tokens per expert) reads each routed expert's weights once per column block: the
 decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from ``T``,
 ``k`` and ``E`` only (at most ``N + min(N, E) * (BLOCK_M - 1)`` sorted rows) and the used
@@ -75,6 +77,131 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
     block_expert = torch.searchsorted(ends, starts, right=True)
     block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
     return Alignment(sorted_ids, block_expert, ends[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    sorted_ptr,
+    bexp_ptr,
+    used_ptr,
+    T,
+    E,
+    ROWS,
+    s_lt,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
+    tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
+    decode step). Softmax in fp32, ``TOP_K`` rounds of argmax (each chosen expert masked
+    out), the weights renormalised when ``RENORM``; then per expert its count and padded
+    end (cumsum), and each assignment's rank among its expert's tokens (an exclusive cumsum
+    over tokens: a token chooses an expert at most once), so assignment ``t * k + j`` lands
+    at ``start[e] + rank``: the order of :func:`align`."""
+    tv = tl.arange(0, BLOCK_T)
+    t = tv[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    tmask = t < T
+    valid = tmask & (e < E)
+    x = tl.load(logits_ptr + t * s_lt + e, mask=valid, other=-float("inf")).to(tl.float32)
+    x = tl.where(tmask, x, 0.0)  # rows past T: finite, never stored
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(valid, p, 0.0)
+    den = tl.sum(p, axis=1)
+    p = p / tl.where(den > 0, den, 1.0)[:, None]
+    left = tl.where(valid, p, -1.0)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(left, axis=1)
+        arg = tl.argmax(left, axis=1)
+        hit = e == arg[:, None]
+        total += top
+        order = tl.where(hit, j, order)
+        chosen = tl.where(hit, 1, chosen)
+        left = tl.where(hit, -1.0, left)
+        tl.store(ids_ptr + tv * TOP_K + j, arg.to(tl.int64), mask=tv < T)
+        tl.store(w_ptr + tv * TOP_K + j, top, mask=tv < T)
+    if RENORM:
+        tl.debug_barrier()
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        kmask = tmask & (kk < TOP_K)
+        wp = w_ptr + t * TOP_K + kk
+        tl.store(wp, tl.load(wp, mask=kmask, other=0.0) / total[:, None], mask=kmask)
+    chosen = tl.where(tmask, chosen, 0)
+    counts = tl.sum(chosen, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    rank = tl.cumsum(chosen, axis=0) - chosen
+    r = tl.arange(0, BLOCK_R)
+    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
+    tl.debug_barrier()
+    dest = (ends - padded)[None, :] + rank
+    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=(chosen > 0) & valid)
+    bv = tl.arange(0, BLOCK_B)
+    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
+    be = tl.sum(past.to(tl.int32), axis=1)
+    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
+
+
+ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
+
+
+def route_align_fits(tokens: int, n_experts: int) -> bool:
+    """Whether :func:`route_align` takes ``tokens`` rows of ``n_experts`` logits (decode
+    batches: up to 64 tokens at 128 experts); larger batches route and align in torch."""
+    return 0 < tokens * int(triton.next_power_of_2(n_experts)) <= ROUTE_ALIGN_MAX_CELLS
+
+
+def route_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    """:func:`pdserve.model.moe.route` then :func:`align`, in one Triton launch (when
+    :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns ``(weights [T, k]
+    float32, ids [T, k] int64, Alignment)``, equal to the torch pair's (ids and order;
+    weights to fp32 rounding)."""
+    T, E = router_logits.shape
+    dev = router_logits.device
+    N = T * top_k
+    rows = max_rows(N, E, block_m)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
+    sorted_ids = torch.empty((rows,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((rows // block_m,), dtype=torch.int32, device=dev)
+    used = torch.empty((1,), dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        router_logits,
+        weights,
+        ids,
+        sorted_ids,
+        block_expert,
+        used,
+        T,
+        E,
+        rows,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_M=block_m,
+        BLOCK_T=triton.next_power_of_2(max(T, 1)),
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_R=triton.next_power_of_2(rows),
+        BLOCK_B=triton.next_power_of_2(rows // block_m),
+        num_warps=8 if T * E > 2048 else 4,
+    )
+    return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)
 
 
 @triton.jit
@@ -234,17 +361,30 @@ def fused_experts(
     dim contiguous); weights ``[T, k]`` float32; ids ``[T, k]`` int. Returns ``[T, H]`` in
     x's dtype. config: tiles (default :func:`pick_config`). fp32 runs the dots in IEEE
     fp32 (no TF32)."""
-    T, H = x.shape
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
-    k = ids.shape[1]
-    N = T * k
-    if T == 0:
+    if x.shape[0] == 0:
         return torch.empty_like(x)
+    cfg = config or pick_config(ids.numel(), w13.shape[0])
+    return grouped_experts(x, w13, w2, weights, align(ids, w13.shape[0], cfg.block_m), cfg)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    al: Alignment,
+    cfg: MoEConfig,
+) -> torch.Tensor:
+    """The two grouped GEMMs over assignments already aligned (:func:`align` or
+    :func:`route_align` with ``cfg.block_m``) and the top-k sum: x ``[T, H]``, weights
+    ``[T, k]`` float32 -> ``[T, H]`` in x's dtype (see :func:`fused_experts`)."""
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    k = weights.shape[1]
+    N = T * k
+    assert al.block_m == cfg.block_m, "aligned to another row block"
     x = x.contiguous()
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
-    cfg = config or pick_config(N, E)
-    al = align(ids, E, cfg.block_m)
     act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     n_blocks = al.sorted_ids.numel() // cfg.block_m

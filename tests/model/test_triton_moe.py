@@ -102,22 +102,59 @@ def test_pick_config_small_blocks_for_decode():
     assert triton_moe.pick_config(16384 * 8, 128).block_m == 64  # prefill
 
 
+@pytest.mark.parametrize(
+    "T, E, k, renorm, block_m",
+    [(1, 8, 2, True, 16), (5, 6, 3, False, 4), (13, 128, 8, True, 16), (64, 128, 8, True, 16)],
+)
+def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
+    """The one-launch routing + alignment of decode batches: the torch pair's ids, order,
+    blocks and used rows exactly, weights to fp32 rounding."""
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    assert triton_moe.route_align_fits(T, E)
+    w, ids, al = triton_moe.route_align(logits, k, renorm, block_m)
+    w0, ids0 = moe.route(logits, k, renorm)
+    al0 = triton_moe.align(ids0, E, block_m)
+    assert torch.equal(ids, ids0)
+    assert (w - w0).abs().max().item() < 1e-6
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item())
+
+
+def test_route_align_takes_decode_batches_only():
+    assert triton_moe.route_align_fits(64, 128) and not triton_moe.route_align_fits(65, 128)
+    assert not triton_moe.route_align_fits(0, 8)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
-def test_model_with_fused_experts_equals_transformers(monkeypatch):
-    """PDSERVE_MOE_EXPERTS=fused: the whole tiny Qwen3-MoE through the Triton kernels."""
+@pytest.mark.parametrize(
+    "cells", [triton_moe.ROUTE_ALIGN_MAX_CELLS, 8], ids=["one-launch", "torch"]
+)
+def test_model_with_fused_experts_equals_transformers(monkeypatch, cells):
+    """PDSERVE_MOE_EXPERTS=fused: the whole tiny Qwen3-MoE through the Triton kernels, its
+    routing in the one-launch kernel (every step fits) or in torch (none but 1 row fits)."""
     monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setattr(triton_moe, "ROUTE_ALIGN_MAX_CELLS", cells)
     hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
     model.load_weights(hf.state_dict().items())
-    called = []
-    real = triton_moe.fused_experts
-    monkeypatch.setattr(
-        triton_moe, "fused_experts", lambda *a, **kw: called.append(1) or real(*a, **kw)
-    )
+    called: dict[str, int] = {"grouped_experts": 0, "route_align": 0, "align": 0}
+    for name in called:
+        real = getattr(triton_moe, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            called[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(triton_moe, name, spy)
     prompts = PROMPTS[:2]
     tokens, logits = greedy_paged(model, prompts, 2)
-    assert called, "the fused kernels never ran"
+    assert called["grouped_experts"] == 3 * 2, "the fused kernels: 3 steps x 2 sparse layers"
+    if cells == 8:
+        assert called["align"] == 6 and called["route_align"] == 0
+    else:
+        assert called["route_align"] == 6 and called["align"] == 0
     ref_tokens, ref_logits = hf_greedy(hf, prompts, 2)
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
@@ -158,5 +195,38 @@ def test_fused_experts_capture_in_a_cuda_graph_and_replay_new_routing():
         w.copy_(w_new)
         ids.copy_(ids_new)
         graph.replay()
+        ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+        assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_route_align_and_experts_capture_in_a_cuda_graph():
+    """The decode path of SparseMoeBlock on CUDA (router logits -> route_align ->
+    grouped_experts) captured once and replayed on new hidden states and router logits."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    T, H, inter, E, k = 8, 256, 128, 64, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    cfg = triton_moe.pick_config(T * k, E)
+
+    def step():
+        w, ids, al = triton_moe.route_align(logits, k, True, cfg.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, cfg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (1, 2):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        logits.copy_(torch.randn(T, E, device=DEVICE, generator=g))
+        x.copy_(torch.randn(T, H, device=DEVICE, generator=g).bfloat16())
+        graph.replay()
+        w, ids = moe.route(logits, k, True)
         ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
         assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
