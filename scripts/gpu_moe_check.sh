@@ -22,22 +22,23 @@ MODEL=${MODEL:-random:qwen3-30b-a3b}
 LOOP_TOKENS=${LOOP_TOKENS:-16}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
-if [ -f scripts/gpu_setup.sh ]; then
-    source scripts/gpu_setup.sh  # wheels into /tmp/site, PDSERVE_CACHE_DIR (branch gpu)
-fi
+# the wheels/tokenizer setup: scripts/gpu_setup.sh on branch gpu, scripts/gpu_env.sh on fp8
+for setup in scripts/gpu_setup.sh scripts/gpu_env.sh; do
+    if [ -f "$setup" ]; then source "$setup"; break; fi
+done
 export PYTHONUNBUFFERED=1
 if ! $PY -m pdserve bench offline --help | grep -q -- --ours-only; then
     echo "bench offline has no --ours-only here (merge branch gpu, issue 24, first)"; exit 2
 fi
 echo "== gpu-marked MoE tests"
-timeout 120 $PY -m pytest -x -q --timeout=110 -m gpu tests/model/test_triton_moe.py 2>&1 \
-    | tail -8 | tee "$OUT/gpu_tests.txt"
+timeout 150 $PY -m pytest -x -q --timeout=140 -m gpu tests/model/test_triton_moe.py \
+    tests/model/test_moe.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
 O=(--model "$MODEL" --device cuda --dtype bfloat16 --ours-only --prefill 8x2048)
 echo "== bench offline, fused experts ($SECONDS s)"
-PDSERVE_MOE_EXPERTS=fused PDSERVE_MOE_ROUTING_STATS=1 timeout 170 $PY -m pdserve bench offline \
+PDSERVE_MOE_EXPERTS=fused PDSERVE_MOE_ROUTING_STATS=1 timeout 160 $PY -m pdserve bench offline \
     "${O[@]}" --num-prompts 1,64 --max-tokens 128 --repeats 2 --json "$OUT/moe_fused.json" 2>&1 | tail -8
 echo "== bench offline, per-expert loop, eager ($SECONDS s)"
-PDSERVE_MOE_EXPERTS=loop PDSERVE_MOE_ROUTING_STATS=1 timeout 150 $PY -m pdserve bench offline \
+PDSERVE_MOE_EXPERTS=loop PDSERVE_MOE_ROUTING_STATS=1 timeout 130 $PY -m pdserve bench offline \
     "${O[@]}" --num-prompts 1,64 --max-tokens "$LOOP_TOKENS" --repeats 1 --enforce-eager \
     --json "$OUT/moe_loop.json" 2>&1 | tail -8
 $PY - "$OUT" <<'EOF'
