@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")  # sparse MLP layers: see pdserve.model.moe
 
 
 class ModelShapes:
