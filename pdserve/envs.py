@@ -192,9 +192,10 @@ MOE_ROUTING_STATS = EnvVar(
     "PDSERVE_MOE_ROUTING_STATS",
     _parse_bool,
     False,
-    "Count, in every mixture-of-experts layer, the distinct experts each forward routes to "
-    "(a few small kernels per layer, inside CUDA graphs too), so `bench offline`'s roofline "
-    "counts the bytes of the experts the batch actually reads instead of all of them.",
+    "Count, in every mixture-of-experts layer and per forward size, the distinct experts each "
+    "forward routes to (a few small kernels per layer, inside CUDA graphs too), so `bench "
+    "offline`'s roofline counts the bytes of the experts a decode step actually reads instead "
+    "of all of them.",
 )
 
 # --- router ------------------------------------------------------------------------

@@ -83,6 +83,9 @@ def experts_loop(
     return out
 
 
+STATS_ROWS = 1025  # routing counters per forward size: 0..1023 tokens, then "1024 or more"
+
+
 def experts_impl(device: torch.device) -> str:
     """``"fused"`` or ``"loop"``: how experts run on ``device`` (``PDSERVE_MOE_EXPERTS``;
     ``auto`` is fused on CUDA, the loop elsewhere)."""
@@ -110,11 +113,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = empty(E, H)
         self.w13 = empty(E, 2 * inter, H)
         self.w2 = empty(E, H, inter)
-        # PDSERVE_MOE_ROUTING_STATS: [sum over forwards of the distinct experts routed to,
-        # forwards] (float64, on the device; see routed_experts)
+        # PDSERVE_MOE_ROUTING_STATS: per forward size T (row min(T, STATS_ROWS - 1)) the sum
+        # of the distinct experts routed to and the number of forwards (float64, on the
+        # device; the row is fixed per captured graph; see routed_experts)
         self.routing_stats: torch.Tensor | None = None
         if envs.MOE_ROUTING_STATS.get():
-            self.routing_stats = torch.zeros(2, dtype=torch.float64, device=device)
+            self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
@@ -136,25 +140,37 @@ class SparseMoeBlock(nn.Module):
         if self.routing_stats is not None:
             hit = torch.zeros(s.n_experts, dtype=torch.float64, device=x.device)
             hit.index_fill_(0, ids.flatten(), 1.0)
-            self.routing_stats[0] += hit.sum()
-            self.routing_stats[1] += 1.0
+            row = self.routing_stats[min(x.shape[0], STATS_ROWS - 1)]
+            row[0] += hit.sum()
+            row[1] += 1.0
         return out
 
 
-def routed_experts(blocks: Iterable[SparseMoeBlock], reset: bool = True) -> float | None:
-    """Mean over the sparse layers and their forwards (since the last reset) of the number
-    of distinct experts a forward routed to, from ``PDSERVE_MOE_ROUTING_STATS``'s counters
-    (padded rows of a captured batch count too: their experts are read as well); None when
-    the counters are off or counted nothing. ``reset`` zeroes them afterwards."""
-    total = calls = 0.0
-    for b in blocks:
-        if b.routing_stats is None:
-            return None
-        got, n = b.routing_stats.tolist()
-        total, calls = total + got, calls + n
-        if reset:
-            b.routing_stats.zero_()
-    return total / calls if calls else None
+def routed_experts(
+    blocks: Iterable[SparseMoeBlock], num_seqs: int, reset: bool = True
+) -> float | None:
+    """Mean number of distinct experts a decode step of ``num_seqs`` sequences routed to,
+    per sparse layer, from ``PDSERVE_MOE_ROUTING_STATS``'s counters since the last reset:
+    the forwards of the size in ``[num_seqs, 4 * num_seqs]`` that ran most often (the
+    decode step's batch, padded to its graph bucket; prefill chunks and start-up warm-ups of
+    other sizes are left out; a bucket's padded rows count, their experts are read too).
+    None when the counters are off or saw no such forward. ``reset`` zeroes them."""
+    stats = [b.routing_stats for b in blocks]
+    if not stats or any(t is None for t in stats):
+        return None
+    total = torch.stack([t for t in stats if t is not None]).sum(0).cpu()  # [rows, 2]
+    if reset:
+        for t in stats:
+            if t is not None:
+                t.zero_()
+    lo, hi = num_seqs, min(4 * num_seqs, STATS_ROWS - 2)
+    if lo > hi:
+        return None
+    calls = total[lo : hi + 1, 1]
+    if calls.max().item() == 0:
+        return None
+    row = lo + int(calls.argmax())
+    return float(total[row, 0] / total[row, 1])
 
 
 # ------------------------------------------------------------------ checkpoint names

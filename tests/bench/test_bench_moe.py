@@ -43,8 +43,9 @@ def test_bench_offline_moe_roofline_counts_routed_experts(tmp_path, monkeypatch)
         assert a["step_bytes"] - b["step_bytes"] <= 2 * 6 * expert
 
 
-def test_routing_stats_count_distinct_experts(monkeypatch):
-    """One token routes to exactly top_k experts per layer; the counters reset on read."""
+def test_routing_stats_count_distinct_experts_per_forward_size(monkeypatch):
+    """A one-token forward routes to exactly top_k experts per layer; the decode size of 1
+    sequence reads that row, not a 5-token forward's (a prefill); the counters reset on read."""
     monkeypatch.setenv("PDSERVE_MOE_ROUTING_STATS", "1")
     src = load_model_source(MODEL)
     model = LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
@@ -52,10 +53,14 @@ def test_routing_stats_count_distinct_experts(monkeypatch):
     s = model.shapes
     lay = KVCacheLayout("page_major", s.n_layers, s.n_kv_heads, s.head_dim, 4, 4, torch.float32)
     caches = lay.layer_views(lay.allocate("cpu"))
-    md = build_attention_metadata([1], [1], [[0]], 4)
-    model(torch.tensor([7]), torch.tensor([0]), md, caches)
+    prefill = build_attention_metadata([5], [5], [[0, 1]], 4)
+    model(torch.tensor([7, 300, 9, 4000, 12]), torch.arange(5), prefill, caches)
+    for pos in (5, 6):
+        decode = build_attention_metadata([1], [pos + 1], [[0, 1]], 4)
+        model(torch.tensor([7 + pos]), torch.tensor([pos]), decode, caches)
     blocks = [layer.moe for layer in model.decoder_layers()]
-    assert moe.routed_experts(blocks, reset=False) == s.top_k
+    assert moe.routed_experts(blocks, 1, reset=False) == s.top_k
+    assert s.top_k < moe.routed_experts(blocks, 5, reset=False) <= s.n_experts
     per_expert = 3 * s.moe_intermediate * s.hidden * 4
-    assert unrouted_expert_bytes(model) == s.n_layers * (s.n_experts - s.top_k) * per_expert
-    assert moe.routed_experts(blocks) is None  # reset by the read above: nothing counted
+    assert unrouted_expert_bytes(model, 1) == s.n_layers * (s.n_experts - s.top_k) * per_expert
+    assert moe.routed_experts(blocks, 1) is None  # reset by the read above: nothing counted
