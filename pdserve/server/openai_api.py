@@ -107,6 +107,7 @@ class WorkerContext:
     token_text: fmt.TokenText
     max_prompt_chars: int = 0  # max_prompt_chars(); 0 = no bound
     fields: FieldPolicy | None = None  # unknown request fields; None: ignored silently
+    responses_store_size: int = 1000  # most responses /v1/responses keeps (0: none)
     # /v1/models' ``created``: Unix time (s) the model was loaded and this worker set up
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -176,6 +177,51 @@ def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]
     for i, m in enumerate(out):
         ctx.check_text(m["content"], f"messages[{i}].content")
     return out
+
+
+async def chat_job(
+    ctx: WorkerContext, req: ChatCompletionRequest
+) -> tuple[Job, tl.ToolPlan, list[int], int | None]:
+    """A parsed chat request made ready to run: ``(job, tool plan, prompt token ids, top
+    logprobs per token or None)``; the prompt is the model's chat template over
+    ``req.messages`` (with the tools' rendering). Raises APIError (400 naming the field,
+    404 for another model)."""
+    check_model(ctx, req.model)
+    plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
+    chat_messages(ctx, req.messages)  # checks every message's text
+    messages, template_kwargs = tl.template_messages(req.messages, plan)
+    text = await apply_chat_template(
+        ctx.tokenizer,
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        **template_kwargs,
+    )
+    ctx.check_text(text, "messages")
+    prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    spec = structured_params(req)
+    forced = plan.forced_spec()
+    if forced is not None and spec is not None:
+        raise APIError(
+            400,
+            f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined "
+            "with it",
+            spec.field,
+        )
+    spec = forced or spec
+    await compile_or_400(ctx.serving.engine.core, spec)
+    job = _job(
+        ctx,
+        req,
+        prompt_ids,
+        req.max_completion_tokens or req.max_tokens,
+        top,
+        req.prompt_logprobs,
+        spec,
+    )
+    return job, plan, prompt_ids, top
 
 
 def build_openai_router(ctx: WorkerContext) -> APIRouter:
@@ -307,41 +353,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         ctx.accept(req, "/v1/chat/completions")
-        check_model(ctx, req.model)
-        plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
-        chat_messages(ctx, req.messages)  # checks every message's text
-        messages, template_kwargs = tl.template_messages(req.messages, plan)
-        text = await apply_chat_template(
-            ctx.tokenizer,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            **template_kwargs,
-        )
-        ctx.check_text(text, "messages")
-        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        spec = structured_params(req)
-        forced = plan.forced_spec()
-        if forced is not None and spec is not None:
-            raise APIError(
-                400,
-                f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined "
-                "with it",
-                spec.field,
-            )
-        spec = forced or spec
-        await compile_or_400(ctx.serving.engine.core, spec)
-        job = _job(
-            ctx,
-            req,
-            prompt_ids,
-            req.max_completion_tokens or req.max_tokens,
-            top,
-            req.prompt_logprobs,
-            spec,
-        )
+        job, plan, prompt_ids, top = await chat_job(ctx, req)
         head = response_head("chatcmpl", "chat.completion", job.request_id, ctx.model_name)
 
         if req.stream:
