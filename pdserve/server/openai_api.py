@@ -206,8 +206,7 @@ async def chat_job(
     if forced is not None and spec is not None:
         raise APIError(
             400,
-            f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined "
-            "with it",
+            f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined with it",
             spec.field,
         )
     spec = forced or spec

@@ -215,8 +215,7 @@ def normalize_input(value: str | list[Any], field: str = "input") -> list[dict]:
         else:
             raise APIError(
                 400,
-                f"{where}.type {kind!r} is not supported: input items are "
-                f"{', '.join(INPUT_TYPES)}",
+                f"{where}.type {kind!r} is not supported: input items are {', '.join(INPUT_TYPES)}",
                 f"{where}.type",
             )
     return items
@@ -234,9 +233,7 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
             out.append({"role": item["role"], "content": item["content"]})
             continue
         if item["type"] == "function_call_output":
-            out.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-            )
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             continue
         call = {
             "id": item["call_id"],
@@ -244,8 +241,10 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
             "function": {"name": item["name"], "arguments": item["arguments"]},
         }
         last = out[-1] if out else None
-        if last is not None and last["role"] == "assistant" and (
-            last.get("tool_calls") or not last.get("content")
+        if (
+            last is not None
+            and last["role"] == "assistant"
+            and (last.get("tool_calls") or not last.get("content"))
         ):
             last.setdefault("tool_calls", []).append(call)
         else:
@@ -625,8 +624,10 @@ async def _stream(
         fn = call.get("function") or {}
         if index not in open_calls:
             item = _call_item(
-                {"id": call.get("id") or tl.new_call_id(), "function": {"name": fn.get("name"),
-                                                                       "arguments": ""}},
+                {
+                    "id": call.get("id") or tl.new_call_id(),
+                    "function": {"name": fn.get("name"), "arguments": ""},
+                },
                 "in_progress",
             )
             open_calls[index] = {"item": item, "index": len(items)}
