@@ -229,7 +229,7 @@ def _error(resp: httpx.Response, status: int, param: str, *words: str) -> None:
 def test_bad_input(cluster):
     for url in (cluster["router"].url, cluster["mixed"].url):
 
-        def post(body):
+        def post(body, url=url):
             return httpx.post(url + "/v1/responses", json=dict(model=MODEL, **body), timeout=60)
 
         _error(post({}), 400, "input", "input")
