@@ -274,9 +274,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.responses_store_size < 0:
-            raise ValueError(
-                f"responses_store_size must be >= 0, got {self.responses_store_size}"
-            )
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)
