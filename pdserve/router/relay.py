@@ -10,7 +10,8 @@ SSE error event and ``data: [DONE]``.
 Merging: the decode worker never ran the prompt, so its answer has no prompt logprobs and
 no prefix-cache count; the prefill worker's answer has them. Field names, per endpoint:
 ``/generate``: ``meta_info.input_token_logprobs`` and ``meta_info.input_top_logprobs``;
-OpenAI endpoints: ``choices[i].prompt_logprobs`` (a vLLM-style extension); and on
+OpenAI endpoints: ``choices[i].prompt_logprobs`` (chat: top-level ``prompt_logprobs``,
+vLLM's extensions); and on
 ``/v1/completions`` with ``echo``, the echoed prompt's entries of ``choices[i].logprobs``
 (``token_logprobs`` / ``top_logprobs``, which the decode worker leaves null for the
 prompt's ``usage.prompt_tokens`` positions; the prefill leg has them).
@@ -371,6 +372,18 @@ def _fill_echo(decode_lp: Any, prefill_lp: Any, num_prompt: int) -> None:
                 mine[j] = theirs[j]
 
 
+def _merge_chat_prompt_logprobs(decode: Any, prefill: Any) -> None:
+    """Chat: the top-level ``prompt_logprobs`` (vLLM's place) of prefill's answer into a
+    decode answer or chunk that has the key (its first chunk of a sample)."""
+    if (
+        isinstance(decode, dict)
+        and isinstance(prefill, dict)
+        and OPENAI_PROMPT_KEY in decode
+        and prefill.get(OPENAI_PROMPT_KEY) is not None
+    ):
+        decode[OPENAI_PROMPT_KEY] = prefill[OPENAI_PROMPT_KEY]
+
+
 def merge_prompt_logprobs(
     endpoint: str, decode: Any, prefill: Any, done: set[int] | None = None
 ) -> Any:
@@ -388,6 +401,8 @@ def merge_prompt_logprobs(
             index = int(item.get("index", pos))
             if source.get(index):
                 item.setdefault("meta_info", {}).update(source[index])
+    elif endpoint == "/v1/chat/completions":
+        _merge_chat_prompt_logprobs(decode, prefill)
     else:
         source = _prefill_openai(prefill, OPENAI_PROMPT_KEY)
         echoed = _prefill_openai(prefill, "logprobs") if endpoint == "/v1/completions" else {}

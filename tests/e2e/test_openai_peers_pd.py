@@ -1,10 +1,16 @@
-"""OpenAI's Responses API with the official ``openai`` client, through a PD router
-(prefill + decode, KV over real NIXL on CPU) against a mixed worker on the same tiny
-random model, greedy: plain and streamed (the ``responses.stream`` helper), instructions,
-a function tool with tool_choice required, text.format json_schema parsed by
-``responses.parse``, a two-turn conversation via previous_response_id (equal to the same
-conversation sent in full), stored responses read back, the store's bound, and bad input
-as a 400 naming the field."""
+"""What peer projects' OpenAI-server test suites check, with our own tests, through a PD
+router (prefill + decode, KV over real NIXL on CPU) against a mixed worker on the same tiny
+random model, greedy.
+
+Responses API with the official ``openai`` client: plain and streamed (the
+``responses.stream`` helper), instructions, a function tool with tool_choice required,
+text.format json_schema parsed by ``responses.parse``, a two-turn conversation via
+previous_response_id (equal to the same conversation sent in full), stored responses read
+back, the store's bound, bad input as a 400 naming the field.
+
+Assistant prefill: a continued final message equals ``/v1/completions`` on the rendered
+prompt. vLLM's extensions in vLLM's shapes: usage in chunks only with include_usage, chat
+prompt_logprobs at the top level, root/parent on model objects, truncate_prompt_tokens."""
 
 from __future__ import annotations
 
@@ -272,3 +278,151 @@ def test_store_is_bounded_and_optional(cluster):
             timeout=60,
         ).json()
         assert httpx.get(f"{url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+PREFILL = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "My favourite colour is"},
+]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"continue_final_message": True},
+        {"continue_final_message": True, "add_generation_prompt": False},
+    ],
+)
+def test_assistant_prefill_continues_the_final_message(cluster, flags):
+    mixed = cluster["mixed"].url
+    rendered = post(mixed, "/tokenize", {"messages": PREFILL, **flags})["tokens"]
+    text = post(mixed, "/detokenize", {"tokens": rendered})["prompt"]
+    assert text.endswith("My favourite colour is"), text  # no end of turn, no new turn
+    want = post(mixed, "/v1/completions", {"prompt": rendered, "max_tokens": 10, "temperature": 0})[
+        "choices"
+    ][0]
+    for url in (cluster["router"].url, mixed):
+        got = post(
+            url,
+            "/v1/chat/completions",
+            {"messages": PREFILL, "max_tokens": 10, "temperature": 0, **flags},
+        )
+        assert got["choices"][0]["message"]["content"] == want["text"]
+        assert got["usage"]["prompt_tokens"] == len(rendered)
+
+
+def test_assistant_prefill_off_and_conflicts(cluster):
+    mixed = cluster["mixed"].url
+    cont = post(mixed, "/tokenize", {"messages": PREFILL})["tokens"]
+    new_turn = post(mixed, "/tokenize", {"messages": PREFILL, "continue_final_message": False})
+    # the same text, then its end of turn and a new assistant turn
+    assert len(new_turn["tokens"]) > len(cont) and new_turn["tokens"][: len(cont)] == cont
+    body = {"messages": PREFILL, "max_tokens": 6, "temperature": 0}
+    a = post(cluster["router"].url, "/v1/chat/completions", dict(body, add_generation_prompt=True))
+    assert a["usage"]["prompt_tokens"] == len(new_turn["tokens"])  # explicit: a new turn
+    for url in (cluster["router"].url, mixed):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json=dict(body, continue_final_message=True, add_generation_prompt=True),
+            timeout=60,
+        )
+        _error(r, 400, "continue_final_message", "add_generation_prompt")
+
+
+def _sse(url: str, path: str, body: dict) -> list[dict]:
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_usage_chunks_only_with_include_usage(cluster):
+    body = {"prompt": "Count", "max_tokens": 4, "temperature": 0, "stream": True}
+    for url in (cluster["router"].url, cluster["mixed"].url):
+        alone = _sse(
+            url, "/v1/completions", dict(body, stream_options={"continuous_usage_stats": True})
+        )
+        assert alone and all("usage" not in ch for ch in alone)
+        both = _sse(
+            url,
+            "/v1/completions",
+            dict(body, stream_options={"continuous_usage_stats": True, "include_usage": True}),
+        )
+        assert [ch["usage"]["completion_tokens"] for ch in both if ch["choices"]] == [1, 2, 3, 4]
+        assert both[-1]["choices"] == [] and both[-1]["usage"]["completion_tokens"] == 4
+        plain = _sse(url, "/v1/completions", dict(body, stream_options={"include_usage": True}))
+        assert all(ch["usage"] is None for ch in plain[:-1]) and plain[-1]["usage"]
+
+
+def test_chat_prompt_logprobs_at_the_top_level(cluster):
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "prompt_logprobs": 2,
+    }
+    pd = post(cluster["router"].url, "/v1/chat/completions", body)
+    mixed = post(cluster["mixed"].url, "/v1/chat/completions", body)
+    assert "prompt_logprobs" not in pd["choices"][0]
+    plp = pd["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == pd["usage"]["prompt_tokens"]
+    assert all(len(e["top_logprobs"]) == 2 for e in plp[1:])
+    assert [e["token_id"] for e in plp[1:]] == [e["token_id"] for e in mixed["prompt_logprobs"][1:]]
+    assert all(
+        abs(a["logprob"] - b["logprob"]) < 1e-4
+        for a, b in zip(plp[1:], mixed["prompt_logprobs"][1:])
+    )
+    # streamed: in the first chunk, at its top level, merged from prefill through PD
+    chunks = _sse(cluster["router"].url, "/v1/chat/completions", dict(body, stream=True))
+    assert [e and e["token_id"] for e in chunks[0]["prompt_logprobs"]] == [
+        e and e["token_id"] for e in plp
+    ]
+    assert all("prompt_logprobs" not in ch for ch in chunks[1:])
+    assert all("prompt_logprobs" not in c for ch in chunks for c in ch["choices"])
+
+
+def test_model_objects_have_root_and_parent(cluster):
+    pd, mixed = clients(cluster)
+    for client in (pd, mixed):
+        (card,) = client.models.list().data
+        assert card.root == MODEL and card.parent is None
+        assert client.models.retrieve(card.id).root == MODEL
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(cluster):
+    mixed = cluster["mixed"].url
+    prompt = "one two three four five six seven eight nine ten"
+    ids = post(mixed, "/tokenize", {"prompt": prompt})["tokens"]
+    keep = 4
+    want = post(
+        mixed, "/v1/completions", {"prompt": ids[-keep:], "max_tokens": 6, "temperature": 0}
+    )
+    for url in (cluster["router"].url, mixed):
+        got = post(
+            url,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": keep},
+        )
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"]["prompt_tokens"] == keep
+        chat = post(
+            url,
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 3,
+                "temperature": 0,
+                "truncate_prompt_tokens": keep,
+            },
+        )
+        assert chat["usage"]["prompt_tokens"] == keep
+    r = httpx.post(mixed + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0})
+    _error(r, 400, "truncate_prompt_tokens", "truncate_prompt_tokens")
