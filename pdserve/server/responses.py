@@ -223,7 +223,8 @@ def normalize_input(value: str | list[Any], field: str = "input") -> list[dict]:
 
 def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
     """Chat messages of normalized input items: ``instructions`` first as a system message;
-    consecutive ``function_call`` items as one assistant message's ``tool_calls``; a
+    ``function_call`` items as the ``tool_calls`` of the assistant message just before them
+    (one made when there is none: the turn's text and calls are one message); a
     ``function_call_output`` as a ``tool`` message."""
     out: list[dict] = []
     if instructions:
@@ -241,11 +242,7 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
             "function": {"name": item["name"], "arguments": item["arguments"]},
         }
         last = out[-1] if out else None
-        if (
-            last is not None
-            and last["role"] == "assistant"
-            and (last.get("tool_calls") or not last.get("content"))
-        ):
+        if last is not None and last["role"] == "assistant":  # the same turn's calls
             last.setdefault("tool_calls", []).append(call)
         else:
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
