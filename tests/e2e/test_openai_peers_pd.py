@@ -208,6 +208,9 @@ def test_previous_response_id(cluster):
         # the stored conversation, oldest first: both inputs and the first answer
         items = list(client.responses.input_items.list(second.id, order="asc"))
         assert [i.role for i in items] == ["user", "assistant", "user"]
+        # pages of one item, newest first (the client follows after= from page to page)
+        paged = list(client.responses.input_items.list(second.id, limit=1))
+        assert [i.id for i in paged] == [i.id for i in reversed(items)]
         assert client.responses.retrieve(second.id).output_text == second.output_text
     assert answers["pd"][1].output_text == answers["mixed"][1].output_text
     # the same conversation sent in full (instructions not carried over, as OpenAI's)
