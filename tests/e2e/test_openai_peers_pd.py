@@ -140,6 +140,22 @@ def test_streamed_with_helper(cluster):
         assert client.responses.retrieve(final.id).output_text == plain.output_text
 
 
+def test_cached_tokens_are_prefill_s_through_pd(cluster):
+    """A repeated prompt's prefix-cache hit: PD reports the prefill worker's count (merged by
+    the router, plain and streamed), the same as the mixed worker's for the same prompt."""
+    pd, mixed = clients(cluster)
+    kw = dict(BASE, input="Cache me: " + "word " * 40, max_output_tokens=2)
+    for client in (pd, mixed):
+        client.responses.create(**kw)
+    counts = []
+    for client in (pd, mixed):
+        plain = client.responses.create(**kw).usage.input_tokens_details.cached_tokens
+        with client.responses.stream(**kw) as stream:
+            streamed = stream.get_final_response().usage.input_tokens_details.cached_tokens
+        counts.append((plain, streamed))
+    assert counts[0] == counts[1] and counts[0][0] > 0, counts
+
+
 def test_function_tool_required(cluster):
     pd, mixed = clients(cluster)
     kw = dict(
