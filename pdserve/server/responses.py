@@ -484,7 +484,13 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
         except ValidationError as exc:
             first = exc.errors()[0]
             raise APIError(400, f"invalid input: {first.get('msg')}", "input") from None
-        job, plan, prompt_ids, _ = await chat_job(ctx, chat_req)
+        try:
+            job, plan, prompt_ids, _ = await chat_job(ctx, chat_req)
+        except APIError as exc:  # the chat path names its messages: here they are the input
+            if exc.param and exc.param.startswith("messages"):
+                exc.param = "input"
+            raise
+        job.prompt_field = "input"  # the engine's checks (context limit) name it too
         shape = _Shape(req, _new_id("resp"), ctx.model_name)
 
         def finish(output: list[dict], out: RequestOutput) -> dict:

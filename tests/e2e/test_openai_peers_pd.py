@@ -278,6 +278,10 @@ def test_bad_input(cluster):
             "previous_response_id",
             "resp_unknown",
         )
+        # the chat path's checks name the input: a prompt over the context limit
+        limit = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+        too_long = {"input": "word " * (limit + 100), "max_output_tokens": 4}
+        _error(post(too_long), 400, "input", "context")
         missing = httpx.get(url + "/v1/responses/resp_unknown", timeout=30)
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
 
