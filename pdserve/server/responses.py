@@ -475,6 +475,7 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
             "top_p": req.top_p,
             "seed": req.seed,
             "stream": req.stream,
+            "continue_final_message": False,  # a final assistant item: a new turn, as OpenAI's
             "bootstrap_host": req.bootstrap_host,
             "bootstrap_port": req.bootstrap_port,
             "bootstrap_room": req.bootstrap_room,

@@ -350,6 +350,9 @@ def test_assistant_prefill_off_and_conflicts(cluster):
     body = {"messages": PREFILL, "max_tokens": 6, "temperature": 0}
     a = post(cluster["router"].url, "/v1/chat/completions", dict(body, add_generation_prompt=True))
     assert a["usage"]["prompt_tokens"] == len(new_turn["tokens"])  # explicit: a new turn
+    # /v1/responses gives a final assistant item a new turn too, as OpenAI's
+    resp = post(cluster["router"].url, "/v1/responses", dict(BASE, input=PREFILL))
+    assert resp["usage"]["input_tokens"] == len(new_turn["tokens"])
     for url in (cluster["router"].url, mixed):
         r = httpx.post(
             url + "/v1/chat/completions",
