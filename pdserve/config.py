@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve import envs
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
@@ -49,6 +50,9 @@ class ModelConfig:
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
+    tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
+        for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
+        process edge), so the executor reads no environment.  Must be > 0.
     """
 
     model: str = EMBEDDED_MODEL_ID
@@ -61,6 +65,7 @@ class ModelConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] | None = None
+    tp_timeout: float = field(default_factory=envs.TP_TIMEOUT.get)
 
     def __post_init__(self) -> None:
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
@@ -84,6 +89,8 @@ class ModelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
         if self.gpu_ids is not None:
             ids = self.gpu_ids
             if not isinstance(ids, tuple):
@@ -114,7 +121,7 @@ class CacheConfig:
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
-        (``pdserve.engine.kv.prefix_cache``); on decode workers, receive only what is not held.
+        (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
     """

@@ -23,7 +23,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.engine.step import TokenLogprob
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.http.http_errors import error_json

@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.disagg.base import MAX_TOP_LOGPROBS, ROOM_LIMIT
 from pdserve.ports import PORT_MAX
 from pdserve.server.body_base import Int, RequestModel
 from pdserve.server.structured import GuidedFields, ResponseFormatField
@@ -138,7 +138,7 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: StrictBool = False
     truncate_prompt_tokens: Int | None = Field(None, ge=-1)
 
@@ -212,7 +212,7 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: Int = Field(16, ge=0)
-    logprobs: Int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: Int | None = Field(None, ge=1)
@@ -294,7 +294,7 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
 
@@ -346,7 +346,7 @@ class GenerateRequest(Bootstrap):
         default_factory=lambda: GenerateSamplingParams.model_validate({})
     )
     return_logprob: StrictBool = False
-    top_logprobs_num: Int = Field(0, ge=0, le=20)
+    top_logprobs_num: Int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: Int = Field(-1, ge=-1)
     stream: StrictBool = False
     rid: str | None = None

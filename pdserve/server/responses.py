@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, ValidationError
 
 from pdserve.disagg.base import Role
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import tools as tl
 from pdserve.server.body_base import Int, RequestModel
