@@ -79,15 +79,20 @@ def matmul_rate(
 
 def matmul_weights_per_token(shapes) -> int:
     """Weights one token multiplies with in a forward pass of one rank (``ModelShapes``):
-    per layer the fused QKV (``hidden × (Hq + 2·Hkv)·D``), o_proj (``Hq·D × hidden``), gate,
-    up and down (``3 × hidden × intermediate``), plus the LM head (``hidden × vocab shard``,
-    tied or not: it is a matmul either way). Biases and norms are left out."""
+    per layer the fused QKV (``hidden × (Hq + 2·Hkv)·D``), o_proj (``Hq·D × hidden``) and
+    the MLP: gate, up and down (``3 × hidden × intermediate``), or in a mixture-of-experts
+    layer the router (``hidden × experts``) and ``top_k`` experts' gate, up and down
+    (``top_k × 3 × hidden × expert intermediate``); plus the LM head (``hidden × vocab
+    shard``, tied or not: it is a matmul either way). Biases and norms are left out."""
     s = shapes
     attn = (
         s.hidden * (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + s.n_heads * s.head_dim * s.hidden
     )
-    mlp = 3 * s.hidden * s.intermediate
-    return s.n_layers * (attn + mlp) + s.hidden * s.vocab_shard
+    sparse = len(s.moe_layers)
+    mlp = (s.n_layers - sparse) * 3 * s.hidden * s.intermediate
+    if sparse:
+        mlp += sparse * s.hidden * (s.n_experts + 3 * s.top_k * s.moe_intermediate)
+    return s.n_layers * attn + mlp + s.hidden * s.vocab_shard
 
 
 def forward_flops(shapes, num_tokens: int, mean_context: float) -> float:
@@ -121,6 +126,7 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     )
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    weights -= unrouted_expert_bytes(model, num_seqs)  # a mixture of experts: the routed ones
     kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
     return int(weights + num_seqs * mean_context * kv)
 
@@ -136,3 +142,24 @@ def roofline_seconds(
         raise ValueError(f"rates must be > 0, got bandwidth={bandwidth}, flop_rate={flop_rate}")
     mem, comp = nbytes / bandwidth, flops / flop_rate
     return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
+def unrouted_expert_bytes(model, num_seqs: int) -> int:
+    """Bytes of the experts a decode step of ``num_seqs`` sequences did not read on average,
+    which :func:`step_bytes` leaves out: a mixture-of-experts step reads only the experts
+    its batch routes to. Per sparse layer ``(E - routed) * one expert's bytes``, ``routed``
+    measured over the decode steps of that size since the last call
+    (:func:`pdserve.model.moe.routed_experts`, ``PDSERVE_MOE_ROUTING_STATS=1``; reset here,
+    so each concurrency of ``bench offline`` gets its own); 0 for a dense model or when
+    routing was not counted (every expert)."""
+    from pdserve.model.moe import routed_experts
+
+    blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    routed = routed_experts(blocks, num_seqs) if blocks else None
+    if routed is None:
+        return 0
+    total = 0.0
+    for b in blocks:
+        per_expert = (b.w13[0].numel() + b.w2[0].numel()) * b.w13.element_size()
+        total += (b.w13.shape[0] - routed) * per_expert
+    return int(total)

@@ -140,6 +140,24 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     skip_special_tokens: StrictBool = True
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: StrictBool = False
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError(
+                "truncate_prompt_tokens must be >= 1 (tokens kept) or -1 (the context limit)"
+            )
+        return value
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens`` (-1: ``max_model_len``)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     @field_validator("stream_options")
     @classmethod
@@ -278,6 +296,7 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     logprobs: StrictBool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -343,6 +362,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
 
 

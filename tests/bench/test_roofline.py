@@ -32,15 +32,24 @@ def test_llama_8b_matmul_weights_add_up_to_its_published_size():
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "llama-3.1-8b"])
+@pytest.mark.parametrize(
+    "preset", ["tiny", "smollm2-135m", "llama-3.1-8b", "tiny-qwen3-moe", "tiny-mixtral"]
+)
 def test_matmul_weights_are_the_models_2d_weights(preset):
-    """Every 2-D weight of the decoder layers, plus the LM head (the embedding when tied)."""
+    """Every 2-D weight of the decoder layers, plus the LM head (the embedding when tied);
+    of a mixture-of-experts layer the router and top_k of its experts (3-D ``[E, ...]``)."""
     model = _meta_model(preset)
     layer_mats = sum(
         p.numel() for layer in model.layers for p in layer.parameters() if p.dim() == 2
     )
+    experts = sum(
+        model.shapes.top_k * (layer.moe.w13[0].numel() + layer.moe.w2[0].numel())
+        for layer in model.layers
+        if layer.moe is not None
+    )
+    assert experts > 0 or "moe" not in preset and "mixtral" not in preset
     head = model.embed_tokens if model.lm_head is None else model.lm_head
-    assert matmul_weights_per_token(model.shapes) == layer_mats + head.numel()
+    assert matmul_weights_per_token(model.shapes) == layer_mats + experts + head.numel()
 
 
 def test_forward_flops_is_two_per_weight_plus_attention():
