@@ -9,7 +9,9 @@
 # Runs, each RUNS times: off vs ref, then on vs off; then PD (this tree, tracing off) vs one
 # mixed worker with --phase-timing (the TTFT stages, the stage that grew most, the PNG).
 # Usage (repository root): scripts/trace_overhead.sh [MODEL] [DEVICE]
-#   MODEL default random:tiny, DEVICE default cpu; on the H200: random:llama-3.1-8b cuda.
+#   MODEL default random:tiny, DEVICE default cpu; on the H200:
+#   KV_GIB=2 REF=none scripts/trace_overhead.sh random:llama-3.1-8b cuda
+#   (REF=none skips the ref deployment: 5 workers of 16 GB weights share GPU 0 then, 7 with it).
 # Writes off_vs_ref_<i>.json, on_vs_off_<i>.json, pd_vs_mixed.json and pd_vs_mixed.phases.png
 # under ${OUT:-trace_overhead}, then prints one summary line per run (ratios compare ÷ target
 # inverted to "this ÷ reference": throughput and TTFT median).
@@ -30,7 +32,7 @@ KV=${KV_GIB:-0.25}  # GiB of KV per worker (set 16 on the H200)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 TMP=$(mktemp -d)
-git archive "$REF" | tar -x -C "$TMP" --one-top-level=ref
+[ "$REF" = none ] || git archive "$REF" | tar -x -C "$TMP" --one-top-level=ref
 port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 DT=float32; [ "$DEVICE" != cpu ] && DT=bfloat16
 common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "$KV")
@@ -64,16 +66,18 @@ wait_ready() {
   echo "not ready: port $1"; return 1
 }
 REFP=$(port); OFFP=$(port); ONP=$(port); MIXP=$(port)
-start "$REFP" ref "$TMP/ref"
+[ "$REF" = none ] || start "$REFP" ref "$TMP/ref"
 start "$OFFP" off "$(pwd)"
 start "$ONP" on "$(pwd)" --otlp-traces-endpoint "http://127.0.0.1:$SINK"
 $PY -m pdserve serve "${common[@]}" --port "$MIXP" > "$TMP/mixed.log" 2>&1 &
 PIDS+=($!)
-for p in $REFP $OFFP $ONP $MIXP; do wait_ready "$p" || exit 1; done
+READY="$OFFP $ONP $MIXP"; [ "$REF" = none ] || READY="$REFP $READY"
+for p in $READY; do wait_ready "$p" || exit 1; done
 bench() {  # target compare json [extra]
   $PY -m pdserve bench serve --url "http://127.0.0.1:$1" --compare "http://127.0.0.1:$2" \
     --no-progress --dataset random --input-len "$ILEN" --output-len "$OLEN" \
-    --num-requests "$NREQ" --concurrency "$CONC" --blocks 4 --json "$3" "${@:4}"
+    --num-requests "$NREQ" --concurrency "$CONC" --blocks 4 --timeout "${TIMEOUT:-120}" \
+    --json "$3" "${@:4}"
 }
 summary() {  # json label
   $PY - "$1" "$2" <<'PYEOF'
@@ -82,17 +86,18 @@ doc = json.load(open(sys.argv[1]))
 t, c = (s["summary"] for s in doc["series"][:2])
 print(f"{sys.argv[2]}: throughput {t['output_throughput']:.1f} vs {c['output_throughput']:.1f} tok/s "
       f"(x{t['output_throughput'] / c['output_throughput']:.3f}), TTFT median {t['ttft']['median']:.1f} "
-      f"vs {c['ttft']['median']:.1f} ms (x{t['ttft']['median'] / c['ttft']['median']:.3f})")
+      f"vs {c['ttft']['median']:.1f} ms (x{t['ttft']['median'] / c['ttft']['median']:.3f}), "
+      f"failed {t['failed']} / {c['failed']}")
 PYEOF
 }
 for i in $(seq 1 "$RUNS"); do
-  bench "$OFFP" "$REFP" "$OUT/off_vs_ref_$i.json" > "$OUT/off_vs_ref_$i.txt"
+  [ "$REF" = none ] || bench "$OFFP" "$REFP" "$OUT/off_vs_ref_$i.json" > "$OUT/off_vs_ref_$i.txt"
   bench "$ONP" "$OFFP" "$OUT/on_vs_off_$i.json" > "$OUT/on_vs_off_$i.txt"
 done
 bench "$OFFP" "$MIXP" "$OUT/pd_vs_mixed.json" --phase-timing > "$OUT/pd_vs_mixed.txt"
 echo "== $MODEL on $DEVICE, $NREQ requests of $ILEN/$OLEN tokens, concurrency $CONC, $RUNS runs"
 for i in $(seq 1 "$RUNS"); do
-  summary "$OUT/off_vs_ref_$i.json" "tracing off ÷ $REF, run $i"
+  [ "$REF" = none ] || summary "$OUT/off_vs_ref_$i.json" "tracing off ÷ $REF, run $i"
   summary "$OUT/on_vs_off_$i.json" "tracing on ÷ off, run $i"
 done
 grep -A 14 "TTFT by stage" "$OUT/pd_vs_mixed.txt"
