@@ -8,7 +8,7 @@ Shared by the router and the workers (both import this leaf; it imports nothing 
   ``Tracing.create(None, ...)`` is ``None``: with tracing off, callers do one ``is None``
   check and nothing else.
 - :class:`RequestContext` (ASGI middleware) gives each API request an id (the client's
-  ``x-request-id`` header, else a new one) and, with tracing on, a server span continuing
+  ``x-request-id`` header when well-formed, else a new one) and, with tracing on, a server span continuing
   the caller's W3C ``traceparent`` (the router's for a worker, the client's for the
   router); the span ends after the response's last byte, with an error status for a 5xx
   or a client gone before the end.
@@ -49,8 +49,9 @@ REQUEST_START: contextvars.ContextVar[float] = contextvars.ContextVar(
     "pdserve_request_start", default=0.0
 )
 
-# perf_counter -> Unix epoch, fixed once per process (both clocks are monotonic enough
-# over a request; spans need epoch nanoseconds, the engine records perf_counter floats).
+# perf_counter -> Unix epoch, fixed once per process: spans need epoch nanoseconds, the
+# engine records perf_counter floats. A wall-clock step after start (NTP) shifts this
+# process's span times by as much; durations are unaffected.
 _EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
 
