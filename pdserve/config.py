@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve import envs
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
@@ -56,6 +57,9 @@ class ModelConfig:
     quantization: ``None`` (the checkpoint as it is) or ``fp8``: the decoder's linear
         weights quantized to e4m3 at load, one scale per output channel
         (``pdserve/model/fp8.py``). An FP8 checkpoint loads as FP8 either way.
+    tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
+        for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
+        process edge), so the executor reads no environment.  Must be > 0.
     """
 
     model: str = EMBEDDED_MODEL_ID
@@ -69,6 +73,7 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] | None = None
     quantization: str | None = None
+    tp_timeout: float = field(default_factory=envs.TP_TIMEOUT.get)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -97,6 +102,8 @@ class ModelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
         if self.gpu_ids is not None:
             ids = self.gpu_ids
             if not isinstance(ids, tuple):
@@ -127,7 +134,7 @@ class CacheConfig:
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
-        (``pdserve.engine.kv.prefix_cache``); on decode workers, receive only what is not held.
+        (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
     kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8_e4m3``: K and V stored as e4m3
@@ -329,7 +336,7 @@ class RouterConfig:
         workers at run time); ``None`` = the admin API is off.
     policy: ``random``, ``round_robin``, ``power_of_two`` (fewest outstanding requests of
         two random picks) or ``cache_aware`` (the worker that was sent the longest prefix
-        of the prompt, unless the load is out of balance; ``router/policies.py``).
+        of the prompt, unless the load is out of balance; ``router/workers.py``).
     request_timeout: seconds one client request may take end to end (504 after).
     health_check_interval/timeout: seconds between probes of each worker's ``/health`` and
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject

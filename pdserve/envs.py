@@ -186,7 +186,8 @@ TP_TIMEOUT = EnvVar(
     120.0,
     "Seconds a tensor-parallel collective (and the ranks' rendezvous) may wait for a peer "
     "before it fails; a rank that dies is noticed at once (its sentinel, the closed "
-    "connection), this bounds a rank that hangs (engine/worker/multiproc_executor.py).",
+    "connection), this bounds a rank that hangs (read into ModelConfig.tp_timeout when the "
+    "config is built; used by engine/worker/multiproc_executor.py).",
 )
 
 # --- logging -----------------------------------------------------------------------

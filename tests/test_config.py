@@ -41,3 +41,20 @@ def test_engine_flags_build_the_same_config():
         page_size=8, tensor_parallel_size=3, max_running_requests=5
     )
     assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+
+
+def test_tp_timeout_is_read_from_the_env_when_the_config_is_built(monkeypatch):
+    """PDSERVE_TP_TIMEOUT is read once, at the config (the process edge); the executor only
+    reads ``ModelConfig.tp_timeout``.  A value that is not > 0 fails naming the field."""
+    monkeypatch.delenv("PDSERVE_TP_TIMEOUT", raising=False)
+    assert ModelConfig().tp_timeout == 120.0
+    monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "7.5")
+    cfg = EngineConfig.from_fields(tensor_parallel_size=2)
+    monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "99")  # later changes do not reach a built config
+    assert cfg.model.tp_timeout == 7.5
+    assert EngineConfig.from_fields(tp_timeout=3.0).model.tp_timeout == 3.0
+    with pytest.raises(ValueError, match="tp_timeout must be > 0"):
+        ModelConfig(tp_timeout=0)
+    monkeypatch.setenv("PDSERVE_TP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="PDSERVE_TP_TIMEOUT"):
+        ModelConfig()

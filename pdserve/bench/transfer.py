@@ -56,7 +56,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     from pdserve.disagg.base import AuxRecord, KVPoll, Role
     from pdserve.disagg.registry import create_kv_manager
     from pdserve.disagg.transfer_config import TransferConfig
-    from pdserve.engine.kv.page_runs import paired_runs
+    from pdserve.engine.kv.cache import paired_runs
 
     kv, aux, args = make_pool(cfg)
     lay = pool_layout(cfg)

@@ -43,7 +43,10 @@ from collections import OrderedDict
 
 from pdserve.disagg.base import (
     AUX_RECORD_BYTES,
+    PEER_FAILED,
+    TRANSFER_ERROR,
     AuxRecord,
+    FailureInjector,
     KVArgs,
     KVManager,
     KVPoll,
@@ -51,17 +54,12 @@ from pdserve.disagg.base import (
     KVSender,
     KVTransferError,
     Role,
+    RoomHandle,
+    RoomTable,
+    check_room,
     pd_role,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    PEER_FAILED,
-    TRANSFER_ERROR,
-    FailureInjector,
-    RoomHandle,
-    RoomTable,
-)
 
 HISTORY = 256  # handles a manager remembers after close (tests read them; bounded for probes)
 TERMINAL = (KVPoll.Success, KVPoll.Failed)

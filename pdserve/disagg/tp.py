@@ -9,7 +9,7 @@ of this module's functions and the rank keeps its :class:`RankRooms` in
 
 Engine side: :class:`TPKVManager` fans ``create``/``init``/``send``/``abort``/``close`` out
 to the ranks of a room (decode: every rank; prefill: the ranks that write,
-:func:`pdserve.disagg.head_map.is_writer`) and aggregates their states: ``Success`` when
+:func:`pdserve.disagg.bootstrap.is_writer`) and aggregates their states: ``Success`` when
 every rank succeeded; ``Failed`` when one failed (the text names that rank), reported
 only once every rank of the room is terminal (the others are aborted first, and the room
 reads ``Bootstrapping`` meanwhile, so the engine starts nothing for it), so no rank's
@@ -43,7 +43,7 @@ from pdserve.disagg.base import (
     Role,
     pd_role,
 )
-from pdserve.disagg.head_map import is_writer
+from pdserve.disagg.bootstrap import is_writer
 from pdserve.disagg.tp_rank import RankRooms, RankState, RemoteRank, rank_call, start_rank_manager
 from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.parallel import TPRank

@@ -17,7 +17,7 @@ from pdserve.config import (
     default_of,
 )
 from pdserve.engine.core.engine import EngineCore
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST
+from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST
 from pdserve.server import protocol as p
 from pdserve.server.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsObject
 from pdserve.server.tools import FunctionDef

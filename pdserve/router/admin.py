@@ -24,8 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.disagg.base import Role
 from pdserve.router.errors import error_response
-from pdserve.router.policies import WorkerState
-from pdserve.router.workers import WorkerPool, unhealthy_prefill_peers
+from pdserve.router.workers import WorkerPool, WorkerState, unhealthy_prefill_peers
 
 MAX_WAIT_S = 3600.0
 

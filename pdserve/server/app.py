@@ -20,11 +20,10 @@ from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected
 from pdserve.http.http_errors import error_json
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
-from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
-from pdserve.server.serving import APIError, Job, make_params
+from pdserve.server.serving import APIError, AsyncEngine, Job, make_params
 from pdserve.server.tokenize_api import build_tokenize_router
 
 _COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize")

@@ -1,15 +1,34 @@
-"""Engine outputs -> JSON pieces of the HTTP answers (logprobs, usage, finish reasons).
+"""Engine outputs -> the worker's HTTP answers: the JSON pieces (logprobs, usage, the
+``/generate`` meta info), what ``/v1/completions`` and ``/v1/chat/completions`` build alike
+(the response head, a choice's extension fields, the usage of whole answers and of
+streams), and the SSE response of a running job. Streamed and whole answers of every
+endpoint are built here, from the same pieces.
 
 Token strings are the tokenizer's decoding of the single token (as OpenAI reports them).
+Stream usage (``stream_options``): ``include_usage`` adds a last chunk with the request's
+usage and ``"usage": null`` to every chunk before it, as OpenAI; ``continuous_usage_stats``
+the usage so far to every chunk. An SSE response awaits the first engine output before the
+200 is sent (so errors before the first token keep their HTTP status); later errors become
+a well-formed SSE error event followed by ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.engine.step import TokenLogprob
+from pdserve.http.disconnect import cancel_on_disconnect
+from pdserve.http.http_errors import error_json
+from pdserve.server.protocol import _OpenAISampling
+from pdserve.server.serving import APIError, Job, Serving
 
 
 class TokenText:
@@ -54,10 +73,6 @@ def cached_tokens(outs: Sequence[RequestOutput]) -> int:
     return min((o.num_cached_tokens for o in outs), default=0)
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
-
-
 def completion_top(entry: TokenLogprob, tt: TokenText, k: int | None = None) -> dict[str, float]:
     """One ``top_logprobs`` dict of the legacy completions layout: the ``k`` best tokens
     (all of ``entry.top`` when ``k`` is None) plus the chosen token itself, so up to
@@ -96,7 +111,7 @@ def echo_logprobs(
     (:func:`completion_top`); text offsets from 0. ``entries`` is the engine's
     prompt logprobs, or ``None`` on a decode worker (which never ran the prompt): then
     every logprob and top is null and the router fills them in from the prefill leg's
-    answer (``router/merge.py``)."""
+    answer (``router/relay.py``)."""
     tokens, offsets, offset = [], [], 0
     for t in prompt_ids:
         offsets.append(offset)
@@ -200,3 +215,186 @@ def generate_meta(
                     None if e is None else [[lp, i, None] for i, lp in e.top] for _, e in rows
                 ]
     return meta
+
+
+# What the OpenAI endpoints build alike.
+
+
+def response_head(id_prefix: str, obj: str, request_id: str, model: str) -> dict[str, Any]:
+    """``{"id": f"{id_prefix}-{request_id}", "object", "created" (Unix s), "model"}``."""
+    return {
+        "id": f"{id_prefix}-{request_id}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+    }
+
+
+def choice_extras(
+    req: _OpenAISampling,
+    token_text: TokenText,
+    out: RequestOutput,
+    token_ids: list[int],
+    first: bool,
+) -> dict[str, Any]:
+    """Extension fields of one choice: token ids (``return_token_ids``; the prompt's with
+    the first chunk) and prompt logprobs (first chunk only)."""
+    extra: dict[str, Any] = {}
+    if req.return_token_ids:
+        extra["token_ids"] = token_ids
+        if first:
+            extra["prompt_token_ids"] = out.prompt_token_ids
+    if req.prompt_logprobs is not None and first:
+        extra["prompt_logprobs"] = prompt_logprobs_json(
+            out.prompt_logprobs, token_text, req.prompt_logprobs
+        )
+    return extra
+
+
+def final_usage(
+    prompt_tokens: int | Sequence[int], outs: Sequence[RequestOutput], scoring: bool = False
+) -> dict:
+    """``usage`` of a whole answer whose samples are ``outs``; for a batch,
+    ``prompt_tokens`` lists each prompt's length, ``outs`` holds ``n`` samples per prompt in
+    order, and the counts are the prompts' usages summed (as vLLM)."""
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    n = len(outs) // max(len(lengths), 1)
+    return summed_usage(
+        usage(
+            length,
+            [out.outputs[0] for out in outs[p * n : (p + 1) * n]],
+            scoring=scoring,
+            cached_tokens=cached_tokens(outs[p * n : (p + 1) * n]),
+        )
+        for p, length in enumerate(lengths)
+    )
+
+
+def summed_usage(usages: Iterable[dict]) -> dict:
+    """Field-wise sum of :func:`usage` dicts (the usage of a batch of prompts)."""
+    total: dict[str, Any] = {}
+    for u in usages:
+        if not total:
+            total = dict(u, prompt_tokens_details=dict(u["prompt_tokens_details"]))
+            continue
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+    return total
+
+
+class StreamSamples:
+    """Per-sample state of one streamed answer: which samples sent their first chunk, and
+    the final output and cached prompt tokens of each finished one (for the usage).
+    ``prompt_tokens``: the prompt's length, or each prompt's of a batch (sample ``index``
+    belongs to prompt ``index // n``)."""
+
+    def __init__(
+        self, req: _OpenAISampling, prompt_tokens: int | Sequence[int], scoring: bool = False
+    ) -> None:
+        self._req = req
+        self._lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+        self._scoring = scoring
+        self._started: set[int] = set()
+        self._finals: dict[int, CompletionOutput] = {}
+        self._cached: dict[int, int] = {}
+
+    def see(self, index: int, out: RequestOutput) -> tuple[CompletionOutput, bool, bool]:
+        """Record sample ``index``'s new output: ``(its output, first chunk?, worth a
+        chunk?)`` (a chunk with no token, no text, no end is sent only as the first)."""
+        o = out.outputs[0]
+        first = index not in self._started
+        self._started.add(index)
+        if o.finished:
+            self._finals[index] = o
+            self._cached[index] = out.num_cached_tokens
+        return o, first, bool(o.delta_token_ids or o.delta_text or o.finished or first)
+
+    def with_usage(self, chunk: dict, o: CompletionOutput | None, out: RequestOutput) -> dict:
+        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``, else
+        ``"usage": null`` under ``include_usage`` (OpenAI's chunks before the usage chunk)
+        (``o`` None: a chunk before any output token, e.g. chat's opening role chunk)."""
+        opts = self._req.stream_options
+        if opts and opts.include_usage and not opts.continuous_usage_stats:
+            chunk["usage"] = None
+        elif opts and opts.continuous_usage_stats:
+            chunk["usage"] = usage(
+                self._lengths[self._prompt_of(chunk)],
+                [] if o is None else [o],
+                scoring=self._scoring,
+                cached_tokens=out.num_cached_tokens,
+            )
+        return chunk
+
+    def _prompt_of(self, chunk: dict) -> int:
+        return int(chunk["choices"][0]["index"]) // self._req.n if chunk.get("choices") else 0
+
+    def tail(self, head: dict) -> Iterator[dict]:
+        """The last chunk (no choices, the request's usage, summed over a batch's prompts)
+        under ``include_usage``."""
+        opts = self._req.stream_options
+        if opts and opts.include_usage:
+            n = self._req.n
+            total = summed_usage(
+                usage(
+                    length,
+                    [o for i, o in self._finals.items() if i // n == p],
+                    scoring=self._scoring,
+                    cached_tokens=min(
+                        (c for i, c in self._cached.items() if i // n == p), default=0
+                    ),
+                )
+                for p, length in enumerate(self._lengths)
+            )
+            yield dict(head, choices=[], usage=total)
+
+
+# SSE.
+
+ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def sse_response(
+    request: Request,
+    serving: Serving,
+    job: Job | Sequence[Job],
+    chunks: ChunkFn,
+    tail: Callable[[], Iterable[dict]] = lambda: (),
+) -> StreamingResponse:
+    """Start ``job`` (or a batch of jobs, numbered as ``Serving.stream_all``) and stream
+    ``chunks(index, output)`` for each engine output, then ``tail()`` (e.g. the usage
+    chunk), then ``[DONE]``. Raises APIError if the job fails before its first output."""
+    jobs = [job] if isinstance(job, Job) else job
+    it: AsyncGenerator[Any, None] = serving.stream_all(jobs)  # its own async iterator
+    try:
+        first = await cancel_on_disconnect(request, it.__anext__())
+    except BaseException:
+        await it.aclose()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            item = first
+            while True:
+                for chunk in chunks(*item):
+                    yield sse(chunk)
+                try:
+                    item = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+            for chunk in tail():
+                yield sse(chunk)
+        except APIError as exc:
+            yield sse(error_json(exc.status, exc.message, exc.param, exc.code))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await it.aclose()  # aborts unfinished samples when the client went away
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

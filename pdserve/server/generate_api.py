@@ -9,14 +9,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
-from pdserve.server import prompts
-from pdserve.server.openai_api import WorkerContext
+from pdserve.server.formatting import sse_response
+from pdserve.server.openai_api import WorkerContext, encode
 from pdserve.server.protocol import GenerateRequest
 from pdserve.server.serving import APIError, Job, make_params
-from pdserve.server.streaming import sse_response
 from pdserve.server.structured import compile_or_400, structured_params
 
 
@@ -34,7 +33,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
         else:
             assert req.text is not None  # exactly one of text / input_ids, checked above
             ctx.check_text(req.text, "text")
-            prompt_ids = await prompts.encode(ctx.tokenizer, req.text)
+            prompt_ids = await encode(ctx.tokenizer, req.text)
         if req.return_logprob and req.logprob_start_len >= max(len(prompt_ids), 1):
             raise APIError(
                 400,

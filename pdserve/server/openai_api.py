@@ -1,5 +1,9 @@
 """OpenAI-compatible endpoints of a worker: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/v1/models/{id}``."""
+``/v1/models``, ``/v1/models/{id}``; and prompt text -> token ids for every endpoint of the
+worker (``/generate`` and ``/tokenize`` too): a cheap length bound checked before
+tokenizing, and tokenization / chat templates run off the event loop (a long prompt would
+otherwise stall every request and ``/health`` of the worker).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +15,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.engine.structured.params import StructuredOutputsParams
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
-from pdserve.server import prompts
 from pdserve.server import tools as tl
 from pdserve.server.field_policy import FieldPolicy
-from pdserve.server.openai_chunks import (
+from pdserve.server.formatting import (
     StreamSamples,
     choice_extras,
     final_usage,
     response_head,
+    sse_response,
 )
 from pdserve.server.protocol import (
     ChatCompletionRequest,
@@ -31,8 +35,66 @@ from pdserve.server.protocol import (
     _OpenAISampling,
 )
 from pdserve.server.serving import APIError, Job, Serving, make_params
-from pdserve.server.streaming import sse_response
 from pdserve.server.structured import compile_or_400, structured_params
+
+MIN_CHARS_PER_TOKEN = 16  # the bound's floor; see max_prompt_chars
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """Longest prompt text (in characters) that could still fit ``max_model_len`` tokens.
+
+    One token stands for at most as many characters as its longest vocabulary entry (the
+    vocabulary's strings spell out a token's bytes, e.g. byte-level BPE's one character per
+    byte, and a character is at least one byte), so ``max_model_len * longest entry`` is an
+    upper bound on the characters of any prompt that fits; the factor is at least
+    ``MIN_CHARS_PER_TOKEN`` in case a normalizer drops characters. Text longer than this
+    cannot fit and is rejected without tokenizing it.
+    """
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 a tokenizer without get_vocab: a generous fixed factor
+        longest = 0
+    return max_model_len * max(MIN_CHARS_PER_TOKEN, longest)
+
+
+def check_text(text: str, field: str, *, limit: int, max_model_len: int) -> None:
+    """400 naming ``field`` for text that is not valid Unicode (lone surrogates) or longer
+    than ``limit`` characters (which cannot fit the context limit)."""
+    if limit and len(text) > limit:
+        raise APIError(
+            400,
+            f"{field} is {len(text)} characters long, more than can fit this model's context "
+            f"limit of {max_model_len} tokens (at most {limit} characters)",
+            field,
+            code="context_length_exceeded",
+        )
+    try:
+        text.encode("utf-8")
+    except (
+        UnicodeEncodeError
+    ) as exc:  # a \ud800 escape without its pair: the tokenizer raises TypeError
+        raise APIError(
+            400,
+            f"{field} is not valid Unicode: a lone surrogate at character {exc.start} "
+            f"(\\ud800-\\udfff escapes must come in pairs)",
+            field,
+        ) from None
+
+
+async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text, **kwargs)`` in a worker thread."""
+    return await asyncio.to_thread(tokenizer.encode, text, **kwargs)
+
+
+async def apply_chat_template(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` in a worker
+    thread; 400 naming ``messages`` when the model has no template or it rejects them."""
+    try:
+        return await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # no template, or the template rejects the roles
+        raise APIError(400, f"cannot apply the model's chat template: {exc}", "messages") from exc
 
 
 @dataclass
@@ -43,7 +105,7 @@ class WorkerContext:
     tokenizer: Any
     model_name: str
     token_text: fmt.TokenText
-    max_prompt_chars: int = 0  # prompts.max_prompt_chars; 0 = no bound
+    max_prompt_chars: int = 0  # max_prompt_chars(); 0 = no bound
     fields: FieldPolicy | None = None  # unknown request fields; None: ignored silently
     # /v1/models' ``created``: Unix time (s) the model was loaded and this worker set up
     created: int = field(default_factory=lambda: int(time.time()))
@@ -55,7 +117,7 @@ class WorkerContext:
 
     def check_text(self, text: str, field: str) -> None:
         """400 naming ``field`` for prompt text that cannot be tokenized or cannot fit."""
-        prompts.check_text(
+        check_text(
             text, field, limit=self.max_prompt_chars, max_model_len=self.serving.max_model_len
         )
 
@@ -159,7 +221,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 ids_of.append(list(prompt))
             else:
                 ctx.check_text(prompt, f"prompt[{p}]" if many else "prompt")
-                ids_of.append(await prompts.encode(ctx.tokenizer, prompt))
+                ids_of.append(await encode(ctx.tokenizer, prompt))
         scoring = req.max_tokens == 0  # no output: the engine's one token is dropped
         if scoring and not req.echo:
             raise APIError(
@@ -212,7 +274,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                 "logprobs": lp,
                 "finish_reason": "length"
                 if scoring and finish
-                else fmt.openai_finish_reason(finish),
+                else tl.openai_finish_reason(finish),
                 **choice_extras(req, tt, out, ids, first),
             }
 
@@ -249,14 +311,14 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
         chat_messages(ctx, req.messages)  # checks every message's text
         messages, template_kwargs = tl.template_messages(req.messages, plan)
-        text = await prompts.apply_chat_template(
+        text = await apply_chat_template(
             ctx.tokenizer,
             messages,
             add_generation_prompt=req.add_generation_prompt,
             **template_kwargs,
         )
         ctx.check_text(text, "messages")
-        prompt_ids = await prompts.encode(ctx.tokenizer, text, add_special_tokens=False)
+        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -300,7 +362,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     yield samples.with_usage(dict(chunk_head, choices=[opening]), None, out)
                 if not (o.delta_token_ids or o.delta_text or o.finished):
                     return
-                reason = fmt.openai_finish_reason(o.finish_reason)
+                reason = tl.openai_finish_reason(o.finish_reason)
                 if plan.mode == "none":
                     deltas = [{"content": o.delta_text}]
                 else:

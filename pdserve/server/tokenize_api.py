@@ -9,8 +9,13 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 import pdserve
-from pdserve.server import prompts
-from pdserve.server.openai_api import WorkerContext, chat_messages, check_model
+from pdserve.server.openai_api import (
+    WorkerContext,
+    apply_chat_template,
+    chat_messages,
+    check_model,
+    encode,
+)
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import APIError
 
@@ -33,11 +38,11 @@ def build_tokenize_router(ctx: WorkerContext) -> APIRouter:
             special = True if req.add_special_tokens is None else req.add_special_tokens
         else:
             messages = chat_messages(ctx, req.messages or [])
-            text = await prompts.apply_chat_template(
+            text = await apply_chat_template(
                 ctx.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
             )
             special = bool(req.add_special_tokens)
-        ids = await prompts.encode(ctx.tokenizer, text, add_special_tokens=special)
+        ids = await encode(ctx.tokenizer, text, add_special_tokens=special)
         strs = None
         if req.return_token_strs:
             strs = await asyncio.to_thread(ctx.tokenizer.convert_ids_to_tokens, ids)

@@ -277,11 +277,15 @@ def parse_output(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     return (head.strip() or None), calls
 
 
+def openai_finish_reason(reason: str | None) -> str | None:
+    """An engine finish reason as OpenAI's: ``length`` stays, any other end is ``stop``;
+    ``None`` (not finished) stays ``None``."""
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
 def finish_reason(engine_reason: str | None, calls: list[dict]) -> str | None:
     """OpenAI's finish_reason: ``tool_calls`` when calls were parsed from an output that
     ended by itself; a ``length`` cut stays ``length``."""
-    from pdserve.server.formatting import openai_finish_reason
-
     reason = openai_finish_reason(engine_reason)
     return "tool_calls" if calls and reason == "stop" else reason
 

@@ -13,13 +13,11 @@ from pdserve import envs
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager, Role
-from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.openai_api import WorkerContext
-from pdserve.server.prompts import max_prompt_chars
-from pdserve.server.serving import Serving
+from pdserve.server.openai_api import WorkerContext, max_prompt_chars
+from pdserve.server.serving import AsyncEngine, Serving
 
 
 def _create_managers(

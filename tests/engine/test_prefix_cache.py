@@ -9,12 +9,10 @@ import sys
 
 import pytest
 
-from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv.page_ids import PageIds
-from pdserve.engine.kv.prefix_cache import ROOT_KEY, page_key, page_keys
+from pdserve.engine.kv.cache import ROOT_KEY, KVCacheManager, PageIds, page_key, page_keys
 
 _KEYS_SCRIPT = (
-    "from pdserve.engine.kv.prefix_cache import page_keys; "
+    "from pdserve.engine.kv.cache import page_keys; "
     "print(','.join(k.hex() for k in page_keys(list(range(100, 140)), 16)))"
 )
 

@@ -104,8 +104,7 @@ def test_serve_flags_carry_listen_and_advertise_hosts():
     ],
 )
 def test_router_sends_decode_the_advertised_or_the_urls_host(url, advertised, expected):
-    from pdserve.router.policies import WorkerState
-    from pdserve.router.workers import bootstrap_address
+    from pdserve.router.workers import WorkerState, bootstrap_address
 
     w = WorkerState(
         url, "prefill", server_info={"bootstrap_host": advertised, "bootstrap_port": 8998}

@@ -16,8 +16,7 @@ from fake_workers import FakeWorker
 from pdserve.config import RouterConfig
 from pdserve.http.netutil import ThreadedServer
 from pdserve.router.app import build_router_app
-from pdserve.router.policies import WorkerState
-from pdserve.router.workers import refuses, unhealthy_prefill_peers
+from pdserve.router.workers import WorkerState, refuses, unhealthy_prefill_peers
 
 pytestmark = pytest.mark.timeout(120)
 # random picks: an allowed pair is missed with probability <= 4 * (3/4)**N, about 4e-6

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.server.async_engine import AsyncEngine, EngineDeadError
+from pdserve.server.serving import AsyncEngine, EngineDeadError
 
 pytestmark = pytest.mark.timeout(30)
 

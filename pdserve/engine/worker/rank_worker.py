@@ -37,8 +37,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv.layout import default_page_size
 from pdserve.engine.worker.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
 from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages
-from pdserve.engine.worker.model_runner import ModelRunner
-from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
+from pdserve.engine.worker.model_runner import HEADER_LEN, ModelRunner, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
 
