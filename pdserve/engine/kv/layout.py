@@ -265,4 +265,6 @@ class KVCacheLayout:
             num_kv_heads=self.num_kv_heads if total_kv_heads is None else total_kv_heads,
             head_dim=self.head_dim,
             kv_order=self.order,
+            k_scales=tuple(float(k) for k, _ in self.kv_scales),
+            v_scales=tuple(float(v) for _, v in self.kv_scales),
         )
