@@ -10,7 +10,14 @@ import httpx
 import pytest
 from pd_compare import assert_same, fold, pair, sse
 
-from pdserve_procs import assert_all_healthy, pd_and_mixed
+from pdserve_procs import (
+    assert_all_healthy,
+    pd_and_mixed,
+    start_router,
+    start_worker,
+    stop,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.timeout(300)
 FP8 = ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
@@ -63,3 +70,31 @@ def test_fp8_stream_chat_equals_mixed(cluster):
     ]
     assert_same(fold(got[0]), fold(got[1]))
     assert_all_healthy(cluster["procs"])
+
+
+@pytest.fixture(scope="module")
+def tp_cluster(tmp_path_factory):
+    """Prefill TP 2 -> decode TP 1 with FP8 KV (the tiny model's 2 KV heads: each e4m3 page
+    moves as per-head slices), beside a mixed TP-1 FP8-KV worker. FP8 KV only: online
+    weight quantization takes a row-parallel weight's channel scales over the rank's
+    columns, so FP8 weights under TP 2 are not TP 1's numbers."""
+    logs = tmp_path_factory.mktemp("pd-fp8-tp-logs")
+    kv = ["--kv-cache-dtype", "fp8_e4m3", "--num-threads", "1"]
+    mixed = start_worker("mixed-fp8kv", "mixed", logs, extra=kv)
+    p2 = start_worker(
+        "prefill-tp2", "prefill", logs, extra=[*kv, "--tp", "2", "--disaggregation-bootstrap-port", "0"]
+    )
+    d1 = start_worker("decode-tp1", "decode", logs, extra=kv)
+    router = start_router("router-p2d1", logs, prefill=[p2], decode=[d1])
+    procs = [mixed, p2, d1, router]
+    try:
+        wait_healthy(procs)
+        yield {"mixed": mixed, "router": router, "procs": procs}
+    finally:
+        stop(procs)
+
+
+@pytest.mark.parametrize("case", ["greedy", "long_prompt"])
+def test_fp8_kv_heterogeneous_tp_equals_mixed(tp_cluster, case):
+    pd, mixed = pair(tp_cluster, "/v1/completions", CASES[case])
+    assert_same(pd, mixed)
