@@ -455,6 +455,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
         return F.linear(x, w.dequantize(x.dtype), bias)
     n, k = w.weight.shape
     m = x.shape[0]
+    if m == 0:
+        return x.new_empty(0, n)
     if w.one_group and m >= scaled_mm_min_rows(n, k) and n % 16 == 0 and k % 16 == 0:
         return scaled_mm(x, w, bias)
     from pdserve.model import triton_fp8
