@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (gpu_check.sh, gpu_fp8_check.sh) from the repository root: sets
+# Sourced by gpu_fp8_check.sh from the repository root (gpu_check.sh's setup, the same lines): sets
 # OUT (created, absolute), PY and WHEELS; installs the wheels of ${WHEELS:-.whl} whose modules
 # are not importable (into /tmp/site, on PYTHONPATH; the machine's own pydantic/httpx stay,
 # see ../shared/facts/GPU.md) and points PDSERVE_CACHE_DIR at $WHEELS/cache (the tokenizer).
