@@ -71,9 +71,15 @@ def kernels() -> dict:
 
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "shapes": {}, "torch": torch.__version__}
-    rows_cfgs = [("rows", bn, bk, sp, 4, 2) for bn in (8, 16, 32) for bk in (256, 512) for sp in (1, 2)]
+    rows_cfgs = [
+        ("rows", bn, bk, sp, 4, 2) for bn in (8, 16, 32) for bk in (256, 512) for sp in (1, 2)
+    ]
     dot_cfgs = [
-        ("dot", bn, bk, sp, 4, st) for bn in (32, 64) for bk in (128, 256) for sp in (1, 2, 4) for st in (3,)
+        ("dot", bn, bk, sp, 4, st)
+        for bn in (32, 64)
+        for bk in (128, 256)
+        for sp in (1, 2, 4)
+        for st in (3,)
     ]
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-(256 << 20) // (n * k)))  # > 2 x L2 of fp8 weights per graph
@@ -92,14 +98,22 @@ def kernels() -> dict:
             default = triton_fp8.config_for(m, n, k, k)
             row["triton_default"] = list(default)
             row["triton_default_us"] = _graph_us(
-                [lambda q=q: triton_fp8.fp8_matmul(x, q.weight, q.scale, k, None, default) for q in qw]
+                [
+                    lambda q=q: triton_fp8.fp8_matmul(x, q.weight, q.scale, k, None, default)
+                    for q in qw
+                ]
             )
             best = (row["triton_default_us"], default)
             cfgs = rows_cfgs if m == 1 else (dot_cfgs if m in (16, 64) else [])
             for cfg in cfgs:
                 try:
                     us = _graph_us(
-                        [lambda q=q, c=cfg: triton_fp8.fp8_matmul(x, q.weight, q.scale, k, None, c) for q in qw]
+                        [
+                            lambda q=q, c=cfg: triton_fp8.fp8_matmul(
+                                x, q.weight, q.scale, k, None, c
+                            )
+                            for q in qw
+                        ]
                     )
                 except Exception as exc:  # noqa: BLE001 a configuration Triton cannot build
                     print(f"{name} M={m} {cfg}: {exc}"[:200], flush=True)
@@ -168,7 +182,11 @@ def engine(model: str, device: str, counts, long_n: int, long_len: int, max_toke
         )
         run: dict = {"kv_cache_dtype": kv, "load_s": time.perf_counter() - t0, "throughput": []}
         storage = llm.engine.executor.rank0.storage
-        run["kv_pool"] = {"dtype": str(storage.kv.dtype), "pages": storage.num_pages, "page_bytes": storage.page_bytes}
+        run["kv_pool"] = {
+            "dtype": str(storage.kv.dtype),
+            "pages": storage.num_pages,
+            "page_bytes": storage.page_bytes,
+        }
         try:
             all_prompts = _prompts(llm, max(counts))
             for n in counts if kv == "fp8_e4m3" else counts[:2]:
@@ -180,7 +198,11 @@ def engine(model: str, device: str, counts, long_n: int, long_len: int, max_toke
                 print(kv, row, flush=True)
             vocab = llm.engine.vocab_size
             long = _random_prompts(vocab, long_n, long_len, seed=5)
-            run["long_context"] = {"num_prompts": long_n, "prompt_len": long_len, **_decode_step_ms(llm, long, 32)}
+            run["long_context"] = {
+                "num_prompts": long_n,
+                "prompt_len": long_len,
+                **_decode_step_ms(llm, long, 32),
+            }
             print(kv, run["long_context"], flush=True)
         finally:
             llm.shutdown()
@@ -189,7 +211,10 @@ def engine(model: str, device: str, counts, long_n: int, long_len: int, max_toke
                 torch.cuda.empty_cache()
         res["runs"].append(run)
         _dump("fp8_engine.json", res)
-    steps = {r["kv_cache_dtype"]: r.get("long_context", {}).get("decode_ms_per_step") for r in res["runs"]}
+    steps = {
+        r["kv_cache_dtype"]: r.get("long_context", {}).get("decode_ms_per_step")
+        for r in res["runs"]
+    }
     if steps.get("fp8_e4m3") and steps.get("auto"):
         res["long_context_fp8_over_bf16_kv"] = steps["fp8_e4m3"] / steps["auto"]
     _dump("fp8_engine.json", res)

@@ -117,7 +117,9 @@ def quality(model: str, device: str, variants: list[str], continuation: int, gsm
     try:
         tok = ref.get_tokenizer()
         prompts = [tok.encode(p) for p in PARITY_PROMPTS]
-        prompts += [ref.chat_token_ids(build_messages(q.question)) for q in load_gsm8k_test()[:gsm8k]]
+        prompts += [
+            ref.chat_token_ids(build_messages(q.question)) for q in load_gsm8k_test()[:gsm8k]
+        ]
         greedy = SamplingParams(temperature=0, max_tokens=continuation, ignore_eos=True)
         texts = [p + o.outputs[0].token_ids for p, o in zip(prompts, ref.generate(prompts, greedy))]
         fixed = [tok.encode(FIXED_TEXT)]
@@ -181,7 +183,9 @@ def run_quality(args: argparse.Namespace) -> int:
             f"{p['mean_abs_dlogprob']:>16.4f} {p['positions']:>9}"
         )
     for v, ppl in report["perplexity"].items():
-        print(f"perplexity {v}: {ppl:.3f} ({report['perplexity_ratio'][v]:.3f} x {report['perplexity_ratio_to']})")
+        print(
+            f"perplexity {v}: {ppl:.3f} ({report['perplexity_ratio'][v]:.3f} x {report['perplexity_ratio_to']})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -156,8 +156,11 @@ class KVLayout:
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         """The layout of :meth:`to_dict`'s output (lists, as JSON gives them, read back as
         tuples); KeyError for a missing field."""
-        values = {f.name: data[f.name] for f in fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        values: dict[str, Any] = {
+            f.name: tuple(data[f.name]) if isinstance(data[f.name], list) else data[f.name]
+            for f in fields(cls)
+        }
+        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ activations are quantized per token whatever the checkpoint says.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +131,9 @@ def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme:
     if strategy == "block":
         bs = w.get("block_structure")
         if not (isinstance(bs, (list, tuple)) and len(bs) == 2):
-            raise ValueError(f"quantization_config weights.block_structure: expected [bn, bk], got {bs!r}")
+            raise ValueError(
+                f"quantization_config weights.block_structure: expected [bn, bk], got {bs!r}"
+            )
         block = (int(bs[0]), int(bs[1]))
     act = group.get("input_activations") or {}
     static = bool(act) and not act.get("dynamic", False)
@@ -147,7 +149,9 @@ def scheme_from_config(hf_config: Any, quantization: str | None = None) -> Fp8Sc
     method or layout that is not supported, or for ``quantization`` not in
     :data:`QUANTIZATIONS`."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     qc = _as_dict(getattr(hf_config, "quantization_config", None))
     if qc is None:
         return Fp8Scheme("online", "channel") if quantization == "fp8" else None
@@ -169,8 +173,12 @@ def scheme_from_config(hf_config: Any, quantization: str | None = None) -> Fp8Sc
         bs = qc.get("weight_block_size")
         if bs is not None:
             if not (isinstance(bs, (list, tuple)) and len(bs) == 2):
-                raise ValueError(f"quantization_config.weight_block_size: expected [bn, bk], got {bs!r}")
-            return Fp8Scheme("checkpoint", "block", (int(bs[0]), int(bs[1])), "weight_scale_inv", False, ignored)
+                raise ValueError(
+                    f"quantization_config.weight_block_size: expected [bn, bk], got {bs!r}"
+                )
+            return Fp8Scheme(
+                "checkpoint", "block", (int(bs[0]), int(bs[1])), "weight_scale_inv", False, ignored
+            )
         static = qc.get("activation_scheme", "dynamic") == "static"
         kind = "channel" if method == "fbgemm_fp8" else "tensor"
         return Fp8Scheme("checkpoint", kind, None, "weight_scale", static, ignored)
@@ -252,6 +260,19 @@ def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ layer parameters
+class Fp8Layer(Protocol):
+    """What a decoder layer (``llama.LlamaDecoderLayer``) keeps of its FP8 linears:
+    fp8_names: its fused parameters stored in e4m3; fp8_groups: input columns per scale of
+    each; fp8_input_scales: a checkpoint's static activation scale of each; fp8: the
+    weights the forward uses (:func:`finish_layers`). The parameters themselves
+    (``qkv_proj``, ``qkv_proj_scale``, ...) are read and set by name."""
+
+    fp8: dict[str, Fp8Weight]
+    fp8_names: tuple[str, ...]
+    fp8_groups: dict[str, int]
+    fp8_input_scales: dict[str, torch.Tensor]
+
+
 def _group_of(scheme: Fp8Scheme, in_features: int) -> int:
     return scheme.block[1] if scheme.scale_kind == "block" and scheme.block else in_features
 
@@ -276,7 +297,7 @@ def quantized_names(scheme: Fp8Scheme, layer_index: int) -> tuple[str, ...]:
     return tuple(names)
 
 
-def prepare_checkpoint_layers(layers: Iterable[nn.Module], scheme: Fp8Scheme) -> None:
+def prepare_checkpoint_layers(layers: Iterable[Fp8Layer], scheme: Fp8Scheme) -> None:
     """Before loading an FP8 checkpoint: make each quantized fused parameter of each layer
     an e4m3 parameter of the same shape and add its ``<name>_scale`` parameter
     ``[out, ceil(in / group)]`` fp32 (1.0 until loaded), on the same device."""
@@ -287,7 +308,13 @@ def prepare_checkpoint_layers(layers: Iterable[nn.Module], scheme: Fp8Scheme) ->
             p = getattr(layer, name)
             out, inp = p.shape
             group = _group_of(scheme, inp)
-            setattr(layer, name, nn.Parameter(torch.empty((out, inp), dtype=FP8, device=p.device), requires_grad=False))
+            setattr(
+                layer,
+                name,
+                nn.Parameter(
+                    torch.empty((out, inp), dtype=FP8, device=p.device), requires_grad=False
+                ),
+            )
             scale = torch.ones((out, -(-inp // group)), dtype=torch.float32, device=p.device)
             setattr(layer, name + "_scale", nn.Parameter(scale, requires_grad=False))
             layer.fp8_groups[name] = group
@@ -303,14 +330,16 @@ class CheckpointScales:
     :func:`prepare_checkpoint_layers`.
     """
 
-    def __init__(self, scheme: Fp8Scheme, targets: Mapping[str, Any], layers: list[nn.Module]) -> None:
+    def __init__(
+        self, scheme: Fp8Scheme, targets: Mapping[str, Any], layers: Sequence[Fp8Layer]
+    ) -> None:
         self.scheme = scheme
         self.layers = layers
-        self.expected: dict[str, tuple[Any, nn.Module, str]] = {}
-        self.inputs: dict[str, tuple[nn.Module, str]] = {}
+        self.expected: dict[str, tuple[Any, Fp8Layer, str]] = {}
+        self.inputs: dict[str, tuple[Fp8Layer, str]] = {}
         self.seen: set[str] = set()
         for i, layer in enumerate(layers):
-            for name in getattr(layer, "fp8_names", ()):
+            for name in layer.fp8_names:
                 for module in _layer_modules(i, name):
                     t = targets[module + ".weight"]
                     self.expected[f"{module}.{scheme.scale_name}"] = (t, layer, name)
@@ -376,7 +405,7 @@ class CheckpointScales:
         return sorted(set(self.expected) - self.seen)
 
 
-def finish_layers(layers: Iterable[nn.Module]) -> None:
+def finish_layers(layers: Iterable[Fp8Layer]) -> None:
     """After loading: each layer's ``fp8`` map (fused name -> :class:`Fp8Weight`) over its
     e4m3 parameters and scales, for the forward (:func:`linear`)."""
     for layer in layers:
@@ -387,11 +416,11 @@ def finish_layers(layers: Iterable[nn.Module]) -> None:
                 layer.fp8_groups[name],
                 layer.fp8_input_scales.get(name),
             )
-            for name in getattr(layer, "fp8_names", ())
+            for name in layer.fp8_names
         }
 
 
-def quantize_layers_online(layers: Iterable[nn.Module], scheme: Fp8Scheme) -> None:
+def quantize_layers_online(layers: Sequence[Fp8Layer], scheme: Fp8Scheme) -> None:
     """``--quantization fp8`` after a high-precision load: each quantized fused parameter
     becomes e4m3 with one scale per output channel (:func:`quantize_per_channel`), in
     place of its high-precision copy, which is freed."""
@@ -410,7 +439,9 @@ def quantize_layers_online(layers: Iterable[nn.Module], scheme: Fp8Scheme) -> No
 
 
 # ------------------------------------------------------------------ KV-cache scales
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|kv_scale|(k|v)_proj\.output_scale)$")
+_KV_SCALE = re.compile(
+    r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|kv_scale|(k|v)_proj\.output_scale)$"
+)
 
 
 def kv_scale_of(hf_name: str) -> tuple[int, str] | None:

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model import fp8
+from pdserve.model import fp8, weight_map
 from pdserve.model import linear as lin
-from pdserve.model import weight_map
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
 from pdserve.model.shapes import ModelShapes

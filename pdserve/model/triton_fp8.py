@@ -171,10 +171,12 @@ def fp8_matmul(
     if not one_group:
         bk = min(bk, group)
         if group % bk:
-            raise ValueError(f"group: {group} input columns per scale is not a multiple of BLOCK_K {bk}")
+            raise ValueError(
+                f"group: {group} input columns per scale is not a multiple of BLOCK_K {bk}"
+            )
     dot = kind == "dot" or M > 1
     bm = block_m(M) if dot else 1
-    k_split = -(-(-(-K // split)) // bk) * bk  # a multiple of BLOCK_K (and so of GROUP's tiles)
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # whole BLOCK_K tiles (so whole groups)
     split = -(-K // k_split)
     if split == 1:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)

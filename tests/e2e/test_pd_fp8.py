@@ -82,7 +82,10 @@ def tp_cluster(tmp_path_factory):
     kv = ["--kv-cache-dtype", "fp8_e4m3", "--num-threads", "1"]
     mixed = start_worker("mixed-fp8kv", "mixed", logs, extra=kv)
     p2 = start_worker(
-        "prefill-tp2", "prefill", logs, extra=[*kv, "--tp", "2", "--disaggregation-bootstrap-port", "0"]
+        "prefill-tp2",
+        "prefill",
+        logs,
+        extra=[*kv, "--tp", "2", "--disaggregation-bootstrap-port", "0"],
     )
     d1 = start_worker("decode-tp1", "decode", logs, extra=kv)
     router = start_router("router-p2d1", logs, prefill=[p2], decode=[d1])

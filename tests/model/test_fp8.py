@@ -303,7 +303,10 @@ def test_scheme_errors_name_the_key(tiny_hf_builder):
     cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8.scheme_from_config(cfg)
-    cfg.quantization_config = {"quant_method": "fp8", "ignored_layers": ["model.layers.0.self_attn.q_proj"]}
+    cfg.quantization_config = {
+        "quant_method": "fp8",
+        "ignored_layers": ["model.layers.0.self_attn.q_proj"],
+    }
     with pytest.raises(ValueError, match="fused projection"):
         LlamaForCausalLM(cfg, torch.float32, "meta")
     with pytest.raises(ValueError, match="quantization"):
@@ -323,7 +326,8 @@ def test_missing_scale_is_named(tmp_path, fp8_dir):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="up_proj.weight_scale"):
         _load(str(tmp_path))
-    assert json.load(open(tmp_path / "config.json"))["quantization_config"]
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["quantization_config"]
 
 
 def test_config_names_the_same_quantizations():

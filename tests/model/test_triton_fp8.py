@@ -34,7 +34,10 @@ CASES = [
     (17, ("dot", 32, 64, 3, 4, 1), torch.float32),  # 17 rows in a 32-row tile; three slices
 ]
 if DEVICE == "cuda":
-    CASES += [(3, ("dot", 16, 32, 1, 4, 1), torch.bfloat16), (64, ("dot", 64, 64, 2, 4, 2), torch.bfloat16)]
+    CASES += [
+        (3, ("dot", 16, 32, 1, 4, 1), torch.bfloat16),
+        (64, ("dot", 64, 64, 2, 4, 2), torch.bfloat16),
+    ]
 
 
 @pytest.mark.parametrize("block", [None, (32, 32)])
@@ -65,7 +68,9 @@ def test_default_configs_run_and_split_small_n():
 
 
 def test_table_entry_is_used(monkeypatch):
-    monkeypatch.setitem(triton_fp8.TABLE, (48, 160), ((1, ("rows", 32, 32, 1, 4, 1)), (8, ("dot", 16, 32, 2, 4, 1))))
+    monkeypatch.setitem(
+        triton_fp8.TABLE, (48, 160), ((1, ("rows", 32, 32, 1, 4, 1)), (8, ("dot", 16, 32, 2, 4, 1)))
+    )
     assert triton_fp8.config_for(1, 48, 160, 160) == ("rows", 32, 32, 1, 4, 1)
     assert triton_fp8.config_for(6, 48, 160, 160) == ("dot", 16, 32, 2, 4, 1)
     assert triton_fp8.config_for(9, 48, 160, 160) == triton_fp8.default_config(9, 48, 160, 160)
