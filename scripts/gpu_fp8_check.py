@@ -78,8 +78,6 @@ def kernels() -> dict:
         copies = max(2, -(-(256 << 20) // (n * k)))  # > 2 x L2 of fp8 weights per graph
         w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         qw = [fp8.Fp8Weight(*fp8.quantize_per_channel(w), k) for w in w16]
-        for q in qw:
-            q.scale = q.scale.to(dev)
         entry: dict = {}
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

@@ -33,8 +33,8 @@ output channel (``amax(row) / 448``).
 Matmul (:func:`linear`): on CPU the weight is dequantized to the activations' dtype and
 multiplied (correct, not fast). On CUDA a few rows run the Triton kernel of
 :mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers, bf16 activations), and
-from :func:`scaled_mm_min_rows` rows on, a one-group weight goes through
-``torch._scaled_mm`` with dynamic per-token activation scales (block-scaled weights stay on
+from :func:`scaled_mm_min_rows` rows on, a one-group weight under bf16 activations goes
+through ``torch._scaled_mm`` with dynamic per-token activation scales (block-scaled weights stay on
 the Triton kernel). Static ``input_scale`` values are read and kept (``Fp8Weight``) but the
 activations are quantized per token whatever the checkpoint says.
 """
@@ -217,10 +217,17 @@ class Fp8Weight:
             s = s.repeat_interleave(self.group, dim=1)[:, : w.shape[1]]
         return (w * s).to(dtype)
 
-    def scale_row(self) -> torch.Tensor:
-        """``[1, out]`` fp32 contiguous (``_scaled_mm``'s ``scale_b``); one-group weights."""
-        if self._scale_row is None:
+    def __post_init__(self) -> None:
+        # made here, not on first use: a first use inside a CUDA-graph capture would
+        # allocate it from the graph's pool
+        if self.one_group:
             self._scale_row = self.scale[:, 0].reshape(1, -1).contiguous()
+
+    def scale_row(self) -> torch.Tensor:
+        """``[1, out]`` fp32 contiguous (``_scaled_mm``'s ``scale_b``); one-group weights
+        (ValueError otherwise)."""
+        if self._scale_row is None:
+            raise ValueError("scale_row: a block-scaled weight has no per-row scale")
         return self._scale_row
 
 
@@ -488,7 +495,13 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, n)
-    if w.one_group and m >= scaled_mm_min_rows(n, k) and n % 16 == 0 and k % 16 == 0:
+    if (
+        w.one_group
+        and x.dtype == torch.bfloat16  # _scaled_mm's row-wise scaling writes bf16 only
+        and m >= scaled_mm_min_rows(n, k)
+        and n % 16 == 0
+        and k % 16 == 0
+    ):
         return scaled_mm(x, w, bias)
     from pdserve.model import triton_fp8
 
