@@ -35,12 +35,14 @@ multiplied (correct, not fast). On CUDA a few rows run the Triton kernel of
 :mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers, bf16 activations), and
 from :func:`scaled_mm_min_rows` rows on, a one-group weight under bf16 activations goes
 through ``torch._scaled_mm`` with dynamic per-token activation scales (block-scaled weights stay on
-the Triton kernel). Static ``input_scale`` values are read and kept (``Fp8Weight``) but the
+the Triton kernel); the row count of that switch is chosen per shape when the model loads
+(:func:`choose_paths`). Static ``input_scale`` values are read and kept (``Fp8Weight``) but the
 activations are quantized per token whatever the checkpoint says.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -61,12 +65,15 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 }
 QUANTIZATIONS = ("fp8",)  # values of --quantization besides none
 # From this many rows on, a one-group FP8 weight of shape (N, K) goes through
-# ``torch._scaled_mm`` instead of the Triton kernel; measured by scripts/gpu_fp8_check.sh
-# (``fp8_linear`` in its JSON). Shapes not listed use DEFAULT_SCALED_MM_MIN_ROWS, chosen from
-# the H200 figures of issue 26 (cuBLAS's FP8 path beats bf16 from about 16-64 rows, so the
-# weight-bandwidth-bound Triton kernel keeps fewer rows than that).
+# ``torch._scaled_mm`` instead of the Triton kernel. Filled at start on CUDA for the model's
+# shapes by :func:`choose_paths` (timed there), unless listed here; scripts/gpu_fp8_check.sh
+# measures the same crossover with a configuration sweep (``fp8_kernels.json``). A shape
+# neither lists uses DEFAULT_SCALED_MM_MIN_ROWS, read off the H200 figures of issue 26
+# (cuBLAS's FP8 path beats bf16 from about 16-64 rows).
 SCALED_MM_MIN_ROWS: dict[tuple[int, int], int] = {}
 DEFAULT_SCALED_MM_MIN_ROWS = 32
+# Row counts :func:`choose_paths` times at start for a shape the table does not list.
+PROBE_ROWS = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -506,3 +513,52 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     from pdserve.model import triton_fp8
 
     return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias)
+
+
+def _time_us(fn: Any, iters: int = 10) -> float:
+    """Mean µs of ``fn()`` on the current CUDA stream (after one warm-up call)."""
+    fn()  # compile / warm up
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1e3 * float(start.elapsed_time(end)) / iters
+
+
+def _scaled_mm_wins(w: Fp8Weight, m: int) -> bool:
+    """Whether ``_scaled_mm`` beats the Triton kernel on ``m`` bf16 rows times ``w``."""
+    from pdserve.model import triton_fp8
+
+    x = torch.randn(m, w.weight.shape[1], device=w.weight.device, dtype=torch.bfloat16)
+    tri = _time_us(lambda: triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group))
+    return _time_us(lambda: scaled_mm(x, w, None)) < tri
+
+
+def choose_paths(weights: Iterable[Fp8Weight]) -> dict[tuple[int, int], int]:
+    """At start, on CUDA: for each one-group weight shape ``(N, K)`` that
+    :data:`SCALED_MM_MIN_ROWS` does not list, time the Triton kernel and ``_scaled_mm`` at
+    :data:`PROBE_ROWS` rows (bf16 activations, 10 calls each) and record the first row
+    count where ``_scaled_mm`` is faster (past the last: never) in the table, which
+    :func:`linear` reads. Returns what it recorded. A failure (a shape cuBLAS refuses, no
+    GPU) is logged and leaves the default for that shape."""
+    chosen: dict[tuple[int, int], int] = {}
+    seen: set[tuple[int, int]] = set()
+    for w in weights:
+        n, k = w.weight.shape
+        if not (w.weight.is_cuda and w.one_group) or (n, k) in seen or (n, k) in SCALED_MM_MIN_ROWS:
+            continue
+        seen.add((n, k))
+        try:
+            rows = next((m for m in PROBE_ROWS if _scaled_mm_wins(w, m)), PROBE_ROWS[-1] + 1)
+        except Exception as exc:  # noqa: BLE001 keep the default for this shape
+            logger.warning(
+                "FP8 path choice for shape (%d, %d) failed (%s); default kept", n, k, exc
+            )
+            continue
+        SCALED_MM_MIN_ROWS[(n, k)] = chosen[(n, k)] = rows
+    if chosen:
+        logger.info("FP8 linears: _scaled_mm from these rows on, by shape: %s", chosen)
+    return chosen

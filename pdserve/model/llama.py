@@ -311,6 +311,8 @@ class LlamaForCausalLM(nn.Module):
             fp8.finish_layers(layers)
         elif scheme is not None:
             fp8.quantize_layers_online(layers, scheme)
+        if self.fp8_scheme is not None and self.embed_tokens.is_cuda:  # the switch, per shape
+            fp8.choose_paths(w for layer in layers for w in layer.fp8.values())
         for i, layer in enumerate(layers):
             both = kv_scales.get((i, "kv"), 1.0)
             layer.kv_scale = (kv_scales.get((i, "k"), both), kv_scales.get((i, "v"), both))
