@@ -28,7 +28,9 @@ repeated over its ``bn`` output rows), so fused projections (q|k|v, gate|up) kee
 part's own scales and a tensor-parallel rank takes its rows and groups like the weight's.
 
 ``--quantization fp8`` on a bf16/fp16/fp32 checkpoint quantizes at load: e4m3, one scale per
-output channel (``amax(row) / 448``).
+output channel (``amax(row) / 448``). Under tensor parallelism each rank quantizes its own
+share, so a row-parallel weight's (o_proj, down_proj) channel scale is the amax over the
+rank's columns: finer than TP 1's, and not the same numbers.
 
 Matmul (:func:`linear`): on CPU the weight is dequantized to the activations' dtype and
 multiplied (correct, not fast). On CUDA a few rows run the Triton kernel of
