@@ -286,6 +286,9 @@ class ServerConfig:
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
     strict_request_fields: answer 400 for an unknown request field instead of ignoring it
         with a warning (``server/field_policy.py``).
+    responses_store_size: most responses of ``/v1/responses`` kept in memory for
+        ``GET /v1/responses/{id}`` and ``previous_response_id`` (the oldest dropped first);
+        0 keeps none.
     """
 
     host: str = "127.0.0.1"
@@ -296,8 +299,11 @@ class ServerConfig:
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
     strict_request_fields: bool = False
+    responses_store_size: int = 1000
 
     def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)

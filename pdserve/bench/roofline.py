@@ -45,6 +45,28 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     )
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    weights -= unrouted_expert_bytes(model, num_seqs)  # a mixture of experts: the routed ones
     kv_dtype = engine.executor.rank0.storage.kv.dtype  # an FP8 pool reads 1 byte an element
     kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, kv_dtype)
     return int(weights + num_seqs * mean_context * kv)
+
+
+def unrouted_expert_bytes(model, num_seqs: int) -> int:
+    """Bytes of the experts a decode step of ``num_seqs`` sequences did not read on average,
+    which :func:`step_bytes` leaves out: a mixture-of-experts step reads only the experts
+    its batch routes to. Per sparse layer ``(E - routed) * one expert's bytes``, ``routed``
+    measured over the decode steps of that size since the last call
+    (:func:`pdserve.model.moe.routed_experts`, ``PDSERVE_MOE_ROUTING_STATS=1``; reset here,
+    so each concurrency of ``bench offline`` gets its own); 0 for a dense model or when
+    routing was not counted (every expert)."""
+    from pdserve.model.moe import routed_experts
+
+    blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    routed = routed_experts(blocks, num_seqs) if blocks else None
+    if routed is None:
+        return 0
+    total = 0.0
+    for b in blocks:
+        per_expert = (b.w13[0].numel() + b.w2[0].numel()) * b.w13.element_size()
+        total += (b.w13.shape[0] - routed) * per_expert
+    return int(total)

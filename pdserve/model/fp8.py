@@ -297,11 +297,15 @@ def _layer_modules(i: int, name: str) -> list[str]:
     return [f"model.layers.{i}.{m}" for m in FUSED_MODULES[name]]
 
 
-def quantized_names(scheme: Fp8Scheme, layer_index: int) -> tuple[str, ...]:
-    """The fused parameters of layer ``layer_index`` stored in FP8 under ``scheme``.
-    ValueError naming the module when a fused projection is only partly excluded."""
+def quantized_names(scheme: Fp8Scheme, layer_index: int, layer: Any = None) -> tuple[str, ...]:
+    """The fused parameters of layer ``layer_index`` stored in FP8 under ``scheme`` (of
+    those ``layer`` has: a mixture-of-experts layer has no dense MLP, and its experts stay
+    high precision). ValueError naming the module when a fused projection is only partly
+    excluded."""
     names = []
     for name in FUSED_MODULES:
+        if layer is not None and getattr(layer, name, None) is None:
+            continue
         flags = {scheme.quantized(m) for m in _layer_modules(layer_index, name)}
         if len(flags) > 1:
             raise ValueError(
@@ -318,7 +322,7 @@ def prepare_checkpoint_layers(layers: Iterable[Fp8Layer], scheme: Fp8Scheme) -> 
     an e4m3 parameter of the same shape and add its ``<name>_scale`` parameter
     ``[out, ceil(in / group)]`` fp32 (1.0 until loaded), on the same device."""
     for i, layer in enumerate(layers):
-        names = quantized_names(scheme, i)
+        names = quantized_names(scheme, i, layer)
         layer.fp8_names = names
         for name in names:
             p = getattr(layer, name)
@@ -441,7 +445,7 @@ def quantize_layers_online(layers: Sequence[Fp8Layer], scheme: Fp8Scheme) -> Non
     becomes e4m3 with one scale per output channel (:func:`quantize_per_channel`), in
     place of its high-precision copy, which is freed."""
     for i, layer in enumerate(layers):
-        names = quantized_names(scheme, i)
+        names = quantized_names(scheme, i, layer)
         layer.fp8_names = names
         for name in names:
             p = getattr(layer, name)

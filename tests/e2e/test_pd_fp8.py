@@ -26,7 +26,7 @@ FP8 = ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-fp8-logs")
-    with pd_and_mixed(logs, extra=FP8) as c:
+    with pd_and_mixed(logs, worker_extra=FP8) as c:
         yield c
 
 

@@ -1,44 +1,27 @@
-"""A worker's NIXL agent with its KV pool and aux buffer registered once, and the WRITE
-of one room's pages: made (ahead, or at the send), posted, polled and released. The
-descriptor lists these WRITEs index into, and the peers' memory as WRITE targets, are
-prepared by its base :class:`PreparedLists` (their layout below).
-
-This module owns everything a worker does with its NIXL agents once they exist: the
-descriptor lists, the WRITEs and the notifier agent; both sides' managers and senders use
-them together.
-
-Descriptor lists of a worker's NIXL agent, prepared once per side (local: at start;
-remote: once per peer instance), and the descriptor indices of one room's pages in them.
+"""Everything a worker does with its NIXL agents once they exist: the agent with its KV pool
+and aux buffer registered once, the WRITE of one room's pages (made ahead or at the send,
+posted, polled, released), the descriptor lists those WRITEs index into
+(:class:`PreparedLists`, prepared once per side: local at start, remote once per peer
+instance) and the notifier agent; both sides' managers and senders use them.
 
 Lists are in NIXL's strided form, one row per KV buffer expanding to one descriptor per
-page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers in the pool
-layout's descriptor order, :meth:`pdserve.engine.kv.layout.KVCacheLayout.regions`: 2L
-for a layer-major pool, one for a page-major pool). A room's transfer lists its indices
-buffer by buffer in prompt order, so a run of consecutive pages on both sides is a run of
-address-contiguous descriptors, which NIXL's ``make_prepped_xfer`` coalesces into one
-(as fast as hand-built coalesced descriptors: docs/benchmarks.md).
+page: index ``b * num_pages + p`` is page ``p`` of buffer ``b`` (buffers in
+:meth:`pdserve.engine.kv.layout.KVCacheLayout.regions` order: 2L for a layer-major pool,
+one for a page-major pool). A room lists its indices buffer by buffer in prompt order, so
+consecutive pages are address-contiguous descriptors, which ``make_prepped_xfer``
+coalesces.
 
-Tensor parallelism: when this rank writes exactly the KV heads the peer rank holds (equal
-head ranges, the usual case) the lists are the whole-page ones above.  Otherwise
-(heterogeneous TP, replicas) only a page-major pool can be split: inside a page
-``[L, 2, H, ps, D]`` the heads ``[a, b)`` of one (layer, K|V) are one contiguous run of
-``(b - a) * ps * D`` elements, so the slice lists have one strided row per (layer, K|V)
-(``2L`` rows, each ``P`` descriptors a page stride apart) on each side, prepared once per
-peer (remote) and once per distinct slice (local); descriptor index ``j * P + p`` is
-page ``p``'s run ``j``, the same index formula as whole pages with ``2L`` buffers.
+Tensor parallelism: when this rank writes exactly the peer rank's KV heads the lists are
+the whole-page ones. Otherwise only a page-major pool can be split: inside a page
+``[L, 2, H, ps, D]`` heads ``[a, b)`` of one (layer, K|V) are one contiguous run, so the
+slice lists have ``2L`` strided rows of ``P`` descriptors; index ``j * P + p`` is page
+``p``'s run ``j``, the same formula as whole pages.
 
-Prefill's second NIXL agent (:class:`NixlNotifier`) only sends notifications (``XferDone``).
-
-Why a second agent: with UCX, a notification is an active message on the endpoint's TCP
-lane, which flags that UCT endpoint (``NEED_FLUSH``); the flush that ends the next WRITE
-on it then sends an empty PUT and waits for the peer's acknowledgement, i.e. for decode's
-worker to progress (``uct_tcp_ep_flush``). Sent on the WRITEs' own endpoint, every room's
-notification so cost the next room's WRITE a round trip on decode's polling cadence
-(several times the WRITE itself: docs/benchmarks.md, "Notes moved from disagg
-docstrings"). This agent has no memory registered and
-posts no WRITE, so nothing of it is ever flushed; the WRITEs' agent sends no active message
-at all. Decode needs nothing of it: it reads notifications of any agent
-(``get_new_notifs``), and UCX wires the endpoint up from its side.
+Why prefill sends ``XferDone`` from a second agent (:class:`NixlNotifier`, no memory
+registered, no WRITE): with UCX a notification is an active message on the endpoint's TCP
+lane, which flags it ``NEED_FLUSH``; the flush that ends the next WRITE on it then waits
+for decode's worker to progress (``uct_tcp_ep_flush``), a round trip per room
+(docs/benchmarks.md). Decode reads notifications of any agent (``get_new_notifs``).
 """
 
 from __future__ import annotations

@@ -1,70 +1,43 @@
 """The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
-sends each room's destination, learns of completion, and watches prefill peers.
+sends each room's destination, learns of completion, and watches prefill peers. It owns
+the manager and its threads' loops; a room and the peers that write it live in
+:mod:`.receiver` (:class:`~.receiver.PrefillPeers`).
 
-Threads: ``bootstrap`` (:class:`DecodeBootstrap` below: HTTP lookups grouped per prefill;
-protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
-prefill control endpoint; sends Hello before the first destination to an instance; reads
-RoomStatus), ``notifs`` (NIXL completion notifications, :class:`NotifPoller` below: read back to back
-while a room is transferring, with ``os.sched_yield`` between reads on VRAM, every
-``HOST_POLL_S`` on host memory; else it waits
-on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
-that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
+Threads: ``bootstrap`` (:class:`DecodeBootstrap`: per batch of rooms, one lookup per
+prefill at its bootstrap server, ``GET /route/0`` then the other writer ranks; protocol,
+``KVLayout.first_difference``, rank facts and head split checked, a mismatch fails the
+rooms naming the field, a layout mismatch tells prefill too with ``RoomAbort``; the
+prefill's NIXL agent loaded once per instance), ``control`` (every ZMQ socket: one DEALER
+per prefill control endpoint; Hello before the first destination; reads RoomStatus),
+``notifs`` (:class:`NotifPoller`, below) and ``heartbeat`` (``GET /health`` of every
+prefill with live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
-every room of that prefill fails at once; the round: :meth:`~.receiver.PrefillPeers.heartbeat`).
+every room of that prefill fails at once).
 
 Quarantine (a late WRITE must never land in pages given to another request): a room
-whose destination went out and whose prefill was declared dead by the heartbeat fails at
-once, but its pages stay held (``NixlReceiver.holds_pages``) until that prefill
-*incarnation* ends the room (``RoomStatus`` or ``XferDone``: it will not WRITE any more)
-or is known gone (its bootstrap answers as a new instance, or refuses the connection):
-never on a timeout alone. Such a peer is kept as a *suspect* (agent loaded, still
-heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_agent``).
-A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
+whose destination went out and whose prefill was declared dead fails at once, but its
+pages stay held (``NixlReceiver.holds_pages``) until that prefill *incarnation* ends the
+room (``RoomStatus`` or ``XferDone``) or is known gone (a new instance, or a refused
+connection): never on a timeout alone. Such a peer stays a *suspect* (agent loaded, still
+heartbeaten) and is forgotten (``forget_agent``) once no quarantined room is left; one
+older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` is listed in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
-forgotten too, so restarts leave remote agents flat. The peers, suspects and these
-counts are kept by :class:`~.receiver.PrefillPeers`; a peer's agent is forgotten by
-:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`, as on prefill.
+forgotten too.
 
-Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
-are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.bootstrap.writes_into`),
-looked up at the prefill's bootstrap server (rank 0 first: it names the TP size); a peer is
-one prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
-page-major pool on both sides: a layer-major pair with different head ranges fails at
-bootstrap naming ``kv_order``. The heartbeat reads every rank's instance from the one
-``/health`` of the prefill's bootstrap server: a rank missing there is gone.
+Tensor parallelism: one manager per decode rank. A room's writers are the prefill ranks
+owning this rank's KV heads (:func:`pdserve.disagg.bootstrap.writes_into`); a peer is one
+prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
+page-major pool on both sides (a layer-major pair with different head ranges fails at
+bootstrap naming ``kv_order``). The heartbeat reads every rank's instance from the one
+``/health`` of the prefill's bootstrap server.
 
-This module owns the manager and the loops of its own threads (bootstrap, notifications),
-which only it starts; a room and the peers that write it live in :mod:`.receiver`.
-
-The bootstrap thread (:class:`DecodeBootstrap`): the prefill ranks a batch of rooms writes from, looked up at
-their bootstrap server (``GET /route/0``, then the other writer ranks' routes, one lookup
-per prefill and batch), checked (protocol version, ``KVLayout.first_difference``, rank
-facts, the head split), and made peers (:meth:`~.receiver.PrefillPeers.peer_for`:
-the prefill's NIXL agent is loaded once per instance). A mismatch fails the rooms at once
-naming the field; a layout mismatch tells prefill too (``RoomAbort``), whose rooms fail.
-
-The notification thread (:class:`NotifPoller`): when it reads NIXL's completion notifications, and how it
-waits between reads.
-
-While a room is ``Transferring`` (its destination went out, its ``XferDone`` has not come)
-the notifications are read:
-
-- on VRAM, back to back with ``os.sched_yield`` between reads and no back-off, however
-  long the prefill takes: the copy engines move the bytes and the CPU has nothing else to
-  do for the room; ``time.sleep(0)`` would sleep the timer slack and a back-off put
-  decode behind prefill on every room (figures: docs/benchmarks.md, "Notes moved from
-  disagg docstrings");
-- on host memory, every ``HOST_POLL_S``: there a CPU does the copy (UCX CMA, inside
-  prefill's post) while decode waits, and each read of decode's takes CPU from that copy
-  on a small machine; reading less often made large transfers faster and small ones no
-  slower (figures: docs/benchmarks.md); a CPU engine polls its rooms once per step,
-  milliseconds apart.
-
-With no room transferring it waits on the manager's *wake* event (set when a destination
-goes out) for at most ``IDLE_WAIT_S``, so late notifications still drain. The event is
-cleared *before* the rooms are looked at: a destination sent between the look and the
-wait leaves it set, and the wait returns at once (clearing it after the look lost that
-wake-up and cost the room up to ``IDLE_WAIT_S``).
+Notifications (:class:`NotifPoller`): while a room is ``Transferring`` they are read back
+to back with ``os.sched_yield`` on VRAM (the copy engines move the bytes; a back-off would
+put decode behind prefill on every room), every ``HOST_POLL_S`` on host memory (there a
+CPU does the copy, and each read takes CPU from it); figures: docs/benchmarks.md. Else it
+waits on the *wake* event (set when a destination goes out) for at most ``IDLE_WAIT_S``;
+the event is cleared *before* the rooms are looked at, so a destination sent in between
+is never missed.
 """
 
 from __future__ import annotations

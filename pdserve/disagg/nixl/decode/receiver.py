@@ -1,4 +1,6 @@
-"""Decode side of one room over NIXL, on one decode rank.
+"""Decode side of one room over NIXL, on one decode rank, and the prefill peers that write
+rooms (:class:`PrefillPeers`): the receivers and the peer table are what the manager's
+threads share.
 
 States: ``Bootstrapping`` (the prefill ranks that write this rank's KV heads looked up on
 the bootstrap thread; protocol, layout and rank facts checked) -> ``WaitingForInput``
@@ -10,26 +12,16 @@ Writers: one prefill rank per KV head (:mod:`pdserve.disagg.bootstrap`); with eq
 sizes that is one. Once the destination was sent, a failure (abort, waiting timeout,
 injection, one writer failing) is told to every writer and becomes ``Failed`` only when
 each writer answered that it will not WRITE any more (``RoomStatus``), completed anyway
-(``XferDone``), is known gone, or was declared dead by the heartbeat — never while a
+(``XferDone``), is known gone, or was declared dead by the heartbeat: never while a
 writer may still write into the pages. A writer declared dead but not known gone keeps
-the room's pages held (``holds_pages``) until that incarnation ends the room or is known
-gone (quarantine, per writer).
+the room's pages held (``holds_pages``): the quarantine of :mod:`.manager`'s module doc.
 
-The prefill peers live here too, next to :class:`PrefillPeer`: the receivers and the
-peer table are what the manager's threads share.
-
-The prefill peers (:class:`PrefillPeers`): the prefill rank instances it writes rooms with, the suspects
-among them, and the quarantine bookkeeping (the rules: :mod:`.manager`'s module doc).
-
-A peer is one prefill rank *instance* (``PrefillPeer``, keyed ``(host, port,
-engine_rank)``), with its NIXL agent loaded once. A peer declared dead by the heartbeat
-while one of its rooms holds decode's pages stays a *suspect* (agent loaded, still
-heartbeaten) until that incarnation ends the room or is known gone; then, as any peer
-that is gone, its agent is removed (``remove_remote_agent``), so restarts leave remote
-agents flat (:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`). The heartbeat (:meth:`PrefillPeers.heartbeat`:
-one ``GET /health`` per prefill bootstrap server, judging every peer and suspect of it)
-declares peers dead or gone. Used by the bootstrap thread (``peer_for``) and the heartbeat
-thread (``heartbeat``); ``stats`` by whoever reads the manager's stats.
+A peer is one prefill rank *instance* (:class:`PrefillPeer`, keyed ``(host, port,
+engine_rank)``), its NIXL agent loaded once; a suspect is kept until that incarnation ends
+its quarantined rooms or is known gone, then forgotten like any gone peer
+(:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`). :meth:`PrefillPeers.heartbeat`
+(one ``GET /health`` per prefill bootstrap server) declares peers dead or gone. Used by
+the bootstrap thread (``peer_for``), the heartbeat thread (``heartbeat``) and ``stats``.
 """
 
 from __future__ import annotations

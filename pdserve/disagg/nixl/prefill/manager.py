@@ -2,31 +2,25 @@
 and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
-out), ``transfer-i`` (:mod:`.sender`), and the bootstrap HTTP server
-(:mod:`.bootstrap`: rank 0 serves it, every rank registers there). A destination
-may arrive before the engine created the room (the router sends to both workers at
-once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
-not created yet waits in ``_early_aborts``.
-Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
-each decode agent is loaded into both. The decode peers (Hello, the heads written there,
-forgetting those a ``Ping`` cannot reach): :class:`DecodePeers` below, in this module
-because only the manager's control thread and stats use them.
+out), ``transfer-i`` (:mod:`.sender`), and the bootstrap HTTP server (:mod:`.bootstrap`).
+A destination may arrive before the engine created the room (the router sends to both
+workers at once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort
+for a room not created yet waits in ``_early_aborts``. Two NIXL agents: the engine's
+(memory registered, every WRITE) and a notifier
+(:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`, ``XferDone`` only);
+each decode agent is loaded into both.
 
-Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
-worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
-over HTTP, ranks >= 1 at the ``bootstrap_host:bootstrap_port`` of rank 0 they are given.
-A decode rank says Hello to each prefill rank that writes some of its heads
-(:mod:`pdserve.disagg.bootstrap`); a room's sender waits for the destination of every
-decode rank it writes into (their count follows from the decode TP size in the Hello).
-Only rank 0 writes the aux record, and only into decode rank 0.
+Tensor parallelism: one manager per rank. Rank 0 runs the worker's bootstrap server;
+every rank registers its :class:`RankInfo` there over HTTP. A decode rank says Hello to
+each prefill rank that writes some of its heads (:mod:`pdserve.disagg.bootstrap`); a
+room's sender waits for the destination of every decode rank it writes into. Only rank 0
+writes the aux record, and only into decode rank 0.
 
-The decode peers (:class:`DecodePeers`): the decode rank instances that said Hello, each with its NIXL
-agent loaded (into the WRITE agent and the notifier) and its memory prepared for the
-heads this rank writes there, or why it is unusable; and their end (the rules: above). A decode that ZMQ can no longer route a ``Ping`` to is gone
-(its process ended or restarted as a new instance): its prepared lists are released and
-its agent removed (:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`), unless a room still holds it.
-Used by the control thread only (``hello``, ``forget_gone``); ``counts`` by stats.
+The decode peers (:class:`DecodePeers`, used by the control thread and stats only): the
+decode rank instances that said Hello, each with its agent loaded and its memory prepared
+for the heads this rank writes there, or why it is unusable. A decode that ZMQ can no
+longer route a ``Ping`` to is gone: its lists are released and its agent forgotten
+(:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`), unless a room still holds it.
 """
 
 from __future__ import annotations

@@ -1,53 +1,37 @@
-"""Prefill side of one room over NIXL: waits for decode's destination, then its pages are
-WRITTEN (by :class:`TransferWorkers` below: posted on the calling thread when few descriptors, else
-by a transfer thread) and decode is told with ``XferDone``, which carries the aux record.
-
-States: ``Bootstrapping`` (not every destination yet; fails after the bootstrap
-timeout) -> ``WaitingForInput`` (the destination of every decode rank this rank writes
-into is known: one under equal TP, several when this rank's heads are split over
-decode ranks; they list the same pages) -> ``Transferring`` (a first ``send`` posted or queued) ->
-``Success`` (NIXL reported every WRITE of every ``send`` done; decode is notified right
-after, once)
-or ``Failed``. Each ``send`` is one :class:`Job` of the transfer workers (a chunk of the
-prompt's pages, WRITTEN into every destination); the last one packs the aux record
-(``aux_bytes``, only here), which ``XferDone`` takes to decode rank 0 only (from prefill
-rank 0; decode stores it in the room's aux slot). A failure asked for
-while WRITEs are in flight (abort, decode's abort, injection) takes effect when they all
-end, so ``Failed`` is never reported while NIXL may still read the pages.
-
-This module owns both halves of a room's send: the room (:class:`NixlSender`, what it
-knows of its decode peers) and the machinery that posts and completes its WRITEs
+"""Prefill side of one room over NIXL: the room (:class:`NixlSender`, what it knows of its
+decode peers) and the machinery that posts and completes its WRITEs
 (:class:`TransferWorkers`); a room and its jobs call each other on every send.
 
-Posting and completion of a room's WRITEs: one ``send`` of a room (a chunk of
-its pages; the last one with the aux record) is one :class:`Job`.
+States: ``Bootstrapping`` (not every destination yet; fails after the bootstrap timeout)
+-> ``WaitingForInput`` (the destination of every decode rank this rank writes into is
+known: one under equal TP, several when this rank's heads are split; they list the same
+pages) -> ``Transferring`` (a first ``send`` posted or queued) -> ``Success`` (NIXL
+reported every WRITE done; decode is notified right after, once) or ``Failed``. Each
+``send`` is one :class:`Job` (a chunk of the prompt's pages, WRITTEN into every
+destination); the last one packs the aux record, which ``XferDone`` takes from prefill
+rank 0 to decode rank 0 only. A failure asked for while WRITEs are in flight takes
+effect when they all end, so ``Failed`` is never reported while NIXL may still read the
+pages.
 
 Posting: a send of few descriptors (``INLINE_MAX_DESCS`` after merging adjacent pages; on
 host memory also at most ``INLINE_MAX_HOST_BYTES``, since a CMA copy runs inside the
-post) is posted on the calling thread (the engine's), so no thread hand-off sits in front
-of the WRITE; a larger one is queued to the ``transfer-i`` threads, which post it there
-(posting costs ~2.5 us a descriptor on VRAM: GPU.md). After an inline post of at most
-``INLINE_SPIN_MAX_BYTES`` the handles are polled back to back for up to ``INLINE_SPIN_S``:
-a one-page WRITE ends within it, and then the room ends on the calling thread too, sooner
-than after a hand-off (figures: docs/benchmarks.md, "Notes moved from disagg docstrings").
-Otherwise a transfer thread
-completes it: polled back to back for ``SPIN_S`` (on VRAM ``os.sched_yield`` between polls,
-not ``time.sleep(0)``, which sleeps ~60 us: the timer slack; on host memory, where a CPU
-does the copy, ``time.sleep(0)``), then every ``BACKOFF_S``. A
-poll (``check_xfer_state``) releases the GIL inside NIXL, so other threads run meanwhile.
+post) is posted on the calling thread, so no thread hand-off sits in front of the WRITE;
+a larger one is queued to the ``transfer-i`` threads. After an inline post of at most
+``INLINE_SPIN_MAX_BYTES`` the handles are polled back to back for up to
+``INLINE_SPIN_S`` (a one-page WRITE ends within it). Otherwise a transfer thread
+completes it: back to back for ``SPIN_S`` (``os.sched_yield`` between polls on VRAM,
+since ``time.sleep(0)`` sleeps the timer slack; ``time.sleep(0)`` on host memory, where a
+CPU does the copy), then every ``BACKOFF_S``; a poll releases the GIL inside NIXL.
+Figures: docs/benchmarks.md, "Notes moved from disagg docstrings".
 
-Completion (``XferDone``, carrying the aux record for the decode rank that takes it):
-once every WRITE of a room ended (NIXL reports them ``DONE``: in decode's memory), the
-room is a ``Success`` and its last outstanding send tells each destination decode rank,
-with a NIXL notification sent by the manager's *notifier* (:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`), a second
-agent, never by the agent that WRITEs: on UCX a notification makes the next flush of its
-endpoint, which ends every WRITE, wait for the peer's progress. So a room is one prepared
-transfer per destination and one notification, and its ``DONE`` waits for nothing of
-decode's (figures: docs/benchmarks.md). When the sender made the
-WRITE ahead (``NixlSender.expect_pages``) the job only posts it, and releases it if never
-posted. The room learns the outcome through ``NixlSender.chunk_finished`` /
-``transfer_finished`` only when NIXL no longer touches its pages (a WRITE still running at
-the deadline is cancelled; until NIXL accepts the cancellation it keeps being polled).
+Completion: once every WRITE of a room ended, the room is a ``Success`` and its last
+outstanding send tells each destination decode rank with ``XferDone``, sent by the
+manager's notifier agent (:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`,
+whose module says why not the WRITEs' agent). When the sender made the WRITE ahead
+(``NixlSender.expect_pages``) the job only posts it, and releases it if never posted. The
+room learns the outcome (``chunk_finished`` / ``transfer_finished``) only when NIXL no
+longer touches its pages (a WRITE still running at the deadline is cancelled, and polled
+until NIXL accepts the cancellation).
 """
 
 from __future__ import annotations
