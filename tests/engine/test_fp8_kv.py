@@ -54,3 +54,21 @@ def test_fp8_weights_and_kv_together(tiny_model_dir):
     rank = llm.engine.executor.rank0
     assert next(rank.model.decoder_layers()).fp8  # the linears are e4m3
     assert len(greedy(llm, PROMPTS[:1])[0][0]) == 10
+
+
+def test_fp8_on_a_mixture_of_experts_model():
+    """A sparse layer has no dense MLP: its attention linears are e4m3, its experts stay in
+    the model dtype; FP8 KV as anywhere."""
+    llm = LLM(
+        "random:tiny-qwen3-moe",
+        device="cpu",
+        num_pages=64,
+        page_size=4,
+        quantization="fp8",
+        kv_cache_dtype="fp8_e4m3",
+    )
+    layers = list(llm.engine.executor.rank0.model.decoder_layers())
+    assert all({"qkv_proj", "o_proj"} <= set(layer.fp8) for layer in layers)
+    assert any(layer.moe is not None and "gate_up_proj" not in layer.fp8 for layer in layers)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
