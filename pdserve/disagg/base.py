@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 #    HealthInfo lists the registered ranks' instances; a room has one writer per head.
 # 5: the aux record rides in XferDone (no aux WRITE), XferDone on the last KV WRITE;
 #    since sent after the WRITEs by prefill's notifier agent (same bytes, no wire change).
-PROTOCOL_VERSION = 5
+# 6: KVLayout.k_scales / v_scales (an FP8 pool's per-layer scales).
+PROTOCOL_VERSION = 6
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
 # router draws them and the worker checks them.
