@@ -57,7 +57,7 @@ def test_fp8_cache_equals_attention_over_dequantized_kv(backend, q_lens, s_lens,
     out = b.forward(q, k, v, k_cache, v_cache, md, b.plan(md, page_size), scale, kv_scale=SCALES)
 
     # the store: this step's K/V as e4m3 of k / k_scale at their slots, nothing else touched
-    slots = md.slot_mapping.cpu()
+    slots = md.slot_mapping.to(pool8.device)
     pages, offs = slots // page_size, slots % page_size
     want_pool = pool8.clone()
     wk, wv = _views(want_pool)
