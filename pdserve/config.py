@@ -175,7 +175,9 @@ class SchedulerConfig:
     """Continuous batching limits.
 
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-    max_running_requests: requests in the running batch at once.
+    max_running_requests: requests in the running batch at once (and the largest CUDA-graph
+        batch); ``None`` means the device's default (:func:`default_max_running_requests`:
+        256 on CUDA, 64 on CPU), resolved by the engine once its device is known.
     overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
         N's results are processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on
         CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
@@ -183,7 +185,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = 2048
-    max_running_requests: int = 64
+    max_running_requests: int | None = None
     overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
@@ -191,8 +193,23 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+    @property
+    def max_running(self) -> int:
+        """``max_running_requests`` once resolved (the engine resolves an unset one from its
+        device); ValueError naming it while unset."""
+        if self.max_running_requests is None:
+            raise ValueError("max_running_requests is unset: the engine resolves it first")
+        return self.max_running_requests
+
+
+def default_max_running_requests(device_type: str) -> int:
+    """``SchedulerConfig.max_running_requests`` when unset: 256 on ``"cuda"`` (a decode step
+    of an 8B model is still memory-bound at 128 rows and near its compute roofline at 256:
+    docs/benchmarks.md), 64 elsewhere."""
+    return 256 if device_type == "cuda" else 64
 
 
 @dataclass(frozen=True)

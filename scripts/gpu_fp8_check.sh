@@ -19,7 +19,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_fp8_check}
-. scripts/gpu_env.sh
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
+export OUT
+. scripts/gpu_setup.sh
 echo "== FP8 tests on CUDA ($SECONDS s)"
 timeout 45 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_fp8.py \
     tests/model/test_fp8_attention.py 2>&1 | tail -5 | tee "$OUT/fp8_tests.txt"

@@ -458,18 +458,23 @@ class LlamaForCausalLM(nn.Module):
         return self._tp.all_reduce_(h.masked_fill_(outside[:, None], 0.0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` float32 (full vocabulary) of hidden states ``[N, H]`` (tied
         embeddings when configured). Under TP a collective: each rank computes its vocab
-        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped."""
+        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped.
+        out: an ``[N, V]`` float32 tensor to write them into (the cast to fp32 is that
+        copy: no extra pass; CUDA graphs share one such buffer), returned; ``None``: a new
+        tensor."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = lin.linear(hidden, w, None, self._lm_head_packed)
-        if self._tp is None:
-            return logits.float()
-        if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
-            return logits.new_empty((0, self.shapes.vocab), dtype=torch.float32)
-        logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
-        V = self.shapes.vocab
-        if logits.shape[-1] != V:
-            logits = logits[:, :V].contiguous()
-        return logits.float()
+        if self._tp is not None:
+            if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
+                logits = logits.new_empty((0, self.shapes.vocab))
+            else:
+                logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
+                V = self.shapes.vocab
+                if logits.shape[-1] != V:
+                    logits = logits[:, :V]
+        if out is None:
+            return logits.float().contiguous()
+        return out.copy_(logits)

@@ -238,15 +238,24 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def page_keys(
-    token_ids: Sequence[int], page_size: int, *, start: int = 0, parent: bytes = ROOT_KEY
+    token_ids: Sequence[int],
+    page_size: int,
+    *,
+    start: int = 0,
+    parent: bytes = ROOT_KEY,
+    end: int | None = None,
 ) -> list[bytes]:
-    """Keys of the full pages ``start, start + 1, ...`` of ``token_ids``.
+    """Keys of the full pages ``start, start + 1, ...`` of ``token_ids``, up to page
+    ``end`` (exclusive; ``None``: every full page).
 
     parent: the key of page ``start - 1`` (``ROOT_KEY`` when ``start == 0``).  Returns one
-    key per full page from ``start`` on (a partial last page has none).
+    key per full page from ``start`` on (a partial last page has none).  Only the pages
+    hashed are read: a caller indexing a running request's new pages passes ``end``
+    instead of a slice of its tokens (a copy of its whole context each time).
     """
     keys: list[bytes] = []
-    for p in range(start, len(token_ids) // page_size):
+    last = len(token_ids) // page_size if end is None else min(end, len(token_ids) // page_size)
+    for p in range(start, last):
         parent = page_key(parent, token_ids[p * page_size : (p + 1) * page_size])
         keys.append(parent)
     return keys
@@ -504,9 +513,7 @@ class KVCacheManager:
             return
         start = len(keys)
         parent = keys[-1] if keys else ROOT_KEY
-        new = page_keys(
-            token_ids[: full * self.page_size], self.page_size, start=start, parent=parent
-        )
+        new = page_keys(token_ids, self.page_size, start=start, parent=parent, end=full)
         keys.extend(new)
         for i, key in enumerate(new, start):
             self.cache.insert(key, pages[i])

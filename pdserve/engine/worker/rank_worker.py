@@ -89,7 +89,7 @@ def model_max_len(config: EngineConfig, max_positions: int) -> int:
 def num_aux_slots(config: EngineConfig) -> int:
     """Aux slots of every rank's storage (and of the engine thread's ``PageIds``): twice
     ``max_running_requests``, at least 16."""
-    return max(16, 2 * config.scheduler.max_running_requests)
+    return max(16, 2 * config.scheduler.max_running)
 
 
 def build_rank(
@@ -136,9 +136,7 @@ def build_rank(
     # The graphs' memory is held back while the KV storage is sized from free memory, then
     # released for the capture (which needs the storage's address), so capture cannot OOM.
     reserve = (
-        torch.empty(
-            capture_reserve_bytes(model, sc.max_running_requests), dtype=torch.uint8, device=device
-        )
+        torch.empty(capture_reserve_bytes(model, sc.max_running), dtype=torch.uint8, device=device)
         if use_graphs
         else None
     )
@@ -149,7 +147,7 @@ def build_rank(
         head_dim=shapes.head_dim,
         dtype=kv_dtype,
         device=device,
-        max_running_requests=sc.max_running_requests,
+        max_running_requests=sc.max_running,
         max_model_len=max_len,
     )
     num_pages = agree_num_pages(num_pages)
@@ -174,7 +172,7 @@ def build_rank(
             model,
             storage.layer_caches,
             page_size,
-            sc.max_running_requests,
+            sc.max_running,
             CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)

@@ -1,12 +1,8 @@
-# Sourced by gpu_fp8_check.sh from the repository root (gpu_check.sh's setup, the same lines): sets
-# OUT (created, absolute), PY and WHEELS; installs the wheels of ${WHEELS:-.whl} whose modules
-# are not importable (into /tmp/site, on PYTHONPATH; the machine's own pydantic/httpx stay,
-# see ../shared/facts/GPU.md) and points PDSERVE_CACHE_DIR at $WHEELS/cache (the tokenizer).
-OUT=${OUT:-gpu_check}
-PY=${PYTHON:-python3}
-WHEELS=${WHEELS:-.whl}
-mkdir -p "$OUT"
-OUT=$(realpath "$OUT")
+# Sourced by the GPU scripts (gpu_check.sh, gpu_issue24.sh) from the repository root, with
+# PY and WHEELS set: installs the Python packages the GPU machine lacks from the wheels in
+# $WHEELS (only those not importable: the machine's own pydantic/httpx stay, see
+# ../shared/facts/GPU.md) into /tmp/site, and points PDSERVE_CACHE_DIR at the carried
+# tokenizer ($WHEELS/cache/tokenizers). Sets PYTHONUNBUFFERED.
 if [ -d "$WHEELS" ]; then
     missing=$($PY - "$WHEELS" <<'EOF'
 import importlib.util, pathlib, sys
