@@ -21,7 +21,7 @@ from pdserve.ports import check_port
 ATTENTION_BACKENDS = ("torch_sdpa", "triton")
 # ``--quantization`` values (``model/fp8.py``'s QUANTIZATIONS; a test keeps the two equal) and
 # ``--kv-cache-dtype`` values.
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "fp8_block")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
@@ -54,9 +54,10 @@ class ModelConfig:
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
-    quantization: ``None`` (the checkpoint as it is) or ``fp8``: the decoder's linear
-        weights quantized to e4m3 at load, one scale per output channel
-        (``pdserve/model/fp8.py``). An FP8 checkpoint loads as FP8 either way.
+    quantization: ``None`` (the checkpoint as it is), ``fp8``: the decoder's linear
+        weights quantized to e4m3 at load, one scale per output channel, or ``fp8_block``:
+        one scale per output row and 128 input columns (``pdserve/model/fp8.py``). An FP8
+        checkpoint loads as FP8 either way.
     tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
         for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
         process edge), so the executor reads no environment.  Must be > 0.

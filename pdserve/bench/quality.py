@@ -13,7 +13,8 @@ ratio to the second variant's (bf16).
 
 Variants (``--variants``): ``fp32``; ``bf16``; ``fp8`` (bf16 activations, e4m3 weights
 quantized at load, e4m3 KV cache); ``fp8w`` (FP8 weights, bf16 KV); ``fp8kv`` (bf16
-weights, FP8 KV). On CPU the FP8 weights are dequantized for each matmul (the same
+weights, FP8 KV); ``fp8b`` (``fp8`` with ``--quantization fp8_block``: one weight scale
+per output row and 128 input columns). On CPU the FP8 weights are dequantized for each matmul (the same
 numbers as a GPU kernel up to summation order).
 """
 
@@ -58,6 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8": {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "fp8w": {"dtype": "bfloat16", "quantization": "fp8"},
     "fp8kv": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8b": {"dtype": "bfloat16", "quantization": "fp8_block", "kv_cache_dtype": "fp8_e4m3"},
 }
 
 FLAGS: tuple[Flag, ...] = (

@@ -28,7 +28,9 @@ repeated over its ``bn`` output rows), so fused projections (q|k|v, gate|up) kee
 part's own scales and a tensor-parallel rank takes its rows and groups like the weight's.
 
 ``--quantization fp8`` on a bf16/fp16/fp32 checkpoint quantizes at load: e4m3, one scale per
-output channel (``amax(row) / 448``). Under tensor parallelism each rank quantizes its own
+output channel (``amax(row) / 448``); ``--quantization fp8_block`` one per output row and
+128 input columns (finer: closer to bf16, see docs/benchmarks.md, but never through
+``_scaled_mm``). Under tensor parallelism each rank quantizes its own
 share, so a row-parallel weight's (o_proj, down_proj) channel scale is the amax over the
 rank's columns: finer than TP 1's, and not the same numbers.
 
@@ -65,7 +67,9 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "down_proj": ("mlp.down_proj",),
 }
-QUANTIZATIONS = ("fp8",)  # values of --quantization besides none
+QUANTIZATIONS = ("fp8", "fp8_block")  # values of --quantization besides none
+# fp8_block's online scales: one per output row and this many input columns
+ONLINE_BLOCK = (1, 128)
 # From this many rows on, a one-group FP8 weight of shape (N, K) goes through
 # ``torch._scaled_mm`` instead of the Triton kernel. Filled at start on CUDA for the model's
 # shapes by :func:`choose_paths` (timed there), unless listed here; scripts/gpu_fp8_check.sh
@@ -163,6 +167,8 @@ def scheme_from_config(hf_config: Any, quantization: str | None = None) -> Fp8Sc
         )
     qc = _as_dict(getattr(hf_config, "quantization_config", None))
     if qc is None:
+        if quantization == "fp8_block":
+            return Fp8Scheme("online", "block", ONLINE_BLOCK)
         return Fp8Scheme("online", "channel") if quantization == "fp8" else None
     method = qc.get("quant_method")
     if method == "compressed-tensors":
@@ -258,7 +264,7 @@ def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
     bn, bk = block
     out, inp = w.shape
     wf = w.float()
-    pad = torch.zeros(-(-out // bn) * bn, -(-inp // bk) * bk)
+    pad = torch.zeros(-(-out // bn) * bn, -(-inp // bk) * bk, device=w.device)
     pad[:out, :inp] = wf
     tiles = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
     amax = tiles.abs().amax(dim=(1, 3))
@@ -441,9 +447,11 @@ def finish_layers(layers: Iterable[Fp8Layer]) -> None:
 
 
 def quantize_layers_online(layers: Sequence[Fp8Layer], scheme: Fp8Scheme) -> None:
-    """``--quantization fp8`` after a high-precision load: each quantized fused parameter
-    becomes e4m3 with one scale per output channel (:func:`quantize_per_channel`), in
-    place of its high-precision copy, which is freed."""
+    """``--quantization fp8`` / ``fp8_block`` after a high-precision load: each quantized
+    fused parameter becomes e4m3 with one scale per output channel
+    (:func:`quantize_per_channel`), or per output row and 128 input columns
+    (``fp8_block``: :func:`quantize_block` with :data:`ONLINE_BLOCK`), in place of its
+    high-precision copy, which is freed."""
     for i, layer in enumerate(layers):
         names = quantized_names(scheme, i, layer)
         layer.fp8_names = names
@@ -451,10 +459,15 @@ def quantize_layers_online(layers: Sequence[Fp8Layer], scheme: Fp8Scheme) -> Non
             p = getattr(layer, name)
             if p.device.type == "meta":
                 continue
-            q, scale = quantize_per_channel(p.data)
+            if scheme.scale_kind == "block" and scheme.block is not None:
+                group = min(scheme.block[1], p.shape[1])
+                q, scale = quantize_block(p.data, (1, group))
+            else:
+                group = p.shape[1]
+                q, scale = quantize_per_channel(p.data)
             p.data = q
             setattr(layer, name + "_scale", nn.Parameter(scale, requires_grad=False))
-            layer.fp8_groups[name] = p.shape[1]
+            layer.fp8_groups[name] = group
     finish_layers(layers)
 
 

@@ -78,7 +78,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--quantization",
         "fp8: quantize the decoder's linear weights to e4m3 at load (one scale per output "
-        "channel); unset: as the checkpoint is (an FP8 checkpoint loads as FP8 either way)",
+        "channel); fp8_block: one scale per output row and 128 input columns (closer to "
+        "bf16, never through cuBLAS's FP8 matmul); unset: as the checkpoint is (an FP8 "
+        "checkpoint loads as FP8 either way)",
         config_value(ModelConfig, "quantization"),
         cls=ModelConfig,
     ),

@@ -334,3 +334,31 @@ def test_config_names_the_same_quantizations():
     from pdserve.config import QUANTIZATIONS
 
     assert QUANTIZATIONS == fp8.QUANTIZATIONS  # config checks names without importing the model
+
+
+def test_online_block_quantization_matches_its_reference(tiny_dir, tiny_hf_builder):
+    """``quantization="fp8_block"``: one scale per output row and 128 input columns (the
+    tiny model's 96 intermediate columns: one ragged group), against the same rounding."""
+    folder, _ = tiny_dir("llama")
+    model = _load(folder, quantization="fp8_block")
+    ref = tiny_hf_builder("llama")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            module = name.rsplit(".", 1)[0]
+            if name.endswith(".weight") and module.split(".", 3)[-1] in LINEARS:
+                q, s = fp8.quantize_block(p, (1, 128))
+                p.copy_(q.float() * s.repeat_interleave(128, 1)[:, : p.shape[1]])
+    layer = next(model.decoder_layers())
+    assert layer.fp8["qkv_proj"].group == 64 and layer.fp8["down_proj"].group == 96
+    assert run_paged_scenario(model, ref, STEPS, [12, 8], page_size=4) < TOL
+
+
+def test_online_block_groups_span_wide_rows():
+    w = torch.randn(8, 300) * torch.linspace(0.01, 3, 300)  # column ranges of other sizes
+    q, s = fp8.quantize_block(w, (1, 128))
+    assert s.shape == (8, 3)
+    fw = fp8.Fp8Weight(q, s, 128)
+    assert (fw.dequantize() - w).abs().max() <= 3 * 2**-4 * w.abs().max()
+    assert (fw.dequantize() - w).abs().max() < (
+        fp8.Fp8Weight(*fp8.quantize_per_channel(w), 300).dequantize() - w
+    ).abs().max()
