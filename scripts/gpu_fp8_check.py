@@ -15,6 +15,8 @@ its JSON into OUT as soon as it is done).
              4,096-token random prompts ((time of 33 tokens - time of 1) / 32).
 ``engine-bf16kv``  the same with the bf16 KV cache at 1 and 64 prompts and the long
              context; the FP8-KV / bf16-KV step ratio lands in its JSON.
+``engine-block``  (not run by the .sh) ``quantization="fp8_block"`` with FP8 KV at 1 and 64
+             prompts and the long context.
 ``smoke``    the same code at ``random:tiny`` on CPU (the kernels part skipped), to check
              the script before a GPU call.
 """
@@ -155,7 +157,9 @@ def _decode_step_ms(llm, prompts, steps: int) -> dict:
     return {"decode_ms_per_step": 1e3 * (full - first) / steps, "prefill_and_first_s": first}
 
 
-def engine(model, device, kvs, counts, long_n, long_len, max_tokens, name) -> dict:
+def engine(
+    model, device, kvs, counts, long_n, long_len, max_tokens, name, quantization="fp8"
+) -> dict:
     """``LLM(model, quantization="fp8", kv_cache_dtype=kv)`` for each of ``kvs``: out tok/s
     at ``counts`` prompts and the decode step of ``long_n`` random ``long_len``-token
     prompts; JSON into OUT/``name`` after each (with the FP8-KV / bf16-KV step ratio once
@@ -163,14 +167,20 @@ def engine(model, device, kvs, counts, long_n, long_len, max_tokens, name) -> di
     from pdserve.bench.offline import _prompts, _random_prompts, _time_ours
     from pdserve.engine.llm import LLM
 
-    res: dict = {"model": model, "device": device, "max_tokens": max_tokens, "runs": []}
+    res: dict = {
+        "model": model,
+        "device": device,
+        "quantization": quantization,
+        "max_tokens": max_tokens,
+        "runs": [],
+    }
     for kv in kvs:
         t0 = time.perf_counter()
         llm = LLM(
             model,
             dtype="bfloat16" if device == "cuda" else "float32",
             device=device,
-            quantization="fp8",
+            quantization=quantization,
             kv_cache_dtype=kv,
             max_running_requests=max([*counts, long_n]),
             max_model_len=max(long_len, 512) + 64,
@@ -233,6 +243,8 @@ def main() -> int:
         engine(model, "cuda", ("fp8_e4m3",), [1, 64, 256, 1024], 32, 4096, 128, "fp8_engine.json")
     if "engine-bf16kv" in parts:  # FP8 weights + bf16 KV: the long context (and 1, 64 prompts)
         engine(model, "cuda", ("auto",), [1, 64], 32, 4096, 128, "fp8_engine_bf16kv.json")
+    if "engine-block" in parts:  # not in the .sh: --quantization fp8_block, 1 and 64 prompts
+        engine(model, "cuda", ("fp8_e4m3",), [1, 64], 32, 4096, 128, "fp8_block.json", "fp8_block")
     return 0
 
 
