@@ -26,10 +26,10 @@ OUT=$(realpath "$OUT")
 export OUT
 . scripts/gpu_setup.sh
 echo "== FP8 tests on CUDA ($SECONDS s)"
-timeout 45 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_fp8.py \
+timeout 40 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_fp8.py \
     tests/model/test_fp8_attention.py 2>&1 | tail -5 | tee "$OUT/fp8_tests.txt"
 echo "== kernels ($SECONDS s)"
-timeout 55 $PY scripts/gpu_fp8_check.py kernels 2>&1 | tail -40
+timeout 60 $PY scripts/gpu_fp8_check.py kernels 2>&1 | tail -40
 echo "== engine, FP8 weights + FP8 KV ($SECONDS s)"
 timeout 100 $PY scripts/gpu_fp8_check.py engine 2>&1 | tail -12
 echo "== engine, FP8 weights + bf16 KV ($SECONDS s)"

@@ -200,7 +200,7 @@ def fp8_matmul(
         scale.stride(0),
         out.stride(-2),
         s_os,
-        GROUP=group,
+        GROUP=0 if one_group else group,  # unused with one group: one compiled kernel for every K
         ONE_GROUP=one_group,
         HAS_BIAS=bias is not None,
         DOT=dot,
