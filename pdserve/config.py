@@ -313,6 +313,12 @@ class RouterConfig:
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
         a worker, one success restores it.
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    max_migrations: times one request may move to another worker (pair) after its worker
+        failed (a stream continued from the tokens sent, a request sent again whole);
+        0 = never (``router/migration.py``).
+    pd_min_prefill_tokens: selective PD: a request whose prompt is estimated below this
+        many tokens runs whole on a decode worker, skipping the prefill leg and the KV
+        transfer; 0 = always PD (``router/dispatch.py``).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -328,8 +334,16 @@ class RouterConfig:
     max_request_body_bytes: int = 32 * 2**20
     mode: str = "auto"
     admin_token: str | None = None
+    max_migrations: int = 2
+    pd_min_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.pd_min_prefill_tokens < 0:
+            raise ValueError(
+                f"pd_min_prefill_tokens must be >= 0, got {self.pd_min_prefill_tokens}"
+            )
         if self.mode not in ("auto", "pd", "regular"):
             raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:

@@ -110,6 +110,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         live_rooms,
         pd_mode=config.pd_mode,
         request_timeout=config.request_timeout,
+        max_migrations=config.max_migrations,
+        pd_min_prefill_tokens=config.pd_min_prefill_tokens,
         rng=rng,
     )
 

@@ -407,6 +407,18 @@ class WorkerPool:
             worker.healthy = False
             log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
 
+    def eject(self, url: str, reason: str) -> None:
+        """Take the worker at ``url`` out of picking now (its connection failed under a
+        request); its next good health check brings it back."""
+        worker = self.find(url)
+        if worker is None:
+            return
+        worker.consecutive_failures = max(worker.consecutive_failures, self._threshold)
+        worker.last_error = reason
+        if worker.healthy:
+            worker.healthy = False
+            log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
+
     def _record_success(self, worker: WorkerState) -> None:
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.url)

@@ -162,7 +162,7 @@ def _job(
     )
     job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if isinstance(req, ChatCompletionRequest):  # a chat's prompt is its messages
-        job.prompt_field = "messages"
+        job.prompt_field = "prompt_token_ids" if req.prompt_token_ids is not None else "messages"
     return job
 
 
@@ -310,15 +310,18 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         check_model(ctx, req.model)
         plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
         chat_messages(ctx, req.messages)  # checks every message's text
-        messages, template_kwargs = tl.template_messages(req.messages, plan)
-        text = await apply_chat_template(
-            ctx.tokenizer,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            **template_kwargs,
-        )
-        ctx.check_text(text, "messages")
-        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
+        if req.prompt_token_ids is not None:  # already templated (the router's migration)
+            prompt_ids = list(req.prompt_token_ids)
+        else:
+            messages, template_kwargs = tl.template_messages(req.messages, plan)
+            text = await apply_chat_template(
+                ctx.tokenizer,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **template_kwargs,
+            )
+            ctx.check_text(text, "messages")
+            prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
