@@ -23,6 +23,8 @@ UP_ROUTER_FLAGS = (
     "--health-check-interval",
     "--health-check-timeout",
     "--health-failure-threshold",
+    "--max-migrations",
+    "--pd-min-prefill-tokens",
 )
 
 
