@@ -98,6 +98,9 @@ class StreamState:
     legs: int = 0
     appended: int = 0
     base_offset: int = 0  # completions: the client's text_offset where this leg starts
+    pending: int = 0  # last tokens sent whose text has not come yet (a character's part)
+    starts: list[int] = field(default_factory=list)  # completions: each sent token's offset
+    skip: int = 0  # tokens the current leg regenerates that the client already has
 
     def __post_init__(self) -> None:
         self.client_ids = self.body.get("return_token_ids") is True
@@ -121,8 +124,14 @@ class StreamState:
         if mid_stream_refusal(self.endpoint, self.body) or self.prompt_ids is None:
             return None
         body = copy.deepcopy(self.body)
-        k = len(self.sent_ids)
-        ids = self.prompt_ids + self.sent_ids
+        # A seam inside a character (its first bytes' tokens sent, no text for them yet)
+        # would be decoded wrongly by a worker primed with half a character: such tokens
+        # are generated again (greedy: the same ones) and left out of what the client gets.
+        back = self.pending
+        if back and body.get("temperature") not in (0, 0.0):
+            return None  # a sampled stream would not draw the same tokens again
+        k = len(self.sent_ids) - back
+        ids = self.prompt_ids + self.sent_ids[:k]
         if self.endpoint == CHAT:
             body["prompt_token_ids"] = ids
             keys: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
@@ -142,7 +151,9 @@ class StreamState:
         body["return_token_ids"] = True
         self.legs += 1
         self.appended = k
-        self.base_offset = self.next_offset  # the new leg's text starts there
+        self.skip = back
+        # the new leg's text_offset starts at the first token it generates
+        self.base_offset = self.starts[k] if back and len(self.starts) > k else self.next_offset
         return body
 
     def rewrite(self, chunk: Any) -> Any | None:
@@ -176,9 +187,21 @@ class StreamState:
                 self.prompt_ids = prompt_ids
             if self.client_ids and not self.started and prompt_ids is not None:
                 choice["prompt_token_ids"] = prompt_ids
-            ids = choice.get("token_ids") if self.client_ids else choice.pop("token_ids", None)
-            if isinstance(ids, list):
+            ids = choice.pop("token_ids", None)
+            if isinstance(ids, list) and self.skip:
+                dropped = min(self.skip, len(ids))
+                self.skip -= dropped
+                ids = ids[dropped:]
+                _drop_logprobs(choice.get("logprobs"), dropped)
+                text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                if not ids and not text and choice.get("finish_reason") is None:
+                    return None  # only tokens the client has (no text of theirs yet)
+            if self.client_ids and ids is not None:
+                choice["token_ids"] = ids
+            if isinstance(ids, list) and ids:
                 self.sent_ids.extend(ids)
+                text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                self.pending = 0 if text else self.pending + len(ids)
             self._shift_offsets(choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 self.finished = True
@@ -202,8 +225,19 @@ class StreamState:
             return
         if self.appended:
             logprobs["text_offset"] = offsets = [o + self.base_offset for o in offsets]
+        self.starts.extend(offsets)
         last = tokens[-1] if tokens else ""
         self.next_offset = offsets[-1] + len(last if isinstance(last, str) else "")
+
+
+def _drop_logprobs(logprobs: Any, n: int) -> None:
+    """Remove the first ``n`` tokens' entries of a chunk's logprobs (chat's ``content``,
+    completions' parallel lists), in place."""
+    if not isinstance(logprobs, dict):
+        return
+    for key in ("content", "tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        if isinstance(logprobs.get(key), list):
+            logprobs[key] = logprobs[key][n:]
 
 
 @dataclass

@@ -326,11 +326,10 @@ async def relay_sse(
             return True
         return False
 
-    budget_note = (
-        f" (after {migration.budget} migration{'s' * (migration.budget != 1)})"
-        if migration is not None
-        else ""
-    )
+    def budget_note() -> str:
+        if migration is None or not migration.done:
+            return ""
+        return f" (after {migration.done} migration{'s' * (migration.done != 1)})"
     try:
         while True:
             remaining = deadline - loop.time()
@@ -347,7 +346,7 @@ async def relay_sse(
                 if not w.healthy and not run.decode_done:
                     reason = f"{w.role} worker {w.url} failed its health checks: {w.last_error}"
                     if not await migrate("unhealthy", reason, {w.url}):
-                        yield error(502, reason + budget_note)
+                        yield error(502, reason + budget_note())
                         return
                 continue
             if tag is not None and tag != run.tag:
@@ -423,7 +422,7 @@ async def relay_sse(
                     return
                 if await migrate(f"stream_{kind}", reason, {w.url}):
                     continue
-                yield error(502, reason + budget_note)
+                yield error(502, reason + budget_note())
                 return
     except asyncio.TimeoutError:
         prefill_watch = run.leg.prefill

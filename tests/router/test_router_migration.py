@@ -30,9 +30,29 @@ def next_token(ids: list[int]) -> int:
     return (sum(ids) * 31 + len(ids)) % 997
 
 
+def pieces(prompt: list[int], out: list[int]) -> list[str]:
+    """The stub's detokenizer: each output token's text, ``t{id} `` except that a token
+    divisible by 5 is a character's first part: its text (``t{id}+``) comes with the next
+    token's. Primed with a prompt that ends in such a part it garbles its first piece, as
+    ``tokenizers``' DecodeStream does with half a character."""
+    texts, held = [], ""
+    for t in out:
+        if t % 5 == 0:
+            held += f"t{t}+"
+            texts.append("")
+        else:
+            texts.append(held + f"t{t} ")
+            held = ""
+    if texts:
+        texts[-1] += held
+        if prompt and prompt[-1] % 5 == 0:
+            texts[0] = "GARBLED" + texts[0]
+    return texts
+
+
 def chat_prompt(messages: list[dict]) -> list[int]:
-    """The stub's "chat template": each content's bytes, then 1000."""
-    return [b for m in messages for b in m["content"].encode()] + [1000]
+    """The stub's "chat template": each content's bytes, then 1001."""
+    return [b for m in messages for b in m["content"].encode()] + [1001]
 
 
 # the next streams (of either worker) die after these many tokens, one entry each
@@ -92,14 +112,16 @@ class StubWorker:
             die = DEATHS.pop(0) if DEATHS else self.always_die_after
             ids_too = body.get("return_token_ids")
 
+            texts = pieces(prompt, out)
+
             def choice(i: int, t: int, offset: int) -> dict:
-                piece = f"t{t} "
+                piece = texts[i]
                 c: dict = {"index": 0, "finish_reason": "length" if i == len(out) - 1 else None}
                 if chat:
                     c["delta"] = {"content": piece}
                 else:
                     c["text"] = piece
-                    c["logprobs"] = {"tokens": [piece], "text_offset": [offset]}
+                    c["logprobs"] = {"tokens": [f"t{t} "], "text_offset": [offset]}
                 if ids_too:
                     c["token_ids"] = [t]
                 return c
@@ -206,6 +228,7 @@ def _metric(url: str, reason: str) -> float:
 CHAT = {
     "messages": [{"role": "user", "content": "hi"}],
     "max_tokens": 12,
+    "temperature": 0,
     "stream": True,
     "stream_options": {"include_usage": True},
 }
@@ -220,7 +243,7 @@ def test_chat_stream_cut_continues_on_the_other_worker(setup):
     prompt = chat_prompt(CHAT["messages"])
     want = _expected(prompt, 12)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert text == "".join(f"t{t} " for t in want)
+    assert text == "".join(pieces([], want))
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}  # the first leg's id throughout
     assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
     assert all("token_ids" not in c["choices"][0] for c in chunks if c["choices"])  # not asked
@@ -240,6 +263,7 @@ def test_completions_stream_offsets_ids_and_usage_across_the_seam(setup):
     body = {
         "prompt": [5, 6, 7],
         "max_tokens": 9,
+        "temperature": 0,
         "stream": True,
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
@@ -254,9 +278,8 @@ def test_completions_stream_offsets_ids_and_usage_across_the_seam(setup):
         None,
     ]
     offsets = [c["choices"][0]["logprobs"]["text_offset"][0] for c in chunks if c["choices"]]
-    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert offsets == [text.index(f"t{t} ", o) for t, o in zip(want, offsets)]
-    assert offsets == sorted(offsets) and offsets[0] == 0
+    # text_offset counts the tokens' strings (``t{id} `` here), as the workers do
+    assert offsets == [sum(len(f"t{t} ") for t in want[:i]) for i in range(len(want))]
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
 
 
@@ -270,7 +293,7 @@ def test_budget_exhausted_ends_with_one_clean_error(setup):
     assert "stream broke" in message and "(after 2 migrations)" in message, message
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     want = _expected(chat_prompt(CHAT["messages"]), 6)  # 2 tokens from each of 3 legs
-    assert text == "".join(f"t{t} " for t in want)
+    assert text == "".join(pieces([], want))
     assert len([b for w in workers for b in w.bodies]) == 3
 
 
@@ -354,3 +377,27 @@ def test_stream_state_counts_down_and_rewrites_usage():
         "completion_tokens": 5,
         "total_tokens": 7,
     }
+
+
+def test_a_seam_inside_a_character_is_generated_again(setup):
+    workers, url = setup
+    prompt = chat_prompt(CHAT["messages"])
+    want = _expected(prompt, 40)
+    cut = next(i for i in range(3, 40) if want[i - 1] % 5 == 0 and want[i - 2] % 5)
+    DEATHS.append(cut)  # the last token sent is a character's first part
+    body = dict(CHAT, max_tokens=40, temperature=0, return_token_ids=True)
+    chunks, errors = _stream(url, "/v1/chat/completions", body)
+    assert not errors
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "".join(pieces([], want)) and "GARBLED" not in text
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == want
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    resumed = next(b for w in workers for b in w.bodies if "prompt_token_ids" in b)
+    assert resumed["prompt_token_ids"] == prompt + want[: cut - 1]
+    assert resumed["max_tokens"] == 40 - (cut - 1)
+    # sampled, the same tokens would not come again: the stream ends with the error
+    for w in workers:
+        w.bodies.clear()
+    DEATHS.append(cut)
+    chunks, errors = _stream(url, "/v1/chat/completions", dict(body, temperature=1.0))
+    assert len(errors) == 1 and len([b for w in workers for b in w.bodies]) == 1
