@@ -18,6 +18,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.grammar",
     "pdserve.bench.sampler",
     "pdserve.bench.host",
+    "pdserve.bench.router",
 )
 
 

@@ -248,3 +248,40 @@ def test_two_decode_deaths_in_a_row_migrate_twice(up):
         _back_serving(up, name, since)
     _no_page_leak(up)
     assert_all_healthy(list(_kids(up).values()))
+
+
+def test_selective_pd_runs_short_prompts_on_decode_with_the_same_output(up, tmp_path):
+    """A router with ``--pd-min-prefill-tokens 64`` over the same workers: a short prompt
+    runs whole on a decode worker (no prefill request, counted ``decode_only``) and a long
+    one through a pair (``pd``), both with the PD router's tokens and usage."""
+    from pdserve_procs import start_router, stop, wait_healthy
+
+    kids = _kids(up)
+    workers = {n: k for n, k in kids.items() if n != "router"}
+    selective = start_router(
+        "selective",
+        tmp_path,
+        prefill=[workers["prefill-0"], workers["prefill-1"]],
+        decode=[workers["decode-0"], workers["decode-1"]],
+        extra=["--pd-min-prefill-tokens", "64"],
+    )
+    try:
+        wait_healthy([selective])
+        prefills = [workers["prefill-0"], workers["prefill-1"]]
+
+        def prefilled() -> int:
+            return sum(p.get_info()["engine"]["finished_requests"] for p in prefills)
+
+        for prompt, path in (("Hi there.", "decode_only"), ("long words " * 60, "pd")):
+            body = dict(_chat(prompt), max_tokens=24)
+            ref = _stream(kids["router"].url, body)
+            before = prefilled()
+            got = _stream(selective.url, body)
+            assert got["ids"] == ref["ids"] and got["text"] == ref["text"], path
+            assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+            assert got["usage"]["completion_tokens"] == 24
+            assert prefilled() - before == (0 if path == "decode_only" else 1), path
+            metrics = httpx.get(selective.url + "/metrics", timeout=10).text
+            assert f'pdserve_router_pd_decisions_total{{path="{path}"}} 1.0' in metrics
+    finally:
+        stop([selective])
