@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,20 +118,62 @@ def _migrations(router_url: str) -> dict[str, float]:
     }
 
 
-def _killer(up: Up, role: str, at: set[int], killed: list[str]):
-    """``on_chunk`` that SIGKILLs the ``role`` worker now running the request when the
-    client has read a chunk number in ``at``."""
+class Killer:
+    """``on_chunk`` for :func:`_stream` that kills the ``role`` worker running the request,
+    ``times`` times: at the first chunk, then at the first chunk once another worker of
+    ``role`` runs the continued request. Each victim is SIGSTOPped at once (so it stops
+    where it is: the tokens it made so far are all the client gets from it, a number set
+    by timing) and SIGKILLed ``KILL_AFTER_S`` later, from a thread joined by ``join``."""
 
-    def on_chunk(n: int) -> None:
-        if n not in at:
+    KILL_AFTER_S = 0.3
+
+    def __init__(self, up: Up, role: str, times: int) -> None:
+        self.up, self.role, self.times = up, role, times
+        self.killed: list[str] = []
+        self.at: list[int] = []  # chunks read when each victim was stopped
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, n: int) -> None:
+        if len(self.killed) >= self.times:
             return
-        kids = _kids(up)
-        busy = [k for name, k in kids.items() if name.startswith(role) and _running(k) > 0]
-        assert len(busy) == 1, f"expected one busy {role} worker at chunk {n}: {busy}"
-        os.kill(busy[0].pid, signal.SIGKILL)
-        killed.append(busy[0].name)
+        kids = self.up_kids()
+        busy = [
+            k
+            for name, k in kids.items()
+            if name.startswith(self.role) and name not in self.killed and _running(k) > 0
+        ]
+        if not busy:
+            assert self.killed, f"no {self.role} worker runs the request at its first chunk"
+            return  # the client still reads the last victim's tokens
+        assert len(busy) == 1, busy
+        victim = busy[0]
+        os.kill(victim.pid, signal.SIGSTOP)
+        self.killed.append(victim.name)
+        self.at.append(n)
+        thread = threading.Thread(target=self._kill_later, args=(victim.pid,))
+        thread.start()
+        self.threads.append(thread)
 
-    return on_chunk
+    def up_kids(self) -> dict[str, Proc]:
+        return _kids(self.up)
+
+    def _kill_later(self, pid: int) -> None:
+        time.sleep(self.KILL_AFTER_S)
+        os.kill(pid, signal.SIGKILL)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(10)
+
+
+def _seam(up: Up, name: str) -> int:
+    """Tokens sent before the stream left ``name``, from the router's log line."""
+    log = _kids(up)["router"].log_path.read_text()
+    found = re.findall(
+        r"continuing the stream on another worker \(migration \d+ of \d+, (\d+) tokens", log
+    )
+    assert found, log[-2000:]
+    return int(found[-1])
 
 
 def _same(got: dict, ref: dict) -> None:
@@ -186,12 +228,15 @@ def test_decode_killed_mid_stream_continues_on_the_other(up):
     assert ref["usage"]["completion_tokens"] == MAX_TOKENS and not ref["errors"]
     before = _migrations(router.url)
     since = len(up.lines)
-    killed: list[str] = []
-    at = random.Random().randrange(3, 60)
-    got = _stream(router.url, body, _killer(up, "decode", {at}, killed))
+    killer = Killer(up, "decode", 1)
+    got = _stream(router.url, body, killer)
+    killer.join()
+    killed = killer.killed
     assert len(killed) == 1, "the kill did not happen"
-    print(f"\ndecode {killed[0]} SIGKILLed after token {at}: the stream went on")
     _same(got, ref)
+    seam = _seam(up, killed[0])
+    print(f"\n{killed[0]} SIGKILLed after {seam} of {MAX_TOKENS} tokens: the stream went on")
+    assert 0 < seam < MAX_TOKENS
     after = _migrations(router.url)
     assert sum(after.values()) - sum(before.values()) == 1, (before, after)
     up.wait_line(rf"{killed[0]} \(pid \d+\) was killed by SIGKILL; the others keep serving", 10)
@@ -237,9 +282,10 @@ def test_two_decode_deaths_in_a_row_migrate_twice(up):
     ref = _stream(router.url, body)
     before = _migrations(router.url)
     since = len(up.lines)
-    killed: list[str] = []
-    first = random.Random().randrange(3, 30)
-    got = _stream(router.url, body, _killer(up, "decode", {first, first + 40}, killed))
+    killer = Killer(up, "decode", 2)
+    got = _stream(router.url, body, killer)
+    killer.join()
+    killed = killer.killed
     assert len(killed) == 2 and killed[0] != killed[1], killed
     _same(got, ref)
     after = _migrations(router.url)
