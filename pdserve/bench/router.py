@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -296,9 +295,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--rate", type=float, default=100.0, help="arrivals per second (latency)")
     p.add_argument("--seconds", type=float, default=5.0, help="length of each measurement")
-    p.add_argument(
-        "--concurrency", type=int, default=32, help="connections of the throughput run"
-    )
+    p.add_argument("--concurrency", type=int, default=32, help="connections of the throughput run")
     p.add_argument(
         "--router-arg",
         action="append",
