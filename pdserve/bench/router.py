@@ -15,7 +15,10 @@ Two measurements:
   two paths' percentiles (p50, p99).
 - ``throughput``: ``--concurrency`` connections each sending its next non-streamed request
   as soon as the last answered, for ``--seconds`` seconds, to the router: requests/s of one
-  router process (and to the decode stub directly: the stub's own ceiling).
+  router process (and to the decode stub directly: the stub's own ceiling); also the
+  router's CPU time per request (``/proc``), which other load on a shared machine leaves
+  as it is (``req_per_cpu_s``: the rate one router process could reach on a core of its
+  own).
 
 JSON on stdout (and under ``--out``).
 """
@@ -204,6 +207,12 @@ async def throughput(port: int, concurrency: int, seconds: float) -> dict:
     return {"concurrency": concurrency, "requests": done, "req_per_s": round(done / elapsed, 1)}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # --- the command ---------------------------------------------------------------------------
 def _free_port() -> int:
     from pdserve.http.netutil import free_port
@@ -256,9 +265,18 @@ def run(args: argparse.Namespace) -> dict:
         report["latency"] = asyncio.run(
             latency(ports["decode"], ports["router"], args.rate, args.seconds)
         )
+        cpu_before = _cpu_seconds(procs[-1].pid)
         report["throughput_router"] = asyncio.run(
             throughput(ports["router"], args.concurrency, args.seconds)
         )
+        cpu = _cpu_seconds(procs[-1].pid) - cpu_before
+        done = report["throughput_router"]["requests"]
+        # the router's own CPU time per request (user + system, from /proc): what a
+        # shared machine's other load does not change, unlike the wall-clock rates
+        report["throughput_router"]["router_cpu_ms_per_request"] = round(
+            1000 * cpu / max(done, 1), 3
+        )
+        report["throughput_router"]["req_per_cpu_s"] = round(done / cpu, 1) if cpu else None
         report["throughput_stub"] = asyncio.run(
             throughput(ports["decode"], args.concurrency, args.seconds)
         )
