@@ -113,6 +113,14 @@ class StreamState:
             return dict(self.body, return_token_ids=True)
         return self.body
 
+    def can_continue(self) -> bool:
+        """Whether :meth:`continued_body` would give a body now (no side effect)."""
+        if not self.started:
+            return True
+        if mid_stream_refusal(self.endpoint, self.body) or self.prompt_ids is None:
+            return False
+        return not self.pending or self.body.get("temperature") in (0, 0.0)
+
     def continued_body(self) -> dict | None:
         """The next leg's body; None when the tokens sent cannot be continued from (the
         request refuses mid-stream migration, or the prompt ids are unknown)."""

@@ -330,6 +330,7 @@ async def relay_sse(
         if migration is None or not migration.done:
             return ""
         return f" (after {migration.done} migration{'s' * (migration.done != 1)})"
+
     try:
         while True:
             remaining = deadline - loop.time()
@@ -343,7 +344,18 @@ async def relay_sse(
                 if loop.time() >= deadline:
                     raise
                 w = run.leg.worker
-                if not w.healthy and not run.decode_done:
+                if (
+                    not w.healthy
+                    and not run.decode_done
+                    and state is not None
+                    and not state.finished
+                    and state.can_continue()
+                    and migration is not None
+                    and migration.done < migration.budget
+                ):
+                    # ejected by its health checks while its stream is silent: continue
+                    # elsewhere (a stream that could not continue keeps its worker: an
+                    # ejection is no proof of death)
                     reason = f"{w.role} worker {w.url} failed its health checks: {w.last_error}"
                     if not await migrate("unhealthy", reason, {w.url}):
                         yield error(502, reason + budget_note())

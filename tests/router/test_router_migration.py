@@ -9,6 +9,7 @@ tests/e2e/test_up_migration.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -57,6 +58,8 @@ def chat_prompt(messages: list[dict]) -> list[int]:
 
 # the next streams (of either worker) die after these many tokens, one entry each
 DEATHS: list[int] = []
+# the next streams hang after these many tokens (the worker then fails its health checks)
+HANGS: list[int] = []
 
 
 class StubWorker:
@@ -65,7 +68,8 @@ class StubWorker:
 
     def __init__(self) -> None:
         self.always_die_after: int | None = None  # every stream dies there
-        self.status = 200  # of a non-streamed answer
+        self.status = 200
+        self.health = 200  # of a non-streamed answer
         self.bodies: list[dict] = []
         self.app = self._build()
 
@@ -74,7 +78,7 @@ class StubWorker:
 
         @app.get("/health")
         async def health():
-            return {"status": "ok"}
+            return JSONResponse({"status": "ok" if self.health == 200 else "hung"}, self.health)
 
         @app.get("/get_server_info")
         async def info():
@@ -110,6 +114,7 @@ class StubWorker:
                 text = "".join(f"t{t} " for t in out)
                 return {**head, "choices": [{"index": 0, "text": text}], "usage": usage}
             die = DEATHS.pop(0) if DEATHS else self.always_die_after
+            hang = HANGS.pop(0) if HANGS else None
             ids_too = body.get("return_token_ids")
 
             texts = pieces(prompt, out)
@@ -136,6 +141,9 @@ class StubWorker:
                 for i, t in enumerate(out):
                     if die is not None and i == die:
                         raise RuntimeError("stub worker dies mid-stream")
+                    if hang is not None and i == hang:
+                        self.health = 500  # hung: its probes fail, its stream stays open
+                        await asyncio.sleep(3600)
                     c = choice(i, t, offset)
                     if not chat and i == 0 and ids_too:
                         c["prompt_token_ids"] = prompt
@@ -184,9 +192,10 @@ def setup():
 @pytest.fixture(autouse=True)
 def reset(setup):
     for w in setup[0]:
-        w.always_die_after, w.status = None, 200
+        w.always_die_after, w.status, w.health = None, 200, 200
         w.bodies.clear()
     DEATHS.clear()
+    HANGS.clear()
     # a worker ejected by the last test is back after its next good probe (0.1 s apart)
     deadline = time.monotonic() + 10
     while not all(w["healthy"] for w in httpx.get(setup[1] + "/get_server_info").json()["workers"]):
@@ -401,3 +410,15 @@ def test_a_seam_inside_a_character_is_generated_again(setup):
     DEATHS.append(cut)
     chunks, errors = _stream(url, "/v1/chat/completions", dict(body, temperature=1.0))
     assert len(errors) == 1 and len([b for w in workers for b in w.bodies]) == 1
+
+
+def test_a_hung_worker_ejected_by_its_health_checks_is_left(setup):
+    workers, url = setup
+    HANGS.append(4)  # the stream stops after 4 tokens; that worker's /health fails then
+    before = _metric(url, "unhealthy")
+    chunks, errors = _stream(url, "/v1/chat/completions", CHAT)
+    assert not errors
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "".join(pieces([], _expected(chat_prompt(CHAT["messages"]), 12)))
+    assert _metric(url, "unhealthy") == before + 1
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
