@@ -24,6 +24,7 @@ UP_ROUTER_FLAGS = (
     "--health-check-timeout",
     "--health-failure-threshold",
     "--max-migrations",
+    "--migration-wait",
     "--pd-min-prefill-tokens",
 )
 

@@ -141,6 +141,7 @@ class Dispatcher:
         pd_mode: bool,
         request_timeout: float,
         max_migrations: int = 2,
+        migration_wait: float = 30.0,
         pd_min_prefill_tokens: int = 0,
         rng: random.Random | None = None,
     ) -> None:
@@ -151,6 +152,7 @@ class Dispatcher:
         self.pd_mode = pd_mode
         self.request_timeout = request_timeout
         self.max_migrations = max_migrations  # per request (--max-migrations)
+        self.migration_wait = migration_wait  # s, for a healthy worker (--migration-wait)
         self.pd_min_prefill_tokens = pd_min_prefill_tokens  # selective PD; 0 = off
         self._rng = rng or random.SystemRandom()
         self.streams = OpenStreams()  # relays now running; ended by the router's shutdown
@@ -252,11 +254,18 @@ class Dispatcher:
             )
 
     # --- migration -----------------------------------------------------------------------
-    def _migrated(self, kind: str, failed: set[str]) -> None:
-        """Count one migration (``kind``: the reason label) and eject ``failed`` workers."""
+    def _count(self, kind: str) -> None:
+        """Count one migration (``kind``: the reason label)."""
         self.metrics.migrations.labels(kind).inc()
+
+    def _eject(self, failed: set[str]) -> None:
+        """Take the workers at ``failed`` out of picking now (their connection failed)."""
         for url in failed:
-            self.pool.eject(url, f"its connection failed under a request ({kind})")
+            self.pool.eject(url, "its connection failed under a request")
+
+    @staticmethod
+    def _failed(exc: LegError) -> set[str]:
+        return {exc.url} if exc.transport and exc.url else set()
 
     @staticmethod
     def _retryable(exc: LegError) -> bool:
@@ -265,38 +274,47 @@ class Dispatcher:
         return exc.transport or exc.response.status_code >= 500
 
     async def _picked(self, pick, deadline: float):
-        """``pick()``, waiting for a healthy worker (pair) until ``deadline`` when the pool
-        has none now (a worker that failed under a request was ejected; its restart or
-        next good probe brings it back); NoHealthyWorker when the deadline passed."""
+        """``pick()``, waiting for a healthy worker (pair) when the pool has none now (a
+        worker that failed under a request was ejected; its restart or next good probe
+        brings it back), at most ``migration_wait`` seconds and not past ``deadline``;
+        NoHealthyWorker after that."""
         loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + self.migration_wait)
         while True:
             try:
                 return pick()
             except NoHealthyWorker:
-                if loop.time() + 0.1 >= deadline:
+                if loop.time() + 0.1 >= until:
                     raise
                 await asyncio.sleep(0.1)
 
     async def _whole(self, endpoint: str, body: dict, deadline: float) -> Response:
         """A non-streamed request; one that failed on a worker (transport or 5xx) is sent
         again whole to another, at most ``max_migrations`` times."""
-        attempt = 0
+        pick = lambda: self._pick_now(endpoint, body)  # noqa: E731
+        attempt, last = 0, None
         while True:
+            if last is None:
+                picked = pick()
+            else:
+                try:
+                    picked = await self._picked(pick, deadline)
+                except NoHealthyWorker:
+                    raise last from None  # the client gets the failure, not the wait
             try:
-                pick = lambda: self._pick_now(endpoint, body)  # noqa: E731
-                picked = await self._picked(pick, deadline) if attempt else pick()
                 return await self._whole_once(endpoint, body, picked)
             except LegError as exc:
                 if attempt >= self.max_migrations or not self._retryable(exc):
                     raise
-                attempt += 1
+                attempt, last = attempt + 1, exc
                 log.warning(
                     "sending a request again whole (%d of %d): %s",
                     attempt,
                     self.max_migrations,
                     exc.reason,
                 )
-                self._migrated("retry_whole", {exc.url} if exc.transport and exc.url else set())
+                self._eject(self._failed(exc))
+                self._count("retry_whole")
 
     def _pick_now(self, endpoint: str, body: dict) -> WorkerState | tuple[WorkerState, WorkerState]:
         """The worker (regular mode; a decode worker for a request PD does not pay for)
@@ -345,18 +363,27 @@ class Dispatcher:
             state,
             self.max_migrations,
             lambda b: self._open_leg(endpoint, b, deadline, wait=True),
-            self._migrated,
+            self._eject,
+            self._count,
+            wait_s=self.migration_wait,
         )
         first = state.first_body() if self.max_migrations > 0 else body
+        last: LegError | None = None
         while True:
             try:
-                leg = await self._open_leg(endpoint, first, deadline, wait=migration.done > 0)
+                leg = await self._open_leg(endpoint, first, deadline, wait=last is not None)
                 break
+            except NoHealthyWorker:
+                if last is None:
+                    raise
+                raise last from None  # the client gets the failure, not the wait
             except LegError as exc:
                 if migration.done >= migration.budget or not self._retryable(exc):
                     raise
                 migration.done += 1
-                self._migrated("open_failed", {exc.url} if exc.transport and exc.url else set())
+                last = exc
+                self._eject(self._failed(exc))
+                self._count("open_failed")
                 first = state.first_body()
         end = StreamEnd()
         return await start_relay(

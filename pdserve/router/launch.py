@@ -74,6 +74,13 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         cls=RouterConfig,
     ),
     Flag(
+        "--migration-wait",
+        "seconds a request whose worker failed waits for a healthy one to move to when "
+        "there is none (a restarting worker) before it ends with its failure",
+        float,
+        cls=RouterConfig,
+    ),
+    Flag(
         "--pd-min-prefill-tokens",
         "selective PD: a request whose prompt is estimated below this many tokens runs "
         "whole on a decode worker (no prefill leg, no KV transfer); 0 = always PD",

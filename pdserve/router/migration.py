@@ -263,12 +263,17 @@ class Leg:
 class Migration:
     """How a relay continues a stream elsewhere: ``state`` of what the client got,
     ``budget`` migrations allowed (``--max-migrations``), ``reopen(body)``: open the next
-    leg for ``body`` (raises the dispatcher's ``LegError``, or ``NoHealthyWorker`` once the
-    request's deadline passed with no healthy pair); ``count(reason, failed)``: one
-    migration done, for the metrics, ejecting the worker URLs in ``failed`` at once."""
+    leg for ``body`` (raises the dispatcher's ``LegError``, or ``NoHealthyWorker`` when no
+    healthy worker came within ``wait_s`` seconds, ``--migration-wait``);
+    ``eject(urls)``: take workers whose connection failed out of picking at once;
+    ``count(reason)``: one migration done, for the metrics. ``done``: migrations tried;
+    ``note``: why the last one could not be made, for the client's error."""
 
     state: StreamState
     budget: int
     reopen: Callable[[dict], Awaitable[Leg]]
-    count: Callable[[str, set[str]], None]
+    eject: Callable[[set[str]], None]
+    count: Callable[[str], None]
+    wait_s: float = 0.0
     done: int = 0
+    note: str = ""

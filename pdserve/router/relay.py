@@ -35,7 +35,7 @@ from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Leg, Migration
-from pdserve.router.workers import WorkerState
+from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")
 
@@ -177,13 +177,18 @@ class _LegRun:
     merged: set[int] = field(default_factory=set)
     held: list[str] = field(default_factory=list)  # data chunks held for prefill's answer
     decode_done: bool = False
+    closed: bool = False
 
     @property
     def task(self) -> asyncio.Future | None:
         return self.leg.prefill.task if self.leg.prefill is not None else None
 
     async def close(self) -> None:
-        """End this leg: its pump, its response, its prefill task; then its on_close."""
+        """End this leg: its pump, its response, its prefill task; then its on_close
+        (once, however often it is called)."""
+        if self.closed:
+            return
+        self.closed = True
         with anyio.CancelScope(shield=True):
             await _settle(self.pump)
             await self.leg.resp.aclose()
@@ -293,10 +298,11 @@ async def relay_sse(
         run.held.clear()
 
     async def migrate(kind: str, reason: str, failed: set[str]) -> bool:
-        """Close the failed leg and open the next; False when no migration is left or
-        the stream cannot continue (the caller then ends it with the failure). ``kind``:
-        the metrics' reason label; ``failed``: URLs of workers to eject at once (their
-        connection failed: the health checks bring them back)."""
+        """Close the failed leg and open the next; False when no migration is left, the
+        stream cannot continue or no healthy worker came within ``migration.wait_s`` (the
+        caller then ends it with the failure). ``kind``: the metrics' reason label;
+        ``failed``: URLs of workers to eject at once (their connection failed: the health
+        checks bring them back)."""
         nonlocal run
         if migration is None or state is None:
             return False
@@ -305,7 +311,7 @@ async def relay_sse(
             if body is None:
                 return False
             migration.done += 1
-            migration.count(kind, failed)
+            migration.eject(failed)
             log.warning(
                 "%s: continuing the stream on another worker (migration %d of %d, %d tokens sent)",
                 reason,
@@ -317,11 +323,15 @@ async def relay_sse(
             run.held.clear()
             try:
                 leg = await migration.reopen(body)
-            except Exception as exc:  # noqa: BLE001 - LegError, NoHealthyWorker: try again
+            except NoHealthyWorker:
+                migration.note = f"no healthy worker to continue on within {migration.wait_s:g} s"
+                return False
+            except Exception as exc:  # noqa: BLE001 - LegError: another try, within the budget
                 kind, reason = "reopen_failed", f"reopening failed: {exc}"
                 url = getattr(exc, "url", None) if getattr(exc, "transport", False) else None
                 failed = {url} if url else set()
                 continue
+            migration.count(kind)
             run = _start_leg(leg, queue, run.tag + 1)
             return True
         return False
@@ -329,7 +339,8 @@ async def relay_sse(
     def budget_note() -> str:
         if migration is None or not migration.done:
             return ""
-        return f" (after {migration.done} migration{'s' * (migration.done != 1)})"
+        done = f"after {migration.done} migration{'s' * (migration.done != 1)}"
+        return f" ({done}{'; ' + migration.note if migration.note else ''})"
 
     try:
         while True:
