@@ -253,6 +253,8 @@ def test_restarts_with_backoff_then_gives_up(tmp_path):
     try:
         now, lines = 0.0, []
         for k in (1, 2, 3):
+            # each run has written its line before it is killed (its log is kept across runs)
+            wait_for(lambda k=k: log.read_text().count("run") == k, 10, f"run {k}'s line")
             pid = child.pid
             os.kill(pid, signal.SIGKILL)
             child.proc.wait(timeout=10)
