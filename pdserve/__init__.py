@@ -20,7 +20,7 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):
-        from pdserve.engine import outputs
+        from pdserve.engine.core import request
 
-        return getattr(outputs, name)
+        return getattr(request, name)
     raise AttributeError(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from pdserve import envs
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
@@ -49,6 +50,9 @@ class ModelConfig:
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
+    tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
+        for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
+        process edge), so the executor reads no environment.  Must be > 0.
     """
 
     model: str = EMBEDDED_MODEL_ID
@@ -61,6 +65,7 @@ class ModelConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] | None = None
+    tp_timeout: float = field(default_factory=envs.TP_TIMEOUT.get)
 
     def __post_init__(self) -> None:
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
@@ -84,6 +89,8 @@ class ModelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
         if self.gpu_ids is not None:
             ids = self.gpu_ids
             if not isinstance(ids, tuple):
@@ -114,7 +121,7 @@ class CacheConfig:
         ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
-        (``pdserve.engine.kv.prefix_cache``); on decode workers, receive only what is not held.
+        (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
     """
@@ -146,7 +153,9 @@ class SchedulerConfig:
     """Continuous batching limits.
 
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-    max_running_requests: requests in the running batch at once.
+    max_running_requests: requests in the running batch at once (and the largest CUDA-graph
+        batch); ``None`` means the device's default (:func:`default_max_running_requests`:
+        256 on CUDA, 64 on CPU), resolved by the engine once its device is known.
     overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
         N's results are processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on
         CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
@@ -154,7 +163,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = 2048
-    max_running_requests: int = 64
+    max_running_requests: int | None = None
     overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
@@ -162,8 +171,23 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+    @property
+    def max_running(self) -> int:
+        """``max_running_requests`` once resolved (the engine resolves an unset one from its
+        device); ValueError naming it while unset."""
+        if self.max_running_requests is None:
+            raise ValueError("max_running_requests is unset: the engine resolves it first")
+        return self.max_running_requests
+
+
+def default_max_running_requests(device_type: str) -> int:
+    """``SchedulerConfig.max_running_requests`` when unset: 256 on ``"cuda"`` (a decode step
+    of an 8B model is still memory-bound at 128 rows and near its compute roofline at 256:
+    docs/benchmarks.md), 64 elsewhere."""
+    return 256 if device_type == "cuda" else 64
 
 
 @dataclass(frozen=True)
@@ -257,6 +281,9 @@ class ServerConfig:
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
     strict_request_fields: answer 400 for an unknown request field instead of ignoring it
         with a warning (``server/field_policy.py``).
+    responses_store_size: most responses of ``/v1/responses`` kept in memory for
+        ``GET /v1/responses/{id}`` and ``previous_response_id`` (the oldest dropped first);
+        0 keeps none.
     """
 
     host: str = "127.0.0.1"
@@ -267,8 +294,11 @@ class ServerConfig:
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
     strict_request_fields: bool = False
+    responses_store_size: int = 1000
 
     def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)

@@ -12,6 +12,7 @@ import importlib
 # Imported lazily so `pdserve --help` stays fast; a room not built yet is skipped.
 _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.offline",
+    "pdserve.bench.attention",
     "pdserve.bench.tp_profile",
     "pdserve.bench.transfer",
     "pdserve.bench.serve",

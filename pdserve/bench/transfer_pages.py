@@ -40,11 +40,11 @@ def scattered_pages(num_pages: int, pool_pages: int, run_len: int, seed: int) ->
 
 
 def served_pages(num_pages: int, pool_pages: int, seed: int) -> list[int]:
-    """The page list the real allocator (:class:`~pdserve.engine.kv.page_runs.RunAllocator`)
+    """The page list the real allocator (:class:`~pdserve.engine.kv.cache.RunAllocator`)
     hands a ``num_pages`` request after 500 mixed-length requests (1 page to half the
     request) were allocated and freed at random, the pool kept up to 3/4 full around the
     room the request needs: the pool as a busy server leaves it."""
-    from pdserve.engine.kv.page_runs import RunAllocator
+    from pdserve.engine.kv.cache import RunAllocator
 
     rng = random.Random(seed)
     alloc, held = RunAllocator(pool_pages), list[list[int]]()

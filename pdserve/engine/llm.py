@@ -17,7 +17,7 @@ from pdserve.config import (
     default_of,
 )
 from pdserve.engine.core.engine import EngineCore
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ class LLM:
     page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization, kv_order: the KV
     pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv.layout``).
     enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
-    max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
+    max_num_batched_tokens, max_running_requests: the scheduler (``max_running_requests``
+    ``None``: 256 on CUDA, 64 on CPU).  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
@@ -54,7 +55,7 @@ class LLM:
         page_size: int = default_of(CacheConfig, "page_size"),
         seed: int = 0,
         max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
-        max_running_requests: int = default_of(SchedulerConfig, "max_running_requests"),
+        max_running_requests: int | None = default_of(SchedulerConfig, "max_running_requests"),
         kv_cache_memory: float | None = None,
         num_pages: int | None = None,
         gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),

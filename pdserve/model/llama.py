@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2; Qwen3-MoE and Mixtral, whose
+sparse MLP layers are :class:`pdserve.model.moe.SparseMoeBlock`) over a paged KV cache.
 
 Q/K/V and gate/up projections are fused at load time (one matmul each). Norms, RoPE and the
 order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits match it.
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model import linear as lin
+from pdserve.model import moe as moe_mlp
 from pdserve.model import weight_map
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
@@ -62,7 +64,9 @@ class LlamaDecoderLayer(nn.Module):
     the layer holds this rank's share: QKV and gate/up column-parallel (its query heads, its
     KV heads, its intermediate rows), o_proj and down_proj row-parallel, their partial
     outputs summed over the ranks (``tp.all_reduce_``) before the row bias is added once.
-    ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul."""
+    ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul.
+    ``sparse``: the MLP is a mixture of experts (``self.moe``; the dense MLP parameters are
+    then None), its partial outputs all-reduced like down_proj's."""
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TPGroup | None = None,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         self.s = s
@@ -83,10 +88,14 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = _empty((s.hidden, s.n_heads * s.head_dim), dtype, device)
         self.o_bias = _empty((s.hidden,), dtype, device) if s.o_bias else None
         self.post_attention_layernorm = _empty((s.hidden,), dtype, device)
-        self.gate_up_proj = _empty((2 * s.intermediate, s.hidden), dtype, device)
-        self.gate_up_bias = _empty((2 * s.intermediate,), dtype, device) if s.mlp_bias else None
-        self.down_proj = _empty((s.hidden, s.intermediate), dtype, device)
-        self.down_bias = _empty((s.hidden,), dtype, device) if s.mlp_bias else None
+        dense = not sparse
+        self.moe = moe_mlp.SparseMoeBlock(s, dtype, device) if sparse else None
+        self.gate_up_proj = _empty((2 * s.intermediate, s.hidden), dtype, device) if dense else None
+        self.gate_up_bias = (
+            _empty((2 * s.intermediate,), dtype, device) if dense and s.mlp_bias else None
+        )
+        self.down_proj = _empty((s.hidden, s.intermediate), dtype, device) if dense else None
+        self.down_bias = _empty((s.hidden,), dtype, device) if dense and s.mlp_bias else None
         self.packed: dict[str, torch.Tensor] = {}  # CPU pre-packed weights (see linear.py)
 
     def forward(
@@ -138,6 +147,10 @@ class LlamaDecoderLayer(nn.Module):
         o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored)
         o = self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
         h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+        if self.moe is not None:
+            out = self.moe(x)
+            return h, out if self.tp is None else self.tp.all_reduce_(out)
+        assert self.gate_up_proj is not None and self.down_proj is not None
         gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
         if fused is not None:
             if self.tp is None:  # SwiGLU inside the down projection's GEMV, where it runs
@@ -198,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _empty((s.vocab_shard, s.hidden), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(s, dtype, device, self._tp) for _ in range(s.n_layers)
+            LlamaDecoderLayer(s, dtype, device, self._tp, sparse=i in s.moe_layers)
+            for i in range(s.n_layers)
         )
         self.norm = _empty((s.hidden,), dtype, device)
         self.lm_head = None if s.tied else _empty((s.vocab_shard, s.hidden), dtype, device)
@@ -222,9 +236,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _targets(self) -> dict[str, weight_map.Target]:
         """HF name -> where it goes (rows of a fused parameter, this rank's slice)."""
-        return weight_map.weight_targets(
+        t = weight_map.weight_targets(
             self.shapes, self.embed_tokens, self.norm, self.lm_head, self.decoder_layers()
         )
+        sparse = {i: ly.moe for i, ly in enumerate(self.decoder_layers()) if ly.moe is not None}
+        if sparse:
+            t.update(moe_mlp.moe_weight_targets(self.shapes, self.config.model_type, sparse))
+        return t
 
     def weight_shard(self, name: str, shape: Sequence[int]) -> weight_map.ShardSpec | None:
         """``(dim, start, end)`` of the HF tensor ``name`` (full shape ``shape``) this rank
@@ -256,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
             if pad and head is not None and head.device.type != "meta":
                 head[s.vocab_shard - pad :].zero_()
         loaded: set[str] = set()
+        if self.shapes.moe_layers:  # transformers-5 fused expert tensors -> hub names
+            weights = moe_mlp.hub_names(weights, self.config.model_type)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                 name == "lm_head.weight" and self.lm_head is None
@@ -283,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.decoder_layers():
             for name in self._PACKED:
                 param = getattr(layer, name)
+                if param is None:  # a sparse layer: no dense MLP
+                    continue
                 packed = lin.pack(param, mode)
                 if packed is not None:
                     layer.packed[name] = packed
@@ -379,18 +401,23 @@ class LlamaForCausalLM(nn.Module):
         return self._tp.all_reduce_(h.masked_fill_(outside[:, None], 0.0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` float32 (full vocabulary) of hidden states ``[N, H]`` (tied
         embeddings when configured). Under TP a collective: each rank computes its vocab
-        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped."""
+        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped.
+        out: an ``[N, V]`` float32 tensor to write them into (the cast to fp32 is that
+        copy: no extra pass; CUDA graphs share one such buffer), returned; ``None``: a new
+        tensor."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = lin.linear(hidden, w, None, self._lm_head_packed)
-        if self._tp is None:
-            return logits.float()
-        if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
-            return logits.new_empty((0, self.shapes.vocab), dtype=torch.float32)
-        logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
-        V = self.shapes.vocab
-        if logits.shape[-1] != V:
-            logits = logits[:, :V].contiguous()
-        return logits.float()
+        if self._tp is not None:
+            if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
+                logits = logits.new_empty((0, self.shapes.vocab))
+            else:
+                logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
+                V = self.shapes.vocab
+                if logits.shape[-1] != V:
+                    logits = logits[:, :V]
+        if out is None:
+            return logits.float().contiguous()
+        return out.copy_(logits)

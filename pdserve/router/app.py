@@ -28,11 +28,13 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
+from pdserve.router.responses import resolve_previous, stored_get
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
 
-FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
+FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
-WITH_MODEL = ("/v1/completions", "/v1/chat/completions", *TOKENIZER_PATHS)  # bodies' `model`
+# bodies' `model`
+WITH_MODEL = ("/v1/completions", "/v1/chat/completions", "/v1/responses", *TOKENIZER_PATHS)
 
 
 def _reject_constant(name: str):
@@ -166,6 +168,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             )
         if (missing := unknown_model(endpoint, body)) is not None:
             return _count(missing, endpoint, start)
+        if endpoint == "/v1/responses":  # a follow-up: its conversation, from its holder
+            problem = await resolve_previous(
+                pool, client, config.pd_mode, body, config.health_check_timeout
+            )
+            if problem is not None:
+                return _count(problem, endpoint, start)
         try:
             response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
         except NoHealthyWorker as exc:
@@ -264,6 +272,24 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         if missing is not None:
             return missing
         return await ask_a_worker("GET", f"/v1/models/{quote(model_id, safe='')}")
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        """A stored Responses answer, from the worker that holds it."""
+        path = f"/v1/responses/{quote(response_id, safe='')}"
+        return await stored_get(
+            pool, client, config.pd_mode, path, response_id, config.health_check_timeout
+        )
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(response_id: str, request: Request) -> Response:
+        """A stored Responses answer's input items (the query passed on)."""
+        path = f"/v1/responses/{quote(response_id, safe='')}/input_items"
+        if request.url.query:
+            path += "?" + request.url.query
+        return await stored_get(
+            pool, client, config.pd_mode, path, response_id, config.health_check_timeout
+        )
 
     for path in TOKENIZER_PATHS:
 

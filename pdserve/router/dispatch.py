@@ -3,7 +3,7 @@ worker in regular mode; streaming pass-through, merged prompt logprobs, one clea
 
 PD protocol: both legs get the client's body plus ``bootstrap_host``, ``bootstrap_port``
 (the prefill worker's bootstrap server) and ``bootstrap_room``; the router reserves the
-request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.room_plan`).
+request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.base`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import random
 import httpx
 from fastapi.responses import Response
 
-from pdserve.disagg.base import ROOM_LIMIT
-from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST, rooms_needed
+from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST, ROOM_LIMIT, rooms_needed
 from pdserve.http.json_fields import as_int
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.metrics import RouterMetrics

@@ -22,7 +22,8 @@ with the error, as without migration) where the continued request would not prod
 what the uninterrupted one would: ``/generate`` (cumulative chunks), ``n`` > 1 or a
 batch of prompts, stop strings (text held back by the worker was never sent), structured
 outputs and tools (the grammar / parser state is the worker's), presence and frequency
-penalties (they count output tokens, which become prompt tokens). Before any chunk
+penalties (they count output tokens, which become prompt tokens), ``truncate_prompt_tokens``
+(the longer prompt would be cut elsewhere). Before any chunk
 reached the client every request is resent whole, as is every non-streamed request.
 """
 
@@ -64,6 +65,8 @@ def mid_stream_refusal(endpoint: str, body: dict) -> str | None:
         return "a stream of a batch of prompts is not continued on another worker"
     if body.get("stop"):
         return "a stream with stop strings is not continued on another worker"
+    if body.get("truncate_prompt_tokens") is not None:  # the longer prompt would be cut
+        return "a stream with truncate_prompt_tokens is not continued on another worker"
     for name in _STATEFUL:
         value = body.get(name)
         if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":

@@ -10,7 +10,8 @@ SSE error event and ``data: [DONE]``.
 Merging: the decode worker never ran the prompt, so its answer has no prompt logprobs and
 no prefix-cache count; the prefill worker's answer has them. Field names, per endpoint:
 ``/generate``: ``meta_info.input_token_logprobs`` and ``meta_info.input_top_logprobs``;
-OpenAI endpoints: ``choices[i].prompt_logprobs`` (a vLLM-style extension); and on
+OpenAI endpoints: ``choices[i].prompt_logprobs`` (chat: top-level ``prompt_logprobs``,
+vLLM's extensions); and on
 ``/v1/completions`` with ``echo``, the echoed prompt's entries of ``choices[i].logprobs``
 (``token_logprobs`` / ``top_logprobs``, which the decode worker leaves null for the
 prompt's ``usage.prompt_tokens`` positions; the prefill leg has them).
@@ -509,6 +510,18 @@ def _fill_echo(decode_lp: Any, prefill_lp: Any, num_prompt: int) -> None:
                 mine[j] = theirs[j]
 
 
+def _merge_chat_prompt_logprobs(decode: Any, prefill: Any) -> None:
+    """Chat: the top-level ``prompt_logprobs`` (vLLM's place) of prefill's answer into a
+    decode answer or chunk that has the key (its first chunk of a sample)."""
+    if (
+        isinstance(decode, dict)
+        and isinstance(prefill, dict)
+        and OPENAI_PROMPT_KEY in decode
+        and prefill.get(OPENAI_PROMPT_KEY) is not None
+    ):
+        decode[OPENAI_PROMPT_KEY] = prefill[OPENAI_PROMPT_KEY]
+
+
 def merge_prompt_logprobs(
     endpoint: str, decode: Any, prefill: Any, done: set[int] | None = None
 ) -> Any:
@@ -526,6 +539,8 @@ def merge_prompt_logprobs(
             index = int(item.get("index", pos))
             if source.get(index):
                 item.setdefault("meta_info", {}).update(source[index])
+    elif endpoint == "/v1/chat/completions":
+        _merge_chat_prompt_logprobs(decode, prefill)
     else:
         source = _prefill_openai(prefill, OPENAI_PROMPT_KEY)
         echoed = _prefill_openai(prefill, "logprobs") if endpoint == "/v1/completions" else {}
@@ -553,17 +568,30 @@ def _cached_of(endpoint: str, answer: Any) -> dict[int, int] | int | None:
                 out[int(item.get("index", pos))] = value
         return out
     if isinstance(answer, dict):
-        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        usage = _usage_of(endpoint, answer) or {}
+        details = usage.get(_DETAILS.get(endpoint, "prompt_tokens_details")) or {}
         value = details.get("cached_tokens")
         return value if isinstance(value, int) else None
     return None
+
+
+_DETAILS = {"/v1/responses": "input_tokens_details"}  # else OpenAI's prompt_tokens_details
+
+
+def _usage_of(endpoint: str, answer: dict) -> Any:
+    """The ``usage`` of an OpenAI answer or chunk; a Responses stream event carries it in
+    its ``response`` (``response.completed``)."""
+    if endpoint == "/v1/responses" and isinstance(answer.get("response"), dict):
+        return answer["response"].get("usage")
+    return answer.get("usage")
 
 
 def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
     """Report the prefill leg's cached prompt tokens (its prefix-cache hit, the prompt
     compute it saved) in ``decode`` (a full answer or one stream chunk), in place; returns
     ``decode``.  ``/generate``: ``meta_info.cached_tokens`` per sample; OpenAI endpoints:
-    ``usage.prompt_tokens_details.cached_tokens`` where decode's answer has a usage.  So
+    ``usage.prompt_tokens_details.cached_tokens`` where decode's answer has a usage
+    (``/v1/responses``: ``usage.input_tokens_details``, in a stream event's ``response``).  So
     the client sees one count, the prefill worker's, never a sum of both legs."""
     source = _cached_of(endpoint, prefill)
     if endpoint == "/generate":
@@ -574,18 +602,20 @@ def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
             if isinstance(meta, dict) and index in source:
                 meta["cached_tokens"] = source[index]
     elif isinstance(source, int) and isinstance(decode, dict):
-        usage = decode.get("usage")
+        usage = _usage_of(endpoint, decode)
         if isinstance(usage, dict):
-            usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = source
+            key = _DETAILS.get(endpoint, "prompt_tokens_details")
+            usage.setdefault(key, {})["cached_tokens"] = source
     return decode
 
 
 def is_final_chunk(endpoint: str, chunk: Any) -> bool:
-    """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk, or a
-    ``/generate`` chunk with a finish reason (its counts should be prefill's)."""
+    """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk (a
+    Responses ``response.completed`` event), or a ``/generate`` chunk with a finish reason
+    (its counts should be prefill's)."""
     if endpoint == "/generate":
         return any(
             (item.get("meta_info") or {}).get("finish_reason") is not None
             for item in _generate_items(chunk)
         )
-    return isinstance(chunk, dict) and chunk.get("usage") is not None
+    return isinstance(chunk, dict) and _usage_of(endpoint, chunk) is not None

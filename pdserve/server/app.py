@@ -23,10 +23,18 @@ from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
+from pdserve.server.responses import ResponseStore, build_responses_router
 from pdserve.server.serving import APIError, AsyncEngine, Job, make_params
 from pdserve.server.tokenize_api import build_tokenize_router
 
-_COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize")
+_COUNTED = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 def _where(loc: tuple, body: Any, missing: bool) -> str:
@@ -152,6 +160,7 @@ def build_worker_app(
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
     app.include_router(build_openai_router(ctx))
+    app.include_router(build_responses_router(ctx, ResponseStore(ctx.responses_store_size)))
     app.include_router(build_generate_router(ctx))
     app.include_router(build_tokenize_router(ctx))
     stopping = ShutdownFlag()

@@ -128,7 +128,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         cls=CacheConfig,
     ),
     Flag("--max-num-batched-tokens", "token budget of one step", int, cls=SchedulerConfig),
-    Flag("--max-running-requests", "requests in the running batch", int, cls=SchedulerConfig),
+    Flag(
+        "--max-running-requests",
+        "requests in the running batch (and the largest CUDA-graph batch); unset: 256 on "
+        "CUDA, 64 on CPU",
+        int,
+        cls=SchedulerConfig,
+    ),
     Flag(
         "--overlap-schedule",
         "launch each greedy decode step from the previous step's tokens on the device while "

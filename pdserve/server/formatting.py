@@ -23,7 +23,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.engine.step import TokenLogprob
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.http.http_errors import error_json
@@ -313,13 +313,17 @@ class StreamSamples:
         return o, first, bool(o.delta_token_ids or o.delta_text or o.finished or first)
 
     def with_usage(self, chunk: dict, o: CompletionOutput | None, out: RequestOutput) -> dict:
-        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``, else
-        ``"usage": null`` under ``include_usage`` (OpenAI's chunks before the usage chunk)
-        (``o`` None: a chunk before any output token, e.g. chat's opening role chunk)."""
+        """``chunk``, under ``include_usage``: with this sample's usage so far when
+        ``continuous_usage_stats`` is set too, else ``"usage": null`` (OpenAI's chunks
+        before the usage chunk); without ``include_usage`` as is (vLLM's rule:
+        ``continuous_usage_stats`` alone adds nothing) (``o`` None: a chunk before any
+        output token, e.g. chat's opening role chunk)."""
         opts = self._req.stream_options
-        if opts and opts.include_usage and not opts.continuous_usage_stats:
+        if not (opts and opts.include_usage):  # vLLM: no usage in chunks without it
+            return chunk
+        if not opts.continuous_usage_stats:
             chunk["usage"] = None
-        elif opts and opts.continuous_usage_stats:
+        else:
             chunk["usage"] = usage(
                 self._lengths[self._prompt_of(chunk)],
                 [] if o is None else [o],

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.request import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import formatting as fmt
 from pdserve.server.formatting import sse_response

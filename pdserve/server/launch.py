@@ -90,6 +90,13 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
+    Flag(
+        "--responses-store-size",
+        "most /v1/responses answers kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id (the oldest dropped first); 0 keeps none",
+        int,
+        cls=ServerConfig,
+    ),
 )
 
 

@@ -30,10 +30,13 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
-from pdserve.disagg.room_plan import sample_room
-from pdserve.engine.core.request import DisaggRequestInfo
-from pdserve.engine.outputs import RequestOutput
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role, sample_room
+from pdserve.engine.core.request import (
+    DisaggRequestInfo,
+    PromptError,
+    RequestOutput,
+    check_prompt,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.http.aio import get_within
 from pdserve.server.metrics import ServerMetrics
@@ -255,7 +258,7 @@ class Job:
     params: SamplingParams
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    bootstrap_room: int | None = None  # the request's; rooms: disagg.room_plan.sample_room
+    bootstrap_room: int | None = None  # the request's; rooms: disagg.base.sample_room
     prompt_index: int = 0  # which prompt of a /v1/completions batch this job is
     fake_transfer: bool = False  # /health_generate in PD roles
     prompt_field: str = "prompt"  # the request field errors about the prompt name
@@ -293,30 +296,18 @@ class Serving:
     def check(self, job: Job) -> None:
         """400 for an empty/over-long prompt, ids outside the vocabulary, or missing/invalid
         bootstrap fields in a PD role."""
-        n_prompt = len(job.prompt_ids)
-        if n_prompt == 0:
-            raise APIError(400, "prompt must not be empty", job.prompt_field)
-        if any(not 0 <= t < self.vocab_size for t in job.prompt_ids):
-            raise APIError(
-                400, f"prompt token ids must be in [0, {self.vocab_size})", job.prompt_field
+        try:
+            max_tokens = job.params.max_tokens or 1
+            check_prompt(
+                job.prompt_ids,
+                job.params,
+                self.vocab_size,
+                self.max_model_len,
+                output_tokens=max_tokens,
             )
-        bad_bias = [t for t, _ in job.params.logit_bias_items if t >= self.vocab_size]
-        if bad_bias:
-            raise APIError(
-                400,
-                f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad_bias[0]}",
-                "logit_bias",
-            )
-        max_tokens = job.params.max_tokens or 1
-        if n_prompt + max_tokens > self.max_model_len:
-            raise APIError(
-                400,
-                f"this model's context limit is {self.max_model_len} tokens, but the request "
-                f"needs {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} of "
-                f"max_tokens)",
-                "max_tokens" if n_prompt < self.max_model_len else job.prompt_field,
-                code="context_length_exceeded",
-            )
+        except PromptError as exc:
+            field = job.prompt_field if exc.field == "prompt" else exc.field
+            raise APIError(400, str(exc), field, code=exc.code) from None
         if self.role == Role.MIXED or job.fake_transfer or self._runs_whole(job):
             return
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):

@@ -109,6 +109,8 @@ def build_worker(
         TokenText(core.tokenizer),
         max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len),
         fields=FieldPolicy(server_cfg.strict_request_fields, metrics.ignored_fields),
+        responses_store_size=server_cfg.responses_store_size,
+        model_root=engine_cfg.model.model,
     )
     static = {
         "version": pdserve.__version__,

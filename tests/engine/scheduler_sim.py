@@ -7,8 +7,7 @@ from __future__ import annotations
 from pdserve.config import SchedulerConfig
 from pdserve.engine.core.request import Request
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 

@@ -3,7 +3,7 @@ stop strings cut the text (OpenAI semantics) and never leak into a streamed delt
 
 from __future__ import annotations
 
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core.stop import IncrementalDetokenizer
 
 TEXT = "Hello wörld! 你好, 🙂 naïve café — done."
 

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.core.request import PromptError
 
 PROMPT = "The weather today is"
 
@@ -171,8 +172,13 @@ def test_bad_input_raises_value_error_naming_the_field(tiny_llm, tiny_model_dir)
         LLM(tiny_model_dir("llama"), device="cpu", dtype="float64")
     with pytest.raises(TypeError):
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="prompt_token_ids"):
+    with pytest.raises(PromptError, match="prompt token ids must be integers") as bad:
         tiny_llm.engine.add_request("bad", [10**9], SamplingParams())
+    assert bad.value.field == "prompt"
+    too_long = list(range(1, tiny_llm.engine.max_model_len + 1))
+    with pytest.raises(PromptError, match="context limit") as bad:  # the server's check too
+        tiny_llm.engine.add_request("long", too_long, SamplingParams())
+    assert bad.value.field == "prompt" and bad.value.code == "context_length_exceeded"
     with pytest.raises(ValueError, match="n must be 1"):
         tiny_llm.engine.add_request("bad", [1], SamplingParams(n=2))
     assert tiny_llm.generate(["still alive"], SamplingParams(max_tokens=2))[0].finished

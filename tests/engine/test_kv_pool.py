@@ -1,4 +1,4 @@
-"""KV memory's two halves: page and aux-slot ids (``kv/page_ids.py``: allocation,
+"""KV memory's two halves: page and aux-slot ids (``kv/cache.py:PageIds``: allocation,
 exactly-once free, aux slots) and each rank's storage (``worker/kv_storage.py``: the aux
 bytes and what the transfer layer sees, sizing)."""
 
@@ -11,8 +11,8 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord
+from pdserve.engine.kv.cache import PageIds
 from pdserve.engine.kv.layout import default_page_size
-from pdserve.engine.kv.page_ids import PageIds
 from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages, kv_bytes_per_token
 
 

@@ -12,9 +12,9 @@ import pickle
 
 import pytest
 
+from pdserve.engine.core.request import CompletionOutput
 from pdserve.engine.core.stop import TokenStop
 from pdserve.engine.llm import LLM
-from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import SampledToken, StepResult, TokenLogprob
 

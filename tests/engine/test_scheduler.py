@@ -133,7 +133,7 @@ def test_admits_none_bounds_the_next_admission():
     slots or budget taken at the smallest count, the FCFS head's pages against the most
     that could be available, a prefix hit (cached now or by the pending step) lowering its
     need (at most the full pages of all but its last token)."""
-    from pdserve.engine.kv.prefix_cache import page_keys
+    from pdserve.engine.kv.cache import page_keys
 
     s = make(num_pages=16, page_size=4, budget=32, max_running=2, prefix_caching=True)
     assert s.admits_none(0, 0, 0)  # nothing waits

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 
-from pdserve.engine.worker.staging import StepHeader
+from pdserve.engine.worker.model_runner import StepHeader
 
 
 def test_every_segment_starts_16_byte_aligned_and_segments_do_not_overlap():

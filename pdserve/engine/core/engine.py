@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, default_max_running_requests
 from pdserve.disagg.base import KVLayout, KVManager
-from pdserve.engine.core.detokenizer import IncrementalDetokenizer
 from pdserve.engine.core.overlap import OverlapScheduler
 from pdserve.engine.core.pd_flow import PDFlow
-from pdserve.engine.core.request import DisaggRequestInfo, Request, Status, check_stops
+from pdserve.engine.core.request import (
+    DisaggRequestInfo,
+    Request,
+    RequestOutput,
+    Status,
+    check_prompt,
+    check_stops,
+)
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.core.stop import tokens_banned_before_min
-from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv.page_ids import PageIds
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
+from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
@@ -56,9 +61,12 @@ class EngineCore:
         *,
         transfer_backend: str = "nixl",
     ) -> None:
-        self.config = config
         mc, sc = config.model, config.scheduler
         self.device = resolve_rank_device(mc, 0)
+        if sc.max_running_requests is None:  # the device's default, for every rank
+            sc = replace(sc, max_running_requests=default_max_running_requests(self.device.type))
+            config = replace(config, scheduler=sc)
+        self.config = config
         if self.device.type == "cpu" and mc.gpu_ids is not None:
             logger.warning("gpu_ids %s ignored: this worker runs on the CPU", list(mc.gpu_ids))
         self.dtype = resolve_dtype(mc.dtype, self.device)
@@ -171,10 +179,10 @@ class EngineCore:
     ) -> None:
         """Queue a single-sample request (``params.n`` must be 1; see ``fan_out``).
 
-        Raises ValueError naming the field: ``request_id`` already live, ``n`` > 1, empty
-        or out-of-vocabulary ``prompt_token_ids``, a prompt that leaves no room under
-        ``max_model_len``, or a ``disagg`` this engine cannot serve (also
-        ``DuplicateRoomError``, a ValueError, for a live room).
+        Raises ValueError naming the field: ``request_id`` already live, ``n`` > 1, a prompt
+        :func:`check_prompt` rejects (``PromptError``: empty, out of the vocabulary, no room
+        for one output token under ``max_model_len``), or a ``disagg`` this engine cannot
+        serve (also ``DuplicateRoomError``, a ValueError, for a live room).
         """
         if self.executor.failure is not None:
             raise RankFailedError(f"the engine cannot serve: {self.executor.failure}")
@@ -184,17 +192,7 @@ class EngineCore:
             raise ValueError(
                 "n must be 1 for an engine request; split it with SamplingParams.fan_out"
             )
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
-        if any(t >= self.vocab_size for t, _ in params.logit_bias_items):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
-                f"{self.max_model_len}, which leaves no room for output"
-            )
+        check_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         manager = self.pd.manager_for(disagg) if disagg is not None else None
         so = params.structured_outputs
         grammar = self.structured.new_state(so) if so is not None else None

@@ -35,8 +35,7 @@ from pdserve.disagg.base import (
 )
 from pdserve.engine.core.request import DisaggRequestInfo, PDState, Request, Status
 from pdserve.engine.core.scheduler import Scheduler
-from pdserve.engine.kv.cache import KVCacheManager
-from pdserve.engine.kv.page_ids import PageIds
+from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.step import BatchPlan, SampledToken
 from pdserve.engine.worker.sampler import skip_draw
 

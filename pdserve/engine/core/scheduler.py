@@ -142,7 +142,7 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_running_requests
+            and len(self.running) < self.config.max_running
         ):
             req = self.waiting[0]
             hit: list[int] = []
@@ -188,7 +188,7 @@ class Scheduler:
         if not self.waiting:
             return True
         cfg = self.config
-        if min_running >= cfg.max_running_requests or cfg.max_num_batched_tokens <= min_running:
+        if min_running >= cfg.max_running or cfg.max_num_batched_tokens <= min_running:
             return True
         req = self.waiting[0]
         budget = max(1, cfg.max_num_batched_tokens - max_running)  # the smallest chunk

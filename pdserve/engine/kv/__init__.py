@@ -1,2 +1,2 @@
-"""KV-cache pages: the layout both attention and NIXL read (``layout.py``), the page ids and
-their allocator, the one page owner (``cache.py``) and the prefix cache."""
+"""KV-cache pages: the layout both attention and NIXL read (``layout.py``), and in
+``cache.py`` the one page owner with the page ids, their run allocator and the prefix cache."""

@@ -12,7 +12,7 @@ Two orders are supported (``KV_ORDERS``); ``L`` layers, ``P`` pages of ``ps`` to
     buffer of ``P`` items of ``L*2*H*ps*D`` elements: one page is one descriptor.  Inside
     a page, head ``h`` of layer ``l``'s K is a contiguous ``[ps, D]`` block (HND), so a
     head slice is contiguous: heterogeneous TP moves ``2L`` runs a page
-    (:mod:`pdserve.disagg.nixl.agent.dlists` builds them from the registered region).
+    (:mod:`pdserve.disagg.nixl.agent.transfer_engine` builds them from the registered region).
 
 What attention reads, for every order (:meth:`KVCacheLayout.layer_views`): per layer a
 ``(k_cache, v_cache)`` pair of *strided views* of logical shape ``[P, ps, H, D]``; token

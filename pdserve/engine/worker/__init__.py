@@ -1,2 +1,3 @@
-"""Every tensor-parallel rank: the executors, the rank worker, the model runner, staging,
-CUDA graphs, the sampler and penalties, the device choice, and each rank's KV storage.  Nothing here imports ``engine/core``."""
+"""Every tensor-parallel rank: the executors, the rank worker, the model runner (with the
+step's staging), CUDA graphs, the sampler and penalties, the device choice, and each rank's
+KV storage.  Nothing here imports ``engine/core``."""

@@ -118,7 +118,7 @@ class Executor(ABC):
         ``fn`` must be a module-level function (it is pickled by reference); its exception
         is re-raised here, caused by a :class:`RemoteTraceback` holding the rank's
         traceback.  Raises ValueError naming ``rank`` when out of range, RankFailedError
-        when that rank is gone or does not answer within ``PDSERVE_TP_TIMEOUT`` (the
+        when that rank is gone or does not answer within ``ModelConfig.tp_timeout`` (the
         executor is then failed for good, as for a hung collective)."""
 
     @property

@@ -5,7 +5,7 @@ The physical order of the tensor, the per-layer views attention reads and the by
 ranges the transfer layer registers all come from one
 :class:`~pdserve.engine.kv.layout.KVCacheLayout` (``storage.kv_layout``); this module
 computes no offset itself.  It allocates no ids: which pages and aux slots a request
-uses is decided on the engine thread (:class:`pdserve.engine.kv.page_ids.PageIds`), so
+uses is decided on the engine thread (:class:`pdserve.engine.kv.cache.PageIds`), so
 every rank builds only this.  :func:`compute_num_pages` sizes it on each rank.
 """
 

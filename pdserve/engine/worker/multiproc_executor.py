@@ -7,7 +7,7 @@ same forward and the same ``compute_logits`` calls (collectives over
 ``torch.distributed``: gloo on CPU, NCCL on CUDA), and rank 0 samples.
 
 A rank that dies (its process sentinel fires, a collective fails on the closed connection,
-or times out after ``PDSERVE_TP_TIMEOUT``) turns the executor failed for good:
+or times out after ``ModelConfig.tp_timeout``, by default ``PDSERVE_TP_TIMEOUT``) turns the executor failed for good:
 ``failure`` names the rank, ``execute`` and ``call_rank`` raise
 :class:`~pdserve.engine.worker.executor.RankFailedError`, and the engine ends its requests with
 ``finish_reason="error"``.  ``shutdown`` stops, joins (terminating when needed) every rank
@@ -33,8 +33,8 @@ from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.step import BatchPlan, StepResult
 from pdserve.engine.worker.executor import Executor, RankFailedError, RemoteTraceback
+from pdserve.engine.worker.model_runner import HEADER_LEN, StepHeader
 from pdserve.engine.worker.rank_worker import CALL, STEP, STOP, RankArgs, build_rank, rank_main
-from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
 from pdserve.process_exit import death_cause
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class MultiprocExecutor(Executor):
         self._group: Any = None
         self._watcher: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
-        timeout = self._timeout = envs.TP_TIMEOUT.get()
+        timeout = self._timeout = mc.tp_timeout
         device0 = resolve_rank_device(mc, 0)
         for r in range(1, n):
             resolve_rank_device(mc, r)  # ValueError naming gpu_ids before anything starts

@@ -37,8 +37,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv.layout import default_page_size
 from pdserve.engine.worker.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
 from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages
-from pdserve.engine.worker.model_runner import ModelRunner
-from pdserve.engine.worker.staging import HEADER_LEN, StepHeader
+from pdserve.engine.worker.model_runner import HEADER_LEN, ModelRunner, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
 
@@ -90,7 +89,7 @@ def model_max_len(config: EngineConfig, max_positions: int) -> int:
 def num_aux_slots(config: EngineConfig) -> int:
     """Aux slots of every rank's storage (and of the engine thread's ``PageIds``): twice
     ``max_running_requests``, at least 16."""
-    return max(16, 2 * config.scheduler.max_running_requests)
+    return max(16, 2 * config.scheduler.max_running)
 
 
 def build_rank(
@@ -130,9 +129,7 @@ def build_rank(
     # The graphs' memory is held back while the KV storage is sized from free memory, then
     # released for the capture (which needs the storage's address), so capture cannot OOM.
     reserve = (
-        torch.empty(
-            capture_reserve_bytes(model, sc.max_running_requests), dtype=torch.uint8, device=device
-        )
+        torch.empty(capture_reserve_bytes(model, sc.max_running), dtype=torch.uint8, device=device)
         if use_graphs
         else None
     )
@@ -143,7 +140,7 @@ def build_rank(
         head_dim=shapes.head_dim,
         dtype=dtype,
         device=device,
-        max_running_requests=sc.max_running_requests,
+        max_running_requests=sc.max_running,
         max_model_len=max_len,
     )
     num_pages = agree_num_pages(num_pages)
@@ -167,7 +164,7 @@ def build_rank(
             model,
             storage.layer_caches,
             page_size,
-            sc.max_running_requests,
+            sc.max_running,
             CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
