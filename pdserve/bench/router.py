@@ -62,7 +62,7 @@ def _response(body: bytes, status: str = "200 OK") -> bytes:
 
 
 async def _stub(role: str, port: int, bootstrap_port: int) -> None:
-    info = {"role": role, "served_model_name": "stub"}
+    info: dict[str, str | int] = {"role": role, "served_model_name": "stub"}
     if role == "prefill":
         info |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port}
     answers = {

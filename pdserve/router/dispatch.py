@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Collection
 
 import httpx
 from fastapi.responses import Response
@@ -59,6 +60,7 @@ class LegError(Exception):
         self.response = response
         self.url = url  # the worker's
         self.transport = transport  # no HTTP answer: the connection failed
+        self.pair: set[str] = {url} if url else set()  # the URLs of the attempt's workers
 
 
 def _int(value: object, default: int) -> int | None:
@@ -290,7 +292,8 @@ class Dispatcher:
     async def _whole(self, endpoint: str, body: dict, deadline: float) -> Response:
         """A non-streamed request; one that failed on a worker (transport or 5xx) is sent
         again whole to another, at most ``max_migrations`` times."""
-        pick = lambda: self._pick_now(endpoint, body)  # noqa: E731
+        avoid: set[str] = set()  # workers of the failed attempts, not picked again if avoidable
+        pick = lambda: self._pick_now(endpoint, body, avoid)  # noqa: E731
         attempt, last = 0, None
         while True:
             if last is None:
@@ -313,23 +316,34 @@ class Dispatcher:
                     exc.reason,
                 )
                 self._eject(self._failed(exc))
+                avoid |= exc.pair
                 self._count("retry_whole")
 
-    def _pick_now(self, endpoint: str, body: dict) -> WorkerState | tuple[WorkerState, WorkerState]:
+    def _pick_now(
+        self, endpoint: str, body: dict, avoid: Collection[str] = ()
+    ) -> WorkerState | tuple[WorkerState, WorkerState]:
         """The worker (regular mode; a decode worker for a request PD does not pay for)
-        or the (prefill, decode) pair for a request now."""
+        or the (prefill, decode) pair for a request now; workers in ``avoid`` only when
+        there is no other (``WorkerPool.healthy``)."""
         key = routing_key(endpoint, body)
         if not self.pd_mode:
-            return self.pool.pick("mixed", key)
+            return self.pool.pick("mixed", key, avoid)
         if self.pd_min_prefill_tokens:
             estimate = prompt_tokens_estimate(endpoint, body)
             whole = estimate is not None and estimate < self.pd_min_prefill_tokens
             self.metrics.pd_decisions.labels("decode_only" if whole else "pd").inc()
             if whole:
-                return self.pool.pick("decode", key)
-        return self.pool.pick_pair(key)
+                return self.pool.pick("decode", key, avoid)
+        return self.pool.pick_pair(key, avoid)
 
     async def _whole_once(self, endpoint: str, body: dict, picked) -> Response:
+        try:
+            return await self._whole_picked(endpoint, body, picked)
+        except LegError as exc:
+            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
+            raise
+
+    async def _whole_picked(self, endpoint: str, body: dict, picked) -> Response:
         if not isinstance(picked, tuple):  # one worker runs the whole request
             resp = await self._post(picked, endpoint, body)
             return Response(resp.content, media_type="application/json")
@@ -358,19 +372,23 @@ class Dispatcher:
         that fails, within the budget), then relayed; a leg failing mid-stream continues
         on another (:mod:`pdserve.router.migration`)."""
         state = StreamState(endpoint, body)
+        avoid: set[str] = set()  # workers of failed legs, not picked again if avoidable
         migration = Migration(
             state,
             self.max_migrations,
-            lambda b: self._open_leg(endpoint, b, deadline, wait=True),
+            lambda b: self._open_leg(endpoint, b, deadline, wait=True, avoid=avoid),
             self._eject,
             self._count,
             wait_s=self.migration_wait,
+            avoid=avoid,
         )
         first = state.first_body() if self.max_migrations > 0 else body
         last: LegError | None = None
         while True:
             try:
-                leg = await self._open_leg(endpoint, first, deadline, wait=last is not None)
+                leg = await self._open_leg(
+                    endpoint, first, deadline, wait=last is not None, avoid=avoid
+                )
                 break
             except NoHealthyWorker:
                 if last is None:
@@ -381,7 +399,14 @@ class Dispatcher:
                     raise
                 migration.done += 1
                 last = exc
+                log.warning(
+                    "opening a stream again (%d of %d): %s",
+                    migration.done,
+                    migration.budget,
+                    exc.reason,
+                )
                 self._eject(self._failed(exc))
+                avoid |= exc.pair
                 self._count("open_failed")
                 first = state.first_body()
         end = StreamEnd()
@@ -402,12 +427,29 @@ class Dispatcher:
             ),
         )
 
-    async def _open_leg(self, endpoint: str, body: dict, deadline: float, *, wait: bool) -> Leg:
+    async def _open_leg(
+        self,
+        endpoint: str,
+        body: dict,
+        deadline: float,
+        *,
+        wait: bool,
+        avoid: Collection[str] = (),
+    ) -> Leg:
         """Open one streamed leg of ``body``: a mixed worker's stream, or a PD pair's (the
         prefill task running beside decode's open stream). ``wait``: wait for a healthy
-        worker until ``deadline`` rather than raise NoHealthyWorker at once."""
-        pick = lambda: self._pick_now(endpoint, body)  # noqa: E731
+        worker until ``deadline`` rather than raise NoHealthyWorker at once; ``avoid``:
+        URLs picked only when there is no other. A LegError names the leg's workers in
+        its ``pair``."""
+        pick = lambda: self._pick_now(endpoint, body, avoid)  # noqa: E731
         picked = await self._picked(pick, deadline) if wait else pick()
+        try:
+            return await self._open_picked(endpoint, body, picked)
+        except LegError as exc:
+            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
+            raise
+
+    async def _open_picked(self, endpoint: str, body: dict, picked) -> Leg:
         if not isinstance(picked, tuple):  # one worker runs the whole request
             worker = picked
             worker.outstanding += 1
@@ -420,7 +462,7 @@ class Dispatcher:
             def close_regular() -> None:
                 worker.outstanding -= 1
 
-            return Leg(resp, worker, None, close_regular)
+            return Leg(resp, worker, None, close_regular, {worker.url})
         prefill, decode = picked
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
@@ -449,7 +491,7 @@ class Dispatcher:
 
             handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
-            return Leg(d_task.result(), decode, watch, close_pd)
+            return Leg(d_task.result(), decode, watch, close_pd, {prefill.url, decode.url})
         finally:
             if not handed_off:
                 self.release_rooms(room, n)

@@ -260,6 +260,7 @@ class Leg:
     worker: Any  # WorkerState
     prefill: Any  # PrefillWatch | None
     on_close: Callable[[], None]
+    urls: set[str] = field(default_factory=set)  # its workers' (decode and prefill)
 
 
 @dataclass
@@ -270,7 +271,9 @@ class Migration:
     healthy worker came within ``wait_s`` seconds, ``--migration-wait``);
     ``eject(urls)``: take workers whose connection failed out of picking at once;
     ``count(reason)``: one migration done, for the metrics. ``done``: migrations tried;
-    ``note``: why the last one could not be made, for the client's error."""
+    ``note``: why the last one could not be made, for the client's error; ``avoid``: the
+    URLs of the workers of failed legs (shared with ``reopen``, which picks them only when
+    there is no other)."""
 
     state: StreamState
     budget: int
@@ -280,3 +283,4 @@ class Migration:
     wait_s: float = 0.0
     done: int = 0
     note: str = ""
+    avoid: set[str] = field(default_factory=set)

@@ -313,6 +313,7 @@ async def relay_sse(
                 return False
             migration.done += 1
             migration.eject(failed)
+            migration.avoid |= run.leg.urls
             log.warning(
                 "%s: continuing the stream on another worker (migration %d of %d, %d tokens sent)",
                 reason,
@@ -328,6 +329,8 @@ async def relay_sse(
                 migration.note = f"no healthy worker to continue on within {migration.wait_s:g} s"
                 return False
             except Exception as exc:  # noqa: BLE001 - LegError: another try, within the budget
+                log.warning("the stream's next leg failed to open: %s", exc)
+                migration.avoid |= getattr(exc, "pair", set())
                 kind, reason = "reopen_failed", f"reopening failed: {exc}"
                 url = getattr(exc, "url", None) if getattr(exc, "transport", False) else None
                 failed = {url} if url else set()

@@ -422,3 +422,24 @@ def test_a_hung_worker_ejected_by_its_health_checks_is_left(setup):
     assert text == "".join(pieces([], _expected(chat_prompt(CHAT["messages"]), 12)))
     assert _metric(url, "unhealthy") == before + 1
     assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_workers_a_request_failed_on_are_picked_only_when_no_other_is():
+    from pdserve.router.workers import WorkerPool
+
+    pool = WorkerPool(
+        {"prefill": ["http://p0", "http://p1"], "decode": ["http://d0"]},
+        policy="round_robin",
+        client=None,  # type: ignore[arg-type]  # no probe runs here
+        check_interval=1.0,
+        check_timeout=1.0,
+        failure_threshold=2,
+    )
+    for w in pool.all():
+        w.healthy = True
+    for _ in range(4):  # p0 failed under this request: p1 always, d0 the only decode
+        prefill, decode = pool.pick_pair(None, {"http://p0", "http://d0"})
+        assert (prefill.url, decode.url) == ("http://p1", "http://d0")
+    pool.eject("http://p1", "gone")
+    assert not pool.find("http://p1").healthy
+    assert pool.pick_pair(None, {"http://p0"})[0].url == "http://p0"  # no other left
