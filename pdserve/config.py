@@ -19,6 +19,10 @@ from pdserve.ports import check_port
 # The attention backends' names, so that ModelConfig checks a name without importing the
 # model; ``model/attention.py``'s registry maps each to its class (a test keeps the two equal).
 ATTENTION_BACKENDS = ("torch_sdpa", "triton")
+# ``--quantization`` values (``model/fp8.py``'s QUANTIZATIONS; a test keeps the two equal) and
+# ``--kv-cache-dtype`` values.
+QUANTIZATIONS = ("fp8", "fp8_block")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -50,6 +54,10 @@ class ModelConfig:
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
+    quantization: ``None`` (the checkpoint as it is), ``fp8``: the decoder's linear
+        weights quantized to e4m3 at load, one scale per output channel, or ``fp8_block``:
+        one scale per output row and 128 input columns (``pdserve/model/fp8.py``). An FP8
+        checkpoint loads as FP8 either way.
     tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
         for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
         process edge), so the executor reads no environment.  Must be > 0.
@@ -65,9 +73,15 @@ class ModelConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] | None = None
+    quantization: str | None = None
     tp_timeout: float = field(default_factory=envs.TP_TIMEOUT.get)
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                f"got {self.quantization!r}"
+            )
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -124,6 +138,9 @@ class CacheConfig:
         (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
+    kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8_e4m3``: K and V stored as e4m3
+        with a per-tensor scale per layer (1.0, or the checkpoint's ``k_scale`` /
+        ``v_scale``), half the bytes of bf16 per page and per transfer.
     """
 
     page_size: int | None = None
@@ -132,8 +149,14 @@ class CacheConfig:
     num_pages: int | None = None
     enable_prefix_caching: bool = True
     kv_order: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

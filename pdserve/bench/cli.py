@@ -20,6 +20,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.sampler",
     "pdserve.bench.host",
     "pdserve.bench.router",
+    "pdserve.bench.quality",
 )
 
 

@@ -111,11 +111,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--enforce-eager",
             "--overlap-schedule",
             "--tensor-parallel-size",
+            "--quantization",
+            "--kv-cache-dtype",
         ),
         notes={
             "--model": "the transformers side loads the same weights",
             "--tensor-parallel-size": "the transformers side runs whole, in this process; "
             "the roofline counts one rank's weights",
+            "--quantization": "ours only: the transformers side runs the unquantized weights",
         },
     )
     p.set_defaults(func=run_offline)
@@ -298,6 +301,8 @@ def run_offline(args: argparse.Namespace) -> int:
             kv_order=args.kv_order,
             page_size=args.page_size,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             **kwargs,
         )
     except ValueError as exc:

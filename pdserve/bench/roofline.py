@@ -127,7 +127,8 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     weights -= unrouted_expert_bytes(model, num_seqs)  # a mixture of experts: the routed ones
-    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
+    kv_dtype = engine.executor.rank0.storage.kv.dtype  # an FP8 pool reads 1 byte an element
+    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, kv_dtype)
     return int(weights + num_seqs * mean_context * kv)
 
 

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 #    HealthInfo lists the registered ranks' instances; a room has one writer per head.
 # 5: the aux record rides in XferDone (no aux WRITE), XferDone on the last KV WRITE;
 #    since sent after the WRITEs by prefill's notifier agent (same bytes, no wire change).
-PROTOCOL_VERSION = 5
+# 6: KVLayout.k_scales / v_scales (an FP8 pool's per-layer scales).
+PROTOCOL_VERSION = 6
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
 # router draws them and the worker checks them.
@@ -126,6 +127,9 @@ class KVLayout:
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.
+    ``k_scales`` / ``v_scales``: per layer the per-tensor scales of an FP8 pool (``dtype``
+    ``float8_e4m3fn``; its bytes are ``k / k_scale`` in e4m3), ``()`` for any other pool:
+    two FP8 pools whose scales differ hold different numbers in the same bytes.
     """
 
     model: str
@@ -135,6 +139,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     kv_order: str = PAGE_MAJOR
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
@@ -149,7 +155,13 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """The layout of :meth:`to_dict`'s output (lists, as JSON gives them, read back as
+        tuples); KeyError for a missing field."""
+        values: dict[str, Any] = {
+            f.name: tuple(data[f.name]) if isinstance(data[f.name], list) else data[f.name]
+            for f in fields(cls)
+        }
+        return cls(**values)
 
 
 @dataclass(frozen=True)

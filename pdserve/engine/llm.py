@@ -39,6 +39,8 @@ class LLM:
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
     overlap_schedule: launch each greedy decode step before the previous one's results are
     processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on CPU.
+    quantization: ``"fp8"``: e4m3 linear weights quantized at load (``model/fp8.py``);
+    kv_cache_dtype: ``auto`` or ``fp8_e4m3`` (an FP8 KV cache).
     tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
     started with the ``spawn`` method: a script must guard its entry point with
     ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
@@ -67,6 +69,8 @@ class LLM:
         overlap_schedule: bool | None = None,
         tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
         gpu_ids: Sequence[int] | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = default_of(CacheConfig, "kv_cache_dtype"),
     ) -> None:
         config = EngineConfig.from_fields(
             model=model,
@@ -85,6 +89,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             kv_order=kv_order,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens,
             max_running_requests=max_running_requests,
         )

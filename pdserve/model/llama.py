@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import fp8, weight_map
 from pdserve.model import linear as lin
 from pdserve.model import moe as moe_mlp
-from pdserve.model import weight_map
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
 from pdserve.model.shapes import ModelShapes
@@ -97,6 +97,13 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _empty((s.hidden, s.intermediate), dtype, device) if dense else None
         self.down_bias = _empty((s.hidden,), dtype, device) if dense and s.mlp_bias else None
         self.packed: dict[str, torch.Tensor] = {}  # CPU pre-packed weights (see linear.py)
+        # FP8 linears (model/fp8.py): fused name -> weight, filled after loading
+        self.fp8: dict[str, fp8.Fp8Weight] = {}
+        self.fp8_names: tuple[str, ...] = ()
+        self.fp8_groups: dict[str, int] = {}
+        self.fp8_input_scales: dict[str, torch.Tensor] = {}
+        # per-tensor (K, V) scales of an FP8 KV cache: 1.0 or the checkpoint's k/v_scale
+        self.kv_scale: tuple[float, float] = (1.0, 1.0)
 
     def forward(
         self,
@@ -123,8 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         s = self.s
         T = h.shape[0]
         h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
-        pk = self.packed
-        qkv = lin.linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
+        qkv = self._linear("qkv_proj", x, self.qkv_bias)
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
@@ -144,16 +150,19 @@ class LlamaDecoderLayer(nn.Module):
             qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk[:, :nq], qk[:, nq:]
         stored = rope_store is not None
-        o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored)
-        o = self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
+        o = backend.forward(
+            q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
+        )
+        o = self._row_parallel("o_proj", o, self.o_bias)
         h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         if self.moe is not None:
             out = self.moe(x)
             return h, out if self.tp is None else self.tp.all_reduce_(out)
         assert self.gate_up_proj is not None and self.down_proj is not None
-        gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
+        gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:
-            if self.tp is None:  # SwiGLU inside the down projection's GEMV, where it runs
+            # SwiGLU inside the down projection's GEMV, where it runs
+            if self.tp is None and "down_proj" not in self.fp8:
                 down = lin.silu_mul_linear(gate_up, self.down_proj, self.down_bias)
                 if down is not None:
                     return h, down
@@ -161,19 +170,22 @@ class LlamaDecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h, self._row_parallel(act, self.down_proj, self.down_bias, pk.get("down_proj"))
+        return h, self._row_parallel("down_proj", act, self.down_bias)
 
-    def _row_parallel(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        packed: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``x [T, in/tp] @ weight.T`` summed over the ranks, plus ``bias`` once -> ``[T, out]``."""
+    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in] @ W.T + bias`` for fused parameter ``name``: its FP8 weight
+        (``fp8.linear``) when it has one, else the plain/packed one (``linear.linear``)."""
+        q = self.fp8.get(name)
+        if q is not None:
+            return fp8.linear(x, q, bias)
+        return lin.linear(x, getattr(self, name), bias, self.packed.get(name))
+
+    def _row_parallel(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in/tp] @ W.T`` of parameter ``name`` summed over the ranks, plus ``bias``
+        once -> ``[T, out]``."""
         if self.tp is None:
-            return lin.linear(x, weight, bias, packed)
-        out = self.tp.all_reduce_(lin.linear(x, weight, None, packed))
+            return self._linear(name, x, bias)
+        out = self.tp.all_reduce_(self._linear(name, x, None))
         return out if bias is None else out.add_(bias)
 
 
@@ -188,7 +200,10 @@ class LlamaForCausalLM(nn.Module):
     :class:`LlamaDecoderLayer`; ``shapes`` gives the rank-local counts and ranges), the
     embedding and LM head hold its vocabulary rows (padded to ``shapes.vocab_shard``), and
     :meth:`forward` / :meth:`compute_logits` are collectives every rank calls with the same
-    inputs.
+    inputs. quantization: ``"fp8"`` quantizes the four linears of every layer to e4m3 at
+    load (one scale per output channel); a checkpoint whose config has an FP8
+    ``quantization_config`` loads as published whatever this says (``model/fp8.py``).
+    Embeddings, LM head and norms stay in ``dtype``.
     Raises ``ValueError`` for unsupported model types / rope types, and naming the field
     when a count does not split over ``tensor_parallel_size``.
     """
@@ -202,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         attn_backend: str = "torch_sdpa",
         tp: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp if tp is not None else TPGroup.single()
@@ -216,6 +232,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = _empty((s.hidden,), dtype, device)
         self.lm_head = None if s.tied else _empty((s.vocab_shard, s.hidden), dtype, device)
+        # FP8 linears: the checkpoint's format, or online quantization (quantization="fp8")
+        self.fp8_scheme = fp8.scheme_from_config(hf_config, quantization)
+        if self.fp8_scheme is not None and self.fp8_scheme.source == "checkpoint":
+            fp8.prepare_checkpoint_layers(list(self.decoder_layers()), self.fp8_scheme)
         self.register_buffer(
             "rope_cos_sin",
             cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device),
@@ -274,6 +294,12 @@ class LlamaForCausalLM(nn.Module):
             if pad and head is not None and head.device.type != "meta":
                 head[s.vocab_shard - pad :].zero_()
         loaded: set[str] = set()
+        layers = list(self.decoder_layers())
+        scheme = self.fp8_scheme
+        scales = None
+        if scheme is not None and scheme.source == "checkpoint":
+            scales = fp8.CheckpointScales(scheme, targets, layers)
+        kv_scales: dict[tuple[int, str], float] = {}
         if self.shapes.moe_layers:  # transformers-5 fused expert tensors -> hub names
             weights = moe_mlp.hub_names(weights, self.config.model_type)
         for name, tensor in weights:
@@ -282,6 +308,12 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             if name not in targets:
+                if scales is not None and scales.accept(name, tensor):
+                    continue
+                kv = fp8.kv_scale_of(name)
+                if kv is not None and kv[0] < len(layers):
+                    kv_scales[kv] = float(tensor.float().max())
+                    continue
                 raise ValueError(
                     f"weight {name!r} is not a parameter of this {self.shapes.__class__.__name__} model"
                 )
@@ -293,7 +325,24 @@ class LlamaForCausalLM(nn.Module):
                 f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             )
             raise ValueError(f"weights missing from the checkpoint: {shown}")
+        if scales is not None:
+            if scales.missing():
+                raise ValueError(f"FP8 scales missing from the checkpoint: {scales.missing()[:5]}")
+            fp8.finish_layers(layers)
+        elif scheme is not None:
+            fp8.quantize_layers_online(layers, scheme)
+        if self.fp8_scheme is not None and self.embed_tokens.is_cuda:  # the switch, per shape
+            fp8.choose_paths(w for layer in layers for w in layer.fp8.values())
+        for i, layer in enumerate(layers):
+            both = kv_scales.get((i, "kv"), 1.0)
+            layer.kv_scale = (kv_scales.get((i, "k"), both), kv_scales.get((i, "v"), both))
         self._pack()
+
+    @property
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Per layer the ``(k_scale, v_scale)`` of an FP8 KV cache (1.0 unless the
+        checkpoint gives them): stored K/V are ``k / k_scale`` in e4m3."""
+        return tuple(layer.kv_scale for layer in self.decoder_layers())
 
     _PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -302,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
         mode = lin.packing_mode()  # once per load
         for layer in self.decoder_layers():
             for name in self._PACKED:
+                if name in layer.fp8:
+                    continue
                 param = getattr(layer, name)
                 if param is None:  # a sparse layer: no dense MLP
                     continue
@@ -321,6 +372,11 @@ class LlamaForCausalLM(nn.Module):
         self._freed.clear()
         for layer in self.decoder_layers():
             layer.packed.clear()
+            if self.fp8_scheme is not None and self.fp8_scheme.source == "online":
+                for name in layer.fp8:  # back to the dtype the checkpoint is loaded in
+                    p = getattr(layer, name)
+                    p.data = torch.empty(p.shape, dtype=self.dtype, device=p.device)
+                layer.fp8 = {}
         self._lm_head_packed = None
 
     # ----------------------------------------------------------------- forward
@@ -358,7 +414,8 @@ class LlamaForCausalLM(nn.Module):
                 fused_ops.rope_inplace(x, table, positions)
                 return x
 
-            if self.backend.accepts_stored_kv:
+            # an FP8 cache is written by the backend's store (quantized with the K/V scales)
+            if self.backend.accepts_stored_kv and kv_cache[0][0].dtype != fp8.FP8:
                 slots = attn.slot_mapping
 
                 def rope_store(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model import pdl
-from pdserve.model.attention import AttentionBackend, AttentionMetadata
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
     decode_split_kernel,
@@ -205,12 +205,15 @@ class TritonBackend(AttentionBackend):
         plan: TritonPlan,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
         any strides with dim stride 1. With ``kv_stored`` (the model's RoPE kernel wrote K/V,
         ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
-        dtype."""
+        dtype. An FP8 cache stores ``quantize_kv(k, kv_scale[0])`` (and V likewise); the
+        kernels convert what they load to q's dtype, ``kv_scale[0]`` is folded into the
+        softmax scale and the output is multiplied by ``kv_scale[1]``."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -221,7 +224,9 @@ class TritonBackend(AttentionBackend):
         if T and not kv_stored:
             if k.stride(-1) != 1 or v.stride(-1) != 1:
                 k, v = k.contiguous(), v.contiguous()
-            if k.dtype != k_cache.dtype:
+            if is_fp8(k_cache):
+                k, v = quantize_kv(k, kv_scale[0]), quantize_kv(v, kv_scale[1])
+            elif k.dtype != k_cache.dtype:
                 k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             store_kv_kernel[(T,)](
                 k,
@@ -242,6 +247,9 @@ class TritonBackend(AttentionBackend):
                 BLOCK_D=block_d,
                 **pdl.launch_options(k),
             )
+        v_scale = 1.0
+        if is_fp8(k_cache):  # scores = q . (k8 * ks): ks joins the softmax scale
+            scale, v_scale = scale * kv_scale[0], kv_scale[1]
         out = q.new_empty(T, Hq, D)
         ieee = q.dtype == torch.float32  # fp32 stays exact: no TF32 in the dots
         table = attn.page_table
@@ -336,4 +344,6 @@ class TritonBackend(AttentionBackend):
                 IEEE=ieee,
                 **pdl.launch_options(q),
             )
+        if v_scale != 1.0:  # sum_j p_j (v8_j * vs) = vs * sum_j p_j v8_j
+            out.mul_(v_scale)
         return out.view(T, Hq * D)

@@ -109,7 +109,7 @@ def _attend_block(
         k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
         mask=kv_mask,
         other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
+    ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8 cache converted in registers
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -124,7 +124,7 @@ def _attend_block(
         v_cache_ptr + page[:, None] * s_vcp + off[:, None] * s_vct + kvh * s_vch + dd[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -244,8 +244,9 @@ def decode_split_kernel(
             off = (pos % PAGE_SIZE).to(tl.int64)
             k_rows = k_head + pages * s_cp + off * s_ct
             v_rows = v_head + pages * s_vcp + off * s_vct
-        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_D]; an FP8 cache converted to q's dtype in registers
+        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

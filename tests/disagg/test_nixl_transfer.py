@@ -163,6 +163,8 @@ def test_writes_made_ahead_are_released_on_chunked_sends_and_aborts(fresh):
         ("dtype", "bfloat16"),
         ("model", "other-model"),
         ("kv_order", "layer_major"),
+        ("k_scales", (0.5, 0.5)),  # an FP8 pool's per-layer scales (issue 26)
+        ("v_scales", (2.0,)),
     ],
 )
 def test_layout_mismatch_fails_fast_on_both_sides_naming_the_field(pair, field, value):

@@ -114,11 +114,18 @@ def build_rank(
     mc, sc = config.model, config.scheduler
     shard = {"tp": tp} if tp.size > 1 else {}  # TP=1: the unsharded model, no group at all
     model = LlamaForCausalLM(
-        source.hf_config, dtype=dtype, device=device, attn_backend=attention_backend, **shard
+        source.hf_config,
+        dtype=dtype,
+        device=device,
+        attn_backend=attention_backend,
+        quantization=mc.quantization,
+        **shard,
     )
     # A rank reads only its slice of each tensor (safetensors: from disk); TP=1 all of it.
     model.load_weights(source.weights(shard=model.weight_shard) if shard else source.weights())
     shapes = model.shapes
+    fp8_kv = config.cache.kv_cache_dtype == "fp8_e4m3"
+    kv_dtype = torch.float8_e4m3fn if fp8_kv else dtype
     max_len = model_max_len(config, shapes.max_positions)
     use_graphs = (
         tp.size == 1
@@ -138,7 +145,7 @@ def build_rank(
         num_layers=shapes.n_layers,
         num_kv_heads=shapes.n_kv_heads,  # this rank's KV heads
         head_dim=shapes.head_dim,
-        dtype=dtype,
+        dtype=kv_dtype,
         device=device,
         max_running_requests=sc.max_running,
         max_model_len=max_len,
@@ -148,13 +155,14 @@ def build_rank(
         num_layers=shapes.n_layers,
         num_kv_heads=shapes.n_kv_heads,
         head_dim=shapes.head_dim,
-        dtype=dtype,
+        dtype=kv_dtype,
         device=device,
         page_size=page_size,
         num_pages=num_pages,
         num_aux_slots=num_aux_slots(config),
         model_fingerprint=source.fingerprint,
         kv_order=config.cache.kv_order,
+        kv_scales=model.kv_scales if fp8_kv else None,
     )
     graphs = None
     if use_graphs:
