@@ -374,6 +374,15 @@ class RouterConfig:
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
     otlp_traces_endpoint: OTLP/HTTP collector URL the router sends its traces to
         (``pdserve/tracing.py``); ``None`` = tracing off.
+    max_migrations: times one request may move to another worker (pair) after its worker
+        failed (a stream continued from the tokens sent, a request sent again whole);
+        0 = never (``router/migration.py``).
+    migration_wait: seconds such a request waits for a healthy worker (pair) to move to
+        when there is none (all of a role died; ``pdserve up`` restarts them) before it
+        ends with its failure.
+    pd_min_prefill_tokens: selective PD: a request whose prompt is estimated below this
+        many tokens runs whole on a decode worker, skipping the prefill leg and the KV
+        transfer; 0 = always PD (``router/dispatch.py``).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -390,10 +399,21 @@ class RouterConfig:
     mode: str = "auto"
     admin_token: str | None = None
     otlp_traces_endpoint: str | None = None
+    max_migrations: int = 2
+    migration_wait: float = 30.0
+    pd_min_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.migration_wait < 0:
+            raise ValueError(f"migration_wait must be >= 0 s, got {self.migration_wait}")
+        if self.pd_min_prefill_tokens < 0:
+            raise ValueError(
+                f"pd_min_prefill_tokens must be >= 0, got {self.pd_min_prefill_tokens}"
+            )
         if self.mode not in ("auto", "pd", "regular"):
             raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:

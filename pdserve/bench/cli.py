@@ -19,6 +19,7 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.grammar",
     "pdserve.bench.sampler",
     "pdserve.bench.host",
+    "pdserve.bench.router",
     "pdserve.bench.quality",
 )
 

@@ -78,6 +78,8 @@ MEANINGS: dict[str, str] = {
     "ChatCompletionRequest.logprobs": "return the sampled tokens' logprobs (choices[i].logprobs)",
     "top_logprobs": "alternatives per token (<= 20); needs logprobs true",
     "add_generation_prompt": "end the rendered prompt with the assistant turn's opening",
+    "prompt_token_ids": "pdserve: the prompt as token ids, already through the chat template "
+    "(messages are checked, not rendered); the router's migration sends it",
     "role": "system, developer (= system), user, assistant or tool",
     "content": 'text, or a list of {"type": "text", "text"} parts (concatenated)',
     "name": "the speaker's name (passed to the template)",

@@ -23,6 +23,9 @@ UP_ROUTER_FLAGS = (
     "--health-check-interval",
     "--health-check-timeout",
     "--health-failure-threshold",
+    "--max-migrations",
+    "--migration-wait",
+    "--pd-min-prefill-tokens",
 )
 
 

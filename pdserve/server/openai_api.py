@@ -164,7 +164,7 @@ def _job(
     )
     job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if isinstance(req, ChatCompletionRequest):  # a chat's prompt is its messages
-        job.prompt_field = "messages"
+        job.prompt_field = "prompt_token_ids" if req.prompt_token_ids is not None else "messages"
     return job
 
 
@@ -234,17 +234,21 @@ async def chat_job(
 ) -> tuple[Job, tl.ToolPlan, list[int], int | None]:
     """A parsed chat request made ready to run: ``(job, tool plan, prompt token ids, top
     logprobs per token or None)``; the prompt is the model's chat template over
-    ``req.messages`` (with the tools' rendering). Raises APIError (400 naming the field,
+    ``req.messages`` (with the tools' rendering), or ``req.prompt_token_ids`` as given
+    (already templated: the router's migration). Raises APIError (400 naming the field,
     404 for another model)."""
     check_model(ctx, req.model)
     plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
     chat_messages(ctx, req.messages)  # checks every message's text
-    messages, template_kwargs = tl.template_messages(req.messages, plan)
-    text = await apply_chat_template(
-        ctx.tokenizer, messages, **template_flags(req), **template_kwargs
-    )
-    ctx.check_text(text, "messages")
-    prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
+    if req.prompt_token_ids is not None:  # already templated (the router's migration)
+        prompt_ids = list(req.prompt_token_ids)
+    else:
+        messages, template_kwargs = tl.template_messages(req.messages, plan)
+        text = await apply_chat_template(
+            ctx.tokenizer, messages, **template_flags(req), **template_kwargs
+        )
+        ctx.check_text(text, "messages")
+        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
     prompt_ids = req.truncate(prompt_ids, ctx.serving.max_model_len)
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:

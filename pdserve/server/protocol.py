@@ -299,6 +299,10 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    # pdserve extension: the prompt as token ids, already through the chat template (the
+    # router's migration resends a request with the tokens streamed so far appended, so
+    # nothing is re-tokenized); ``messages`` are still checked but not templated
+    prompt_token_ids: list[StrictInt] | None = Field(None, min_length=1)
 
     @field_validator("messages", mode="wrap")
     @classmethod

@@ -312,7 +312,7 @@ class Serving:
         except PromptError as exc:
             field = job.prompt_field if exc.field == "prompt" else exc.field
             raise APIError(400, str(exc), field, code=exc.code) from None
-        if self.role == Role.MIXED or job.fake_transfer:
+        if self.role == Role.MIXED or job.fake_transfer or self._runs_whole(job):
             return
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if getattr(job, name) in (None, ""):
@@ -332,8 +332,16 @@ class Serving:
                 "bootstrap_room",
             )
 
+    def _runs_whole(self, job: Job) -> bool:
+        """A decode worker prefills a request that names no bootstrap field at all itself,
+        as a mixed worker would (the router's selective PD: a prompt too short to be
+        worth a transfer); a prefill worker never does (it has no one to send to)."""
+        return self.role == Role.DECODE and (
+            job.bootstrap_host is None and job.bootstrap_port is None and job.bootstrap_room is None
+        )
+
     def _disagg(self, job: Job, index: int) -> DisaggRequestInfo | None:
-        if self.role == Role.MIXED:
+        if self.role == Role.MIXED or self._runs_whole(job):
             return None
         if job.fake_transfer:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
