@@ -30,6 +30,7 @@ from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.factory import make_drafter
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
 from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
@@ -100,8 +101,14 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.page_ids, enable_prefix_caching=config.cache.enable_prefix_caching
         )
+        self.drafter = make_drafter(sc)
         self.scheduler = Scheduler(
-            sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+            sc,
+            self.kv,
+            lambda r: tokens_banned_before_min(r.params, self.eos_token_ids),
+            drafter=self.drafter,
+            num_speculative_tokens=sc.num_speculative_tokens if self.drafter else 0,
+            max_model_len=self.max_model_len,
         )
         # Grammars of structured outputs: compiled on first use, cached (engine/structured/).
         self.structured = StructuredOutputManager(
@@ -122,7 +129,8 @@ class EngineCore:
             self.scheduler,
             self.executor,
             self.max_model_len,
-            self.device.type == "cuda" if overlap is None else overlap,
+            # a verify step is synchronous: speculation turns overlap off
+            self.drafter is None and (self.device.type == "cuda" if overlap is None else overlap),
         )
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -318,6 +326,7 @@ class EngineCore:
             "overlap_launched_steps": self.overlap.num_launched,
             "overlap_ahead_steps": self.overlap.num_ahead,
             **self.kv.stats(),
+            **self.scheduler.spec_stats(),
         }
 
     # --- internals --------------------------------------------------------------------
@@ -336,10 +345,16 @@ class EngineCore:
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         sampled = self.scheduler.update_from_output(plan, result)
         self.pd.send_chunks(plan)  # prefill: full pages of finished chunks move now
+        verified = result.verified
         for req, tok in sampled:
             touched[req.request_id] = req
             if self.pd.sends_first_token(req):  # prefill: the token goes to decode with the KV
                 self.pd.send_prefill(req, tok, self._stop_verdict(req, tok) or ("length", None))
+            elif verified and req.request_id in verified:
+                for kept in verified[req.request_id]:  # a finish among them cuts there
+                    self._append_token(req, kept)
+                    if req.finished:
+                        break
             else:
                 self._append_token(req, tok)
             if req.finished:
