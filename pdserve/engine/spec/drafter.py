@@ -109,3 +109,66 @@ class NgramDrafter(Drafter):
                 start = int(full[-1] if full.size else hits[0]) + n
                 return ids[start : start + k].tolist()
         return []
+
+
+class ReplayDrafter(Drafter):
+    """The acceptance-controlled drafter of benchmarks and tests: it proposes a known
+    continuation of each sequence (the target's own greedy output, recorded beforehand)
+    with each draft token independently corrupted (replaced by the next id) with
+    probability ``1 - accept_rate``, so a greedy verify accepts each draft with probability
+    ``accept_rate`` until the first corrupted one.  For random weights, where no real
+    drafter can guess.
+
+    references: the full token lists (prompt + recorded output) of the sequences to draft
+        for; a row whose tokens are a prefix of none gets no draft.
+    num_speculative_tokens: k.  accept_rate: in [0, 1].  vocab_size: ids wrap below it.
+    seed: the corruption draws (a numpy generator).
+    """
+
+    name = "replay"
+
+    def __init__(
+        self,
+        references: Sequence[Sequence[int]],
+        num_speculative_tokens: int,
+        accept_rate: float,
+        vocab_size: int,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= accept_rate <= 1.0:
+            raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate}")
+        self.k = num_speculative_tokens
+        self.accept_rate = accept_rate
+        self.vocab_size = vocab_size
+        self._refs = [list(r) for r in references]
+        self._rng = np.random.default_rng(seed)
+        self._of: dict[str, int] = {}  # request id -> index of its reference
+
+    def _reference(self, row: DraftInput) -> list[int] | None:
+        idx = self._of.get(row.request_id)
+        ids = row.token_ids
+        if idx is None:
+            n = len(ids)
+            idx = next(
+                (i for i, r in enumerate(self._refs) if len(r) > n and r[:n] == list(ids)), -1
+            )
+            self._of[row.request_id] = idx
+        return self._refs[idx] if idx >= 0 else None
+
+    def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
+        out = []
+        for row in rows:
+            ref = self._reference(row)
+            n = len(row.token_ids)
+            if ref is None or ref[:n] != list(row.token_ids):
+                out.append(Draft([]))
+                continue
+            tokens = ref[n : n + min(row.max_k, self.k)]
+            bad = self._rng.random(len(tokens)) >= self.accept_rate
+            out.append(
+                Draft([(t + 1) % self.vocab_size if b else t for t, b in zip(tokens, bad)])
+            )
+        return out
+
+    def release(self, request_id: str) -> None:
+        self._of.pop(request_id, None)

@@ -1,0 +1,183 @@
+"""Speculative decoding in a mixed engine (``engine/spec/``): greedy output with the n-gram
+drafter and with the acceptance-controlled replay drafter equals the non-speculative run's
+token for token (text, logprobs with top-k, finish and stop reasons, cached tokens), over
+chunked prefill, prefix-cache hits, stops cutting inside accepted drafts, ``max_tokens``,
+``n`` > 1, aborts, pages running out, penalties, ``logit_bias``, ``min_tokens`` and a
+grammar; the page accounting adds up after every step and every page is back at the end
+(``overlap_runs.drive``)."""
+
+from __future__ import annotations
+
+import pytest
+from overlap_runs import PROMPTS, assert_same, core_of, drive, greedy
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.drafter import DraftInput, NgramDrafter, ReplayDrafter
+from pdserve.engine.structured.params import StructuredOutputsParams
+
+K = 4
+SPEC = {"speculative_algorithm": "ngram", "num_speculative_tokens": K}
+# prompts that repeat themselves, so the n-gram drafter finds matches
+COPY = [[5, 6, 7, 8, 9] * 3 + [5, 6], [40, 41, 42, 43] * 4, [9, 8, 7, 9, 8, 7, 9, 8, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def _requests(prompts, params):
+    return [(f"r{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def _replay(core, refs, rate, seed=1):
+    """Swap the engine's drafter for the replay drafter over ``refs``."""
+    d = ReplayDrafter(refs, K, rate, core.vocab_size, seed=seed)
+    core.drafter = core.scheduler.drafter = d
+    return d
+
+
+def _refs(requests, finals):
+    return [list(p) + list(finals[rid][0]) for rid, p, _ in requests]
+
+
+def _compare(folder, requests, *, rate=None, refs=None, events=None, min_accepted=1, **kw):
+    """Run ``requests`` without and with speculation (n-gram, or replay at ``rate`` over
+    ``refs``, default the plain run's outputs); assert the finals equal and that drafts
+    were accepted; returns (plain core, spec core, finals)."""
+    base = core_of(folder, False, **kw)
+    deltas0, f0 = drive(base, requests, events)
+    spec = core_of(folder, False, **SPEC, **kw)
+    if rate is not None:
+        _replay(spec, refs if refs is not None else _refs(requests, f0), rate)
+    deltas1, f1 = drive(spec, requests, events)
+    assert_same(f1, f0)
+    for rid, ds in deltas1.items():  # the streamed deltas add up to the final output
+        assert [t for d in ds for t in d[0]] == list(f1[rid][0])
+    st = spec.stats()
+    assert st["spec_accepted_tokens"] >= min_accepted, st
+    assert st["generation_tokens"] == base.stats()["generation_tokens"]
+    return base, spec, f0
+
+
+def test_ngram_greedy_equals_plain(folder):
+    params = greedy(max_tokens=40, ignore_eos=True, logprobs=3)
+    _, spec, _ = _compare(folder, _requests(COPY + PROMPTS[:2], params))
+    st = spec.stats()
+    assert st["steps"] < 40 * 1.0  # several tokens per step
+    assert st["spec_draft_tokens"] >= st["spec_accepted_tokens"]
+    assert sum(st[f"spec_accepted_rows_{a}"] for a in range(K + 1)) == st["spec_verify_rows"]
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.9])
+def test_replay_greedy_equals_plain(folder, rate):
+    """Every acceptance length 0..k occurs; tokens, logprobs and their top-3 equal."""
+    params = greedy(max_tokens=30, ignore_eos=True, logprobs=3)
+    _, spec, _ = _compare(folder, _requests(PROMPTS, params), rate=rate, min_accepted=20)
+    st = spec.stats()
+    if rate == 0.5:
+        assert all(st[f"spec_accepted_rows_{a}"] > 0 for a in range(K + 1)), st
+
+
+def test_chunked_prefill_and_max_tokens(folder):
+    reqs = [
+        (f"r{i}", p, greedy(max_tokens=m, ignore_eos=True))
+        for i, (p, m) in enumerate(zip(PROMPTS, [1, 2, 3, 7, 12, 25]))
+    ]
+    _compare(folder, reqs, rate=0.8, max_num_batched_tokens=7)
+
+
+def test_prefix_cache_hits(folder):
+    """The same prompts again once the first ones finished: cached pages hold only
+    verified tokens, so the second round (hits) equals the plain run too."""
+    params = greedy(max_tokens=20, ignore_eos=True)
+    first = _requests(PROMPTS[3:], params)
+
+    def again(core):
+        for rid, p, prm in first:
+            core.add_request(rid + "-again", p + [3, 4, 5, 6, 7, 8, 9, 10], prm)
+
+    base, spec, _ = _compare(folder, first, rate=0.8, events={60: again})
+    assert spec.stats()["prefix_cache_hit_tokens"] > 0
+    # the second round asked for prompt + previous output's pages? hits on the prompts
+    assert spec.stats()["prefix_cache_hit_tokens"] == base.stats()["prefix_cache_hit_tokens"]
+
+
+def test_stop_inside_accepted_drafts(folder):
+    """A stop token / stop string / EOS met among accepted drafts ends the output there."""
+    long = greedy(max_tokens=30, ignore_eos=True)
+    base = core_of(folder, False)
+    reqs = _requests(PROMPTS, long)
+    _, full = drive(base, reqs)
+    refs = _refs(reqs, full)
+    stops = []
+    for i, (rid, p, _) in enumerate(reqs):
+        out = full[rid][0]
+        if i % 3 == 0:
+            stops.append((rid, p, greedy(max_tokens=30, stop_token_ids=[out[9]])))
+        elif i % 3 == 1:
+            text = full[rid][1]
+            stops.append((rid, p, greedy(max_tokens=30, ignore_eos=True, stop=[text[12:15]])))
+        else:
+            stops.append((rid, p, greedy(max_tokens=30, stop_token_ids=[out[6]], min_tokens=4)))
+    _, spec, f0 = _compare(folder, stops, rate=1.0, refs=refs)
+    assert all(f[4] == "stop" for f in f0.values()), f0
+    # the verify that met the stop had accepted drafts past it: more drafted than output
+    assert spec.stats()["spec_verify_rows"] > 0
+
+
+def test_n_samples_aborts_and_pages_running_out(folder):
+    params = greedy(max_tokens=24, ignore_eos=True, logprobs=1)
+    reqs = []
+    for i, p in enumerate(PROMPTS[:4]):
+        reqs += [(rid, p, prm) for rid, prm in SamplingParams(
+            temperature=0, n=2, max_tokens=24, ignore_eos=True, logprobs=1
+        ).fan_out(f"n{i}")]
+    reqs.append(("gone", PROMPTS[5], params))
+    base = core_of(folder, False, num_pages=22)
+    _, f0 = drive(base, [r for r in reqs if r[0] != "gone"])
+    refs = _refs([r for r in reqs if r[0] != "gone"], f0)
+    spec = core_of(folder, False, num_pages=22, **SPEC)
+    _replay(spec, refs, 0.8)
+    _, f1 = drive(spec, reqs, events={4: lambda c: c.abort_request("gone")})
+    assert "gone" not in f1  # aborted: no final output (its pages are back: drive checks)
+    assert_same(f1, f0)
+    assert spec.stats()["num_preemptions"] > 0  # the pool ran out
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_penalties_bias_min_tokens_grammar(folder, eos_model):
+    """Each verify position is sampled with the penalties of the drafts before it, the
+    bias and, once min_tokens is reached, no bans; grammar rows do not speculate."""
+    eos_folder, full = eos_model
+    pen = greedy(
+        max_tokens=24,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        logprobs=2,
+    )
+    bias = greedy(max_tokens=24, ignore_eos=True, logit_bias={full[3]: 3.0, 77: 1.5})
+    min_t = greedy(max_tokens=24, min_tokens=9)
+    regex = greedy(
+        max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e")
+    )
+    reqs = [("pen", PROMPTS[0], pen), ("bias", PROMPTS[1], bias), ("min", PROMPTS[0], min_t)]
+    reqs.append(("regex", PROMPTS[2], regex))
+    _compare(eos_folder, reqs, rate=0.9)
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(3, min_n=1, max_n=2)
+    assert d.lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert d.lookup([1, 2, 3, 4, 1, 2], 1) == [3]
+    assert d.lookup([1, 2, 3], 3) == []  # no earlier occurrence
+    assert d.lookup([7, 7, 7, 7, 7, 7], 3) == [7, 7, 7]  # a run: an occurrence with k after it
+    assert d.lookup([5, 1, 9, 5, 2, 9], 2) == [5, 2]  # the 1-gram 9, most recent full match
+    out = d.propose([DraftInput("a", [1, 2, 1], 1), DraftInput("b", [4], 3)])
+    assert [o.token_ids for o in out] == [[2], []]
+    for bad in ({"num_speculative_tokens": 0}, {"min_n": 0}, {"min_n": 3, "max_n": 2}):
+        kw = {"num_speculative_tokens": 2, **bad}
+        with pytest.raises(ValueError):
+            NgramDrafter(**kw)
