@@ -206,6 +206,18 @@ class SchedulerConfig:
                 f"speculative_ngram_min ({self.speculative_ngram_min})"
             )
 
+    def speculative_key(self) -> str:
+        """The speculative configuration as one string peers compare at the PD bootstrap
+        (``KVLayout.speculative``): ``""`` when off, else e.g. ``"ngram k=4 n=1-3"`` or
+        ``"draft k=4 model=<id>"``."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return ""
+        k = self.num_speculative_tokens
+        if algo == "ngram":
+            return f"ngram k={k} n={self.speculative_ngram_min}-{self.speculative_ngram_max}"
+        return f"draft k={k} model={self.speculative_model}"
+
     def speculative_info(self) -> dict[str, object] | None:
         """The speculative configuration as plain data (``/get_server_info``, the PD
         handshake), or ``None`` when speculation is off."""

@@ -104,6 +104,10 @@ class KVLayout:
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.
+    ``speculative`` is the engine's speculative-decoding configuration
+    (``SchedulerConfig.speculative_key``; ``""``: off): prefill and decode must run the same
+    one (a draft model's KV would travel with the target's), a difference is a mismatch
+    named ``speculative`` on both sides.
     """
 
     model: str
@@ -113,6 +117,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     kv_order: str = PAGE_MAJOR
+    speculative: str = ""
 
     def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""

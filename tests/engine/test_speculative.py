@@ -181,3 +181,47 @@ def test_ngram_lookup():
         kw = {"num_speculative_tokens": 2, **bad}
         with pytest.raises(ValueError):
             NgramDrafter(**kw)
+
+
+def test_pd_decode_speculates_and_equals_mixed(folder):
+    """Prefill and decode engines over the fake backend, both configured for speculation:
+    decode's verify steps give the plain mixed worker's tokens; the layouts the peers
+    compare carry the speculative configuration."""
+    from disagg_pairs import drive as pd_drive
+    from disagg_pairs import info, pd_pair, rooms
+
+    from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    def cfg(**spec):
+        return EngineConfig(
+            model=ModelConfig(model=folder, device="cpu"),
+            cache=CacheConfig(page_size=4, num_pages=64),
+            scheduler=SchedulerConfig(**spec),
+        )
+
+    plain = core_of(folder, False, num_pages=64)
+    params = greedy(max_tokens=30, ignore_eos=True, logprobs=2)
+    reqs = [(f"m{i}", p, params) for i, p in enumerate(COPY[:2] + PROMPTS[:1])]
+    _, want = drive(plain, reqs)
+    prefill, decode, m = pd_pair(cfg(**SPEC))
+    _replay(decode, _refs(reqs, want), 0.8)
+    assert decode.executor.kv_args().layout.speculative == "ngram k=4 n=1-3"
+    for rid, p, prm in reqs:
+        room = next(rooms)
+        decode.add_request(rid, p, prm, info("decode", room))
+        prefill.add_request(rid + "-p", p, prm, info("prefill", room))
+    got = pd_drive(prefill, decode)
+    for rid, _, _ in reqs:
+        c = got[rid].outputs[0]
+        lps = [(t.token_id, t.logprob, t.top) for t in c.logprobs]
+        assert_same(
+            (c.token_ids, c.text, lps, c.finish_reason),
+            (want[rid][0], want[rid][1], want[rid][2], want[rid][4]),
+        )
+    assert decode.stats()["spec_accepted_tokens"] > 0
+    assert prefill.stats()["spec_verify_rows"] == 0  # prefill computes prompts only
+    for core in (prefill, decode):
+        assert core.kv.num_held_pages == 0
+        core.kv.check_integrity([])
+    plain_pair = pd_pair(cfg())
+    assert plain_pair[1].executor.kv_args().layout.speculative == ""

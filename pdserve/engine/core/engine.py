@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -309,8 +309,10 @@ class EngineCore:
         The engine serves no step afterwards."""
         self.executor.shutdown()
 
-    def stats(self) -> dict[str, int]:
-        """Gauges and counters for metrics (plain ints)."""
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for metrics (plain ints), and speculative decoding's
+        acceptance-length histogram (``spec_acceptance_length``: ``{sum, count, buckets}``,
+        ``Scheduler.spec_stats``)."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

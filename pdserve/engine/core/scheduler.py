@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.core.request import Request, Status
@@ -336,17 +336,28 @@ class Scheduler:
             draft_q=draft.q[:k] if draft.q is not None else None,
         )
 
-    def spec_stats(self) -> dict[str, int]:
-        """Speculative decoding's counters: drafts verified, drafts accepted, verify rows,
-        and verify rows by accepted drafts (``spec_accepted_rows_<a>``)."""
-        out = {
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters: drafts verified (``spec_draft_tokens``), drafts
+        accepted (``spec_accepted_tokens``), verify rows (``spec_verify_rows``), and the
+        acceptance length (tokens a verify row kept: accepted drafts + 1) as a histogram
+        ``{sum, count, buckets}`` with cumulative buckets ``1 .. k + 1``
+        (``spec_acceptance_length``; ``server/metrics.py`` exports it as one)."""
+        hist = self.accepted_histogram
+        buckets: dict[str, int] = {}
+        running = 0
+        for a, n in enumerate(hist):
+            running += n
+            buckets[str(a + 1)] = running
+        return {
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
-            "spec_verify_rows": sum(self.accepted_histogram),
+            "spec_verify_rows": running,
+            "spec_acceptance_length": {
+                "sum": self.num_accepted_tokens + running,
+                "count": running,
+                "buckets": buckets,
+            },
         }
-        for a, n in enumerate(self.accepted_histogram):
-            out[f"spec_accepted_rows_{a}"] = n
-        return out
 
     def update_from_output(
         self, plan: BatchPlan, result: StepResult

@@ -99,6 +99,7 @@ class KVStorage:
         num_aux_slots: int,
         model_fingerprint: str,
         kv_order: str | None = None,
+        speculative: str = "",
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -115,7 +116,7 @@ class KVStorage:
         self.kv = self.kv_layout.allocate(self.device)
         self.layer_caches = self.kv_layout.layer_views(self.kv)
         self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
-        self._layout = self.kv_layout.fingerprint(model_fingerprint)
+        self._layout = self.kv_layout.fingerprint(model_fingerprint, speculative=speculative)
 
     # --- what the transfer layer sees ------------------------------------------------
     @property
@@ -141,7 +142,7 @@ class KVStorage:
         ``num_kv_heads`` when that is not the rank's share (``parallel.kv_head_range``)."""
         layout = self._layout
         if total_kv_heads is not None:
-            layout = self.kv_layout.fingerprint(layout.model, total_kv_heads)
+            layout = self.kv_layout.fingerprint(layout.model, total_kv_heads, layout.speculative)
         return self.kv_layout.kv_args(
             self.kv,
             self.aux.data_ptr(),

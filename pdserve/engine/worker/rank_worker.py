@@ -157,6 +157,7 @@ def build_rank(
         num_aux_slots=num_aux_slots(config),
         model_fingerprint=source.fingerprint,
         kv_order=config.cache.kv_order,
+        speculative=config.scheduler.speculative_key(),
     )
     graphs = None
     if use_graphs:
