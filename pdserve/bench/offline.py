@@ -60,6 +60,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="write the results and workload here; unset: not written",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="MODE",
+        help="compare this engine with and without speculative decoding instead of with "
+        "transformers (bench/speculative.py): ngram, or replay:RATE (acceptance-controlled: "
+        "the plain run's greedy output proposed back, each draft token corrupted with "
+        "probability 1 - RATE); unset: the transformers comparison",
+    )
+    p.add_argument(
+        "--spec-workload",
+        default=None,
+        choices=("copy", "gsm8k"),
+        help="prompts of --speculative: copy (repeat a passage with one edit) or gsm8k; "
+        "unset: copy for ngram, gsm8k for replay",
+    )
     add_engine_flags(
         p,
         (
@@ -72,6 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--enforce-eager",
             "--overlap-schedule",
             "--tensor-parallel-size",
+            "--num-speculative-tokens",
+            "--speculative-ngram-min",
+            "--speculative-ngram-max",
         ),
         notes={
             "--model": "the transformers side loads the same weights",
@@ -210,6 +229,10 @@ def run_offline(args: argparse.Namespace) -> int:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.speculative:
+            from pdserve.bench.speculative import run_speculative
+
+            return run_speculative(args, llm, counts, _prompts)
         return _run(args, llm, counts, prefill)
     finally:
         llm.shutdown()

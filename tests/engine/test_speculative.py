@@ -33,7 +33,7 @@ def _requests(prompts, params):
 def _replay(core, refs, rate, seed=1):
     """Swap the engine's drafter for the replay drafter over ``refs``."""
     d = ReplayDrafter(refs, K, rate, core.vocab_size, seed=seed)
-    core.drafter = core.scheduler.drafter = d
+    core.set_drafter(d, K)
     return d
 
 
@@ -225,3 +225,73 @@ def test_pd_decode_speculates_and_equals_mixed(folder):
         core.kv.check_integrity([])
     plain_pair = pd_pair(cfg())
     assert plain_pair[1].executor.kv_args().layout.speculative == ""
+
+
+# --- the draft-model drafter ---------------------------------------------------------------
+
+
+def _draft_spec(draft):
+    return {"speculative_algorithm": "draft", "speculative_model": draft, "num_speculative_tokens": K}
+
+
+def _draft_pages_back(core):
+    d = core.drafter
+    d.check_integrity()
+    assert d.num_held_pages == 0
+
+
+def test_draft_model_equal_to_target_accepts_everything(folder):
+    """Draft == target: every draft is the target's own greedy token, so every one is
+    accepted (the draft KV's catch-up and rollback are right), and the output equals the
+    plain run's; the draft pool's pages are all back."""
+    params = greedy(max_tokens=21, ignore_eos=True, logprobs=1)
+    reqs = _requests(PROMPTS[:4], params)
+    _, f0 = drive(core_of(folder, False), reqs)
+    spec = core_of(folder, False, **_draft_spec(folder))
+    _, f1 = drive(spec, reqs)
+    assert_same(f1, f0)
+    st = spec.stats()
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > 0, st
+    assert st[f"spec_acceptance_length"]["buckets"][str(K + 1)] > 0
+    _draft_pages_back(spec)
+
+
+def test_draft_model_greedy_parity_under_preemption_and_stops(folder, tiny_model_dir, tmp_path):
+    """Another draft model (same tokenizer): output equals plain under a pool that runs
+    out, stop tokens and chunked prefill; both pools' pages back."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from conftest import save_tiny_model
+    from pdserve.model.loader import embedded_tokenizer
+
+    other = tmp_path / "draft"
+    save_tiny_model("llama", other, embedded_tokenizer(), seed=1)
+    base = core_of(folder, False)
+    long = _requests(PROMPTS, greedy(max_tokens=24, ignore_eos=True))
+    _, full = drive(base, long)
+    reqs = [
+        (rid, p, greedy(max_tokens=24, stop_token_ids=[full[rid][0][10]]) if i % 2 else prm)
+        for i, (rid, p, prm) in enumerate(long)
+    ]
+    kw = {"num_pages": 16, "max_num_batched_tokens": 9}
+    _, f0 = drive(core_of(folder, False, **kw), reqs)
+    spec = core_of(folder, False, **kw, **_draft_spec(str(other)))
+    _, f1 = drive(spec, reqs)
+    assert_same(f1, f0)
+    assert spec.stats()["num_preemptions"] > 0
+    _draft_pages_back(spec)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(folder, tmp_path):
+    import shutil
+
+    import transformers
+
+    other = tmp_path / "other-tok"
+    shutil.copytree(folder, other)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<a-token-the-target-lacks>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ValueError, match="speculative_model"):
+        core_of(folder, False, **_draft_spec(str(other)))

@@ -30,6 +30,7 @@ from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager, PageIds
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.drafter import Drafter
 from pdserve.engine.spec.factory import make_drafter
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
@@ -101,7 +102,15 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.page_ids, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.drafter = make_drafter(sc)
+        self.drafter = make_drafter(
+            config,
+            self.source,
+            self.dtype,
+            self.attention_backend,
+            self.max_model_len,
+            geo.num_pages,
+            geo.page_size,
+        )
         self.scheduler = Scheduler(
             sc,
             self.kv,
@@ -125,13 +134,12 @@ class EngineCore:
         )
         self._managers_bound = bool(kv_managers)
         overlap = sc.overlap_schedule
+        self._overlap_wanted = self.device.type == "cuda" if overlap is None else overlap
         self.overlap = OverlapScheduler(
-            self.scheduler,
-            self.executor,
-            self.max_model_len,
-            # a verify step is synchronous: speculation turns overlap off
-            self.drafter is None and (self.device.type == "cuda" if overlap is None else overlap),
+            self.scheduler, self.executor, self.max_model_len, self._overlap_wanted
         )
+        if self.drafter is not None:  # a verify step is synchronous: no overlap
+            self.overlap.enabled = False
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._counters = {
@@ -173,6 +181,24 @@ class EngineCore:
             raise ValueError("kv_managers must be a non-empty mapping of backend name to KVManager")
         self.pd.set_managers(managers)
         self._managers_bound = True
+
+    def set_drafter(self, drafter: Drafter | None, num_speculative_tokens: int = 0) -> None:
+        """Swap the speculative drafter (``None``: speculation off) between runs, with no
+        live request (benchmarks compare one engine with and without speculation; tests
+        install the replay drafter).  Overlap scheduling follows: on as configured when
+        speculation is off, off while it is on.  ValueError naming ``drafter`` while
+        requests are live, ``num_speculative_tokens`` when < 1 with a drafter."""
+        if self.has_unfinished_requests():
+            raise ValueError("drafter: cannot be swapped while requests are live")
+        if drafter is not None and num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}"
+            )
+        self.drafter = drafter
+        self.scheduler.set_drafter(drafter, num_speculative_tokens if drafter else 0)
+        self.overlap.enabled = (
+            drafter is None and self._overlap_wanted and self.executor.supports_overlap
+        )
 
     def add_request(
         self,

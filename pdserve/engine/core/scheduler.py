@@ -278,6 +278,15 @@ class Scheduler:
             self.kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
 
     # --- speculative decoding ---------------------------------------------------------------
+    def set_drafter(self, drafter: Drafter | None, num_speculative_tokens: int) -> None:
+        """Swap the drafter (no request running; ``EngineCore.set_drafter``); the counters
+        go on, the histogram grows to ``k + 1`` buckets."""
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        grow = num_speculative_tokens + 1 - len(self.accepted_histogram)
+        if grow > 0:
+            self.accepted_histogram += [0] * grow
+
     def _max_drafts(self, req: Request) -> int:
         """The most drafts ``req`` may verify this step (0: it does not speculate)."""
         if (
