@@ -32,12 +32,12 @@ from typing import Any
 
 # Copy-heavy workload: passages written for this benchmark, and the edit asked for.
 PASSAGES = (
-    "The river town wakes before the sun. Bakers light their ovens, fishermen check "
-    "their nets, and the ferry captain counts the crates stacked on the pier. By seven "
-    "the market square is full of voices, carts and the smell of fresh bread.",
     "To replace a bicycle chain, shift onto the smallest sprocket, open the quick link "
     "with pliers, and pull the old chain free. Thread the new chain through the "
     "derailleur, join the ends with a fresh link, and turn the pedals to check the shift.",
+    "The river town wakes before the sun. Bakers light their ovens, fishermen check "
+    "their nets, and the ferry captain counts the crates stacked on the pier. By seven "
+    "the market square is full of voices, carts and the smell of fresh bread.",
     "Our meeting notes: the budget review moves to Thursday, the design team shares the "
     "new prototype on Friday, and every project lead sends a one-page status report to "
     "the office manager before the end of the month.",
