@@ -9,6 +9,7 @@ when only transfers are pending it returns ``[]`` quickly (the caller may sleep)
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -390,8 +391,52 @@ class EngineCore:
 
     def _attach_grammar_masks(self, plan: BatchPlan) -> BatchPlan:
         """``plan`` with the allowed-token masks of its live grammars (a separate method:
-        ``bench host`` times it)."""
+        ``bench host`` times it); verify rows first get theirs per position
+        (:meth:`_check_drafts`)."""
+        if self.drafter is not None and any(s.draft_token_ids for s in plan.seqs):
+            plan = self._check_drafts(plan)
         return self.structured.attach_masks(plan, self._grammar_of, self.device)
+
+    def _check_drafts(self, plan: BatchPlan) -> BatchPlan:
+        """Structured outputs under speculation: each verify row with a live grammar has its
+        drafts walked through its matcher, cut at the first one the grammar rejects, and
+        gets the allowed-token mask of every position (``logits_mask`` for the first,
+        ``draft_masks`` for the others; none after the grammar terminated); the matcher is
+        rolled back, so it advances only by the tokens ``_append_token`` keeps."""
+        seqs = list(plan.seqs)
+        changed = False
+        for i, seq in enumerate(seqs):
+            g = self._requests[seq.request_id].grammar if seq.draft_token_ids else None
+            if g is None or g.failed or g.is_terminated:
+                continue
+            masks: list[torch.Tensor] = []
+            ok = steps = 0  # drafts kept; tokens the matcher advanced by
+            for d in seq.draft_token_ids:
+                if g.matcher.is_terminated():  # after the end: any token (ignore_eos)
+                    masks.append(torch.ones_like(masks[0]))
+                else:
+                    masks.append(self.structured.masks([g], self.device)[0])
+                    if not bool(masks[-1][d]) or not g.matcher.accept_token(d):
+                        break
+                    steps += 1
+                ok += 1
+            if len(masks) == ok:  # every draft accepted: the last position's mask
+                done = g.matcher.is_terminated()
+                masks.append(
+                    torch.ones_like(masks[0]) if done else self.structured.masks([g], self.device)[0]
+                )
+            if steps:
+                g.matcher.rollback(steps)
+            drafts = seq.draft_token_ids[:ok]
+            seqs[i] = seq._replace(
+                token_ids=seq.token_ids[:1] + list(drafts),
+                draft_token_ids=drafts,
+                draft_q=seq.draft_q[:ok] if seq.draft_q is not None and ok else None,
+                logits_mask=masks[0],
+                draft_masks=tuple(masks[1 : ok + 1]) if ok else None,
+            )
+            changed = True
+        return replace(plan, seqs=tuple(seqs)) if changed else plan
 
     def _grammar_of(self, request_id: str) -> GrammarState | None:
         return self._requests[request_id].grammar

@@ -22,8 +22,9 @@ The result is a :class:`BatchPlan`, plain data that the model runner executes.
 
 Speculative decoding (a ``drafter``, ``engine/spec/``): each step the drafter proposes up
 to ``k`` tokens for every running decode row that may speculate (it has an output token,
-``min_tokens`` is reached, no grammar, ``max_tokens`` and the context limit leave room for
-a draft and one more token); the row becomes a *verify row* of ``1 + k`` tokens (its last
+``min_tokens`` is reached, ``max_tokens`` and the context limit leave room for a draft and
+one more token; the engine then checks a structured-output row's drafts against its
+grammar); the row becomes a *verify row* of ``1 + k`` tokens (its last
 token and the drafts) when the budget and free pages allow (a draft never preempts: pages
 for drafts come from what is available beyond one page per later running row).  After the
 step only the kept tokens count as computed (the last token and the accepted drafts), the
@@ -292,7 +293,6 @@ class Scheduler:
         if (
             req.status is not Status.RUNNING
             or req.num_computed_tokens != len(req.all_token_ids) - 1
-            or req.grammar is not None
             or req.pages_pinned()
         ):
             return 0
