@@ -65,9 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MODE",
         help="compare this engine with and without speculative decoding instead of with "
-        "transformers (bench/speculative.py): ngram, or replay:RATE (acceptance-controlled: "
-        "the plain run's greedy output proposed back, each draft token corrupted with "
-        "probability 1 - RATE); unset: the transformers comparison",
+        "transformers (bench/speculative.py): ngram, draft (--speculative-model), or "
+        "replay:RATE (acceptance-controlled: the plain run's greedy output proposed back, "
+        "each draft token corrupted with probability 1 - RATE; with --speculative-model the "
+        "draft model also runs, for its cost); unset: the transformers comparison",
     )
     p.add_argument(
         "--spec-workload",
@@ -89,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--overlap-schedule",
             "--tensor-parallel-size",
             "--num-speculative-tokens",
+            "--speculative-model",
             "--speculative-ngram-min",
             "--speculative-ngram-max",
         ),

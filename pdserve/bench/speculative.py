@@ -1,13 +1,15 @@
 """``pdserve bench offline --speculative MODE``: one engine's output tokens/s with and
 without speculative decoding, side by side, greedy, EOS ignored.
 
-MODE is ``ngram`` (the prompt-lookup drafter, ``engine/spec/drafter.py``) or
-``replay:RATE`` — the **acceptance-controlled** mode for random weights, where no drafter
+MODE is ``ngram`` (the prompt-lookup drafter, ``engine/spec/drafter.py``), ``draft`` (the
+draft model ``--speculative-model``, ``engine/spec/draft_model.py``) or ``replay:RATE`` — the **acceptance-controlled** mode for random weights, where no drafter
 can guess: the plain run's own greedy output is recorded and proposed back with each draft
 token independently corrupted with probability ``1 - RATE`` (``ReplayDrafter``), so each
 draft is accepted with probability RATE up to the first corrupted one.  Its figures are
 labelled with RATE; that drafter costs a host lookup per row (no model), so they bound
-what a real drafter of the same acceptance reaches.
+what a real drafter of the same acceptance reaches — unless ``--speculative-model`` is given
+too: then the draft model runs every step as it would (its cost paid) and its proposals are
+replaced by the replayed ones.
 
 Workloads (``--spec-workload``): ``copy`` (the default with ``ngram``): chat prompts asking
 the model to repeat a given passage with one light edit, where prompt lookup finds real
@@ -70,8 +72,8 @@ def copy_prompts(llm: Any, n: int) -> list[list[int]]:
 def parse_mode(text: str) -> tuple[str, float | None]:
     """``"ngram"`` -> ("ngram", None); ``"replay:0.8"`` -> ("replay", 0.8); ValueError
     naming ``speculative`` otherwise."""
-    if text == "ngram":
-        return "ngram", None
+    if text in ("ngram", "draft"):
+        return text, None
     if text.startswith("replay:"):
         try:
             rate = float(text.split(":", 1)[1])
@@ -80,8 +82,56 @@ def parse_mode(text: str) -> tuple[str, float | None]:
         if 0.0 <= rate <= 1.0:
             return "replay", rate
     raise ValueError(
-        f"speculative must be ngram or replay:RATE with RATE in [0, 1], got {text!r} "
-        "(a draft model is not available in this build)"
+        f"speculative must be ngram, draft or replay:RATE with RATE in [0, 1], got {text!r}"
+    )
+
+
+class _PaidReplay:
+    """The replay drafter's proposals at a draft model's cost: ``draft.propose`` runs (its
+    forwards, its KV), then its proposals are replaced by ``replay``'s."""
+
+    name = "replay+draft"
+
+    def __init__(self, draft: Any, replay: Any) -> None:
+        self.draft, self.replay = draft, replay
+
+    def propose(self, rows: Any) -> Any:
+        self.draft.propose(rows)
+        return self.replay.propose(rows)
+
+    def on_verified(self, request_id: str, num_accepted: int) -> None:
+        self.draft.on_verified(request_id, num_accepted)
+
+    def release(self, request_id: str) -> None:
+        self.draft.release(request_id)
+        self.replay.release(request_id)
+
+
+def _draft_model(llm: Any, model: str, k: int) -> Any:
+    """A draft-model drafter for ``llm``'s engine (``engine/spec/factory.py``)."""
+    from dataclasses import replace
+
+    from pdserve.engine.spec.factory import make_drafter
+
+    engine = llm.engine
+    cfg = engine.config
+    cfg = replace(
+        cfg,
+        scheduler=replace(
+            cfg.scheduler,
+            speculative_algorithm="draft",
+            speculative_model=model,
+            num_speculative_tokens=k,
+        ),
+    )
+    return make_drafter(
+        cfg,
+        engine.source,
+        engine.dtype,
+        engine.attention_backend,
+        engine.max_model_len,
+        engine.kv.num_pages,
+        engine.kv.page_size,
     )
 
 
@@ -108,9 +158,11 @@ def run_speculative(
 
     try:
         mode, rate = parse_mode(args.speculative)
-        workload = args.spec_workload or ("copy" if mode == "ngram" else "gsm8k")
+        workload = args.spec_workload or ("gsm8k" if mode == "replay" else "copy")
         if workload not in ("copy", "gsm8k"):
             raise ValueError(f"spec-workload must be copy or gsm8k, got {workload!r}")
+        if mode == "draft" and not args.speculative_model:
+            raise ValueError("speculative draft needs --speculative-model")
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +170,12 @@ def run_speculative(
     k = args.num_speculative_tokens
     n_max = max(counts)
     all_prompts = copy_prompts(llm, n_max) if workload == "copy" else gsm8k_prompts(llm, n_max)
-    label = "ngram" if mode == "ngram" else f"acceptance-controlled (rate {rate})"
+    draft = _draft_model(llm, args.speculative_model, k) if args.speculative_model else None
+    label = {"ngram": "ngram", "draft": f"draft model {args.speculative_model}"}.get(
+        mode, f"acceptance-controlled (rate {rate})"
+    )
+    if mode == "replay" and draft is not None:
+        label += f", draft model {args.speculative_model} run for its cost"
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  k {k}  "
         f"speculative {label}  workload {workload}  max_tokens {args.max_tokens}"
@@ -135,9 +192,13 @@ def run_speculative(
         _, plain_ids = _timed(llm, prompts, args.max_tokens)
         if mode == "ngram":
             drafter: Any = NgramDrafter(k, args.speculative_ngram_min, args.speculative_ngram_max)
+        elif mode == "draft":
+            drafter = draft
         else:
             refs = [p + o for p, o in zip(prompts, plain_ids)]
             drafter = ReplayDrafter(refs, k, rate or 0.0, engine.vocab_size, seed=0)
+            if draft is not None:
+                drafter = _PaidReplay(draft, drafter)
         engine.set_drafter(drafter, k)
         _timed(llm, prompts, args.max_tokens)  # warm-up (verify shapes)
         plain_runs, spec_runs, same = [], [], []

@@ -32,6 +32,22 @@ def test_replay_and_ngram_reports(tmp_path):
     assert row["identical_outputs"] == 1.0 and json.loads(out2.read_text())["workload"] == "copy"
 
 
+@pytest.mark.timeout(300)
+def test_draft_mode_and_paid_replay(tmp_path):
+    """Draft model == target: every draft accepted; replay with a draft model paid for."""
+    out = tmp_path / "draft.json"
+    flags = ["--num-prompts", "2", "--speculative-model", "random:tiny", "--json", str(out)]
+    assert main(ARGS + flags + ["--speculative", "draft"]) == 0
+    report = json.loads(out.read_text())
+    assert report["speculative"] == "draft model random:tiny"
+    row = report["results"][0]
+    assert row["identical_outputs"] == 1.0 and row["acceptance_rate"] == 1.0
+    assert main(ARGS + flags + ["--speculative", "replay:0.5"]) == 0
+    report = json.loads(out.read_text())
+    assert report["speculative"].endswith("draft model random:tiny run for its cost")
+    assert report["results"][0]["identical_outputs"] == 1.0
+
+
 def test_bad_mode_is_a_usage_error(capsys):
     assert main(ARGS + ["--speculative", "replay:2"]) == 2
     assert "speculative" in capsys.readouterr().err
