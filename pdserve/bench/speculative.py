@@ -61,10 +61,7 @@ def copy_prompts(llm: Any, n: int) -> list[list[int]]:
     for i in range(n):
         text = PASSAGES[i % len(PASSAGES)]
         old, new = next(((a, b) for a, b in EDITS if a in text), ("the", "the"))
-        ask = (
-            f"Repeat the following passage exactly, changing only '{old}' to '{new}'.\n\n"
-            f"{text}"
-        )
+        ask = f"Repeat the following passage exactly, changing only '{old}' to '{new}'.\n\n{text}"
         out.append(llm.chat_token_ids([{"role": "user", "content": ask}]))
     return out
 

@@ -16,8 +16,19 @@ ARGS += ["--repeats", "1", "--num-speculative-tokens", "3"]
 @pytest.mark.timeout(300)
 def test_replay_and_ngram_reports(tmp_path):
     out = tmp_path / "spec.json"
-    rc = main(ARGS + ["--num-prompts", "1,2", "--speculative", "replay:1.0",
-                      "--spec-workload", "copy", "--json", str(out)])
+    rc = main(
+        ARGS
+        + [
+            "--num-prompts",
+            "1,2",
+            "--speculative",
+            "replay:1.0",
+            "--spec-workload",
+            "copy",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["speculative"] == "acceptance-controlled (rate 1.0)"

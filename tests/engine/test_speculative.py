@@ -134,9 +134,12 @@ def test_n_samples_aborts_and_pages_running_out(folder):
     params = greedy(max_tokens=24, ignore_eos=True, logprobs=1)
     reqs = []
     for i, p in enumerate(PROMPTS[:4]):
-        reqs += [(rid, p, prm) for rid, prm in SamplingParams(
-            temperature=0, n=2, max_tokens=24, ignore_eos=True, logprobs=1
-        ).fan_out(f"n{i}")]
+        reqs += [
+            (rid, p, prm)
+            for rid, prm in SamplingParams(
+                temperature=0, n=2, max_tokens=24, ignore_eos=True, logprobs=1
+            ).fan_out(f"n{i}")
+        ]
     reqs.append(("gone", PROMPTS[5], params))
     base = core_of(folder, False, num_pages=22)
     _, f0 = drive(base, [r for r in reqs if r[0] != "gone"])
@@ -164,9 +167,7 @@ def test_penalties_bias_min_tokens_grammar(folder, eos_model):
     )
     bias = greedy(max_tokens=24, ignore_eos=True, logit_bias={full[3]: 3.0, 77: 1.5})
     min_t = greedy(max_tokens=24, min_tokens=9)
-    regex = greedy(
-        max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e")
-    )
+    regex = greedy(max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e"))
     reqs = [("pen", PROMPTS[0], pen), ("bias", PROMPTS[1], bias), ("min", PROMPTS[0], min_t)]
     reqs.append(("regex", PROMPTS[2], regex))
     _compare(eos_folder, reqs, rate=0.9)
@@ -235,7 +236,11 @@ def test_pd_decode_speculates_and_equals_mixed(folder):
 
 
 def _draft_spec(draft):
-    return {"speculative_algorithm": "draft", "speculative_model": draft, "num_speculative_tokens": K}
+    return {
+        "speculative_algorithm": "draft",
+        "speculative_model": draft,
+        "num_speculative_tokens": K,
+    }
 
 
 def _draft_pages_back(core):
@@ -310,11 +315,15 @@ def test_grammar_checks_each_draft(folder, rate):
 
     specs = ["(ab|cd)+e", "[0-9]{3}-[a-z]{4}-(yes|no)"]
     reqs = [
-        (f"g{i}", PROMPTS[i], greedy(max_tokens=14, structured_outputs=StructuredOutputsParams(regex=r)))
+        (
+            f"g{i}",
+            PROMPTS[i],
+            greedy(max_tokens=14, structured_outputs=StructuredOutputsParams(regex=r)),
+        )
         for i, r in enumerate(specs)
     ]
     _, spec, f0 = _compare(folder, reqs, rate=rate)
-    for (rid, _, prm), r in zip(reqs, specs):
+    for (rid, _, _), r in zip(reqs, specs):
         text = f0[rid][1]
         assert re.fullmatch(r, text) or f0[rid][4] == "length", (rid, text)
     assert spec.stats()["spec_accepted_tokens"] > 0

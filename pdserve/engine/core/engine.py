@@ -9,8 +9,8 @@ when only transfers are pending it returns ``[]`` quickly (the caller may sleep)
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -192,9 +192,7 @@ class EngineCore:
         if self.has_unfinished_requests():
             raise ValueError("drafter: cannot be swapped while requests are live")
         if drafter is not None and num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}"
-            )
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.drafter = drafter
         self.scheduler.set_drafter(drafter, num_speculative_tokens if drafter else 0)
         self.overlap.enabled = (
@@ -423,7 +421,9 @@ class EngineCore:
             if len(masks) == ok:  # every draft accepted: the last position's mask
                 done = g.matcher.is_terminated()
                 masks.append(
-                    torch.ones_like(masks[0]) if done else self.structured.masks([g], self.device)[0]
+                    torch.ones_like(masks[0])
+                    if done
+                    else self.structured.masks([g], self.device)[0]
                 )
             if steps:
                 g.matcher.rollback(steps)

@@ -318,9 +318,7 @@ class Scheduler:
         if not rows:
             return {}
         return {
-            row.request_id: d
-            for row, d in zip(rows, self.drafter.propose(rows))
-            if d.token_ids
+            row.request_id: d for row, d in zip(rows, self.drafter.propose(rows)) if d.token_ids
         }
 
     def _schedule_verify(

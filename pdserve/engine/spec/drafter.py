@@ -75,9 +75,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
         if num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}"
-            )
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if min_n < 1:
             raise ValueError(f"speculative_ngram_min must be >= 1, got {min_n}")
         if max_n < min_n:
@@ -94,7 +92,7 @@ class NgramDrafter(Drafter):
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """The proposal for one sequence of ``token_ids`` (at most ``k`` ids; may be empty)."""
         L = len(token_ids)
-        if k < 1 or L < self.min_n + 1:
+        if k < 1 or self.min_n + 1 > L:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
@@ -107,7 +105,8 @@ class NgramDrafter(Drafter):
                 # one token matches itself one place back), else the earliest one
                 full = hits[hits + n + k <= L]
                 start = int(full[-1] if full.size else hits[0]) + n
-                return ids[start : start + k].tolist()
+                out: list[int] = ids[start : start + k].tolist()
+                return out
         return []
 
 
@@ -165,9 +164,7 @@ class ReplayDrafter(Drafter):
                 continue
             tokens = ref[n : n + min(row.max_k, self.k)]
             bad = self._rng.random(len(tokens)) >= self.accept_rate
-            out.append(
-                Draft([(t + 1) % self.vocab_size if b else t for t, b in zip(tokens, bad)])
-            )
+            out.append(Draft([(t + 1) % self.vocab_size if b else t for t, b in zip(tokens, bad)]))
         return out
 
     def release(self, request_id: str) -> None:

@@ -100,7 +100,10 @@ def verify(
     greedy_spans = [j for j, s in enumerate(spans) if rows[s.row0].params.greedy]
     targets = work.argmax(dim=-1).tolist() if greedy_spans else []
     random_rows = [
-        r for s in spans if not rows[s.row0].params.greedy for r in range(s.row0, s.row0 + len(s.drafts) + 1)
+        r
+        for s in spans
+        if not rows[s.row0].params.greedy
+        for r in range(s.row0, s.row0 + len(s.drafts) + 1)
     ]
     probs = target_probs(work[random_rows], [rows[r] for r in random_rows]) if random_rows else None
     p_at = 0  # next row of probs

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pdserve.engine.spec.verify import VerifySpan, verify, verify_rows
 from pdserve.engine.step import BatchPlan, InFlightTokens, ScheduledSeq, StepResult, TokenLogprob
 from pdserve.engine.worker.kv_storage import KVStorage
-from pdserve.engine.spec.verify import VerifySpan, verify, verify_rows
 from pdserve.engine.worker.sampler import (
     SampleRequest,
     plain_greedy,
