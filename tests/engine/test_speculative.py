@@ -230,6 +230,21 @@ def test_pd_decode_speculates_and_equals_mixed(folder):
         core.kv.check_integrity([])
     plain_pair = pd_pair(cfg())
     assert plain_pair[1].executor.kv_args().layout.speculative == ""
+    # seeded sampling: decode skips prefill's draw, then its verify steps draw as the
+    # speculating mixed engine's do (the n-gram proposals are the same): equal outputs
+    seeded = SamplingParams(temperature=0.1, seed=5, max_tokens=20, ignore_eos=True)
+    mixed = core_of(folder, False, num_pages=64, **SPEC)
+    sreqs = [(f"s{i}", p, seeded) for i, p in enumerate(COPY[:2])]
+    _, want = drive(mixed, sreqs)
+    prefill, decode, _ = pd_pair(cfg(**SPEC))
+    for rid, p, prm in sreqs:
+        room = next(rooms)
+        decode.add_request(rid, p, prm, info("decode", room))
+        prefill.add_request(rid + "-p", p, prm, info("prefill", room))
+    got = pd_drive(prefill, decode)
+    for rid, _, _ in sreqs:
+        assert got[rid].outputs[0].token_ids == want[rid][0]
+    assert decode.stats()["spec_accepted_tokens"] > 0
 
 
 # --- the draft-model drafter ---------------------------------------------------------------
