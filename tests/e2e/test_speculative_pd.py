@@ -58,3 +58,21 @@ def test_pd_speculating_equals_mixed_and_a_mismatch_is_refused(tmp_path):
         assert r.status_code >= 500 and "speculative" in r.text, r.text
     finally:
         stop(procs)
+
+
+def test_up_gives_the_speculative_flags_to_prefill_and_decode(tmp_path):
+    """``pdserve up --speculative-algorithm ...``: the decode side speculates, and its
+    prefill peers get the same configuration (the bootstrap compares them)."""
+    from pdserve.cli import build_parser
+    from pdserve.launch.plan import plan_children
+
+    argv = ["up", "--device", "cpu", "--model", "random:tiny", "--speculative-algorithm"]
+    argv += ["ngram", "--num-speculative-tokens", "5", "--speculative-ngram-max", "4"]
+    workers, _ = plan_children(build_parser().parse_args(argv), tmp_path)
+    roles = []
+    for w in workers:
+        parsed = build_parser().parse_args(w.argv[3:])
+        roles.append(parsed.role)
+        got = (parsed.speculative_algorithm, parsed.num_speculative_tokens)
+        assert got + (parsed.speculative_ngram_max,) == ("ngram", 5, 4)
+    assert sorted(roles) == ["decode", "prefill"]
