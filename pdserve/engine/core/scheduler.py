@@ -394,6 +394,12 @@ class Scheduler:
                 )
             if page_size and computed // page_size > len(req.page_keys):  # a page filled
                 kv.cache_full_pages(req.all_token_ids, req.pages, req.page_keys, computed)
+            if self.drafter is not None and seq.sample and not req.pages_pinned():
+                # a row whose drafts the grammar cut (engine) holds their pages: release
+                keep = kv.pages_needed(computed)
+                if len(req.pages) > keep:
+                    tail, req.pages = req.pages[keep:], req.pages[:keep]
+                    kv.release(tail)
             if prompt_lps:
                 lps = prompt_lps.get(seq.request_id)
                 if lps:
