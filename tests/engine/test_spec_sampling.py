@@ -56,8 +56,10 @@ def _p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
 
 
-def _run(params, logits_of, drafts_of, q_of=None, seed=0):
-    """``N`` spans in batches; returns the kept token lists."""
+def _run(params, logits_of, drafts_of, q_of=None, seed=0, own=False):
+    """``N`` spans in batches; returns the kept token lists.  own: every row carries the
+    generator as its own (the one-row-at-a-time path of seeded rows), else the batched
+    path of unseeded rows."""
     gen = torch.Generator().manual_seed(seed)
     kept: list[list[int]] = []
     for b in range(0, N, BATCH):
@@ -67,7 +69,7 @@ def _run(params, logits_of, drafts_of, q_of=None, seed=0):
             ls = logits_of(drafts)
             spans.append(VerifySpan(len(rows), drafts, q_of(drafts) if q_of else None))
             logits.append(ls)
-            rows += [SampleRequest(params, None)] * ls.shape[0]
+            rows += [SampleRequest(params, gen if own else None)] * ls.shape[0]
         out = verify(torch.cat(logits), rows, spans, gen)
         kept += [[t.token_id for t in toks] for toks in out]
     return kept
@@ -77,8 +79,8 @@ def _probs(params, logits):
     return target_probs(logits, [SampleRequest(params, None)] * logits.shape[0])
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_ngram_proposal_keeps_the_target_distribution(model, top_p):
+@pytest.mark.parametrize("top_p,own", [(1.0, False), (0.9, False), (1.0, True)])
+def test_ngram_proposal_keeps_the_target_distribution(model, top_p, own):
     """q one-hot: accept d with p(d), else draw from p without d.  First kept token ~ p0;
     after an accepted first draft the second kept token ~ p1 (accepted d2 or a residual
     draw)."""
@@ -88,7 +90,7 @@ def test_ngram_proposal_keeps_the_target_distribution(model, top_p):
     seq = _logits(model, CONTEXT + [d1, 7])[-3:]  # positions: after context, d1, 7
     p = _probs(params, seq)
     drafts = (d1, 7)
-    kept = _run(params, lambda d: seq, lambda i, g: drafts)
+    kept = _run(params, lambda d: seq, lambda i, g: drafts, own=own)
     first = torch.bincount(torch.tensor([k[0] for k in kept]), minlength=V)
     assert _p_value(first, p[0]) > 1e-3
     second = [k[1] for k in kept if len(k) > 1]
@@ -98,7 +100,8 @@ def test_ngram_proposal_keeps_the_target_distribution(model, top_p):
     assert _p_value(first, torch.full((V,), 1.0 / V)) < 1e-6
 
 
-def test_draft_model_proposal_keeps_the_target_distribution(model):
+@pytest.mark.parametrize("own", [False, True])
+def test_draft_model_proposal_keeps_the_target_distribution(model, own):
     """q sampled (a draft model): accept with min(1, p/q), else draw from the normalised
     residual max(0, p - q).  Drafts drawn from q; the target's position-1 logits follow
     each drawn draft."""
@@ -117,6 +120,7 @@ def test_draft_model_proposal_keeps_the_target_distribution(model):
         drafts_of,
         q_of=lambda d: q0.unsqueeze(0),
         seed=5,
+        own=own,
     )
     first = torch.bincount(torch.tensor([k[0] for k in kept]), minlength=V)
     assert _p_value(first, p0) > 1e-3

@@ -106,8 +106,38 @@ def verify(
         for r in range(s.row0, s.row0 + len(s.drafts) + 1)
     ]
     probs = target_probs(work[random_rows], [rows[r] for r in random_rows]) if random_rows else None
-    p_at = 0  # next row of probs
-    for span in spans:
+    # random spans: those with their own generator one by one (a seed's draws never depend
+    # on the batch), the others batched by (k, kind of proposal)
+    tokens_of: dict[int, list[int]] = {}
+    groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}  # -> (span index, probs row)
+    p_at = 0
+    for j, span in enumerate(spans):
+        if rows[span.row0].params.greedy:
+            continue
+        k = len(span.drafts)
+        own = rows[span.row0].generator
+        if own is not None:
+            assert probs is not None
+            tokens_of[j] = _accept_random(
+                probs[p_at : p_at + k + 1], list(span.drafts), span.q, own
+            )
+        else:
+            groups.setdefault((k, span.q is None), []).append((j, p_at))
+        p_at += k + 1
+    for (k, _), members in groups.items():
+        assert probs is not None
+        idx = torch.tensor([p for _, p in members], device=logits.device)
+        P = probs[idx.unsqueeze(1) + torch.arange(k + 1, device=logits.device)]  # [S, k+1, V]
+        D = torch.tensor(
+            [list(spans[j].drafts) for j, _ in members], dtype=torch.int64, device=logits.device
+        )
+        qs = [spans[j].q for j, _ in members]
+        Q = torch.stack([q for q in qs if q is not None]) if qs[0] is not None else None
+        for (j, _), toks in zip(
+            members, _accept_random_batch(P, D.view(len(members), k), Q, generator)
+        ):
+            tokens_of[j] = toks
+    for j, span in enumerate(spans):
         k = len(span.drafts)
         if rows[span.row0].params.greedy:
             a = 0
@@ -115,11 +145,7 @@ def verify(
                 a += 1
             tokens = list(span.drafts[:a]) + [targets[span.row0 + a]]
         else:
-            assert probs is not None
-            P = probs[p_at : p_at + k + 1]  # [k + 1, V]
-            p_at += k + 1
-            gen = rows[span.row0].generator or generator
-            tokens = _accept_random(P, list(span.drafts), span.q, gen)
+            tokens = tokens_of[j]
         kept.append([(span.row0 + i, t) for i, t in enumerate(tokens)])
     flat = [rt for span_kept in kept for rt in span_kept]
     row_t = torch.tensor([r for r, _ in flat], device=logits.device)
@@ -135,6 +161,47 @@ def verify(
         )
         i += len(span_kept)
     return out
+
+
+def _accept_random_batch(
+    P: torch.Tensor,
+    D: torch.Tensor,
+    Q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[list[int]]:
+    """:func:`_accept_random` for ``S`` rows at once, their draws from ``generator``:
+    ``P[S, k + 1, V]``, ``D[S, k]`` int64, ``Q[S, k, V]`` or ``None``."""
+    S, k1, _ = P.shape
+    k = k1 - 1
+    ar = torch.arange(S, device=P.device)
+    if k:
+        ratio = P[:, :k].gather(2, D.unsqueeze(2)).squeeze(2)  # [S, k]
+        if Q is not None:
+            ratio = ratio / Q.gather(2, D.unsqueeze(2)).squeeze(2).clamp(
+                min=torch.finfo(Q.dtype).tiny
+            )
+        u = torch.rand(S, k, device=P.device, generator=generator)
+        acc = u < ratio
+        a = torch.where(acc.all(dim=1), k, (~acc).to(torch.int64).argmax(dim=1))  # [S]
+    else:
+        a = torch.zeros(S, dtype=torch.int64, device=P.device)
+    dist = P[ar, a].clone()  # [S, V]
+    rej = a < k
+    if k and bool(rej.any()):
+        r = ar[rej]
+        ar_k = a[rej]
+        if Q is None:
+            dist[r, D[r, ar_k]] = 0.0
+        else:
+            dist[r] = (dist[r] - Q[r, ar_k]).clamp_(min=0.0)
+        empty = dist.sum(dim=1) <= 0.0  # p == q: never rejected in exact arithmetic
+        if bool(empty.any()):
+            dist[empty] = P[ar, a][empty]
+    dist = dist / dist.sum(dim=1, keepdim=True)
+    e = torch.empty_like(dist).exponential_(generator=generator)
+    drawn = (dist / e.clamp_(min=torch.finfo(e.dtype).tiny)).argmax(dim=1)
+    a_host, drawn_host, d_host = a.tolist(), drawn.tolist(), D.tolist()
+    return [d_host[i][: a_host[i]] + [drawn_host[i]] for i in range(S)]
 
 
 def _accept_random(
