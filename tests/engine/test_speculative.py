@@ -283,14 +283,15 @@ def test_draft_model_equal_to_target_accepts_everything(folder):
 def test_draft_model_greedy_parity_under_preemption_and_stops(folder, tiny_model_dir, tmp_path):
     """Another draft model (same tokenizer): output equals plain under a pool that runs
     out, stop tokens and chunked prefill; both pools' pages back."""
-    import sys
+    import transformers
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from conftest import save_tiny_model
-    from pdserve.model.loader import embedded_tokenizer
+    from tiny_models import random_tiny_model
 
-    other = tmp_path / "draft"
-    save_tiny_model("llama", other, embedded_tokenizer(), seed=1)
+    other = tmp_path / "draft"  # the target's shapes and tokenizer, other random weights
+    random_tiny_model(transformers.AutoConfig.from_pretrained(folder), seed=1).save_pretrained(
+        other
+    )
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(other)
     base = core_of(folder, False)
     long = _requests(PROMPTS, greedy(max_tokens=24, ignore_eos=True))
     _, full = drive(base, long)
@@ -304,6 +305,7 @@ def test_draft_model_greedy_parity_under_preemption_and_stops(folder, tiny_model
     _, f1 = drive(spec, reqs)
     assert_same(f1, f0)
     assert spec.stats()["num_preemptions"] > 0
+    assert spec.stats()["spec_verify_rows"] > 0  # the draft model proposed
     _draft_pages_back(spec)
 
 
