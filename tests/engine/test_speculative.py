@@ -344,3 +344,19 @@ def test_grammar_checks_each_draft(folder, rate):
         text = f0[rid][1]
         assert re.fullmatch(r, text) or f0[rid][4] == "length", (rid, text)
     assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_verify_steps(folder):
+    """TP = 2 (gloo): rank 1 runs the verify step's forward from the staged inputs rank 0
+    sends (every position a sampling row); the output equals TP = 1 without speculation."""
+    from pdserve import LLM
+
+    params = greedy(max_tokens=20, ignore_eos=True, logprobs=1)
+    kw = dict(device="cpu", dtype="float32", num_pages=128)
+    ref = LLM(folder, **kw).generate(COPY, params)
+    with LLM(folder, tensor_parallel_size=2, **kw, **SPEC) as llm:
+        outs = llm.generate(COPY, params)
+        assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
