@@ -15,10 +15,15 @@ from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
 from pdserve.ports import check_port
+from pdserve.tracing import traces_url
 
 # The attention backends' names, so that ModelConfig checks a name without importing the
 # model; ``model/attention.py``'s registry maps each to its class (a test keeps the two equal).
 ATTENTION_BACKENDS = ("torch_sdpa", "triton")
+# ``--quantization`` values (``model/fp8.py``'s QUANTIZATIONS; a test keeps the two equal) and
+# ``--kv-cache-dtype`` values.
+QUANTIZATIONS = ("fp8", "fp8_block")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -50,6 +55,10 @@ class ModelConfig:
         this process, ranks ``1..N-1`` processes it starts; 1 = no tensor parallelism.
     gpu_ids: CUDA device of each rank (``gpu_ids[r]`` for rank ``r``, one per rank);
         ``None`` = ``gpu_id + r`` (or the index of ``device`` ``cuda:N`` plus ``r``).
+    quantization: ``None`` (the checkpoint as it is), ``fp8``: the decoder's linear
+        weights quantized to e4m3 at load, one scale per output channel, or ``fp8_block``:
+        one scale per output row and 128 input columns (``pdserve/model/fp8.py``). An FP8
+        checkpoint loads as FP8 either way.
     tp_timeout: seconds a tensor-parallel collective (and the ranks' rendezvous) may wait
         for a peer; the default is ``PDSERVE_TP_TIMEOUT``, read when the config is built (the
         process edge), so the executor reads no environment.  Must be > 0.
@@ -65,9 +74,15 @@ class ModelConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     gpu_ids: tuple[int, ...] | None = None
+    quantization: str | None = None
     tp_timeout: float = field(default_factory=envs.TP_TIMEOUT.get)
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                f"got {self.quantization!r}"
+            )
         if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be auto or one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -124,6 +139,9 @@ class CacheConfig:
         (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.
     kv_order: physical order of the pool (``layer_major`` or ``page_major``, see
         ``pdserve.engine.kv.layout``); ``None`` means the device's default order.
+    kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8_e4m3``: K and V stored as e4m3
+        with a per-tensor scale per layer (1.0, or the checkpoint's ``k_scale`` /
+        ``v_scale``), half the bytes of bf16 per page and per transfer.
     """
 
     page_size: int | None = None
@@ -132,8 +150,14 @@ class CacheConfig:
     num_pages: int | None = None
     enable_prefix_caching: bool = True
     kv_order: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -156,7 +180,9 @@ class SchedulerConfig:
     """Continuous batching limits.
 
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-    max_running_requests: requests in the running batch at once.
+    max_running_requests: requests in the running batch at once (and the largest CUDA-graph
+        batch); ``None`` means the device's default (:func:`default_max_running_requests`:
+        256 on CUDA, 64 on CPU), resolved by the engine once its device is known.
     overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
         N's results are processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on
         CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
@@ -170,7 +196,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = 2048
-    max_running_requests: int = 64
+    max_running_requests: int | None = None
     overlap_schedule: bool | None = None
     speculative_algorithm: str | None = None
     speculative_model: str | None = None
@@ -183,7 +209,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
@@ -233,6 +259,21 @@ class SchedulerConfig:
         else:
             info["speculative_model"] = self.speculative_model
         return info
+
+    @property
+    def max_running(self) -> int:
+        """``max_running_requests`` once resolved (the engine resolves an unset one from its
+        device); ValueError naming it while unset."""
+        if self.max_running_requests is None:
+            raise ValueError("max_running_requests is unset: the engine resolves it first")
+        return self.max_running_requests
+
+
+def default_max_running_requests(device_type: str) -> int:
+    """``SchedulerConfig.max_running_requests`` when unset: 256 on ``"cuda"`` (a decode step
+    of an 8B model is still memory-bound at 128 rows and near its compute roofline at 256:
+    docs/benchmarks.md), 64 elsewhere."""
+    return 256 if device_type == "cuda" else 64
 
 
 @dataclass(frozen=True)
@@ -326,6 +367,11 @@ class ServerConfig:
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
     strict_request_fields: answer 400 for an unknown request field instead of ignoring it
         with a warning (``server/field_policy.py``).
+    otlp_traces_endpoint: OTLP/HTTP collector URL the worker sends its traces to
+        (``pdserve/tracing.py``); ``None`` = tracing off.
+    responses_store_size: most responses of ``/v1/responses`` kept in memory for
+        ``GET /v1/responses/{id}`` and ``previous_response_id`` (the oldest dropped first);
+        0 keeps none.
     """
 
     host: str = "127.0.0.1"
@@ -336,8 +382,14 @@ class ServerConfig:
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
     strict_request_fields: bool = False
+    otlp_traces_endpoint: str | None = None
+    responses_store_size: int = 1000
 
     def __post_init__(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)
@@ -382,6 +434,17 @@ class RouterConfig:
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
         a worker, one success restores it.
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    otlp_traces_endpoint: OTLP/HTTP collector URL the router sends its traces to
+        (``pdserve/tracing.py``); ``None`` = tracing off.
+    max_migrations: times one request may move to another worker (pair) after its worker
+        failed (a stream continued from the tokens sent, a request sent again whole);
+        0 = never (``router/migration.py``).
+    migration_wait: seconds such a request waits for a healthy worker (pair) to move to
+        when there is none (all of a role died; ``pdserve up`` restarts them) before it
+        ends with its failure.
+    pd_min_prefill_tokens: selective PD: a request whose prompt is estimated below this
+        many tokens runs whole on a decode worker, skipping the prefill leg and the KV
+        transfer; 0 = always PD (``router/dispatch.py``).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -397,8 +460,22 @@ class RouterConfig:
     max_request_body_bytes: int = 32 * 2**20
     mode: str = "auto"
     admin_token: str | None = None
+    otlp_traces_endpoint: str | None = None
+    max_migrations: int = 2
+    migration_wait: float = 30.0
+    pd_min_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.migration_wait < 0:
+            raise ValueError(f"migration_wait must be >= 0 s, got {self.migration_wait}")
+        if self.pd_min_prefill_tokens < 0:
+            raise ValueError(
+                f"pd_min_prefill_tokens must be >= 0, got {self.pd_min_prefill_tokens}"
+            )
         if self.mode not in ("auto", "pd", "regular"):
             raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:

@@ -170,6 +170,34 @@ CPU_PACKED_LINEAR = EnvVar(
     "logprobs differ from transformers by ~1e-4); none = plain F.linear.",
 )
 
+
+def _parse_moe_experts(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "fused", "loop"):
+        raise ValueError("expected auto, fused or loop")
+    return value
+
+
+MOE_EXPERTS = EnvVar(
+    "PDSERVE_MOE_EXPERTS",
+    _parse_moe_experts,
+    "auto",
+    "How a mixture-of-experts layer runs its experts: auto = the fused Triton grouped GEMMs "
+    "on CUDA, the per-expert torch loop on CPU; fused = the Triton kernels everywhere (CPU "
+    "only under TRITON_INTERPRET=1); loop = the per-expert torch loop (syncs with the host, "
+    "so no CUDA graphs: the baseline the fused kernels are measured against).",
+)
+
+MOE_ROUTING_STATS = EnvVar(
+    "PDSERVE_MOE_ROUTING_STATS",
+    _parse_bool,
+    False,
+    "Count, in every mixture-of-experts layer and per forward size, the distinct experts each "
+    "forward routes to (a few small kernels per layer, inside CUDA graphs too), so `bench "
+    "offline`'s roofline counts the bytes of the experts a decode step actually reads instead "
+    "of all of them.",
+)
+
 # --- router ------------------------------------------------------------------------
 ROUTER_ADMIN_TOKEN = EnvVar(
     "PDSERVE_ROUTER_ADMIN_TOKEN",

@@ -6,12 +6,17 @@
 # Usage (repository root): scripts/gpu_serve_check.sh [MODEL] [DEVICE]
 #   MODEL default random:llama-3.1-8b, DEVICE default cuda (cpu + random:tiny for a dry run).
 # Writes serve.json/serve.png/interference.json under ${OUT:-gpu_serve}; logs to stdout.
+# PHASES=1: bench serve with --phase-timing (TTFT by stage, the stage that grew most, the
+# phases PNG next to serve.json); INTERFERENCE=0 skips the interference scenario. The
+# missing packages and NIXL come from ${WHEELS:-.whl} (scripts/gpu_setup.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-random:llama-3.1-8b}
 DEVICE=${2:-cuda}
 OUT=${OUT:-gpu_serve}
 PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+. scripts/gpu_setup.sh
 KV=${KV_GIB:-16}
 RATES=${RATES:-2,8}
 NREQ=${NREQ:-64}
@@ -64,7 +69,8 @@ PYEOF
 echo "== bench serve: PD (target) vs mixed (compare)"
 $PY -m pdserve bench serve --url "http://127.0.0.1:$RP" --compare "http://127.0.0.1:$MP" --no-progress \
   --dataset random --input-len $ILEN --output-len $OLEN --request-rate $RATES --num-requests $NREQ \
-  --json "$OUT/serve.json" --plot "$OUT/serve.png"
+  --json "$OUT/serve.json" --plot "$OUT/serve.png" ${PHASES:+--phase-timing}
+[ "${INTERFERENCE:-1}" = 1 ] || { echo "== done"; exit 0; }
 echo "== bench serve interference: PD (target) vs mixed (compare)"
 $PY -m pdserve bench serve --url "http://127.0.0.1:$RP" --compare "http://127.0.0.1:$MP" --no-progress \
   --scenario interference --num-requests ${INREQ:-32} --concurrency ${ICONC:-8} --input-len 64 --output-len $OLEN \

@@ -188,15 +188,23 @@ def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def pd_and_mixed(logs: Path, model: str = TINY) -> Iterator[dict[str, Any]]:
+def pd_and_mixed(
+    logs: Path, model: str = TINY, worker_extra: Iterable[str] = ()
+) -> Iterator[dict[str, Any]]:
     """A prefill, a decode and a router over them, beside one mixed worker (the reference),
-    all on ``model`` and healthy; ``procs`` lists the four, ``baseline`` each PD worker's
-    free pages at start. Every process is stopped however the block ends."""
+    all on ``model`` and healthy (each worker given the flags ``worker_extra``); ``procs``
+    lists the four, ``baseline`` each PD worker's free pages at start. Every process is
+    stopped however the block ends."""
+    more = list(worker_extra)
     prefill = start_worker(
-        "prefill", "prefill", logs, model=model, extra=["--disaggregation-bootstrap-port", "0"]
+        "prefill",
+        "prefill",
+        logs,
+        model=model,
+        extra=["--disaggregation-bootstrap-port", "0", *more],
     )
-    decode = start_worker("decode", "decode", logs, model=model)
-    mixed = start_worker("mixed", "mixed", logs, model=model)
+    decode = start_worker("decode", "decode", logs, model=model, extra=more)
+    mixed = start_worker("mixed", "mixed", logs, model=model, extra=more)
     router = start_router("router", logs, prefill=[prefill], decode=[decode])
     procs = [prefill, decode, mixed, router]
     try:

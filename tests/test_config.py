@@ -43,6 +43,25 @@ def test_engine_flags_build_the_same_config():
     assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
 
 
+def test_max_running_requests_defaults_by_device():
+    """Unset, the engine resolves it from its device: 256 on CUDA (graphs up to it), 64 on
+    CPU; read unresolved it is an error naming it, never a silent number."""
+    from pdserve.config import default_max_running_requests
+    from pdserve.engine.llm import LLM
+
+    assert default_max_running_requests("cuda") == 256
+    assert default_max_running_requests("cpu") == 64
+    assert SchedulerConfig().max_running_requests is None
+    with pytest.raises(ValueError, match="max_running_requests"):
+        _ = SchedulerConfig().max_running
+    assert SchedulerConfig(max_running_requests=3).max_running == 3
+    llm = LLM("random:tiny", device="cpu", num_pages=16)
+    try:
+        assert llm.engine.config.scheduler.max_running_requests == 64
+    finally:
+        llm.shutdown()
+
+
 def test_tp_timeout_is_read_from_the_env_when_the_config_is_built(monkeypatch):
     """PDSERVE_TP_TIMEOUT is read once, at the config (the process edge); the executor only
     reads ``ModelConfig.tp_timeout``.  A value that is not > 0 fails naming the field."""

@@ -12,12 +12,15 @@ import importlib
 # Imported lazily so `pdserve --help` stays fast; a room not built yet is skipped.
 _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.offline",
+    "pdserve.bench.attention",
     "pdserve.bench.tp_profile",
     "pdserve.bench.transfer",
     "pdserve.bench.serve",
     "pdserve.bench.grammar",
     "pdserve.bench.sampler",
     "pdserve.bench.host",
+    "pdserve.bench.router",
+    "pdserve.bench.quality",
 )
 
 

@@ -32,7 +32,13 @@ import time
 from typing import Any
 
 from pdserve.bench.hf_reference import hf_model
-from pdserve.bench.roofline import copy_bandwidth, step_bytes
+from pdserve.bench.roofline import (
+    copy_bandwidth,
+    matmul_rate,
+    roofline_seconds,
+    step_bytes,
+    step_flops,
+)
 from pdserve.server.engine_args import add_engine_flags
 
 
@@ -42,12 +48,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "offline", help="engine vs transformers generate: output tokens/s and ratio"
     )
     p.add_argument(
-        "--num-prompts", default="1,16", help="comma-separated concurrencies (default 1,16)"
+        "--num-prompts",
+        default="1,16",
+        help=f"comma-separated concurrencies, each 1..{MAX_PROMPTS} "
+        "(default 1,16; e.g. 1,64,256,1024)",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every prompt exactly N tokens (random token ids, or the GSM8K prompts cut or "
+        "padded to N with --input-source gsm8k); unset: the GSM8K prompts as they are",
+    )
+    p.add_argument(
+        "--input-source",
+        choices=("random", "gsm8k"),
+        default=None,
+        help="prompts of --input-len: random token ids, or GSM8K chat prompts cut to N "
+        "tokens or padded by repeating their own tokens; unset: random with --input-len, "
+        "GSM8K's prompts as they are without it",
+    )
+    p.add_argument(
+        "--long-context",
+        default=None,
+        metavar="NxL",
+        help="also a decode row of N random prompts of L tokens each, --max-tokens out "
+        "(e.g. 32x4096); unset: no such row",
     )
     p.add_argument(
         "--max-tokens", type=int, default=64, help="output tokens per prompt (default 64)"
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (default 3)")
+    p.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="time our engine only: no transformers side (its columns, the ratio and the "
+        "same-output counts are left empty), and the KV pool takes the engine's default share "
+        "of device memory; unset: both sides, the pool at 0.4 of it",
+    )
     p.add_argument(
         "--prefill",
         default=None,
@@ -75,7 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         choices=("copy", "gsm8k"),
         help="prompts of --speculative: copy (repeat a passage with one edit) or gsm8k; "
-        "unset: copy for ngram, gsm8k for replay",
+        "unset: copy for ngram and draft, gsm8k for replay",
     )
     add_engine_flags(
         p,
@@ -93,18 +132,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--speculative-model",
             "--speculative-ngram-min",
             "--speculative-ngram-max",
+            "--quantization",
+            "--kv-cache-dtype",
         ),
         notes={
             "--model": "the transformers side loads the same weights",
             "--tensor-parallel-size": "the transformers side runs whole, in this process; "
             "the roofline counts one rank's weights",
+            "--quantization": "ours only: the transformers side runs the unquantized weights",
         },
     )
     p.set_defaults(func=run_offline)
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+# The most prompts of one row (--num-prompts, --long-context).
+MAX_PROMPTS = 1024
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _parse_counts(text: str) -> list[int]:
@@ -112,21 +158,34 @@ def _parse_counts(text: str) -> list[int]:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         counts = []
-    if not counts or any(c < 1 for c in counts):
-        raise ValueError(f"num-prompts must be comma-separated integers >= 1, got {text!r}")
+    if not counts or any(not 1 <= c <= MAX_PROMPTS for c in counts):
+        raise ValueError(
+            f"num-prompts must be comma-separated integers in 1..{MAX_PROMPTS}, got {text!r}"
+        )
     return counts
 
 
-def _parse_prefill(text: str | None) -> tuple[int, int] | None:
+def _parse_nxl(
+    text: str | None, name: str = "prefill", example: str = "8x2048"
+) -> tuple[int, int] | None:
+    """``"NxL"`` -> ``(N, L)``; ``None`` stays ``None``; ValueError naming ``name`` unless
+    both are integers >= 1 (and N at most ``MAX_PROMPTS``)."""
     if text is None:
         return None
     try:
         n, length = (int(x) for x in text.lower().split("x"))
     except ValueError:
         n = length = 0
-    if n < 1 or length < 1:
-        raise ValueError(f"prefill must be NxL with N, L >= 1 (e.g. 8x2048), got {text!r}")
+    if not 1 <= n <= MAX_PROMPTS or length < 1:
+        raise ValueError(
+            f"{name} must be NxL with N in 1..{MAX_PROMPTS} and L >= 1 (e.g. {example}), "
+            f"got {text!r}"
+        )
     return n, length
+
+
+def _parse_prefill(text: str | None) -> tuple[int, int] | None:
+    return _parse_nxl(text)
 
 
 def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -139,7 +198,34 @@ def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list
 def _prompts(llm, n: int) -> list[list[int]]:
     from pdserve.bench.gsm8k_data import build_messages, load_gsm8k_test
 
-    return [llm.chat_token_ids(build_messages(item.question)) for item in load_gsm8k_test()[:n]]
+    items = load_gsm8k_test()
+    if n > len(items):
+        raise ValueError(f"num-prompts: {n} is more than the {len(items)} GSM8K test prompts")
+    return [llm.chat_token_ids(build_messages(item.question)) for item in items[:n]]
+
+
+def fit_length(ids: list[int], length: int) -> list[int]:
+    """``ids`` cut to ``length`` tokens, or padded to it by repeating its own tokens from the
+    start (so the padding is text of the same prompt, not one token repeated). ValueError
+    when ``ids`` is empty or ``length < 1``."""
+    if not ids or length < 1:
+        raise ValueError(f"cannot fit {len(ids)} tokens to length {length}")
+    reps = -(-length // len(ids))
+    return (ids * reps)[:length]
+
+
+def workload_prompts(
+    llm, n: int, input_len: int | None, source: str | None, seed: int = 0
+) -> list[list[int]]:
+    """The ``n`` prompts (token ids) of one row: GSM8K chat prompts as they are when
+    ``input_len`` is ``None``; else every prompt exactly ``input_len`` tokens, random ids
+    (``source`` ``None`` or ``"random"``, seeded) or GSM8K prompts cut or padded
+    (:func:`fit_length`)."""
+    if input_len is None:
+        return _prompts(llm, n)
+    if source == "gsm8k":
+        return [fit_length(p, input_len) for p in _prompts(llm, n)]
+    return _random_prompts(llm.engine.vocab_size, n, input_len, seed)
 
 
 def _time_ours(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -177,29 +263,32 @@ def _time_hf(model, prompts, max_tokens: int, pad_id: int, device) -> tuple[floa
 
 
 def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) -> dict:
-    """Prompt tokens/s of N random L-token prompts (one output token each), ours and HF's,
-    median of ``repeats`` interleaved runs after a warm-up. Every run draws new prompts
-    (seed = run number): repeated prompts would hit our prefix cache and time nothing (the
-    H200 run of 2026-12-01 read 554,565 tok/s on a repeat)."""
+    """Prompt tokens/s of N random L-token prompts (one output token each), ours and HF's
+    (ours alone when ``hf`` is ``None``: its fields ``None``), median of ``repeats``
+    interleaved runs after a warm-up. Every run draws new prompts (seed = run number):
+    repeated prompts would hit our prefix cache and time nothing (the H200 run of
+    2026-12-01 read 554,565 tok/s on a repeat)."""
     n, length = prefill
     engine = llm.engine
     prompts = _random_prompts(engine.vocab_size, n, length)
     _time_ours(llm, prompts, 1)
-    _time_hf(hf, prompts, 1, pad_id, engine.device)
+    if hf is not None:
+        _time_hf(hf, prompts, 1, pad_id, engine.device)
     ours, theirs = [], []
     for r in range(repeats):
         prompts = _random_prompts(engine.vocab_size, n, length, seed=1 + r)
         ours.append(n * length / _time_ours(llm, prompts, 1)[0])
-        theirs.append(n * length / _time_hf(hf, prompts, 1, pad_id, engine.device)[0])
+        if hf is not None:
+            theirs.append(n * length / _time_hf(hf, prompts, 1, pad_id, engine.device)[0])
     row: dict[str, Any] = {
         "num_prompts": n,
         "prompt_len": length,
         "ours_tok_s": statistics.median(ours),
-        "hf_tok_s": statistics.median(theirs),
+        "hf_tok_s": statistics.median(theirs) if theirs else None,
         "ours_runs": ours,
         "hf_runs": theirs,
     }
-    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"] if theirs else None
     return row
 
 
@@ -211,23 +300,55 @@ def run_offline(args: argparse.Namespace) -> int:
     try:
         counts = _parse_counts(args.num_prompts)
         prefill = _parse_prefill(args.prefill)
+        long_ctx = _parse_nxl(args.long_context, "long-context", "32x4096")
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
-        # On a GPU the pool leaves room for the transformers copy of the model.
+        if args.input_len is not None and args.input_len < 1:
+            raise ValueError(f"input-len must be >= 1, got {args.input_len}")
+        if args.input_source is not None and args.input_len is None:
+            raise ValueError("input-source needs --input-len (the length to cut or pad to)")
+        batches = counts + [r[0] for r in (prefill, long_ctx) if r]
+        kwargs: dict[str, Any] = {}
+        if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
+            kwargs["gpu_memory_utilization"] = 0.4
         llm = LLM(
             args.model,
             dtype=args.dtype,
             device=args.device,
-            max_running_requests=max(counts + ([prefill[0]] if prefill else [])),
-            gpu_memory_utilization=0.4,
+            max_running_requests=max(batches),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             overlap_schedule=args.overlap_schedule,
             kv_order=args.kv_order,
             page_size=args.page_size,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            **kwargs,
         )
     except ValueError as exc:
+        print(f"pdserve bench offline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rows = [
+            (n, "gsm8k" if args.input_len is None else args.input_source or "random")
+            for n in counts
+        ]
+        prompt_sets = [workload_prompts(llm, n, args.input_len, args.input_source) for n, _ in rows]
+        if long_ctx:
+            rows.append((long_ctx[0], "random (long context)"))
+            prompt_sets.append(_random_prompts(llm.engine.vocab_size, *long_ctx, seed=7))
+        limit = llm.engine.max_model_len
+        for (_, source), prompts in zip(rows, prompt_sets):
+            longest = max(len(p) for p in prompts)
+            if longest + args.max_tokens > limit:
+                name = "long-context" if source.endswith("(long context)") else "input-len"
+                raise ValueError(
+                    f"{name}: prompts of {longest} tokens + max-tokens {args.max_tokens} "
+                    f"exceed the context limit max_model_len {limit}"
+                )
+    except ValueError as exc:
+        llm.shutdown()
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
     try:
@@ -235,23 +356,106 @@ def run_offline(args: argparse.Namespace) -> int:
             from pdserve.bench.speculative import run_speculative
 
             return run_speculative(args, llm, counts, _prompts)
-        return _run(args, llm, counts, prefill)
+        return _run(args, llm, rows, prompt_sets, prefill)
     finally:
         llm.shutdown()
 
 
+def _decode_row(args, llm, hf, prompts: list[list[int]], pad_id: int, rates: dict) -> dict:
+    """One row of the table: ``len(prompts)`` prompts, ``--max-tokens`` out, ours (and
+    transformers' unless ``hf`` is ``None``), timed ``--repeats`` times interleaved after a
+    warm-up; the decode rate and the step's roofline (``rates``: measured bandwidth and
+    matmul rate)."""
+    engine = llm.engine
+    n = len(prompts)
+    # Warm-up at full length: first-call allocations, kernel selection for every shape.
+    # And of one token when the decode rate is measured: its last prefill step has no
+    # decode row (every request ends at its first token), a step shape of its own whose
+    # first run compiles kernels (on the H200 ~1 s, which made the decode rate invalid).
+    for max_tokens in (args.max_tokens, 1) if args.max_tokens > 1 else (1,):
+        _time_ours(llm, prompts, max_tokens)
+        if hf is not None:
+            _time_hf(hf, prompts, max_tokens, pad_id, engine.device)
+    ours_runs, hf_runs, ours_first, hf_first = [], [], [], []
+    ours_ids: list[list[int]] | None = None
+    hf_ids: list[list[int]] | None = None
+    for _ in range(args.repeats):  # interleaved, so load changes hit both alike
+        dt, ours_ids = _time_ours(llm, prompts, args.max_tokens)
+        ours_runs.append(n * args.max_tokens / dt)
+        if hf is not None:
+            dt, hf_ids = _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
+            hf_runs.append(n * args.max_tokens / dt)
+        if args.max_tokens > 1:  # the prefill and first token alone, for the decode rate
+            ours_first.append(_time_ours(llm, prompts, 1)[0])
+            if hf is not None:
+                hf_first.append(_time_hf(hf, prompts, 1, pad_id, engine.device)[0])
+    lens = [len(p) for p in prompts]
+    row: dict[str, Any] = {
+        "num_prompts": n,
+        "ours_tok_s": statistics.median(ours_runs),
+        "hf_tok_s": statistics.median(hf_runs) if hf_runs else None,
+        "ours_runs": ours_runs,
+        "hf_runs": hf_runs,
+        "identical_outputs": None,
+        "identical_first_tokens": None,
+        "ratio": None,
+        "prompt_lens": lens,
+        "mean_prompt_len": statistics.mean(lens),
+    }
+    if hf_ids is not None and ours_ids is not None:
+        row["identical_outputs"] = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
+        row["identical_first_tokens"] = sum(a[0] == b[0] for a, b in zip(ours_ids, hf_ids)) / n
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    mean_ctx = statistics.mean(lens) + (args.max_tokens + 1) / 2
+    row["ours_ms_per_step"] = 1e3 * n / row["ours_tok_s"]
+    row["hf_ms_per_step"] = 1e3 * n / row["hf_tok_s"] if hf_runs else None
+    row["mean_context"] = mean_ctx
+    row["step_bytes"] = step_bytes(engine, n, mean_ctx)
+    row["step_flops"] = step_flops(engine, n, mean_ctx)
+    row["memory_ms_per_step"] = 1e3 * row["step_bytes"] / rates["bandwidth"]
+    row["compute_ms_per_step"] = 1e3 * row["step_flops"] / rates["flop_rate"]
+    roof_s, bound = roofline_seconds(
+        row["step_bytes"], row["step_flops"], rates["bandwidth"], rates["flop_rate"]
+    )
+    row["roofline_ms_per_step"] = 1e3 * roof_s
+    row["roofline_bound"] = bound
+    # Decode alone: (full run - prefill-and-first-token run) / (max_tokens - 1) steps,
+    # the full run's time from the same median rate as the tok/s column. Not reported
+    # (None, "-") when noise makes it impossible: <= 0, faster than the roofline (less
+    # 5 % for the rates' own error), or 1.5 x slower than the full run's mean step.
+    for side, first in (("ours", ours_first), ("hf", hf_first)):
+        rate = row[f"{side}_tok_s"]
+        full = n * args.max_tokens / rate if rate else 0.0
+        dec = (full - statistics.median(first)) / (args.max_tokens - 1) if first else 0.0
+        floor = 0.95e-3 * row["roofline_ms_per_step"]
+        valid = max(floor, 0.0) < dec <= 1.5 * full / args.max_tokens
+        row[f"{side}_decode_ms_per_step"] = 1e3 * dec if valid else None
+        row[f"{side}_decode_tok_s"] = n / dec if valid else None
+        row[f"{side}_first_token_s"] = statistics.median(first) if first else None
+    decode_ms = row["ours_decode_ms_per_step"] or row["ours_ms_per_step"]
+    row["roofline_fraction"] = row["roofline_ms_per_step"] / decode_ms
+    return row
+
+
 def _run(
-    args: argparse.Namespace, llm: Any, counts: list[int], prefill: tuple[int, int] | None
+    args: argparse.Namespace,
+    llm: Any,
+    rows: list[tuple[int, str]],
+    prompt_sets: list[list[list[int]]],
+    prefill: tuple[int, int] | None,
 ) -> int:
     import torch
 
     engine = llm.engine
-    hf = hf_model(engine)
+    hf = None if args.ours_only else hf_model(engine)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
-    all_prompts = _prompts(llm, max(counts))
     results = []
-    bandwidth = copy_bandwidth(engine.device)
+    rates = {
+        "bandwidth": copy_bandwidth(engine.device),
+        "flop_rate": matmul_rate(engine.device, engine.dtype),
+    }
+    bandwidth = rates["bandwidth"]
     graphs = engine.executor.rank0.runner.graphs is not None
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
@@ -261,76 +465,36 @@ def _run(
         f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
         f"  cuda graphs {'on' if graphs else 'off'}"
         f"  copy bandwidth (read+write) {bandwidth / 1e9:.1f} GB/s"
+        f"  {engine.dtype} matmul {rates['flop_rate'] / 1e12:.2f} TFLOP/s"
     )
     print(
-        f"{'prompts':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same outputs':>12} {'same 1st':>8}"
+        f"{'prompts':>7} {'in len':>7} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}"
+        f" {'same outputs':>12} {'same 1st':>8}"
         f" {'ours ms/step':>12} {'hf ms/step':>10} {'ours decode/s':>14} {'hf decode/s':>12}"
-        f" {'ours decode ms':>14} {'roofline':>8}"
+        f" {'ours decode ms':>14} {'roof ms':>8} {'bound':>7} {'roofline':>8}"
     )
-    for n in counts:
-        prompts = all_prompts[:n]
-        # Warm-up at full length: first-call allocations, kernel selection for every shape.
-        # And of one token when the decode rate is measured: its last prefill step has no
-        # decode row (every request ends at its first token), a step shape of its own whose
-        # first run compiles kernels (on the H200 ~1 s, which made the decode rate invalid).
-        for max_tokens in (args.max_tokens, 1) if args.max_tokens > 1 else (1,):
-            _time_ours(llm, prompts, max_tokens)
-            _time_hf(hf, prompts, max_tokens, pad_id, engine.device)
-        ours_runs, hf_runs, ours_first, hf_first = [], [], [], []
-        for _ in range(args.repeats):  # interleaved, so load changes hit both alike
-            dt, ours_ids = _time_ours(llm, prompts, args.max_tokens)
-            ours_runs.append(n * args.max_tokens / dt)
-            dt, hf_ids = _time_hf(hf, prompts, args.max_tokens, pad_id, engine.device)
-            hf_runs.append(n * args.max_tokens / dt)
-            if args.max_tokens > 1:  # the prefill and first token alone, for the decode rate
-                ours_first.append(_time_ours(llm, prompts, 1)[0])
-                hf_first.append(_time_hf(hf, prompts, 1, pad_id, engine.device)[0])
-        same = sum(a == b for a, b in zip(ours_ids, hf_ids)) / n
-        same_first = sum(a[0] == b[0] for a, b in zip(ours_ids, hf_ids)) / n
-        row = {
-            "num_prompts": n,
-            "ours_tok_s": statistics.median(ours_runs),
-            "hf_tok_s": statistics.median(hf_runs),
-            "ours_runs": ours_runs,
-            "hf_runs": hf_runs,
-            "identical_outputs": same,
-            "identical_first_tokens": same_first,
-            "prompt_lens": [len(p) for p in prompts],
-        }
-        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
-        mean_ctx = statistics.mean(len(p) for p in prompts) + (args.max_tokens + 1) / 2
-        row["ours_ms_per_step"] = 1e3 * n / row["ours_tok_s"]
-        row["hf_ms_per_step"] = 1e3 * n / row["hf_tok_s"]
-        row["step_bytes"] = step_bytes(engine, n, mean_ctx)
-        row["roofline_ms_per_step"] = 1e3 * row["step_bytes"] / bandwidth
-        # Decode alone: (full run - prefill-and-first-token run) / (max_tokens - 1) steps,
-        # the full run's time from the same median rate as the tok/s column. Not reported
-        # (None, "-") when noise makes it impossible: <= 0, faster than the roofline (less
-        # 5 % for the bandwidth's own error), or 1.5 x slower than the full run's mean step.
-        for side, first in (("ours", ours_first), ("hf", hf_first)):
-            full = n * args.max_tokens / row[f"{side}_tok_s"]
-            dec = (full - statistics.median(first)) / (args.max_tokens - 1) if first else 0.0
-            floor = 0.95e-3 * row["roofline_ms_per_step"]
-            valid = max(floor, 0.0) < dec <= 1.5 * full / args.max_tokens
-            row[f"{side}_decode_ms_per_step"] = 1e3 * dec if valid else None
-            row[f"{side}_decode_tok_s"] = n / dec if valid else None
-            row[f"{side}_first_token_s"] = statistics.median(first) if first else None
-        decode_ms = row["ours_decode_ms_per_step"] or row["ours_ms_per_step"]
-        row["roofline_fraction"] = row["roofline_ms_per_step"] / decode_ms
+    for (n, source), prompts in zip(rows, prompt_sets):
+        row = _decode_row(args, llm, hf, prompts, pad_id, rates)
+        row["prompt_source"] = source
         results.append(row)
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
         print(
-            f"{n:>7} {row['ours_tok_s']:>11.1f} {row['hf_tok_s']:>9.1f} {row['ratio']:>6.2f} "
-            f"{same:>12.0%} {same_first:>8.0%} {row['ours_ms_per_step']:>12.2f} "
-            f"{row['hf_ms_per_step']:>10.2f} {_fmt(row['ours_decode_tok_s']):>14} "
-            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step']):>14} "
+            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
+            f"{_fmt(row['hf_tok_s']):>9} "
+            f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
+            f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
+            f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
+            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step'], '.2f'):>14} "
+            f"{row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
             f"{row['roofline_fraction']:>8.0%}"
         )
     prefill_row = None
     if prefill:
         prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
+        theirs = "-" if prefill_row["hf_tok_s"] is None else f"{prefill_row['hf_tok_s']:.0f}"
         print(
             f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
-            f"tok/s, hf {prefill_row['hf_tok_s']:.0f} tok/s, ratio {prefill_row['ratio']:.2f}"
+            f"tok/s, hf {theirs} tok/s, ratio {_fmt(prefill_row['ratio'], '.2f')}"
         )
     if args.json:
         report = {
@@ -340,7 +504,13 @@ def _run(
             "device": str(engine.device),
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
-            "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos",
+            "input_len": args.input_len,
+            "prompts": "gsm8k test questions 0..N-1, chat template, greedy, ignore_eos"
+            if args.input_len is None
+            else f"{args.input_len} tokens each ({rows[0][1] if rows else '-'}), greedy, "
+            "ignore_eos",
+            "long_context": args.long_context,
+            "ours_only": args.ours_only,
             "torch_threads": torch.get_num_threads(),
             "tensor_parallel_size": engine.executor.tp_size,
             "machine": platform.processor() or platform.machine(),
@@ -349,8 +519,10 @@ def _run(
             "page_size": engine.executor.rank0.storage.page_size,
             "cuda_graphs": graphs,
             "copy_bandwidth_bytes_per_s": bandwidth,
-            "roofline": "step_bytes (weights + KV of the mean context) / copy_bandwidth, "
-            "over our decode ms/step",
+            "matmul_flop_per_s": rates["flop_rate"],
+            "roofline": "max(step_bytes (weights + KV of the mean context) / copy_bandwidth, "
+            "step_flops (2 per matmul weight + 4 L Hq D context, per row; PaLM appendix B) / "
+            "matmul_flop_per_s), over our decode ms/step",
             "decode": "(time of max_tokens - time of 1 token) / (max_tokens - 1): steps after "
             "the prefill; each timed run starts with an empty prefix cache",
             "results": results,

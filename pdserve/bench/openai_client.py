@@ -76,6 +76,10 @@ class StreamResult:
     latency: request sent → stream closed; output_tokens: from usage, else text chunks.
     cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the server
     found in its prefix cache), ``None`` when the server does not say.
+    timing: the finished choice's timing block (pdserve's ``return_timing``: role ->
+        ``{"phases": {name: seconds}, ...}``), ``None`` when the server sent none.
+    start_unix: when the request was sent, Unix seconds (to place the timing block's
+        ``start_unix`` against it).
     """
 
     ok: bool = False
@@ -89,6 +93,8 @@ class StreamResult:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int | None = None
+    timing: dict[str, Any] | None = None
+    start_unix: float = 0.0
 
 
 async def stream_request(
@@ -100,7 +106,7 @@ async def stream_request(
     first ``_ERROR_CHARS`` characters of the message.
     """
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    result = StreamResult(start=time.perf_counter())
+    result = StreamResult(start=time.perf_counter(), start_unix=time.time())
     pieces: list[str] = []
     completion_tokens = None
     last = result.start
@@ -142,6 +148,8 @@ async def stream_request(
                         pieces.append(piece)
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
+                    if isinstance(choice.get("timing"), dict):
+                        result.timing = choice["timing"]
     except (httpx.HTTPError, SSEError, ValueError, RuntimeError, AttributeError) as exc:
         result.error = _error_text(exc)
     result.latency = time.perf_counter() - result.start

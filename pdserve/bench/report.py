@@ -149,6 +149,7 @@ def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
         "cached_tokens": r.cached_tokens,
         "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
+        "timing": r.timing,
     }
 
 

@@ -1,11 +1,46 @@
-"""The memory roofline of a decode step (``bench offline``): the bytes a step must read and
-the device's copy bandwidth, measured in the same run (GPU.md: ~4.3 TB/s read+write on an
-H200).  A decode step reads every weight once (the input embedding table only for its rows
-unless it is tied to the LM head) and the KV of every context token."""
+"""The roofline of a decode step (``bench offline``): the bytes a step must read and the
+FLOPs it must compute, against the device's copy bandwidth and bf16 (the model dtype's)
+matmul rate, both measured in the same run (GPU.md: ~4.3 TB/s read+write and ~790 TFLOP/s
+bf16 on an H200).
+
+A decode step reads every weight once (the input embedding table only for its rows unless
+it is tied to the LM head) and the KV of every context token. Its time can be no less than
+``max(bytes / bandwidth, flops / matmul rate)``: at a few rows it is the bytes, at a few
+hundred rows of an 8B model the matmuls (GPU.md: 256 rows ≈ 4.1 TFLOP ≈ 5.2 ms), so a large
+batch is judged against compute, not against a memory floor it cannot reach.
+
+FLOP count of a forward pass per token, after PaLM (Chowdhery et al. 2022,
+arXiv:2204.02311, Appendix B: ``6N + 12·L·H·Q·T`` per token for training, i.e. ``2N +
+4·L·H·Q·T`` for the forward): 2 FLOPs (a multiply and an add) per weight of every matmul,
+and ``4·L·H·Q·T`` for attention (``QKᵀ`` and ``PV``, 2 FLOPs each per head dimension and
+context position) with ``L`` layers, ``H`` query heads, ``Q`` head dim and ``T`` the
+context the token attends to. Elementwise work (norms, RoPE, SwiGLU, softmax) is left out.
+"""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _timed_best(device: torch.device, fn, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` after one warm-up."""
+    import torch
+
+    best = float("inf")
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float:
@@ -13,22 +48,68 @@ def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float
     256 MiB on CPU), best of ``repeats`` after a warm-up: 2 * nbytes / seconds."""
     import torch
 
+    device = torch.device(device)
     if nbytes is None:
         nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    del src, dst
+    best = _timed_best(device, lambda: dst.copy_(src), repeats)
     return 2 * nbytes / best
+
+
+def matmul_rate(
+    device, dtype: torch.dtype | None = None, n: int | None = None, repeats: int = 5
+) -> float:
+    """FLOP/s of an ``[n, n] @ [n, n]`` matmul in ``dtype`` (default n = 8192 on CUDA, 512
+    elsewhere), best of ``repeats`` after a warm-up: ``2 * n**3 / seconds`` (a multiply and
+    an add per term; dtype ``None``: bfloat16). Raises whatever torch raises for a dtype
+    the device cannot multiply."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    device = torch.device(device)
+    if n is None:
+        n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    best = _timed_best(device, lambda: torch.matmul(a, b, out=out), repeats)
+    return 2 * n**3 / best
+
+
+def matmul_weights_per_token(shapes) -> int:
+    """Weights one token multiplies with in a forward pass of one rank (``ModelShapes``):
+    per layer the fused QKV (``hidden × (Hq + 2·Hkv)·D``), o_proj (``Hq·D × hidden``) and
+    the MLP: gate, up and down (``3 × hidden × intermediate``), or in a mixture-of-experts
+    layer the router (``hidden × experts``) and ``top_k`` experts' gate, up and down
+    (``top_k × 3 × hidden × expert intermediate``); plus the LM head (``hidden × vocab
+    shard``, tied or not: it is a matmul either way). Biases and norms are left out."""
+    s = shapes
+    attn = (
+        s.hidden * (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + s.n_heads * s.head_dim * s.hidden
+    )
+    sparse = len(s.moe_layers)
+    mlp = (s.n_layers - sparse) * 3 * s.hidden * s.intermediate
+    if sparse:
+        mlp += sparse * s.hidden * (s.n_experts + 3 * s.top_k * s.moe_intermediate)
+    return s.n_layers * attn + mlp + s.hidden * s.vocab_shard
+
+
+def forward_flops(shapes, num_tokens: int, mean_context: float) -> float:
+    """FLOPs of ``num_tokens`` tokens each attending to ``mean_context`` positions on one
+    rank (the module docstring's formula): ``num_tokens * (2 * weights + 4 * L * Hq * D *
+    mean_context)`` with weights from :func:`matmul_weights_per_token`."""
+    s = shapes
+    per_token = (
+        2 * matmul_weights_per_token(s) + 4 * s.n_layers * s.n_heads * s.head_dim * mean_context
+    )
+    return float(num_tokens * per_token)
+
+
+def step_flops(engine, num_seqs: int, mean_context: float) -> float:
+    """FLOPs of one decode step of ``num_seqs`` sequences (one new token each) whose
+    contexts average ``mean_context`` tokens, on rank 0 (:func:`forward_flops`)."""
+    return forward_flops(engine.executor.rank0.model.shapes, num_seqs, mean_context)
 
 
 def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
@@ -45,5 +126,41 @@ def step_bytes(engine, num_seqs: int, mean_context: float) -> int:
     )
     if not s.tied:
         weights -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, engine.dtype)
+    weights -= unrouted_expert_bytes(model, num_seqs)  # a mixture of experts: the routed ones
+    kv_dtype = engine.executor.rank0.storage.kv.dtype  # an FP8 pool reads 1 byte an element
+    kv = kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, kv_dtype)
     return int(weights + num_seqs * mean_context * kv)
+
+
+def roofline_seconds(
+    nbytes: float, flops: float, bandwidth: float, flop_rate: float
+) -> tuple[float, str]:
+    """The least time of a step that reads ``nbytes`` at ``bandwidth`` bytes/s and computes
+    ``flops`` at ``flop_rate`` FLOP/s, and which bounds it: ``(max(nbytes / bandwidth, flops
+    / flop_rate), "memory" | "compute")``. Raises ``ValueError`` when a rate is not
+    positive."""
+    if bandwidth <= 0 or flop_rate <= 0:
+        raise ValueError(f"rates must be > 0, got bandwidth={bandwidth}, flop_rate={flop_rate}")
+    mem, comp = nbytes / bandwidth, flops / flop_rate
+    return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
+def unrouted_expert_bytes(model, num_seqs: int) -> int:
+    """Bytes of the experts a decode step of ``num_seqs`` sequences did not read on average,
+    which :func:`step_bytes` leaves out: a mixture-of-experts step reads only the experts
+    its batch routes to. Per sparse layer ``(E - routed) * one expert's bytes``, ``routed``
+    measured over the decode steps of that size since the last call
+    (:func:`pdserve.model.moe.routed_experts`, ``PDSERVE_MOE_ROUTING_STATS=1``; reset here,
+    so each concurrency of ``bench offline`` gets its own); 0 for a dense model or when
+    routing was not counted (every expert)."""
+    from pdserve.model.moe import routed_experts
+
+    blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    routed = routed_experts(blocks, num_seqs) if blocks else None
+    if routed is None:
+        return 0
+    total = 0.0
+    for b in blocks:
+        per_expert = (b.w13[0].numel() + b.w2[0].numel()) * b.w13.element_size()
+        total += (b.w13.shape[0] - routed) * per_expert
+    return int(total)

@@ -81,6 +81,8 @@ def request_body(
     }
     if spec.ignore_eos:
         body["ignore_eos"] = True
+    if spec.phase_timing:
+        body["return_timing"] = True
     if spec.resolved_endpoint == "chat":
         system = [{"role": "system", "content": req.system}] if req.system else []
         body["messages"] = system + list(history) + [{"role": "user", "content": req.prompt}]

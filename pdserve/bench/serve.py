@@ -132,6 +132,15 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
         cls=WorkloadSpec,
     ),
     Flag("--seed", "seeds prompts, lengths and arrivals", int, cls=WorkloadSpec),
+    Flag(
+        "--phase-timing",
+        "ask pdserve targets for each request's phase timings (return_timing): the report "
+        "breaks TTFT down by phase (and names the phase that grew most against --compare), "
+        "the JSON keeps them, and a PNG of the phases' median and p99 is written beside --json",
+        bool,
+        cls=WorkloadSpec,
+        action="store_true",
+    ),
 )
 INTERFERENCE_FLAGS: tuple[Flag, ...] = (
     Flag("--long-input-len", "words of the long prompts (default 1024)", int, cls=InterferenceSpec),
@@ -288,6 +297,35 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
     return series, targets, header
 
 
+def _report_phases(series: list[Series], json_path: str | None) -> list[dict[str, Any]]:
+    """Print the TTFT stages of each load point (``bench/phases.py``), name the stage that
+    grew most against ``--compare``, write the PNG beside ``json_path`` (the first load
+    point's); returns the stages for the JSON."""
+    from pdserve.bench.phases import phase_png_path, plot_stages, report_stages, stage_table
+    from pdserve.bench.report import make_console
+
+    console = make_console()
+    entries = report_stages(series)
+    for entry in entries:
+        named = list(entry["stages"].items())
+        if not any(stats for _, stats in named):
+            console.print(f"no phase timings in the answers ({entry['label']})")
+            continue
+        console.print(stage_table(f"TTFT by stage — {entry['label']}", named))
+        grown = entry.get("grew_most")
+        if grown is not None:
+            print(
+                f"stage that grew most, target vs compare ({entry['label']}): "
+                f"{grown['stage']} (median {grown['delta_median_ms']:+.2f} ms)"
+            )
+    first = next((e for e in entries if any(e["stages"].values())), None)
+    if json_path and first is not None:
+        path = phase_png_path(json_path)
+        plot_stages(list(first["stages"].items()), path)
+        print(f"wrote {path}")
+    return entries
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve bench serve``; returns the exit code (0 ok, 1 when a
     target completed no request or could not be reached, 2 on bad arguments)."""
@@ -309,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         if len(targets) == 2:
             line += f"; compare ÷ target = {head['ratio_compare_over_target']:.3f}"
         print(f"decode ITL p99 under long-prompt interference: {line}")
+    if args.phase_timing:
+        header["ttft_stages"] = _report_phases(series, args.json)
     if args.json:
         write_json(args.json, header, series)
         print(f"wrote {args.json}")

@@ -1,26 +1,18 @@
 """``pdserve bench transfer``: one request's KV cache, prefill -> decode over NIXL in two
 processes through the real KV managers, against a contiguous copy of the same bytes in
-one process (numpy ``copyto`` on CPU, ``torch`` device-to-device ``copy_`` on CUDA).
+one process (numpy ``copyto`` on CPU, ``torch`` ``copy_`` on CUDA).
 
-Rows, interleaved in one run: the request through the managers (until prefill, and until
-decode, see ``Success``), a *raw NIXL* WRITE of the same bytes between the same two
-processes (one descriptor, NIXL alone), the contiguous copy, and a one-page request
-beside a raw NIXL WRITE of one page's bytes: their difference is the *fixed cost* of a
-request in the transfer layer (posting, completion, notification, thread hand-offs).
-The pools are laid out like the engine's, by the same
-:class:`~pdserve.engine.kv.layout.KVCacheLayout` (``--kv-order``: ``layer_major`` or
-``page_major``); the request's pages are scattered over the pool (runs of ``--run-len``
-consecutive pages, shuffled, or ``--pattern served``) on both sides. The transfer time
-is ``send()`` until the room is a ``Success`` on prefill (NIXL reports every WRITE done
-in decode's memory), as the prefill manager records it (its
-``transfer_latency_seconds``), and until decode's manager made the room a ``Success``
-(its ``finished_at``; the harness, which polls without spinning every ``POLL_S``, sees
-it up to ``POLL_S`` later: the ``*_polled`` rows of ``--json``). The sender is given
-the request's pages ahead (``KVSender.expect_pages``), so its WRITE is made before the
-timed ``send``, which only posts it. The rows run
-interleaved, ``--repeats`` times after a warm-up; medians, GB/s (1e9 bytes/s) and their
-ratio are reported (BENCHMARKS.md). Decode's pages are checked byte for byte (a hash) at
-the end.
+Rows, interleaved ``--repeats`` times after a warm-up (medians, GB/s and their ratio):
+the request through the managers, a *raw NIXL* WRITE of the same bytes between the same
+two processes, the contiguous copy, and a one-page request beside a raw one-page WRITE
+(their difference: the transfer layer's *fixed cost* per request). The pools are laid out
+like the engine's (:class:`~pdserve.engine.kv.layout.KVCacheLayout`, ``--kv-order``), the
+request's pages scattered over them (``--run-len``, or ``--pattern served``). The
+transfer time runs from ``send()`` until the room is a ``Success`` on prefill (the
+manager's ``transfer_latency_seconds``) and until decode's manager made it one (its
+``finished_at``; the harness sees it up to ``POLL_S`` later: the ``*_polled`` rows). The
+WRITE is made ahead (``KVSender.expect_pages``), so the timed ``send`` only posts it.
+Decode's pages are checked byte for byte (a hash) at the end.
 """
 
 from __future__ import annotations
@@ -44,6 +36,21 @@ from pdserve.bench.transfer_pool import (
     pool_layout,
 )
 from pdserve.cli import Flag, add_flags, flag_values
+
+BOOTSTRAP_WAIT_S = 120.0
+
+
+def wait_bootstrapped(sender, room: int, wait_s: float = BOOTSTRAP_WAIT_S) -> None:
+    """Poll ``sender`` (a :class:`~pdserve.disagg.base.KVSender`) while it is
+    ``Bootstrapping``; after ``wait_s`` seconds abort it and raise RuntimeError naming the room."""
+    from pdserve.disagg.base import KVPoll
+
+    deadline = time.monotonic() + wait_s
+    while sender.poll() == KVPoll.Bootstrapping:
+        if time.monotonic() > deadline:
+            sender.abort()
+            raise RuntimeError(f"room {room}: decode did not bootstrap within {wait_s:g} s")
+        time.sleep(0.0005)
 
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
@@ -91,8 +98,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         (its ``finished_at``), and until decode's harness polled it (every ``POLL_S``)."""
         conn.send(("room", (room, dst)))
         s = prefill.create_sender(room)
-        while s.poll() == KVPoll.Bootstrapping:
-            time.sleep(0.0005)
+        wait_bootstrapped(s, room)
         t = time.perf_counter()
         before = latency()
         if s.poll() == KVPoll.WaitingForInput:

@@ -19,7 +19,7 @@ MODEL_SHAPES = {
     "qwen3-8b": (36, 8, 128),
     "smollm2-135m": (30, 3, 64),
 }
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # the last: an FP8 KV cache
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ class WorkloadSpec:
     ignore_eos: ask the server to generate exactly ``max_tokens`` (pdserve/vLLM/SGLang
         extension field; other servers ignore it).
     seed: seeds the prompt words, the lengths and the Poisson arrivals.
+    phase_timing: ask for each request's per-phase timings (pdserve's ``return_timing``
+        field; sent only when true) so the report breaks TTFT down by phase.
     """
 
     dataset: str = "random"
@@ -71,6 +73,7 @@ class WorkloadSpec:
     num_groups: int = 4
     system_prompt_len: int = 1024
     num_turns: int = 4
+    phase_timing: bool = False
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:

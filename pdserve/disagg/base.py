@@ -1,4 +1,11 @@
-"""Contracts of the KV-transfer layer: what the engine's scheduler calls, what backends implement.
+"""Contracts of the KV-transfer layer and what every backend's rooms share.
+
+This module owns (1) the contracts: what the engine's scheduler calls and what backends
+implement; (2) room numbering, the one rule the router and the workers share; (3) the
+room machinery every backend reuses: the live-room table, failure kinds, failure
+injection, a room's terminal-state bookkeeping and a manager's service threads. They
+live together because a backend needs all three and the router and server need only the
+room rules, which import nothing above this module.
 
 The engine never imports a backend; it gets a :class:`KVManager` from
 :func:`pdserve.disagg.registry.create_kv_manager` and talks to it through these classes.
@@ -9,17 +16,32 @@ state (``Success`` or ``Failed``) and, on decode, ``holds_pages()`` is False (a 
 prefill may still WRITE stays quarantined: never freed on a timeout alone). ``abort()``
 only *asks* for termination; the engine frees the pages after that, and calls
 ``close()`` exactly once, which releases the room id.
+
+Room numbering: the router draws one ``bootstrap_room`` R per client request and sends it
+to both legs. A request of ``P`` prompts with ``n`` samples each reserves the ``P * n``
+rooms ``R .. R + P * n - 1``: sample ``i`` of prompt ``p`` uses room ``R + p * n + i`` on
+both workers, so every sample has its own live room. Every room is an int in
+``[0, ROOM_LIMIT)``, and a request uses at most ``MAX_ROOMS_PER_REQUEST`` of them.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import struct
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from pdserve.disagg.metrics import TransferMetrics
 from pdserve.parallel import TPRank, kv_head_range
+
+log = logging.getLogger(__name__)
 
 # 2: RoomDest.skip_pages (decode holds a cached prefix), KVLayout.kv_order.
 # 3: chunked sending (a room's pages in several send() batches, one XferDone), Ping.
@@ -27,7 +49,8 @@ from pdserve.parallel import TPRank, kv_head_range
 #    HealthInfo lists the registered ranks' instances; a room has one writer per head.
 # 5: the aux record rides in XferDone (no aux WRITE), XferDone on the last KV WRITE;
 #    since sent after the WRITEs by prefill's notifier agent (same bytes, no wire change).
-PROTOCOL_VERSION = 5
+# 6: KVLayout.k_scales / v_scales (an FP8 pool's per-layer scales).
+PROTOCOL_VERSION = 6
 
 # Bootstrap rooms are 63-bit: a room is an int in [0, ROOM_LIMIT) (SGLang's range), the
 # router draws them and the worker checks them.
@@ -108,6 +131,9 @@ class KVLayout:
     (``SchedulerConfig.speculative_key``; ``""``: off): prefill and decode must run the same
     one (a draft model's KV would travel with the target's), a difference is a mismatch
     named ``speculative`` on both sides.
+    ``k_scales`` / ``v_scales``: per layer the per-tensor scales of an FP8 pool (``dtype``
+    ``float8_e4m3fn``; its bytes are ``k / k_scale`` in e4m3), ``()`` for any other pool:
+    two FP8 pools whose scales differ hold different numbers in the same bytes.
     """
 
     model: str
@@ -118,6 +144,8 @@ class KVLayout:
     head_dim: int
     kv_order: str = PAGE_MAJOR
     speculative: str = ""
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def first_difference(self, other: KVLayout) -> str | None:
         """Return ``"field: ours vs theirs"`` for the first differing field, else ``None``."""
@@ -132,7 +160,13 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """The layout of :meth:`to_dict`'s output (lists, as JSON gives them, read back as
+        tuples); KeyError for a missing field."""
+        values: dict[str, Any] = {
+            f.name: tuple(data[f.name]) if isinstance(data[f.name], list) else data[f.name]
+            for f in fields(cls)
+        }
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -361,3 +395,244 @@ class KVBootstrapServer(ABC):
 
     @abstractmethod
     def stop(self) -> None: ...
+
+
+# --- room numbering (the router, the server and the managers) ---------------------
+
+# Cap on the rooms one request reserves through a PD router (workers reject
+# n > protocol.MAX_N); documented in docs/reference.md's `n` row (launch/api_docs.py).
+MAX_ROOMS_PER_REQUEST = 1024
+
+
+def sample_room(room: int, prompt_index: int, n: int, sample_index: int) -> int:
+    """The room of sample ``sample_index`` of prompt ``prompt_index`` of a request whose
+    ``bootstrap_room`` is ``room`` and which has ``n`` samples per prompt."""
+    return room + prompt_index * n + sample_index
+
+
+def rooms_needed(num_prompts: int, n: int) -> int:
+    """How many consecutive rooms a request of ``num_prompts`` prompts with ``n`` samples
+    each reserves."""
+    return num_prompts * n
+
+
+def check_room(value: object, field: str = "bootstrap_room") -> int:
+    """``value`` if it is an int (not a bool) in ``[0, ROOM_LIMIT)``; else ValueError
+    naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < ROOM_LIMIT:
+        bound = f"2**{ROOM_LIMIT.bit_length() - 1}"
+        raise ValueError(f"{field} must be an integer in [0, {bound}), got {value!r}")
+    return value
+
+
+# --- what every backend's rooms share --------------------------------------------
+
+# Failure kinds: the label of the "failed transfers by reason" metric.
+BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # prefill: decode's destination never came
+WAITING_TIMEOUT = "waiting_timeout"  # decode: the KV cache never came
+HEARTBEAT_LOST = "heartbeat_lost"  # decode: the prefill peer stopped answering
+PEER_RESTARTED = "peer_restarted"  # the peer came back as a new instance
+PEER_FAILED = "peer_failed"  # the other side failed or aborted the room
+LAYOUT_MISMATCH = "layout_mismatch"  # KVLayout fields differ
+PROTOCOL_MISMATCH = "protocol_mismatch"  # PROTOCOL_VERSION differs
+BOOTSTRAP_ERROR = "bootstrap_error"  # bootstrap server unreachable / bad answer
+TRANSFER_ERROR = "transfer_error"  # NIXL reported an error
+ABORTED = "aborted"  # abort() by the engine
+INJECTED = "injected"  # PDSERVE_TEST_DISAGG_FAILURE_PROB
+SHUTDOWN = "shutdown"  # the manager shut down
+
+_TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+H = TypeVar("H", bound="RoomHandle")
+
+
+class FailureInjector:
+    """Testing only: ``roll()`` is True with probability ``prob`` (a manager's
+    ``TransferConfig.failure_prob``: ``PDSERVE_TEST_DISAGG_FAILURE_PROB``; 0 = never).
+
+    ``poll()`` rolls once per non-terminal state it reports for the first time (so at most
+    three times per room), not once per call: the engine polls every step, and a per-call
+    probability would fail nearly every room whatever its value."""
+
+    def __init__(self, prob: float = 0.0, seed: int | None = None) -> None:
+        self.prob = prob
+        if not 0.0 <= self.prob <= 1.0:
+            raise ValueError(f"PDSERVE_TEST_DISAGG_FAILURE_PROB must be in [0, 1], got {self.prob}")
+        self._rng = random.Random(seed)
+
+    def roll(self) -> bool:
+        return self.prob > 0.0 and self._rng.random() < self.prob
+
+
+class RoomTable(Generic[H]):
+    """Live rooms of one manager, by room id; a room stays live until ``close()``."""
+
+    def __init__(self, role: Role) -> None:
+        self._role = role
+        self._lock = threading.Lock()
+        self._rooms: dict[int, H] = {}
+
+    def add(self, room: int, handle: H) -> None:
+        with self._lock:
+            if room in self._rooms:
+                raise DuplicateRoomError(
+                    f"bootstrap_room {room} is still live on this {self._role} worker"
+                )
+            self._rooms[room] = handle
+
+    def get(self, room: int) -> H | None:
+        with self._lock:
+            return self._rooms.get(room)
+
+    def discard(self, room: int, handle: H) -> None:
+        with self._lock:
+            if self._rooms.get(room) is handle:
+                del self._rooms[room]
+
+    def handles(self) -> list[H]:
+        with self._lock:
+            return list(self._rooms.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def count_by_state(self) -> dict[str, int]:
+        counts = Counter(h.poll_state().name for h in self.handles())
+        return {s.name: counts.get(s.name, 0) for s in KVPoll}
+
+    def stats(self, metrics: TransferMetrics, backend: str) -> dict[str, Any]:
+        """The head every manager's ``stats()`` starts with: the transfer counters, the
+        role and backend, live rooms by state and in all."""
+        return dict(
+            metrics.snapshot(),
+            role=str(self._role),
+            backend=backend,
+            rooms=self.count_by_state(),
+            live_rooms=len(self),
+        )
+
+
+class RoomHandle:
+    """State of one room on one side. Subclasses move ``_state`` forward under ``_lock``
+    and call :meth:`_finish_failed` / :meth:`_finish_success` to end it (exactly once)."""
+
+    def __init__(
+        self, room: int, table: RoomTable[Any], metrics: TransferMetrics, injector: FailureInjector
+    ) -> None:
+        self.room = room
+        self._table = table
+        self._metrics = metrics
+        self._injector = injector
+        self._lock = threading.RLock()
+        self._state = KVPoll.Bootstrapping
+        self._error: KVTransferError | None = None
+        self._closed = False
+        self._rolled: KVPoll | None = None  # last state failure injection rolled for
+        # time.perf_counter() when the room turned terminal here (CLOCK_MONOTONIC: benchmarks
+        # compare it across processes of one host)
+        self.finished_at: float | None = None
+
+    # --- subclass hooks -----------------------------------------------------------
+    def _tick(self) -> None:
+        """Check deadlines (called by ``poll``)."""
+
+    def _fail(self, reason: str, kind: str) -> None:
+        """Start failing the room; by default at once (no pages at the peer's disposal)."""
+        self._finish_failed(reason, kind)
+
+    # --- shared -------------------------------------------------------------------
+    def poll_state(self) -> KVPoll:
+        return self._state
+
+    def is_terminal(self) -> bool:
+        return self._state in _TERMINAL
+
+    def poll(self) -> KVPoll:
+        """Current state; never blocks. May inject a failure (same path as a real one)."""
+        self._tick()
+        state = self._state
+        if state not in _TERMINAL and state != self._rolled:
+            self._rolled = state
+            if self._injector.roll():
+                self._fail(
+                    f"injected failure of room {self.room} (PDSERVE_TEST_DISAGG_FAILURE_PROB)",
+                    INJECTED,
+                )
+        return self._state
+
+    def failure_exception(self) -> Exception | None:
+        return self._error if self._state == KVPoll.Failed else None
+
+    def abort(self) -> None:
+        """Ask for termination; ``poll()`` reports ``Failed`` once nothing can touch the pages."""
+        with self._lock:
+            if self._state not in _TERMINAL:
+                self._fail(f"room {self.room} aborted", ABORTED)
+
+    def close(self) -> None:
+        """Release the room id (once, after a terminal poll). RuntimeError on a second call."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"close() called twice for room {self.room}")
+            if self._state not in _TERMINAL:
+                log.error("room %d closed before a terminal poll; aborting it", self.room)
+                self._fail(f"room {self.room} closed before it ended", ABORTED)
+            self._closed = True
+        self._table.discard(self.room, self)
+
+    def _finish_failed(self, reason: str, kind: str) -> bool:
+        """Make the room terminal ``Failed``; False if it already was terminal."""
+        with self._lock:
+            if self._state in _TERMINAL:
+                return False
+            self.finished_at = time.perf_counter()
+            self._state = KVPoll.Failed
+            self._error = KVTransferError(reason)
+        self._metrics.record_failure(kind)
+        log.debug("room %d failed (%s): %s", self.room, kind, reason)
+        return True
+
+    def _finish_success(self, nbytes: int, npages: int, seconds: float) -> bool:
+        with self._lock:
+            if self._state in _TERMINAL:
+                return False
+            self.finished_at = time.perf_counter()
+            self._state = KVPoll.Success
+        self._metrics.record_success(nbytes, npages, seconds)
+        return True
+
+
+class ServiceThreads:
+    """Named daemon background threads of one manager. A thread whose loop raises is
+    logged and stays dead, which makes :meth:`healthy` False (the worker reports
+    unhealthy instead of being silently broken)."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self.stop_event = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+
+    def start(self, name: str, loop: Callable[[threading.Event], None]) -> None:
+        """Run ``loop(stop_event)`` on a new daemon thread named ``{owner}-{name}``."""
+
+        def run() -> None:
+            try:
+                loop(self.stop_event)
+            except BaseException as exc:
+                self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                log.exception("%s background thread %s died", self._owner, name)
+
+        thread = threading.Thread(target=run, name=f"{self._owner}-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def healthy(self) -> bool:
+        return not self.errors and all(t.is_alive() for t in self._threads)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.stop_event.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout_s)

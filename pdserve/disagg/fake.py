@@ -1,38 +1,31 @@
 """The ``fake`` transfer backend, in three modes, threads-free and in one process.
 
-**Alone** (the registry's ``fake``): no peer, no bytes moved. Used by ``/health_generate``
-and warm-up in PD roles, so a worker can run one request end to end alone. Sender:
-``WaitingForInput`` at once, ``Success`` on the last ``send``. Receiver:
-``WaitingForInput`` at once, ``Success`` right after ``init``; its aux record is the one
-handed to :meth:`FakeKVManager.provide_aux` for the room, else first token 0 with
-logprob 0. The pages' contents are whatever they were (fine for a health probe, never
-for answers).
+**Alone** (the registry's ``fake``): no peer, no bytes moved; ``/health_generate`` and
+warm-up in PD roles use it, so a worker can run one request end to end alone. Rooms are
+``WaitingForInput`` at once; a sender is ``Success`` on the last ``send``, a receiver
+right after ``init``, with the aux record given to :meth:`FakeKVManager.provide_aux`
+(else first token 0, logprob 0). Page contents are whatever they were.
 
 **Loopback** (:func:`link` a prefill and a decode manager): a real transfer in process,
-over the very byte ranges NIXL would move (``KVArgs``: page ``p`` of buffer ``b`` is
-``[p * item, (p + 1) * item)``). The receiver is ``WaitingForInput`` at once; its
-``init`` hands the destination (and ``skip_pages``) to the prefill room, which becomes
-``WaitingForInput``; each ``send`` copies its pages at once (``memmove`` per page and
-buffer), the last one also the aux record (the sender writes it into its own slot, then
-into decode's); after the last both sides are ``Success``. A destination given before
-the sender exists waits for it. The engine's tests and the ``KVManager`` conformance
-suite (tests/disagg/test_kv_manager_conformance.py) run on it.
+over the byte ranges NIXL would move (page ``p`` of buffer ``b`` is
+``[p * item, (p + 1) * item)``). The receiver's ``init`` hands the destination to the
+prefill room (which then is ``WaitingForInput``; a destination given before the sender
+exists waits for it); each ``send`` copies its pages at once, the last one also the aux
+record; then both sides are ``Success``. The engine's tests and the ``KVManager``
+conformance suite run on it.
 
-**Scripted** (``FakeKVManager(args, role, scripted=True)``, never linked): the test plays
-the peer and the network. Every room starts ``Bootstrapping`` and moves only by
-:meth:`FakeHandle.advance` or :meth:`FakeHandle.fail`; ``init`` and ``send`` record
-their arguments and move no bytes (the last ``send`` writes the sender's own aux slot:
-the transfer layer's write); ``abort()`` is recorded and leaves the state, as a real room
-whose peer may still be writing ends ``Failed`` only later; the receiver reads its aux
-record from its slot, which the test fills with :meth:`FakeKVManager.write_aux`.
+**Scripted** (``scripted=True``, never linked): the test plays the peer and the network.
+Rooms start ``Bootstrapping`` and move only by :meth:`FakeHandle.advance` or
+:meth:`FakeHandle.fail`; ``init`` and ``send`` record their arguments and move no bytes
+(the last ``send`` writes the sender's own aux slot); ``abort()`` is recorded and leaves
+the state (a real room ends ``Failed`` only later); the receiver reads its aux slot, which
+the test fills with :meth:`FakeKVManager.write_aux`.
 
 In every mode a handle records what the engine did to it (``num_pages``, ``chunks``,
-``aux`` on prefill; ``dst_pages``, ``skip_pages`` on decode; ``aux_slot``, ``aborted``,
-and ``closes``: the state at each ``close()``), :meth:`FakeHandle.raise_on` scripts an
-exception from ``poll``, ``init`` or ``send``, and :meth:`FakeKVManager.handle` finds a
-room's handle, live or among the last :data:`HISTORY` created.  The contract's errors
-are raised as the real backend raises them (base.py): ``send`` before ``init``, after
-the last call or beyond the declared pages.
+``aux``; ``dst_pages``, ``skip_pages``; ``aux_slot``, ``aborted``, ``closes``),
+:meth:`FakeHandle.raise_on` scripts an exception from ``poll``, ``init`` or ``send``, and
+:meth:`FakeKVManager.handle` finds a room's handle among the last :data:`HISTORY`. The
+contract's errors are raised as the real backend raises them (base.py).
 """
 
 from __future__ import annotations
@@ -43,7 +36,10 @@ from collections import OrderedDict
 
 from pdserve.disagg.base import (
     AUX_RECORD_BYTES,
+    PEER_FAILED,
+    TRANSFER_ERROR,
     AuxRecord,
+    FailureInjector,
     KVArgs,
     KVManager,
     KVPoll,
@@ -51,17 +47,12 @@ from pdserve.disagg.base import (
     KVSender,
     KVTransferError,
     Role,
+    RoomHandle,
+    RoomTable,
+    check_room,
     pd_role,
 )
 from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    PEER_FAILED,
-    TRANSFER_ERROR,
-    FailureInjector,
-    RoomHandle,
-    RoomTable,
-)
 
 HISTORY = 256  # handles a manager remembers after close (tests read them; bounded for probes)
 TERMINAL = (KVPoll.Success, KVPoll.Failed)

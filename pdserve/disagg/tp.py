@@ -1,28 +1,25 @@
 """One :class:`KVManager` for the engine over the per-rank managers of a tensor-parallel
 worker (every rank has its own NIXL agent, pool and rooms).
 
-Rank side (:mod:`pdserve.disagg.tp_rank`, re-exported here): :class:`RankRooms` wraps
-the rank's own manager and its rooms by room id; it lives in the rank's process (rank 0: the engine's process; ranks >= 1: the rank
-processes, reached through the executor's ``call_rank(r, fn, *args)``, where ``fn`` is one
-of this module's functions and the rank keeps its :class:`RankRooms` in
-``ctx.services["kv"]``).
+Rank side (:mod:`pdserve.disagg.tp_rank`, re-exported here): :class:`RankRooms` wraps a
+rank's own manager and its rooms by room id, in the rank's process (ranks >= 1 are
+reached through the executor's ``call_rank(r, fn, *args)``, ``fn`` one of this module's
+functions, the rank's :class:`RankRooms` in ``ctx.services["kv"]``).
 
 Engine side: :class:`TPKVManager` fans ``create``/``init``/``send``/``abort``/``close`` out
-to the ranks of a room (decode: every rank; prefill: the ranks that write,
-:func:`pdserve.disagg.head_map.is_writer`) and aggregates their states: ``Success`` when
-every rank succeeded; ``Failed`` when one failed (the text names that rank), reported
-only once every rank of the room is terminal (the others are aborted first, and the room
-reads ``Bootstrapping`` meanwhile, so the engine starts nothing for it), so no rank's
-pages are freed while its transfer layer may still use them; otherwise the least advanced
-state. ``holds_pages`` if any rank holds; the aux record comes from rank 0. The polls of
-one engine step cost one call per rank: the first ``poll()`` of a room whose cached state
-was already read refreshes every live room on every rank at once.
+to a room's ranks (decode: every rank; prefill: the writers,
+:func:`pdserve.disagg.bootstrap.is_writer`) and aggregates their states: ``Success`` when
+every rank succeeded; ``Failed`` when one failed (named), reported only once every rank of
+the room is terminal (the others are aborted first; the room reads ``Bootstrapping``
+meanwhile), so no rank's pages are freed while its transfer layer may use them; else the
+least advanced state. ``holds_pages`` if any rank holds; the aux record comes from rank 0.
+One engine step's polls cost one call per rank (the first ``poll()`` of an already read
+room refreshes every live room on every rank).
 
-A rank that is gone (the executor failed: it stops every rank >= 1) counts as ``Failed``
-for its rooms. A watcher thread notices the failure even while the engine is idle (its
-thread ends at the failure): rank 0 then aborts its live rooms (the peers are told at
-once) and, on prefill, deregisters ranks >= 1 at its bootstrap server, so decode's
-heartbeat knows them gone and fails their rooms there instead of waiting.
+A rank that is gone (the executor failed) counts as ``Failed`` for its rooms. A watcher
+thread notices the failure even while the engine is idle: rank 0 then aborts its live
+rooms and, on prefill, deregisters ranks >= 1 at its bootstrap server, so decode's
+heartbeat fails their rooms at once.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from pdserve.disagg.base import (
     Role,
     pd_role,
 )
-from pdserve.disagg.head_map import is_writer
+from pdserve.disagg.bootstrap import is_writer
 from pdserve.disagg.tp_rank import RankRooms, RankState, RemoteRank, rank_call, start_rank_manager
 from pdserve.disagg.transfer_config import TransferConfig
 from pdserve.parallel import TPRank

@@ -32,12 +32,15 @@ class LLM:
     page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization, kv_order: the KV
     pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv.layout``).
     enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
-    max_num_batched_tokens, max_running_requests: the scheduler.  max_model_len: context
+    max_num_batched_tokens, max_running_requests: the scheduler (``max_running_requests``
+    ``None``: 256 on CUDA, 64 on CPU).  max_model_len: context
     limit (default the model's).  seed: random weights of ``random:`` models and the
     sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
     on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
     overlap_schedule: launch each greedy decode step before the previous one's results are
     processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on CPU.
+    quantization: ``"fp8"``: e4m3 linear weights quantized at load (``model/fp8.py``);
+    kv_cache_dtype: ``auto`` or ``fp8_e4m3`` (an FP8 KV cache).
     tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
     started with the ``spawn`` method: a script must guard its entry point with
     ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
@@ -56,7 +59,7 @@ class LLM:
         page_size: int = default_of(CacheConfig, "page_size"),
         seed: int = 0,
         max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
-        max_running_requests: int = default_of(SchedulerConfig, "max_running_requests"),
+        max_running_requests: int | None = default_of(SchedulerConfig, "max_running_requests"),
         kv_cache_memory: float | None = None,
         num_pages: int | None = None,
         gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
@@ -73,6 +76,8 @@ class LLM:
         num_speculative_tokens: int = default_of(SchedulerConfig, "num_speculative_tokens"),
         speculative_ngram_min: int = default_of(SchedulerConfig, "speculative_ngram_min"),
         speculative_ngram_max: int = default_of(SchedulerConfig, "speculative_ngram_max"),
+        quantization: str | None = None,
+        kv_cache_dtype: str = default_of(CacheConfig, "kv_cache_dtype"),
     ) -> None:
         config = EngineConfig.from_fields(
             model=model,
@@ -91,6 +96,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             kv_order=kv_order,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens,
             max_running_requests=max_running_requests,
             speculative_algorithm=speculative_algorithm,

@@ -32,8 +32,8 @@ class SamplingParams:
     stop_token_ids: token ids that end the request (the id stays in ``token_ids``).
     ignore_eos: keep generating past EOS tokens.
     seed: per-request seed; the same seed gives the same tokens whatever the batch.
-    logprobs: number of top alternatives to return per output token (0 = only the sampled
-        token's logprob; ``None`` = no logprobs).  At most 20 (OpenAI's limit).
+    logprobs: top alternatives per output token (0 = only the sampled token's logprob;
+        ``None`` = none), at most ``MAX_TOP_LOGPROBS``.
     prompt_logprobs: the same for every prompt token (the first one has none).
     skip_special_tokens: leave special tokens out of the output text.
     presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the logit of every

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve.tracing import REQUEST_ID
+
 _TYPES = {
     400: "invalid_request_error",
     409: "conflict_error",
@@ -24,9 +26,15 @@ def error_json(
     also what tells errors apart inside a stream.  ``code`` is a string naming the error
     where OpenAI has one (``model_not_found``, ``context_length_exceeded``), else null,
     as OpenAI's API sends it (vLLM and SGLang put the status number there instead; the
-    ``openai`` client types ``APIError.code`` as ``str | None``)."""
+    ``openai`` client types ``APIError.code`` as ``str | None``).  Inside an API request
+    the body also has ``request_id`` beside ``error`` (whose keys stay OpenAI's four): the
+    id its log lines carry on the router and both workers (``pdserve/tracing.py``)."""
     kind = _TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body: dict = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
 def error_status(body: object) -> int | None:

@@ -13,8 +13,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST
+from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST
 from pdserve.server import protocol as p
+from pdserve.server import responses as r
 from pdserve.server.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsObject
 from pdserve.server.tools import FunctionDef
 
@@ -42,8 +43,21 @@ MEANINGS: dict[str, str] = {
     "ignore_eos": "keep generating past EOS",
     "skip_special_tokens": "leave special tokens out of the text",
     "prompt_logprobs": "top-k logprobs of every prompt token, as choices[i].prompt_logprobs "
-    "(the first is null)",
+    "(chat: as the answer's top-level prompt_logprobs, where vLLM puts them; in a stream, "
+    "in the first chunk); the first is null",
+    "truncate_prompt_tokens": "vLLM: keep only the last N prompt tokens (-1: the context "
+    "limit); usage counts the kept ones",
+    "continue_final_message": "vLLM: the output continues the final message (no end of turn, "
+    "no new turn); needs add_generation_prompt false (true with it is a 400; unset follows). "
+    "Unset: a final assistant message with text continues (SGLang's assistant prefill); "
+    "false: it gets a new turn",
     "return_token_ids": "add choices[i].token_ids (and prompt_token_ids in the first chunk)",
+    "return_timing": "pdserve: add choices[i].timing to each finished choice (streams: its "
+    "last chunk): seconds per phase on each worker, {role: {phases: {name: s}, start_unix, "
+    "first_token_out, kv_pages, kv_bytes, transfer_gbps}}; through the router in PD mode "
+    "both prefill and decode",
+    "GenerateRequest.return_timing": "pdserve: add meta_info.timing to the finished answer: "
+    "seconds per phase on each worker, as choices[i].timing of the OpenAI endpoints",
     "user": "accepted, no effect (as metadata, store, service_tier, "
     "reasoning_effort, prompt_cache_key, safety_identifier, verbosity, modalities; "
     "parallel_tool_calls: false limits tool_choice required to one call)",
@@ -64,12 +78,15 @@ MEANINGS: dict[str, str] = {
     "ChatCompletionRequest.logprobs": "return the sampled tokens' logprobs (choices[i].logprobs)",
     "top_logprobs": "alternatives per token (<= 20); needs logprobs true",
     "add_generation_prompt": "end the rendered prompt with the assistant turn's opening",
+    "prompt_token_ids": "pdserve: the prompt as token ids, already through the chat template "
+    "(messages are checked, not rendered); the router's migration sends it",
     "role": "system, developer (= system), user, assistant or tool",
     "content": 'text, or a list of {"type": "text", "text"} parts (concatenated)',
     "name": "the speaker's name (passed to the template)",
     "include_usage": "add a last chunk with the usage of the whole request (no choices); "
     'every chunk before it has `"usage": null`, as OpenAI\'s',
-    "continuous_usage_stats": "put the usage so far in every chunk (vLLM's extension)",
+    "continuous_usage_stats": "with include_usage: put the usage so far in every chunk "
+    "instead of null (vLLM's extension; alone it adds nothing, as vLLM's)",
     "max_new_tokens": "most tokens to generate (null: 128)",
     "min_new_tokens": "as min_tokens",
     "text": "the prompt text (or give input_ids)",
@@ -122,6 +139,44 @@ MEANINGS: dict[str, str] = {
     "FunctionDef.description": "what it does (shown to the model)",
     "parameters": "its arguments' JSON Schema (forced calls are valid under it)",
     "FunctionDef.strict": "accepted; forced calls are always strict",
+    # /v1/responses (server/responses.py)
+    "input": "a string (one user message) or a list of input items: messages (role user, "
+    "system, developer or assistant; content a string or input_text/output_text parts), "
+    "function_call and function_call_output items; another item type, or an image/file/"
+    "audio part, is a 400 naming it",
+    "instructions": "a system message before the input (not carried over by "
+    "previous_response_id, as OpenAI's)",
+    "max_output_tokens": "most tokens to generate (status incomplete when it cut the output)",
+    "ResponsesRequest.tools": 'function tools: [{"type": "function", name, description, '
+    "parameters}] (chat's tools path); a built-in tool (web_search_preview, file_search, "
+    "...) is a 400 naming tools[i].type",
+    "ResponsesRequest.tool_choice": 'none | auto | required | {"type": "function", "name"} '
+    "(as chat's)",
+    "ResponsesRequest.parallel_tool_calls": "false: tool_choice required makes one call at most",
+    "ResponsesRequest.text": 'the output format: {"format": {"type": "text" | "json_object" '
+    '| "json_schema", name, schema, strict}} (structured outputs)',
+    "ResponsesRequest.stream": "answer as OpenAI's typed server-sent events, response.created "
+    "to response.completed (also for an incomplete response, as vLLM's)",
+    "ResponsesRequest.store": "keep the response in this worker's bounded store (serve "
+    "--responses-store-size) for GET /v1/responses/{id} and previous_response_id",
+    "previous_response_id": "continue a stored response: its conversation (input and "
+    "output items) comes before input; unknown or dropped: 400 naming it",
+    "previous_items": "pdserve: the conversation before input as input items (the router "
+    "sends it for previous_response_id, so any worker or PD pair can serve the follow-up)",
+    "background": "not supported: true is a 400",
+    "ResponsesRequest.metadata": "echoed in the response",
+    "ResponsesRequest.user": "echoed in the response",
+    "truncation": "accepted, echoed (disabled when unset); no effect",
+    "include": "accepted, no effect",
+    "reasoning": "accepted, no effect (no reasoning models)",
+    "ResponsesRequest.service_tier": "accepted, no effect",
+    "ResponsesRequest.prompt_cache_key": "accepted, no effect",
+    "ResponsesRequest.safety_identifier": "accepted, no effect",
+    "ResponseTextFormat.type": "text: no constraint; json_object: one JSON object; "
+    "json_schema: JSON valid under schema",
+    "ResponseTextFormat.name": "the schema's name (echoed)",
+    "ResponseTextFormat.description": "the schema's description (echoed)",
+    "ResponseTextFormat.strict": "as response_format.json_schema.strict",
     "bootstrap_host": "PD: the prefill worker's bootstrap address (the router adds it)",
     "bootstrap_port": "PD: the prefill worker's bootstrap port (the router adds it)",
     "bootstrap_room": "PD: the transfer's 63-bit room id (the router draws it)",
@@ -141,6 +196,8 @@ SECTIONS: tuple[tuple[str, type[BaseModel], set[str]], ...] = (
     ("`response_format.json_schema`", JSONSchemaFormat, set()),
     ("`structured_outputs`", StructuredOutputsObject, set()),
     ("`tools[i].function`", FunctionDef, set()),
+    ("`/v1/responses`", r.ResponsesRequest, _BOOTSTRAP),
+    ("`/v1/responses` `text.format`", r.ResponseTextFormat, set()),
     ("`/generate`", p.GenerateRequest, _BOOTSTRAP),
     ("`/generate` `sampling_params`", p.GenerateSamplingParams, set()),
     ("`/tokenize`", p.TokenizeRequest, set()),

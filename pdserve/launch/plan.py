@@ -23,6 +23,9 @@ UP_ROUTER_FLAGS = (
     "--health-check-interval",
     "--health-check-timeout",
     "--health-failure-threshold",
+    "--max-migrations",
+    "--migration-wait",
+    "--pd-min-prefill-tokens",
 )
 
 
@@ -117,8 +120,11 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
         passthrough.append("--strict-request-fields")
     if args.served_model_name is not None:
         passthrough += ["--served-model-name", args.served_model_name]
-    body_limit = ["--max-request-body-bytes", str(args.max_request_body_bytes)]
-    passthrough += body_limit
+    # flags the workers and the router both get (the same collector for all of them)
+    shared = ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    if args.otlp_traces_endpoint:
+        shared += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    passthrough += shared
     workers: list[Child] = []
     for role, count in ((Role.PREFILL, args.num_prefill), (Role.DECODE, args.num_decode)):
         gpu_ids = getattr(args, f"{role}_gpu_ids")
@@ -163,7 +169,7 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
         str(args.port),
         "--policy",
         args.policy,
-        *body_limit,
+        *shared,
     ]
     for flag in UP_ROUTER_FLAGS:
         router_argv += [flag, str(getattr(args, flag[2:].replace("-", "_")))]

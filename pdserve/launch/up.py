@@ -1,6 +1,9 @@
 """``pdserve up``: start N prefill + M decode workers and the router on this machine, wait
 until all are ready (with a progress line while the model loads), print the URL and a
-``curl`` example, and on Ctrl-C / SIGTERM or a child's death stop everything."""
+``curl`` example; then keep them serving: a child that dies is restarted with a backoff
+while the others go on (the router finds it again through its health checks), saying so;
+everything stops on Ctrl-C / SIGTERM, when a child dies before all were ready, or when one
+child's restarts keep failing (``--max-restarts``)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
 from pdserve.launch.plan import UP_ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
-from pdserve.launch.supervisor import Child, stop_all
+from pdserve.launch.supervisor import Child, Restarts, stop_all
 from pdserve.process_exit import death_cause
 from pdserve.router.launch import ROUTER_FLAGS
 from pdserve.server.engine_args import add_engine_args
@@ -88,6 +91,21 @@ UP_FLAGS: tuple[Flag, ...] = (
         "--ready-timeout", "seconds to wait for every process to become ready", float, default=900.0
     ),
     Flag(
+        "--max-restarts",
+        "restarts in a row of one process that died after start-up (the others keep "
+        "serving meanwhile); its next death stops everything; 0 = the first death stops "
+        "everything",
+        int,
+        default=4,
+    ),
+    Flag(
+        "--restart-backoff",
+        "seconds before the first restart of a process that died; doubled for each further "
+        "death in a row, at most 30 (the count starts over once it served 60 s)",
+        float,
+        default=1.0,
+    ),
+    Flag(
         "--log-dir",
         "where each process writes its log, <name>.log (e.g. prefill-0.log), started "
         "fresh each run (an earlier run's log of that name is replaced); unset: a new "
@@ -113,6 +131,14 @@ UP_FLAGS: tuple[Flag, ...] = (
         cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
+    Flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) that gets the traces of the "
+        "router and of every worker (one trace per request, spans from each process); "
+        "unset: tracing off",
+        cls=RouterConfig,
+        metavar="URL",
+    ),
 )
 
 
@@ -122,7 +148,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "up",
         help="start prefill + decode workers and a router on this machine",
         description="Start --num-prefill prefill workers, --num-decode decode workers and "
-        "a router on free ports of this machine; Ctrl-C stops them all.",
+        "a router on free ports of this machine; a process that dies is restarted while the "
+        "others keep serving; Ctrl-C stops them all.",
     )
     add_flags(p, UP_FLAGS)
     add_flags(p, [f for f in ROUTER_FLAGS if f.flag in UP_ROUTER_FLAGS], "router")
@@ -235,6 +262,12 @@ def main(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         print("pdserve up: error: --num-prefill and --num-decode must be >= 1", file=sys.stderr)
         return 2
+    if args.max_restarts < 0 or not args.restart_backoff > 0:
+        print(
+            "pdserve up: error: --max-restarts must be >= 0 and --restart-backoff > 0",
+            file=sys.stderr,
+        )
+        return 2
     try:
         probe = bind_socket(args.host, args.port)  # fail fast, before any model loads
     except PortInUseError as exc:
@@ -269,6 +302,7 @@ def main(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1  # whatever ends ``up`` but a signal is a failure (its logs are kept)
+    restarts = Restarts(first_s=args.restart_backoff, give_up_after=args.max_restarts + 1)
     try:
         for child in children:
             child.start()
@@ -279,9 +313,7 @@ def main(args: argparse.Namespace) -> int:
         _wait_ready(workers, children, args.ready_timeout)
         _wait_ready([router], children, 60.0, quiet=True)
         print(_banner(args, workers, router), flush=True)
-        while True:
-            _check_children(children)
-            time.sleep(0.5)
+        _supervise(children, restarts)
     except _Stop as exc:
         print(f"\n{exc} received: stopping pdserve ...", flush=True)
         code = 0
@@ -299,8 +331,23 @@ def main(args: argparse.Namespace) -> int:
             f"{', '.join(str(c.pid) for c in children if c.proc)}).",
             flush=True,
         )
-        _keep_or_remove_logs(log_dir, children, code, created=args.log_dir is None)
+        died = restarts.total > 0  # its logs show why: keep them
+        _keep_or_remove_logs(log_dir, children, 1 if died else code, created=args.log_dir is None)
     return code
+
+
+def _supervise(children: list[Child], restarts: Restarts) -> None:
+    """Keep ``children`` running until a signal (``_Stop``) or until one's restarts keep
+    failing (RuntimeError naming it): each round :meth:`Restarts.poll` restarts the dead
+    and its lines are printed."""
+    with httpx.Client() as client:
+        while True:
+            lines = restarts.poll(children, lambda c: _healthy(client, c.url), time.monotonic())
+            for line in lines:
+                print(line, flush=True)
+            if restarts.failed:
+                raise RuntimeError(restarts.failed)
+            time.sleep(0.5)
 
 
 def _keep_or_remove_logs(log_dir: Path, children: list[Child], code: int, created: bool) -> None:

@@ -188,15 +188,32 @@ class AttentionBackend(abc.ABC):
         plan: Any,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Write this step's K/V into the cache (unless ``kv_stored``: the caller already
         wrote them at ``attn.slot_mapping``), then attend.
+
+        An FP8 cache (``float8_e4m3fn`` views) stores ``k / kv_scale[0]`` and
+        ``v / kv_scale[1]`` (saturated to +-448) and is dequantized on load; every token,
+        this step's included, is then read from the cache (:func:`quantize_kv`).
 
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; k_cache, v_cache: ``[P, page_size, Hkv, D]``
         strided views of the pool (``KVCacheLayout.layer_views``; written in place at
         ``attn.slot_mapping``). Returns ``[T, Hq * D]`` in q's dtype.
         Query head ``h`` uses KV head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
         """
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds FP8 (e4m3) K or V."""
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` saturated to e4m3's range (+-448) and cast to ``float8_e4m3fn``: what an
+    FP8 cache stores for K or V ``x`` (any shape) with per-tensor ``scale``."""
+    y = x.float() if scale == 1.0 else x.float() / scale
+    return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 _REGISTRY: dict[str, str] = {

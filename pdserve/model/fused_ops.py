@@ -2,16 +2,12 @@
 storing the rotated K and V into the paged KV cache in the same kernel), SiLU-and-mul,
 residual add + RMSNorm.
 
-A decode step at batch 1 is ~500 kernels; each small elementwise one costs a launch gap
-inside a CUDA graph, so RoPE (7 kernels in torch: chunks, products, differences, cat) and
-SwiGLU's ``silu(gate) * up`` (2) become one kernel each, and each residual add with the
-RMSNorm after it one kernel (torch's add + ``F.rms_norm``: 2 kernels, and its norm kernel
-was a visible share of a batch-1 step on the H200: docs/benchmarks.md, "Notes moved from
-model/server/router docstrings"). Each operation is rounded to the
-input dtype where torch rounds it (products, sums); on the H200 bf16 results still differ
-from torch's by up to one rounding of the products (the compiler may fold a round trip), fp32
-in the last bits (fused multiply-add). The model uses them for CUDA
-tensors only (CPU keeps torch's ops); tests also run them on CPU under ``TRITON_INTERPRET=1``.
+Each small elementwise kernel costs a launch gap inside a CUDA graph, so RoPE, SwiGLU's
+``silu(gate) * up`` and each residual add with the RMSNorm after it become one kernel each
+(figures: docs/benchmarks.md). Each operation is rounded to the input dtype where torch
+rounds it; bf16 results may still differ from torch's by one rounding of the products,
+fp32 in the last bits (fused multiply-add). The model uses them for CUDA tensors only;
+tests also run them on CPU under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

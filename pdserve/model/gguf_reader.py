@@ -5,6 +5,10 @@ save the fp32 state dict, config, tokenizer (with its chat template) and generat
 under ``envs.CACHE_DIR/gguf/<stem>-<sha256[:16]>/``, written to a temporary folder and renamed
 into place, so concurrent workers never see a half-written copy. A pointer keyed by the
 file's path, size and mtime finds the copy later without reading the GGUF again.
+
+transformers' GGUF config mapping drops ``qwen3moe.expert_feed_forward_length`` (each
+expert's intermediate size), so a Qwen3-MoE GGUF would get the config default (768, right
+for Qwen3-30B-A3B only); :func:`gguf_config` reads it from the file's metadata.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 from pdserve import envs
 
@@ -45,6 +50,31 @@ def _write_atomic(path: str, text: str) -> None:
         f.write(text)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+# GGUF architecture -> (metadata key suffix, config field) that transformers does not map.
+_MISSING_KEYS = {"qwen3moe": (("expert_feed_forward_length", "moe_intermediate_size"),)}
+
+
+def gguf_config(gguf_path: str) -> Any:
+    """The transformers config of the GGUF at ``gguf_path`` (metadata only, no tensors),
+    with the fields of :data:`_MISSING_KEYS` read from the file. Raises what transformers
+    raises for an unsupported GGUF."""
+    import transformers
+
+    directory, fname = os.path.split(os.path.abspath(gguf_path))
+    cfg = transformers.AutoConfig.from_pretrained(directory, gguf_file=fname)
+    fixes = _MISSING_KEYS.get(cfg.model_type.replace("_", ""), ())
+    if fixes:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(gguf_path).fields
+        arch = str(fields["general.architecture"].contents())
+        for key, attr in fixes:
+            field = fields.get(f"{arch}.{key}")
+            if field is not None:
+                setattr(cfg, attr, int(field.contents()))
+    return cfg
 
 
 def find_cached_gguf_dir(gguf_path: str) -> str | None:
@@ -103,7 +133,7 @@ def _convert(gguf_path: str, sha: str, root: str, target: str) -> None:
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=fname)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, gguf_file=fname, dtype=torch.float32
+                directory, gguf_file=fname, config=gguf_config(gguf_path), dtype=torch.float32
             )
         except Exception as exc:  # transformers raises many types for unsupported GGUFs
             raise ValueError(

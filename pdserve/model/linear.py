@@ -2,10 +2,8 @@
 CUDA a measured Triton GEMV for the few-row shapes where it beat cuBLAS (``gemv_table``).
 
 On CPU, a weight reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU backend uses) runs
-1.3-2x faster than ``F.linear`` in bf16 (same bits) and 2-3x faster in fp32 at batch > 1 on
-AVX-512/AMX machines; in fp32 its rounding error is ~2x MKL's (rms 5e-7 vs 2.5e-7 relative),
-enough to move a 30-layer model's log-probs ~1e-4 away from transformers'. Hence
+(``torch.ops.mkldnn._reorder_linear_weight``) runs faster than ``F.linear`` (same bits in
+bf16; in fp32 a larger rounding error, enough to move log-probs off transformers'). Hence
 ``PDSERVE_CPU_PACKED_LINEAR``: ``auto`` (default) packs bf16 only, ``all`` fp32 too, ``none``
 nothing. Packing is also skipped off CPU, for other dtypes, and when the ops are missing.
 """

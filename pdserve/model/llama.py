@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, SmolLM2; Qwen3-MoE and Mixtral, whose
+sparse MLP layers are :class:`pdserve.model.moe.SparseMoeBlock`) over a paged KV cache.
 
 Q/K/V and gate/up projections are fused at load time (one matmul each). Norms, RoPE and the
 order of operations follow ``transformers``' Llama/Qwen2/Qwen3 so fp32 logits match it.
@@ -13,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import fp8, weight_map
 from pdserve.model import linear as lin
-from pdserve.model import weight_map
+from pdserve.model import moe as moe_mlp
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
 from pdserve.model.shapes import ModelShapes
@@ -62,7 +64,9 @@ class LlamaDecoderLayer(nn.Module):
     the layer holds this rank's share: QKV and gate/up column-parallel (its query heads, its
     KV heads, its intermediate rows), o_proj and down_proj row-parallel, their partial
     outputs summed over the ranks (``tp.all_reduce_``) before the row bias is added once.
-    ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul."""
+    ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul.
+    ``sparse``: the MLP is a mixture of experts (``self.moe``; the dense MLP parameters are
+    then None), its partial outputs all-reduced like down_proj's."""
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TPGroup | None = None,
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         self.s = s
@@ -83,11 +88,22 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = _empty((s.hidden, s.n_heads * s.head_dim), dtype, device)
         self.o_bias = _empty((s.hidden,), dtype, device) if s.o_bias else None
         self.post_attention_layernorm = _empty((s.hidden,), dtype, device)
-        self.gate_up_proj = _empty((2 * s.intermediate, s.hidden), dtype, device)
-        self.gate_up_bias = _empty((2 * s.intermediate,), dtype, device) if s.mlp_bias else None
-        self.down_proj = _empty((s.hidden, s.intermediate), dtype, device)
-        self.down_bias = _empty((s.hidden,), dtype, device) if s.mlp_bias else None
+        dense = not sparse
+        self.moe = moe_mlp.SparseMoeBlock(s, dtype, device) if sparse else None
+        self.gate_up_proj = _empty((2 * s.intermediate, s.hidden), dtype, device) if dense else None
+        self.gate_up_bias = (
+            _empty((2 * s.intermediate,), dtype, device) if dense and s.mlp_bias else None
+        )
+        self.down_proj = _empty((s.hidden, s.intermediate), dtype, device) if dense else None
+        self.down_bias = _empty((s.hidden,), dtype, device) if dense and s.mlp_bias else None
         self.packed: dict[str, torch.Tensor] = {}  # CPU pre-packed weights (see linear.py)
+        # FP8 linears (model/fp8.py): fused name -> weight, filled after loading
+        self.fp8: dict[str, fp8.Fp8Weight] = {}
+        self.fp8_names: tuple[str, ...] = ()
+        self.fp8_groups: dict[str, int] = {}
+        self.fp8_input_scales: dict[str, torch.Tensor] = {}
+        # per-tensor (K, V) scales of an FP8 KV cache: 1.0 or the checkpoint's k/v_scale
+        self.kv_scale: tuple[float, float] = (1.0, 1.0)
 
     def forward(
         self,
@@ -114,8 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         s = self.s
         T = h.shape[0]
         h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
-        pk = self.packed
-        qkv = lin.linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
+        qkv = self._linear("qkv_proj", x, self.qkv_bias)
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
@@ -135,12 +150,19 @@ class LlamaDecoderLayer(nn.Module):
             qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk[:, :nq], qk[:, nq:]
         stored = rope_store is not None
-        o = backend.forward(q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored)
-        o = self._row_parallel(o, self.o_proj, self.o_bias, pk.get("o_proj"))
+        o = backend.forward(
+            q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
+        )
+        o = self._row_parallel("o_proj", o, self.o_bias)
         h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
-        gate_up = lin.linear(x, self.gate_up_proj, self.gate_up_bias, pk.get("gate_up_proj"))
+        if self.moe is not None:
+            out = self.moe(x)
+            return h, out if self.tp is None else self.tp.all_reduce_(out)
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:
-            if self.tp is None:  # SwiGLU inside the down projection's GEMV, where it runs
+            # SwiGLU inside the down projection's GEMV, where it runs
+            if self.tp is None and "down_proj" not in self.fp8:
                 down = lin.silu_mul_linear(gate_up, self.down_proj, self.down_bias)
                 if down is not None:
                     return h, down
@@ -148,19 +170,22 @@ class LlamaDecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return h, self._row_parallel(act, self.down_proj, self.down_bias, pk.get("down_proj"))
+        return h, self._row_parallel("down_proj", act, self.down_bias)
 
-    def _row_parallel(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        packed: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``x [T, in/tp] @ weight.T`` summed over the ranks, plus ``bias`` once -> ``[T, out]``."""
+    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in] @ W.T + bias`` for fused parameter ``name``: its FP8 weight
+        (``fp8.linear``) when it has one, else the plain/packed one (``linear.linear``)."""
+        q = self.fp8.get(name)
+        if q is not None:
+            return fp8.linear(x, q, bias)
+        return lin.linear(x, getattr(self, name), bias, self.packed.get(name))
+
+    def _row_parallel(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in/tp] @ W.T`` of parameter ``name`` summed over the ranks, plus ``bias``
+        once -> ``[T, out]``."""
         if self.tp is None:
-            return lin.linear(x, weight, bias, packed)
-        out = self.tp.all_reduce_(lin.linear(x, weight, None, packed))
+            return self._linear(name, x, bias)
+        out = self.tp.all_reduce_(self._linear(name, x, None))
         return out if bias is None else out.add_(bias)
 
 
@@ -175,7 +200,10 @@ class LlamaForCausalLM(nn.Module):
     :class:`LlamaDecoderLayer`; ``shapes`` gives the rank-local counts and ranges), the
     embedding and LM head hold its vocabulary rows (padded to ``shapes.vocab_shard``), and
     :meth:`forward` / :meth:`compute_logits` are collectives every rank calls with the same
-    inputs.
+    inputs. quantization: ``"fp8"`` quantizes the four linears of every layer to e4m3 at
+    load (one scale per output channel); a checkpoint whose config has an FP8
+    ``quantization_config`` loads as published whatever this says (``model/fp8.py``).
+    Embeddings, LM head and norms stay in ``dtype``.
     Raises ``ValueError`` for unsupported model types / rope types, and naming the field
     when a count does not split over ``tensor_parallel_size``.
     """
@@ -189,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         attn_backend: str = "torch_sdpa",
         tp: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp if tp is not None else TPGroup.single()
@@ -198,10 +227,15 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _empty((s.vocab_shard, s.hidden), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(s, dtype, device, self._tp) for _ in range(s.n_layers)
+            LlamaDecoderLayer(s, dtype, device, self._tp, sparse=i in s.moe_layers)
+            for i in range(s.n_layers)
         )
         self.norm = _empty((s.hidden,), dtype, device)
         self.lm_head = None if s.tied else _empty((s.vocab_shard, s.hidden), dtype, device)
+        # FP8 linears: the checkpoint's format, or online quantization (quantization="fp8")
+        self.fp8_scheme = fp8.scheme_from_config(hf_config, quantization)
+        if self.fp8_scheme is not None and self.fp8_scheme.source == "checkpoint":
+            fp8.prepare_checkpoint_layers(list(self.decoder_layers()), self.fp8_scheme)
         self.register_buffer(
             "rope_cos_sin",
             cos_sin_table(hf_config, s.head_dim, s.max_positions, dtype, device),
@@ -222,9 +256,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _targets(self) -> dict[str, weight_map.Target]:
         """HF name -> where it goes (rows of a fused parameter, this rank's slice)."""
-        return weight_map.weight_targets(
+        t = weight_map.weight_targets(
             self.shapes, self.embed_tokens, self.norm, self.lm_head, self.decoder_layers()
         )
+        sparse = {i: ly.moe for i, ly in enumerate(self.decoder_layers()) if ly.moe is not None}
+        if sparse:
+            t.update(moe_mlp.moe_weight_targets(self.shapes, self.config.model_type, sparse))
+        return t
 
     def weight_shard(self, name: str, shape: Sequence[int]) -> weight_map.ShardSpec | None:
         """``(dim, start, end)`` of the HF tensor ``name`` (full shape ``shape``) this rank
@@ -256,12 +294,26 @@ class LlamaForCausalLM(nn.Module):
             if pad and head is not None and head.device.type != "meta":
                 head[s.vocab_shard - pad :].zero_()
         loaded: set[str] = set()
+        layers = list(self.decoder_layers())
+        scheme = self.fp8_scheme
+        scales = None
+        if scheme is not None and scheme.source == "checkpoint":
+            scales = fp8.CheckpointScales(scheme, targets, layers)
+        kv_scales: dict[tuple[int, str], float] = {}
+        if self.shapes.moe_layers:  # transformers-5 fused expert tensors -> hub names
+            weights = moe_mlp.hub_names(weights, self.config.model_type)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                 name == "lm_head.weight" and self.lm_head is None
             ):
                 continue
             if name not in targets:
+                if scales is not None and scales.accept(name, tensor):
+                    continue
+                kv = fp8.kv_scale_of(name)
+                if kv is not None and kv[0] < len(layers):
+                    kv_scales[kv] = float(tensor.float().max())
+                    continue
                 raise ValueError(
                     f"weight {name!r} is not a parameter of this {self.shapes.__class__.__name__} model"
                 )
@@ -273,7 +325,24 @@ class LlamaForCausalLM(nn.Module):
                 f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             )
             raise ValueError(f"weights missing from the checkpoint: {shown}")
+        if scales is not None:
+            if scales.missing():
+                raise ValueError(f"FP8 scales missing from the checkpoint: {scales.missing()[:5]}")
+            fp8.finish_layers(layers)
+        elif scheme is not None:
+            fp8.quantize_layers_online(layers, scheme)
+        if self.fp8_scheme is not None and self.embed_tokens.is_cuda:  # the switch, per shape
+            fp8.choose_paths(w for layer in layers for w in layer.fp8.values())
+        for i, layer in enumerate(layers):
+            both = kv_scales.get((i, "kv"), 1.0)
+            layer.kv_scale = (kv_scales.get((i, "k"), both), kv_scales.get((i, "v"), both))
         self._pack()
+
+    @property
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Per layer the ``(k_scale, v_scale)`` of an FP8 KV cache (1.0 unless the
+        checkpoint gives them): stored K/V are ``k / k_scale`` in e4m3."""
+        return tuple(layer.kv_scale for layer in self.decoder_layers())
 
     _PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -282,7 +351,11 @@ class LlamaForCausalLM(nn.Module):
         mode = lin.packing_mode()  # once per load
         for layer in self.decoder_layers():
             for name in self._PACKED:
+                if name in layer.fp8:
+                    continue
                 param = getattr(layer, name)
+                if param is None:  # a sparse layer: no dense MLP
+                    continue
                 packed = lin.pack(param, mode)
                 if packed is not None:
                     layer.packed[name] = packed
@@ -299,6 +372,11 @@ class LlamaForCausalLM(nn.Module):
         self._freed.clear()
         for layer in self.decoder_layers():
             layer.packed.clear()
+            if self.fp8_scheme is not None and self.fp8_scheme.source == "online":
+                for name in layer.fp8:  # back to the dtype the checkpoint is loaded in
+                    p = getattr(layer, name)
+                    p.data = torch.empty(p.shape, dtype=self.dtype, device=p.device)
+                layer.fp8 = {}
         self._lm_head_packed = None
 
     # ----------------------------------------------------------------- forward
@@ -336,7 +414,8 @@ class LlamaForCausalLM(nn.Module):
                 fused_ops.rope_inplace(x, table, positions)
                 return x
 
-            if self.backend.accepts_stored_kv:
+            # an FP8 cache is written by the backend's store (quantized with the K/V scales)
+            if self.backend.accepts_stored_kv and kv_cache[0][0].dtype != fp8.FP8:
                 slots = attn.slot_mapping
 
                 def rope_store(
@@ -379,18 +458,23 @@ class LlamaForCausalLM(nn.Module):
         return self._tp.all_reduce_(h.masked_fill_(outside[:, None], 0.0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` float32 (full vocabulary) of hidden states ``[N, H]`` (tied
         embeddings when configured). Under TP a collective: each rank computes its vocab
-        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped."""
+        rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped.
+        out: an ``[N, V]`` float32 tensor to write them into (the cast to fp32 is that
+        copy: no extra pass; CUDA graphs share one such buffer), returned; ``None``: a new
+        tensor."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = lin.linear(hidden, w, None, self._lm_head_packed)
-        if self._tp is None:
-            return logits.float()
-        if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
-            return logits.new_empty((0, self.shapes.vocab), dtype=torch.float32)
-        logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
-        V = self.shapes.vocab
-        if logits.shape[-1] != V:
-            logits = logits[:, :V].contiguous()
-        return logits.float()
+        if self._tp is not None:
+            if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather
+                logits = logits.new_empty((0, self.shapes.vocab))
+            else:
+                logits = self._tp.all_gather(logits, dim=-1)  # [N, size * vocab_shard]
+                V = self.shapes.vocab
+                if logits.shape[-1] != V:
+                    logits = logits[:, :V]
+        if out is None:
+            return logits.float().contiguous()
+        return out.copy_(logits)

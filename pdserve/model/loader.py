@@ -20,7 +20,7 @@ import transformers
 from pdserve import envs
 from pdserve.embedded import EMBEDDED_GGUF_FILE, EMBEDDED_GGUF_PACKAGE, EMBEDDED_MODEL_ID
 from pdserve.model import presets
-from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir
+from pdserve.model.gguf_reader import MANIFEST, cached_gguf_dir, find_cached_gguf_dir, gguf_config
 from pdserve.model.weight_map import ShardSpec, narrow_to
 
 RANDOM_PREFIX = "random:"
@@ -176,8 +176,11 @@ def _random_weights(
     cfg: transformers.PretrainedConfig, seed: int, meta: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield HF-named fp32 tensors: norms = 1, everything else N(0, 0.02), each from a CPU
-    generator seeded by (seed, name) so any tensor is reproducible on its own.
-    ``meta=True`` yields shape-only tensors (checks names/shapes without allocating)."""
+    generator seeded by (seed, name) so any tensor is reproducible on its own; a stacked
+    3-D tensor (a mixture of experts' ``[E, ...]``) is drawn one expert at a time, seeded
+    by (seed, name, expert), on a thread pool (Qwen3-30B-A3B's 29 B expert weights would
+    take minutes on one core). ``meta=True`` yields shape-only tensors (checks
+    names/shapes without allocating)."""
     with torch.device("meta"):
         # AutoModelForCausalLM.from_config carries no annotations in transformers.
         hf_model = transformers.AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
@@ -187,8 +190,27 @@ def _random_weights(
             yield name, torch.empty(shape, device="meta")
         elif name.endswith("norm.weight"):
             yield name, torch.ones(shape)
+        elif len(shape) == 3:
+            yield name, _normal_stacked(shape, seed, name)
         else:
             yield name, _normal(shape, seed, name)
+
+
+def _normal_stacked(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """``[E, ...]`` fp32: slice ``e`` is :func:`_normal` of (seed, ``name.e``), the slices
+    drawn in parallel (torch releases the GIL); the values do not depend on the threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = torch.empty(shape)
+
+    def draw(e: int) -> None:
+        digest = hashlib.sha256(f"{seed}:{name}.{e}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        torch.randn(shape[1:], generator=g, out=out[e]).mul_(0.02)
+
+    with ThreadPoolExecutor(max(1, min(shape[0], os.cpu_count() or 1))) as pool:
+        list(pool.map(draw, range(shape[0])))
+    return out
 
 
 def _normal(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
@@ -274,7 +296,6 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         if name not in presets.PRESETS:
             raise _usage(model, f"unknown random preset {name!r}")
         return presets.preset_config(name)
-    gguf_file: str | None = None
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise _usage(model, "folder has no config.json")
@@ -284,15 +305,14 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         if not os.path.isfile(gguf):
             raise _usage(model, "GGUF file not found")
         cached = find_cached_gguf_dir(gguf)
-        if cached is None:  # transformers reads the GGUF's metadata, not its tensors
-            folder, gguf_file = os.path.dirname(gguf), os.path.basename(gguf)
-        else:
-            folder = cached
+        if cached is None:  # the GGUF's metadata, not its tensors
+            return cast(transformers.PretrainedConfig, gguf_config(gguf))
+        folder = cached
     else:
         raise _usage(
             model, "not an existing folder, .gguf file, random preset or the embedded model id"
         )
-    cfg = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    cfg = transformers.AutoConfig.from_pretrained(folder)
     return cast(transformers.PretrainedConfig, cfg)
 
 

@@ -8,9 +8,8 @@ it launch early (``griddepcontrol.launch_dependents``). Every kernel of ours tha
 the only overlap is launch latency and CTA scheduling; results are the same bits. A kernel
 launched without PDL (cuBLAS, torch) runs as before: it starts after its predecessor ends.
 
-Off unless ``PDSERVE_TRITON_PDL=1``: a probe gained about 2 % with Triton GEMVs and
-nothing next to cuBLAS, and it is not measured in the engine (figures: docs/benchmarks.md,
-"Notes moved from model/server/router docstrings").
+Off unless ``PDSERVE_TRITON_PDL=1``: not measured in the engine (a probe's figures:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Every preset keeps its real model's shapes, vocabulary size included, so speed and memory
 match the real model. All presets share the embedded SmolLM2 tokenizer (49152 ids): token
 ids at or above 49152, which larger-vocabulary presets can produce, decode to ``""``.
-``tiny`` is a 2-layer Llama with the tokenizer's own vocabulary, for tests.
+``tiny`` is a 2-layer Llama with the tokenizer's own vocabulary, for tests; ``tiny-qwen3-moe``
+and ``tiny-mixtral`` are 2-layer mixtures of experts likewise. ``qwen3-30b-a3b`` and
+``mixtral-8x7b`` are the real MoE shapes (all experts in memory: ~61 GB / ~93 GB in bf16).
 """
 
 from __future__ import annotations
@@ -130,6 +132,84 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=40960,
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "tiny-mixtral": (
+        "MixtralConfig",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=None,
             rope_theta=1000000.0,
         ),
     ),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import AttentionBackend, AttentionMetadata
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 
 
 @dataclass
@@ -34,6 +34,7 @@ class _PrefillSeq:
     pages: torch.Tensor | None  # [1, ceil(ctx / page_size)] int64; None = no cached prefix
     ctx: int  # context length (cached prefix + this step's tokens)
     mask: torch.Tensor | None  # [q, ctx] bool offset-causal mask; None = plain causal
+    all_pages: torch.Tensor  # [1, ceil(ctx / page_size)] int64 (an FP8 cache reads them all)
 
 
 @dataclass
@@ -111,11 +112,12 @@ class TorchSDPABackend(AttentionBackend):
             s = s_lens[b]
             pages: torch.Tensor | None = None
             mask: torch.Tensor | None = None
+            all_pages = attn.page_table[b : b + 1, : -(-s // page_size)].long()
             if s > q:
-                pages = attn.page_table[b : b + 1, : -(-s // page_size)].long()
+                pages = all_pages
                 qi = torch.arange(q, device=device)[:, None]
                 mask = torch.arange(s, device=device)[None, :] <= (s - q) + qi
-            prefills.append(_PrefillSeq(starts[b], starts[b + 1], pages, s, mask))
+            prefills.append(_PrefillSeq(starts[b], starts[b + 1], pages, s, mask, all_pages))
         slots = attn.slot_mapping
         return SDPAPlan(decode, prefills, starts[-1], slots // page_size, slots % page_size)
 
@@ -130,35 +132,47 @@ class TorchSDPABackend(AttentionBackend):
         plan: SDPAPlan,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq*D]``."""
+        """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq*D]``.
+        An FP8 cache is dequantized after each gather (``* kv_scale``), and a prompt with
+        no cached prefix reads its own K/V back from it too."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
+        fp8 = is_fp8(k_cache)
         if not kv_stored:
             idx = (plan.write_pages, plan.write_offsets)
-            k_cache.index_put_(idx, k.to(k_cache.dtype))  # strided views: writes land in the pool
-            v_cache.index_put_(idx, v.to(v_cache.dtype))
+            if fp8:
+                k_cache.index_put_(idx, quantize_kv(k, kv_scale[0]))
+                v_cache.index_put_(idx, quantize_kv(v, kv_scale[1]))
+            else:  # strided views: writes land in the pool
+                k_cache.index_put_(idx, k.to(k_cache.dtype))
+                v_cache.index_put_(idx, v.to(v_cache.dtype))
+        scales = kv_scale if fp8 else None
 
         dg = plan.decode
         if dg is not None and dg.rows is None:
-            return self._decode(q, k_cache, v_cache, dg, scale, Hkv, G).reshape(T, Hq * D)
+            o = self._decode(q, k_cache, v_cache, dg, scale, Hkv, G, scales)
+            return o.reshape(T, Hq * D)
 
         out = q.new_empty(T, Hq, D)
         if dg is not None and dg.rows is not None:  # rows is None only in the return above
             qd = q.index_select(0, dg.rows)
             out.index_copy_(
-                0, dg.rows, self._decode(qd, k_cache, v_cache, dg, scale, Hkv, G).reshape(-1, Hq, D)
+                0,
+                dg.rows,
+                self._decode(qd, k_cache, v_cache, dg, scale, Hkv, G, scales).reshape(-1, Hq, D),
             )
         for p in plan.prefills:
             qp = q[p.start : p.end].transpose(0, 1)  # [Hq, q, D]
-            if p.pages is None:
+            if p.pages is None and not fp8:
                 kp = k[p.start : p.end].transpose(0, 1)  # [Hkv, q, D]
                 vp = v[p.start : p.end].transpose(0, 1)
             else:
-                kp = _gather(k_cache, p.pages)[0, :, : p.ctx]  # [Hkv, ctx, D]
-                vp = _gather(v_cache, p.pages)[0, :, : p.ctx]
-            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+                kp = _gather(k_cache, p.all_pages)[0, :, : p.ctx]  # [Hkv, ctx, D]
+                vp = _gather(v_cache, p.all_pages)[0, :, : p.ctx]
+            kp, vp = _dequant(kp, q.dtype, scales, 0), _dequant(vp, q.dtype, scales, 1)
             if G > 1:
                 kp, vp = kp.repeat_interleave(G, dim=0), vp.repeat_interleave(G, dim=0)
             o = F.scaled_dot_product_attention(
@@ -181,12 +195,28 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         Hkv: int,
         G: int,
+        scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
-        """q ``[Bd, Hq, D]`` -> ``[Bd, Hkv, G, D]`` attended over the gathered pages."""
+        """q ``[Bd, Hq, D]`` -> ``[Bd, Hkv, G, D]`` attended over the gathered pages
+        (``scales``: an FP8 cache's ``(k_scale, v_scale)``, None otherwise)."""
         Bd, _, D = q.shape
         kd = _gather(k_cache, dg.pages)  # [Bd, Hkv, max_pages * ps, D]
         vd = _gather(v_cache, dg.pages)
         qd = q.view(Bd, Hkv, G, D)  # GQA: the G query heads of a KV head become G query rows
         return F.scaled_dot_product_attention(
-            qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=dg.mask, scale=scale
+            qd,
+            _dequant(kd, q.dtype, scales, 0),
+            _dequant(vd, q.dtype, scales, 1),
+            attn_mask=dg.mask,
+            scale=scale,
         )
+
+
+def _dequant(
+    x: torch.Tensor, dtype: torch.dtype, scales: tuple[float, float] | None, which: int
+) -> torch.Tensor:
+    """Gathered K (``which`` 0) or V (1) in ``dtype``: an FP8 cache's values times their
+    per-tensor scale (``scales``), a plain cache's as they are."""
+    if scales is None or scales[which] == 1.0:
+        return x.to(dtype)
+    return (x.float() * scales[which]).to(dtype)

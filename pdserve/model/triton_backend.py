@@ -8,10 +8,11 @@ step's K/V are stored first by the store kernel, or, on CUDA, by the model's RoP
 (``fused_ops.rope_store_kv``: one kernel a layer fewer; ``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
-depend only on the batch size (the split count is fixed per batch size; each program derives
-its range from ``seq_lens`` on the device), so a graph captured over static buffers stays
-valid for any context length that fits the page table. Padded rows carry slot ``-1`` (the
-store writes nothing) and ``seq_len`` 0 (their output is 0).
+depend only on the batch size and the context bound it is captured for (the split count is
+fixed per graph; each program derives its range from ``seq_lens`` on the device, for long
+contexts from the batch's total too: ``decode_config``), so a graph captured over static
+buffers stays valid for any context length that fits the page table. Padded rows carry
+slot ``-1`` (the store writes nothing) and ``seq_len`` 0 (their output is 0).
 
 Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model import pdl
-from pdserve.model.attention import AttentionBackend, AttentionMetadata
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
     decode_split_kernel,
@@ -38,8 +39,16 @@ _EXTEND_BLOCK_N = 64
 # at most 32 splits (``capture_reserve_bytes`` counts scratch for 32).
 _TARGET_PROGRAMS = 1024
 _MAX_SPLITS = 32
-# The longest context (tokens) a large decode batch runs as one split (see decode_config).
+# The longest context (tokens) a large decode batch runs as one split (see decode_config),
+# and the context bound every captured batch size gets a graph of its own for.
 ONE_SPLIT_MAX_CONTEXT = 1024
+# Long contexts: programs launched at most per step when the lengths are not known (a
+# graph), so that one long row among short ones can still take up to 32 splits; the
+# kernel cuts the batch's KV into about _TARGET_PROGRAMS pieces on the device.
+_BALANCED_LAUNCH = 2048
+# Context lengths each balanced program sums at a time (a loop: one compiled variant for
+# every batch size).
+_BALANCE_BLOCK_B = 64
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -53,13 +62,17 @@ class DecodeConfig:
     splits: programs per (row, KV head), 1..32 (1: the kernel writes the output, no merge);
     block_n: context tokens a program reads per iteration (a power of two >= 16);
     num_warps / num_stages: Triton launch options; min_split: fewest tokens a split covers
-    (a multiple of ``block_n``; 0: none), so short contexts leave later splits empty."""
+    (a multiple of ``block_n``; 0: none), so short contexts leave later splits empty;
+    balance: 0, or the number of equal pieces the kernel cuts the batch's whole KV into
+    (a split then covers at least ``total context * Hkv / balance`` tokens, computed on the
+    device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``)."""
 
     splits: int
     block_n: int
     num_warps: int
     num_stages: int
     min_split: int = 0
+    balance: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -68,6 +81,8 @@ class DecodeConfig:
             raise ValueError(f"block_n: {self.block_n} is not a power of two >= 16")
         if self.min_split < 0 or self.min_split % self.block_n:
             raise ValueError(f"min_split: {self.min_split} is not a multiple of {self.block_n}")
+        if self.balance < 0:
+            raise ValueError(f"balance: {self.balance} is negative")
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None) -> int:
@@ -82,38 +97,59 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None)
 
 
 def decode_config(
-    num_seqs: int, num_kv_heads: int, page_size: int, max_seq_len: int | None
+    num_seqs: int,
+    num_kv_heads: int,
+    page_size: int,
+    max_seq_len: int | None,
+    total_context: int | None = None,
 ) -> DecodeConfig:
     """The decode kernel's configuration for ``num_seqs`` rows (``max_seq_len``: the longest
-    context of an eager step, ``None`` when captured: then it depends on the batch only).
+    context of an eager step, or the bound a graph is captured for; ``None``: a graph for
+    any context; ``total_context``: the sum of an eager step's contexts, else ``None``).
 
-    Splits as :func:`num_decode_splits`; 64-token tiles, 4 warps, 2 stages; once the rows
-    alone make 256 programs or more (``B * Hkv``, batch 32 and up at 8 KV heads) a split
-    covers at least 256 tokens, so a short context runs as one program a (row, KV head)
-    and only longer ones are split. There, when every context is known to be at most
-    ``ONE_SPLIT_MAX_CONTEXT`` tokens (an eager step, or a graph captured for that bound:
-    :meth:`TritonBackend.capture_context_bounds`), one split of 3 stages and no merge: no
-    merge launches and a faster split kernel. A longer context stays split, so that one
-    long row among short ones is not walked by a few programs alone. These tiles, warps
-    and stages were the fastest of a sweep on the H200; the faster choices left out (one
-    split at batch 64 whatever the context, 8 splits at batch 1) were not measured on long
-    contexts, where one program would walk a long context alone or a quarter of the
-    programs would idle. A merge fused into the split kernel was slower in every case, so
-    the merge stays a kernel of its own. Figures: docs/benchmarks.md, "Notes moved from
-    model/server/router docstrings"."""
-    large = num_seqs * num_kv_heads >= 256
-    if large and max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
-        return DecodeConfig(1, 64, 4, 3)
-    splits = num_decode_splits(num_seqs, num_kv_heads, max_seq_len)
-    return DecodeConfig(splits, 64, 4, 2, 256 if large else 0)
+    Short contexts (``max_seq_len <= ONE_SPLIT_MAX_CONTEXT``): splits as
+    :func:`num_decode_splits`; 64-token tiles, 4 warps, 2 stages; once the rows alone make
+    256 programs or more (``B * Hkv``, batch 32 and up at 8 KV heads) one split of 3 stages
+    and no merge. These tiles, warps and stages were the fastest of a sweep on the H200
+    (docs/benchmarks.md, "Notes moved from model/server/router docstrings"); a merge fused
+    into the split kernel was slower in every case, so the merge stays a kernel of its own.
+
+    Long or unknown contexts: the splits follow the batch's context lengths, so that every
+    SM streams KV however the lengths are spread. The kernel cuts the batch's KV (``total *
+    Hkv`` token-heads) into about 1024 equal pieces (``balance``) of at least 64 tokens (256
+    from 256 rows x KV heads, where the rows alone fill the SMs), and a row takes as many
+    splits as its length needs, up to ``splits``. An eager step knows its lengths:
+    ``splits`` = the longest row's pieces, no program launched empty. A graph does not:
+    ``splits`` = up to 2048 programs launched (``B * Hkv * splits``), at most 32 and at
+    most the bound's pieces of 64 tokens; a uniform batch then gets the same split length
+    as an eager step, and one long row among short ones up to 32 splits instead of the
+    few that the batch size alone would give it. The bounds a graph is captured for:
+    :meth:`TritonBackend.capture_context_bounds`."""
+    rows = num_seqs * num_kv_heads
+    large = rows >= 256
+    if max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
+        if large:
+            return DecodeConfig(1, 64, 4, 3)
+        return DecodeConfig(num_decode_splits(num_seqs, num_kv_heads, max_seq_len), 64, 4, 2)
+    floor = 256 if large else 64
+    if max_seq_len is not None and total_context is not None:
+        piece = max(floor, -(-total_context * num_kv_heads // _TARGET_PROGRAMS))
+        piece = -(-piece // 64) * 64
+        splits = max(1, min(_MAX_SPLITS, -(-max_seq_len // piece)))
+    else:
+        splits = max(1, min(_MAX_SPLITS, _BALANCED_LAUNCH // max(1, rows)))
+        if max_seq_len is not None:
+            splits = max(1, min(splits, -(-max_seq_len // 64)))
+    return DecodeConfig(splits, 64, 4, 2, floor if large else 0, _TARGET_PROGRAMS)
 
 
 @dataclass
 class TritonPlan:
     """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
 
-    max_seq_len: longest context of an eager decode step (``None`` when captured: the
-    decode configuration then depends on the batch size only); config: the decode kernel's
+    max_seq_len: longest context of an eager decode step (when captured: the graph's
+    context bound, or ``None``); total_context: the sum of an eager step's contexts
+    (``None`` when captured); config: the decode kernel's
     :class:`DecodeConfig`, fixed on the first layer (``None`` until then); max_q_len:
     longest query of an extend step.
     mid_o ``[B, Hq, S, D]`` fp32 / mid_lse ``[B, Hq, S]`` fp32: decode scratch of ``S > 1``
@@ -124,6 +160,7 @@ class TritonPlan:
     decode: bool
     max_seq_len: int | None
     max_q_len: int
+    total_context: int | None = None
     config: DecodeConfig | None = None
     mid_o: torch.Tensor | None = None
     mid_lse: torch.Tensor | None = None
@@ -140,7 +177,7 @@ class TritonBackend(AttentionBackend):
         """Plan an eager step (reads the host lengths; one device read when absent)."""
         q_lens, s_lens = attn.host_lens()
         decode = all(q == 1 for q in q_lens)
-        return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1))
+        return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1), sum(s_lens))
 
     def plan_for_capture(
         self, attn: AttentionMetadata, page_size: int, max_seq_len: int | None = None
@@ -151,11 +188,11 @@ class TritonBackend(AttentionBackend):
         return TritonPlan(decode=True, max_seq_len=max_seq_len, max_q_len=1)
 
     def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:
-        """``(ONE_SPLIT_MAX_CONTEXT,)`` where a batch of ``num_seqs`` rows decodes short
-        contexts as one split (``num_seqs * num_kv_heads >= 256``: :func:`decode_config`),
-        else ``()`` (smaller batches keep one graph: their split count is fixed by the
-        batch alone)."""
-        return (ONE_SPLIT_MAX_CONTEXT,) if num_seqs * num_kv_heads >= 256 else ()
+        """``(ONE_SPLIT_MAX_CONTEXT,)`` for every batch size: :func:`decode_config` runs
+        short contexts by the measured short-context rule (one split from 256 rows x KV
+        heads, a few at smaller batches) and longer ones by the balanced rule, so each
+        bucket gets a graph of each."""
+        return (ONE_SPLIT_MAX_CONTEXT,)
 
     def forward(
         self,
@@ -168,12 +205,15 @@ class TritonBackend(AttentionBackend):
         plan: TritonPlan,
         scale: float,
         kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
         any strides with dim stride 1. With ``kv_stored`` (the model's RoPE kernel wrote K/V,
         ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
-        dtype."""
+        dtype. An FP8 cache stores ``quantize_kv(k, kv_scale[0])`` (and V likewise); the
+        kernels convert what they load to q's dtype, ``kv_scale[0]`` is folded into the
+        softmax scale and the output is multiplied by ``kv_scale[1]``."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -184,7 +224,9 @@ class TritonBackend(AttentionBackend):
         if T and not kv_stored:
             if k.stride(-1) != 1 or v.stride(-1) != 1:
                 k, v = k.contiguous(), v.contiguous()
-            if k.dtype != k_cache.dtype:
+            if is_fp8(k_cache):
+                k, v = quantize_kv(k, kv_scale[0]), quantize_kv(v, kv_scale[1])
+            elif k.dtype != k_cache.dtype:
                 k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             store_kv_kernel[(T,)](
                 k,
@@ -205,6 +247,9 @@ class TritonBackend(AttentionBackend):
                 BLOCK_D=block_d,
                 **pdl.launch_options(k),
             )
+        v_scale = 1.0
+        if is_fp8(k_cache):  # scores = q . (k8 * ks): ks joins the softmax scale
+            scale, v_scale = scale * kv_scale[0], kv_scale[1]
         out = q.new_empty(T, Hq, D)
         ieee = q.dtype == torch.float32  # fp32 stays exact: no TF32 in the dots
         table = attn.page_table
@@ -213,7 +258,7 @@ class TritonBackend(AttentionBackend):
             return out.view(T, Hq * D)
         if plan.decode:
             if plan.config is None:
-                plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len)
+                plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
             cfg = plan.config
             S = cfg.splits
             if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
@@ -240,11 +285,14 @@ class TritonBackend(AttentionBackend):
                 *mid_lse.stride()[:2],
                 out.stride(0),
                 out.stride(1),
+                B,
                 G=G,
                 D=D,
                 PAGE_SIZE=page_size,
                 NUM_SPLITS=S,
                 MIN_SPLIT=cfg.min_split,
+                BALANCE_PROGRAMS=cfg.balance,
+                BLOCK_B=_BALANCE_BLOCK_B if cfg.balance else 1,
                 BLOCK_H=_pow2(G),
                 BLOCK_N=cfg.block_n,
                 BLOCK_D=block_d,
@@ -296,4 +344,6 @@ class TritonBackend(AttentionBackend):
                 IEEE=ieee,
                 **pdl.launch_options(q),
             )
+        if v_scale != 1.0:  # sum_j p_j (v8_j * vs) = vs * sum_j p_j v8_j
+            out.mul_(v_scale)
         return out.view(T, Hq * D)

@@ -13,22 +13,16 @@ a captured graph's bucket: 1, 2, 4, 8, 16, 32, 48, 64) by a bf16 matrix ``w [N, 
           masked to zero. One launch.
 ``splitkS`` (S = 2, 4, 8) the ``dot`` walk with K cut into S slices, one program per
           (``BLOCK_N`` features, slice), each storing fp32 partials ``[S, M, N]``; a second
-          kernel sums them in slice order (deterministic) and rounds once. Two launches; it
-          gives wide tiles (few re-reads of x from L2 at 64 rows) enough programs for the
-          GPU's 132 SMs when N is small.
+          kernel sums them in slice order (deterministic) and rounds once. Two launches;
+          enough programs for wide tiles when N is small.
 ``tma*``  M <= 64: the weight streamed through Hopper's bulk tensor copies (TMA) by a
           persistent grid, one tile a unit, K slices or stream-K, optionally
           warp-specialized: :mod:`pdserve.model.triton_gemv_tma`.
 
 Which shape and row count use which kernel and tile, or cuBLAS, is not guessed: it is the
-table ``pdserve.model.gemv_table.TABLE``, written by ``scripts/gpu_gemv_sweep.py`` from a
-measurement on the GPU (each configuration timed in a CUDA graph over weight copies that
-do not fit in L2, against ``F.linear`` timed the same way; a configuration is used only
-where it beat cuBLAS by >= 3 %; every timing in ``docs/figures/h200_gemv_sweep.json``).
-:func:`pick` reads it. On the H200 the ``rows`` kernel wins at M = 1 for most Llama
-shapes; at more rows cuBLAS (TMA-fed ``nvjet`` kernels) is as fast or faster almost
-everywhere, since these kernels' pipelined loads stay below its bandwidth (the figures:
-docs/benchmarks.md, "Notes moved from model/server/router docstrings").
+table ``pdserve.model.gemv_table.TABLE`` (read by :func:`pick`), written by
+``scripts/gpu_gemv_sweep.py`` from a GPU measurement (a configuration is used only where
+it beat ``F.linear`` by >= 3 %; figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,63 +2,39 @@
 
 The ``tma*`` kernel kinds of :mod:`pdserve.model.triton_gemv` (same configuration tuple
 ``(kind, BLOCK_N, BLOCK_K, num_warps, num_stages)``, same ``gemv`` entry point, used only
-where a measured ``gemv_table`` entry names them). Why another kernel: at M = 32..64 our
-pointer-load ``dot``/``splitkS`` kernels stayed behind cuBLAS, whose ``nvjet`` kernels feed
-the tensor cores from bulk tensor copies (TMA) issued by dedicated producer warps (figures:
-docs/benchmarks.md, "Notes moved from model/server/router docstrings").
-Design, each choice with its source:
+where a measured ``gemv_table`` entry names them). Why: at M = 32..64 the pointer-load
+kinds stayed behind cuBLAS, whose kernels feed the tensor cores from bulk tensor copies
+(TMA) issued by producer warps (figures: docs/benchmarks.md).
 
-- The weight ``w [N, K]`` (K contiguous) is read through a host-side
-  ``triton.tools.tensor_descriptor.TensorDescriptor`` (a CUtensorMap passed by value as a
-  kernel parameter; present in Triton 3.6, the GPU machine's, and 3.9, the CPU venv's) in
-  ``[BLOCK_N, BLOCK_K]`` boxes; Triton's pipeliner keeps ``num_stages`` boxes in flight
-  completing on mbarriers (/work/.library/device/HOPPER.md: bulk tensor copies two or three
-  stages deep for tiles). Out-of-range boxes are zero-filled by the copy engine, so the N
-  and K tails need no masks. TMA wants a 16-byte aligned base and row stride (ValueError
-  otherwise: weights are whole parameters, their rows ``K * 2`` bytes with K % 8 == 0 for
-  every Llama shape).
-- x ``[M, K]`` is re-read from L2 by every tile (M * K * 2 bytes, 0.5 MB at 64 x 4096 bf16,
-  in a 50 MB L2): by a second descriptor with ``[BLOCK_M, BLOCK_K]`` boxes (rows past M
-  zero-filled), or by masked pointer loads when x's base or row stride is not 16-byte
-  aligned or when ``silu_mul`` computes ``silu(gate) * up`` on the fly (``_load_x``).
-- The product is taken swapped, ``acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T``: Hopper's
-  ``wgmma`` has M = 64 per warpgroup and N = 8..256 in steps of 8 (PTX ISA,
-  ``wgmma.mma_async`` shapes ``m64nNk16``), so the weight's BLOCK_N >= 64 fills the M side
-  and the 16..64 rows the N side; unswapped, 16 or 32 rows would leave ``wgmma`` unused.
-  Both operands come from shared memory as the copy engine left them (B = x.T is K-major).
+Design:
+
+- ``w [N, K]`` is read through a host-side ``TensorDescriptor`` in ``[BLOCK_N, BLOCK_K]``
+  boxes, ``num_stages`` in flight (Triton's pipeliner); out-of-range boxes are zero-filled,
+  so the N and K tails need no masks. TMA wants a 16-byte aligned base and row stride
+  (ValueError otherwise).
+- x ``[M, K]`` is re-read from L2 by every tile: through a second descriptor, or by masked
+  pointer loads when it is not 16-byte aligned or ``silu_mul`` computes
+  ``silu(gate) * up`` on the fly (``_load_x``).
+- The product is taken swapped, ``acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T``: ``wgmma``
+  has M = 64 per warpgroup, so the weight's BLOCK_N >= 64 fills the M side and the 16..64
+  rows the N side.
 - Persistent grid: ``min(#SMs, work)`` programs walk the work with a grid stride, so the
-  copy pipeline runs across tile boundaries (``tl.range(..., flatten=True)``, as Triton's
-  persistent-matmul tutorial; HOPPER.md: a persistent grid when the work comes in many
-  small pieces) instead of draining at each program's end.
-- Work split, one of three (the kind's name):
-  ``tma``        a unit is one ``BLOCK_N`` tile over the whole of K; one launch.
-  ``tma_skS``    a unit is (tile, one of S K slices), fp32 partials ``[S, M, N]`` summed in
-                 slice order by the split-K reduce kernel (``triton_gemv_parts``) (deterministic); two launches.
-  ``tma_stream`` stream-K: the ``tiles * K/BLOCK_K`` box iterations are cut into equal
-                 contiguous ranges, one a program, so every SM streams the same number of
-                 weight bytes whatever the tile count (with one unit a tile, 48 qkv tiles or
-                 32 o_proj tiles of 128 leave most of 132 SMs idle, and 224 gate_up tiles
-                 take two waves, the second 70 % full). A tile wholly inside one program's
-                 range is stored by it; a program's first and last tile, when shared, go to
-                 its two fp32 partial slots ``[programs, 2, BLOCK_N, BLOCK_M]`` and a fixup
-                 kernel sums each shared tile's slots in program order (deterministic: the
-                 same bits on every call, as the split-K reduce). Two launches.
-  ``_ws`` after ``tma`` (``tma_ws``, ``tma_ws_sk4``, ``tma_ws_stream``) asks Triton for
-  automatic warp specialization of the persistent loop (``tl.range(...,
-  warp_specialize=True)``: producer warps issue the copies, consumer warps the MMAs, what
-  cuBLAS's kernels do; Triton documents it for Blackwell, but Triton 3.9's NVIDIA backend
-  runs a Hopper warp-spec pass too). Flattening is off with it. Built for sm_90 with Triton
-  3.9 (``scripts/sm90_build_check.py``): at BLOCK_N 64 and 4 warps the pass splits the loop
-  (12 warps: producer warps issue the copies); at BLOCK_N 128 it fails ("descriptor block
-  and tensor must have the same number of elements"), and the stream-K loop it leaves as it
-  is. Whether Triton 3.6 (the H200's) does the same, and whether it pays, is for the sweep
-  (``scripts/gpu_gemv_sweep.py`` skips a configuration that fails to build or run).
+  copy pipeline runs across tile boundaries (``tl.range(..., flatten=True)``).
+- Work split (the kind's name): ``tma``, one unit a ``BLOCK_N`` tile over all of K, one
+  launch; ``tma_skS``, a unit is (tile, one of S K slices), fp32 partials ``[S, M, N]``
+  summed in slice order by the split-K reduce (``triton_gemv_parts``), two launches;
+  ``tma_stream``, stream-K: the ``tiles * K/BLOCK_K`` box iterations cut into equal
+  ranges, one a program, so every SM streams the same weight bytes whatever the tile
+  count; a shared first or last tile goes to the program's two fp32 partial slots and a
+  fixup kernel sums them in program order (deterministic), two launches.
+  ``_ws`` (``tma_ws``, ``tma_ws_sk4``, ``tma_ws_stream``) asks for automatic warp
+  specialization of the persistent loop (``warp_specialize=True``; flattening off).
+  Whether it builds and pays per configuration is the sweep's (``scripts/gpu_gemv_sweep.py``
+  skips a configuration that fails to build or run; ``scripts/sm90_build_check.py``).
 
-Correctness is tested on CPU under ``TRITON_INTERPRET=1`` (Triton 3.9's interpreter runs
-host tensor descriptors, zero-filling out-of-range boxes), which does not model TMA,
-mbarriers, warp specialization or the pipeliner; the sm_90 build is checked on CPU with
-Triton's ptxas (``scripts/sm90_build_check.py``). Speed, and the runtime behaviour on
-Triton 3.6, are the GPU sweep's and the ``gpu``-marked tests' (docs/benchmarks.md).
+Correctness is tested on CPU under ``TRITON_INTERPRET=1``, which does not model TMA,
+mbarriers, warp specialization or the pipeliner; speed is the GPU sweep's and the
+``gpu``-marked tests' (docs/benchmarks.md).
 """
 
 from __future__ import annotations

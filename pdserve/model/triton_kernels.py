@@ -23,8 +23,10 @@ from pdserve.model.pdl import pdl_enter
 # Integer arguments that change from step to step (the page table's row stride = its width
 # in pages). Triton compiles a kernel again for an int that is 1, or divisible by 16, or
 # neither (~0.8 s per compile on the H200, paid by the request whose step first has that
-# width); these are only row offsets, so one compiled variant serves every width.
+# width); these are only row offsets, so one compiled variant serves every width. The
+# decode kernel's row count (``num_rows``) is only a bound of a masked load.
 _PER_STEP_INTS = ("s_tb",)
+_DECODE_PER_STEP_INTS = ("s_tb", "num_rows")
 
 
 @triton.jit
@@ -107,7 +109,7 @@ def _attend_block(
         k_cache_ptr + page[:, None] * s_cp + off[:, None] * s_ct + kvh * s_ch + dd[None, :],
         mask=kv_mask,
         other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
+    ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8 cache converted in registers
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -122,7 +124,7 @@ def _attend_block(
         v_cache_ptr + page[:, None] * s_vcp + off[:, None] * s_vct + kvh * s_vch + dd[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -130,7 +132,7 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=_PER_STEP_INTS)
+@triton.jit(do_not_specialize=_DECODE_PER_STEP_INTS)
 def decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -157,11 +159,14 @@ def decode_split_kernel(
     s_lh,
     s_tt,
     s_th,
+    num_rows,
     G: tl.constexpr,
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
+    BALANCE_PROGRAMS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -175,7 +180,13 @@ def decode_split_kernel(
     The split length is derived from ``seq_lens[b]`` on the device (so a captured graph
     stays valid for any length): ``cdiv(seq_len, NUM_SPLITS)`` rounded up to ``BLOCK_N``,
     at least ``MIN_SPLIT`` tokens (a multiple of ``BLOCK_N``; 0: no floor), so a short
-    context leaves its later splits empty. With ``NUM_SPLITS == 1`` the program writes the
+    context leaves its later splits empty. With ``BALANCE_PROGRAMS > 0`` a split also
+    covers at least ``cdiv(total * Hkv, BALANCE_PROGRAMS)`` tokens (rounded up to
+    ``BLOCK_N``), ``total`` the sum of the ``num_rows`` contexts (read by every program,
+    ``BLOCK_B`` at a time: one compiled variant for every batch size): the batch's KV is
+    cut into about ``BALANCE_PROGRAMS`` equal pieces whatever its lengths, so one long row
+    among short ones is spread over all ``NUM_SPLITS`` programs while a uniform batch gets
+    the same splits as without it. With ``NUM_SPLITS == 1`` the program writes the
     normalised output ``out[b, h, :]`` (q's dtype) itself and no merge runs; otherwise the
     partial output ``mid_o[b, h, s, :]`` (fp32) and its log-sum-exp ``mid_lse[b, h, s]``
     (``-inf`` for an empty split). ``TILE_IN_PAGE`` (``PAGE_SIZE % BLOCK_N == 0``): every
@@ -189,6 +200,14 @@ def decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if BALANCE_PROGRAMS > 0:
+        total = tl.zeros([BLOCK_B], tl.int32)
+        for r0 in range(0, num_rows, BLOCK_B):
+            bb = r0 + tl.arange(0, BLOCK_B)
+            total += tl.load(seq_lens_ptr + bb, mask=bb < num_rows, other=0).to(tl.int32)
+        total = tl.sum(total, 0)
+        chunk = tl.cdiv(total.to(tl.int64) * tl.num_programs(1), BALANCE_PROGRAMS).to(tl.int32)
+        per_split = tl.maximum(per_split, tl.cdiv(chunk, BLOCK_N) * BLOCK_N)
     if MIN_SPLIT > 0:
         per_split = tl.maximum(per_split, MIN_SPLIT)
     lo = split * per_split
@@ -225,8 +244,9 @@ def decode_split_kernel(
             off = (pos % PAGE_SIZE).to(tl.int64)
             k_rows = k_head + pages * s_cp + off * s_ct
             v_rows = v_head + pages * s_vcp + off * s_vct
-        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_D]; an FP8 cache converted to q's dtype in registers
+        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -252,10 +272,11 @@ def decode_split_kernel(
         )
     else:
         lse = tl.where(hi > lo, m_i + tl.log(l_safe), float("-inf"))
-        tl.store(
+        some = (tl.zeros([BLOCK_H], tl.int32) + hi - lo) > 0  # an empty split writes no
+        tl.store(  # partial output (the merge skips it by its lse)
             mid_o_ptr + b * s_ob + heads[:, None] * s_oh + split * s_os + dd[None, :],
             res,
-            mask=omask,
+            mask=omask & some[:, None],
         )
         tl.store(mid_lse_ptr + b * s_lb + heads * s_lh + split, lse, mask=hmask)
 
@@ -279,7 +300,8 @@ def decode_merge_kernel(
     PDL: tl.constexpr,
 ):
     """Grid ``(B, Hq)``: merge the splits' partial outputs by their log-sum-exp weights into
-    ``out[b, h, :]`` (q's dtype). A row whose splits are all empty (a padded row) gets 0."""
+    ``out[b, h, :]`` (q's dtype). A row whose splits are all empty (a padded row) gets 0.
+    An empty split's partial output is not read (its memory holds anything)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -292,7 +314,7 @@ def decode_merge_kernel(
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))  # [BLOCK_S]
     o = tl.load(
         mid_o_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + dd[None, :],
-        mask=smask[:, None] & (dd[None, :] < D),
+        mask=(smask & (lse != float("-inf")))[:, None] & (dd[None, :] < D),
         other=0.0,
     )
     total = tl.sum(w, 0)

@@ -25,7 +25,8 @@ ShardSpec = tuple[int, int, int]
 
 class LayerWeights(Protocol):
     """The parameters of one decoder layer that checkpoint tensors land in (what
-    ``llama.LlamaDecoderLayer`` holds; ``None``: the model has no such tensor)."""
+    ``llama.LlamaDecoderLayer`` holds; ``None``: the model has no such tensor; a sparse
+    layer's experts are mapped by ``pdserve.model.moe.moe_weight_targets``)."""
 
     input_layernorm: nn.Parameter
     post_attention_layernorm: nn.Parameter
@@ -35,9 +36,9 @@ class LayerWeights(Protocol):
     k_norm: nn.Parameter | None
     o_proj: nn.Parameter
     o_bias: nn.Parameter | None
-    gate_up_proj: nn.Parameter
+    gate_up_proj: nn.Parameter | None  # None: a mixture-of-experts layer
     gate_up_bias: nn.Parameter | None
-    down_proj: nn.Parameter
+    down_proj: nn.Parameter | None
     down_bias: nn.Parameter | None
 
 
@@ -104,7 +105,8 @@ def weight_targets(
         t[pre + "input_layernorm.weight"] = _whole(layer.input_layernorm)
         t[pre + "post_attention_layernorm.weight"] = _whole(layer.post_attention_layernorm)
         t[pre + "self_attn.o_proj.weight"] = Target(layer.o_proj, 0, s.hidden, 1, q0, q1, tq)
-        t[pre + "mlp.down_proj.weight"] = Target(layer.down_proj, 0, s.hidden, 1, i0, i1, ti)
+        if layer.down_proj is not None:
+            t[pre + "mlp.down_proj.weight"] = Target(layer.down_proj, 0, s.hidden, 1, i0, i1, ti)
         for suffix, fused in (("weight", layer.qkv_proj), ("bias", layer.qkv_bias)):
             if fused is not None:
                 t[f"{pre}self_attn.q_proj.{suffix}"] = Target(fused, 0, nq, 0, q0, q1, tq)

@@ -28,11 +28,14 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
+from pdserve.router.responses import resolve_previous, stored_get
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
+from pdserve.tracing import RequestContext, Tracing, current_error
 
-FORWARDED = ("/v1/completions", "/v1/chat/completions", "/generate")
+FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
-WITH_MODEL = ("/v1/completions", "/v1/chat/completions", *TOKENIZER_PATHS)  # bodies' `model`
+# bodies' `model`
+WITH_MODEL = ("/v1/completions", "/v1/chat/completions", "/v1/responses", *TOKENIZER_PATHS)
 
 
 def _reject_constant(name: str):
@@ -103,6 +106,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     )
     live_rooms: set[int] = set()
     metrics = RouterMetrics(pool, live_rooms)
+    tracer = Tracing.create(config.otlp_traces_endpoint, "router")
     dispatcher = Dispatcher(
         pool,
         client,
@@ -110,6 +114,9 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         live_rooms,
         pd_mode=config.pd_mode,
         request_timeout=config.request_timeout,
+        max_migrations=config.max_migrations,
+        migration_wait=config.migration_wait,
+        pd_min_prefill_tokens=config.pd_min_prefill_tokens,
         rng=rng,
     )
 
@@ -122,6 +129,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         finally:
             await pool.stop()
             await client.aclose()
+            if tracer is not None:  # its queued spans exported
+                await anyio.to_thread.run_sync(tracer.shutdown)
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.pool, app.state.dispatcher, app.state.metrics = pool, dispatcher, metrics
@@ -135,6 +144,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
     app.add_middleware(ShutdownAnswer, flag=stopping, who="the router")
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    # a request id (x-request-id, passed to both legs) and, with tracing, a span per request
+    app.add_middleware(RequestContext, tracing=tracer, paths=(*FORWARDED, *TOKENIZER_PATHS))
     app.include_router(build_admin_router(pool, config.admin_token))
 
     @app.exception_handler(StarletteHTTPException)
@@ -163,6 +174,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             )
         if (missing := unknown_model(endpoint, body)) is not None:
             return _count(missing, endpoint, start)
+        if endpoint == "/v1/responses":  # a follow-up: its conversation, from its holder
+            problem = await resolve_previous(
+                pool, client, config.pd_mode, body, config.health_check_timeout
+            )
+            if problem is not None:
+                return _count(problem, endpoint, start)
         try:
             response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
         except NoHealthyWorker as exc:
@@ -222,6 +239,8 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                     raise
         finally:
             status = response.end.status
+            if status is not None and status != 200:
+                current_error(f"the stream ended with an error event (HTTP {status})")
             metrics.requests.labels(endpoint, str(499 if status is None else status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
@@ -261,6 +280,24 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         if missing is not None:
             return missing
         return await ask_a_worker("GET", f"/v1/models/{quote(model_id, safe='')}")
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        """A stored Responses answer, from the worker that holds it."""
+        path = f"/v1/responses/{quote(response_id, safe='')}"
+        return await stored_get(
+            pool, client, config.pd_mode, path, response_id, config.health_check_timeout
+        )
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(response_id: str, request: Request) -> Response:
+        """A stored Responses answer's input items (the query passed on)."""
+        path = f"/v1/responses/{quote(response_id, safe='')}/input_items"
+        if request.url.query:
+            path += "?" + request.url.query
+        return await stored_get(
+            pool, client, config.pd_mode, path, response_id, config.health_check_timeout
+        )
 
     for path in TOKENIZER_PATHS:
 

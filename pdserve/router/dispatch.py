@@ -3,7 +3,7 @@ worker in regular mode; streaming pass-through, merged prompt logprobs, one clea
 
 PD protocol: both legs get the client's body plus ``bootstrap_host``, ``bootstrap_port``
 (the prefill worker's bootstrap server) and ``bootstrap_room``; the router reserves the
-request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.room_plan`).
+request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.base`).
 """
 
 from __future__ import annotations
@@ -12,25 +12,34 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Collection
 
 import httpx
 from fastapi.responses import Response
 
-from pdserve.disagg.base import ROOM_LIMIT
-from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST, rooms_needed
+from pdserve import tracing
+from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST, ROOM_LIMIT, rooms_needed
 from pdserve.http.json_fields import as_int
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import Leg, Migration, StreamState
 from pdserve.router.relay import (
     OpenStreams,
     PrefillWatch,
     StreamEnd,
     merge_cached_tokens,
     merge_prompt_logprobs,
+    merge_timing,
     relay_sse,
     start_relay,
 )
-from pdserve.router.workers import WorkerPool, WorkerState, bootstrap_address, routing_key
+from pdserve.router.workers import (
+    NoHealthyWorker,
+    WorkerPool,
+    WorkerState,
+    bootstrap_address,
+    routing_key,
+)
 
 log = logging.getLogger("pdserve.router")
 
@@ -38,11 +47,22 @@ log = logging.getLogger("pdserve.router")
 class LegError(Exception):
     """One worker leg failed; ``response`` is what the client gets."""
 
-    def __init__(self, role: str, reason: str, response: Response) -> None:
+    def __init__(
+        self,
+        role: str,
+        reason: str,
+        response: Response,
+        *,
+        url: str | None = None,
+        transport: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.role = role
         self.reason = reason
         self.response = response
+        self.url = url  # the worker's
+        self.transport = transport  # no HTTP answer: the connection failed
+        self.pair: set[str] = {url} if url else set()  # the URLs of the attempt's workers
 
 
 def _int(value: object, default: int) -> int | None:
@@ -84,6 +104,33 @@ def _num_samples(endpoint: str, body: dict) -> int:
     return rooms_needed(_num_prompts(endpoint, body), n)
 
 
+# bytes of prompt text per token, for selective PD's estimate (English text under a
+# byte-level BPE of about 50k entries averages about 4; an underestimate of the tokens for
+# other text, so such a prompt is more likely to be disaggregated than not)
+BYTES_PER_TOKEN = 4
+
+
+def prompt_tokens_estimate(endpoint: str, body: dict) -> int | None:
+    """The prompt's length in tokens, estimated without a tokenizer: exact for token ids
+    (``/generate``'s ``input_ids``, a ``/v1/completions`` prompt of ids), else the UTF-8
+    bytes of the text (a chat's message contents) over ``BYTES_PER_TOKEN``; None for a
+    batch of prompts or a shape the workers will reject."""
+    if endpoint == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        text = routing_key(endpoint, body) or ""
+        return len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN
+    prompt = (
+        body.get("input_ids", body.get("text")) if endpoint == "/generate" else body.get("prompt")
+    )
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return None
+
+
 class Dispatcher:
     """Sends client requests to workers; owns the set of live bootstrap rooms."""
 
@@ -96,6 +143,9 @@ class Dispatcher:
         *,
         pd_mode: bool,
         request_timeout: float,
+        max_migrations: int = 2,
+        migration_wait: float = 30.0,
+        pd_min_prefill_tokens: int = 0,
         rng: random.Random | None = None,
     ) -> None:
         self.pool = pool
@@ -104,6 +154,9 @@ class Dispatcher:
         self.live_rooms = live_rooms
         self.pd_mode = pd_mode
         self.request_timeout = request_timeout
+        self.max_migrations = max_migrations  # per request (--max-migrations)
+        self.migration_wait = migration_wait  # s, for a healthy worker (--migration-wait)
+        self.pd_min_prefill_tokens = pd_min_prefill_tokens  # selective PD; 0 = off
         self._rng = rng or random.SystemRandom()
         self.streams = OpenStreams()  # relays now running; ended by the router's shutdown
 
@@ -128,7 +181,7 @@ class Dispatcher:
         msg = f"{worker.role} worker {worker.url} failed: {reason}"
         # 502 like a stream that breaks: the worker failed while serving (503 is kept for
         # "no healthy worker to pick")
-        return LegError(worker.role, msg, error_response(502, msg))
+        return LegError(worker.role, msg, error_response(502, msg), url=worker.url, transport=True)
 
     def _http_error(self, worker: WorkerState, status: int, content: bytes) -> LegError:
         """The client's error from a worker's non-200 answer. A 5xx counts as a failed leg;
@@ -139,14 +192,19 @@ class Dispatcher:
             self.metrics.leg_failures.labels(worker.role, f"http_{status}").inc()
         who = f"{worker.role} worker {worker.url}"
         return LegError(
-            worker.role, f"{who} answered HTTP {status}", error_from_worker(status, content, who)
+            worker.role,
+            f"{who} answered HTTP {status}",
+            error_from_worker(status, content, who),
+            url=worker.url,
         )
 
     async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
         """POST to one worker; returns the 200 response, else raises LegError."""
         worker.outstanding += 1
         try:
-            resp = await self.client.post(worker.url + endpoint, json=body)
+            resp = await self.client.post(
+                worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
+            )
         except httpx.HTTPError as exc:
             raise self._transport_error(worker, exc) from exc
         finally:
@@ -157,7 +215,9 @@ class Dispatcher:
 
     async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
         """Open a streaming POST; returns the open 200 response (caller closes it)."""
-        request = self.client.build_request("POST", worker.url + endpoint, json=body)
+        request = self.client.build_request(
+            "POST", worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
+        )
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -177,10 +237,19 @@ class Dispatcher:
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         stream = body.get("stream") is True
         try:
+            if self.pd_mode:
+                n = _num_samples(endpoint, body)
+                if n > MAX_ROOMS_PER_REQUEST:
+                    return error_response(
+                        400,
+                        f"a request may have at most {MAX_ROOMS_PER_REQUEST} samples in PD "
+                        f"mode (prompts x n), this one has {n}",
+                        param="prompt",
+                    )
             work = (
-                self._pd(endpoint, body, stream, deadline)
-                if self.pd_mode
-                else self._regular(endpoint, body, stream, deadline)
+                self._stream(endpoint, body, deadline)
+                if stream
+                else self._whole(endpoint, body, deadline)
             )
             return await asyncio.wait_for(work, self.request_timeout)
         except LegError as exc:
@@ -191,66 +260,250 @@ class Dispatcher:
                 f"request timed out after {self.request_timeout:g} s (router --request-timeout)",
             )
 
-    async def _regular(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
-        worker = self.pool.pick("mixed", routing_key(endpoint, body))
-        if not stream:
-            resp = await self._post(worker, endpoint, body)
-            return Response(resp.content, media_type="application/json")
-        worker.outstanding += 1
+    # --- migration -----------------------------------------------------------------------
+    def _count(self, kind: str) -> None:
+        """Count one migration (``kind``: the reason label)."""
+        self.metrics.migrations.labels(kind).inc()
+
+    def _eject(self, failed: set[str]) -> None:
+        """Take the workers at ``failed`` out of picking now (their connection failed)."""
+        for url in failed:
+            self.pool.eject(url, "its connection failed under a request")
+
+    @staticmethod
+    def _failed(exc: LegError) -> set[str]:
+        return {exc.url} if exc.transport and exc.url else set()
+
+    @staticmethod
+    def _retryable(exc: LegError) -> bool:
+        """A failure another worker may not have: the transport, or a 5xx answer (a 4xx
+        is the client's request, which any worker would refuse alike)."""
+        return exc.transport or exc.response.status_code >= 500
+
+    async def _picked(self, pick, deadline: float):
+        """``pick()``, waiting for a healthy worker (pair) when the pool has none now (a
+        worker that failed under a request was ejected; its restart or next good probe
+        brings it back), at most ``migration_wait`` seconds and not past ``deadline``;
+        NoHealthyWorker after that."""
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + self.migration_wait)
+        while True:
+            try:
+                return pick()
+            except NoHealthyWorker:
+                if loop.time() + 0.1 >= until:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _whole(self, endpoint: str, body: dict, deadline: float) -> Response:
+        """A non-streamed request; one that failed on a worker (transport or 5xx) is sent
+        again whole to another, at most ``max_migrations`` times."""
+        avoid: set[str] = set()  # workers of the failed attempts, not picked again if avoidable
+        pick = lambda: self._pick_now(endpoint, body, avoid)  # noqa: E731
+        attempt, last = 0, None
+        while True:
+            if last is None:
+                picked = pick()
+            else:
+                try:
+                    picked = await self._picked(pick, deadline)
+                except NoHealthyWorker:
+                    raise last from None  # the client gets the failure, not the wait
+            try:
+                return await self._whole_once(endpoint, body, picked)
+            except LegError as exc:
+                if attempt >= self.max_migrations or not self._retryable(exc):
+                    raise
+                attempt, last = attempt + 1, exc
+                log.warning(
+                    "sending a request again whole (%d of %d): %s",
+                    attempt,
+                    self.max_migrations,
+                    exc.reason,
+                )
+                self._eject(self._failed(exc))
+                avoid |= exc.pair
+                self._count("retry_whole")
+
+    def _pick_now(
+        self, endpoint: str, body: dict, avoid: Collection[str] = ()
+    ) -> WorkerState | tuple[WorkerState, WorkerState]:
+        """The worker (regular mode; a decode worker for a request PD does not pay for)
+        or the (prefill, decode) pair for a request now; workers in ``avoid`` only when
+        there is no other (``WorkerPool.healthy``)."""
+        key = routing_key(endpoint, body)
+        if not self.pd_mode:
+            return self.pool.pick("mixed", key, avoid)
+        if self.pd_min_prefill_tokens:
+            estimate = prompt_tokens_estimate(endpoint, body)
+            whole = estimate is not None and estimate < self.pd_min_prefill_tokens
+            self.metrics.pd_decisions.labels("decode_only" if whole else "pd").inc()
+            if whole:
+                return self.pool.pick("decode", key, avoid)
+        return self.pool.pick_pair(key, avoid)
+
+    async def _whole_once(self, endpoint: str, body: dict, picked) -> Response:
         try:
-            resp = await self._open_stream(worker, endpoint, body)
-        except BaseException:
-            worker.outstanding -= 1
+            return await self._whole_picked(endpoint, body, picked)
+        except LegError as exc:
+            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
             raise
 
-        def on_close() -> None:
-            worker.outstanding -= 1
+    async def _whole_picked(self, endpoint: str, body: dict, picked) -> Response:
+        if not isinstance(picked, tuple):  # one worker runs the whole request
+            tracing.phase_so_far("route", {"pdserve.worker": picked.url})
+            resp = await self._post(picked, endpoint, body)
+            return Response(resp.content, media_type="application/json")
+        prefill, decode = picked
+        host, port = bootstrap_address(prefill)
+        n = _num_samples(endpoint, body)
+        room = self.reserve_rooms(n)
+        tracing.phase_so_far(
+            "route",
+            {
+                "pdserve.prefill": prefill.url,
+                "pdserve.decode": decode.url,
+                "pdserve.room": room,
+                "pdserve.rooms": n,
+            },
+        )
+        try:
+            legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+            prefill_body = {k: v for k, v in legs.items() if k not in ("stream", "stream_options")}
+            p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
+            d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
+            await self._legs((p_task, d_task))
+            answer = d_task.result().json()
+            prefill_answer = p_task.result().json()
+            merge_prompt_logprobs(endpoint, answer, prefill_answer)
+            merge_timing(endpoint, answer, prefill_answer)
+            return Response(
+                json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
+                media_type="application/json",
+            )
+        finally:
+            self.release_rooms(room, n)
 
+    async def _stream(self, endpoint: str, body: dict, deadline: float) -> Response:
+        """A streamed request: its first leg opened (again whole on another worker when
+        that fails, within the budget), then relayed; a leg failing mid-stream continues
+        on another (:mod:`pdserve.router.migration`)."""
+        state = StreamState(endpoint, body)
+        avoid: set[str] = set()  # workers of failed legs, not picked again if avoidable
+        migration = Migration(
+            state,
+            self.max_migrations,
+            lambda b: self._open_leg(endpoint, b, deadline, wait=True, avoid=avoid),
+            self._eject,
+            self._count,
+            wait_s=self.migration_wait,
+            avoid=avoid,
+        )
+        first = state.first_body() if self.max_migrations > 0 else body
+        last: LegError | None = None
+        while True:
+            try:
+                leg = await self._open_leg(
+                    endpoint, first, deadline, wait=last is not None, avoid=avoid
+                )
+                break
+            except NoHealthyWorker:
+                if last is None:
+                    raise
+                raise last from None  # the client gets the failure, not the wait
+            except LegError as exc:
+                if migration.done >= migration.budget or not self._retryable(exc):
+                    raise
+                migration.done += 1
+                last = exc
+                log.warning(
+                    "opening a stream again (%d of %d): %s",
+                    migration.done,
+                    migration.budget,
+                    exc.reason,
+                )
+                self._eject(self._failed(exc))
+                avoid |= exc.pair
+                self._count("open_failed")
+                first = state.first_body()
         end = StreamEnd()
         return await start_relay(
             end,
             relay_sse(
-                resp,
-                worker,
+                leg.resp,
+                leg.worker,
                 endpoint,
                 deadline=deadline,
                 timeout_s=self.request_timeout,
                 metrics=self.metrics,
-                on_close=on_close,
+                on_close=leg.on_close,
+                prefill=leg.prefill,
                 streams=self.streams,
                 end=end,
+                migration=migration if self.max_migrations > 0 else None,
             ),
         )
 
-    async def _pd(self, endpoint: str, body: dict, stream: bool, deadline: float) -> Response:
-        key = routing_key(endpoint, body)
-        prefill, decode = self.pool.pick_pair(key)
+    async def _open_leg(
+        self,
+        endpoint: str,
+        body: dict,
+        deadline: float,
+        *,
+        wait: bool,
+        avoid: Collection[str] = (),
+    ) -> Leg:
+        """Open one streamed leg of ``body``: a mixed worker's stream, or a PD pair's (the
+        prefill task running beside decode's open stream). ``wait``: wait for a healthy
+        worker until ``deadline`` rather than raise NoHealthyWorker at once; ``avoid``:
+        URLs picked only when there is no other. A LegError names the leg's workers in
+        its ``pair``."""
+        pick = lambda: self._pick_now(endpoint, body, avoid)  # noqa: E731
+        picked = await self._picked(pick, deadline) if wait else pick()
+        try:
+            return await self._open_picked(endpoint, body, picked)
+        except LegError as exc:
+            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
+            raise
+
+    async def _open_picked(self, endpoint: str, body: dict, picked) -> Leg:
+        if not isinstance(picked, tuple):  # one worker runs the whole request
+            worker = picked
+            tracing.phase_so_far("route", {"pdserve.worker": worker.url})
+            worker.outstanding += 1
+            try:
+                resp = await self._open_stream(worker, endpoint, body)
+            except BaseException:
+                worker.outstanding -= 1
+                raise
+
+            def close_regular() -> None:
+                worker.outstanding -= 1
+
+            return Leg(resp, worker, None, close_regular, {worker.url})
+        prefill, decode = picked
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
-        if n > MAX_ROOMS_PER_REQUEST:
-            return error_response(
-                400,
-                f"a request may have at most {MAX_ROOMS_PER_REQUEST} samples in PD mode "
-                f"(prompts x n), this one has {n}",
-                param="prompt",
-            )
         room = self.reserve_rooms(n)
+        tracing.phase_so_far(
+            "route",
+            {
+                "pdserve.prefill": prefill.url,
+                "pdserve.decode": decode.url,
+                "pdserve.room": room,
+                "pdserve.rooms": n,
+            },
+        )
         handed_off = False
         try:
             legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
             # The prefill leg's answer serves only for prompt logprobs and errors: no stream.
-            prefill_body = {k: v for k, v in legs.items() if k not in ("stream", "stream_options")}
+            prefill_body = {
+                k: v
+                for k, v in legs.items()
+                if k not in ("stream", "stream_options", "return_token_ids")
+            }
             p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
-            if not stream:
-                d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
-                await self._legs((p_task, d_task))
-                answer = d_task.result().json()
-                prefill_answer = p_task.result().json()
-                merge_prompt_logprobs(endpoint, answer, prefill_answer)
-                return Response(
-                    json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
-                    media_type="application/json",
-                )
             decode.outstanding += 1
             d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, legs))
             try:  # until decode's stream is open; prefill keeps running (the relay watches it)
@@ -259,28 +512,13 @@ class Dispatcher:
                 decode.outstanding -= 1
                 raise
 
-            def on_close() -> None:
+            def close_pd() -> None:
                 decode.outstanding -= 1
                 self.release_rooms(room, n)
 
             handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
-            end = StreamEnd()
-            return await start_relay(
-                end,
-                relay_sse(
-                    d_task.result(),
-                    decode,
-                    endpoint,
-                    deadline=deadline,
-                    timeout_s=self.request_timeout,
-                    metrics=self.metrics,
-                    on_close=on_close,
-                    prefill=watch,
-                    streams=self.streams,
-                    end=end,
-                ),
-            )
+            return Leg(d_task.result(), decode, watch, close_pd, {prefill.url, decode.url})
         finally:
             if not handed_off:
                 self.release_rooms(room, n)

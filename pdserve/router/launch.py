@@ -66,6 +66,28 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         cls=RouterConfig,
     ),
     Flag(
+        "--max-migrations",
+        "times one request may move to another worker after its worker failed: a stream "
+        "goes on from the tokens already sent, a non-streamed request is sent again; 0 = "
+        "never",
+        int,
+        cls=RouterConfig,
+    ),
+    Flag(
+        "--migration-wait",
+        "seconds a request whose worker failed waits for a healthy one to move to when "
+        "there is none (a restarting worker) before it ends with its failure",
+        float,
+        cls=RouterConfig,
+    ),
+    Flag(
+        "--pd-min-prefill-tokens",
+        "selective PD: a request whose prompt is estimated below this many tokens runs "
+        "whole on a decode worker (no prefill leg, no KV transfer); 0 = always PD",
+        int,
+        cls=RouterConfig,
+    ),
+    Flag(
         "--mode",
         "auto: PD when --prefill/--decode are given, else regular; pd/regular may start "
         "with no workers when the admin API is on",
@@ -78,6 +100,14 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         "list workers); unset: PDSERVE_ROUTER_ADMIN_TOKEN, and when that is empty too the "
         "admin API is off",
         metavar="PATH",
+    ),
+    Flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318; /v1/traces is added to a URL "
+        "without a path) that gets the router's traces; the router continues the client's "
+        "W3C traceparent (or starts a trace) and passes it to both legs; unset: tracing off",
+        cls=RouterConfig,
+        metavar="URL",
     ),
 )
 

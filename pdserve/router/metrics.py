@@ -76,6 +76,24 @@ class RouterMetrics:
             ["role", "reason"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "requests continued or sent again on another worker after theirs failed, by "
+            "reason (stream_broken / stream_end: decode's stream broke or ended before "
+            "[DONE]; worker_error: a worker's 5xx error event; prefill_failed; unhealthy: "
+            "the worker failed its health checks mid-stream; reopen_failed / open_failed: "
+            "the next or first leg could not be opened; retry_whole: a non-streamed "
+            "request sent again)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.pd_decisions = Counter(
+            "pdserve_router_pd_decisions",
+            "selective PD (--pd-min-prefill-tokens): requests sent to a prefill/decode pair "
+            "(pd) or whole to a decode worker (decode_only)",
+            ["path"],
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pool, live_rooms))
 
     def render(self) -> bytes:

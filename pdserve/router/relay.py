@@ -10,7 +10,8 @@ SSE error event and ``data: [DONE]``.
 Merging: the decode worker never ran the prompt, so its answer has no prompt logprobs and
 no prefix-cache count; the prefill worker's answer has them. Field names, per endpoint:
 ``/generate``: ``meta_info.input_token_logprobs`` and ``meta_info.input_top_logprobs``;
-OpenAI endpoints: ``choices[i].prompt_logprobs`` (a vLLM-style extension); and on
+OpenAI endpoints: ``choices[i].prompt_logprobs`` (chat: top-level ``prompt_logprobs``,
+vLLM's extensions); and on
 ``/v1/completions`` with ``echo``, the echoed prompt's entries of ``choices[i].logprobs``
 (``token_logprobs`` / ``top_logprobs``, which the decode worker leaves null for the
 prompt's ``usage.prompt_tokens`` positions; the prefill leg has them).
@@ -22,7 +23,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -34,7 +35,8 @@ from pdserve.http.aio import get_within
 from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.workers import WorkerState
+from pdserve.router.migration import Leg, Migration
+from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")
 
@@ -52,7 +54,7 @@ class OpenStreams:
     def add(self, queue: asyncio.Queue) -> None:
         self._queues.add(queue)
         if self.stopping:
-            queue.put_nowait(("shutdown", None))
+            queue.put_nowait((None, "shutdown", None))
 
     def discard(self, queue: asyncio.Queue) -> None:
         self._queues.discard(queue)
@@ -60,7 +62,7 @@ class OpenStreams:
     def shutdown(self) -> None:
         self.stopping = True
         for queue in self._queues:
-            queue.put_nowait(("shutdown", None))
+            queue.put_nowait((None, "shutdown", None))
 
 
 @dataclass
@@ -136,15 +138,16 @@ def _sse_from_error(exc: BaseException) -> tuple[int, bytes]:
     return 502, sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
 
 
-async def _pump(resp: httpx.Response, queue: asyncio.Queue) -> None:
+async def _pump(resp: httpx.Response, queue: asyncio.Queue, tag: int) -> None:
     """Read SSE events until the stream ends; every item goes to ``queue`` as
-    ``("event", ServerSentEvent)``, then ``("end", None)`` or ``("broken", exc)``."""
+    ``(tag, "event", ServerSentEvent)``, then ``(tag, "end", None)`` or
+    ``(tag, "broken", exc)``."""
     try:
         async for event in EventSource(resp).aiter_sse():
-            queue.put_nowait(("event", event))
-        queue.put_nowait(("end", None))
+            queue.put_nowait((tag, "event", event))
+        queue.put_nowait((tag, "end", None))
     except Exception as exc:  # noqa: BLE001 - httpx.HTTPError mostly; any failure ends the relay
-        queue.put_nowait(("broken", exc))
+        queue.put_nowait((tag, "broken", exc))
 
 
 async def _settle(task: asyncio.Future | None) -> None:
@@ -159,6 +162,50 @@ async def _settle(task: asyncio.Future | None) -> None:
         pass
 
 
+HEALTH_POLL_S = 0.5  # how often a migratable relay looks at its worker's health
+
+
+@dataclass
+class _LegRun:
+    """The relay's view of the leg now streaming (``tag`` marks its queue items, so a
+    late item of a leg given up is ignored)."""
+
+    leg: Leg
+    tag: int
+    pump: asyncio.Future
+    answer: Any = None  # prefill's parsed JSON answer, once arrived
+    prefill_over: bool = True
+    merged: set[int] = field(default_factory=set)
+    held: list[str] = field(default_factory=list)  # data chunks held for prefill's answer
+    decode_done: bool = False
+    closed: bool = False
+
+    @property
+    def task(self) -> asyncio.Future | None:
+        return self.leg.prefill.task if self.leg.prefill is not None else None
+
+    async def close(self) -> None:
+        """End this leg: its pump, its response, its prefill task; then its on_close
+        (once, however often it is called)."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            await _settle(self.pump)
+            await self.leg.resp.aclose()
+            await _settle(self.task)
+            self.leg.on_close()
+
+
+def _start_leg(leg: Leg, queue: asyncio.Queue, tag: int) -> _LegRun:
+    run = _LegRun(leg, tag, asyncio.ensure_future(_pump(leg.resp, queue, tag)))
+    task = run.task
+    if task is not None:
+        run.prefill_over = False
+        task.add_done_callback(lambda t: queue.put_nowait((tag, "prefill", t)))
+    return run
+
+
 async def relay_sse(
     resp: httpx.Response,
     worker: WorkerState,
@@ -171,6 +218,7 @@ async def relay_sse(
     prefill: PrefillWatch | None = None,
     streams: OpenStreams | None = None,
     end: StreamEnd | None = None,
+    migration: Migration | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
@@ -186,8 +234,16 @@ async def relay_sse(
     ``shutdown()`` ends the stream with a 503 SSE error ("router shutting down") +
     ``[DONE]``. ``on_close`` runs once at the end,
     after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
+
+    migration: when given, a failure of the leg (its stream broke or ended before
+    ``[DONE]``, a worker's 5xx error event, the prefill leg's failure, the worker ejected
+    by its health checks) is not the end: the leg is closed and the stream goes on with
+    the next one that ``migration.reopen`` opens for ``migration.state``'s continued
+    body, at most ``migration.budget`` times (then the failure's SSE error, saying so);
+    every chunk goes through ``migration.state.rewrite`` (:mod:`pdserve.router.migration`).
     """
     end = end if end is not None else StreamEnd()
+    state = migration.state if migration is not None else None
 
     def error(status: int, message: str) -> bytes:
         end.status = status
@@ -202,39 +258,34 @@ async def relay_sse(
     queue: asyncio.Queue = asyncio.Queue()
     if streams is not None:
         streams.add(queue)
-    pump = asyncio.ensure_future(_pump(resp, queue))
-    task = prefill.task if prefill is not None else None
-    if task is not None:
-        task.add_done_callback(lambda t: queue.put_nowait(("prefill", t)))
-    answer: Any = None  # prefill's parsed JSON answer, once arrived
-    prefill_over = task is None
-    merged: set[int] = set()
-    held: list[str] = []  # the first data chunk, held while prompt logprobs are pending
-    decode_done = False
+    run = _start_leg(Leg(resp, worker, prefill, on_close), queue, 0)
 
-    def render(data: str) -> bytes:
-        if answer is not None:
-            try:
-                chunk = merge_prompt_logprobs(endpoint, json.loads(data), answer, merged)
-                data = json.dumps(merge_cached_tokens(endpoint, chunk, answer))
-            except ValueError:
-                pass
-        return f"data: {data}\n\n".encode()
-
-    def note_error(data: str) -> None:
-        """A worker's own SSE error event (its request failed mid-stream; ``[DONE]``
-        follows): the stream ends with that error's status (a 5xx counts as the leg's
-        failure, as before the first byte)."""
-        if '"error"' not in data:  # cheap pre-check: only an error body has that key
-            return
+    def render(data: str) -> bytes | None:
+        if run.answer is None and state is None:
+            return f"data: {data}\n\n".encode()
         try:
-            status = error_status(json.loads(data))
+            chunk = json.loads(data)
         except ValueError:
-            return
-        if status is not None:
-            end.status = status
-            if status >= 500:
-                metrics.leg_failures.labels(worker.role, "stream_error").inc()
+            return f"data: {data}\n\n".encode()
+        if run.answer is not None:
+            chunk = merge_prompt_logprobs(endpoint, chunk, run.answer, run.merged)
+            chunk = merge_timing(endpoint, chunk, run.answer)
+            chunk = merge_cached_tokens(endpoint, chunk, run.answer)
+        if state is not None:
+            chunk = state.rewrite(chunk)
+            if chunk is None:
+                return None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
+    def worker_error(data: str) -> int | None:
+        """A worker's own SSE error event's status (its request failed mid-stream;
+        ``[DONE]`` follows), None for any other chunk."""
+        if '"error"' not in data:  # cheap pre-check: only an error body has that key
+            return None
+        try:
+            return error_status(json.loads(data))
+        except ValueError:
+            return None
 
     def is_final(data: str) -> bool:
         try:
@@ -242,76 +293,171 @@ async def relay_sse(
         except ValueError:
             return False
 
+    def flush_held():
+        for data in run.held:
+            if (out := render(data)) is not None:
+                yield out
+        run.held.clear()
+
+    async def migrate(kind: str, reason: str, failed: set[str]) -> bool:
+        """Close the failed leg and open the next; False when no migration is left, the
+        stream cannot continue or no healthy worker came within ``migration.wait_s`` (the
+        caller then ends it with the failure). ``kind``: the metrics' reason label;
+        ``failed``: URLs of workers to eject at once (their connection failed: the health
+        checks bring them back)."""
+        nonlocal run
+        if migration is None or state is None:
+            return False
+        while migration.done < migration.budget:
+            body = state.continued_body()
+            if body is None:
+                return False
+            migration.done += 1
+            migration.eject(failed)
+            migration.avoid |= run.leg.urls
+            log.warning(
+                "%s: continuing the stream on another worker (migration %d of %d, %d tokens sent)",
+                reason,
+                migration.done,
+                migration.budget,
+                len(state.sent_ids),
+            )
+            await run.close()
+            run.held.clear()
+            try:
+                leg = await migration.reopen(body)
+            except NoHealthyWorker:
+                migration.note = f"no healthy worker to continue on within {migration.wait_s:g} s"
+                return False
+            except Exception as exc:  # noqa: BLE001 - LegError: another try, within the budget
+                log.warning("the stream's next leg failed to open: %s", exc)
+                migration.avoid |= getattr(exc, "pair", set())
+                kind, reason = "reopen_failed", f"reopening failed: {exc}"
+                url = getattr(exc, "url", None) if getattr(exc, "transport", False) else None
+                failed = {url} if url else set()
+                continue
+            migration.count(kind)
+            run = _start_leg(leg, queue, run.tag + 1)
+            return True
+        return False
+
+    def budget_note() -> str:
+        if migration is None or not migration.done:
+            return ""
+        done = f"after {migration.done} migration{'s' * (migration.done != 1)}"
+        return f" ({done}{'; ' + migration.note if migration.note else ''})"
+
     try:
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise asyncio.TimeoutError
-            kind, item = await get_within(queue, remaining)
+            try:
+                tag, kind, item = await get_within(
+                    queue, min(remaining, HEALTH_POLL_S) if migration else remaining
+                )
+            except asyncio.TimeoutError:
+                if loop.time() >= deadline:
+                    raise
+                w = run.leg.worker
+                if (
+                    not w.healthy
+                    and not run.decode_done
+                    and state is not None
+                    and not state.finished
+                    and state.can_continue()
+                    and migration is not None
+                    and migration.done < migration.budget
+                ):
+                    # ejected by its health checks while its stream is silent: continue
+                    # elsewhere (a stream that could not continue keeps its worker: an
+                    # ejection is no proof of death)
+                    reason = f"{w.role} worker {w.url} failed its health checks: {w.last_error}"
+                    if not await migrate("unhealthy", reason, {w.url}):
+                        yield error(502, reason + budget_note())
+                        return
+                continue
+            if tag is not None and tag != run.tag:
+                continue  # a leg given up
+            w = run.leg.worker
             if kind == "shutdown":
                 yield error(
                     503, "server shutting down: the router was stopped while this request ran"
                 )
                 return
             elif kind == "prefill":
-                prefill_over = True
+                run.prefill_over = True
                 try:
-                    answer = item.result().json()
+                    run.answer = item.result().json()
                 except ValueError:  # a 200 that is not JSON: nothing to merge
-                    answer = None
+                    run.answer = None
                 except BaseException as exc:  # noqa: BLE001 - LegError, or anything unforeseen
-                    if not decode_done:
+                    if not run.decode_done:
+                        url = getattr(exc, "url", None)
+                        failed = {url} if url and getattr(exc, "transport", False) else set()
+                        if await migrate("prefill_failed", f"prefill leg failed: {exc}", failed):
+                            continue
                         end.status, event = _sse_from_error(exc)
                         yield event
                         return
                     # decode's answer is complete (its KV arrived): the client keeps it
                     log.warning("prefill leg failed after decode finished: %s", exc)
-                for data in held:
-                    yield render(data)
-                held.clear()
-                if decode_done:
+                for out in flush_held():
+                    yield out
+                if run.decode_done:
                     yield done()
                     return
             elif kind == "event":
                 if item.data == "[DONE]":
-                    if prefill_over:
+                    if run.prefill_over:
                         yield done()
                         return
-                    decode_done = True  # end once prefill answered (its room is live till then)
+                    run.decode_done = True  # end once prefill answered (its room is live)
                     continue
-                note_error(item.data)
+                status = worker_error(item.data)
+                if status is not None and status >= 500:
+                    metrics.leg_failures.labels(w.role, "stream_error").inc()
+                    if not (state is not None and state.finished) and await migrate(
+                        "worker_error", f"{w.role} worker {w.url} sent: {item.data[:300]}", set()
+                    ):
+                        continue
+                if status is not None:
+                    end.status = status
                 if (
-                    prefill is not None
-                    and not prefill_over
-                    and (prefill.hold_first or held or is_final(item.data))
+                    run.leg.prefill is not None
+                    and not run.prefill_over
+                    and (run.leg.prefill.hold_first or run.held or is_final(item.data))
                 ):
                     # Prompt logprobs asked for: the first chunk waits for prefill's answer
                     # to merge them in (with any chunk that arrives meanwhile, keeping the
                     # order); the chunk with the counts waits too (cached_tokens are
                     # prefill's); once prefill answered, nothing is held.
-                    held.append(item.data)
-                else:
-                    yield render(item.data)
-            elif decode_done:
+                    run.held.append(item.data)
+                elif (out := render(item.data)) is not None:
+                    yield out
+            elif run.decode_done:
                 continue  # decode's stream closing after its [DONE]: expected
-            elif kind == "end":
-                yield error(
-                    502, f"{worker.role} worker {worker.url} ended its stream before [DONE]"
-                )
-                return
-            else:  # broken
-                metrics.leg_failures.labels(worker.role, "stream").inc()
-                yield error(
-                    502,
-                    f"{worker.role} worker {worker.url} stream broke: "
-                    f"{type(item).__name__}: {item}",
-                )
+            else:  # "end" before [DONE], or "broken"
+                if kind == "end":
+                    reason = f"{w.role} worker {w.url} ended its stream before [DONE]"
+                else:
+                    metrics.leg_failures.labels(w.role, "stream").inc()
+                    reason = f"{w.role} worker {w.url} stream broke: {type(item).__name__}: {item}"
+                if state is not None and state.finished:  # every token is there: end it
+                    for out in flush_held():
+                        yield out
+                    yield done()
+                    return
+                if await migrate(f"stream_{kind}", reason, {w.url}):
+                    continue
+                yield error(502, reason + budget_note())
                 return
     except asyncio.TimeoutError:
-        if decode_done and (not held or not (prefill and prefill.hold_first)):
+        prefill_watch = run.leg.prefill
+        if run.decode_done and (not run.held or not (prefill_watch and prefill_watch.hold_first)):
             # only prefill's late answer is missing (held chunks waited only for its counts)
-            for data in held:
-                yield render(data)
+            for out in flush_held():
+                yield out
             yield done()
         else:
             yield error(504, f"request timed out after {timeout_s:g} s (router --request-timeout)")
@@ -319,10 +465,7 @@ async def relay_sse(
         with anyio.CancelScope(shield=True):
             if streams is not None:
                 streams.discard(queue)
-            await _settle(pump)
-            await resp.aclose()
-            await _settle(task)
-            on_close()
+            await run.close()
 
 
 # Merging the prefill leg's answer into decode's.
@@ -371,6 +514,18 @@ def _fill_echo(decode_lp: Any, prefill_lp: Any, num_prompt: int) -> None:
                 mine[j] = theirs[j]
 
 
+def _merge_chat_prompt_logprobs(decode: Any, prefill: Any) -> None:
+    """Chat: the top-level ``prompt_logprobs`` (vLLM's place) of prefill's answer into a
+    decode answer or chunk that has the key (its first chunk of a sample)."""
+    if (
+        isinstance(decode, dict)
+        and isinstance(prefill, dict)
+        and OPENAI_PROMPT_KEY in decode
+        and prefill.get(OPENAI_PROMPT_KEY) is not None
+    ):
+        decode[OPENAI_PROMPT_KEY] = prefill[OPENAI_PROMPT_KEY]
+
+
 def merge_prompt_logprobs(
     endpoint: str, decode: Any, prefill: Any, done: set[int] | None = None
 ) -> Any:
@@ -388,6 +543,8 @@ def merge_prompt_logprobs(
             index = int(item.get("index", pos))
             if source.get(index):
                 item.setdefault("meta_info", {}).update(source[index])
+    elif endpoint == "/v1/chat/completions":
+        _merge_chat_prompt_logprobs(decode, prefill)
     else:
         source = _prefill_openai(prefill, OPENAI_PROMPT_KEY)
         echoed = _prefill_openai(prefill, "logprobs") if endpoint == "/v1/completions" else {}
@@ -415,17 +572,30 @@ def _cached_of(endpoint: str, answer: Any) -> dict[int, int] | int | None:
                 out[int(item.get("index", pos))] = value
         return out
     if isinstance(answer, dict):
-        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        usage = _usage_of(endpoint, answer) or {}
+        details = usage.get(_DETAILS.get(endpoint, "prompt_tokens_details")) or {}
         value = details.get("cached_tokens")
         return value if isinstance(value, int) else None
     return None
+
+
+_DETAILS = {"/v1/responses": "input_tokens_details"}  # else OpenAI's prompt_tokens_details
+
+
+def _usage_of(endpoint: str, answer: dict) -> Any:
+    """The ``usage`` of an OpenAI answer or chunk; a Responses stream event carries it in
+    its ``response`` (``response.completed``)."""
+    if endpoint == "/v1/responses" and isinstance(answer.get("response"), dict):
+        return answer["response"].get("usage")
+    return answer.get("usage")
 
 
 def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
     """Report the prefill leg's cached prompt tokens (its prefix-cache hit, the prompt
     compute it saved) in ``decode`` (a full answer or one stream chunk), in place; returns
     ``decode``.  ``/generate``: ``meta_info.cached_tokens`` per sample; OpenAI endpoints:
-    ``usage.prompt_tokens_details.cached_tokens`` where decode's answer has a usage.  So
+    ``usage.prompt_tokens_details.cached_tokens`` where decode's answer has a usage
+    (``/v1/responses``: ``usage.input_tokens_details``, in a stream event's ``response``).  So
     the client sees one count, the prefill worker's, never a sum of both legs."""
     source = _cached_of(endpoint, prefill)
     if endpoint == "/generate":
@@ -436,18 +606,49 @@ def merge_cached_tokens(endpoint: str, decode: Any, prefill: Any) -> Any:
             if isinstance(meta, dict) and index in source:
                 meta["cached_tokens"] = source[index]
     elif isinstance(source, int) and isinstance(decode, dict):
-        usage = decode.get("usage")
+        usage = _usage_of(endpoint, decode)
         if isinstance(usage, dict):
-            usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = source
+            key = _DETAILS.get(endpoint, "prompt_tokens_details")
+            usage.setdefault(key, {})["cached_tokens"] = source
+    return decode
+
+
+def _timings(endpoint: str, answer: Any) -> dict[int, dict]:
+    """Sample index -> the ``timing`` block (``return_timing``) of a full answer or chunk."""
+    if endpoint == "/generate":
+        pairs = [
+            (int(item.get("index", pos)), (item.get("meta_info") or {}).get("timing"))
+            for pos, item in enumerate(_generate_items(answer))
+        ]
+    else:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        pairs = [
+            (int(c.get("index", 0)), c.get("timing")) for c in choices or [] if isinstance(c, dict)
+        ]
+    return {index: block for index, block in pairs if isinstance(block, dict)}
+
+
+def merge_timing(endpoint: str, decode: Any, prefill: Any) -> Any:
+    """Add the prefill leg's timing block (``{"prefill": {...}}``, asked with
+    ``return_timing``) to each sample's block in ``decode`` (a full answer or one stream
+    chunk), in place; returns ``decode``. The client sees both workers' phases."""
+    theirs = _timings(endpoint, prefill)
+    if theirs:
+        for index, block in _timings(endpoint, decode).items():
+            block.update(theirs.get(index) or {})
     return decode
 
 
 def is_final_chunk(endpoint: str, chunk: Any) -> bool:
-    """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk, or a
-    ``/generate`` chunk with a finish reason (its counts should be prefill's)."""
+    """Whether a stream chunk carries the answer's counts: an OpenAI usage chunk (a
+    Responses ``response.completed`` event), or a ``/generate`` chunk with a finish reason
+    (its counts should be prefill's), or an OpenAI chunk with a sample's timing block
+    (prefill's block is merged into it)."""
     if endpoint == "/generate":
         return any(
             (item.get("meta_info") or {}).get("finish_reason") is not None
             for item in _generate_items(chunk)
         )
-    return isinstance(chunk, dict) and chunk.get("usage") is not None
+    return isinstance(chunk, dict) and (
+        _usage_of(endpoint, chunk) is not None or bool(_timings(endpoint, chunk))
+    )

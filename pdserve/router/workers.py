@@ -19,7 +19,7 @@ import logging
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -293,9 +293,12 @@ class WorkerPool:
     def all(self) -> list[WorkerState]:
         return [w for ws in self.workers.values() for w in ws]
 
-    def healthy(self, role: str) -> list[WorkerState]:
-        """Workers of ``role`` that may take new requests: healthy and not draining."""
-        return [w for w in self.workers.get(role, []) if w.healthy and w.url not in self.draining]
+    def healthy(self, role: str, avoid: Collection[str] = ()) -> list[WorkerState]:
+        """Workers of ``role`` that may take new requests: healthy and not draining;
+        those whose URL is in ``avoid`` only when no other is (a request sent again
+        after a failure prefers other workers than the ones it failed on)."""
+        ok = [w for w in self.workers.get(role, []) if w.healthy and w.url not in self.draining]
+        return [w for w in ok if w.url not in avoid] or ok if avoid else ok
 
     def find(self, url: str) -> WorkerState | None:
         """The worker at ``url`` (trailing slash ignored), or None."""
@@ -357,10 +360,10 @@ class WorkerPool:
             log.info("removed %s worker %s", worker.role, worker.url)
         self.draining.discard(worker.url)
 
-    def pick(self, role: str, key: str | None = None) -> WorkerState:
+    def pick(self, role: str, key: str | None = None, avoid: Collection[str] = ()) -> WorkerState:
         """A healthy worker of ``role`` by the policy (``key``: the prompt as text, for
-        ``cache_aware``); NoHealthyWorker if there is none."""
-        candidates = self.healthy(role)
+        ``cache_aware``; ``avoid``: as :meth:`healthy`); NoHealthyWorker if there is none."""
+        candidates = self.healthy(role, avoid)
         if not candidates:
             total = len(self.workers.get(role, []))
             raise NoHealthyWorker(
@@ -368,14 +371,16 @@ class WorkerPool:
             )
         return self._policies[role].pick(candidates, key)
 
-    def pick_pair(self, key: str | None = None) -> tuple[WorkerState, WorkerState]:
+    def pick_pair(
+        self, key: str | None = None, avoid: Collection[str] = ()
+    ) -> tuple[WorkerState, WorkerState]:
         """A (prefill, decode) pair by the policies, never one whose decode reports that
         prefill unhealthy (:func:`refuses`): the prefill is picked among those some
         decode accepts, then the decode among those that accept it.  NoHealthyWorker when
         a role has no healthy worker; NoHealthyPair when no pair is left (the router
         answers 503 rather than send a request that would wait on a peer its decode has
-        pages quarantined for)."""
-        prefills, decodes = self.healthy("prefill"), self.healthy("decode")
+        pages quarantined for). ``avoid``: as :meth:`healthy`."""
+        prefills, decodes = self.healthy("prefill", avoid), self.healthy("decode", avoid)
         if not prefills or not decodes:
             self.pick("decode" if prefills else "prefill")  # raises, naming the role
         bad = avoided_pairs(prefills, decodes)
@@ -404,6 +409,18 @@ class WorkerPool:
         worker.consecutive_failures += 1
         worker.last_error = reason
         if worker.healthy and worker.consecutive_failures >= self._threshold:
+            worker.healthy = False
+            log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
+
+    def eject(self, url: str, reason: str) -> None:
+        """Take the worker at ``url`` out of picking now (its connection failed under a
+        request); its next good health check brings it back."""
+        worker = self.find(url)
+        if worker is None:
+            return
+        worker.consecutive_failures = max(worker.consecutive_failures, self._threshold)
+        worker.last_error = reason
+        if worker.healthy:
             worker.healthy = False
             log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
 

@@ -23,10 +23,19 @@ from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, build_openai_router
+from pdserve.server.responses import ResponseStore, build_responses_router
 from pdserve.server.serving import APIError, AsyncEngine, Job, make_params
 from pdserve.server.tokenize_api import build_tokenize_router
+from pdserve.tracing import RequestContext, Tracing
 
-_COUNTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize")
+_COUNTED = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 def _where(loc: tuple, body: Any, missing: bool) -> str:
@@ -135,10 +144,13 @@ def build_worker_app(
     server_info: Callable[[], dict],
     health_generate_timeout: float,
     max_request_body_bytes: int = 32 * 2**20,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """Return the worker app. The engine thread starts with the app's lifespan and stops
     with it; ``kv_managers`` (name -> manager) are shut down after it; a request body over
-    ``max_request_body_bytes`` gets 413."""
+    ``max_request_body_bytes`` gets 413. Every API request runs with a request id and,
+    with ``tracing``, a span (``pdserve/tracing.py:RequestContext``); the tracer is shut
+    down (its queued spans exported) last."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -149,9 +161,12 @@ def build_worker_app(
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
             for manager in kv_managers.values():
                 manager.shutdown()
+            if tracing is not None:
+                await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan)
     app.include_router(build_openai_router(ctx))
+    app.include_router(build_responses_router(ctx, ResponseStore(ctx.responses_store_size)))
     app.include_router(build_generate_router(ctx))
     app.include_router(build_tokenize_router(ctx))
     stopping = ShutdownFlag()
@@ -159,6 +174,7 @@ def build_worker_app(
     # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
     app.add_middleware(ShutdownAnswer, flag=stopping, who="the worker")
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(RequestContext, tracing=tracing, paths=_COUNTED)
     app.add_middleware(_RequestMetrics, metrics=metrics)  # outermost: counts the 413s too
 
     @app.exception_handler(RequestValidationError)

@@ -76,6 +76,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         cls=ModelConfig,
     ),
     Flag(
+        "--quantization",
+        "fp8: quantize the decoder's linear weights to e4m3 at load (one scale per output "
+        "channel); fp8_block: one scale per output row and 128 input columns (closer to "
+        "bf16, never through cuBLAS's FP8 matmul); unset: as the checkpoint is (an FP8 "
+        "checkpoint loads as FP8 either way)",
+        config_value(ModelConfig, "quantization"),
+        cls=ModelConfig,
+    ),
+    Flag(
         "--enforce-eager",
         "never capture CUDA graphs of the decode step (every step eager)",
         bool,
@@ -96,6 +105,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         cls=ModelConfig,
     ),
     Flag("--page-size", "tokens per KV page; unset: 16 on CPU, 128 on CUDA", int, cls=CacheConfig),
+    Flag(
+        "--kv-cache-dtype",
+        "auto (the model's dtype) or fp8_e4m3 (per-tensor K/V scales: 1.0 or the "
+        "checkpoint's k_scale/v_scale)",
+        config_value(CacheConfig, "kv_cache_dtype"),
+        cls=CacheConfig,
+    ),
     Flag(
         "--kv-cache-memory",
         "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA",
@@ -128,7 +144,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         cls=CacheConfig,
     ),
     Flag("--max-num-batched-tokens", "token budget of one step", int, cls=SchedulerConfig),
-    Flag("--max-running-requests", "requests in the running batch", int, cls=SchedulerConfig),
+    Flag(
+        "--max-running-requests",
+        "requests in the running batch (and the largest CUDA-graph batch); unset: 256 on "
+        "CUDA, 64 on CPU",
+        int,
+        cls=SchedulerConfig,
+    ),
     Flag(
         "--overlap-schedule",
         "launch each greedy decode step from the previous step's tokens on the device while "

@@ -175,9 +175,11 @@ def generate_meta(
     top_logprobs_num: int,
     logprob_start_len: int,
     latency: float,
+    return_timing: bool = False,
 ) -> dict:
     """``meta_info`` of a native ``/generate`` answer (SGLang's shape: logprob entries are
-    ``[logprob, token_id, null]``; the first prompt token's logprob is null)."""
+    ``[logprob, token_id, null]``; the first prompt token's logprob is null); with
+    ``return_timing``, ``timing``: the finished sample's timing block (server/phases.py)."""
     if sample.finish_reason is None:
         finish = None
     elif sample.finish_reason == "length":
@@ -192,6 +194,8 @@ def generate_meta(
         "finish_reason": finish,
         "e2e_latency": latency,
     }
+    if return_timing and out.timing is not None:
+        meta["timing"] = out.timing
     if not return_logprob:
         return meta
     outs = sample.logprobs or []
@@ -238,8 +242,11 @@ def choice_extras(
     first: bool,
 ) -> dict[str, Any]:
     """Extension fields of one choice: token ids (``return_token_ids``; the prompt's with
-    the first chunk) and prompt logprobs (first chunk only)."""
+    the first chunk), prompt logprobs (first chunk only) and, with ``return_timing``, the
+    finished sample's timing block (``server/phases.py``)."""
     extra: dict[str, Any] = {}
+    if req.return_timing and out.timing is not None:
+        extra["timing"] = out.timing
     if req.return_token_ids:
         extra["token_ids"] = token_ids
         if first:
@@ -313,13 +320,17 @@ class StreamSamples:
         return o, first, bool(o.delta_token_ids or o.delta_text or o.finished or first)
 
     def with_usage(self, chunk: dict, o: CompletionOutput | None, out: RequestOutput) -> dict:
-        """``chunk``, with this sample's usage so far under ``continuous_usage_stats``, else
-        ``"usage": null`` under ``include_usage`` (OpenAI's chunks before the usage chunk)
-        (``o`` None: a chunk before any output token, e.g. chat's opening role chunk)."""
+        """``chunk``, under ``include_usage``: with this sample's usage so far when
+        ``continuous_usage_stats`` is set too, else ``"usage": null`` (OpenAI's chunks
+        before the usage chunk); without ``include_usage`` as is (vLLM's rule:
+        ``continuous_usage_stats`` alone adds nothing) (``o`` None: a chunk before any
+        output token, e.g. chat's opening role chunk)."""
         opts = self._req.stream_options
-        if opts and opts.include_usage and not opts.continuous_usage_stats:
+        if not (opts and opts.include_usage):  # vLLM: no usage in chunks without it
+            return chunk
+        if not opts.continuous_usage_stats:
             chunk["usage"] = None
-        elif opts and opts.continuous_usage_stats:
+        else:
             chunk["usage"] = usage(
                 self._lengths[self._prompt_of(chunk)],
                 [] if o is None else [o],

@@ -79,6 +79,7 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
                     top_logprobs_num=k,
                     logprob_start_len=req.logprob_start_len,
                     latency=time.perf_counter() - job.arrival,
+                    return_timing=req.return_timing,
                 ),
             }
             if sp.n > 1:

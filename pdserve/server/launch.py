@@ -90,6 +90,21 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         cls=ServerConfig,
     ),
     STRICT_FIELDS_FLAG,
+    Flag(
+        "--responses-store-size",
+        "most /v1/responses answers kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id (the oldest dropped first); 0 keeps none",
+        int,
+        cls=ServerConfig,
+    ),
+    Flag(
+        "--otlp-traces-endpoint",
+        "OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318; /v1/traces is added to a URL "
+        "without a path) that gets this worker's traces: a span per request with one child "
+        "span per phase; unset: tracing off",
+        cls=ServerConfig,
+        metavar="URL",
+    ),
 )
 
 

@@ -107,6 +107,8 @@ class WorkerContext:
     token_text: fmt.TokenText
     max_prompt_chars: int = 0  # max_prompt_chars(); 0 = no bound
     fields: FieldPolicy | None = None  # unknown request fields; None: ignored silently
+    responses_store_size: int = 1000  # most responses /v1/responses keeps (0: none)
+    model_root: str | None = None  # the --model value (model objects' ``root``)
     # /v1/models' ``created``: Unix time (s) the model was loaded and this worker set up
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -162,7 +164,7 @@ def _job(
     )
     job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if isinstance(req, ChatCompletionRequest):  # a chat's prompt is its messages
-        job.prompt_field = "messages"
+        job.prompt_field = "prompt_token_ids" if req.prompt_token_ids is not None else "messages"
     return job
 
 
@@ -178,18 +180,117 @@ def chat_messages(ctx: WorkerContext, messages: list[ChatMessage]) -> list[dict]
     return out
 
 
+def _lift_prompt_logprobs(body: dict) -> dict:
+    """A chat answer (or chunk) with its choices' ``prompt_logprobs`` moved to the top
+    level, where vLLM's chat puts them (the prompt is the same for every choice)."""
+    lifted = [c.pop("prompt_logprobs") for c in body["choices"] if "prompt_logprobs" in c]
+    if lifted:
+        body["prompt_logprobs"] = lifted[0]
+    return body
+
+
+def template_flags(req: Any) -> dict[str, bool]:
+    """``add_generation_prompt`` and ``continue_final_message`` for the chat template of a
+    parsed chat (or ``/tokenize`` messages) request.
+
+    ``continue_final_message`` (vLLM): the prompt ends inside the final message, which
+    the output continues (no end-of-turn after it, no new turn); it needs
+    ``add_generation_prompt`` false (an explicit true with it is a 400, as vLLM's; left
+    unset it follows). A conversation whose final message is the assistant's, with text and
+    no tool calls, is continued when neither field is given (SGLang's assistant prefill);
+    ``continue_final_message: false`` makes it a new turn, as before."""
+    given = req.model_fields_set
+    last = req.messages[-1] if req.messages else None
+    if "continue_final_message" in given:
+        cont = req.continue_final_message
+    else:
+        cont = (
+            "add_generation_prompt" not in given
+            and last is not None
+            and last.role == "assistant"
+            and bool(last.text())
+            and not last.tool_calls
+        )
+    if cont and req.add_generation_prompt and "add_generation_prompt" in given:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true (the "
+            "prompt ends inside the final message, or opens a new turn)",
+            "continue_final_message",
+        )
+    if cont and (last is None or not last.text()):
+        raise APIError(
+            400,
+            "continue_final_message needs a final message with text to continue",
+            "continue_final_message",
+        )
+    if cont:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": req.add_generation_prompt}
+
+
+async def chat_job(
+    ctx: WorkerContext, req: ChatCompletionRequest
+) -> tuple[Job, tl.ToolPlan, list[int], int | None]:
+    """A parsed chat request made ready to run: ``(job, tool plan, prompt token ids, top
+    logprobs per token or None)``; the prompt is the model's chat template over
+    ``req.messages`` (with the tools' rendering), or ``req.prompt_token_ids`` as given
+    (already templated: the router's migration). Raises APIError (400 naming the field,
+    404 for another model)."""
+    check_model(ctx, req.model)
+    plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
+    chat_messages(ctx, req.messages)  # checks every message's text
+    if req.prompt_token_ids is not None:  # already templated (the router's migration)
+        prompt_ids = list(req.prompt_token_ids)
+    else:
+        messages, template_kwargs = tl.template_messages(req.messages, plan)
+        text = await apply_chat_template(
+            ctx.tokenizer, messages, **template_flags(req), **template_kwargs
+        )
+        ctx.check_text(text, "messages")
+        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
+    prompt_ids = req.truncate(prompt_ids, ctx.serving.max_model_len)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    spec = structured_params(req)
+    forced = plan.forced_spec()
+    if forced is not None and spec is not None:
+        raise APIError(
+            400,
+            f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined with it",
+            spec.field,
+        )
+    spec = forced or spec
+    await compile_or_400(ctx.serving.engine.core, spec)
+    job = _job(
+        ctx,
+        req,
+        prompt_ids,
+        req.max_completion_tokens or req.max_tokens,
+        top,
+        req.prompt_logprobs,
+        spec,
+    )
+    return job, plan, prompt_ids, top
+
+
 def build_openai_router(ctx: WorkerContext) -> APIRouter:
     """The OpenAI endpoints bound to ``ctx``."""
     api = APIRouter()
     tt = ctx.token_text
 
     def model_card() -> dict[str, Any]:
-        """OpenAI's model object of the served model (plus vLLM's ``max_model_len``)."""
+        """OpenAI's model object of the served model, plus vLLM's ``max_model_len``,
+        ``root`` (the model it was loaded from: the ``--model`` value) and ``parent``
+        (null: no adapters)."""
         return {
             "id": ctx.model_name,
             "object": "model",
             "created": ctx.created,
             "owned_by": "pdserve",
+            "root": ctx.model_root or ctx.model_name,
+            "parent": None,
             "max_model_len": ctx.serving.max_model_len,
         }
 
@@ -218,10 +319,13 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         echo_of: list[str] = []  # each prompt's echoed text
         for p, prompt in enumerate(batch):
             if isinstance(prompt, list):
-                ids_of.append(list(prompt))
+                ids = list(prompt)
             else:
                 ctx.check_text(prompt, f"prompt[{p}]" if many else "prompt")
-                ids_of.append(await encode(ctx.tokenizer, prompt))
+                ids = await encode(ctx.tokenizer, prompt)
+            ids_of.append(req.truncate(ids, ctx.serving.max_model_len))
+            if len(ids_of[-1]) < len(ids):  # echo what was kept
+                batch[p] = ids_of[-1]
         scoring = req.max_tokens == 0  # no output: the engine's one token is dropped
         if scoring and not req.echo:
             raise APIError(
@@ -307,41 +411,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         ctx.accept(req, "/v1/chat/completions")
-        check_model(ctx, req.model)
-        plan = tl.plan_tools(req, getattr(ctx.tokenizer, "chat_template", None))
-        chat_messages(ctx, req.messages)  # checks every message's text
-        messages, template_kwargs = tl.template_messages(req.messages, plan)
-        text = await apply_chat_template(
-            ctx.tokenizer,
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            **template_kwargs,
-        )
-        ctx.check_text(text, "messages")
-        prompt_ids = await encode(ctx.tokenizer, text, add_special_tokens=False)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        spec = structured_params(req)
-        forced = plan.forced_spec()
-        if forced is not None and spec is not None:
-            raise APIError(
-                400,
-                f"tool_choice {plan.mode!r} forces the output; {spec.field} cannot be combined "
-                "with it",
-                spec.field,
-            )
-        spec = forced or spec
-        await compile_or_400(ctx.serving.engine.core, spec)
-        job = _job(
-            ctx,
-            req,
-            prompt_ids,
-            req.max_completion_tokens or req.max_tokens,
-            top,
-            req.prompt_logprobs,
-            spec,
-        )
+        job, plan, prompt_ids, top = await chat_job(ctx, req)
         head = response_head("chatcmpl", "chat.completion", job.request_id, ctx.model_name)
 
         if req.stream:
@@ -359,7 +429,9 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                         "finish_reason": None,
                         **choice_extras(req, tt, out, [], True),
                     }
-                    yield samples.with_usage(dict(chunk_head, choices=[opening]), None, out)
+                    yield samples.with_usage(
+                        _lift_prompt_logprobs(dict(chunk_head, choices=[opening])), None, out
+                    )
                 if not (o.delta_token_ids or o.delta_text or o.finished):
                     return
                 reason = tl.openai_finish_reason(o.finish_reason)
@@ -411,6 +483,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     **choice_extras(req, tt, out, list(o.token_ids), True),
                 }
             )
-        return JSONResponse(dict(head, choices=choices, usage=final_usage(len(prompt_ids), outs)))
+        body = dict(head, choices=choices, usage=final_usage(len(prompt_ids), outs))
+        return JSONResponse(_lift_prompt_logprobs(body))
 
     return api

@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from pdserve.disagg.base import ROOM_LIMIT
+from pdserve.disagg.base import MAX_TOP_LOGPROBS, ROOM_LIMIT
 from pdserve.ports import PORT_MAX
 from pdserve.server.body_base import Int, RequestModel
 from pdserve.server.structured import GuidedFields, ResponseFormatField
@@ -138,8 +138,28 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: StrictBool = False
+    # pdserve: each finished choice's per-phase timings (server/phases.py)
+    return_timing: StrictBool = False
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError(
+                "truncate_prompt_tokens must be >= 1 (tokens kept) or -1 (the context limit)"
+            )
+        return value
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens`` (-1: ``max_model_len``)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     @field_validator("stream_options")
     @classmethod
@@ -194,7 +214,7 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: Int = Field(16, ge=0)
-    logprobs: Int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: Int | None = Field(None, ge=1)
@@ -276,8 +296,13 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    # pdserve extension: the prompt as token ids, already through the chat template (the
+    # router's migration resends a request with the tokens streamed so far appended, so
+    # nothing is re-tokenized); ``messages`` are still checked but not templated
+    prompt_token_ids: list[StrictInt] | None = Field(None, min_length=1)
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -327,10 +352,11 @@ class GenerateRequest(Bootstrap):
         default_factory=lambda: GenerateSamplingParams.model_validate({})
     )
     return_logprob: StrictBool = False
-    top_logprobs_num: Int = Field(0, ge=0, le=20)
+    top_logprobs_num: Int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: Int = Field(-1, ge=-1)
     stream: StrictBool = False
     rid: str | None = None
+    return_timing: StrictBool = False  # pdserve: meta_info.timing (server/phases.py)
 
 
 class TokenizeRequest(_Body):
@@ -343,6 +369,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
 
 

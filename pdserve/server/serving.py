@@ -25,13 +25,12 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role
-from pdserve.disagg.room_plan import sample_room
+from pdserve import tracing
+from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role, sample_room
 from pdserve.engine.core.request import (
     DisaggRequestInfo,
     PromptError,
@@ -41,6 +40,7 @@ from pdserve.engine.core.request import (
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.http.aio import get_within
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.phases import PhaseRecorder
 
 log = logging.getLogger("pdserve.server")
 
@@ -259,11 +259,12 @@ class Job:
     params: SamplingParams
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    bootstrap_room: int | None = None  # the request's; rooms: disagg.room_plan.sample_room
+    bootstrap_room: int | None = None  # the request's; rooms: disagg.base.sample_room
     prompt_index: int = 0  # which prompt of a /v1/completions batch this job is
     fake_transfer: bool = False  # /health_generate in PD roles
     prompt_field: str = "prompt"  # the request field errors about the prompt name
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # engine id: the API request's id (x-request-id) and a unique suffix
+    request_id: str = field(default_factory=tracing.engine_request_id)
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -286,8 +287,10 @@ class Serving:
         max_model_len: int,
         vocab_size: int,
         metrics: ServerMetrics,
+        phases: PhaseRecorder | None = None,
     ) -> None:
         self.engine = engine
+        self.phases = phases  # per-phase timings of finished samples (server/phases.py)
         self.role = Role(role)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -309,7 +312,7 @@ class Serving:
         except PromptError as exc:
             field = job.prompt_field if exc.field == "prompt" else exc.field
             raise APIError(400, str(exc), field, code=exc.code) from None
-        if self.role == Role.MIXED or job.fake_transfer:
+        if self.role == Role.MIXED or job.fake_transfer or self._runs_whole(job):
             return
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
             if getattr(job, name) in (None, ""):
@@ -329,8 +332,16 @@ class Serving:
                 "bootstrap_room",
             )
 
+    def _runs_whole(self, job: Job) -> bool:
+        """A decode worker prefills a request that names no bootstrap field at all itself,
+        as a mixed worker would (the router's selective PD: a prompt too short to be
+        worth a transfer); a prefill worker never does (it has no one to send to)."""
+        return self.role == Role.DECODE and (
+            job.bootstrap_host is None and job.bootstrap_port is None and job.bootstrap_room is None
+        )
+
     def _disagg(self, job: Job, index: int) -> DisaggRequestInfo | None:
-        if self.role == Role.MIXED:
+        if self.role == Role.MIXED or self._runs_whole(job):
             return None
         if job.fake_transfer:
             return DisaggRequestInfo(self.role, "127.0.0.1", 1, job.bootstrap_room or 0, fake=True)
@@ -351,6 +362,11 @@ class Serving:
         inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         live: dict[str, int] = {}
         last_token_time: dict[int, float] = {}
+        first_out: dict[int, float] = {}  # when each sample's first token reached this loop
+        # with tracing on: when each sample's tokens arrived (its span's decode events)
+        tokens: dict[int, list[tuple[float, int]]] | None = (
+            None if tracing.CURRENT_SPAN.get() is None else {}
+        )
         try:
             for index, (rid, params) in enumerate(samples):
                 live[rid] = index
@@ -370,6 +386,14 @@ class Serving:
                     continue
                 if isinstance(item, Exception):
                     raise item
+                if index not in first_out and item.outputs[0].delta_token_ids:
+                    first_out[index] = time.perf_counter()
+                if tokens is not None:
+                    tokens.setdefault(index, []).append(
+                        (time.perf_counter(), len(item.outputs[0].delta_token_ids))
+                    )
+                if item.finished and self.phases is not None:
+                    self._phases(job, index, item, tokens, first_out.get(index, 0.0))
                 if item.error is not None or any(o.finish_reason == "error" for o in item.outputs):
                     if not self.engine.alive:  # the engine cannot serve (a rank is gone):
                         raise EngineDeadError(item.error or self.engine.error or "engine stopped")
@@ -452,6 +476,27 @@ class Serving:
             if out.finished:
                 finals[index] = out
         return [finals[i] for i in sorted(finals)]
+
+    def _phases(
+        self,
+        job: Job,
+        index: int,
+        out: RequestOutput,
+        tokens: dict[int, list[tuple[float, int]]] | None,
+        first_out: float,
+    ) -> None:
+        """Hand finished sample ``index`` to the phase recorder (its room and peer in PD;
+        ``first_out``: when its first token reached the event loop, 0.0 if none did)."""
+        assert self.phases is not None
+        info = self._disagg(job, index) if job.bootstrap_room is not None else None
+        self.phases.finished(
+            out,
+            arrival=job.arrival,
+            room=None if info is None else info.bootstrap_room,
+            peer=None if info is None else f"{info.bootstrap_host}:{info.bootstrap_port}",
+            tokens=None if tokens is None else tokens.get(index),
+            first_out=first_out,
+        )
 
     def _observe(self, job: Job, index: int, out: RequestOutput, last: dict[int, float]) -> None:
         now = time.perf_counter()

@@ -15,6 +15,7 @@ from pdserve.server.openai_api import (
     chat_messages,
     check_model,
     encode,
+    template_flags,
 )
 from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import APIError
@@ -38,9 +39,7 @@ def build_tokenize_router(ctx: WorkerContext) -> APIRouter:
             special = True if req.add_special_tokens is None else req.add_special_tokens
         else:
             messages = chat_messages(ctx, req.messages or [])
-            text = await apply_chat_template(
-                ctx.tokenizer, messages, add_generation_prompt=req.add_generation_prompt
-            )
+            text = await apply_chat_template(ctx.tokenizer, messages, **template_flags(req))
             special = bool(req.add_special_tokens)
         ids = await encode(ctx.tokenizer, text, add_special_tokens=special)
         strs = None

@@ -1,24 +1,13 @@
-"""Tools (function calling) on ``/v1/chat/completions``, as OpenAI defines them.
+"""Tools (function calling) on ``/v1/chat/completions``, as OpenAI defines them; behaviour
+and default tool format: docs/reference.md, its "Tools" paragraph.
 
 Rendering: a chat template that knows tools (its source mentions ``tools``) gets them
-through ``apply_chat_template(tools=...)`` and the messages as they are (an assistant's
-``tool_calls`` with ``arguments`` parsed to objects, ``tool`` messages with
-``tool_call_id``).  A template without tools (the embedded SmolLM2's) gets pdserve's
-default format, documented in docs/reference.md:
-
-* a system message listing the functions (one JSON object per line: name, description,
-  parameters) and asking for calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  (merged after the conversation's own system message when there is one);
-* an assistant message's ``tool_calls`` become such blocks in its text;
-* a ``tool`` message becomes a ``user`` message ``<tool_response>{content}</tool_response>``.
-
-``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` (the default
-with tools) parses the text's ``<tool_call>`` blocks; ``required`` and a named function
-force the output with the structured-output grammar: a named function's output *is* its
-arguments (a JSON object valid for its ``parameters``), ``required``'s is a JSON array of
-``{"name", "arguments"}`` calls (one at most when ``parallel_tool_calls`` is false).
-Parsed calls become ``message.tool_calls`` with ``finish_reason: "tool_calls"`` (a
-``length`` cut stays ``length``); streaming sends them as ``tool_calls`` deltas.
+through ``apply_chat_template(tools=...)`` with the messages as they are; any other (the
+embedded SmolLM2's) gets the default format: a system message listing the functions and
+asking for ``<tool_call>`` blocks, assistant ``tool_calls`` as such blocks, ``tool``
+messages as ``<tool_response>`` user turns. ``tool_choice``: ``none`` renders and parses
+nothing; ``auto`` parses ``<tool_call>`` blocks out of the text; ``required`` and a named
+function force the output with the structured-output grammar.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import WorkerContext, max_prompt_chars
+from pdserve.server.phases import PhaseMetrics, PhaseRecorder
 from pdserve.server.serving import AsyncEngine, Serving
+from pdserve.tracing import Tracing
 
 
 def _create_managers(
@@ -95,12 +97,24 @@ def build_worker(
         }
     )
     model_name = server_cfg.served_model_name or engine_cfg.model.model
+    layout = core.layout  # the whole model's KV heads: one page over every rank
+    page_bytes = (
+        2 * layout.num_layers * layout.page_size * layout.num_kv_heads * layout.head_dim
+    ) * torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
+    phases = PhaseRecorder(
+        Role(disagg.role),
+        PhaseMetrics(metrics.registry),
+        page_bytes=page_bytes,
+        transfer_backend=disagg.transfer_backend if pd else None,
+        ucx=ucx_log.snapshot if ucx_log is not None else None,
+    )
     serving = Serving(
         engine,
         role=disagg.role,
         max_model_len=core.max_model_len,
         vocab_size=core.vocab_size,
         metrics=metrics,
+        phases=phases,
     )
     ctx = WorkerContext(
         serving,
@@ -109,6 +123,8 @@ def build_worker(
         TokenText(core.tokenizer),
         max_prompt_chars=max_prompt_chars(core.tokenizer, core.max_model_len),
         fields=FieldPolicy(server_cfg.strict_request_fields, metrics.ignored_fields),
+        responses_store_size=server_cfg.responses_store_size,
+        model_root=engine_cfg.model.model,
     )
     static = {
         "version": pdserve.__version__,
@@ -159,6 +175,7 @@ def build_worker(
         server_info=server_info,
         health_generate_timeout=server_cfg.health_generate_timeout,
         max_request_body_bytes=server_cfg.max_request_body_bytes,
+        tracing=Tracing.create(server_cfg.otlp_traces_endpoint, str(disagg.role)),
     )
     if ucx_log is not None:
         _close_with_the_app(app, ucx_log.close)

@@ -267,3 +267,19 @@ def test_bench_offline_takes_serves_engine_flags():
         ["bench", "offline", "--tp", "2", "--no-enforce-eager", "--page-size", "32"]
     )
     assert (args.tensor_parallel_size, args.enforce_eager, args.page_size) == (2, False, 32)
+
+
+def test_transfer_bench_bootstrap_wait_has_a_deadline():
+    from pdserve.bench.transfer import wait_bootstrapped
+    from pdserve.disagg.base import KVArgs, KVLayout, KVPoll
+    from pdserve.disagg.fake import FakeKVManager
+
+    args = KVArgs((0,), (4096,), (512,), 0, 1024, 256, KVLayout("m", "float32", 4, 1, 1, 8))
+    prefill = FakeKVManager(args, "prefill", scripted=True)  # rooms stay Bootstrapping
+    stuck = prefill.create_sender(5)
+    with pytest.raises(RuntimeError, match=r"room 5: decode did not bootstrap within 0.05 s"):
+        wait_bootstrapped(stuck, 5, wait_s=0.05)
+    assert stuck.aborted
+    ready = prefill.create_sender(6)
+    ready.advance(KVPoll.WaitingForInput)
+    wait_bootstrapped(ready, 6, wait_s=0.05)  # returns at once

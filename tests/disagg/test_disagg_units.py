@@ -10,12 +10,13 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.disagg import messages
+from pdserve.disagg import wire
 from pdserve.disagg.base import (
     AUX_RECORD_BYTES,
     PROTOCOL_VERSION,
     AuxRecord,
     DuplicateRoomError,
+    FailureInjector,
     KVArgs,
     KVLayout,
     KVPoll,
@@ -24,7 +25,6 @@ from pdserve.disagg.deadline import run_with_deadline
 from pdserve.disagg.fake import HISTORY, FakeKVManager, link
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.registry import create_kv_manager
-from pdserve.disagg.rooms import FailureInjector
 
 ARGS = KVArgs((0,), (4096,), (512,), 0, 1024, 256, KVLayout("m", "float32", 4, 1, 1, 8))
 
@@ -58,23 +58,23 @@ def test_run_with_deadline_times_out_naming_what():
 
 
 def test_control_messages_round_trip_and_reject_other_versions():
-    msg = messages.RoomDest(
+    msg = wire.RoomDest(
         room=2**63 + 5, prefill_instance="p", decode_instance="d", dst_pages=[3, 1, 2], aux_slot=4
     )
-    assert messages.decode_control(messages.encode_control(msg)) == msg
+    assert wire.decode_control(wire.encode_control(msg)) == msg
     assert msg.skip_pages == 0  # decode holds no prefix unless it says so
-    skip = messages.RoomDest(
+    skip = wire.RoomDest(
         room=5, prefill_instance="p", decode_instance="d", dst_pages=[7], aux_slot=0, skip_pages=3
     )
-    assert messages.decode_control(messages.encode_control(skip)).skip_pages == 3
+    assert wire.decode_control(wire.encode_control(skip)).skip_pages == 3
     other = msgspec.msgpack.encode({"v": 99, "msg": {"type": "dest"}})
     with pytest.raises(
-        messages.WireError, match=f"protocol_version: ours {PROTOCOL_VERSION} vs theirs 99"
+        wire.WireError, match=f"protocol_version: ours {PROTOCOL_VERSION} vs theirs 99"
     ):
-        messages.decode_control(other)
-    with pytest.raises(messages.WireError):
-        messages.decode_xfer_done(b"\xff\x00garbage")
-    assert messages.decode_xfer_done(messages.encode_xfer_done(7, "p")).room == 7
+        wire.decode_control(other)
+    with pytest.raises(wire.WireError):
+        wire.decode_xfer_done(b"\xff\x00garbage")
+    assert wire.decode_xfer_done(wire.encode_xfer_done(7, "p")).room == 7
 
 
 def test_registry_rejects_unknown_names():

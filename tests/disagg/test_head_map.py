@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.disagg.head_map import HeadSlice, is_writer, reads_from, writes_into
+from pdserve.disagg.bootstrap import HeadSlice, is_writer, reads_from, writes_into
 from pdserve.parallel import TPRank, kv_head_range
 
 SIZES = (1, 2, 4, 8)  # powers of two: every pair is a split the rules allow

@@ -13,11 +13,10 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.disagg import registry
-from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
+from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout, ServiceThreads
 from pdserve.disagg.nixl import factory
 from pdserve.disagg.nixl.agent.api import NixlApi
 from pdserve.disagg.nixl.prefill.manager import NixlPrefillManager
-from pdserve.disagg.rooms import ServiceThreads
 from pdserve.disagg.transfer_config import (
     TransferConfig,
     backend_init_params,

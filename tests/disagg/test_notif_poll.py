@@ -1,12 +1,12 @@
-"""Decode's notification poller (pdserve/disagg/nixl/decode/notif_poll.py), driven step by step
+"""Decode's notification poller (NotifPoller of pdserve/disagg/nixl/decode/manager.py), driven step by step
 with recorded waits: no thread, no timing."""
 
 from __future__ import annotations
 
 import threading
 
-from pdserve.disagg.nixl.decode import notif_poll
-from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
+from pdserve.disagg.nixl.decode import manager
+from pdserve.disagg.nixl.decode.manager import NotifPoller
 
 
 class RecordingEvent(threading.Event):
@@ -52,8 +52,8 @@ def test_on_host_memory_a_transferring_room_is_read_every_host_poll_s():
     wake.set()  # a destination just went out
     for _ in range(3):
         poller.step()
-    assert calls == [("sleep", notif_poll.HOST_POLL_S)] * 3
-    assert notif_poll.HOST_POLL_S >= 100e-6  # not a spin: each wake-up costs the copy CPU
+    assert calls == [("sleep", manager.HOST_POLL_S)] * 3
+    assert manager.HOST_POLL_S >= 100e-6  # not a spin: each wake-up costs the copy CPU
 
 
 def test_no_room_transferring_waits_for_a_destination_and_never_loses_one():
@@ -69,14 +69,14 @@ def test_no_room_transferring_waits_for_a_destination_and_never_loses_one():
     poller, calls, wake = _poller(on_host=False, notifs=[], transferring=transferring)
     wake_box.append(wake)
     poller.step()
-    assert wake.waits == [(True, notif_poll.IDLE_WAIT_S)]  # set: a real wait returns at once
+    assert wake.waits == [(True, manager.IDLE_WAIT_S)]  # set: a real wait returns at once
     assert calls == []
 
 
 def test_idle_poller_waits_on_the_event_with_the_idle_bound():
     poller, calls, wake = _poller(on_host=False, notifs=[], transferring=lambda: False)
     poller.step()
-    assert wake.waits == [(False, notif_poll.IDLE_WAIT_S)] and calls == []
+    assert wake.waits == [(False, manager.IDLE_WAIT_S)] and calls == []
 
 
 def test_run_stops_when_told():

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 
-def doctor(env: dict) -> subprocess.CompletedProcess:
+def doctor(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve", "doctor"],
+        [sys.executable, "-m", "pdserve", "doctor", *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -34,3 +34,11 @@ def test_doctor_reports_the_configured_backend():
         "PROBLEM: configuration: PDSERVE_DISAGGREGATION_NIXL_BACKEND_PARAMS must be a JSON object"
         in bad.stdout
     )
+
+
+@pytest.mark.timeout(180)
+def test_doctor_rejects_an_unknown_backend_name():
+    bogus = doctor({"PDSERVE_DISAGGREGATION_NIXL_BACKEND": "UCX"}, "--backends", "UCX,bogus")
+    assert bogus.returncode == 2, bogus.stdout + bogus.stderr
+    assert "pdserve doctor: error: --backends: no plugin bogus; known: " in bogus.stdout
+    assert "UCX" in bogus.stdout.split("known: ")[1]

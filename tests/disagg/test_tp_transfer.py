@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, AuxRecord, KVPoll
-from pdserve.disagg.head_map import is_writer, reads_from, writes_into
+from pdserve.disagg.bootstrap import is_writer, reads_from, writes_into
 from pdserve.disagg.nixl.probe import nixl_problem
 from pdserve.disagg.transfer_config import BootstrapAddress, TransferConfig
 from pdserve.engine.kv.layout import KVCacheLayout

@@ -1,4 +1,4 @@
-"""Prefill's posting/completion path (pdserve.disagg.nixl.prefill.transfer_workers) with a stub NIXL
+"""Prefill's posting/completion path (pdserve.disagg.nixl.prefill.sender) with a stub NIXL
 engine: what is posted where, on which thread, and how decode is told (``XferDone`` by the
 notifier agent, never riding on a WRITE). No thread is started (the queued jobs are run by
 calling the worker's steps here)."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pdserve.disagg.base import KVPoll
-from pdserve.disagg.messages import decode_xfer_done
-from pdserve.disagg.nixl.prefill import transfer_workers as tw
+from pdserve.disagg.nixl.prefill import sender as tw
+from pdserve.disagg.wire import decode_xfer_done
 
 
 class StubEngine:

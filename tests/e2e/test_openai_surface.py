@@ -180,7 +180,7 @@ def test_echo_streams_and_continuous_usage_equal_mixed(c):
     done = [ch["usage"]["completion_tokens"] for ch in with_choices]
     assert done == sorted(done) and done[-1] == 6
     assert {ch["usage"]["prompt_tokens"] for ch in chunks} == {non_stream["usage"]["prompt_tokens"]}
-    # chat too, without the last usage-only chunk
+    # chat too; continuous_usage_stats alone adds no usage (vLLM: only with include_usage)
     chat = {
         "messages": [{"role": "user", "content": "count"}],
         "max_tokens": 5,
@@ -190,7 +190,12 @@ def test_echo_streams_and_continuous_usage_equal_mixed(c):
     }
     pd, mixed, chunks = streams(c, "/v1/chat/completions", chat)
     assert_same(pd, mixed)
-    assert all(ch["choices"] and "usage" in ch for ch in chunks)
+    assert chunks and all(ch["choices"] and "usage" not in ch for ch in chunks)
+    chat["stream_options"]["include_usage"] = True
+    pd, mixed, chunks = streams(c, "/v1/chat/completions", chat)
+    assert_same(pd, mixed)
+    assert all("usage" in ch for ch in chunks) and not chunks[-1]["choices"]
+    assert [ch["usage"]["completion_tokens"] for ch in chunks][-2:] == [5, 5]
     assert pd["usage"]["completion_tokens"] == 5
 
 

@@ -290,9 +290,13 @@ def test_pd_workers_reject_missing_invalid_and_duplicate_bootstrap_fields(cluste
     port = p.get_info()["bootstrap_port"]
     assert isinstance(port, int) and port > 0
     good = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    # no bootstrap field at all: a decode worker runs the request itself (selective PD),
+    # a prefill worker has no one to send its KV to
+    whole = post(d.url, "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 2
     for worker in (p, d):
         for extra in (
-            {},
+            *([{}] if worker is p else []),
             {"bootstrap_room": 5},
             dict(good),
             dict(good, bootstrap_room=-1),

@@ -93,7 +93,10 @@ def test_pd_with_different_tp_sizes_answers_as_a_mixed_tp1_worker(cluster, pair)
 def test_prefill_rank_killed_while_its_room_waits_fails_the_request_cleanly(tmp_path):
     p2 = start_worker("prefill-tp2", "prefill", tmp_path, extra=[*ONE_THREAD, *BOOT, "--tp", "2"])
     d1 = start_worker("decode-tp1", "decode", tmp_path, extra=ONE_THREAD)
-    router = start_router("router", tmp_path, prefill=[p2], decode=[d1])
+    # its one prefill is lost: the request is not sent again after a 1 s wait for another
+    router = start_router(
+        "router", tmp_path, prefill=[p2], decode=[d1], extra=["--migration-wait", "1"]
+    )
     procs = [p2, d1, router]
     stopped = False
     try:

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve import envs
 from pdserve.cli import build_parser
-from pdserve.disagg.room_plan import MAX_ROOMS_PER_REQUEST
+from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST
 from pdserve.launch.api_docs import api_tables, missing_meanings
 from pdserve.launch.flag_docs import _subparsers, flag_table
 from pdserve.server.protocol import MAX_N, GenerateSamplingParams

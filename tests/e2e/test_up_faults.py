@@ -1,8 +1,8 @@
 """``pdserve up`` end to end, with KV-transfer failures injected
 (``PDSERVE_TEST_DISAGG_FAILURE_PROB=0.05``): 200 GSM8K questions through its router at
 concurrency 8 — failures are clear errors, every success equals a mixed worker's answer,
-everything is healthy and KV pages are back at baseline afterwards; a child's death stops
-everything with a message naming it and leaves no process behind. Also: a taken port
+everything is healthy and KV pages are back at baseline afterwards; under --max-restarts 0
+a child's death stops everything with a message naming it and leaves no process behind. Also: a taken port
 fails fast, SIGTERM during start-up leaves no orphan."""
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def _ask(url: str, question: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-logs")
-    up = Up(["--model", TINY, "--port", str(free_port()), "--log-dir", str(logs)], env=FAULT_ENV)
+    args = ["--model", TINY, "--port", str(free_port()), "--log-dir", str(logs)]
+    # a child's death stops everything (no restarts): test_up_migration.py has the restarts
+    up = Up([*args, "--max-restarts", "0"], env=FAULT_ENV)
     mixed = start_worker("mixed", "mixed", logs)
     try:
         up.wait_line(r"pdserve is ready at", 300)
@@ -234,3 +236,47 @@ def test_death_message_names_the_signal_and_labels_the_log_tail(tmp_path):
     assert f"decode-0 (pid {child.pid}) was killed by SIGKILL" in text and "code -9" not in text
     assert "last lines of its log" in text and "(not necessarily the cause)" in text
     assert "OldError" not in text and log.read_text() == ""  # each run's log starts fresh
+
+
+@pytest.mark.timeout(60)
+def test_restarts_with_backoff_then_gives_up(tmp_path):
+    """``Restarts``: a child that dies is started again after 1, 2, 4 s (its log kept
+    across runs), announced when healthy again; its 4th death in a row stops everything."""
+    from pdserve.launch.supervisor import Child, Restarts
+
+    log = tmp_path / "w.log"
+    child = Child("decode-0", "http://127.0.0.1:1", ["sh", "-c", "echo run; sleep 30"], log)
+    other = Child("prefill-0", "http://127.0.0.1:2", ["sleep", "30"], tmp_path / "p.log")
+    child.start()
+    other.start()
+    restarts = Restarts(first_s=1.0, give_up_after=4)
+    try:
+        now, lines = 0.0, []
+        for k in (1, 2, 3):
+            # each run has written its line before it is killed (its log is kept across runs)
+            wait_for(lambda k=k: log.read_text().count("run") == k, 10, f"run {k}'s line")
+            pid = child.pid
+            os.kill(pid, signal.SIGKILL)
+            child.proc.wait(timeout=10)
+            lines = restarts.poll([child, other], lambda c: True, now)
+            assert len(lines) == 1 and f"decode-0 (pid {pid}) was killed by SIGKILL" in lines[0]
+            assert f"restarting it in {2 ** (k - 1):g} s (restart {k} of at most 3" in lines[0]
+            assert restarts.poll([child, other], lambda c: True, now + 2 ** (k - 1) - 0.1) == []
+            now += 2 ** (k - 1)
+            lines = restarts.poll([child, other], lambda c: True, now)
+            assert lines[0].startswith("restarted decode-0 (pid ") and child.pid != pid
+            assert restarts.poll([child, other], lambda c: True, now) == [
+                f"decode-0 (pid {child.pid}) is serving again"
+            ]
+            assert other.exit_code() is None  # the others keep serving
+        wait_for(lambda: log.read_text().count("run") == 4, 10, "four runs in one log")
+        os.kill(child.pid, signal.SIGKILL)
+        child.proc.wait(timeout=10)
+        assert restarts.poll([child, other], lambda c: True, now) == []
+        assert "4 deaths in a row: its restarts keep failing; stopping everything" in (
+            restarts.failed or ""
+        )
+    finally:
+        from pdserve.launch.supervisor import stop_all
+
+        stop_all([child, other], grace=1)

@@ -86,3 +86,15 @@ def test_up_router_flags_are_the_routers(tmp_path, monkeypatch):
     for flag in flags:
         dest = flag[2:].replace("-", "_")
         assert getattr(parsed, dest) == getattr(defaults, dest)
+
+
+def test_up_passes_the_traces_endpoint_to_every_child(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    url = "http://127.0.0.1:4318"
+    args = build_parser().parse_args(["up", "--device", "cpu", "--otlp-traces-endpoint", url])
+    workers, router = _plan(args, tmp_path)
+    for child in [*workers, router]:
+        assert _parsed(child.argv).otlp_traces_endpoint == url
+    workers, router = _plan(build_parser().parse_args(["up", "--device", "cpu"]), tmp_path)
+    for child in [*workers, router]:
+        assert _parsed(child.argv).otlp_traces_endpoint is None  # tracing off by default

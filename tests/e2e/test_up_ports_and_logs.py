@@ -66,7 +66,8 @@ def test_port_0_prints_the_port_the_router_listens_on_and_a_clean_stop_leaves_no
 
 @pytest.mark.timeout(300)
 def test_a_failed_run_keeps_its_logs_and_names_their_folder(tmp_path):
-    up = Up(["--model", TINY, "--port", "0"], env={"TMPDIR": str(tmp_path)})
+    # --max-restarts 0: the death ends the run (restarted, it would go on serving)
+    up = Up(["--model", TINY, "--port", "0", "--max-restarts", "0"], env={"TMPDIR": str(tmp_path)})
     try:
         up.wait_line(r"pdserve is ready at", 240)
         folder = _log_dir(up, tmp_path)

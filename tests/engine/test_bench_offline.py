@@ -70,7 +70,7 @@ def test_prefill_row_times_new_prompts_every_run(monkeypatch):
     monkeypatch.setattr(offline, "_time_ours", fake_ours)
     monkeypatch.setattr(offline, "_time_hf", lambda *a: (2.0, None))
     llm = SimpleNamespace(engine=SimpleNamespace(vocab_size=1000, device="cpu"))
-    row = offline._time_prefill(llm, None, (2, 16), 0, 3)
+    row = offline._time_prefill(llm, object(), (2, 16), 0, 3)
     assert len(seen) == 4 and len(set(seen)) == 4  # the warm-up and 3 runs, all different
     assert row["ours_tok_s"] == 32.0 and row["ratio"] == 2.0
 
@@ -96,3 +96,61 @@ def test_one_token_runs_are_warmed_up_before_they_are_timed(monkeypatch, capsys)
     assert main(args + ["--num-prompts", "2", "--max-tokens", "1", "--repeats", "1"]) == 0
     assert calls == [1, 1]
     capsys.readouterr()
+
+
+@pytest.mark.timeout(300)
+def test_input_len_long_context_and_ours_only(tmp_path, capsys):
+    """--input-len makes every prompt exactly that long, --long-context adds a row of its
+    own length, --ours-only leaves the transformers columns empty, and the roofline is the
+    larger of the byte and the FLOP time, both from rates measured in the run."""
+    from pdserve.bench.roofline import forward_flops
+    from pdserve.model.presets import preset_config
+    from pdserve.model.shapes import ModelShapes
+
+    out = tmp_path / "offline.json"
+    args = ["bench", "offline", "--model", "random:tiny", "--device", "cpu", "--ours-only"]
+    args += ["--num-prompts", "1,3", "--input-len", "24", "--long-context", "2x40"]
+    assert main(args + ["--max-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["num_prompts"] for r in rows] == [1, 3, 2]
+    assert [r["prompt_lens"] for r in rows] == [[24], [24] * 3, [40] * 2]
+    assert [r["prompt_source"] for r in rows][:2] == ["random", "random"]
+    assert report["copy_bandwidth_bytes_per_s"] > 0 and report["matmul_flop_per_s"] > 0
+    shapes = ModelShapes(preset_config("tiny"))
+    for r in rows:
+        assert r["hf_tok_s"] is None and r["ratio"] is None and r["identical_outputs"] is None
+        assert r["mean_context"] == r["mean_prompt_len"] + 2  # + (max_tokens + 1) / 2
+        assert r["step_flops"] == forward_flops(shapes, r["num_prompts"], r["mean_context"])
+        mem = 1e3 * r["step_bytes"] / report["copy_bandwidth_bytes_per_s"]
+        comp = 1e3 * r["step_flops"] / report["matmul_flop_per_s"]
+        assert r["memory_ms_per_step"] == pytest.approx(mem)
+        assert r["roofline_ms_per_step"] == pytest.approx(max(mem, comp))
+        assert r["roofline_bound"] == ("memory" if mem >= comp else "compute")
+    assert "bound" in capsys.readouterr().out
+
+
+def test_gsm8k_prompts_cut_or_padded_to_input_len():
+    from pdserve.bench.offline import fit_length
+
+    assert fit_length([1, 2, 3, 4], 2) == [1, 2]
+    assert fit_length([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(ValueError):
+        fit_length([], 3)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--num-prompts", "1025"], "num-prompts"),
+        (["--input-len", "0"], "input-len"),
+        (["--input-source", "gsm8k"], "input-source"),
+        (["--long-context", "32"], "long-context"),
+        (["--long-context", "2000x16"], "long-context"),
+        (["--input-len", "5000", "--ours-only"], "input-len"),  # random:tiny's limit: 4,096
+        (["--long-context", "1x4095", "--ours-only", "--num-prompts", "1"], "long-context"),
+    ],
+)
+def test_new_options_reject_bad_values(extra, field, capsys):
+    assert main(["bench", "offline", "--model", "random:tiny", "--device", "cpu"] + extra) == 2
+    assert field in capsys.readouterr().err

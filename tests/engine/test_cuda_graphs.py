@@ -29,17 +29,17 @@ def test_graph_batch_sizes_cover_every_batch():
         graph_batch_sizes(0)
 
 
-def test_capture_reserve_holds_every_graphs_logits():
-    """Every graph keeps its bucket's fp32 logits: with the triton backend the buckets of 32
-    rows and more have a second, short-context graph, counted too."""
+def test_capture_reserve_does_not_grow_with_the_number_of_graphs():
+    """Every graph writes its logits into one shared ``[max_batch, V]`` fp32 buffer, so the
+    reserve holds that buffer and the largest bucket's intermediates, whatever the number
+    of graphs (before: every graph's own logits, 67 GB for Llama-3.1-8B up to 1,024 rows)."""
     model = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta")
-    logits = sum(graph_batch_sizes(64)) * 128256 * 4
-    assert logits < capture_reserve_bytes(model, 64) < 4 << 30  # not a KV pool's worth
     tri = LlamaForCausalLM(preset_config("llama-3.1-8b"), torch.bfloat16, "meta", "triton")
-    bounded = (32 + 48 + 64) * 128256 * 4
-    reserve = capture_reserve_bytes(tri, 64)
-    assert reserve - capture_reserve_bytes(model, 64) == 2 * bounded  # twice: the cast
-    assert logits + bounded < reserve < 4 << 30
+    assert capture_reserve_bytes(tri, 64) == capture_reserve_bytes(model, 64)
+    for max_batch in (64, 256, 1024):
+        shared = max_batch * 128256 * 4
+        assert 3 * shared < capture_reserve_bytes(tri, max_batch) < 5 * shared + (2 << 30)
+    assert capture_reserve_bytes(tri, 1024) < 5 << 30
 
 
 def test_attention_backend_and_enforce_eager_flags():
@@ -102,8 +102,13 @@ def test_graphs_match_eager(dtype, logprobs):
             kv_cache_memory=0.25,
             enforce_eager=eager,
         )
-        assert (llm.engine.executor.rank0.runner.graphs is None) == eager
+        graphs = llm.engine.executor.rank0.runner.graphs
+        assert (graphs is None) == eager
         assert llm.engine.attention_backend == "triton"
+        if graphs is not None:  # every graph's logits: a view of the one shared buffer
+            shared = graphs._logits_out.data_ptr()
+            assert len(graphs._logits) > 3
+            assert all(t.data_ptr() == shared for t in graphs._logits.values())
         runs[eager] = [[o.outputs[0] for o in llm.generate(prompts[:n], params)] for n in (1, 3, 5)]
         del llm
         torch.cuda.empty_cache()
@@ -301,3 +306,27 @@ def test_overlap_schedule_matches_sync_and_eager():
             assert ids == other[rid][0] and reason == other[rid][2], rid
             if lps is not None:
                 assert max(abs(a - b) for a, b in zip(lps, other[rid][1])) < 1e-4
+
+
+def test_page_table_rows_are_written_by_difference():
+    """A replay rewrites only the rows whose page list changed (a new list object: the
+    scheduler grows pages into a new list), and every row when the width changes."""
+    import numpy as np
+
+    from pdserve.engine.worker.cuda_graph import TableRows, fill_page_table
+
+    buf = np.zeros(64, dtype=np.int32)
+    written = TableRows()
+    a, b, c = [3, 4], [7], [9, 10]
+    table = buf[:6].reshape(3, 2)
+    assert fill_page_table(table, [a, b, c], written) == 3
+    assert table.tolist() == [[3, 4], [7, 0], [9, 10]]
+    table[0, 0] = -5  # a row that is not rewritten keeps what the buffer holds
+    b = b + [8]  # row 1's request grew a page: a new list
+    assert fill_page_table(table, [a, b, c], written) == 1
+    assert table.tolist() == [[-5, 4], [7, 8], [9, 10]]
+    assert fill_page_table(table, [c, b], written) == 1  # row 0 now another request's list
+    assert table[0].tolist() == [9, 10]
+    wide = buf[:6].reshape(2, 3)  # a new width lays the buffer out anew: every row
+    assert fill_page_table(wide, [c, b + [11]], written) == 2
+    assert wide.tolist() == [[9, 10, wide[0, 2]], [7, 8, 11]]

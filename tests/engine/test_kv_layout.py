@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs
-from pdserve.disagg.messages import BufferDescs
 from pdserve.disagg.nixl.probe import nixl_problem
+from pdserve.disagg.wire import BufferDescs
 from pdserve.engine.kv.layout import KV_ORDERS, KVCacheLayout, check_order
 from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.model.attention import build_attention_metadata

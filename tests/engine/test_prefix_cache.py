@@ -114,3 +114,21 @@ def test_a_second_copy_of_a_cached_prefix_stays_uncached_and_is_freed():
     assert kv.num_free_pages == 7 and kv.num_cached_pages == 0
     kv.release(a)
     assert kv.num_cached_pages == 1
+
+
+def test_page_keys_up_to_a_page_read_only_those_pages():
+    """``end`` stops at a page without the caller slicing the tokens (a running request's
+    new pages are indexed without copying its whole context): the keys equal those of the
+    slice, and no token past the last page is read."""
+
+    class Tokens(list):
+        def __getitem__(self, i):
+            if isinstance(i, slice):
+                assert i.stop is not None and i.stop <= 12, "read past page 3"
+            return super().__getitem__(i)
+
+    tokens = Tokens(range(1, 41))
+    first = page_keys(tokens[:8], 4)
+    rest = page_keys(tokens, 4, start=2, parent=first[-1], end=3)
+    assert first + rest == page_keys(list(range(1, 13)), 4)
+    assert page_keys(list(range(1, 41)), 4, end=99) == page_keys(list(range(1, 41)), 4)

@@ -49,3 +49,35 @@ def test_a_local_address_binds() -> None:
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+
+
+def test_bound_sockets_serve_with_nagle_off():
+    """An asyncio server on ``bind_socket``'s socket (as uvicorn runs on it) accepts
+    connections with TCP_NODELAY set: with Nagle on, an answer written as head then body
+    waited for the client's delayed ACK, 40 ms per keep-alive request."""
+    import asyncio
+    import socket
+
+    from pdserve.http.netutil import bind_socket
+
+    async def main() -> int:
+        sock = bind_socket("127.0.0.1", 0)
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                accepted.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Proto, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == 1

@@ -151,24 +151,73 @@ def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
     assert (plan.mid_o is None) == (config.splits == 1)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hkv", [8, 2, 1])  # GQA ratios 1, 4, 8 (8 query heads)
+@pytest.mark.parametrize(
+    "cfg, s_lens",
+    [
+        ((2, 16, 4, 1, 0, 0), [300, 300]),  # uniform, two splits
+        ((5, 16, 4, 1, 0, 1024), [1, 37, 700]),  # balanced, pieces of one tile
+        ((16, 16, 2, 1, 0, 6), [1, 37, 700]),  # balanced: 6 pieces, most splits empty
+        ((8, 32, 4, 1, 64, 3), [700, 5, 129]),  # balanced over a 64-token floor
+    ],
+)
+def test_triton_decode_splits_gqa_and_lengths_match_sdpa(cfg, s_lens, hkv, monkeypatch):
+    """The split-KV decode kernel equals torch_sdpa for several split counts (with and
+    without the balanced split length computed from the batch's total context), GQA
+    ratios and context lengths, on a page-major pool; the merge ignores empty splits."""
+    from pdserve.model import triton_backend
+
+    config = triton_backend.DecodeConfig(*cfg)
+    monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    monkeypatch.setattr(triton_backend, "_BALANCE_BLOCK_B", 2)  # the total: a loop of 2
+    args = _random_step([1] * len(s_lens), s_lens, 16, 8, hkv, 32, 128, torch.float32, 5, True)
+    ref, _, _ = _attend("torch_sdpa", *args, 16)
+    backend = get_attention_backend("triton")
+    q, k, v, k_cache, v_cache, md = args
+    plan = backend.plan(md, 16)
+    out = backend.forward(q, k, v, k_cache, v_cache, md, plan, 32**-0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+    if config.splits == 1:
+        return
+    # Which splits hold context (lse > -inf): the length the kernel derived on the device.
+    splits, bn, _, _, floor, balance = cfg
+    per_split = [math.ceil(math.ceil(s / splits) / bn) * bn for s in s_lens]
+    if balance:
+        piece = math.ceil(math.ceil(sum(s_lens) * hkv / balance) / bn) * bn
+        per_split = [max(p, piece) for p in per_split]
+    per_split = [max(p, floor) for p in per_split]
+    used = (plan.mid_lse[:, 0, :] > float("-inf")).sum(1).tolist()
+    assert used == [min(splits, -(-s // p)) for s, p in zip(s_lens, per_split)]
+
+
 def test_decode_config_choice_and_validation():
-    """Rows x KV heads x splits near 1024 programs; from 256 rows x KV heads a split covers
-    256 tokens or more (short contexts: one program a row and head); one split (no merge)
-    at 128 rows; an eager step's short contexts need fewer splits; bad values name the
-    field."""
+    """Short contexts: rows x KV heads x splits near 1024 programs, one split (no merge)
+    from 256 rows x KV heads, fewer splits for an eager step's short contexts. Long or
+    unknown contexts: the balanced rule (the kernel cuts the batch's KV into 1024 pieces):
+    a graph launches up to 2048 programs, an eager step as many splits as its longest row
+    needs. Bad values name the field."""
     from pdserve.model.triton_backend import DecodeConfig, decode_config
 
-    assert decode_config(64, 8, 128, None) == DecodeConfig(2, 64, 4, 2, 256)
-    assert decode_config(128, 8, 128, None).splits == 1
-    small = decode_config(1, 8, 128, None)
-    assert small.splits == 32 and small.min_split == 0
+    assert decode_config(64, 8, 128, None) == DecodeConfig(4, 64, 4, 2, 256, 1024)
+    assert decode_config(128, 8, 128, None) == DecodeConfig(2, 64, 4, 2, 256, 1024)
+    assert decode_config(1, 8, 128, None) == DecodeConfig(32, 64, 4, 2, 0, 1024)
+    assert decode_config(16, 8, 128, None) == DecodeConfig(16, 64, 4, 2, 0, 1024)
     assert decode_config(1, 8, 128, 100).splits == 2
     # Known short contexts at a large batch (an eager step, or a graph captured for the
-    # bound): one split of 3 stages, no merge; past the bound the split rule again.
+    # bound): one split of 3 stages, no merge; past the bound the balanced rule.
     assert decode_config(64, 8, 128, 1024) == DecodeConfig(1, 64, 4, 3)
     assert decode_config(32, 8, 128, 200) == DecodeConfig(1, 64, 4, 3)
-    assert decode_config(64, 8, 128, 1025) == DecodeConfig(2, 64, 4, 2, 256)
     assert decode_config(16, 8, 128, 500) == DecodeConfig(8, 64, 4, 2, 0)  # 128 programs
+    assert decode_config(64, 8, 128, 1025) == DecodeConfig(4, 64, 4, 2, 256, 1024)  # graph
+    # eager, uniform: 64 x 1025 x 8 / 1024 -> pieces of 576 tokens, 2 splits a row
+    assert decode_config(64, 8, 128, 1025, 64 * 1025) == DecodeConfig(2, 64, 4, 2, 256, 1024)
+    # eager, 32 rows x 4,096 (the issue's long-context row): pieces of 1,024, 4 splits
+    assert decode_config(32, 8, 128, 4096, 32 * 4096).splits == 4
+    # eager, one 32k row among 31 of 100 tokens: the long row takes every split
+    assert decode_config(32, 8, 128, 32768, 32768 + 31 * 100).splits == 32
+    # eager, batch 1 x 4,096: pieces of the 64-token floor, 32 splits
+    assert decode_config(1, 8, 128, 4096, 4096).splits == 32
     for bad, field in (
         (dict(splits=0), "splits"),
         (dict(splits=33), "splits"),
@@ -180,18 +229,20 @@ def test_decode_config_choice_and_validation():
             DecodeConfig(**kw)
 
 
-def test_graphs_of_large_batches_get_a_short_context_bound():
-    """The triton backend asks for a graph bounded at ONE_SPLIT_MAX_CONTEXT where its decode
-    runs short contexts as one split (rows x KV heads >= 256), and only there; the CPU
-    backend never; the runner replays the smallest bound that holds the longest context."""
+def test_graphs_get_a_short_context_bound():
+    """The triton backend asks every batch size for a graph bounded at
+    ONE_SPLIT_MAX_CONTEXT (the measured short-context rule; one split from 256 rows x KV
+    heads) besides its unbounded one (the balanced rule); the CPU backend never; the
+    runner replays the smallest bound that holds the longest context."""
     from pdserve.engine.worker.cuda_graph import pick_graph
     from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT, TritonBackend, decode_config
 
     tri, sdpa = TritonBackend(), get_attention_backend("torch_sdpa")
-    for bs in (1, 8, 16, 31, 32, 48, 64, 128):
+    for bs in (1, 8, 16, 31, 32, 48, 64, 128, 256):
         one_split = decode_config(bs, 8, 128, ONE_SPLIT_MAX_CONTEXT).splits == 1
-        assert decode_config(bs, 8, 128, None).splits > 1 or bs >= 128
-        assert tri.capture_context_bounds(bs, 8) == ((ONE_SPLIT_MAX_CONTEXT,) if bs >= 32 else ())
+        unbounded = decode_config(bs, 8, 128, None)
+        assert unbounded.balance and bs * 8 * unbounded.splits <= max(2048, bs * 8)
+        assert tri.capture_context_bounds(bs, 8) == (ONE_SPLIT_MAX_CONTEXT,)
         assert one_split == (bs >= 32)
         assert sdpa.capture_context_bounds(bs, 8) == ()
     assert pick_graph(64, (1024,), 1) == (64, 1024)
@@ -234,4 +285,7 @@ def test_paged_kernels_compile_one_variant_for_every_page_table_width():
             unspecialised = {p.name for p in kernel.params if p.do_not_specialize}
         else:  # under TRITON_INTERPRET=1: the decorator's arguments as given
             unspecialised = set(kernel.kwargs["do_not_specialize"])
-        assert unspecialised == {"s_tb"}, kernel
+        expected = (
+            {"s_tb", "num_rows"} if kernel is triton_kernels.decode_split_kernel else {"s_tb"}
+        )
+        assert unspecialised == expected, kernel

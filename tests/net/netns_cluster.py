@@ -98,7 +98,9 @@ def pd_cluster(log_dir: Path, ucx_env: dict[str, str], *, advertise_dns: bool):
                 ["router", "--host", r.address, "--port", str(ROUTER_PORT)]
                 + ["--prefill", f"http://{p.dns_name}:{WORKER_PORT}"]
                 + ["--decode", f"http://{d.dns_name}:{WORKER_PORT}"]
-                + ["--health-check-interval", "0.5", "--health-failure-threshold", "1"],
+                + ["--health-check-interval", "0.5", "--health-failure-threshold", "1"]
+                # one decode: a stream it dropped has nowhere to move; end it within 1 s
+                + ["--migration-wait", "1"],
                 f"http://{r.address}:{ROUTER_PORT}",
                 log_dir,
                 {},

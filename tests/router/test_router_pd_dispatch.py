@@ -36,6 +36,7 @@ def setup():
         health_check_interval=0.1,
         health_check_timeout=1.0,
         health_failure_threshold=1,
+        max_migrations=0,  # one attempt per request here: test_router_migration.py moves them
     )
     router = ThreadedServer(build_router_app(config))
     router.start()
@@ -226,7 +227,9 @@ def test_request_timeout_gives_504_and_cancels_both_legs(setup):
     prefill, decode, url = setup
     prefill.mode = decode.mode = "hang"  # neither answers until its client leaves
     p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
-    config = RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=0.5)
+    config = RouterConfig(
+        prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=0.5, max_migrations=0
+    )
     router = ThreadedServer(build_router_app(config))
     router.start()
     r_url = router.url

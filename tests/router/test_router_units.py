@@ -8,8 +8,7 @@ import random
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.disagg.base import ROOM_LIMIT
-from pdserve.disagg.room_plan import check_room, rooms_needed, sample_room
+from pdserve.disagg.base import ROOM_LIMIT, check_room, rooms_needed, sample_room
 from pdserve.http.http_errors import error_json, error_status
 from pdserve.router.dispatch import Dispatcher, _num_samples
 from pdserve.router.relay import merge_prompt_logprobs

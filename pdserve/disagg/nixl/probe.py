@@ -139,6 +139,11 @@ def _doctor(args: argparse.Namespace) -> int:
         return _doctor_peer(args.peer, args.timeout)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     report = probe_nixl(backends, role=args.role, device=args.device, gpu_id=args.gpu_id)
+    unknown = [b for b in backends or [] if b != "all" and b not in report.plugins]
+    if report.version is not None and unknown:
+        known = ", ".join(report.plugins) or "(none)"
+        print(f"pdserve doctor: error: --backends: no plugin {', '.join(unknown)}; known: {known}")
+        return 2
     if report.version is not None:
         print(f"nixl {report.version} imported; plugins: {', '.join(report.plugins) or '(none)'}")
     for name, error in report.created.items():
@@ -163,7 +168,8 @@ def add_parser(subparsers) -> None:
         "doctor",
         help="check that NIXL and the configured transfer backend work here",
         description="Probe NIXL: import, plugins, which backends can be created with "
-        "the configured parameters. Exit 1 when the configured one cannot.",
+        "the configured parameters. Exit 1 when the configured one cannot, 2 when a "
+        "--backends name has no NIXL plugin here.",
     )
     p.add_argument(
         "--backends",

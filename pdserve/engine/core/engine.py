@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, default_max_running_requests
 from pdserve.disagg.base import KVLayout, KVManager
 from pdserve.engine.core.overlap import OverlapScheduler
 from pdserve.engine.core.pd_flow import PDFlow
@@ -63,9 +63,12 @@ class EngineCore:
         *,
         transfer_backend: str = "nixl",
     ) -> None:
-        self.config = config
         mc, sc = config.model, config.scheduler
         self.device = resolve_rank_device(mc, 0)
+        if sc.max_running_requests is None:  # the device's default, for every rank
+            sc = replace(sc, max_running_requests=default_max_running_requests(self.device.type))
+            config = replace(config, scheduler=sc)
+        self.config = config
         if self.device.type == "cpu" and mc.gpu_ids is not None:
             logger.warning("gpu_ids %s ignored: this worker runs on the CPU", list(mc.gpu_ids))
         self.dtype = resolve_dtype(mc.dtype, self.device)

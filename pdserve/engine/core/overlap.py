@@ -1,42 +1,25 @@
 """Overlap scheduling of greedy decode steps: the host prepares and launches step N+1 while
-the GPU still runs step N, then processes N's results.
+the GPU still runs step N, then processes N's results. The contract, step by step, is
+docs/architecture.md's "The life of a decode step, with overlap scheduling"; here, who
+does what:
 
-The contract (the engine's ``step`` drives it; see docs/architecture.md, "a decode step"):
-
-- **When it engages.** A step is *launched* (queued on the device, not waited for) instead
-  of executed when the executor supports it (TP = 1), the switch is on
-  (``SchedulerConfig.overlap_schedule``; default on for CUDA) and the runner can launch the
-  plan (``ModelRunner.can_launch``: every row one decode token, sampled, plain greedy
-  (``sampler.plain_greedy``), no prompt logprobs; on CUDA within a captured graph) and no
-  row is a prefill-role request.  Everything else runs synchronously as before.
-- **Step N+1 ahead of N's results** (:meth:`OverlapScheduler.launch_ahead`), only when the
-  synchronous scheduler would schedule exactly those rows: no waiting request could be
-  admitted into N+1 whatever N's unseen tokens do (``Scheduler.admits_none``: every request
-  slot or the token budget stays taken, or the FCFS head needs more pages than could be
-  available; a row that N's token may end, by EOS or a stop, counts as possibly freeing its
-  slot and pages; a row N ends for sure, by ``max_tokens``, does free them), else the
-  pipeline drains and the waiting request is scheduled normally, in a mixed step, in the
-  very step a synchronous run admits it (no TTFT cost).  The running
-  batch is step N's live rows in order, each row stays plain greedy one token later
-  (``min_tokens`` bans, grammars, penalties are not), the rows fit the token budget and the
-  graph, and their new pages come from the pool's free list (no eviction, no preemption).
-  Rows whose finish at N is known on the host (``max_tokens``, ``max_model_len``) are left
-  out.  Row b's input id is row ``input_rows[b]`` of N's sampled ids, gathered on the device.
-- **Results lag one step** (:meth:`collect`): N's tokens (a device-to-host copy queued right
-  after N) are read after N+1 is launched; rows of requests that finished or were aborted
-  meanwhile are dropped, and so is N+1's row of a request that N finished (EOS, stop string,
-  stop token): it computed one row in vain.
-- **Pages are freed after the last step that writes them** (:meth:`remove`): a request that
-  ends while a launched step holds its row keeps its pages until that step is collected (its
-  K/V is written there; a reused page could be a NIXL receive's, written outside stream
-  order).  Frees keep their order, so the prefix cache evicts as a synchronous run does.
-  A request aborted between step calls was aborted after that step in a synchronous run:
-  its row's full pages enter the prefix cache when the step is collected, as they would
-  there; and when no launched row is live any more the step is collected at once
-  (:meth:`retire_idle`), so its pages are back as they would be there.
-- **Outputs equal a synchronous run's**: greedy tokens, logprobs, text, finish reasons,
-  usage, and each request's streaming deltas (one token per processed step).  A step whose
-  live rows are all gone is waited for at once, so an idle engine holds no page.
+- **When it engages**: the executor supports it (TP = 1), the switch is on
+  (``SchedulerConfig.overlap_schedule``) and ``ModelRunner.can_launch`` accepts the plan
+  (every row one plain-greedy decode token, no prompt logprobs, within a captured graph on
+  CUDA) and no row is a prefill-role request; else the step runs synchronously.
+- :meth:`OverlapScheduler.launch_ahead` launches N+1 before N's results only when the
+  synchronous scheduler would schedule exactly those rows (``Scheduler.admits_none``; rows
+  N may end by EOS or a stop count as freeing their slot and pages); otherwise the pipeline
+  drains and a waiting request is admitted in the very step a synchronous run admits it.
+  Row b's input id is row ``input_rows[b]`` of N's sampled ids, gathered on the device.
+- :meth:`collect` reads N's tokens after N+1 is launched; rows of requests finished or
+  aborted meanwhile are dropped, and so is N+1's row of a request N finished.
+- :meth:`remove` frees a request's pages only after the last launched step that writes
+  them is collected (a reused page could be a NIXL receive's), in order, so the prefix
+  cache evicts as a synchronous run does; :meth:`retire_idle` collects a step with no live
+  row at once, so an idle engine holds no page.
+- Outputs equal a synchronous run's: tokens, logprobs, text, finish reasons, usage and
+  each request's streaming deltas.
 """
 
 from __future__ import annotations

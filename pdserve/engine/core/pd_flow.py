@@ -22,6 +22,7 @@ from ``PageIds``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 from pdserve.disagg.base import (
@@ -178,7 +179,10 @@ class PDFlow:
                         changed.append((req, None))
                 else:
                     pd.peer_ready = True
+                    req.times.peer_ready = time.perf_counter()
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
+                req.times.transfer_done = time.perf_counter()
+                req.times.transfer_finished = getattr(handle, "finished_at", None) or 0.0
                 if pd.sender is not None:
                     self._end(req, *pd.pending_finish)
                     changed.append((req, None))
@@ -203,6 +207,7 @@ class PDFlow:
         if slot is None:
             return  # all aux slots in use: try again next step
         pd.aux_slot = slot
+        req.times.peer_ready = time.perf_counter()
         assert pd.sender is not None  # only called for a request with a sender
         try:
             pd.sender.init(self._scheduler.pages_needed(req.num_prompt_tokens), slot)
@@ -242,6 +247,7 @@ class PDFlow:
             req.num_cached_tokens = len(held) * self._kv.page_size
             self._kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
             req.status = Status.TRANSFERRING
+            req.times.transfer_posted, req.times.kv_pages = time.perf_counter(), fresh
             try:
                 pd.receiver.init(req.pages[len(held) :], slot, skip_pages=len(held))
             except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
@@ -310,6 +316,7 @@ class PDFlow:
             tuple(lp for _, lp in first.top),
         )
         rest, pd.kv_pages_sent = req.pages[pd.kv_pages_sent :], len(req.pages)
+        req.times.transfer_posted, req.times.kv_pages = time.perf_counter(), len(req.pages)
         try:
             pd.sender.send(list(rest), last=True, aux=aux)
         except Exception as exc:  # noqa: BLE001

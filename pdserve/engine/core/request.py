@@ -14,14 +14,14 @@ as views of the request's append-only lists, hence their place beside it.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pdserve.disagg.base import KVReceiver, KVSender, Role, pd_role
-from pdserve.disagg.room_plan import check_room
+from pdserve.disagg.base import KVReceiver, KVSender, Role, check_room, pd_role
 from pdserve.engine.core.stop import IncrementalDetokenizer, TokenStop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import TokenLogprob
@@ -230,6 +230,59 @@ _COMPLETION_FIELDS = (
 )
 
 
+class PhaseTimes:
+    """When one engine request crossed each phase boundary, on the engine thread: plain
+    ``time.perf_counter()`` floats in seconds (this process's clock), 0.0 for a boundary
+    not reached (or not on this role's path).  Recording is a float store per boundary;
+    the serving layer turns them into histograms, spans and the response's timing block.
+
+    queued: the engine took the request (``EngineCore.add_request``).
+    peer_ready: PD: the room's peer is known (prefill: decode's destination arrived;
+        decode: the bootstrap with prefill is done).
+    scheduled: first admitted into a batch (its first prompt chunk or, decode, its first
+        step after the KV arrived).
+    transfer_posted: PD: prefill posted its last pages and the aux record (the first
+        token was sampled then); decode handed its pages to the receiver (``init``).
+    transfer_finished: PD: the transfer layer's own record of the room's ``Success``
+        (``RoomHandle.finished_at``; decode: the notification with the first token
+        arrived; prefill: its WRITEs completed and the notification went out).
+    transfer_done: PD: the engine saw the room's ``Success`` (its next poll after
+        ``transfer_finished``).
+    first_token: the first output token was appended (not on prefill, which only samples
+        it: ``transfer_posted``).
+    finished: the request ended (any reason).
+    kv_pages: PD: pages the transfer moves (decode: the fresh ones it asked for; prefill:
+        the prompt's pages), else 0.
+    """
+
+    __slots__ = (
+        "queued",
+        "peer_ready",
+        "scheduled",
+        "transfer_posted",
+        "transfer_finished",
+        "transfer_done",
+        "first_token",
+        "finished",
+        "kv_pages",
+    )
+
+    def __init__(self, queued: float = 0.0) -> None:
+        self.queued = queued
+        self.peer_ready = 0.0
+        self.scheduled = 0.0
+        self.transfer_posted = 0.0
+        self.transfer_finished = 0.0
+        self.transfer_done = 0.0
+        self.first_token = 0.0
+        self.finished = 0.0
+        self.kv_pages = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """The boundaries reached (non-zero), by name; ``kv_pages`` as a float count."""
+        return {name: float(getattr(self, name)) for name in self.__slots__ if getattr(self, name)}
+
+
 @dataclass
 class RequestOutput:
     """State of one request after a step.
@@ -251,6 +304,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    times: PhaseTimes | None = field(default=None, compare=False, repr=False)
+    timing: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -328,6 +383,7 @@ class Request:
         disagg: DisaggRequestInfo | None = None,
     ) -> None:
         self.request_id = request_id
+        self.times = PhaseTimes(time.perf_counter())  # phase boundaries (engine thread)
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)  # the prompt never changes
         self.params = params
@@ -398,6 +454,8 @@ class Request:
     def append_token(
         self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]
     ) -> None:
+        if len(self.all_token_ids) == self.num_prompt_tokens:
+            self.times.first_token = time.perf_counter()
         self.all_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
@@ -407,6 +465,7 @@ class Request:
         self, reason: str, stop_reason: str | int | None = None, error: str | None = None
     ) -> None:
         self.status = Status.FINISHED
+        self.times.finished = time.perf_counter()
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
@@ -439,6 +498,7 @@ class Request:
             prompt_logprobs=prompt_lps,
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
+            times=self.times,
         )
 
 

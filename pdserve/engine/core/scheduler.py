@@ -35,6 +35,7 @@ KV) are released at once.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -177,7 +178,7 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_running_requests
+            and len(self.running) < self.config.max_running
         ):
             req = self.waiting[0]
             hit: list[int] = []
@@ -196,6 +197,8 @@ class Scheduler:
             if not req.pages and req.num_computed_tokens == 0:
                 self._attach_prefix(req, hit, keys)
             req.status = Status.RUNNING
+            if not req.times.scheduled:
+                req.times.scheduled = time.perf_counter()
             self.running.append(req)
             self._running_by_id[req.request_id] = req
             seqs.append(self._schedule(req, n, need))
@@ -223,7 +226,7 @@ class Scheduler:
         if not self.waiting:
             return True
         cfg = self.config
-        if min_running >= cfg.max_running_requests or cfg.max_num_batched_tokens <= min_running:
+        if min_running >= cfg.max_running or cfg.max_num_batched_tokens <= min_running:
             return True
         req = self.waiting[0]
         budget = max(1, cfg.max_num_batched_tokens - max_running)  # the smallest chunk

@@ -1,23 +1,13 @@
 """The one owner of KV pages: reference counts over the page ids, plus the prefix cache.
 
-Every page is in exactly one of three states:
-
-- **held**: referenced by one or more requests (``refcount > 0``); a page is shared only
-  when it is a cached full page that several requests matched;
-- **cached**: unreferenced but indexed by the prefix cache (evictable, LRU);
-- **free**: in the free list of :class:`PageIds` (the bytes are each rank's ``KVStorage``).
-
-So ``held + cached + free == total`` at all times.  The scheduler (admission, growth,
-preemption, end of a request) and the PD flow (decode's receive pages, a prefill room's
-pages until its terminal poll) allocate and release only through :class:`KVCacheManager`;
-the end of a request is one decision there: a full computed page that is cached stays
-(evictable), any other page goes back to the free list.  With
-``enable_prefix_caching=False`` nothing is cached: plain refcounted allocation.
-
-The owner and what it rests on live in this one module: :class:`PageIds` (page and aux-slot
-ids; no tensor, the engine thread reaches the bytes only through the executor; aux slots
-are taken by the PD flow), :class:`RunAllocator` (the free pages as runs of consecutive ids)
-and :class:`PrefixCache` (the hash index).
+Every page is **held** (``refcount > 0``; shared only when a cached full page was matched
+by several requests), **cached** (unreferenced, indexed, evictable LRU) or **free** (in
+:class:`PageIds`' free list), so ``held + cached + free == total`` at all times. The
+scheduler and the PD flow allocate and release only through :class:`KVCacheManager`; at
+the end of a request a full computed page that is cached stays (evictable), any other
+goes back to the free list. With ``enable_prefix_caching=False`` nothing is cached.
+This module also holds what the owner rests on: :class:`PageIds` (page and aux-slot ids;
+no tensor), :class:`RunAllocator` (free pages as runs) and :class:`PrefixCache`.
 
 **Free runs.** A transfer costs per NIXL descriptor, and consecutive pages on both sides
 are one descriptor once NIXL merges adjacent ones, so a request should get few runs.  The
@@ -248,15 +238,24 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def page_keys(
-    token_ids: Sequence[int], page_size: int, *, start: int = 0, parent: bytes = ROOT_KEY
+    token_ids: Sequence[int],
+    page_size: int,
+    *,
+    start: int = 0,
+    parent: bytes = ROOT_KEY,
+    end: int | None = None,
 ) -> list[bytes]:
-    """Keys of the full pages ``start, start + 1, ...`` of ``token_ids``.
+    """Keys of the full pages ``start, start + 1, ...`` of ``token_ids``, up to page
+    ``end`` (exclusive; ``None``: every full page).
 
     parent: the key of page ``start - 1`` (``ROOT_KEY`` when ``start == 0``).  Returns one
-    key per full page from ``start`` on (a partial last page has none).
+    key per full page from ``start`` on (a partial last page has none).  Only the pages
+    hashed are read: a caller indexing a running request's new pages passes ``end``
+    instead of a slice of its tokens (a copy of its whole context each time).
     """
     keys: list[bytes] = []
-    for p in range(start, len(token_ids) // page_size):
+    last = len(token_ids) // page_size if end is None else min(end, len(token_ids) // page_size)
+    for p in range(start, last):
         parent = page_key(parent, token_ids[p * page_size : (p + 1) * page_size])
         keys.append(parent)
     return keys
@@ -514,9 +513,7 @@ class KVCacheManager:
             return
         start = len(keys)
         parent = keys[-1] if keys else ROOT_KEY
-        new = page_keys(
-            token_ids[: full * self.page_size], self.page_size, start=start, parent=parent
-        )
+        new = page_keys(token_ids, self.page_size, start=start, parent=parent, end=full)
         keys.extend(new)
         for i, key in enumerate(new, start):
             self.cache.insert(key, pages[i])

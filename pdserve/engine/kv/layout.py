@@ -12,7 +12,7 @@ Two orders are supported (``KV_ORDERS``); ``L`` layers, ``P`` pages of ``ps`` to
     buffer of ``P`` items of ``L*2*H*ps*D`` elements: one page is one descriptor.  Inside
     a page, head ``h`` of layer ``l``'s K is a contiguous ``[ps, D]`` block (HND), so a
     head slice is contiguous: heterogeneous TP moves ``2L`` runs a page
-    (:mod:`pdserve.disagg.nixl.agent.dlists` builds them from the registered region).
+    (:mod:`pdserve.disagg.nixl.agent.transfer_engine` builds them from the registered region).
 
 What attention reads, for every order (:meth:`KVCacheLayout.layer_views`): per layer a
 ``(k_cache, v_cache)`` pair of *strided views* of logical shape ``[P, ps, H, D]``; token
@@ -66,8 +66,9 @@ class KVCacheLayout:
     """Geometry and physical order of one worker's KV pool (see module doc).
 
     order: one of :data:`KV_ORDERS`; num_pages: pages in the pool; page_size: tokens per
-    page; dtype: element type of K and V.  Raises ValueError naming the field for an
-    unknown order or a non-positive size.
+    page; dtype: element type of K and V; kv_scales: per layer ``(k_scale, v_scale)`` of
+    an FP8 (``float8_e4m3fn``) pool, ``()`` for any other.  Raises ValueError naming the
+    field for an unknown order, a non-positive size or one scale pair per layer missing.
     """
 
     order: str
@@ -77,9 +78,14 @@ class KVCacheLayout:
     page_size: int
     num_pages: int
     dtype: torch.dtype
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_order(self.order, "order")
+        if self.kv_scales and len(self.kv_scales) != self.num_layers:
+            raise ValueError(
+                f"kv_scales: {len(self.kv_scales)} (k, v) pairs for {self.num_layers} layers"
+            )
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -263,4 +269,6 @@ class KVCacheLayout:
             head_dim=self.head_dim,
             kv_order=self.order,
             speculative=speculative,
+            k_scales=tuple(float(k) for k, _ in self.kv_scales),
+            v_scales=tuple(float(v) for _, v in self.kv_scales),
         )

@@ -25,8 +25,9 @@ the pinned host staging buffers are two sets used in turn, so filling step N+1's
 races step N's queued copies.
 
 Context bounds: where the attention backend launches differently when every context is known
-to be short (``capture_context_bounds``: the ``triton`` backend's one-split decode at large
-batches, contexts up to ``ONE_SPLIT_MAX_CONTEXT`` tokens), a bucket also gets a graph
+to be short (``capture_context_bounds``: the ``triton`` backend's short-context decode
+rule, contexts up to ``ONE_SPLIT_MAX_CONTEXT`` tokens, against its balanced split of long
+contexts), a bucket also gets a graph
 captured for that bound; a replay runs the smallest bounded graph that holds the step's
 longest context, else the bucket's unbounded one.
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,18 +82,50 @@ def pick_graph(bs: int, bounds: Sequence[int], max_context: int) -> GraphKey:
     return bs, next((b for b in bounds if max_context <= b), None)
 
 
+@dataclass
+class TableRows:
+    """What a host page-table buffer holds (:func:`fill_page_table`): the width (pages a
+    row) it was last laid out with, and the page list each row was last written from."""
+
+    width: int = 0
+    rows: list[Sequence[int] | None] = field(default_factory=list)
+
+
+def fill_page_table(
+    table: np.ndarray, page_tables: Sequence[Sequence[int]], written: TableRows
+) -> int:
+    """Write ``page_tables[b]`` into row ``b`` of ``table`` ``[B, width]`` (a view of a host
+    buffer that keeps its contents between steps), by difference: a row whose list is the
+    very object it was last written from is skipped (the scheduler never changes a page
+    list in place: it grows a request's pages into a new list), so a decode step's host
+    work follows the rows whose pages changed, not the batch's total context. A new width
+    lays the buffer out anew: every row is written. Entries past a row's pages are left as
+    they are (never read unmasked). ``written`` is updated; returns the rows written."""
+    B, width = table.shape
+    if written.width != width:
+        written.width, written.rows = width, []
+    rows = written.rows
+    if len(rows) < B:
+        rows.extend([None] * (B - len(rows)))
+    n = 0
+    for b, pages in enumerate(page_tables):
+        if rows[b] is not pages:
+            table[b, : len(pages)] = pages
+            rows[b] = pages
+            n += 1
+    return n
+
+
 def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
     """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
-    the fp32 logits every graph keeps (``bucket * vocab * 4``, twice for the cast), the
-    largest bucket's log-softmax (its greedy pick), the
+    the fp32 logits buffer every graph writes (``max_batch * vocab * 4``), the largest
+    bucket's logits in the model dtype before that cast and its log-softmax (its greedy
+    pick; both counted at 4 bytes), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
     elt = int(torch.empty((), dtype=model.dtype).element_size())
-    graphs = [
-        bs for bs in graph_batch_sizes(max_batch) for _ in (None, *graph_context_bounds(model, bs))
-    ]
-    logits = (sum(graphs) * 2 + max_batch) * s.vocab * 4
+    logits = 3 * max_batch * s.vocab * 4
     per_row = (
         4 * s.hidden + (s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 3 * s.intermediate
     ) * elt + s.n_heads * 32 * (s.head_dim + 1) * 4
@@ -138,12 +172,15 @@ class CUDAGraphRunner:
             torch.zeros(max_batch * self.max_pages, dtype=torch.int32).pin_memory() for _ in "ab"
         ]
         self._staged: list[Any] = [None, None]
+        # What each host table set holds (fill_page_table): rows are rewritten by difference.
+        self._table_written: list[TableRows] = [TableRows(), TableRows()]
         self._turn = 0
         self._table_dev = torch.zeros(max_batch * self.max_pages, dtype=torch.int32, device=dev)
         # A graph's key: (bucket, context bound or None); see "Context bounds" above.
         self._bounds = {bs: graph_context_bounds(model, bs) for bs in self.sizes}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[GraphKey, torch.Tensor] = {}
+        self._logits: dict[GraphKey, torch.Tensor] = {}  # views of _logits_out
+        self._logits_out: torch.Tensor | None = None  # [max_batch, V] fp32, every graph's
         self._greedy: dict[GraphKey, torch.Tensor] = {}  # [bs, 2] float64: argmax id, logprob
         self._last_key: GraphKey = (0, None)  # the graph of the last replay
         self._pool: Any = None  # the graphs' shared memory pool (a CUDA pool handle)
@@ -161,7 +198,10 @@ class CUDAGraphRunner:
         md = self._metadata(bs)
         plan = self.model.backend.plan_for_capture(md, self.page_size, bound)
         hidden = self.model(self._rows[0, :bs], self._rows[1, :bs], md, self.kv_cache, plan)
-        logits = self.model.compute_logits(hidden)  # [bs, V] fp32
+        # [bs, V] fp32, written into the graphs' one shared buffer (a graph's own would
+        # keep bucket x V x 4 bytes per graph: 67 GB for Llama-3.1-8B's graphs up to 1,024)
+        assert self._logits_out is not None  # made by capture()
+        logits = self.model.compute_logits(hidden, out=self._logits_out[:bs])
         ids = logits.argmax(dim=-1, keepdim=True)  # [bs, 1] (the sampler's greedy pick)
         chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [bs, 1]
         return logits, torch.cat((ids.double(), chosen.double()), dim=1)
@@ -171,6 +211,10 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first, into one memory pool (padded rows only:
         nothing is written to the KV cache)."""
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        if self._logits_out is None:
+            dev = self.kv_cache[0][0].device
+            vocab = self.model.shapes.vocab
+            self._logits_out = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=dev)
         for key in self.keys():
             self._run(key)  # warm-up outside the capture: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
@@ -242,8 +286,7 @@ class CUDAGraphRunner:
             self._staged[turn].synchronize()  # that set's last copies ran (long ago, in practice)
         rows_host, table_host = self._rows_hosts[turn], self._table_hosts[turn]
         table = table_host[: B * width].numpy().reshape(B, width)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = pages
+        fill_page_table(table, page_tables, self._table_written[turn])
         pages_of = table[np.arange(B), positions // ps].astype(np.int64)
         rows = rows_host.numpy()
         rows[0, :B] = token_ids

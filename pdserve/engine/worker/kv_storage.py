@@ -82,8 +82,9 @@ class KVStorage:
     the ``(k_cache, v_cache)`` views ``[P, page_size, Hkv, D]`` attention reads and writes.
     aux: ``uint8[num_aux_slots, AUX_RECORD_BYTES]`` in host memory (aux records of
     disaggregated requests, written and read by the transfer layer at ``kv_args()``'s
-    address).  ValueError when ``num_pages`` or ``num_aux_slots`` is below 1, or for an
-    unknown ``kv_order``.
+    address).  kv_scales: an FP8 pool's per-layer ``(k_scale, v_scale)`` (part of the
+    layout peers compare).  ValueError when ``num_pages`` or ``num_aux_slots`` is below 1,
+    or for an unknown ``kv_order``.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class KVStorage:
         model_fingerprint: str,
         kv_order: str | None = None,
         speculative: str = "",
+        kv_scales: tuple[tuple[float, float], ...] | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -111,7 +113,7 @@ class KVStorage:
         self.device = torch.device(device)
         order = default_order(self.device) if kv_order is None else check_order(kv_order)
         self.kv_layout = KVCacheLayout(
-            order, num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype
+            order, num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype, kv_scales or ()
         )
         self.kv = self.kv_layout.allocate(self.device)
         self.layer_caches = self.kv_layout.layer_views(self.kv)

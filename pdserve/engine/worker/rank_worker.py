@@ -89,7 +89,7 @@ def model_max_len(config: EngineConfig, max_positions: int) -> int:
 def num_aux_slots(config: EngineConfig) -> int:
     """Aux slots of every rank's storage (and of the engine thread's ``PageIds``): twice
     ``max_running_requests``, at least 16."""
-    return max(16, 2 * config.scheduler.max_running_requests)
+    return max(16, 2 * config.scheduler.max_running)
 
 
 def build_rank(
@@ -114,11 +114,18 @@ def build_rank(
     mc, sc = config.model, config.scheduler
     shard = {"tp": tp} if tp.size > 1 else {}  # TP=1: the unsharded model, no group at all
     model = LlamaForCausalLM(
-        source.hf_config, dtype=dtype, device=device, attn_backend=attention_backend, **shard
+        source.hf_config,
+        dtype=dtype,
+        device=device,
+        attn_backend=attention_backend,
+        quantization=mc.quantization,
+        **shard,
     )
     # A rank reads only its slice of each tensor (safetensors: from disk); TP=1 all of it.
     model.load_weights(source.weights(shard=model.weight_shard) if shard else source.weights())
     shapes = model.shapes
+    fp8_kv = config.cache.kv_cache_dtype == "fp8_e4m3"
+    kv_dtype = torch.float8_e4m3fn if fp8_kv else dtype
     max_len = model_max_len(config, shapes.max_positions)
     use_graphs = (
         tp.size == 1
@@ -129,9 +136,7 @@ def build_rank(
     # The graphs' memory is held back while the KV storage is sized from free memory, then
     # released for the capture (which needs the storage's address), so capture cannot OOM.
     reserve = (
-        torch.empty(
-            capture_reserve_bytes(model, sc.max_running_requests), dtype=torch.uint8, device=device
-        )
+        torch.empty(capture_reserve_bytes(model, sc.max_running), dtype=torch.uint8, device=device)
         if use_graphs
         else None
     )
@@ -140,9 +145,9 @@ def build_rank(
         num_layers=shapes.n_layers,
         num_kv_heads=shapes.n_kv_heads,  # this rank's KV heads
         head_dim=shapes.head_dim,
-        dtype=dtype,
+        dtype=kv_dtype,
         device=device,
-        max_running_requests=sc.max_running_requests,
+        max_running_requests=sc.max_running,
         max_model_len=max_len,
     )
     num_pages = agree_num_pages(num_pages)
@@ -150,7 +155,7 @@ def build_rank(
         num_layers=shapes.n_layers,
         num_kv_heads=shapes.n_kv_heads,
         head_dim=shapes.head_dim,
-        dtype=dtype,
+        dtype=kv_dtype,
         device=device,
         page_size=page_size,
         num_pages=num_pages,
@@ -158,6 +163,7 @@ def build_rank(
         model_fingerprint=source.fingerprint,
         kv_order=config.cache.kv_order,
         speculative=config.scheduler.speculative_key(),
+        kv_scales=model.kv_scales if fp8_kv else None,
     )
     graphs = None
     if use_graphs:
@@ -167,7 +173,7 @@ def build_rank(
             model,
             storage.layer_caches,
             page_size,
-            sc.max_running_requests,
+            sc.max_running,
             CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)

@@ -1,9 +1,9 @@
 """The end of a peer's life on this side's NIXL agents, the same for both roles: a peer
 known gone (its process ended, or it restarted as a new instance) is forgotten, so
 restarts leave remote agents flat. Who decides that a peer is gone differs by role:
-decode's heartbeat (:class:`~pdserve.disagg.nixl.decode.peers.PrefillPeers`: ``GET /health`` of each
+decode's heartbeat (:class:`~pdserve.disagg.nixl.decode.receiver.PrefillPeers`: ``GET /health`` of each
 prefill, suspects kept while they may still WRITE) and prefill's ``Ping`` on its ROUTER
-(:class:`~pdserve.disagg.nixl.prefill.peers.DecodePeers`: a decode it can no longer route to).
+(:class:`~pdserve.disagg.nixl.prefill.manager.DecodePeers`: a decode it can no longer route to).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.disagg.nixl.agent.dlists import RemoteSide
-    from pdserve.disagg.nixl.agent.notifier import NixlNotifier
-    from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+    from pdserve.disagg.nixl.agent.transfer_engine import (
+        NixlNotifier,
+        NixlTransferEngine,
+        RemoteSide,
+    )
 
 log = logging.getLogger(__name__)
 

@@ -1,60 +1,93 @@
 """The decode worker's NIXL KV manager: looks prefill ranks up, introduces itself to them,
-sends each room's destination, learns of completion, and watches prefill peers.
+sends each room's destination, learns of completion, and watches prefill peers. It owns
+the manager and its threads' loops; a room and the peers that write it live in
+:mod:`.receiver` (:class:`~.receiver.PrefillPeers`).
 
-Threads: ``bootstrap`` (:mod:`.bootstrap`: HTTP lookups grouped per prefill;
-protocol/layout checks; loads the prefill's NIXL agent once per instance), ``control`` (every ZMQ socket: one DEALER per
-prefill control endpoint; sends Hello before the first destination to an instance; reads
-RoomStatus), ``notifs`` (NIXL completion notifications, :mod:`.notif_poll`: read back to back
-while a room is transferring, with ``os.sched_yield`` between reads on VRAM, every
-``HOST_POLL_S`` on host memory; else it waits
-on an event set when a destination goes out), ``heartbeat`` (``GET /health`` of every prefill
-that has live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
+Threads: ``bootstrap`` (:class:`DecodeBootstrap`: per batch of rooms, one lookup per
+prefill at its bootstrap server, ``GET /route/0`` then the other writer ranks; protocol,
+``KVLayout.first_difference``, rank facts and head split checked, a mismatch fails the
+rooms naming the field, a layout mismatch tells prefill too with ``RoomAbort``; the
+prefill's NIXL agent loaded once per instance), ``control`` (every ZMQ socket: one DEALER
+per prefill control endpoint; Hello before the first destination; reads RoomStatus),
+``notifs`` (:class:`NotifPoller`, below) and ``heartbeat`` (``GET /health`` of every
+prefill with live rooms every ``PDSERVE_DISAGGREGATION_HEARTBEAT_INTERVAL`` s; after
 ``PDSERVE_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a row, or a new instance id,
-every room of that prefill fails at once; the round: :meth:`~.peers.PrefillPeers.heartbeat`).
+every room of that prefill fails at once).
 
 Quarantine (a late WRITE must never land in pages given to another request): a room
-whose destination went out and whose prefill was declared dead by the heartbeat fails at
-once, but its pages stay held (``NixlReceiver.holds_pages``) until that prefill
-*incarnation* ends the room (``RoomStatus`` or ``XferDone``: it will not WRITE any more)
-or is known gone (its bootstrap answers as a new instance, or refuses the connection):
-never on a timeout alone. Such a peer is kept as a *suspect* (agent loaded, still
-heartbeaten); once no quarantined room is left it is forgotten (``remove_remote_agent``).
-A quarantine older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` lists the peer in
+whose destination went out and whose prefill was declared dead fails at once, but its
+pages stay held (``NixlReceiver.holds_pages``) until that prefill *incarnation* ends the
+room (``RoomStatus`` or ``XferDone``) or is known gone (a new instance, or a refused
+connection): never on a timeout alone. Such a peer stays a *suspect* (agent loaded, still
+heartbeaten) and is forgotten (``forget_agent``) once no quarantined room is left; one
+older than ``PDSERVE_DISAGGREGATION_QUARANTINE_BOUND`` is listed in
 ``stats()["unhealthy_prefill_peers"]``. Idle peers that restarted or went away are
-forgotten too, so restarts leave remote agents flat. The peers, suspects and these
-counts are kept by :class:`~.peers.PrefillPeers`; a peer's agent is forgotten by
-:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`, as on prefill.
+forgotten too.
 
-Tensor parallelism: one manager per decode rank, in that rank's process. A room's writers
-are the prefill ranks owning this rank's KV heads (:func:`pdserve.disagg.head_map.writes_into`),
-looked up at the prefill's bootstrap server (rank 0 first: it names the TP size); a peer is
-one prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
-page-major pool on both sides: a layer-major pair with different head ranges fails at
-bootstrap naming ``kv_order``. The heartbeat reads every rank's instance from the one
-``/health`` of the prefill's bootstrap server: a rank missing there is gone.
+Tensor parallelism: one manager per decode rank. A room's writers are the prefill ranks
+owning this rank's KV heads (:func:`pdserve.disagg.bootstrap.writes_into`); a peer is one
+prefill rank instance, keyed ``(host, port, engine_rank)``. Splitting heads needs a
+page-major pool on both sides (a layer-major pair with different head ranges fails at
+bootstrap naming ``kv_order``). The heartbeat reads every rank's instance from the one
+``/health`` of the prefill's bootstrap server.
+
+Notifications (:class:`NotifPoller`): while a room is ``Transferring`` they are read back
+to back with ``os.sched_yield`` on VRAM (the copy engines move the bytes; a back-off would
+put decode behind prefill on every room), every ``HOST_POLL_S`` on host memory (there a
+CPU does the copy, and each read takes CPU from it); figures: docs/benchmarks.md. Else it
+waits on the *wake* event (set when a destination goes out) for at most ``IDLE_WAIT_S``;
+the event is cleared *before* the rooms are looked at, so a destination sent in between
+is never missed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from pdserve.disagg.base import (
+    BOOTSTRAP_ERROR,
+    LAYOUT_MISMATCH,
+    PAGE_MAJOR,
+    PROTOCOL_MISMATCH,
+    PROTOCOL_VERSION,
+    SHUTDOWN,
+    FailureInjector,
     KVArgs,
+    KVLayout,
     KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
     Role,
+    RoomTable,
+    ServiceThreads,
+    check_room,
 )
-from pdserve.disagg.bootstrap import BootstrapClient
-from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError, HeadSlice, writes_into
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.nixl.decode.receiver import (
+    NixlReceiver,
+    PrefillPeer,
+    PrefillPeers,
+    ReceiverContext,
+)
+from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.disagg.wire import (
     Hello,
+    Outbox,
+    RankInfo,
     RoomAbort,
     RoomDest,
     RoomStatus,
@@ -62,23 +95,9 @@ from pdserve.disagg.messages import (
     decode_control,
     decode_xfer_done,
     encode_control,
+    recv_all,
 )
-from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent.api import NixlApi
-from pdserve.disagg.nixl.agent.init import select_device
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
-from pdserve.disagg.nixl.decode.bootstrap import DecodeBootstrap
-from pdserve.disagg.nixl.decode.notif_poll import NotifPoller
-from pdserve.disagg.nixl.decode.peers import PrefillPeers
-from pdserve.disagg.nixl.decode.receiver import NixlReceiver, PrefillPeer, ReceiverContext
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    SHUTDOWN,
-    FailureInjector,
-    RoomTable,
-    ServiceThreads,
-)
-from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.parallel import TPRank, kv_head_range
 from pdserve.ports import check_port
 
 log = logging.getLogger(__name__)
@@ -277,3 +296,188 @@ class NixlDecodeManager(KVManager):
                 )
         finally:
             client.close()
+
+
+class DecodeBootstrap:
+    """The bootstrap thread of one decode manager (module doc): ``put`` queues a new
+    receiver, :meth:`loop` is the thread. ``send(peer, msg)`` queues a control message;
+    ``instance_id``: the decode manager's."""
+
+    def __init__(
+        self,
+        kv_args: KVArgs,
+        prefills: PrefillPeers,
+        send: Callable[[PrefillPeer, RoomAbort], None],
+        instance_id: str,
+    ) -> None:
+        self._kv_args = kv_args
+        self._rank = kv_args.tp
+        self._prefills = prefills
+        self._send = send
+        self._instance_id = instance_id
+        self._queue: queue.SimpleQueue[NixlReceiver] = queue.SimpleQueue()
+
+    def put(self, receiver: NixlReceiver) -> None:
+        self._queue.put(receiver)
+
+    def loop(self, stop: threading.Event) -> None:
+        """Until ``stop``: take every queued receiver, grouped by prefill bootstrap server."""
+        select_device(self._kv_args)
+        client = BootstrapClient()
+        try:
+            while not stop.is_set():
+                try:
+                    batch = [self._queue.get(timeout=0.1)]
+                except queue.Empty:
+                    continue
+                while True:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                groups: dict[tuple[str, int], list[NixlReceiver]] = {}
+                for r in batch:
+                    groups.setdefault(r.key, []).append(r)
+                for key, receivers in groups.items():
+                    self._group(client, key, receivers)
+        finally:
+            client.close()
+
+    def _group(
+        self, client: BootstrapClient, key: tuple[str, int], receivers: list[NixlReceiver]
+    ) -> None:
+        host, port = key
+        infos: dict[int, RankInfo] = {}
+        slices: list[HeadSlice] = []
+        problem = None
+        try:
+            infos[0] = client.fetch_rank(host, port, 0)
+            problem = self._check_info(key, infos[0], None)
+            if problem is None:
+                slices = writes_into(
+                    self._kv_args.layout.num_kv_heads, infos[0].tp_size, self._rank
+                )
+                for sl in slices:
+                    if sl.src_rank not in infos:
+                        infos[sl.src_rank] = client.fetch_rank(host, port, sl.src_rank)
+                        problem = problem or self._check_info(key, infos[sl.src_rank], infos[0])
+                problem = problem or self._check_split(key, slices, infos)
+        except BootstrapError as exc:
+            for r in receivers:
+                r.fail_now(f"room {r.room}: {exc}", BOOTSTRAP_ERROR)
+            return
+        if problem is not None:
+            for r in receivers:
+                r.fail_now(f"room {r.room}: {problem[0]}", problem[1])
+            if problem[1] == LAYOUT_MISMATCH:  # same protocol: prefill's rooms fail too
+                for rank, info in infos.items():
+                    stranger = PrefillPeer((host, port, rank), info, None)
+                    for r in receivers:
+                        self._send(
+                            stranger,
+                            RoomAbort(r.room, info.instance_id, self._instance_id, *problem),
+                        )
+            return
+        try:
+            peers = {
+                sl.src_rank: self._prefills.peer_for((host, port, sl.src_rank), infos[sl.src_rank])
+                for sl in slices
+            }
+        except Exception as exc:  # noqa: BLE001 - e.g. NIXL refuses the metadata
+            for r in receivers:
+                r.fail_now(
+                    f"room {r.room}: prefill {host}:{port} agent unusable: {exc}", BOOTSTRAP_ERROR
+                )
+            return
+        for r in receivers:
+            r.bootstrapped(peers)
+
+    def _check_info(
+        self, key: tuple[str, int], info: RankInfo, rank0: RankInfo | None
+    ) -> tuple[str, str] | None:
+        """Why a prefill rank cannot write here (protocol, model facts, rank facts), or None."""
+        host, port = key
+        if info.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"protocol_version: ours {PROTOCOL_VERSION} vs prefill's {info.protocol_version}",
+                PROTOCOL_MISMATCH,
+            )
+        try:
+            theirs = KVLayout.from_dict(info.layout)
+            diff = self._kv_args.layout.first_difference(theirs)
+            if diff is None:
+                tp = TPRank(info.engine_rank, info.tp_size)
+                if rank0 is not None and info.tp_size != rank0.tp_size:
+                    diff = f"tp_size: rank {tp.rank} has {tp.size}, rank 0 {rank0.tp_size}"
+                elif list(kv_head_range(theirs.num_kv_heads, tp)) != list(info.kv_heads):
+                    diff = f"kv_heads: rank {tp.rank}/{tp.size} holds {info.kv_heads}"
+        except (KeyError, TypeError, ValueError) as exc:
+            diff = f"unreadable layout or rank facts ({exc})"
+        if diff is not None:
+            return f"KV layout mismatch with prefill {host}:{port}: {diff}", LAYOUT_MISMATCH
+        return None
+
+    def _check_split(
+        self, key: tuple[str, int], slices: list[HeadSlice], infos: dict[int, RankInfo]
+    ) -> tuple[str, str] | None:
+        """Heads split between ranks (any writer's or our range differs) need page-major."""
+        order = self._kv_args.layout.kv_order
+        mine = tuple(self._kv_args.kv_heads)
+        split = any(
+            (sl.start, sl.end) != mine or tuple(infos[sl.src_rank].kv_heads) != mine
+            for sl in slices
+        )
+        if split and order != PAGE_MAJOR:
+            return (
+                f"KV layout mismatch with prefill {key[0]}:{key[1]}: kv_order: {order!r} cannot "
+                f"split KV heads between prefill TP {infos[0].tp_size} and decode TP "
+                f"{self._rank.size} (page_major can)",
+                LAYOUT_MISMATCH,
+            )
+        return None
+
+
+HOST_POLL_S = 250e-6  # host memory: the pause between reads while a room transfers
+IDLE_WAIT_S = 0.02  # no room transferring: the longest wait for a wake-up
+
+
+class NotifPoller:
+    """The loop of decode's notification thread (module doc).
+
+    drain: reads and handles the pending notifications, True if there were any;
+    transferring: True while some room awaits its completion; wake: the event a sent
+    destination sets; on_host: the KV pool is host memory. ``sleep`` and ``yield_`` are
+    the waits, injectable for tests.
+    """
+
+    def __init__(
+        self,
+        drain: Callable[[], bool],
+        transferring: Callable[[], bool],
+        wake: threading.Event,
+        on_host: bool,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        yield_: Callable[[], None] = os.sched_yield,
+    ) -> None:
+        self._drain = drain
+        self._transferring = transferring
+        self._wake = wake
+        self.on_host = on_host
+        self._sleep, self._yield = sleep, yield_
+
+    def step(self) -> None:
+        """One read of the notifications and the wait after it."""
+        self._drain()
+        self._wake.clear()  # before the look: a destination sent after it keeps it set
+        if not self._transferring():
+            self._wake.wait(IDLE_WAIT_S)
+        elif self.on_host:
+            self._sleep(HOST_POLL_S)
+        else:
+            self._yield()
+
+    def run(self, stop: threading.Event) -> None:
+        """Steps until ``stop`` is set."""
+        while not stop.is_set():
+            self.step()

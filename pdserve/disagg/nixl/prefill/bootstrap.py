@@ -3,7 +3,7 @@ rank's registration there.
 
 Rank 0 runs the bootstrap server (:class:`~pdserve.disagg.bootstrap.BootstrapServer`,
 on ``bootstrap_host:bootstrap_port``, port 0 = a free one); every rank, rank 0 too,
-registers its :class:`~pdserve.disagg.messages.RankInfo` there over HTTP, ranks >= 1 at
+registers its :class:`~pdserve.disagg.wire.RankInfo` there over HTTP, ranks >= 1 at
 the port of rank 0 they are given. Decode reads ``/route/{rank}`` and heartbeats
 ``/health``, which lists every registered rank's instance id; a rank whose process died
 is deregistered (:meth:`PrefillBootstrap.forget_rank`), so decode knows it gone.
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from pdserve.disagg.base import PROTOCOL_VERSION
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapServer
-from pdserve.disagg.messages import HealthInfo, RankInfo
 from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
+from pdserve.disagg.wire import HealthInfo, RankInfo
 from pdserve.parallel import TPRank
 from pdserve.ports import check_port
 

@@ -2,23 +2,25 @@
 and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
-out), ``transfer-i`` (:mod:`.transfer_workers`), and the bootstrap HTTP server
-(:mod:`.bootstrap`: rank 0 serves it, every rank registers there). A destination
-may arrive before the engine created the room (the router sends to both workers at
-once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort for a room
-not created yet waits in ``_early_aborts``.
-Two NIXL agents: the engine's (memory registered, every WRITE) and a notifier
-(:mod:`~pdserve.disagg.nixl.agent.notifier`: ``XferDone`` only, so no notification ever delays a WRITE's flush);
-each decode agent is loaded into both. The decode peers (Hello, the heads written there,
-forgetting those a ``Ping`` cannot reach): :mod:`.peers`.
+out), ``transfer-i`` (:mod:`.sender`), and the bootstrap HTTP server (:mod:`.bootstrap`).
+A destination may arrive before the engine created the room (the router sends to both
+workers at once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort
+for a room not created yet waits in ``_early_aborts``. Two NIXL agents: the engine's
+(memory registered, every WRITE) and a notifier
+(:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`, ``XferDone`` only);
+each decode agent is loaded into both.
 
-Tensor parallelism: one manager per rank, in that rank's process. Rank 0 runs the
-worker's bootstrap server; every rank (rank 0 too) registers its :class:`RankInfo` there
-over HTTP, ranks >= 1 at the ``bootstrap_host:bootstrap_port`` of rank 0 they are given.
-A decode rank says Hello to each prefill rank that writes some of its heads
-(:mod:`pdserve.disagg.head_map`); a room's sender waits for the destination of every
-decode rank it writes into (their count follows from the decode TP size in the Hello).
-Only rank 0 writes the aux record, and only into decode rank 0.
+Tensor parallelism: one manager per rank. Rank 0 runs the worker's bootstrap server;
+every rank registers its :class:`RankInfo` there over HTTP. A decode rank says Hello to
+each prefill rank that writes some of its heads (:mod:`pdserve.disagg.bootstrap`); a
+room's sender waits for the destination of every decode rank it writes into. Only rank 0
+writes the aux record, and only into decode rank 0.
+
+The decode peers (:class:`DecodePeers`, used by the control thread and stats only): the
+decode rank instances that said Hello, each with its agent loaded and its memory prepared
+for the heads this rank writes there, or why it is unusable. A decode that ZMQ can no
+longer route a ``Ping`` to is gone: its lists are released and its agent forgotten
+(:func:`~pdserve.disagg.nixl.agent.peer_life.forget_agent`), unless a room still holds it.
 """
 
 from __future__ import annotations
@@ -27,15 +29,44 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 
 from pdserve.advertise import advertised_host, url_host
-from pdserve.disagg.base import PROTOCOL_VERSION, KVArgs, KVManager, KVReceiver, KVSender, Role
-from pdserve.disagg.control import Outbox, recv_all
-from pdserve.disagg.messages import (
+from pdserve.disagg.base import (
+    PEER_FAILED,
+    PEER_RESTARTED,
+    PROTOCOL_VERSION,
+    SHUTDOWN,
+    FailureInjector,
+    KVArgs,
+    KVManager,
+    KVReceiver,
+    KVSender,
+    Role,
+    RoomTable,
+    ServiceThreads,
+    check_room,
+)
+from pdserve.disagg.bootstrap import reads_from
+from pdserve.disagg.metrics import TransferMetrics
+from pdserve.disagg.nixl.agent.api import NixlApi
+from pdserve.disagg.nixl.agent.init import select_device
+from pdserve.disagg.nixl.agent.peer_life import forget_agent
+from pdserve.disagg.nixl.agent.transfer_engine import NixlNotifier, NixlTransferEngine
+from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
+from pdserve.disagg.nixl.prefill.sender import (
+    DecodePeer,
+    NixlSender,
+    SenderContext,
+    TransferWorkers,
+)
+from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.disagg.wire import (
     HealthInfo,
     Hello,
+    Outbox,
     Ping,
     RoomAbort,
     RoomDest,
@@ -43,26 +74,9 @@ from pdserve.disagg.messages import (
     WireError,
     decode_control,
     encode_control,
+    recv_all,
 )
-from pdserve.disagg.metrics import TransferMetrics
-from pdserve.disagg.nixl.agent.api import NixlApi
-from pdserve.disagg.nixl.agent.init import select_device
-from pdserve.disagg.nixl.agent.notifier import NixlNotifier
-from pdserve.disagg.nixl.agent.transfer_engine import NixlTransferEngine
-from pdserve.disagg.nixl.prefill.bootstrap import PrefillBootstrap, rank_info
-from pdserve.disagg.nixl.prefill.peers import DecodePeers
-from pdserve.disagg.nixl.prefill.sender import NixlSender, SenderContext
-from pdserve.disagg.nixl.prefill.transfer_workers import TransferWorkers
-from pdserve.disagg.room_plan import check_room
-from pdserve.disagg.rooms import (
-    PEER_FAILED,
-    PEER_RESTARTED,
-    SHUTDOWN,
-    FailureInjector,
-    RoomTable,
-    ServiceThreads,
-)
-from pdserve.disagg.transfer_config import TransferConfig
+from pdserve.parallel import TPRank, kv_head_range
 
 log = logging.getLogger(__name__)
 
@@ -359,3 +373,95 @@ class NixlPrefillManager(KVManager):
                 f"prefill never received room {room} within {self.bootstrap_timeout:g} s",
                 "bootstrap_timeout",
             )
+
+
+class DecodePeers:
+    """The decode peers of one prefill manager, by decode instance id (module doc); not
+    thread-safe (its control thread alone changes it)."""
+
+    def __init__(self, engine: NixlTransferEngine, notifier: NixlNotifier, rank: TPRank) -> None:
+        self._engine = engine
+        self._notifier = notifier
+        self._rank = rank
+        self._peers: dict[str, DecodePeer] = {}
+
+    def get(self, decode_instance: str) -> DecodePeer | None:
+        return self._peers.get(decode_instance)
+
+    def counts(self) -> dict[str, int]:
+        """``decode_peers`` known, ``remote_agents`` of them loaded (usable)."""
+        peers = list(self._peers.values())
+        return dict(
+            decode_peers=len(peers),
+            remote_agents=sum(1 for p in peers if p.remote is not None),
+        )
+
+    def hello(self, identity: bytes, hello: Hello) -> None:
+        """A decode rank said Hello: load its agent into both agents, prepare its memory
+        and connect; a peer it cannot be made into is kept with why (its rooms fail on
+        attach). A known instance only updates its ZMQ identity."""
+        peer = self._peers.get(hello.decode_instance)
+        if peer is not None:
+            peer.identity = identity
+            return
+        try:
+            heads = self._heads_for(hello)
+            name = self._engine.add_remote(hello.agent_metadata)
+            remote = self._engine.prepare_remote(
+                name, hello.kv, hello.aux, heads, (hello.kv_heads[0], hello.kv_heads[1])
+            )
+            self._engine.connect(name)
+            self._notifier.add_remote(hello.agent_metadata)
+            peer = DecodePeer(
+                hello.decode_instance, identity, remote, None, hello.engine_rank, hello.tp_size
+            )
+        except Exception as exc:  # noqa: BLE001 - the peer is unusable, the worker is fine
+            log.warning("decode %s cannot be used: %s", hello.decode_instance, exc)
+            peer = DecodePeer(
+                hello.decode_instance,
+                identity,
+                None,
+                f"{type(exc).__name__}: {exc}",
+                hello.engine_rank,
+                hello.tp_size,
+            )
+        self._peers[hello.decode_instance] = peer
+
+    def _heads_for(self, hello: Hello) -> tuple[int, int]:
+        """The model heads this rank writes into the decode rank of ``hello``. ValueError
+        when its rank facts break the split rules or it needs no head of ours."""
+        total = self._engine.kv_args.layout.num_kv_heads
+        theirs = TPRank(hello.engine_rank, hello.tp_size)
+        if list(kv_head_range(total, theirs)) != list(hello.kv_heads):
+            raise ValueError(
+                f"decode rank {theirs.rank}/{theirs.size} says it holds heads "
+                f"{list(hello.kv_heads)}, the split rules give {list(kv_head_range(total, theirs))}"
+            )
+        mine = [s for s in reads_from(total, self._rank, theirs.size) if s.dst_rank == theirs.rank]
+        if not mine:
+            raise ValueError(
+                f"prefill rank {self._rank.rank} writes no KV head of decode rank {theirs.rank}"
+            )
+        return mine[0].start, mine[0].end
+
+    def expected_dests(self, decode_tp_size: int) -> frozenset[int]:
+        """The decode ranks whose destination a room waits for: those this rank writes."""
+        total = self._engine.kv_args.layout.num_kv_heads
+        return frozenset(s.dst_rank for s in reads_from(total, self._rank, decode_tp_size))
+
+    def forget_gone(self, ping: Callable[[bytes], bool], used: set[int]) -> None:
+        """``ping`` every decode peer (by ZMQ identity; False: it cannot be routed to, so
+        it is gone) and forget those gone, unless a room still holds them (``used``: ids
+        of the peers rooms hold; then at the next round)."""
+        for instance, peer in list(self._peers.items()):
+            if ping(peer.identity) or id(peer) in used:
+                continue
+            del self._peers[instance]
+            if peer.remote is not None:
+                forget_agent(
+                    self._engine,
+                    peer.remote.agent_name,
+                    f"decode {instance}",
+                    peer.remote,
+                    self._notifier,
+                )

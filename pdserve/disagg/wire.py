@@ -9,13 +9,22 @@ Three channels use them:
 - NIXL notification (msgpack): :class:`XferDone`, sent by prefill once a room's WRITEs
   completed (riding on the last KV WRITE, or on its own), with the aux record.
 A message of another protocol version is rejected with :class:`WireError` naming both versions.
+
+The ZMQ plumbing of the control channel lives here too (:class:`Outbox`, :func:`recv_all`):
+the control thread is the only thread touching its sockets (ZMQ sockets are not
+thread-safe), and other threads hand it messages through the outbox. Both sides' managers
+use the messages and the plumbing together, so they are one module.
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 from typing import Any, Union
 
 import msgspec
+import zmq
 
 from pdserve.disagg.base import PROTOCOL_VERSION
 
@@ -69,7 +78,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     """Decode introduces itself to one prefill rank instance (once per pair): its NIXL
     agent, the memory prefill will WRITE into, and its rank facts (``tp_size``,
     ``engine_rank``, ``kv_heads``), from which prefill computes the heads it writes there
-    (:mod:`pdserve.disagg.head_map`)."""
+    (:mod:`pdserve.disagg.bootstrap`)."""
 
     prefill_instance: str
     decode_instance: str
@@ -188,3 +197,60 @@ def decode_xfer_done(data: bytes) -> XferDone:
         return _XFER_DONE.decode(data)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable notification: {exc}") from exc
+
+
+# --- ZMQ plumbing of the control channel ------------------------------------------
+
+_ids = itertools.count()
+
+
+class Outbox:
+    """Items other threads hand to the control thread. ``put`` enqueues and wakes it
+    through an inproc socket that the control thread polls (``wake_socket``)."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        addr = f"inproc://pdserve-outbox-{next(_ids)}"
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.wake_socket = ctx.socket(zmq.PULL)
+        self.wake_socket.bind(addr)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is enough
+        self._push.connect(addr)
+        self._lock = threading.Lock()
+
+    def put(self, item: Any) -> None:
+        self._queue.put(item)
+        with self._lock:
+            try:
+                self._push.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again (a wake-up is pending) or closed at shutdown
+                pass
+
+    def drain(self) -> list[Any]:
+        """Everything queued so far (control thread only)."""
+        while True:
+            try:
+                self.wake_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        items: list[Any] = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def close(self) -> None:
+        with self._lock:
+            self._push.close(linger=0)
+        self.wake_socket.close(linger=0)
+
+
+def recv_all(sock: zmq.Socket[Any]) -> list[list[bytes]]:
+    """Every message waiting on ``sock`` (multipart frames), without blocking."""
+    out: list[list[bytes]] = []
+    while True:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return out

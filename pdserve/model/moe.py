@@ -1,0 +1,234 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): routing, the experts, and their checkpoint names.
+
+A sparse layer replaces the dense SwiGLU MLP: a router (``gate``, ``[E, H]``, no bias) scores
+the ``E`` experts per token; each token runs through its ``top_k`` best experts (each a
+SwiGLU MLP of intermediate size ``I``) and their outputs are summed, weighted by the
+routing probabilities (Shazeer et al. 2017; Mixtral, Jiang et al. 2024).
+
+Routing follows transformers (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``): softmax of the
+router logits in fp32, top-k, then (Mixtral always, Qwen3-MoE when ``norm_topk_prob``) the
+k probabilities renormalised to sum to 1, which for Mixtral equals a softmax over the k
+chosen logits.
+
+Weights: ``w13 [E, 2 * I_rank, H]`` (each expert's gate rows, then its up rows) and ``w2 [E,
+H, I_rank]``. Under tensor parallelism every rank holds its slice ``[i0, i1)`` of every
+expert's intermediate dimension (gate/up rows, down columns; the router whole), so a rank's
+output is a partial sum that the decoder layer all-reduces, as for the dense MLP.
+
+Two ways to run the experts on the same weights: :func:`experts_loop` (per-expert torch
+loop, transformers' order of operations: the CPU path and the reference) and
+``pdserve.model.triton_moe.fused_experts`` (tokens sorted by expert, two grouped GEMMs;
+CUDA, and CPU under ``TRITON_INTERPRET=1``). ``PDSERVE_MOE_EXPERTS`` picks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve import envs
+from pdserve.model.weight_map import Target
+
+if TYPE_CHECKING:
+    from pdserve.model.shapes import ModelShapes
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of router logits ``[T, E]`` (any float dtype).
+
+    Returns ``(weights [T, top_k] float32, expert ids [T, top_k] int64)``: the softmax
+    probabilities (computed in fp32) of each token's ``top_k`` most probable experts, in
+    descending order, divided by their sum when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_loop(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' weighted sum, one expert at a time (torch; the reference).
+
+    x ``[T, H]``; w13 ``[E, 2I, H]`` (gate rows then up rows); w2 ``[E, H, I]``; weights
+    ``[T, k]`` float32 and ids ``[T, k]`` int64 from :func:`route`. Returns ``[T, H]`` in
+    x's dtype: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
+    ``e = ids[t, j]``. Experts run in ascending id order and accumulate with ``index_add_``,
+    as transformers' ``Qwen3MoeExperts`` does, so fp32 results match it bit for bit. Reads
+    the routed expert ids back to the host (a device sync: not CUDA-graph capturable)."""
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # assignment positions grouped by expert
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        pos = order[start : start + n]
+        start += n
+        tok = pos // ids.shape[1]
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        h = h * weights.flatten()[pos, None].to(h.dtype)
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+STATS_ROWS = 1025  # routing counters per forward size: 0..1023 tokens, then "1024 or more"
+
+
+def experts_impl(device: torch.device) -> str:
+    """``"fused"`` or ``"loop"``: how experts run on ``device`` (``PDSERVE_MOE_EXPERTS``;
+    ``auto`` is fused on CUDA, the loop elsewhere)."""
+    choice = envs.MOE_EXPERTS.get()
+    if choice == "auto":
+        return "fused" if device.type == "cuda" else "loop"
+    return choice
+
+
+class SparseMoeBlock(nn.Module):
+    """One layer's experts and router, this rank's slice of each expert.
+
+    Parameters: ``gate [E, H]`` (router, whole on every rank), ``w13 [E, 2 * I_rank, H]``,
+    ``w2 [E, H, I_rank]`` with ``I_rank = shapes.moe_intermediate``. :meth:`forward` returns
+    this rank's partial output (the caller all-reduces under TP)."""
+
+    def __init__(self, s: ModelShapes, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.s = s
+        E, H, inter = s.n_experts, s.hidden, s.moe_intermediate
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate = empty(E, H)
+        self.w13 = empty(E, 2 * inter, H)
+        self.w2 = empty(E, H, inter)
+        # PDSERVE_MOE_ROUTING_STATS: per forward size T (row min(T, STATS_ROWS - 1)) the sum
+        # of the distinct experts routed to and the number of forwards (float64, on the
+        # device; the row is fixed per captured graph; see routed_experts)
+        self.routing_stats: torch.Tensor | None = None
+        if envs.MOE_ROUTING_STATS.get():
+            self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
+        s = self.s
+        logits = F.linear(x, self.gate)
+        if experts_impl(x.device) == "fused" and x.shape[0] > 0:
+            from pdserve.model import triton_moe as tm
+
+            cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
+            if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
+                weights, ids, al = tm.route_align(logits, s.top_k, s.norm_topk_prob, cfg.block_m)
+            else:
+                weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+                al = tm.align(ids, s.n_experts, cfg.block_m)
+            out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
+        else:
+            weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+            out = experts_loop(x, self.w13, self.w2, weights, ids)
+        if self.routing_stats is not None:
+            hit = torch.zeros(s.n_experts, dtype=torch.float64, device=x.device)
+            hit.index_fill_(0, ids.flatten(), 1.0)
+            row = self.routing_stats[min(x.shape[0], STATS_ROWS - 1)]
+            row[0] += hit.sum()
+            row[1] += 1.0
+        return out
+
+
+def routed_experts(
+    blocks: Iterable[SparseMoeBlock], num_seqs: int, reset: bool = True
+) -> float | None:
+    """Mean number of distinct experts a decode step of ``num_seqs`` sequences routed to,
+    per sparse layer, from ``PDSERVE_MOE_ROUTING_STATS``'s counters since the last reset:
+    the forwards of the size in ``[num_seqs, 4 * num_seqs]`` that ran most often (the
+    decode step's batch, padded to its graph bucket; prefill chunks and start-up warm-ups of
+    other sizes are left out; a bucket's padded rows count, their experts are read too).
+    None when the counters are off or saw no such forward. ``reset`` zeroes them."""
+    stats = [b.routing_stats for b in blocks]
+    if not stats or any(t is None for t in stats):
+        return None
+    total = torch.stack([t for t in stats if t is not None]).sum(0).cpu()  # [rows, 2]
+    if reset:
+        for t in stats:
+            if t is not None:
+                t.zero_()
+    lo, hi = num_seqs, min(4 * num_seqs, STATS_ROWS - 2)
+    if lo > hi:
+        return None
+    calls = total[lo : hi + 1, 1]
+    if calls.max().item() == 0:
+        return None
+    row = lo + int(calls.argmax())
+    return float(total[row, 0] / total[row, 1])
+
+
+# ------------------------------------------------------------------ checkpoint names
+# Per family: the sparse block's prefix in hub checkpoints, and each expert's gate / up /
+# down tensor names there (transformers 5 renames Mixtral's block to ``mlp`` and fuses the
+# experts into ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``: those
+# names, which random presets and GGUF conversions produce, are split by hub_names).
+_HUB = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
+def moe_weight_targets(
+    s: ModelShapes, model_type: str, layers: dict[int, SparseMoeBlock]
+) -> dict[str, Target]:
+    """Hub checkpoint name -> :class:`~pdserve.model.weight_map.Target` for the sparse
+    layers ``layers`` (layer index -> block): the router whole, each expert's gate/up
+    rows ``[i0, i1)`` (dim 0) and down columns ``[i0, i1)`` (dim 1) of this rank."""
+    block, (g, u, d) = _HUB[model_type]
+    i0, i1 = s.moe_intermediate_range
+    n, ti, H = i1 - i0, s.total_moe_intermediate, s.hidden
+    t: dict[str, Target] = {}
+    for i, moe in layers.items():
+        pre = f"model.layers.{i}.{block}."
+        E = moe.gate.shape[0]
+        t[pre + "gate.weight"] = Target(moe.gate, 0, E, 0, 0, E, E)
+        for e in range(E):
+            ex = f"{pre}experts.{e}."
+            w13, w2 = moe.w13[e], moe.w2[e]
+            t[ex + g + ".weight"] = Target(w13, 0, n, 0, i0, i1, ti)
+            t[ex + u + ".weight"] = Target(w13, n, 2 * n, 0, i0, i1, ti)
+            t[ex + d + ".weight"] = Target(w2, 0, H, 1, i0, i1, ti)
+    return t
+
+
+def hub_names(
+    weights: Iterable[tuple[str, torch.Tensor]], model_type: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with transformers-5 expert names rewritten to hub names (views, no copy):
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` -> per expert ``gate`` ``[I, H]`` and ``up``;
+    ``mlp.experts.down_proj [E, H, I]`` -> per expert ``down`` ``[H, I]``; Mixtral's
+    ``mlp.`` -> ``block_sparse_moe.``. Other names pass unchanged. (Fused tensors arrive
+    whole: a TP rank narrows each expert's slice as it copies.)"""
+    block, (g, u, d) = _HUB[model_type]
+    for name, t in weights:
+        pre, _, leaf = name.rpartition(".mlp.")
+        if not pre.startswith("model.layers."):
+            yield name, t
+        elif leaf == "experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                yield f"{pre}.{block}.experts.{e}.{g}.weight", gate[e]
+                yield f"{pre}.{block}.experts.{e}.{u}.weight", up[e]
+        elif leaf == "experts.down_proj":
+            for e in range(t.shape[0]):
+                yield f"{pre}.{block}.experts.{e}.{d}.weight", t[e]
+        elif leaf == "gate.weight":
+            yield f"{pre}.{block}.gate.weight", t
+        else:
+            yield name, t

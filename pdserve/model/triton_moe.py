@@ -1,0 +1,435 @@
+"""Fused mixture-of-experts experts on CUDA (Triton): tokens grouped by expert, two grouped GEMMs.
+
+For ``T`` tokens routed to ``k`` experts each there are ``N = T * k`` assignments (flat id
+``a = t * k + j``). :func:`align` sorts the assignments by expert and pads each expert's
+group to a multiple of ``BLOCK_M``, so every ``BLOCK_M`` rows of the sorted list belong to
+one expert (the block's expert). Then:
+
+1. ``_gate_up_kernel``: per (row block, column block of I) one program loads the block's
+   token rows of x, multiplies them by the block expert's gate and up rows of ``w13``
+   (fp32 accumulators) and writes ``silu(gate) * up`` to ``act[a]`` ``[N, I]``;
+2. ``_down_kernel``: per (row block, column block of H) ``act[a] @ w2[e].T`` times the
+   assignment's routing weight, written to ``out[a]`` ``[N, H]``;
+3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``).
+
+For decode batches (up to :data:`ROUTE_ALIGN_MAX_CELLS` router logits) the routing and the
+alignment are one launch (``_route_align_kernel``) instead of ~20 small torch kernels per
+layer. Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
+(few tokens per expert) reads each routed expert's weights once per column block: the
+decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from ``T``,
+``k`` and ``E`` only (at most ``N + min(N, E) * (BLOCK_M - 1)`` sorted rows) and the used
+length stays on the device (programs past it return at once), so a step's launch has fixed
+shapes for a fixed ``T`` and no host sync: CUDA-graph capturable per batch bucket.
+
+Tested on CPU under ``TRITON_INTERPRET=1`` against ``pdserve.model.moe.experts_loop``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Alignment(NamedTuple):
+    """Assignments sorted by expert, padded per expert to a multiple of ``block_m``.
+
+    sorted_ids ``[max_rows]`` int32: flat assignment ids (``t * k + j``) grouped by expert;
+    padding rows hold ``N`` (no assignment). block_expert ``[max_rows // block_m]`` int32:
+    the expert of each row block (``-1`` past the used rows). used ``[1]`` int32: the used
+    rows (a multiple of ``block_m``), on the device."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    used: torch.Tensor
+    block_m: int
+
+
+def max_rows(n_assign: int, n_experts: int, block_m: int) -> int:
+    """Upper bound of the padded sorted rows: each of at most ``min(N, E)`` used experts
+    pads fewer than ``block_m`` rows; rounded up to a whole block."""
+    rows = n_assign + min(n_assign, n_experts) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
+    """Group the assignments of ``ids`` ``[T, k]`` (int, values in ``[0, n_experts)``) by
+    expert (ascending; within an expert in flat-id order), each group padded to a multiple of
+    ``block_m``. Torch ops with shapes fixed by ``T``, ``k``, ``n_experts`` and ``block_m``
+    only (no host sync, CUDA-graph capturable)."""
+    dev = ids.device
+    flat = ids.flatten().long()
+    N = flat.numel()
+    rows = max_rows(N, n_experts, block_m)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # unpadded start of each expert
+    dest = (ends - padded)[expert] + torch.arange(N, device=dev) - first[expert]
+    sorted_ids = torch.full((rows,), N, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, rows, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
+    return Alignment(sorted_ids, block_expert, ends[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    sorted_ptr,
+    bexp_ptr,
+    used_ptr,
+    T,
+    E,
+    ROWS,
+    s_lt,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
+    tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
+    decode step). Softmax in fp32, ``TOP_K`` rounds of argmax (each chosen expert masked
+    out), the weights renormalised when ``RENORM``; then per expert its count and padded
+    end (cumsum), and each assignment's rank among its expert's tokens (an exclusive cumsum
+    over tokens: a token chooses an expert at most once), so assignment ``t * k + j`` lands
+    at ``start[e] + rank``: the order of :func:`align`."""
+    tv = tl.arange(0, BLOCK_T)
+    t = tv[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    tmask = t < T
+    valid = tmask & (e < E)
+    x = tl.load(logits_ptr + t * s_lt + e, mask=valid, other=-float("inf")).to(tl.float32)
+    x = tl.where(tmask, x, 0.0)  # rows past T: finite, never stored
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(valid, p, 0.0)
+    den = tl.sum(p, axis=1)
+    p = p / tl.where(den > 0, den, 1.0)[:, None]
+    left = tl.where(valid, p, -1.0)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(left, axis=1)
+        arg = tl.argmax(left, axis=1)
+        hit = e == arg[:, None]
+        total += top
+        order = tl.where(hit, j, order)
+        chosen = tl.where(hit, 1, chosen)
+        left = tl.where(hit, -1.0, left)
+        tl.store(ids_ptr + tv * TOP_K + j, arg.to(tl.int64), mask=tv < T)
+        tl.store(w_ptr + tv * TOP_K + j, top, mask=tv < T)
+    if RENORM:
+        tl.debug_barrier()
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        kmask = tmask & (kk < TOP_K)
+        wp = w_ptr + t * TOP_K + kk
+        tl.store(wp, tl.load(wp, mask=kmask, other=0.0) / total[:, None], mask=kmask)
+    chosen = tl.where(tmask, chosen, 0)
+    counts = tl.sum(chosen, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    rank = tl.cumsum(chosen, axis=0) - chosen
+    r = tl.arange(0, BLOCK_R)
+    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
+    tl.debug_barrier()
+    dest = (ends - padded)[None, :] + rank
+    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=(chosen > 0) & valid)
+    bv = tl.arange(0, BLOCK_B)
+    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
+    be = tl.sum(past.to(tl.int32), axis=1)
+    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
+
+
+ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
+
+
+def route_align_fits(tokens: int, n_experts: int) -> bool:
+    """Whether :func:`route_align` takes ``tokens`` rows of ``n_experts`` logits (decode
+    batches: up to 64 tokens at 128 experts); larger batches route and align in torch."""
+    return 0 < tokens * int(triton.next_power_of_2(n_experts)) <= ROUTE_ALIGN_MAX_CELLS
+
+
+def route_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+    """:func:`pdserve.model.moe.route` then :func:`align`, in one Triton launch (when
+    :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns ``(weights [T, k]
+    float32, ids [T, k] int64, Alignment)``, equal to the torch pair's (ids and order;
+    weights to fp32 rounding)."""
+    T, E = router_logits.shape
+    dev = router_logits.device
+    N = T * top_k
+    rows = max_rows(N, E, block_m)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
+    sorted_ids = torch.empty((rows,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((rows // block_m,), dtype=torch.int32, device=dev)
+    used = torch.empty((1,), dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        router_logits,
+        weights,
+        ids,
+        sorted_ids,
+        block_expert,
+        used,
+        T,
+        E,
+        rows,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_M=block_m,
+        BLOCK_T=triton.next_power_of_2(max(T, 1)),
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_R=triton.next_power_of_2(rows),
+        BLOCK_B=triton.next_power_of_2(rows // block_m),
+        num_warps=8 if T * E > 2048 else 4,
+    )
+    return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    ids_ptr,
+    bexp_ptr,
+    used_ptr,
+    N,
+    K,
+    INTER,
+    s_xt,
+    s_we,
+    s_wn,
+    s_an,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """act[a, n] = silu(x[a // k] . w13[e, n]) * (x[a // k] . w13[e, INTER + n]) for the
+    block's rows a and columns n; fp32 accumulation, rounded to act's dtype once."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ids = tl.load(ids_ptr + rows)
+    valid = a_ids < N
+    tok = (a_ids // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * s_xt + ks[None, :]
+    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    u_ptrs = g_ptrs + INTER * s_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xa, g, acc_g)
+            acc_u = tl.dot(xa, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # silu and the product rounded to the dtype where torch rounds them (silu(gate) * up)
+    gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
+    out = (silu * up).to(act_ptr.dtype.element_ty)
+    a_ptrs = act_ptr + a_ids[:, None].to(tl.int64) * s_an + cols[None, :]
+    tl.store(a_ptrs, out, mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    bexp_ptr,
+    used_ptr,
+    N,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """out[a, n] = routing_weight[a] * (act[a] . w2[e, n]) for the block's rows a and
+    hidden columns n (fp32 accumulation; the product in fp32, rounded once)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ids = tl.load(ids_ptr + rows)
+    valid = a_ids < N
+    a64 = a_ids.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + a64[:, None] * s_an + ks[None, :]
+    w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    rw = tl.load(rw_ptr + a64, mask=valid, other=0.0)
+    out = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * rw[:, None]
+    o_ptrs = out_ptr + a64[:, None] * s_on + cols[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+class MoEConfig(NamedTuple):
+    """Tile sizes of one launch: rows per block (``block_m``: tokens of one expert), the
+    output-column and reduction tiles, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(n_assign: int, n_experts: int) -> MoEConfig:
+    """Tiles for ``n_assign`` assignments over ``n_experts``: 16-row blocks while experts
+    see few tokens each (decode: each routed expert's weights read once per column tile,
+    little padding), 64-row blocks for prefill-sized batches. Untuned first choices (the
+    H200 run of scripts/gpu_moe_check.sh measures them)."""
+    per_expert = n_assign / max(n_experts, 1)
+    if per_expert <= 16:
+        return MoEConfig(16, 64, 128, 4, 3)
+    if per_expert <= 64:
+        return MoEConfig(32, 64, 64, 4, 3)
+    return MoEConfig(64, 128, 64, 8, 3)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The experts' weighted sum with the two grouped-GEMM kernels (same contract as
+    ``pdserve.model.moe.experts_loop``).
+
+    x ``[T, H]`` (fp32/bf16/fp16); w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (x's dtype, last
+    dim contiguous); weights ``[T, k]`` float32; ids ``[T, k]`` int. Returns ``[T, H]`` in
+    x's dtype. config: tiles (default :func:`pick_config`). fp32 runs the dots in IEEE
+    fp32 (no TF32)."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    cfg = config or pick_config(ids.numel(), w13.shape[0])
+    return grouped_experts(x, w13, w2, weights, align(ids, w13.shape[0], cfg.block_m), cfg)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    al: Alignment,
+    cfg: MoEConfig,
+) -> torch.Tensor:
+    """The two grouped GEMMs over assignments already aligned (:func:`align` or
+    :func:`route_align` with ``cfg.block_m``) and the top-k sum: x ``[T, H]``, weights
+    ``[T, k]`` float32 -> ``[T, H]`` in x's dtype (see :func:`fused_experts`)."""
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    k = weights.shape[1]
+    N = T * k
+    assert al.block_m == cfg.block_m, "aligned to another row block"
+    x = x.contiguous()
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
+    act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((N, H), dtype=x.dtype, device=x.device)
+    n_blocks = al.sorted_ids.numel() // cfg.block_m
+    ieee = x.dtype == torch.float32
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_kernel[(n_blocks, triton.cdiv(inter, cfg.block_n))](
+        x,
+        w13,
+        act,
+        al.sorted_ids,
+        al.block_expert,
+        al.used,
+        N,
+        H,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        TOP_K=k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        IEEE=ieee,
+        **opts,
+    )
+    _down_kernel[(n_blocks, triton.cdiv(H, cfg.block_n))](
+        act,
+        w2,
+        out,
+        weights.contiguous().view(-1),
+        al.sorted_ids,
+        al.block_expert,
+        al.used,
+        N,
+        inter,
+        H,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        IEEE=ieee,
+        **opts,
+    )
+    return out.view(T, k, H).sum(dim=1)

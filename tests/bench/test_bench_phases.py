@@ -1,0 +1,97 @@
+"""``bench/phases.py``: TTFT cut into stages from the answers' timing blocks, their
+statistics, the stage that grew most, the PNG."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.bench.openai_client import StreamResult
+from pdserve.bench.phases import grew_most, phase_png_path, plot_stages, stage_stats, ttft_stages
+
+PD_TIMING = {
+    "prefill": {
+        "phases": {
+            "tokenize": 0.001,
+            "engine_inbox": 0.0005,
+            "bootstrap": 0.002,
+            "queue": 0.003,
+            "prefill": 0.010,
+            "kv_transfer": 0.004,
+            "respond": 0.001,
+        }
+    },
+    "decode": {
+        "phases": {
+            "tokenize": 0.001,
+            "engine_inbox": 0.0005,
+            "bootstrap": 0.001,
+            "kv_alloc_wait": 0.0005,
+            "kv_transfer": 0.020,
+            "kv_notice": 0.002,
+            "decode_queue": 0.001,
+            "decode": 0.050,
+        },
+        "first_token_out": 0.001,
+    },
+}
+MIXED_TIMING = {
+    "mixed": {
+        "phases": {"tokenize": 0.001, "engine_inbox": 0.0005, "queue": 0.002, "prefill": 0.010}
+    }
+}
+
+
+def test_pd_stages_split_the_clients_ttft():
+    r = StreamResult(ok=True, ttft=0.030, timing=PD_TIMING)
+    stages = ttft_stages(r)
+    assert stages is not None
+    assert stages["prefill"] == pytest.approx(0.010)
+    assert stages["kv_transfer"] == pytest.approx(0.004)
+    # decode's path to the notification (0.023 s) beyond prefill's path to sending it (0.0205 s)
+    assert stages["decode_wait"] == pytest.approx(0.023 - 0.0205)
+    assert stages["kv_notice"] == pytest.approx(0.002)  # then decode's engine noticed it
+    assert stages["first_token_out"] == pytest.approx(0.001)  # decode's engine -> its loop
+    # the rest of the client's 30 ms: router, HTTP, the first chunk's way back
+    assert stages["router_and_stream"] == pytest.approx(0.030 - 0.026)
+    assert sum(stages.values()) == pytest.approx(r.ttft)
+    # with the decode worker's start time: the way there and the way back apart
+    timed = {**PD_TIMING, "decode": {**PD_TIMING["decode"], "start_unix": 1000.003}}
+    split = ttft_stages(StreamResult(ok=True, ttft=0.030, timing=timed, start_unix=1000.0))
+    assert split is not None and "router_and_stream" not in split
+    assert split["to_worker"] == pytest.approx(0.003)
+    assert split["stream_back"] == pytest.approx(0.030 - 0.026 - 0.003)
+
+
+def test_mixed_stages_and_missing_blocks():
+    stages = ttft_stages(StreamResult(ok=True, ttft=0.020, timing=MIXED_TIMING))
+    assert stages is not None and "kv_transfer" not in stages
+    assert stages["router_and_stream"] == pytest.approx(0.020 - 0.0135)
+    assert ttft_stages(StreamResult(ok=True, ttft=0.02, timing=None)) is None
+    assert (
+        ttft_stages(StreamResult(ok=True, ttft=0.02, timing={"prefill": PD_TIMING["prefill"]}))
+        is None
+    )
+    assert ttft_stages(StreamResult(ok=True, ttft=None, timing=MIXED_TIMING)) is None
+
+
+def test_stats_and_the_stage_that_grew_most(tmp_path):
+    pd = stage_stats(
+        [StreamResult(ok=True, ttft=0.030 + i / 1000, timing=PD_TIMING) for i in range(5)]
+    )
+    mixed = stage_stats([StreamResult(ok=True, ttft=0.020, timing=MIXED_TIMING)] * 5)
+    assert pd["router_and_stream"]["median_ms"] == pytest.approx(6.0)
+    assert pd["prefill"]["count"] == 5
+    assert "decode_wait" not in mixed
+    stage, delta = grew_most(pd, mixed)
+    # kv_transfer is 4 ms in PD and absent (0) in mixed; router_and_stream 6 vs 6.5 ms
+    assert (stage, delta) == ("kv_transfer", pytest.approx(4.0))
+    assert grew_most({}, {}) is None
+    assert stage_stats([StreamResult(ok=False, ttft=0.1, timing=PD_TIMING)]) == {}
+    path = phase_png_path(str(tmp_path / "run.json"))
+    assert path.endswith("run.phases.png")
+    plot_stages([("pd", pd), ("mixed", mixed)], path)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not math.isnan(pd["kv_transfer"]["p99_ms"])

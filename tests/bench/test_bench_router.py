@@ -1,0 +1,36 @@
+"""``pdserve bench router`` end to end at a small scale: its stub workers, a real router
+process over them and the report's fields (latencies of both paths, the added latency as
+their difference, req/s and the router's CPU per request)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_bench_router_reports_both_paths_and_the_router_cost(tmp_path):
+    out = tmp_path / "router.json"
+    args = ["--seconds", "0.5", "--rate", "40", "--concurrency", "4", "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve", "bench", "router", *args],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert json.loads(run.stdout) == report
+    lat = report["latency"]
+    assert lat["requests"] == 20
+    for path in ("direct", "router"):
+        assert 0 < lat[path]["p50_ms"] <= lat[path]["p99_ms"]
+    assert lat["added_p50_ms"] == pytest.approx(lat["router"]["p50_ms"] - lat["direct"]["p50_ms"])
+    through = report["throughput_router"]
+    assert through["requests"] > 0 and through["req_per_s"] > 0
+    assert through["router_cpu_ms_per_request"] > 0
+    assert report["throughput_stub"]["requests"] > 0

@@ -1,0 +1,77 @@
+"""FP8 KV cache in the attention backends: the store quantizes (``k / k_scale`` in e4m3), the
+kernels dequantize on load; both backends (triton under Triton's interpreter on CPU) equal
+plain attention over the dequantized K/V, for decode, prefill and extend over a cached
+prefix, on a page-major strided pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.model.attention import build_attention_metadata, get_attention_backend, quantize_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALES = (0.5, 2.0)
+
+
+def _step(q_lens, s_lens, page_size, Hq, Hkv, D, num_pages, seed):
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for s in s_lens:
+        need = math.ceil(s / page_size)
+        tables.append(perm[used : used + need])
+        used += need
+    T = sum(q_lens)
+    pool = torch.randn(num_pages, 2, 2, Hkv, page_size, D, generator=gen) * 3
+    k8 = quantize_kv(pool[:, :, 0], SCALES[0])
+    v8 = quantize_kv(pool[:, :, 1], SCALES[1])
+    pool8 = torch.stack((k8, v8), dim=2).to(DEVICE)  # [P, L=2, 2, Hkv, ps, D] e4m3
+    qkv = (torch.randn(T, Hq + 2 * Hkv, D, generator=gen) * 3).to(DEVICE)
+    md = build_attention_metadata(q_lens, s_lens, tables, page_size, device=DEVICE)
+    return pool8, qkv, md
+
+
+def _views(pool):
+    return pool[:, 1, 0].permute(0, 2, 1, 3), pool[:, 1, 1].permute(0, 2, 1, 3)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["torch_sdpa", "triton"])
+@pytest.mark.parametrize(
+    "q_lens, s_lens, page_size",
+    [
+        ([1, 1, 1], [1, 70, 300], 16),  # decode only (splits and a merge on triton)
+        ([5, 1, 70], [5, 40, 75], 4),  # prefill, decode and extend over a cached prefix
+    ],
+)
+def test_fp8_cache_equals_attention_over_dequantized_kv(backend, q_lens, s_lens, page_size):
+    Hq, Hkv, D = 8, 2, 32
+    pool8, qkv, md = _step(q_lens, s_lens, page_size, Hq, Hkv, D, 48, seed=7)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = get_attention_backend(backend)
+    k_cache, v_cache = _views(pool8)
+    scale = D**-0.5
+    out = b.forward(q, k, v, k_cache, v_cache, md, b.plan(md, page_size), scale, kv_scale=SCALES)
+
+    # the store: this step's K/V as e4m3 of k / k_scale at their slots, nothing else touched
+    slots = md.slot_mapping.to(pool8.device)
+    pages, offs = slots // page_size, slots % page_size
+    want_pool = pool8.clone()
+    wk, wv = _views(want_pool)
+    wk[pages, offs] = quantize_kv(k, SCALES[0])
+    wv[pages, offs] = quantize_kv(v, SCALES[1])
+    assert torch.equal(pool8.view(torch.uint8), want_pool.view(torch.uint8))
+
+    # the reference: fp32 attention over the dequantized pool (this step's tokens included)
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    kd = (quantize_kv(k, SCALES[0]).float() * SCALES[0]).contiguous()
+    vd = (quantize_kv(v, SCALES[1]).float() * SCALES[1]).contiguous()
+    ref = sdpa.forward(q, kd, vd, rk, rv, md, sdpa.plan(md, page_size), scale, kv_stored=True)
+    assert (out.float() - ref).abs().max().item() < 1e-4

@@ -1,0 +1,232 @@
+"""The fused MoE kernels (pdserve/model/triton_moe.py) against the per-expert torch loop:
+on CPU under ``TRITON_INTERPRET=1`` (tests/model/conftest.py sets it without CUDA), on CUDA
+when there is one. Tiny shapes with ragged edges (hidden and expert sizes not multiples of
+the tiles), every tile configuration, decode (1 token) to prefill-sized batches; the
+alignment (sort by expert, pad per expert) on its own; a whole model with the fused path
+against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe import MOE_CONFIGS, TOL, hf_greedy
+from tp_model_ranks import PROMPTS, greedy_paged
+
+from pdserve.model import moe, triton_moe
+from pdserve.model.llama import LlamaForCausalLM
+from tiny_models import random_tiny_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = [
+    triton_moe.MoEConfig(16, 32, 16, 4, 2),
+    triton_moe.MoEConfig(32, 16, 32, 4, 2),
+    triton_moe.MoEConfig(64, 64, 64, 4, 2),
+]
+
+
+def _problem(T, H, inter, E, k, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
+    # a skewed router: some experts popular, some never chosen
+    logits = torch.randn(T, E, generator=g) + torch.linspace(2.0, -2.0, E)
+    w, ids = moe.route(logits, k, True)
+    to = dict(device=DEVICE)
+    return (
+        x.to(dtype=dtype, **to),
+        w13.to(dtype=dtype, **to),
+        w2.to(dtype=dtype, **to),
+        w.to(**to),
+        ids.to(**to),
+    )
+
+
+@pytest.mark.parametrize("T, E, k, block_m", [(1, 8, 2, 16), (7, 5, 3, 4), (40, 6, 2, 16)])
+def test_align_groups_each_assignment_once_by_expert(T, E, k, block_m):
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    al = triton_moe.align(ids, E, block_m)
+    N = T * k
+    sorted_ids = al.sorted_ids.tolist()
+    used = int(al.used.item())
+    assert used % block_m == 0 and len(sorted_ids) == triton_moe.max_rows(N, E, block_m)
+    real = [a for a in sorted_ids[:used] if a < N]
+    assert sorted(real) == list(range(N)), "every assignment exactly once"
+    assert all(a == N for a in sorted_ids[used:]), "nothing past the used rows"
+    flat = ids.flatten().tolist()
+    for b in range(len(sorted_ids) // block_m):
+        rows = sorted_ids[b * block_m : (b + 1) * block_m]
+        e = int(al.block_expert[b])
+        if b * block_m >= used:
+            assert e == -1
+            continue
+        assert all(flat[a] == e for a in rows if a < N), f"block {b} mixes experts"
+    experts = [flat[a] for a in real]
+    assert experts == sorted(experts), "groups in ascending expert order"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bm{c.block_m}")
+@pytest.mark.parametrize(
+    "T, H, inter, E, k", [(1, 40, 24, 8, 2), (9, 72, 20, 6, 3), (33, 24, 40, 4, 2)]
+)
+def test_fused_equals_loop_fp32(T, H, inter, E, k, config):
+    x, w13, w2, w, ids = _problem(T, H, inter, E, k)
+    ref = moe.experts_loop(x, w13, w2, w, ids)
+    got = triton_moe.fused_experts(x, w13, w2, w, ids, config)
+    assert got.shape == (T, H) and got.dtype == x.dtype
+    err = (got - ref).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+
+
+# bf16 only on the GPU: Triton 3.9's interpreter computes bf16 dots wrongly (~1e10 off)
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_fused_default_config_half_and_empty_batch(dtype):
+    """16-bit inputs (dots in the tensor-core precision, fp32 accumulation) against the loop
+    in fp32 on the same rounded weights: within a few roundings of the output."""
+    x, w13, w2, w, ids = _problem(12, 64, 32, 8, 2, dtype=dtype, seed=3)
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+    got = triton_moe.fused_experts(x, w13, w2, w, ids)
+    assert got.dtype == dtype
+    assert (got.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    empty = triton_moe.fused_experts(x[:0], w13, w2, w[:0], ids[:0])
+    assert empty.shape == (0, 64)
+
+
+def test_pick_config_small_blocks_for_decode():
+    assert triton_moe.pick_config(8, 128).block_m == 16  # batch 1, 8 experts routed
+    assert triton_moe.pick_config(64 * 8, 128).block_m == 16  # 4 tokens per expert
+    assert triton_moe.pick_config(16384 * 8, 128).block_m == 64  # prefill
+
+
+@pytest.mark.parametrize(
+    "T, E, k, renorm, block_m",
+    [(1, 8, 2, True, 16), (5, 6, 3, False, 4), (13, 128, 8, True, 16), (64, 128, 8, True, 16)],
+)
+def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
+    """The one-launch routing + alignment of decode batches: the torch pair's ids, order,
+    blocks and used rows exactly, weights to fp32 rounding."""
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    assert triton_moe.route_align_fits(T, E)
+    w, ids, al = triton_moe.route_align(logits, k, renorm, block_m)
+    w0, ids0 = moe.route(logits, k, renorm)
+    al0 = triton_moe.align(ids0, E, block_m)
+    assert torch.equal(ids, ids0)
+    assert (w - w0).abs().max().item() < 1e-6
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item())
+
+
+def test_route_align_takes_decode_batches_only():
+    assert triton_moe.route_align_fits(64, 128) and not triton_moe.route_align_fits(65, 128)
+    assert not triton_moe.route_align_fits(0, 8)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+@pytest.mark.parametrize(
+    "cells", [triton_moe.ROUTE_ALIGN_MAX_CELLS, 8], ids=["one-launch", "torch"]
+)
+def test_model_with_fused_experts_equals_transformers(monkeypatch, cells):
+    """PDSERVE_MOE_EXPERTS=fused: the whole tiny Qwen3-MoE through the Triton kernels, its
+    routing in the one-launch kernel (every step fits) or in torch (none but 1 row fits)."""
+    monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setattr(triton_moe, "ROUTE_ALIGN_MAX_CELLS", cells)
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
+    model.load_weights(hf.state_dict().items())
+    called: dict[str, int] = {"grouped_experts": 0, "route_align": 0, "align": 0}
+    for name in called:
+        real = getattr(triton_moe, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            called[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(triton_moe, name, spy)
+    prompts = PROMPTS[:2]
+    tokens, logits = greedy_paged(model, prompts, 2)
+    assert called["grouped_experts"] == 3 * 2, "the fused kernels: 3 steps x 2 sparse layers"
+    if cells == 8:
+        assert called["align"] == 6 and called["route_align"] == 0
+    else:
+        assert called["route_align"] == 6 and called["align"] == 0
+    ref_tokens, ref_logits = hf_greedy(hf, prompts, 2)
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_fused_equals_loop_at_qwen3_30b_shapes_bf16(T):
+    """One Qwen3-30B-A3B layer's experts (H 2048, I 768, 128 experts, 8 per token) in bf16."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    x, w13, w2, w, ids = _problem(T, 2048, 768, 128, 8, dtype=torch.bfloat16, seed=T)
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+    got = triton_moe.fused_experts(x, w13, w2, w, ids)
+    assert (got.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_fused_experts_capture_in_a_cuda_graph_and_replay_new_routing():
+    """Captured once, replayed with other tokens and other experts: the graph follows the
+    routing held in its input buffers (no host sync, no shape that depends on it)."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    T, H, inter, E, k = 16, 256, 128, 32, 4
+    x, w13, w2, w, ids = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        triton_moe.fused_experts(x, w13, w2, w, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.fused_experts(x, w13, w2, w, ids)
+    for seed in (1, 2, 3):
+        x2, _, _, w_new, ids_new = _problem(T, H, inter, E, k, dtype=torch.bfloat16, seed=seed)
+        x.copy_(x2)
+        w.copy_(w_new)
+        ids.copy_(ids_new)
+        graph.replay()
+        ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+        assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_route_align_and_experts_capture_in_a_cuda_graph():
+    """The decode path of SparseMoeBlock on CUDA (router logits -> route_align ->
+    grouped_experts) captured once and replayed on new hidden states and router logits."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    T, H, inter, E, k = 8, 256, 128, 64, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    cfg = triton_moe.pick_config(T * k, E)
+
+    def step():
+        w, ids, al = triton_moe.route_align(logits, k, True, cfg.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, cfg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (1, 2):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        logits.copy_(torch.randn(T, E, device=DEVICE, generator=g))
+        x.copy_(torch.randn(T, H, device=DEVICE, generator=g).bfloat16())
+        graph.replay()
+        w, ids = moe.route(logits, k, True)
+        ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+        assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
