@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    default_max_running_requests,
+)
 from pdserve.engine.spec.drafter import Drafter, NgramDrafter
 
 if TYPE_CHECKING:
@@ -61,7 +66,10 @@ def make_drafter(
     draft_cfg = EngineConfig(
         model=replace(config.model, model=sc.speculative_model, max_model_len=max_model_len),
         cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(),
+        scheduler=SchedulerConfig(
+            max_running_requests=sc.max_running_requests
+            or default_max_running_requests(dtype_device(config).type)
+        ),
     )
     gen = torch.Generator(device=dtype_device(config))
     executor = create_executor(draft_cfg, draft, dtype, attention_backend, gen)
