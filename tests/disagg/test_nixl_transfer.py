@@ -163,6 +163,7 @@ def test_writes_made_ahead_are_released_on_chunked_sends_and_aborts(fresh):
         ("dtype", "bfloat16"),
         ("model", "other-model"),
         ("kv_order", "layer_major"),
+        ("speculative", "ngram k=4 n=1-3"),  # speculative decoding on one side only
         ("k_scales", (0.5, 0.5)),  # an FP8 pool's per-layer scales (issue 26)
         ("v_scales", (2.0,)),
     ],
