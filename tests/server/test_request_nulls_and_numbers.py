@@ -212,3 +212,37 @@ def test_the_413_is_rendered_like_every_other_error(worker):
         assert resp.content == json.dumps(resp.json(), separators=(",", ":")).encode()
         assert set(err) == {"message", "type", "param", "code"}
     assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_responses_errors_name_the_responses_fields(worker):
+    """The Responses API runs on the chat path: its errors name max_output_tokens and
+    text.format, not chat's max_tokens and response_format."""
+    r = post(worker, "/v1/responses", {"input": "hi", "max_output_tokens": 10**30})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_output_tokens", err
+    assert "max_tokens" not in err["message"], err
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}
+    r = post(worker, "/v1/responses", {"input": "hi", "text": fmt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "text.format.schema", err
+    assert "response_format" not in err["message"], err
+
+
+def test_a_null_for_a_union_field_names_the_field_not_pydantic_s_members(worker):
+    for path, body in [
+        ("/v1/responses", {"input": None}),
+        ("/v1/completions", {"prompt": None}),
+    ]:
+        r = post(worker, path, body)
+        err = r.json()["error"]
+        field = next(iter(body))
+        assert r.status_code == 400 and err["param"] == field, (body, err)
+        assert f"{field}." not in err["message"], (body, err)
+
+
+def test_a_bad_query_parameter_is_named_as_is(worker):
+    r = post(worker, "/v1/responses", {"input": "hi", "max_output_tokens": 1})
+    rid = r.json()["id"]
+    r = httpx.get(f"{worker.url}/v1/responses/{rid}/input_items?limit=1000", timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "limit", err
