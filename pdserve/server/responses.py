@@ -40,6 +40,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictFloat, ValidationError
 
 from pdserve.disagg.base import Role
 from pdserve.engine.core.request import RequestOutput
+from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import tools as tl
 from pdserve.server.body_base import Int, RequestModel
@@ -92,7 +93,7 @@ class ResponsesRequest(Bootstrap):
     store: StrictBool = True
     previous_response_id: str | None = None
     previous_items: list[Any] | None = None
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     background: StrictBool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None

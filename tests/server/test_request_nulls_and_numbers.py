@@ -246,3 +246,18 @@ def test_a_bad_query_parameter_is_named_as_is(worker):
     r = httpx.get(f"{worker.url}/v1/responses/{rid}/input_items?limit=1000", timeout=30)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "limit", err
+
+
+def test_a_seed_outside_int64_is_a_400_naming_seed(worker):
+    for path, body in [
+        ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**63}),
+        ("/v1/responses", {"input": "hi", "seed": -(2**63) - 1}),
+        ("/generate", {"text": PROMPT, "sampling_params": {"seed": 2**64}}),
+    ]:
+        r = post(worker, path, body)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] in ("seed", "sampling_params.seed"), (path, err)
+    ok = post(worker, "/v1/completions", {"prompt": PROMPT, "seed": 2**63 - 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
