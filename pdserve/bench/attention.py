@@ -62,7 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the pool's order (engine/kv/layout.py): a head's page contiguous, or a token's heads",
     )
     p.add_argument("--dtype", default="bfloat16", help="KV and query dtype")
-    p.add_argument("--device", default="cuda", help="cuda (cpu only under TRITON_INTERPRET=1: a check, not a timing)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (cpu only under TRITON_INTERPRET=1: a check, not a timing)",
+    )
     p.add_argument("--iters", type=int, default=20, help="calls a timing covers")
     p.add_argument(
         "--json", default=None, metavar="FILE", help="write the rows here; unset: not written"
