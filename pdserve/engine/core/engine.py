@@ -30,7 +30,7 @@ from pdserve.engine.core.request import (
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager, PageIds
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, generator_seed
 from pdserve.engine.spec.drafter import Drafter
 from pdserve.engine.spec.factory import make_drafter
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
@@ -231,7 +231,7 @@ class EngineCore:
         generator = None
         if not params.greedy and params.seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed % 2**64)  # any integer seed; torch takes 64 bits
+            generator.manual_seed(generator_seed(params.seed))  # all 64 bits mixed
         detok = IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids,
