@@ -110,6 +110,13 @@ HELP: dict[str, tuple[str, str]] = {
         "prefill: premade NIXL WRITE handles posted (cumulative count)",
         COUNTER,
     ),
+    "notifs_sent": ("prefill: XferDone notifications handed to NIXL (cumulative count)", COUNTER),
+    "notifs_received": ("decode: NIXL notifications read (cumulative count)", COUNTER),
+    "notifs_unmatched": (
+        "decode: notifications that matched no live room of their prefill (cumulative count)",
+        COUNTER,
+    ),
+    "notifs_read_age_s": ("decode: since the notification thread last read NIXL (seconds)", GAUGE),
     "prefill_peers": ("decode: prefill workers known to this manager", GAUGE),
     "suspect_prefill_peers": ("decode: prefill workers suspected gone", GAUGE),
     "quarantined_rooms": ("decode: rooms whose KV pages are quarantined", GAUGE),
