@@ -98,6 +98,12 @@ def _rank_entry(
         results.put((rank, "ok", pickle.dumps(out)))
     except Exception:  # noqa: BLE001 (any failure goes back to the test as a traceback)
         results.put((rank, "error", traceback.format_exc()))
+    # Flush the result, then leave without interpreter teardown: gloo's C++ threads can
+    # still be joinable when static destructors run, which aborts the process
+    # ("terminate called without an active exception", exit -6) after a correct run.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 240.0) -> list[Any]:
