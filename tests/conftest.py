@@ -118,3 +118,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     units in the order the workers collected them); stable, so a file keeps its order."""
     if hasattr(config, "workerinput"):
         items[:] = sorted(items, key=lambda item: _start_rank(item.nodeid))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test's report ends with the log tails of the pdserve processes this test
+    process still runs (tests/pdserve_procs.py): a hang or error inside a worker shows in
+    CI's output, not only the client's timeout."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and report.when in ("setup", "call"):
+        from pdserve_procs import live_log_tails
+
+        tails = live_log_tails()
+        if tails:
+            report.sections.append(("pdserve process logs", tails))

@@ -71,6 +71,19 @@ class Proc:
         return self.info
 
 
+LIVE: list[Proc] = []  # spawned by this test process and not stopped yet (failure reports)
+
+
+def live_log_tails(lines: int = 15) -> str:
+    """The last ``lines`` log lines of every process this test process spawned and has not
+    stopped, with how each stands: what a failed test's report shows (tests/conftest.py)."""
+    parts = []
+    for p in LIVE:
+        state = p.exit_status() or "running"
+        parts.append(f"--- {p.name} ({p.url}, pid {p.pid}, {state}) {p.log_path}\n{p.log_tail(lines)}")
+    return "\n".join(parts)
+
+
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     try:
@@ -104,7 +117,9 @@ def spawn(
             env=_env(env),
             start_new_session=True,
         )
-    return Proc(name, f"http://127.0.0.1:{port}", popen, log_path)
+    proc = Proc(name, f"http://127.0.0.1:{port}", popen, log_path)
+    LIVE.append(proc)
+    return proc
 
 
 def start_worker(
@@ -169,6 +184,7 @@ def assert_all_healthy(procs: Iterable[Proc]) -> None:
 def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
     """SIGTERM each process group, SIGKILL after ``grace`` seconds; reap all."""
     procs = [p for p in procs if p is not None and p.popen is not None]
+    LIVE[:] = [p for p in LIVE if all(p is not q for q in procs)]
     for p in procs:
         if p.popen.poll() is None:
             try:
