@@ -80,7 +80,9 @@ def live_log_tails(lines: int = 15) -> str:
     parts = []
     for p in LIVE:
         state = p.exit_status() or "running"
-        parts.append(f"--- {p.name} ({p.url}, pid {p.pid}, {state}) {p.log_path}\n{p.log_tail(lines)}")
+        parts.append(
+            f"--- {p.name} ({p.url}, pid {p.pid}, {state}) {p.log_path}\n{p.log_tail(lines)}"
+        )
     return "\n".join(parts)
 
 

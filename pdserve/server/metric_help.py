@@ -111,6 +111,10 @@ HELP: dict[str, tuple[str, str]] = {
         COUNTER,
     ),
     "notifs_sent": ("prefill: XferDone notifications handed to NIXL (cumulative count)", COUNTER),
+    "early_dests": (
+        "prefill: decode destinations waiting for their room to be created (one per decode rank)",
+        GAUGE,
+    ),
     "notifs_received": ("decode: NIXL notifications read (cumulative count)", COUNTER),
     "notifs_unmatched": (
         "decode: notifications that matched no live room of their prefill (cumulative count)",

@@ -242,3 +242,35 @@ def test_a_deregistered_prefill_rank_fails_decode_rooms_through_the_heartbeat(ni
     finally:
         for m in [*dm, *pm]:
             m.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_every_decode_ranks_destination_before_the_room_is_created_is_kept(nixl_ok):
+    """The router sends to both workers at once, so under load every rank of a TP-2 decode
+    can send its destination before prefill's engine creates the room: prefill keeps each
+    rank's (not the last one only) and the transfer completes on both ranks."""
+    heads, room, src, dst = 4, 301, [0, 1, 2], [7, 8, 9]
+    full = torch.randn(P, L, 2, heads, PS, D, generator=torch.Generator().manual_seed(3))
+    pre, dec, pm, dm, port = _managers(1, 2, full)
+    try:
+        recv = [m.create_receiver("127.0.0.1", port, room) for m in dm]
+        _until(lambda: all(h.poll() >= KVPoll.WaitingForInput for h in recv), "bootstrap")
+        for h in recv:
+            h.init(dst, 0)
+        _until(
+            lambda: pm[0].stats()["early_dests"] == 2, "both ranks early destinations", timeout=15
+        )
+        send = pm[0].create_sender(room)
+        assert pm[0].stats()["early_dests"] == 0
+        _until(lambda: send.poll() >= KVPoll.WaitingForInput, "destinations attached")
+        send.init(len(src), 0)
+        send.send(src, last=True, aux=AuxRecord(room, 5, -0.5, (3,), (-0.5,)))
+        _until(lambda: all(h.poll() in TERMINAL for h in [send, *recv]), "terminal state")
+        assert [h.poll() for h in [send, *recv]] == [KVPoll.Success] * 3
+        for s, pool in enumerate(dec):
+            start, end = kv_head_range(heads, TPRank(s, 2))
+            assert torch.equal(pool.page_major_pages(dst), full[src][:, :, :, start:end])
+        _close({room: ({0: send}, recv)})
+    finally:
+        for m in [*dm, *pm]:
+            m.shutdown()

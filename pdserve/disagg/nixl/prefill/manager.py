@@ -4,7 +4,7 @@ and a pool of transfer workers that WRITE rooms' pages into decode's memory.
 Threads: ``control`` (every ZMQ socket; decode's Hello/RoomDest/RoomAbort in, RoomStatus
 out), ``transfer-i`` (:mod:`.sender`), and the bootstrap HTTP server (:mod:`.bootstrap`).
 A destination may arrive before the engine created the room (the router sends to both
-workers at once): it waits in ``_pending`` (bounded by the bootstrap timeout); an abort
+workers at once): it waits in ``_pending``, every decode rank's (bounded by the bootstrap timeout); an abort
 for a room not created yet waits in ``_early_aborts``. Two NIXL agents: the engine's
 (memory registered, every WRITE) and a notifier
 (:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`, ``XferDone`` only);
@@ -117,7 +117,9 @@ class NixlPrefillManager(KVManager):
         self._metrics = TransferMetrics()
         self._rooms: RoomTable[NixlSender] = RoomTable(Role.PREFILL)
         self._match = threading.Lock()  # rooms vs pending destinations / early aborts
-        self._pending: dict[int, tuple[RoomDest, bytes, float]] = {}
+        # destinations that came before their room, every decode rank's (a TP decode sends
+        # one per rank): (destination, decode identity, arrival time)
+        self._pending: dict[int, list[tuple[RoomDest, bytes, float]]] = {}
         self._early_aborts: dict[int, tuple[str, str, bytes, float]] = {}
         self._ended: dict[int, tuple[str, str, float]] = {}  # recently failed rooms: reason, kind
         self._down = False
@@ -193,7 +195,8 @@ class NixlPrefillManager(KVManager):
             reason, kind, identity, _ = early
             sender.peer_abort(reason, kind, identity)
         elif pending is not None:
-            self._attach(sender, *pending[:2])
+            for dest, identity, _ in pending:
+                self._attach(sender, dest, identity)
         return sender
 
     def create_receiver(
@@ -218,6 +221,7 @@ class NixlPrefillManager(KVManager):
             **self._peers.counts(),
             notifier_remote_agents=self.notifier.num_remotes(),
             notifs_sent=self._workers.notifs_sent,
+            early_dests=sum(len(d) for d in list(self._pending.values())),
             prepared_dlists=self.engine.num_prepared_lists(),
             premade_writes=self.engine.num_premade_writes(),
             premade_writes_made=self.engine.premade_made,
@@ -315,7 +319,9 @@ class NixlPrefillManager(KVManager):
             if sender is None:
                 ended = self._ended.get(dest.room)
                 if ended is None:
-                    self._pending[dest.room] = (dest, identity, time.monotonic())
+                    self._pending.setdefault(dest.room, []).append(
+                        (dest, identity, time.monotonic())
+                    )
                     return
         if sender is None:
             assert ended is not None  # a room with no sender and no ending was parked above
@@ -360,20 +366,21 @@ class NixlPrefillManager(KVManager):
         self._peers.forget_gone(lambda identity: self._send(identity, Ping(self.instance_id)), used)
         cutoff = time.monotonic() - self.bootstrap_timeout
         with self._match:
-            stale = [(r, v) for r, v in self._pending.items() if v[2] < cutoff]
+            stale = [(r, v) for r, v in self._pending.items() if v[0][2] < cutoff]
             for r, _ in stale:
                 del self._pending[r]
             for r in [r for r, v in self._early_aborts.items() if v[3] < cutoff]:
                 del self._early_aborts[r]
             for r in [r for r, v in self._ended.items() if v[2] < cutoff]:
                 del self._ended[r]
-        for room, (_, identity, _) in stale:
-            self._reply(
-                identity,
-                room,
-                f"prefill never received room {room} within {self.bootstrap_timeout:g} s",
-                "bootstrap_timeout",
-            )
+        for room, dests in stale:
+            for _, identity, _ in dests:
+                self._reply(
+                    identity,
+                    room,
+                    f"prefill never received room {room} within {self.bootstrap_timeout:g} s",
+                    "bootstrap_timeout",
+                )
 
 
 class DecodePeers:
