@@ -14,7 +14,7 @@ import openai
 import pytest
 from http_calls import post
 
-from pdserve_procs import assert_all_healthy
+from pdserve_procs import assert_all_healthy, start_worker, stop, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,6 +38,25 @@ NULLABLE = (
     "skip_special_tokens",
     "return_token_ids",
 )
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """The shared mixed worker with a 512-token context: a chat without ``max_tokens``
+    runs to the context limit, twice below, which 4,096 tokens made minutes long on a
+    loaded 2-core machine."""
+    proc = start_worker(
+        "mixed",
+        "mixed",
+        tmp_path_factory.mktemp("worker-logs"),
+        extra=["--num-threads", "1", "--max-model-len", "512"],
+    )
+    try:
+        wait_healthy([proc])
+        proc.get_info()
+        yield proc
+    finally:
+        stop([proc])
 
 
 def _client(worker) -> openai.OpenAI:
@@ -106,6 +125,7 @@ def test_null_max_tokens_is_the_endpoints_default(worker):
     null = post(worker, "/v1/chat/completions", {**body, "max_tokens": None}).json()
     omitted = post(worker, "/v1/chat/completions", body).json()
     assert null["usage"] == omitted["usage"] and null["choices"][0]["finish_reason"] == "length"
+    assert null["usage"]["total_tokens"] == 512
     # /generate: sampling_params null, and its fields null, are their defaults (128 tokens)
     r = post(
         worker,
