@@ -137,10 +137,6 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _unsupported(where: str, kind: Any, what: str) -> APIError:
-    return APIError(400, f"{where}: {what} type {kind!r} is not supported", where)
-
-
 def _content_text(content: Any, where: str, roles_text: tuple[str, ...] = TEXT_PARTS) -> str:
     """The text of a message's ``content``: a string, or a list of text parts
     (``input_text`` / ``output_text``) concatenated; 400 naming any other part."""
