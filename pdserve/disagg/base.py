@@ -265,7 +265,27 @@ class AuxRecord:
         return cls(room, tok, lp, tuple(ids), tuple(lps))
 
 
-class KVSender(ABC):
+class KVRoom(ABC):
+    """What both sides of one room answer: its state, why it failed, abort and close."""
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current state; never blocks."""
+
+    @abstractmethod
+    def failure_exception(self) -> Exception | None:
+        """Why the room failed (a :class:`KVTransferError`), or ``None``."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Ask for termination at any state; ``poll()`` later reports ``Failed``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once by the engine after it freed the pages; releases the room id."""
+
+
+class KVSender(KVRoom):
     """Prefill side of one room."""
 
     @abstractmethod
@@ -294,24 +314,8 @@ class KVSender(ABC):
         differs, or more pages than declared; RuntimeError: called in another state or
         after the last call."""
 
-    @abstractmethod
-    def poll(self) -> KVPoll:
-        """Current state; never blocks."""
 
-    @abstractmethod
-    def failure_exception(self) -> Exception | None:
-        """Why the room failed (a :class:`KVTransferError`), or ``None``."""
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Ask for termination at any state; ``poll()`` later reports ``Failed``."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Called once by the engine after it freed the pages; releases the room id."""
-
-
-class KVReceiver(ABC):
+class KVReceiver(KVRoom):
     """Decode side of one room."""
 
     @abstractmethod
@@ -320,12 +324,6 @@ class KVReceiver(ABC):
         leading pages of the prompt decode already holds (its prefix cache); prefill
         writes only the rest, prompt pages ``skip_pages ..`` onto ``dst_pages`` in order.
         Only valid once ``poll() >= WaitingForInput`` (bootstrap done, layout checked)."""
-
-    @abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abstractmethod
-    def failure_exception(self) -> Exception | None: ...
 
     def holds_pages(self) -> bool:
         """True while a peer that may still WRITE into the room's pages cannot be ruled
@@ -338,12 +336,6 @@ class KVReceiver(ABC):
     @abstractmethod
     def aux_record(self) -> AuxRecord:
         """The aux record after ``Success``; raises KVTransferError if its room guard differs."""
-
-    @abstractmethod
-    def abort(self) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
 
 
 class KVManager(ABC):
