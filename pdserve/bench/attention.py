@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from pdserve.cli import int_list
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``bench attention``."""
@@ -72,16 +74,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--json", default=None, metavar="FILE", help="write the rows here; unset: not written"
     )
     p.set_defaults(func=run_attention)
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{name} must be comma-separated integers >= 1, got {text!r}")
-    return values
 
 
 def parse_config(text: str):
@@ -260,8 +252,8 @@ def run_attention(args: argparse.Namespace) -> int:
     from pdserve.engine.kv.layout import default_page_size
 
     try:
-        batches = _ints(args.batch, "batch")
-        contexts = _ints(args.context, "context")
+        batches = int_list(args.batch, 1, name="batch")
+        contexts = int_list(args.context, 1, name="context")
         layouts = [x for x in args.layout.split(",") if x]
         for layout in layouts:
             context_lengths(1, 1, layout)

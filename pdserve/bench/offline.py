@@ -39,6 +39,7 @@ from pdserve.bench.roofline import (
     step_bytes,
     step_flops,
 )
+from pdserve.cli import int_list
 from pdserve.server.engine_args import add_engine_flags
 
 
@@ -154,15 +155,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def _parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(not 1 <= c <= MAX_PROMPTS for c in counts):
-        raise ValueError(
-            f"num-prompts must be comma-separated integers in 1..{MAX_PROMPTS}, got {text!r}"
-        )
-    return counts
+    return int_list(text, 1, MAX_PROMPTS, name="num-prompts")
 
 
 def _parse_nxl(
