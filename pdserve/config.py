@@ -48,7 +48,7 @@ class ModelConfig:
     device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
     gpu_id: CUDA device index for this worker when ``device`` does not name one.
     max_model_len: context limit in tokens; ``None`` means the model's own.
-    seed: seed of random weights (``random:`` models).
+    seed: seed of random weights (``random:`` models) and of sampling without a seed of its own.
     attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
         backend name (:data:`ATTENTION_BACKENDS`).
     enforce_eager: never capture CUDA graphs (every step runs eagerly).
