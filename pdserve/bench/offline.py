@@ -39,8 +39,30 @@ from pdserve.bench.roofline import (
     step_bytes,
     step_flops,
 )
-from pdserve.cli import int_list
-from pdserve.server.engine_args import add_engine_flags
+from pdserve.cli import flag_values, int_list
+from pdserve.server.engine_args import ENGINE_FLAGS, add_engine_flags
+
+# The engine flags of bench offline: those its LLM is built with, then those of
+# --speculative (bench/speculative.py).
+_LLM_FLAGS = (
+    "--model",
+    "--dtype",
+    "--device",
+    "--page-size",
+    "--kv-order",
+    "--attention-backend",
+    "--enforce-eager",
+    "--overlap-schedule",
+    "--tensor-parallel-size",
+    "--quantization",
+    "--kv-cache-dtype",
+)
+_SPEC_FLAGS = (
+    "--num-speculative-tokens",
+    "--speculative-model",
+    "--speculative-ngram-min",
+    "--speculative-ngram-max",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -119,23 +141,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_flags(
         p,
-        (
-            "--model",
-            "--dtype",
-            "--device",
-            "--page-size",
-            "--kv-order",
-            "--attention-backend",
-            "--enforce-eager",
-            "--overlap-schedule",
-            "--tensor-parallel-size",
-            "--num-speculative-tokens",
-            "--speculative-model",
-            "--speculative-ngram-min",
-            "--speculative-ngram-max",
-            "--quantization",
-            "--kv-cache-dtype",
-        ),
+        (*_LLM_FLAGS, *_SPEC_FLAGS),
         notes={
             "--model": "the transformers side loads the same weights",
             "--tensor-parallel-size": "the transformers side runs whole, in this process; "
@@ -304,21 +310,8 @@ def run_offline(args: argparse.Namespace) -> int:
         kwargs: dict[str, Any] = {}
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_running_requests=max(batches),
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            overlap_schedule=args.overlap_schedule,
-            kv_order=args.kv_order,
-            page_size=args.page_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            **kwargs,
-        )
+        fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
+        llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
