@@ -341,7 +341,7 @@ def run_offline(args: argparse.Namespace) -> int:
         if args.speculative:
             from pdserve.bench.speculative import run_speculative
 
-            return run_speculative(args, llm, counts, _prompts)
+            return run_speculative(args, llm, counts, _prompts, _time_ours)
         return _run(args, llm, rows, prompt_sets, prefill)
     finally:
         llm.shutdown()
