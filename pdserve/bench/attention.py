@@ -21,7 +21,6 @@ checked against the ``torch_sdpa`` backend's (max abs difference in the JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -29,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.cli import int_list
 
 
@@ -70,9 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="cuda (cpu only under TRITON_INTERPRET=1: a check, not a timing)",
     )
     p.add_argument("--iters", type=int, default=20, help="calls a timing covers")
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write the rows here; unset: not written"
-    )
+    add_json_flag(p, "the rows")
     p.set_defaults(func=run_attention)
 
 
@@ -344,6 +342,5 @@ def run_attention(args: argparse.Namespace) -> int:
             "fraction": "(bytes / time per call) / copy bandwidth (read+write)",
             "rows": rows,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0 if all("error" not in r for r in rows) else 1

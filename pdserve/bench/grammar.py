@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.embedded import EMBEDDED_MODEL_ID
 
 # A library's part of one mask step: (new matchers, one per row; the bitmask
@@ -70,9 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per batch")
     p.add_argument("--repeats", type=int, default=5, help="replays of the answer per library")
-    p.add_argument(
-        "--json", default=None, help="also write the results to this JSON file; unset: not written"
-    )
+    add_json_flag(p)
     p.set_defaults(func=run_grammar)
 
 
@@ -238,16 +237,12 @@ def run_grammar(args: argparse.Namespace) -> int:
         )
         print(f"batch {batch:>3}: decode step {step_s * 1e3:.2f} ms  mask/token: {cells}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "grammar",
-                    "model": args.model,
-                    "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg(),
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+        report = {
+            "benchmark": "grammar",
+            "model": args.model,
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+            "results": results,
+        }
+        write_json(args.json, report, indent=1)
     return 0

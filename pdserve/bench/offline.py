@@ -24,13 +24,13 @@ output token each, prompt tokens/s of each side.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.bench.hf_reference import hf_model
 from pdserve.bench.roofline import (
     copy_bandwidth,
@@ -116,12 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="NxL",
         help="also time prefill of N random prompts of L tokens (e.g. 8x2048); unset: no prefill timing",
     )
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="write the results and workload here; unset: not written",
-    )
+    add_json_flag(p, "the results and workload")
     p.add_argument(
         "--speculative",
         default=None,
@@ -514,6 +509,5 @@ def _run(
             "results": results,
             "prefill": prefill_row,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0

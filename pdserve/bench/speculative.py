@@ -24,12 +24,13 @@ all of them, the parity speculative decoding promises).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from pdserve.bench.cli import write_json
 
 # Copy-heavy workload: passages written for this benchmark, and the edit asked for.
 PASSAGES = (
@@ -241,6 +242,5 @@ def run_speculative(
             "verify_step": "eager (no CUDA graph of the verify step yet)",
             "results": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0
