@@ -8,14 +8,12 @@ ratio (BENCHMARKS.md: a ratio measured in one run is what means something here),
 many outputs (and first tokens) are identical — all of them in fp32; in bf16 near-ties of
 random weights make whole sequences diverge.
 
-How close to the memory roofline: a decode step must read every weight once (the input
-embedding table only for its rows unless it is tied to the LM head) and the KV of every
-context token. Per concurrency we report ms per output step (wall time / ``max_tokens``,
-the prefill included) of each side; the decode rate alone, from a second timed run of one
-output token per prompt (decode ms/step = (full run - that run) / (``max_tokens`` - 1),
-decode tok/s = prompts / decode s/step); and ``roofline`` = (bytes a decode step must read /
-copy bandwidth) / our decode ms per step, where the copy bandwidth is the read+write traffic
-of a large device-to-device copy measured in the same run (GPU.md: ~4.3 TB/s on an H200).
+How close to the roofline (what a decode step must read and compute: bench/roofline.py):
+per concurrency we report ms per output step (wall time / ``max_tokens``, the prefill
+included) of each side; the decode rate alone, from a second timed run of one output token
+per prompt (decode ms/step = (full run - that run) / (``max_tokens`` - 1), decode tok/s =
+prompts / decode s/step); and ``roofline`` = the roofline's ms per step / our decode ms per
+step.
 Each of our timed runs starts from an empty prefix cache, so it computes its prompts as
 transformers does. ``--prefill NxL`` adds a prefill row: N random prompts of L tokens, one
 output token each, prompt tokens/s of each side.
@@ -178,10 +176,6 @@ def _parse_nxl(
     return n, length
 
 
-def _parse_prefill(text: str | None) -> tuple[int, int] | None:
-    return _parse_nxl(text)
-
-
 def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -293,7 +287,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     try:
         counts = _parse_counts(args.num_prompts)
-        prefill = _parse_prefill(args.prefill)
+        prefill = _parse_nxl(args.prefill)
         long_ctx = _parse_nxl(args.long_context, "long-context", "32x4096")
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
