@@ -53,6 +53,27 @@ def port_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
 
 
+class IntListError(ValueError, argparse.ArgumentTypeError):
+    """A bad list of integers: a ValueError to its callers, and a flag's usage error
+    (``argument --flag: ...``, exit 2) as an argparse ``type``."""
+
+
+def int_list(text: str, low: int = 0, high: int | None = None, *, name: str = "") -> list[int]:
+    """``"1,64"`` -> ``[1, 64]``: at least one integer, each in ``[low, high]`` (``high``
+    None: no upper bound). Else IntListError ``"<name> must be comma-separated integers
+    >= low (or in low..high), got '...'"`` (``"expected ..."`` without a ``name``: an
+    argparse ``type``, whose error names the flag)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < low or (high is not None and v > high) for v in values):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        what = f"{name} must be" if name else "expected"
+        raise IntListError(f"{what} comma-separated integers {bound}, got {text!r}")
+    return values
+
+
 class Flag(NamedTuple):
     """One flag of a command, declared once in its command's table (``ENGINE_FLAGS``,
     ``SERVE_FLAGS``, ``ROUTER_FLAGS``, ``UP_FLAGS``): :func:`add_flags` defines it,

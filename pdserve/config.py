@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pdserve import envs
+from pdserve.bounds import check_min
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
@@ -47,7 +48,7 @@ class ModelConfig:
     device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
     gpu_id: CUDA device index for this worker when ``device`` does not name one.
     max_model_len: context limit in tokens; ``None`` means the model's own.
-    seed: seed of random weights (``random:`` models).
+    seed: seed of random weights (``random:`` models) and of sampling without a seed of its own.
     attention_backend: ``auto`` (``triton`` on CUDA, ``torch_sdpa`` on CPU) or a registered
         backend name (:data:`ATTENTION_BACKENDS`).
     enforce_eager: never capture CUDA graphs (every step runs eagerly).
@@ -96,16 +97,13 @@ class ModelConfig:
             )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.gpu_id < 0:
-            raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_min(self, 0, "gpu_id")
+        check_min(self, 1, "max_model_len")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
-        if not self.tp_timeout > 0:
-            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout}")
+        check_min(self, 0, "tp_timeout", above=True, unit=" seconds")
         if self.gpu_ids is not None:
             ids = self.gpu_ids
             if not isinstance(ids, tuple):
@@ -158,16 +156,13 @@ class CacheConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if self.page_size is not None and self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        check_min(self, 1, "page_size")
+        check_min(self, 0, "kv_cache_memory", above=True, unit=" GiB")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        check_min(self, 1, "num_pages")
         if self.kv_order is not None:
             check_order(self.kv_order)
 
@@ -205,12 +200,7 @@ class SchedulerConfig:
     speculative_ngram_max: int = 3
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        check_min(self, 1, "max_num_batched_tokens", "max_running_requests")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 "speculative_algorithm must be ngram or draft (unset: off), "
@@ -218,14 +208,7 @@ class SchedulerConfig:
             )
         if self.speculative_algorithm == "draft" and not self.speculative_model:
             raise ValueError("speculative_model must be set when speculative_algorithm is draft")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
-            )
-        if self.speculative_ngram_min < 1:
-            raise ValueError(
-                f"speculative_ngram_min must be >= 1, got {self.speculative_ngram_min}"
-            )
+        check_min(self, 1, "num_speculative_tokens", "speculative_ngram_min")
         if self.speculative_ngram_max < self.speculative_ngram_min:
             raise ValueError(
                 f"speculative_ngram_max ({self.speculative_ngram_max}) must be >= "
@@ -388,17 +371,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
-        if self.responses_store_size < 0:
-            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        check_min(self, 0, "responses_store_size")
         if not self.host:
             raise ValueError("host must be a non-empty string")
         check_port(self.port, "port", allow_zero=True)
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty when given")
-        if self.health_generate_timeout <= 0:
-            raise ValueError(
-                f"health_generate_timeout must be > 0 s, got {self.health_generate_timeout}"
-            )
+        check_min(self, 0, "health_generate_timeout", above=True, unit=" s")
         if not 0 < self.idle_poll_interval <= 1:
             raise ValueError(
                 f"idle_poll_interval must be in (0, 1] s, got {self.idle_poll_interval}"
@@ -407,10 +386,7 @@ class ServerConfig:
             raise ValueError(
                 f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}"
             )
-        if self.max_request_body_bytes <= 0:
-            raise ValueError(
-                f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}"
-            )
+        check_min(self, 0, "max_request_body_bytes", above=True)
 
 
 ROUTER_POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
@@ -468,14 +444,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.migration_wait < 0:
-            raise ValueError(f"migration_wait must be >= 0 s, got {self.migration_wait}")
-        if self.pd_min_prefill_tokens < 0:
-            raise ValueError(
-                f"pd_min_prefill_tokens must be >= 0, got {self.pd_min_prefill_tokens}"
-            )
+        check_min(self, 0, "max_migrations")
+        check_min(self, 0, "migration_wait", unit=" s")
+        check_min(self, 0, "pd_min_prefill_tokens")
         if self.mode not in ("auto", "pd", "regular"):
             raise ValueError(f"mode must be auto, pd or regular, got {self.mode!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:
@@ -506,26 +477,21 @@ class RouterConfig:
                 if not (url.startswith("http://") or url.startswith("https://")):
                     raise ValueError(f"{name}: {url!r} must start with http:// or https://")
         check_port(self.port, "port", allow_zero=True)
-        if self.max_request_body_bytes <= 0:
-            raise ValueError(
-                f"max_request_body_bytes must be > 0, got {self.max_request_body_bytes}"
-            )
+        check_min(self, 0, "max_request_body_bytes", above=True)
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}"
             )
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0 s, got {self.request_timeout}")
-        if self.health_check_interval <= 0:
-            raise ValueError(
-                f"health_check_interval must be > 0 s, got {self.health_check_interval}"
-            )
-        if self.health_check_timeout <= 0:
-            raise ValueError(f"health_check_timeout must be > 0 s, got {self.health_check_timeout}")
-        if self.health_failure_threshold < 1:
-            raise ValueError(
-                f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}"
-            )
+        check_min(
+            self,
+            0,
+            "request_timeout",
+            "health_check_interval",
+            "health_check_timeout",
+            above=True,
+            unit=" s",
+        )
+        check_min(self, 1, "health_failure_threshold")
 
     @property
     def pd_mode(self) -> bool:

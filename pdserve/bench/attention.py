@@ -21,13 +21,15 @@ checked against the ``torch_sdpa`` backend's (max abs difference in the JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from typing import Any
+
+from pdserve.bench.cli import add_json_flag, write_json
+from pdserve.cli import int_list
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -68,20 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="cuda (cpu only under TRITON_INTERPRET=1: a check, not a timing)",
     )
     p.add_argument("--iters", type=int, default=20, help="calls a timing covers")
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write the rows here; unset: not written"
-    )
+    add_json_flag(p, "the rows")
     p.set_defaults(func=run_attention)
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{name} must be comma-separated integers >= 1, got {text!r}")
-    return values
 
 
 def parse_config(text: str):
@@ -260,8 +250,8 @@ def run_attention(args: argparse.Namespace) -> int:
     from pdserve.engine.kv.layout import default_page_size
 
     try:
-        batches = _ints(args.batch, "batch")
-        contexts = _ints(args.context, "context")
+        batches = int_list(args.batch, 1, name="batch")
+        contexts = int_list(args.context, 1, name="context")
         layouts = [x for x in args.layout.split(",") if x]
         for layout in layouts:
             context_lengths(1, 1, layout)
@@ -352,6 +342,5 @@ def run_attention(args: argparse.Namespace) -> int:
             "fraction": "(bytes / time per call) / copy bandwidth (read+write)",
             "rows": rows,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0 if all("error" not in r for r in rows) else 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+from typing import Any
 
 # Imported lazily so `pdserve --help` stays fast; a room not built yet is skipped.
 _SUBCOMMANDS: tuple[str, ...] = (
@@ -22,6 +24,19 @@ _SUBCOMMANDS: tuple[str, ...] = (
     "pdserve.bench.router",
     "pdserve.bench.quality",
 )
+
+
+def add_json_flag(p: argparse.ArgumentParser, what: str = "the results") -> None:
+    """``--json FILE`` of a benchmark: ``what`` is written there (unset: not written)."""
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help=f"write {what} here; unset: not written"
+    )
+
+
+def write_json(path: str, doc: Any, indent: int = 2) -> None:
+    """Write a benchmark's JSON report ``doc`` to ``path``."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=indent)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -19,8 +19,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.embedded import EMBEDDED_MODEL_ID
+
+# A library's part of one mask step: (new matchers, one per row; the bitmask
+# ``[B, ceil(V/32)]`` int32 it fills; fill(matchers, bitmask); accept(matchers, token), which
+# raises RuntimeError when the library rejects the token).
+_Library = tuple[Callable[[], list], Any, Callable[[list, Any], None], Callable[[list, int], None]]
 
 # A typical response_format schema: strings, an integer, an enum, an array, a nested object.
 BENCH_SCHEMA = {
@@ -64,9 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per batch")
     p.add_argument("--repeats", type=int, default=5, help="replays of the answer per library")
-    p.add_argument(
-        "--json", default=None, help="also write the results to this JSON file; unset: not written"
-    )
+    add_json_flag(p)
     p.set_defaults(func=run_grammar)
 
 
@@ -93,77 +98,55 @@ def _decode_step_seconds(llm, batch: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def _xgrammar_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callable]:
-    import torch
+def _xgrammar(tokenizer, vocab: int, batch: int) -> _Library:
     import xgrammar as xgr
-
-    from pdserve.engine.structured.bitmask import apply_bitmask_inplace
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(BENCH_SCHEMA))
-    bitmask = xgr.allocate_token_bitmask(batch, vocab)
     batcher = xgr.BatchGrammarMatcher()
-    state: dict = {}
 
-    def reset() -> None:
-        state["m"] = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
-
-    def step(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
-        ms = state["m"]
-        t0 = time.perf_counter()
+    def fill(ms: list, bitmask: Any) -> None:
         if batch == 1:
             ms[0].fill_next_token_bitmask(bitmask, 0)
         else:
             batcher.batch_fill_next_token_bitmask(ms, bitmask)
-        t1 = time.perf_counter()
-        apply_bitmask_inplace(logits, bitmask)
-        t2 = time.perf_counter()
+
+    def accept(ms: list, token: int) -> None:
         for m in ms:
             if not m.accept_token(token):
                 raise RuntimeError(f"xgrammar rejected token {token}")
-        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    return reset, step
+    matchers = lambda: [xgr.GrammarMatcher(compiled) for _ in range(batch)]  # noqa: E731
+    return matchers, xgr.allocate_token_bitmask(batch, vocab), fill, accept
 
 
-def _llguidance_step(tokenizer, vocab: int, batch: int) -> tuple[Callable, Callable]:
+def _llguidance(tokenizer, vocab: int, batch: int) -> _Library:
     import llguidance
     import llguidance.hf
     import llguidance.torch as lltorch
-    import torch
-
-    from pdserve.engine.structured.bitmask import apply_bitmask_inplace
 
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA))
-    bitmask = lltorch.allocate_token_bitmask(batch, vocab)
     executor = llguidance.LLExecutor()
-    state: dict = {}
 
-    def reset() -> None:
-        state["m"] = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
-
-    def step(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
-        ms = state["m"]
-        t0 = time.perf_counter()
+    def fill(ms: list, bitmask: Any) -> None:
         if batch == 1:
             lltorch.fill_next_token_bitmask(ms[0], bitmask, 0)
         else:
             lltorch.fill_next_token_bitmask_par(
                 executor, [(m, i) for i, m in enumerate(ms)], bitmask
             )
-        t1 = time.perf_counter()
-        apply_bitmask_inplace(logits, bitmask)
-        t2 = time.perf_counter()
+
+    def accept(ms: list, token: int) -> None:
         for m in ms:
             if not m.consume_token(token):
                 raise RuntimeError(f"llguidance rejected token {token}: {m.get_error()}")
-        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    return reset, step
+    matchers = lambda: [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]  # noqa: E731
+    return matchers, lltorch.allocate_token_bitmask(batch, vocab), fill, accept
 
 
-_LIBRARIES = {"xgrammar": _xgrammar_step, "llguidance": _llguidance_step}
+_LIBRARIES = {"xgrammar": _xgrammar, "llguidance": _llguidance}
 
 
 def _mask_seconds(
@@ -174,18 +157,31 @@ def _mask_seconds(
     advancing the matchers): the median replay of ``repeats`` (by total)."""
     import torch
 
-    reset, step = make(tokenizer, vocab, batch)
+    from pdserve.engine.structured.bitmask import apply_bitmask_inplace
+
+    matchers, bitmask, fill, accept = make(tokenizer, vocab, batch)
     logits = torch.randn(batch, vocab)
     replays = []
     for _ in range(repeats + 1):  # the first replay warms caches and is dropped
-        reset()
+        ms = matchers()
         parts = [0.0, 0.0, 0.0]
         for tok in tokens:
-            for i, dt in enumerate(step(logits, tok)):
+            t0 = time.perf_counter()
+            fill(ms, bitmask)
+            t1 = time.perf_counter()
+            apply_bitmask_inplace(logits, bitmask)
+            t2 = time.perf_counter()
+            accept(ms, tok)
+            for i, dt in enumerate((t1 - t0, t2 - t1, time.perf_counter() - t2)):
                 parts[i] += dt
-        fill, apply, accept = (x / len(tokens) for x in parts)
+        fill_s, apply_s, accept_s = (x / len(tokens) for x in parts)
         replays.append(
-            {"total": fill + apply + accept, "fill": fill, "apply": apply, "accept": accept}
+            {
+                "total": fill_s + apply_s + accept_s,
+                "fill": fill_s,
+                "apply": apply_s,
+                "accept": accept_s,
+            }
         )
     replays = sorted(replays[1:], key=lambda r: r["total"])
     return replays[len(replays) // 2]
@@ -241,16 +237,12 @@ def run_grammar(args: argparse.Namespace) -> int:
         )
         print(f"batch {batch:>3}: decode step {step_s * 1e3:.2f} ms  mask/token: {cells}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "grammar",
-                    "model": args.model,
-                    "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg(),
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+        report = {
+            "benchmark": "grammar",
+            "model": args.model,
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+            "results": results,
+        }
+        write_json(args.json, report, indent=1)
     return 0

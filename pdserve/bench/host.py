@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.config import ModelConfig, default_of
 
 PHASES = ("schedule", "update", "append", "output", "disagg", "masks", "gc", "other")
@@ -72,12 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="wall: elapsed time; cpu: this thread's CPU time (steadier on a busy machine)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per concurrency (best kept)")
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="also write the results here; unset: not written",
-    )
+    add_json_flag(p)
     p.set_defaults(func=run_host)
 
 
@@ -301,6 +296,5 @@ def run_host(args: argparse.Namespace) -> int:
     engine.shutdown()
     if args.json:
         workload = {k: v for k, v in vars(args).items() if k != "func"}
-        with open(args.json, "w") as f:
-            json.dump({"workload": workload, "timer_us": timer, "results": results}, f, indent=2)
+        write_json(args.json, {"workload": workload, "timer_us": timer, "results": results})
     return 0

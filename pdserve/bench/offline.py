@@ -8,14 +8,12 @@ ratio (BENCHMARKS.md: a ratio measured in one run is what means something here),
 many outputs (and first tokens) are identical — all of them in fp32; in bf16 near-ties of
 random weights make whole sequences diverge.
 
-How close to the memory roofline: a decode step must read every weight once (the input
-embedding table only for its rows unless it is tied to the LM head) and the KV of every
-context token. Per concurrency we report ms per output step (wall time / ``max_tokens``,
-the prefill included) of each side; the decode rate alone, from a second timed run of one
-output token per prompt (decode ms/step = (full run - that run) / (``max_tokens`` - 1),
-decode tok/s = prompts / decode s/step); and ``roofline`` = (bytes a decode step must read /
-copy bandwidth) / our decode ms per step, where the copy bandwidth is the read+write traffic
-of a large device-to-device copy measured in the same run (GPU.md: ~4.3 TB/s on an H200).
+How close to the roofline (what a decode step must read and compute: bench/roofline.py):
+per concurrency we report ms per output step (wall time / ``max_tokens``, the prefill
+included) of each side; the decode rate alone, from a second timed run of one output token
+per prompt (decode ms/step = (full run - that run) / (``max_tokens`` - 1), decode tok/s =
+prompts / decode s/step); and ``roofline`` = the roofline's ms per step / our decode ms per
+step.
 Each of our timed runs starts from an empty prefix cache, so it computes its prompts as
 transformers does. ``--prefill NxL`` adds a prefill row: N random prompts of L tokens, one
 output token each, prompt tokens/s of each side.
@@ -24,13 +22,13 @@ output token each, prompt tokens/s of each side.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.bench.hf_reference import hf_model
 from pdserve.bench.roofline import (
     copy_bandwidth,
@@ -39,7 +37,30 @@ from pdserve.bench.roofline import (
     step_bytes,
     step_flops,
 )
-from pdserve.server.engine_args import add_engine_flags
+from pdserve.cli import flag_values, int_list
+from pdserve.server.engine_args import ENGINE_FLAGS, add_engine_flags
+
+# The engine flags of bench offline: those its LLM is built with, then those of
+# --speculative (bench/speculative.py).
+_LLM_FLAGS = (
+    "--model",
+    "--dtype",
+    "--device",
+    "--page-size",
+    "--kv-order",
+    "--attention-backend",
+    "--enforce-eager",
+    "--overlap-schedule",
+    "--tensor-parallel-size",
+    "--quantization",
+    "--kv-cache-dtype",
+)
+_SPEC_FLAGS = (
+    "--num-speculative-tokens",
+    "--speculative-model",
+    "--speculative-ngram-min",
+    "--speculative-ngram-max",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,12 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="NxL",
         help="also time prefill of N random prompts of L tokens (e.g. 8x2048); unset: no prefill timing",
     )
-    p.add_argument(
-        "--json",
-        default=None,
-        metavar="FILE",
-        help="write the results and workload here; unset: not written",
-    )
+    add_json_flag(p, "the results and workload")
     p.add_argument(
         "--speculative",
         default=None,
@@ -118,23 +134,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_flags(
         p,
-        (
-            "--model",
-            "--dtype",
-            "--device",
-            "--page-size",
-            "--kv-order",
-            "--attention-backend",
-            "--enforce-eager",
-            "--overlap-schedule",
-            "--tensor-parallel-size",
-            "--num-speculative-tokens",
-            "--speculative-model",
-            "--speculative-ngram-min",
-            "--speculative-ngram-max",
-            "--quantization",
-            "--kv-cache-dtype",
-        ),
+        (*_LLM_FLAGS, *_SPEC_FLAGS),
         notes={
             "--model": "the transformers side loads the same weights",
             "--tensor-parallel-size": "the transformers side runs whole, in this process; "
@@ -154,15 +154,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def _parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(not 1 <= c <= MAX_PROMPTS for c in counts):
-        raise ValueError(
-            f"num-prompts must be comma-separated integers in 1..{MAX_PROMPTS}, got {text!r}"
-        )
-    return counts
+    return int_list(text, 1, MAX_PROMPTS, name="num-prompts")
 
 
 def _parse_nxl(
@@ -182,10 +174,6 @@ def _parse_nxl(
             f"got {text!r}"
         )
     return n, length
-
-
-def _parse_prefill(text: str | None) -> tuple[int, int] | None:
-    return _parse_nxl(text)
 
 
 def _random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -299,7 +287,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     try:
         counts = _parse_counts(args.num_prompts)
-        prefill = _parse_prefill(args.prefill)
+        prefill = _parse_nxl(args.prefill)
         long_ctx = _parse_nxl(args.long_context, "long-context", "32x4096")
         if args.max_tokens < 1 or args.repeats < 1:
             raise ValueError("max-tokens and repeats must be >= 1")
@@ -311,21 +299,8 @@ def run_offline(args: argparse.Namespace) -> int:
         kwargs: dict[str, Any] = {}
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            max_running_requests=max(batches),
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            overlap_schedule=args.overlap_schedule,
-            kv_order=args.kv_order,
-            page_size=args.page_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            **kwargs,
-        )
+        fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
+        llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -355,7 +330,7 @@ def run_offline(args: argparse.Namespace) -> int:
         if args.speculative:
             from pdserve.bench.speculative import run_speculative
 
-            return run_speculative(args, llm, counts, _prompts)
+            return run_speculative(args, llm, counts, _prompts, _time_ours)
         return _run(args, llm, rows, prompt_sets, prefill)
     finally:
         llm.shutdown()
@@ -528,6 +503,5 @@ def _run(
             "results": results,
             "prefill": prefill_row,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0

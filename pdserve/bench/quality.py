@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import statistics
 import sys
 from typing import Any
 
+from pdserve.bench.cli import write_json
 from pdserve.cli import Flag, add_flags
 
 # The prompts of the PD parity tests (tests/e2e/test_pd_parity.py and the TP e2e tests).
@@ -189,6 +189,5 @@ def run_quality(args: argparse.Namespace) -> int:
             f"perplexity {v}: {ppl:.3f} ({report['perplexity_ratio'][v]:.3f} x {report['perplexity_ratio_to']})"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0

@@ -8,6 +8,7 @@ of a shared, noisy machine, without loading each other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -112,11 +113,8 @@ async def run_block(
         if delay > 0:
             await asyncio.sleep(delay)
         body = request_body(req, target.model, spec, max_tokens)
-        if sem is None:
+        async with sem or contextlib.nullcontext():
             result = await stream_request(client, target.base_url, spec.resolved_endpoint, body)
-        else:
-            async with sem:
-                result = await stream_request(client, target.base_url, spec.resolved_endpoint, body)
         on_done(result)
         return result
 
@@ -157,11 +155,8 @@ async def _run_conversations(
             history += [body["messages"][-1], {"role": "assistant", "content": result.text}]
 
     async def capped(idx: list[int]) -> None:
-        if sem is None:
+        async with sem or contextlib.nullcontext():
             await conversation(idx)
-        else:
-            async with sem:
-                await conversation(idx)
 
     await asyncio.gather(*(capped(idx) for idx in by_conv.values()))
     return [r for r in results if r is not None], time.perf_counter() - t0

@@ -14,10 +14,11 @@ penalties add).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
+
+from pdserve.bench.cli import add_json_flag, write_json
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,9 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=200, help="output tokens of a penalised row")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per case (median kept)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument(
-        "--json", default=None, help="also write the results to this JSON file; unset: not written"
-    )
+    add_json_flag(p)
     p.set_defaults(func=run_sampler)
 
 
@@ -111,6 +110,5 @@ def run_sampler(args: argparse.Namespace) -> int:
             flush=True,
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args) | {"func": None}, "results": results}, f, indent=2)
+        write_json(args.json, {"args": vars(args) | {"func": None}, "results": results})
     return 0

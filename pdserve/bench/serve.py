@@ -151,6 +151,7 @@ INTERFERENCE_FLAGS: tuple[Flag, ...] = (
         cls=InterferenceSpec,
     ),
 )
+NO_PROGRESS = Flag("--no-progress", "hide the progress bar", default=False, action="store_true")
 OUTPUT_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--json",
@@ -162,7 +163,7 @@ OUTPUT_FLAGS: tuple[Flag, ...] = (
         "write latency CDFs (and throughput vs rate) here; unset: no plot",
         metavar="FILE.png",
     ),
-    Flag("--no-progress", "hide the progress bar", default=False, action="store_true"),
+    NO_PROGRESS,
 )
 
 

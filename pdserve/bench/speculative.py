@@ -24,13 +24,13 @@ all of them, the parity speculative decoding promises).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
+
+from pdserve.bench.cli import write_json
 
 # Copy-heavy workload: passages written for this benchmark, and the edit asked for.
 PASSAGES = (
@@ -132,25 +132,17 @@ def _draft_model(llm: Any, model: str, k: int) -> Any:
     )
 
 
-def _timed(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from pdserve.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.reset_prefix_cache()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
-
-
 def run_speculative(
     args: argparse.Namespace,
     llm: Any,
     counts: list[int],
     gsm8k_prompts: Callable[[Any, int], list[list[int]]],
+    timed: Callable[[Any, list[list[int]], int], tuple[float, list[list[int]]]],
 ) -> int:
     """The comparison (module docstring); prints a table, writes ``args.json``; 2 on a
     bad ``--speculative`` / ``--spec-workload``.  ``gsm8k_prompts(llm, n)``: the ``gsm8k``
-    workload's prompts (``bench offline``'s)."""
+    workload's prompts; ``timed(llm, prompts, max_tokens)``: seconds and output ids of one
+    greedy run from an empty prefix cache (both ``bench offline``'s)."""
     from pdserve.engine.spec.drafter import NgramDrafter, ReplayDrafter
 
     try:
@@ -185,8 +177,8 @@ def run_speculative(
     for n in counts:
         prompts = all_prompts[:n]
         engine.set_drafter(None)
-        _timed(llm, prompts, args.max_tokens)  # warm-up
-        _, plain_ids = _timed(llm, prompts, args.max_tokens)
+        timed(llm, prompts, args.max_tokens)  # warm-up
+        _, plain_ids = timed(llm, prompts, args.max_tokens)
         if mode == "ngram":
             drafter: Any = NgramDrafter(k, args.speculative_ngram_min, args.speculative_ngram_max)
         elif mode == "draft":
@@ -197,15 +189,15 @@ def run_speculative(
             if draft is not None:
                 drafter = _PaidReplay(draft, drafter)
         engine.set_drafter(drafter, k)
-        _timed(llm, prompts, args.max_tokens)  # warm-up (verify shapes)
+        timed(llm, prompts, args.max_tokens)  # warm-up (verify shapes)
         plain_runs, spec_runs, same = [], [], []
         before = engine.stats()
         for _ in range(args.repeats):
             engine.set_drafter(None)
-            dt, ids = _timed(llm, prompts, args.max_tokens)
+            dt, ids = timed(llm, prompts, args.max_tokens)
             plain_runs.append(n * args.max_tokens / dt)
             engine.set_drafter(drafter, k)
-            dt, spec_ids = _timed(llm, prompts, args.max_tokens)
+            dt, spec_ids = timed(llm, prompts, args.max_tokens)
             spec_runs.append(n * args.max_tokens / dt)
             same.append(sum(a == b for a, b in zip(spec_ids, ids)) / n)
         engine.set_drafter(None)
@@ -250,6 +242,5 @@ def run_speculative(
             "verify_step": "eager (no CUDA graph of the verify step yet)",
             "results": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0

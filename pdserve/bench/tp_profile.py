@@ -16,13 +16,13 @@ measure; read them as a breakdown, not as the speed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.config import ModelConfig, default_of
 
 _PROBES = ("step", "execute", "stage", "send", "run_staged", "all_reduce_", "all_gather")
@@ -52,9 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (default 3)")
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write the results here; unset: not written"
-    )
+    add_json_flag(p)
     p.set_defaults(func=run_tp_profile)
 
 
@@ -228,19 +226,15 @@ def run_tp_profile(args: argparse.Namespace) -> int:
     finally:
         many.shutdown()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "tp-profile",
-                    "model": args.model,
-                    "device": args.device,
-                    "tp": args.tp,
-                    "threads_per_rank": args.num_threads,
-                    "max_tokens": args.max_tokens,
-                    "prompts": "random 32-token prompts, greedy, ignore_eos",
-                    "results": rows,
-                },
-                f,
-                indent=2,
-            )
+        report = {
+            "benchmark": "tp-profile",
+            "model": args.model,
+            "device": args.device,
+            "tp": args.tp,
+            "threads_per_rank": args.num_threads,
+            "max_tokens": args.max_tokens,
+            "prompts": "random 32-token prompts, greedy, ignore_eos",
+            "results": rows,
+        }
+        write_json(args.json, report)
     return 0

@@ -18,7 +18,6 @@ Decode's pages are checked byte for byte (a hash) at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import platform
 import statistics
@@ -26,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from pdserve.bench.cli import write_json
 from pdserve.bench.transfer_decode import POLL_S, decode_main
 from pdserve.bench.transfer_pool import (
     DTYPES,
@@ -329,8 +329,7 @@ def _run(args: argparse.Namespace) -> int:
     result = run_transfer_bench(cfg)
     _print(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result, indent=1)
         print(f"wrote {args.json}")
     return 0
 

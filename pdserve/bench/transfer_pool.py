@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from pdserve.bounds import check_min
 from pdserve.disagg.base import PAGE_MAJOR, check_order
 
 # (num_layers, num_kv_heads, head_dim) of public model configs.
@@ -49,11 +50,8 @@ class TransferBenchConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        for name in ("prompt_len", "page_size", "repeats", "run_len", "pool_factor"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.gpu_id < 0:
-            raise ValueError(f"gpu_id must be >= 0, got {self.gpu_id}")
+        check_min(self, 1, "prompt_len", "page_size", "repeats", "run_len", "pool_factor")
+        check_min(self, 0, "gpu_id")
         check_order(self.kv_order)
         if self.pattern not in ("served", "runs"):
             raise ValueError(f"pattern must be served or runs, got {self.pattern!r}")

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.bench.prompts import random_prompt, sample_lengths
+from pdserve.bounds import check_min
 
 DATASETS = ("random", "gsm8k", "shared-prefix", "multi-turn")
 ENDPOINTS = ("completions", "chat")
@@ -78,21 +79,13 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if self.input_len < 1:
-            raise ValueError(f"input_len must be >= 1, got {self.input_len}")
-        if self.output_len < 1:
-            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+        check_min(self, 1, "num_requests", "input_len", "output_len")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
         if self.endpoint is not None and self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        for name in ("num_groups", "system_prompt_len", "num_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_min(self, 0, "temperature")
+        check_min(self, 1, "num_groups", "system_prompt_len", "num_turns")
         if self.dataset == "multi-turn" and self.endpoint == "completions":
             raise ValueError("endpoint must be chat for the multi-turn dataset")
 
@@ -118,10 +111,8 @@ class InterferenceSpec:
     long_request_rate: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.long_input_len < 1:
-            raise ValueError(f"long_input_len must be >= 1, got {self.long_input_len}")
-        if not self.long_request_rate > 0:
-            raise ValueError(f"long_request_rate must be > 0, got {self.long_request_rate}")
+        check_min(self, 1, "long_input_len")
+        check_min(self, 0, "long_request_rate", above=True)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready copy."""

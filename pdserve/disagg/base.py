@@ -33,7 +33,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
 from typing import Any, Generic, TypeVar
@@ -265,7 +265,27 @@ class AuxRecord:
         return cls(room, tok, lp, tuple(ids), tuple(lps))
 
 
-class KVSender(ABC):
+class KVRoom(ABC):
+    """What both sides of one room answer: its state, why it failed, abort and close."""
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current state; never blocks."""
+
+    @abstractmethod
+    def failure_exception(self) -> Exception | None:
+        """Why the room failed (a :class:`KVTransferError`), or ``None``."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Ask for termination at any state; ``poll()`` later reports ``Failed``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once by the engine after it freed the pages; releases the room id."""
+
+
+class KVSender(KVRoom):
     """Prefill side of one room."""
 
     @abstractmethod
@@ -294,24 +314,8 @@ class KVSender(ABC):
         differs, or more pages than declared; RuntimeError: called in another state or
         after the last call."""
 
-    @abstractmethod
-    def poll(self) -> KVPoll:
-        """Current state; never blocks."""
 
-    @abstractmethod
-    def failure_exception(self) -> Exception | None:
-        """Why the room failed (a :class:`KVTransferError`), or ``None``."""
-
-    @abstractmethod
-    def abort(self) -> None:
-        """Ask for termination at any state; ``poll()`` later reports ``Failed``."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Called once by the engine after it freed the pages; releases the room id."""
-
-
-class KVReceiver(ABC):
+class KVReceiver(KVRoom):
     """Decode side of one room."""
 
     @abstractmethod
@@ -320,12 +324,6 @@ class KVReceiver(ABC):
         leading pages of the prompt decode already holds (its prefix cache); prefill
         writes only the rest, prompt pages ``skip_pages ..`` onto ``dst_pages`` in order.
         Only valid once ``poll() >= WaitingForInput`` (bootstrap done, layout checked)."""
-
-    @abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abstractmethod
-    def failure_exception(self) -> Exception | None: ...
 
     def holds_pages(self) -> bool:
         """True while a peer that may still WRITE into the room's pages cannot be ruled
@@ -339,18 +337,13 @@ class KVReceiver(ABC):
     def aux_record(self) -> AuxRecord:
         """The aux record after ``Success``; raises KVTransferError if its room guard differs."""
 
-    @abstractmethod
-    def abort(self) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
 
 class KVManager(ABC):
     """One per worker: owns the transfer engine, the bootstrap (prefill) or the peer cache
     and heartbeats (decode), and every live room."""
 
     role: Role  # PREFILL or DECODE
+    _rooms: Sized  # the live rooms (a RoomTable, or a facade's own map)
 
     @abstractmethod
     def create_sender(self, bootstrap_room: int) -> KVSender:
@@ -367,9 +360,9 @@ class KVManager(ABC):
     def is_healthy(self) -> bool:
         """False once any background thread (listener, bootstrap, heartbeat, transfer) died."""
 
-    @abstractmethod
     def num_live_rooms(self) -> int:
         """Rooms created and not yet closed (the engine's check that every room ended)."""
+        return len(self._rooms)
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

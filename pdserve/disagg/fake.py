@@ -351,9 +351,6 @@ class FakeKVManager(KVManager):
         self._remember(room, receiver)
         return receiver
 
-    def num_live_rooms(self) -> int:
-        return len(self._rooms)
-
     def is_healthy(self) -> bool:
         return not self._down
 

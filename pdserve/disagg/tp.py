@@ -1,10 +1,7 @@
 """One :class:`KVManager` for the engine over the per-rank managers of a tensor-parallel
 worker (every rank has its own NIXL agent, pool and rooms).
 
-Rank side (:mod:`pdserve.disagg.tp_rank`, re-exported here): :class:`RankRooms` wraps a
-rank's own manager and its rooms by room id, in the rank's process (ranks >= 1 are
-reached through the executor's ``call_rank(r, fn, *args)``, ``fn`` one of this module's
-functions, the rank's :class:`RankRooms` in ``ctx.services["kv"]``).
+Rank side: :mod:`pdserve.disagg.tp_rank` (its docstring; re-exported here).
 
 Engine side: :class:`TPKVManager` fans ``create``/``init``/``send``/``abort``/``close`` out
 to a room's ranks (decode: every rank; prefill: the writers,

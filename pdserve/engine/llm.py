@@ -8,14 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
-from pdserve.config import (
-    EMBEDDED_MODEL_ID,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    default_of,
-)
+from pdserve.config import EMBEDDED_MODEL_ID, EngineConfig
 from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.core.request import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -28,85 +21,21 @@ class LLM:
     """An engine in this process, for batch generation.
 
     model: HF folder, ``.gguf`` file, ``random:<preset>`` or the embedded id (default).
-    dtype/device: ``auto`` = fp32 on CPU / bf16 on CUDA, cuda when available.
-    page_size, kv_cache_memory (GiB), num_pages, gpu_memory_utilization, kv_order: the KV
-    pool (``kv_order`` ``None`` = the device's default order, ``pdserve.engine.kv.layout``).
-    enable_prefix_caching: reuse the KV of cached full pages of a shared prefix.
-    max_num_batched_tokens, max_running_requests: the scheduler (``max_running_requests``
-    ``None``: 256 on CUDA, 64 on CPU).  max_model_len: context
-    limit (default the model's).  seed: random weights of ``random:`` models and the
-    sampling of requests without their own seed.  attention_backend: ``auto`` (``triton``
-    on CUDA, ``torch_sdpa`` on CPU) or a backend name; enforce_eager: no CUDA graphs.
-    overlap_schedule: launch each greedy decode step before the previous one's results are
-    processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on CPU.
-    quantization: ``"fp8"``: e4m3 linear weights quantized at load (``model/fp8.py``);
-    kv_cache_dtype: ``auto`` or ``fp8_e4m3`` (an FP8 KV cache).
-    tensor_parallel_size: ranks the model is split over (ranks ``1..N-1`` are processes
-    started with the ``spawn`` method: a script must guard its entry point with
-    ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
-    :meth:`shutdown` (or use ``with LLM(...) as llm:``) to stop the rank processes.
-    speculative_*/num_speculative_tokens: speculative decoding (``SchedulerConfig``'s fields
-    of those names; ``engine/spec/``), off by default.
+    fields: any field of ``ModelConfig``, ``CacheConfig`` or ``SchedulerConfig`` by name
+    (``pdserve/config.py`` gives their meanings and defaults; e.g. ``dtype``, ``device``,
+    ``page_size``, ``max_running_requests``, ``enforce_eager``, ``quantization``,
+    ``speculative_algorithm``), sorted out by :meth:`EngineConfig.from_fields`;
+    ``gpu_ids`` may be any sequence. With ``tensor_parallel_size`` > 1, ranks ``1..N-1``
+    are processes started with the ``spawn`` method: a script must guard its entry point
+    with ``if __name__ == "__main__":``. Call :meth:`shutdown` (or use ``with LLM(...) as
+    llm:``) to stop the rank processes.
     Unknown keyword arguments raise TypeError; bad values ValueError naming the field.
     """
 
-    def __init__(
-        self,
-        model: str = EMBEDDED_MODEL_ID,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        page_size: int = default_of(CacheConfig, "page_size"),
-        seed: int = 0,
-        max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
-        max_running_requests: int | None = default_of(SchedulerConfig, "max_running_requests"),
-        kv_cache_memory: float | None = None,
-        num_pages: int | None = None,
-        gpu_memory_utilization: float = default_of(CacheConfig, "gpu_memory_utilization"),
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
-        kv_order: str | None = None,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        overlap_schedule: bool | None = None,
-        tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
-        gpu_ids: Sequence[int] | None = None,
-        speculative_algorithm: str | None = None,
-        speculative_model: str | None = None,
-        num_speculative_tokens: int = default_of(SchedulerConfig, "num_speculative_tokens"),
-        speculative_ngram_min: int = default_of(SchedulerConfig, "speculative_ngram_min"),
-        speculative_ngram_max: int = default_of(SchedulerConfig, "speculative_ngram_max"),
-        quantization: str | None = None,
-        kv_cache_dtype: str = default_of(CacheConfig, "kv_cache_dtype"),
-    ) -> None:
-        config = EngineConfig.from_fields(
-            model=model,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            max_model_len=max_model_len,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            overlap_schedule=overlap_schedule,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
-            page_size=page_size,
-            kv_cache_memory=kv_cache_memory,
-            num_pages=num_pages,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_order=kv_order,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_running_requests=max_running_requests,
-            speculative_algorithm=speculative_algorithm,
-            speculative_model=speculative_model,
-            num_speculative_tokens=num_speculative_tokens,
-            speculative_ngram_min=speculative_ngram_min,
-            speculative_ngram_max=speculative_ngram_max,
-        )
-        self.engine = EngineCore(config)
+    def __init__(self, model: str = EMBEDDED_MODEL_ID, **fields: Any) -> None:
+        if fields.get("gpu_ids") is not None:
+            fields["gpu_ids"] = tuple(fields["gpu_ids"])
+        self.engine = EngineCore(EngineConfig.from_fields(model=model, **fields))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:

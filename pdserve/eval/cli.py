@@ -16,6 +16,35 @@ import shlex
 import sys
 from typing import Any
 
+from pdserve.bench.serve import NO_PROGRESS, TARGET_FLAGS
+from pdserve.cli import Flag, add_flags
+
+URL, COMPARE, MODEL_NAME, TIMEOUT = TARGET_FLAGS
+GSM8K_FLAGS: tuple[Flag, ...] = (
+    URL,
+    COMPARE._replace(
+        help="second target, asked the same questions; differing answers are counted; unset: "
+        "the --url target alone"
+    ),
+    MODEL_NAME,
+    Flag("--num-questions", "test questions scored (default 200)", int, default=200),
+    Flag(
+        "--num-shots",
+        "few-shot examples: the first K test rows, then excluded from scoring (default 0)",
+        int,
+        default=0,
+    ),
+    Flag("--concurrency", "requests in flight per target (default 16)", int, default=16),
+    Flag("--max-tokens", "max_tokens of each answer (default 512)", int, default=512),
+    TIMEOUT._replace(help="seconds allowed per request (default 1800)", default=1800.0),
+    Flag(
+        "--json",
+        "write every question's prompt, output, answers and the summary here; unset: not written",
+        metavar="FILE",
+    ),
+    NO_PROGRESS,
+)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval`` and its ``gsm8k`` sub-command."""
@@ -24,44 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "gsm8k", help="GSM8K test accuracy (greedy, chat completions)", description=__doc__
     )
-    p.add_argument(
-        "--url", required=True, help="server under test (http://host:port, /v1 optional)"
-    )
-    p.add_argument(
-        "--compare",
-        metavar="URL",
-        help="second target, asked the same questions; differing answers are counted; unset: "
-        "the --url target alone",
-    )
-    p.add_argument(
-        "--model-name",
-        help="model field of the requests (default: first id of each target's /v1/models)",
-    )
-    p.add_argument(
-        "--num-questions", type=int, default=200, help="test questions scored (default 200)"
-    )
-    p.add_argument(
-        "--num-shots",
-        type=int,
-        default=0,
-        help="few-shot examples: the first K test rows, then excluded from scoring (default 0)",
-    )
-    p.add_argument(
-        "--concurrency", type=int, default=16, help="requests in flight per target (default 16)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=512, help="max_tokens of each answer (default 512)"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds allowed per request (default 1800)"
-    )
-    p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="write every question's prompt, output, answers and the summary here; unset: "
-        "not written",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_flags(p, GSM8K_FLAGS)
     p.set_defaults(func=run_gsm8k)
     ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli import Flag, add_flags, port_number
+from pdserve.cli import Flag, add_flags, int_list, port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
@@ -33,18 +33,6 @@ from pdserve.server.launch import STRICT_FIELDS_FLAG
 
 class _Stop(Exception):
     """SIGTERM/SIGINT arrived."""
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return ids
 
 
 # ``up``'s own flags, in --help order (the router's tuning flags and the engine's follow).
@@ -68,13 +56,13 @@ UP_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--prefill-gpu-ids",
         "comma-separated CUDA device indices, one per prefill worker (cycled); unset: --gpu-id",
-        _int_list,
+        int_list,
         metavar="IDS",
     ),
     Flag(
         "--decode-gpu-ids",
         "comma-separated CUDA device indices, one per decode worker (cycled); unset: --gpu-id",
-        _int_list,
+        int_list,
         metavar="IDS",
     ),
     *(

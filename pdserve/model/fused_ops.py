@@ -105,38 +105,7 @@ def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) 
     """Rotate ``x`` ``[T, H, D]`` (any token/head strides, dim stride 1) in place by the rows
     ``positions`` ``[T]`` of ``table`` ``[max_positions, D]`` (cos half, then sin half, in
     x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``."""
-    T, H, D = x.shape
-    if T == 0:
-        return
-    assert x.stride(-1) == 1 and table.stride(-1) == 1
-    z = (0,) * 6
-    _rope_kernel[(T,)](
-        x,
-        table,
-        positions,
-        x,
-        positions,
-        x,
-        x,
-        x.stride(0),
-        x.stride(1),
-        table.stride(0),
-        0,
-        0,
-        *z,
-        H=H,
-        HALF=D // 2,
-        BLOCK_H=triton.next_power_of_2(H),
-        BLOCK_D=triton.next_power_of_2(D // 2),
-        STORE=False,
-        HQ=0,
-        HKV=1,
-        D=D,
-        PAGE_SIZE=1,
-        BLOCK_KV=1,
-        BLOCK_DV=1,
-        **pdl.launch_options(x),
-    )
+    _rope(x, table, positions, None)
 
 
 def rope_store_kv(
@@ -155,38 +124,48 @@ def rope_store_kv(
     (``page * page_size + offset``; negative: not written). Replaces the attention backend's
     KV store (one kernel a layer fewer); the cache gets the bytes that store would write
     (cast to the cache's dtype)."""
+    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache))
+
+
+def _rope(
+    qk: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """The launch of both: ``store`` is ``(v, slot_mapping, k_cache, v_cache)`` of
+    :func:`rope_store_kv`, or None (rotate only; the store's pointers are ``qk``'s, unused)."""
     T, H, D = qk.shape
-    Hkv = v.shape[1]
     if T == 0:
         return
-    assert qk.stride(-1) == 1 and v.stride(-1) == 1 and table.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    v, slots, k_cache, v_cache = store or (qk, positions, qk, qk)
+    assert all(t.stride(-1) == 1 for t in (qk, table, v, k_cache, v_cache))
+    Hkv = v.shape[1] if store else 1
     _rope_kernel[(T,)](
         qk,
         table,
         positions,
         v,
-        slot_mapping,
+        slots,
         k_cache,
         v_cache,
         qk.stride(0),
         qk.stride(1),
         table.stride(0),
-        v.stride(0),
-        v.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        *((v.stride(0), v.stride(1)) if store else (0, 0)),
+        *(k_cache.stride()[:3] if store else (0, 0, 0)),
+        *(v_cache.stride()[:3] if store else (0, 0, 0)),
         H=H,
         HALF=D // 2,
         BLOCK_H=triton.next_power_of_2(H),
         BLOCK_D=triton.next_power_of_2(D // 2),
-        STORE=True,
-        HQ=H - Hkv,
+        STORE=store is not None,
+        HQ=H - Hkv if store else 0,
         HKV=Hkv,
         D=D,
-        PAGE_SIZE=k_cache.shape[1],
+        PAGE_SIZE=k_cache.shape[1] if store else 1,
         BLOCK_KV=triton.next_power_of_2(Hkv),
-        BLOCK_DV=triton.next_power_of_2(D),
+        BLOCK_DV=triton.next_power_of_2(D) if store else 1,
         **pdl.launch_options(qk),
     )
 

@@ -135,85 +135,62 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             rope_theta=1000000.0,
         ),
     ),
-    "tiny-qwen3-moe": (
-        "Qwen3MoeConfig",
-        dict(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_theta=1000000.0,
-        ),
-    ),
-    "tiny-mixtral": (
-        "MixtralConfig",
-        dict(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=32,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=None,
-            rope_theta=1000000.0,
-        ),
-    ),
-    "qwen3-30b-a3b": (
-        "Qwen3MoeConfig",
-        dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_theta=1000000.0,
-        ),
-    ),
-    "mixtral-8x7b": (
-        "MixtralConfig",
-        dict(
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            sliding_window=None,
-            rope_theta=1000000.0,
-        ),
-    ),
 }
+
+
+def _experts(dense: str, cls_name: str, **changes: Any) -> tuple[str, dict[str, Any]]:
+    """A mixture-of-experts preset as ``cls_name``: the attention and embedding shape of the
+    dense preset ``dense`` with ``changes`` (the experts, and each field that differs)."""
+    return cls_name, {**PRESETS[dense][1], **changes}
+
+
+# The MoE presets, each from the dense preset whose attention shape it shares.
+PRESETS["tiny-qwen3-moe"] = _experts(
+    "tiny",
+    "Qwen3MoeConfig",
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+)
+PRESETS["tiny-mixtral"] = _experts(
+    "tiny",
+    "MixtralConfig",
+    intermediate_size=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    sliding_window=None,
+    rope_theta=1000000.0,
+)
+PRESETS["qwen3-30b-a3b"] = _experts(
+    "qwen3-8b",
+    "Qwen3MoeConfig",
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_key_value_heads=4,
+)
+PRESETS["mixtral-8x7b"] = _experts(
+    "llama-3.1-8b",
+    "MixtralConfig",
+    vocab_size=32000,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=32768,
+    sliding_window=None,
+    rope_theta=1000000.0,
+    rope_scaling=None,
+)
 
 
 def preset_names() -> tuple[str, ...]:
@@ -233,7 +210,7 @@ def preset_config(name: str) -> transformers.PretrainedConfig:
     rope = {
         "rope_theta": kwargs.pop("rope_theta"),
         "rope_type": "default",
-        **kwargs.pop("rope_scaling", {}),
+        **(kwargs.pop("rope_scaling", None) or {}),
     }
     cls: Callable[..., transformers.PretrainedConfig] = getattr(transformers, cls_name)
     cfg = cls(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_parameters=rope)

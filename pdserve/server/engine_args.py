@@ -7,19 +7,13 @@ import argparse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pdserve.cli import Flag, add_flags, flag_values
+from pdserve.cli import Flag, add_flags, flag_values, int_list
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def gpu_id_tuple(text: str) -> tuple[int, ...]:
     """``"0,1"`` -> ``(0, 1)`` (``--gpu-ids``); argparse error unless integers >= 0."""
-    try:
-        ids = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        ids = ()
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return ids
+    return tuple(int_list(text))
 
 
 def config_value(cls: type, name: str, parse: Any = str) -> Any:

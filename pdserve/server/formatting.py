@@ -83,15 +83,21 @@ def completion_top(entry: TokenLogprob, tt: TokenText, k: int | None = None) -> 
     return top
 
 
+def _tokens_at(tt: TokenText, ids: Sequence[int], offset: int) -> tuple[list[str], list[int]]:
+    """Each token's text and its character offset, the first at ``offset``."""
+    tokens, offsets = [], []
+    for t in ids:
+        offsets.append(offset)
+        tokens.append(tt(t))
+        offset += len(tokens[-1])
+    return tokens, offsets
+
+
 def completion_logprobs(entries: Sequence[TokenLogprob], tt: TokenText, offset: int) -> dict:
     """Legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs,
     text_offset), text offsets counted from ``offset``; each top dict holds the sampled
     token too (:func:`completion_top`)."""
-    tokens, offsets = [], []
-    for e in entries:
-        offsets.append(offset)
-        tokens.append(tt(e.token_id))
-        offset += len(tokens[-1])
+    tokens, offsets = _tokens_at(tt, [e.token_id for e in entries], offset)
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
@@ -112,11 +118,7 @@ def echo_logprobs(
     prompt logprobs, or ``None`` on a decode worker (which never ran the prompt): then
     every logprob and top is null and the router fills them in from the prefill leg's
     answer (``router/relay.py``)."""
-    tokens, offsets, offset = [], [], 0
-    for t in prompt_ids:
-        offsets.append(offset)
-        tokens.append(tt(t))
-        offset += len(tokens[-1])
+    tokens, offsets = _tokens_at(tt, prompt_ids, 0)
     rows = list(entries) if entries is not None else [None] * len(prompt_ids)
     return {
         "tokens": tokens,

@@ -46,22 +46,12 @@ def build_generate_router(ctx: WorkerContext) -> APIRouter:
         spec = structured_params(sp, prefix="sampling_params.")
         await compile_or_400(ctx.serving.engine.core, spec)
         params = make_params(
+            **sp.sampling_params(),
             structured_outputs=spec,
-            n=sp.n,
-            temperature=float(sp.temperature),
-            top_p=float(sp.top_p),
-            top_k=sp.top_k,
-            min_p=float(sp.min_p),
             max_tokens=sp.max_new_tokens,
             min_tokens=sp.min_new_tokens,
-            stop=sp.stop,
-            stop_token_ids=sp.stop_token_ids,
-            ignore_eos=sp.ignore_eos,
-            seed=sp.seed,
             logprobs=k if req.return_logprob else None,
             prompt_logprobs=k if req.return_logprob and req.logprob_start_len >= 0 else None,
-            skip_special_tokens=sp.skip_special_tokens,
-            **sp.penalty_params(),
         )
         job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
         if req.rid:

@@ -145,22 +145,12 @@ def _job(
     structured: StructuredOutputsParams | None = None,
 ) -> Job:
     params = make_params(
+        **req.sampling_params(),
         structured_outputs=structured,
-        n=req.n,
-        temperature=float(req.temperature),
-        top_p=float(req.top_p),
-        top_k=req.top_k,
-        min_p=float(req.min_p),
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        seed=req.seed,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        **req.penalty_params(),
     )
     job = Job(prompt_ids, params, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if isinstance(req, ChatCompletionRequest):  # a chat's prompt is its messages

@@ -121,24 +121,47 @@ class _Penalties(_Body):
         }
 
 
-class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, ResponseFormatField):
-    """Fields shared by both OpenAI endpoints."""
+class _Sampling(_Penalties, GuidedFields):
+    """The sampling fields the OpenAI endpoints and ``/generate`` name alike (``top_k``,
+    ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``: vLLM's and
+    SGLang's extensions); meanings in ``SamplingParams``."""
 
-    model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    # extensions (vLLM names)
     top_k: Int = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: Int = Field(0, ge=0)
+    stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """These fields and the penalties as ``SamplingParams`` keyword arguments."""
+        return {
+            "n": self.n,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": self.top_k,
+            "min_p": float(self.min_p),
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "seed": self.seed,
+            **self.penalty_params(),
+        }
+
+
+class _OpenAISampling(Bootstrap, _NoOpFields, _Sampling, ResponseFormatField):
+    """Fields shared by both OpenAI endpoints."""
+
+    model: str | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # extensions (vLLM names)
+    min_tokens: Int = Field(0, ge=0)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: StrictBool = False
     # pdserve: each finished choice's per-phase timings (server/phases.py)
@@ -326,21 +349,11 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
         return messages
 
 
-class GenerateSamplingParams(_Penalties, GuidedFields):
+class GenerateSamplingParams(_Sampling):
     """``sampling_params`` of ``/generate`` (SGLang's names)."""
 
     max_new_tokens: Int = Field(128, ge=1)
     min_new_tokens: Int = Field(0, ge=0)
-    temperature: StrictFloat = Field(1.0, ge=0.0)
-    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(0, ge=-1)
-    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    n: Int = Field(1, ge=1, le=MAX_N)
-    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class GenerateRequest(Bootstrap):

@@ -137,10 +137,6 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _unsupported(where: str, kind: Any, what: str) -> APIError:
-    return APIError(400, f"{where}: {what} type {kind!r} is not supported", where)
-
-
 def _content_text(content: Any, where: str, roles_text: tuple[str, ...] = TEXT_PARTS) -> str:
     """The text of a message's ``content``: a string, or a list of text parts
     (``input_text`` / ``output_text``) concatenated; 400 naming any other part."""
@@ -619,6 +615,10 @@ async def _stream(
         seq["n"] += 1
         return {"type": kind, "sequence_number": seq["n"] - 1, **fields}
 
+    def text_event(kind: str, item: dict, index: int, **fields: Any) -> dict:
+        """An event of the text part of message ``item``, output item ``index``."""
+        return event(kind, item_id=item["id"], output_index=index, content_index=0, **fields)
+
     def open_message() -> list[dict]:
         if open_text:
             return []
@@ -629,13 +629,7 @@ async def _stream(
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             event("response.output_item.added", output_index=open_text["index"], item=dict(item)),
-            event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=open_text["index"],
-                content_index=0,
-                part=part,
-            ),
+            text_event("response.content_part.added", item, open_text["index"], part=part),
         ]
 
     def text_delta(delta: str) -> list[dict]:
@@ -645,11 +639,10 @@ async def _stream(
             item.setdefault("_text", "")
             item["_text"] += delta
             out.append(
-                event(
+                text_event(
                     "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=open_text["index"],
-                    content_index=0,
+                    item,
+                    open_text["index"],
                     delta=delta,
                     logprobs=[],
                 )
@@ -696,24 +689,9 @@ async def _stream(
                 text = item.pop("_text", "")
                 part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
                 out.append(
-                    event(
-                        "response.output_text.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                        logprobs=[],
-                    )
+                    text_event("response.output_text.done", item, index, text=text, logprobs=[])
                 )
-                out.append(
-                    event(
-                        "response.content_part.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
-                )
+                out.append(text_event("response.content_part.done", item, index, part=part))
                 item.update(status=status, content=[part])
             else:
                 out.append(

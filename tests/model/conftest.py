@@ -91,16 +91,17 @@ def tiny_hf_builder():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model).
+    """``tiny_dir(arch)`` -> (folder with the saved model + SmolLM2 tokenizer, the HF model);
+    ``tiny_dir(name, config, seed)``: the same of another config (test_moe.py's).
 
     Only the tokenizer is needed (``embedded_tokenizer``), so the GPU machine, which has the
     saved tokenizer folder but not the embedded GGUF package, runs these tests too."""
     cache: dict[str, tuple[str, transformers.PreTrainedModel]] = {}
 
-    def get(arch: str):
+    def get(arch: str, config: transformers.PretrainedConfig | None = None, seed: int = 0):
         if arch not in cache:
             folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-            model = build_tiny_hf(arch)
+            model = build_tiny_hf(arch) if config is None else random_tiny_model(config, seed)
             model.save_pretrained(folder)
             embedded_tokenizer().save_pretrained(folder)
             cache[arch] = (str(folder), model)

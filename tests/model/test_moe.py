@@ -21,7 +21,6 @@ from pdserve.model import moe
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import (
     _random_weights,
-    embedded_tokenizer,
     load_model_source,
     model_config,
 )
@@ -86,20 +85,9 @@ MOE_CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def moe_dir(tiny_dir):
     """``moe_dir(arch)`` -> (saved HF folder with the SmolLM2 tokenizer, the HF model)."""
-    cache: dict[str, tuple[str, transformers.PreTrainedModel]] = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-            model = random_tiny_model(MOE_CONFIGS[arch](), seed=1)
-            model.save_pretrained(folder)
-            embedded_tokenizer().save_pretrained(folder)
-            cache[arch] = (str(folder), model)
-        return cache[arch]
-
-    return get
+    return lambda arch: tiny_dir(arch, MOE_CONFIGS[arch](), seed=1)
 
 
 def hf_greedy(hf, prompts, steps):

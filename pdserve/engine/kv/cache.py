@@ -36,6 +36,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
+from pdserve.bounds import check_min
+
 ROOT_KEY = bytes(16)  # the parent key of a prompt's first page
 KEY_BYTES = 16
 
@@ -48,9 +50,8 @@ class RunAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
+        check_min(self, 1, "num_pages")
         self._is_free = bytearray(b"\x01") * num_pages
         self._num_free = 0
         self._start: dict[int, int] = {}  # run start -> length
@@ -174,13 +175,10 @@ class PageIds:
     """
 
     def __init__(self, num_pages: int, page_size: int, num_aux_slots: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if num_aux_slots < 1:
-            raise ValueError(f"num_aux_slots must be >= 1, got {num_aux_slots}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_aux_slots = num_aux_slots
+        check_min(self, 1, "num_pages", "num_aux_slots")
         self._pages = RunAllocator(num_pages)
         self._free_slots = list(range(num_aux_slots))
         self._slot_is_free = [True] * num_aux_slots

@@ -57,7 +57,6 @@ class DraftModelDrafter(Drafter):
             PageIds(geo.num_pages, geo.page_size, geo.num_aux_slots), enable_prefix_caching=False
         )
         self._seqs: dict[str, _DraftSeq] = {}
-        self.num_forward_steps = 0
 
     def _seq(self, row: DraftInput) -> _DraftSeq:
         """The row's state, its KV cut back to the longest prefix that agrees with the
@@ -134,7 +133,6 @@ class DraftModelDrafter(Drafter):
         )
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[str, int]:
-        self.num_forward_steps += 1
         result = self.executor.execute(BatchPlan(tuple(seqs)))
         return {rid: t.token_id for rid, t in result.sampled.items()}
 

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from pdserve.bounds import check_min
 from pdserve.config import CacheConfig
 from pdserve.disagg.base import AUX_RECORD_BYTES, KVArgs, KVLayout
 from pdserve.engine.kv.layout import (
@@ -103,13 +104,10 @@ class KVStorage:
         speculative: str = "",
         kv_scales: tuple[tuple[float, float], ...] | None = None,
     ) -> None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if num_aux_slots < 1:
-            raise ValueError(f"num_aux_slots must be >= 1, got {num_aux_slots}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_aux_slots = num_aux_slots
+        check_min(self, 1, "num_pages", "num_aux_slots")
         self.device = torch.device(device)
         order = default_order(self.device) if kv_order is None else check_order(kv_order)
         self.kv_layout = KVCacheLayout(

@@ -186,9 +186,6 @@ class NixlDecodeManager(KVManager):
     def is_healthy(self) -> bool:
         return not self._down and self._threads.healthy()
 
-    def num_live_rooms(self) -> int:
-        return len(self._rooms)
-
     def stats(self) -> dict:
         return dict(
             self._rooms.stats(self._metrics, "nixl"),

@@ -212,9 +212,6 @@ class NixlPrefillManager(KVManager):
         decode's heartbeat knows that rank's instance gone (its rooms fail there)."""
         self._bootstrap.forget_rank(engine_rank)
 
-    def num_live_rooms(self) -> int:
-        return len(self._rooms)
-
     def stats(self) -> dict:
         return dict(
             self._rooms.stats(self._metrics, "nixl"),
