@@ -29,6 +29,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
+from pdserve.router.worker_http import WorkerClient
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
 from pdserve.tracing import RequestContext, Tracing, current_error
 
@@ -105,11 +106,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         rng=rng,
     )
     live_rooms: set[int] = set()
+    legs = WorkerClient(connect_timeout=10.0)  # the client requests' worker legs
     metrics = RouterMetrics(pool, live_rooms)
     tracer = Tracing.create(config.otlp_traces_endpoint, "router")
     dispatcher = Dispatcher(
         pool,
-        client,
+        legs,
         metrics,
         live_rooms,
         pd_mode=config.pd_mode,
@@ -128,6 +130,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             yield
         finally:
             await pool.stop()
+            await legs.aclose()
             await client.aclose()
             if tracer is not None:  # its queued spans exported
                 await anyio.to_thread.run_sync(tracer.shutdown)

@@ -14,7 +14,6 @@ import logging
 import random
 from collections.abc import Collection
 
-import httpx
 from fastapi.responses import Response
 
 from pdserve import tracing
@@ -32,6 +31,12 @@ from pdserve.router.relay import (
     merge_timing,
     relay_sse,
     start_relay,
+)
+from pdserve.router.worker_http import (
+    TRANSPORT_ERRORS,
+    WorkerClient,
+    WorkerResponse,
+    WorkerStream,
 )
 from pdserve.router.workers import (
     NoHealthyWorker,
@@ -137,7 +142,7 @@ class Dispatcher:
     def __init__(
         self,
         pool: WorkerPool,
-        client: httpx.AsyncClient,
+        client: WorkerClient,
         metrics: RouterMetrics,
         live_rooms: set[int],
         *,
@@ -198,14 +203,12 @@ class Dispatcher:
             url=worker.url,
         )
 
-    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerResponse:
         """POST to one worker; returns the 200 response, else raises LegError."""
         worker.outstanding += 1
         try:
-            resp = await self.client.post(
-                worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
-            )
-        except httpx.HTTPError as exc:
+            resp = await self.client.post(worker.url + endpoint, body, tracing.outgoing_headers())
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(worker, exc) from exc
         finally:
             worker.outstanding -= 1
@@ -213,18 +216,17 @@ class Dispatcher:
             raise self._http_error(worker, resp.status_code, resp.content)
         return resp
 
-    async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+    async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerStream:
         """Open a streaming POST; returns the open 200 response (caller closes it)."""
-        request = self.client.build_request(
-            "POST", worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
-        )
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.client.open(worker.url + endpoint, body, tracing.outgoing_headers())
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(worker, exc) from exc
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
+            except TRANSPORT_ERRORS as exc:
+                raise self._transport_error(worker, exc) from exc
             finally:
                 await resp.aclose()
             raise self._http_error(worker, resp.status_code, content)
@@ -538,6 +540,6 @@ class Dispatcher:
             for task in tasks:
                 task.cancel()
             for result in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(result, httpx.Response):
+                if isinstance(result, (WorkerResponse, WorkerStream)):
                     await result.aclose()
             raise

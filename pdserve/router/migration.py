@@ -256,7 +256,7 @@ class Leg:
     """One attempt at a streamed request: the worker's open 200 SSE response, that
     worker, the PD prefill leg (None in regular mode) and what to run when it ends."""
 
-    resp: Any  # httpx.Response
+    resp: Any  # worker_http.WorkerStream
     worker: Any  # WorkerState
     prefill: Any  # PrefillWatch | None
     on_close: Callable[[], None]

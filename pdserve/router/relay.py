@@ -27,15 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 from fastapi.responses import Response, StreamingResponse
-from httpx_sse import EventSource
 
 from pdserve.http.aio import get_within
 from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Leg, Migration
+from pdserve.router.worker_http import WorkerStream
 from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")
@@ -121,7 +120,7 @@ async def start_relay(end: StreamEnd, chunks: AsyncGenerator[bytes, None]) -> Re
 @dataclass
 class PrefillWatch:
     """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
-    ``httpx.Response`` or raises ``LegError`` (whose ``response`` is the JSON error);
+    ``WorkerResponse`` or raises ``LegError`` (whose ``response`` is the JSON error);
     ``hold_first``: the client asked for prompt logprobs, which only prefill has."""
 
     task: asyncio.Future
@@ -138,15 +137,15 @@ def _sse_from_error(exc: BaseException) -> tuple[int, bytes]:
     return 502, sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
 
 
-async def _pump(resp: httpx.Response, queue: asyncio.Queue, tag: int) -> None:
+async def _pump(resp: WorkerStream, queue: asyncio.Queue, tag: int) -> None:
     """Read SSE events until the stream ends; every item goes to ``queue`` as
     ``(tag, "event", ServerSentEvent)``, then ``(tag, "end", None)`` or
     ``(tag, "broken", exc)``."""
     try:
-        async for event in EventSource(resp).aiter_sse():
+        async for event in resp.aiter_sse():
             queue.put_nowait((tag, "event", event))
         queue.put_nowait((tag, "end", None))
-    except Exception as exc:  # noqa: BLE001 - httpx.HTTPError mostly; any failure ends the relay
+    except Exception as exc:  # noqa: BLE001 - aiohttp.ClientError mostly; any failure ends the relay
         queue.put_nowait((tag, "broken", exc))
 
 
@@ -207,7 +206,7 @@ def _start_leg(leg: Leg, queue: asyncio.Queue, tag: int) -> _LegRun:
 
 
 async def relay_sse(
-    resp: httpx.Response,
+    resp: WorkerStream,
     worker: WorkerState,
     endpoint: str,
     *,
