@@ -261,6 +261,7 @@ class Leg:
     prefill: Any  # PrefillWatch | None
     on_close: Callable[[], None]
     urls: set[str] = field(default_factory=set)  # its workers' (decode and prefill)
+    route: dict | None = None  # selective PD's decision for it (dispatch.Route.info)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientError,)
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
