@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 import pdserve
 from pdserve.config import RouterConfig
@@ -252,7 +253,9 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         async def handler(request: Request, _path: str = path) -> Response:
             return await forward(request, _path)
 
-        app.add_api_route(path, handler, methods=["POST"], name=path)
+        # a plain Starlette route: the body is parsed once by forward(), so FastAPI's
+        # per-request dependency solving would be work for nothing (no OpenAPI entry)
+        app.router.routes.append(Route(path, handler, methods=["POST"], name=path))
 
     async def ask_a_worker(method: str, path: str, content: bytes | None = None) -> Response:
         """One worker's answer, as is (the endpoints every role serves alike)."""
