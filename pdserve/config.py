@@ -418,9 +418,11 @@ class RouterConfig:
     migration_wait: seconds such a request waits for a healthy worker (pair) to move to
         when there is none (all of a role died; ``pdserve up`` restarts them) before it
         ends with its failure.
-    pd_min_prefill_tokens: selective PD: a request whose prompt is estimated below this
-        many tokens runs whole on a decode worker, skipping the prefill leg and the KV
-        transfer; 0 = always PD (``router/dispatch.py``).
+    pd_min_prefill_tokens: selective PD: a request whose uncached prompt part (its
+        estimated length less the share a decode worker holds by the router's prefix
+        index) is below this many tokens runs whole on that decode worker, skipping the
+        prefill leg and the KV transfer; 0 = always PD (``Dispatcher._pick_now`` in
+        ``router/dispatch.py``).
     """
 
     prefill_urls: tuple[str, ...] = ()

@@ -2,12 +2,16 @@
 
 Starts ``pdserve up`` (1 prefill + 1 decode, ``--model``, default the embedded model) and a
 second router over the same two workers with ``--pd-min-prefill-tokens``; sends
-``--requests`` streamed chat requests of a short prompt (about ``--short-tokens`` tokens)
-and of a long one (about ``--long-tokens``), alternating the two routers, one at a time,
-and reports each path's TTFT p50/p90 (ms), the ratio PD / selective for short prompts
-(> 1: selective is faster) and for long ones (about 1: both disaggregated), and the
-routers' ``pdserve_router_pd_decisions_total``. Greedy outputs of the two routers are
-compared too. JSON to stdout and to ``$OUT/selective_pd.json`` when ``OUT`` is set.
+``--requests`` streamed chat requests of each kind, alternating the two routers, one at a
+time: ``short`` (about ``--short-tokens`` tokens), ``long`` (about ``--long-tokens``) and
+``long_cached`` (a long prefix both workers hold from a warm-up, then a short question:
+the selective router's decode prefix index sends it to decode alone). Every timed prompt
+is new to both workers' prefix caches (a number first, another for each router), so no
+path profits from the other's pages. Reports each path's TTFT p50/p90 (ms), the ratio
+PD / selective per kind (> 1: selective is faster; about 1 for ``long``: both
+disaggregated) and the selective router's ``pdserve_router_pd_decisions_total``; greedy
+outputs of both routers are compared on two more prompts of each kind. JSON to stdout and
+to ``$OUT/selective_pd.json`` when ``OUT`` is set.
 
     python scripts/bench_selective_pd.py [--model random:tiny] [--device cpu]
 """
@@ -114,21 +118,29 @@ def main() -> int:
         sel_url = f"http://127.0.0.1:{sel_port}"
         wait_ok(sel_url, 120)
         # about 4 bytes a token (the router's estimate): "word " is 1-2 tokens
+        sea = "Tell me about the sea. " * max(1, args.long_tokens // 6)
+        cached_prefix = "Tell me about the ocean. " * max(1, args.long_tokens // 6)
+        hi = "Say hi. " * max(1, args.short_tokens // 3)
         prompts = {
-            "short": "Say hi. " * max(1, args.short_tokens // 3),
-            "long": "Tell me about the sea. " * max(1, args.long_tokens // 6),
+            "short": lambda tag: f"{tag} {hi}",
+            "long": lambda tag: f"{tag} {sea}",
+            "long_cached": lambda tag: f"{cached_prefix} Question {tag}?",
         }
+        for url in (pd_url, sel_url):  # warm-up; the cached prefix on both workers
+            for make in prompts.values():
+                ttft(url, make("warm"), args.max_tokens)
         times: dict[str, dict[str, list[float]]] = {k: {"pd": [], "selective": []} for k in prompts}
-        texts: set[tuple[str, str]] = set()  # (prompt kind, output): one per kind if equal
-        for kind, prompt in prompts.items():
-            for url in (pd_url, sel_url):  # warm-up
-                ttft(url, prompt, args.max_tokens)
+        for kind, make in prompts.items():
             for i in range(args.requests):
                 for name, url in (("pd", pd_url), ("selective", sel_url))[:: 1 if i % 2 else -1]:
-                    took, out = ttft(url, prompt, args.max_tokens)
+                    took, _ = ttft(url, make(f"{i}{name[0]}"), args.max_tokens)
                     times[kind][name].append(took)
-                    texts.add((kind, out))
-        same = len(texts) == len(prompts)
+        same = all(
+            ttft(pd_url, make(f"same{j}"), args.max_tokens)[1]
+            == ttft(sel_url, make(f"same{j}"), args.max_tokens)[1]
+            for make in prompts.values()
+            for j in range(2)
+        )
         report: dict = {"model": args.model, "threshold": args.threshold, "same_output": same}
         for kind, by in times.items():
             row = {

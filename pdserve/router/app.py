@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 import pdserve
 from pdserve.config import RouterConfig
@@ -29,6 +30,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
+from pdserve.router.worker_http import WorkerClient
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
 from pdserve.tracing import RequestContext, Tracing, current_error
 
@@ -105,11 +107,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         rng=rng,
     )
     live_rooms: set[int] = set()
+    legs = WorkerClient(connect_timeout=10.0)  # the client requests' worker legs
     metrics = RouterMetrics(pool, live_rooms)
     tracer = Tracing.create(config.otlp_traces_endpoint, "router")
     dispatcher = Dispatcher(
         pool,
-        client,
+        legs,
         metrics,
         live_rooms,
         pd_mode=config.pd_mode,
@@ -128,6 +131,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             yield
         finally:
             await pool.stop()
+            await legs.aclose()
             await client.aclose()
             if tracer is not None:  # its queued spans exported
                 await anyio.to_thread.run_sync(tracer.shutdown)
@@ -249,7 +253,9 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         async def handler(request: Request, _path: str = path) -> Response:
             return await forward(request, _path)
 
-        app.add_api_route(path, handler, methods=["POST"], name=path)
+        # a plain Starlette route: the body is parsed once by forward(), so FastAPI's
+        # per-request dependency solving would be work for nothing (no OpenAPI entry)
+        app.router.routes.append(Route(path, handler, methods=["POST"], name=path))
 
     async def ask_a_worker(method: str, path: str, content: bytes | None = None) -> Response:
         """One worker's answer, as is (the endpoints every role serves alike)."""

@@ -12,9 +12,10 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-import httpx
 from fastapi.responses import Response
 
 from pdserve import tracing
@@ -29,9 +30,16 @@ from pdserve.router.relay import (
     StreamEnd,
     merge_cached_tokens,
     merge_prompt_logprobs,
+    merge_router_timing,
     merge_timing,
     relay_sse,
     start_relay,
+)
+from pdserve.router.worker_http import (
+    TRANSPORT_ERRORS,
+    WorkerClient,
+    WorkerResponse,
+    WorkerStream,
 )
 from pdserve.router.workers import (
     NoHealthyWorker,
@@ -63,6 +71,49 @@ class LegError(Exception):
         self.url = url  # the worker's
         self.transport = transport  # no HTTP answer: the connection failed
         self.pair: set[str] = {url} if url else set()  # the URLs of the attempt's workers
+
+
+# fields of the client's body that the prefill leg of a PD request does not get
+_DECODE_ONLY_FIELDS = ("stream", "stream_options")
+
+
+@dataclass
+class Route:
+    """Where one attempt of a request goes: ``target``, one worker or a (prefill, decode)
+    pair; ``info``, selective PD's decision (``Dispatcher._pick_now``; None when selective
+    PD is off), which goes to the trace and to the answer's timing blocks."""
+
+    target: WorkerState | tuple[WorkerState, WorkerState]
+    info: dict | None = None
+
+    @property
+    def pair(self) -> tuple[WorkerState, WorkerState] | None:
+        return self.target if isinstance(self.target, tuple) else None
+
+    @property
+    def worker(self) -> WorkerState:
+        """The one worker (``pair`` is None)."""
+        assert not isinstance(self.target, tuple)
+        return self.target
+
+    def urls(self) -> set[str]:
+        """The URLs of the attempt's workers."""
+        return {w.url for w in (self.target if isinstance(self.target, tuple) else (self.target,))}
+
+
+@dataclass
+class _PairLegs:
+    """A PD request's two legs (``Dispatcher._pair_legs``): the pair, its rooms
+    (``room`` .. ``room + n - 1``), decode's body and prefill's; ``handed_off``: the rooms
+    are released by whoever took them over (a stream's relay), not by the block."""
+
+    prefill: WorkerState
+    decode: WorkerState
+    room: int
+    n: int
+    decode_body: dict
+    prefill_body: dict
+    handed_off: bool = False
 
 
 def _int(value: object, default: int) -> int | None:
@@ -137,7 +188,7 @@ class Dispatcher:
     def __init__(
         self,
         pool: WorkerPool,
-        client: httpx.AsyncClient,
+        client: WorkerClient,
         metrics: RouterMetrics,
         live_rooms: set[int],
         *,
@@ -198,14 +249,12 @@ class Dispatcher:
             url=worker.url,
         )
 
-    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerResponse:
         """POST to one worker; returns the 200 response, else raises LegError."""
         worker.outstanding += 1
         try:
-            resp = await self.client.post(
-                worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
-            )
-        except httpx.HTTPError as exc:
+            resp = await self.client.post(worker.url + endpoint, body, tracing.outgoing_headers())
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(worker, exc) from exc
         finally:
             worker.outstanding -= 1
@@ -213,18 +262,17 @@ class Dispatcher:
             raise self._http_error(worker, resp.status_code, resp.content)
         return resp
 
-    async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> httpx.Response:
+    async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerStream:
         """Open a streaming POST; returns the open 200 response (caller closes it)."""
-        request = self.client.build_request(
-            "POST", worker.url + endpoint, json=body, headers=tracing.outgoing_headers()
-        )
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.client.open(worker.url + endpoint, body, tracing.outgoing_headers())
+        except TRANSPORT_ERRORS as exc:
             raise self._transport_error(worker, exc) from exc
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
+            except TRANSPORT_ERRORS as exc:
+                raise self._transport_error(worker, exc) from exc
             finally:
                 await resp.aclose()
             raise self._http_error(worker, resp.status_code, content)
@@ -325,36 +373,103 @@ class Dispatcher:
                 avoid |= exc.pair
                 self._count("retry_whole")
 
-    def _pick_now(
-        self, endpoint: str, body: dict, avoid: Collection[str] = ()
-    ) -> WorkerState | tuple[WorkerState, WorkerState]:
-        """The worker (regular mode; a decode worker for a request PD does not pay for)
-        or the (prefill, decode) pair for a request now; workers in ``avoid`` only when
-        there is no other (``WorkerPool.healthy``)."""
+    def _pick_now(self, endpoint: str, body: dict, avoid: Collection[str] = ()) -> Route:
+        """Where the request goes now: one worker (regular mode; a decode worker for a
+        request PD does not pay for) or a (prefill, decode) pair; workers in ``avoid`` only
+        when there is no other (``WorkerPool.healthy``).
+
+        Selective PD (``pd_min_prefill_tokens`` > 0): the prompt's uncached part is its
+        length (:func:`prompt_tokens_estimate`) times the share of its leading blocks that
+        the decode workers' prefix index (``WorkerPool.decode_prefixes``: the prompts sent
+        to each decode worker) does not hold, for the decode worker holding the most; under
+        the threshold the request runs on that decode worker alone (on the policy's pick
+        when none holds any), else on a pair. The decision is counted, set on the trace
+        and returned in ``Route.info``."""
         key = routing_key(endpoint, body)
         if not self.pd_mode:
-            return self.pool.pick("mixed", key, avoid)
+            return Route(self.pool.pick("mixed", key, avoid))
+        index = self.pool.decode_prefixes
+        keys = index.keys(key)
+        info = None
         if self.pd_min_prefill_tokens:
             estimate = prompt_tokens_estimate(endpoint, body)
-            whole = estimate is not None and estimate < self.pd_min_prefill_tokens
-            self.metrics.pd_decisions.labels("decode_only" if whole else "pd").inc()
+            best, held = None, 0
+            for d in self.pool.healthy("decode", avoid):  # the one holding the most
+                n = index.matched(d.url, keys)
+                if n and (
+                    best is None or n > held or (n == held and d.outstanding < best.outstanding)
+                ):
+                    best, held = d, n
+            share = held / len(keys) if keys else 0.0
+            uncached = None if estimate is None else round(estimate * (1.0 - share))
+            whole = uncached is not None and uncached < self.pd_min_prefill_tokens
+            decision = "decode_only" if whole else "pd"
+            self.metrics.pd_decisions.labels(decision).inc()
+            info = {
+                "pd_decision": decision,
+                "prompt_tokens_estimate": estimate,
+                "decode_cached_share": round(share, 3),
+                "uncached_tokens_estimate": uncached,
+                "pd_min_prefill_tokens": self.pd_min_prefill_tokens,
+            }
             if whole:
-                return self.pool.pick("decode", key, avoid)
-        return self.pool.pick_pair(key, avoid)
+                decode = best if best is not None else self.pool.pick("decode", key, avoid)
+                index.record(decode.url, keys)
+                return Route(decode, info)
+        pair = self.pool.pick_pair(key, avoid)
+        index.record(pair[1].url, keys)
+        return Route(pair, info)
 
-    async def _whole_once(self, endpoint: str, body: dict, picked) -> Response:
+    def _route_attributes(self, route: Route) -> dict:
+        """The trace attributes of ``route`` (the ``route`` phase and the request span)."""
+        attrs: dict = {}
+        if route.info is not None:
+            attrs = {f"pdserve.{k}": v for k, v in route.info.items() if v is not None}
+        if route.pair is None:
+            return {"pdserve.worker": route.worker.url, **attrs}
+        return attrs
+
+    async def _whole_once(self, endpoint: str, body: dict, route: Route) -> Response:
         try:
-            return await self._whole_picked(endpoint, body, picked)
+            return await self._whole_picked(endpoint, body, route)
         except LegError as exc:
-            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
+            exc.pair = route.urls()
             raise
 
-    async def _whole_picked(self, endpoint: str, body: dict, picked) -> Response:
-        if not isinstance(picked, tuple):  # one worker runs the whole request
-            tracing.phase_so_far("route", {"pdserve.worker": picked.url})
-            resp = await self._post(picked, endpoint, body)
+    async def _whole_picked(self, endpoint: str, body: dict, route: Route) -> Response:
+        if route.pair is None:  # one worker runs the whole request
+            tracing.phase_so_far("route", self._route_attributes(route))
+            resp = await self._post(route.worker, endpoint, body)
+            if route.info is not None and body.get("return_timing") is True:
+                try:
+                    answer = resp.json()
+                except ValueError:
+                    return Response(resp.content, media_type="application/json")
+                merge_router_timing(endpoint, answer, route.info)
+                return Response(json.dumps(answer), media_type="application/json")
             return Response(resp.content, media_type="application/json")
-        prefill, decode = picked
+        with self._pair_legs(endpoint, body, route) as pd:
+            p_task = asyncio.ensure_future(self._post(pd.prefill, endpoint, pd.prefill_body))
+            d_task = asyncio.ensure_future(self._post(pd.decode, endpoint, pd.decode_body))
+            await self._legs((p_task, d_task))
+            answer = d_task.result().json()
+            prefill_answer = p_task.result().json()
+            merge_prompt_logprobs(endpoint, answer, prefill_answer)
+            merge_timing(endpoint, answer, prefill_answer)
+            if route.info is not None:
+                merge_router_timing(endpoint, answer, route.info)
+            return Response(
+                json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
+                media_type="application/json",
+            )
+
+    @contextmanager
+    def _pair_legs(self, endpoint: str, body: dict, route: Route) -> Iterator[_PairLegs]:
+        """The two legs' bodies of a PD request on ``route``'s pair, with its bootstrap
+        rooms reserved (and traced) for the block; released at its end unless the block
+        set ``handed_off`` (then whoever took them over releases them)."""
+        assert route.pair is not None
+        prefill, decode = route.pair
         host, port = bootstrap_address(prefill)
         n = _num_samples(endpoint, body)
         room = self.reserve_rooms(n)
@@ -365,24 +480,18 @@ class Dispatcher:
                 "pdserve.decode": decode.url,
                 "pdserve.room": room,
                 "pdserve.rooms": n,
+                **self._route_attributes(route),
             },
         )
+        legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+        # The prefill leg's answer serves only for prompt logprobs, counts and errors.
+        prefill_body = {k: v for k, v in legs.items() if k not in _DECODE_ONLY_FIELDS}
+        pd = _PairLegs(prefill, decode, room, n, legs, prefill_body)
         try:
-            legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
-            prefill_body = {k: v for k, v in legs.items() if k not in ("stream", "stream_options")}
-            p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
-            d_task = asyncio.ensure_future(self._post(decode, endpoint, legs))
-            await self._legs((p_task, d_task))
-            answer = d_task.result().json()
-            prefill_answer = p_task.result().json()
-            merge_prompt_logprobs(endpoint, answer, prefill_answer)
-            merge_timing(endpoint, answer, prefill_answer)
-            return Response(
-                json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
-                media_type="application/json",
-            )
+            yield pd
         finally:
-            self.release_rooms(room, n)
+            if not pd.handed_off:
+                self.release_rooms(room, n)
 
     async def _stream(self, endpoint: str, body: dict, deadline: float) -> Response:
         """A streamed request: its first leg opened (again whole on another worker when
@@ -441,6 +550,7 @@ class Dispatcher:
                 streams=self.streams,
                 end=end,
                 migration=migration if self.max_migrations > 0 else None,
+                route=leg.route,
             ),
         )
 
@@ -459,17 +569,17 @@ class Dispatcher:
         URLs picked only when there is no other. A LegError names the leg's workers in
         its ``pair``."""
         pick = lambda: self._pick_now(endpoint, body, avoid)  # noqa: E731
-        picked = await self._picked(pick, deadline) if wait else pick()
+        route = await self._picked(pick, deadline) if wait else pick()
         try:
-            return await self._open_picked(endpoint, body, picked)
+            return await self._open_picked(endpoint, body, route)
         except LegError as exc:
-            exc.pair = {w.url for w in (picked if isinstance(picked, tuple) else (picked,))}
+            exc.pair = route.urls()
             raise
 
-    async def _open_picked(self, endpoint: str, body: dict, picked) -> Leg:
-        if not isinstance(picked, tuple):  # one worker runs the whole request
-            worker = picked
-            tracing.phase_so_far("route", {"pdserve.worker": worker.url})
+    async def _open_picked(self, endpoint: str, body: dict, route: Route) -> Leg:
+        if route.pair is None:  # one worker runs the whole request
+            worker = route.worker
+            tracing.phase_so_far("route", self._route_attributes(route))
             worker.outstanding += 1
             try:
                 resp = await self._open_stream(worker, endpoint, body)
@@ -480,32 +590,13 @@ class Dispatcher:
             def close_regular() -> None:
                 worker.outstanding -= 1
 
-            return Leg(resp, worker, None, close_regular, {worker.url})
-        prefill, decode = picked
-        host, port = bootstrap_address(prefill)
-        n = _num_samples(endpoint, body)
-        room = self.reserve_rooms(n)
-        tracing.phase_so_far(
-            "route",
-            {
-                "pdserve.prefill": prefill.url,
-                "pdserve.decode": decode.url,
-                "pdserve.room": room,
-                "pdserve.rooms": n,
-            },
-        )
-        handed_off = False
-        try:
-            legs = dict(body, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
-            # The prefill leg's answer serves only for prompt logprobs and errors: no stream.
-            prefill_body = {
-                k: v
-                for k, v in legs.items()
-                if k not in ("stream", "stream_options", "return_token_ids")
-            }
-            p_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body))
+            return Leg(resp, worker, None, close_regular, {worker.url}, route.info)
+        with self._pair_legs(endpoint, body, route) as pd:
+            decode = pd.decode
+            prefill_body = {k: v for k, v in pd.prefill_body.items() if k != "return_token_ids"}
+            p_task = asyncio.ensure_future(self._post(pd.prefill, endpoint, prefill_body))
             decode.outstanding += 1
-            d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, legs))
+            d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, pd.decode_body))
             try:  # until decode's stream is open; prefill keeps running (the relay watches it)
                 await self._legs((p_task, d_task), until=d_task)
             except BaseException:
@@ -514,14 +605,13 @@ class Dispatcher:
 
             def close_pd() -> None:
                 decode.outstanding -= 1
-                self.release_rooms(room, n)
+                self.release_rooms(pd.room, pd.n)
 
-            handed_off = True
+            pd.handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
-            return Leg(d_task.result(), decode, watch, close_pd, {prefill.url, decode.url})
-        finally:
-            if not handed_off:
-                self.release_rooms(room, n)
+            return Leg(
+                d_task.result(), decode, watch, close_pd, {pd.prefill.url, decode.url}, route.info
+            )
 
     @staticmethod
     async def _legs(tasks: tuple[asyncio.Future, ...], until: asyncio.Future | None = None) -> None:
@@ -538,6 +628,6 @@ class Dispatcher:
             for task in tasks:
                 task.cancel()
             for result in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(result, httpx.Response):
+                if isinstance(result, (WorkerResponse, WorkerStream)):
                     await result.aclose()
             raise

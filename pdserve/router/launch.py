@@ -82,8 +82,11 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--pd-min-prefill-tokens",
-        "selective PD: a request whose prompt is estimated below this many tokens runs "
-        "whole on a decode worker (no prefill leg, no KV transfer); 0 = always PD",
+        "selective PD: a request whose uncached prompt part is below this many tokens "
+        "runs whole on a decode worker (no prefill leg, no KV transfer); the part is the "
+        "prompt's length (token ids counted, text estimated as UTF-8 bytes / 4) less the "
+        "leading share that a decode worker holds by the router's index of the prompts "
+        "it sent there (that worker takes it); 0 = always PD",
         int,
         cls=RouterConfig,
     ),

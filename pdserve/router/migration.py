@@ -256,11 +256,12 @@ class Leg:
     """One attempt at a streamed request: the worker's open 200 SSE response, that
     worker, the PD prefill leg (None in regular mode) and what to run when it ends."""
 
-    resp: Any  # httpx.Response
+    resp: Any  # worker_http.WorkerStream
     worker: Any  # WorkerState
     prefill: Any  # PrefillWatch | None
     on_close: Callable[[], None]
     urls: set[str] = field(default_factory=set)  # its workers' (decode and prefill)
+    route: dict | None = None  # selective PD's decision for it (dispatch.Route.info)
 
 
 @dataclass

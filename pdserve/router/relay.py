@@ -27,15 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 from fastapi.responses import Response, StreamingResponse
-from httpx_sse import EventSource
 
 from pdserve.http.aio import get_within
 from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Leg, Migration
+from pdserve.router.worker_http import WorkerStream
 from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")
@@ -121,7 +120,7 @@ async def start_relay(end: StreamEnd, chunks: AsyncGenerator[bytes, None]) -> Re
 @dataclass
 class PrefillWatch:
     """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
-    ``httpx.Response`` or raises ``LegError`` (whose ``response`` is the JSON error);
+    ``WorkerResponse`` or raises ``LegError`` (whose ``response`` is the JSON error);
     ``hold_first``: the client asked for prompt logprobs, which only prefill has."""
 
     task: asyncio.Future
@@ -138,15 +137,15 @@ def _sse_from_error(exc: BaseException) -> tuple[int, bytes]:
     return 502, sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
 
 
-async def _pump(resp: httpx.Response, queue: asyncio.Queue, tag: int) -> None:
+async def _pump(resp: WorkerStream, queue: asyncio.Queue, tag: int) -> None:
     """Read SSE events until the stream ends; every item goes to ``queue`` as
     ``(tag, "event", ServerSentEvent)``, then ``(tag, "end", None)`` or
     ``(tag, "broken", exc)``."""
     try:
-        async for event in EventSource(resp).aiter_sse():
+        async for event in resp.aiter_sse():
             queue.put_nowait((tag, "event", event))
         queue.put_nowait((tag, "end", None))
-    except Exception as exc:  # noqa: BLE001 - httpx.HTTPError mostly; any failure ends the relay
+    except Exception as exc:  # noqa: BLE001 - aiohttp.ClientError mostly; any failure ends the relay
         queue.put_nowait((tag, "broken", exc))
 
 
@@ -207,7 +206,7 @@ def _start_leg(leg: Leg, queue: asyncio.Queue, tag: int) -> _LegRun:
 
 
 async def relay_sse(
-    resp: httpx.Response,
+    resp: WorkerStream,
     worker: WorkerState,
     endpoint: str,
     *,
@@ -219,6 +218,7 @@ async def relay_sse(
     streams: OpenStreams | None = None,
     end: StreamEnd | None = None,
     migration: Migration | None = None,
+    route: dict | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
@@ -241,6 +241,9 @@ async def relay_sse(
     the next one that ``migration.reopen`` opens for ``migration.state``'s continued
     body, at most ``migration.budget`` times (then the failure's SSE error, saying so);
     every chunk goes through ``migration.state.rewrite`` (:mod:`pdserve.router.migration`).
+
+    route: selective PD's decision for the first leg (``Leg.route`` for the later ones),
+    added to the chunks' timing blocks (:func:`merge_router_timing`).
     """
     end = end if end is not None else StreamEnd()
     state = migration.state if migration is not None else None
@@ -258,10 +261,11 @@ async def relay_sse(
     queue: asyncio.Queue = asyncio.Queue()
     if streams is not None:
         streams.add(queue)
-    run = _start_leg(Leg(resp, worker, prefill, on_close), queue, 0)
+    run = _start_leg(Leg(resp, worker, prefill, on_close, route=route), queue, 0)
 
     def render(data: str) -> bytes | None:
-        if run.answer is None and state is None:
+        route = run.leg.route
+        if run.answer is None and state is None and (route is None or '"timing"' not in data):
             return f"data: {data}\n\n".encode()
         try:
             chunk = json.loads(data)
@@ -271,6 +275,8 @@ async def relay_sse(
             chunk = merge_prompt_logprobs(endpoint, chunk, run.answer, run.merged)
             chunk = merge_timing(endpoint, chunk, run.answer)
             chunk = merge_cached_tokens(endpoint, chunk, run.answer)
+        if route is not None:
+            chunk = merge_router_timing(endpoint, chunk, route)
         if state is not None:
             chunk = state.rewrite(chunk)
             if chunk is None:
@@ -637,6 +643,17 @@ def merge_timing(endpoint: str, decode: Any, prefill: Any) -> Any:
         for index, block in _timings(endpoint, decode).items():
             block.update(theirs.get(index) or {})
     return decode
+
+
+def merge_router_timing(endpoint: str, answer: Any, info: dict) -> Any:
+    """Add the router's block ``{"router": info}`` (selective PD's decision:
+    ``pd_decision``, ``prompt_tokens_estimate``, ``decode_cached_share``,
+    ``uncached_tokens_estimate``, ``pd_min_prefill_tokens``) to each sample's timing block
+    (``return_timing``) in ``answer`` (a full answer or one stream chunk), in place;
+    returns ``answer``."""
+    for block in _timings(endpoint, answer).values():
+        block["router"] = dict(info)
+    return answer
 
 
 def is_final_chunk(endpoint: str, chunk: Any) -> bool:

@@ -109,6 +109,52 @@ def _block_keys(text: str, block_chars: int) -> list[bytes]:
     return keys
 
 
+class PrefixIndex:
+    """Per-worker LRU index of the prompts the router sent there, as chained block keys
+    (:func:`_block_keys` of the prompt text, ``block_chars`` a block; at most
+    ``max_blocks`` keys a worker, the least recently sent dropped first). An
+    approximation of the worker's prefix cache: built from routing alone, it may list
+    what the worker has evicted."""
+
+    def __init__(self, *, block_chars: int = 64, max_blocks: int = 1 << 16) -> None:
+        self.block_chars = block_chars
+        self.max_blocks = max_blocks
+        self._index: dict[str, OrderedDict[bytes, None]] = {}
+
+    def keys(self, text: str | None) -> list[bytes]:
+        """The block keys of ``text`` (none for None or empty)."""
+        return _block_keys(text, self.block_chars) if text else []
+
+    def urls(self) -> set[str]:
+        """URLs of the workers the index holds prompts of."""
+        return set(self._index)
+
+    def size(self, url: str) -> int:
+        """Blocks held for the worker at ``url``."""
+        return len(self._index.get(url, ()))
+
+    def matched(self, url: str, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of ``keys`` the index of the worker at ``url`` holds."""
+        index = self._index.get(url)
+        n = 0
+        while index is not None and n < len(keys) and keys[n] in index:
+            n += 1
+        return n
+
+    def record(self, url: str, keys: Sequence[bytes]) -> None:
+        """The prompt of ``keys`` was sent to the worker at ``url``."""
+        index = self._index.setdefault(url, OrderedDict())
+        for k in keys:
+            index[k] = None
+            index.move_to_end(k)
+        while len(index) > self.max_blocks:
+            index.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` left or failed: its cache is gone."""
+        self._index.pop(url, None)
+
+
 class CacheAwarePolicy(Policy):
     """SGLang-gateway-style cache-aware routing over an approximate per-worker prefix index.
 
@@ -117,9 +163,9 @@ class CacheAwarePolicy(Policy):
     worker; otherwise, when the best worker's index holds more than ``cache_threshold`` of
     the prompt's blocks, that worker (ties: least loaded), else the worker with the
     smallest index (the most room for a new prefix; ties: least loaded).  The chosen
-    worker's index then records the prompt's blocks (LRU, at most ``max_blocks`` per
-    worker).  Defaults are SGLang router's (cache_threshold 0.5, balance_abs_threshold 32,
-    balance_rel_threshold 1.0001).
+    worker's index then records the prompt's blocks (:class:`PrefixIndex`: LRU, at most
+    ``max_blocks`` per worker).  Defaults are SGLang router's (cache_threshold 0.5,
+    balance_abs_threshold 32, balance_rel_threshold 1.0001).
     """
 
     def __init__(
@@ -138,31 +184,26 @@ class CacheAwarePolicy(Policy):
         self.balance_rel_threshold = balance_rel_threshold
         self.block_chars = block_chars
         self.max_blocks = max_blocks
-        self._index: dict[str, OrderedDict[bytes, None]] = {}
+        self._index = PrefixIndex(block_chars=block_chars, max_blocks=max_blocks)
 
     def forget(self, url: str) -> None:
-        self._index.pop(url, None)
+        self._index.forget(url)
 
     def indexed_urls(self) -> set[str]:
         """URLs of the workers the index holds prompts of."""
-        return set(self._index)
+        return self._index.urls()
 
     def matched_blocks(self, worker: WorkerState, keys: Sequence[bytes]) -> int:
         """How many leading blocks of ``keys`` the index of ``worker`` holds."""
-        index = self._index.get(worker.url)
-        n = 0
-        while index is not None and n < len(keys) and keys[n] in index:
-            n += 1
-        return n
+        return self._index.matched(worker.url, keys)
 
     def pick(self, workers: Sequence[WorkerState], key: str | None = None) -> WorkerState:
         workers = list(workers)
         least = min(workers, key=lambda w: w.outstanding)
+        keys = self._index.keys(key)
         if len(workers) == 1 or key is None:
             chosen = least
-            keys: list[bytes] = [] if key is None else _block_keys(key, self.block_chars)
         else:
-            keys = _block_keys(key, self.block_chars)
             loads = [w.outstanding for w in workers]
             hi, lo = max(loads), min(loads)
             if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
@@ -178,18 +219,10 @@ class CacheAwarePolicy(Policy):
                 else:
                     chosen = min(
                         workers,
-                        key=lambda w: (len(self._index.get(w.url, ())), w.outstanding),
+                        key=lambda w: (self._index.size(w.url), w.outstanding),
                     )
-        self._record(chosen, keys)
+        self._index.record(chosen.url, keys)
         return chosen
-
-    def _record(self, worker: WorkerState, keys: Sequence[bytes]) -> None:
-        index = self._index.setdefault(worker.url, OrderedDict())
-        for k in keys:
-            index[k] = None
-            index.move_to_end(k)
-        while len(index) > self.max_blocks:
-            index.popitem(last=False)
 
 
 def routing_key(endpoint: str, body: dict) -> str | None:
@@ -287,6 +320,9 @@ class WorkerPool:
         self._threshold = failure_threshold
         self._task: asyncio.Task | None = None
         self.draining: set[str] = set()  # URLs that get no new requests (being removed)
+        # the prompts sent to each decode worker (PD or decode-only: decode keeps a PD
+        # request's prompt pages in its prefix cache too), for selective PD's uncached part
+        self.decode_prefixes = PrefixIndex()
         self._background: dict[str, asyncio.Task] = {}  # drains that outlived their request
 
     # --- picking ---------------------------------------------------------------------
@@ -357,6 +393,7 @@ class WorkerPool:
         if worker in ws:
             ws.remove(worker)
             self._policies[worker.role].forget(worker.url)
+            self.decode_prefixes.forget(worker.url)
             log.info("removed %s worker %s", worker.role, worker.url)
         self.draining.discard(worker.url)
 
@@ -409,8 +446,7 @@ class WorkerPool:
         worker.consecutive_failures += 1
         worker.last_error = reason
         if worker.healthy and worker.consecutive_failures >= self._threshold:
-            worker.healthy = False
-            log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
+            self._unhealthy(worker, reason)
 
     def eject(self, url: str, reason: str) -> None:
         """Take the worker at ``url`` out of picking now (its connection failed under a
@@ -421,8 +457,14 @@ class WorkerPool:
         worker.consecutive_failures = max(worker.consecutive_failures, self._threshold)
         worker.last_error = reason
         if worker.healthy:
-            worker.healthy = False
-            log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
+            self._unhealthy(worker, reason)
+
+    def _unhealthy(self, worker: WorkerState, reason: str) -> None:
+        """Eject ``worker``; its prefix index is dropped (a worker that failed may come
+        back restarted, its cache empty)."""
+        worker.healthy = False
+        self.decode_prefixes.forget(worker.url)
+        log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
 
     def _record_success(self, worker: WorkerState) -> None:
         if not worker.healthy:

@@ -105,6 +105,8 @@ def _stream(url: str, body: dict, on_chunk=None) -> dict:
                     ]
                 if choice.get("finish_reason"):
                     out["finish"].append(choice["finish_reason"])
+                if choice.get("timing"):
+                    out["timing"] = choice["timing"]
                 if choice.get("token_ids"):
                     n += 1
                     if on_chunk is not None:
@@ -300,8 +302,11 @@ def test_two_decode_deaths_in_a_row_migrate_twice(up):
 
 def test_selective_pd_runs_short_prompts_on_decode_with_the_same_output(up, tmp_path):
     """A router with ``--pd-min-prefill-tokens 64`` over the same workers: a short prompt
-    runs whole on a decode worker (no prefill request, counted ``decode_only``) and a long
-    one through a pair (``pd``), both with the PD router's tokens and usage."""
+    runs whole on a decode worker (no prefill request, counted ``decode_only``), a long
+    one through a pair (``pd``), and the long one again with a short addition whole on
+    the decode worker that holds its prefix (the router's decode prefix index: its
+    uncached part is short); all with the PD router's tokens and usage, the decision in
+    the answer's timing block."""
     from pdserve_procs import start_router, stop, wait_healthy
 
     kids = _kids(up)
@@ -320,8 +325,14 @@ def test_selective_pd_runs_short_prompts_on_decode_with_the_same_output(up, tmp_
         def prefilled() -> int:
             return sum(p.get_info()["engine"]["finished_requests"] for p in prefills)
 
-        for prompt, path in (("Hi there.", "decode_only"), ("long words " * 60, "pd")):
-            body = dict(_chat(prompt), max_tokens=24)
+        long = "long words " * 60  # about 165 tokens by the router's estimate
+        cases = (
+            ("Hi there.", "decode_only", 0.0),
+            (long, "pd", 0.0),
+            (long + "And then?", "decode_only", 0.9),  # 10 of its 11 blocks sent before
+        )
+        for n, (prompt, path, share) in enumerate(cases, 1):
+            body = dict(_chat(prompt), max_tokens=24, return_timing=True)
             ref = _stream(kids["router"].url, body)
             before = prefilled()
             got = _stream(selective.url, body)
@@ -329,7 +340,13 @@ def test_selective_pd_runs_short_prompts_on_decode_with_the_same_output(up, tmp_
             assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
             assert got["usage"]["completion_tokens"] == 24
             assert prefilled() - before == (0 if path == "decode_only" else 1), path
+            router = got["timing"]["router"]
+            assert router["pd_decision"] == path, router
+            assert abs(router["decode_cached_share"] - share) < 0.05, router
+            assert ("prefill" in got["timing"]) == (path == "pd"), got["timing"]
+            assert "router" not in ref["timing"]  # selective PD off there
             metrics = httpx.get(selective.url + "/metrics", timeout=10).text
-            assert f'pdserve_router_pd_decisions_total{{path="{path}"}} 1.0' in metrics
+            count = sum(p == path for _, p, _ in cases[:n])
+            assert f'pdserve_router_pd_decisions_total{{path="{path}"}} {count:.1f}' in metrics
     finally:
         stop([selective])

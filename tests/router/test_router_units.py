@@ -272,3 +272,67 @@ def test_error_status_reads_back_the_status_of_an_error_body():
     assert error_status({"error": {"type": "something_else"}}) == 500
     for body in ({"choices": []}, {"error": "text"}, [1], None):
         assert error_status(body) is None
+
+
+def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holding_it():
+    """Decode-only when the prompt's estimate less the share the decode prefix index holds
+    is under the threshold, on the decode worker holding the most; PD otherwise (the pair's
+    decode then holds the prompt); an ejected decode worker's index is forgotten."""
+    from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.workers import WorkerPool
+
+    pool = WorkerPool(
+        {"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"]},
+        policy="round_robin",
+        client=None,  # type: ignore[arg-type]  # no probe runs here
+        check_interval=1.0,
+        check_timeout=1.0,
+        failure_threshold=1,
+    )
+    for w in pool.all():
+        w.healthy = True
+    d = Dispatcher(
+        pool,
+        None,  # type: ignore[arg-type]  # nothing is sent
+        RouterMetrics(pool, set()),
+        set(),
+        pd_mode=True,
+        request_timeout=1.0,
+        pd_min_prefill_tokens=64,
+    )
+    long = "x" * 1024  # 256 tokens by the estimate, 16 blocks of 64 bytes
+
+    def pick(prompt: str):
+        route = d._pick_now("/v1/completions", {"prompt": prompt})
+        return route.pair, route.worker if route.pair is None else None, route.info
+
+    pair, _, info = pick(long)  # nothing held: PD, and its decode now holds it
+    assert pair is not None and info["pd_decision"] == "pd"
+    assert info["uncached_tokens_estimate"] == 256 and info["decode_cached_share"] == 0.0
+    holder = pair[1]
+    other = next(w for w in pool.healthy("decode") if w is not holder)
+    other.outstanding = 0
+    holder.outstanding = 5  # busier, but it holds the prefix
+    pair, worker, info = pick(long + "y" * 100)  # 16 of 18 blocks held: 31 tokens uncached
+    assert pair is None and worker is holder, info
+    assert info == {
+        "pd_decision": "decode_only",
+        "prompt_tokens_estimate": 281,
+        "decode_cached_share": round(16 / 18, 3),
+        "uncached_tokens_estimate": round(281 * (1 - 16 / 18)),
+        "pd_min_prefill_tokens": 64,
+    }
+    pair, _, info = pick(long[:512] + "z" * 512)  # half held: 128 uncached, PD
+    assert pair is not None and info["pd_decision"] == "pd"
+    assert info["decode_cached_share"] == 0.5
+    pair, worker, info = pick("short")  # 1 token: decode-only on the policy's pick
+    assert pair is None and info["decode_cached_share"] == 0.0
+    pool.eject(holder.url, "gone")  # back later with an empty cache
+    holder.healthy = True
+    assert pool.decode_prefixes.size(holder.url) == 0
+    pair, _, info = pick(long + "y" * 100)
+    assert pair is not None and info["pd_decision"] == "pd", info
+    metrics = d.metrics.render().decode()
+    assert 'pdserve_router_pd_decisions_total{path="decode_only"} 2.0' in metrics
+    assert 'pdserve_router_pd_decisions_total{path="pd"} 3.0' in metrics
