@@ -186,6 +186,58 @@ def test_pd_under_eviction_pressure_equals_mixed(pd_cores):
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "steps_first, chunks",
+    # drive() steps prefill before decode: one more chunk runs before the destination
+    [(0, [2, 2, 2]), (1, [4, 2]), (2, [6]), (3, [6]), (5, [6])],
+)
+def test_prefill_computes_before_the_destination_arrives(tiny_model_dir, steps_first, chunks):
+    """Prefill computes the prompt while decode's destination is still on its way (decode
+    is given its request only after ``steps_first`` prefill steps; three 8-token chunks of
+    a 22-token prompt, pages of 4): nothing is sent before it; on arrival every page
+    computed so far goes at once (the whole prompt with the aux record if it is done),
+    then the rest chunk by chunk; no prompt token is computed twice; decode's output
+    equals a mixed engine's; every page comes back."""
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompt = list(range(600, 622))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    decode.add_request("mixed", prompt, params)
+    want = drive(decode)["mixed"].outputs[0]
+    prefill.add_request("p", prompt, params, info("prefill", 78))
+    sender = m["p"].handle(78)
+    got = {}
+    for i in range(steps_first):
+        for out in prefill.step():
+            got[out.request_id] = out
+        computed = min(8 * (i + 1), len(prompt))
+        assert prefill.stats()["prompt_tokens_computed"] == computed  # ran before the dest
+        assert sender.chunks == [] and sender.num_pages is None  # nothing sent before it
+        assert prefill.num_free_pages == 64 - (computed + 3) // 4  # the pages it filled
+        assert prefill.stats()["num_waiting_for_peer"] == 1
+    if steps_first >= 3:  # computed: out of the batch, its pages held, first token sampled
+        assert got["p"].outputs[0].token_ids == [want.token_ids[0]] and not got["p"].finished
+        assert prefill.stats()["num_running"] == 0 and prefill.stats()["num_transferring"] == 1
+    decode.add_request("d", prompt, params, info("decode", 78))
+    got.update(drive(prefill, decode))
+    assert [len(c) for c in sender.chunks] == chunks
+    assert len(sender.pages_sent) == 6 and sender.aux is not None
+    assert prefill.stats()["prompt_tokens_computed"] == len(prompt)  # no recompute
+    rest = got["d"].outputs[0]
+    assert rest.token_ids == want.token_ids and rest.text == want.text
+    assert rest.logprobs == want.logprobs
+    assert got["p"].finished and got["p"].outputs[0].finish_reason == "length"
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())
+
+
 def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
     """A prompt spanning three prefill chunks (8-token budget, 22 tokens, pages of 4): the
     sender gets the full pages of chunk 1 and 2 as soon as each is computed, then the rest

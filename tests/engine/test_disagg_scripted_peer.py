@@ -29,16 +29,25 @@ def test_prefill_state_machine_by_hand(pd_cores):
         info("prefill", room, fake=True),
     )
     sender = m["pm"].handle(room)
-    for _ in range(3):  # no pages and no compute before decode's destination is known
+    # the prompt is computed while decode's destination is on its way; nothing is sent
+    outs = prefill.step()  # prefill, first token
+    first = outs[0].outputs[0].token_ids
+    assert len(first) == 1 and not outs[0].finished
+    assert prefill.stats()["prompt_tokens_computed"] == len(PROMPT)
+    for _ in range(3):  # the computed request holds its pages, waiting for the destination
         assert prefill.step() == []
-    assert prefill.num_free_pages == 64 and sender.num_pages is None
+        assert prefill.num_free_pages == 58 and sender.num_pages is None and sender.chunks == []
+        stats = prefill.stats()
+        assert stats["num_waiting_for_peer"] == 1 and stats["num_transferring"] == 1
     sender.advance(KVPoll.WaitingForInput)
-    outs = prefill.step()  # init, prefill, first token, send
+    assert prefill.step() == []  # init, then the one last send at once: no compute again
+    assert prefill.stats()["prompt_tokens_computed"] == len(PROMPT)
     assert sender.num_pages == 6 and sender.aux is not None
     pages, aux = sender.pages_sent, sender.aux
-    assert len(pages) == 6 and aux.room == room and len(aux.top_ids) == 2
+    assert len(sender.chunks) == 1 and len(pages) == 6
+    assert aux.room == room and len(aux.top_ids) == 2 and first == [aux.first_token_id]
     assert m["pm"].read_aux(sender.aux_slot) == aux  # the transfer layer wrote it
-    assert outs[0].outputs[0].token_ids == [aux.first_token_id] and not outs[0].finished
+    assert prefill.stats()["num_waiting_for_peer"] == 0
     for _ in range(2):  # the transfer layer owns the pages until a terminal poll
         assert prefill.step() == [] and prefill.num_free_pages == 58
     sender.advance(KVPoll.Success)

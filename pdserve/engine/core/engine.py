@@ -310,7 +310,7 @@ class EngineCore:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_for_peer": self.pd.count(Status.WAITING_FOR_PEER),
+            "num_waiting_for_peer": self.pd.num_waiting_for_peer,
             "num_transferring": self.pd.count(Status.TRANSFERRING),
             "num_draining": self.pd.num_draining,
             "num_quarantined_pages": self.pd.num_quarantined_pages,

@@ -1,13 +1,19 @@
 """The engine's side of prefill/decode disaggregation (rules in docs/architecture.md).
 
-Prefill role: the request waits without pages until ``sender.poll() >= WaitingForInput``,
-then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after each
-prefill chunk the pages it filled are posted (``sender.send(pages, last=False)``: the
-transfer of a long prompt overlaps its own compute); after the last chunk the first token
-is sampled and ``sender.send(rest, last=True, aux=record)`` posts the remaining pages
-(the partial one included) and the aux record, which only the transfer layer writes; at
-``Success`` it finishes with that one token.  A request with pages sent is never
-preempted and its pages are freed only after a terminal poll.
+Prefill role: the request queues like any request at once and its prompt is computed
+while decode's destination is still on its way; nothing is sent before
+``sender.poll() >= WaitingForInput`` (the destination arrived), when it gets an aux slot and
+``sender.init(num_pages, aux_slot)`` and every page computed so far is posted at once.
+After that, after each prefill chunk the pages it filled are posted
+(``sender.send(pages, last=False)``: the transfer of a long prompt overlaps its own
+compute); after the last chunk the first token is sampled and ``sender.send(rest,
+last=True, aux=record)`` posts the remaining pages (the partial one included) and the aux
+record, which only the transfer layer writes — or, the destination not there yet, the
+request leaves the batch holding its pages (``TRANSFERRING``, ``PDState.pending_aux``) and
+that last send goes out when the destination arrives; the backend's bootstrap timeout
+bounds that wait (the room fails, the pages are freed).  At ``Success`` it finishes with
+that one token.  A request with pages sent is never preempted and its pages are freed only
+after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot: the leading full pages it already
 holds in its prefix cache are shared, fresh pages cover the rest, and
@@ -115,6 +121,18 @@ class PDFlow:
     def count(self, status: Status) -> int:
         return sum(1 for r in self._live if r.status is status)
 
+    @property
+    def num_waiting_for_peer(self) -> int:
+        """Requests whose peer is not ready yet: decode ones bootstrapping
+        (``WAITING_FOR_PEER``), prefill ones whose destination has not arrived (computing
+        or computed meanwhile)."""
+        return sum(
+            1
+            for r in self._live
+            if r.status is Status.WAITING_FOR_PEER
+            or (_pd(r).sender is not None and not _pd(r).dest_ready)
+        )
+
     @staticmethod
     def holds_room(req: Request) -> bool:
         """Whether ``req`` holds a KV sender or receiver (its end goes through the flow)."""
@@ -145,6 +163,10 @@ class PDFlow:
         info = pd.info
         if info.role is Role.PREFILL:
             pd.sender = manager.create_sender(info.bootstrap_room)
+            self._live.append(req)
+            # computed now; the sends wait for decode's destination (_start_sending)
+            self._scheduler.add_waiting(req)
+            return
         else:
             pd.receiver = manager.create_receiver(
                 info.bootstrap_host, info.bootstrap_port, info.bootstrap_room
@@ -172,14 +194,14 @@ class PDFlow:
                     self._scheduler.remove(req)  # not yet handed over: the pages are ours
                 self._end(req, "error", error=error)
                 changed.append((req, None))
-            elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
-                if pd.sender is not None:
-                    self._start_prefill(req)
+            elif pd.sender is not None and not pd.dest_ready:
+                if state >= KVPoll.WaitingForInput:
+                    self._start_sending(req)
                     if req.finished:
                         changed.append((req, None))
-                else:
-                    pd.peer_ready = True
-                    req.times.peer_ready = time.perf_counter()
+            elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
+                pd.peer_ready = True
+                req.times.peer_ready = time.perf_counter()
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
                 req.times.transfer_done = time.perf_counter()
                 req.times.transfer_finished = getattr(handle, "finished_at", None) or 0.0
@@ -201,7 +223,10 @@ class PDFlow:
         out (``KVReceiver.holds_pages``)."""
         return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
-    def _start_prefill(self, req: Request) -> None:
+    def _start_sending(self, req: Request) -> None:
+        """Decode's destination arrived for a prefill request (queued, computing, or
+        computed and waiting): an aux slot, ``init``, then what is computed goes out at
+        once: the whole prompt and the aux record if it is done, else its full pages."""
         pd = _pd(req)
         slot = self._page_ids.allocate_aux_slot()
         if slot is None:
@@ -214,7 +239,12 @@ class PDFlow:
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
             self.abort(req, reason="error", error=f"KV sender init failed: {exc}")
             return
-        self._scheduler.add_waiting(req)
+        pd.dest_ready = True
+        if pd.pending_aux is not None:  # computed before the destination came
+            aux, pd.pending_aux = pd.pending_aux, None
+            self._send_last(req, aux)
+        elif req.status is Status.RUNNING:  # chunks computed so far (none in flight:
+            self._send_full_pages(req)  # prefill rows never run in a launched step)
 
     def admit_receivers(self) -> list[Request]:
         """Give ready decode requests their prompt's pages and an aux slot, FCFS, while
@@ -287,27 +317,35 @@ class PDFlow:
             if req is None or seq.sample or req.status is not Status.RUNNING:
                 continue
             pd = _pd(req)
-            if pd.sender is None:
-                continue
-            full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
-            if full <= pd.kv_pages_sent:
-                continue
-            pages, pd.kv_pages_sent = req.pages[pd.kv_pages_sent : full], full
-            try:
-                pd.sender.send(list(pages), last=False)
-            except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
-                self.abort(req, reason="error", error=f"KV send failed: {exc}")
+            if pd.sender is None or not pd.dest_ready:
+                continue  # before the destination: sent all at once when it arrives
+            self._send_full_pages(req)
+
+    def _send_full_pages(self, req: Request) -> None:
+        """Send the pages ``req``'s computed tokens fill completely and not sent yet."""
+        pd = _pd(req)
+        assert pd.sender is not None
+        full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
+        if full <= pd.kv_pages_sent:
+            return
+        pages, pd.kv_pages_sent = req.pages[pd.kv_pages_sent : full], full
+        try:
+            pd.sender.send(list(pages), last=False)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+            self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
     def send_prefill(
         self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]
     ) -> None:
-        """After the last prefill chunk: post the remaining pages and the aux record."""
+        """After the last prefill chunk: post the remaining pages and the aux record, or,
+        decode's destination not there yet, keep them (the request holds its pages,
+        ``TRANSFERRING``) until it arrives (:meth:`_start_sending`)."""
         pd = _pd(req)
         pd.pending_finish = finish
         self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
-        # A prefill request in the batch holds its disagg info, sender and aux slot.
-        assert pd.sender is not None and pd.aux_slot is not None
+        req.times.computed = time.perf_counter()
+        assert pd.sender is not None  # a prefill request in the batch holds its sender
         aux = AuxRecord(
             pd.info.bootstrap_room,
             first.token_id,
@@ -315,6 +353,14 @@ class PDFlow:
             tuple(t for t, _ in first.top),
             tuple(lp for _, lp in first.top),
         )
+        if not pd.dest_ready:
+            pd.pending_aux = aux
+            return
+        self._send_last(req, aux)
+
+    def _send_last(self, req: Request, aux: AuxRecord) -> None:
+        pd = _pd(req)
+        assert pd.sender is not None and pd.aux_slot is not None  # the destination is known
         rest, pd.kv_pages_sent = req.pages[pd.kv_pages_sent :], len(req.pages)
         req.times.transfer_posted, req.times.kv_pages = time.perf_counter(), len(req.pages)
         try:
