@@ -172,6 +172,9 @@ class CacheConfig:
             check_order(self.kv_order)
 
 
+SPECULATIVE_ALGORITHMS = (None, "ngram", "draft")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits.
@@ -183,12 +186,23 @@ class SchedulerConfig:
     overlap_schedule: launch decode step N+1 from step N's sampled ids on the device before
         N's results are processed (``engine/core/overlap.py``); ``None`` = on for CUDA, off on
         CPU (a CPU forward is synchronous: nothing to overlap); ``True`` forces it on (the
-        CPU tests do); ``False`` = off.
+        CPU tests do); ``False`` = off.  Speculative decoding turns it off.
+    speculative_algorithm: ``None`` (off), ``"ngram"`` (prompt lookup, ``engine/spec/``) or
+        ``"draft"`` (a draft model, ``speculative_model``).
+    speculative_model: the draft model (as ``ModelConfig.model`` takes it), for ``draft``.
+    num_speculative_tokens: drafts verified per row per step (k >= 1).
+    speculative_ngram_min/speculative_ngram_max: n-gram sizes the ``ngram`` drafter
+        matches, longest first.
     """
 
     max_num_batched_tokens: int = 2048
     max_running_requests: int | None = None
     overlap_schedule: bool | None = None
+    speculative_algorithm: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 3
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -197,6 +211,54 @@ class SchedulerConfig:
             )
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                "speculative_algorithm must be ngram or draft (unset: off), "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_algorithm == "draft" and not self.speculative_model:
+            raise ValueError("speculative_model must be set when speculative_algorithm is draft")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if self.speculative_ngram_min < 1:
+            raise ValueError(
+                f"speculative_ngram_min must be >= 1, got {self.speculative_ngram_min}"
+            )
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(
+                f"speculative_ngram_max ({self.speculative_ngram_max}) must be >= "
+                f"speculative_ngram_min ({self.speculative_ngram_min})"
+            )
+
+    def speculative_key(self) -> str:
+        """The speculative configuration as one string peers compare at the PD bootstrap
+        (``KVLayout.speculative``): ``""`` when off, else e.g. ``"ngram k=4 n=1-3"`` or
+        ``"draft k=4 model=<id>"``."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return ""
+        k = self.num_speculative_tokens
+        if algo == "ngram":
+            return f"ngram k={k} n={self.speculative_ngram_min}-{self.speculative_ngram_max}"
+        return f"draft k={k} model={self.speculative_model}"
+
+    def speculative_info(self) -> dict[str, object] | None:
+        """The speculative configuration as plain data (``/get_server_info``, the PD
+        handshake), or ``None`` when speculation is off."""
+        if self.speculative_algorithm is None:
+            return None
+        info: dict[str, object] = {
+            "speculative_algorithm": self.speculative_algorithm,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.speculative_algorithm == "ngram":
+            info["speculative_ngram_min"] = self.speculative_ngram_min
+            info["speculative_ngram_max"] = self.speculative_ngram_max
+        else:
+            info["speculative_model"] = self.speculative_model
+        return info
 
     @property
     def max_running(self) -> int:

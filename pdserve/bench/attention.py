@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -61,7 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the pool's order (engine/kv/layout.py): a head's page contiguous, or a token's heads",
     )
     p.add_argument("--dtype", default="bfloat16", help="KV and query dtype")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (cpu only under TRITON_INTERPRET=1: a check, not a timing)",
+    )
     p.add_argument("--iters", type=int, default=20, help="calls a timing covers")
     p.add_argument(
         "--json", default=None, metavar="FILE", help="write the rows here; unset: not written"
@@ -273,6 +278,12 @@ def run_attention(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: cuda is not available here")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"device: {device.type} cannot run it: the Triton decode kernel this times "
+                "needs CUDA (a CPU runs it only under Triton's interpreter, "
+                "TRITON_INTERPRET=1, as the tests do: correct, not a timing)"
+            )
     except ValueError as exc:
         print(f"pdserve bench attention: {exc}", file=sys.stderr)
         return 2

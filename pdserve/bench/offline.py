@@ -99,6 +99,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="write the results and workload here; unset: not written",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="MODE",
+        help="compare this engine with and without speculative decoding instead of with "
+        "transformers (bench/speculative.py): ngram, draft (--speculative-model), or "
+        "replay:RATE (acceptance-controlled: the plain run's greedy output proposed back, "
+        "each draft token corrupted with probability 1 - RATE; with --speculative-model the "
+        "draft model also runs, for its cost); unset: the transformers comparison",
+    )
+    p.add_argument(
+        "--spec-workload",
+        default=None,
+        choices=("copy", "gsm8k"),
+        help="prompts of --speculative: copy (repeat a passage with one edit) or gsm8k; "
+        "unset: copy for ngram and draft, gsm8k for replay",
+    )
     add_engine_flags(
         p,
         (
@@ -111,6 +128,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--enforce-eager",
             "--overlap-schedule",
             "--tensor-parallel-size",
+            "--num-speculative-tokens",
+            "--speculative-model",
+            "--speculative-ngram-min",
+            "--speculative-ngram-max",
             "--quantization",
             "--kv-cache-dtype",
         ),
@@ -331,6 +352,10 @@ def run_offline(args: argparse.Namespace) -> int:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.speculative:
+            from pdserve.bench.speculative import run_speculative
+
+            return run_speculative(args, llm, counts, _prompts)
         return _run(args, llm, rows, prompt_sets, prefill)
     finally:
         llm.shutdown()

@@ -127,6 +127,10 @@ class KVLayout:
     model shapes, ``num_kv_heads`` the model's TOTAL KV head count (a rank's pool holds
     the heads of :attr:`KVArgs.kv_heads`: the rank facts, which may differ between the
     sides).  Equal sizes with another order is a mismatch, named ``kv_order``.
+    ``speculative`` is the engine's speculative-decoding configuration
+    (``SchedulerConfig.speculative_key``; ``""``: off): prefill and decode must run the same
+    one (a draft model's KV would travel with the target's), a difference is a mismatch
+    named ``speculative`` on both sides.
     ``k_scales`` / ``v_scales``: per layer the per-tensor scales of an FP8 pool (``dtype``
     ``float8_e4m3fn``; its bytes are ``k / k_scale`` in e4m3), ``()`` for any other pool:
     two FP8 pools whose scales differ hold different numbers in the same bytes.
@@ -139,6 +143,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     kv_order: str = PAGE_MAJOR
+    speculative: str = ""
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
 

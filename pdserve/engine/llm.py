@@ -45,6 +45,8 @@ class LLM:
     started with the ``spawn`` method: a script must guard its entry point with
     ``if __name__ == "__main__":``); gpu_ids: the CUDA device of each rank.  Call
     :meth:`shutdown` (or use ``with LLM(...) as llm:``) to stop the rank processes.
+    speculative_*/num_speculative_tokens: speculative decoding (``SchedulerConfig``'s fields
+    of those names; ``engine/spec/``), off by default.
     Unknown keyword arguments raise TypeError; bad values ValueError naming the field.
     """
 
@@ -69,6 +71,11 @@ class LLM:
         overlap_schedule: bool | None = None,
         tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size"),
         gpu_ids: Sequence[int] | None = None,
+        speculative_algorithm: str | None = None,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int = default_of(SchedulerConfig, "num_speculative_tokens"),
+        speculative_ngram_min: int = default_of(SchedulerConfig, "speculative_ngram_min"),
+        speculative_ngram_max: int = default_of(SchedulerConfig, "speculative_ngram_max"),
         quantization: str | None = None,
         kv_cache_dtype: str = default_of(CacheConfig, "kv_cache_dtype"),
     ) -> None:
@@ -93,6 +100,11 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens,
             max_running_requests=max_running_requests,
+            speculative_algorithm=speculative_algorithm,
+            speculative_model=speculative_model,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_ngram_min=speculative_ngram_min,
+            speculative_ngram_max=speculative_ngram_max,
         )
         self.engine = EngineCore(config)
         self._ids = itertools.count()

@@ -18,6 +18,26 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a request's seed: a signed 64-bit integer
+_MASK64 = 2**64 - 1
+
+
+def _wrap64(value: int) -> int:
+    """``value`` wrapped into the signed 64-bit range (``seed + i`` of sample ``i``)."""
+    return (value - SEED_MIN) % 2**64 + SEED_MIN
+
+
+def generator_seed(seed: int) -> int:
+    """The torch generator seed of a request's ``seed``: splitmix64 of its 64 bits, so that
+    seeds differing in any bit (also only in the high 32, which a CPU generator's
+    ``manual_seed`` ignores) start different streams. Every role uses it: a seeded request
+    samples the same through PD as on a mixed worker."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping options of one request (OpenAI / vLLM semantics).
@@ -99,8 +119,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", self._check_stop_token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
@@ -190,7 +214,7 @@ class SamplingParams:
         """Split an ``n``-sample request into ``n`` single-sample engine requests.
 
         Sample ``i`` gets the id ``sample_request_id(request_id, i)`` and, when ``seed`` is
-        set, the seed ``seed + i`` (so the samples differ yet each is reproducible).  With
+        set, the seed ``seed + i`` (wrapped into int64; so the samples differ yet each is reproducible).  With
         ``n == 1`` the id and params are returned unchanged.
         """
         if self.n == 1:
@@ -198,7 +222,7 @@ class SamplingParams:
         return [
             (
                 sample_request_id(request_id, i),
-                replace(self, n=1, seed=None if self.seed is None else self.seed + i),
+                replace(self, n=1, seed=None if self.seed is None else _wrap64(self.seed + i)),
             )
             for i in range(self.n)
         ]

@@ -65,6 +65,14 @@ class ScheduledSeq(NamedTuple):
         (``None`` unless ``sample`` and ``params.has_penalties``).
     logits_mask: bool ``[V]`` allowed tokens of a structured-output row (True = allowed),
         set by the engine after scheduling; ``None`` = unconstrained.
+    draft_token_ids: a verify row's ``k`` drafts (speculative decoding, ``engine/spec/``):
+        ``token_ids`` is then the last token followed by them, every one of the ``k + 1``
+        positions gives logits, and the runner keeps the accepted prefix plus one token
+        (``StepResult.verified``); empty for every other row.
+    draft_q: ``None`` (a deterministic proposal) or float32 ``[k, V]``, the drafts'
+        proposal distributions.
+    draft_masks: a structured-output verify row's allowed-token masks of positions
+        ``1 .. k`` (position 0 uses ``logits_mask``); ``None`` = unconstrained.
     """
 
     request_id: str
@@ -79,6 +87,9 @@ class ScheduledSeq(NamedTuple):
     banned_token_ids: tuple[int, ...] = ()
     penalty_tokens: PenaltyTokens | None = None
     logits_mask: torch.Tensor | None = None
+    draft_token_ids: tuple[int, ...] = ()
+    draft_q: torch.Tensor | None = None
+    draft_masks: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,10 +113,16 @@ class BatchPlan:
 @dataclass
 class StepResult:
     """What a step produced: a sampled token per sampling sequence, and prompt logprobs
-    (one ``TokenLogprob`` per target token of the plan) per request that asked for them."""
+    (one ``TokenLogprob`` per target token of the plan) per request that asked for them.
+
+    verified: per verify row (``ScheduledSeq.draft_token_ids`` not empty) every token it
+        keeps, in order: its accepted drafts, then the target's token (``sampled`` holds
+        the first of them).  ``len(verified[id]) - 1`` drafts were accepted.
+    """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    verified: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass

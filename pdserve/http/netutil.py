@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import socket
 import threading
 import time
@@ -64,8 +65,37 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+_RNG = random.SystemRandom()  # not the global generator, which tests and benches seed
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read, close)."""
+    """A port that was free a moment ago, for a process about to listen on it.
+
+    Picked at random below the kernel's ephemeral range (from 10000) and checked by binding:
+    a port the kernel gave out (bind to 0) can be taken in the meantime by any outgoing
+    connection on the machine, which made a starting server fail with "address in use"
+    when many processes start at once. Falls back to the kernel's choice after 50 tries.
+    """
+    low = 10000
+    high = _ephemeral_low() - 1
+    for _ in range(50 if high > low else 0):
+        port = _RNG.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

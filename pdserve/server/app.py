@@ -38,25 +38,30 @@ _COUNTED = (
 )
 
 
+_UNKNOWN = object()
+
+
 def _where(loc: tuple, body: Any, missing: bool) -> str:
     """The place of a pydantic error as the messages write it (``messages[0].role``),
     following ``loc`` through the request ``body``: a loc item that names no key of the
     value there is the tag of a union member pydantic tried (``stop.str``, ``content.
     list[TextPart]``) and is left out, except the last item of a ``missing`` error (the
     absent field's name)."""
-    out, value = "", body
+    # _UNKNOWN: no body, or a place it does not have; a JSON null is a value (``input.str``
+    # of ``"input": null`` is a union member's tag, as of ``"input": 5``)
+    out, value = "", _UNKNOWN if body is None else body
     for i, key in enumerate(loc):
         if isinstance(key, int):
             out += f"[{key}]"
             value = (
-                value[key] if isinstance(value, list) and -len(value) <= key < len(value) else None
+                value[key]
+                if isinstance(value, list) and -len(value) <= key < len(value)
+                else _UNKNOWN
             )
         elif isinstance(value, dict) and key in value:
             out, value = f"{out}.{key}" if out else str(key), value[key]
-        elif (missing and i == len(loc) - 1) or not isinstance(
-            value, (dict, list, str, int, float)
-        ):
-            out, value = f"{out}.{key}" if out else str(key), None  # an absent field, or no body
+        elif (missing and i == len(loc) - 1) or value is _UNKNOWN:
+            out, value = f"{out}.{key}" if out else str(key), _UNKNOWN  # an absent field
         # else: a union member's tag
     return out
 
@@ -72,7 +77,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             detail = (err.get("ctx") or {}).get("error", "")
             return f"request body is not valid JSON: {detail}".rstrip(": "), None
         loc = tuple(err.get("loc", ()))
-        loc = loc[1:] if loc[:1] == ("body",) else loc
+        # body, query (``limit`` of input_items), path: the place is the field's name
+        loc = loc[1:] if loc[:1] in (("body",), ("query",), ("path",)) else loc
         where = _where(loc, exc.body, err.get("type") == "missing")
         msg = str(err.get("msg"))
         if err.get("type") == "value_error":  # our validators' ValueError, without pydantic's

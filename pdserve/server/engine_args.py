@@ -159,6 +159,37 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         bool,
         cls=SchedulerConfig,
     ),
+    Flag(
+        "--speculative-algorithm",
+        "speculative decoding: ngram (prompt lookup) or draft (a draft model, "
+        "--speculative-model); unset: off",
+        config_value(SchedulerConfig, "speculative_algorithm"),
+        cls=SchedulerConfig,
+    ),
+    Flag(
+        "--speculative-model",
+        "the draft model of --speculative-algorithm draft (as --model takes it); "
+        "unset: none (ngram needs none)",
+        cls=SchedulerConfig,
+    ),
+    Flag(
+        "--num-speculative-tokens",
+        "drafts verified per sequence per step (k)",
+        config_value(SchedulerConfig, "num_speculative_tokens", int),
+        cls=SchedulerConfig,
+    ),
+    Flag(
+        "--speculative-ngram-min",
+        "shortest n-gram the ngram drafter matches",
+        config_value(SchedulerConfig, "speculative_ngram_min", int),
+        cls=SchedulerConfig,
+    ),
+    Flag(
+        "--speculative-ngram-max",
+        "longest n-gram the ngram drafter matches (tried first)",
+        config_value(SchedulerConfig, "speculative_ngram_max", int),
+        cls=SchedulerConfig,
+    ),
 )
 
 

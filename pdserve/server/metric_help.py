@@ -42,6 +42,23 @@ HELP: dict[str, tuple[str, str]] = {
     ),
     "steps": ("engine steps run since start (cumulative count)", COUNTER),
     "generation_tokens": ("output tokens sampled since start (cumulative tokens)", COUNTER),
+    "spec_draft_tokens": (
+        "speculative decoding: draft tokens verified since start (cumulative tokens)",
+        COUNTER,
+    ),
+    "spec_accepted_tokens": (
+        "speculative decoding: draft tokens accepted since start (cumulative tokens)",
+        COUNTER,
+    ),
+    "spec_verify_rows": (
+        "speculative decoding: verify rows (a sequence's last token + its drafts) run since "
+        "start (cumulative rows)",
+        COUNTER,
+    ),
+    "spec_acceptance_length": (
+        "speculative decoding: tokens each verify row kept (accepted drafts + 1; tokens)",
+        HISTOGRAM,
+    ),
     "finished_requests": ("requests finished since start (cumulative count)", COUNTER),
     "overlap_launched_steps": (
         "steps launched without waiting for the host since start (cumulative count)",
@@ -93,6 +110,13 @@ HELP: dict[str, tuple[str, str]] = {
         "prefill: premade NIXL WRITE handles posted (cumulative count)",
         COUNTER,
     ),
+    "notifs_sent": ("prefill: XferDone notifications handed to NIXL (cumulative count)", COUNTER),
+    "notifs_received": ("decode: NIXL notifications read (cumulative count)", COUNTER),
+    "notifs_unmatched": (
+        "decode: notifications that matched no live room of their prefill (cumulative count)",
+        COUNTER,
+    ),
+    "notifs_read_age_s": ("decode: since the notification thread last read NIXL (seconds)", GAUGE),
     "prefill_peers": ("decode: prefill workers known to this manager", GAUGE),
     "suspect_prefill_peers": ("decode: prefill workers suspected gone", GAUGE),
     "quarantined_rooms": ("decode: rooms whose KV pages are quarantined", GAUGE),

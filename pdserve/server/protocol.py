@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from pdserve.disagg.base import MAX_TOP_LOGPROBS, ROOM_LIMIT
+from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.ports import PORT_MAX
 from pdserve.server.body_base import Int, RequestModel
 from pdserve.server.structured import GuidedFields, ResponseFormatField
@@ -128,7 +129,7 @@ class _OpenAISampling(Bootstrap, _NoOpFields, _Penalties, GuidedFields, Response
     temperature: StrictFloat = Field(1.0, ge=0.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)
@@ -339,7 +340,7 @@ class GenerateSamplingParams(_Penalties, GuidedFields):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     n: Int = Field(1, ge=1, le=MAX_N)
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class GenerateRequest(Bootstrap):

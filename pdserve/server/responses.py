@@ -28,6 +28,7 @@ so both legs of a PD pair, or any worker, can serve it.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -39,6 +40,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictFloat, ValidationError
 
 from pdserve.disagg.base import Role
 from pdserve.engine.core.request import RequestOutput
+from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.server import tools as tl
 from pdserve.server.body_base import Int, RequestModel
@@ -91,7 +93,7 @@ class ResponsesRequest(Bootstrap):
     store: StrictBool = True
     previous_response_id: str | None = None
     previous_items: list[Any] | None = None
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     background: StrictBool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -429,6 +431,35 @@ def _status(finish_reason: str | None) -> tuple[str, str | None]:
     return "completed", None
 
 
+# chat field (as the chat path's errors name it) -> the Responses request's field; the
+# longest first. ``messages`` are the input items (and ``instructions``): "input".
+_CHAT_NAMES = (
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_tokens", "max_output_tokens"),
+    ("tool_choice.function", "tool_choice"),
+)
+_CHAT_TOOL = re.compile(r"\btools\[(\d+)\]\.function\b")
+
+
+def _responses_names(text: str) -> str:
+    """``text`` with the chat request's field names as the Responses request's."""
+    text = _CHAT_TOOL.sub(r"tools[\1]", text)
+    for chat, ours in _CHAT_NAMES:
+        text = re.sub(rf"(?<![\w.]){re.escape(chat)}\b", ours, text)
+    return text
+
+
+def responses_error(exc: APIError) -> APIError:
+    """A chat-path error of a translated Responses request, its ``param`` and message
+    naming the Responses request's fields (``max_output_tokens``, ``text.format.schema``,
+    ``tools[0].parameters``, ``input`` for the messages)."""
+    param = exc.param
+    if param is not None:
+        param = "input" if param.startswith("messages") else _responses_names(param)
+    return APIError(exc.status, _responses_names(exc.message), param, exc.code)
+
+
 def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRouter:
     """The Responses endpoints of a worker, bound to ``ctx`` and ``store``."""
     api = APIRouter()
@@ -486,11 +517,14 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
             first = exc.errors()[0]
             raise APIError(400, f"invalid input: {first.get('msg')}", "input") from None
         try:
-            job, plan, prompt_ids, _ = await chat_job(ctx, chat_req)
-        except APIError as exc:  # the chat path names its messages: here they are the input
-            if exc.param and exc.param.startswith("messages"):
-                exc.param = "input"
-            raise
+            return await run(req, request, chat_req, items)
+        except APIError as exc:  # the chat path's errors, in the Responses request's names
+            raise responses_error(exc) from None
+
+    async def run(
+        req: ResponsesRequest, request: Request, chat_req: ChatCompletionRequest, items: list
+    ) -> Response:
+        job, plan, prompt_ids, _ = await chat_job(ctx, chat_req)
         job.prompt_field = "input"  # the engine's checks (context limit) name it too
         shape = _Shape(req, _new_id("resp"), ctx.model_name)
 

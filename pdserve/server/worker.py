@@ -138,6 +138,8 @@ def build_worker(
         "dtype": str(core.dtype).replace("torch.", ""),
         "layout": core.layout.to_dict(),
         "page_size": core.kv.page_size,
+        # speculative decoding (None: off): algorithm, k, n-gram sizes or draft model
+        "speculative": engine_cfg.scheduler.speculative_info(),
         "num_total_pages": core.kv.num_pages,
         "num_threads": torch.get_num_threads(),
         "tensor_parallel_size": core.executor.tp_size,

@@ -296,6 +296,11 @@ def _child(
                 while h.poll().name not in ("Success", "Failed"):
                     time.sleep(0.01)
                 h.close()
+            elif cmd == "stray_notif":  # decode: an XferDone for a room it does not have
+                from pdserve.disagg.wire import encode_xfer_done
+
+                mgr._on_notif(encode_xfer_done(kw["room"], "no-such-prefill", b""))
+                out = mgr.stats()
             elif cmd == "break_thread":  # the control thread's next step raises
 
                 def boom(*a, **k):

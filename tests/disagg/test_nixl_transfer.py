@@ -76,6 +76,10 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
     assert stats_p["pages_transferred"] == stats_d["pages_transferred"] == pages
     assert stats_p["transfer_latency_seconds"]["count"] == len(rooms)
     assert stats_p["transfers_failed_total"] == stats_d["transfers_failed_total"] == 0
+    # the notification hop counts both ends: every XferDone sent was read and matched
+    assert stats_p["notifs_sent"] == stats_d["notifs_received"] == len(rooms)
+    assert stats_d["notifs_unmatched"] == 0
+    assert 0 <= stats_d["notifs_read_age_s"] < 5  # the notification thread reads
     assert set(stats_d["rooms"]) == {
         "Failed",
         "Bootstrapping",
@@ -83,6 +87,18 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
         "Transferring",
         "Success",
     }
+
+
+@pytest.mark.timeout(60)
+def test_a_notification_matching_no_room_is_counted_not_silent(fresh):
+    """An XferDone decode cannot match (no live room, or not from the room's writer) is
+    counted in stats() (and logged): a room it was meant for would hang silently else."""
+    _, decode = fresh
+    before = decode.call("state")["stats"]
+    assert before["notifs_unmatched"] == 0
+    after = decode.call("stray_notif", room=12345)
+    assert after["notifs_unmatched"] == 1
+    assert after["notifs_received"] == before["notifs_received"]  # not read from NIXL
 
 
 @pytest.mark.timeout(120)
@@ -163,6 +179,7 @@ def test_writes_made_ahead_are_released_on_chunked_sends_and_aborts(fresh):
         ("dtype", "bfloat16"),
         ("model", "other-model"),
         ("kv_order", "layer_major"),
+        ("speculative", "ngram k=4 n=1-3"),  # speculative decoding on one side only
         ("k_scales", (0.5, 0.5)),  # an FP8 pool's per-layer scales (issue 26)
         ("v_scales", (2.0,)),
     ],

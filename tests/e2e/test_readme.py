@@ -204,3 +204,34 @@ def test_readme_and_docs_pdserve_command_lines_parse():
         for name in set(re.findall(r"`pdserve (\w+)", text)):
             assert name in names, f"{page} names `pdserve {name}`, which is no sub-command"
     assert any(line.startswith("curl ") for line in _shell_lines(README)), "README: no curl"
+
+
+def test_reference_names_every_bench_sub_command():
+    line = next(x for x in REFERENCE.splitlines() if re.search(r"`pdserve bench \w+\|", x))
+    listed = set(re.search(r"`pdserve bench ([\w|-]+)`", line).group(1).split("|"))
+    assert listed == set(_subparsers(_subparsers(build_parser())["bench"])), line
+
+
+# a backticked source path (`disagg/bootstrap.py`, `engine/kv/cache.py:KVCacheManager`,
+# `prefill/manager.py` under disagg/nixl/): some tracked file's path ends with it
+_SOURCE_PATH = re.compile(r"`([\w/-]*/[\w-]+\.py)(?::[\w.]+)?`")
+# a line that says the file is gone names it on purpose
+_GONE = re.compile(r"delet|remov|moved|renam|no longer", re.I)
+
+
+def test_source_paths_the_docs_name_exist():
+    files = [
+        "/" + f
+        for f in subprocess.run(
+            ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    ]
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if _GONE.search(line):
+                continue
+            for path in _SOURCE_PATH.findall(line):
+                if not any(f.endswith("/" + path) for f in files):
+                    missing.append(f"{doc.relative_to(ROOT)}:{n}: {path}")
+    assert not missing, "docs name files that do not exist:\n" + "\n".join(missing)

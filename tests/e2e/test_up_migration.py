@@ -33,7 +33,9 @@ def up(tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-migration")
     args = ["--model", TINY, "--port", str(free_port()), "--log-dir", str(logs)]
     args += ["--num-prefill", "2", "--num-decode", "2", "--health-check-interval", "0.5"]
-    args += ["--restart-backoff", "0.5"]
+    # a migration may wait for a killed worker's restart (model load): on a loaded 2-core
+    # machine that takes longer than the 30 s default
+    args += ["--restart-backoff", "0.5", "--migration-wait", "150"]
     system = Up(args, env={"PDSERVE_LOG_LEVEL": "WARNING"})
     try:
         system.wait_line(r"pdserve is ready at", 300)

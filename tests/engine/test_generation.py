@@ -90,10 +90,22 @@ def test_seeds_n_and_batch_independence(tiny_llm):
     assert [c.index for c in multi.outputs] == [0, 1, 2]
     assert multi.outputs[0].token_ids == alone  # sample i uses seed + i
     assert len({tuple(c.token_ids) for c in multi.outputs}) == 3
-    for seed in (-1, 2**70):  # any integer is a valid seed
+    for seed in (-1, -(2**63), 2**63 - 1):  # any int64 is a valid seed
         assert tiny_llm.generate(
             [PROMPT], SamplingParams(temperature=1.0, max_tokens=2, seed=seed)
         )[0].finished
+    # seeds differing only above bit 31 (which a CPU generator's manual_seed drops) differ
+    high = [
+        tuple(
+            tiny_llm.generate(
+                [PROMPT], SamplingParams(temperature=1.5, max_tokens=12, seed=s, ignore_eos=True)
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
+        for s in (1, 2**32 + 1, 2**40 + 1)
+    ]
+    assert len(set(high)) == 3, high
     twice = tiny_llm.generate([PROMPT], SamplingParams(n=2, temperature=0, max_tokens=8))[0]
     assert twice.outputs[0].token_ids == twice.outputs[1].token_ids
 

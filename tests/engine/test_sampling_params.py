@@ -35,6 +35,9 @@ from pdserve.engine.sampling_params import sample_request_id
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 1.5}, "seed"),
         ({"seed": True}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**70}, "seed"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
@@ -101,3 +104,15 @@ def test_penalties_and_bias_are_normalised():
     assert p.logit_bias == ((2, -100.0), (7, 5.0)) and p.has_penalties
     assert SamplingParams().logit_bias == () and not SamplingParams().has_penalties
     assert SamplingParams(presence_penalty=0.5).has_penalties
+
+
+def test_seeds_are_int64_and_the_generator_seed_mixes_every_bit():
+    from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN, generator_seed
+
+    pairs = SamplingParams(n=2, seed=SEED_MAX, temperature=1.0).fan_out("r")
+    assert [p.seed for _, p in pairs] == [SEED_MAX, SEED_MIN]  # seed + i wraps in int64
+    seeds = [0, 1, 2**32 + 1, 2**40 + 1, -1, SEED_MIN, SEED_MAX]
+    mixed = [generator_seed(s) for s in seeds]
+    assert all(0 <= m < 2**64 for m in mixed)
+    assert len({m & 0xFFFFFFFF for m in mixed}) == len(seeds)  # the CPU generator's 32 bits
+    assert mixed == [generator_seed(s) for s in seeds]  # a function: PD equals mixed

@@ -81,3 +81,15 @@ def test_bound_sockets_serve_with_nagle_off():
             await server.wait_closed()
 
     assert asyncio.run(main()) == 1
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
+    """A port outgoing connections cannot take between the pick and the listen."""
+    from pdserve.http.netutil import _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < _ephemeral_low() for p in ports), ports
+    assert len(ports) > 1  # random, not one fixed port for every caller
+    for port in list(ports)[:3]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -66,3 +66,11 @@ def test_bytes_lengths_and_configs():
 def test_bench_attention_rejects_bad_arguments(extra, field, capsys):
     assert main(["bench", "attention", "--device", "cpu"] + extra) == 2
     assert field in capsys.readouterr().err
+
+
+def test_bench_attention_on_cpu_without_the_interpreter_is_a_usage_error(monkeypatch, capsys):
+    # without TRITON_INTERPRET=1 every row would fail ("0 active drivers"): refused up front
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["bench", "attention", "--device", "cpu", "--iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs CUDA" in err and "TRITON_INTERPRET=1" in err

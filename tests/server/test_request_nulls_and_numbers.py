@@ -212,3 +212,52 @@ def test_the_413_is_rendered_like_every_other_error(worker):
         assert resp.content == json.dumps(resp.json(), separators=(",", ":")).encode()
         assert set(err) == {"message", "type", "param", "code"}
     assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_responses_errors_name_the_responses_fields(worker):
+    """The Responses API runs on the chat path: its errors name max_output_tokens and
+    text.format, not chat's max_tokens and response_format."""
+    r = post(worker, "/v1/responses", {"input": "hi", "max_output_tokens": 10**30})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_output_tokens", err
+    assert "max_tokens" not in err["message"], err
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}
+    r = post(worker, "/v1/responses", {"input": "hi", "text": fmt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "text.format.schema", err
+    assert "response_format" not in err["message"], err
+
+
+def test_a_null_for_a_union_field_names_the_field_not_pydantic_s_members(worker):
+    for path, body in [
+        ("/v1/responses", {"input": None}),
+        ("/v1/completions", {"prompt": None}),
+    ]:
+        r = post(worker, path, body)
+        err = r.json()["error"]
+        field = next(iter(body))
+        assert r.status_code == 400 and err["param"] == field, (body, err)
+        assert f"{field}." not in err["message"], (body, err)
+
+
+def test_a_bad_query_parameter_is_named_as_is(worker):
+    r = post(worker, "/v1/responses", {"input": "hi", "max_output_tokens": 1})
+    rid = r.json()["id"]
+    r = httpx.get(f"{worker.url}/v1/responses/{rid}/input_items?limit=1000", timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "limit", err
+
+
+def test_a_seed_outside_int64_is_a_400_naming_seed(worker):
+    for path, body in [
+        ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**63}),
+        ("/v1/responses", {"input": "hi", "seed": -(2**63) - 1}),
+        ("/generate", {"text": PROMPT, "sampling_params": {"seed": 2**64}}),
+    ]:
+        r = post(worker, path, body)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] in ("seed", "sampling_params.seed"), (path, err)
+    ok = post(worker, "/v1/completions", {"prompt": PROMPT, "seed": 2**63 - 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

@@ -129,3 +129,27 @@ def test_text_format_and_tool_choice_translate_to_chat_fields():
         "function": {"name": "f"},
     }
     assert r.chat_tool_choice("required") == "required"
+
+
+def test_chat_path_errors_are_renamed_to_the_responses_fields():
+    cases = [
+        ("max_tokens", "need 5 of max_tokens", "max_output_tokens", "need 5 of max_output_tokens"),
+        (
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema: bad",
+            "text.format.schema",
+            "text.format.schema: bad",
+        ),
+        (
+            "tools[1].function.parameters",
+            "tools[1].function.parameters: bad",
+            "tools[1].parameters",
+            "tools[1].parameters: bad",
+        ),
+        ("tool_choice.function.name", "x", "tool_choice.name", "x"),
+        ("messages[2].content", "x", "input", "x"),
+        ("temperature", "temperature must be", "temperature", "temperature must be"),
+    ]
+    for param, message, want_param, want_message in cases:
+        exc = r.responses_error(APIError(400, message, param, code="c"))
+        assert (exc.param, exc.message, exc.code) == (want_param, want_message, "c")

@@ -45,6 +45,8 @@ BAD_BODIES = [
     ({"prompt": "x", "bootstrap_port": "p"}, 400),
     ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400),
     ({"prompt": "x", "stop": [""]}, 400),
+    ({"prompt": "x", "seed": 2**64}, 400),
+    ({"prompt": "x", "seed": -(2**63) - 1}, 400),
 ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,9 @@ from pdserve.engine.core.request import (
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.stop import IncrementalDetokenizer, tokens_banned_before_min
 from pdserve.engine.kv.cache import KVCacheManager, PageIds
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, generator_seed
+from pdserve.engine.spec.drafter import Drafter
+from pdserve.engine.spec.factory import make_drafter
 from pdserve.engine.step import BatchPlan, SampledToken, StepResult
 from pdserve.engine.structured.manager import GrammarState, StructuredOutputManager
 from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
@@ -104,8 +106,22 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.page_ids, enable_prefix_caching=config.cache.enable_prefix_caching
         )
+        self.drafter = make_drafter(
+            config,
+            self.source,
+            self.dtype,
+            self.attention_backend,
+            self.max_model_len,
+            geo.num_pages,
+            geo.page_size,
+        )
         self.scheduler = Scheduler(
-            sc, self.kv, lambda r: tokens_banned_before_min(r.params, self.eos_token_ids)
+            sc,
+            self.kv,
+            lambda r: tokens_banned_before_min(r.params, self.eos_token_ids),
+            drafter=self.drafter,
+            num_speculative_tokens=sc.num_speculative_tokens if self.drafter else 0,
+            max_model_len=self.max_model_len,
         )
         # Grammars of structured outputs: compiled on first use, cached (engine/structured/).
         self.structured = StructuredOutputManager(
@@ -122,12 +138,12 @@ class EngineCore:
         )
         self._managers_bound = bool(kv_managers)
         overlap = sc.overlap_schedule
+        self._overlap_wanted = self.device.type == "cuda" if overlap is None else overlap
         self.overlap = OverlapScheduler(
-            self.scheduler,
-            self.executor,
-            self.max_model_len,
-            self.device.type == "cuda" if overlap is None else overlap,
+            self.scheduler, self.executor, self.max_model_len, self._overlap_wanted
         )
+        if self.drafter is not None:  # a verify step is synchronous: no overlap
+            self.overlap.enabled = False
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._counters = {
@@ -170,6 +186,22 @@ class EngineCore:
         self.pd.set_managers(managers)
         self._managers_bound = True
 
+    def set_drafter(self, drafter: Drafter | None, num_speculative_tokens: int = 0) -> None:
+        """Swap the speculative drafter (``None``: speculation off) between runs, with no
+        live request (benchmarks compare one engine with and without speculation; tests
+        install the replay drafter).  Overlap scheduling follows: on as configured when
+        speculation is off, off while it is on.  ValueError naming ``drafter`` while
+        requests are live, ``num_speculative_tokens`` when < 1 with a drafter."""
+        if self.has_unfinished_requests():
+            raise ValueError("drafter: cannot be swapped while requests are live")
+        if drafter is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.drafter = drafter
+        self.scheduler.set_drafter(drafter, num_speculative_tokens if drafter else 0)
+        self.overlap.enabled = (
+            drafter is None and self._overlap_wanted and self.executor.supports_overlap
+        )
+
     def add_request(
         self,
         request_id: str,
@@ -199,7 +231,7 @@ class EngineCore:
         generator = None
         if not params.greedy and params.seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed % 2**64)  # any integer seed; torch takes 64 bits
+            generator.manual_seed(generator_seed(params.seed))  # all 64 bits mixed
         detok = IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids,
@@ -305,8 +337,10 @@ class EngineCore:
         The engine serves no step afterwards."""
         self.executor.shutdown()
 
-    def stats(self) -> dict[str, int]:
-        """Gauges and counters for metrics (plain ints)."""
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for metrics (plain ints), and speculative decoding's
+        acceptance-length histogram (``spec_acceptance_length``: ``{sum, count, buckets}``,
+        ``Scheduler.spec_stats``)."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -322,6 +356,7 @@ class EngineCore:
             "overlap_launched_steps": self.overlap.num_launched,
             "overlap_ahead_steps": self.overlap.num_ahead,
             **self.kv.stats(),
+            **self.scheduler.spec_stats(),
         }
 
     # --- internals --------------------------------------------------------------------
@@ -340,10 +375,16 @@ class EngineCore:
     def _apply(self, plan: BatchPlan, result: StepResult, touched: dict[str, Request]) -> None:
         sampled = self.scheduler.update_from_output(plan, result)
         self.pd.send_chunks(plan)  # prefill: full pages of finished chunks move now
+        verified = result.verified
         for req, tok in sampled:
             touched[req.request_id] = req
             if self.pd.sends_first_token(req):  # prefill: the token goes to decode with the KV
                 self.pd.send_prefill(req, tok, self._stop_verdict(req, tok) or ("length", None))
+            elif verified and req.request_id in verified:
+                for kept in verified[req.request_id]:  # a finish among them cuts there
+                    self._append_token(req, kept)
+                    if req.finished:
+                        break
             else:
                 self._append_token(req, tok)
             if req.finished:
@@ -351,8 +392,54 @@ class EngineCore:
 
     def _attach_grammar_masks(self, plan: BatchPlan) -> BatchPlan:
         """``plan`` with the allowed-token masks of its live grammars (a separate method:
-        ``bench host`` times it)."""
+        ``bench host`` times it); verify rows first get theirs per position
+        (:meth:`_check_drafts`)."""
+        if self.drafter is not None and any(s.draft_token_ids for s in plan.seqs):
+            plan = self._check_drafts(plan)
         return self.structured.attach_masks(plan, self._grammar_of, self.device)
+
+    def _check_drafts(self, plan: BatchPlan) -> BatchPlan:
+        """Structured outputs under speculation: each verify row with a live grammar has its
+        drafts walked through its matcher, cut at the first one the grammar rejects, and
+        gets the allowed-token mask of every position (``logits_mask`` for the first,
+        ``draft_masks`` for the others; none after the grammar terminated); the matcher is
+        rolled back, so it advances only by the tokens ``_append_token`` keeps."""
+        seqs = list(plan.seqs)
+        changed = False
+        for i, seq in enumerate(seqs):
+            g = self._requests[seq.request_id].grammar if seq.draft_token_ids else None
+            if g is None or g.failed or g.is_terminated:
+                continue
+            masks: list[torch.Tensor] = []
+            ok = steps = 0  # drafts kept; tokens the matcher advanced by
+            for d in seq.draft_token_ids:
+                if g.matcher.is_terminated():  # after the end: any token (ignore_eos)
+                    masks.append(torch.ones_like(masks[0]))
+                else:
+                    masks.append(self.structured.masks([g], self.device)[0])
+                    if not bool(masks[-1][d]) or not g.matcher.accept_token(d):
+                        break
+                    steps += 1
+                ok += 1
+            if len(masks) == ok:  # every draft accepted: the last position's mask
+                done = g.matcher.is_terminated()
+                masks.append(
+                    torch.ones_like(masks[0])
+                    if done
+                    else self.structured.masks([g], self.device)[0]
+                )
+            if steps:
+                g.matcher.rollback(steps)
+            drafts = seq.draft_token_ids[:ok]
+            seqs[i] = seq._replace(
+                token_ids=seq.token_ids[:1] + list(drafts),
+                draft_token_ids=drafts,
+                draft_q=seq.draft_q[:ok] if seq.draft_q is not None and ok else None,
+                logits_mask=masks[0],
+                draft_masks=tuple(masks[1 : ok + 1]) if ok else None,
+            )
+            changed = True
+        return replace(plan, seqs=tuple(seqs)) if changed else plan
 
     def _grammar_of(self, request_id: str) -> GrammarState | None:
         return self._requests[request_id].grammar

@@ -19,6 +19,17 @@ their newly full pages, so the next admission can match them.  Pages come from o
 owner, :class:`pdserve.engine.kv.cache.KVCacheManager`.
 
 The result is a :class:`BatchPlan`, plain data that the model runner executes.
+
+Speculative decoding (a ``drafter``, ``engine/spec/``): each step the drafter proposes up
+to ``k`` tokens for every running decode row that may speculate (it has an output token,
+``min_tokens`` is reached, ``max_tokens`` and the context limit leave room for a draft and
+one more token; the engine then checks a structured-output row's drafts against its
+grammar); the row becomes a *verify row* of ``1 + k`` tokens (its last
+token and the drafts) when the budget and free pages allow (a draft never preempts: pages
+for drafts come from what is available beyond one page per later running row).  After the
+step only the kept tokens count as computed (the last token and the accepted drafts), the
+prefix cache indexes full pages of those only, and pages past them (the rejected drafts'
+KV) are released at once.
 """
 
 from __future__ import annotations
@@ -26,11 +37,12 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.core.request import Request, Status
 from pdserve.engine.kv.cache import KVCacheManager
+from pdserve.engine.spec.drafter import Draft, Drafter, DraftInput
 from pdserve.engine.step import BatchPlan, SampledToken, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -42,6 +54,8 @@ class Scheduler:
 
     ``banned_before_min(req)`` gives the token ids to mask while ``req`` has fewer than
     ``min_tokens`` outputs (EOS and stop ids; supplied by the engine).
+    ``drafter``: speculative decoding's proposer (module docstring), ``None`` = off;
+    ``max_model_len``: the context limit drafts stay within.
     """
 
     def __init__(
@@ -49,10 +63,21 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         banned_before_min: Callable[[Request], tuple[int, ...]],
+        *,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.banned_before_min = banned_before_min
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of those, accepted
+        # verify rows by accepted drafts (index 0 .. k)
+        self.accepted_histogram = [0] * (num_speculative_tokens + 1)
         self.waiting: list[Request] = []  # sorted by arrival (FCFS)
         self.running: list[Request] = []  # changed only here, with _running_by_id
         self._running_by_id: dict[str, Request] = {}
@@ -72,6 +97,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.free_pages(req)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
 
     def take_running(self, req: Request) -> None:
         """Take a running ``req`` out of the batch keeping its pages (a prefill-role request
@@ -104,6 +131,8 @@ class Scheduler:
         self.running.remove(req)
         del self._running_by_id[req.request_id]
         self.free_pages(req)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -116,12 +145,14 @@ class Scheduler:
         kv, page_size = self.kv, self.kv.page_size
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
+        drafts = self._propose() if self.drafter is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             computed = req.num_computed_tokens
             n = min(len(req.all_token_ids) - computed, budget)
             need = -(-(computed + n) // page_size) - len(req.pages)  # pages_needed
+            draft = drafts.get(req.request_id) if drafts else None
             # (most decode rows need no page: the pool is not asked how many it has)
             while need > 0 and need > kv.num_available_pages and req.status is Status.RUNNING:
                 # pages handed to a KV sender (chunked sending) are the transfer layer's
@@ -135,8 +166,12 @@ class Scheduler:
             if need > 0 and need > kv.num_available_pages:
                 i += 1  # only requests whose pages are being sent are left: wait for pages
                 continue
-            seqs.append(self._schedule(req, n, need))
-            budget -= n
+            if draft is not None and n == 1:
+                seq = self._schedule_verify(req, draft, need, budget, len(self.running) - i - 1)
+            else:
+                seq = self._schedule(req, n, need)
+            seqs.append(seq)
+            budget -= len(seq.token_ids)
             i += 1
         # Admitting new work right after a preemption would only preempt again.
         while (
@@ -246,6 +281,94 @@ class Scheduler:
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             self.kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
 
+    # --- speculative decoding ---------------------------------------------------------------
+    def set_drafter(self, drafter: Drafter | None, num_speculative_tokens: int) -> None:
+        """Swap the drafter (no request running; ``EngineCore.set_drafter``); the counters
+        go on, the histogram grows to ``k + 1`` buckets."""
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        grow = num_speculative_tokens + 1 - len(self.accepted_histogram)
+        if grow > 0:
+            self.accepted_histogram += [0] * grow
+
+    def _max_drafts(self, req: Request) -> int:
+        """The most drafts ``req`` may verify this step (0: it does not speculate)."""
+        if (
+            req.status is not Status.RUNNING
+            or req.num_computed_tokens != len(req.all_token_ids) - 1
+            or req.pages_pinned()
+        ):
+            return 0
+        n_out = req.num_output_tokens
+        params = req.params
+        if n_out < max(1, params.min_tokens):
+            return 0
+        k = self.num_speculative_tokens
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - n_out - 1)  # room for one more token after them
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
+        return max(0, k)
+
+    def _propose(self) -> dict[str, Draft]:
+        """The drafter's proposals for this step's running rows that may speculate."""
+        assert self.drafter is not None
+        rows = []
+        for req in self.running:
+            k = self._max_drafts(req)
+            if k > 0:
+                rows.append(DraftInput(req.request_id, req.all_token_ids, k))
+        if not rows:
+            return {}
+        return {
+            row.request_id: d for row, d in zip(rows, self.drafter.propose(rows)) if d.token_ids
+        }
+
+    def _schedule_verify(
+        self, req: Request, draft: Draft, need: int, budget: int, later_rows: int
+    ) -> ScheduledSeq:
+        """``req``'s verify row: its last token and as many of ``draft``'s tokens as the
+        budget and the pages (beyond ``need`` for its last token, keeping one page per
+        ``later_rows``) allow; a plain decode row when none fits."""
+        page_size = self.kv.page_size
+        computed = req.num_computed_tokens
+        held = len(req.pages) + max(need, 0)
+        spare = self.kv.num_available_pages - max(need, 0) - later_rows
+        room = (held + max(spare, 0)) * page_size - computed - 1
+        k = min(len(draft.token_ids), budget - 1, room)
+        if k <= 0:
+            return self._schedule(req, 1, need)
+        seq = self._schedule(req, 1, self.kv.pages_needed(computed + 1 + k) - len(req.pages))
+        drafts = tuple(draft.token_ids[:k])
+        return seq._replace(
+            token_ids=seq.token_ids + list(drafts),
+            draft_token_ids=drafts,
+            draft_q=draft.q[:k] if draft.q is not None else None,
+        )
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters: drafts verified (``spec_draft_tokens``), drafts
+        accepted (``spec_accepted_tokens``), verify rows (``spec_verify_rows``), and the
+        acceptance length (tokens a verify row kept: accepted drafts + 1) as a histogram
+        ``{sum, count, buckets}`` with cumulative buckets ``1 .. k + 1``
+        (``spec_acceptance_length``; ``server/metrics.py`` exports it as one)."""
+        hist = self.accepted_histogram
+        buckets: dict[str, int] = {}
+        running = 0
+        for a, n in enumerate(hist):
+            running += n
+            buckets[str(a + 1)] = running
+        return {
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_verify_rows": running,
+            "spec_acceptance_length": {
+                "sum": self.num_accepted_tokens + running,
+                "count": running,
+                "buckets": buckets,
+            },
+        }
+
     def update_from_output(
         self, plan: BatchPlan, result: StepResult
     ) -> list[tuple[Request, SampledToken]]:
@@ -260,8 +383,13 @@ class Scheduler:
         prompt_lps = result.prompt_logprobs
         tokens = result.sampled
         sampled: list[tuple[Request, SampledToken]] = []
+        verified = result.verified
         for seq in plan.seqs:
             req = by_id[seq.request_id]
+            if seq.draft_token_ids:
+                self._verified(req, seq, verified[seq.request_id], page_size)
+                sampled.append((req, tokens[seq.request_id]))
+                continue
             computed = req.num_computed_tokens = req.num_computed_tokens + len(seq.token_ids)
             if seq.start_pos < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += (
@@ -269,6 +397,12 @@ class Scheduler:
                 )
             if page_size and computed // page_size > len(req.page_keys):  # a page filled
                 kv.cache_full_pages(req.all_token_ids, req.pages, req.page_keys, computed)
+            if self.drafter is not None and seq.sample and not req.pages_pinned():
+                # a row whose drafts the grammar cut (engine) holds their pages: release
+                keep = kv.pages_needed(computed)
+                if len(req.pages) > keep:
+                    tail, req.pages = req.pages[keep:], req.pages[:keep]
+                    kv.release(tail)
             if prompt_lps:
                 lps = prompt_lps.get(seq.request_id)
                 if lps:
@@ -277,6 +411,27 @@ class Scheduler:
             if seq.sample:
                 sampled.append((req, tokens[seq.request_id]))
         return sampled
+
+    def _verified(
+        self, req: Request, seq: ScheduledSeq, kept: list[SampledToken], page_size: int
+    ) -> None:
+        """A verify row's bookkeeping: its last token and the ``len(kept) - 1`` accepted
+        drafts are computed; full pages of those enter the prefix cache (``page_size`` 0:
+        caching off); pages holding only rejected drafts' KV are released."""
+        accepted = len(kept) - 1
+        computed = req.num_computed_tokens = req.num_computed_tokens + 1 + accepted
+        if page_size and computed // page_size > len(req.page_keys):
+            tokens = req.all_token_ids + list(seq.draft_token_ids[:accepted])
+            self.kv.cache_full_pages(tokens, req.pages, req.page_keys, computed)
+        keep = self.kv.pages_needed(computed)
+        if len(req.pages) > keep:
+            tail, req.pages = req.pages[keep:], req.pages[:keep]
+            self.kv.release(tail)
+        self.num_draft_tokens += len(seq.draft_token_ids)
+        self.num_accepted_tokens += accepted
+        self.accepted_histogram[accepted] += 1
+        if self.drafter is not None:
+            self.drafter.on_verified(req.request_id, accepted)
 
     def _grow(self, req: Request, n: int) -> None:
         """``n`` more pages for ``req``: a new list (a plan holds the old one, unchanged)."""

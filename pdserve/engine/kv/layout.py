@@ -253,10 +253,13 @@ class KVCacheLayout:
             return [(b * buf + page * item, item) for b in range(2 * self.num_layers)]
         return [(page * item, item)]
 
-    def fingerprint(self, model: str, total_kv_heads: int | None = None) -> KVLayout:
+    def fingerprint(
+        self, model: str, total_kv_heads: int | None = None, speculative: str = ""
+    ) -> KVLayout:
         """What a peer must match to copy pages byte for byte (compared at bootstrap): the
         model facts, ``total_kv_heads`` the model's KV heads when this pool holds one
-        tensor-parallel rank's share (default: this pool's)."""
+        tensor-parallel rank's share (default: this pool's), and the speculative
+        configuration (``KVLayout.speculative``)."""
         return KVLayout(
             model=model,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -265,6 +268,7 @@ class KVCacheLayout:
             num_kv_heads=self.num_kv_heads if total_kv_heads is None else total_kv_heads,
             head_dim=self.head_dim,
             kv_order=self.order,
+            speculative=speculative,
             k_scales=tuple(float(k) for k, _ in self.kv_scales),
             v_scales=tuple(float(v) for _, v in self.kv_scales),
         )

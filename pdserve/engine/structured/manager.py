@@ -104,6 +104,8 @@ class StructuredOutputManager:
         when no row has one."""
         rows = []
         for i, seq in enumerate(plan.seqs):
+            if seq.logits_mask is not None:
+                continue  # a verify row whose masks the engine set (speculative decoding)
             grammar = grammar_of(seq.request_id) if seq.sample else None
             if grammar is not None and not grammar.failed and not grammar.is_terminated:
                 rows.append((i, grammar))

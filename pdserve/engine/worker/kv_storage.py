@@ -100,6 +100,7 @@ class KVStorage:
         num_aux_slots: int,
         model_fingerprint: str,
         kv_order: str | None = None,
+        speculative: str = "",
         kv_scales: tuple[tuple[float, float], ...] | None = None,
     ) -> None:
         if num_pages < 1:
@@ -117,7 +118,7 @@ class KVStorage:
         self.kv = self.kv_layout.allocate(self.device)
         self.layer_caches = self.kv_layout.layer_views(self.kv)
         self.aux = torch.zeros(num_aux_slots, AUX_RECORD_BYTES, dtype=torch.uint8)
-        self._layout = self.kv_layout.fingerprint(model_fingerprint)
+        self._layout = self.kv_layout.fingerprint(model_fingerprint, speculative=speculative)
 
     # --- what the transfer layer sees ------------------------------------------------
     @property
@@ -143,7 +144,7 @@ class KVStorage:
         ``num_kv_heads`` when that is not the rank's share (``parallel.kv_head_range``)."""
         layout = self._layout
         if total_kv_heads is not None:
-            layout = self.kv_layout.fingerprint(layout.model, total_kv_heads)
+            layout = self.kv_layout.fingerprint(layout.model, total_kv_heads, layout.speculative)
         return self.kv_layout.kv_args(
             self.kv,
             self.aux.data_ptr(),

@@ -23,9 +23,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pdserve.engine.spec.verify import VerifySpan, verify, verify_rows
 from pdserve.engine.step import BatchPlan, InFlightTokens, ScheduledSeq, StepResult, TokenLogprob
 from pdserve.engine.worker.kv_storage import KVStorage
-from pdserve.engine.worker.sampler import plain_greedy, sample, sample_request_of, top_logprobs
+from pdserve.engine.worker.sampler import (
+    SampleRequest,
+    plain_greedy,
+    sample,
+    sample_request_of,
+    top_logprobs,
+)
 from pdserve.model.attention import AttentionMetadata, page_table_array, token_slots
 
 if TYPE_CHECKING:
@@ -136,7 +143,18 @@ def stage_plan(
     table = page_table_array(tables, width)
     qsl, positions, slots = token_slots(q, s_lens, table, page_size)
     T = int(qsl[-1])
-    sample_rows = (qsl[1:] - 1)[[s.sample for s in seqs]]
+    if any(s.draft_token_ids for s in seqs):  # verify rows: every position's logits
+        sample_rows = np.fromiter(
+            (
+                r
+                for s, end in zip(seqs, qsl[1:].tolist())
+                if s.sample
+                for r in range(end - 1 - len(s.draft_token_ids), end)
+            ),
+            dtype=np.int64,
+        )
+    else:
+        sample_rows = (qsl[1:] - 1)[[s.sample for s in seqs]]
     chunks = _prompt_chunks(seqs, qsl[:-1].tolist())
     header = StepHeader(B, T, width, len(sample_rows), len(chunks) // 2)
     offs = header.offsets
@@ -288,6 +306,8 @@ class ModelRunner:
             tokens = self.graphs.greedy_tokens(len(plan.seqs))
             result.sampled = dict(zip((s.request_id for s in plan.seqs), tokens))
             return result
+        if any(s.draft_token_ids for s in plan.seqs):
+            return self._verify_step(plan, result)
         sample_reqs = [sample_request_of(s) for s in plan.seqs if s.sample]
         if logits is None:
             logits = self._eager_step(plan, result)
@@ -296,6 +316,29 @@ class ModelRunner:
             sampled = sample(logits, sample_reqs, self.generator)
             seq_ids = [s.request_id for s in plan.seqs if s.sample]
             result.sampled = dict(zip(seq_ids, sampled))
+        return result
+
+    def _verify_step(self, plan: BatchPlan, result: StepResult) -> StepResult:
+        """A step with verify rows (speculative decoding): eager (no CUDA graph captures
+        this shape yet), the logits of every position of each verify row, then
+        ``engine/spec/verify.py``'s acceptance rule for every sampling row (a row without
+        drafts is a span of one position)."""
+        logits = self._eager_step(plan, result)
+        rows: list[SampleRequest] = []
+        spans: list[VerifySpan] = []
+        ids: list[str] = []
+        for seq in plan.seqs:
+            if not seq.sample:
+                continue
+            ids.append(seq.request_id)
+            spans.append(VerifySpan(len(rows), seq.draft_token_ids, seq.draft_q))
+            rows.extend(verify_rows(seq))
+        assert logits is not None and logits.shape[0] == len(rows)
+        kept = verify(logits, rows, spans, self.generator)
+        for rid, seq, tokens in zip(ids, (s for s in plan.seqs if s.sample), kept):
+            result.sampled[rid] = tokens[0]
+            if seq.draft_token_ids:
+                result.verified[rid] = tokens
         return result
 
     def _eager_step(self, plan: BatchPlan, result: StepResult) -> torch.Tensor | None:

@@ -53,6 +53,11 @@ class PenaltyTokens:
         self._buf, self._n = buf, n
         return buf[:n]
 
+    def extended(self, extra: Sequence[int]) -> PenaltyTokens:
+        """A new state holding these tokens followed by ``extra`` (output tokens): the
+        penalties of a verify row's position after its drafts (``engine/spec/verify.py``)."""
+        return PenaltyTokens(list(self._ids) + list(extra), self.num_prompt)
+
     def output(self, device: torch.device) -> torch.Tensor:
         """``[L - num_prompt]`` int64 ids of the output tokens (a view)."""
         return self.tensor(device)[self.num_prompt :]

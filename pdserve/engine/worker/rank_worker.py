@@ -162,6 +162,7 @@ def build_rank(
         num_aux_slots=num_aux_slots(config),
         model_fingerprint=source.fingerprint,
         kv_order=config.cache.kv_order,
+        speculative=config.scheduler.speculative_key(),
         kv_scales=model.kv_scales if fp8_kv else None,
     )
     graphs = None

@@ -221,6 +221,35 @@ def _race(
     return race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would give 0/0 = nan
 
 
+def processed_logits(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """Steps 2-4 of the module docstring (``logit_bias``, banned ids, penalties, masks)
+    applied to ``logits[B, V]`` fp32: a new tensor when any row needs one, else ``logits``
+    itself.  A greedy row's token is this tensor's argmax."""
+    needs_work = any(
+        r.banned_token_ids
+        or r.params.logit_bias
+        or r.params.has_penalties
+        or r.logits_mask is not None
+        for r in rows
+    )
+    if not needs_work:
+        return logits
+    work = logits.clone()
+    _apply_bias_and_bans(work, rows)
+    _apply_penalties(work, rows)
+    apply_logits_masks(work, rows)
+    return work
+
+
+def target_probs(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """The distribution random rows draw from: ``work[R, V]`` (from :func:`processed_logits`)
+    over each row's temperature, top-k / top-p / min-p filtered, softmaxed (fp32 ``[R, V]``,
+    rows sum to 1).  Every row of ``rows`` must be a random (non-greedy) one."""
+    temps = _column([r.params.temperature for r in rows], work)
+    scaled = _filter(work / temps, [r.params for r in rows])
+    return scaled.softmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     rows: Sequence[SampleRequest],
@@ -233,26 +262,12 @@ def sample(
     alternatives (empty when logprobs were not asked); results cross to the host once.
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    work = logits
-    needs_work = any(
-        r.banned_token_ids
-        or r.params.logit_bias
-        or r.params.has_penalties
-        or r.logits_mask is not None
-        for r in rows
-    )
-    if needs_work:
-        work = logits.clone()
-        _apply_bias_and_bans(work, rows)
-        _apply_penalties(work, rows)
-        apply_logits_masks(work, rows)
+    work = processed_logits(logits, rows)
     chosen = work.argmax(dim=-1)  # greedy rows keep this
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         sub_rows = [rows[i] for i in random_rows]
-        temps = _column([r.params.temperature for r in sub_rows], work)
-        scaled = _filter(work[random_rows] / temps, [r.params for r in sub_rows])
-        probs = scaled.softmax(dim=-1)
+        probs = target_probs(work[random_rows], sub_rows)
         chosen[random_rows] = (probs / _race(probs, sub_rows, generator)).argmax(dim=-1)
     ks = [r.params.logprobs or 0 for r in rows]
     k_max = max(ks, default=0)

@@ -123,6 +123,11 @@ class NixlDecodeManager(KVManager):
         self._rooms: RoomTable[NixlReceiver] = RoomTable(Role.DECODE)
         self._transferring = threading.Event()  # a destination went out: watch notifications
         self._down = False
+        # the notification hop's own counters (stats()): what the notification thread read,
+        # what matched no live room of that prefill instance, and when it last read
+        self._notifs_received = 0
+        self._notifs_unmatched = 0
+        self._notifs_read_at = time.monotonic()
         self.engine = NixlTransferEngine(
             api, args, Role.DECODE, f"pdserve-decode-{self.instance_id[:12]}", cfg.agent
         )
@@ -188,6 +193,9 @@ class NixlDecodeManager(KVManager):
         return dict(
             self._rooms.stats(self._metrics, "nixl"),
             **self._prefills.stats(self.quarantine_bound),
+            notifs_received=self._notifs_received,
+            notifs_unmatched=self._notifs_unmatched,
+            notifs_read_age_s=round(time.monotonic() - self._notifs_read_at, 3),
             healthy=self.is_healthy(),
         )
 
@@ -257,7 +265,9 @@ class NixlDecodeManager(KVManager):
         for payloads in self.engine.new_notifs().values():
             for payload in payloads:
                 got = True
+                self._notifs_received += 1
                 self._on_notif(payload)
+        self._notifs_read_at = time.monotonic()
         return got
 
     def _awaiting_completion(self) -> bool:
@@ -283,8 +293,18 @@ class NixlDecodeManager(KVManager):
             return
         r = self._rooms.get(done.room)
         rank = r.rank_of(done.prefill_instance) if r is not None else None
-        if r is not None and rank is not None:
-            r.on_done(rank, done.aux)
+        if r is None or rank is None:
+            # Once a destination went out a room ends only on XferDone, RoomStatus or its
+            # writer's death, so this is rare: say it, it may be a room that now hangs
+            self._notifs_unmatched += 1
+            log.warning(
+                "XferDone of room %d from prefill instance %s matches %s",
+                done.room,
+                done.prefill_instance,
+                "no live room" if r is None else "none of the room's writers",
+            )
+            return
+        r.on_done(rank, done.aux)
 
     # --- heartbeat thread -------------------------------------------------------------------
     def _heartbeat_loop(self, stop: threading.Event) -> None:

@@ -217,6 +217,7 @@ class NixlPrefillManager(KVManager):
             self._rooms.stats(self._metrics, "nixl"),
             **self._peers.counts(),
             notifier_remote_agents=self.notifier.num_remotes(),
+            notifs_sent=self._workers.notifs_sent,
             prepared_dlists=self.engine.num_prepared_lists(),
             premade_writes=self.engine.num_premade_writes(),
             premade_writes_made=self.engine.premade_made,

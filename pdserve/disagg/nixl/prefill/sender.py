@@ -373,6 +373,7 @@ class NixlSender(RoomHandle, KVSender):
             )
 
 
+_SENT_LOCK = threading.Lock()
 SPIN_S = 0.005  # a transfer thread busy-polls this long after posting (a 1 GiB WRITE on an H200)
 BACKOFF_S = 0.0001
 INLINE_MAX_DESCS = 16  # descriptors (merged, all destinations) a send may post inline
@@ -427,6 +428,7 @@ class TransferWorkers:
         self.metrics = metrics
         self.on_host = engine.kv_mem == "DRAM"
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.notifs_sent = 0  # XferDone handed to the notifier without error (stats())
 
     def submit(
         self,
@@ -568,6 +570,8 @@ class TransferWorkers:
                 )
             except Exception as exc:  # noqa: BLE001
                 return f"completion notification failed: {type(exc).__name__}: {exc}"
+            with _SENT_LOCK:  # several threads finish rooms
+                self.notifs_sent += 1
         return None
 
     def _try_release(self, handle) -> bool:

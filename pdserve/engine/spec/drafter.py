@@ -1,0 +1,171 @@
+"""Drafters: what proposes the ``k`` tokens a verify step checks.
+
+The scheduler (``engine/core/scheduler.py``) asks its drafter once per step for every
+running decode row that may speculate, with the row's tokens so far (prompt + output) and
+the most tokens it may propose (bounded by ``num_speculative_tokens``, ``max_tokens``, the
+context limit and the step's token budget).  The drafter answers with a :class:`Draft`
+per row: the proposed ids and, for a drafter that samples its proposal, the proposal's
+probabilities (``q``) that the speculative-sampling rule (``verify.py``) needs; a
+deterministic proposal (n-gram) leaves ``q`` ``None`` (a one-hot proposal).
+
+A drafter that holds per-request state (a draft model's KV) learns how many of its tokens
+were accepted (:meth:`Drafter.on_verified`) and when a request leaves (:meth:`Drafter.release`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+class DraftInput(NamedTuple):
+    """One row to draft for: its request id, its tokens so far (prompt + output; the
+    request's own list, read only) and the most tokens to propose (>= 1)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    max_k: int
+
+
+class Draft(NamedTuple):
+    """A drafter's proposal for one row.
+
+    token_ids: the proposed ids, at most ``max_k`` (may be empty: nothing to propose).
+    q: ``None`` for a deterministic proposal, else float32 ``[len(token_ids), V]``: the
+        distribution each token was drawn from (rows sum to 1).
+    """
+
+    token_ids: list[int]
+    q: torch.Tensor | None = None
+
+
+class Drafter:
+    """The interface.  ``propose`` is required; the hooks default to no-ops."""
+
+    name = "none"
+
+    def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
+        """One :class:`Draft` per row, in order."""
+        raise NotImplementedError
+
+    def on_verified(self, request_id: str, num_accepted: int) -> None:
+        """``num_accepted`` of the request's last proposal were accepted (the rest are gone)."""
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted or preempted)."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the longest suffix of the row's tokens (``max_n`` down to ``min_n``
+    tokens) that occurred earlier in them; the tokens that followed its most recent earlier
+    occurrence with ``k`` tokens after it (else its earliest) are the proposal (at most
+    ``max_k``).  Deterministic (``q`` is ``None``).
+
+    num_speculative_tokens: the most tokens proposed per row (k).  min_n/max_n: the n-gram
+    sizes tried, longest first.  ValueError naming the field for k < 1, min_n < 1 or
+    max_n < min_n.  Cost: O(L * n) numpy work per row and size, L the row's length.
+    """
+
+    name = "ngram"
+
+    def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 3) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if min_n < 1:
+            raise ValueError(f"speculative_ngram_min must be >= 1, got {min_n}")
+        if max_n < min_n:
+            raise ValueError(
+                f"speculative_ngram_max ({max_n}) must be >= speculative_ngram_min ({min_n})"
+            )
+        self.k = num_speculative_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
+        return [Draft(self.lookup(r.token_ids, min(r.max_k, self.k))) for r in rows]
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """The proposal for one sequence of ``token_ids`` (at most ``k`` ids; may be empty)."""
+        L = len(token_ids)
+        if k < 1 or self.min_n + 1 > L:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = ids[L - n :]
+            # windows starting at 0 .. L-n-1 (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                # what followed the most recent occurrence with k tokens after it (a run of
+                # one token matches itself one place back), else the earliest one
+                full = hits[hits + n + k <= L]
+                start = int(full[-1] if full.size else hits[0]) + n
+                out: list[int] = ids[start : start + k].tolist()
+                return out
+        return []
+
+
+class ReplayDrafter(Drafter):
+    """The acceptance-controlled drafter of benchmarks and tests: it proposes a known
+    continuation of each sequence (the target's own greedy output, recorded beforehand)
+    with each draft token independently corrupted (replaced by the next id) with
+    probability ``1 - accept_rate``, so a greedy verify accepts each draft with probability
+    ``accept_rate`` until the first corrupted one.  For random weights, where no real
+    drafter can guess.
+
+    references: the full token lists (prompt + recorded output) of the sequences to draft
+        for; a row whose tokens are a prefix of none gets no draft.
+    num_speculative_tokens: k.  accept_rate: in [0, 1].  vocab_size: ids wrap below it.
+    seed: the corruption draws (a numpy generator).
+    """
+
+    name = "replay"
+
+    def __init__(
+        self,
+        references: Sequence[Sequence[int]],
+        num_speculative_tokens: int,
+        accept_rate: float,
+        vocab_size: int,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= accept_rate <= 1.0:
+            raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate}")
+        self.k = num_speculative_tokens
+        self.accept_rate = accept_rate
+        self.vocab_size = vocab_size
+        self._refs = [list(r) for r in references]
+        self._rng = np.random.default_rng(seed)
+        self._of: dict[str, int] = {}  # request id -> index of its reference
+
+    def _reference(self, row: DraftInput) -> list[int] | None:
+        idx = self._of.get(row.request_id)
+        ids = row.token_ids
+        if idx is None:
+            n = len(ids)
+            idx = next(
+                (i for i, r in enumerate(self._refs) if len(r) > n and r[:n] == list(ids)), -1
+            )
+            self._of[row.request_id] = idx
+        return self._refs[idx] if idx >= 0 else None
+
+    def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
+        out = []
+        for row in rows:
+            ref = self._reference(row)
+            n = len(row.token_ids)
+            if ref is None or ref[:n] != list(row.token_ids):
+                out.append(Draft([]))
+                continue
+            tokens = ref[n : n + min(row.max_k, self.k)]
+            bad = self._rng.random(len(tokens)) >= self.accept_rate
+            out.append(Draft([(t + 1) % self.vocab_size if b else t for t, b in zip(tokens, bad)]))
+        return out
+
+    def release(self, request_id: str) -> None:
+        self._of.pop(request_id, None)
