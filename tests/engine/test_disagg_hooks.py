@@ -281,3 +281,47 @@ def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
     for core in (prefill, decode):
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()
     assert_closed_once_after_terminal(m.values())
+
+
+def test_over_the_compute_ahead_cap_prefill_waits_for_the_destination_and_equals_mixed(
+    tiny_model_dir,
+):
+    """A cap of 6 pages (0.1 of 64) and two 6-page prompts: the first is computed before
+    decode's destination, the second waits for its destination without pages, then is
+    computed and sent as before compute-ahead; both decode outputs equal a mixed
+    engine's, no prompt token is computed twice and every page comes back."""
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(pd_compute_ahead_fraction=0.1),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompts = {"a": list(range(700, 722)), "b": list(range(800, 822))}
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    for rid, prompt in prompts.items():
+        decode.add_request("mixed-" + rid, prompt, params)
+    want = {k[len("mixed-") :]: v.outputs[0] for k, v in drive(decode).items()}
+    room = {"a": next(rooms), "b": next(rooms)}
+    for rid, prompt in prompts.items():
+        prefill.add_request("p" + rid, prompt, params, info("prefill", room[rid]))
+    for _ in range(3):
+        prefill.step()
+    stats = prefill.stats()
+    assert stats["prompt_tokens_computed"] == 22 and stats["pd_ahead_capped"] == 1
+    assert stats["pd_ahead_pages"] == 6 and prefill.num_free_pages == 64 - 6
+    for rid, prompt in prompts.items():
+        decode.add_request("d" + rid, prompt, params, info("decode", room[rid]))
+    got = drive(prefill, decode)
+    for rid in prompts:
+        out = got["d" + rid].outputs[0]
+        assert out.token_ids == want[rid].token_ids  # logprobs: the batches differ
+        for x, y in zip(out.logprobs, want[rid].logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert got["p" + rid].outputs[0].finish_reason == "length"
+    assert prefill.stats()["prompt_tokens_computed"] == 44  # no recompute
+    assert prefill.stats()["pd_ahead_pages"] == 0
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())

@@ -1,15 +1,18 @@
 """The engine's disaggregation hooks over scripted managers of the package's fake KV backend
 (pdserve/disagg/fake.py: the test plays the peer): the prefill and decode state machines
 step by step, a bad aux record, failures and aborts at every state, an init that raises,
-manager selection and duplicate rooms, managers bound after construction; pages back to
+manager selection and duplicate rooms, managers bound after construction, prompts computed
+before decode's destination (the cap on their pages, their timeout, an abort); pages back to
 baseline, every room closed once after a terminal poll (the pair: disagg_pairs.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from disagg_pairs import PROMPT, drive, info, rooms
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.fake import FakeKVManager
 from pdserve.engine.core.engine import EngineCore
@@ -192,3 +195,143 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
     drive(late)
     with pytest.raises(ValueError, match="bound already"):
         EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})
+
+
+def _prefill_alone(tiny_model_dir, **scheduler):
+    """A prefill engine (pool of 64 pages of 4 tokens) over a scripted fake manager bound as
+    ``fake`` (the test plays decode), with ``scheduler``'s SchedulerConfig fields."""
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(**scheduler),
+    )
+    core = EngineCore(cfg)
+    manager = FakeKVManager(core.executor.kv_args(), "prefill", scripted=True)
+    core.bind_kv_managers({"fake": manager})
+    return core, manager
+
+
+def _prompt(i: int) -> list[int]:
+    return list(range(400 + 30 * i, 422 + 30 * i))  # 22 tokens = 6 pages of 4, no shared page
+
+
+def test_compute_ahead_cap_holds_later_requests_wait_for_their_destination(tiny_model_dir):
+    """A cap of 12 pages (0.2 of 64) and five 6-page prompts whose destination has not come:
+    two are computed ahead, three wait without pages (counted as capped); a waiting one
+    whose destination comes is computed then, past the cap; when a computed one's
+    destination comes its prompt goes at once and the cap takes the next waiting one, first
+    come first served; aborted rooms (nothing sent) give every page back."""
+    core, mgr = _prefill_alone(tiny_model_dir, pd_compute_ahead_fraction=0.2)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    senders = {}
+    for i in range(5):
+        room = next(rooms)
+        core.add_request(f"c{i}", _prompt(i), params, info("prefill", room, fake=True))
+        senders[f"c{i}"] = mgr.handle(room)
+    for _ in range(3):
+        core.step()
+    stats = core.stats()
+    assert stats["prompt_tokens_computed"] == 2 * 22  # c0 and c1 only
+    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 3
+    assert core.num_free_pages == 64 - 12
+    assert stats["num_waiting_for_peer"] == 5 and stats["num_transferring"] == 2
+    assert stats["num_waiting"] == 0 and stats["num_running"] == 0
+    assert all(s.num_pages is None and s.chunks == [] for s in senders.values())
+
+    # c3's destination comes: computed now (the old order: destination, then compute),
+    # whatever the cap; c2 and c4 still wait
+    senders["c3"].advance(KVPoll.WaitingForInput)
+    outs = core.step()
+    assert [o.request_id for o in outs] == ["c3"] and senders["c3"].aux is not None
+    assert core.stats()["prompt_tokens_computed"] == 3 * 22
+    assert core.stats()["pd_ahead_pages"] == 12
+    senders["c3"].advance(KVPoll.Success)
+    assert core.step()[0].finished
+
+    # c0's destination comes: its computed prompt goes at once (one send, no recompute)
+    # and c2, the first to wait, is computed ahead in its place; c4 still waits
+    senders["c0"].advance(KVPoll.WaitingForInput)
+    core.step()
+    assert len(senders["c0"].chunks) == 1 and len(senders["c0"].pages_sent) == 6
+    stats = core.stats()
+    assert stats["prompt_tokens_computed"] == 4 * 22
+    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 3
+    assert senders["c4"].chunks == [] and core.num_free_pages == 64 - 18
+    senders["c0"].advance(KVPoll.Success)
+    assert core.step()[0].finished
+
+    for rid in ("c1", "c2", "c4"):  # the decode side never comes: the router gives up
+        core.abort_request(rid)
+        assert senders[rid].aborted and senders[rid].chunks == []
+        senders[rid].fail("aborted")
+    drive(core)
+    stats = core.stats()
+    assert core.num_free_pages == 64 and stats["pd_ahead_pages"] == 0
+    assert stats["prompt_tokens_computed"] == 4 * 22  # c4 never computed
+    assert not core.has_unfinished_requests()
+    assert all(
+        s.closes == [KVPoll.Failed] or s.closes == [KVPoll.Success] for s in senders.values()
+    )
+
+
+def test_a_computed_room_whose_destination_never_comes_fails_after_the_ahead_timeout(
+    tiny_model_dir,
+):
+    """--pd-compute-ahead-timeout 0.5: two prompts computed ahead hold their pages while
+    they wait; 0.5 s after each was computed its room is failed as a bootstrap timeout
+    (``expire``), the request ends with that error and the pages come back; a destination
+    that came before the bound is served as usual."""
+    core, mgr = _prefill_alone(
+        tiny_model_dir, pd_compute_ahead_fraction=0.5, pd_compute_ahead_timeout_s=0.5
+    )
+    params = SamplingParams(temperature=0, max_tokens=4)
+    senders = {}
+    for i in range(3):
+        room = next(rooms)
+        core.add_request(f"t{i}", _prompt(i), params, info("prefill", room, fake=True))
+        senders[f"t{i}"] = mgr.handle(room)
+    outs = core.step()  # all three computed in one step (66 tokens < 2048)
+    computed = time.perf_counter()
+    assert sorted(o.request_id for o in outs) == ["t0", "t1", "t2"]
+    assert core.num_free_pages == 64 - 18 and core.stats()["pd_ahead_pages"] == 18
+    senders["t2"].advance(KVPoll.WaitingForInput)
+    assert core.step() == [] and senders["t2"].aux is not None  # sent at once
+    assert time.perf_counter() - computed < 0.5, "the host was too slow for this test's bound"
+    assert core.num_free_pages == 64 - 18 and senders["t0"].expired is None
+    time.sleep(0.6)
+    senders["t2"].advance(KVPoll.Success)
+    got = drive(core)
+    for rid in ("t0", "t1"):
+        out = got[rid]
+        assert out.outputs[0].finish_reason == "error"
+        assert "did not arrive within 0.5 s" in out.error, out.error
+        assert "--pd-compute-ahead-timeout" in out.error
+        assert senders[rid].expired and senders[rid].chunks == []
+        assert senders[rid].closes == [KVPoll.Failed]
+    assert got["t2"].outputs[0].finish_reason == "length" and senders["t2"].closes == [
+        KVPoll.Success
+    ]
+    stats = core.stats()
+    assert stats["pd_ahead_expired"] == 2 and stats["pd_ahead_pages"] == 0
+    assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert mgr.stats()["transfers_failed"] == {"bootstrap_timeout": 2}
+
+
+def test_an_abort_frees_a_computed_room_s_pages_at_the_next_step(pd_cores):
+    """A prompt computed ahead, its destination not come (loopback manager: an abort
+    fails the room at once): the router's abort gives its pages back at the next step,
+    long before any timeout; nothing was sent."""
+    prefill, _, m = pd_cores
+    room = next(rooms)
+    prefill.add_request(
+        "a", PROMPT, SamplingParams(temperature=0, max_tokens=4), info("prefill", room)
+    )
+    outs = prefill.step()
+    assert outs[0].request_id == "a" and not outs[0].finished
+    assert prefill.num_free_pages == 58 and prefill.stats()["num_transferring"] == 1
+    prefill.abort_request("a")
+    prefill.step()
+    sender = m["p"].handle(room)
+    assert sender.aborted and sender.chunks == [] and sender.closes == [KVPoll.Failed]
+    assert prefill.num_free_pages == 64 and prefill.stats()["pd_ahead_pages"] == 0
+    assert not prefill.has_unfinished_requests()

@@ -1,7 +1,11 @@
 """The engine's side of prefill/decode disaggregation (rules in docs/architecture.md).
 
 Prefill role: the request queues like any request at once and its prompt is computed
-while decode's destination is still on its way; nothing is sent before
+while decode's destination is still on its way ("computed ahead"), as long as the prompts
+computed ahead hold at most ``ahead_pages`` pages between them (their whole prompts
+counted from arrival until the destination comes); beyond that cap a request waits for its
+destination without pages (``WAITING_FOR_PEER``) and queues when it comes, or when the cap
+has room again, first come first served.  Nothing is sent before
 ``sender.poll() >= WaitingForInput`` (the destination arrived), when it gets an aux slot and
 ``sender.init(num_pages, aux_slot)`` and every page computed so far is posted at once.
 After that, after each prefill chunk the pages it filled are posted
@@ -10,8 +14,10 @@ compute); after the last chunk the first token is sampled and ``sender.send(rest
 last=True, aux=record)`` posts the remaining pages (the partial one included) and the aux
 record, which only the transfer layer writes — or, the destination not there yet, the
 request leaves the batch holding its pages (``TRANSFERRING``, ``PDState.pending_aux``) and
-that last send goes out when the destination arrives; the backend's bootstrap timeout
-bounds that wait (the room fails, the pages are freed).  At ``Success`` it finishes with
+that last send goes out when the destination arrives; ``ahead_timeout_s`` after it was
+computed the flow gives up (``KVSender.expire``: the room fails as a bootstrap timeout, the
+pages are freed), and the backend's bootstrap timeout bounds the whole wait.  An abort
+frees a computed room's pages at the next poll (nothing of it was sent).  At ``Success`` it finishes with
 that one token.  A request with pages sent is never preempted and its pages are freed only
 after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
@@ -88,7 +94,11 @@ class PDFlow:
 
     managers: ``{"nixl": ..., "fake": ...}``; a request uses ``"fake"`` when
     ``DisaggRequestInfo.fake`` else ``transfer_backend``.  vocab_size: bound of a valid
-    first token id.
+    first token id.  ahead_pages: the pages prefill prompts computed before decode's
+    destination arrived may take between them (each counted as its whole prompt's pages;
+    0: none is computed ahead).  ahead_timeout_s: seconds a prompt computed ahead waits
+    for its destination before its room fails (``KVSender.expire``); ValueError if <= 0
+    or ``ahead_pages`` < 0.
     """
 
     def __init__(
@@ -99,7 +109,19 @@ class PDFlow:
         managers: Mapping[str, KVManager],
         transfer_backend: str,
         vocab_size: int,
+        *,
+        ahead_pages: int = 0,
+        ahead_timeout_s: float = 30.0,
     ) -> None:
+        if ahead_pages < 0:
+            raise ValueError(f"ahead_pages must be >= 0, got {ahead_pages}")
+        if ahead_timeout_s <= 0:
+            raise ValueError(f"ahead_timeout_s must be > 0, got {ahead_timeout_s}")
+        self._ahead_cap = ahead_pages
+        self._ahead_timeout_s = ahead_timeout_s
+        self._ahead_held = 0  # pages counted against the cap (PDState.ahead_pages summed)
+        self.num_ahead_capped = 0  # requests that waited for their destination: cap full
+        self.num_ahead_expired = 0  # computed-ahead rooms failed by ahead_timeout_s
         self._page_ids = page_ids
         self._kv = kv
         self._vocab_size = vocab_size
@@ -133,6 +155,12 @@ class PDFlow:
             or (_pd(r).sender is not None and not _pd(r).dest_ready)
         )
 
+    @property
+    def num_ahead_pages(self) -> int:
+        """Pages counted against the compute-ahead cap now: the whole prompts of the prefill
+        requests computed (or queued to be) before decode's destination arrived."""
+        return self._ahead_held
+
     @staticmethod
     def holds_room(req: Request) -> bool:
         """Whether ``req`` holds a KV sender or receiver (its end goes through the flow)."""
@@ -163,9 +191,14 @@ class PDFlow:
         info = pd.info
         if info.role is Role.PREFILL:
             pd.sender = manager.create_sender(info.bootstrap_room)
+            earlier = any(  # first come first served: none overtakes one the cap kept
+                r.status is Status.WAITING_FOR_PEER and _pd(r).sender is not None
+                for r in self._live
+            )
             self._live.append(req)
-            # computed now; the sends wait for decode's destination (_start_sending)
-            self._scheduler.add_waiting(req)
+            if earlier or not self._compute_ahead(req):
+                self.num_ahead_capped += 1
+                req.status = Status.WAITING_FOR_PEER  # queued when its destination comes
             return
         else:
             pd.receiver = manager.create_receiver(
@@ -184,8 +217,19 @@ class PDFlow:
         token (from the aux record): the engine appends it as any token, then calls
         :meth:`join`; the others come with ``None``."""
         changed: list[tuple[Request, SampledToken | None]] = []
+        blocked = False  # a prefill request over the compute-ahead cap: the later ones wait
+        now = time.perf_counter()
         for req in list(self._live):
             pd = _pd(req)
+            if (
+                pd.pending_aux is not None
+                and not pd.expired
+                and now - req.times.computed > self._ahead_timeout_s
+            ):
+                self._expire(req)  # the poll below sees the room Failed and ends it
+                if req.finished:
+                    changed.append((req, None))
+                    continue
             handle = pd.handle
             assert handle is not None  # every live request holds a sender or a receiver
             state, error = _poll(handle)
@@ -199,6 +243,10 @@ class PDFlow:
                     self._start_sending(req)
                     if req.finished:
                         changed.append((req, None))
+                    elif pd.dest_ready and req.status is Status.WAITING_FOR_PEER:
+                        self._scheduler.add_waiting(req)  # the cap kept it: computed now
+                elif req.status is Status.WAITING_FOR_PEER and not blocked:
+                    blocked = not self._compute_ahead(req)
             elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
                 pd.peer_ready = True
                 req.times.peer_ready = time.perf_counter()
@@ -223,6 +271,41 @@ class PDFlow:
         out (``KVReceiver.holds_pages``)."""
         return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
+    def _compute_ahead(self, req: Request) -> bool:
+        """Queue prefill request ``req`` before its destination arrived if its prompt's
+        pages fit under the cap (counted against it until the destination comes or the
+        request ends); False (nothing changed) if they do not."""
+        pd = _pd(req)
+        need = self._scheduler.pages_needed(req.num_prompt_tokens)
+        if self._ahead_held + need > self._ahead_cap:
+            return False
+        pd.ahead_pages, self._ahead_held = need, self._ahead_held + need
+        self._scheduler.add_waiting(req)  # computed now; the sends wait (_start_sending)
+        return True
+
+    def _uncount_ahead(self, pd: PDState) -> None:
+        self._ahead_held -= pd.ahead_pages
+        pd.ahead_pages = 0
+
+    def _expire(self, req: Request) -> None:
+        """``req``'s prompt was computed ``ahead_timeout_s`` ago and decode's destination
+        has not come: its room is failed as a bootstrap timeout (``KVSender.expire``), so
+        the next poll ends it and frees its pages as for the backend's own timeout (nothing
+        of it was sent); an ``expire`` that raises aborts it here instead."""
+        pd = _pd(req)
+        assert pd.sender is not None  # only a computed prefill request expires
+        pd.expired = True
+        self.num_ahead_expired += 1
+        reason = (
+            f"room {pd.info.bootstrap_room}: decode's destination did not arrive within "
+            f"{self._ahead_timeout_s:g} s of the prompt being computed "
+            "(--pd-compute-ahead-timeout)"
+        )
+        try:
+            pd.sender.expire(reason)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+            self.abort(req, reason="error", error=f"{reason} (expire raised {exc})")
+
     def _start_sending(self, req: Request) -> None:
         """Decode's destination arrived for a prefill request (queued, computing, or
         computed and waiting): an aux slot, ``init``, then what is computed goes out at
@@ -240,6 +323,7 @@ class PDFlow:
             self.abort(req, reason="error", error=f"KV sender init failed: {exc}")
             return
         pd.dest_ready = True
+        self._uncount_ahead(pd)
         if pd.pending_aux is not None:  # computed before the destination came
             aux, pd.pending_aux = pd.pending_aux, None
             self._send_last(req, aux)
@@ -406,6 +490,7 @@ class PDFlow:
         """End ``req`` now; its room is aborted and drained (pages the transfer layer may
         hold are freed after a terminal poll, then ``close()``)."""
         pd = _pd(req)
+        self._uncount_ahead(pd)
         if req.status in (Status.WAITING, Status.RUNNING):
             if pd.kv_pages_sent:  # the transfer layer may read them: drained below
                 self._scheduler.take_running(req)
@@ -432,6 +517,7 @@ class PDFlow:
         """The room reached a terminal state: free everything, close, finish ``req``
         (pages a late WRITE may still reach are drained once released instead)."""
         pd = _pd(req)
+        self._uncount_ahead(pd)
         self._live.remove(req)
         handle = pd.handle
         assert handle is not None  # every live request holds a sender or a receiver

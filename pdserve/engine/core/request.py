@@ -360,6 +360,11 @@ class PDState:
     # prefill: the aux record of a prompt computed before decode's destination arrived
     # (status TRANSFERRING, pages held, nothing sent): the last send, posted on arrival
     pending_aux: AuxRecord | None = None
+    # prefill: pages of the whole prompt counted against the compute-ahead cap while it is
+    # computed before decode's destination arrived (0: not computed ahead, or it arrived)
+    ahead_pages: int = 0
+    # prefill: the computed-ahead wait ran out (PDFlow._expire): the room is being failed
+    expired: bool = False
     # prefill: leading pages already handed to sender.send (chunked sending); while > 0
     # the transfer layer may read them, so they are never freed or preempted
     kv_pages_sent: int = 0
