@@ -65,6 +65,8 @@ def phase_bounds(
     if role is Role.PREFILL:
         # The prompt is computed while decode's destination is on its way: "bootstrap" is
         # the wait for it that is left once the prompt is computed (none if it came first).
+        # A request the compute-ahead cap kept (--pd-compute-ahead-fraction) is scheduled
+        # only once its destination came: its wait is in "queue", "bootstrap" is ~0.
         return head + [
             ("queue", t.queued),
             ("prefill", t.scheduled),
