@@ -216,14 +216,18 @@ def _prompt(i: int) -> list[int]:
 
 
 def test_compute_ahead_cap_holds_later_requests_wait_for_their_destination(tiny_model_dir):
-    """A cap of 12 pages (0.2 of 64) and five 6-page prompts whose destination has not come:
-    two are computed ahead, three wait without pages (counted as capped); a waiting one
+    """A cap of 12 pages (0.2 of 64) and five 6-page prompts whose destination has not come,
+    after a 13-page one (over the whole cap: it waits, holding none of them back): two are
+    computed ahead, three wait without pages (counted as capped); a waiting one
     whose destination comes is computed then, past the cap; when a computed one's
     destination comes its prompt goes at once and the cap takes the next waiting one, first
     come first served; aborted rooms (nothing sent) give every page back."""
     core, mgr = _prefill_alone(tiny_model_dir, pd_compute_ahead_fraction=0.2)
     params = SamplingParams(temperature=0, max_tokens=4)
     senders = {}
+    room = next(rooms)  # first, a prompt larger than the whole cap (13 pages): it waits,
+    core.add_request("big", list(range(10, 62)), params, info("prefill", room, fake=True))
+    senders["big"] = mgr.handle(room)  # holding no later one back
     for i in range(5):
         room = next(rooms)
         core.add_request(f"c{i}", _prompt(i), params, info("prefill", room, fake=True))
@@ -232,9 +236,9 @@ def test_compute_ahead_cap_holds_later_requests_wait_for_their_destination(tiny_
         core.step()
     stats = core.stats()
     assert stats["prompt_tokens_computed"] == 2 * 22  # c0 and c1 only
-    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 3
+    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 4
     assert core.num_free_pages == 64 - 12
-    assert stats["num_waiting_for_peer"] == 5 and stats["num_transferring"] == 2
+    assert stats["num_waiting_for_peer"] == 6 and stats["num_transferring"] == 2
     assert stats["num_waiting"] == 0 and stats["num_running"] == 0
     assert all(s.num_pages is None and s.chunks == [] for s in senders.values())
 
@@ -255,12 +259,12 @@ def test_compute_ahead_cap_holds_later_requests_wait_for_their_destination(tiny_
     assert len(senders["c0"].chunks) == 1 and len(senders["c0"].pages_sent) == 6
     stats = core.stats()
     assert stats["prompt_tokens_computed"] == 4 * 22
-    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 3
+    assert stats["pd_ahead_pages"] == 12 and stats["pd_ahead_capped"] == 4
     assert senders["c4"].chunks == [] and core.num_free_pages == 64 - 18
     senders["c0"].advance(KVPoll.Success)
     assert core.step()[0].finished
 
-    for rid in ("c1", "c2", "c4"):  # the decode side never comes: the router gives up
+    for rid in ("big", "c1", "c2", "c4"):  # the decode side never comes: the router gives up
         core.abort_request(rid)
         assert senders[rid].aborted and senders[rid].chunks == []
         senders[rid].fail("aborted")

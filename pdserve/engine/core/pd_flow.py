@@ -5,7 +5,8 @@ while decode's destination is still on its way ("computed ahead"), as long as th
 computed ahead hold at most ``ahead_pages`` pages between them (their whole prompts
 counted from arrival until the destination comes); beyond that cap a request waits for its
 destination without pages (``WAITING_FOR_PEER``) and queues when it comes, or when the cap
-has room again, first come first served.  Nothing is sent before
+has room again, first come first served (a prompt larger than the whole cap waits for its
+destination without holding the others back).  Nothing is sent before
 ``sender.poll() >= WaitingForInput`` (the destination arrived), when it gets an aux slot and
 ``sender.init(num_pages, aux_slot)`` and every page computed so far is posted at once.
 After that, after each prefill chunk the pages it filled are posted
@@ -17,9 +18,9 @@ request leaves the batch holding its pages (``TRANSFERRING``, ``PDState.pending_
 that last send goes out when the destination arrives; ``ahead_timeout_s`` after it was
 computed the flow gives up (``KVSender.expire``: the room fails as a bootstrap timeout, the
 pages are freed), and the backend's bootstrap timeout bounds the whole wait.  An abort
-frees a computed room's pages at the next poll (nothing of it was sent).  At ``Success`` it finishes with
-that one token.  A request with pages sent is never preempted and its pages are freed only
-after a terminal poll.
+frees a computed room's pages at the next poll (nothing of it was sent).  At ``Success``
+it finishes with that one token.  A request with pages sent is never preempted and its
+pages are freed only after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot: the leading full pages it already
 holds in its prefix cache are shared, fresh pages cover the rest, and
@@ -192,7 +193,9 @@ class PDFlow:
         if info.role is Role.PREFILL:
             pd.sender = manager.create_sender(info.bootstrap_room)
             earlier = any(  # first come first served: none overtakes one the cap kept
-                r.status is Status.WAITING_FOR_PEER and _pd(r).sender is not None
+                r.status is Status.WAITING_FOR_PEER
+                and _pd(r).sender is not None
+                and not self._over_the_cap(r)
                 for r in self._live
             )
             self._live.append(req)
@@ -246,7 +249,7 @@ class PDFlow:
                     elif pd.dest_ready and req.status is Status.WAITING_FOR_PEER:
                         self._scheduler.add_waiting(req)  # the cap kept it: computed now
                 elif req.status is Status.WAITING_FOR_PEER and not blocked:
-                    blocked = not self._compute_ahead(req)
+                    blocked = not self._compute_ahead(req) and not self._over_the_cap(req)
             elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
                 pd.peer_ready = True
                 req.times.peer_ready = time.perf_counter()
@@ -282,6 +285,11 @@ class PDFlow:
         pd.ahead_pages, self._ahead_held = need, self._ahead_held + need
         self._scheduler.add_waiting(req)  # computed now; the sends wait (_start_sending)
         return True
+
+    def _over_the_cap(self, req: Request) -> bool:
+        """Whether ``req``'s prompt alone takes more pages than the cap: it is never
+        computed ahead, and keeps no later request from it (it waits for its destination)."""
+        return self._scheduler.pages_needed(req.num_prompt_tokens) > self._ahead_cap
 
     def _uncount_ahead(self, pd: PDState) -> None:
         self._ahead_held -= pd.ahead_pages
