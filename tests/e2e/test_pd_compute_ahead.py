@@ -151,8 +151,13 @@ def test_a_client_that_goes_away_frees_a_computed_room_at_once(workers):
         target=_post, args=(p.url, _body(workers["port"], 890_000, 5), got, 0, 1.5)
     )
     t.start()
-    wait_for(lambda: _engine(p)["pd_ahead_pages"] == 7, 20, "the prompt computed ahead")
+    wait_for(
+        lambda: _engine(p)["prompt_tokens_computed"] - base["prompt_tokens_computed"] >= PROMPT_LEN,
+        20,
+        "the prompt computed ahead",
+    )
     computed = time.monotonic()
+    assert p.get_info()["num_free_pages"] == workers["baseline"]["prefill"] - 7  # held
     t.join(10)
     assert isinstance(got[0], httpx.ReadTimeout)  # the client gave up
     wait_for(
