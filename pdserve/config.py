@@ -198,8 +198,10 @@ class SchedulerConfig:
         counted as its whole prompt's pages until the destination comes); beyond it a
         request waits for its destination before it is computed; 0 = every one waits.
     pd_compute_ahead_timeout_s: PD prefill: seconds a prompt computed before decode's
-        destination arrived holds its pages waiting for it; then its room fails as a
-        bootstrap timeout and the pages are freed (> 0).
+        destination arrived holds its pages waiting for it; then it gives them back (full
+        pages stay in the prefix cache) and waits for the destination without pages, its
+        prompt computed again when it comes; the request does not fail (the transfer
+        backend's bootstrap timeout bounds the whole wait) (> 0).
     """
 
     max_num_batched_tokens: int = 2048

@@ -310,14 +310,6 @@ class KVSender(ABC):
     def close(self) -> None:
         """Called once by the engine after it freed the pages; releases the room id."""
 
-    def expire(self, reason: str) -> None:
-        """The engine gave up waiting for decode's destination (a prompt it computed before
-        the destination arrived waited too long; nothing was sent): fail the room as the
-        backend's own bootstrap timeout does (failure kind ``bootstrap_timeout``, ``reason``
-        its message; a destination that arrives later is told the room failed), so that
-        ``poll()`` reports ``Failed``.  Nothing once terminal.  Default: :meth:`abort`."""
-        self.abort()
-
 
 class KVReceiver(ABC):
     """Decode side of one room."""

@@ -36,7 +36,6 @@ from collections import OrderedDict
 
 from pdserve.disagg.base import (
     AUX_RECORD_BYTES,
-    BOOTSTRAP_TIMEOUT,
     PEER_FAILED,
     TRANSFER_ERROR,
     AuxRecord,
@@ -147,13 +146,6 @@ class FakeSender(FakeHandle, KVSender):
         self.chunks: list[list[int]] = []  # page ids of each send() call
         self.aux: AuxRecord | None = None  # carried by the last send()
         self.dest: tuple[list[int], int, int] | None = None  # loopback: pages, slot, skip
-        self.expired: str | None = None  # expire()'s reason
-
-    def expire(self, reason: str) -> None:
-        """:meth:`KVSender.expire`: ``Failed`` at once (scripted mode too: the engine's own
-        timeout, not the peer's doing), counted as a bootstrap timeout; recorded."""
-        self.expired = reason
-        self._finish_failed(reason, BOOTSTRAP_TIMEOUT)
 
     @property
     def pages_sent(self) -> list[int]:

@@ -140,9 +140,6 @@ class _Room(KVSender, KVReceiver):
         self._aborted = True
         self._mgr._fan(self, "abort")
 
-    def expire(self, reason: str) -> None:
-        self._mgr._fan(self, "expire", reason)
-
     def close(self) -> None:
         if self._closed:
             raise RuntimeError(f"close() called twice for room {self.room}")

@@ -49,10 +49,6 @@ class RankRooms:
     def abort(self, room: int) -> None:
         self._get(room).abort()
 
-    def expire(self, room: int, reason: str) -> None:
-        """``KVSender.expire`` of this rank's sender of ``room``."""
-        self._get(room).expire(reason)
-
     def close(self, room: int) -> None:
         with self._lock:
             handle = self._handles.pop(room)

@@ -201,8 +201,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--pd-compute-ahead-timeout",
         "PD prefill: seconds a prompt computed before decode's destination arrived keeps "
-        "its KV pages waiting for it; then its room fails as a bootstrap timeout and the "
-        "pages are freed",
+        "its KV pages waiting for it; then it gives them back (full pages stay in the "
+        "prefix cache) and waits for the destination without pages, to be computed again "
+        "when it comes; the request does not fail "
+        "(PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT bounds the whole wait)",
         config_value(SchedulerConfig, "pd_compute_ahead_timeout_s", float),
         cls=SchedulerConfig,
         field="pd_compute_ahead_timeout_s",

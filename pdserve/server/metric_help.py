@@ -40,8 +40,9 @@ HELP: dict[str, tuple[str, str]] = {
         COUNTER,
     ),
     "pd_ahead_expired": (
-        "PD prefill: rooms failed after their prompt, computed before decode's destination "
-        "arrived, waited --pd-compute-ahead-timeout for it, since start (cumulative count)",
+        "PD prefill: prompts computed before decode's destination arrived that waited "
+        "--pd-compute-ahead-timeout for it and gave their KV pages back (computed again "
+        "when it comes), since start (cumulative count)",
         COUNTER,
     ),
     "num_free_pages": ("KV cache pages available to new requests (pages)", GAUGE),

@@ -66,7 +66,9 @@ def phase_bounds(
         # The prompt is computed while decode's destination is on its way: "bootstrap" is
         # the wait for it that is left once the prompt is computed (none if it came first).
         # A request the compute-ahead cap kept (--pd-compute-ahead-fraction) is scheduled
-        # only once its destination came: its wait is in "queue", "bootstrap" is ~0.
+        # only once its destination came: its wait is in "queue", "bootstrap" is ~0.  One
+        # that gave its computed pages back (--pd-compute-ahead-timeout) keeps its first
+        # "computed": "bootstrap" holds the rest of its wait and its prompt's recompute.
         return head + [
             ("queue", t.queued),
             ("prefill", t.scheduled),

@@ -161,23 +161,6 @@ def test_prefill_rooms_only_on_writer_ranks_and_send_fans_out(scripted):
     assert ranks.calls[(1, "create")] == ranks.calls[(3, "create")] == 0
 
 
-def test_expire_fans_out_to_the_writer_ranks(scripted):
-    """``expire`` of a prefill room reaches every writer rank (through the pickled pipe
-    for rank 2); each fails as a bootstrap timeout with the engine's reason, the room then
-    reads ``Failed`` with it."""
-    tpm, mgrs, ranks = scripted("prefill", 4, heads=2)  # writers: ranks 0 and 2
-    s = tpm.create_sender(12)
-    assert s.poll() == KVPoll.Bootstrapping
-    s.expire("no destination within 30 s (test)")
-    h0, h2 = mgrs[0].handle(12), mgrs[2].handle(12)
-    assert h0.expired == h2.expired == "no destination within 30 s (test)"
-    assert ranks.calls[(2, "expire")] == 1 and ranks.calls[(1, "expire")] == 0
-    assert s.poll() == KVPoll.Failed and "(test)" in str(s.failure_exception())
-    assert mgrs[2].stats()["transfers_failed"] == {"bootstrap_timeout": 1}
-    s.close()
-    assert h0.closes == h2.closes == [KVPoll.Failed]
-
-
 def test_the_polls_of_a_step_are_one_call_per_rank(scripted):
     tpm, mgrs, ranks = scripted("decode", 3, heads=3)
     rooms = [tpm.create_receiver("h", 1, 100 + i) for i in range(10)]

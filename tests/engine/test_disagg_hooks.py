@@ -1,8 +1,9 @@
 """The engine's disaggregation hooks over loopback managers of the package's fake KV backend
 (pdserve/disagg/fake.py: the KV really moves between two engines): PD output equals mixed
 output (sampling params, a first token that stops, a second turn moving only its new
-pages, eviction pressure, chunked prefill sending each chunk), an abort at every step of a
-PD request; pages back to baseline, every room closed once after a terminal poll.  The
+pages, eviction pressure, chunked prefill sending each chunk, a prompt over the
+compute-ahead cap, a computed prompt that gave its pages back after the compute-ahead
+timeout and was computed again), an abort at every step of a PD request; pages back to baseline, every room closed once after a terminal poll.  The
 scripted peer: test_disagg_scripted_peer.py; the pair: disagg_pairs.py."""
 
 from __future__ import annotations
@@ -321,6 +322,74 @@ def test_over_the_compute_ahead_cap_prefill_waits_for_the_destination_and_equals
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
         assert got["p" + rid].outputs[0].finish_reason == "length"
     assert prefill.stats()["prompt_tokens_computed"] == 44  # no recompute
+    assert prefill.stats()["pd_ahead_pages"] == 0
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())
+
+
+def test_a_prompt_that_gave_its_pages_back_is_computed_again_and_pd_equals_mixed(
+    tiny_model_dir,
+):
+    """--pd-compute-ahead-timeout 0.3: two prompts (greedy with logprobs and prompt
+    logprobs; seeded) computed before decode's destination wait past the bound: they give
+    their pages back (kept in the prefix cache), their rooms alive, not failed.  Decode's
+    requests come then: each prompt's KV is computed again from its cached pages (2 tokens
+    of 22 computed), its first token is the one sampled the first time, the KV moves and
+    decode's outputs equal a mixed engine's token for token; prefill reports each prompt
+    logprob once."""
+    import time
+
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(pd_compute_ahead_timeout_s=0.3),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompts = {"a": list(range(700, 722)), "b": list(range(800, 822))}
+    params = {
+        "a": SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1),
+        "b": SamplingParams(temperature=0.9, seed=11, max_tokens=8, logprobs=1),
+    }
+    for rid, prompt in prompts.items():
+        decode.add_request("mixed-" + rid, prompt, params[rid])
+    want = {k[len("mixed-") :]: v for k, v in drive(decode).items()}
+    decode.kv.reset_cache()  # decode holds none of the prompts: every page moves
+    room = {"a": next(rooms), "b": next(rooms)}
+    for rid, prompt in prompts.items():
+        prefill.add_request("p" + rid, prompt, params[rid], info("prefill", room[rid]))
+    first = {o.request_id: o.outputs[0].token_ids for o in prefill.step()}
+    assert prefill.stats()["prompt_tokens_computed"] == 44
+    assert prefill.num_free_pages == 64 - 12
+    time.sleep(0.4)
+    assert prefill.step() == []  # past the bound: the pages go back, nobody fails
+    stats = prefill.stats()
+    assert stats["pd_ahead_expired"] == 2 and stats["num_waiting_for_peer"] == 2
+    assert prefill.num_free_pages == 64 and prefill.kv.num_cached_pages == 2 * 5
+    for rid in prompts:
+        sender = m["p"].handle(room[rid])
+        assert not sender.aborted and sender.closes == [] and sender.chunks == []
+    for rid, prompt in prompts.items():
+        decode.add_request("d" + rid, prompt, params[rid], info("decode", room[rid]))
+    got = drive(prefill, decode)
+    assert prefill.stats()["prompt_tokens_computed"] == 44 + 2 * 2  # from the cached pages
+    for rid in prompts:
+        out, ref = got["d" + rid].outputs[0], want[rid].outputs[0]
+        assert first["p" + rid] == ref.token_ids[:1]  # sampled once, on the first compute
+        assert got["p" + rid].outputs[0].token_ids == ref.token_ids[:1]
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        assert out.finish_reason == ref.finish_reason
+        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        recv = m["d"].handle(room[rid])
+        assert recv.skip_pages == 0 and len(recv.dst_pages) == 6
+        assert m["p"].handle(room[rid]).closes == recv.closes == [KVPoll.Success]
+    lps, ref_lps = got["pa"].prompt_logprobs, want["a"].prompt_logprobs
+    assert len(lps) == len(ref_lps) == 22 and lps[0] is None
+    for x, y in zip(lps[1:], ref_lps[1:], strict=True):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
     assert prefill.stats()["pd_ahead_pages"] == 0
     for core in (prefill, decode):
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()

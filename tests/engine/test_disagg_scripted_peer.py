@@ -2,7 +2,8 @@
 (pdserve/disagg/fake.py: the test plays the peer): the prefill and decode state machines
 step by step, a bad aux record, failures and aborts at every state, an init that raises,
 manager selection and duplicate rooms, managers bound after construction, prompts computed
-before decode's destination (the cap on their pages, their timeout, an abort); pages back to
+before decode's destination (the cap on their pages, the pages given back after their
+timeout and the prompt computed again, an abort); pages back to
 baseline, every room closed once after a terminal poll (the pair: disagg_pairs.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from disagg_pairs import PROMPT, drive, info, rooms
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.disagg.base import AuxRecord, DuplicateRoomError, KVPoll
+from pdserve.disagg.base import BOOTSTRAP_TIMEOUT, AuxRecord, DuplicateRoomError, KVPoll
 from pdserve.disagg.fake import FakeKVManager
 from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.core.pd_flow import PDFlow
@@ -278,17 +279,21 @@ def test_compute_ahead_cap_holds_later_requests_wait_for_their_destination(tiny_
     )
 
 
-def test_a_computed_room_whose_destination_never_comes_fails_after_the_ahead_timeout(
+def test_a_computed_prompt_gives_its_pages_back_after_the_ahead_timeout_and_is_not_failed(
     tiny_model_dir,
 ):
-    """--pd-compute-ahead-timeout 0.5: two prompts computed ahead hold their pages while
-    they wait; 0.5 s after each was computed its room is failed as a bootstrap timeout
-    (``expire``), the request ends with that error and the pages come back; a destination
-    that came before the bound is served as usual."""
+    """--pd-compute-ahead-timeout 0.5: three prompts computed ahead hold their pages while
+    they wait; a destination that comes before the bound is served as usual; 0.5 s after
+    they were computed the other two give their pages back (their full pages stay in the
+    prefix cache) and wait for their destination without pages, their rooms alive, not
+    failed, not computed ahead again, holding no later request back; a destination that
+    comes then gets the prompt computed again (prefix-cache hits: only the tokens past the
+    last full page) and the first token sampled the first time, nothing sampled again; the
+    backend's bootstrap timeout still ends one whose destination never comes."""
     core, mgr = _prefill_alone(
         tiny_model_dir, pd_compute_ahead_fraction=0.5, pd_compute_ahead_timeout_s=0.5
     )
-    params = SamplingParams(temperature=0, max_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
     senders = {}
     for i in range(3):
         room = next(rooms)
@@ -296,29 +301,66 @@ def test_a_computed_room_whose_destination_never_comes_fails_after_the_ahead_tim
         senders[f"t{i}"] = mgr.handle(room)
     outs = core.step()  # all three computed in one step (66 tokens < 2048)
     computed = time.perf_counter()
-    assert sorted(o.request_id for o in outs) == ["t0", "t1", "t2"]
+    first = {o.request_id: o.outputs[0].token_ids for o in outs}
+    assert sorted(first) == ["t0", "t1", "t2"] and all(len(t) == 1 for t in first.values())
     assert core.num_free_pages == 64 - 18 and core.stats()["pd_ahead_pages"] == 18
     senders["t2"].advance(KVPoll.WaitingForInput)
     assert core.step() == [] and senders["t2"].aux is not None  # sent at once
     assert time.perf_counter() - computed < 0.5, "the host was too slow for this test's bound"
-    assert core.num_free_pages == 64 - 18 and senders["t0"].expired is None
+    assert core.stats()["pd_ahead_expired"] == 0 and core.num_free_pages == 64 - 18
     time.sleep(0.6)
     senders["t2"].advance(KVPoll.Success)
-    got = drive(core)
+    outs = core.step()  # t0 and t1 give their pages back; t2 ends
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("t2", "length")]
+    for _ in range(3):  # they wait for their destination without pages; nothing computed
+        assert core.step() == []
+    stats = core.stats()
+    assert stats["pd_ahead_expired"] == 2 and stats["pd_ahead_pages"] == 0
+    assert stats["num_waiting_for_peer"] == 2 and stats["num_transferring"] == 0
+    assert stats["num_waiting"] == stats["num_running"] == 0
+    assert stats["prompt_tokens_computed"] == 3 * 22
+    assert core.num_free_pages == 64  # t0's and t1's full pages: cached, evictable
+    assert core.kv.num_cached_pages == 3 * 5  # t0, t1 and t2: 5 full pages each
     for rid in ("t0", "t1"):
-        out = got[rid]
-        assert out.outputs[0].finish_reason == "error"
-        assert "did not arrive within 0.5 s" in out.error, out.error
-        assert "--pd-compute-ahead-timeout" in out.error
-        assert senders[rid].expired and senders[rid].chunks == []
-        assert senders[rid].closes == [KVPoll.Failed]
-    assert got["t2"].outputs[0].finish_reason == "length" and senders["t2"].closes == [
-        KVPoll.Success
-    ]
+        s = senders[rid]
+        assert not s.aborted and s.closes == [] and s.chunks == [] and s.num_pages is None
+
+    # a later request is computed ahead: the two waiting hold none back
+    room = next(rooms)
+    core.add_request("t3", _prompt(3), params, info("prefill", room, fake=True))
+    senders["t3"] = mgr.handle(room)
+    core.step()
+    stats = core.stats()
+    assert stats["prompt_tokens_computed"] == 4 * 22 and stats["pd_ahead_pages"] == 6
+
+    # t0's destination comes: queued, its prompt computed again from its cached pages (5
+    # full pages of 4: 2 tokens left), nothing sampled: the first token of the first time
+    senders["t0"].advance(KVPoll.WaitingForInput)
+    assert core.step() == []
+    s = senders["t0"]
+    assert core.stats()["prompt_tokens_computed"] == 4 * 22 + 2
+    assert s.num_pages == 6 and len(s.pages_sent) == 6 and s.aux is not None
+    assert [s.aux.first_token_id] == first["t0"]
+    senders["t0"].advance(KVPoll.Success)
+    out = core.step()[0]
+    assert out.request_id == "t0" and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == first["t0"] and len(out.outputs[0].logprobs) == 1
+    assert s.closes == [KVPoll.Success]
+
+    # t1's destination never comes: the backend's bootstrap timeout (counted from arrival,
+    # played here) ends it, as before compute-ahead
+    senders["t1"].fail(
+        "room: decode's destination did not arrive within 300 s (test)", BOOTSTRAP_TIMEOUT
+    )
+    core.abort_request("t3")
+    senders["t3"].fail("aborted")
+    got = drive(core)
+    assert got["t1"].outputs[0].finish_reason == "error" and "300 s (test)" in got["t1"].error
+    assert senders["t1"].closes == [KVPoll.Failed] and senders["t1"].chunks == []
     stats = core.stats()
     assert stats["pd_ahead_expired"] == 2 and stats["pd_ahead_pages"] == 0
     assert core.num_free_pages == 64 and not core.has_unfinished_requests()
-    assert mgr.stats()["transfers_failed"] == {"bootstrap_timeout": 2}
+    assert mgr.stats()["transfers_failed"]["bootstrap_timeout"] == 1
 
 
 def test_an_abort_frees_a_computed_room_s_pages_at_the_next_step(pd_cores):

@@ -16,10 +16,14 @@ last=True, aux=record)`` posts the remaining pages (the partial one included) an
 record, which only the transfer layer writes — or, the destination not there yet, the
 request leaves the batch holding its pages (``TRANSFERRING``, ``PDState.pending_aux``) and
 that last send goes out when the destination arrives; ``ahead_timeout_s`` after it was
-computed the flow gives up (``KVSender.expire``: the room fails as a bootstrap timeout, the
-pages are freed), and the backend's bootstrap timeout bounds the whole wait.  An abort
-frees a computed room's pages at the next poll (nothing of it was sent).  At ``Success``
-it finishes with that one token.  A request with pages sent is never preempted and its
+computed it gives its pages back instead (full pages stay in the prefix cache; nothing of
+it was sent) and waits for its destination without pages, as one the cap kept, but holding
+no later one back; its room stays alive, and when the destination comes its prompt's KV is
+computed again (mostly prefix-cache hits; the first token stays the one sampled, nothing is
+sampled again: ``Request.compute_end``) and sent with that aux record.  The backend's
+bootstrap timeout bounds the whole wait, from arrival.  An abort frees a computed room's
+pages at the next poll (nothing of it was sent).  At ``Success`` it finishes with that
+one token.  A request with pages sent is never preempted and its
 pages are freed only after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot: the leading full pages it already
@@ -97,9 +101,9 @@ class PDFlow:
     ``DisaggRequestInfo.fake`` else ``transfer_backend``.  vocab_size: bound of a valid
     first token id.  ahead_pages: the pages prefill prompts computed before decode's
     destination arrived may take between them (each counted as its whole prompt's pages;
-    0: none is computed ahead).  ahead_timeout_s: seconds a prompt computed ahead waits
-    for its destination before its room fails (``KVSender.expire``); ValueError if <= 0
-    or ``ahead_pages`` < 0.
+    0: none is computed ahead).  ahead_timeout_s: seconds a prompt computed ahead holds its
+    pages waiting for its destination before it gives them back (:meth:`_give_back`);
+    ValueError if <= 0 or ``ahead_pages`` < 0.
     """
 
     def __init__(
@@ -122,7 +126,7 @@ class PDFlow:
         self._ahead_timeout_s = ahead_timeout_s
         self._ahead_held = 0  # pages counted against the cap (PDState.ahead_pages summed)
         self.num_ahead_capped = 0  # requests that waited for their destination: cap full
-        self.num_ahead_expired = 0  # computed-ahead rooms failed by ahead_timeout_s
+        self.num_ahead_expired = 0  # computed-ahead prompts that gave their pages back
         self._page_ids = page_ids
         self._kv = kv
         self._vocab_size = vocab_size
@@ -147,8 +151,8 @@ class PDFlow:
     @property
     def num_waiting_for_peer(self) -> int:
         """Requests whose peer is not ready yet: decode ones bootstrapping
-        (``WAITING_FOR_PEER``), prefill ones whose destination has not arrived (computing
-        or computed meanwhile)."""
+        (``WAITING_FOR_PEER``), prefill ones whose destination has not arrived (computing,
+        computed meanwhile, or waiting without pages)."""
         return sum(
             1
             for r in self._live
@@ -195,7 +199,7 @@ class PDFlow:
             earlier = any(  # first come first served: none overtakes one the cap kept
                 r.status is Status.WAITING_FOR_PEER
                 and _pd(r).sender is not None
-                and not self._over_the_cap(r)
+                and not self._waits_for_dest(r)
                 for r in self._live
             )
             self._live.append(req)
@@ -227,12 +231,10 @@ class PDFlow:
             if (
                 pd.pending_aux is not None
                 and not pd.expired
+                and not pd.dest_ready
                 and now - req.times.computed > self._ahead_timeout_s
             ):
-                self._expire(req)  # the poll below sees the room Failed and ends it
-                if req.finished:
-                    changed.append((req, None))
-                    continue
+                self._give_back(req)  # waits for its destination without pages (below)
             handle = pd.handle
             assert handle is not None  # every live request holds a sender or a receiver
             state, error = _poll(handle)
@@ -247,9 +249,14 @@ class PDFlow:
                     if req.finished:
                         changed.append((req, None))
                     elif pd.dest_ready and req.status is Status.WAITING_FOR_PEER:
-                        self._scheduler.add_waiting(req)  # the cap kept it: computed now
-                elif req.status is Status.WAITING_FOR_PEER and not blocked:
-                    blocked = not self._compute_ahead(req) and not self._over_the_cap(req)
+                        # the cap kept it, or it gave its pages back: computed now
+                        self._scheduler.add_waiting(req)
+                elif (
+                    req.status is Status.WAITING_FOR_PEER
+                    and not blocked
+                    and not self._waits_for_dest(req)
+                ):
+                    blocked = not self._compute_ahead(req)
             elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
                 pd.peer_ready = True
                 req.times.peer_ready = time.perf_counter()
@@ -286,38 +293,52 @@ class PDFlow:
         self._scheduler.add_waiting(req)  # computed now; the sends wait (_start_sending)
         return True
 
-    def _over_the_cap(self, req: Request) -> bool:
-        """Whether ``req``'s prompt alone takes more pages than the cap: it is never
-        computed ahead, and keeps no later request from it (it waits for its destination)."""
+    def _waits_for_dest(self, req: Request) -> bool:
+        """Whether prefill request ``req`` is never computed before its destination arrives,
+        and so keeps no later request from the cap (it waits for its destination): its
+        prompt alone takes more pages than the cap, or it gave its computed pages back
+        after ``ahead_timeout_s`` (:meth:`_give_back`)."""
+        if _pd(req).expired:
+            return True
         return self._scheduler.pages_needed(req.num_prompt_tokens) > self._ahead_cap
 
     def _uncount_ahead(self, pd: PDState) -> None:
         self._ahead_held -= pd.ahead_pages
         pd.ahead_pages = 0
 
-    def _expire(self, req: Request) -> None:
+    def _give_back(self, req: Request) -> None:
         """``req``'s prompt was computed ``ahead_timeout_s`` ago and decode's destination
-        has not come: its room is failed as a bootstrap timeout (``KVSender.expire``), so
-        the next poll ends it and frees its pages as for the backend's own timeout (nothing
-        of it was sent); an ``expire`` that raises aborts it here instead."""
+        has not come (a decode short of pages sends it only once it has them): the
+        fallback to the order before compute-ahead, not a failure.  Its pages go back
+        (full ones stay in the prefix cache, evictable) and leave the cap; it waits for its
+        destination without pages (``WAITING_FOR_PEER``, holding no later one back), its
+        room alive (the backend's bootstrap timeout still bounds the whole wait); when the
+        destination comes it is queued and its prompt's KV computed again, then sent with
+        the first token sampled the first time (``pending_aux``, :meth:`send_chunks`)."""
         pd = _pd(req)
-        assert pd.sender is not None  # only a computed prefill request expires
+        assert pd.sender is not None and pd.kv_pages_sent == 0  # nothing sent before dest
+        assert req.status is Status.TRANSFERRING and pd.pending_aux is not None
         pd.expired = True
         self.num_ahead_expired += 1
-        reason = (
-            f"room {pd.info.bootstrap_room}: decode's destination did not arrive within "
-            f"{self._ahead_timeout_s:g} s of the prompt being computed "
-            "(--pd-compute-ahead-timeout)"
+        self._uncount_ahead(pd)
+        held = len(req.pages)
+        self._scheduler.free_pages(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING_FOR_PEER
+        logger.info(
+            "room %d: decode's destination did not arrive within %g s of the prompt being "
+            "computed (--pd-compute-ahead-timeout): its %d KV pages are given back; it is "
+            "computed again when the destination comes",
+            pd.info.bootstrap_room,
+            self._ahead_timeout_s,
+            held,
         )
-        try:
-            pd.sender.expire(reason)
-        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
-            self.abort(req, reason="error", error=f"{reason} (expire raised {exc})")
 
     def _start_sending(self, req: Request) -> None:
-        """Decode's destination arrived for a prefill request (queued, computing, or
-        computed and waiting): an aux slot, ``init``, then what is computed goes out at
-        once: the whole prompt and the aux record if it is done, else its full pages."""
+        """Decode's destination arrived for a prefill request (queued, computing, computed
+        and waiting, or waiting without pages): an aux slot, ``init``, then what is computed
+        goes out at once: the whole prompt and the aux record if it is done, else its full
+        pages (none for one waiting without pages: :meth:`poll` queues it)."""
         pd = _pd(req)
         slot = self._page_ids.allocate_aux_slot()
         if slot is None:
@@ -332,8 +353,9 @@ class PDFlow:
             return
         pd.dest_ready = True
         self._uncount_ahead(pd)
-        if pd.pending_aux is not None:  # computed before the destination came
+        if req.status is Status.TRANSFERRING:  # computed before the destination came
             aux, pd.pending_aux = pd.pending_aux, None
+            assert aux is not None  # kept by send_prefill
             self._send_last(req, aux)
         elif req.status is Status.RUNNING:  # chunks computed so far (none in flight:
             self._send_full_pages(req)  # prefill rows never run in a launched step)
@@ -390,8 +412,8 @@ class PDFlow:
         by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
-            if req is None or not seq.sample:
-                continue
+            if req is None or seq.start_pos + len(seq.token_ids) < req.num_prompt_tokens:
+                continue  # not the prompt's last chunk
             pd = _pd(req)
             if pd.sender is None or pd.kv_pages_sent:
                 continue
@@ -402,7 +424,10 @@ class PDFlow:
 
     def send_chunks(self, plan: BatchPlan) -> None:
         """After a step: every prefill-role request whose prompt is not finished sends the
-        pages its computed tokens fill completely (chunked sending)."""
+        pages its computed tokens fill completely (chunked sending); one that computed its
+        prompt's KV again after giving its pages back (:meth:`_give_back`, nothing sampled)
+        and reached the prompt's end leaves the batch and sends the rest with the aux
+        record of its first computation."""
         by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
@@ -411,7 +436,13 @@ class PDFlow:
             pd = _pd(req)
             if pd.sender is None or not pd.dest_ready:
                 continue  # before the destination: sent all at once when it arrives
-            self._send_full_pages(req)
+            if pd.pending_aux is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                aux, pd.pending_aux = pd.pending_aux, None
+                self._scheduler.take_running(req)
+                req.status = Status.TRANSFERRING
+                self._send_last(req, aux)
+            else:
+                self._send_full_pages(req)
 
     def _send_full_pages(self, req: Request) -> None:
         """Send the pages ``req``'s computed tokens fill completely and not sent yet."""

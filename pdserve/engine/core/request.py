@@ -363,7 +363,10 @@ class PDState:
     # prefill: pages of the whole prompt counted against the compute-ahead cap while it is
     # computed before decode's destination arrived (0: not computed ahead, or it arrived)
     ahead_pages: int = 0
-    # prefill: the computed-ahead wait ran out (PDFlow._expire): the room is being failed
+    # prefill: a prompt computed ahead waited --pd-compute-ahead-timeout for the destination
+    # (PDFlow._give_back): its pages went back (full ones stay in the prefix cache) and it
+    # waits for the destination without them; the first token stays sampled (pending_aux)
+    # and only the prompt's KV is computed again once the destination comes
     expired: bool = False
     # prefill: leading pages already handed to sender.send (chunked sending); while > 0
     # the transfer layer may read them, so they are never freed or preempted
@@ -445,6 +448,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def compute_end(self) -> int:
+        """How many leading tokens of ``all_token_ids`` this engine computes the KV of (the
+        scheduler's target; it samples only when that is every token): all of them, but a
+        PD prefill request's prompt only (decode computes the first output token's KV).  A
+        prefill request whose first token is already sampled is only scheduled to compute
+        its prompt's KV again after giving its pages back (``PDState.expired``): it reaches
+        this end without sampling again."""
+        pd = self.pd
+        if pd is not None and pd.info.role is Role.PREFILL:
+            return self.num_prompt_tokens
         return len(self.all_token_ids)
 
     @property

@@ -278,11 +278,6 @@ class NixlSender(RoomHandle, KVSender):
         doc). Nothing once terminal. The manager's shutdown calls it."""
         self._fail(reason, kind)
 
-    def expire(self, reason: str) -> None:
-        """:meth:`KVSender.expire`: failed at once when nothing is in flight (as before any
-        send), decode told if its destination came meanwhile or comes later."""
-        self._fail(reason, BOOTSTRAP_TIMEOUT)
-
     def _fail(self, reason: str, kind: str) -> None:  # RoomHandle's hook (abort, injection)
         with self._lock:
             self._drop_premade()
