@@ -358,7 +358,8 @@ class PDState:
     # prompt is computed as usual but nothing is sent (the sends wait for this)
     dest_ready: bool = False
     # prefill: the aux record of a prompt computed before decode's destination arrived
-    # (status TRANSFERRING, pages held, nothing sent): the last send, posted on arrival
+    # (status TRANSFERRING, pages held, nothing sent; or, pages given back, see ``expired``,
+    # until the prompt is computed again): the last send, posted on arrival
     pending_aux: AuxRecord | None = None
     # prefill: pages of the whole prompt counted against the compute-ahead cap while it is
     # computed before decode's destination arrived (0: not computed ahead, or it arrived)
