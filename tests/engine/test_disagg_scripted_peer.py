@@ -198,12 +198,12 @@ def test_kv_managers_bound_after_construction_serve_disagg_requests(tiny_model_d
         EngineCore(cfg, {"fake": manager}).bind_kv_managers({"fake": manager})
 
 
-def _prefill_alone(tiny_model_dir, **scheduler):
+def _prefill_alone(tiny_model_dir, prefix_caching=True, **scheduler):
     """A prefill engine (pool of 64 pages of 4 tokens) over a scripted fake manager bound as
     ``fake`` (the test plays decode), with ``scheduler``'s SchedulerConfig fields."""
     cfg = EngineConfig(
         model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
-        cache=CacheConfig(page_size=4, num_pages=64),
+        cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(**scheduler),
     )
     core = EngineCore(cfg)
@@ -361,6 +361,54 @@ def test_a_computed_prompt_gives_its_pages_back_after_the_ahead_timeout_and_is_n
     assert stats["pd_ahead_expired"] == 2 and stats["pd_ahead_pages"] == 0
     assert core.num_free_pages == 64 and not core.has_unfinished_requests()
     assert mgr.stats()["transfers_failed"]["bootstrap_timeout"] == 1
+
+
+def test_a_prompt_computed_again_in_chunks_sends_each_chunk_then_the_first_aux(
+    tiny_model_dir,
+):
+    """No prefix cache and chunks of 8 tokens: a 22-token prompt computed ahead gives its
+    pages back after the bound (0.3 s), then, its destination come, is computed again in
+    three chunks: the first two send the pages they filled, the last the rest with the aux
+    record of the first compute; nothing is sampled again."""
+    core, mgr = _prefill_alone(
+        tiny_model_dir,
+        prefix_caching=False,
+        max_num_batched_tokens=8,
+        pd_compute_ahead_timeout_s=0.3,
+    )
+    room = next(rooms)
+    core.add_request(
+        "c", _prompt(0), SamplingParams(temperature=0, max_tokens=4), info("prefill", room, True)
+    )
+    sender = mgr.handle(room)
+    outs = drive_until(core, lambda: core.stats()["num_transferring"] == 1)
+    first = [o for o in outs if o.request_id == "c"][-1].outputs[0].token_ids
+    assert len(first) == 1 and core.stats()["prompt_tokens_computed"] == 22
+    time.sleep(0.35)
+    assert core.step() == [] and core.num_free_pages == 64 and sender.chunks == []
+    assert core.stats()["pd_ahead_expired"] == 1
+    sender.advance(KVPoll.WaitingForInput)
+    for want in (2, 4):  # chunks of 8 tokens: 2 more full pages each
+        assert core.step() == []
+        assert len(sender.pages_sent) == want and sender.aux is None
+    assert core.step() == []
+    assert [len(c) for c in sender.chunks] == [2, 2, 2] and sender.num_pages == 6
+    assert sender.aux is not None and [sender.aux.first_token_id] == first
+    assert core.stats()["prompt_tokens_computed"] == 44
+    sender.advance(KVPoll.Success)
+    out = core.step()[0]
+    assert out.finished and out.outputs[0].token_ids == first
+    assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+
+
+def drive_until(core, done, max_steps=20):
+    """Step ``core`` until ``done()``; returns every output on the way."""
+    outs = []
+    for _ in range(max_steps):
+        outs += core.step()
+        if done():
+            return outs
+    raise AssertionError("the condition was not reached")
 
 
 def test_an_abort_frees_a_computed_room_s_pages_at_the_next_step(pd_cores):
