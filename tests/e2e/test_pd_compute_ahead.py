@@ -23,7 +23,7 @@ from pdserve_procs import assert_all_healthy, start_worker, stop, wait_for, wait
 pytestmark = pytest.mark.timeout(240)
 
 TIMEOUT_S = 3.0  # --pd-compute-ahead-timeout
-BOOTSTRAP_S = 10.0  # PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT of prefill
+BOOTSTRAP_S = 12.0  # PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT of prefill
 PAGES, PAGE = 64, 16  # cap: 16 pages; a 100-token prompt takes 7
 PROMPT_LEN = 100
 
