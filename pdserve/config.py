@@ -188,6 +188,15 @@ class SchedulerConfig:
     num_speculative_tokens: drafts verified per row per step (k >= 1).
     speculative_ngram_min/speculative_ngram_max: n-gram sizes the ``ngram`` drafter
         matches, longest first.
+    pd_compute_ahead_fraction: PD prefill: the share of the KV pool (in [0, 1]) that
+        prompts computed before decode's destination arrived may take between them (each
+        counted as its whole prompt's pages until the destination comes); beyond it a
+        request waits for its destination before it is computed; 0 = every one waits.
+    pd_compute_ahead_timeout_s: PD prefill: seconds a prompt computed before decode's
+        destination arrived holds its pages waiting for it; then it gives them back (full
+        pages stay in the prefix cache) and waits for the destination without pages, its
+        prompt computed again when it comes; the request does not fail (the transfer
+        backend's bootstrap timeout bounds the whole wait) (> 0).
     """
 
     max_num_batched_tokens: int = 2048
@@ -198,8 +207,18 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 3
+    pd_compute_ahead_fraction: float = 0.25
+    pd_compute_ahead_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.pd_compute_ahead_fraction <= 1.0:
+            raise ValueError(
+                f"pd_compute_ahead_fraction must be in [0, 1], got {self.pd_compute_ahead_fraction}"
+            )
+        if not self.pd_compute_ahead_timeout_s > 0:
+            raise ValueError(
+                f"pd_compute_ahead_timeout_s must be > 0, got {self.pd_compute_ahead_timeout_s}"
+            )
         check_min(self, 1, "max_num_batched_tokens", "max_running_requests")
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(

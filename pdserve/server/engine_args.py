@@ -184,6 +184,25 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         config_value(SchedulerConfig, "speculative_ngram_max", int),
         cls=SchedulerConfig,
     ),
+    Flag(
+        "--pd-compute-ahead-fraction",
+        "PD prefill: share of the KV pool that prompts computed before decode's "
+        "destination arrived may hold between them (each counted as its whole prompt); "
+        "beyond it a request waits for its destination before it is computed; 0: all wait",
+        config_value(SchedulerConfig, "pd_compute_ahead_fraction", float),
+        cls=SchedulerConfig,
+    ),
+    Flag(
+        "--pd-compute-ahead-timeout",
+        "PD prefill: seconds a prompt computed before decode's destination arrived keeps "
+        "its KV pages waiting for it; then it gives them back (full pages stay in the "
+        "prefix cache) and waits for the destination without pages, to be computed again "
+        "when it comes; the request does not fail "
+        "(PDSERVE_DISAGGREGATION_BOOTSTRAP_TIMEOUT bounds the whole wait)",
+        config_value(SchedulerConfig, "pd_compute_ahead_timeout_s", float),
+        cls=SchedulerConfig,
+        field="pd_compute_ahead_timeout_s",
+    ),
 )
 
 

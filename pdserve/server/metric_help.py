@@ -29,6 +29,22 @@ HELP: dict[str, tuple[str, str]] = {
         "KV pages held back after a failed or unconfirmed transfer (pages)",
         GAUGE,
     ),
+    "pd_ahead_pages": (
+        "PD prefill: KV pages counted against --pd-compute-ahead-fraction, the whole "
+        "prompts of requests computed before decode's destination arrived (pages)",
+        GAUGE,
+    ),
+    "pd_ahead_capped": (
+        "PD prefill: requests that waited for decode's destination before being computed, "
+        "the compute-ahead share being full, since start (cumulative count)",
+        COUNTER,
+    ),
+    "pd_ahead_expired": (
+        "PD prefill: prompts computed before decode's destination arrived that waited "
+        "--pd-compute-ahead-timeout for it and gave their KV pages back (computed again "
+        "when it comes), since start (cumulative count)",
+        COUNTER,
+    ),
     "num_free_pages": ("KV cache pages available to new requests (pages)", GAUGE),
     "num_total_pages": ("KV cache pages of the pool (pages)", GAUGE),
     "num_preemptions": (

@@ -63,10 +63,16 @@ def phase_bounds(
     """``[(phase, start), ...]`` of ``role`` in time order (a 0.0 start: not reached)."""
     head = [("tokenize", request_start), ("engine_inbox", arrival)]
     if role is Role.PREFILL:
+        # The prompt is computed while decode's destination is on its way: "bootstrap" is
+        # the wait for it that is left once the prompt is computed (none if it came first).
+        # A request the compute-ahead cap kept (--pd-compute-ahead-fraction) is scheduled
+        # only once its destination came: its wait is in "queue", "bootstrap" is ~0.  One
+        # that gave its computed pages back (--pd-compute-ahead-timeout) keeps its first
+        # "computed": "bootstrap" holds the rest of its wait and its prompt's recompute.
         return head + [
-            ("bootstrap", t.queued),
-            ("queue", t.peer_ready),
+            ("queue", t.queued),
             ("prefill", t.scheduled),
+            ("bootstrap", t.computed),
             ("kv_transfer", t.transfer_posted),
             ("kv_notice", t.transfer_finished),
             ("respond", t.transfer_done or t.finished),

@@ -1,8 +1,9 @@
 """The engine's disaggregation hooks over loopback managers of the package's fake KV backend
 (pdserve/disagg/fake.py: the KV really moves between two engines): PD output equals mixed
 output (sampling params, a first token that stops, a second turn moving only its new
-pages, eviction pressure, chunked prefill sending each chunk), an abort at every step of a
-PD request; pages back to baseline, every room closed once after a terminal poll.  The
+pages, eviction pressure, chunked prefill sending each chunk, a prompt over the
+compute-ahead cap, a computed prompt that gave its pages back after the compute-ahead
+timeout and was computed again), an abort at every step of a PD request; pages back to baseline, every room closed once after a terminal poll.  The
 scripted peer: test_disagg_scripted_peer.py; the pair: disagg_pairs.py."""
 
 from __future__ import annotations
@@ -186,6 +187,58 @@ def test_pd_under_eviction_pressure_equals_mixed(pd_cores):
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "steps_first, chunks",
+    # drive() steps prefill before decode: one more chunk runs before the destination
+    [(0, [2, 2, 2]), (1, [4, 2]), (2, [6]), (3, [6]), (5, [6])],
+)
+def test_prefill_computes_before_the_destination_arrives(tiny_model_dir, steps_first, chunks):
+    """Prefill computes the prompt while decode's destination is still on its way (decode
+    is given its request only after ``steps_first`` prefill steps; three 8-token chunks of
+    a 22-token prompt, pages of 4): nothing is sent before it; on arrival every page
+    computed so far goes at once (the whole prompt with the aux record if it is done),
+    then the rest chunk by chunk; no prompt token is computed twice; decode's output
+    equals a mixed engine's; every page comes back."""
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompt = list(range(600, 622))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    decode.add_request("mixed", prompt, params)
+    want = drive(decode)["mixed"].outputs[0]
+    prefill.add_request("p", prompt, params, info("prefill", 78))
+    sender = m["p"].handle(78)
+    got = {}
+    for i in range(steps_first):
+        for out in prefill.step():
+            got[out.request_id] = out
+        computed = min(8 * (i + 1), len(prompt))
+        assert prefill.stats()["prompt_tokens_computed"] == computed  # ran before the dest
+        assert sender.chunks == [] and sender.num_pages is None  # nothing sent before it
+        assert prefill.num_free_pages == 64 - (computed + 3) // 4  # the pages it filled
+        assert prefill.stats()["num_waiting_for_peer"] == 1
+    if steps_first >= 3:  # computed: out of the batch, its pages held, first token sampled
+        assert got["p"].outputs[0].token_ids == [want.token_ids[0]] and not got["p"].finished
+        assert prefill.stats()["num_running"] == 0 and prefill.stats()["num_transferring"] == 1
+    decode.add_request("d", prompt, params, info("decode", 78))
+    got.update(drive(prefill, decode))
+    assert [len(c) for c in sender.chunks] == chunks
+    assert len(sender.pages_sent) == 6 and sender.aux is not None
+    assert prefill.stats()["prompt_tokens_computed"] == len(prompt)  # no recompute
+    rest = got["d"].outputs[0]
+    assert rest.token_ids == want.token_ids and rest.text == want.text
+    assert rest.logprobs == want.logprobs
+    assert got["p"].finished and got["p"].outputs[0].finish_reason == "length"
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())
+
+
 def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
     """A prompt spanning three prefill chunks (8-token budget, 22 tokens, pages of 4): the
     sender gets the full pages of chunk 1 and 2 as soon as each is computed, then the rest
@@ -226,6 +279,118 @@ def test_chunked_prefill_sends_each_chunk_and_pd_equals_mixed(tiny_model_dir):
     rest = got["d"].outputs[0]
     assert rest.token_ids == want.token_ids and rest.text == want.text
     assert rest.logprobs == want.logprobs
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())
+
+
+def test_over_the_compute_ahead_cap_prefill_waits_for_the_destination_and_equals_mixed(
+    tiny_model_dir,
+):
+    """A cap of 6 pages (0.1 of 64) and two 6-page prompts: the first is computed before
+    decode's destination, the second waits for its destination without pages, then is
+    computed and sent as before compute-ahead; both decode outputs equal a mixed
+    engine's, no prompt token is computed twice and every page comes back."""
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(pd_compute_ahead_fraction=0.1),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompts = {"a": list(range(700, 722)), "b": list(range(800, 822))}
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    for rid, prompt in prompts.items():
+        decode.add_request("mixed-" + rid, prompt, params)
+    want = {k[len("mixed-") :]: v.outputs[0] for k, v in drive(decode).items()}
+    room = {"a": next(rooms), "b": next(rooms)}
+    for rid, prompt in prompts.items():
+        prefill.add_request("p" + rid, prompt, params, info("prefill", room[rid]))
+    for _ in range(3):
+        prefill.step()
+    stats = prefill.stats()
+    assert stats["prompt_tokens_computed"] == 22 and stats["pd_ahead_capped"] == 1
+    assert stats["pd_ahead_pages"] == 6 and prefill.num_free_pages == 64 - 6
+    for rid, prompt in prompts.items():
+        decode.add_request("d" + rid, prompt, params, info("decode", room[rid]))
+    got = drive(prefill, decode)
+    for rid in prompts:
+        out = got["d" + rid].outputs[0]
+        assert out.token_ids == want[rid].token_ids  # logprobs: the batches differ
+        for x, y in zip(out.logprobs, want[rid].logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert got["p" + rid].outputs[0].finish_reason == "length"
+    assert prefill.stats()["prompt_tokens_computed"] == 44  # no recompute
+    assert prefill.stats()["pd_ahead_pages"] == 0
+    for core in (prefill, decode):
+        assert core.num_free_pages == 64 and not core.has_unfinished_requests()
+    assert_closed_once_after_terminal(m.values())
+
+
+def test_a_prompt_that_gave_its_pages_back_is_computed_again_and_pd_equals_mixed(
+    tiny_model_dir,
+):
+    """--pd-compute-ahead-timeout 0.3: two prompts (greedy with logprobs and prompt
+    logprobs; seeded) computed before decode's destination wait past the bound: they give
+    their pages back (kept in the prefix cache), their rooms alive, not failed.  Decode's
+    requests come then: each prompt's KV is computed again from its cached pages (2 tokens
+    of 22 computed), its first token is the one sampled the first time, the KV moves and
+    decode's outputs equal a mixed engine's token for token; prefill reports each prompt
+    logprob once."""
+    import time
+
+    from pdserve.config import SchedulerConfig
+
+    cfg = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir("llama"), device="cpu"),
+        cache=CacheConfig(page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(pd_compute_ahead_timeout_s=0.3),
+    )
+    prefill, decode, m = pd_pair(cfg)
+    prompts = {"a": list(range(700, 722)), "b": list(range(800, 822))}
+    params = {
+        "a": SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1),
+        "b": SamplingParams(temperature=0.9, seed=11, max_tokens=8, logprobs=1),
+    }
+    for rid, prompt in prompts.items():
+        decode.add_request("mixed-" + rid, prompt, params[rid])
+    want = {k[len("mixed-") :]: v for k, v in drive(decode).items()}
+    decode.kv.reset_cache()  # decode holds none of the prompts: every page moves
+    room = {"a": next(rooms), "b": next(rooms)}
+    for rid, prompt in prompts.items():
+        prefill.add_request("p" + rid, prompt, params[rid], info("prefill", room[rid]))
+    first = {o.request_id: o.outputs[0].token_ids for o in prefill.step()}
+    assert prefill.stats()["prompt_tokens_computed"] == 44
+    assert prefill.num_free_pages == 64 - 12
+    time.sleep(0.4)
+    assert prefill.step() == []  # past the bound: the pages go back, nobody fails
+    stats = prefill.stats()
+    assert stats["pd_ahead_expired"] == 2 and stats["num_waiting_for_peer"] == 2
+    assert prefill.num_free_pages == 64 and prefill.kv.num_cached_pages == 2 * 5
+    for rid in prompts:
+        sender = m["p"].handle(room[rid])
+        assert not sender.aborted and sender.closes == [] and sender.chunks == []
+    for rid, prompt in prompts.items():
+        decode.add_request("d" + rid, prompt, params[rid], info("decode", room[rid]))
+    got = drive(prefill, decode)
+    assert prefill.stats()["prompt_tokens_computed"] == 44 + 2 * 2  # from the cached pages
+    for rid in prompts:
+        out, ref = got["d" + rid].outputs[0], want[rid].outputs[0]
+        assert first["p" + rid] == ref.token_ids[:1]  # sampled once, on the first compute
+        assert got["p" + rid].outputs[0].token_ids == ref.token_ids[:1]
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        assert out.finish_reason == ref.finish_reason
+        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        recv = m["d"].handle(room[rid])
+        assert recv.skip_pages == 0 and len(recv.dst_pages) == 6
+        assert m["p"].handle(room[rid]).closes == recv.closes == [KVPoll.Success]
+    lps, ref_lps = got["pa"].prompt_logprobs, want["a"].prompt_logprobs
+    assert len(lps) == len(ref_lps) == 22 and lps[0] is None
+    for x, y in zip(lps[1:], ref_lps[1:], strict=True):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert prefill.stats()["pd_ahead_pages"] == 0
     for core in (prefill, decode):
         assert core.num_free_pages == 64 and not core.has_unfinished_requests()
     assert_closed_once_after_terminal(m.values())

@@ -135,6 +135,8 @@ class EngineCore:
             kv_managers or {},
             transfer_backend,
             self.vocab_size,
+            ahead_pages=int(sc.pd_compute_ahead_fraction * geo.num_pages),
+            ahead_timeout_s=sc.pd_compute_ahead_timeout_s,
         )
         self._managers_bound = bool(kv_managers)
         overlap = sc.overlap_schedule
@@ -344,10 +346,13 @@ class EngineCore:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_for_peer": self.pd.count(Status.WAITING_FOR_PEER),
+            "num_waiting_for_peer": self.pd.num_waiting_for_peer,
             "num_transferring": self.pd.count(Status.TRANSFERRING),
             "num_draining": self.pd.num_draining,
             "num_quarantined_pages": self.pd.num_quarantined_pages,
+            "pd_ahead_pages": self.pd.num_ahead_pages,
+            "pd_ahead_capped": self.pd.num_ahead_capped,
+            "pd_ahead_expired": self.pd.num_ahead_expired,
             "num_free_pages": self.kv.num_available_pages,
             "num_total_pages": self.kv.num_pages,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -1,13 +1,30 @@
 """The engine's side of prefill/decode disaggregation (rules in docs/architecture.md).
 
-Prefill role: the request waits without pages until ``sender.poll() >= WaitingForInput``,
-then ``sender.init(num_pages, aux_slot)`` and it queues like any request; after each
-prefill chunk the pages it filled are posted (``sender.send(pages, last=False)``: the
-transfer of a long prompt overlaps its own compute); after the last chunk the first token
-is sampled and ``sender.send(rest, last=True, aux=record)`` posts the remaining pages
-(the partial one included) and the aux record, which only the transfer layer writes; at
-``Success`` it finishes with that one token.  A request with pages sent is never
-preempted and its pages are freed only after a terminal poll.
+Prefill role: the request queues like any request at once and its prompt is computed
+while decode's destination is still on its way ("computed ahead"), as long as the prompts
+computed ahead hold at most ``ahead_pages`` pages between them (their whole prompts
+counted from arrival until the destination comes); beyond that cap a request waits for its
+destination without pages (``WAITING_FOR_PEER``) and queues when it comes, or when the cap
+has room again, first come first served (a prompt larger than the whole cap waits for its
+destination without holding the others back).  Nothing is sent before
+``sender.poll() >= WaitingForInput`` (the destination arrived), when it gets an aux slot and
+``sender.init(num_pages, aux_slot)`` and every page computed so far is posted at once.
+After that, after each prefill chunk the pages it filled are posted
+(``sender.send(pages, last=False)``: the transfer of a long prompt overlaps its own
+compute); after the last chunk the first token is sampled and ``sender.send(rest,
+last=True, aux=record)`` posts the remaining pages (the partial one included) and the aux
+record, which only the transfer layer writes — or, the destination not there yet, the
+request leaves the batch holding its pages (``TRANSFERRING``, ``PDState.pending_aux``) and
+that last send goes out when the destination arrives; ``ahead_timeout_s`` after it was
+computed it gives its pages back instead (full pages stay in the prefix cache; nothing of
+it was sent) and waits for its destination without pages, as one the cap kept, but holding
+no later one back; its room stays alive, and when the destination comes its prompt's KV is
+computed again (mostly prefix-cache hits; the first token stays the one sampled, nothing is
+sampled again: ``Request.compute_end``) and sent with that aux record.  The backend's
+bootstrap timeout bounds the whole wait, from arrival.  An abort frees a computed room's
+pages at the next poll (nothing of it was sent).  At ``Success`` it finishes with that
+one token.  A request with pages sent is never preempted and its
+pages are freed only after a terminal poll.
 Decode role: once ``receiver.poll() >= WaitingForInput`` (and no request waits in the
 queue) it gets pages for the prompt and an aux slot: the leading full pages it already
 holds in its prefix cache are shared, fresh pages cover the rest, and
@@ -82,7 +99,11 @@ class PDFlow:
 
     managers: ``{"nixl": ..., "fake": ...}``; a request uses ``"fake"`` when
     ``DisaggRequestInfo.fake`` else ``transfer_backend``.  vocab_size: bound of a valid
-    first token id.
+    first token id.  ahead_pages: the pages prefill prompts computed before decode's
+    destination arrived may take between them (each counted as its whole prompt's pages;
+    0: none is computed ahead).  ahead_timeout_s: seconds a prompt computed ahead holds its
+    pages waiting for its destination before it gives them back (:meth:`_give_back`);
+    ValueError if <= 0 or ``ahead_pages`` < 0.
     """
 
     def __init__(
@@ -93,7 +114,19 @@ class PDFlow:
         managers: Mapping[str, KVManager],
         transfer_backend: str,
         vocab_size: int,
+        *,
+        ahead_pages: int = 0,
+        ahead_timeout_s: float = 30.0,
     ) -> None:
+        if ahead_pages < 0:
+            raise ValueError(f"ahead_pages must be >= 0, got {ahead_pages}")
+        if ahead_timeout_s <= 0:
+            raise ValueError(f"ahead_timeout_s must be > 0, got {ahead_timeout_s}")
+        self._ahead_cap = ahead_pages
+        self._ahead_timeout_s = ahead_timeout_s
+        self._ahead_held = 0  # pages counted against the cap (PDState.ahead_pages summed)
+        self.num_ahead_capped = 0  # requests that waited for their destination: cap full
+        self.num_ahead_expired = 0  # computed-ahead prompts that gave their pages back
         self._page_ids = page_ids
         self._kv = kv
         self._vocab_size = vocab_size
@@ -114,6 +147,24 @@ class PDFlow:
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self._live if r.status is status)
+
+    @property
+    def num_waiting_for_peer(self) -> int:
+        """Requests whose peer is not ready yet: decode ones bootstrapping
+        (``WAITING_FOR_PEER``), prefill ones whose destination has not arrived (computing,
+        computed meanwhile, or waiting without pages)."""
+        return sum(
+            1
+            for r in self._live
+            if r.status is Status.WAITING_FOR_PEER
+            or (_pd(r).sender is not None and not _pd(r).dest_ready)
+        )
+
+    @property
+    def num_ahead_pages(self) -> int:
+        """Pages counted against the compute-ahead cap now: the whole prompts of the prefill
+        requests computed (or queued to be) before decode's destination arrived."""
+        return self._ahead_held
 
     @staticmethod
     def holds_room(req: Request) -> bool:
@@ -145,6 +196,17 @@ class PDFlow:
         info = pd.info
         if info.role is Role.PREFILL:
             pd.sender = manager.create_sender(info.bootstrap_room)
+            earlier = any(  # first come first served: none overtakes one the cap kept
+                r.status is Status.WAITING_FOR_PEER
+                and _pd(r).sender is not None
+                and not self._waits_for_dest(r)
+                for r in self._live
+            )
+            self._live.append(req)
+            if earlier or not self._compute_ahead(req):
+                self.num_ahead_capped += 1
+                req.status = Status.WAITING_FOR_PEER  # queued when its destination comes
+            return
         else:
             pd.receiver = manager.create_receiver(
                 info.bootstrap_host, info.bootstrap_port, info.bootstrap_room
@@ -162,8 +224,17 @@ class PDFlow:
         token (from the aux record): the engine appends it as any token, then calls
         :meth:`join`; the others come with ``None``."""
         changed: list[tuple[Request, SampledToken | None]] = []
+        blocked = False  # a prefill request over the compute-ahead cap: the later ones wait
+        now = time.perf_counter()
         for req in list(self._live):
             pd = _pd(req)
+            if (
+                pd.pending_aux is not None
+                and not pd.expired
+                and not pd.dest_ready
+                and now - req.times.computed > self._ahead_timeout_s
+            ):
+                self._give_back(req)  # waits for its destination without pages (below)
             handle = pd.handle
             assert handle is not None  # every live request holds a sender or a receiver
             state, error = _poll(handle)
@@ -172,14 +243,23 @@ class PDFlow:
                     self._scheduler.remove(req)  # not yet handed over: the pages are ours
                 self._end(req, "error", error=error)
                 changed.append((req, None))
-            elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
-                if pd.sender is not None:
-                    self._start_prefill(req)
+            elif pd.sender is not None and not pd.dest_ready:
+                if state >= KVPoll.WaitingForInput:
+                    self._start_sending(req)
                     if req.finished:
                         changed.append((req, None))
-                else:
-                    pd.peer_ready = True
-                    req.times.peer_ready = time.perf_counter()
+                    elif pd.dest_ready and req.status is Status.WAITING_FOR_PEER:
+                        # the cap kept it, or it gave its pages back: computed now
+                        self._scheduler.add_waiting(req)
+                elif (
+                    req.status is Status.WAITING_FOR_PEER
+                    and not blocked
+                    and not self._waits_for_dest(req)
+                ):
+                    blocked = not self._compute_ahead(req)
+            elif req.status is Status.WAITING_FOR_PEER and state >= KVPoll.WaitingForInput:
+                pd.peer_ready = True
+                req.times.peer_ready = time.perf_counter()
             elif req.status is Status.TRANSFERRING and state == KVPoll.Success:
                 req.times.transfer_done = time.perf_counter()
                 req.times.transfer_finished = getattr(handle, "finished_at", None) or 0.0
@@ -201,7 +281,64 @@ class PDFlow:
         out (``KVReceiver.holds_pages``)."""
         return sum(len(pages) for handle, pages, _ in self._draining if _holds(handle))
 
-    def _start_prefill(self, req: Request) -> None:
+    def _compute_ahead(self, req: Request) -> bool:
+        """Queue prefill request ``req`` before its destination arrived if its prompt's
+        pages fit under the cap (counted against it until the destination comes or the
+        request ends); False (nothing changed) if they do not."""
+        pd = _pd(req)
+        need = self._scheduler.pages_needed(req.num_prompt_tokens)
+        if self._ahead_held + need > self._ahead_cap:
+            return False
+        pd.ahead_pages, self._ahead_held = need, self._ahead_held + need
+        self._scheduler.add_waiting(req)  # computed now; the sends wait (_start_sending)
+        return True
+
+    def _waits_for_dest(self, req: Request) -> bool:
+        """Whether prefill request ``req`` is never computed before its destination arrives,
+        and so keeps no later request from the cap (it waits for its destination): its
+        prompt alone takes more pages than the cap, or it gave its computed pages back
+        after ``ahead_timeout_s`` (:meth:`_give_back`)."""
+        if _pd(req).expired:
+            return True
+        return self._scheduler.pages_needed(req.num_prompt_tokens) > self._ahead_cap
+
+    def _uncount_ahead(self, pd: PDState) -> None:
+        self._ahead_held -= pd.ahead_pages
+        pd.ahead_pages = 0
+
+    def _give_back(self, req: Request) -> None:
+        """``req``'s prompt was computed ``ahead_timeout_s`` ago and decode's destination
+        has not come (a decode short of pages sends it only once it has them): the
+        fallback to the order before compute-ahead, not a failure.  Its pages go back
+        (full ones stay in the prefix cache, evictable) and leave the cap; it waits for its
+        destination without pages (``WAITING_FOR_PEER``, holding no later one back), its
+        room alive (the backend's bootstrap timeout still bounds the whole wait); when the
+        destination comes it is queued and its prompt's KV computed again, then sent with
+        the first token sampled the first time (``pending_aux``, :meth:`send_chunks`)."""
+        pd = _pd(req)
+        assert pd.sender is not None and pd.kv_pages_sent == 0  # nothing sent before dest
+        assert req.status is Status.TRANSFERRING and pd.pending_aux is not None
+        pd.expired = True
+        self.num_ahead_expired += 1
+        self._uncount_ahead(pd)
+        held = len(req.pages)
+        self._scheduler.free_pages(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING_FOR_PEER
+        logger.info(
+            "room %d: decode's destination did not arrive within %g s of the prompt being "
+            "computed (--pd-compute-ahead-timeout): its %d KV pages are given back; it is "
+            "computed again when the destination comes",
+            pd.info.bootstrap_room,
+            self._ahead_timeout_s,
+            held,
+        )
+
+    def _start_sending(self, req: Request) -> None:
+        """Decode's destination arrived for a prefill request (queued, computing, computed
+        and waiting, or waiting without pages): an aux slot, ``init``, then what is computed
+        goes out at once: the whole prompt and the aux record if it is done, else its full
+        pages (none for one waiting without pages: :meth:`poll` queues it)."""
         pd = _pd(req)
         slot = self._page_ids.allocate_aux_slot()
         if slot is None:
@@ -214,7 +351,14 @@ class PDFlow:
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
             self.abort(req, reason="error", error=f"KV sender init failed: {exc}")
             return
-        self._scheduler.add_waiting(req)
+        pd.dest_ready = True
+        self._uncount_ahead(pd)
+        if req.status is Status.TRANSFERRING:  # computed before the destination came
+            aux, pd.pending_aux = pd.pending_aux, None
+            assert aux is not None  # kept by send_prefill
+            self._send_last(req, aux)
+        elif req.status is Status.RUNNING:  # chunks computed so far (none in flight:
+            self._send_full_pages(req)  # prefill rows never run in a launched step)
 
     def admit_receivers(self) -> list[Request]:
         """Give ready decode requests their prompt's pages and an aux slot, FCFS, while
@@ -268,8 +412,8 @@ class PDFlow:
         by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
-            if req is None or not seq.sample:
-                continue
+            if req is None or seq.start_pos + len(seq.token_ids) < req.num_prompt_tokens:
+                continue  # not the prompt's last chunk
             pd = _pd(req)
             if pd.sender is None or pd.kv_pages_sent:
                 continue
@@ -280,34 +424,51 @@ class PDFlow:
 
     def send_chunks(self, plan: BatchPlan) -> None:
         """After a step: every prefill-role request whose prompt is not finished sends the
-        pages its computed tokens fill completely (chunked sending)."""
+        pages its computed tokens fill completely (chunked sending); one that computed its
+        prompt's KV again after giving its pages back (:meth:`_give_back`, nothing sampled)
+        and reached the prompt's end leaves the batch and sends the rest with the aux
+        record of its first computation."""
         by_id = self._senders_by_id()
         for seq in plan.seqs:
             req = by_id.get(seq.request_id)
             if req is None or seq.sample or req.status is not Status.RUNNING:
                 continue
             pd = _pd(req)
-            if pd.sender is None:
-                continue
-            full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
-            if full <= pd.kv_pages_sent:
-                continue
-            pages, pd.kv_pages_sent = req.pages[pd.kv_pages_sent : full], full
-            try:
-                pd.sender.send(list(pages), last=False)
-            except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
-                self.abort(req, reason="error", error=f"KV send failed: {exc}")
+            if pd.sender is None or not pd.dest_ready:
+                continue  # before the destination: sent all at once when it arrives
+            if pd.pending_aux is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                aux, pd.pending_aux = pd.pending_aux, None
+                self._scheduler.take_running(req)
+                req.status = Status.TRANSFERRING
+                self._send_last(req, aux)
+            else:
+                self._send_full_pages(req)
+
+    def _send_full_pages(self, req: Request) -> None:
+        """Send the pages ``req``'s computed tokens fill completely and not sent yet."""
+        pd = _pd(req)
+        assert pd.sender is not None
+        full = min(req.num_computed_tokens // self._page_ids.page_size, len(req.pages))
+        if full <= pd.kv_pages_sent:
+            return
+        pages, pd.kv_pages_sent = req.pages[pd.kv_pages_sent : full], full
+        try:
+            pd.sender.send(list(pages), last=False)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+            self.abort(req, reason="error", error=f"KV send failed: {exc}")
 
     def send_prefill(
         self, req: Request, first: SampledToken, finish: tuple[str, str | int | None]
     ) -> None:
-        """After the last prefill chunk: post the remaining pages and the aux record."""
+        """After the last prefill chunk: post the remaining pages and the aux record, or,
+        decode's destination not there yet, keep them (the request holds its pages,
+        ``TRANSFERRING``) until it arrives (:meth:`_start_sending`)."""
         pd = _pd(req)
         pd.pending_finish = finish
         self._scheduler.take_running(req)
         req.status = Status.TRANSFERRING
-        # A prefill request in the batch holds its disagg info, sender and aux slot.
-        assert pd.sender is not None and pd.aux_slot is not None
+        req.times.computed = time.perf_counter()
+        assert pd.sender is not None  # a prefill request in the batch holds its sender
         aux = AuxRecord(
             pd.info.bootstrap_room,
             first.token_id,
@@ -315,6 +476,14 @@ class PDFlow:
             tuple(t for t, _ in first.top),
             tuple(lp for _, lp in first.top),
         )
+        if not pd.dest_ready:
+            pd.pending_aux = aux
+            return
+        self._send_last(req, aux)
+
+    def _send_last(self, req: Request, aux: AuxRecord) -> None:
+        pd = _pd(req)
+        assert pd.sender is not None and pd.aux_slot is not None  # the destination is known
         rest, pd.kv_pages_sent = req.pages[pd.kv_pages_sent :], len(req.pages)
         req.times.transfer_posted, req.times.kv_pages = time.perf_counter(), len(req.pages)
         try:
@@ -360,6 +529,7 @@ class PDFlow:
         """End ``req`` now; its room is aborted and drained (pages the transfer layer may
         hold are freed after a terminal poll, then ``close()``)."""
         pd = _pd(req)
+        self._uncount_ahead(pd)
         if req.status in (Status.WAITING, Status.RUNNING):
             if pd.kv_pages_sent:  # the transfer layer may read them: drained below
                 self._scheduler.take_running(req)
@@ -386,6 +556,7 @@ class PDFlow:
         """The room reached a terminal state: free everything, close, finish ``req``
         (pages a late WRITE may still reach are drained once released instead)."""
         pd = _pd(req)
+        self._uncount_ahead(pd)
         self._live.remove(req)
         handle = pd.handle
         assert handle is not None  # every live request holds a sender or a receiver

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdserve.disagg.base import KVReceiver, KVSender, Role, check_room, pd_role
+from pdserve.disagg.base import AuxRecord, KVReceiver, KVSender, Role, check_room, pd_role
 from pdserve.engine.core.stop import IncrementalDetokenizer, TokenStop
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import TokenLogprob
@@ -237,10 +237,13 @@ class PhaseTimes:
     the serving layer turns them into histograms, spans and the response's timing block.
 
     queued: the engine took the request (``EngineCore.add_request``).
-    peer_ready: PD: the room's peer is known (prefill: decode's destination arrived;
-        decode: the bootstrap with prefill is done).
+    peer_ready: PD: the room's peer is known (prefill: decode's destination arrived, which
+        may come before or after ``scheduled`` and ``computed``; decode: the bootstrap
+        with prefill is done).
     scheduled: first admitted into a batch (its first prompt chunk or, decode, its first
         step after the KV arrived).
+    computed: PD prefill: the prompt's last chunk ran and the first token was sampled
+        (``transfer_posted`` too, when decode's destination was there already).
     transfer_posted: PD: prefill posted its last pages and the aux record (the first
         token was sampled then); decode handed its pages to the receiver (``init``).
     transfer_finished: PD: the transfer layer's own record of the room's ``Success``
@@ -259,6 +262,7 @@ class PhaseTimes:
         "queued",
         "peer_ready",
         "scheduled",
+        "computed",
         "transfer_posted",
         "transfer_finished",
         "transfer_done",
@@ -271,6 +275,7 @@ class PhaseTimes:
         self.queued = queued
         self.peer_ready = 0.0
         self.scheduled = 0.0
+        self.computed = 0.0
         self.transfer_posted = 0.0
         self.transfer_finished = 0.0
         self.transfer_done = 0.0
@@ -349,6 +354,21 @@ class PDState:
     receiver: KVReceiver | None = None
     aux_slot: int | None = None
     peer_ready: bool = False  # decode: receiver bootstrapped, waiting for pages
+    # prefill: decode's destination arrived and the sender was given init(); before that the
+    # prompt is computed as usual but nothing is sent (the sends wait for this)
+    dest_ready: bool = False
+    # prefill: the aux record of a prompt computed before decode's destination arrived
+    # (status TRANSFERRING, pages held, nothing sent; or, pages given back, see ``expired``,
+    # until the prompt is computed again): the last send, posted on arrival
+    pending_aux: AuxRecord | None = None
+    # prefill: pages of the whole prompt counted against the compute-ahead cap while it is
+    # computed before decode's destination arrived (0: not computed ahead, or it arrived)
+    ahead_pages: int = 0
+    # prefill: a prompt computed ahead waited --pd-compute-ahead-timeout for the destination
+    # (PDFlow._give_back): its pages went back (full ones stay in the prefix cache) and it
+    # waits for the destination without them; the first token stays sampled (pending_aux)
+    # and only the prompt's KV is computed again once the destination comes
+    expired: bool = False
     # prefill: leading pages already handed to sender.send (chunked sending); while > 0
     # the transfer layer may read them, so they are never freed or preempted
     kv_pages_sent: int = 0
@@ -361,10 +381,12 @@ class PDState:
 
 
 class Status(enum.Enum):
-    WAITING_FOR_PEER = "waiting_for_peer"  # disagg: transfer not yet bootstrapped; no pages
+    WAITING_FOR_PEER = "waiting_for_peer"  # decode: transfer not yet bootstrapped; no pages
     WAITING = "waiting"  # in the FCFS queue
     RUNNING = "running"  # in the running batch
-    TRANSFERRING = "transferring"  # disagg: pages handed to the transfer layer
+    # disagg: pages handed to the transfer layer (prefill: also a computed prompt whose
+    # pages wait for decode's destination, PDState.pending_aux)
+    TRANSFERRING = "transferring"
     FINISHED = "finished"
 
 
@@ -427,6 +449,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def compute_end(self) -> int:
+        """How many leading tokens of ``all_token_ids`` this engine computes the KV of (the
+        scheduler's target; it samples only when that is every token): all of them, but a
+        PD prefill request's prompt only (decode computes the first output token's KV).  A
+        prefill request whose first token is already sampled is only scheduled to compute
+        its prompt's KV again after giving its pages back (``PDState.expired``): it reaches
+        this end without sampling again."""
+        pd = self.pd
+        if pd is not None and pd.info.role is Role.PREFILL:
+            return self.num_prompt_tokens
         return len(self.all_token_ids)
 
     @property

@@ -7,12 +7,16 @@ room (``max_running_requests``).  When a running request needs a page and none i
 the most recently admitted running request is preempted: its pages are released and it
 goes back to the waiting queue to recompute its tokens later.  Because the engine caps
 the context length to what the pool can hold, a lone request always fits: no deadlock.
+A request's tokens are computed up to ``Request.compute_end`` (all of them; a PD prefill
+request's prompt), and its last position is sampled only when that is its last token (a
+PD prefill request that gave its computed prompt's pages back computes them again without
+sampling: ``engine/core/pd_flow.py``).
 
 Prefix caching: a request admitted with nothing computed (new, or preempted) first takes
-the cached pages of its longest cached prefix (full pages, at most ``num_tokens - 1``
-tokens, so the last token is always computed and sampled) and starts computing after
-them; a hit is nothing more than a larger ``num_computed_tokens``.  Requests that ask for
-prompt logprobs bypass the lookup and recompute their prompt (vLLM does the same): the
+the cached pages of its longest cached prefix (full pages, at most ``compute_end - 1``
+tokens, so the last token is always computed) and starts computing after them; a hit
+is nothing more than a larger ``num_computed_tokens``.  Requests that ask for prompt
+logprobs bypass the lookup and recompute their prompt (vLLM does the same): the
 logprobs of every prompt position come from this step's logits, never from a cache.
 After each step :meth:`Scheduler.update_from_output` advances the requests and indexes
 their newly full pages, so the next admission can match them.  Pages come from one
@@ -150,7 +154,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             computed = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - computed, budget)
+            n = min(req.compute_end - computed, budget)
             need = -(-(computed + n) // page_size) - len(req.pages)  # pages_needed
             draft = drafts.get(req.request_id) if drafts else None
             # (most decode rows need no page: the pool is not asked how many it has)
@@ -183,13 +187,14 @@ class Scheduler:
             req = self.waiting[0]
             hit: list[int] = []
             keys: list[bytes] = []
+            end = req.compute_end
             if not req.pages and req.num_computed_tokens == 0:
                 if not req.needs_prompt_logprobs():
-                    hit, keys = self.kv.match_prefix(req.all_token_ids, req.num_tokens - 1)
+                    hit, keys = self.kv.match_prefix(req.all_token_ids, end - 1)
                 start = len(hit) * self.kv.page_size
             else:
                 start = req.num_computed_tokens  # decode role: the prompt arrived by transfer
-            n = min(req.num_tokens - start, budget)
+            n = min(end - start, budget)
             need = self.need_pages(req, start + n, len(hit))
             if need > self.kv.num_available_pages - self.kv.num_evictable_among(hit):
                 break  # FCFS: the head waits for pages, nobody overtakes it
@@ -231,15 +236,16 @@ class Scheduler:
         req = self.waiting[0]
         budget = max(1, cfg.max_num_batched_tokens - max_running)  # the smallest chunk
         hit = 0
+        end = req.compute_end
         if not req.pages and req.num_computed_tokens == 0:
             if not req.needs_prompt_logprobs():
-                hit = self.kv.num_matchable(req.all_token_ids, req.num_tokens - 1, cached_soon)
+                hit = self.kv.num_matchable(req.all_token_ids, end - 1, cached_soon)
             start = hit * self.kv.page_size
         else:
             start = req.num_computed_tokens
         # schedule admits iff need <= available - evictable hits, need = pages - held - hit;
         # need only falls as the hit grows and rises with the chunk
-        need = self.need_pages(req, min(req.num_tokens, start + budget), hit)
+        need = self.need_pages(req, min(end, start + budget), hit)
         return need > max_available
 
     def schedule_ahead(
@@ -277,7 +283,7 @@ class Scheduler:
         self.kv.share(hit)
         req.pages, req.page_keys = list(hit), list(keys)
         req.num_computed_tokens = len(hit) * self.kv.page_size
-        if req.num_preemptions == 0:  # the first admission is what usage and hit rate count
+        if not req.times.scheduled:  # the first admission is what usage and hit rate count
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             self.kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
 
