@@ -22,10 +22,7 @@ MODEL=${MODEL:-random:qwen3-30b-a3b}
 LOOP_TOKENS=${LOOP_TOKENS:-16}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
-# the wheels/tokenizer setup: scripts/gpu_setup.sh on branch gpu, scripts/gpu_env.sh on fp8
-for setup in scripts/gpu_setup.sh scripts/gpu_env.sh; do
-    if [ -f "$setup" ]; then source "$setup"; break; fi
-done
+. scripts/gpu_setup.sh
 export PYTHONUNBUFFERED=1
 if ! $PY -m pdserve bench offline --help | grep -q -- --ours-only; then
     echo "bench offline has no --ours-only here (merge branch gpu, issue 24, first)"; exit 2
