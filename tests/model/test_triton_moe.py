@@ -182,16 +182,16 @@ def test_fp16_model_through_fused_kernels_away_from_routing_ties(monkeypatch, ar
     assert err < 0.02, f"{arch} fp16 fused: max log-prob diff {err:.2e}"
 
 
+REAL_SHAPES = [
+    (1, 2048, 768, 128, 8),  # a Qwen3-30B-A3B layer
+    (64, 2048, 768, 128, 8),
+    (1000, 2048, 768, 128, 8),
+    (64, 4096, 14336, 8, 2),  # a Mixtral-8x7B layer, 16 tokens per expert
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "T, H, inter, E, k",
-    [
-        (1, 2048, 768, 128, 8),  # a Qwen3-30B-A3B layer
-        (64, 2048, 768, 128, 8),
-        (1000, 2048, 768, 128, 8),
-        (64, 4096, 14336, 8, 2),  # a Mixtral-8x7B layer, 16 tokens per expert
-    ],
-)
+@pytest.mark.parametrize("T, H, inter, E, k", REAL_SHAPES)
 def test_fused_equals_loop_at_real_shapes_bf16(T, H, inter, E, k):
     """One layer's experts at the real presets' shapes in bf16 against the loop in fp32 on
     the same rounded weights."""
