@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mixture-of-experts check on one H200 (issue 27), ~5 min: the gpu-marked MoE kernel
+# The mixture-of-experts check on one H200 (issue 27), ~6 min: the gpu-marked MoE kernel
 # tests, then `pdserve bench offline` on random:qwen3-30b-a3b (bf16, 48 layers, 128 experts,
 # 8 per token) twice in one run:
 #   1. fused: the Triton grouped-GEMM experts, CUDA graphs on; 1 and 64 prompts x 128
@@ -22,16 +22,13 @@ MODEL=${MODEL:-random:qwen3-30b-a3b}
 LOOP_TOKENS=${LOOP_TOKENS:-16}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
-# the wheels/tokenizer setup: scripts/gpu_setup.sh on branch gpu, scripts/gpu_env.sh on fp8
-for setup in scripts/gpu_setup.sh scripts/gpu_env.sh; do
-    if [ -f "$setup" ]; then source "$setup"; break; fi
-done
+. scripts/gpu_setup.sh
 export PYTHONUNBUFFERED=1
 if ! $PY -m pdserve bench offline --help | grep -q -- --ours-only; then
     echo "bench offline has no --ours-only here (merge branch gpu, issue 24, first)"; exit 2
 fi
 echo "== gpu-marked MoE tests"
-timeout 150 $PY -m pytest -x -q --timeout=140 -m gpu tests/model/test_triton_moe.py \
+timeout 210 $PY -m pytest -x -q --timeout=140 -m gpu tests/model/test_triton_moe.py \
     tests/model/test_moe.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
 O=(--model "$MODEL" --device cuda --dtype bfloat16 --ours-only --prefill 8x2048)
 echo "== bench offline, fused experts ($SECONDS s)"

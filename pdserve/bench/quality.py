@@ -15,7 +15,10 @@ Variants (``--variants``): ``fp32``; ``bf16``; ``fp8`` (bf16 activations, e4m3 w
 quantized at load, e4m3 KV cache); ``fp8w`` (FP8 weights, bf16 KV); ``fp8kv`` (bf16
 weights, FP8 KV); ``fp8b`` (``fp8`` with ``--quantization fp8_block``: one weight scale
 per output row and 128 input columns). On CPU the FP8 weights are dequantized for each matmul (the same
-numbers as a GPU kernel up to summation order).
+numbers as the GPU's Triton kernel up to summation order) and the activations stay bf16: on
+CUDA a per-channel weight runs ``torch._scaled_mm`` with per-token e4m3 activations from
+``fp8.scaled_mm_min_rows`` rows on (prefill), which these CPU figures leave out
+(``scripts/fp8_quality_probe.py`` emulates it).
 """
 
 from __future__ import annotations

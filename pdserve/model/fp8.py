@@ -122,6 +122,22 @@ def _as_dict(qc: Any) -> dict[str, Any] | None:
     return dict(to_dict()) if callable(to_dict) else None
 
 
+# The narrowest input block (bk) a block-scaled checkpoint may have: the CUDA kernel's K
+# tile holds whole blocks, and Triton's tl.dot needs a K tile of 16 or more
+# (pdserve.model.triton_fp8.MIN_DOT_K; published checkpoints use 128).
+MIN_BLOCK_K = 16
+
+
+def _checked_block(bs: Sequence[Any], key: str) -> tuple[int, int]:
+    bn, bk = int(bs[0]), int(bs[1])
+    if bn < 1 or bk < MIN_BLOCK_K:
+        raise ValueError(
+            f"{key}: [bn, bk] = {[bn, bk]}: bn must be >= 1 and bk >= {MIN_BLOCK_K} "
+            "(the FP8 matmul's K tile holds whole blocks)"
+        )
+    return bn, bk
+
+
 def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme:
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
@@ -147,7 +163,7 @@ def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme:
             raise ValueError(
                 f"quantization_config weights.block_structure: expected [bn, bk], got {bs!r}"
             )
-        block = (int(bs[0]), int(bs[1]))
+        block = _checked_block(bs, "quantization_config weights.block_structure")
     act = group.get("input_activations") or {}
     static = bool(act) and not act.get("dynamic", False)
     return Fp8Scheme(
@@ -191,9 +207,8 @@ def scheme_from_config(hf_config: Any, quantization: str | None = None) -> Fp8Sc
                 raise ValueError(
                     f"quantization_config.weight_block_size: expected [bn, bk], got {bs!r}"
                 )
-            return Fp8Scheme(
-                "checkpoint", "block", (int(bs[0]), int(bs[1])), "weight_scale_inv", False, ignored
-            )
+            block = _checked_block(bs, "quantization_config.weight_block_size")
+            return Fp8Scheme("checkpoint", "block", block, "weight_scale_inv", False, ignored)
         static = qc.get("activation_scheme", "dynamic") == "static"
         kind = "channel" if method == "fbgemm_fp8" else "tensor"
         return Fp8Scheme("checkpoint", kind, None, "weight_scale", static, ignored)

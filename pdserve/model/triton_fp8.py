@@ -13,7 +13,8 @@ Kernels (one ``@triton.jit``, ``DOT`` constexpr):
 ``rows``  M = 1: each program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` tiles,
           multiplying elementwise in fp32 (no tensor cores, wide loads).
 ``dot``   any M: ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` ``tl.dot`` tiles (``BLOCK_M`` = M
-          rounded up to a power of two >= 16, at most 64).
+          rounded up to a power of two >= 16, at most 64; ``BLOCK_K`` >= 16, what Triton
+          builds on CUDA); fp32 activations in IEEE fp32 (Triton's CUDA default is TF32).
 Both take ``SPLIT`` K slices (fp32 partials ``[SPLIT, M, N]`` summed by torch) so that a
 small N still fills the GPU. Which configuration runs for which shape and row count is
 :func:`config_for`: the measured table :data:`TABLE` (``scripts/gpu_fp8_check.sh`` writes
@@ -59,11 +60,13 @@ def _fp8_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT)``: ``o[m, n] = sum_k x[m, k]
     w[n, k] s[n, k // GROUP] (+ b[n])``; with ``SPLIT > 1`` fp32 partials of K slice
-    ``program_id(2)`` go to ``o + split * s_os`` (no bias)."""
+    ``program_id(2)`` go to ``o + split * s_os`` (no bias). ``IEEE``: the dots in full fp32
+    (fp32 activations; Triton's CUDA default for fp32 dots is TF32)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -91,7 +94,10 @@ def _fp8_matmul_kernel(
                 mask=mmask[:, None] & kmask[None, :],
                 other=0.0,
             )
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            if IEEE:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
             if ONE_GROUP:
                 acc += part
             else:
@@ -122,6 +128,12 @@ def _fp8_matmul_kernel(
         )
     else:
         tl.store(o_ptr + pid_s * s_os + rm[:, None] * s_om + rn[None, :], out, mask=omask)
+
+
+# The dot kernel's smallest BLOCK_K: Triton builds a CUDA tl.dot of 16-bit inputs from
+# K = 16 (fp32: 8); M and N are padded by Triton (BLOCK_M is 16 at least anyway: block_m).
+# The interpreter takes any size, so a CPU run does not catch a smaller tile.
+MIN_DOT_K = 16
 
 
 def block_m(m: int) -> int:
@@ -160,8 +172,11 @@ def fp8_matmul(
 
     scale: ``[N, ceil(K / group)]`` fp32 (one column: ``group = K``); bias ``[N]`` or None;
     config: a :data:`Config` (default :func:`config_for`). x's last dim must be contiguous.
-    ValueError when a block-scaled weight's group is not a multiple of the tile's BLOCK_K
-    (the tile is narrowed to the group when it can be)."""
+    fp32 activations are multiplied in IEEE fp32 (no TF32), 16-bit ones on the tensor cores
+    with fp32 accumulation. ValueError when a block-scaled weight's group is not a multiple
+    of the tile's BLOCK_K (the tile is narrowed to the group when it can be), or when the
+    ``dot`` kernel would get a BLOCK_K under :data:`MIN_DOT_K` (Triton cannot build that
+    ``tl.dot`` on CUDA)."""
     M, K = x.shape
     N = w.shape[0]
     if x.stride(1) != 1:
@@ -176,6 +191,11 @@ def fp8_matmul(
             )
     dot = kind == "dot" or M > 1
     bm = block_m(M) if dot else 1
+    if dot and bk < MIN_DOT_K:
+        raise ValueError(
+            f"fp8_matmul: BLOCK_K {bk} (group {group}, config {(kind, bn, bk, split, warps, stages)})"
+            f" is under {MIN_DOT_K}: Triton cannot build the dot kernel's tl.dot on CUDA"
+        )
     k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # whole BLOCK_K tiles (so whole groups)
     split = -(-K // k_split)
     if split == 1:
@@ -208,6 +228,7 @@ def fp8_matmul(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(x),

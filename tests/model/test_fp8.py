@@ -303,6 +303,16 @@ def test_scheme_errors_name_the_key(tiny_hf_builder):
     cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8.scheme_from_config(cfg)
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 8]}
+    with pytest.raises(ValueError, match=r"weight_block_size: \[bn, bk\] = \[128, 8\]"):
+        fp8.scheme_from_config(cfg)  # a K tile of 8 has no CUDA tl.dot
+    w = {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 8]}
+    cfg.quantization_config = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"weights": w}},
+    }
+    with pytest.raises(ValueError, match="block_structure"):
+        fp8.scheme_from_config(cfg)
     cfg.quantization_config = {
         "quant_method": "fp8",
         "ignored_layers": ["model.layers.0.self_attn.q_proj"],

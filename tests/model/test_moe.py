@@ -6,7 +6,8 @@ within 1e-4, through the paged KV cache (prefill, chunked prefill, decode); load
 saved HF folder (hub names: one tensor per expert) and from transformers' own state dict
 (fused ``experts.gate_up_proj`` / ``down_proj``). Also the routing rules on their own, the
 TP slices of the experts, and the real-shape presets' facts (meta tensors, nothing
-allocated).
+allocated). In bf16 the log-prob bound holds away from routing near-ties only (see
+:func:`routing_near_ties`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,43 @@ def hf_greedy(hf, prompts, steps):
             tokens[b].append(int(out.argmax()))
         logits.append(torch.stack(rows))
     return tokens, logits
+
+
+# bf16 moves a router logit by up to ~0.025 on these tiny models (measured against fp32)
+ROUTING_MARGIN = 0.06
+
+
+def routing_near_ties(hf, margin=ROUTING_MARGIN):
+    """``seq -> positions`` where the top-k routing of ``hf`` (fp32) is within ``margin`` of
+    a tie in some sparse layer: the k-th and (k+1)-th router logits closer than ``margin``.
+
+    Top-k is discontinuous: where two experts nearly tie, the rounding of a 16-bit run picks
+    the other one as often as not, and that token's output changes by a whole expert's
+    share (transformers' own bf16 Mixtral is 1.1 off in log-prob at such a position of the
+    CUDA parity scenario, 0.02-0.03 elsewhere). A log-prob bound for 16-bit runs against
+    fp32 holds only where the routing is decided by more than the rounding."""
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers, "no router modules found"
+
+    def near(seq: torch.Tensor) -> set[int]:
+        found: set[int] = set()
+
+        def hook(mod, inputs, _out):
+            logits = torch.nn.functional.linear(inputs[0].float(), mod.weight.float())
+            top = logits.reshape(len(seq), -1).topk(mod.top_k + 1, dim=-1).values
+            gap = top[:, -2] - top[:, -1]
+            found.update((gap < margin).nonzero().flatten().tolist())
+
+        hooks = [r.register_forward_hook(hook) for r in routers]
+        try:
+            with torch.no_grad():
+                hf(seq[None])
+        finally:
+            for h in hooks:
+                h.remove()
+        return found
+
+    return near
 
 
 @pytest.mark.timeout(120)
@@ -274,13 +312,50 @@ def test_random_expert_tensors_are_drawn_per_expert():
     assert not torch.equal(stacked[0], stacked[1])
 
 
+SCENARIO = [[5, 11, 1], [1, 4, 1], [1, 1, 1], [1, 1, 1]]  # query lengths per step
+
+
+def scenario_away_from_ties(model, hf):
+    """:func:`run_paged_scenario` of ``SCENARIO`` (prefill, chunked prefill, decode) with
+    the positions of :func:`routing_near_ties` left out: ``(max log-prob diff, positions
+    compared)``; at least half of the scenario's positions are compared."""
+    near = routing_near_ties(hf)
+    left_out: list[int] = []
+
+    def skip(seq):
+        found = near(seq)
+        left_out.append(len(found))
+        return found
+
+    err = run_paged_scenario(model, hf, SCENARIO, SCENARIO[0], page_size=3, seed=7, skip=skip)
+    total = sum(map(sum, SCENARIO))
+    compared = total - sum(left_out)
+    assert compared >= total // 2, f"only {compared} of {total} positions away from ties"
+    return err, compared
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bf16_parity_away_from_routing_ties(arch):
+    """bf16 on CPU (the per-expert loop) against transformers in fp32: within the dense
+    families' bound (0.15) at every position whose routing is not a near-tie. At a near
+    tie bf16 may pick the other expert, as transformers' own bf16 does: the tiny Mixtral's
+    position 7 of the first sequence (layer 0's 2nd and 3rd router logits 0.003 apart) is
+    1.1 off in log-prob on CPU and on CUDA alike, fused kernels or not (issue 27)."""
+    hf = random_tiny_model(MOE_CONFIGS[arch](), seed=1)
+    model = LlamaForCausalLM(hf.config, torch.bfloat16, "cpu")
+    model.load_weights(hf.state_dict().items())
+    err, _ = scenario_away_from_ties(model, hf)
+    assert err < 0.15, f"{arch} cpu bf16: max log-prob diff {err:.2e} away from routing ties"
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, 0.15)])
 def test_parity_on_cuda_through_the_fused_kernels(dtype, tol, monkeypatch):
     """Both families on CUDA (route_align + the grouped GEMMs, PDSERVE_MOE_EXPERTS=auto),
     prefill, chunked prefill and decode against transformers in fp32 on CPU; fp32 within
-    1e-4 (no TF32), bf16 within the dense families' bound."""
+    1e-4 (no TF32) everywhere, bf16 within the dense families' bound away from routing
+    near-ties (:func:`routing_near_ties`)."""
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -295,8 +370,10 @@ def test_parity_on_cuda_through_the_fused_kernels(dtype, tol, monkeypatch):
         hf = random_tiny_model(MOE_CONFIGS[arch](), seed=1)
         model = LlamaForCausalLM(hf.config, dtype, "cuda")
         model.load_weights(hf.state_dict().items())
-        steps = [[5, 11, 1], [1, 4, 1], [1, 1, 1], [1, 1, 1]]
-        err = run_paged_scenario(model, hf, steps, [5, 11, 1], page_size=3, seed=7)
+        if dtype == torch.float32:
+            err = run_paged_scenario(model, hf, SCENARIO, SCENARIO[0], page_size=3, seed=7)
+        else:
+            err, _ = scenario_away_from_ties(model, hf)
         assert err < tol, f"{arch} cuda {dtype}: max log-prob diff {err:.2e}"
     assert calls, "the fused kernels never ran"
 

@@ -21,17 +21,27 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def run_paged_scenario(
-    model, hf, steps, prompt_lens, page_size, seed=0, host_lens=True, kv_order="page_major"
+    model,
+    hf,
+    steps,
+    prompt_lens,
+    page_size,
+    seed=0,
+    host_lens=True,
+    kv_order="page_major",
+    skip=None,
 ):
     """Feed token streams through ``model`` step by step (``steps``: query length of each
     sequence per step) over a shuffled, scattered page pool laid out in ``kv_order``;
     compare every new token's log-probs with ``hf`` (fp32, CPU) run on the whole prefix.
-    Returns the max abs difference."""
+    ``skip(seq) -> set of positions`` (optional, called once per sequence with its whole
+    token tensor): positions left out of the comparison. Returns the max abs difference."""
     s = model.shapes
     device, dtype = model.embed_tokens.device, model.dtype
     gen = torch.Generator().manual_seed(seed)
     totals = [sum(step[b] for step in steps) for b in range(len(prompt_lens))]
     seqs = [torch.randint(0, s.vocab, (n,), generator=gen) for n in totals]
+    skipped = [skip(seq) if skip else set() for seq in seqs]
     num_pages = 64
     perm = torch.randperm(num_pages, generator=gen).tolist()
     tables, used = [], 0
@@ -60,7 +70,9 @@ def run_paged_scenario(
                 ref = torch.log_softmax(
                     hf(seqs[b][None, : seq_lens[b]]).logits[0, done[b] :].float(), dim=-1
                 )
-            err = max(err, (lp[row : row + q] - ref).abs().max().item())
+            keep = [p - done[b] for p in range(done[b], seq_lens[b]) if p not in skipped[b]]
+            if keep:
+                err = max(err, (lp[row : row + q][keep] - ref[keep]).abs().max().item())
             row += q
         done = seq_lens
     unused = sorted(set(range(num_pages)) - {p for t in tables for p in t})

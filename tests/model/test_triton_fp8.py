@@ -1,6 +1,9 @@
-"""The Triton FP8-weight matmul (``model/triton_fp8.py``; Triton's interpreter on CPU) against
-the dequantized weight: one row and several, ragged N and K, one scale per row and block
-scales, K split or not, with and without bias; and ``fp8.linear``'s choice of path."""
+"""The Triton FP8-weight matmul (``model/triton_fp8.py``; Triton's interpreter on CPU, the
+kernel itself on CUDA) against the dequantized weight: one row and several, ragged N and K,
+one scale per row and block scales, K split or not, with and without bias; and
+``fp8.linear``'s choice of path. References are computed on the CPU in fp32, so a CUDA run
+compares against the same numbers (no TF32 in the reference); fp32 activations run the
+kernel's dots in IEEE fp32 on CUDA too, hence the same 1e-4 bound on both devices."""
 
 from __future__ import annotations
 
@@ -21,6 +24,11 @@ def _weight(n, k, block, seed=0):
     q, s = fp8.quantize_block(w, block)
     rows = s.repeat_interleave(block[0], 0)[:n].contiguous()
     return fp8.Fp8Weight(q.to(DEVICE), rows.to(DEVICE), block[1])
+
+
+def _ref(x, w):
+    """``x @ real(w).T`` in fp32 on the CPU (exact fp32 products, whatever the device)."""
+    return x.float().cpu() @ w.dequantize().cpu().T
 
 
 # Triton's CPU interpreter computes tl.dot of bf16 tiles wrongly (bf16 x bf16 of plain
@@ -48,13 +56,13 @@ def test_fp8_matmul_matches_dequantized(m, config, block, dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     bias = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE)
-    ref = x.float() @ w.dequantize().T + bias.float()
+    ref = _ref(x, w) + bias.float().cpu()
     got = triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias, config)
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert (got.float() - ref).abs().max().item() < tol
+    assert (got.float().cpu() - ref).abs().max().item() < tol
     nob = triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, None, config)
-    assert (nob.float() - (ref - bias.float())).abs().max().item() < tol
+    assert (nob.float().cpu() - (ref - bias.float().cpu())).abs().max().item() < tol
 
 
 def test_default_configs_run_and_split_small_n():
@@ -64,7 +72,7 @@ def test_default_configs_run_and_split_small_n():
     w = _weight(48, 160, None)
     x = torch.randn(5, 160).to(DEVICE)
     got = triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group)  # table empty: the default
-    assert (got - x @ w.dequantize().T).abs().max().item() < 1e-4
+    assert (got.cpu() - _ref(x, w)).abs().max().item() < 1e-4
 
 
 def test_table_entry_is_used(monkeypatch):
@@ -90,3 +98,19 @@ def test_linear_on_cpu_dequantizes():
         w = fp8.Fp8Weight(w.weight.cpu(), w.scale.cpu(), w.group)
         assert torch.allclose(fp8.linear(x, w, None), x @ w.dequantize().T, atol=1e-5)
     assert fp8.scaled_mm_min_rows(4096, 4096) == fp8.DEFAULT_SCALED_MM_MIN_ROWS
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_block_narrower_than_a_dot_tile(m):
+    """8-column blocks: the one-row kernel takes them (no tl.dot); the dot kernel refuses a
+    K tile under 16, which Triton cannot build on CUDA (the interpreter would run it), and
+    a checkpoint with such blocks is refused at load (fp8.MIN_BLOCK_K)."""
+    assert fp8.MIN_BLOCK_K == triton_fp8.MIN_DOT_K
+    w = _weight(48, 160, (16, 8))
+    x = torch.randn(m, 160).to(DEVICE)
+    if m == 1:
+        got = triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group)
+        assert (got.cpu() - _ref(x, w)).abs().max().item() < 1e-4
+    else:
+        with pytest.raises(ValueError, match="BLOCK_K 8"):
+            triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group)
