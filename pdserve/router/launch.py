@@ -173,5 +173,11 @@ def main(args: argparse.Namespace) -> int:
         f"pdserve router ({mode}, policy {config.policy}) on http://{config.host}:{port}",
         flush=True,
     )
-    serve_app(build_router_app(config), sock, log_level=envs.LOG_LEVEL.get())
+    serve_app(
+        build_router_app(config),
+        sock,
+        log_level=envs.LOG_LEVEL.get(),
+        loop="auto",  # uvloop and httptools (dependencies; the standard ones if absent)
+        http="auto",
+    )
     return 0
