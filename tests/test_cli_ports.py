@@ -79,3 +79,22 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
     )
     assert "Traceback" not in proc.stderr
     assert not log_dir.exists()  # nothing was planned or started
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--pd-min-prefill-tokens", "-1", "pd_min_prefill_tokens must be >= 0, got -1"),
+        ("--health-check-interval", "0", "health_check_interval must be > 0 s, got 0.0"),
+        ("--request-timeout", "-1", "request_timeout must be > 0 s, got -1.0"),
+    ],
+)
+def test_up_refuses_a_bad_router_flag_before_starting_anything(tmp_path, flag, value, message):
+    log_dir = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", flag, value]
+    proc = subprocess.run(
+        [*cmd, "--log-dir", str(log_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"pdserve up: error: {message}" in proc.stderr
+    assert not log_dir.exists()  # nothing was planned or started

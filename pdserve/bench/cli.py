@@ -41,7 +41,11 @@ def write_json(path: str, doc: Any, indent: int = 2) -> None:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``bench`` with its sub-commands."""
-    bench = subparsers.add_parser("bench", help="benchmarks: offline engine, KV transfer, serving")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: offline engine, attention, TP, KV transfer, serving, grammar, "
+        "sampler, host, router, quality",
+    )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     for module_name in _SUBCOMMANDS:
         try:

@@ -20,7 +20,7 @@ Two measurements:
   as it is (``req_per_cpu_s``: the rate one router process could reach on a core of its
   own).
 
-JSON on stdout (and under ``--out``).
+JSON on stdout (and under ``--json``).
 """
 
 from __future__ import annotations
@@ -220,7 +220,15 @@ def _free_port() -> int:
     return free_port("127.0.0.1")
 
 
-def _wait_port(port: int, path: str = "/health", timeout: float = 60.0) -> None:
+def _wait_port(
+    port: int,
+    path: str = "/health",
+    timeout: float = 60.0,
+    proc: subprocess.Popen | None = None,
+    name: str = "",
+) -> None:
+    """Until ``GET path`` on ``port`` answers 200. RuntimeError after ``timeout`` s, or at
+    once when ``proc`` (the process that should serve there, called ``name``) exited."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -230,6 +238,11 @@ def _wait_port(port: int, path: str = "/health", timeout: float = 60.0) -> None:
                 return
         except httpx.HTTPError:
             pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"the {name or 'process'} exited with code {proc.returncode} before serving "
+                "(its error is above)"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"nothing healthy on port {port} after {timeout:g} s")
         time.sleep(0.1)
@@ -259,8 +272,8 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
     procs.append(subprocess.Popen(router_argv, env=env, stdout=subprocess.DEVNULL))
     try:
-        for role in ("prefill", "decode", "router"):
-            _wait_port(ports[role])
+        for i, role in enumerate(("prefill", "decode", "router")):
+            _wait_port(ports[role], proc=procs[i], name=f"{role} process")
         report: dict[str, Any] = {"router_argv": router_argv[3:]}
         report["latency"] = asyncio.run(
             latency(ports["decode"], ports["router"], args.rate, args.seconds)
@@ -293,12 +306,34 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(f"pdserve bench router: --json {args.json}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        report = run(args)
+    except RuntimeError as exc:
+        print(f"pdserve bench router: {exc}", file=sys.stderr)
+        return 1
     text = json.dumps(report, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(text + "\n")
     return 0
+
+
+def _positive(cast: type) -> Any:
+    """An argparse type: ``cast(text)`` > 0 (finite), else a usage error naming the value."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return convert
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -311,9 +346,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(direct vs through the router, open loop at --rate) and its non-streamed "
         "requests/s (closed loop at --concurrency).",
     )
-    p.add_argument("--rate", type=float, default=100.0, help="arrivals per second (latency)")
-    p.add_argument("--seconds", type=float, default=5.0, help="length of each measurement")
-    p.add_argument("--concurrency", type=int, default=32, help="connections of the throughput run")
+    p.add_argument(
+        "--rate", type=_positive(float), default=100.0, help="arrivals per second (latency)"
+    )
+    p.add_argument(
+        "--seconds", type=_positive(float), default=5.0, help="length of each measurement"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_positive(int),
+        default=32,
+        help="connections of the throughput run",
+    )
     p.add_argument(
         "--router-arg",
         action="append",
@@ -321,7 +365,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="ARG",
         help="an extra argument of the router's command line (repeat)",
     )
-    p.add_argument("--out", help="also write the JSON report to this file; unset: stdout only")
+    p.add_argument(
+        "--json",
+        "--out",
+        dest="json",
+        metavar="FILE",
+        help="also write the JSON report to this file (--out: the same); unset: stdout only",
+    )
     p.set_defaults(func=main)
     return p
 

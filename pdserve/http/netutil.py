@@ -234,7 +234,10 @@ def serve_app(
         http=http,
     )
     server = GracefulServer(config)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised SIGINT
+        pass
 
 
 def configure_logging(level: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli import Flag, add_flags, int_list, port_number
+from pdserve.cli import Flag, add_flags, flag_values, int_list, port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
@@ -146,6 +146,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _check_router_flags(args: argparse.Namespace) -> None:
+    """The router's flags that ``up`` passes on, checked as the router will check them
+    (``RouterConfig``), before any process starts: ValueError naming the field."""
+    from pdserve.config import RouterConfig
+
+    flags = [f for f in ROUTER_FLAGS if f.flag in UP_ROUTER_FLAGS]
+    RouterConfig(
+        prefill_urls=("http://127.0.0.1:1",),  # placeholders: up plans the real ones
+        decode_urls=("http://127.0.0.1:2",),
+        **flag_values(args, flags, RouterConfig),
+    )
+
+
 def _healthy(client: httpx.Client, url: str) -> bool:
     try:
         return client.get(f"{url}/health", timeout=2.0).status_code == 200
@@ -268,6 +281,7 @@ def main(args: argparse.Namespace) -> int:
     args.port = probe.getsockname()[1]
     try:
         check_tp_sizes(args)
+        _check_router_flags(args)
     except ValueError as exc:
         probe.close()
         print(f"pdserve up: error: {exc}", file=sys.stderr)

@@ -86,7 +86,9 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         "runs whole on a decode worker (no prefill leg, no KV transfer); the part is the "
         "prompt's length (token ids counted, text estimated as UTF-8 bytes / 4) less the "
         "leading share that a decode worker holds by the router's index of the prompts "
-        "it sent there (that worker takes it); 0 = always PD",
+        "it sent there (that worker takes it); a chat's estimate counts its message "
+        "texts, not the chat template; batches of prompts and /v1/responses always go "
+        "through PD; 0 = always PD",
         int,
         cls=RouterConfig,
     ),

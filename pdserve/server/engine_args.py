@@ -162,7 +162,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--speculative-model",
-        "the draft model of --speculative-algorithm draft (as --model takes it); "
+        "the draft model of draft-model speculation (as --model takes it); "
         "unset: none (ngram needs none)",
         cls=SchedulerConfig,
     ),

@@ -1,7 +1,8 @@
 """A PD worker on NIXL points UCX's log at ``pdserve-ucx-<pid>.log`` in the temp folder
 (``pdserve.disagg.nixl.agent.ucx_transports``); a real worker stopped by SIGINT or SIGTERM
 removes it (uvicorn re-raises SIGTERM with the default handler, so atexit never runs: the
-app's lifespan end does it) and leaves every other file of the folder alone."""
+app's lifespan end does it), leaves every other file of the folder alone and prints no
+traceback."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_a_stopped_pd_worker_leaves_no_ucx_log(tmp_path, sig):
         except subprocess.TimeoutExpired:
             pytest.fail("the worker did not stop:\n" + worker.log_tail())
         assert not log.exists(), worker.log_tail()
+        # Ctrl-C (SIGINT) and `kill` stop it without a traceback
+        assert "Traceback" not in worker.log_path.read_text(errors="replace"), worker.log_tail()
         assert other.read_text() == "someone else's\n"
     finally:
         stop([worker])
