@@ -22,6 +22,7 @@ from starlette.routing import Route
 import pdserve
 from pdserve.config import RouterConfig
 from pdserve.http.body_limit import BodySizeLimit
+from pdserve.http.client import WorkerClient
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
@@ -30,7 +31,6 @@ from pdserve.router.errors import error_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
-from pdserve.router.worker_http import WorkerClient
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
 from pdserve.tracing import RequestContext, Tracing, current_error
 

@@ -20,6 +20,12 @@ from fastapi.responses import Response
 
 from pdserve import tracing
 from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST, ROOM_LIMIT, rooms_needed
+from pdserve.http.client import (
+    TRANSPORT_ERRORS,
+    WorkerClient,
+    WorkerResponse,
+    WorkerStream,
+)
 from pdserve.http.json_fields import as_int
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.metrics import RouterMetrics
@@ -34,12 +40,6 @@ from pdserve.router.relay import (
     merge_timing,
     relay_sse,
     start_relay,
-)
-from pdserve.router.worker_http import (
-    TRANSPORT_ERRORS,
-    WorkerClient,
-    WorkerResponse,
-    WorkerStream,
 )
 from pdserve.router.workers import (
     NoHealthyWorker,

@@ -30,11 +30,11 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.http.aio import get_within
+from pdserve.http.client import WorkerStream
 from pdserve.http.http_errors import error_status
 from pdserve.router.errors import sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Leg, Migration
-from pdserve.router.worker_http import WorkerStream
 from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")

@@ -1,4 +1,4 @@
-"""The router's worker-leg client (pdserve/router/worker_http.py): the SSE decoder on
+"""The router's worker-leg client (pdserve/http/client.py): the SSE decoder on
 every split of a stream, and the client over real HTTP (a raw asyncio server)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from pdserve.http.client import TRANSPORT_ERRORS, SSEDecoder, WorkerClient
 from pdserve.http.netutil import free_port
-from pdserve.router.worker_http import TRANSPORT_ERRORS, SSEDecoder, WorkerClient
 
 STREAM = (
     b"\xef\xbb\xbf: a comment\r\n"

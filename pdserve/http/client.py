@@ -1,6 +1,7 @@
-"""The router's HTTP client for the worker legs of client requests: aiohttp's keep-alive
-connection pool (C-accelerated HTTP/1.1 parser), and an incremental Server-Sent Events
-decoder for the streamed legs.
+"""An HTTP client for per-request traffic between pdserve processes — the router's worker
+legs of client requests: aiohttp's keep-alive connection pool (C-accelerated HTTP/1.1
+parser), and an incremental Server-Sent Events decoder for streamed answers. No routing or
+PD logic: the router's dispatcher and relay hold that.
 
 Why not httpx here: for a one-token non-streamed POST to a worker that answers at once,
 httpx/httpcore spent 0.55-1.1 ms of CPU per request on this project's 2-core machine
