@@ -14,7 +14,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from pdserve.config import default_of
@@ -51,6 +51,23 @@ def port_number(text: str) -> int:
         return check_port(int(text), "port", allow_zero=True)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
+
+
+def positive(cast: type) -> Callable[[str], Any]:
+    """An argparse ``type``: ``cast(text)`` (``int`` or ``float``), finite and > 0 (a count,
+    a rate, a duration in seconds); otherwise the usual ``argument --flag: expected a
+    number > 0, got '...'`` usage error (exit 2)."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return convert
 
 
 class IntListError(ValueError, argparse.ArgumentTypeError):

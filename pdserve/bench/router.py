@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli import positive
+
 BODY = json.dumps({"prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
 ANSWER = json.dumps(
     {
@@ -321,21 +323,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(cast: type) -> Any:
-    """An argparse type: ``cast(text)`` > 0 (finite), else a usage error naming the value."""
-
-    def convert(text: str) -> Any:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-
-    return convert
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``pdserve bench router``."""
     p = subparsers.add_parser(
@@ -347,14 +334,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "requests/s (closed loop at --concurrency).",
     )
     p.add_argument(
-        "--rate", type=_positive(float), default=100.0, help="arrivals per second (latency)"
+        "--rate", type=positive(float), default=100.0, help="arrivals per second (latency)"
     )
     p.add_argument(
-        "--seconds", type=_positive(float), default=5.0, help="length of each measurement"
+        "--seconds", type=positive(float), default=5.0, help="length of each measurement"
     )
     p.add_argument(
         "--concurrency",
-        type=_positive(int),
+        type=positive(int),
         default=32,
         help="connections of the throughput run",
     )
