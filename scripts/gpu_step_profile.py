@@ -1,14 +1,14 @@
 """Where a decode step's time goes at issue 24's shapes: GPU kernels or the host.
 
 For each shape ``ROWSxCONTEXT`` (default ``1x200 64x200 256x200 32x4096``) one engine
-(``random:llama-3.1-8b`` bf16 on CUDA, graphs up to 256 rows, 24 GiB of KV) generates greedy
+(``random:llama-3.1-8b`` bf16 on CUDA, graphs up to 256 rows, 24 GiB of KV) decodes greedy
 tokens for ROWS prompts of CONTEXT tokens and reports:
 
-- ``step_ms``: the wall time of one decode step, (time of a run of ``T2`` tokens - time of
-  ``T1``) / (T2 - T1), prefill cancelling out (the prompts are new to the prefix cache each
-  run: the cache is reset before each);
-- ``kernel_ms``: the GPU time of one decode step's kernels, from ``torch.profiler``
-  (CUDA activity only) over the same two runs, per kernel name, differenced the same way;
+- ``step_ms``: the wall time of one engine step once every request decodes (the prompts
+  are prefilled first, outside the timing; new to the prefix cache: it is reset first), the
+  median over three spans of ``--steps`` steps;
+- ``kernel_ms``: the GPU time of one such step's kernels, from ``torch.profiler`` over
+  ``--steps`` more steps, per kernel name;
 - ``gap_ms`` = step_ms - kernel_ms: time the GPU waits on the host (launches, scheduling,
   sampling's host side, the plan), so a step with a large gap is host-bound;
 - the 12 kernels that take most of a step, and the count of graph launches per step
@@ -26,6 +26,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -43,26 +44,41 @@ def _prompts(rows: int, ctx: int, salt: int) -> list[list[int]]:
     ]
 
 
-def _run(llm: LLM, rows: int, ctx: int, tokens: int, salt: int) -> float:
-    """Seconds to generate ``tokens`` greedy tokens for each of ``rows`` fresh prompts."""
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _decode_steps(llm: LLM, rows: int, ctx: int, steps: int, salt: int, cuda: bool):
+    """Seconds per step over three spans of ``steps`` engine steps in which all ``rows``
+    requests decode (the prompts prefilled first, outside the timing), and the per-kernel GPU microseconds and
+    graph launches of ``steps`` more such steps under ``torch.profiler``."""
+    core = llm.engine
     llm.reset_prefix_cache()
-    p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    prompts = _prompts(rows, ctx, salt)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate(prompts, p)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def _kernels(llm: LLM, rows: int, ctx: int, tokens: int, salt: int, cuda: bool):
-    """Per-kernel GPU microseconds and the count of graph launches over one run."""
+    params = SamplingParams(temperature=0, max_tokens=5 * steps + 8, ignore_eos=True)
+    for i, p in enumerate(_prompts(rows, ctx, salt)):
+        core.add_request(f"prof-{salt}-{i}", p, params)
+    while any(len(r.output_token_ids) == 0 for r in core._requests.values()):
+        core.step()  # prefill (and maybe a few decode rows) until every request decodes
+    core.step()
+    _sync(cuda)
+    times = []
+    for _ in range(3):  # three spans of ``steps`` steps, unsynchronized inside (overlap on)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        _sync(cuda)
+        times.append((time.perf_counter() - t0) / steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        _run(llm, rows, ctx, tokens, salt)
-    per = collections.Counter()
+        for _ in range(steps):
+            core.step()
+        _sync(cuda)
+    for rid in list(core._requests):
+        core.abort_request(rid)
+    while core.has_unfinished_requests():
+        core.step()
+    per: collections.Counter = collections.Counter()
     launches = 0
     for a in prof.key_averages():
         if a.key in ("cudaGraphLaunch", "cuGraphLaunch"):
@@ -70,7 +86,7 @@ def _kernels(llm: LLM, rows: int, ctx: int, tokens: int, salt: int, cuda: bool):
         # kernels only (a CPU op's device time is its kernels' again)
         if cuda and a.device_type == DeviceType.CUDA:
             per[a.key] += a.device_time_total
-    return per, launches
+    return times, per, launches
 
 
 def main() -> None:
@@ -81,8 +97,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-memory", type=float, default=24)
     ap.add_argument("--max-running-requests", type=int, default=256)
-    ap.add_argument("--t1", type=int, default=16, help="tokens of the short run")
-    ap.add_argument("--t2", type=int, default=48, help="tokens of the long run")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed, then profiled")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     out = os.environ.get("OUT", ".")
@@ -96,37 +111,33 @@ def main() -> None:
     )
     print(f"engine up in {time.time() - t0:.0f} s", flush=True)
     res = {}
-    dt = args.t2 - args.t1
+    n = args.steps
     for shape in args.shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
-        _run(llm, rows, ctx, 4, 0)  # warm: this shape's buckets, the allocator
-        times = {}
-        for i, t in enumerate((args.t1, args.t2, args.t1, args.t2)):
-            times.setdefault(t, []).append(_run(llm, rows, ctx, t, i + 1))
-        step_ms = (min(times[args.t2]) - min(times[args.t1])) / dt * 1e3
-        k1, l1 = _kernels(llm, rows, ctx, args.t1, 11, cuda)
-        k2, l2 = _kernels(llm, rows, ctx, args.t2, 12, cuda)
-        diff = {k: (k2.get(k, 0) - k1.get(k, 0)) / dt / 1e3 for k in set(k1) | set(k2)}
-        kernel_ms = sum(diff.values())
-        top = sorted(diff.items(), key=lambda kv: -kv[1])[:12]
+        _decode_steps(llm, rows, ctx, 4, 0, cuda)  # warm: this shape's buckets, the allocator
+        times, per, launches = _decode_steps(llm, rows, ctx, n, 1, cuda)
+        step_ms = statistics.median(times) * 1e3
+        kernel_ms = sum(per.values()) / n / 1e3
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
         r = {
             "rows": rows,
             "context": ctx,
             "step_ms": step_ms,
+            "step_ms_spans": [t * 1e3 for t in times],
             "kernel_ms": kernel_ms,
             "gap_ms": step_ms - kernel_ms,
-            "graph_launches_per_step": (l2 - l1) / dt,
-            "top_kernels_ms": {k[:120]: v for k, v in top},
-            "runs_s": times,
+            "graph_launches_per_step": launches / n,
+            "top_kernels_ms": {k[:120]: v / n / 1e3 for k, v in top},
         }
         res[shape] = r
         print(
-            f"== {shape}: step {step_ms:.3f} ms, kernels {kernel_ms:.3f} ms, gap {step_ms - kernel_ms:.3f} ms, "
-            f"graph launches/step {r['graph_launches_per_step']:.2f}",
+            f"== {shape}: step {step_ms:.3f} ms, kernels "
+            f"{kernel_ms:.3f} ms, gap {step_ms - kernel_ms:.3f} ms, graph launches/step "
+            f"{r['graph_launches_per_step']:.2f}",
             flush=True,
         )
         for k, v in top:
-            print(f"   {v:8.3f} ms  {k[:110]}", flush=True)
+            print(f"   {v / n / 1e3:8.3f} ms  {k[:110]}", flush=True)
     with open(os.path.join(out, "step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
 
