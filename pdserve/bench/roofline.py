@@ -175,8 +175,8 @@ def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2)
     ``llm`` is a :class:`pdserve.engine.llm.LLM`; greedy, ``ignore_eos``. Returns
     ``{"step_s": seconds per step, "mean_context": tokens each row attends to at the
     middle of the span}``, or ``None`` when the step cannot be one of all ``len(prompts)``
-    rows: more prompts than ``max_running_requests``, or a request preempted (the pool too
-    small) during the run. The requests are aborted at the end and the engine drained.
+    rows: more prompts than ``max_running_requests``, a request preempted (the pool too
+    small) or ended (its context full) during the run. The requests are aborted at the end and the engine drained.
     """
     import torch
 
@@ -186,7 +186,11 @@ def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2)
     if len(prompts) > core.config.scheduler.max_running_requests:
         return None
     llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)
+    # Enough tokens that no request ends inside the span, however many its row decoded
+    # while later prompts were still being prefilled; they are aborted after it.
+    longest = max(len(p) for p in prompts)
+    room = core.max_model_len - longest
+    params = SamplingParams(temperature=0.0, max_tokens=max(1, room), ignore_eos=True)
     ids = [f"steady-{id(prompts)}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         core.add_request(rid, list(prompt), params)
@@ -204,7 +208,7 @@ def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2)
         core.step()
     sync()
     step_s = (time.perf_counter() - t0) / steps
-    ok = core.scheduler.num_preemptions == preempted
+    ok = core.scheduler.num_preemptions == preempted and not any(r.finished for r in reqs)
     for rid in ids:
         core.abort_request(rid)
     while core.has_unfinished_requests():
