@@ -2,8 +2,13 @@
 
 A step is planned once (outside the model's forward). A decode-only step runs the split-KV
 decode kernel and, with more than one split, its merge; any other step (prefill, chunked
-prefill over a cached prefix, mixed decode + prefill) runs the varlen extend kernel over
-every sequence. Both read K/V in place from the paged cache, through its strides; this
+prefill over a cached prefix) runs the varlen extend kernel. A mixed step (decode rows
+first, as the scheduler orders a batch, then prefill chunks) runs both: the leading
+one-token rows through the decode kernel, the rest through the extend kernel. The extend
+kernel pads every row's queries to a tile of ``_EXTEND_BLOCK_M`` and reads K/V once per
+query head, so a decode row there costs about 64 x its compute and G x its KV reads; with
+long contexts that made a mixed step (rows that decode beside a later prompt's chunk)
+several times slower than the chunk alone. Both read K/V in place from the paged cache, through its strides; this
 step's K/V are stored first by the store kernel, or, on CUDA, by the model's RoPE kernel
 (``fused_ops.rope_store_kv``: one kernel a layer fewer; ``forward(..., kv_stored=True)``).
 
@@ -164,6 +169,7 @@ class TritonPlan:
     config: DecodeConfig | None = None
     mid_o: torch.Tensor | None = None
     mid_lse: torch.Tensor | None = None
+    num_decode_rows: int = 0
 
 
 class TritonBackend(AttentionBackend):
@@ -177,6 +183,16 @@ class TritonBackend(AttentionBackend):
         """Plan an eager step (reads the host lengths; one device read when absent)."""
         q_lens, s_lens = attn.host_lens()
         decode = all(q == 1 for q in q_lens)
+        lead = 0 if decode else next(i for i, q in enumerate(q_lens) if q != 1)
+        if lead:  # mixed: the leading decode rows get the decode kernel
+            return TritonPlan(
+                False,
+                max(s_lens[:lead]),
+                max(q_lens[lead:]),
+                sum(s_lens[:lead]),
+                None,
+                num_decode_rows=lead,
+            )
         return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1), sum(s_lens))
 
     def plan_for_capture(
@@ -256,77 +272,22 @@ class TritonBackend(AttentionBackend):
         B = attn.num_seqs
         if B == 0:
             return out.view(T, Hq * D)
-        if plan.decode:
-            if plan.config is None:
-                plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
-            cfg = plan.config
-            S = cfg.splits
-            if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
-                plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-                plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
-            mid_o = out if plan.mid_o is None else plan.mid_o  # unused with one split
-            mid_lse = out if plan.mid_lse is None else plan.mid_lse
-            decode_split_kernel[(B, Hkv, S)](
-                q,
-                k_cache,
-                v_cache,
-                table,
-                attn.seq_lens,
-                mid_o,
-                mid_lse,
-                out,
-                scale,
-                q.stride(0),
-                q.stride(1),
-                *k_cache.stride()[:3],
-                *v_cache.stride()[:3],
-                table.stride(0),
-                *mid_o.stride()[:3],
-                *mid_lse.stride()[:2],
-                out.stride(0),
-                out.stride(1),
-                B,
-                G=G,
-                D=D,
-                PAGE_SIZE=page_size,
-                NUM_SPLITS=S,
-                MIN_SPLIT=cfg.min_split,
-                BALANCE_PROGRAMS=cfg.balance,
-                BLOCK_B=_BALANCE_BLOCK_B if cfg.balance else 1,
-                BLOCK_H=_pow2(G),
-                BLOCK_N=cfg.block_n,
-                BLOCK_D=block_d,
-                TILE_IN_PAGE=page_size % cfg.block_n == 0,
-                IEEE=ieee,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                **pdl.launch_options(q),
-            )
-            if S > 1:
-                decode_merge_kernel[(B, Hq)](
-                    mid_o,
-                    mid_lse,
-                    out,
-                    *mid_o.stride()[:3],
-                    *mid_lse.stride()[:2],
-                    out.stride(0),
-                    out.stride(1),
-                    D=D,
-                    NUM_SPLITS=S,
-                    BLOCK_S=_pow2(S, 1),
-                    BLOCK_D=block_d,
-                    **pdl.launch_options(q),
-                )
-        else:
-            grid = (B, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
+        lead = B if plan.decode else plan.num_decode_rows
+        if lead:
+            self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D)
+        if lead < B:
+            grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
+            qsl, seq_lens, table = attn.query_start_loc, attn.seq_lens, table
+            if lead:  # the extend rows' views: token offsets in q/out stay absolute
+                qsl, seq_lens, table = qsl[lead:], seq_lens[lead:], table[lead:]
             extend_kernel[grid](
                 q,
                 k_cache,
                 v_cache,
                 out,
                 table,
-                attn.query_start_loc,
-                attn.seq_lens,
+                qsl,
+                seq_lens,
                 scale,
                 q.stride(0),
                 q.stride(1),
@@ -347,3 +308,69 @@ class TritonBackend(AttentionBackend):
         if v_scale != 1.0:  # sum_j p_j (v8_j * vs) = vs * sum_j p_j v8_j
             out.mul_(v_scale)
         return out.view(T, Hq * D)
+
+    def _decode(self, q, k_cache, v_cache, out, attn, plan, B, scale, ieee, G, D) -> None:
+        """The split-KV decode kernel (and its merge) over rows ``0..B-1``: one query token
+        each, the token of row ``b`` at ``q[b]``; writes ``out[b]``."""
+        Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)
+        table = attn.page_table
+        if plan.config is None:
+            plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
+        cfg = plan.config
+        S = cfg.splits
+        if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
+            plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+            plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+        mid_o = out if plan.mid_o is None else plan.mid_o  # unused with one split
+        mid_lse = out if plan.mid_lse is None else plan.mid_lse
+        decode_split_kernel[(B, Hkv, S)](
+            q,
+            k_cache,
+            v_cache,
+            table,
+            attn.seq_lens,
+            mid_o,
+            mid_lse,
+            out,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            table.stride(0),
+            *mid_o.stride()[:3],
+            *mid_lse.stride()[:2],
+            out.stride(0),
+            out.stride(1),
+            B,
+            G=G,
+            D=D,
+            PAGE_SIZE=page_size,
+            NUM_SPLITS=S,
+            MIN_SPLIT=cfg.min_split,
+            BALANCE_PROGRAMS=cfg.balance,
+            BLOCK_B=_BALANCE_BLOCK_B if cfg.balance else 1,
+            BLOCK_H=_pow2(G),
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d,
+            TILE_IN_PAGE=page_size % cfg.block_n == 0,
+            IEEE=ieee,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **pdl.launch_options(q),
+        )
+        if S > 1:
+            decode_merge_kernel[(B, Hq)](
+                mid_o,
+                mid_lse,
+                out,
+                *mid_o.stride()[:3],
+                *mid_lse.stride()[:2],
+                out.stride(0),
+                out.stride(1),
+                D=D,
+                NUM_SPLITS=S,
+                BLOCK_S=_pow2(S, 1),
+                BLOCK_D=block_d,
+                **pdl.launch_options(q),
+            )

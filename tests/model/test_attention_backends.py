@@ -106,6 +106,11 @@ def _attend(name, q, k, v, k_cache, v_cache, md, page_size):
     [
         ([1, 1, 1], [1, 70, 300], 16),  # decode only, several splits and many pages
         ([5, 1, 70], [5, 40, 75], 4),  # prefill, decode and extend over a cached prefix
+        # mixed: leading decode rows (the decode kernel, several splits), then a prefill
+        ([1, 1, 40], [70, 300, 40], 16),
+        # two leading decode rows, then an extend over a prefix and a decode row after it
+        # (that one stays in the extend kernel)
+        ([1, 1, 5, 1], [30, 70, 75, 9], 4),
     ],
 )
 def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
@@ -250,6 +255,21 @@ def test_graphs_get_a_short_context_bound():
     assert pick_graph(64, (1024,), 1025) == (64, None)
     assert pick_graph(64, (256, 1024), 300) == (64, 1024)
     assert pick_graph(8, (), 5) == (8, None)
+
+
+def test_mixed_step_plans_its_leading_decode_rows_for_the_decode_kernel():
+    """A mixed step's leading one-token rows are planned for the decode kernel with their
+    own context bounds; the extend part gets the longest query among the rest."""
+    backend = get_attention_backend("triton")
+    md = build_attention_metadata([1, 1, 7, 1], [50, 9, 20, 4], [[0] * 13] * 4, 4, device=DEVICE)
+    plan = backend.plan(md, 4)
+    assert not plan.decode and plan.num_decode_rows == 2
+    assert (plan.max_seq_len, plan.total_context, plan.max_q_len) == (50, 59, 7)
+    md = build_attention_metadata([3, 1], [3, 9], [[0] * 3] * 2, 4, device=DEVICE)
+    assert backend.plan(md, 4).num_decode_rows == 0  # the first row is a prefill
+    md = build_attention_metadata([1, 1], [3, 9], [[0] * 3] * 2, 4, device=DEVICE)
+    plan = backend.plan(md, 4)
+    assert plan.decode and plan.num_decode_rows == 0
 
 
 def test_triton_padded_rows_write_nothing_and_output_zero():
