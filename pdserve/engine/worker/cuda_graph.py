@@ -200,14 +200,17 @@ def fill_page_table(
     return n
 
 
-def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int) -> int:
-    """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized:
+def capture_reserve_bytes(model: LlamaForCausalLM, max_batch: int, verify_tokens: int = 0) -> int:
+    """Upper bound of the graph pool's size (bytes), reserved before the KV pool is sized
+    (``verify_tokens``: the largest verify graph's tokens, rows x (k + 1), when verify
+    graphs are captured too; the counts below then take the larger of the two):
     the fp32 logits buffer every graph writes (``max_batch * vocab * 4``), the largest
     bucket's logits in the model dtype before that cast and its log-softmax (its greedy
     pick; both counted at 4 bytes), the
     activations of the largest bucket (hidden, fused QKV, gate/up, split-KV scratch of 32
     splits), plus 256 MiB for the allocator's rounding and cuBLAS workspaces."""
     s = model.shapes
+    max_batch = max(max_batch, verify_tokens)
     elt = int(torch.empty((), dtype=model.dtype).element_size())
     logits = 3 * max_batch * s.vocab * 4
     per_row = (

@@ -1,0 +1,133 @@
+"""The verify step's CUDA-graph path (``engine/worker/cuda_graph.py``: verify graphs), on
+CPU up to the capture call: the right-aligned window layout; and a whole speculative run
+whose verify steps go through ``CUDAGraphRunner.replay_verify`` with the runner's eager
+test hook (the static buffers, the capture plan of ``q`` query tokens a row and the
+output slicing, run without capturing) under the ``triton`` backend (Triton's CPU
+interpreter), in fp32: its output equals the plain eager run's token for token, logprobs
+included, with rows of fewer drafts padded in the same steps; every page is back after
+each run.  ``tests/engine/test_gpu_verify_graph.py`` checks the captured graphs on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():  # before the backend's kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+from overlap_runs import PROMPTS, assert_same, drive, greedy
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core.engine import EngineCore
+from pdserve.engine.spec.drafter import ReferenceDrafter, ReplayDrafter
+from pdserve.engine.worker.cuda_graph import (
+    VERIFY_GRAPH_MAX_TOKENS,
+    CUDAGraphRunner,
+    verify_batch_sizes,
+    verify_window,
+)
+
+K = 3
+PS = 4
+
+
+def test_verify_window_right_aligns_each_row():
+    table = np.array([[7, 8, 9], [3, 4, 0]], dtype=np.int32)
+    # row 0: last token at position 5 + 3 drafts (full); row 1: last token at 2, 1 draft
+    w = verify_window([[11, 12, 13, 14], [21, 22]], np.array([5, 2]), table, PS, K + 1, 4)
+    assert w.ids.tolist() == [11, 12, 13, 14, 0, 0, 21, 22] + [0] * 8
+    assert w.positions.tolist()[:8] == [5, 6, 7, 8, 2, 2, 2, 3]
+    # slot = page * PS + pos % PS: row 0 positions 5..8 -> pages 8, 8, 8, 9
+    assert w.slots.tolist() == [33, 34, 35, 36, -1, -1, 14, 15] + [-1] * 8
+    assert w.seq_lens.tolist() == [9, 4, 0, 0]
+    assert w.rows.tolist() == [0, 1, 2, 3, 6, 7]
+    with pytest.raises(ValueError, match="1 .. 4 tokens"):
+        verify_window([[1] * 5], np.array([0]), table[:1], PS, K + 1, 1)
+    with pytest.raises(ValueError, match="bs"):
+        verify_window([[1], [2]], np.array([0, 0]), table, PS, K + 1, 1)
+
+
+def test_verify_batch_sizes():
+    assert verify_batch_sizes(64, 5) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert verify_batch_sizes(256, 5)[-1] == VERIFY_GRAPH_MAX_TOKENS // 5
+    assert verify_batch_sizes(3, 5) == [1, 2, 3]
+    with pytest.raises(ValueError, match="query_len"):
+        verify_batch_sizes(8, 1)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def _core(folder, **sched):
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(model=folder, device="cpu", attention_backend="triton"),
+            cache=CacheConfig(page_size=PS, num_pages=96),
+            scheduler=SchedulerConfig(max_running_requests=4, **sched),
+        )
+    )
+
+
+def _with_eager_graphs(core):
+    """Give ``core``'s runner an eager CUDAGraphRunner; returns the list every graph
+    verify step appends its rows' token counts to."""
+    ctx = core.executor.rank0
+    ctx.runner.graphs = CUDAGraphRunner(
+        ctx.model,
+        ctx.storage.layer_caches,
+        PS,
+        max_batch=4,
+        max_pages=CUDAGraphRunner.max_pages_for(ctx.max_model_len, PS),
+        eager=True,
+    )
+    steps: list[list[int]] = []
+    inner = ctx.runner._graph_verify
+
+    def counted(plan):
+        out = inner(plan)
+        if out is not None:
+            steps.append([len(s.token_ids) for s in plan.seqs])
+        return out
+
+    ctx.runner._graph_verify = counted
+    return steps
+
+
+def _requests(**kw):
+    params = [greedy(max_tokens=m, ignore_eos=True, **kw) for m in (14, 9, 17)]
+    return [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[1:4], params))]
+
+
+@pytest.mark.timeout(600)
+def test_graph_verify_equals_plain_eager_decode(folder):
+    """Plain greedy rows take the graph's own greedy pick (``verify_greedy_packed``: the
+    cumulative logprob checks its logprobs); rows asking top logprobs go through the
+    acceptance rule on the graph's logits."""
+    base = _core(folder)
+    reqs = _requests()
+    _, f0 = drive(base, reqs)
+    refs = [list(p) + list(f0[rid][0]) for rid, p, _ in reqs]
+    spec = _core(folder, speculative_algorithm="ngram", num_speculative_tokens=K)
+    steps = _with_eager_graphs(spec)
+    # the benchmark mode: every kept token the graph's argmax too (no override)
+    spec.set_drafter(ReferenceDrafter(refs, K, 0.7, spec.vocab_size, seed=2), K)
+    assert spec.executor.rank0.runner.graphs.q == K + 1
+    _, f1 = drive(spec, reqs)
+    assert_same(f1, f0)
+    assert spec.scheduler.num_reference_mismatches == 0
+    assert len(steps) >= 5
+    assert any(max(s) == K + 1 and min(s) < K + 1 for s in steps), steps  # padded rows
+    # the normal greedy rule on the graph's logits (replayed drafts, corrupted at 0.5)
+    reqs = _requests(logprobs=2)
+    _, f0 = drive(base, reqs)
+    n = len(steps)
+    spec.set_drafter(ReplayDrafter(refs, K, 0.5, spec.vocab_size, seed=4), K)
+    _, f2 = drive(spec, reqs)
+    assert_same(f2, f0)
+    assert len(steps) >= n + 5
+    assert spec.stats()["spec_accepted_tokens"] > 10
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec.set_drafter(ReplayDrafter(refs, K + 1, 0.5, spec.vocab_size), K + 1)
