@@ -140,6 +140,17 @@ def _draft_model(llm: Any, model: str, k: int) -> Any:
     )
 
 
+def _verify_step_note(engine: Any) -> str:
+    """How the engine runs its verify steps (``CUDAGraphRunner`` verify graphs or eager)."""
+    g = engine.executor.rank0.runner.graphs
+    if g is None or not g.q:
+        return "eager (no CUDA graphs: CPU, --enforce-eager or TP > 1)"
+    return (
+        f"CUDA graphs of {g.q} tokens a row for up to {g.verify_max_batch} rows "
+        "(larger or mixed steps eager; see results[].verify_steps); overlap scheduling off"
+    )
+
+
 def run_speculative(
     args: argparse.Namespace,
     llm: Any,
@@ -205,6 +216,8 @@ def run_speculative(
         plain_runs, spec_runs, same = [], [], []
         before = engine.stats()
         mismatches0 = engine.scheduler.num_reference_mismatches
+        runner = engine.executor.rank0.runner
+        vsteps0 = dict(runner.verify_steps)
         for _ in range(args.repeats):
             engine.set_drafter(None)
             dt, ids = timed(llm, prompts, args.max_tokens)
@@ -219,6 +232,7 @@ def run_speculative(
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         rows = after["spec_verify_rows"] - before["spec_verify_rows"]
         mismatches = engine.scheduler.num_reference_mismatches - mismatches0
+        vsteps = {k: v - vsteps0[k] for k, v in runner.verify_steps.items()}
         row = {
             "num_prompts": n,
             "plain_tok_s": statistics.median(plain_runs),
@@ -230,6 +244,7 @@ def run_speculative(
             "identical_outputs": min(same),
             "reference_mismatches": mismatches if mode == "reference" else None,
             "kept_tokens": accepted + rows,
+            "verify_steps": vsteps,
             "prompt_lens": [len(p) for p in prompts],
         }
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
@@ -255,7 +270,7 @@ def run_speculative(
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
-            "verify_step": "eager (no CUDA graph of the verify step yet)",
+            "verify_step": _verify_step_note(engine),
             "results": results,
         }
         write_json(args.json, report)

@@ -131,3 +131,140 @@ def test_graph_verify_equals_plain_eager_decode(folder):
     assert spec.stats()["spec_accepted_tokens"] > 10
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         spec.set_drafter(ReplayDrafter(refs, K + 1, 0.5, spec.vocab_size), K + 1)
+
+
+def _step_core(folder, device, dtype):
+    """An idle engine with verify graphs of k = K made at start (``rank_worker``), or on
+    CPU the eager test hook (prepared at ``set_drafter``)."""
+    core = EngineCore(
+        EngineConfig(
+            model=ModelConfig(model=folder, device=device, dtype=dtype, attention_backend="triton"),
+            cache=CacheConfig(page_size=PS, num_pages=96),
+            scheduler=SchedulerConfig(
+                max_running_requests=4, speculative_algorithm="ngram", num_speculative_tokens=K
+            ),
+        )
+    )
+    if device == "cpu":
+        _with_eager_graphs(core)
+        core.executor.rank0.runner.graphs.prepare_verify(K)
+    return core
+
+
+def _graph_vs_eager_step(core):
+    """One verify step of rows with 3, 1 and 0 drafts over prompts prefilled into pages of
+    their own, through the verify graph and eagerly: (graph logits, eager logits, tokens
+    kept by ``execute`` through the graph, tokens ``verify`` keeps from the eager logits)."""
+    import torch
+
+    from pdserve.engine.spec.verify import VerifySpan, verify, verify_rows
+    from pdserve.engine.step import BatchPlan, ScheduledSeq, StepResult
+
+    runner = core.executor.rank0.runner
+    params = greedy(max_tokens=8)
+    prompts = [PROMPTS[2], PROMPTS[4], PROMPTS[0]]
+    pages = [list(range(b * 8, b * 8 + 8)) for b in range(len(prompts))]
+    pre = BatchPlan(
+        tuple(
+            ScheduledSeq(f"p{b}", list(p), 0, pages[b], True, 0, [], params, None)
+            for b, p in enumerate(prompts)
+        )
+    )
+    first = runner.execute(pre).sampled
+    drafts = [(7, 8, 9), (11,), ()]
+    seqs = tuple(
+        ScheduledSeq(
+            f"p{b}",
+            [first[f"p{b}"].token_id, *drafts[b]],
+            len(p),
+            pages[b],
+            True,
+            0,
+            [],
+            params,
+            None,
+            draft_token_ids=drafts[b],
+        )
+        for b, p in enumerate(prompts)
+    )
+    plan = BatchPlan(seqs)
+    got = runner._graph_verify(plan)
+    assert got is not None
+    logits_g = got[0].clone()
+    kept_g = runner.execute(plan).verified  # the graph path again, through execute
+    logits_e = runner._eager_step(plan, StepResult())
+    rows, spans = [], []
+    for s in seqs:
+        spans.append(VerifySpan(len(rows), s.draft_token_ids))
+        rows.extend(verify_rows(s))
+    kept_e = verify(logits_e, rows, spans)
+    assert logits_g.shape == logits_e.shape == (7, core.vocab_size)
+    assert logits_g.dtype == torch.float32
+    ids = lambda kept: [[t.token_id for t in k] for k in kept]  # noqa: E731
+    return logits_g, logits_e, ids(kept_g[f"p{b}"] for b in range(2)), ids(kept_e[:2])
+
+
+@pytest.mark.timeout(600)
+def test_graph_verify_step_equals_eager_step_cpu(folder):
+    """The eager hook on CPU: the same logits as the eager verify step (fp32)."""
+    core = _step_core(folder, "cpu", "float32")
+    lg, le, kg, ke = _graph_vs_eager_step(core)
+    assert (lg - le).abs().max().item() < 1e-4
+    assert kg == ke
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_captured_verify_graph_equals_eager_step(folder, dtype):
+    """On CUDA the captured verify graph (made at start) against the eager verify step:
+    fp32 within 1e-3 and the same kept tokens; bf16 within 0.5 (the rows' GEMMs have
+    another M: rounding differs) with the argmax of at least 6 of the 7 positions equal."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    core = _step_core(folder, "cuda", dtype)
+    g = core.executor.rank0.runner.graphs
+    assert g is not None and g.q == K + 1 and g._vgraphs, "no verify graphs were captured"
+    lg, le, kg, ke = _graph_vs_eager_step(core)
+    if dtype == "float32":
+        assert (lg - le).abs().max().item() < 1e-3
+        assert kg == ke
+    else:
+        assert (lg - le).abs().max().item() < 0.5
+        assert (lg.argmax(-1) == le.argmax(-1)).sum().item() >= 6
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_speculative_run_through_verify_graphs_equals_plain(folder):
+    """fp32 on CUDA, graphs on both sides: the reference mode's output equals the plain
+    run's token for token with nothing overridden, and verify graphs ran the steps."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+
+    def core(**sched):
+        return EngineCore(
+            EngineConfig(
+                model=ModelConfig(model=folder, device="cuda", dtype="float32"),
+                cache=CacheConfig(page_size=PS, num_pages=96),
+                scheduler=SchedulerConfig(max_running_requests=4, **sched),
+            )
+        )
+
+    reqs = _requests()
+    _, f0 = drive(core(), reqs)
+    refs = [list(p) + list(f0[rid][0]) for rid, p, _ in reqs]
+    spec = core(speculative_algorithm="ngram", num_speculative_tokens=K)
+    runner = spec.executor.rank0.runner
+    steps = []
+    inner = runner._graph_verify
+    runner._graph_verify = lambda plan: steps.append(1) or inner(plan)
+    spec.set_drafter(ReferenceDrafter(refs, K, 0.7, spec.vocab_size, seed=2), K)
+    _, f1 = drive(spec, reqs)
+    assert_same(f1, f0)
+    assert spec.scheduler.num_reference_mismatches == 0
+    assert runner.graphs._vgraphs and len(steps) >= 5

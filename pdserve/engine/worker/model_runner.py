@@ -225,6 +225,8 @@ class ModelRunner:
         # are copied into, used in turn (step N's is read after step N+1 is launched).
         self._token_hosts: list[torch.Tensor] = [torch.empty(0, 2, dtype=torch.float64)] * 2
         self._token_turn = 0
+        # verify steps run through a verify graph / eagerly (benchmarks report them)
+        self.verify_steps = {"graph": 0, "eager": 0}
 
     def _graph_step(self, plan: BatchPlan) -> torch.Tensor | None:
         """Logits ``[B, V]`` of a decode-only step through a CUDA graph, or None when the step
@@ -347,11 +349,14 @@ class ModelRunner:
         without drafts is a span of one position); plain greedy rows of a graph step take
         the graph's own greedy pick (``verify_greedy_packed``)."""
         graph = self._graph_verify(plan)
-        packed = None
+        packed: torch.Tensor | None = None
+        logits: torch.Tensor | None
         if graph is not None:
             logits, packed = graph
+            self.verify_steps["graph"] += 1
         else:
             logits = self._eager_step(plan, result)
+            self.verify_steps["eager"] += 1
         rows: list[SampleRequest] = []
         spans: list[VerifySpan] = []
         ids: list[str] = []
