@@ -40,7 +40,7 @@ from pdserve.engine.worker.cuda_graph import (
     capture_reserve_bytes,
     verify_batch_sizes,
 )
-from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages
+from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages, kv_bytes_per_token
 from pdserve.engine.worker.model_runner import HEADER_LEN, ModelRunner, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
@@ -157,6 +157,7 @@ def build_rank(
         device=device,
         max_running_requests=sc.max_running,
         max_model_len=max_len,
+        extra_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
     )
     num_pages = agree_num_pages(num_pages)
     storage = KVStorage(
@@ -190,6 +191,22 @@ def build_rank(
     runner = ModelRunner(model, storage, device, generator, graphs)
     gpu_id = device.index if device.index is not None else mc.rank_gpu_id(tp.rank)
     return RankContext(tp, device, gpu_id, storage, model, runner, max_len)
+
+
+def draft_kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
+    """KV bytes per token (all layers, ``dtype``) of ``config``'s speculative draft model,
+    0 without one.  The draft model's pool has as many pages as the target's
+    (``engine/spec/factory.py``), so the target's pool is sized with these bytes counted
+    in: one ``--kv-cache-memory`` (or ``gpu_memory_utilization``) budget split between the
+    two by their bytes per token.  Reads the draft's config only (no weights)."""
+    sc = config.scheduler
+    if sc.speculative_algorithm != "draft" or sc.speculative_model is None:
+        return 0
+    from pdserve.model.loader import model_config
+    from pdserve.model.shapes import ModelShapes
+
+    s = ModelShapes(model_config(sc.speculative_model))
+    return kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, dtype)
 
 
 def _verify_tokens(config: EngineConfig) -> int:
