@@ -14,6 +14,9 @@
 #      JSON carries plain_tok_s, spec_tok_s, speedup, acceptance_length (~3.36 expected at
 #      0.8, k = 4), reference_mismatches (kept positions where the verify forward's bf16
 #      argmax differed from the plain run's) and verify_steps {graph, eager}.
+# DRAFT=random:llama-3.2-1b adds the same with that draft model run every step for its cost
+# (its proposals replaced by the reference ones; 1 / 16 prompts; spec_draft.json; the
+# target's pool capped at 24 GiB: the bench sizes it before the draft model loads).
 # Run from the repository root on the GPU machine (wheels in ${WHEELS:-.whl}, see
 # scripts/gpu_setup.sh); writes gpu_tests.txt and spec.json under ${OUT:-gpu_spec_graph}.
 set -uo pipefail
@@ -33,4 +36,11 @@ timeout 230 $PY -m pdserve bench offline --model "$MODEL" --device cuda --dtype 
 echo "== gpu-marked tests: verify graphs, and the decode graphs they share a runner with ($SECONDS s)"
 timeout 120 $PY -m pytest -x -q --timeout=110 -m gpu tests/engine/test_verify_graph.py \
     tests/engine/test_cuda_graphs.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+if [ -n "${DRAFT:-}" ]; then  # optional, ~2 more minutes: e.g. DRAFT=random:llama-3.2-1b
+    echo "== the same at 1,16 prompts with the draft model $DRAFT run for its cost ($SECONDS s)"
+    timeout 230 $PY -m pdserve bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
+        --speculative reference:0.8 --speculative-model "$DRAFT" --num-speculative-tokens 4 \
+        --num-prompts 1,16 --max-tokens 128 --repeats 2 --ours-only --kv-cache-memory 24 \
+        --json "$OUT/spec_draft.json" 2>&1 | tail -8
+fi
 echo "== done ($SECONDS s)"

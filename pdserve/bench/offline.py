@@ -54,6 +54,7 @@ _LLM_FLAGS = (
     "--tensor-parallel-size",
     "--quantization",
     "--kv-cache-dtype",
+    "--kv-cache-memory",
 )
 _SPEC_FLAGS = (
     "--num-speculative-tokens",
