@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench.cli import add_json_flag, write_json
+from pdserve.bench.roofline import steady_decode_step
 from pdserve.embedded import EMBEDDED_MODEL_ID
 
 # A library's part of one mask step: (new matchers, one per row; the bitmask
@@ -73,29 +73,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="replays of the answer per library")
     add_json_flag(p)
     p.set_defaults(func=run_grammar)
-
-
-def _decode_step_seconds(llm, batch: int, steps: int) -> float:
-    """Median seconds of one engine step with ``batch`` requests all decoding."""
-    from pdserve.engine.sampling_params import SamplingParams
-
-    core = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    prompt = core.tokenizer.encode("Write a long story about a robot who learns to paint.")
-    for i in range(batch):
-        core.add_request(f"bench-{batch}-{i}", list(prompt), params)
-    while any(len(r.output_token_ids) == 0 for r in core._requests.values()):
-        core.step()  # prefill (and maybe some decode) until every request decodes
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - t0)
-    for rid in list(core._requests):
-        core.abort_request(rid)
-    while core.has_unfinished_requests():
-        core.step()
-    return statistics.median(times)
 
 
 def _xgrammar(tokenizer, vocab: int, batch: int) -> _Library:
@@ -214,9 +191,10 @@ def run_grammar(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()}  answer {len(tokens)} tokens"
     )
     results = []
+    prompt = core.tokenizer.encode("Write a long story about a robot who learns to paint.")
     for batch in batches:
-        _decode_step_seconds(llm, batch, 3)  # warm-up
-        step_s = _decode_step_seconds(llm, batch, args.decode_steps)
+        steady_decode_step(llm, [prompt] * batch, 3)  # warm-up
+        step_s = steady_decode_step(llm, [prompt] * batch, args.decode_steps)["step_s"]
         row = {"batch": batch, "decode_step_ms": step_s * 1e3}
         for lib in libs:
             if importlib.util.find_spec(lib) is None:

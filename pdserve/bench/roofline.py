@@ -164,3 +164,52 @@ def unrouted_expert_bytes(model, num_seqs: int) -> int:
         per_expert = (b.w13[0].numel() + b.w2[0].numel()) * b.w13.element_size()
         total += (b.w13.shape[0] - routed) * per_expert
     return int(total)
+
+
+def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2) -> dict | None:
+    """Time decode steps in which every prompt's request decodes, the step the roofline
+    describes: the prompts are prefilled first (outside the timing; the prefix cache is
+    emptied so each is computed), then ``warm`` steps, then ``steps`` steps timed as one
+    span (the overlap scheduler keeps running; the device is synchronized at both ends).
+
+    ``llm`` is a :class:`pdserve.engine.llm.LLM`; greedy, ``ignore_eos``. Returns
+    ``{"step_s": seconds per step, "mean_context": tokens each row attends to at the
+    middle of the span}``, or ``None`` when the step cannot be one of all ``len(prompts)``
+    rows: more prompts than ``max_running_requests``, or a request preempted (the pool too
+    small) during the run. The requests are aborted at the end and the engine drained.
+    """
+    import torch
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    core = llm.engine
+    if len(prompts) > core.config.scheduler.max_running_requests:
+        return None
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)
+    ids = [f"steady-{id(prompts)}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        core.add_request(rid, list(prompt), params)
+    preempted = core.scheduler.num_preemptions
+    reqs = [core._requests[rid] for rid in ids]
+    while any(len(r.output_token_ids) == 0 for r in reqs):
+        core.step()  # prefill (with a few decode rows) until every request decodes
+    for _ in range(warm):
+        core.step()
+    sync = torch.cuda.synchronize if core.device.type == "cuda" else (lambda: None)
+    sync()
+    done = sum(len(r.output_token_ids) for r in reqs) / len(reqs)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync()
+    step_s = (time.perf_counter() - t0) / steps
+    ok = core.scheduler.num_preemptions == preempted
+    for rid in ids:
+        core.abort_request(rid)
+    while core.has_unfinished_requests():
+        core.step()
+    if not ok:
+        return None
+    mean_prompt = sum(len(p) for p in prompts) / len(prompts)
+    return {"step_s": step_s, "mean_context": mean_prompt + done + steps / 2}

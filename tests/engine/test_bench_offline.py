@@ -127,7 +127,38 @@ def test_input_len_long_context_and_ours_only(tmp_path, capsys):
         assert r["memory_ms_per_step"] == pytest.approx(mem)
         assert r["roofline_ms_per_step"] == pytest.approx(max(mem, comp))
         assert r["roofline_bound"] == ("memory" if mem >= comp else "compute")
-    assert "bound" in capsys.readouterr().out
+        # the step every prompt decodes in, against the roofline at that span's context
+        assert r["ours_step_ms_all_decoding"] > 0 and r["steady_roofline_ms"] > 0
+        assert r["roofline_fraction"] == pytest.approx(
+            r["steady_roofline_ms"] / r["ours_step_ms_all_decoding"]
+        )
+        assert r["run_roofline_fraction"] == pytest.approx(
+            r["roofline_ms_per_step"]
+            / (r["ours_decode_ms_per_step"] or r["ours_ms_per_step"])
+        )
+    assert "step ms" in capsys.readouterr().out
+
+
+def test_steady_decode_step_times_every_row_decoding_and_leaves_nothing_behind():
+    """The step the roofline describes: all rows decoding. Too many prompts for the batch
+    is refused (None); afterwards no request is left and every page is back (once the
+    prefix cache lets go of the prompts' full pages)."""
+    from pdserve.bench.roofline import steady_decode_step
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("random:tiny", device="cpu", max_running_requests=3)
+    core = llm.engine
+    free = core.kv.num_free_pages
+    prompts = [[5 + i] * 20 for i in range(3)]
+    got = steady_decode_step(llm, prompts, steps=4)
+    assert got is not None and got["step_s"] > 0
+    # 20-token prompts, 1 token from prefill + 2 warm steps, then the middle of 4 steps
+    assert got["mean_context"] == 20 + 3 + 2
+    assert not core.has_unfinished_requests()
+    llm.reset_prefix_cache()  # the prompts' full pages stay cached until then
+    assert core.kv.num_free_pages == free
+    assert steady_decode_step(llm, prompts + [[9] * 20], steps=4) is None
+    assert not core.has_unfinished_requests()
 
 
 def test_gsm8k_prompts_cut_or_padded_to_input_len():
@@ -144,6 +175,7 @@ def test_gsm8k_prompts_cut_or_padded_to_input_len():
     [
         (["--num-prompts", "1025"], "num-prompts"),
         (["--input-len", "0"], "input-len"),
+        (["--steady-steps", "-1"], "steady-steps"),
         (["--input-source", "gsm8k"], "input-source"),
         (["--long-context", "32"], "long-context"),
         (["--long-context", "2000x16"], "long-context"),
