@@ -131,7 +131,9 @@ class CacheConfig:
     page_size: tokens per page; ``None`` means the device's default
         (``pdserve.engine.kv.layout.default_page_size``: 16 on CPU, 128 on CUDA).
     kv_cache_memory: pool size in GiB; ``None`` means 1 GiB on CPU, or
-        ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.
+        ``gpu_memory_utilization`` of free memory (after loading weights) on CUDA.  With a
+        speculative draft model the budget holds its pool too (as many pages as the
+        target's, the budget split by the two models' KV bytes per token).
     num_pages: exact page count (overrides ``kv_cache_memory``; used by tests).
     enable_prefix_caching: reuse the KV of full pages whose prefix was computed before
         (``pdserve.engine.kv.cache``); on decode workers, receive only what is not held.

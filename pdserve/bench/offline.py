@@ -55,6 +55,7 @@ _LLM_FLAGS = (
     "--tensor-parallel-size",
     "--quantization",
     "--kv-cache-dtype",
+    "--kv-cache-memory",
 )
 _SPEC_FLAGS = (
     "--num-speculative-tokens",
@@ -132,14 +133,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "transformers (bench/speculative.py): ngram, draft (--speculative-model), or "
         "replay:RATE (acceptance-controlled: the plain run's greedy output proposed back, "
         "each draft token corrupted with probability 1 - RATE; with --speculative-model the "
-        "draft model also runs, for its cost); unset: the transformers comparison",
+        "draft model also runs, for its cost), or reference:RATE (the same, but a greedy "
+        "verify keeps the recorded tokens up to the first corrupted draft, so the rate holds "
+        "in bf16; positions where the target's argmax differed are reported; benchmark "
+        "only); unset: the transformers comparison",
     )
     p.add_argument(
         "--spec-workload",
         default=None,
         choices=("copy", "gsm8k"),
         help="prompts of --speculative: copy (repeat a passage with one edit) or gsm8k; "
-        "unset: copy for ngram and draft, gsm8k for replay",
+        "unset: copy for ngram and draft, gsm8k for replay and reference",
     )
     add_engine_flags(
         p,

@@ -9,7 +9,12 @@ draft is accepted with probability RATE up to the first corrupted one.  Its figu
 labelled with RATE; that drafter costs a host lookup per row (no model), so they bound
 what a real drafter of the same acceptance reaches — unless ``--speculative-model`` is given
 too: then the draft model runs every step as it would (its cost paid) and its proposals are
-replaced by the replayed ones.
+replaced by the replayed ones.  ``reference:RATE`` is the same with ``ReferenceDrafter``:
+a greedy verify keeps the recorded tokens up to the first corrupted draft whatever the
+verify forward's argmax, so the rate holds in bf16 too, where the verify step's rounding
+differs from the decode step's and ``replay`` loses its reference at the first near tie;
+the positions where the argmax differed are reported (``reference_mismatches``: 0 in
+exact arithmetic).
 
 Workloads (``--spec-workload``): ``copy`` (the default with ``ngram``): chat prompts asking
 the model to repeat a given passage with one light edit, where prompt lookup finds real
@@ -67,19 +72,22 @@ def copy_prompts(llm: Any, n: int) -> list[list[int]]:
 
 
 def parse_mode(text: str) -> tuple[str, float | None]:
-    """``"ngram"`` -> ("ngram", None); ``"replay:0.8"`` -> ("replay", 0.8); ValueError
-    naming ``speculative`` otherwise."""
+    """``"ngram"`` -> ("ngram", None); ``"replay:0.8"`` -> ("replay", 0.8);
+    ``"reference:0.8"`` -> ("reference", 0.8); ValueError naming ``speculative``
+    otherwise."""
     if text in ("ngram", "draft"):
         return text, None
-    if text.startswith("replay:"):
+    mode, _, value = text.partition(":")
+    if mode in ("replay", "reference") and value:
         try:
-            rate = float(text.split(":", 1)[1])
+            rate = float(value)
         except ValueError:
             rate = -1.0
         if 0.0 <= rate <= 1.0:
-            return "replay", rate
+            return mode, rate
     raise ValueError(
-        f"speculative must be ngram, draft or replay:RATE with RATE in [0, 1], got {text!r}"
+        "speculative must be ngram, draft, replay:RATE or reference:RATE with RATE in "
+        f"[0, 1], got {text!r}"
     )
 
 
@@ -132,6 +140,17 @@ def _draft_model(llm: Any, model: str, k: int) -> Any:
     )
 
 
+def _verify_step_note(engine: Any) -> str:
+    """How the engine runs its verify steps (``CUDAGraphRunner`` verify graphs or eager)."""
+    g = engine.executor.rank0.runner.graphs
+    if g is None or not g.q:
+        return "eager (no CUDA graphs: CPU, --enforce-eager or TP > 1)"
+    return (
+        f"CUDA graphs of {g.q} tokens a row for up to {g.verify_max_batch} rows "
+        "(larger or mixed steps eager; see results[].verify_steps); overlap scheduling off"
+    )
+
+
 def run_speculative(
     args: argparse.Namespace,
     llm: Any,
@@ -143,11 +162,12 @@ def run_speculative(
     bad ``--speculative`` / ``--spec-workload``.  ``gsm8k_prompts(llm, n)``: the ``gsm8k``
     workload's prompts; ``timed(llm, prompts, max_tokens)``: seconds and output ids of one
     greedy run from an empty prefix cache (both ``bench offline``'s)."""
-    from pdserve.engine.spec.drafter import NgramDrafter, ReplayDrafter
+    from pdserve.engine.spec.drafter import NgramDrafter, ReferenceDrafter, ReplayDrafter
 
     try:
         mode, rate = parse_mode(args.speculative)
-        workload = args.spec_workload or ("gsm8k" if mode == "replay" else "copy")
+        controlled = mode in ("replay", "reference")
+        workload = args.spec_workload or ("gsm8k" if controlled else "copy")
         if workload not in ("copy", "gsm8k"):
             raise ValueError(f"spec-workload must be copy or gsm8k, got {workload!r}")
         if mode == "draft" and not args.speculative_model:
@@ -163,7 +183,9 @@ def run_speculative(
     label = {"ngram": "ngram", "draft": f"draft model {args.speculative_model}"}.get(
         mode, f"acceptance-controlled (rate {rate})"
     )
-    if mode == "replay" and draft is not None:
+    if mode == "reference":
+        label = f"acceptance-controlled, reference kept (rate {rate}; benchmark only)"
+    if controlled and draft is not None:
         label += f", draft model {args.speculative_model} run for its cost"
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  k {k}  "
@@ -185,13 +207,17 @@ def run_speculative(
             drafter = draft
         else:
             refs = [p + o for p, o in zip(prompts, plain_ids)]
-            drafter = ReplayDrafter(refs, k, rate or 0.0, engine.vocab_size, seed=0)
+            kind = ReferenceDrafter if mode == "reference" else ReplayDrafter
+            drafter = kind(refs, k, rate or 0.0, engine.vocab_size, seed=0)
             if draft is not None:
                 drafter = _PaidReplay(draft, drafter)
         engine.set_drafter(drafter, k)
         timed(llm, prompts, args.max_tokens)  # warm-up (verify shapes)
         plain_runs, spec_runs, same = [], [], []
         before = engine.stats()
+        mismatches0 = engine.scheduler.num_reference_mismatches
+        runner = engine.executor.rank0.runner
+        vsteps0 = dict(runner.verify_steps)
         for _ in range(args.repeats):
             engine.set_drafter(None)
             dt, ids = timed(llm, prompts, args.max_tokens)
@@ -205,6 +231,8 @@ def run_speculative(
         drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         rows = after["spec_verify_rows"] - before["spec_verify_rows"]
+        mismatches = engine.scheduler.num_reference_mismatches - mismatches0
+        vsteps = {k: v - vsteps0[k] for k, v in runner.verify_steps.items()}
         row = {
             "num_prompts": n,
             "plain_tok_s": statistics.median(plain_runs),
@@ -214,6 +242,9 @@ def run_speculative(
             "acceptance_length": (accepted + rows) / rows if rows else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "identical_outputs": min(same),
+            "reference_mismatches": mismatches if mode == "reference" else None,
+            "kept_tokens": accepted + rows,
+            "verify_steps": vsteps,
             "prompt_lens": [len(p) for p in prompts],
         }
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
@@ -239,7 +270,7 @@ def run_speculative(
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(),
-            "verify_step": "eager (no CUDA graph of the verify step yet)",
+            "verify_step": _verify_step_note(engine),
             "results": results,
         }
         write_json(args.json, report)

@@ -73,6 +73,9 @@ class ScheduledSeq(NamedTuple):
         proposal distributions.
     draft_masks: a structured-output verify row's allowed-token masks of positions
         ``1 .. k`` (position 0 uses ``logits_mask``); ``None`` = unconstrained.
+    draft_reference: benchmark only (``engine/spec/drafter.py``'s ``ReferenceDrafter``):
+        ``None``, or the ``k + 1`` tokens a greedy verify of this row keeps in place of the
+        target's argmax.
     """
 
     request_id: str
@@ -90,6 +93,7 @@ class ScheduledSeq(NamedTuple):
     draft_token_ids: tuple[int, ...] = ()
     draft_q: torch.Tensor | None = None
     draft_masks: tuple[torch.Tensor, ...] | None = None
+    draft_reference: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,14 @@ class StepResult:
     verified: per verify row (``ScheduledSeq.draft_token_ids`` not empty) every token it
         keeps, in order: its accepted drafts, then the target's token (``sampled`` holds
         the first of them).  ``len(verified[id]) - 1`` drafts were accepted.
+    reference_mismatches: benchmark only: kept tokens of ``draft_reference`` rows where
+        the target's argmax was another token (``engine/spec/verify.py``).
     """
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     verified: dict[str, list[SampledToken]] = field(default_factory=dict)
+    reference_mismatches: int = 0
 
 
 @dataclass

@@ -160,13 +160,19 @@ class AttentionBackend(abc.ABC):
         """Precompute per-step data for :meth:`forward` (called once per model forward)."""
 
     def plan_for_capture(
-        self, attn: AttentionMetadata, page_size: int, max_seq_len: int | None = None
+        self,
+        attn: AttentionMetadata,
+        page_size: int,
+        max_seq_len: int | None = None,
+        query_len: int = 1,
     ) -> Any:
-        """Plan a decode-only step of ``attn.num_seqs`` rows (one token each) for CUDA-graph
-        capture over static buffers: no host lengths are read. ``max_seq_len``: the graph
-        will only run steps whose longest context is at most this many tokens (one of
-        :meth:`capture_context_bounds`; ``None``: any context). NotImplementedError unless
-        ``supports_cuda_graphs``."""
+        """Plan a step of ``attn.num_seqs`` rows of ``query_len`` tokens each for
+        CUDA-graph capture over static buffers: no host lengths are read.  ``query_len``
+        1: a decode step; more: a verify step (speculative decoding), each row's queries
+        at the last ``query_len`` positions of its context (``seq_lens``).
+        ``max_seq_len``: the graph will only run steps whose longest context is at most
+        this many tokens (one of :meth:`capture_context_bounds`; ``None``: any context).
+        NotImplementedError unless ``supports_cuda_graphs``."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured")
 
     def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:

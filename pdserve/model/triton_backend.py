@@ -196,11 +196,20 @@ class TritonBackend(AttentionBackend):
         return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1), sum(s_lens))
 
     def plan_for_capture(
-        self, attn: AttentionMetadata, page_size: int, max_seq_len: int | None = None
+        self,
+        attn: AttentionMetadata,
+        page_size: int,
+        max_seq_len: int | None = None,
+        query_len: int = 1,
     ) -> TritonPlan:
-        """Plan a decode step of ``attn.num_seqs`` rows for CUDA-graph capture: no host
-        lengths are read; the split count depends on the batch size and on the bound
-        ``max_seq_len`` the graph is captured for (``None``: any context) only."""
+        """Plan a step of ``attn.num_seqs`` rows for CUDA-graph capture: no host lengths
+        are read.  Decode (``query_len`` 1): the split count depends on the batch size
+        and on the bound ``max_seq_len`` the graph is captured for (``None``: any context)
+        only.  Verify (``query_len`` > 1): the extend kernel, its grid fixed by the batch
+        size and ``query_len`` (each program reads its row's query start and context
+        length on the device)."""
+        if query_len > 1:
+            return TritonPlan(decode=False, max_seq_len=None, max_q_len=query_len)
         return TritonPlan(decode=True, max_seq_len=max_seq_len, max_q_len=1)
 
     def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:

@@ -108,7 +108,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--kv-cache-memory",
-        "KV pool size in GiB; unset: 1 GiB on CPU, --gpu-memory-utilization of free memory on CUDA",
+        "KV pool size in GiB (with a draft model, --speculative-model, its pool too: split by "
+        "bytes per token, as many pages each); unset: 1 GiB on CPU, --gpu-memory-utilization "
+        "of free memory on CUDA",
         float,
         cls=CacheConfig,
     ),

@@ -62,3 +62,19 @@ def test_draft_mode_and_paid_replay(tmp_path):
 def test_bad_mode_is_a_usage_error(capsys):
     assert main(ARGS + ["--speculative", "replay:2"]) == 2
     assert "speculative" in capsys.readouterr().err
+    assert main(ARGS + ["--speculative", "reference:"]) == 2
+    assert "reference:RATE" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_reference_mode_reports_its_overrides(tmp_path):
+    """reference:RATE in fp32: outputs identical, no position overridden, labelled."""
+    out = tmp_path / "reference.json"
+    flags = ["--num-prompts", "2", "--speculative", "reference:0.8", "--json", str(out)]
+    assert main(ARGS + flags) == 0
+    report = json.loads(out.read_text())
+    assert report["speculative"].startswith("acceptance-controlled, reference kept (rate 0.8")
+    assert "benchmark only" in report["speculative"] and report["workload"] == "gsm8k"
+    row = report["results"][0]
+    assert row["identical_outputs"] == 1.0 and row["reference_mismatches"] == 0
+    assert row["acceptance_length"] > 1.0 and row["kept_tokens"] > 0

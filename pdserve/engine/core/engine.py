@@ -38,6 +38,7 @@ from pdserve.engine.structured.manager import GrammarState, StructuredOutputMana
 from pdserve.engine.worker.device import resolve_dtype, resolve_rank_device
 from pdserve.engine.worker.executor import RankFailedError
 from pdserve.engine.worker.executor_factory import create_executor
+from pdserve.engine.worker.rank_worker import prepare_verify_graphs
 from pdserve.model.attention import default_backend
 from pdserve.model.loader import load_model_source
 
@@ -193,11 +194,14 @@ class EngineCore:
         live request (benchmarks compare one engine with and without speculation; tests
         install the replay drafter).  Overlap scheduling follows: on as configured when
         speculation is off, off while it is on.  ValueError naming ``drafter`` while
-        requests are live, ``num_speculative_tokens`` when < 1 with a drafter."""
+        requests are live, ``num_speculative_tokens`` when < 1 with a drafter, or when
+        it differs from the ``k`` this engine's verify graphs were captured for."""
         if self.has_unfinished_requests():
             raise ValueError("drafter: cannot be swapped while requests are live")
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if drafter is not None:  # verify graphs of this k (made once; TP=1 on CUDA only)
+            self.executor.call_rank(0, prepare_verify_graphs, num_speculative_tokens)
         self.drafter = drafter
         self.scheduler.set_drafter(drafter, num_speculative_tokens if drafter else 0)
         self.overlap.enabled = (

@@ -80,6 +80,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # of those, accepted
+        # benchmark only (ReferenceDrafter): kept reference tokens the target's argmax
+        # disagreed with (StepResult.reference_mismatches)
+        self.num_reference_mismatches = 0
         # verify rows by accepted drafts (index 0 .. k)
         self.accepted_histogram = [0] * (num_speculative_tokens + 1)
         self.waiting: list[Request] = []  # sorted by arrival (FCFS)
@@ -350,6 +353,7 @@ class Scheduler:
             token_ids=seq.token_ids + list(drafts),
             draft_token_ids=drafts,
             draft_q=draft.q[:k] if draft.q is not None else None,
+            draft_reference=draft.reference[: k + 1] if draft.reference is not None else None,
         )
 
     def spec_stats(self) -> dict[str, Any]:
@@ -390,6 +394,7 @@ class Scheduler:
         tokens = result.sampled
         sampled: list[tuple[Request, SampledToken]] = []
         verified = result.verified
+        self.num_reference_mismatches += result.reference_mismatches
         for seq in plan.seqs:
             req = by_id[seq.request_id]
             if seq.draft_token_ids:

@@ -38,10 +38,14 @@ class Draft(NamedTuple):
     token_ids: the proposed ids, at most ``max_k`` (may be empty: nothing to propose).
     q: ``None`` for a deterministic proposal, else float32 ``[len(token_ids), V]``: the
         distribution each token was drawn from (rows sum to 1).
+    reference: **benchmark only** (:class:`ReferenceDrafter`): ``None``, or the
+        ``len(token_ids) + 1`` tokens a greedy verify of this row keeps in place of the
+        target's argmax (``verify.py``); every other drafter leaves it ``None``.
     """
 
     token_ids: list[int]
     q: torch.Tensor | None = None
+    reference: tuple[int, ...] | None = None
 
 
 class Drafter:
@@ -141,25 +145,37 @@ class ReplayDrafter(Drafter):
         self.vocab_size = vocab_size
         self._refs = [list(r) for r in references]
         self._rng = np.random.default_rng(seed)
-        self._of: dict[str, int] = {}  # request id -> index of its reference
+        # request id -> [index of its reference (-1: none), tokens checked against it]
+        self._of: dict[str, list[int]] = {}
 
     def _reference(self, row: DraftInput) -> list[int] | None:
-        idx = self._of.get(row.request_id)
+        """The reference ``row``'s tokens are a prefix of, or None (none, or they left it:
+        a row's tokens only grow, so it never comes back).  Only the tokens added since
+        the last call are compared (a row's tokens are checked once)."""
         ids = row.token_ids
-        if idx is None:
-            n = len(ids)
-            idx = next(
-                (i for i, r in enumerate(self._refs) if len(r) > n and r[:n] == list(ids)), -1
-            )
-            self._of[row.request_id] = idx
-        return self._refs[idx] if idx >= 0 else None
+        n = len(ids)
+        state = self._of.get(row.request_id)
+        if state is None:
+            head = list(ids)
+            idx = next((i for i, r in enumerate(self._refs) if len(r) > n and r[:n] == head), -1)
+            state = self._of[row.request_id] = [idx, n]
+        idx, checked = state
+        if idx < 0:
+            return None
+        ref = self._refs[idx]
+        if n > checked:
+            if len(ref) < n or ref[checked:n] != list(ids[checked:n]):
+                state[0] = -1
+                return None
+            state[1] = n
+        return ref
 
     def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
         out = []
         for row in rows:
             ref = self._reference(row)
             n = len(row.token_ids)
-            if ref is None or ref[:n] != list(row.token_ids):
+            if ref is None or len(ref) <= n:
                 out.append(Draft([]))
                 continue
             tokens = ref[n : n + min(row.max_k, self.k)]
@@ -169,3 +185,68 @@ class ReplayDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self._of.pop(request_id, None)
+
+
+class ReferenceDrafter(ReplayDrafter):
+    """**Benchmark only.**  Acceptance-controlled speculation that holds its rate in any
+    dtype: :class:`ReplayDrafter`'s proposals (a recorded plain greedy run's continuation,
+    each draft corrupted with probability ``1 - accept_rate``), plus, per row, that
+    reference continuation itself (``Draft.reference``: the drafts' ``k`` positions and
+    the one after).  A greedy verify of such a row (``verify.py``) keeps the reference's
+    tokens up to and including the first corrupted position — ``a`` accepted drafts and
+    the reference's next token — whatever the target's argmax there, and counts every kept
+    position where the argmax differed (``Scheduler.num_reference_mismatches``; ``bench
+    offline`` reports it as ``reference_mismatches``).
+
+    Why not the plain :class:`ReplayDrafter`: its acceptance relies on the verify forward
+    choosing exactly the plain run's tokens.  In bf16 the verify forward (``k + 1`` query
+    rows, the extend attention kernel, GEMMs of another M) rounds differently from the
+    decode step, so at a near tie of a random model's logits the speculative run takes
+    another token; from there the recorded continuation is no continuation of the row at
+    all, the row gets no drafts, and the measured acceptance collapses (the H200 run:
+    1.60 tokens a verify row at rate 0.8, k = 4, where ~3.4 was set).  A drafter cannot
+    re-synchronise for free: a verify forward reveals only one new greedy token per row
+    (the one after the accepted prefix); proposing the target's continuation of a new
+    prefix takes one forward per token, the cost speculation exists to avoid.
+
+    What this mode guarantees instead:
+
+    (a) **the same GPU work as real speculation at rate r**: every step is a real verify
+        forward over the row's last token and its ``k`` drafts (the drafts are the
+        reference's tokens, corrupted ones included, so the KV written and attended is
+        that of real drafts), the rejected drafts' KV is rolled back by the same
+        scheduler code, and the acceptance length per verify row is ``1 + r + ... + r^k``
+        in expectation, in every dtype;
+    (b) **no token the target did not choose given the emitted prefix**, with "the target"
+        being the plain greedy run whose output is the reference: the output is that run's
+        output token for token (but for a request's last token, which leaves no room for
+        a draft and is decoded plainly: in bf16 it may differ).  In exact arithmetic (fp32
+        on CPU) the verify forward's argmax equals the reference at every kept position,
+        so nothing is overridden (the tests assert no override and the parity); in bf16
+        the count of overridden positions is reported beside the figures (the near ties
+        where the verify step's rounding picks another token), so the reader sees how far
+        the verify forward departs from the decode step's numerics;
+    (c) it is never built by a server or a flag: only ``pdserve bench offline
+        --speculative reference:RATE`` and the tests make one.
+
+    Rows with sampling parameters other than greedy ignore the reference (the normal
+    acceptance rule applies); a row with no reference gets no draft.
+    """
+
+    name = "reference"
+
+    def propose(self, rows: Sequence[DraftInput]) -> list[Draft]:
+        out = []
+        for row in rows:
+            ref = self._reference(row)
+            n = len(row.token_ids)
+            # the drafts' k positions and the bonus one after them
+            k = min(row.max_k, self.k, len(ref) - n - 1) if ref is not None else 0
+            if ref is None or k < 1:
+                out.append(Draft([]))
+                continue
+            cont = ref[n : n + k + 1]
+            bad = self._rng.random(k) >= self.accept_rate
+            drafts = [(t + 1) % self.vocab_size if b else t for t, b in zip(cont, bad)]
+            out.append(Draft(drafts, reference=tuple(cont)))
+        return out

@@ -21,6 +21,12 @@ then:
 
 Every kept token's logprob (and top-k) is the raw model's at its position, as without
 speculation.
+
+**Benchmark only**: a greedy span with a ``reference`` (``drafter.ReferenceDrafter``)
+keeps ``reference[: a + 1]``, ``a`` the drafts equal to the reference's tokens before the
+first that is not (a corrupted one), whatever the argmax; the kept positions whose argmax
+differs are counted (:class:`Verified` ``.reference_mismatches``).  The drafter's
+docstring says why.
 """
 
 from __future__ import annotations
@@ -49,11 +55,22 @@ class VerifySpan(NamedTuple):
     row0: its first logits row; it covers ``row0 .. row0 + len(drafts)``.
     drafts: the ``k`` proposed ids (may be empty: a plain sampling row).
     q: ``None`` (deterministic proposal) or float32 ``[k, V]`` proposal distributions.
+    reference: benchmark only: ``None`` or the ``k + 1`` tokens a greedy span keeps in
+        place of the argmax (module docstring).
     """
 
     row0: int
     drafts: Sequence[int]
     q: torch.Tensor | None = None
+    reference: Sequence[int] | None = None
+
+
+class Verified(list[list[SampledToken]]):
+    """:func:`verify`'s answer: per span its kept tokens (a list), and
+    ``reference_mismatches`` (benchmark only: kept reference tokens that were not the
+    argmax)."""
+
+    reference_mismatches: int = 0
 
 
 def verify_rows(seq: ScheduledSeq) -> list[SampleRequest]:
@@ -86,7 +103,7 @@ def verify(
     rows: Sequence[SampleRequest],
     spans: Sequence[VerifySpan],
     generator: torch.Generator | None = None,
-) -> list[list[SampledToken]]:
+) -> Verified:
     """The kept tokens of each span (module docstring), ``>= 1`` each, in order.
 
     logits: fp32 ``[R, V]``, the raw logits of every position of every span.
@@ -137,9 +154,17 @@ def verify(
             members, _accept_random_batch(P, D.view(len(members), k), Q, generator)
         ):
             tokens_of[j] = toks
+    mismatches = 0
     for j, span in enumerate(spans):
         k = len(span.drafts)
-        if rows[span.row0].params.greedy:
+        if rows[span.row0].params.greedy and span.reference is not None:
+            ref = span.reference
+            a = 0
+            while a < k and span.drafts[a] == ref[a]:
+                a += 1
+            tokens = list(ref[: a + 1])
+            mismatches += sum(t != targets[span.row0 + i] for i, t in enumerate(tokens))
+        elif rows[span.row0].params.greedy:
             a = 0
             while a < k and span.drafts[a] == targets[span.row0 + a]:
                 a += 1
@@ -153,7 +178,8 @@ def verify(
     lp_rows = logprobs[row_t]  # [N, V]
     chosen = lp_rows.gather(1, tok_t.unsqueeze(1)).squeeze(1).tolist()
     tops = top_logprobs(lp_rows, [rows[r].params.logprobs or 0 for r, _ in flat])
-    out: list[list[SampledToken]] = []
+    out = Verified()
+    out.reference_mismatches = mismatches
     i = 0
     for span_kept in kept:
         out.append(
@@ -235,3 +261,39 @@ def _accept_random(
     if float(residual.sum()) <= 0.0:  # p == q: never rejected in exact arithmetic
         residual = P[a]
     return drafts[:a] + [_race_argmax(residual / residual.sum(), generator)]
+
+
+def verify_greedy_packed(
+    packed: torch.Tensor, logits: torch.Tensor, spans: Sequence[VerifySpan]
+) -> Verified:
+    """:func:`verify` for spans whose rows are all plain greedy (``sampler.plain_greedy``,
+    no grammar masks) from a verify graph's own greedy pick: ``packed [R, 2]`` float64
+    (argmax id, its raw logprob) of every position (one device-to-host copy), the same
+    numbers :func:`verify` computes from ``logits [R, V]`` fp32, which is read only for a
+    kept token that is not the argmax (a benchmark reference override).  The kept tokens
+    carry no top logprobs (none asked)."""
+    rows = packed.tolist()
+    out = Verified()
+    for span in spans:
+        k, r0 = len(span.drafts), span.row0
+        targets = [int(rows[r0 + i][0]) for i in range(k + 1)]
+        if span.reference is not None:
+            a = 0
+            while a < k and span.drafts[a] == span.reference[a]:
+                a += 1
+            tokens = [int(t) for t in span.reference[: a + 1]]
+        else:
+            a = 0
+            while a < k and span.drafts[a] == targets[a]:
+                a += 1
+            tokens = list(span.drafts[:a]) + [targets[a]]
+        kept = []
+        for i, t in enumerate(tokens):
+            if t == targets[i]:
+                kept.append(SampledToken(t, rows[r0 + i][1], ()))
+            else:
+                out.reference_mismatches += 1
+                lp = float(torch.log_softmax(logits[r0 + i], dim=-1)[t])
+                kept.append(SampledToken(t, lp, ()))
+        out.append(kept)
+    return out

@@ -46,19 +46,24 @@ def compute_num_pages(
     device: torch.device,
     max_running_requests: int,
     max_model_len: int,
+    extra_bytes_per_token: int = 0,
 ) -> int:
     """Number of pages of the pool.
 
     Precedence: ``cache.num_pages``; else ``cache.kv_cache_memory`` GiB; else on CUDA
     ``gpu_memory_utilization`` of the free device memory (call after loading weights),
     on CPU 1 GiB capped to what ``max_running_requests`` full-length requests need (so a
-    small model does not allocate 1 GiB for nothing).  Raises ValueError naming the
-    field when the memory would not hold a single page.
+    small model does not allocate 1 GiB for nothing).  ``extra_bytes_per_token``: KV bytes
+    per token (all layers) of a second pool with as many pages that shares the budget (a
+    speculative draft model's: ``rank_worker.draft_kv_bytes_per_token``), so the budget is
+    split between the two by their bytes per token.  Raises ValueError naming the field
+    when the memory would not hold a single page (of both pools).
     """
     if cache.num_pages is not None:
         return cache.num_pages
     page_size = cache.page_size or default_page_size(device)
-    page_bytes = page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    page_bytes = page_size * (per_token + extra_bytes_per_token)
     if cache.kv_cache_memory is not None:
         field, budget = "kv_cache_memory", int(cache.kv_cache_memory * GiB)
         pages = budget // page_bytes

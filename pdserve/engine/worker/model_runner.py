@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.engine.spec.verify import VerifySpan, verify, verify_rows
+from pdserve.engine.spec.verify import VerifySpan, verify, verify_greedy_packed, verify_rows
 from pdserve.engine.step import BatchPlan, InFlightTokens, ScheduledSeq, StepResult, TokenLogprob
 from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.engine.worker.sampler import (
@@ -225,6 +225,8 @@ class ModelRunner:
         # are copied into, used in turn (step N's is read after step N+1 is launched).
         self._token_hosts: list[torch.Tensor] = [torch.empty(0, 2, dtype=torch.float64)] * 2
         self._token_turn = 0
+        # verify steps run through a verify graph / eagerly (benchmarks report them)
+        self.verify_steps = {"graph": 0, "eager": 0}
 
     def _graph_step(self, plan: BatchPlan) -> torch.Tensor | None:
         """Logits ``[B, V]`` of a decode-only step through a CUDA graph, or None when the step
@@ -318,12 +320,43 @@ class ModelRunner:
             result.sampled = dict(zip(seq_ids, sampled))
         return result
 
+    def _graph_verify(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logits ``[R, V]`` and greedy pick ``[R, 2]`` of every position of a verify
+        step through a verify graph (``CUDAGraphRunner.replay_verify``), or None when the
+        step is not one a graph runs (a prefill or prompt-logprob row, a row of more than
+        ``k + 1`` tokens, too many rows or pages, no verify graphs)."""
+        g = self.graphs
+        seqs = plan.seqs
+        if g is None or not g.q or not seqs:
+            return None
+        if any(
+            not s.sample
+            or s.prompt_logprobs_targets
+            or len(s.token_ids) != 1 + len(s.draft_token_ids)
+            or len(s.token_ids) > g.q
+            for s in seqs
+        ):
+            return None
+        if not g.fits_verify(len(seqs), max(len(s.pages) for s in seqs)):
+            return None
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        return g.replay_verify([s.token_ids for s in seqs], pos, [s.pages for s in seqs])
+
     def _verify_step(self, plan: BatchPlan, result: StepResult) -> StepResult:
-        """A step with verify rows (speculative decoding): eager (no CUDA graph captures
-        this shape yet), the logits of every position of each verify row, then
-        ``engine/spec/verify.py``'s acceptance rule for every sampling row (a row without
-        drafts is a span of one position)."""
-        logits = self._eager_step(plan, result)
+        """A step with verify rows (speculative decoding): the logits of every position of
+        each verify row (through a verify graph when one runs the step, else eagerly),
+        then ``engine/spec/verify.py``'s acceptance rule for every sampling row (a row
+        without drafts is a span of one position); plain greedy rows of a graph step take
+        the graph's own greedy pick (``verify_greedy_packed``)."""
+        graph = self._graph_verify(plan)
+        packed: torch.Tensor | None = None
+        logits: torch.Tensor | None
+        if graph is not None:
+            logits, packed = graph
+            self.verify_steps["graph"] += 1
+        else:
+            logits = self._eager_step(plan, result)
+            self.verify_steps["eager"] += 1
         rows: list[SampleRequest] = []
         spans: list[VerifySpan] = []
         ids: list[str] = []
@@ -331,10 +364,17 @@ class ModelRunner:
             if not seq.sample:
                 continue
             ids.append(seq.request_id)
-            spans.append(VerifySpan(len(rows), seq.draft_token_ids, seq.draft_q))
+            spans.append(
+                VerifySpan(len(rows), seq.draft_token_ids, seq.draft_q, seq.draft_reference)
+            )
             rows.extend(verify_rows(seq))
         assert logits is not None and logits.shape[0] == len(rows)
-        kept = verify(logits, rows, spans, self.generator)
+        sampling = [s for s in plan.seqs if s.sample]
+        if packed is not None and all(plain_greedy(s) and s.draft_masks is None for s in sampling):
+            kept = verify_greedy_packed(packed, logits, spans)
+        else:
+            kept = verify(logits, rows, spans, self.generator)
+        result.reference_mismatches = kept.reference_mismatches
         for rid, seq, tokens in zip(ids, (s for s in plan.seqs if s.sample), kept):
             result.sampled[rid] = tokens[0]
             if seq.draft_token_ids:

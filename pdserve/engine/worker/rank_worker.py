@@ -35,8 +35,12 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv.layout import default_page_size
-from pdserve.engine.worker.cuda_graph import CUDAGraphRunner, capture_reserve_bytes
-from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages
+from pdserve.engine.worker.cuda_graph import (
+    CUDAGraphRunner,
+    capture_reserve_bytes,
+    verify_batch_sizes,
+)
+from pdserve.engine.worker.kv_storage import KVStorage, compute_num_pages, kv_bytes_per_token
 from pdserve.engine.worker.model_runner import HEADER_LEN, ModelRunner, StepHeader
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.tp_group import TPGroup
@@ -136,7 +140,11 @@ def build_rank(
     # The graphs' memory is held back while the KV storage is sized from free memory, then
     # released for the capture (which needs the storage's address), so capture cannot OOM.
     reserve = (
-        torch.empty(capture_reserve_bytes(model, sc.max_running), dtype=torch.uint8, device=device)
+        torch.empty(
+            capture_reserve_bytes(model, sc.max_running, _verify_tokens(config)),
+            dtype=torch.uint8,
+            device=device,
+        )
         if use_graphs
         else None
     )
@@ -149,6 +157,7 @@ def build_rank(
         device=device,
         max_running_requests=sc.max_running,
         max_model_len=max_len,
+        extra_bytes_per_token=draft_kv_bytes_per_token(config, dtype),
     )
     num_pages = agree_num_pages(num_pages)
     storage = KVStorage(
@@ -177,9 +186,46 @@ def build_rank(
             CUDAGraphRunner.max_pages_for(min(max_len, num_pages * page_size), page_size),
         )
         graphs.capture()  # before any transfer thread starts (bind_kv_managers is later)
+        if sc.speculative_algorithm is not None and sc.num_speculative_tokens > 0:
+            graphs.capture_verify(sc.num_speculative_tokens)
     runner = ModelRunner(model, storage, device, generator, graphs)
     gpu_id = device.index if device.index is not None else mc.rank_gpu_id(tp.rank)
     return RankContext(tp, device, gpu_id, storage, model, runner, max_len)
+
+
+def draft_kv_bytes_per_token(config: EngineConfig, dtype: torch.dtype) -> int:
+    """KV bytes per token (all layers, ``dtype``) of ``config``'s speculative draft model,
+    0 without one.  The draft model's pool has as many pages as the target's
+    (``engine/spec/factory.py``), so the target's pool is sized with these bytes counted
+    in: one ``--kv-cache-memory`` (or ``gpu_memory_utilization``) budget split between the
+    two by their bytes per token.  Reads the draft's config only (no weights)."""
+    sc = config.scheduler
+    if sc.speculative_algorithm != "draft" or sc.speculative_model is None:
+        return 0
+    from pdserve.model.loader import model_config
+    from pdserve.model.shapes import ModelShapes
+
+    s = ModelShapes(model_config(sc.speculative_model))
+    return kv_bytes_per_token(s.n_layers, s.n_kv_heads, s.head_dim, dtype)
+
+
+def _verify_tokens(config: EngineConfig) -> int:
+    """Tokens of the largest verify graph ``config`` captures at start (0: none)."""
+    sc = config.scheduler
+    if sc.speculative_algorithm is None or sc.num_speculative_tokens < 1:
+        return 0
+    q = sc.num_speculative_tokens + 1
+    return verify_batch_sizes(sc.max_running, q)[-1] * q
+
+
+def prepare_verify_graphs(ctx: RankContext, num_speculative_tokens: int) -> None:
+    """Capture the verify graphs of ``num_speculative_tokens`` drafts a row on this rank
+    (``CUDAGraphRunner.capture_verify``; once per engine, a no-op without graphs).  Run it
+    between steps through ``Executor.call_rank`` with no KV transfer in flight.
+    ValueError naming ``num_speculative_tokens`` when graphs were made for another k."""
+    graphs = ctx.runner.graphs
+    if graphs is not None:
+        graphs.capture_verify(num_speculative_tokens)
 
 
 @dataclass(frozen=True)
