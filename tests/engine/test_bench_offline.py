@@ -133,8 +133,7 @@ def test_input_len_long_context_and_ours_only(tmp_path, capsys):
             r["steady_roofline_ms"] / r["ours_step_ms_all_decoding"]
         )
         assert r["run_roofline_fraction"] == pytest.approx(
-            r["roofline_ms_per_step"]
-            / (r["ours_decode_ms_per_step"] or r["ours_ms_per_step"])
+            r["roofline_ms_per_step"] / (r["ours_decode_ms_per_step"] or r["ours_ms_per_step"])
         )
     assert "step ms" in capsys.readouterr().out
 
