@@ -1,7 +1,7 @@
 """What each scrape-time stat of a worker means: the HELP text (with its unit) and the
 Prometheus type of every key of ``EngineCore.stats()`` (``pdserve_engine_*``) and of the KV
 managers' ``stats()`` (``pdserve_kv_transfer_*``, ``disagg/metrics.py`` and the NIXL / fake
-managers). Keys are the stats dict's keys (nested: joined by ``_``); a key missing here is
+managers), and of ``GcWatch.stats()`` (``pdserve_gc_*``). Keys are the stats dict's keys (nested: joined by ``_``); a key missing here is
 exported with its name as its help (tests/server/test_server_metrics.py checks that every
 key the engine and the managers report is here)."""
 
@@ -145,6 +145,11 @@ HELP: dict[str, tuple[str, str]] = {
         "decode: age of the oldest quarantine per prefill peer, past the bound (seconds)",
         GAUGE,
     ),
+    # --- garbage collection (gc_watch.GcWatch.stats: pdserve_gc_*) -------------------------
+    "frozen_objects": ("objects moved to the permanent generation after start-up", GAUGE),
+    "collections": ("garbage collections by generation since start (cumulative count)", COUNTER),
+    "pause_seconds": ("how long each garbage collection stopped the process (seconds)", HISTOGRAM),
+    "max_pause_seconds": ("the longest garbage-collection pause since start (seconds)", GAUGE),
 }
 
 # exported by another family: the sum over reasons of pdserve_kv_transfer_transfers_failed_total

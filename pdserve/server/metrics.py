@@ -28,6 +28,7 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 _LABELS = {
     "rooms": "state",
     "transfers_failed": "reason",
+    "collections": "generation",
 }  # label name of a nested {name: number} dict
 
 

@@ -13,6 +13,7 @@ from pdserve import envs
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager, Role
+from pdserve.gc_watch import process_watch
 from pdserve.server.field_policy import FieldPolicy
 from pdserve.server.formatting import TokenText
 from pdserve.server.metrics import ServerMetrics
@@ -76,6 +77,7 @@ def build_worker(
     ):  # before any op runs: co-located workers must not oversubscribe cores
         torch.set_num_threads(server_cfg.num_threads)
     pd = disagg.role != Role.MIXED
+    gc_watch = process_watch()
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
     managers: dict[str, KVManager] = {}
     ucx_log = None
@@ -94,6 +96,7 @@ def build_worker(
         {
             "pdserve_engine": lambda: engine.snapshot.stats,
             "pdserve_kv_transfer": (lambda: transfer.stats()) if transfer else (lambda: None),
+            "pdserve_gc": gc_watch.stats,
         }
     )
     model_name = server_cfg.served_model_name or engine_cfg.model.model
@@ -163,6 +166,7 @@ def build_worker(
             engine_error=engine.error,
             transfer=transfer.stats() if transfer else None,
             ucx=ucx_log.snapshot() if ucx_log is not None else None,
+            gc=gc_watch.stats(),
         )
 
     from pdserve.server.app import build_worker_app
@@ -179,6 +183,7 @@ def build_worker(
     )
     if ucx_log is not None:
         _close_with_the_app(app, ucx_log.close)
+    gc_watch.freeze()  # start-up is over: the model, tokenizer and caches live as long
     return app, static
 
 

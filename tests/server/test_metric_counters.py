@@ -56,6 +56,17 @@ def test_a_workers_cumulative_counts_are_counters_with_total_samples(worker):  #
     assert value["steps"] >= 8 and value["prefix_cache_hit_tokens"] > 0, value
     for key in ("num_running", "num_waiting", "num_free_pages", "num_total_pages"):
         assert fams[f"pdserve_engine_{key}"].type == "gauge", key
+    # garbage collection: the start-up heap frozen, each pause in a histogram, counts by
+    # generation (a real worker's process: conftest starts it as its own process)
+    gc_fams = {
+        k: fams[f"pdserve_gc_{k}"] for k in ("frozen_objects", "collections", "pause_seconds")
+    }
+    assert gc_fams["frozen_objects"].samples[0].value > 10_000
+    assert gc_fams["collections"].type == "counter"
+    assert {s.labels["generation"] for s in gc_fams["collections"].samples} == {"0", "1", "2"}
+    assert gc_fams["pause_seconds"].type == "histogram"
+    info = httpx.get(worker.url + "/get_server_info", timeout=30).json()["gc"]
+    assert info["frozen_objects"] > 10_000 and info["pause_seconds"]["count"] >= 0
     # no gauge of the worker is a count since start
     for name, fam in fams.items():
         if name.startswith("pdserve_") and fam.type == "gauge":
