@@ -183,14 +183,16 @@ async def warm_up(
     reqs: Sequence[RequestSpec],
     num_warmups: int,
 ) -> None:
-    """Send ``num_warmups`` requests (the workload's first ones) to each target, unmeasured,
-    so one-off costs (first forward pass, connection set-up) stay out of the figures."""
+    """Send ``num_warmups`` requests to each target, unmeasured, so one-off costs (first
+    forward pass, connection set-up) stay out of the figures: prompts of their own at the
+    workload's length (GSM8K: its first questions)."""
     if num_warmups <= 0:
         return
     warm = [reqs[i % len(reqs)] for i in range(num_warmups)]
-    if spec.dataset in ("shared-prefix", "multi-turn"):
+    if spec.dataset in ("random", "shared-prefix", "multi-turn"):
         # prompts of their own, so the warm-up does not fill the prefix cache being measured
-        rng = random.Random(spec.seed + 1)
+        # (nor share a seed with a rate's prompts: bench serve seeds rate i with seed + i)
+        rng = random.Random(f"warm-up {spec.seed}")
         warm = [
             RequestSpec(-1 - i, random_prompt(rng, spec.input_len), spec.output_len)
             for i in range(num_warmups)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import math
 import os
@@ -69,7 +70,8 @@ LOAD_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--request-rate",
-        "Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf; unset: closed "
+        "Poisson arrival rate(s) in req/s, comma-separated, e.g. 1,2,inf, each with prompts "
+        "of its own (--seed + its index; GSM8K's questions are the same); unset: closed "
         "loop at --concurrency",
     ),
     Flag(
@@ -262,14 +264,18 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
                     client, targets, spec, ispec, reqs, concurrency, blocks, on_done
                 )
             else:
-                for rate in rates:
+                for i, rate in enumerate(rates):
+                    # each rate its own prompts (seed + i): a repeated rate would otherwise
+                    # find the last one's prompts in the prefix cache
+                    rspec = dataclasses.replace(spec, seed=spec.seed + i) if i else spec
+                    rreqs = build_requests(rspec) if i else reqs
                     arrivals = (
-                        [0.0] * len(reqs)
+                        [0.0] * len(rreqs)
                         if math.isinf(rate)
-                        else poisson_arrivals(len(reqs), rate, spec.seed)
+                        else poisson_arrivals(len(rreqs), rate, rspec.seed)
                     )
                     series += await run_load_point(
-                        client, targets, spec, reqs, arrivals, rate, concurrency, blocks, on_done
+                        client, targets, rspec, rreqs, arrivals, rate, concurrency, blocks, on_done
                     )
         finally:
             bar.close()

@@ -57,7 +57,7 @@ def test_standard_compare_two_rates_json_and_plot(pdserve_url, tmp_path, capsys)
     assert doc["load"]["request_rates"] == [40.0, None]  # null = closed loop (inf)
     assert [t["name"] for t in doc["targets"]] == ["target", "compare"]
     assert len(doc["series"]) == 4
-    spec_lens = None
+    lens_by_rate: dict = {}
     for name in ("target", "compare"):
         for s in _series(doc, name):
             summary = s["summary"]
@@ -65,13 +65,18 @@ def test_standard_compare_two_rates_json_and_plot(pdserve_url, tmp_path, capsys)
             assert len(s["requests"]) == 6
             lens = [r["output_tokens"] for r in s["requests"]]
             assert all(4 <= n <= 6 for n in lens)  # ignore_eos: exactly max_tokens, 5 ± 20%
-            spec_lens = spec_lens or lens
-            assert lens == spec_lens  # same seeded workload on every target and rate
+            # same seeded workload on both targets at a rate
+            assert lens_by_rate.setdefault(s["request_rate"], lens) == lens
             assert all(
                 r["ttft_ms"] > 0 and len(r["itl_ms"]) <= r["output_tokens"] - 1
                 for r in s["requests"]
             )
             assert summary["total_output_tokens"] == sum(lens)
+    # each rate draws prompts of its own (seed + its index): no rate finds the last one's
+    # prompts in the prefix cache
+    assert len(lens_by_rate) == 2
+    a, b = lens_by_rate.values()
+    assert a != b
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
