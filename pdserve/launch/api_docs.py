@@ -15,7 +15,7 @@ from pydantic_core import PydanticUndefined
 
 from pdserve.disagg.base import MAX_ROOMS_PER_REQUEST
 from pdserve.server import protocol as p
-from pdserve.server import responses as r
+from pdserve.server import responses_input as r
 from pdserve.server.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsObject
 from pdserve.server.tools import FunctionDef
 

@@ -1,4 +1,4 @@
-"""Units of server/responses.py: the bounded store, input items -> chat messages, tools and
+"""Units of server/responses.py and server/responses_input.py: the bounded store, input items -> chat messages, tools and
 text.format translation, and the 400s naming the unsupported item (no processes)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.server import responses as r
+from pdserve.server import responses_input as ri
 from pdserve.server.serving import APIError
 
 
@@ -35,23 +36,23 @@ def _param(call) -> str:
 
 
 def test_unsupported_input_items_parts_and_tools_are_named():
-    assert _param(lambda: r.normalize_input([{"type": "reasoning"}])) == "input[0].type"
-    assert _param(lambda: r.normalize_input(["text"])) == "input[0]"
-    assert _param(lambda: r.normalize_input([{"role": "tool", "content": "x"}])) == "input[0].role"
+    assert _param(lambda: ri.normalize_input([{"type": "reasoning"}])) == "input[0].type"
+    assert _param(lambda: ri.normalize_input(["text"])) == "input[0]"
+    assert _param(lambda: ri.normalize_input([{"role": "tool", "content": "x"}])) == "input[0].role"
     image = {
         "role": "user",
         "content": [{"type": "input_text", "text": "a"}, {"type": "input_file", "file_id": "f"}],
     }
-    assert _param(lambda: r.normalize_input([image])) == "input[0].content[1].type"
+    assert _param(lambda: ri.normalize_input([image])) == "input[0].content[1].type"
     call = {"type": "function_call", "call_id": "c", "name": "f"}  # no arguments
-    assert _param(lambda: r.normalize_input([call])) == "input[0].arguments"
+    assert _param(lambda: ri.normalize_input([call])) == "input[0].arguments"
     tools = [{"type": "function", "name": "f"}, {"type": "file_search"}]
-    assert _param(lambda: r.chat_tools(tools)) == "tools[1].type"
-    assert _param(lambda: r.chat_tool_choice({"type": "web_search_preview"})) == "tool_choice"
+    assert _param(lambda: ri.chat_tools(tools)) == "tools[1].type"
+    assert _param(lambda: ri.chat_tool_choice({"type": "web_search_preview"})) == "tool_choice"
 
 
 def test_input_items_become_chat_messages():
-    items = r.normalize_input(
+    items = ri.normalize_input(
         [
             {
                 "role": "user",
@@ -67,7 +68,7 @@ def test_input_items_become_chat_messages():
             {"type": "message", "role": "developer", "content": "Answer in English."},
         ]
     )
-    messages = r.chat_messages(items, "Be brief.")
+    messages = ri.chat_messages(items, "Be brief.")
     assert [m["role"] for m in messages] == [
         "system",
         "user",
@@ -79,7 +80,7 @@ def test_input_items_become_chat_messages():
     assert messages[1]["content"] == "Time and date?"
     assert [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]  # one assistant turn
     assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "12:00"}
-    assert r.normalize_input("hi") == [{"type": "message", "role": "user", "content": "hi"}]
+    assert ri.normalize_input("hi") == [{"type": "message", "role": "user", "content": "hi"}]
 
 
 def test_a_stored_output_continues_as_the_assistant_s_turn():
@@ -96,17 +97,17 @@ def test_a_stored_output_continues_as_the_assistant_s_turn():
             },
         ]
     }
-    assert r.output_as_input(response) == [
+    assert ri.output_as_input(response) == [
         {"type": "message", "role": "assistant", "content": "Let me check."},
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
     ]
     # and back through the chat translation: the call joins the assistant's text turn
-    messages = r.chat_messages(r.normalize_input(r.output_as_input(response)), None)
+    messages = ri.chat_messages(ri.normalize_input(ri.output_as_input(response)), None)
     assert len(messages) == 1 and messages[0]["tool_calls"][0]["id"] == "c"
 
 
 def test_text_format_and_tool_choice_translate_to_chat_fields():
-    fmt = r.ResponseText.model_validate(
+    fmt = ri.ResponseText.model_validate(
         {
             "format": {
                 "type": "json_schema",
@@ -116,19 +117,19 @@ def test_text_format_and_tool_choice_translate_to_chat_fields():
             }
         }
     )
-    assert r.response_format(fmt) == {
+    assert ri.response_format(fmt) == {
         "type": "json_schema",
         "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True},
     }
-    assert r.response_format(None) is None
-    assert r.response_format(r.ResponseText.model_validate({"format": {"type": "text"}})) is None
-    no_schema = r.ResponseText.model_validate({"format": {"type": "json_schema"}})
-    assert _param(lambda: r.response_format(no_schema)) == "text.format"
-    assert r.chat_tool_choice({"type": "function", "name": "f"}) == {
+    assert ri.response_format(None) is None
+    assert ri.response_format(ri.ResponseText.model_validate({"format": {"type": "text"}})) is None
+    no_schema = ri.ResponseText.model_validate({"format": {"type": "json_schema"}})
+    assert _param(lambda: ri.response_format(no_schema)) == "text.format"
+    assert ri.chat_tool_choice({"type": "function", "name": "f"}) == {
         "type": "function",
         "function": {"name": "f"},
     }
-    assert r.chat_tool_choice("required") == "required"
+    assert ri.chat_tool_choice("required") == "required"
 
 
 def test_chat_path_errors_are_renamed_to_the_responses_fields():
