@@ -318,7 +318,20 @@ class TritonBackend(AttentionBackend):
             out.mul_(v_scale)
         return out.view(T, Hq * D)
 
-    def _decode(self, q, k_cache, v_cache, out, attn, plan, B, scale, ieee, G, D) -> None:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: TritonPlan,
+        B: int,
+        scale: float,
+        ieee: bool,
+        G: int,
+        D: int,
+    ) -> None:
         """The split-KV decode kernel (and its merge) over rows ``0..B-1``: one query token
         each, the token of row ``b`` at ``q[b]``; writes ``out[b]``."""
         Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)

@@ -52,10 +52,11 @@ capture would invalidate it). Prefill and mixed steps run eagerly.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -336,17 +337,27 @@ class CUDAGraphRunner:
     def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """Capture graph ``key`` on ``stream`` into the shared pool (the first capture makes
         the pool)."""
+        graph, (self._logits[key], self._greedy[key]) = self._capture_in_pool(
+            stream, lambda: self._run(key)
+        )
+        return graph
+
+    def _capture_in_pool(
+        self, stream: torch.cuda.Stream, run: Callable[[], Any]
+    ) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """Capture ``run()`` on ``stream`` into the one pool every graph shares (the first
+        capture makes it); returns ``(graph, what run returned)``."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             if self._pool is None:
                 graph.capture_begin()
             else:
                 graph.capture_begin(pool=self._pool)
-            self._logits[key], self._greedy[key] = self._run(key)
+            out = run()
             graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
-        return graph
+        return graph, out
 
     def bucket(self, batch: int) -> int | None:
         """The captured size that runs ``batch`` rows, or ``None`` when it is too large."""
@@ -486,17 +497,9 @@ class CUDAGraphRunner:
         for bs in reversed(self.verify_sizes):
             self._run_verify(bs)  # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                if self._pool is None:
-                    graph.capture_begin()
-                else:
-                    graph.capture_begin(pool=self._pool)
-                self._vout[bs] = self._run_verify(bs)
-                graph.capture_end()
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._vgraphs[bs] = graph
+            self._vgraphs[bs], self._vout[bs] = self._capture_in_pool(
+                stream, functools.partial(self._run_verify, bs)
+            )
             torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for verify steps of %d tokens a row, batch sizes %s",
