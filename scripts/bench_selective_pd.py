@@ -5,8 +5,7 @@ Starts ``pdserve up`` (1 prefill + 1 decode, ``--model``, default the embedded m
 two workers with ``--pd-min-prefill-tokens THRESHOLD`` (``selective``); ``direct`` is the
 decode worker itself, which runs a request without bootstrap fields whole, as a mixed worker
 would (what selective PD sends it, without the router). Streamed ``/v1/completions``
-requests, in ``--rounds`` rounds; in each round every kind runs on every path in turn, the
-paths' order alternating from round to round:
+requests of these kinds, in ``--rounds`` rounds:
 
 - ``short``: about ``--short-tokens`` tokens of text, new to both workers' caches;
 - ``short_chat``: the same text as a chat message (this model's chat template adds its
@@ -20,14 +19,21 @@ paths' order alternating from round to round:
   request may find others running on the decode worker; also the streams' times between
   text chunks (ITL), which a prefill on the decode worker lengthens.
 
-One at a time except ``short_rate``. Every timed prompt begins with a number of its own, so no path profits from another's pages. TTFT is the time from sending the
-request to its first non-empty text chunk, over one keep-alive ``httpx.Client`` per path made
-before timing (a new client costs ~30 ms of SSL set-up here, which would be timed otherwise).
-Reports per kind and path TTFT p50/p90 (ms), pooled over the rounds and per round, the
-prompts' token counts (from the stream's usage), the ratio PD / selective of the pooled p50
-(> 1: selective is faster), both routers' ``pdserve_router_pd_decisions_total`` and whether
-greedy outputs through both routers are equal (two more prompts of each kind). JSON to stdout
-and to ``$OUT/selective_pd.json`` when ``OUT`` is set; the load average before and after.
+One request at a time except ``short_rate``, the paths taking turns request by request in
+an order alternating from one request to the next (a burst of the machine's other load
+falls on every path alike); ``short_rate`` runs a block of arrivals per path, the order
+alternating from round to round. Every timed prompt begins with a number of its own, so no
+path profits from another's pages. TTFT is the time from sending the request to its first
+non-empty text chunk, over one keep-alive ``httpx.Client`` per path made before timing (a
+new client costs ~30 ms of SSL set-up here, which would be timed otherwise).
+
+Reports per kind and path TTFT p50/p90 (ms), pooled over the rounds and per round; the
+prompts' token counts (from the stream's usage); PD / selective of the pooled p50 (> 1:
+selective is faster) and, for the one-at-a-time kinds, the median of the ratios of the
+requests sent one after the other (``pd_over_selective_paired_median``); both routers'
+``pdserve_router_pd_decisions_total``; whether greedy outputs through both routers are
+equal (two more prompts of each kind); the load average before and after. JSON to stdout
+and to ``$OUT/selective_pd.json`` when ``OUT`` is set.
 
     python scripts/bench_selective_pd.py [--model random:tiny] [--device cpu] [--rounds 3]
 """
@@ -236,20 +242,21 @@ def main() -> int:
             for kind in kinds:
                 n = args.long_requests if kind.startswith("long") else args.requests
                 paths = [p for p in order if not (kind.startswith("long") and p == "direct")]
-                for path in paths:
-                    if kind == "short_rate":
+                if kind == "short_rate":  # a block of arrivals per path
+                    for path in paths:
                         prompts = [make[kind](next(tags)) for _ in range(args.rate_requests)]
                         got = at_rate(clients[path], prompts, args.rate, args.max_tokens, rnd)
-                    else:
-                        got = [
-                            ttft(
-                                clients[path], make[kind](next(tags)), args.max_tokens, kind in chat
-                            )
-                            for _ in range(n)
-                        ]
-                    times[kind][path][rnd] = [g[0] for g in got]
-                    gaps[kind][path] += [x for g in got for x in g[3]]
-                    tokens[kind] += [g[2] for g in got]
+                        times[kind][path][rnd] = [g[0] for g in got]
+                        gaps[kind][path] += [x for g in got for x in g[3]]
+                        tokens[kind] += [g[2] for g in got]
+                else:  # one request a path in turn, the order alternating: a burst of
+                    # the machine's other load falls on every path alike
+                    for i in range(n):
+                        for path in paths if i % 2 == 0 else paths[::-1]:
+                            prompt = make[kind](next(tags))
+                            got = ttft(clients[path], prompt, args.max_tokens, kind in chat)
+                            times[kind][path][rnd].append(got[0])
+                            tokens[kind].append(got[2])
                 print(f"round {rnd} {kind} done", file=sys.stderr, flush=True)
         same = all(
             ttft(clients["pd"], make[k](f"8{j}"), args.max_tokens, k in chat)[1]
@@ -288,6 +295,9 @@ def main() -> int:
             row["pd_over_selective_p50"] = round(
                 row["pd"]["ttft_p50_ms"] / row["selective"]["ttft_p50_ms"], 3
             )
+            if kind != "short_rate":  # the i-th PD request beside the i-th selective one
+                pairs = [a / b for ra, rb in zip(by["pd"], by["selective"]) for a, b in zip(ra, rb)]
+                row["pd_over_selective_paired_median"] = round(statistics.median(pairs), 3)
             row["pd_over_selective_p50_per_round"] = [
                 round(a / b, 3)
                 for a, b in zip(row["pd"]["per_round_p50_ms"], row["selective"]["per_round_p50_ms"])
