@@ -442,8 +442,8 @@ class RouterConfig:
         index) is below this many tokens runs whole on that decode worker, skipping the
         prefill leg and the KV transfer; 0 = always PD (``Dispatcher._pick_now`` in
         ``router/dispatch.py``). The default, 64, is measured (docs/benchmarks.md row X):
-        16-token prompts' TTFT p50 through PD / decode alone 1.15 on CPU, ~1,000-token
-        prompts still disaggregated.
+        16-token prompts' TTFT p50 through PD / decode alone 1.10-1.13 on CPU (two runs),
+        ~1,000-token prompts still disaggregated.
     """
 
     prefill_urls: tuple[str, ...] = ()
