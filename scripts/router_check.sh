@@ -5,7 +5,8 @@
 #     against stub workers that answer at once; once as installed, once with uvloop and
 #     httptools (if importable: uvicorn picks them up by itself);
 #  2. scripts/bench_selective_pd.py: TTFT p50 of 16-token prompts through PD and through a
-#     router with --pd-min-prefill-tokens 64 (embedded model), and of long prompts.
+#     router with --pd-min-prefill-tokens 64 (embedded model), and of long prompts
+#     (docs/benchmarks.md row X; ~10 min on the 2-core machine).
 # JSON under $OUT (default ./router_check). Run from the repository root.
 set -euo pipefail
 OUT=${OUT:-router_check}
@@ -16,4 +17,4 @@ if $PY -c "import uvloop, httptools" 2>/dev/null; then
   echo "uvloop and httptools are installed: the run above used them" > "$OUT/bench_router_loop.txt"
 fi
 OUT="$OUT" $PY scripts/bench_selective_pd.py --model "${MODEL:-smollm2-135m-instruct}" \
-  --device "${DEVICE:-cpu}" --requests 30
+  --device "${DEVICE:-cpu}"

@@ -148,9 +148,14 @@ def start_router(
     workers: Iterable[Proc] = (),
     extra: Iterable[str] = (),
 ) -> Proc:
-    """A ``pdserve router`` in PD mode (prefill/decode) or regular mode (workers)."""
+    """A ``pdserve router`` in PD mode (prefill/decode) or regular mode (workers). It
+    sends every PD request through a pair (``--pd-min-prefill-tokens 0``: the tests that
+    start it are about the PD path, whose short prompts the default threshold would run on
+    a decode worker alone; a regular-mode router ignores it); ``extra`` comes last, so a
+    test may set its own threshold."""
     port = free_port()
-    args = ["router", "--port", str(port), "--health-check-interval", "0.5", *extra]
+    args = ["router", "--port", str(port), "--health-check-interval", "0.5"]
+    args += ["--pd-min-prefill-tokens", "0", *extra]
     for flag, procs in (("--prefill", prefill), ("--decode", decode), ("--worker", workers)):
         for p in procs:
             args += [flag, p.url]

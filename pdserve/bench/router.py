@@ -3,9 +3,11 @@
 Processes (all on this machine): a stub prefill and a stub decode worker (one asyncio
 process each: a minimal HTTP/1.1 server answering ``/health``, ``/get_server_info`` as its
 role and ``POST /v1/completions`` with a fixed one-token completion, keep-alive, no
-model), and one real ``pdserve router`` process over them (PD mode). The load comes from
-this process through raw keep-alive HTTP/1.1 connections (a fixed request, the answer read
-by its ``Content-Length``), so the client costs as little as it can on both paths.
+model), and one real ``pdserve router`` process over them (PD mode, every request through
+both legs: ``--pd-min-prefill-tokens 0`` unless a ``--router-arg`` sets it). The load
+comes from this process through raw keep-alive HTTP/1.1 connections (a fixed request, the
+answer read by its ``Content-Length``), so the client costs as little as it can on both
+paths.
 
 Two measurements:
 
@@ -269,6 +271,10 @@ def run(args: argparse.Namespace) -> dict:
         f"http://127.0.0.1:{ports['prefill']}",
         "--decode",
         f"http://127.0.0.1:{ports['decode']}",
+        # both legs for every request, as before selective PD's default (the figures of
+        # docs/benchmarks.md are PD's); a --router-arg may set another threshold
+        "--pd-min-prefill-tokens",
+        "0",
         *args.router_arg,
     ]
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")

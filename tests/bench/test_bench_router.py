@@ -25,6 +25,8 @@ def test_bench_router_reports_both_paths_and_the_router_cost(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(run.stdout) == report
+    argv = report["router_argv"]  # both legs for every request (selective PD off)
+    assert argv[argv.index("--pd-min-prefill-tokens") + 1] == "0"
     lat = report["latency"]
     assert lat["requests"] == 20
     for path in ("direct", "router"):

@@ -9,6 +9,7 @@ import httpx
 
 LP_TOL = 2e-4  # prefill and decode run other batch shapes than the mixed worker
 IGNORED = ("id", "created", "e2e_latency", "cached_tokens")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 def post(url: str, path: str, body, timeout: float = 120.0) -> httpx.Response:
@@ -17,11 +18,24 @@ def post(url: str, path: str, body, timeout: float = 120.0) -> httpx.Response:
 
 def pair(c, path: str, body: dict) -> tuple[dict, dict]:
     """The same request through the router (PD, ``c["router"]``) and to the mixed worker
-    (``c["mixed"]``); both must answer 200."""
+    (``c["mixed"]``); both must answer 200, and a generation through the router must have
+    come through the prefill worker ``c["prefill"]`` (where the cluster names one): a short
+    prompt under selective PD's threshold would run on decode alone, and the comparison be
+    no PD's."""
+    before = _prefilled(c) if path in GENERATION_PATHS else None
     pd, mixed = post(c["router"].url, path, body), post(c["mixed"].url, path, body)
     assert pd.status_code == 200, pd.text
     assert mixed.status_code == 200, mixed.text
+    if before is not None:
+        assert _prefilled(c) > before, "the router's answer did not go through prefill"
     return pd.json(), mixed.json()
+
+
+def _prefilled(c) -> int | None:
+    """Requests the cluster's prefill worker finished (None: the cluster has none)."""
+    if "prefill" not in c:
+        return None
+    return c["prefill"].get_info()["engine"]["finished_requests"]
 
 
 def assert_same(pd, mixed, path: str = "") -> None:

@@ -45,11 +45,14 @@ FAULT_ENV = {
 
 
 class Up:
-    """A running ``pdserve up``: its Popen, the lines it printed, its children."""
+    """A running ``pdserve up``: its Popen, the lines it printed, its children. Its router
+    sends every request through a pair (``--pd-min-prefill-tokens 0``: the tests here are
+    about the PD path's failures, with short prompts that the default threshold would run
+    on a decode worker alone); ``args`` come after, so a test may set its own."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", *args],
+            [sys.executable, "-m", "pdserve", "up", "--pd-min-prefill-tokens", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

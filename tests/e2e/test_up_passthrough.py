@@ -10,6 +10,7 @@ import os
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.launch.plan import UP_ROUTER_FLAGS
 from pdserve.launch.plan import plan_children as _plan
 
 
@@ -61,12 +62,14 @@ def test_up_passes_router_flags_through(tmp_path, monkeypatch):
     args = build_parser().parse_args(
         ["up", "--device", "cpu", "--request-timeout", "12.5", "--health-check-interval", "0.5"]
         + ["--health-check-timeout", "0.25", "--health-failure-threshold", "7"]
+        + ["--pd-min-prefill-tokens", "0"]
     )
     _, router = _plan(args, tmp_path)
     parsed = _parsed(router.argv)
     assert parsed.command == "router"
     assert (parsed.request_timeout, parsed.health_check_interval) == (12.5, 0.5)
     assert (parsed.health_check_timeout, parsed.health_failure_threshold) == (0.25, 7)
+    assert parsed.pd_min_prefill_tokens == 0  # PD for every request, as asked
 
 
 def test_up_router_flags_are_the_routers(tmp_path, monkeypatch):
@@ -75,8 +78,8 @@ def test_up_router_flags_are_the_routers(tmp_path, monkeypatch):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices
     up, router = sub["up"], sub["router"]
-    flags = ["--request-timeout", "--health-check-interval", "--health-check-timeout"]
-    flags.append("--health-failure-threshold")
+    flags = list(UP_ROUTER_FLAGS)
+    assert "--pd-min-prefill-tokens" in flags
     for flag in flags:
         (mine,) = [a for a in up._actions if flag in a.option_strings]
         (theirs,) = [a for a in router._actions if flag in a.option_strings]
@@ -86,6 +89,8 @@ def test_up_router_flags_are_the_routers(tmp_path, monkeypatch):
     for flag in flags:
         dest = flag[2:].replace("-", "_")
         assert getattr(parsed, dest) == getattr(defaults, dest)
+    # selective PD is on under up as under router: short prompts run on decode alone
+    assert parsed.pd_min_prefill_tokens == defaults.pd_min_prefill_tokens == 64
 
 
 def test_up_passes_the_traces_endpoint_to_every_child(tmp_path, monkeypatch):

@@ -100,7 +100,9 @@ def pd_cluster(log_dir: Path, ucx_env: dict[str, str], *, advertise_dns: bool):
                 + ["--decode", f"http://{d.dns_name}:{WORKER_PORT}"]
                 + ["--health-check-interval", "0.5", "--health-failure-threshold", "1"]
                 # one decode: a stream it dropped has nowhere to move; end it within 1 s
-                + ["--migration-wait", "1"],
+                + ["--migration-wait", "1"]
+                # the KV crosses the network for every prompt, short ones too
+                + ["--pd-min-prefill-tokens", "0"],
                 f"http://{r.address}:{ROUTER_PORT}",
                 log_dir,
                 {},

@@ -42,6 +42,7 @@ def servers():
 
 def _router(start, **kw) -> str:
     config = RouterConfig(
+        pd_min_prefill_tokens=0,  # every PD request through a pair, as the tests expect
         request_timeout=30.0,
         health_check_interval=0.2,
         health_check_timeout=2.0,

@@ -32,6 +32,7 @@ def setup():
     config = RouterConfig(
         prefill_urls=(p_url,),
         decode_urls=(d_url,),
+        pd_min_prefill_tokens=0,  # every request through the pair: these tests are about PD
         request_timeout=60.0,  # never reached: the timeout test runs its own router
         health_check_interval=0.1,
         health_check_timeout=1.0,
@@ -228,7 +229,11 @@ def test_request_timeout_gives_504_and_cancels_both_legs(setup):
     prefill.mode = decode.mode = "hang"  # neither answers until its client leaves
     p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
     config = RouterConfig(
-        prefill_urls=(p_url,), decode_urls=(d_url,), request_timeout=0.5, max_migrations=0
+        prefill_urls=(p_url,),
+        decode_urls=(d_url,),
+        request_timeout=0.5,
+        max_migrations=0,
+        pd_min_prefill_tokens=0,  # both legs
     )
     router = ThreadedServer(build_router_app(config))
     router.start()
@@ -273,7 +278,12 @@ def test_router_bad_input_and_metrics(setup):
 def test_a_worker_of_the_wrong_role_is_never_used(setup):
     prefill, decode, _ = setup
     p_url = httpx.get(setup[2] + "/get_server_info").json()["workers"][0]["url"]
-    wrong = RouterConfig(prefill_urls=(p_url,), decode_urls=(p_url,), health_check_interval=0.1)
+    wrong = RouterConfig(
+        prefill_urls=(p_url,),
+        decode_urls=(p_url,),
+        health_check_interval=0.1,
+        pd_min_prefill_tokens=0,
+    )
     router = ThreadedServer(build_router_app(wrong))
     router.start()
     url = router.url
@@ -348,7 +358,9 @@ def test_router_shutdown_ends_open_streams_with_an_error_event_and_done(setup):
     decode.chunks, decode.chunk_gates = 200, _gates(3, open_=2)  # chunks 0-1, then it waits
     p_url, d_url = (w["url"] for w in httpx.get(url + "/get_server_info").json()["workers"])
     router = ThreadedServer(
-        build_router_app(RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,)))
+        build_router_app(
+            RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), pd_min_prefill_tokens=0)
+        )
     )
     router.start()
     r_url = router.url

@@ -36,6 +36,7 @@ def cluster():
         prefill_urls=(servers["p0"].url, servers["p1"].url),
         decode_urls=(servers["d0"].url, servers["d1"].url),
         policy="random",
+        pd_min_prefill_tokens=0,  # every request through a pair: the pairs are the subject
         health_check_interval=0.05,
         health_check_timeout=2.0,
         health_failure_threshold=1,
