@@ -70,6 +70,22 @@ echo "== bench serve: PD (target) vs mixed (compare)"
 $PY -m pdserve bench serve --url "http://127.0.0.1:$RP" --compare "http://127.0.0.1:$MP" --no-progress \
   --dataset random --input-len $ILEN --output-len $OLEN --request-rate $RATES --num-requests $NREQ \
   --json "$OUT/serve.json" --plot "$OUT/serve.png" ${PHASES:+--phase-timing}
+gc_report() {  # every worker's garbage collections (pdserve/gc_watch.py): were they the stalls?
+  $PY - "$RP" "$MP" <<'PYEOF'
+import json, sys, httpx
+rp, mp = sys.argv[1:3]
+urls = [w["url"] for w in httpx.get(f"http://127.0.0.1:{rp}/get_server_info").json().get("workers", [])]
+for url in [*urls, f"http://127.0.0.1:{mp}"]:
+    info = httpx.get(f"{url}/get_server_info").json()
+    gc = info.get("gc") or {}
+    print(f"gc {info.get('role')} {url}: collections {gc.get('collections')} max pause "
+          f"{1e3 * gc.get('max_pause_seconds', 0):.1f} ms, pauses > 25 ms "
+          f"{gc.get('pause_seconds', {}).get('count', 0) - gc.get('pause_seconds', {}).get('buckets', {}).get('0.025', 0)}"
+          f", frozen {gc.get('frozen_objects')} (a full collection of them: "
+          f"{1e3 * gc.get('startup_full_collection_seconds', 0):.0f} ms)")
+PYEOF
+}
+gc_report
 [ "${INTERFERENCE:-1}" = 1 ] || { echo "== done"; exit 0; }
 echo "== bench serve interference: PD (target) vs mixed (compare)"
 $PY -m pdserve bench serve --url "http://127.0.0.1:$RP" --compare "http://127.0.0.1:$MP" --no-progress \

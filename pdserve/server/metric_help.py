@@ -147,6 +147,10 @@ HELP: dict[str, tuple[str, str]] = {
     ),
     # --- garbage collection (gc_watch.GcWatch.stats: pdserve_gc_*) -------------------------
     "frozen_objects": ("objects moved to the permanent generation after start-up", GAUGE),
+    "startup_full_collection_seconds": (
+        "the full collection before the freeze: what one would cost without it (seconds)",
+        GAUGE,
+    ),
     "collections": ("garbage collections by generation since start (cumulative count)", COUNTER),
     "pause_seconds": ("how long each garbage collection stopped the process (seconds)", HISTOGRAM),
     "max_pause_seconds": ("the longest garbage-collection pause since start (seconds)", GAUGE),
