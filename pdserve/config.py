@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pdserve import envs
-from pdserve.bounds import check_min
+from pdserve.bounds import CrossFieldError, check_min
 from pdserve.disagg.base import Role, check_order
 from pdserve.disagg.registry import backend_names
 from pdserve.embedded import EMBEDDED_MODEL_ID
@@ -109,7 +109,7 @@ class ModelConfig:
             if not isinstance(ids, tuple):
                 raise ValueError(f"gpu_ids must be a tuple of device indices, got {ids!r}")
             if len(ids) != self.tensor_parallel_size:
-                raise ValueError(
+                raise CrossFieldError(
                     f"gpu_ids must name one device per rank ({self.tensor_parallel_size}), "
                     f"got {len(ids)}: {ids}"
                 )
@@ -228,10 +228,12 @@ class SchedulerConfig:
                 f"got {self.speculative_algorithm!r}"
             )
         if self.speculative_algorithm == "draft" and not self.speculative_model:
-            raise ValueError("speculative_model must be set when speculative_algorithm is draft")
+            raise CrossFieldError(
+                "speculative_model must be set when speculative_algorithm is draft"
+            )
         check_min(self, 1, "num_speculative_tokens", "speculative_ngram_min")
         if self.speculative_ngram_max < self.speculative_ngram_min:
-            raise ValueError(
+            raise CrossFieldError(
                 f"speculative_ngram_max ({self.speculative_ngram_max}) must be >= "
                 f"speculative_ngram_min ({self.speculative_ngram_min})"
             )

@@ -74,3 +74,56 @@ def test_help_lists_the_allowed_values(command: str) -> None:
         assert value in _help(command, "--attention-backend")
     for value in ("auto", "cpu", "cuda", "cuda:N"):
         assert value in _help(command, "--device")
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--speculative-algorithm", "draft", "--speculative-model", "random:tiny"],
+        ["--speculative-model", "random:tiny", "--speculative-algorithm", "draft"],
+        ["--speculative-ngram-min", "4", "--speculative-ngram-max", "6"],
+        ["--speculative-ngram-max", "6", "--speculative-ngram-min", "4"],
+    ],
+)
+def test_rules_between_two_flags_see_both_flags(command: str, flags: list[str]) -> None:
+    """A rule between two flags (draft needs a model; ngram max >= min) is checked on the
+    whole config, in either order: each flag alone passes its own parse-time check."""
+    from pdserve.server.engine_args import engine_config_from_args
+
+    args = build_parser().parse_args([*command.split(), *flags])
+    sc = engine_config_from_args(args).scheduler
+    assert (sc.speculative_model, sc.speculative_ngram_min, sc.speculative_ngram_max) in (
+        ("random:tiny", 1, 3),
+        (None, 4, 6),
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-algorithm", "draft"], "speculative_model must be set"),
+        (
+            ["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"],
+            "speculative_ngram_max (2) must be >= speculative_ngram_min (5)",
+        ),
+    ],
+)
+def test_up_refuses_a_broken_rule_between_flags_before_starting(tmp_path, flags, message) -> None:
+    log_dir = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", *flags, "--log-dir", str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"pdserve up: error: {message}" in proc.stderr
+    assert not log_dir.exists()
+
+
+def test_infinite_sizes_are_refused_naming_the_flag(capsys) -> None:
+    from pdserve.cli import main
+
+    assert main(["bench", "offline", "--kv-cache-memory", "inf", "--model", "random:tiny"]) == 2
+    assert "kv_cache_memory must be a finite number, got inf" in capsys.readouterr().err

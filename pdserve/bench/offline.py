@@ -31,6 +31,7 @@ from typing import Any
 from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.bench.hf_reference import hf_model
 from pdserve.bench.roofline import (
+    SteadyStepError,
     copy_bandwidth,
     matmul_rate,
     roofline_seconds,
@@ -108,8 +109,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=24,
         help="decode steps timed once every prompt of a row decodes (the step the roofline "
-        "describes: no prefill chunk beside it), for the 'step ms' and roofline columns; "
-        "0: off, the roofline is judged against the whole run's decode rate (default 24)",
+        "describes: no prefill chunk beside it), for the 'step ms' and roofline columns "
+        "('ours decode ms' is the whole run's: (run - first-token run) / (max_tokens - 1), "
+        "the ramp included); a row it cannot measure says why under it; not with "
+        "--speculative; 0: off, the roofline is judged against the whole run's decode rate "
+        "(default 24)",
     )
     p.add_argument(
         "--ours-only",
@@ -153,6 +157,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--tensor-parallel-size": "the transformers side runs whole, in this process; "
             "the roofline counts one rank's weights",
             "--quantization": "ours only: the transformers side runs the unquantized weights",
+            "--kv-cache-memory": "here, unset on CUDA: 0.4 of free memory (room for the "
+            "transformers side), or the engine's default share with --ours-only",
         },
     )
     p.set_defaults(func=run_offline)
@@ -427,18 +433,28 @@ def _decode_row(args, llm, hf, prompts: list[list[int]], pad_id: int, rates: dic
     row["roofline_fraction"] = row["run_roofline_fraction"]
     # The step the roofline describes: every row decoding, no prefill chunk beside it (in
     # the run's ramp, rows that already decode share steps with later prompts' chunks).
-    steady = steady_decode_step(llm, prompts, args.steady_steps) if args.steady_steps else None
-    row["ours_step_ms_all_decoding"] = row["steady_roofline_ms"] = None
-    if steady is not None:
-        roof_s, _ = roofline_seconds(
-            step_bytes(engine, n, steady["mean_context"]),
-            step_flops(engine, n, steady["mean_context"]),
-            rates["bandwidth"],
-            rates["flop_rate"],
-        )
-        row["ours_step_ms_all_decoding"] = 1e3 * steady["step_s"]
-        row["steady_roofline_ms"] = 1e3 * roof_s
-        row["roofline_fraction"] = roof_s / steady["step_s"]
+    row["ours_step_ms_all_decoding"] = row["steady_roofline_ms"] = row["steady_error"] = None
+    if args.steady_steps:
+        try:
+            steady = steady_decode_step(llm, prompts, args.steady_steps)
+            roof_s, bound = roofline_seconds(
+                step_bytes(engine, n, steady["mean_context"]),
+                step_flops(engine, n, steady["mean_context"]),
+                rates["bandwidth"],
+                rates["flop_rate"],
+            )
+            if steady["step_s"] < 0.95 * roof_s:  # the rates' own error is a few %
+                raise SteadyStepError(
+                    f"{1e3 * steady['step_s']:.3f} ms is faster than its roofline "
+                    f"({1e3 * roof_s:.3f} ms): a measuring error"
+                )
+        except SteadyStepError as exc:
+            row["steady_error"] = str(exc)
+        else:
+            row["ours_step_ms_all_decoding"] = 1e3 * steady["step_s"]
+            row["steady_roofline_ms"] = 1e3 * roof_s
+            row["roofline_bound"] = bound
+            row["roofline_fraction"] = roof_s / steady["step_s"]
     return row
 
 
@@ -494,6 +510,8 @@ def _run(
             f"{row['steady_roofline_ms'] or row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
             f"{row['roofline_fraction']:>8.0%}"
         )
+        if row["steady_error"]:
+            print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
     prefill_row = None
     if prefill:
         prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
@@ -528,11 +546,13 @@ def _run(
             "matmul_flop_per_s": rates["flop_rate"],
             "roofline": "max(step_bytes (weights + KV of the mean context) / copy_bandwidth, "
             "step_flops (2 per matmul weight + 4 L Hq D context, per row; PaLM appendix B) / "
-            "matmul_flop_per_s), over our decode ms/step",
-            "step_all_decoding": "ours_step_ms_all_decoding: seconds per step over "
+            "matmul_flop_per_s), over the all-decoding step (see step_all_decoding)",
+            "step_all_decoding": "ours_step_ms_all_decoding: milliseconds per step over "
             "--steady-steps steps once every prompt of the row decodes (prefilled outside the "
-            "timing), roofline_fraction = steady_roofline_ms (at that span's mean context) / it; "
-            "run_roofline_fraction = roofline_ms_per_step / the whole run's decode ms per step",
+            "timing); roofline_fraction = steady_roofline_ms (at that span's mean context) / "
+            "it, roofline_bound that roofline's bound; steady_error: why it was not measured "
+            "(then roofline_fraction = run_roofline_fraction); run_roofline_fraction = "
+            "roofline_ms_per_step / the whole run's decode ms per step (ours_decode_ms_per_step)",
             "decode": "(time of max_tokens - time of 1 token) / (max_tokens - 1): steps after "
             "the prefill; each timed run starts with an empty prefix cache",
             "results": results,

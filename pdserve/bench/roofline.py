@@ -166,7 +166,11 @@ def unrouted_expert_bytes(model, num_seqs: int) -> int:
     return int(total)
 
 
-def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2) -> dict | None:
+class SteadyStepError(ValueError):
+    """The all-decoding step could not be measured; the message says why."""
+
+
+def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2) -> dict:
     """Time decode steps in which every prompt's request decodes, the step the roofline
     describes: the prompts are prefilled first (outside the timing; the prefix cache is
     emptied so each is computed), then ``warm`` steps, then ``steps`` steps timed as one
@@ -174,24 +178,32 @@ def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2)
 
     ``llm`` is a :class:`pdserve.engine.llm.LLM`; greedy, ``ignore_eos``. Returns
     ``{"step_s": seconds per step, "mean_context": tokens each row attends to at the
-    middle of the span}``, or ``None`` when the step cannot be one of all ``len(prompts)``
-    rows: more prompts than ``max_running_requests``, a request preempted (the pool too
-    small) or ended (its context full) during the run. The requests are aborted at the end and the engine drained.
+    middle of the span}``. Raises :class:`SteadyStepError` naming the reason when the step
+    cannot be one of all ``len(prompts)`` rows: more prompts than
+    ``max_running_requests``, a span longer than the context leaves room for, a request
+    preempted (the pool too small) or ended (its context full) during the run. The
+    requests are aborted at the end and the engine drained.
     """
     import torch
 
     from pdserve.engine.sampling_params import SamplingParams
 
     core = llm.engine
-    if len(prompts) > core.config.scheduler.max_running_requests:
-        return None
+    n, limit = len(prompts), core.config.scheduler.max_running_requests
+    if n > limit:
+        raise SteadyStepError(f"{n} prompts do not fit one batch (max_running_requests {limit})")
+    longest = max(len(p) for p in prompts)
+    room = core.max_model_len - longest
+    if warm + steps + 1 > room:
+        raise SteadyStepError(
+            f"{warm + steps + 1} decode steps do not fit a {longest}-token prompt's context "
+            f"(max_model_len {core.max_model_len}): fewer --steady-steps"
+        )
     llm.reset_prefix_cache()
     # Enough tokens that no request ends inside the span, however many its row decoded
     # while later prompts were still being prefilled; they are aborted after it.
-    longest = max(len(p) for p in prompts)
-    room = core.max_model_len - longest
-    params = SamplingParams(temperature=0.0, max_tokens=max(1, room), ignore_eos=True)
-    ids = [f"steady-{id(prompts)}-{i}" for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True)
+    ids = [f"steady-{id(prompts)}-{i}" for i in range(n)]
     for rid, prompt in zip(ids, prompts):
         core.add_request(rid, list(prompt), params)
     preempted = core.scheduler.num_preemptions
@@ -202,18 +214,24 @@ def steady_decode_step(llm, prompts: list[list[int]], steps: int, warm: int = 2)
         core.step()
     sync = torch.cuda.synchronize if core.device.type == "cuda" else (lambda: None)
     sync()
-    done = sum(len(r.output_token_ids) for r in reqs) / len(reqs)
+    done = sum(len(r.output_token_ids) for r in reqs) / n
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
     sync()
     step_s = (time.perf_counter() - t0) / steps
-    ok = core.scheduler.num_preemptions == preempted and not any(r.finished for r in reqs)
+    preemptions = core.scheduler.num_preemptions - preempted
+    ended = sum(r.finished for r in reqs)
     for rid in ids:
         core.abort_request(rid)
     while core.has_unfinished_requests():
         core.step()
-    if not ok:
-        return None
-    mean_prompt = sum(len(p) for p in prompts) / len(prompts)
+    if preemptions:
+        raise SteadyStepError(
+            f"{preemptions} preemption(s) during the span: the KV pool does not hold {n} "
+            "prompts' contexts (a larger --kv-cache-memory)"
+        )
+    if ended:
+        raise SteadyStepError(f"{ended} request(s) reached the context limit inside the span")
+    mean_prompt = sum(len(p) for p in prompts) / n
     return {"step_s": step_s, "mean_context": mean_prompt + done + steps / 2}

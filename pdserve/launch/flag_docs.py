@@ -1,7 +1,8 @@
 """Markdown tables of every ``pdserve`` sub-command's flags, every environment variable
 and every HTTP request field, generated from the argparse parsers, ``pdserve.envs`` and
 ``pdserve.launch.api_docs`` (the generated part of docs/reference.md is this output:
-``python -m pdserve.launch.flag_docs``)."""
+``python -m pdserve.launch.flag_docs``; ``--update FILE`` rewrites that part of FILE,
+``--check FILE`` exits 1 when it is out of date)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,16 @@ def update(path: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--update"]:
-        update(sys.argv[2])
-    else:
+    args = sys.argv[1:]
+    if len(args) == 2 and args[0] in ("--update", "--check"):
+        if args[0] == "--update":
+            update(args[1])
+        else:  # exit 1 when the file's generated part is not this output
+            text = open(args[1]).read()
+            current = text.split(BEGIN, 1)[-1].split(END, 1)[0] == f"\n{reference()}"
+            print(f"{args[1]}: {'current' if current else 'out of date (run --update)'}")
+            sys.exit(0 if current else 1)
+    elif not args:
         print(reference())
+    else:
+        sys.exit("usage: python -m pdserve.launch.flag_docs [--update FILE | --check FILE]")

@@ -27,7 +27,7 @@ from pdserve.launch.plan import UP_ROUTER_FLAGS, check_tp_sizes, plan_children, 
 from pdserve.launch.supervisor import Child, Restarts, stop_all
 from pdserve.process_exit import death_cause
 from pdserve.router.launch import ROUTER_FLAGS
-from pdserve.server.engine_args import add_engine_args
+from pdserve.server.engine_args import add_engine_args, engine_config_from_args
 from pdserve.server.launch import STRICT_FIELDS_FLAG
 
 
@@ -281,6 +281,7 @@ def main(args: argparse.Namespace) -> int:
     args.port = probe.getsockname()[1]
     try:
         check_tp_sizes(args)
+        engine_config_from_args(args)  # the rules between flags, as each worker checks them
         _check_router_flags(args)
     except ValueError as exc:
         probe.close()

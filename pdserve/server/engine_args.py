@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pdserve.bounds import CrossFieldError
 from pdserve.cli import Flag, add_flags, flag_values, int_list
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -22,12 +23,16 @@ def config_value(cls: type, name: str, parse: Any = str) -> Any:
     so the flag accepts exactly what the config's own ``__post_init__`` accepts (one list
     of allowed values, checked at parse time in ``serve`` and in ``up`` before any process
     starts). argparse error with the config's message (naming the field and the allowed
-    values) otherwise."""
+    values) otherwise. A rule between two fields (:class:`~pdserve.bounds.CrossFieldError`)
+    is left to the whole config (``engine_config_from_args``; ``up`` builds it before any
+    process starts)."""
 
     def check(text: str) -> Any:
         value = parse(text)
         try:
             cls(**{name: value})
+        except CrossFieldError:
+            pass  # a rule with another flag: checked when the whole config is built
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value

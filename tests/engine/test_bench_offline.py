@@ -140,9 +140,9 @@ def test_input_len_long_context_and_ours_only(tmp_path, capsys):
 
 def test_steady_decode_step_times_every_row_decoding_and_leaves_nothing_behind():
     """The step the roofline describes: all rows decoding. Too many prompts for the batch
-    is refused (None); afterwards no request is left and every page is back (once the
+    or a span longer than the context is refused naming why; afterwards no request is left and every page is back (once the
     prefix cache lets go of the prompts' full pages)."""
-    from pdserve.bench.roofline import steady_decode_step
+    from pdserve.bench.roofline import SteadyStepError, steady_decode_step
     from pdserve.engine.llm import LLM
 
     llm = LLM("random:tiny", device="cpu", max_running_requests=3)
@@ -156,8 +156,22 @@ def test_steady_decode_step_times_every_row_decoding_and_leaves_nothing_behind()
     assert not core.has_unfinished_requests()
     llm.reset_prefix_cache()  # the prompts' full pages stay cached until then
     assert core.kv.num_free_pages == free
-    assert steady_decode_step(llm, prompts + [[9] * 20], steps=4) is None
+    with pytest.raises(SteadyStepError, match="max_running_requests 3"):
+        steady_decode_step(llm, prompts + [[9] * 20], steps=4)
+    with pytest.raises(SteadyStepError, match="fewer --steady-steps"):
+        steady_decode_step(llm, prompts, steps=core.max_model_len)
     assert not core.has_unfinished_requests()
+
+
+def test_steady_decode_step_names_a_preemption():
+    """A pool too small for every row's context: the span saw a preemption and says so."""
+    from pdserve.bench.roofline import SteadyStepError, steady_decode_step
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("random:tiny", device="cpu", max_running_requests=4, num_pages=12, page_size=4)
+    with pytest.raises(SteadyStepError, match="preemption"):
+        steady_decode_step(llm, [[5 + i] * 8 for i in range(4)], steps=8)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_gsm8k_prompts_cut_or_padded_to_input_len():
