@@ -107,7 +107,8 @@ if __name__ == "__main__":
         if args[0] == "--update":
             update(args[1])
         else:  # exit 1 when the file's generated part is not this output
-            text = open(args[1]).read()
+            with open(args[1]) as f:
+                text = f.read()
             current = text.split(BEGIN, 1)[-1].split(END, 1)[0] == f"\n{reference()}"
             print(f"{args[1]}: {'current' if current else 'out of date (run --update)'}")
             sys.exit(0 if current else 1)
