@@ -283,6 +283,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _close_made(connecting: asyncio.Future) -> None:
+    """Close the connection of a connect attempt given up, if it was made anyway."""
+    if not connecting.cancelled() and connecting.exception() is None:
+        connecting.result()[0].close()
+
+
 class WorkerStream:
     """A worker's open streamed answer (``status_code`` known, body not read yet); the
     caller reads it with :meth:`aiter_sse` or :meth:`aread` and ends it with
@@ -352,15 +358,26 @@ class WorkerClient:
     async def _connect(self, address: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
         host, port = address
+        # asyncio.wait, not wait_for: Python 3.11's wait_for returns the connection when it
+        # is made as the caller is cancelled (the cancellation is lost, and the leg the
+        # dispatcher gave up goes on); here a cancelled caller never gets it
+        connecting = asyncio.ensure_future(
+            loop.create_connection(lambda: _Connection(address), host, port)
+        )
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(address), host, port),
-                self.connect_timeout,
-            )
-        except asyncio.TimeoutError:
+            await asyncio.wait((connecting,), timeout=self.connect_timeout)
+        except BaseException:
+            connecting.cancel()
+            connecting.add_done_callback(_close_made)
+            raise
+        if not connecting.done():
+            connecting.cancel()
+            connecting.add_done_callback(_close_made)
             raise WorkerConnectionError(
                 f"connecting to {host}:{port} timed out after {self.connect_timeout:g} s"
-            ) from None
+            )
+        try:
+            _, conn = connecting.result()
         except OSError as exc:
             raise WorkerConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
         self._open.add(conn)

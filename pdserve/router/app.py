@@ -28,6 +28,7 @@ from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
+from pdserve.router.front import FrontHandler, front_protocol
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
@@ -160,10 +161,14 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         response.headers.update(exc.headers or {})
         return response
 
-    async def forward(request: Request, endpoint: str) -> Response:
+    async def answer(endpoint: str, raw: bytes, request: Request | None = None) -> Response:
+        """The answer to a POST of ``raw`` to the forwarded ``endpoint``, counted in the
+        metrics. ``request``: the app's request, whose client leaving cancels the dispatch
+        (499); None from the front (pdserve/router/front.py), whose task is cancelled
+        instead."""
         start = time.perf_counter()
         try:
-            body = parse_json_body(await request.body())
+            body = parse_json_body(raw)
         except ValueError as exc:  # UnicodeError is a ValueError
             return _count(
                 error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start
@@ -185,12 +190,16 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             if problem is not None:
                 return _count(problem, endpoint, start)
         try:
-            response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
+            work = dispatcher.dispatch(endpoint, body)
+            response = await (work if request is None else cancel_on_disconnect(request, work))
         except NoHealthyWorker as exc:
             response = error_response(503, str(exc))
         except ClientDisconnected:
             response = Response(status_code=499)
         return _count(response, endpoint, start)
+
+    async def forward(request: Request, endpoint: str) -> Response:
+        return await answer(endpoint, await request.body(), request)
 
     def unknown_model(endpoint: str, body: dict) -> Response | None:
         """404 ``model_not_found`` in the router's words for a ``model`` that no worker
@@ -247,6 +256,18 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                 current_error(f"the stream ended with an error event (HTTP {status})")
             metrics.requests.labels(endpoint, str(499 if status is None else status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    # the forwarded POSTs served by the front without the layers above (tracing on: by the
+    # app, whose RequestContext makes the spans); ``serve_app`` uses the protocol
+    app.state.http_protocol = (
+        front_protocol(
+            FrontHandler(
+                frozenset(FORWARDED), answer, _count, config.max_request_body_bytes, stopping
+            )
+        )
+        if tracer is None
+        else None
+    )
 
     for path in FORWARDED:
 
