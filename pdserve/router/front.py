@@ -31,11 +31,7 @@ from typing import Any
 
 import anyio
 from starlette.responses import Response, StreamingResponse
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from pdserve.http.http_errors import error_json
 from pdserve.http.shutdown import ShutdownFlag
@@ -60,33 +56,76 @@ class FrontHandler:
     max_body_bytes: int
     stopping: ShutdownFlag
 
-    def takes(self, scope: dict) -> bool:
-        """Whether the front serves this request (else the ASGI app does): a POST to a
-        forwarded path whose body has a ``Content-Length`` within the cap."""
-        if scope["method"] != "POST" or scope["path"] not in self.paths:
-            return False
+    def __post_init__(self) -> None:
+        self._raw_paths = {p.encode("ascii"): p for p in self.paths}
+
+    def endpoint(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The forwarded path of a request the front serves, None for one the ASGI app
+        serves: the front takes a POST to a forwarded path (written plainly, a query
+        allowed) whose body has one ``Content-Length`` within the cap."""
+        if method != b"POST":
+            return None
+        endpoint = self._raw_paths.get(url.split(b"?", 1)[0])
+        if endpoint is None:
+            return None
         length = None
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"content-length":
                 if length is not None:
-                    return False  # repeated: the app's parser decides
+                    return None  # repeated: the app's server decides
                 length = value
             elif name == b"transfer-encoding":
-                return False
+                return None
         try:
-            return length is not None and int(length) <= self.max_body_bytes
+            return endpoint if length is not None and int(length) <= self.max_body_bytes else None
         except ValueError:
-            return False
+            return None
 
 
-def _request_id(scope: dict) -> str:
-    for name, value in scope["headers"]:
+class _Noop:
+    def set(self) -> None:
+        pass
+
+
+class FrontCycle:
+    """One request the front serves, in the place of uvicorn's ``RequestResponseCycle``
+    on the protocol (whose connection and pipelining code reads ``response_complete``,
+    ``disconnected``, ``keep_alive`` and ``message_event`` of the current one)."""
+
+    message_event = _Noop()  # the body is read whole before the task starts: no reader waits
+
+    def __init__(
+        self,
+        endpoint: str,
+        headers: list[tuple[bytes, bytes]],
+        transport: asyncio.Transport,
+        flow: Any,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+        expect_100_continue: bool,
+        on_response: Callable[[], None],
+    ) -> None:
+        self.endpoint, self.headers = endpoint, headers
+        self.transport, self.flow, self.default_headers = transport, flow, default_headers
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.on_response = on_response
+        self.body: list[bytes] = []
+        self.body_done = False  # the whole body arrived
+        self.released = False  # its turn on the connection came (pipelining)
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
         if name == _REQUEST_ID_NAME:
             return request_id_from(value.decode("latin-1"))
     return request_id_from("")
 
 
-def _head(cycle: RequestResponseCycle, response: Response, request_id: str, chunked: bool) -> bytes:
+def _head(cycle: FrontCycle, response: Response, request_id: str, chunked: bool) -> bytes:
     """The answer's status line and headers: uvicorn's default ones (``date``,
     ``server``), the response's, the request id, and the connection's framing."""
     parts = [STATUS_LINE[response.status_code]]
@@ -101,21 +140,19 @@ def _head(cycle: RequestResponseCycle, response: Response, request_id: str, chun
     return b"".join(parts)
 
 
-def _complete(cycle: RequestResponseCycle) -> None:
+def _complete(cycle: FrontCycle) -> None:
     """The answer's last byte is written: the connection goes on to its next request (or
     closes, when it is not kept alive)."""
     cycle.response_complete = True
-    cycle.message_event.set()
     if not cycle.keep_alive:
         cycle.transport.close()
     on_response, cycle.on_response = cycle.on_response, lambda: None
     on_response()
 
 
-async def _write(cycle: RequestResponseCycle, response: Response, request_id: str) -> None:
+async def _write(cycle: FrontCycle, response: Response, request_id: str) -> None:
     """Write ``response`` to the client: whole, or a stream's chunks as they come."""
     cycle.response_started = True
-    cycle.waiting_for_100_continue = False
     transport = cycle.transport
     if not isinstance(response, StreamingResponse):
         transport.write(_head(cycle, response, request_id, chunked=False) + response.body)
@@ -146,26 +183,16 @@ def _error_body(status: int, message: str) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
-async def _serve(front: FrontHandler, cycle: RequestResponseCycle) -> None:
-    """One forwarded POST, from its body to the last byte of its answer."""
-    scope = cycle.scope
-    endpoint = scope["path"]
+async def _serve(front: FrontHandler, cycle: FrontCycle) -> None:
+    """One forwarded POST, its body read whole, to the last byte of its answer."""
+    endpoint = cycle.endpoint
     start = time.perf_counter()
-    request_id = _request_id(scope)
+    request_id = _request_id(cycle.headers)
     REQUEST_ID.set(request_id)  # this task's context: its log lines and its legs
     REQUEST_START.set(start)
     response: Response | None = None
     try:
-        body = b""
-        while True:
-            message = await cycle.receive()  # sends 100 Continue when it is expected
-            if message["type"] != "http.request":  # the client left before its body's end
-                front.count(Response(status_code=499), endpoint, start)
-                return
-            body += message["body"]
-            if not message["more_body"]:
-                break
-        response = await front.answer(endpoint, body)
+        response = await front.answer(endpoint, b"".join(cycle.body))
         await _write(cycle, response, request_id)
     except asyncio.CancelledError:
         if cycle.disconnected:  # the client left: nothing more to write
@@ -192,7 +219,8 @@ async def _serve(front: FrontHandler, cycle: RequestResponseCycle) -> None:
 
 def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
     """An uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) that serves the
-    requests ``front.takes`` with ``front`` and every other one with the ASGI app."""
+    requests ``front.endpoint`` names with ``front`` and every other one with the ASGI
+    app (uvicorn's own way)."""
 
     class RouterFrontProtocol(HttpToolsProtocol):
         """uvicorn's httptools protocol with the router's forwarded POSTs served by
@@ -200,16 +228,69 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._front: tuple[asyncio.Task, RequestResponseCycle] | None = None
+            self._front: tuple[asyncio.Task, FrontCycle] | None = None
 
-        def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-            if app is not self.app or not front.takes(cycle.scope):
-                self._front = None
-                return super()._start_asgi_task(cycle, app)
+        def on_headers_complete(self) -> None:
+            parser = self.parser
+            endpoint = (
+                front.endpoint(parser.get_method(), self.url, self.headers)
+                if parser.get_http_version() == "1.1" and not parser.should_upgrade()
+                else None
+            )
+            if endpoint is None:
+                return super().on_headers_complete()
+            existing = self.cycle
+            self.cycle = cycle = FrontCycle(  # type: ignore[assignment]
+                endpoint,
+                self.headers,
+                self.transport,
+                self.flow,
+                self.server_state.default_headers,
+                parser.should_keep_alive(),
+                self.expect_100_continue,
+                self.on_response_complete,
+            )
+            if existing is None or existing.response_complete:
+                self._release(cycle)
+            else:  # pipelined: its turn comes when the one before has answered
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, None))  # type: ignore[arg-type]
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            if isinstance(cycle, FrontCycle):
+                cycle.body.append(body)
+            else:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            cycle = self.cycle
+            if not isinstance(cycle, FrontCycle):
+                return super().on_message_complete()
+            cycle.body_done = True
+            if cycle.released:
+                self._start(cycle)
+
+        def _release(self, cycle: FrontCycle) -> None:
+            """Its turn on the connection: served once its body is whole."""
+            cycle.released = True
+            if cycle.body_done:
+                self._start(cycle)
+            elif cycle.waiting_for_100_continue and not self.transport.is_closing():
+                cycle.waiting_for_100_continue = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+        def _start(self, cycle: FrontCycle) -> None:
             task = self.loop.create_task(_serve(front, cycle))
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
             self._front = (task, cycle)
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if isinstance(cycle, FrontCycle):  # a pipelined one's turn
+                self._release(cycle)
+            else:
+                super()._start_asgi_task(cycle, app)
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
