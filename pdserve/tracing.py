@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import re
 import time
 import uuid
@@ -231,7 +232,7 @@ def contiguous(bounds: Iterable[tuple[str, float]], end: float) -> list[tuple[st
 def request_id_from(given: str) -> str:
     """A request's id: ``given`` (the caller's ``x-request-id``) when it is 1-128 of
     ``A-Za-z0-9._:-``, else a new hex id."""
-    return given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
+    return given if given and _REQUEST_ID_OK.fullmatch(given) else os.urandom(16).hex()
 
 
 class RequestContext:

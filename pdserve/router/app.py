@@ -74,13 +74,14 @@ def _finite_float(text: str) -> float:
 
 
 def parse_json_body(raw: bytes):
-    """Parse a client body strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
+    """Parse a client body (its bytes) strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
     parser accepts but JSON cannot carry on to the workers, and no number beyond a double's
     range), strings valid Unicode, nesting within Python's recursion limit.
     Raises ValueError with the reason."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-        _check_strings(body)
+        if b"\\u" in raw:  # a lone surrogate can only come from a \u escape (not UTF-8)
+            _check_strings(body)
     except RecursionError:
         raise ValueError("the body is nested too deeply") from None
     return body

@@ -272,6 +272,7 @@ def test_client_leaving_aborts_the_worker_legs(setup):
     _wait(lambda: _metric(pd, 499) == before + 1)
 
     prefill.mode = decode.mode = "ok"
+    prefill.disconnects = decode.disconnects = 0
     decode.chunks, decode.chunk_gates = 3, [threading.Event(), threading.Event()]
     decode.chunk_gates[0].set()  # chunk 1 waits: the client leaves after chunk 0
     sock, f = _connect(pd)
