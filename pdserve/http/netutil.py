@@ -103,7 +103,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def app_protocol(app: Any) -> Any:
     """The HTTP protocol class an app asks for (``app.state.http_protocol``: the router's
-    front, pdserve/router/front.py), None when it asks for none."""
+    front, pdserve/http/front.py), None when it asks for none."""
     return getattr(getattr(app, "state", None), "http_protocol", None)
 
 

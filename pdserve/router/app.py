@@ -24,11 +24,11 @@ from pdserve.config import RouterConfig
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.client import WorkerClient
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
+from pdserve.http.front import FrontHandler, front_protocol
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import error_response
-from pdserve.router.front import FrontHandler, front_protocol
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
@@ -165,7 +165,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     async def answer(endpoint: str, raw: bytes, request: Request | None = None) -> Response:
         """The answer to a POST of ``raw`` to the forwarded ``endpoint``, counted in the
         metrics. ``request``: the app's request, whose client leaving cancels the dispatch
-        (499); None from the front (pdserve/router/front.py), whose task is cancelled
+        (499); None from the front (pdserve/http/front.py), whose task is cancelled
         instead."""
         start = time.perf_counter()
         try:
@@ -263,7 +263,12 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     app.state.http_protocol = (
         front_protocol(
             FrontHandler(
-                frozenset(FORWARDED), answer, _count, config.max_request_body_bytes, stopping
+                frozenset(FORWARDED),
+                answer,
+                _count,
+                config.max_request_body_bytes,
+                stopping,
+                who="the router",
             )
         )
         if tracer is None

@@ -1,4 +1,4 @@
-"""The router's front (pdserve/router/front.py) over real HTTP: the forwarded POSTs it
+"""The router's front (pdserve/http/front.py) over real HTTP: the forwarded POSTs it
 serves itself and what it hands to the Starlette app, HTTP/1.1 framing on a raw socket
 (pipelining, chunked request bodies, ``Expect: 100-continue``, a malformed request), the
 SSE relay byte for byte, the request id, the metrics, and a client leaving aborting the
@@ -17,9 +17,9 @@ import pytest
 from fake_workers import FakeWorker
 
 from pdserve.config import RouterConfig
+from pdserve.http.front import FrontCycle
 from pdserve.http.netutil import ThreadedServer
 from pdserve.router.app import build_router_app
-from pdserve.router.front import FrontCycle
 
 pytestmark = pytest.mark.timeout(60)
 

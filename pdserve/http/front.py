@@ -1,22 +1,23 @@
-"""The router's front: uvicorn's httptools protocol (keep-alive, pipelining, ``Expect:
-100-continue``, a malformed request answered 400 and closed, graceful shutdown, the
-keep-alive timeout: all uvicorn's), with the POSTs the router forwards to workers served
-straight from the parsed request by :class:`FrontHandler` instead of through the ASGI
-app's layers (FastAPI/Starlette, the body cap, request id and shutdown middlewares,
-Starlette's request and response objects): at the router's usual rates each request pays
-those layers' Python on its critical path (``pdserve bench router``; docs/benchmarks.md,
-"The router's cost"). Every other request (health, metrics, models, the admin API, stored
-Responses, the tokenizer endpoints) goes to the Starlette app as before, and so does a
-forwarded POST the front does not take: a body without ``Content-Length`` (chunked), one
-over ``--max-request-body-bytes`` (the app's 413 with its draining), any request while
-tracing is on (the app's tracing middleware makes its spans).
+"""A fast front for an ASGI app's hottest POSTs: uvicorn's httptools protocol (keep-alive,
+pipelining, ``Expect: 100-continue``, a malformed request answered 400 and closed,
+graceful shutdown, the keep-alive timeout: all uvicorn's), with the POSTs to a few paths
+served straight from the parsed request by :class:`FrontHandler` instead of through the
+app's layers (FastAPI/Starlette, middlewares, Starlette's request objects). No engine or
+routing imports: the router (pdserve/router/app.py) uses it for the four paths it forwards
+to workers, whose requests at its usual rates pay those layers' Python on their critical
+path (``pdserve bench router``; docs/benchmarks.md, "The router's cost").
 
-What a forwarded POST gets here is what the app gave it: the same answer (the app's
-``answer`` function: JSON checks, the dispatch, the metrics), its ``x-request-id``
-(the caller's when valid, else a new one; the id of the log lines and the worker legs),
-the relayed SSE stream as chunked transfer encoding, the client leaving cancelling the
-dispatch (the legs close, the workers abort; counted as 499), and a request cut by the
-shutdown's grace period answered 503 JSON.
+Every other request goes to the ASGI app as before, and so does a POST to those paths
+that the front does not take: a body without ``Content-Length`` (chunked), one over the
+body cap (the app's 413 with its draining), an HTTP/1.0 request.
+
+What a request gets here is what the app would give it: the handler's answer (a Starlette
+``Response``, whole, or a ``StreamingResponse`` sent with chunked transfer encoding as its
+chunks come), uvicorn's default headers, its ``x-request-id`` (the caller's when valid,
+else a new one; set for the handler's log lines and outgoing calls as the app's
+``tracing.RequestContext`` does), the client leaving cancelling the handler's task (a
+stream's iterator closed; counted by ``count`` as 499 when no answer was made yet), and a
+request cut by the shutdown's grace period answered 503 JSON (``http.shutdown``'s words).
 """
 
 from __future__ import annotations
@@ -37,24 +38,27 @@ from pdserve.http.http_errors import error_json
 from pdserve.http.shutdown import ShutdownFlag
 from pdserve.tracing import REQUEST_ID, REQUEST_ID_HEADER, REQUEST_START, request_id_from
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode("latin-1")
 
 
 @dataclass
 class FrontHandler:
-    """What the front needs of the router app: ``paths``, the forwarded POST paths;
-    ``answer(endpoint, body)``, the counted answer to one (``router.app``); ``count(response,
-    endpoint, start)``, the metrics of a request that ends without one (the client left:
-    499); ``max_body_bytes``, the body cap (larger bodies go to the app, which answers 413);
-    ``stopping``, set when the router's shutdown begins."""
+    """What the front needs of the app: ``paths``, the POST paths it serves;
+    ``answer(path, body)``, the answer to one (its body's bytes; counted in the app's
+    metrics by the app); ``count(response, path, start)``, the metrics of a request that
+    ends without an answer (the client left: a 499 response, ``start`` its
+    ``time.perf_counter()``); ``max_body_bytes``, the body cap (larger bodies go to the
+    app, which answers 413); ``stopping``, set when the server's shutdown begins; ``who``,
+    the server in messages ("the router")."""
 
     paths: frozenset[str]
     answer: Callable[[str, bytes], Awaitable[Response]]
     count: Callable[[Response, str, float], Response]
     max_body_bytes: int
     stopping: ShutdownFlag
+    who: str = "the server"
 
     def __post_init__(self) -> None:
         self._raw_paths = {p.encode("ascii"): p for p in self.paths}
@@ -203,16 +207,16 @@ async def _serve(front: FrontHandler, cycle: FrontCycle) -> None:
             await _write(
                 cycle,
                 _error_body(
-                    503, "server shutting down: the router was stopped while this request ran"
+                    503, f"server shutting down: {front.who} was stopped while this request ran"
                 ),
                 request_id,
             )
         raise
     except Exception:
-        log.exception("the router's front failed on a %s request", endpoint)
+        log.exception("the front failed on a %s request", endpoint)
         if not cycle.response_started:
             cycle.keep_alive = False
-            await _write(cycle, _error_body(500, "internal error in the router"), request_id)
+            await _write(cycle, _error_body(500, f"internal error in {front.who}"), request_id)
         else:
             cycle.transport.close()
 
@@ -223,8 +227,8 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
     app (uvicorn's own way)."""
 
     class RouterFrontProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol with the router's forwarded POSTs served by
-        :class:`FrontHandler` (pdserve/router/front.py)."""
+        """uvicorn's httptools protocol with some POSTs served by :class:`FrontHandler`
+        (pdserve/http/front.py)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -298,6 +302,6 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
                 task, cycle = self._front
                 if not task.done() and not cycle.response_complete:
                     cycle.disconnected = True
-                    task.cancel()  # the dispatch and its legs end; the workers abort
+                    task.cancel()  # the handler ends (the router's legs close: the workers abort)
 
     return RouterFrontProtocol
