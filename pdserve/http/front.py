@@ -123,10 +123,13 @@ class FrontCycle:
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The request's id from its ``x-request-id`` (the last one, as the app's
+    ``RequestContext`` reads it) or a new one."""
+    given = ""
     for name, value in headers:
         if name == _REQUEST_ID_NAME:
-            return request_id_from(value.decode("latin-1"))
-    return request_id_from("")
+            given = value.decode("latin-1")
+    return request_id_from(given)
 
 
 def _head(cycle: FrontCycle, response: Response, request_id: str, chunked: bool) -> bytes:
