@@ -46,10 +46,11 @@ _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode("latin-1")
 @dataclass
 class FrontHandler:
     """What the front needs of the app: ``paths``, the POST paths it serves;
-    ``answer(path, body)``, the answer to one (its body's bytes; counted in the app's
-    metrics by the app); ``count(response, path, start)``, the metrics of a request that
-    ends without an answer (the client left: a 499 response, ``start`` its
-    ``time.perf_counter()``); ``max_body_bytes``, the body cap (larger bodies go to the
+    ``answer(path, body)``, the answer to one (its body's bytes), not counted;
+    ``count(response, path, start)``, the app's metrics of a request (``start``: its
+    ``time.perf_counter()``), called once a whole answer is written, before a stream is
+    (it may wrap the stream's iterator, to count at its end, and returns the response),
+    or with a 499 response when the client left before any answer; ``max_body_bytes``, the body cap (larger bodies go to the
     app, which answers 413); ``stopping``, set when the server's shutdown begins; ``who``,
     the server in messages ("the router")."""
 
@@ -200,7 +201,11 @@ async def _serve(front: FrontHandler, cycle: FrontCycle) -> None:
     response: Response | None = None
     try:
         response = await front.answer(endpoint, b"".join(cycle.body))
-        await _write(cycle, response, request_id)
+        if isinstance(response, StreamingResponse):  # counted as it ends
+            await _write(cycle, front.count(response, endpoint, start), request_id)
+        else:  # counted once written: off the client's wait
+            await _write(cycle, response, request_id)
+            front.count(response, endpoint, start)
     except asyncio.CancelledError:
         if cycle.disconnected:  # the client left: nothing more to write
             if response is None:

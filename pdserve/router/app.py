@@ -163,44 +163,39 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         return response
 
     async def answer(endpoint: str, raw: bytes, request: Request | None = None) -> Response:
-        """The answer to a POST of ``raw`` to the forwarded ``endpoint``, counted in the
-        metrics. ``request``: the app's request, whose client leaving cancels the dispatch
+        """The answer to a POST of ``raw`` to the forwarded ``endpoint``, not counted yet
+        (``_count`` does: the app's route before it answers, the front once its answer is
+        written). ``request``: the app's request, whose client leaving cancels the dispatch
         (499); None from the front (pdserve/http/front.py), whose task is cancelled
         instead."""
-        start = time.perf_counter()
         try:
             body = parse_json_body(raw)
         except ValueError as exc:  # UnicodeError is a ValueError
-            return _count(
-                error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start
-            )
+            return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
-            return _count(
-                error_response(400, "request body must be a JSON object"), endpoint, start
-            )
+            return error_response(400, "request body must be a JSON object")
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
-            return _count(
-                error_response(400, "stream must be a boolean", param="stream"), endpoint, start
-            )
+            return error_response(400, "stream must be a boolean", param="stream")
         if (missing := unknown_model(endpoint, body)) is not None:
-            return _count(missing, endpoint, start)
+            return missing
         if endpoint == "/v1/responses":  # a follow-up: its conversation, from its holder
             problem = await resolve_previous(
                 pool, client, config.pd_mode, body, config.health_check_timeout
             )
             if problem is not None:
-                return _count(problem, endpoint, start)
+                return problem
         try:
             work = dispatcher.dispatch(endpoint, body)
-            response = await (work if request is None else cancel_on_disconnect(request, work))
+            return await (work if request is None else cancel_on_disconnect(request, work))
         except NoHealthyWorker as exc:
-            response = error_response(503, str(exc))
+            return error_response(503, str(exc))
         except ClientDisconnected:
-            response = Response(status_code=499)
-        return _count(response, endpoint, start)
+            return Response(status_code=499)
 
     async def forward(request: Request, endpoint: str) -> Response:
-        return await answer(endpoint, await request.body(), request)
+        raw = await request.body()
+        start = time.perf_counter()
+        return _count(await answer(endpoint, raw, request), endpoint, start)
 
     def unknown_model(endpoint: str, body: dict) -> Response | None:
         """404 ``model_not_found`` in the router's words for a ``model`` that no worker
