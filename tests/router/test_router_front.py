@@ -297,3 +297,37 @@ def test_tracing_on_leaves_the_forwarded_posts_to_the_app():
     )
     assert build_router_app(config).state.http_protocol is None
     assert build_router_app(RouterConfig(worker_urls=("http://127.0.0.1:9",))).state.http_protocol
+
+
+def test_shutdown_answers_a_request_cut_by_its_grace_period_with_503_json(setup):
+    """SIGTERM's path (uvicorn's should_exit) while a forwarded POST waits on legs that
+    never answer: after the grace period the client gets the router's 503 JSON, not a
+    bare 500, and the legs are closed."""
+    prefill, decode, _, pd, _ = setup
+    p_url, d_url = (w["url"] for w in httpx.get(pd.url + "/get_server_info").json()["workers"])
+    router = ThreadedServer(
+        build_router_app(
+            RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), max_migrations=0)
+        ),
+        timeout_graceful_shutdown=1,
+    )
+    router.start()
+    prefill.mode = decode.mode = "hang"
+    sock, f = _connect(router)
+    stopper = threading.Thread(target=router.stop)
+    try:
+        sock.sendall(_post("/v1/completions", b'{"prompt": "x"}', "x-request-id: cut"))
+        _wait(lambda: len(prefill.bodies) == len(decode.bodies) == 1)
+        stopper.start()
+        status, headers, body = _read(f)
+        assert status == 503 and headers["x-request-id"] == "cut"
+        error = json.loads(body)["error"]
+        assert error["type"] == "service_unavailable"
+        assert "server shutting down: the router was stopped" in error["message"]
+        _wait(lambda: prefill.disconnects == decode.disconnects == 1)
+    finally:
+        f.close()
+        sock.close()
+        stopper.join(timeout=15)
+        if stopper.ident is None:
+            router.stop()
