@@ -5,7 +5,9 @@ served straight from the parsed request by :class:`FrontHandler` instead of thro
 app's layers (FastAPI/Starlette, middlewares, Starlette's request objects). No engine or
 routing imports: the router (pdserve/router/app.py) uses it for the four paths it forwards
 to workers, whose requests at its usual rates pay those layers' Python on their critical
-path (``pdserve bench router``; docs/benchmarks.md, "The router's cost").
+path (``pdserve bench router``; docs/benchmarks.md, "The router's cost"). One rule is
+added for every request: a request line and headers over ``MAX_HEAD_BYTES`` are answered
+431 and the connection closed (httptools, unlike h11, has no limit of its own).
 
 Every other request goes to the ASGI app as before, and so does a POST to those paths
 that the front does not take: a body without ``Content-Length`` (chunked), one over the
@@ -41,6 +43,15 @@ from pdserve.tracing import REQUEST_ID, REQUEST_ID_HEADER, REQUEST_START, reques
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode("latin-1")
+
+# bytes of a request's target and header lines (names and values) the front accepts; more
+# is answered 431 and the connection closed (h11, uvicorn's other parser, stops at 16 KiB;
+# httptools has no limit of its own)
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the request's head is over ``MAX_HEAD_BYTES``."""
 
 
 @dataclass
@@ -241,8 +252,52 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._front: tuple[asyncio.Task, FrontCycle] | None = None
+            self._head_refused = False
+            self._in_head = False
+            self._head_read = 0
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True  # until its headers are complete
+            self._head_read = 0  # bytes read since, in later reads
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_read += len(data)
+            super().data_received(data)
+            # httptools holds a header's bytes until the header ends: a head that never
+            # ends is refused once this much of it was read
+            if (
+                self._in_head
+                and self._head_read > MAX_HEAD_BYTES
+                and not self._head_refused
+                and not self.transport.is_closing()
+            ):
+                self._head_refused = True
+                self.send_400_response("")
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request its parser refused (400, connection closed);
+            431 JSON when the head was too large."""
+            if not self._head_refused:
+                return super().send_400_response(msg)
+            body = json.dumps(
+                error_json(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"),
+                separators=(",", ":"),
+            ).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%b" % (len(body), body)
+            )
+            self.transport.close()
 
         def on_headers_complete(self) -> None:
+            self._in_head = False
+            size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            if size > MAX_HEAD_BYTES:
+                self._head_refused = True
+                raise _HeadTooLarge  # the parser stops; uvicorn answers it (send_400_response)
             parser = self.parser
             endpoint = (
                 front.endpoint(parser.get_method(), self.url, self.headers)

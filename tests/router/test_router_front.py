@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 from fake_workers import FakeWorker
 
 from pdserve.config import RouterConfig
-from pdserve.http.front import FrontCycle
+from pdserve.http.front import MAX_HEAD_BYTES, FrontCycle
 from pdserve.http.netutil import ThreadedServer
 from pdserve.router.app import build_router_app
 
@@ -331,3 +332,32 @@ def test_shutdown_answers_a_request_cut_by_its_grace_period_with_503_json(setup)
         stopper.join(timeout=15)
         if stopper.ident is None:
             router.stop()
+
+
+def test_a_request_head_over_the_limit_is_431_json_and_closed(setup):
+    """A header line over ``MAX_HEAD_BYTES`` (sent whole, or trickled in and never ended):
+    431 in OpenAI's error shape, connection closed; a head under the limit is served."""
+    _, _, _, pd, _ = setup
+    sock, f = _connect(pd)
+    try:
+        sock.sendall(_post("/v1/completions", b'{"prompt": "x"}', "x-big: " + "a" * 60_000))
+        assert _read(f)[0] == 200
+        sock.sendall(_post("/v1/completions", b'{"prompt": "x"}', "x-big: " + "a" * MAX_HEAD_BYTES))
+        status, headers, body = _read(f)
+        assert status == 431 and headers["connection"] == "close"
+        assert "line and headers are over" in json.loads(body)["error"]["message"]
+        assert f.read() == b""
+    finally:
+        f.close()
+        sock.close()
+    sock, f = _connect(pd)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: router\r\nx-big: ")
+        for _ in range(2 * MAX_HEAD_BYTES // 8192):  # a header that never ends
+            if select.select([sock], [], [], 0.002)[0]:
+                break  # answered: sending on would only meet a reset
+            sock.sendall(b"a" * 8192)
+        assert _read(f)[0] == 431
+    finally:
+        f.close()
+        sock.close()
