@@ -12,6 +12,7 @@ IPv4 address of an interface that is up, else the host name's address, else loop
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import logging
 import socket
@@ -27,6 +28,7 @@ _SIOCGIFFLAGS = 0x8913
 _IFF_UP = 0x1
 
 
+@functools.lru_cache(maxsize=1024)  # the router asks for each PD request's prefill host
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1)."""
     if host == "localhost":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import re
 import time
 import uuid
@@ -228,6 +229,12 @@ def contiguous(bounds: Iterable[tuple[str, float]], end: float) -> list[tuple[st
     return out
 
 
+def request_id_from(given: str) -> str:
+    """A request's id: ``given`` (the caller's ``x-request-id``) when it is 1-128 of
+    ``A-Za-z0-9._:-``, else a new hex id."""
+    return given if given and _REQUEST_ID_OK.fullmatch(given) else os.urandom(16).hex()
+
+
 class RequestContext:
     """ASGI middleware: each request to one of ``paths`` runs with its request id
     (``x-request-id`` from the caller when it is 1-128 of ``A-Za-z0-9._:-``, else a new
@@ -244,8 +251,7 @@ class RequestContext:
         if scope["type"] != "http" or scope.get("path") not in self.paths:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        given = headers.get(REQUEST_ID_HEADER, "")
-        request_id = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
+        request_id = request_id_from(headers.get(REQUEST_ID_HEADER, ""))
         id_token = REQUEST_ID.set(request_id)
         start_token = REQUEST_START.set(time.perf_counter())
         span, current = None, None

@@ -101,6 +101,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def app_protocol(app: Any) -> Any:
+    """The HTTP protocol class an app asks for (``app.state.http_protocol``: the router's
+    front, pdserve/http/front.py), None when it asks for none."""
+    return getattr(getattr(app, "state", None), "http_protocol", None)
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, telling the app when shutdown begins: ``app.state.before_shutdown()``
     (if the app defines it) runs on the event loop as soon as SIGINT/SIGTERM is handled,
@@ -155,7 +161,7 @@ class ThreadedServer:
             "access_log": False,
             "timeout_graceful_shutdown": 5,
             "loop": "asyncio",  # uvicorn's "auto" would take uvloop/httptools when installed
-            "http": "h11",
+            "http": app_protocol(app) or "h11",  # the router's front serves its requests
         }
         options.update(config)
         self.server = GracefulServer(uvicorn.Config(app, **options))
@@ -222,7 +228,8 @@ def serve_app(
     ``loop``/``http``: uvicorn's event loop and HTTP/1.1 parser; the router asks for
     ``auto`` = ``uvloop``/``httptools`` where installed (its whole job is parsing and relaying requests: they cut
     its CPU per request by about a third, ``pdserve bench router``), the workers keep the
-    standard library's loop and h11."""
+    standard library's loop and h11. An app that names its own protocol class
+    (``app.state.http_protocol``: the router's front) is served by that one."""
     # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
     config = uvicorn.Config(
         app,
@@ -231,7 +238,7 @@ def serve_app(
         timeout_keep_alive=30,
         timeout_graceful_shutdown=5,
         loop=loop,
-        http=http,
+        http=app_protocol(app) or http,
     )
     server = GracefulServer(config)
     try:

@@ -24,6 +24,7 @@ from pdserve.config import RouterConfig
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.client import WorkerClient
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
+from pdserve.http.front import FrontHandler, front_protocol
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
@@ -73,13 +74,14 @@ def _finite_float(text: str) -> float:
 
 
 def parse_json_body(raw: bytes):
-    """Parse a client body strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
+    """Parse a client body (its bytes) strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
     parser accepts but JSON cannot carry on to the workers, and no number beyond a double's
     range), strings valid Unicode, nesting within Python's recursion limit.
     Raises ValueError with the reason."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-        _check_strings(body)
+        if b"\\u" in raw:  # a lone surrogate can only come from a \u escape (not UTF-8)
+            _check_strings(body)
     except RecursionError:
         raise ValueError("the body is nested too deeply") from None
     return body
@@ -160,37 +162,40 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         response.headers.update(exc.headers or {})
         return response
 
-    async def forward(request: Request, endpoint: str) -> Response:
-        start = time.perf_counter()
+    async def answer(endpoint: str, raw: bytes, request: Request | None = None) -> Response:
+        """The answer to a POST of ``raw`` to the forwarded ``endpoint``, not counted yet
+        (``_count`` does: the app's route before it answers, the front once its answer is
+        written). ``request``: the app's request, whose client leaving cancels the dispatch
+        (499); None from the front (pdserve/http/front.py), whose task is cancelled
+        instead."""
         try:
-            body = parse_json_body(await request.body())
+            body = parse_json_body(raw)
         except ValueError as exc:  # UnicodeError is a ValueError
-            return _count(
-                error_response(400, f"request body is not valid JSON: {exc}"), endpoint, start
-            )
+            return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
-            return _count(
-                error_response(400, "request body must be a JSON object"), endpoint, start
-            )
+            return error_response(400, "request body must be a JSON object")
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
-            return _count(
-                error_response(400, "stream must be a boolean", param="stream"), endpoint, start
-            )
+            return error_response(400, "stream must be a boolean", param="stream")
         if (missing := unknown_model(endpoint, body)) is not None:
-            return _count(missing, endpoint, start)
+            return missing
         if endpoint == "/v1/responses":  # a follow-up: its conversation, from its holder
             problem = await resolve_previous(
                 pool, client, config.pd_mode, body, config.health_check_timeout
             )
             if problem is not None:
-                return _count(problem, endpoint, start)
+                return problem
         try:
-            response = await cancel_on_disconnect(request, dispatcher.dispatch(endpoint, body))
+            work = dispatcher.dispatch(endpoint, body)
+            return await (work if request is None else cancel_on_disconnect(request, work))
         except NoHealthyWorker as exc:
-            response = error_response(503, str(exc))
+            return error_response(503, str(exc))
         except ClientDisconnected:
-            response = Response(status_code=499)
-        return _count(response, endpoint, start)
+            return Response(status_code=499)
+
+    async def forward(request: Request, endpoint: str) -> Response:
+        raw = await request.body()
+        start = time.perf_counter()
+        return _count(await answer(endpoint, raw, request), endpoint, start)
 
     def unknown_model(endpoint: str, body: dict) -> Response | None:
         """404 ``model_not_found`` in the router's words for a ``model`` that no worker
@@ -247,6 +252,23 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                 current_error(f"the stream ended with an error event (HTTP {status})")
             metrics.requests.labels(endpoint, str(499 if status is None else status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    # the forwarded POSTs served by the front without the layers above (tracing on: by the
+    # app, whose RequestContext makes the spans); ``serve_app`` uses the protocol
+    app.state.http_protocol = (
+        front_protocol(
+            FrontHandler(
+                frozenset(FORWARDED),
+                answer,
+                _count,
+                config.max_request_body_bytes,
+                stopping,
+                who="the router",
+            )
+        )
+        if tracer is None
+        else None
+    )
 
     for path in FORWARDED:
 

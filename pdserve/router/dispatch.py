@@ -51,6 +51,8 @@ from pdserve.router.workers import (
 
 log = logging.getLogger("pdserve.router")
 
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+
 
 class LegError(Exception):
     """One worker leg failed; ``response`` is what the client gets."""
@@ -299,7 +301,10 @@ class Dispatcher:
                 if stream
                 else self._whole(endpoint, body, deadline)
             )
-            return await asyncio.wait_for(work, self.request_timeout)
+            if _timeout is None:  # Python 3.10
+                return await asyncio.wait_for(work, self.request_timeout)
+            async with _timeout(self.request_timeout):  # no task of its own, unlike wait_for
+                return await work
         except LegError as exc:
             return exc.response
         except asyncio.TimeoutError:

@@ -145,7 +145,7 @@ async def _pump(resp: WorkerStream, queue: asyncio.Queue, tag: int) -> None:
         async for event in resp.aiter_sse():
             queue.put_nowait((tag, "event", event))
         queue.put_nowait((tag, "end", None))
-    except Exception as exc:  # noqa: BLE001 - aiohttp.ClientError mostly; any failure ends the relay
+    except Exception as exc:  # noqa: BLE001 - WorkerConnectionError mostly; any failure ends the relay
         queue.put_nowait((tag, "broken", exc))
 
 

@@ -43,7 +43,7 @@ class FakeWorker:
     ``bootstrap_port`` (prefill) and ``transfer`` (the KV manager's stats, e.g. a decode's
     ``unhealthy_prefill_peers``) are what /get_server_info reports;
     a stream has ``chunks`` events ``chunk_gap`` seconds apart. Records request bodies and
-    client disconnects (also of a stream cut short).
+    headers and client disconnects (also of a stream cut short).
 
     Event gates, so a test states an order instead of timing it: with ``gate`` set to a
     ``threading.Event`` the answer (or failure) waits until the test sets it;
@@ -62,6 +62,7 @@ class FakeWorker:
         self.chunks = 2
         self.chunk_gap = 0.01
         self.bodies: list[dict] = []
+        self.headers: list[dict] = []  # each request's headers (lower-case names)
         self.disconnects = 0
         self.gate: threading.Event | None = None
         self.chunk_gates: list[threading.Event] = []
@@ -113,6 +114,7 @@ class FakeWorker:
         async def handle(request: Request, path: str):
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             while self.gate is not None and not self.gate.is_set():
                 await asyncio.sleep(0.01)
             if self.delay:

@@ -119,7 +119,15 @@ def test_stream_passes_through_and_a_broken_stream_ends_with_an_error_event(setu
     assert r.status_code == 200 and events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "decode worker" in events[-2]
     prefill.mode, decode.mode = "fail", "hang"  # prefill fails before decode's stream opens
+    # prefill answers once decode has the request (else the router, whose decode connection
+    # broke above, may give the leg up before it is sent: then decode never sees it)
+    prefill.gate = threading.Event()
+    opened = threading.Thread(
+        target=lambda: (_wait(lambda: len(decode.bodies) == 3), prefill.gate.set())
+    )
+    opened.start()
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+    opened.join()
     assert r.status_code == 500 and "prefill failed" in r.json()["error"]["message"]
     _wait(lambda: decode.disconnects == 1)
 
