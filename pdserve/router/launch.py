@@ -153,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pdserve.gc_watch import process_watch
     from pdserve.http.netutil import PortInUseError, bind_socket, configure_logging, serve_app
     from pdserve.router.app import build_router_app
 
@@ -176,8 +177,10 @@ def main(args: argparse.Namespace) -> int:
         f"pdserve router ({mode}, policy {config.policy}) on http://{config.host}:{port}",
         flush=True,
     )
+    app = build_router_app(config)
+    process_watch().freeze()  # start-up is over: a collection walks only what requests make
     serve_app(
-        build_router_app(config),
+        app,
         sock,
         log_level=envs.LOG_LEVEL.get(),
         loop="auto",  # uvloop and httptools (dependencies; the standard ones if absent)

@@ -395,6 +395,16 @@ def test_all_processes_healthy_and_pages_back_at_baseline(cluster):
         )
 
 
+def test_every_process_froze_its_start_up_heap(cluster):
+    """Workers and the router freeze their start-up heap (pdserve/gc_watch.py): a full
+    collection while serving walks only what requests allocate."""
+    for name in ("prefill", "decode"):
+        gc = cluster[name].get_info()["gc"]
+        assert gc["frozen_objects"] > 10_000 and gc["startup_full_collection_seconds"] > 0, gc
+    gc = httpx.get(cluster["router"].url + "/get_server_info").json()["gc"]
+    assert gc["frozen_objects"] > 10_000, gc
+
+
 def test_prefill_last_sends_post_writes_made_ahead(cluster):
     """The engine hints each one-chunk prompt's pages before its step
     (``PDFlow.expect_sends``), so prefill's last send posts a WRITE made ahead; by now
