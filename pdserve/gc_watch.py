@@ -138,3 +138,9 @@ def process_watch() -> GcWatch:
     if _PROCESS is None:
         _PROCESS = GcWatch().install()
     return _PROCESS
+
+
+def process_stats() -> dict | None:
+    """:meth:`GcWatch.stats` of the process's watch, ``None`` when it has none (an app
+    built inside another program, such as a test, that did not start one)."""
+    return None if _PROCESS is None else _PROCESS.stats()

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 import pdserve
 from pdserve.config import RouterConfig
-from pdserve.gc_watch import process_watch
+from pdserve.gc_watch import process_stats
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.client import WorkerClient
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
@@ -370,7 +370,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
                 "live_bootstrap_rooms": len(live_rooms),
                 "admin_api": config.admin_token is not None,
                 "workers": [worker_json(pool, w) for w in pool.all()],
-                "gc": process_watch().stats(),
+                "gc": process_stats(),
             }
         )
 
