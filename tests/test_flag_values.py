@@ -112,7 +112,7 @@ def test_rules_between_two_flags_see_both_flags(command: str, flags: list[str]) 
 def test_up_refuses_a_broken_rule_between_flags_before_starting(tmp_path, flags, message) -> None:
     log_dir = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", "up", *flags, "--log-dir", str(log_dir)],
+        [sys.executable, "-m", "pdserve", "up", *flags, "--port", "0", "--log-dir", str(log_dir)],
         capture_output=True,
         text=True,
         timeout=300,

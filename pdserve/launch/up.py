@@ -269,6 +269,13 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # the flags first: a bad one is named whatever holds the port
+        check_tp_sizes(args)
+        engine_config_from_args(args)  # the rules between flags, as each worker checks them
+        _check_router_flags(args)
+    except ValueError as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 2
     try:
         probe = bind_socket(args.host, args.port)  # fail fast, before any model loads
     except PortInUseError as exc:
@@ -279,14 +286,6 @@ def main(args: argparse.Namespace) -> int:
     # and probed is the one it listens on); the probe holds it while the workers' free
     # ports are planned, so none of them is planned on it.
     args.port = probe.getsockname()[1]
-    try:
-        check_tp_sizes(args)
-        engine_config_from_args(args)  # the rules between flags, as each worker checks them
-        _check_router_flags(args)
-    except ValueError as exc:
-        probe.close()
-        print(f"pdserve up: error: {exc}", file=sys.stderr)
-        return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
