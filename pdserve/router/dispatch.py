@@ -9,10 +9,11 @@ request's consecutive rooms from that one (numbering: :mod:`pdserve.disagg.base`
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -87,6 +88,9 @@ class Route:
 
     target: WorkerState | tuple[WorkerState, WorkerState]
     info: dict | None = None
+    # records the prompt in the decode workers' prefix index; run once the request ended
+    # well (a failed or abandoned one may never have computed its prompt there)
+    held: Callable[[], None] | None = None
 
     @property
     def pair(self) -> tuple[WorkerState, WorkerState] | None:
@@ -366,7 +370,10 @@ class Dispatcher:
                 except NoHealthyWorker:
                     raise last from None  # the client gets the failure, not the wait
             try:
-                return await self._whole_once(endpoint, body, picked)
+                answer = await self._whole_once(endpoint, body, picked)
+                if picked.held is not None:
+                    picked.held()
+                return answer
             except LegError as exc:
                 if attempt >= self.max_migrations or not self._retryable(exc):
                     raise
@@ -412,7 +419,6 @@ class Dispatcher:
             uncached = None if estimate is None else round(estimate * (1.0 - share))
             whole = uncached is not None and uncached < self.pd_min_prefill_tokens
             decision = "decode_only" if whole else "pd"
-            self.metrics.pd_decisions.labels(decision).inc()
             info = {
                 "pd_decision": decision,
                 "prompt_tokens_estimate": estimate,
@@ -422,11 +428,12 @@ class Dispatcher:
             }
             if whole:
                 decode = best if best is not None else self.pool.pick("decode", key, avoid)
-                index.record(decode.url, keys)
-                return Route(decode, info)
+                self.metrics.pd_decisions.labels(decision).inc()  # once picked: not a poll
+                return Route(decode, info, functools.partial(index.record, decode.url, keys))
         pair = self.pool.pick_pair(key, avoid)
-        index.record(pair[1].url, keys)
-        return Route(pair, info)
+        if info is not None:
+            self.metrics.pd_decisions.labels(info["pd_decision"]).inc()
+        return Route(pair, info, functools.partial(index.record, pair[1].url, keys))
 
     def _route_attributes(self, route: Route) -> dict:
         """The trace attributes of ``route`` (the ``route`` phase and the request span)."""
@@ -559,6 +566,7 @@ class Dispatcher:
                 end=end,
                 migration=migration if self.max_migrations > 0 else None,
                 route=leg.route,
+                held=leg.held,
             ),
         )
 
@@ -598,7 +606,7 @@ class Dispatcher:
             def close_regular() -> None:
                 worker.outstanding -= 1
 
-            return Leg(resp, worker, None, close_regular, {worker.url}, route.info)
+            return Leg(resp, worker, None, close_regular, {worker.url}, route.info, route.held)
         with self._pair_legs(endpoint, body, route) as pd:
             decode = pd.decode
             prefill_body = {k: v for k, v in pd.prefill_body.items() if k != "return_token_ids"}
@@ -618,7 +626,13 @@ class Dispatcher:
             pd.handed_off = True
             watch = PrefillWatch(p_task, hold_first=_wants_prompt_logprobs(endpoint, body))
             return Leg(
-                d_task.result(), decode, watch, close_pd, {pd.prefill.url, decode.url}, route.info
+                d_task.result(),
+                decode,
+                watch,
+                close_pd,
+                {pd.prefill.url, decode.url},
+                route.info,
+                route.held,
             )
 
     @staticmethod

@@ -262,6 +262,7 @@ class Leg:
     on_close: Callable[[], None]
     urls: set[str] = field(default_factory=set)  # its workers' (decode and prefill)
     route: dict | None = None  # selective PD's decision for it (dispatch.Route.info)
+    held: Callable[[], None] | None = None  # run once its stream ended well (Route.held)
 
 
 @dataclass

@@ -219,6 +219,7 @@ async def relay_sse(
     end: StreamEnd | None = None,
     migration: Migration | None = None,
     route: dict | None = None,
+    held: Callable[[], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
 
@@ -243,7 +244,9 @@ async def relay_sse(
     every chunk goes through ``migration.state.rewrite`` (:mod:`pdserve.router.migration`).
 
     route: selective PD's decision for the first leg (``Leg.route`` for the later ones),
-    added to the chunks' timing blocks (:func:`merge_router_timing`).
+    added to the chunks' timing blocks (:func:`merge_router_timing`). held: run when the
+    stream ends with ``[DONE]`` and no error (``Leg.held`` for the later legs): the prompt
+    is then recorded as held by the decode worker.
     """
     end = end if end is not None else StreamEnd()
     state = migration.state if migration is not None else None
@@ -255,13 +258,15 @@ async def relay_sse(
     def done() -> bytes:
         if end.status is None:
             end.status = 200
+            if run.leg.held is not None:  # the decode worker now holds the prompt's KV
+                run.leg.held()
         return DONE
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     if streams is not None:
         streams.add(queue)
-    run = _start_leg(Leg(resp, worker, prefill, on_close, route=route), queue, 0)
+    run = _start_leg(Leg(resp, worker, prefill, on_close, route=route, held=held), queue, 0)
 
     def render(data: str) -> bytes | None:
         route = run.leg.route

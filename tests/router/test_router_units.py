@@ -280,7 +280,7 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     decode then holds the prompt); an ejected decode worker's index is forgotten."""
     from pdserve.router.dispatch import Dispatcher
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.workers import WorkerPool
+    from pdserve.router.workers import NoHealthyWorker, WorkerPool
 
     pool = WorkerPool(
         {"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"]},
@@ -303,10 +303,16 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     )
     long = "x" * 1024  # 256 tokens by the estimate, 16 blocks of 64 bytes
 
-    def pick(prompt: str):
+    def pick(prompt: str, ok: bool = True):
         route = d._pick_now("/v1/completions", {"prompt": prompt})
+        if ok:  # the request ended well: its decode worker now holds the prompt
+            route.held()
         return route.pair, route.worker if route.pair is None else None, route.info
 
+    # a request that failed or was abandoned records nothing: the same prompt is still PD
+    pair, _, info = pick(long, ok=False)
+    assert pair is not None and info["pd_decision"] == "pd"
+    assert all(pool.decode_prefixes.size(w.url) == 0 for w in pool.all())
     pair, _, info = pick(long)  # nothing held: PD, and its decode now holds it
     assert pair is not None and info["pd_decision"] == "pd"
     assert info["uncached_tokens_estimate"] == 256 and info["decode_cached_share"] == 0.0
@@ -333,6 +339,12 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     assert pool.decode_prefixes.size(holder.url) == 0
     pair, _, info = pick(long + "y" * 100)
     assert pair is not None and info["pd_decision"] == "pd", info
+    # no healthy decode worker: the pick fails (the dispatcher polls it) and counts nothing
+    for w in pool.healthy("decode"):
+        w.healthy = False
+    for _ in range(3):
+        with pytest.raises(NoHealthyWorker):
+            pick("short")
     metrics = d.metrics.render().decode()
     assert 'pdserve_router_pd_decisions_total{path="decode_only"} 2.0' in metrics
-    assert 'pdserve_router_pd_decisions_total{path="pd"} 3.0' in metrics
+    assert 'pdserve_router_pd_decisions_total{path="pd"} 4.0' in metrics
