@@ -253,6 +253,7 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
             super().__init__(*args, **kwargs)
             self._front: tuple[asyncio.Task, FrontCycle] | None = None
             self._head_refused = False
+            self._refusal: bytes | str | None = None  # a refused request's answer, held back
             self._in_head = False
             self._head_read = 0
 
@@ -277,20 +278,50 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
                 self.send_400_response("")
 
         def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to a request its parser refused (400, connection closed);
-            431 JSON when the head was too large."""
-            if not self._head_refused:
-                return super().send_400_response(msg)
-            body = json.dumps(
-                error_json(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"),
-                separators=(",", ":"),
-            ).encode()
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%b" % (len(body), body)
-            )
-            self.transport.close()
+            """The answer to a request the parser refused (uvicorn's 400; 431 JSON when the
+            head was too large), then the connection closes. Requests before it on the
+            connection (pipelined, or a stream still running) are answered first: uvicorn
+            writes its 400 at once, into the middle of an answer in flight."""
+            if self._head_refused:
+                body = json.dumps(
+                    error_json(
+                        431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
+                    ),
+                    separators=(",", ":"),
+                ).encode()
+                self._refusal = (
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"content-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%b" % (len(body), body)
+                )
+            else:
+                self._refusal = msg
+            self.flow.pause_reading()  # nothing after a refused request is read
+            if not self._answering():
+                self._refuse()
+
+        def _answering(self) -> bool:
+            """Whether an earlier request's answer is still being written or queued."""
+            cycle = self.cycle
+            busy = cycle is not None and not getattr(cycle, "response_complete", True)
+            return busy or bool(self.pipeline)
+
+        def _refuse(self) -> None:
+            refusal, self._refusal = self._refusal, None
+            if refusal is None or self.transport.is_closing():
+                return
+            if isinstance(refusal, bytes):
+                self.transport.write(refusal)
+                self.transport.close()
+            else:
+                super().send_400_response(refusal)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._refusal is not None:
+                self.flow.pause_reading()  # (super resumed it)
+                if not self._answering():
+                    self._refuse()
 
         def on_headers_complete(self) -> None:
             self._in_head = False

@@ -371,3 +371,29 @@ def test_a_request_head_over_the_limit_is_431_json_and_closed(setup):
     finally:
         f.close()
         sock.close()
+
+
+@pytest.mark.parametrize("refused", ["malformed", "head too large"])
+def test_a_refused_request_is_answered_after_the_ones_before_it(setup, refused):
+    """A valid request and, in the same write, one the parser refuses: the valid one is
+    answered first (uvicorn writes its refusal at once, over an answer in flight), then
+    the refusal, and the connection closes."""
+    _, decode, _, pd, _ = setup
+    bad = (
+        b"GARBAGE\r\n\r\n"
+        if refused == "malformed"
+        else _post("/v1/completions", b"{}", "x-big: " + "a" * (MAX_HEAD_BYTES + 10))
+    )
+    sock, f = _connect(pd)
+    try:
+        sock.sendall(_post("/v1/completions", b'{"prompt": "kept"}') + bad)
+        status, _, answer = _read(f)
+        assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode"
+        assert decode.bodies[-1]["prompt"] == "kept"
+        status, headers, _ = _read(f)
+        assert status == (400 if refused == "malformed" else 431)
+        assert headers["connection"] == "close"
+        assert f.read() == b""
+    finally:
+        f.close()
+        sock.close()
