@@ -44,12 +44,15 @@ class GcWatch:
             raise ValueError(f"slow_s must be > 0, got {slow_s!r}")
         self.slow_s = slow_s
         self._start: float | None = None
-        self._collections = [0, 0, 0]
-        self._counts = [0] * (len(PAUSE_BUCKETS) + 1)  # per bucket, the last is +Inf
-        self._sum = 0.0
-        self._max = 0.0
         self._frozen = 0
         self._full_s = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Counts and pauses from now on."""
+        self._collections = [0, 0, 0]
+        self._counts = [0] * (len(PAUSE_BUCKETS) + 1)  # per bucket, the last is +Inf
+        self._sum = self._max = 0.0
 
     def install(self) -> GcWatch:
         """Start timing collections; returns self."""
@@ -74,9 +77,7 @@ class GcWatch:
         self._frozen = gc.get_freeze_count()
         # what is measured from here on is serving: start-up's collections (this one's
         # walk of the whole heap too) are not counted
-        self._collections = [0, 0, 0]
-        self._counts = [0] * (len(PAUSE_BUCKETS) + 1)
-        self._sum = self._max = 0.0
+        self._reset()
         logger.info(
             "gc: %d start-up objects frozen (a full collection of them took %.0f ms: what "
             "each generation-2 collection would stop the process for without the freeze)",

@@ -8,9 +8,10 @@ one-token rows through the decode kernel, the rest through the extend kernel. Th
 kernel pads every row's queries to a tile of ``_EXTEND_BLOCK_M`` and reads K/V once per
 query head, so a decode row there costs about 64 x its compute and G x its KV reads; with
 long contexts that made a mixed step (rows that decode beside a later prompt's chunk)
-several times slower than the chunk alone. Both read K/V in place from the paged cache, through its strides; this
-step's K/V are stored first by the store kernel, or, on CUDA, by the model's RoPE kernel
-(``fused_ops.rope_store_kv``: one kernel a layer fewer; ``forward(..., kv_stored=True)``).
+several times slower than the chunk alone. Both read K/V in place from the paged cache,
+through its strides; this step's K/V are stored first by the store kernel, or, on CUDA,
+by the model's RoPE kernel (``fused_ops.rope_store_kv``: one kernel a layer fewer;
+``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size and the context bound it is captured for (the split count is
@@ -186,11 +187,10 @@ class TritonBackend(AttentionBackend):
         lead = 0 if decode else next(i for i, q in enumerate(q_lens) if q != 1)
         if lead:  # mixed: the leading decode rows get the decode kernel
             return TritonPlan(
-                False,
-                max(s_lens[:lead]),
-                max(q_lens[lead:]),
-                sum(s_lens[:lead]),
-                None,
+                decode=False,
+                max_seq_len=max(s_lens[:lead]),
+                max_q_len=max(q_lens[lead:]),
+                total_context=sum(s_lens[:lead]),
                 num_decode_rows=lead,
             )
         return TritonPlan(decode, max(s_lens, default=1), max(q_lens, default=1), sum(s_lens))
