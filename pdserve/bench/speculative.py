@@ -71,6 +71,12 @@ def copy_prompts(llm: Any, n: int) -> list[list[int]]:
     return out
 
 
+def first_difference(a: Any, b: Any) -> int:
+    """The first position where token lists ``a`` and ``b`` differ (the shorter one's
+    length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def parse_mode(text: str) -> tuple[str, float | None]:
     """``"ngram"`` -> ("ngram", None); ``"replay:0.8"`` -> ("replay", 0.8);
     ``"reference:0.8"`` -> ("reference", 0.8); ValueError naming ``speculative``
@@ -214,6 +220,7 @@ def run_speculative(
         engine.set_drafter(drafter, k)
         timed(llm, prompts, args.max_tokens)  # warm-up (verify shapes)
         plain_runs, spec_runs, same = [], [], []
+        first_diffs: list[int] = []
         before = engine.stats()
         mismatches0 = engine.scheduler.num_reference_mismatches
         runner = engine.executor.rank0.runner
@@ -226,6 +233,7 @@ def run_speculative(
             dt, spec_ids = timed(llm, prompts, args.max_tokens)
             spec_runs.append(n * args.max_tokens / dt)
             same.append(sum(a == b for a, b in zip(spec_ids, ids)) / n)
+            first_diffs += [first_difference(a, b) for a, b in zip(spec_ids, ids) if a != b]
         engine.set_drafter(None)
         after = engine.stats()
         drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
@@ -242,6 +250,10 @@ def run_speculative(
             "acceptance_length": (accepted + rows) / rows if rows else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "identical_outputs": min(same),
+            # where each differing output first left the plain run's (0 = its first token;
+            # max_tokens - 1 = only the last one, which no draft covers: a row with one
+            # token left decodes it plainly, over KV the verify forwards wrote)
+            "first_differences": sorted(first_diffs),
             "reference_mismatches": mismatches if mode == "reference" else None,
             "kept_tokens": accepted + rows,
             "verify_steps": vsteps,

@@ -34,7 +34,7 @@ def test_replay_and_ngram_reports(tmp_path):
     assert report["speculative"] == "acceptance-controlled (rate 1.0)"
     assert [r["num_prompts"] for r in report["results"]] == [1, 2]
     for row in report["results"]:
-        assert row["identical_outputs"] == 1.0
+        assert row["identical_outputs"] == 1.0 and row["first_differences"] == []
         assert row["acceptance_rate"] == 1.0 and row["acceptance_length"] > 2
         assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
     out2 = tmp_path / "ngram.json"
@@ -78,3 +78,14 @@ def test_reference_mode_reports_its_overrides(tmp_path):
     row = report["results"][0]
     assert row["identical_outputs"] == 1.0 and row["reference_mismatches"] == 0
     assert row["acceptance_length"] > 1.0 and row["kept_tokens"] > 0
+
+
+def test_first_difference_positions():
+    """Where a speculative output first left the plain one: the first unequal position,
+    or the shorter length when one is a prefix of the other."""
+    from pdserve.bench.speculative import first_difference
+
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [9, 2, 3]) == 0
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2

@@ -152,6 +152,16 @@ def _step_core(folder, device, dtype):
 
 
 def _graph_vs_eager_step(core):
+    """:func:`_verify_step_both_ways` under inference mode, as the engine runs its steps
+    (the graphs' buffers and the KV cache are inference tensors: CUDA refuses in-place
+    updates of them outside it)."""
+    import torch
+
+    with torch.inference_mode():
+        return _verify_step_both_ways(core)
+
+
+def _verify_step_both_ways(core):
     """One verify step of rows with 3, 1 and 0 drafts over prompts prefilled into pages of
     their own, through the verify graph and eagerly: (graph logits, eager logits, tokens
     kept by ``execute`` through the graph, tokens ``verify`` keeps from the eager logits)."""
