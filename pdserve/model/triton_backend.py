@@ -25,7 +25,7 @@ Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -147,6 +147,32 @@ def decode_config(
         if max_seq_len is not None:
             splits = max(1, min(splits, -(-max_seq_len // 64)))
     return DecodeConfig(splits, 64, 4, 2, floor if large else 0, _TARGET_PROGRAMS)
+
+
+def eager_config(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` (an eager step's :func:`decode_config`) with its split count rounded up to a
+    power of two (1..32). ``NUM_SPLITS`` is a compile-time constant of the decode and merge
+    kernels, and an eager step's count follows its rows and longest context (1 decode row
+    of 512..640 tokens: 8, 9 or 10 splits), so each new count compiled both kernels while
+    serving (~0.3-1.5 s on the H200). Rounded, an eager step runs one of
+    :func:`eager_decode_configs`, all compiled at start-up (``TritonBackend.warm_up``);
+    the extra splits of a short context are empty (the kernel's split length is
+    ``cdiv(seq_len, NUM_SPLITS)`` rounded up to ``block_n``: later splits read nothing)."""
+    return replace(cfg, splits=min(_MAX_SPLITS, _pow2(cfg.splits, 1)))
+
+
+def eager_decode_configs() -> tuple[DecodeConfig, ...]:
+    """Every configuration :func:`decode_config` + :func:`eager_config` can give an eager
+    step: short contexts' power-of-two splits (2 stages) and the one split of 3 stages of
+    256 rows x KV heads; long contexts' balanced splits, with and without the 256-token
+    floor of large batches."""
+    short = tuple(DecodeConfig(1 << i, 64, 4, 2) for i in range(6))
+    long = tuple(
+        DecodeConfig(1 << i, 64, 4, 2, floor, _TARGET_PROGRAMS)
+        for floor in (0, 256)
+        for i in range(6)
+    )
+    return (*short, DecodeConfig(1, 64, 4, 3), *long)
 
 
 @dataclass
@@ -286,17 +312,14 @@ class TritonBackend(AttentionBackend):
             self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D)
         if lead < B:
             grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
-            qsl, seq_lens, table = attn.query_start_loc, attn.seq_lens, table
-            if lead:  # the extend rows' views: token offsets in q/out stay absolute
-                qsl, seq_lens, table = qsl[lead:], seq_lens[lead:], table[lead:]
-            extend_kernel[grid](
+            extend_kernel[grid](  # rows lead.. (token offsets in q/out are absolute)
                 q,
                 k_cache,
                 v_cache,
                 out,
                 table,
-                qsl,
-                seq_lens,
+                attn.query_start_loc,
+                attn.seq_lens,
                 scale,
                 q.stride(0),
                 q.stride(1),
@@ -305,6 +328,7 @@ class TritonBackend(AttentionBackend):
                 table.stride(0),
                 out.stride(0),
                 out.stride(1),
+                lead,
                 G=G,
                 D=D,
                 PAGE_SIZE=page_size,
@@ -338,6 +362,8 @@ class TritonBackend(AttentionBackend):
         table = attn.page_table
         if plan.config is None:
             plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
+            if plan.total_context is not None:  # eager: one of the few warmed split counts
+                plan.config = eager_config(plan.config)
         cfg = plan.config
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
