@@ -245,6 +245,32 @@ class TritonBackend(AttentionBackend):
         bucket gets a graph of each."""
         return (ONE_SPLIT_MAX_CONTEXT,)
 
+    def warm_up(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+    ) -> int:
+        """Launch the decode kernel (and its merge) once in each of
+        :func:`eager_decode_configs`, as an eager step launches it (int64 page table and
+        lengths, as ``ModelRunner.run_staged`` stages them), over one row of one token that
+        reads page 0: the variants are compiled at start-up, not in a request's step
+        (the graphs' variants are captured already: their page table is int32). Writes no
+        KV. Returns the configurations run."""
+        dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
+        # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
+        qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
+        q = qkv[:, :num_q_heads]
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int64, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
+            page_table=torch.zeros(1, 2, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
+        )
+        configs = eager_decode_configs()
+        for cfg in configs:
+            plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
+            kv = qkv[:, num_q_heads : num_q_heads + Hkv]
+            self.forward(q, kv, kv, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True)
+        return len(configs)
+
     def forward(
         self,
         q: torch.Tensor,
