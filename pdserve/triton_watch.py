@@ -12,7 +12,10 @@ later one as a warning naming the kernel and counts it by kernel (``/metrics``:
 
 The hook is ``triton.knobs.runtime.jit_post_compile_hook`` (Triton >= 3.4), else the class
 attribute ``JITFunction.compiled_hook`` of older releases; a hook already set is called
-too. Under ``TRITON_INTERPRET=1`` kernels are interpreted, not compiled: nothing is counted.
+too. Triton calls it on every miss of a kernel's in-memory cache, also when the variant
+then loads from Triton's disk cache (cheaper than a compile, but still a pause, and the
+variant a warm-up missed). Under ``TRITON_INTERPRET=1`` kernels are interpreted, not
+compiled: nothing is counted.
 
 A leaf: imports nothing of pdserve.
 """
