@@ -31,7 +31,7 @@ def _load_x(x_ptr, offs, mask, K, SILU: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=("MN",))  # per-step sizes: no recompile
+@triton.jit
 def _splitk_reduce_kernel(
     p_ptr,
     b_ptr,

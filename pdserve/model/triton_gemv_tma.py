@@ -117,7 +117,7 @@ def _store_tile(acc, o_ptr, b_ptr, off_n, M, N, s_om, HAS_BIAS: tl.constexpr, RO
         tl.store(o, tl.trans(acc), mask=mask)
 
 
-@triton.jit(do_not_specialize=("M", "s_os"))  # per-step sizes: no recompile
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _gemv_tma_kernel(
     x_desc, w_desc, x_ptr, b_ptr, o_ptr, M, N, K, K_TILES, s_xm, s_om, s_os, NUM_PROGRAMS,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, X_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
