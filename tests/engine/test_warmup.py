@@ -1,8 +1,14 @@
 """Start-up warm-up (engine/core/warmup.py): the eager step shapes run, every page goes
 back, the prefix cache stays empty, and what the engine generates afterwards is unchanged
-(the triton backend's own warm-up: tests/model/test_triton_warmup.py)."""
+on the CPU's torch_sdpa and on the triton backend (interpreted on CPU); the backend's own
+warm-up alone: tests/model/test_triton_warmup.py."""
 
 from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():  # before the backend's kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
@@ -59,3 +65,41 @@ def test_warm_up_releases_its_pages_when_a_step_fails(tiny_model_dir, monkeypatc
     with pytest.raises(RuntimeError, match="step failed"):
         warm_up(core)
     assert core.kv.num_free_pages == free and core.kv.num_held_pages == 0
+
+
+@pytest.mark.timeout(300)
+def test_engine_warm_up_through_the_triton_backend(tiny_model_dir):
+    """The worker's warm-up on the triton backend (interpreted on CPU): the prefill step,
+    the mixed step (a decode row through the split-KV kernel, then an extend chunk whose
+    rows start at row0 = 1) and every eager decode configuration run; every page goes
+    back; the engine then generates what an engine without a warm-up generates."""
+    from pdserve.config import CacheConfig, EngineConfig, ModelConfig
+    from pdserve.engine.core.engine import EngineCore
+    from pdserve.engine.core.warmup import warm_up
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.model import triton_backend
+
+    def core() -> EngineCore:
+        return EngineCore(
+            EngineConfig(
+                model=ModelConfig(
+                    model=tiny_model_dir("llama"), device="cpu", attention_backend="triton"
+                ),
+                cache=CacheConfig(page_size=4, num_pages=64),
+            )
+        )
+
+    def generate(c: EngineCore) -> list[int]:
+        c.add_request("r", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=6))
+        while True:
+            for out in c.step():
+                if out.finished:
+                    return list(out.outputs[0].token_ids)
+
+    warmed = core()
+    free = warmed.kv.num_free_pages
+    out = warm_up(warmed)
+    assert out["steps"] == 2
+    assert out["backend_variants"] == len(triton_backend.eager_decode_configs())
+    assert warmed.kv.num_free_pages == free and warmed.kv.num_cached_pages == 0
+    assert generate(warmed) == generate(core())
