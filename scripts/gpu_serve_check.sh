@@ -87,7 +87,9 @@ for url in [*urls, f"http://127.0.0.1:{mp}"]:
     print(f"triton {info.get('role')} {url}: compiled at start-up "
           f"{tr.get('compilations_at_startup')}, after start-up "
           f"{tr.get('compilations_after_startup')} {tr.get('compilations_after_startup_by_kernel')}"
-          f"; warm-up {info.get('warmup')}")
+          f"; warm-up: {(info.get('warmup') or {}).get('steps')} steps, "
+          f"{(info.get('warmup') or {}).get('backend_variants')} attention variants, "
+          f"{(info.get('warmup') or {}).get('seconds', 0):.1f} s")
 PYEOF
 }
 gc_report
