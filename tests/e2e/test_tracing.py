@@ -252,7 +252,10 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     timing = next(
         c["choices"][0]["timing"] for c in chunks if c["choices"] and "timing" in c["choices"][0]
     )
-    assert set(timing) == {"prefill", "decode"}
+    assert set(timing) == {"prefill", "decode", "relay"}  # relay: the router's first chunk
+    relay = timing["relay"]
+    assert timing["decode"]["first_chunk_unix"] <= relay["first_chunk_in_unix"] + 0.001
+    assert relay["first_chunk_in_unix"] <= relay["first_chunk_out_unix"]
     assert timing["prefill"]["phases"]["prefill"] > 0
     assert timing["decode"]["phases"]["kv_transfer"] > 0
     assert timing["prefill"]["transfer_gbps"] > 0
