@@ -83,6 +83,13 @@ for url in [*urls, f"http://127.0.0.1:{mp}"]:
           f"{gc.get('pause_seconds', {}).get('count', 0) - gc.get('pause_seconds', {}).get('buckets', {}).get('0.025', 0)}"
           f", frozen {gc.get('frozen_objects')} (a full collection of them: "
           f"{1e3 * gc.get('startup_full_collection_seconds', 0):.0f} ms)")
+    tr = info.get("triton") or {}  # pdserve/triton_watch.py: a compile after start-up stalls
+    print(f"triton {info.get('role')} {url}: compiled at start-up "
+          f"{tr.get('compilations_at_startup')}, after start-up "
+          f"{tr.get('compilations_after_startup')} {tr.get('compilations_after_startup_by_kernel')}"
+          f"; warm-up: {(info.get('warmup') or {}).get('steps')} steps, "
+          f"{(info.get('warmup') or {}).get('backend_variants')} attention variants, "
+          f"{(info.get('warmup') or {}).get('seconds', 0):.1f} s")
 PYEOF
 }
 gc_report

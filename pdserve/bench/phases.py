@@ -23,6 +23,13 @@ router and a mixed worker, so the two can stand side by side:
   relay, the way back); ``router_and_stream`` instead of the last two when the blocks
   carry no ``start_unix``.
 
+``stream_back``'s parts (:func:`stream_back_parts`; reported beside it, not added to the
+stages' sum) where the blocks carry their times: ``sse_write`` (the streaming worker's
+event loop holding the first token → its first SSE chunk handed to its server:
+``first_chunk_unix``), ``relay_in`` (→ the router's relay took that chunk: the HTTP hop),
+``relay`` (→ the relay rendered it for the client: ``relay``'s times, router/relay.py),
+``to_client`` (→ the client had it; from the worker's chunk when no router relayed it).
+
 Times in ms in the tables and the PNG; seconds in the JSON's blocks.
 """
 
@@ -49,6 +56,10 @@ STAGES = (
     "first_token_out",
     "to_worker",
     "stream_back",
+    "sse_write",
+    "relay_in",
+    "relay",
+    "to_client",
     "router_and_stream",
 )
 _PREFILL_PATH = ("tokenize", "engine_inbox", "bootstrap", "queue", "prefill", "kv_transfer")
@@ -88,10 +99,39 @@ def ttft_stages(r: StreamResult) -> dict[str, float] | None:
     return out
 
 
+def stream_back_parts(r: StreamResult) -> dict[str, float]:
+    """``stream_back``'s parts of one request in seconds (module docstring): empty when
+    its blocks lack the times (a worker or router of an older version, no stream)."""
+    stages = ttft_stages(r)
+    if not stages or "stream_back" not in stages or r.ttft is None:
+        return {}
+    timing = r.timing or {}
+    streamer = timing.get("mixed") or timing.get("decode") or {}
+    chunk = streamer.get("first_chunk_unix") if isinstance(streamer, dict) else None
+    if not chunk:
+        return {}
+    client = r.start_unix + r.ttft  # the client's first chunk
+    held = client - stages["stream_back"]  # the worker's loop held the first token
+    out = {"sse_write": float(chunk) - held}
+    relay = timing.get("relay") or {}
+    t_in, t_out = relay.get("first_chunk_in_unix"), relay.get("first_chunk_out_unix")
+    if t_in and t_out:
+        out.update(
+            relay_in=float(t_in) - float(chunk),
+            relay=float(t_out) - float(t_in),
+            to_client=client - float(t_out),
+        )
+    else:
+        out["to_client"] = client - float(chunk)
+    return out
+
+
 def stage_stats(results: Sequence[StreamResult]) -> dict[str, dict[str, float]]:
     """Per stage, over the successful requests with a timing block: ``median_ms``,
     ``p99_ms`` and ``count``; empty when none had one."""
-    rows = [s for r in results if r.ok and (s := ttft_stages(r)) is not None]
+    rows = [
+        {**s, **stream_back_parts(r)} for r in results if r.ok and (s := ttft_stages(r)) is not None
+    ]
     out: dict[str, dict[str, float]] = {}
     for stage in STAGES:
         values = [row[stage] * 1000.0 for row in rows if stage in row]

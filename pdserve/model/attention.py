@@ -182,6 +182,14 @@ class AttentionBackend(abc.ABC):
         context. Default: none (one graph per batch size)."""
         return ()
 
+    def warm_up(self, k_cache: Any, v_cache: Any, num_q_heads: int, dtype: Any) -> int:
+        """Run once, at start-up, every launch variant an eager step of this backend can
+        need that one ordinary step does not (a kernel compiled later stalls a step while
+        serving). k_cache/v_cache: one layer's ``[P, page_size, Hkv, D]`` views (read only,
+        nothing is written); num_q_heads: this rank's query heads; dtype: q's. Returns the
+        variants run. Default: none (a backend without per-shape compiles)."""
+        return 0
+
     @abc.abstractmethod
     def forward(
         self,

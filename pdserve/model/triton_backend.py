@@ -25,7 +25,7 @@ Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -149,6 +149,32 @@ def decode_config(
     return DecodeConfig(splits, 64, 4, 2, floor if large else 0, _TARGET_PROGRAMS)
 
 
+def eager_config(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` (an eager step's :func:`decode_config`) with its split count rounded up to a
+    power of two (1..32). ``NUM_SPLITS`` is a compile-time constant of the decode and merge
+    kernels, and an eager step's count follows its rows and longest context (1 decode row
+    of 512..640 tokens: 8, 9 or 10 splits), so each new count compiled both kernels while
+    serving (~0.3-1.5 s on the H200). Rounded, an eager step runs one of
+    :func:`eager_decode_configs`, all compiled at start-up (``TritonBackend.warm_up``);
+    the extra splits of a short context are empty (the kernel's split length is
+    ``cdiv(seq_len, NUM_SPLITS)`` rounded up to ``block_n``: later splits read nothing)."""
+    return replace(cfg, splits=min(_MAX_SPLITS, _pow2(cfg.splits, 1)))
+
+
+def eager_decode_configs() -> tuple[DecodeConfig, ...]:
+    """Every configuration :func:`decode_config` + :func:`eager_config` can give an eager
+    step: short contexts' power-of-two splits (2 stages) and the one split of 3 stages of
+    256 rows x KV heads; long contexts' balanced splits, with and without the 256-token
+    floor of large batches."""
+    short = tuple(DecodeConfig(1 << i, 64, 4, 2) for i in range(6))
+    long = tuple(
+        DecodeConfig(1 << i, 64, 4, 2, floor, _TARGET_PROGRAMS)
+        for floor in (0, 256)
+        for i in range(6)
+    )
+    return (*short, DecodeConfig(1, 64, 4, 3), *long)
+
+
 @dataclass
 class TritonPlan:
     """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
@@ -219,6 +245,32 @@ class TritonBackend(AttentionBackend):
         bucket gets a graph of each."""
         return (ONE_SPLIT_MAX_CONTEXT,)
 
+    def warm_up(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+    ) -> int:
+        """Launch the decode kernel (and its merge) once in each of
+        :func:`eager_decode_configs`, as an eager step launches it (int64 page table and
+        lengths, as ``ModelRunner.run_staged`` stages them), over one row of one token that
+        reads page 0: the variants are compiled at start-up, not in a request's step
+        (the graphs' variants are captured already: their page table is int32). Writes no
+        KV. Returns the configurations run."""
+        dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
+        # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
+        qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
+        q = qkv[:, :num_q_heads]
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int64, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
+            page_table=torch.zeros(1, 2, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
+        )
+        configs = eager_decode_configs()
+        for cfg in configs:
+            plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
+            kv = qkv[:, num_q_heads : num_q_heads + Hkv]
+            self.forward(q, kv, kv, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True)
+        return len(configs)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -286,17 +338,14 @@ class TritonBackend(AttentionBackend):
             self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D)
         if lead < B:
             grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
-            qsl, seq_lens, table = attn.query_start_loc, attn.seq_lens, table
-            if lead:  # the extend rows' views: token offsets in q/out stay absolute
-                qsl, seq_lens, table = qsl[lead:], seq_lens[lead:], table[lead:]
-            extend_kernel[grid](
+            extend_kernel[grid](  # rows lead.. (token offsets in q/out are absolute)
                 q,
                 k_cache,
                 v_cache,
                 out,
                 table,
-                qsl,
-                seq_lens,
+                attn.query_start_loc,
+                attn.seq_lens,
                 scale,
                 q.stride(0),
                 q.stride(1),
@@ -305,6 +354,7 @@ class TritonBackend(AttentionBackend):
                 table.stride(0),
                 out.stride(0),
                 out.stride(1),
+                lead,
                 G=G,
                 D=D,
                 PAGE_SIZE=page_size,
@@ -338,6 +388,8 @@ class TritonBackend(AttentionBackend):
         table = attn.page_table
         if plan.config is None:
             plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
+            if plan.total_context is not None:  # eager: one of the few warmed split counts
+                plan.config = eager_config(plan.config)
         cfg = plan.config
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):

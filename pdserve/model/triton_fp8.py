@@ -36,7 +36,7 @@ Config = tuple[str, int, int, int, int, int]
 TABLE: dict[tuple[int, int], tuple[tuple[int, Config], ...]] = {}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _fp8_matmul_kernel(
     x_ptr,
     w_ptr,

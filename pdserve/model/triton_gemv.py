@@ -93,7 +93,7 @@ def _gemv_rows_kernel(
     tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _gemv_dot_kernel(
     x_ptr,
     w_ptr,

@@ -117,7 +117,7 @@ def _store_tile(acc, o_ptr, b_ptr, off_n, M, N, s_om, HAS_BIAS: tl.constexpr, RO
         tl.store(o, tl.trans(acc), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _gemv_tma_kernel(
     x_desc, w_desc, x_ptr, b_ptr, o_ptr, M, N, K, K_TILES, s_xm, s_om, s_os, NUM_PROGRAMS,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, X_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -148,7 +148,7 @@ def _gemv_tma_kernel(
         _store_tile(acc, dst, b_ptr, off_n, M, N, s_om, HAS_BIAS, SPLIT_K == 1, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _gemv_tma_stream_kernel(
     x_desc, w_desc, x_ptr, b_ptr, o_ptr, p_ptr, M, N, K, s_xm, s_om, NUM_PROGRAMS,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, X_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -191,7 +191,7 @@ def _gemv_tma_stream_kernel(
             tl.store(p, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _stream_fixup_kernel(
     p_ptr, b_ptr, o_ptr, M, N, K, s_om, NUM_PROGRAMS,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

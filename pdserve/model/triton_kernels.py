@@ -24,8 +24,9 @@ from pdserve.model.pdl import pdl_enter
 # in pages). Triton compiles a kernel again for an int that is 1, or divisible by 16, or
 # neither (~0.8 s per compile on the H200, paid by the request whose step first has that
 # width); these are only row offsets, so one compiled variant serves every width. The
-# decode kernel's row count (``num_rows``) is only a bound of a masked load.
-_PER_STEP_INTS = ("s_tb",)
+# decode kernel's row count (``num_rows``) is only a bound of a masked load; the extend
+# kernel's first row (``row0``: the decode rows a mixed step leads with) only an offset.
+_PER_STEP_INTS = ("s_tb", "row0")
 _DECODE_PER_STEP_INTS = ("s_tb", "num_rows")
 
 
@@ -343,6 +344,7 @@ def extend_kernel(
     s_tb,
     s_ot,
     s_oh,
+    row0,
     G: tl.constexpr,
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -352,12 +354,14 @@ def extend_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid ``(B, Hq, cdiv(max_q_len, BLOCK_M))``: query rows ``m`` of sequence ``b`` (its new
-    tokens, at positions ``seq_len - q_len + m``) against every cached position up to their
-    own (causal with the cached prefix before it). K/V of the new tokens are already in the
-    cache. Output ``out[t, h, :]`` in q's dtype."""
+    """Grid ``(B, Hq, cdiv(max_q_len, BLOCK_M))``: query rows ``m`` of sequence
+    ``b = row0 + program_id(0)`` (its new tokens, at positions ``seq_len - q_len + m``)
+    against every cached position up to their own (causal with the cached prefix before
+    it). K/V of the new tokens are already in the cache. Output ``out[t, h, :]`` in q's
+    dtype. ``row0`` skips a mixed step's leading decode rows (an offset, not sliced views:
+    a view that starts at an odd row is another pointer alignment, so another compile)."""
     pdl_enter(PDL)
-    b = tl.program_id(0)
+    b = row0 + tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
     q0 = tl.load(qsl_ptr + b).to(tl.int32)

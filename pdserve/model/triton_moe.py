@@ -79,7 +79,7 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
     return Alignment(sorted_ids, block_expert, ends[-1:].to(torch.int32), block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
 def _route_align_kernel(
     logits_ptr,
     w_ptr,
@@ -204,7 +204,7 @@ def route_align(
     return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -268,7 +268,7 @@ def _gate_up_kernel(
     tl.store(a_ptrs, out, mask=valid[:, None] & cmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
 def _down_kernel(
     act_ptr,
     w_ptr,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,7 +245,10 @@ async def relay_sse(
     every chunk goes through ``migration.state.rewrite`` (:mod:`pdserve.router.migration`).
 
     route: selective PD's decision for the first leg (``Leg.route`` for the later ones),
-    added to the chunks' timing blocks (:func:`merge_router_timing`). held: run when the
+    added to the chunks' timing blocks (:func:`merge_router_timing`); every timing block
+    also gets ``"relay": {"first_chunk_in_unix", "first_chunk_out_unix"}``, when the relay
+    took the worker's first data chunk off its connection and when it rendered it for the
+    client (Unix seconds; ``bench serve --phase-timing`` splits ``stream_back`` by them). held: run when the
     stream ends with ``[DONE]`` and no error (``Leg.held`` for the later legs): the prompt
     is then recorded as held by the decode worker.
     """
@@ -268,9 +272,15 @@ async def relay_sse(
         streams.add(queue)
     run = _start_leg(Leg(resp, worker, prefill, on_close, route=route, held=held), queue, 0)
 
+    # when the relay took the leg's first data chunk and when it handed it on (Unix
+    # seconds): the timing blocks' "relay" entry, for the TTFT stages of bench serve
+    relay_times: dict[str, float] = {}
+
     def render(data: str) -> bytes | None:
         route = run.leg.route
-        if run.answer is None and state is None and (route is None or '"timing"' not in data):
+        relay_times.setdefault("first_chunk_out_unix", time.time())
+        timed = '"timing"' in data
+        if run.answer is None and state is None and not timed:
             return f"data: {data}\n\n".encode()
         try:
             chunk = json.loads(data)
@@ -282,6 +292,9 @@ async def relay_sse(
             chunk = merge_cached_tokens(endpoint, chunk, run.answer)
         if route is not None:
             chunk = merge_router_timing(endpoint, chunk, route)
+        if timed:
+            for block in _timings(endpoint, chunk).values():
+                block["relay"] = dict(relay_times)
         if state is not None:
             chunk = state.rewrite(chunk)
             if chunk is None:
@@ -419,6 +432,7 @@ async def relay_sse(
                     yield done()
                     return
             elif kind == "event":
+                relay_times.setdefault("first_chunk_in_unix", time.time())
                 if item.data == "[DONE]":
                     if run.prefill_over:
                         yield done()

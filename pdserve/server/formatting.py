@@ -394,8 +394,14 @@ async def sse_response(
     async def body() -> AsyncIterator[bytes]:
         try:
             item = first
+            stamped = False
             while True:
                 for chunk in chunks(*item):
+                    if not stamped:  # the timing block's first_chunk_unix (phases.py)
+                        stamped = True
+                        now = time.perf_counter()
+                        for j in jobs:
+                            j.first_chunk_at = now
                     yield sse(chunk)
                 try:
                     item = await it.__anext__()

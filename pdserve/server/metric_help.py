@@ -1,7 +1,7 @@
 """What each scrape-time stat of a worker means: the HELP text (with its unit) and the
 Prometheus type of every key of ``EngineCore.stats()`` (``pdserve_engine_*``) and of the KV
 managers' ``stats()`` (``pdserve_kv_transfer_*``, ``disagg/metrics.py`` and the NIXL / fake
-managers), and of ``GcWatch.stats()`` (``pdserve_gc_*``). Keys are the stats dict's keys (nested: joined by ``_``); a key missing here is
+managers), ``GcWatch.stats()`` (``pdserve_gc_*``) and ``CompileWatch.stats()`` (``pdserve_triton_*``). Keys are the stats dict's keys (nested: joined by ``_``); a key missing here is
 exported with its name as its help (tests/server/test_server_metrics.py checks that every
 key the engine and the managers report is here)."""
 
@@ -154,6 +154,16 @@ HELP: dict[str, tuple[str, str]] = {
     "collections": ("garbage collections by generation since start (cumulative count)", COUNTER),
     "pause_seconds": ("how long each garbage collection stopped the process (seconds)", HISTOGRAM),
     "max_pause_seconds": ("the longest garbage-collection pause since start (seconds)", GAUGE),
+    # --- Triton compilations (triton_watch.CompileWatch.stats: pdserve_triton_*) ----------
+    "compilations_at_startup": ("Triton kernel variants compiled during start-up", GAUGE),
+    "compilations_after_startup": (
+        "Triton kernel variants compiled while serving: each one stalled a step (cumulative)",
+        COUNTER,
+    ),
+    "compilations_after_startup_by_kernel": (
+        "Triton kernel variants compiled while serving, by kernel (cumulative)",
+        COUNTER,
+    ),
 }
 
 # exported by another family: the sum over reasons of pdserve_kv_transfer_transfers_failed_total

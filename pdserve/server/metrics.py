@@ -29,6 +29,7 @@ _LABELS = {
     "rooms": "state",
     "transfers_failed": "reason",
     "collections": "generation",
+    "compilations_after_startup_by_kernel": "kernel",
 }  # label name of a nested {name: number} dict
 
 

@@ -211,13 +211,17 @@ class PhaseRecorder:
         peer: str | None = None,
         tokens: list[tuple[float, int]] | None = None,
         first_out: float = 0.0,
+        first_chunk: float = 0.0,
     ) -> None:
         """Record sample ``out`` (finished): sets ``out.timing`` to ``{role: {"phases":
         {name: seconds}, "start_unix", "first_token_out", "kv_pages", "kv_bytes",
         "transfer_gbps"}}`` (PD fields only on PD roles; ``start_unix``: when the request
         entered this worker's app, Unix seconds; ``first_token_out``: seconds from the
         engine appending the first token to the event loop holding it, from
-        ``first_out``, when both are known), observes the histograms, and adds the phase spans under the
+        ``first_out``, when both are known; ``first_chunk_unix``: when the stream's first
+        SSE chunk went to the server, Unix seconds, from ``first_chunk`` (perf_counter),
+        when given: a stream whose first chunk was not out before the sample finished,
+        such as a one-token answer, has none), observes the histograms, and adds the phase spans under the
         current request's span (``tokens``: ``(perf_counter time, new tokens)`` per
         output, events of the ``decode`` phase)."""
         t = out.times
@@ -239,6 +243,8 @@ class PhaseRecorder:
             m.ttft_engine.labels(role).observe(max(first - t.queued, 0.0))
         if first_out and t.first_token:
             block["first_token_out"] = max(first_out - t.first_token, 0.0)
+        if first_chunk:
+            block["first_chunk_unix"] = tracing.epoch_ns(first_chunk) / 1e9
         attrs: dict[str, Any] = {
             "pdserve.role": role,
             "pdserve.engine_request_id": out.request_id,

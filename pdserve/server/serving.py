@@ -266,6 +266,9 @@ class Job:
     # engine id: the API request's id (x-request-id) and a unique suffix
     request_id: str = field(default_factory=tracing.engine_request_id)
     arrival: float = field(default_factory=time.perf_counter)
+    # a stream's first SSE chunk handed to the server (perf_counter; 0.0: none yet, or
+    # not streamed): the timing block's ``first_chunk_unix`` (server/formatting.py)
+    first_chunk_at: float = 0.0
 
 
 def make_params(**kwargs: Any) -> SamplingParams:
@@ -496,6 +499,7 @@ class Serving:
             peer=None if info is None else f"{info.bootstrap_host}:{info.bootstrap_port}",
             tokens=None if tokens is None else tokens.get(index),
             first_out=first_out,
+            first_chunk=job.first_chunk_at,
         )
 
     def _observe(self, job: Job, index: int, out: RequestOutput, last: dict[int, float]) -> None:

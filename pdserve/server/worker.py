@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import pdserve
-from pdserve import envs
+from pdserve import envs, triton_watch
 from pdserve.advertise import advertised_host
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import KVManager, Role
@@ -71,6 +71,7 @@ def build_worker(
     import torch
 
     from pdserve.engine.core.engine import EngineCore
+    from pdserve.engine.core.warmup import warm_up
 
     if (
         server_cfg.num_threads
@@ -78,7 +79,10 @@ def build_worker(
         torch.set_num_threads(server_cfg.num_threads)
     pd = disagg.role != Role.MIXED
     gc_watch = process_watch()
+    compiles = triton_watch.process_watch()  # before the model: start-up's compiles counted
     core = EngineCore(engine_cfg, transfer_backend=disagg.transfer_backend)
+    # the eager step shapes once, before /health says ready: no Triton compile in a request
+    warmup = warm_up(core)
     managers: dict[str, KVManager] = {}
     ucx_log = None
     if pd and disagg.transfer_backend == "nixl":  # before UCX loads: it reads its env once
@@ -97,6 +101,7 @@ def build_worker(
             "pdserve_engine": lambda: engine.snapshot.stats,
             "pdserve_kv_transfer": (lambda: transfer.stats()) if transfer else (lambda: None),
             "pdserve_gc": gc_watch.stats,
+            "pdserve_triton": compiles.stats,
         }
     )
     model_name = server_cfg.served_model_name or engine_cfg.model.model
@@ -151,6 +156,7 @@ def build_worker(
         "bootstrap_host": advertised_host(disagg.bootstrap_host, disagg.advertise_host)
         if disagg.role == Role.PREFILL
         else None,
+        "warmup": warmup,
         "bootstrap_port": transfer.bootstrap_port
         if transfer is not None and disagg.role == Role.PREFILL
         else None,
@@ -167,6 +173,7 @@ def build_worker(
             transfer=transfer.stats() if transfer else None,
             ucx=ucx_log.snapshot() if ucx_log is not None else None,
             gc=gc_watch.stats(),
+            triton=compiles.stats(),
         )
 
     from pdserve.server.app import build_worker_app
@@ -183,6 +190,7 @@ def build_worker(
     )
     if ucx_log is not None:
         _close_with_the_app(app, ucx_log.close)
+    compiles.mark_started()  # a compile from here on stalls a step: logged, counted
     gc_watch.freeze()  # start-up is over: the model, tokenizer and caches live as long
     return app, static
 

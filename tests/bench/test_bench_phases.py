@@ -8,7 +8,14 @@ import math
 import pytest
 
 from pdserve.bench.openai_client import StreamResult
-from pdserve.bench.phases import grew_most, phase_png_path, plot_stages, stage_stats, ttft_stages
+from pdserve.bench.phases import (
+    grew_most,
+    phase_png_path,
+    plot_stages,
+    stage_stats,
+    stream_back_parts,
+    ttft_stages,
+)
 
 PD_TIMING = {
     "prefill": {
@@ -62,6 +69,35 @@ def test_pd_stages_split_the_clients_ttft():
     assert split is not None and "router_and_stream" not in split
     assert split["to_worker"] == pytest.approx(0.003)
     assert split["stream_back"] == pytest.approx(0.030 - 0.026 - 0.003)
+    assert (
+        stream_back_parts(StreamResult(ok=True, ttft=0.030, timing=timed, start_unix=1000.0)) == {}
+    )
+
+
+def test_stream_back_parts_from_the_worker_and_relay_times():
+    """The first token held by decode's loop at 1000.029 (client start 1000.0 + to_worker 3
+    ms + decode's 23.5 ms path + 2 ms notice + 1 ms out... = the client's 30 ms TTFT minus
+    stream_back): its SSE chunk out at +0.2 ms, the relay took it at +0.5 ms and rendered
+    it at +0.6 ms, the client had it at 1000.030; the parts add up to stream_back."""
+    decode = {**PD_TIMING["decode"], "start_unix": 1000.003}
+    r = StreamResult(ok=True, ttft=0.030, start_unix=1000.0, timing={**PD_TIMING, "decode": decode})
+    stream_back = ttft_stages(r)["stream_back"]
+    held = 1000.030 - stream_back
+    chunk, t_in, t_out = held + 0.0002, held + 0.0005, held + 0.0006
+    r.timing["decode"] = {**decode, "first_chunk_unix": chunk}
+    r.timing["relay"] = {"first_chunk_in_unix": t_in, "first_chunk_out_unix": t_out}
+    parts = stream_back_parts(r)
+    assert parts["sse_write"] == pytest.approx(0.0002, abs=1e-7)
+    assert parts["relay_in"] == pytest.approx(0.0003, abs=1e-7)
+    assert parts["relay"] == pytest.approx(0.0001, abs=1e-7)
+    assert parts["to_client"] == pytest.approx(stream_back - 0.0006, abs=1e-7)
+    assert sum(parts.values()) == pytest.approx(stream_back)
+    assert set(stage_stats([r])) >= {"stream_back", "sse_write", "relay_in", "relay", "to_client"}
+    # a worker answering directly (no router): its chunk, then the way to the client
+    del r.timing["relay"]
+    assert stream_back_parts(r) == pytest.approx(
+        {"sse_write": 0.0002, "to_client": stream_back - 0.0002}, abs=1e-7
+    )
 
 
 def test_mixed_stages_and_missing_blocks():

@@ -252,7 +252,10 @@ def test_streamed_chat_is_one_trace_over_three_processes(cluster):
     timing = next(
         c["choices"][0]["timing"] for c in chunks if c["choices"] and "timing" in c["choices"][0]
     )
-    assert set(timing) == {"prefill", "decode"}
+    assert set(timing) == {"prefill", "decode", "relay"}  # relay: the router's first chunk
+    relay = timing["relay"]
+    assert timing["decode"]["first_chunk_unix"] <= relay["first_chunk_in_unix"] + 0.001
+    assert relay["first_chunk_in_unix"] <= relay["first_chunk_out_unix"]
     assert timing["prefill"]["phases"]["prefill"] > 0
     assert timing["decode"]["phases"]["kv_transfer"] > 0
     assert timing["prefill"]["transfer_gbps"] > 0
@@ -406,12 +409,17 @@ def test_bench_serve_breaks_ttft_down_by_stage(cluster, tmp_path, capsys):
     stages = {"prefill", "kv_transfer", "decode_wait", "kv_notice", "first_token_out"}
     assert stages | {"to_worker", "stream_back"} <= set(pd)
     assert pd["to_worker"]["median_ms"] > 0  # client and workers share this host's clock
+    # stream_back's parts: decode's first SSE chunk, the HTTP hop, the relay, the client;
+    # the mixed worker answers the client itself
+    assert {"sse_write", "relay_in", "relay", "to_client"} <= set(pd)
+    assert {"sse_write", "to_client"} <= set(mixed) and "relay" not in mixed
+    assert all(pd[k]["median_ms"] >= 0 for k in ("sse_write", "relay_in", "relay", "to_client"))
     assert "prefill" in mixed and "kv_transfer" not in mixed
     assert pd["prefill"]["count"] == 4 and pd["prefill"]["p99_ms"] >= pd["prefill"]["median_ms"]
     grown = entry["grew_most"]["stage"]
     assert f"stage that grew most, target vs compare (main closed loop): {grown}" in stdout
     for record in doc["series"][0]["requests"]:
-        assert set(record["timing"]) == {"prefill", "decode"}
+        assert set(record["timing"]) == {"prefill", "decode", "relay"}  # relay: the router's
     png = tmp_path / "pd.phases.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -144,6 +144,7 @@ def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
 
     config = triton_backend.DecodeConfig(*cfg)
     monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    monkeypatch.setattr(triton_backend, "eager_config", lambda c: c)  # odd splits too (graphs)
     args = _random_step([1, 1, 1], [1, 70, 300], page_size, 8, 2, 32, 128, torch.float32, 4, True)
     ref, _, _ = _attend("torch_sdpa", *args, page_size)
     backend = get_attention_backend("triton")
@@ -154,6 +155,25 @@ def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
         assert (out - ref).abs().max().item() < 1e-5
     assert plan.config == config
     assert (plan.mid_o is None) == (config.splits == 1)
+
+
+def test_eager_decode_configs_are_a_fixed_set():
+    """An eager step's decode configuration (rows x longest context x total) is one of the
+    few ``eager_decode_configs`` that start-up compiles: the split count is a compile-time
+    constant, and 1 row of 512..640 tokens used to give 8, 9 or 10 splits."""
+    from pdserve.model.triton_backend import decode_config, eager_config, eager_decode_configs
+
+    allowed = set(eager_decode_configs())
+    assert len(allowed) == 19
+    seen = set()
+    for rows in (1, 2, 3, 5, 8, 13, 24, 32, 50, 64, 100, 256):
+        for longest in (1, 17, 64, 65, 300, 513, 600, 640, 1024, 1025, 3000, 4096, 40000):
+            for total in (longest, longest * rows):
+                cfg = eager_config(decode_config(rows, 8, 128, longest, total))
+                assert cfg in allowed, (rows, longest, total, cfg)
+                seen.add(cfg)
+    assert len(seen) >= 12  # the set is what the rule gives, not a superset far from it
+    assert eager_config(decode_config(1, 8, 128, 600, 600)).splits == 16  # 10, rounded up
 
 
 @pytest.mark.timeout(300)
@@ -175,6 +195,7 @@ def test_triton_decode_splits_gqa_and_lengths_match_sdpa(cfg, s_lens, hkv, monke
 
     config = triton_backend.DecodeConfig(*cfg)
     monkeypatch.setattr(triton_backend, "decode_config", lambda *a: config)
+    monkeypatch.setattr(triton_backend, "eager_config", lambda c: c)  # odd splits too (graphs)
     monkeypatch.setattr(triton_backend, "_BALANCE_BLOCK_B", 2)  # the total: a loop of 2
     args = _random_step([1] * len(s_lens), s_lens, 16, 8, hkv, 32, 128, torch.float32, 5, True)
     ref, _, _ = _attend("torch_sdpa", *args, 16)
@@ -306,6 +327,8 @@ def test_paged_kernels_compile_one_variant_for_every_page_table_width():
         else:  # under TRITON_INTERPRET=1: the decorator's arguments as given
             unspecialised = set(kernel.kwargs["do_not_specialize"])
         expected = (
-            {"s_tb", "num_rows"} if kernel is triton_kernels.decode_split_kernel else {"s_tb"}
+            {"s_tb", "num_rows"}
+            if kernel is triton_kernels.decode_split_kernel
+            else {"s_tb", "row0"}  # a mixed step's leading decode rows: an offset
         )
         assert unspecialised == expected, kernel

@@ -67,6 +67,13 @@ def test_a_workers_cumulative_counts_are_counters_with_total_samples(worker):  #
     assert gc_fams["pause_seconds"].type == "histogram"
     info = httpx.get(worker.url + "/get_server_info", timeout=30).json()["gc"]
     assert info["frozen_objects"] > 10_000 and info["pause_seconds"]["count"] >= 0
+    # Triton compilations (pdserve/triton_watch.py; on CPU nothing compiles) and the
+    # start-up warm-up (engine/core/warmup.py) that ran before /health said ready
+    assert fams["pdserve_triton_compilations_after_startup"].type == "counter"
+    assert fams["pdserve_triton_compilations_after_startup"].samples[0].value == 0
+    server = httpx.get(worker.url + "/get_server_info", timeout=30).json()
+    assert server["triton"]["compilations_after_startup"] == 0, server["triton"]
+    assert server["warmup"]["steps"] == 2, server["warmup"]
     # no gauge of the worker is a count since start
     for name, fam in fams.items():
         if name.startswith("pdserve_") and fam.type == "gauge":
