@@ -15,8 +15,9 @@ that do not fit in L2 (random bf16 weights x 0.02, quantized per channel):
    activation quantization (``scaled_mm_torchq``: issue 26's first measurement), and the
    quantization alone (``quant_us``, ``quant_torch_us``);
 3. ``engine``: the fastest candidate that passed 1 (``fp8.choose_paths`` takes the fastest
-   of the same candidates with the same timer), and the four-linears x 32-layers table in
-   ms: bf16, the best of each kind, the engine's choice.
+   of the same candidates with the same timer, after its own looser check), and the
+   four-linears x 32-layers table in ms: bf16, the best of each kind, the engine's choice;
+   ``paths_table``: ``fp8.PATHS`` as this run's picks would fill it.
 
 Writes ``$OUT/fp8_kernels2.json`` after each shape (a cut run keeps what it measured) and
 prints a compact table at the end. ``--smoke``: tiny shapes, 1-4 rows (a check of the
@@ -95,7 +96,12 @@ def shape_rows(n: int, k: int, rows: tuple[int, ...], copies: int) -> dict:
                     row["failed"][name] = f"err {err:.3g}"
                     continue
                 us = fp8.time_us([lambda w=w, p=path, x=x: fp8.run_path(p, x, w, None) for w in qw])
-                row["paths"][name] = {"us": us, "err": err, "kind": path[0]}
+                row["paths"][name] = {
+                    "us": us,
+                    "err": err,
+                    "kind": path[0],
+                    "path": [path[0], None if path[1] is None else list(path[1])],
+                }
             except Exception as exc:  # noqa: BLE001 a tile Triton cannot build, cuBLAS refuses
                 row["failed"][name] = f"{type(exc).__name__}: {exc}"[:300]
                 torch.cuda.synchronize()
@@ -116,6 +122,7 @@ def shape_rows(n: int, k: int, rows: tuple[int, ...], copies: int) -> dict:
         if row["paths"]:
             eng = min(row["paths"].items(), key=lambda kv: kv[1]["us"])
             row["engine"], row["engine_us"] = eng[0], eng[1]["us"]
+            row["engine_path"] = eng[1]["path"]
             row["engine_gbps"] = n * k / (eng[1]["us"] * 1e3)
         row["seconds"] = time.perf_counter() - t0
         entry[str(m)] = row
@@ -167,6 +174,16 @@ def main() -> int:
                 t[key] = None if v is None or t.get(key, 0.0) is None else t.get(key, 0.0) + v
         totals[str(m)] = {key: None if v is None else 32 * v / 1e3 for key, v in t.items()}
     res["four_linears_x32_ms"] = totals
+    # fp8.PATHS as this run would fill it (fp8.choose_paths picks the same way, per process):
+    # (N, K) -> ((rows, (kind, config)), ...), for a measured table seeding PATHS
+    res["paths_table"] = {
+        f"{n},{k}": [
+            [int(m), r["engine_path"]]
+            for m, r in sorted(res["shapes"][s]["rows"].items(), key=lambda kv: int(kv[0]))
+            if "engine_path" in r
+        ]
+        for s, (n, k) in SHAPES.items()
+    }
     _dump(res)
     cols = ["bf16", "engine", "gemv", "w8a8", "scaled_mm", "w8a16", "scaled_mm_torchq"]
     print("four linears x 32 layers, ms (engine = fastest correct candidate per shape)")

@@ -49,6 +49,7 @@ quantized per token whatever the checkpoint says.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -653,6 +654,20 @@ def candidate_paths(m: int, n: int, k: int) -> list[Path]:
     return paths
 
 
+# A candidate whose output is further than this from ``x @ real(w).T`` (largest |error| ÷
+# largest |output|) is not chosen: per-token e4m3 activations cost ~0.02-0.035 on random
+# weights (issue 26's H200 figures); a kernel that computes garbage is far above.
+CHOICE_MAX_ERROR = 0.1
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in fp32 (a float; inf when ref is all zero and out
+    is not)."""
+    diff = (out.float() - ref.float()).abs().max()
+    scale = ref.float().abs().max()
+    return float(diff / scale) if float(scale) > 0 else (0.0 if float(diff) == 0 else math.inf)
+
+
 def _time_path(path: Path, fns: Sequence[Any]) -> float:
     return time_us(fns)
 
@@ -668,7 +683,8 @@ def choose_paths(
     CUDA graph, over up to ``copies`` weights of that shape so that L2 does not hold them)
     and record the fastest per row count in :data:`PATHS`, which :func:`linear` reads.
     Returns what it recorded. A candidate that fails (a tile Triton cannot build, a shape
-    cuBLAS refuses) is logged and left out; a shape where all fail keeps
+    cuBLAS refuses, an output further than :data:`CHOICE_MAX_ERROR` from the dequantized
+    product) is logged and left out; a shape where all fail keeps
     :func:`default_path`. timer: ``timer(path, fns) -> µs`` (default :func:`time_us` of
     fns; tests pass their own). Weights on CUDA only (the caller checks)."""
     by_shape: dict[tuple[int, int], list[Fp8Weight]] = {}
@@ -682,11 +698,16 @@ def choose_paths(
     for (n, k), ws in by_shape.items():
         entries: list[tuple[int, Path]] = []
         timings: dict[int, dict[str, float]] = {}
+        real = ws[0].dequantize(torch.float32)
         for m in sorted(rows):
             x = torch.randn(m, k, device=ws[0].weight.device, dtype=torch.bfloat16)
+            ref = x.float() @ real.T
             best: tuple[float, Path] | None = None
             for path in candidate_paths(m, n, k):
                 try:
+                    err = relative_error(run_path(path, x, ws[0], None), ref)
+                    if not err < CHOICE_MAX_ERROR:
+                        raise ValueError(f"wrong result: error {err:.3g} of the largest output")
                     us = timer(path, [lambda w=w, p=path, x=x: run_path(p, x, w, None) for w in ws])
                 except Exception as exc:  # noqa: BLE001 leave this candidate out
                     logger.warning(

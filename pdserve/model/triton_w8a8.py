@@ -245,20 +245,20 @@ def _split_for(programs: int, k: int, bk: int) -> int:
 def candidate_configs(m: int, n: int, k: int) -> list[W8a8Config]:
     """The w8a8 tiles :func:`pdserve.model.fp8.choose_paths` times for ``m`` rows of an
     ``[n, k]`` weight: up to 64 rows swapped tiles ``[64 | 128 weight rows, BLOCK_M]``
-    (BLOCK_M the power of two >= m, at least 16), each whole and split along K when the
-    tiles leave SMs idle; from 65 rows ``[64 | 128, 128]`` row tiles and a swapped
-    ``[128, 64]`` tile, likewise."""
+    (BLOCK_M the power of two >= m, at least 16; BLOCK_K 128, and 256 for the 64-row tile),
+    each whole and split along K when the tiles leave SMs idle; from 65 rows ``[64 | 128,
+    128]`` row tiles and a swapped ``[128, 64]`` tile, likewise."""
     out: list[W8a8Config] = []
-    bk = 128
     if m <= 64:
         bm = max(MIN_BLOCK, triton.next_power_of_2(m))
-        tiles = [(bm, 64, True, 4), (bm, 128, True, 4)]
+        tiles = [(bm, 64, 128, True, 4), (bm, 128, 128, True, 4), (bm, 64, 256, True, 4)]
     else:
-        tiles = [(64, 128, False, 4), (128, 128, False, 8), (64, 128, True, 4)]
-    for bm, bn, swap, warps in tiles:
+        tiles = [(64, 128, 128, False, 4), (128, 128, 128, False, 8), (64, 128, 128, True, 4)]
+    for bm, bn, bk, swap, warps in tiles:
         programs = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        stages = 4 if bm * bn * bk <= 64 * 64 * 256 else 3
         for split in sorted({1, _split_for(programs, k, bk)}):
-            out.append(("w8a8", bm, bn, bk, split, swap, warps, 4 if bm * bn <= 8192 else 3))
+            out.append(("w8a8", bm, bn, bk, split, swap, warps, stages))
     return out
 
 
