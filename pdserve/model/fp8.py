@@ -36,10 +36,10 @@ rank's columns: finer than TP 1's, and not the same numbers.
 
 Matmul (:func:`linear`): on CPU the weight is dequantized to the activations' dtype and
 multiplied (correct, not fast). On CUDA, a one-group weight under bf16 activations runs one
-of four paths (:data:`Path`), chosen per shape and row count when the model loads by timing
-them on the card (:func:`choose_paths`): the one-row FP8 GEMV and the w8a8 Triton GEMM of
-:mod:`pdserve.model.triton_w8a8`, ``torch._scaled_mm``, or the w8a16 kernel of
-:mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers); ``w8a8`` and
+of five paths (:data:`Path`), chosen per shape and row count when the model loads by timing
+them on the card (:func:`choose_paths`): the one-row FP8 GEMV, the w8a8 Triton GEMM and its
+tiles on bf16 activations of :mod:`pdserve.model.triton_w8a8`, ``torch._scaled_mm``, or the
+w8a16 kernel of :mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers); ``w8a8`` and
 ``_scaled_mm`` quantize the activations per token (:func:`quantize_rows`: one Triton
 launch on CUDA). Block-scaled weights and other activation dtypes run the w8a16 kernel.
 Static ``input_scale`` values are read and kept (``Fp8Weight``) but the activations are
@@ -499,11 +499,12 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 # A path of ``linear`` for one-group weights under bf16 activations on CUDA: (kind, config)
 # with kind ``scaled_mm`` (torch._scaled_mm, activations quantized per token by
 # triton_w8a8.quantize_rows; config None), ``w8a8`` (triton_w8a8.w8a8, same activations;
-# config a triton_w8a8.W8a8Config), ``gemv`` (one row, bf16 activations;
-# triton_w8a8.GemvConfig) or ``w8a16`` (triton_fp8.fp8_matmul, bf16 activations; its
-# Config, None for its own choice).
+# config a triton_w8a8.W8a8Config), ``w8a16s`` (triton_w8a8.linear_w8a16: the w8a8 kernel's
+# tiles on bf16 activations, the weight tile converted in registers; a W8a8Config), ``gemv``
+# (one row, bf16 activations; triton_w8a8.GemvConfig) or ``w8a16`` (triton_fp8.fp8_matmul,
+# bf16 activations; its Config, None for its own choice).
 Path = tuple[str, Any]
-PATH_KINDS = ("scaled_mm", "w8a8", "gemv", "w8a16")
+PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16")
 # (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
 # the first entry whose largest M is >= M. Filled at start on CUDA for the model's shapes by
 # :func:`choose_paths` (each path timed on the card at :data:`PROBE_ROWS`); a shape it does
@@ -577,11 +578,13 @@ def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | Non
     kind, config = path
     if kind == "scaled_mm":
         return scaled_mm(x, w, bias)
-    if kind in ("w8a8", "gemv"):
+    if kind in ("w8a8", "w8a16s", "gemv"):
         from pdserve.model import triton_w8a8
 
         if kind == "gemv":
             return triton_w8a8.gemv(x, w.weight, w.scale, bias, config)
+        if kind == "w8a16s":
+            return triton_w8a8.linear_w8a16(x, w.weight, w.scale, bias, config)
         return triton_w8a8.linear_w8a8(x, w.weight, w.scale, bias, config)
     if kind == "w8a16":
         from pdserve.model import triton_fp8
@@ -640,15 +643,20 @@ def time_us(fns: Sequence[Any], reps: int = 24) -> float:
 
 def candidate_paths(m: int, n: int, k: int) -> list[Path]:
     """The paths :func:`choose_paths` times for ``m`` rows of an ``[n, k]`` one-group
-    weight: the w8a16 kernel's own choice; at one row the gemv in three tiles; w8a8 tiles
-    (:func:`pdserve.model.triton_w8a8.candidate_configs`); ``_scaled_mm`` from 16 rows on
-    when N and K are multiples of 16."""
+    weight: the w8a16 kernel's own choice; at one row the gemv tiles
+    (:data:`pdserve.model.triton_w8a8.GEMV_CANDIDATES`); w8a8 tiles
+    (:func:`pdserve.model.triton_w8a8.candidate_configs`), the first two of them (64 weight
+    rows, K whole or split) on bf16 activations too (``w8a16s``) from 2 to 64 rows;
+    ``_scaled_mm`` from 16 rows on when N and K are multiples of 16."""
     from pdserve.model import triton_w8a8
 
     paths: list[Path] = [("w8a16", None)]
     if m == 1:
         paths += [("gemv", c) for c in triton_w8a8.GEMV_CANDIDATES]
-    paths += [("w8a8", c) for c in triton_w8a8.candidate_configs(m, n, k)]
+    tiles = triton_w8a8.candidate_configs(m, n, k)
+    paths += [("w8a8", c) for c in tiles]
+    if 2 <= m <= 64:
+        paths += [("w8a16s", c) for c in tiles[:2]]
     if m >= 16 and n % 16 == 0 and k % 16 == 0:
         paths.append(("scaled_mm", None))
     return paths

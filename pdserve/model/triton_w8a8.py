@@ -15,6 +15,8 @@ issue 26's H200 figures asked for (the CPU tests run them under ``TRITON_INTERPR
           K-contiguous, as FP8 wgmma wants). K may be cut into ``SPLIT`` slices whose fp32
           partials a second kernel sums in slice order (deterministic) when the tiles alone
           leave SMs idle.
+``w8a16`` (:func:`linear_w8a16`) the same tiles on bf16/fp16 activations, not quantized:
+          the weight tile is converted to their dtype in registers (16-bit tensor cores).
 ``gemv``  one row, bf16/fp16/fp32 activations (no activation quantization): each program
           owns ``BLOCK_N`` weight rows, walks K in ``BLOCK_K`` tiles read as e4m3 (unmasked
           along K when ``BLOCK_K`` divides K, so the loads stay 16-byte wide), multiplies in
@@ -152,6 +154,7 @@ def _w8a8_kernel(
     s_om,
     s_os,
     HAS_BIAS: tl.constexpr,
+    A8: tl.constexpr,
     PARTIAL: tl.constexpr,
     SWAP: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -163,8 +166,10 @@ def _w8a8_kernel(
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits)``: ``o[m, n] = (sum_k x[m, k]
     w[n, k]) * xs[m] * ws[n] (+ b[n])`` over K slice ``program_id(2)`` (``K_SPLIT`` columns,
-    a multiple of BLOCK_K). ``PARTIAL``: store the scaled fp32 sum at ``o + slice * s_os``
-    (no bias; the reduce kernel adds it). ``EVEN_K``: BLOCK_K divides K (no K masks)."""
+    a multiple of BLOCK_K). ``A8``: x is e4m3 with per-row scales xs; else x is bf16/fp16
+    (no xs: 1), the weight tile converted to x's dtype in registers. ``PARTIAL``: store the
+    scaled fp32 sum at ``o + slice * s_os`` (no bias; the reduce kernel adds it).
+    ``EVEN_K``: BLOCK_K divides K (no K masks)."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -199,12 +204,17 @@ def _w8a8_kernel(
             else:
                 acc += tl.dot(xf, tl.trans(wf), input_precision="ieee")
         else:
+            if not A8:
+                w = w.to(x.dtype)
             if SWAP:
                 acc = tl.dot(w, tl.trans(x), acc)
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
     ws = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
-    xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
+    if A8:
+        xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
+    else:
+        xs = tl.full([BLOCK_M], 1.0, tl.float32)
     if SWAP:
         out = acc * ws[:, None] * xs[None, :]  # [BLOCK_N, BLOCK_M]
         offs = rm[None, :] * s_om + rn[:, None]
@@ -264,7 +274,7 @@ def candidate_configs(m: int, n: int, k: int) -> list[W8a8Config]:
 
 def w8a8(
     xq: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -273,7 +283,9 @@ def w8a8(
 ) -> torch.Tensor:
     """``(xq [M, K] e4m3 * x_scale [M, 1]) @ (w [N, K] e4m3 * w_scale [N] or [N, 1]).T +
     bias [N]`` -> ``[M, N]`` in ``out_dtype``, on the FP8 tensor cores (fp32 accumulation;
-    the scales and the bias applied in fp32 before the one rounding). config: a
+    the scales and the bias applied in fp32 before the one rounding). With ``x_scale``
+    None, xq is bf16/fp16 activations (not quantized) and the weight tiles are converted
+    to their dtype in registers (16-bit tensor cores: :func:`linear_w8a16`). config: a
     :data:`W8a8Config` (default :func:`default_w8a8_config`). ValueError for a tile under
     16 (Triton cannot build that ``tl.dot`` on CUDA) or a kind other than ``w8a8``."""
     M, K = xq.shape
@@ -293,7 +305,7 @@ def w8a8(
     opts = pdl.launch_options(xq)
     _w8a8_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         xq,
-        x_scale,
+        x_scale if x_scale is not None else w_scale,
         w,
         w_scale,
         b,
@@ -307,6 +319,7 @@ def w8a8(
         N,
         M * N,
         HAS_BIAS=bias is not None,
+        A8=x_scale is not None,
         PARTIAL=split > 1,
         SWAP=swap,
         EVEN_K=K % bk == 0,
@@ -346,6 +359,21 @@ def linear_w8a8(
     ``[M, N]`` in x's dtype."""
     xq, xs = quantize_rows(x)
     return w8a8(xq, xs, w, w_scale, bias, x.dtype, config)
+
+
+def linear_w8a16(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: W8a8Config | None = None,
+) -> torch.Tensor:
+    """``x [M, K] bf16/fp16 @ (w [N, K] e4m3 * w_scale).T + bias`` with the :func:`w8a8`
+    kernel's tiles, x not quantized (the weight tile converted to x's dtype in registers;
+    swapped tiles put the weight on the MMA's 64-row side): ``[M, N]`` in x's dtype."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"linear_w8a16 takes bf16/fp16 activations, got {x.dtype}")
+    return w8a8(x, None, w, w_scale, bias, x.dtype, config)
 
 
 @triton.jit
