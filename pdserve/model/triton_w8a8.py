@@ -47,10 +47,11 @@ W8a8Config = tuple[str, int, int, int, int, bool, int, int]
 # (kind "gemv", BLOCK_N, BLOCK_K, num_warps, num_stages)
 GemvConfig = tuple[str, int, int, int, int]
 MIN_BLOCK = 16  # tl.dot's smallest tile side on CUDA
-# fp8 tl.dot cannot run in Triton's CPU interpreter (numpy has no e4m3): there the w8a8
-# kernel upcasts both tiles to fp32 and multiplies in IEEE fp32, which gives the same sums
-# (an e4m3 x e4m3 product is exact in fp32). Read once: the interpreter is chosen per process.
-_EMULATE = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's CPU interpreter runs the e4m3 tl.dot (and fp16's) right but not bf16's (errors
+# of 1e8 on unit-sized inputs, triton 3.9): there the bf16 tiles of linear_w8a16 are upcast
+# to fp32 and multiplied in IEEE fp32 (the same products: bf16 x bf16 is exact in fp32).
+# Read once: the interpreter is chosen per process.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -196,20 +197,15 @@ def _w8a8_kernel(
             kmask = kk < k_hi
             w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        if EMULATE:
-            wf = w.to(tl.float32)
-            xf = x.to(tl.float32)
-            if SWAP:
-                acc += tl.dot(wf, tl.trans(xf), input_precision="ieee")
-            else:
-                acc += tl.dot(xf, tl.trans(wf), input_precision="ieee")
+        if EMULATE:  # the interpreter, bf16 activations: fp32 tiles (see _INTERPRET)
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        elif not A8:
+            w = w.to(x.dtype)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
         else:
-            if not A8:
-                w = w.to(x.dtype)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc)
     ws = tl.load(ws_ptr + rn, mask=nmask, other=0.0)
     if A8:
         xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
@@ -323,7 +319,7 @@ def w8a8(
         PARTIAL=split > 1,
         SWAP=swap,
         EVEN_K=K % bk == 0,
-        EMULATE=_EMULATE,
+        EMULATE=_INTERPRET and x_scale is None and xq.dtype == torch.bfloat16,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -5,9 +5,10 @@ themselves on CUDA) and ``fp8.linear``'s paths over them:
   ``fp8.quantize_rows_torch``: scales and e4m3 values, ties to even, zero rows, -0, K
   over one tile;
 - ``w8a8`` (e4m3 x e4m3, per-token x per-channel scales, bias) against the dequantized
-  product in fp32, swapped and plain tiles, split K, ragged N, K and M. On CPU the kernel's
-  ``EMULATE`` branch runs (the interpreter cannot run an e4m3 ``tl.dot``: both tiles are
-  upcast to fp32, which gives the same products); on CUDA the FP8 tensor cores run;
+  product in fp32, swapped and plain tiles, split K, ragged N, K and M (the interpreter
+  runs the e4m3 ``tl.dot``; on CUDA the FP8 tensor cores run); the same tiles on fp16 and
+  bf16 activations (``linear_w8a16``; on CPU bf16 through the kernel's fp32 ``EMULATE``
+  branch, the interpreter's bf16 dot being wrong);
 - the one-row ``gemv`` against the dequantized weight;
 - ``fp8.path_for`` / ``choose_paths`` (with a timer of the test's: real timing needs a GPU)
   and ``fp8.linear`` through each Triton path.
@@ -93,11 +94,14 @@ def test_w8a8_matches_dequantized(m, config, k):
     assert out.dtype == torch.bfloat16
     ref = _w8a8_ref(xq, xs, w, bias)
     assert (out.float().cpu() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
-    # the same tiles on bf16 activations (not quantized): x @ real(w).T
-    out16 = triton_w8a8.linear_w8a16(x, w.weight, w.scale, bias, config)
-    ref16 = x.float().cpu() @ w.dequantize().cpu().T + bias.float().cpu()
-    assert out16.dtype == torch.bfloat16 and out16.shape == (m, n)
-    assert (out16.float().cpu() - ref16).abs().max().item() < 1e-2 * ref16.abs().max().item()
+    # the same tiles on 16-bit activations (not quantized): x @ real(w).T
+    for dt in (torch.bfloat16, torch.float16):
+        xh, bh = x.to(dt), bias.to(dt)
+        out16 = triton_w8a8.linear_w8a16(xh, w.weight, w.scale, bh, config)
+        ref16 = xh.float().cpu() @ w.dequantize().cpu().T + bh.float().cpu()
+        assert out16.dtype == dt and out16.shape == (m, n)
+        err = (out16.float().cpu() - ref16).abs().max().item()
+        assert err < 1e-2 * ref16.abs().max().item()
     with pytest.raises(ValueError, match="bf16/fp16"):
         triton_w8a8.linear_w8a16(x.float(), w.weight, w.scale, bias, config)
 
