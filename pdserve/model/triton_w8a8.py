@@ -232,8 +232,8 @@ def _w8a8_kernel(
 def default_w8a8_config(m: int, n: int, k: int) -> W8a8Config:
     """A w8a8 tile for ``m`` rows of an ``[n, k]`` weight where none was measured: swapped
     ``[64, BLOCK_M]`` tiles up to 64 rows (BLOCK_M the power of two >= m, at least 16),
-    else ``[64, 128]`` row tiles; BLOCK_K 128; K split in up to 4 when the tiles make fewer
-    than 264 programs (two per SM of an H200)."""
+    else ``[64, 128]`` row tiles; BLOCK_K 128; K split (:func:`_split_for`) when the tiles
+    make fewer than 264 programs (two per SM of an H200)."""
     if m <= 64:
         bm, bn, swap = max(MIN_BLOCK, triton.next_power_of_2(m)), 64, True
     else:
@@ -244,8 +244,12 @@ def default_w8a8_config(m: int, n: int, k: int) -> W8a8Config:
 
 def _split_for(programs: int, k: int, bk: int) -> int:
     """K slices for a grid of ``programs`` tiles: 1 from 264 programs (two per SM of an H200)
-    or under 4 K tiles, else up to 4."""
-    return 1 if programs >= 264 or k < 4 * bk else min(4, triton.cdiv(264, programs))
+    or under 4 K tiles, else the power of two <= ``264 / programs`` (rounded up), at most 8
+    and at most ``k / (2 bk)`` (each slice two K tiles at least)."""
+    if programs >= 264 or k < 4 * bk:
+        return 1
+    want = min(8, triton.cdiv(264, programs), k // (2 * bk))
+    return 1 << (want.bit_length() - 1)
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[W8a8Config]:
