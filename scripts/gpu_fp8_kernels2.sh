@@ -21,8 +21,8 @@ OUT=$(realpath "$OUT")
 export OUT
 . scripts/gpu_setup.sh
 echo "== FP8 kernel tests on CUDA ($SECONDS s)"
-timeout 55 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_w8a8.py 2>&1 \
+timeout 65 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_w8a8.py 2>&1 \
     | tail -15 | tee "$OUT/fp8_tests2.txt"
 echo "== kernels ($SECONDS s)"
-timeout 130 $PY scripts/gpu_fp8_kernels2.py 2>&1 | tail -60
+timeout 120 $PY scripts/gpu_fp8_kernels2.py 2>&1 | tail -60
 echo "== end at $SECONDS s"
