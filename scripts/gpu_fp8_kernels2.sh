@@ -21,8 +21,10 @@ OUT=$(realpath "$OUT")
 export OUT
 . scripts/gpu_setup.sh
 echo "== FP8 kernel tests on CUDA ($SECONDS s)"
-timeout 65 $PY -m pytest -x -q -p no:cacheprovider tests/model/test_triton_w8a8.py 2>&1 \
-    | tail -15 | tee "$OUT/fp8_tests2.txt"
+timeout 65 $PY -m pytest -q -rf -p no:cacheprovider tests/model/test_triton_w8a8.py \
+    > "$OUT/fp8_tests2.txt" 2>&1
+echo "pytest exit $? (124: cut by its timeout)"
+tail -25 "$OUT/fp8_tests2.txt"
 echo "== kernels ($SECONDS s)"
 timeout 120 $PY scripts/gpu_fp8_kernels2.py 2>&1 | tail -60
 echo "== end at $SECONDS s"
