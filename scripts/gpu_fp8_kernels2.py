@@ -19,8 +19,10 @@ that do not fit in L2 (random bf16 weights x 0.02, quantized per channel):
    four-linears x 32-layers table in ms: bf16, the best of each kind, the engine's choice;
    ``paths_table``: ``fp8.PATHS`` as this run's picks would fill it.
 
-Writes ``$OUT/fp8_kernels2.json`` after each shape (a cut run keeps what it measured) and
-prints a compact table at the end. ``--smoke``: tiny shapes, 1-4 rows (a check of the
+Writes ``$OUT/fp8_kernels2.json`` after each row count (a cut run keeps what it measured),
+at the end ``$OUT/fp8_paths_table.py`` (``pdserve/model/fp8_paths_table.py`` filled with
+this run's picks: copy it there, then ``ruff format`` it, for the same paths in every process
+on that card) and a compact table. ``--smoke``: tiny shapes, 1-4 rows (a check of the
 script itself; needs CUDA too).
 """
 
@@ -188,6 +190,32 @@ def main() -> int:
         for s, (n, k) in SHAPES.items()
     }
     _dump(res)
+    table = {
+        (res["device"], n, k): tuple(
+            (m, (path[0], None if path[1] is None else tuple(path[1])))
+            for m, path in res["paths_table"][f"{n},{k}"]
+        )
+        for n, k in SHAPES.values()
+    }
+    with open(os.path.join(OUT, "fp8_paths_table.py"), "w") as f:
+        f.write(
+            f'''"""FP8 linear paths measured on a GPU: ``(device name, N, K) -> ((largest M, (kind,
+config)), ...)`` ascending in M, the form of :data:`pdserve.model.fp8.PATHS`. A shape listed
+here for the card the model loads on is not timed at start (:func:`pdserve.model.fp8.choose_paths`
+copies the entry), so every process on that kind of card takes the same paths (a prefill and a
+decode worker compute the same numbers as a mixed one); a shape not listed is timed.
+
+Written by ``scripts/gpu_fp8_kernels2.py`` on {res["device"]} (torch {res["torch"]}, Triton
+{res["triton"]}; every timing in its ``fp8_kernels2.json``); do not edit by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, Any]], ...]] = {table!r}
+'''
+        )
     cols = ["bf16", "engine", "gemv", "w8a8", "w8a16s", "scaled_mm", "w8a16", "scaled_mm_torchq"]
     print("four linears x 32 layers, ms (engine = fastest correct candidate per shape)")
     print("rows " + " ".join(f"{c:>9s}" for c in cols))

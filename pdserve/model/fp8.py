@@ -687,7 +687,8 @@ def choose_paths(
     timer: Any = _time_path,
 ) -> dict[tuple[int, int], tuple[tuple[int, Path], ...]]:
     """At start, on CUDA: for each one-group weight shape ``(N, K)`` that :data:`PATHS` does
-    not list, time every :func:`candidate_paths` at each of ``rows`` (bf16 activations, in a
+    not list, the measured entry of :data:`pdserve.model.fp8_paths_table.TABLE` for this
+    card when it has one; else time every :func:`candidate_paths` at each of ``rows`` (bf16 activations, in a
     CUDA graph, over up to ``copies`` weights of that shape so that L2 does not hold them)
     and record the fastest per row count in :data:`PATHS`, which :func:`linear` reads.
     Returns what it recorded. A candidate that fails (a tile Triton cannot build, a shape
@@ -695,6 +696,8 @@ def choose_paths(
     product) is logged and left out; a shape where all fail keeps
     :func:`default_path`. timer: ``timer(path, fns) -> µs`` (default :func:`time_us` of
     fns; tests pass their own). Weights on CUDA only (the caller checks)."""
+    from pdserve.model import fp8_paths_table
+
     by_shape: dict[tuple[int, int], list[Fp8Weight]] = {}
     for w in weights:
         n, k = w.weight.shape
@@ -704,6 +707,12 @@ def choose_paths(
                 group.append(w)
     chosen: dict[tuple[int, int], tuple[tuple[int, Path], ...]] = {}
     for (n, k), ws in by_shape.items():
+        dev = ws[0].weight.device
+        card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+        measured = fp8_paths_table.TABLE.get((card, n, k))
+        if measured is not None:
+            PATHS[(n, k)] = chosen[(n, k)] = measured
+            continue
         entries: list[tuple[int, Path]] = []
         timings: dict[int, dict[str, float]] = {}
         real = ws[0].dequantize(torch.float32)

@@ -248,7 +248,7 @@ def _split_for(programs: int, k: int, bk: int) -> int:
     and at most ``k / (2 bk)`` (each slice two K tiles at least)."""
     if programs >= 264 or k < 4 * bk:
         return 1
-    want = min(8, triton.cdiv(264, programs), k // (2 * bk))
+    want = min(8, -(-264 // programs), k // (2 * bk))
     return 1 << (want.bit_length() - 1)
 
 

@@ -234,3 +234,23 @@ def test_choose_paths_leaves_out_a_wrong_kernel(monkeypatch):
     chosen = fp8.choose_paths([_weight(64, 64)], rows=(1,), timer=timer)
     assert chosen[(64, 64)] == ((1, ("w8a16", None)),)
     assert "gemv" not in timed and "w8a16" in timed
+
+
+def test_measured_table_is_taken_without_timing(monkeypatch):
+    """A shape that fp8_paths_table lists for this card is copied into PATHS, not timed."""
+    from pdserve.model import fp8_paths_table
+
+    monkeypatch.setattr(fp8, "PATHS", {})
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    entry = ((1, ("gemv", ("gemv", 8, 512, 4, 1))), (64, ("w8a16", None)))
+    monkeypatch.setitem(fp8_paths_table.TABLE, (card, 64, 64), entry)
+    monkeypatch.setitem(fp8_paths_table.TABLE, ("another card", 48, 160), entry)
+
+    def timer(path, fns):
+        raise AssertionError("timed a listed shape")
+
+    assert fp8.choose_paths([_weight(64, 64)], timer=timer) == {(64, 64): entry}
+    assert fp8.path_for(1, 64, 64) == ("gemv", ("gemv", 8, 512, 4, 1))
+    timed: list[str] = []
+    fp8.choose_paths([_weight(48, 160)], rows=(1,), timer=lambda p, f: timed.append(p[0]) or 1.0)
+    assert timed  # listed for another card only: timed here
