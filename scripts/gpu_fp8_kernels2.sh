@@ -21,7 +21,7 @@ OUT=$(realpath "$OUT")
 export OUT
 . scripts/gpu_setup.sh
 echo "== FP8 kernel tests on CUDA ($SECONDS s)"
-timeout 65 $PY -m pytest -q -rf -p no:cacheprovider tests/model/test_triton_w8a8.py \
+timeout 65 $PY -m pytest -q -rf -m "not gpu" -p no:cacheprovider tests/model/test_triton_w8a8.py \
     > "$OUT/fp8_tests2.txt" 2>&1
 echo "pytest exit $? (124: cut by its timeout)"
 tail -25 "$OUT/fp8_tests2.txt"

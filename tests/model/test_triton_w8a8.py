@@ -254,3 +254,28 @@ def test_measured_table_is_taken_without_timing(monkeypatch):
     timed: list[str] = []
     fp8.choose_paths([_weight(48, 160)], rows=(1,), timer=lambda p, f: timed.append(p[0]) or 1.0)
     assert timed  # listed for another card only: timed here
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_choose_paths_times_on_the_gpu(monkeypatch):
+    """On CUDA, with the real timer (CUDA graphs): choose_paths records a path for each row
+    count from the timings of several kinds, and fp8.linear then agrees with the
+    dequantized product at those row counts and between them."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    monkeypatch.setattr(fp8, "PATHS", {})
+    monkeypatch.setattr(fp8, "PATH_TIMINGS", {})
+    ws = [_weight(512, 1024, seed=i) for i in range(3)]
+    chosen = fp8.choose_paths(ws, rows=(1, 4, 64))
+    assert [m for m, _ in chosen[(512, 1024)]] == [1, 4, 64]
+    timings = fp8.PATH_TIMINGS[(512, 1024)]
+    kinds = {p.split("'")[1] for row in timings.values() for p in row}
+    assert {"gemv", "w8a8", "w8a16s", "w8a16", "scaled_mm"} <= kinds
+    assert all(us > 0 for row in timings.values() for us in row.values())
+    g = torch.Generator().manual_seed(7)
+    for m in (1, 3, 4, 40, 64, 100):
+        x = torch.randn(m, 1024, generator=g).to(torch.bfloat16).cuda()
+        ref = x.float() @ ws[0].dequantize().T
+        err = fp8.relative_error(fp8.linear(x, ws[0], None), ref)
+        assert err < 0.05, (m, fp8.path_for(m, 512, 1024), err)
