@@ -202,7 +202,15 @@ def _w8a8_kernel(
             x = x.to(tl.float32)
         elif not A8:
             w = w.to(x.dtype)
-        if SWAP:
+        if A8:
+            # e4m3 dots on Hopper accumulate with fewer bits than fp32 inside the MMA: each
+            # K tile's sum is added to the fp32 accumulator (as _scaled_mm does without its
+            # fast-accumulation option)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
+        elif SWAP:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
