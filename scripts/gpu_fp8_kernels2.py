@@ -46,6 +46,10 @@ SHAPES = {  # Llama-3.1-8B: (N, K)
     "down_proj": (4096, 14336),
 }
 TABLE_ROWS = (1, 4, 16, 32, 64, 128, 256)
+T0 = time.perf_counter()
+# No row count is started past this many seconds (the .sh gives the script 120 s; a row of
+# all four shapes takes a few seconds once the kernels are compiled)
+BUDGET_S = float(os.environ.get("FP8_KERNELS2_BUDGET_S", "100"))
 # largest |error| / largest |ref| a path may show (the bf16 output's rounding is ~0.004)
 ERR_MAX = {kind: 0.01 for kind in fp8.PATH_KINDS}
 
@@ -65,82 +69,81 @@ def _name(path: fp8.Path) -> str:
     return kind if cfg is None else f"{kind}{list(cfg[1:])}"
 
 
-def shape_rows(n: int, k: int, rows: tuple[int, ...], copies: int, res: dict, name: str) -> dict:
-    """The rows of one shape, written into ``res["shapes"][name]`` and dumped after each."""
+def weights(n: int, k: int, copies: int) -> tuple[list, list, torch.Tensor]:
+    """``copies`` random bf16 weights ``[n, k]`` (x 0.02), their per-channel e4m3 forms and
+    the first one's dequantized fp32 weight."""
     dev = torch.device("cuda")
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     qw = [fp8.Fp8Weight(*fp8.quantize_per_channel(w), k) for w in w16]
-    deq = qw[0].dequantize(torch.float32)
-    entry: dict = {}
-    res["shapes"][name] = {"n": n, "k": k, "rows": entry}
-    for m in rows:
-        t0 = time.perf_counter()
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        row: dict = {"paths": {}, "failed": {}}
-        xq, xs = triton_w8a8.quantize_rows(x)
-        rq, rs = fp8.quantize_rows_torch(x)
-        row["quant_same_bits"] = bool(
-            torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
-        )
-        ref_x = x.float() @ deq.T
-        ref_q = (xq.float() * xs) @ deq.T
-        row["act_quant_err"] = _err(ref_q, ref_x)  # what per-token e4m3 activations cost
-        row["quant_us"] = fp8.time_us([lambda x=x: triton_w8a8.quantize_rows(x)])
-        row["quant_torch_us"] = fp8.time_us([lambda x=x: fp8.quantize_rows_torch(x)])
-        row["bf16_us"] = fp8.time_us([lambda w=w, x=x: F.linear(x, w) for w in w16])
-        cands = fp8.candidate_paths(m, n, k)
-        if ("scaled_mm", None) not in cands and n % 16 == 0 and k % 16 == 0:
-            cands.append(("scaled_mm", None))
-        for path in cands:
-            name = _name(path)
-            try:
-                out = fp8.run_path(path, x, qw[0], None)
-                torch.cuda.synchronize()
-                err = _err(out, ref_q if path[0] in ("w8a8", "scaled_mm") else ref_x)
-                if not err < ERR_MAX[path[0]]:
-                    row["failed"][name] = f"err {err:.3g}"
-                    continue
-                us = fp8.time_us([lambda w=w, p=path, x=x: fp8.run_path(p, x, w, None) for w in qw])
-                row["paths"][name] = {
-                    "us": us,
-                    "err": err,
-                    "kind": path[0],
-                    "path": [path[0], None if path[1] is None else list(path[1])],
-                }
-            except Exception as exc:  # noqa: BLE001 a tile Triton cannot build, cuBLAS refuses
-                row["failed"][name] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.synchronize()
-        if n % 16 == 0 and k % 16 == 0:
+    return w16, qw, qw[0].dequantize(torch.float32)
 
-            def old(w, x=x):
-                q, s = fp8.quantize_rows_torch(x)
-                return torch._scaled_mm(
-                    q, w.weight.t(), scale_a=s, scale_b=w.scale_row(), out_dtype=x.dtype
-                )
 
-            row["scaled_mm_torchq_us"] = fp8.time_us([lambda w=w: old(w) for w in qw])
-        best_kind: dict = {}
-        for name, p in row["paths"].items():
-            if p["kind"] not in best_kind or p["us"] < best_kind[p["kind"]][1]:
-                best_kind[p["kind"]] = (name, p["us"])
-        row["best_by_kind"] = best_kind
-        if row["paths"]:
-            eng = min(row["paths"].items(), key=lambda kv: kv[1]["us"])
-            row["engine"], row["engine_us"] = eng[0], eng[1]["us"]
-            row["engine_path"] = eng[1]["path"]
-            row["engine_gbps"] = n * k / (eng[1]["us"] * 1e3)
-        row["seconds"] = time.perf_counter() - t0
-        entry[str(m)] = row
-        _dump(res)
-        print(
-            f"  M={m:4d} bf16 {row['bf16_us']:7.1f}  engine {row.get('engine_us', float('nan')):7.1f}"
-            f" {row.get('engine', '-')}  quant {row['quant_us']:.1f}/{row['quant_torch_us']:.1f}"
-            f" bits={row['quant_same_bits']} failed={len(row['failed'])} ({row['seconds']:.1f}s)",
-            flush=True,
-        )
-    del w16, qw
-    torch.cuda.empty_cache()
-    return entry
+def measure_row(m: int, n: int, k: int, w16: list, qw: list, deq: torch.Tensor) -> dict:
+    """One row count of one shape: the checks, then the timings (see the module doc)."""
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    row: dict = {"paths": {}, "failed": {}}
+    xq, xs = triton_w8a8.quantize_rows(x)
+    rq, rs = fp8.quantize_rows_torch(x)
+    row["quant_same_bits"] = bool(
+        torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
+    )
+    ref_x = x.float() @ deq.T
+    ref_q = (xq.float() * xs) @ deq.T
+    row["act_quant_err"] = _err(ref_q, ref_x)  # what per-token e4m3 activations cost
+    row["quant_us"] = fp8.time_us([lambda x=x: triton_w8a8.quantize_rows(x)])
+    row["quant_torch_us"] = fp8.time_us([lambda x=x: fp8.quantize_rows_torch(x)])
+    row["bf16_us"] = fp8.time_us([lambda w=w, x=x: F.linear(x, w) for w in w16])
+    cands = fp8.candidate_paths(m, n, k)
+    if ("scaled_mm", None) not in cands and n % 16 == 0 and k % 16 == 0:
+        cands.append(("scaled_mm", None))
+    for path in cands:
+        pname = _name(path)
+        try:
+            out = fp8.run_path(path, x, qw[0], None)
+            torch.cuda.synchronize()
+            err = _err(out, ref_q if path[0] in ("w8a8", "scaled_mm") else ref_x)
+            if not err < ERR_MAX[path[0]]:
+                row["failed"][pname] = f"err {err:.3g}"
+                continue
+            us = fp8.time_us([lambda w=w, p=path, x=x: fp8.run_path(p, x, w, None) for w in qw])
+            row["paths"][pname] = {
+                "us": us,
+                "err": err,
+                "kind": path[0],
+                "path": [path[0], None if path[1] is None else list(path[1])],
+            }
+        except Exception as exc:  # noqa: BLE001 a tile Triton cannot build, cuBLAS refuses
+            row["failed"][pname] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+    if n % 16 == 0 and k % 16 == 0:
+
+        def old(w, x=x):
+            q, s = fp8.quantize_rows_torch(x)
+            return torch._scaled_mm(
+                q, w.weight.t(), scale_a=s, scale_b=w.scale_row(), out_dtype=x.dtype
+            )
+
+        row["scaled_mm_torchq_us"] = fp8.time_us([lambda w=w: old(w) for w in qw])
+    best_kind: dict = {}
+    for name, p in row["paths"].items():
+        if p["kind"] not in best_kind or p["us"] < best_kind[p["kind"]][1]:
+            best_kind[p["kind"]] = (name, p["us"])
+    row["best_by_kind"] = best_kind
+    if row["paths"]:
+        eng = min(row["paths"].items(), key=lambda kv: kv[1]["us"])
+        row["engine"], row["engine_us"] = eng[0], eng[1]["us"]
+        row["engine_path"] = eng[1]["path"]
+        row["engine_gbps"] = n * k / (eng[1]["us"] * 1e3)
+    row["seconds"] = time.perf_counter() - t0
+    print(
+        f"  M={m:4d} bf16 {row['bf16_us']:7.1f}  engine {row.get('engine_us', float('nan')):7.1f}"
+        f" {row.get('engine', '-')}  quant {row['quant_us']:.1f}/{row['quant_torch_us']:.1f}"
+        f" bits={row['quant_same_bits']} failed={len(row['failed'])} ({row['seconds']:.1f}s)",
+        flush=True,
+    )
+    return row
 
 
 def main() -> int:
@@ -157,14 +160,26 @@ def main() -> int:
     import triton
 
     res["triton"] = triton.__version__
+    state = {}
     for name, (n, k) in shapes.items():
         copies = min(16, max(2, -(-(256 << 20) // (n * k))))
-        print(f"{name} ({n}, {k}) x {copies} copies", flush=True)
-        shape_rows(n, k, rows, copies, res, name)
+        state[name] = weights(n, k, copies)
+        res["shapes"][name] = {"n": n, "k": k, "copies": copies, "rows": {}}
+    # rows outer, shapes inner: a run cut by the budget keeps whole rows of the table
+    for m in rows:
+        if time.perf_counter() - T0 > BUDGET_S:
+            print(f"budget of {BUDGET_S} s spent: rows from {m} on not measured", flush=True)
+            res["cut_at_rows"] = m
+            break
+        for name, (n, k) in shapes.items():
+            print(f"{name} ({n}, {k})", flush=True)
+            res["shapes"][name]["rows"][str(m)] = measure_row(m, n, k, *state[name])
+            _dump(res)
     if smoke:
         return 0
+    done = [m for m in TABLE_ROWS if all(str(m) in res["shapes"][s]["rows"] for s in SHAPES)]
     totals: dict = {}
-    for m in TABLE_ROWS:
+    for m in done:
         t: dict = {}
         for name in SHAPES:
             r = res["shapes"][name]["rows"][str(m)]
@@ -219,10 +234,10 @@ TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, Any]], ...]] = {ta
     cols = ["bf16", "engine", "gemv", "w8a8", "w8a16s", "scaled_mm", "w8a16", "scaled_mm_torchq"]
     print("four linears x 32 layers, ms (engine = fastest correct candidate per shape)")
     print("rows " + " ".join(f"{c:>9s}" for c in cols))
-    for m in TABLE_ROWS:
+    for m in done:
         t = totals[str(m)]
         print(f"{m:4d} " + " ".join(f"{'-' if t[c] is None else f'{t[c]:.2f}':>9s}" for c in cols))
-    for m in TABLE_ROWS:
+    for m in done:
         picks = {s: res["shapes"][s]["rows"][str(m)].get("engine") for s in SHAPES}
         print(f"picks M={m}: {picks}")
     return 0
