@@ -1,7 +1,7 @@
 """Issue 26, second kernel round, on one GPU (run by ``scripts/gpu_fp8_kernels2.sh``): the
 FP8 linears of ``model/triton_w8a8.py`` at Llama-3.1-8B's four shapes.
 
-For each shape (N, K) and each row count of ``fp8.PROBE_ROWS`` (1..256), over weight copies
+For each shape (N, K) and each row count of ``fp8.PROBE_ROWS`` (1..1,024), over weight copies
 that do not fit in L2 (random bf16 weights x 0.02, quantized per channel):
 
 1. correctness before any timing: every candidate path of ``fp8.candidate_paths`` (what
@@ -45,7 +45,7 @@ SHAPES = {  # Llama-3.1-8B: (N, K)
     "gate_up_proj": (28672, 4096),
     "down_proj": (4096, 14336),
 }
-TABLE_ROWS = (1, 4, 16, 32, 64, 128, 256)
+TABLE_ROWS = (1, 4, 16, 32, 64, 128, 256, 1024)
 T0 = time.perf_counter()
 # No row count is started past this many seconds (``--budget-s S``; the .sh gives the
 # script 120 s; a row of all four shapes takes a few seconds once the kernels are compiled)

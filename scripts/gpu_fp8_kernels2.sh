@@ -7,7 +7,7 @@
 #                      cores) and the one-row FP8 GEMV against the dequantized product, at
 #                      ragged shapes, split K, bias; fp8.choose_paths / linear over them
 #   fp8_kernels2.json  scripts/gpu_fp8_kernels2.py: Llama-3.1-8B's four linear shapes,
-#                      1..256 rows: every candidate path checked against the dequantized
+#                      1..1,024 rows: every candidate path checked against the dequantized
 #                      reference, then timed in CUDA graphs (bf16, gemv, w8a8, _scaled_mm
 #                      with the fused and with the old torch activation quantization,
 #                      w8a16); the engine's pick; the four linears x 32 layers table (ms)

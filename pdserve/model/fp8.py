@@ -506,17 +506,17 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 Path = tuple[str, Any]
 PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16")
 # (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
-# the first entry whose largest M is >= M. Filled at start on CUDA for the model's shapes by
-# :func:`choose_paths` (each path timed on the card at :data:`PROBE_ROWS`); a shape it does
-# not list runs :func:`default_path`.
+# the first entry whose largest M is >= M, past the last that of the last. Filled at start on
+# CUDA for the model's shapes by :func:`choose_paths` (each path timed on the card at
+# :data:`PROBE_ROWS`); a shape it does not list runs :func:`default_path`.
 PATHS: dict[tuple[int, int], tuple[tuple[int, Path], ...]] = {}
 # From this many rows on :func:`default_path` takes ``_scaled_mm`` (issue 26's H200 figures:
-# cuBLAS's FP8 path beats bf16 from about 16-64 rows), and past the last probed row count a
-# shape :func:`choose_paths` timed runs ``_scaled_mm`` too.
+# cuBLAS's FP8 path beats bf16 from about 16-64 rows).
 DEFAULT_SCALED_MM_MIN_ROWS = 32
 # Row counts :func:`choose_paths` times at start (the decode graphs' buckets are powers of
-# two up to 64, then multiples; a count between two probes takes the larger probe's path).
-PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# two up to 64, then multiples; a count between two probes takes the larger probe's path, a
+# count past 1,024 (prefill) that of 1,024).
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 # What :func:`choose_paths` measured: (N, K) -> {rows: {str(path): µs}} (for logs and scripts).
 PATH_TIMINGS: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
 
@@ -564,12 +564,15 @@ def default_path(m: int, n: int, k: int) -> Path:
 
 def path_for(m: int, n: int, k: int) -> Path:
     """The path :func:`linear` takes for ``m`` bf16 rows of a one-group ``[n, k]`` weight on
-    CUDA: the :data:`PATHS` entry of the smallest listed M >= ``m``; past the last, or for
-    a shape not listed, :func:`default_path`."""
-    for m_max, path in PATHS.get((n, k), ()):
+    CUDA: the :data:`PATHS` entry of the smallest listed M >= ``m``, past the last the last
+    one (a path timed, so one that runs); for a shape not listed, :func:`default_path`."""
+    entries = PATHS.get((n, k))
+    if not entries:
+        return default_path(m, n, k)
+    for m_max, path in entries:
         if m <= m_max:
             return path
-    return default_path(m, n, k)
+    return entries[-1][1]
 
 
 def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:

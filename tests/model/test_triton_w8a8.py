@@ -159,7 +159,7 @@ def test_path_for_reads_the_table(monkeypatch):
     assert fp8.path_for(1, 48, 160) == ("gemv", None)
     assert fp8.path_for(5, 48, 160) == ("w8a8", None)
     assert fp8.path_for(48, 48, 160) == ("w8a16", None)
-    assert fp8.path_for(65, 48, 160) == ("scaled_mm", None)  # past the table: the default
+    assert fp8.path_for(65, 48, 160) == ("w8a16", None)  # past the table: its last entry
     assert fp8.path_for(4, 64, 64) == ("w8a16", None)  # a shape not timed
     assert fp8.path_for(32, 64, 64) == ("scaled_mm", None)
     assert fp8.path_for(32, 64, 40) == ("w8a16", None)  # K not a multiple of 16
@@ -279,3 +279,4 @@ def test_choose_paths_times_on_the_gpu(monkeypatch):
         ref = x.float() @ ws[0].dequantize().T
         err = fp8.relative_error(fp8.linear(x, ws[0], None), ref)
         assert err < 0.05, (m, fp8.path_for(m, 512, 1024), err)
+    assert fp8.path_for(100, 512, 1024) == chosen[(512, 1024)][-1][1]  # past the last: it
