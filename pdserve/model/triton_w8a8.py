@@ -98,7 +98,10 @@ def _quant_rows_kernel(
             v = tl.load(xr + kk, mask=kk < K, other=0.0).to(tl.float32)
             amax_v = tl.maximum(amax_v, tl.abs(v))
         amax = tl.max(amax_v, 0)
-    scale = tl.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    # IEEE division, as torch's (Triton's `/` on fp32 may be approximate on NVIDIA); both
+    # operands fp32 tensors, which every Triton version's div_rn takes
+    scale = tl.div_rn(amax, amax * 0.0 + FP8_MAX)
     tl.store(s_ptr + row, scale)
     if ONE_TILE:
         q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX))
