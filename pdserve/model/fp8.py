@@ -524,7 +524,7 @@ PATH_TIMINGS: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token e4m3 quantization of activations ``x [M, K]``: ``(xq [M, K]
     float8_e4m3fn, scale [M, 1] fp32)`` with ``x ≈ xq.float() * scale``, ``scale =
-    max(amax(|row|), 1e-12) / 448``. On CUDA one Triton launch
+    max(amax(|row|), 1e-12) * fp32(1 / 448)``. On CUDA one Triton launch
     (:func:`pdserve.model.triton_w8a8.quantize_rows`, the same bits); elsewhere torch."""
     if x.is_cuda:
         from pdserve.model import triton_w8a8
@@ -535,9 +535,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` in torch operations (any device; the reference of the Triton
-    kernel)."""
+    kernel). The scale is ``amax`` times the fp32 reciprocal of 448 (what torch's CUDA
+    division by a scalar computes, written so that CPU and CUDA give the same bits)."""
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
-    scale = amax / FP8_MAX
+    scale = amax * (1.0 / FP8_MAX)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -2,8 +2,9 @@
 issue 26's H200 figures asked for (the CPU tests run them under ``TRITON_INTERPRET=1``).
 
 ``quantize_rows``  dynamic per-token e4m3 quantization of activations ``x [M, K]`` in one
-          launch (one program a row): ``amax`` of the row, ``scale = max(amax, 1e-12) / 448``,
-          ``q = clamp(x / scale, -448, 448)`` rounded to e4m3; the same arithmetic as
+          launch (one program a row): ``amax`` of the row, ``scale = max(amax, 1e-12) *
+          fp32(1 / 448)``, ``q = clamp(x / scale, -448, 448)`` (IEEE division) rounded to
+          e4m3, ties to even; the same arithmetic as
           :func:`pdserve.model.fp8.quantize_rows` (its torch form, ~8 kernels), so the same
           bits on the CPU interpreter. Graph-safe: no host syncs, outputs allocated before
           the launch.
@@ -40,8 +41,10 @@ from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-12  # an all-zero row: scale 1e-12 / 448, its values stay 0
+# (tl.constexpr: a @triton.jit function may read no other module global when compiled)
+FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, in the kernel and torch
+AMAX_FLOOR = tl.constexpr(1e-12)  # an all-zero row: scale 1e-12 / 448, its values stay 0
 # (kind "w8a8", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, SWAP, num_warps, num_stages)
 W8a8Config = tuple[str, int, int, int, int, bool, int, int]
 # (kind "gemv", BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -98,10 +101,9 @@ def _quant_rows_kernel(
             v = tl.load(xr + kk, mask=kk < K, other=0.0).to(tl.float32)
             amax_v = tl.maximum(amax_v, tl.abs(v))
         amax = tl.max(amax_v, 0)
-    amax = tl.maximum(amax, AMAX_FLOOR)
-    # IEEE division, as torch's (Triton's `/` on fp32 may be approximate on NVIDIA); both
-    # operands fp32 tensors, which every Triton version's div_rn takes
-    scale = tl.div_rn(amax, amax * 0.0 + FP8_MAX)
+    # times the fp32 reciprocal of 448, as the torch reference computes it (torch's CUDA
+    # division by a scalar multiplies by its reciprocal; a product is the same everywhere)
+    scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
     tl.store(s_ptr + row, scale)
     if ONE_TILE:
         q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX))
@@ -117,7 +119,7 @@ def _quant_rows_kernel(
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 quantization of ``x [M, K]`` (any float dtype, last dim contiguous)
     in one launch: ``(xq [M, K] float8_e4m3fn, scale [M, 1] fp32)`` with ``x ≈ xq.float() *
-    scale``, ``scale = max(amax(|row|), 1e-12) / 448``."""
+    scale``, ``scale = max(amax(|row|), 1e-12) * fp32(1 / 448)``."""
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
