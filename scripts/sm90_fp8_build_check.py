@@ -24,10 +24,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import sm90_build_check  # noqa: E402
-from sm90_build_check import build, sass_counts  # noqa: E402
+import sm90_build_check
+from sm90_build_check import build, sass_counts
 
-from pdserve.model import fp8, triton_w8a8  # noqa: E402
+from pdserve.model import fp8, triton_w8a8
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 # QGMMA: Hopper's wgmma on e4m3 operands (HGMMA: 16-bit ones); HMMA: mma.sync
