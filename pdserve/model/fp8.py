@@ -625,7 +625,8 @@ def time_us(fns: Sequence[Any], reps: int = 24) -> float:
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     try:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: another thread of the process allocating meanwhile is not an error
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             for i in range(reps):
                 fns[i % len(fns)]()
         g.replay()
