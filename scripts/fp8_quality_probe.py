@@ -9,7 +9,7 @@ teacher-forced) against bf16 for:
   f``): the same precision, another rounding pattern; the spread of these is the chance
   part of one agreement figure;
 - ``act``: bf16 weights and KV, the four linears' activations quantized per token to e4m3
-  and back (what ``torch._scaled_mm`` does on CUDA from ``fp8.scaled_mm_min_rows`` rows on;
+  and back (what ``torch._scaled_mm`` and the w8a8 kernel do on CUDA where ``fp8.path_for`` picks them;
   the CPU path of ``fp8.linear`` never quantizes activations, so the bench's CPU figures
   leave this out);
 - ``fp8w+act``: both (the GPU's default path for prefill-sized batches, KV aside);

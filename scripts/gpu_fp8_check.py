@@ -5,9 +5,10 @@ its JSON into OUT as soon as it is done).
              timed in a CUDA graph over weight copies that do not fit in L2: bf16
              ``F.linear``, ``torch._scaled_mm`` (e4m3 weight, per-channel scales, dynamic
              per-token activation scales) and the Triton kernel (``model/triton_fp8.py``:
-             its default configuration and a small sweep); the suggested
-             ``fp8.SCALED_MM_MIN_ROWS`` and ``triton_fp8.TABLE`` entries; the sum over the
-             4 linears x 32 layers next to issue 26's bf16/``_scaled_mm`` table.
+             its default configuration and a small sweep); the suggested crossover row
+             count and ``triton_fp8.TABLE`` entries; the sum over the 4 linears x 32
+             layers next to issue 26's bf16/``_scaled_mm`` table (the engine's own choice,
+             timed at start, and the newer kernels: ``gpu_fp8_kernels2.py``).
 ``engine``   ``random:llama-3.1-8b``, bf16, ``quantization="fp8"``,
              ``kv_cache_dtype="fp8_e4m3"`` through the offline ``LLM`` (CUDA graphs on):
              output tok/s at 1, 64, 256 and 1,024 prompts (the GSM8K prompts of ``bench

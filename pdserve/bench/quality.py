@@ -16,8 +16,9 @@ quantized at load, e4m3 KV cache); ``fp8w`` (FP8 weights, bf16 KV); ``fp8kv`` (b
 weights, FP8 KV); ``fp8b`` (``fp8`` with ``--quantization fp8_block``: one weight scale
 per output row and 128 input columns). On CPU the FP8 weights are dequantized for each matmul (the same
 numbers as the GPU's Triton kernel up to summation order) and the activations stay bf16: on
-CUDA a per-channel weight runs ``torch._scaled_mm`` with per-token e4m3 activations from
-``fp8.scaled_mm_min_rows`` rows on (prefill), which these CPU figures leave out
+CUDA a per-channel weight runs with per-token e4m3 activations (``_scaled_mm`` or the w8a8
+Triton GEMM) at the row counts where ``fp8.choose_paths`` timed those fastest, which these
+CPU figures leave out
 (``scripts/fp8_quality_probe.py`` emulates it).
 """
 

@@ -35,18 +35,21 @@ share, so a row-parallel weight's (o_proj, down_proj) channel scale is the amax 
 rank's columns: finer than TP 1's, and not the same numbers.
 
 Matmul (:func:`linear`): on CPU the weight is dequantized to the activations' dtype and
-multiplied (correct, not fast). On CUDA a few rows run the Triton kernel of
-:mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers, bf16 activations), and
-from :func:`scaled_mm_min_rows` rows on, a one-group weight under bf16 activations goes
-through ``torch._scaled_mm`` with dynamic per-token activation scales (block-scaled weights stay on
-the Triton kernel); the row count of that switch is chosen per shape when the model loads
-(:func:`choose_paths`). Static ``input_scale`` values are read and kept (``Fp8Weight``) but the
-activations are quantized per token whatever the checkpoint says.
+multiplied (correct, not fast). On CUDA, a one-group weight under bf16 activations runs one
+of five paths (:data:`Path`), chosen per shape and row count when the model loads by timing
+them on the card (:func:`choose_paths`): the one-row FP8 GEMV, the w8a8 Triton GEMM and its
+tiles on bf16 activations of :mod:`pdserve.model.triton_w8a8`, ``torch._scaled_mm``, or the
+w8a16 kernel of :mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers); ``w8a8`` and
+``_scaled_mm`` quantize the activations per token (:func:`quantize_rows`: one Triton
+launch on CUDA). Block-scaled weights and other activation dtypes run the w8a16 kernel.
+Static ``input_scale`` values are read and kept (``Fp8Weight``) but the activations are
+quantized per token whatever the checkpoint says.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,16 +73,6 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 QUANTIZATIONS = ("fp8", "fp8_block")  # values of --quantization besides none
 # fp8_block's online scales: one per output row and this many input columns
 ONLINE_BLOCK = (1, 128)
-# From this many rows on, a one-group FP8 weight of shape (N, K) goes through
-# ``torch._scaled_mm`` instead of the Triton kernel. Filled at start on CUDA for the model's
-# shapes by :func:`choose_paths` (timed there), unless listed here; scripts/gpu_fp8_check.sh
-# measures the same crossover with a configuration sweep (``fp8_kernels.json``). A shape
-# neither lists uses DEFAULT_SCALED_MM_MIN_ROWS, read off the H200 figures of issue 26
-# (cuBLAS's FP8 path beats bf16 from about 16-64 rows).
-SCALED_MM_MIN_ROWS: dict[tuple[int, int], int] = {}
-DEFAULT_SCALED_MM_MIN_ROWS = 32
-# Row counts :func:`choose_paths` times at start for a shape the table does not list.
-PROBE_ROWS = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -503,28 +496,105 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 
 
 # ------------------------------------------------------------------ matmul
-def scaled_mm_min_rows(n: int, k: int) -> int:
-    """Rows from which a one-group ``[n, k]`` FP8 weight runs ``torch._scaled_mm``."""
-    return SCALED_MM_MIN_ROWS.get((n, k), DEFAULT_SCALED_MM_MIN_ROWS)
+# A path of ``linear`` for one-group weights under bf16 activations on CUDA: (kind, config)
+# with kind ``scaled_mm`` (torch._scaled_mm, activations quantized per token by
+# triton_w8a8.quantize_rows; config None), ``w8a8`` (triton_w8a8.w8a8, same activations;
+# config a triton_w8a8.W8a8Config), ``w8a16s`` (triton_w8a8.linear_w8a16: the w8a8 kernel's
+# tiles on bf16 activations, the weight tile converted in registers; a W8a8Config), ``gemv``
+# (one row, bf16 activations; triton_w8a8.GemvConfig) or ``w8a16`` (triton_fp8.fp8_matmul,
+# bf16 activations; its Config, None for its own choice).
+Path = tuple[str, Any]
+PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16")
+# (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
+# the first entry whose largest M is >= M, past the last that of the last. Filled at start on
+# CUDA for the model's shapes by :func:`choose_paths` (each path timed on the card at
+# :data:`PROBE_ROWS`); a shape it does not list runs :func:`default_path`.
+PATHS: dict[tuple[int, int], tuple[tuple[int, Path], ...]] = {}
+# From this many rows on :func:`default_path` takes ``_scaled_mm`` (issue 26's H200 figures:
+# cuBLAS's FP8 path beats bf16 from about 16-64 rows).
+DEFAULT_SCALED_MM_MIN_ROWS = 32
+# Row counts :func:`choose_paths` times at start (the decode graphs' buckets are powers of
+# two up to 64, then multiples; a count between two probes takes the larger probe's path, a
+# count past 1,024 (prefill) that of 1,024).
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+# What :func:`choose_paths` measured: (N, K) -> {rows: {str(path): µs}} (for logs and scripts).
+PATH_TIMINGS: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token e4m3 quantization of activations ``x [M, K]``: ``(xq [M, K]
-    float8_e4m3fn, scale [M, 1] fp32)`` with ``x ≈ xq.float() * scale``."""
+    float8_e4m3fn, scale [M, 1] fp32)`` with ``x ≈ xq.float() * scale``, ``scale =
+    max(amax(|row|), 1e-12) * fp32(1 / 448)``. On CUDA one Triton launch
+    (:func:`pdserve.model.triton_w8a8.quantize_rows`, the same bits); elsewhere torch."""
+    if x.is_cuda:
+        from pdserve.model import triton_w8a8
+
+        return triton_w8a8.quantize_rows(x)
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` in torch operations (any device; the reference of the Triton
+    kernel). The scale is ``amax`` times the fp32 reciprocal of 448 (what torch's CUDA
+    division by a scalar computes, written so that CPU and CUDA give the same bits)."""
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12)
-    scale = amax / FP8_MAX
+    scale = amax * (1.0 / FP8_MAX)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def scaled_mm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ real(w).T + bias`` through ``torch._scaled_mm`` (CUDA, one-group
-    weights; K and N multiples of 16): activations quantized per token, the weight's
-    per-channel scales applied by cuBLAS, output in x's dtype."""
+    weights; K and N multiples of 16): activations quantized per token
+    (:func:`quantize_rows`), the weight's per-channel scales applied by cuBLAS, output in
+    x's dtype."""
     xq, xs = quantize_rows(x)
     out: torch.Tensor = torch._scaled_mm(
         xq, w.weight.t(), scale_a=xs, scale_b=w.scale_row(), out_dtype=x.dtype
     )
     return out if bias is None else out.add_(bias)
+
+
+def default_path(m: int, n: int, k: int) -> Path:
+    """The path of ``m`` rows of an ``[n, k]`` one-group weight that :func:`choose_paths`
+    did not time: ``_scaled_mm`` from :data:`DEFAULT_SCALED_MM_MIN_ROWS` rows on (N and K
+    multiples of 16), else the w8a16 Triton kernel with its own configuration."""
+    if m >= DEFAULT_SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0:
+        return ("scaled_mm", None)
+    return ("w8a16", None)
+
+
+def path_for(m: int, n: int, k: int) -> Path:
+    """The path :func:`linear` takes for ``m`` bf16 rows of a one-group ``[n, k]`` weight on
+    CUDA: the :data:`PATHS` entry of the smallest listed M >= ``m``, past the last the last
+    one (a path timed, so one that runs); for a shape not listed, :func:`default_path`."""
+    entries = PATHS.get((n, k))
+    if not entries:
+        return default_path(m, n, k)
+    for m_max, path in entries:
+        if m <= m_max:
+            return path
+    return entries[-1][1]
+
+
+def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ real(w).T + bias`` by ``path`` (see :data:`Path`; CUDA, one-group
+    weights for every kind but ``w8a16``). ValueError for an unknown kind."""
+    kind, config = path
+    if kind == "scaled_mm":
+        return scaled_mm(x, w, bias)
+    if kind in ("w8a8", "w8a16s", "gemv"):
+        from pdserve.model import triton_w8a8
+
+        if kind == "gemv":
+            return triton_w8a8.gemv(x, w.weight, w.scale, bias, config)
+        if kind == "w8a16s":
+            return triton_w8a8.linear_w8a16(x, w.weight, w.scale, bias, config)
+        return triton_w8a8.linear_w8a8(x, w.weight, w.scale, bias, config)
+    if kind == "w8a16":
+        from pdserve.model import triton_fp8
+
+        return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias, config)
+    raise ValueError(f"FP8 path kind {kind!r} is not one of {', '.join(PATH_KINDS)}")
 
 
 def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -536,63 +606,150 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     m = x.shape[0]
     if m == 0:
         return x.new_empty(0, n)
-    if (
-        w.one_group
-        and x.dtype == torch.bfloat16  # _scaled_mm's row-wise scaling writes bf16 only
-        and m >= scaled_mm_min_rows(n, k)
-        and n % 16 == 0
-        and k % 16 == 0
-    ):
-        return scaled_mm(x, w, bias)
+    if w.one_group and x.dtype == torch.bfloat16:
+        return run_path(path_for(m, n, k), x, w, bias)
     from pdserve.model import triton_fp8
 
     return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias)
 
 
-def _time_us(fn: Any, iters: int = 10) -> float:
-    """Mean µs of ``fn()`` on the current CUDA stream (after one warm-up call)."""
-    fn()  # compile / warm up
+def time_us(fns: Sequence[Any], reps: int = 24) -> float:
+    """Mean µs of one call, calling ``fns[i % len(fns)]`` (e.g. the same matmul over
+    several weights, so that they do not all sit in L2), replayed in a CUDA graph of
+    ``reps`` calls (launch costs as in the engine's decode graphs); eager calls timed on the
+    stream when the capture fails. Each fn is called once before (compiles, warm-up)."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    try:
+        g = torch.cuda.CUDAGraph()
+        # thread_local: another thread of the process allocating meanwhile is not an error
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for i in range(reps):
+                fns[i % len(fns)]()
+        g.replay()
+        start.record()
+        for _ in range(3):
+            g.replay()
+        end.record()
+        end.synchronize()
+        return 1e3 * float(start.elapsed_time(end)) / (3 * reps)
+    except RuntimeError:
+        torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    for i in range(reps):
+        fns[i % len(fns)]()
     end.record()
     end.synchronize()
-    return 1e3 * float(start.elapsed_time(end)) / iters
+    return 1e3 * float(start.elapsed_time(end)) / reps
 
 
-def _scaled_mm_wins(w: Fp8Weight, m: int) -> bool:
-    """Whether ``_scaled_mm`` beats the Triton kernel on ``m`` bf16 rows times ``w``."""
-    from pdserve.model import triton_fp8
+def candidate_paths(m: int, n: int, k: int) -> list[Path]:
+    """The paths :func:`choose_paths` times for ``m`` rows of an ``[n, k]`` one-group
+    weight: the w8a16 kernel's own choice; at one row the gemv tiles
+    (:data:`pdserve.model.triton_w8a8.GEMV_CANDIDATES`); w8a8 tiles
+    (:func:`pdserve.model.triton_w8a8.candidate_configs`), the first two of them (64 weight
+    rows, K whole or split) on bf16 activations too (``w8a16s``) from 2 to 64 rows;
+    ``_scaled_mm`` from 16 rows on when N and K are multiples of 16."""
+    from pdserve.model import triton_w8a8
 
-    x = torch.randn(m, w.weight.shape[1], device=w.weight.device, dtype=torch.bfloat16)
-    tri = _time_us(lambda: triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group))
-    return _time_us(lambda: scaled_mm(x, w, None)) < tri
+    paths: list[Path] = [("w8a16", None)]
+    if m == 1:
+        paths += [("gemv", c) for c in triton_w8a8.GEMV_CANDIDATES]
+    tiles = triton_w8a8.candidate_configs(m, n, k)
+    paths += [("w8a8", c) for c in tiles]
+    if 2 <= m <= 64:
+        paths += [("w8a16s", c) for c in tiles[:2]]
+    if m >= 16 and n % 16 == 0 and k % 16 == 0:
+        paths.append(("scaled_mm", None))
+    return paths
 
 
-def choose_paths(weights: Iterable[Fp8Weight]) -> dict[tuple[int, int], int]:
-    """At start, on CUDA: for each one-group weight shape ``(N, K)`` that
-    :data:`SCALED_MM_MIN_ROWS` does not list, time the Triton kernel and ``_scaled_mm`` at
-    :data:`PROBE_ROWS` rows (bf16 activations, 10 calls each) and record the first row
-    count where ``_scaled_mm`` is faster (past the last: never) in the table, which
-    :func:`linear` reads. Returns what it recorded. A failure (a shape cuBLAS refuses, no
-    GPU) is logged and leaves the default for that shape."""
-    chosen: dict[tuple[int, int], int] = {}
-    seen: set[tuple[int, int]] = set()
+# A candidate whose output is further than this from ``x @ real(w).T`` (largest |error| ÷
+# largest |output|) is not chosen: per-token e4m3 activations cost ~0.02-0.035 on random
+# weights (issue 26's H200 figures); a kernel that computes garbage is far above.
+CHOICE_MAX_ERROR = 0.1
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` in fp32 (a float; inf when ref is all zero and out
+    is not)."""
+    diff = (out.float() - ref.float()).abs().max()
+    scale = ref.float().abs().max()
+    return float(diff / scale) if float(scale) > 0 else (0.0 if float(diff) == 0 else math.inf)
+
+
+def _time_path(path: Path, fns: Sequence[Any]) -> float:
+    return time_us(fns)
+
+
+def choose_paths(
+    weights: Iterable[Fp8Weight],
+    rows: Sequence[int] = PROBE_ROWS,
+    copies: int = 8,
+    timer: Any = _time_path,
+) -> dict[tuple[int, int], tuple[tuple[int, Path], ...]]:
+    """At start, on CUDA: for each one-group weight shape ``(N, K)`` that :data:`PATHS` does
+    not list, the measured entry of :data:`pdserve.model.fp8_paths_table.TABLE` for this
+    card when it has one; else time every :func:`candidate_paths` at each of ``rows`` (bf16 activations, in a
+    CUDA graph, over up to ``copies`` weights of that shape so that L2 does not hold them)
+    and record the fastest per row count in :data:`PATHS`, which :func:`linear` reads.
+    Returns what it recorded. A candidate that fails (a tile Triton cannot build, a shape
+    cuBLAS refuses, an output further than :data:`CHOICE_MAX_ERROR` from the dequantized
+    product) is logged and left out; a shape where all fail keeps
+    :func:`default_path`. timer: ``timer(path, fns) -> µs`` (default :func:`time_us` of
+    fns; tests pass their own). Weights on CUDA only (the caller checks)."""
+    from pdserve.model import fp8_paths_table
+
+    by_shape: dict[tuple[int, int], list[Fp8Weight]] = {}
     for w in weights:
         n, k = w.weight.shape
-        if not (w.weight.is_cuda and w.one_group) or (n, k) in seen or (n, k) in SCALED_MM_MIN_ROWS:
+        if w.one_group and (n, k) not in PATHS:
+            group = by_shape.setdefault((n, k), [])
+            if len(group) < copies:
+                group.append(w)
+    chosen: dict[tuple[int, int], tuple[tuple[int, Path], ...]] = {}
+    for (n, k), ws in by_shape.items():
+        dev = ws[0].weight.device
+        card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+        measured = fp8_paths_table.TABLE.get((card, n, k))
+        if measured is not None:
+            PATHS[(n, k)] = chosen[(n, k)] = measured
             continue
-        seen.add((n, k))
-        try:
-            rows = next((m for m in PROBE_ROWS if _scaled_mm_wins(w, m)), PROBE_ROWS[-1] + 1)
-        except Exception as exc:  # noqa: BLE001 keep the default for this shape
-            logger.warning(
-                "FP8 path choice for shape (%d, %d) failed (%s); default kept", n, k, exc
-            )
-            continue
-        SCALED_MM_MIN_ROWS[(n, k)] = chosen[(n, k)] = rows
+        entries: list[tuple[int, Path]] = []
+        timings: dict[int, dict[str, float]] = {}
+        real = ws[0].dequantize(torch.float32)
+        for m in sorted(rows):
+            x = torch.randn(m, k, device=ws[0].weight.device, dtype=torch.bfloat16)
+            ref = x.float() @ real.T
+            best: tuple[float, Path] | None = None
+            for path in candidate_paths(m, n, k):
+                try:
+                    err = relative_error(run_path(path, x, ws[0], None), ref)
+                    if not err < CHOICE_MAX_ERROR:
+                        raise ValueError(f"wrong result: error {err:.3g} of the largest output")
+                    us = timer(path, [lambda w=w, p=path, x=x: run_path(p, x, w, None) for w in ws])
+                except Exception as exc:  # noqa: BLE001 leave this candidate out
+                    logger.warning(
+                        "FP8 path %s for (%d, %d) x %d rows failed: %s", path, n, k, m, exc
+                    )
+                    if x.is_cuda:
+                        torch.cuda.synchronize()
+                    continue
+                timings.setdefault(m, {})[str(path)] = us
+                if best is None or us < best[0]:
+                    best = (us, path)
+            if best is not None:
+                entries.append((m, best[1]))
+        if entries:
+            PATHS[(n, k)] = chosen[(n, k)] = tuple(entries)
+        PATH_TIMINGS[(n, k)] = timings
+        logger.debug("FP8 path timings for (%d, %d), µs: %s", n, k, timings)
     if chosen:
-        logger.info("FP8 linears: _scaled_mm from these rows on, by shape: %s", chosen)
+        logger.info(
+            "FP8 linears, path by shape and rows: %s",
+            {shape: [(m, p[0]) for m, p in e] for shape, e in chosen.items()},
+        )
     return chosen

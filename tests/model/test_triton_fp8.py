@@ -1,7 +1,7 @@
 """The Triton FP8-weight matmul (``model/triton_fp8.py``; Triton's interpreter on CPU, the
 kernel itself on CUDA) against the dequantized weight: one row and several, ragged N and K,
 one scale per row and block scales, K split or not, with and without bias; and
-``fp8.linear``'s choice of path. References are computed on the CPU in fp32, so a CUDA run
+``fp8.linear``'s default path. References are computed on the CPU in fp32, so a CUDA run
 compares against the same numbers (no TF32 in the reference); fp32 activations run the
 kernel's dots in IEEE fp32 on CUDA too, hence the same 1e-4 bound on both devices."""
 
@@ -97,7 +97,9 @@ def test_linear_on_cpu_dequantizes():
     if DEVICE == "cpu":
         w = fp8.Fp8Weight(w.weight.cpu(), w.scale.cpu(), w.group)
         assert torch.allclose(fp8.linear(x, w, None), x @ w.dequantize().T, atol=1e-5)
-    assert fp8.scaled_mm_min_rows(4096, 4096) == fp8.DEFAULT_SCALED_MM_MIN_ROWS
+    # an untimed shape: _scaled_mm from DEFAULT_SCALED_MM_MIN_ROWS rows on, w8a16 below
+    assert fp8.path_for(fp8.DEFAULT_SCALED_MM_MIN_ROWS, 4096, 4096) == ("scaled_mm", None)
+    assert fp8.path_for(fp8.DEFAULT_SCALED_MM_MIN_ROWS - 1, 4096, 4096) == ("w8a16", None)
 
 
 @pytest.mark.parametrize("m", [1, 2])
