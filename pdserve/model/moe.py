@@ -127,13 +127,20 @@ class SparseMoeBlock(nn.Module):
         if experts_impl(x.device) == "fused" and x.shape[0] > 0:
             from pdserve.model import triton_moe as tm
 
-            cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
-            if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
-                weights, ids, al = tm.route_align(logits, s.top_k, s.norm_topk_prob, cfg.block_m)
+            if tm.gemv_fits(x.shape[0]):  # a few tokens: routing + 2 GEMVs, no sort
+                out, weights, ids = tm.route_experts_gemv(
+                    logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob
+                )
             else:
-                weights, ids = route(logits, s.top_k, s.norm_topk_prob)
-                al = tm.align(ids, s.n_experts, cfg.block_m)
-            out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
+                cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
+                if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
+                    weights, ids, al = tm.route_align(
+                        logits, s.top_k, s.norm_topk_prob, cfg.block_m
+                    )
+                else:
+                    weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+                    al = tm.align(ids, s.n_experts, cfg.block_m)
+                out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
         else:
             weights, ids = route(logits, s.top_k, s.norm_topk_prob)
             out = experts_loop(x, self.w13, self.w2, weights, ids)
