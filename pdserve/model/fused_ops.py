@@ -1,6 +1,6 @@
 """Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place (optionally
-storing the rotated K and V into the paged KV cache in the same kernel), SiLU-and-mul,
-residual add + RMSNorm.
+after Qwen3's per-head q/k RMSNorm, and optionally storing the rotated K and V into the
+paged KV cache, in the same kernel), SiLU-and-mul, residual add + RMSNorm.
 
 Each small elementwise kernel costs a launch gap inside a CUDA graph, so RoPE, SwiGLU's
 ``silu(gate) * up`` and each residual add with the RMSNorm after it become one kernel each
@@ -29,6 +29,9 @@ def _rope_kernel(
     slot_ptr,
     kc_ptr,
     vc_ptr,
+    qw_ptr,
+    kw_ptr,
+    eps,
     s_xt,
     s_xh,
     s_tp,
@@ -51,10 +54,15 @@ def _rope_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NQ: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: rotate its ``H`` heads in place by the table row of its
-    position (``table[pos] = cos[HALF] | sin[HALF]``). With ``STORE`` the last ``HKV`` of
+    position (``table[pos] = cos[HALF] | sin[HALF]``). With ``QK_NORM`` each head is first
+    RMS-normalised over its ``2 * HALF`` values (eps ``eps``) and scaled by ``qw`` (the first
+    ``NQ`` heads) or ``kw`` (the others), as transformers' per-head q/k norm: fp32
+    statistics, the normalised head rounded to x's dtype, then times the weight. With ``STORE`` the last ``HKV`` of
     them are K heads: the rotated K and the token's V ``[HKV, D]`` are also written to the
     paged cache at slot ``slot_mapping[t]`` (a negative slot, a padded row of a captured
     batch, writes nothing), the same bytes the attention backend's store would write."""
@@ -73,6 +81,21 @@ def _rope_kernel(
     ty = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
+    if QK_NORM:
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        is_q = hh < NQ
+        w1 = tl.where(
+            is_q,
+            tl.load(qw_ptr + dd, mask=dmask, other=0.0),
+            tl.load(kw_ptr + dd, mask=dmask, other=0.0),
+        ).to(tl.float32)
+        w2 = tl.where(
+            is_q,
+            tl.load(qw_ptr + HALF + dd, mask=dmask, other=0.0),
+            tl.load(kw_ptr + HALF + dd, mask=dmask, other=0.0),
+        ).to(tl.float32)
+        a = (w1 * (a * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        b = (w2 * (b * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     # Round where torch rounds: each product, then each difference/sum.
     o1 = (a * cos).to(ty).to(tl.float32) - (b * sin).to(ty).to(tl.float32)
     o2 = (b * cos).to(ty).to(tl.float32) + (a * sin).to(ty).to(tl.float32)
@@ -101,11 +124,20 @@ def _rope_kernel(
         )
 
 
-def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+QKNorm = tuple[torch.Tensor, torch.Tensor, float, int]
+"""``(q_weight [D], k_weight [D], eps, n_q_heads)``: per-head RMSNorm of the q and k heads
+(Qwen3), applied by the RoPE kernel before it rotates them."""
+
+
+def rope_inplace(
+    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, qk_norm: QKNorm | None = None
+) -> None:
     """Rotate ``x`` ``[T, H, D]`` (any token/head strides, dim stride 1) in place by the rows
     ``positions`` ``[T]`` of ``table`` ``[max_positions, D]`` (cos half, then sin half, in
-    x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``."""
-    _rope(x, table, positions, None)
+    x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``.
+    qk_norm: first ``llama.rms_norm`` of each head with the q weight (the first
+    ``n_q_heads`` heads) or the k weight (the rest), in the same kernel."""
+    _rope(x, table, positions, None, qk_norm)
 
 
 def rope_store_kv(
@@ -116,15 +148,16 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> None:
-    """:func:`rope_inplace` of ``qk`` ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
+    """:func:`rope_inplace` of ``qk`` (with ``qk_norm`` as there) ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
     in the same kernel the rotated K heads and ``v`` ``[T, Hkv, D]`` written into one
     layer's paged cache views ``k_cache`` / ``v_cache`` ``[P, page_size, Hkv, D]`` (any
     strides, dim stride 1; ``KVCacheLayout.layer_views``) at ``slot_mapping`` ``[T]`` int64
     (``page * page_size + offset``; negative: not written). Replaces the attention backend's
     KV store (one kernel a layer fewer); the cache gets the bytes that store would write
     (cast to the cache's dtype)."""
-    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache))
+    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache), qk_norm)
 
 
 def _rope(
@@ -132,6 +165,7 @@ def _rope(
     table: torch.Tensor,
     positions: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """The launch of both: ``store`` is ``(v, slot_mapping, k_cache, v_cache)`` of
     :func:`rope_store_kv`, or None (rotate only; the store's pointers are ``qk``'s, unused)."""
@@ -141,6 +175,9 @@ def _rope(
     v, slots, k_cache, v_cache = store or (qk, positions, qk, qk)
     assert all(t.stride(-1) == 1 for t in (qk, table, v, k_cache, v_cache))
     Hkv = v.shape[1] if store else 1
+    qw, kw, eps, nq = qk_norm or (table, table, 0.0, 0)
+    if qk_norm is not None:
+        assert qw.shape == kw.shape == (D,) and qw.stride(0) == kw.stride(0) == 1
     _rope_kernel[(T,)](
         qk,
         table,
@@ -149,6 +186,9 @@ def _rope(
         slots,
         k_cache,
         v_cache,
+        qw,
+        kw,
+        float(eps),
         qk.stride(0),
         qk.stride(1),
         table.stride(0),
@@ -166,6 +206,8 @@ def _rope(
         PAGE_SIZE=k_cache.shape[1] if store else 1,
         BLOCK_KV=triton.next_power_of_2(Hkv),
         BLOCK_DV=triton.next_power_of_2(D) if store else 1,
+        QK_NORM=qk_norm is not None,
+        NQ=nq,
         **pdl.launch_options(qk),
     )
 

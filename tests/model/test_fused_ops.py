@@ -119,3 +119,46 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
         assert torch.equal(vc[page, off], qkv[t, Hq + Hkv :])
     changed = (pool != before).movedim(layout.page_dim, 0).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == [0, 1, 2]  # the pages of the 4 slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("store", [False, True], ids=["rope", "rope_store_kv"])
+def test_qk_norm_inside_rope_equals_rms_norm_then_rope(dtype, store):
+    """Qwen3's per-head q/k RMSNorm folded into the RoPE kernel (``qk_norm``), in place on
+    the strided q/k view of a fused QKV output: the model's unfused path (``rms_norm`` of the
+    q heads and of the k heads, cat, RoPE; then the KV store) within one rounding (bf16) or
+    to fp32's last bits; V untouched (and stored as is)."""
+    from pdserve.model.fused_ops import rope_inplace, rope_store_kv
+    from pdserve.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    T, Hq, Hkv, D, eps, ps = 4, 4, 2, 16, 1e-6, 2
+    qkv = (3 * torch.randn(T, Hq + 2 * Hkv, D, generator=gen)).to(dtype).to(DEVICE)
+    qw = (1 + torch.randn(D, generator=gen)).to(dtype).to(DEVICE)
+    kw = (1 + torch.randn(D, generator=gen)).to(dtype).to(DEVICE)
+    table = torch.randn(64, D, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 9, 9, 40], device=DEVICE)
+    cs = table.index_select(0, positions)[:, None, :]
+    cos, sin = cs.chunk(2, dim=-1)
+    normed = torch.cat((rms_norm(qkv[:, :Hq], qw, eps), rms_norm(qkv[:, Hq : Hq + Hkv], kw, eps)), 1)
+    ref = apply_rope(normed, cos, sin)
+    v_before = qkv[:, Hq + Hkv :].clone()
+    qk = qkv[:, : Hq + Hkv]
+    if store:
+        kc = torch.zeros(T, ps, Hkv, D, dtype=dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        slots = torch.tensor([0, 3, -1, 6], device=DEVICE)
+        rope_store_kv(qk, qkv[:, Hq + Hkv :], table, positions, kc, vc, slots, (qw, kw, eps, Hq))
+    else:
+        rope_inplace(qk, table, positions, (qw, kw, eps, Hq))
+    tol = 1e-5 if dtype == torch.float32 else 2**-6 * ref.abs().max().item()
+    assert (qkv[:, : Hq + Hkv].float() - ref.float()).abs().max().item() <= tol
+    assert torch.equal(qkv[:, Hq + Hkv :], v_before)
+    if store:
+        for t, slot in enumerate(slots.tolist()):
+            page, off = divmod(slot, ps)
+            if slot < 0:
+                continue
+            assert torch.equal(kc[page, off], qkv[t, Hq : Hq + Hkv])
+            assert torch.equal(vc[page, off], v_before[t])
+        assert kc.flatten(0, 1).abs().sum(-1).sum(-1).nonzero().flatten().tolist() == [0, 3, 6]
