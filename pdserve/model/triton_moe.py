@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.model import pdl
+from pdserve.model.pdl import pdl_enter
+
 
 class Alignment(NamedTuple):
     """Assignments sorted by expert, padded per expert to a multiple of ``block_m``.
@@ -473,9 +476,11 @@ def _route_gate_up_gemv_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
     ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``."""
+    pdl_enter(PDL)
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = a // TOP_K
@@ -543,10 +548,12 @@ def _down_sum_gemv_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(T, cdiv(HID, BLOCK_N))``: ``out[t, n] = sum_j rw[a] * (act[a] . w2[e_a, n])``
     over the token's assignments ``a = t * TOP_K + j``; each term rounded to out's dtype as
     _down_kernel rounds it, the k terms summed in fp32 and rounded once (the top-k sum)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < HID
@@ -648,6 +655,7 @@ def route_experts_gemv(
         BLOCK_N=cfg.up_n,
         BLOCK_K=cfg.up_k,
         num_warps=cfg.up_warps,
+        **pdl.launch_options(x),
     )
     _down_sum_gemv_kernel[(T, triton.cdiv(H, cfg.down_n))](
         act,
@@ -665,5 +673,6 @@ def route_experts_gemv(
         BLOCK_N=cfg.down_n,
         BLOCK_K=cfg.down_k,
         num_warps=cfg.down_warps,
+        **pdl.launch_options(x),
     )
     return out, weights, ids
