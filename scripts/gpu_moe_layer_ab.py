@@ -121,7 +121,8 @@ def main() -> None:
             row[name] = {"us": dt * 1e6, "fraction": floor / dt, "rel_err_vs_first": err}
             print(
                 f"T {T:>3} {routed:>3} experts roofline {floor * 1e6:6.1f} us | {name:<40} "
-                f"{dt * 1e6:7.1f} us ({floor / dt:4.0%}) err {err:.1e}",
+                f"{dt * 1e6:7.1f} us ({floor / dt:4.0%}) err {err:.1e}"
+                + ("  WRONG" if err > 0.02 else ""),
                 flush=True,
             )
         timed = [(v["us"], k) for k, v in row.items() if isinstance(v, dict)]

@@ -492,9 +492,9 @@ def _route_gate_up_gemv_kernel(
     p = tl.where(emask, p, 0.0)
     p = p / tl.sum(p, axis=0)
     left = tl.where(emask, p, -1.0)
-    total = 0.0
-    sel_w = 0.0
-    sel_e = 0
+    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
+    sel_w = total
+    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
     for jj in tl.static_range(TOP_K):
         top = tl.max(left, axis=0)
         arg = tl.argmax(left, axis=0)
