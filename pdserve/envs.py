@@ -188,6 +188,7 @@ MOE_EXPERTS = EnvVar(
     "so no CUDA graphs: the baseline the fused kernels are measured against).",
 )
 
+
 def _parse_nonneg_int(raw: str) -> int:
     value = int(raw.strip())
     if value < 0:

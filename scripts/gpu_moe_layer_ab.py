@@ -100,13 +100,13 @@ def main() -> None:
 
             if kind == "grouped":
 
-                def step(cfg=cfg):
+                def step(cfg=cfg, x=x):
                     logits = F.linear(x, router)
                     w, _, al = tm.route_align(logits, K, True, cfg.block_m)
                     return tm.grouped_experts(x, w13, w2, w, al, cfg)
             else:
 
-                def step(cfg=cfg):
+                def step(cfg=cfg, x=x):
                     return tm.route_experts_gemv(F.linear(x, router), x, w13, w2, K, True, cfg)[0]
 
             try:
@@ -133,9 +133,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "gpu_moe")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "moe_layer_ab.json"), "w") as f:
-        json.dump(
-            {"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows}, f, indent=1
-        )
+        json.dump({"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows}, f, indent=1)
     print(f"layer A/B done in {time.time() - t_start:.0f} s", flush=True)
 
 

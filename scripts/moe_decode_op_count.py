@@ -24,14 +24,14 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PDSERVE_MOE_EXPERTS", "fused")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime import interpreter
 
-from pdserve.engine.kv.layout import KVCacheLayout  # noqa: E402
-from pdserve.model import llama  # noqa: E402
-from pdserve.model.attention import build_attention_metadata  # noqa: E402
+from pdserve.engine.kv.layout import KVCacheLayout
+from pdserve.model import llama
+from pdserve.model.attention import build_attention_metadata
 
 # ops that launch nothing on CUDA (views, metadata, allocations)
 FREE = {

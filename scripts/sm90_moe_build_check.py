@@ -72,13 +72,19 @@ def main() -> None:
         _report(f"route_align {T} tokens", build(tm._route_align_kernel, args, consts, warps, 1))
 
     # the few-token path (route_experts_gemv), each GemvConfig the GPU A/B times
-    for g in (tm.GemvConfig(), tm.GemvConfig(32, 256, 8, 16, 256, 8), tm.GemvConfig(8, 1024, 8, 4, 1024, 4)):
+    for g in (
+        tm.GemvConfig(),
+        tm.GemvConfig(32, 256, 8, 16, 256, 8),
+        tm.GemvConfig(8, 1024, 8, 4, 1024, 4),
+    ):
         for dt in (BF16, F32):
             args = dict(logits_ptr=_t(BF16), x_ptr=_t(dt), w_ptr=_t(dt), act_ptr=_t(dt))
             args.update(rw_ptr=_t(F32), ids_ptr=_t(I64), E=E, K=H, INTER=INTER, s_lt=E, s_xt=H)
             args.update(s_we=2 * INTER * H, s_wn=H, s_an=INTER)
             consts = dict(TOP_K=K, RENORM=True, BLOCK_E=E, BLOCK_N=g.up_n, BLOCK_K=g.up_k)
-            k1 = build(tm._route_gate_up_gemv_kernel, args, dict(PDL=False, **consts), g.up_warps, 1)
+            k1 = build(
+                tm._route_gate_up_gemv_kernel, args, dict(PDL=False, **consts), g.up_warps, 1
+            )
             _report(f"route_gate_up_gemv {tuple(g)[:3]} {dt}", k1)
             args = dict(act_ptr=_t(dt), w_ptr=_t(dt), out_ptr=_t(dt), rw_ptr=_t(F32))
             args.update(ids_ptr=_t(I64), K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER)

@@ -419,7 +419,9 @@ class LlamaForCausalLM(nn.Module):
         fused: Any = None
         rope: Callable[..., torch.Tensor]
         rope_store: Callable[..., None] | None = None
-        if use_fused_ops(input_ids):  # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm
+        if use_fused_ops(
+            input_ids
+        ):  # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm
             from pdserve.model import fused_ops
 
             fused = fused_ops

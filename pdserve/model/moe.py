@@ -18,7 +18,8 @@ output is a partial sum that the decoder layer all-reduces, as for the dense MLP
 Two ways to run the experts on the same weights: :func:`experts_loop` (per-expert torch
 loop, transformers' order of operations: the CPU path and the reference) and
 ``pdserve.model.triton_moe.fused_experts`` (tokens sorted by expert, two grouped GEMMs;
-CUDA, and CPU under ``TRITON_INTERPRET=1``). ``PDSERVE_MOE_EXPERTS`` picks.
+CUDA, and CPU under ``TRITON_INTERPRET=1``; for a few tokens ``route_experts_gemv``, the
+routing and two GEMVs with no sort). ``PDSERVE_MOE_EXPERTS`` picks.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from
 length stays on the device (programs past it return at once), so a step's launch has fixed
 shapes for a fixed ``T`` and no host sync: CUDA-graph capturable per batch bucket.
 
+A few tokens (at most ``PDSERVE_MOE_GEMV_MAX_TOKENS``) skip the sort: :func:`route_experts_gemv`
+routes inside the gate/up GEMV and applies the routing weights and the top-k sum inside the
+down GEMV (two launches, see the section below).
+
 Tested on CPU under ``TRITON_INTERPRET=1`` against ``pdserve.model.moe.experts_loop``.
 """
 
@@ -529,7 +533,9 @@ def _route_gate_up_gemv_kernel(
     gate = tl.sum(acc_g, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
     up = tl.sum(acc_u, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(act_ptr + a.to(tl.int64) * s_an + cols, (silu * up).to(act_ptr.dtype.element_ty), mask=cmask)
+    tl.store(
+        act_ptr + a.to(tl.int64) * s_an + cols, (silu * up).to(act_ptr.dtype.element_ty), mask=cmask
+    )
 
 
 @triton.jit

@@ -140,7 +140,9 @@ def test_qk_norm_inside_rope_equals_rms_norm_then_rope(dtype, store):
     positions = torch.tensor([0, 9, 9, 40], device=DEVICE)
     cs = table.index_select(0, positions)[:, None, :]
     cos, sin = cs.chunk(2, dim=-1)
-    normed = torch.cat((rms_norm(qkv[:, :Hq], qw, eps), rms_norm(qkv[:, Hq : Hq + Hkv], kw, eps)), 1)
+    normed = torch.cat(
+        (rms_norm(qkv[:, :Hq], qw, eps), rms_norm(qkv[:, Hq : Hq + Hkv], kw, eps)), 1
+    )
     ref = apply_rope(normed, cos, sin)
     v_before = qkv[:, Hq + Hkv :].clone()
     qk = qkv[:, : Hq + Hkv]
