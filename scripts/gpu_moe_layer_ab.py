@@ -35,8 +35,8 @@ GEMV_TOKENS = [1, 2, 4, 8, 16]
 GROUPED_TOKENS = [1, 2, 4, 8, 16, 64]
 GEMV_CONFIGS = [
     tm.GemvConfig(),
-    tm.GemvConfig(32, 256, 8, 16, 256, 8),
-    tm.GemvConfig(8, 1024, 8, 4, 1024, 4),
+    tm.GemvConfig(32, 256, 8, 8, 128, 8),
+    tm.GemvConfig(8, 1024, 8, 2, 512, 8),
 ][: 1 if SMOKE else None]
 GROUPED_64 = [tm.MoEConfig(16, 32, 128, 4, 3), tm.MoEConfig(32, 64, 64, 4, 3)]
 

@@ -74,8 +74,8 @@ def main() -> None:
     # the few-token path (route_experts_gemv), each GemvConfig the GPU A/B times
     for g in (
         tm.GemvConfig(),
-        tm.GemvConfig(32, 256, 8, 16, 256, 8),
-        tm.GemvConfig(8, 1024, 8, 4, 1024, 4),
+        tm.GemvConfig(32, 256, 8, 8, 128, 8),
+        tm.GemvConfig(8, 1024, 8, 2, 512, 8),
     ):
         for dt in (BF16, F32):
             args = dict(logits_ptr=_t(BF16), x_ptr=_t(dt), w_ptr=_t(dt), act_ptr=_t(dt))
@@ -89,7 +89,7 @@ def main() -> None:
             args = dict(act_ptr=_t(dt), w_ptr=_t(dt), out_ptr=_t(dt), rw_ptr=_t(F32))
             args.update(ids_ptr=_t(I64), K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER)
             args.update(s_ot=H)
-            consts = dict(TOP_K=K, BLOCK_N=g.down_n, BLOCK_K=g.down_k, PDL=False)
+            consts = dict(TOP_K=K, BLOCK_J=K, BLOCK_N=g.down_n, BLOCK_K=g.down_k, PDL=False)
             k2 = build(tm._down_sum_gemv_kernel, args, consts, g.down_warps, 1)
             _report(f"down_sum_gemv {tuple(g)[3:]} {dt}", k2)
 

@@ -552,36 +552,46 @@ def _down_sum_gemv_kernel(
     s_wn,
     s_ot,
     TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(T, cdiv(HID, BLOCK_N))``: ``out[t, n] = sum_j rw[a] * (act[a] . w2[e_a, n])``
     over the token's assignments ``a = t * TOP_K + j``; each term rounded to out's dtype as
-    _down_kernel rounds it, the k terms summed in fp32 and rounded once (the top-k sum)."""
+    _down_kernel rounds it, the k terms summed in fp32 and rounded once (the top-k sum).
+    The k experts' tiles are one ``[BLOCK_J, BLOCK_N, BLOCK_K]`` load (``BLOCK_J`` = k
+    rounded up to a power of two): all k weight reads in flight at once."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < HID
+    js = tl.arange(0, BLOCK_J)
+    jmask = js < TOP_K
+    a = t.to(tl.int64) * TOP_K + js  # [BLOCK_J]
+    e = tl.load(ids_ptr + a, mask=jmask, other=0)
+    rw = tl.load(rw_ptr + a, mask=jmask, other=0.0)
     ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        a = (t * TOP_K + j).to(tl.int64)
-        e = tl.load(ids_ptr + a)
-        rw = tl.load(rw_ptr + a)
-        w_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
-        a_ptrs = act_ptr + a * s_an + ks
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = ks + k0 < K
-            av = tl.load(a_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_ptrs, mask=cmask[:, None] & kmask[None, :], other=0.0)
-            acc += w.to(tl.float32) * av
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        term = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32) * rw
-        total += term.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(out_ptr.dtype.element_ty), mask=cmask)
+    w_ptrs = (
+        w_ptr
+        + e[:, None, None] * s_we
+        + cols[None, :, None].to(tl.int64) * s_wn
+        + ks[None, None, :]
+    )
+    a_ptrs = act_ptr + a[:, None] * s_an + ks[None, :]
+    wmask = jmask[:, None, None] & cmask[None, :, None]
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=wmask & kmask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * av[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ty = out_ptr.dtype.element_ty
+    term = tl.sum(acc, axis=2).to(ty).to(tl.float32) * rw[:, None]  # [BLOCK_J, BLOCK_N]
+    total = tl.sum(term.to(ty).to(tl.float32), axis=0)  # padded j rows are 0
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(ty), mask=cmask)
 
 
 class GemvConfig(NamedTuple):
@@ -592,9 +602,9 @@ class GemvConfig(NamedTuple):
     up_n: int = 16
     up_k: int = 512
     up_warps: int = 8
-    down_n: int = 8
+    down_n: int = 4
     down_k: int = 256
-    down_warps: int = 4
+    down_warps: int = 8
 
 
 GEMV_MAX_TOKENS = 4  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS)
@@ -676,6 +686,7 @@ def route_experts_gemv(
         w2.stride(1),
         out.stride(0),
         TOP_K=top_k,
+        BLOCK_J=triton.next_power_of_2(top_k),
         BLOCK_N=cfg.down_n,
         BLOCK_K=cfg.down_k,
         num_warps=cfg.down_warps,
