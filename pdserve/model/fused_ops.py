@@ -314,3 +314,122 @@ def add_rms_norm(
         **pdl.launch_options(x),
     )
     return h, y
+
+
+@triton.jit
+def _add_rms_norm_router_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    g_ptr,
+    h_ptr,
+    y_ptr,
+    l_ptr,
+    s_x,
+    s_r,
+    s_h,
+    s_y,
+    s_g,
+    s_l,
+    N,
+    E,
+    eps,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``(t, b)``: ``_add_rms_norm_kernel``'s row ``t`` (stored by ``b == 0``),
+    then the router logits ``l[t, e] = y[t] . g[e]`` of experts ``e`` in block ``b``
+    (``BLOCK_E`` of them; fp32 accumulation, rounded to x's dtype as ``F.linear``). The
+    normalised row is recomputed chunk by chunk (``CHUNK`` columns) for the product."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
+    ty = x.dtype
+    r = tl.load(r_ptr + t * s_r + cols, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps)
+    if b == 0:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(h_ptr + t * s_h + cols, h, mask=mask)
+        y = (hf * rstd).to(ty).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_ptr + t * s_y + cols, y.to(ty), mask=mask)
+    ev = b * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = ev < E
+    ks = tl.arange(0, CHUNK)
+    acc = tl.zeros((BLOCK_E, CHUNK), dtype=tl.float32)
+    for k0 in range(0, N, CHUNK):
+        kk = k0 + ks
+        kmask = kk < N
+        xc = tl.load(x_ptr + t * s_x + kk, mask=kmask, other=0.0).to(tl.float32)
+        rc = tl.load(r_ptr + t * s_r + kk, mask=kmask, other=0.0).to(tl.float32)
+        wc = tl.load(w_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        hc = (xc + rc).to(ty).to(tl.float32)
+        yc = ((hc * rstd).to(ty).to(tl.float32) * wc).to(ty).to(tl.float32)
+        g = tl.load(
+            g_ptr + ev[:, None].to(tl.int64) * s_g + kk[None, :],
+            mask=emask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        acc += g.to(tl.float32) * yc[None, :]
+    logits = tl.sum(acc, axis=1)
+    tl.store(l_ptr + t * s_l + ev, logits.to(l_ptr.dtype.element_ty), mask=emask)
+
+
+ROUTER_FUSE_MAX_TOKENS = 64  # add_rms_norm_router's bound: each program re-reads its row
+
+
+def add_rms_norm_router(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor,
+    block_e: int = 4,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` with a residual, and the mixture-of-experts router's logits of
+    the normalised rows in the same kernel: returns ``(h, y, logits)``, logits ``[T, E] =
+    y @ gate.T`` in x's dtype (fp32 accumulation, ``F.linear``'s rounding). gate ``[E, N]``
+    (dim stride 1, x's dtype). For decode batches (``T <= ROUTER_FUSE_MAX_TOKENS``): each of
+    the ``cdiv(E, block_e)`` programs of a row re-reads the row; one launch fewer a layer.
+    Default tiles: 4 experts a program, the whole row of 2,048 in one chunk (one load of
+    the program's gate rows in flight; sm_90 build: no spills), untimed."""
+    T, N = x.shape
+    E = gate.shape[0]
+    y = x.new_empty(T, N)
+    h = x.new_empty(T, N)
+    logits = x.new_empty(T, E)
+    if T == 0:
+        return h, y, logits
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1 and gate.stride(-1) == 1
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_router_kernel[(T, triton.cdiv(E, block_e))](
+        x,
+        residual,
+        weight,
+        gate,
+        h,
+        y,
+        logits,
+        x.stride(0),
+        residual.stride(0),
+        h.stride(0),
+        y.stride(0),
+        gate.stride(0),
+        logits.stride(0),
+        N,
+        E,
+        eps,
+        BLOCK=block,
+        BLOCK_E=block_e,
+        CHUNK=min(chunk, block),
+        num_warps=min(16, max(1, block // 512)),
+        **pdl.launch_options(x),
+    )
+    return h, y, logits

@@ -169,10 +169,18 @@ class LlamaDecoderLayer(nn.Module):
             q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
         )
         o = self._row_parallel("o_proj", o, self.o_bias)
-        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         if self.moe is not None:
-            out = self.moe(x)
+            logits = None
+            if fused is not None and 0 < T <= fused.ROUTER_FUSE_MAX_TOKENS:
+                # the router's GEMM inside the add + RMSNorm kernel (decode batches)
+                h, x, logits = fused.add_rms_norm_router(
+                    h, o, self.post_attention_layernorm, s.eps, self.moe.gate
+                )
+            else:
+                h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+            out = self.moe(x, logits)
             return h, out if self.tp is None else self.tp.all_reduce_(out)
+        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         assert self.gate_up_proj is not None and self.down_proj is not None
         gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:

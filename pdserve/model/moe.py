@@ -121,10 +121,13 @@ class SparseMoeBlock(nn.Module):
         if envs.MOE_ROUTING_STATS.get():
             self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype.
+        logits: the router's ``[T, E]`` (``x @ gate.T``) when the caller computed them
+        (``fused_ops.add_rms_norm_router``); None: computed here."""
         s = self.s
-        logits = F.linear(x, self.gate)
+        if logits is None:
+            logits = F.linear(x, self.gate)
         if experts_impl(x.device) == "fused" and x.shape[0] > 0:
             from pdserve.model import triton_moe as tm
 

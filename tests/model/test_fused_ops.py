@@ -164,3 +164,29 @@ def test_qk_norm_inside_rope_equals_rms_norm_then_rope(dtype, store):
             assert torch.equal(kc[page, off], qkv[t, Hq : Hq + Hkv])
             assert torch.equal(vc[page, off], v_before[t])
         assert kc.flatten(0, 1).abs().sum(-1).sum(-1).nonzero().flatten().tolist() == [0, 3, 6]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "T, N, E, block_e, chunk", [(1, 64, 8, 16, 512), (5, 40, 20, 8, 16), (2, 64, 10, 4, 2048)]
+)
+def test_add_rms_norm_router_equals_add_rms_norm_then_linear(dtype, T, N, E, block_e, chunk):
+    """The router GEMM inside the add + RMSNorm kernel (several expert blocks and column
+    chunks, ragged edges): h and y exactly as add_rms_norm's, the logits as F.linear of y
+    within fp32 summation order (bf16: one rounding)."""
+    from pdserve.model.fused_ops import add_rms_norm, add_rms_norm_router
+
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    w = (1 + torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    gate = torch.randn(E, N, generator=gen).to(dtype).to(DEVICE)
+    h0, y0 = add_rms_norm(x, res, w, 1e-6)
+    h, y, logits = add_rms_norm_router(x, res, w, 1e-6, gate, block_e, chunk)
+    assert torch.equal(h, h0) and torch.equal(y, y0)
+    ref = F.linear(y0.float(), gate.float())
+    tol = (
+        1e-5 * ref.abs().max().item() if dtype == torch.float32 else 2**-7 * ref.abs().max().item()
+    )
+    assert logits.dtype == dtype and logits.shape == (T, E)
+    assert (logits.float() - ref).abs().max().item() <= tol

@@ -362,11 +362,12 @@ def test_route_experts_gemv_captures_in_a_cuda_graph():
 @pytest.mark.parametrize("backend", ["torch_sdpa", "triton"], ids=["rope", "rope_store"])
 def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, backend):
     """The decoder as it runs on CUDA, here under the interpreter: every fused op of
-    ``fused_ops`` (add + RMSNorm, Qwen3's q/k norms inside the RoPE kernel, with the KV
-    store too for the triton backend), the decode steps' experts through the few-token
-    kernels, the prefill's through the grouped ones. Tiny Qwen3-MoE in fp32 against
+    ``fused_ops`` (add + RMSNorm, with the router GEMM inside it before a sparse MLP; Qwen3's
+    q/k norms inside the RoPE kernel, with the KV store too for the triton backend), the
+    decode steps' experts through the few-token kernels, the prefill's through the grouped
+    ones. Tiny Qwen3-MoE in fp32 against
     transformers: the same greedy tokens, logits within 1e-4."""
-    from pdserve.model import llama
+    from pdserve.model import fused_ops, llama
 
     monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
     monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "4")
@@ -375,6 +376,13 @@ def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, 
     real = triton_moe.route_experts_gemv
     monkeypatch.setattr(
         triton_moe, "route_experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    router_calls = []
+    real_router = fused_ops.add_rms_norm_router
+    monkeypatch.setattr(
+        fused_ops,
+        "add_rms_norm_router",
+        lambda *a, **kw: router_calls.append(1) or real_router(*a, **kw),
     )
     hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
     assert hf.config.model_type == "qwen3_moe"
@@ -385,6 +393,7 @@ def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, 
     prompts = PROMPTS[:2]
     tokens, logits = greedy_paged(model, prompts, 2)
     assert len(calls) == 2 * 2, "2 decode steps x 2 sparse layers"
+    assert len(router_calls) == 3 * 2, "the router inside add + RMSNorm: 3 steps x 2 layers"
     ref_tokens, ref_logits = hf_greedy(hf, prompts, 2)
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
