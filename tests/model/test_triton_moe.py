@@ -359,13 +359,17 @@ def test_route_experts_gemv_captures_in_a_cuda_graph():
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
-@pytest.mark.parametrize("backend", ["torch_sdpa", "triton"], ids=["rope", "rope_store"])
-def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, backend):
+@pytest.mark.parametrize(
+    "arch, backend",
+    [("qwen3_moe", "torch_sdpa"), ("qwen3_moe", "triton"), ("mixtral", "triton")],
+    ids=["qwen3-rope", "qwen3-rope_store", "mixtral"],
+)
+def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, arch, backend):
     """The decoder as it runs on CUDA, here under the interpreter: every fused op of
     ``fused_ops`` (add + RMSNorm, with the router GEMM inside it before a sparse MLP; Qwen3's
     q/k norms inside the RoPE kernel, with the KV store too for the triton backend), the
     decode steps' experts through the few-token kernels, the prefill's through the grouped
-    ones. Tiny Qwen3-MoE in fp32 against
+    ones. Tiny Qwen3-MoE (and Mixtral: no q/k norms, top-2 of 8 experts) in fp32 against
     transformers: the same greedy tokens, logits within 1e-4."""
     from pdserve.model import fused_ops, llama
 
@@ -384,12 +388,12 @@ def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, 
         "add_rms_norm_router",
         lambda *a, **kw: router_calls.append(1) or real_router(*a, **kw),
     )
-    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
-    assert hf.config.model_type == "qwen3_moe"
+    hf = random_tiny_model(MOE_CONFIGS[arch](), seed=4)
+    assert hf.config.model_type == arch
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend=backend)
     model.load_weights(hf.state_dict().items())
     layer = next(model.decoder_layers())
-    assert layer.q_norm is not None, "the q/k norms are what this test runs through RoPE"
+    assert (layer.q_norm is not None) == (arch == "qwen3_moe"), "Qwen3's q/k norms in RoPE"
     prompts = PROMPTS[:2]
     tokens, logits = greedy_paged(model, prompts, 2)
     assert len(calls) == 2 * 2, "2 decode steps x 2 sparse layers"
