@@ -130,10 +130,10 @@ def main() -> None:
             row["best"] = min(timed)[1]
             print(f"T {T:>3}: best {row['best']}", flush=True)
         rows.append(row)
-    out_dir = os.environ.get("OUT", "gpu_moe")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "moe_layer_ab.json"), "w") as f:
-        json.dump({"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows}, f, indent=1)
+        out_dir = os.environ.get("OUT", "gpu_moe")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "moe_layer_ab.json"), "w") as f:  # after each row
+            json.dump({"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows}, f, indent=1)
     print(f"layer A/B done in {time.time() - t_start:.0f} s", flush=True)
 
 
