@@ -35,10 +35,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_step_profile import _decode_steps  # noqa: E402
+from gpu_step_profile import _decode_steps
 
-from pdserve.bench import offline  # noqa: E402
-from pdserve.cli import flag_values  # noqa: E402
+from pdserve.bench import offline
+from pdserve.cli import flag_values
 
 
 def main() -> None:
