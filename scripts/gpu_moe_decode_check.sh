@@ -3,7 +3,7 @@
 # few-token experts path (routing in the gate/up GEMV, weights + top-k sum in the down GEMV),
 # the router GEMM inside add + RMSNorm, Qwen3's q/k norms inside the RoPE kernel. Two steps,
 # each under its own timeout:
-#   1. scripts/gpu_moe_layer_ab.py (~40 s): one sparse layer at 1-64 tokens, few-token
+#   1. scripts/gpu_moe_layer_ab.py (<= 50 s): one sparse layer at 1-64 tokens, few-token
 #      path vs the grouped kernels (main's path) and a few tiles each, in CUDA graphs,
 #      against the layer's roofline -> moe_layer_ab.json;
 #   2. scripts/gpu_moe_decode_profile.py, one load of the model: bench offline --ours-only's
@@ -29,9 +29,9 @@ export OUT
 . scripts/gpu_setup.sh
 export PYTHONUNBUFFERED=1
 echo "== 1. one sparse layer: few-token path vs grouped ($SECONDS s)"
-[ "$DEVICE" = cuda ] && timeout 45 $PY scripts/gpu_moe_layer_ab.py 2>&1 | grep -v "^USDT" | tail -40
+[ "$DEVICE" = cuda ] && timeout 50 $PY scripts/gpu_moe_layer_ab.py 2>&1 | grep -v "^USDT" | tail -40
 echo "== 2. bench offline 1 and 64 prompts x 64 tokens, then the kernels of a 1-prompt step ($SECONDS s)"
-PDSERVE_MOE_EXPERTS=fused PDSERVE_MOE_ROUTING_STATS=1 timeout 175 $PY scripts/gpu_moe_decode_profile.py \
+PDSERVE_MOE_EXPERTS=fused PDSERVE_MOE_ROUTING_STATS=1 timeout 170 $PY scripts/gpu_moe_decode_profile.py \
     --profile-rows 1 --profile-context 200 --profile-steps 8 -- --model "$MODEL" \
     --device "$DEVICE" --dtype "$DTYPE" --num-prompts 1,64 --max-tokens 64 --repeats 1 \
     2>&1 | grep -v "^USDT" | tail -40
