@@ -140,6 +140,37 @@ def main() -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "moe_layer_ab.json"), "w") as f:  # after each row
             json.dump({"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows}, f, indent=1)
+    # the router GEMM inside add + RMSNorm (fused_ops.add_rms_norm_router) vs the two launches
+    from pdserve.model import fused_ops
+
+    norm_w = torch.ones(H, device=dev, dtype=DT)
+    router_rows = []
+    for T in (1, 64):
+        h = torch.randn(T, H, device=dev, generator=gen).to(DT)
+        d = torch.randn(T, H, device=dev, generator=gen).to(DT)
+
+        def two(h=h, d=d):
+            _, y = fused_ops.add_rms_norm(h, d, norm_w, 1e-6)
+            return F.linear(y, router)
+
+        def one(h=h, d=d):
+            return fused_ops.add_rms_norm_router(h, d, norm_w, 1e-6, router)[2]
+
+        err = ((one().float() - two().float()).abs().max() / two().float().abs().max()).item()
+        t2, t1 = graph_time(two), graph_time(one)
+        router_rows.append({"tokens": T, "two_us": t2 * 1e6, "fused_us": t1 * 1e6, "rel_err": err})
+        print(
+            f"T {T:>3} add+RMSNorm then router GEMM {t2 * 1e6:6.1f} us | in one kernel "
+            f"{t1 * 1e6:6.1f} us (rel err {err:.1e})",
+            flush=True,
+        )
+        with open(os.path.join(out_dir, "moe_layer_ab.json"), "w") as f:
+            json.dump(
+                {"copy_bandwidth": bw, "shape": [H, INTER, E, K], "rows": rows,
+                 "router_in_norm": router_rows},
+                f,
+                indent=1,
+            )  # fmt: skip
     print(f"layer A/B done in {time.time() - t_start:.0f} s", flush=True)
 
 
