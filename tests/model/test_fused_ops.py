@@ -190,3 +190,25 @@ def test_add_rms_norm_router_equals_add_rms_norm_then_linear(dtype, T, N, E, blo
     )
     assert logits.dtype == dtype and logits.shape == (T, E)
     assert (logits.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+def test_dense_qwen3_through_the_cuda_kernels_equals_transformers(monkeypatch, tiny_hf_builder):
+    """Dense Qwen3 as it decodes on CUDA (every ``fused_ops`` kernel, its q/k norms inside
+    the RoPE + KV store kernel of the triton backend), here under the interpreter, in fp32:
+    transformers' greedy tokens, logits within 1e-4."""
+    from test_moe import hf_greedy
+    from tp_model_ranks import PROMPTS, greedy_paged
+
+    from pdserve.model import llama
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("qwen3", seed=3)
+    model = llama.LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    tokens, logits = greedy_paged(model, PROMPTS[:2], 2)
+    ref_tokens, ref_logits = hf_greedy(hf, PROMPTS[:2], 2)
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (got - want).abs().max().item() < 1e-4
