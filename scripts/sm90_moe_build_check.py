@@ -1,7 +1,9 @@
 """Build the MoE kernels (``pdserve/model/triton_moe.py``) for Hopper (sm_90) on a machine
 without a GPU, with ``scripts/sm90_build_check.py``'s ``build``: the grouped GEMMs at
-Qwen3-30B-A3B's shapes for each ``pick_config`` tile set (bf16 and fp32) and the one-launch
-routing + alignment at 2 and 64 tokens. Prints shared memory, whether the dots became
+Qwen3-30B-A3B's shapes for each ``pick_config`` tile set (bf16 and fp32), the one-launch
+routing + alignment at 2 and 64 tokens, and the few-token path's two GEMV kernels at each
+``GemvConfig`` that ``gpu_moe_layer_ab.py`` times (2026-12-02: all built, no spills but one
+register of the default bf16 gate/up GEMV). Prints shared memory, whether the dots became
 warpgroup (HGMMA) or warp (HMMA) MMAs, and spills (LDL/STL). Builds, not speed.
 
 ``python3 scripts/sm90_moe_build_check.py`` (TRITON_INTERPRET unset). On 2026-12-02 with
