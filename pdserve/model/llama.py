@@ -132,8 +132,10 @@ class LlamaDecoderLayer(nn.Module):
         fused: ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one
         kernel, Qwen3's q/k norms inside RoPE's); rope_store: ``(qk, v, k_cache, v_cache,
         qk_norm)`` -> (q/k normalised first when ``qk_norm``, as ``rope``) rotates ``qk`` in
-        place and writes K/V into the cache (one kernel, CUDA with a backend that ``accepts_stored_kv``), used
-        instead of ``rope`` and the backend's own store when given.
+        place and writes K/V into the cache (one kernel, CUDA with a backend that
+        ``accepts_stored_kv``), used instead of ``rope`` and the backend's own store when
+        given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
+        rows, the router's logits come out of the add + RMSNorm kernel.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA)."""
         s = self.s
@@ -427,9 +429,8 @@ class LlamaForCausalLM(nn.Module):
         fused: Any = None
         rope: Callable[..., torch.Tensor]
         rope_store: Callable[..., None] | None = None
-        if use_fused_ops(
-            input_ids
-        ):  # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm
+        # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm (+ router)
+        if use_fused_ops(input_ids):
             from pdserve.model import fused_ops
 
             fused = fused_ops
