@@ -1,4 +1,4 @@
-"""Count the kernel launches of one decoder layer's decode step (1 token) as the CUDA path
+"""Count the kernel launches of one decoder layer's decode step (``--rows`` tokens, default 1) as the CUDA path
 runs it, on CPU: a tiny random Qwen3-MoE (2 layers, both sparse) with every CUDA-side choice
 taken (``llama.use_fused_ops`` forced on, ``PDSERVE_MOE_EXPERTS=fused``, the Triton
 attention backend, Triton kernels under ``TRITON_INTERPRET=1``).
@@ -57,6 +57,7 @@ class _Count(TorchDispatchMode):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", type=int, default=1, help="sequences decoding (the batch)")
     args = ap.parse_args()
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -70,11 +71,16 @@ def main() -> None:
     model = llama.LlamaForCausalLM(cfg, torch.float32, "cpu", attn_backend="triton")
     model.load_weights(hf.state_dict().items())
     s, ps = model.shapes, 4
-    lay = KVCacheLayout("page_major", s.n_layers, s.n_kv_heads, s.head_dim, ps, 8, torch.float32)
+    R = args.rows
+    pages = 2 * R
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, ps, pages, torch.float32
+    )
     caches = lay.layer_views(lay.allocate("cpu"))
-    prompt = [5, 17, 99, 3, 2]
-    md = build_attention_metadata([5], [5], [[0, 1]], ps)
-    model(torch.tensor(prompt), torch.arange(5), md, caches)  # prefill (not counted)
+    tables = [[2 * r, 2 * r + 1] for r in range(R)]
+    prompt = [5, 17, 99, 3, 2] * R
+    md = build_attention_metadata([5] * R, [5] * R, tables, ps)
+    model(torch.tensor(prompt), torch.arange(5).repeat(R), md, caches)  # prefill, not counted
     for i, layer in enumerate(model.decoder_layers()):
         layer.register_forward_pre_hook(lambda m, a, i=i: CURRENT.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: CURRENT.__setitem__(0, -1))
@@ -89,13 +95,13 @@ def main() -> None:
             IN_TRITON[0] = False
 
     interpreter.GridExecutor.__call__ = counted
-    md = build_attention_metadata([1], [6], [[0, 1]], ps)
+    md = build_attention_metadata([1] * R, [6] * R, tables, ps)
     plan = model.backend.plan(md, ps)  # outside the step, as the model runner does
     with _Count():
-        model(torch.tensor([7]), torch.tensor([5]), md, caches, plan)
+        model(torch.tensor([7] * R), torch.tensor([5] * R), md, caches, plan)
     interpreter.GridExecutor.__call__ = real_call
     layer_ops = OPS[1]
-    print(f"layer 1 of a 1-token decode step: {len(layer_ops)} launches")
+    print(f"layer 1 of a {R}-row decode step: {len(layer_ops)} launches")
     for op, n in collections.Counter(layer_ops).items():
         print(f"  {n} x {op}")
     print(f"outside the layers: {len(OPS[-1])} ({', '.join(OPS[-1])})")
