@@ -188,6 +188,24 @@ MOE_EXPERTS = EnvVar(
     "so no CUDA graphs: the baseline the fused kernels are measured against).",
 )
 
+
+def _parse_nonneg_int(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+MOE_GEMV_MAX_TOKENS = EnvVar(
+    "PDSERVE_MOE_GEMV_MAX_TOKENS",
+    _parse_nonneg_int,
+    4,
+    "On the fused mixture-of-experts path, forwards of at most this many tokens (decode at "
+    "small batch) take the few-token kernels: routing fused into the gate/up GEMV, the "
+    "routing weights and the top-k sum into the down GEMV, no sort by expert (3 launches a "
+    "layer instead of 5); larger forwards take the grouped GEMMs. 0 = never.",
+)
+
 MOE_ROUTING_STATS = EnvVar(
     "PDSERVE_MOE_ROUTING_STATS",
     _parse_bool,

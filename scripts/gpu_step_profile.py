@@ -11,12 +11,14 @@ tokens for ROWS prompts of CONTEXT tokens and reports:
   ``--steps`` more steps, per kernel name;
 - ``gap_ms`` = step_ms - kernel_ms: time the GPU waits on the host (launches, scheduling,
   sampling's host side, the plan), so a step with a large gap is host-bound;
-- the 12 kernels that take most of a step, and the count of graph launches per step
-  (``cudaGraphLaunch`` from the CPU activity; 0 means the step ran eager).
+- the 12 (``--top``) kernels that take most of a step with their launches per step, the
+  kernels per step in all (``kernels_per_step``; per name: ``kernel_counts_per_step``),
+  and the count of graph launches per step (``cudaGraphLaunch`` from the CPU activity; 0
+  means the step ran eager).
 
 Run on the GPU machine from the repository root (``scripts/gpu_setup.sh`` sourced first for
 the carried wheels): ``python3 scripts/gpu_step_profile.py [SHAPES...]``; writes
-``$OUT/step_profile.json``. ``--device cpu`` (with ``random:tiny`` and toy shapes) checks
+``$OUT/step_profile.json`` (``--json``). ``--device cpu`` (with ``random:tiny`` and toy shapes) checks
 the script itself without a GPU.
 """
 
@@ -79,6 +81,7 @@ def _decode_steps(llm: LLM, rows: int, ctx: int, steps: int, salt: int, cuda: bo
     while core.has_unfinished_requests():
         core.step()
     per: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
     launches = 0
     for a in prof.key_averages():
         if a.key in ("cudaGraphLaunch", "cuGraphLaunch"):
@@ -86,7 +89,8 @@ def _decode_steps(llm: LLM, rows: int, ctx: int, steps: int, salt: int, cuda: bo
         # kernels only (a CPU op's device time is its kernels' again)
         if cuda and a.device_type == DeviceType.CUDA:
             per[a.key] += a.device_time_total
-    return times, per, launches
+            count[a.key] += a.count
+    return times, per, launches, count
 
 
 def main() -> None:
@@ -98,6 +102,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=float, default=24)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed, then profiled")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
+    ap.add_argument("--json", default="step_profile.json", help="file name under $OUT")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     out = os.environ.get("OUT", ".")
@@ -115,10 +121,10 @@ def main() -> None:
     for shape in args.shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
         _decode_steps(llm, rows, ctx, 4, 0, cuda)  # warm: this shape's buckets, the allocator
-        times, per, launches = _decode_steps(llm, rows, ctx, n, 1, cuda)
+        times, per, launches, count = _decode_steps(llm, rows, ctx, n, 1, cuda)
         step_ms = statistics.median(times) * 1e3
         kernel_ms = sum(per.values()) / n / 1e3
-        top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+        top = sorted(per.items(), key=lambda kv: -kv[1])[: args.top]
         r = {
             "rows": rows,
             "context": ctx,
@@ -128,17 +134,19 @@ def main() -> None:
             "gap_ms": step_ms - kernel_ms,
             "graph_launches_per_step": launches / n,
             "top_kernels_ms": {k[:120]: v / n / 1e3 for k, v in top},
+            "kernels_per_step": sum(count.values()) / n,
+            "kernel_counts_per_step": {k[:120]: c / n for k, c in count.most_common()},
         }
         res[shape] = r
         print(
             f"== {shape}: step {step_ms:.3f} ms, kernels "
             f"{kernel_ms:.3f} ms, gap {step_ms - kernel_ms:.3f} ms, graph launches/step "
-            f"{r['graph_launches_per_step']:.2f}",
+            f"{r['graph_launches_per_step']:.2f}, kernels/step {r['kernels_per_step']:.0f}",
             flush=True,
         )
         for k, v in top:
-            print(f"   {v / n / 1e3:8.3f} ms  {k[:110]}", flush=True)
-    with open(os.path.join(out, "step_profile.json"), "w") as f:
+            print(f"   {v / n / 1e3:8.3f} ms {count[k] / n:6.1f}x  {k[:100]}", flush=True)
+    with open(os.path.join(out, args.json), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -1,7 +1,9 @@
 """Build the MoE kernels (``pdserve/model/triton_moe.py``) for Hopper (sm_90) on a machine
 without a GPU, with ``scripts/sm90_build_check.py``'s ``build``: the grouped GEMMs at
-Qwen3-30B-A3B's shapes for each ``pick_config`` tile set (bf16 and fp32) and the one-launch
-routing + alignment at 2 and 64 tokens. Prints shared memory, whether the dots became
+Qwen3-30B-A3B's shapes for each ``pick_config`` tile set (bf16 and fp32), the one-launch
+routing + alignment at 2 and 64 tokens, and the few-token path's two GEMV kernels at each
+``GemvConfig`` that ``gpu_moe_layer_ab.py`` times (2026-12-02: all built, no spills but one
+register of the default bf16 gate/up GEMV). Prints shared memory, whether the dots became
 warpgroup (HGMMA) or warp (HMMA) MMAs, and spills (LDL/STL). Builds, not speed.
 
 ``python3 scripts/sm90_moe_build_check.py`` (TRITON_INTERPRET unset). On 2026-12-02 with
@@ -70,6 +72,28 @@ def main() -> None:
         consts.update(BLOCK_B=triton.next_power_of_2(rows // 16))
         warps = 8 if T * E > 2048 else 4
         _report(f"route_align {T} tokens", build(tm._route_align_kernel, args, consts, warps, 1))
+
+    # the few-token path (route_experts_gemv), each GemvConfig the GPU A/B times
+    for g in (
+        tm.GemvConfig(),
+        tm.GemvConfig(32, 256, 8, 8, 128, 8),
+        tm.GemvConfig(8, 1024, 8, 2, 512, 8),
+    ):
+        for dt in (BF16, F32):
+            args = dict(logits_ptr=_t(BF16), x_ptr=_t(dt), w_ptr=_t(dt), act_ptr=_t(dt))
+            args.update(rw_ptr=_t(F32), ids_ptr=_t(I64), E=E, K=H, INTER=INTER, s_lt=E, s_xt=H)
+            args.update(s_we=2 * INTER * H, s_wn=H, s_an=INTER)
+            consts = dict(TOP_K=K, RENORM=True, BLOCK_E=E, BLOCK_N=g.up_n, BLOCK_K=g.up_k)
+            k1 = build(
+                tm._route_gate_up_gemv_kernel, args, dict(PDL=False, **consts), g.up_warps, 1
+            )
+            _report(f"route_gate_up_gemv {tuple(g)[:3]} {dt}", k1)
+            args = dict(act_ptr=_t(dt), w_ptr=_t(dt), out_ptr=_t(dt), rw_ptr=_t(F32))
+            args.update(ids_ptr=_t(I64), K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER)
+            args.update(s_ot=H)
+            consts = dict(TOP_K=K, BLOCK_J=K, BLOCK_N=g.down_n, BLOCK_K=g.down_k, PDL=False)
+            k2 = build(tm._down_sum_gemv_kernel, args, consts, g.down_warps, 1)
+            _report(f"down_sum_gemv {tuple(g)[3:]} {dt}", k2)
 
 
 if __name__ == "__main__":

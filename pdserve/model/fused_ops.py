@@ -1,6 +1,6 @@
 """Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place (optionally
-storing the rotated K and V into the paged KV cache in the same kernel), SiLU-and-mul,
-residual add + RMSNorm.
+after Qwen3's per-head q/k RMSNorm, and optionally storing the rotated K and V into the
+paged KV cache, in the same kernel), SiLU-and-mul, residual add + RMSNorm.
 
 Each small elementwise kernel costs a launch gap inside a CUDA graph, so RoPE, SwiGLU's
 ``silu(gate) * up`` and each residual add with the RMSNorm after it become one kernel each
@@ -29,6 +29,9 @@ def _rope_kernel(
     slot_ptr,
     kc_ptr,
     vc_ptr,
+    qw_ptr,
+    kw_ptr,
+    eps,
     s_xt,
     s_xh,
     s_tp,
@@ -51,10 +54,15 @@ def _rope_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    NQ: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: rotate its ``H`` heads in place by the table row of its
-    position (``table[pos] = cos[HALF] | sin[HALF]``). With ``STORE`` the last ``HKV`` of
+    position (``table[pos] = cos[HALF] | sin[HALF]``). With ``QK_NORM`` each head is first
+    RMS-normalised over its ``2 * HALF`` values (eps ``eps``) and scaled by ``qw`` (the first
+    ``NQ`` heads) or ``kw`` (the others), as transformers' per-head q/k norm: fp32
+    statistics, the normalised head rounded to x's dtype, then times the weight. With ``STORE`` the last ``HKV`` of
     them are K heads: the rotated K and the token's V ``[HKV, D]`` are also written to the
     paged cache at slot ``slot_mapping[t]`` (a negative slot, a padded row of a captured
     batch, writes nothing), the same bytes the attention backend's store would write."""
@@ -73,6 +81,21 @@ def _rope_kernel(
     ty = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
+    if QK_NORM:
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        is_q = hh < NQ
+        w1 = tl.where(
+            is_q,
+            tl.load(qw_ptr + dd, mask=dmask, other=0.0),
+            tl.load(kw_ptr + dd, mask=dmask, other=0.0),
+        ).to(tl.float32)
+        w2 = tl.where(
+            is_q,
+            tl.load(qw_ptr + HALF + dd, mask=dmask, other=0.0),
+            tl.load(kw_ptr + HALF + dd, mask=dmask, other=0.0),
+        ).to(tl.float32)
+        a = (w1 * (a * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        b = (w2 * (b * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     # Round where torch rounds: each product, then each difference/sum.
     o1 = (a * cos).to(ty).to(tl.float32) - (b * sin).to(ty).to(tl.float32)
     o2 = (b * cos).to(ty).to(tl.float32) + (a * sin).to(ty).to(tl.float32)
@@ -101,11 +124,20 @@ def _rope_kernel(
         )
 
 
-def rope_inplace(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+QKNorm = tuple[torch.Tensor, torch.Tensor, float, int]
+"""``(q_weight [D], k_weight [D], eps, n_q_heads)``: per-head RMSNorm of the q and k heads
+(Qwen3), applied by the RoPE kernel before it rotates them."""
+
+
+def rope_inplace(
+    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, qk_norm: QKNorm | None = None
+) -> None:
     """Rotate ``x`` ``[T, H, D]`` (any token/head strides, dim stride 1) in place by the rows
     ``positions`` ``[T]`` of ``table`` ``[max_positions, D]`` (cos half, then sin half, in
-    x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``."""
-    _rope(x, table, positions, None)
+    x's dtype): ``x*cos + rotate_half(x)*sin`` as ``pdserve.model.rope.apply_rope``.
+    qk_norm: first ``llama.rms_norm`` of each head with the q weight (the first
+    ``n_q_heads`` heads) or the k weight (the rest), in the same kernel."""
+    _rope(x, table, positions, None, qk_norm)
 
 
 def rope_store_kv(
@@ -116,15 +148,16 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> None:
-    """:func:`rope_inplace` of ``qk`` ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
+    """:func:`rope_inplace` of ``qk`` (with ``qk_norm`` as there) ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
     in the same kernel the rotated K heads and ``v`` ``[T, Hkv, D]`` written into one
     layer's paged cache views ``k_cache`` / ``v_cache`` ``[P, page_size, Hkv, D]`` (any
     strides, dim stride 1; ``KVCacheLayout.layer_views``) at ``slot_mapping`` ``[T]`` int64
     (``page * page_size + offset``; negative: not written). Replaces the attention backend's
     KV store (one kernel a layer fewer); the cache gets the bytes that store would write
     (cast to the cache's dtype)."""
-    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache))
+    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache), qk_norm)
 
 
 def _rope(
@@ -132,6 +165,7 @@ def _rope(
     table: torch.Tensor,
     positions: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """The launch of both: ``store`` is ``(v, slot_mapping, k_cache, v_cache)`` of
     :func:`rope_store_kv`, or None (rotate only; the store's pointers are ``qk``'s, unused)."""
@@ -141,6 +175,9 @@ def _rope(
     v, slots, k_cache, v_cache = store or (qk, positions, qk, qk)
     assert all(t.stride(-1) == 1 for t in (qk, table, v, k_cache, v_cache))
     Hkv = v.shape[1] if store else 1
+    qw, kw, eps, nq = qk_norm or (table, table, 0.0, 0)
+    if qk_norm is not None:
+        assert qw.shape == kw.shape == (D,) and qw.stride(0) == kw.stride(0) == 1
     _rope_kernel[(T,)](
         qk,
         table,
@@ -149,6 +186,9 @@ def _rope(
         slots,
         k_cache,
         v_cache,
+        qw,
+        kw,
+        float(eps),
         qk.stride(0),
         qk.stride(1),
         table.stride(0),
@@ -166,6 +206,8 @@ def _rope(
         PAGE_SIZE=k_cache.shape[1] if store else 1,
         BLOCK_KV=triton.next_power_of_2(Hkv),
         BLOCK_DV=triton.next_power_of_2(D) if store else 1,
+        QK_NORM=qk_norm is not None,
+        NQ=nq,
         **pdl.launch_options(qk),
     )
 
@@ -272,3 +314,122 @@ def add_rms_norm(
         **pdl.launch_options(x),
     )
     return h, y
+
+
+@triton.jit
+def _add_rms_norm_router_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    g_ptr,
+    h_ptr,
+    y_ptr,
+    l_ptr,
+    s_x,
+    s_r,
+    s_h,
+    s_y,
+    s_g,
+    s_l,
+    N,
+    E,
+    eps,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``(t, b)``: ``_add_rms_norm_kernel``'s row ``t`` (stored by ``b == 0``),
+    then the router logits ``l[t, e] = y[t] . g[e]`` of experts ``e`` in block ``b``
+    (``BLOCK_E`` of them; fp32 accumulation, rounded to x's dtype as ``F.linear``). The
+    normalised row is recomputed chunk by chunk (``CHUNK`` columns) for the product."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
+    ty = x.dtype
+    r = tl.load(r_ptr + t * s_r + cols, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps)
+    if b == 0:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(h_ptr + t * s_h + cols, h, mask=mask)
+        y = (hf * rstd).to(ty).to(tl.float32) * w.to(tl.float32)
+        tl.store(y_ptr + t * s_y + cols, y.to(ty), mask=mask)
+    ev = b * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = ev < E
+    ks = tl.arange(0, CHUNK)
+    acc = tl.zeros((BLOCK_E, CHUNK), dtype=tl.float32)
+    for k0 in range(0, N, CHUNK):
+        kk = k0 + ks
+        kmask = kk < N
+        xc = tl.load(x_ptr + t * s_x + kk, mask=kmask, other=0.0).to(tl.float32)
+        rc = tl.load(r_ptr + t * s_r + kk, mask=kmask, other=0.0).to(tl.float32)
+        wc = tl.load(w_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        hc = (xc + rc).to(ty).to(tl.float32)
+        yc = ((hc * rstd).to(ty).to(tl.float32) * wc).to(ty).to(tl.float32)
+        g = tl.load(
+            g_ptr + ev[:, None].to(tl.int64) * s_g + kk[None, :],
+            mask=emask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        acc += g.to(tl.float32) * yc[None, :]
+    logits = tl.sum(acc, axis=1)
+    tl.store(l_ptr + t * s_l + ev, logits.to(l_ptr.dtype.element_ty), mask=emask)
+
+
+ROUTER_FUSE_MAX_TOKENS = 64  # add_rms_norm_router's bound: each program re-reads its row
+
+
+def add_rms_norm_router(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor,
+    block_e: int = 4,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` with a residual, and the mixture-of-experts router's logits of
+    the normalised rows in the same kernel: returns ``(h, y, logits)``, logits ``[T, E] =
+    y @ gate.T`` in x's dtype (fp32 accumulation, ``F.linear``'s rounding). gate ``[E, N]``
+    (dim stride 1, x's dtype). For decode batches (``T <= ROUTER_FUSE_MAX_TOKENS``): each of
+    the ``cdiv(E, block_e)`` programs of a row re-reads the row; one launch fewer a layer.
+    Default tiles: 4 experts a program, the whole row of 2,048 in one chunk (one load of
+    the program's gate rows in flight; sm_90 build: no spills), untimed."""
+    T, N = x.shape
+    E = gate.shape[0]
+    y = x.new_empty(T, N)
+    h = x.new_empty(T, N)
+    logits = x.new_empty(T, E)
+    if T == 0:
+        return h, y, logits
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1 and gate.stride(-1) == 1
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_router_kernel[(T, triton.cdiv(E, block_e))](
+        x,
+        residual,
+        weight,
+        gate,
+        h,
+        y,
+        logits,
+        x.stride(0),
+        residual.stride(0),
+        h.stride(0),
+        y.stride(0),
+        gate.stride(0),
+        logits.stride(0),
+        N,
+        E,
+        eps,
+        BLOCK=block,
+        BLOCK_E=block_e,
+        CHUNK=min(chunk, block),
+        num_warps=min(16, max(1, block // 512)),
+        **pdl.launch_options(x),
+    )
+    return h, y, logits

@@ -56,6 +56,13 @@ def add_rms_norm(
     return h, rms_norm(h, weight, eps)
 
 
+def use_fused_ops(input_ids: torch.Tensor) -> bool:
+    """Whether a forward on ``input_ids`` runs the Triton kernels of
+    ``pdserve.model.fused_ops`` (CUDA tensors; tests set it for CPU under
+    ``TRITON_INTERPRET=1``)."""
+    return input_ids.is_cuda
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: fused QKV (+bias), optional per-head q/k RMSNorm, RoPE,
     paged attention, o_proj, fused gate/up SwiGLU MLP.
@@ -109,7 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         delta: torch.Tensor | None,
-        rope: Callable[[torch.Tensor], torch.Tensor],
+        rope: Callable[..., torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
@@ -120,11 +127,15 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
         output, None for the first layer) is still to be added; rope: rotates
-        ``[T, heads, D]`` (returns the rotated tensor, may be in place); fused:
-        ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one kernel);
-        rope_store: ``(qk, v, k_cache, v_cache)`` -> rotates ``qk`` in place and writes K/V
-        into the cache (one kernel, CUDA with a backend that ``accepts_stored_kv``), used
-        instead of ``rope`` and the backend's own store when given.
+        ``[T, heads, D]`` (returns the rotated tensor, may be in place; on CUDA it takes a
+        second argument, a ``fused_ops.QKNorm``, to RMS-normalise the q/k heads first);
+        fused: ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one
+        kernel, Qwen3's q/k norms inside RoPE's); rope_store: ``(qk, v, k_cache, v_cache,
+        qk_norm)`` -> (q/k normalised first when ``qk_norm``, as ``rope``) rotates ``qk`` in
+        place and writes K/V into the cache (one kernel, CUDA with a backend that
+        ``accepts_stored_kv``), used instead of ``rope`` and the backend's own store when
+        given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
+        rows, the router's logits come out of the add + RMSNorm kernel.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA)."""
         s = self.s
@@ -133,7 +144,11 @@ class LlamaDecoderLayer(nn.Module):
         qkv = self._linear("qkv_proj", x, self.qkv_bias)
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
+        qk_norm = None  # (q_w, k_w, eps, nq): normalised by the RoPE kernel (CUDA)
+        if self.q_norm is not None and self.k_norm is not None and fused is not None:
+            qk = qkv[:, :nqk]  # both norms in the RoPE kernel: no copies, no cat
+            qk_norm = (self.q_norm, self.k_norm, s.eps, nq)
+        elif self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             qk = torch.cat(
                 (
                     rms_norm(qkv[:, :nq], self.q_norm, s.eps),
@@ -144,8 +159,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qk = qkv[:, :nqk]
         v = qkv[:, nqk:]
-        if rope_store is not None:
-            rope_store(qk, v, k_cache, v_cache)  # rotated in place, K/V already in the cache
+        if rope_store is not None:  # rotated in place, K/V already in the cache
+            rope_store(qk, v, k_cache, v_cache, qk_norm)
+        elif qk_norm is not None:
+            qk = rope(qk, qk_norm)
         else:
             qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk[:, :nq], qk[:, nq:]
@@ -154,10 +171,18 @@ class LlamaDecoderLayer(nn.Module):
             q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
         )
         o = self._row_parallel("o_proj", o, self.o_bias)
-        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         if self.moe is not None:
-            out = self.moe(x)
+            logits = None
+            if fused is not None and 0 < T <= fused.ROUTER_FUSE_MAX_TOKENS:
+                # the router's GEMM inside the add + RMSNorm kernel (decode batches)
+                h, x, logits = fused.add_rms_norm_router(
+                    h, o, self.post_attention_layernorm, s.eps, self.moe.gate
+                )
+            else:
+                h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+            out = self.moe(x, logits)
             return h, out if self.tp is None else self.tp.all_reduce_(out)
+        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         assert self.gate_up_proj is not None and self.down_proj is not None
         gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:
@@ -402,16 +427,17 @@ class LlamaForCausalLM(nn.Module):
         if plan is None:
             plan = self.backend.plan(attn, kv_cache[0][0].shape[1])
         fused: Any = None
-        rope: Callable[[torch.Tensor], torch.Tensor]
+        rope: Callable[..., torch.Tensor]
         rope_store: Callable[..., None] | None = None
-        if input_ids.is_cuda:  # one kernel each: RoPE (+ KV store), SiLU-and-mul, add + RMSNorm
+        # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm (+ router)
+        if use_fused_ops(input_ids):
             from pdserve.model import fused_ops
 
             fused = fused_ops
             table = self.rope_cos_sin
 
-            def rope(x: torch.Tensor) -> torch.Tensor:
-                fused_ops.rope_inplace(x, table, positions)
+            def rope(x: torch.Tensor, qk_norm: Any = None) -> torch.Tensor:
+                fused_ops.rope_inplace(x, table, positions, qk_norm)
                 return x
 
             # an FP8 cache is written by the backend's store (quantized with the K/V scales)
@@ -419,9 +445,13 @@ class LlamaForCausalLM(nn.Module):
                 slots = attn.slot_mapping
 
                 def rope_store(
-                    qk: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+                    qk: torch.Tensor,
+                    v: torch.Tensor,
+                    kc: torch.Tensor,
+                    vc: torch.Tensor,
+                    qk_norm: Any = None,
                 ) -> None:
-                    fused_ops.rope_store_kv(qk, v, table, positions, kc, vc, slots)
+                    fused_ops.rope_store_kv(qk, v, table, positions, kc, vc, slots, qk_norm)
         else:
             cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
             cos, sin = cs.chunk(2, dim=-1)

@@ -18,7 +18,8 @@ output is a partial sum that the decoder layer all-reduces, as for the dense MLP
 Two ways to run the experts on the same weights: :func:`experts_loop` (per-expert torch
 loop, transformers' order of operations: the CPU path and the reference) and
 ``pdserve.model.triton_moe.fused_experts`` (tokens sorted by expert, two grouped GEMMs;
-CUDA, and CPU under ``TRITON_INTERPRET=1``). ``PDSERVE_MOE_EXPERTS`` picks.
+CUDA, and CPU under ``TRITON_INTERPRET=1``; for a few tokens ``route_experts_gemv``, the
+routing and two GEMVs with no sort). ``PDSERVE_MOE_EXPERTS`` picks.
 """
 
 from __future__ import annotations
@@ -120,20 +121,30 @@ class SparseMoeBlock(nn.Module):
         if envs.MOE_ROUTING_STATS.get():
             self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype."""
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype.
+        logits: the router's ``[T, E]`` (``x @ gate.T``) when the caller computed them
+        (``fused_ops.add_rms_norm_router``); None: computed here."""
         s = self.s
-        logits = F.linear(x, self.gate)
+        if logits is None:
+            logits = F.linear(x, self.gate)
         if experts_impl(x.device) == "fused" and x.shape[0] > 0:
             from pdserve.model import triton_moe as tm
 
-            cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
-            if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
-                weights, ids, al = tm.route_align(logits, s.top_k, s.norm_topk_prob, cfg.block_m)
+            if tm.gemv_fits(x.shape[0]):  # a few tokens: routing + 2 GEMVs, no sort
+                out, weights, ids = tm.route_experts_gemv(
+                    logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob
+                )
             else:
-                weights, ids = route(logits, s.top_k, s.norm_topk_prob)
-                al = tm.align(ids, s.n_experts, cfg.block_m)
-            out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
+                cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
+                if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
+                    weights, ids, al = tm.route_align(
+                        logits, s.top_k, s.norm_topk_prob, cfg.block_m
+                    )
+                else:
+                    weights, ids = route(logits, s.top_k, s.norm_topk_prob)
+                    al = tm.align(ids, s.n_experts, cfg.block_m)
+                out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
         else:
             weights, ids = route(logits, s.top_k, s.norm_topk_prob)
             out = experts_loop(x, self.w13, self.w2, weights, ids)

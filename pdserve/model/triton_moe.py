@@ -21,6 +21,10 @@ decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from
 length stays on the device (programs past it return at once), so a step's launch has fixed
 shapes for a fixed ``T`` and no host sync: CUDA-graph capturable per batch bucket.
 
+A few tokens (at most ``PDSERVE_MOE_GEMV_MAX_TOKENS``) skip the sort: :func:`route_experts_gemv`
+routes inside the gate/up GEMV and applies the routing weights and the top-k sum inside the
+down GEMV (two launches, see the section below).
+
 Tested on CPU under ``TRITON_INTERPRET=1`` against ``pdserve.model.moe.experts_loop``.
 """
 
@@ -31,6 +35,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.model import pdl
+from pdserve.model.pdl import pdl_enter
 
 
 class Alignment(NamedTuple):
@@ -433,3 +440,256 @@ def grouped_experts(
         **opts,
     )
     return out.view(T, k, H).sum(dim=1)
+
+
+# ------------------------------------------------------------------ few-token decode path
+# For a handful of tokens (decode at batch 1-4) there is nothing to group: each assignment
+# reads its own expert's rows. Three launches a layer instead of five (router GEMM,
+# route_align, gate_up, down, top-k sum): the router GEMM (cuBLAS), then
+#  1. ``_route_gate_up_gemv_kernel``: program (assignment a = t * k + j, column block of I)
+#     takes token t's router logits (E values), softmax in fp32, k rounds of argmax (the
+#     order of route_align), keeps the j-th expert e and weight, stores them (column block
+#     0 only), then the GEMV act[a] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n]);
+#  2. ``_down_sum_gemv_kernel``: program (token t, column block of H) sums over j the
+#     weighted GEMVs weight[a] * (act[a] . w2[e, n]): the down projection, the routing
+#     weights and the top-k sum in one kernel, each token's k experts read once.
+# GEMVs as pdserve.model.triton_gemv's ``rows`` kernel does them (no tensor cores: w * x
+# elementwise in fp32, one sum at the end; many programs of BLOCK_N output features so the
+# weight reads fill the memory system). No sort, no padding, no host sync: CUDA-graph
+# capturable, shapes fixed by T.
+
+
+@triton.jit
+def _route_gate_up_gemv_kernel(
+    logits_ptr,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    rw_ptr,
+    ids_ptr,
+    E,
+    K,
+    INTER,
+    s_lt,
+    s_xt,
+    s_we,
+    s_wn,
+    s_an,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
+    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``."""
+    pdl_enter(PDL)
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = a // TOP_K
+    j = a % TOP_K
+    ev = tl.arange(0, BLOCK_E)
+    emask = ev < E
+    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(emask, p, -1.0)
+    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
+    sel_w = total
+    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(left, axis=0)
+        arg = tl.argmax(left, axis=0)
+        total += top
+        sel_w = tl.where(j == jj, top, sel_w)
+        sel_e = tl.where(j == jj, arg, sel_e)
+        left = tl.where(ev == arg, -1.0, left)
+    if RENORM:
+        sel_w = sel_w / total
+    if pid_n == 0:
+        tl.store(ids_ptr + a, sel_e.to(tl.int64))
+        tl.store(rw_ptr + a, sel_w)
+    e = sel_e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
+    u_ptrs = g_ptrs + INTER * s_wn
+    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        wmask = cmask[:, None] & kmask[None, :]
+        acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # the roundings of _gate_up_kernel (torch's: gate, up, silu(gate), the product)
+    gate = tl.sum(acc_g, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = tl.sum(acc_u, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        act_ptr + a.to(tl.int64) * s_an + cols, (silu * up).to(act_ptr.dtype.element_ty), mask=cmask
+    )
+
+
+@triton.jit
+def _down_sum_gemv_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T, cdiv(HID, BLOCK_N))``: ``out[t, n] = sum_j rw[a] * (act[a] . w2[e_a, n])``
+    over the token's assignments ``a = t * TOP_K + j``; each term rounded to out's dtype as
+    _down_kernel rounds it, the k terms summed in fp32 and rounded once (the top-k sum).
+    The k experts' tiles are one ``[BLOCK_J, BLOCK_N, BLOCK_K]`` load (``BLOCK_J`` = k
+    rounded up to a power of two): all k weight reads in flight at once."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    js = tl.arange(0, BLOCK_J)
+    jmask = js < TOP_K
+    a = t.to(tl.int64) * TOP_K + js  # [BLOCK_J]
+    e = tl.load(ids_ptr + a, mask=jmask, other=0)
+    rw = tl.load(rw_ptr + a, mask=jmask, other=0.0)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = (
+        w_ptr
+        + e[:, None, None] * s_we
+        + cols[None, :, None].to(tl.int64) * s_wn
+        + ks[None, None, :]
+    )
+    a_ptrs = act_ptr + a[:, None] * s_an + ks[None, :]
+    wmask = jmask[:, None, None] & cmask[None, :, None]
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=wmask & kmask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * av[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ty = out_ptr.dtype.element_ty
+    term = tl.sum(acc, axis=2).to(ty).to(tl.float32) * rw[:, None]  # [BLOCK_J, BLOCK_N]
+    total = tl.sum(term.to(ty).to(tl.float32), axis=0)  # padded j rows are 0
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(ty), mask=cmask)
+
+
+class GemvConfig(NamedTuple):
+    """Tiles of the few-token path: output features and reduction chunk per program of the
+    gate/up kernel (``up_n``, ``up_k``, ``up_warps``) and of the down + sum kernel
+    (``down_n``, ``down_k``, ``down_warps``)."""
+
+    up_n: int = 16
+    up_k: int = 512
+    up_warps: int = 8
+    down_n: int = 4
+    down_k: int = 256
+    down_warps: int = 8
+
+
+GEMV_MAX_TOKENS = 4  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS)
+
+
+def gemv_fits(tokens: int) -> bool:
+    """Whether a forward of ``tokens`` rows takes the few-token path (:func:`route_experts_gemv`):
+    ``0 < tokens <= PDSERVE_MOE_GEMV_MAX_TOKENS`` (each token's experts are read for it
+    alone, so past a few tokens sharing experts the grouped kernels read fewer bytes)."""
+    from pdserve import envs
+
+    return 0 < tokens <= envs.MOE_GEMV_MAX_TOKENS.get()
+
+
+def route_experts_gemv(
+    router_logits: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routing and the experts' weighted sum of a few tokens in two launches (no sort).
+
+    router_logits ``[T, E]`` (any float dtype, last dim contiguous); x ``[T, H]``
+    (fp32/bf16/fp16); w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` in x's dtype, last dim
+    contiguous. Returns ``(out [T, H] in x's dtype, weights [T, k] float32, ids [T, k]
+    int64)``: the routing of :func:`pdserve.model.moe.route` (same ids and order, weights
+    to fp32 rounding) and the sum of ``pdserve.model.moe.experts_loop`` (fp32
+    accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
+    a CUDA graph."""
+    cfg = config or GemvConfig()
+    T, E = router_logits.shape
+    H = x.shape[1]
+    inter = w13.shape[1] // 2
+    dev = x.device
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
+    out = torch.empty((T, H), dtype=x.dtype, device=dev)
+    if T == 0:
+        return out, weights, ids
+    assert router_logits.stride(1) == 1 and x.stride(1) == 1
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
+    act = torch.empty((T * top_k, inter), dtype=x.dtype, device=dev)
+    _route_gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, cfg.up_n))](
+        router_logits,
+        x,
+        w13,
+        act,
+        weights,
+        ids,
+        E,
+        H,
+        inter,
+        router_logits.stride(0),
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_N=cfg.up_n,
+        BLOCK_K=cfg.up_k,
+        num_warps=cfg.up_warps,
+        **pdl.launch_options(x),
+    )
+    _down_sum_gemv_kernel[(T, triton.cdiv(H, cfg.down_n))](
+        act,
+        w2,
+        out,
+        weights,
+        ids,
+        inter,
+        H,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_J=triton.next_power_of_2(top_k),
+        BLOCK_N=cfg.down_n,
+        BLOCK_K=cfg.down_k,
+        num_warps=cfg.down_warps,
+        **pdl.launch_options(x),
+    )
+    return out, weights, ids

@@ -119,3 +119,96 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
         assert torch.equal(vc[page, off], qkv[t, Hq + Hkv :])
     changed = (pool != before).movedim(layout.page_dim, 0).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == [0, 1, 2]  # the pages of the 4 slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("store", [False, True], ids=["rope", "rope_store_kv"])
+def test_qk_norm_inside_rope_equals_rms_norm_then_rope(dtype, store):
+    """Qwen3's per-head q/k RMSNorm folded into the RoPE kernel (``qk_norm``), in place on
+    the strided q/k view of a fused QKV output: the model's unfused path (``rms_norm`` of the
+    q heads and of the k heads, cat, RoPE; then the KV store) within one rounding (bf16) or
+    to fp32's last bits; V untouched (and stored as is)."""
+    from pdserve.model.fused_ops import rope_inplace, rope_store_kv
+    from pdserve.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    T, Hq, Hkv, D, eps, ps = 4, 4, 2, 16, 1e-6, 2
+    qkv = (3 * torch.randn(T, Hq + 2 * Hkv, D, generator=gen)).to(dtype).to(DEVICE)
+    qw = (1 + torch.randn(D, generator=gen)).to(dtype).to(DEVICE)
+    kw = (1 + torch.randn(D, generator=gen)).to(dtype).to(DEVICE)
+    table = torch.randn(64, D, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 9, 9, 40], device=DEVICE)
+    cs = table.index_select(0, positions)[:, None, :]
+    cos, sin = cs.chunk(2, dim=-1)
+    normed = torch.cat(
+        (rms_norm(qkv[:, :Hq], qw, eps), rms_norm(qkv[:, Hq : Hq + Hkv], kw, eps)), 1
+    )
+    ref = apply_rope(normed, cos, sin)
+    v_before = qkv[:, Hq + Hkv :].clone()
+    qk = qkv[:, : Hq + Hkv]
+    if store:
+        kc = torch.zeros(T, ps, Hkv, D, dtype=dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        slots = torch.tensor([0, 3, -1, 6], device=DEVICE)
+        rope_store_kv(qk, qkv[:, Hq + Hkv :], table, positions, kc, vc, slots, (qw, kw, eps, Hq))
+    else:
+        rope_inplace(qk, table, positions, (qw, kw, eps, Hq))
+    tol = 1e-5 if dtype == torch.float32 else 2**-6 * ref.abs().max().item()
+    assert (qkv[:, : Hq + Hkv].float() - ref.float()).abs().max().item() <= tol
+    assert torch.equal(qkv[:, Hq + Hkv :], v_before)
+    if store:
+        for t, slot in enumerate(slots.tolist()):
+            page, off = divmod(slot, ps)
+            if slot < 0:
+                continue
+            assert torch.equal(kc[page, off], qkv[t, Hq : Hq + Hkv])
+            assert torch.equal(vc[page, off], v_before[t])
+        assert kc.flatten(0, 1).abs().sum(-1).sum(-1).nonzero().flatten().tolist() == [0, 3, 6]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "T, N, E, block_e, chunk", [(1, 64, 8, 16, 512), (5, 40, 20, 8, 16), (2, 64, 10, 4, 2048)]
+)
+def test_add_rms_norm_router_equals_add_rms_norm_then_linear(dtype, T, N, E, block_e, chunk):
+    """The router GEMM inside the add + RMSNorm kernel (several expert blocks and column
+    chunks, ragged edges): h and y exactly as add_rms_norm's, the logits as F.linear of y
+    within fp32 summation order (bf16: one rounding)."""
+    from pdserve.model.fused_ops import add_rms_norm, add_rms_norm_router
+
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    w = (1 + torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    gate = torch.randn(E, N, generator=gen).to(dtype).to(DEVICE)
+    h0, y0 = add_rms_norm(x, res, w, 1e-6)
+    h, y, logits = add_rms_norm_router(x, res, w, 1e-6, gate, block_e, chunk)
+    assert torch.equal(h, h0) and torch.equal(y, y0)
+    ref = F.linear(y0.float(), gate.float())
+    tol = (
+        1e-5 * ref.abs().max().item() if dtype == torch.float32 else 2**-7 * ref.abs().max().item()
+    )
+    assert logits.dtype == dtype and logits.shape == (T, E)
+    assert (logits.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+def test_dense_qwen3_through_the_cuda_kernels_equals_transformers(monkeypatch, tiny_hf_builder):
+    """Dense Qwen3 as it decodes on CUDA (every ``fused_ops`` kernel, its q/k norms inside
+    the RoPE + KV store kernel of the triton backend), here under the interpreter, in fp32:
+    transformers' greedy tokens, logits within 1e-4."""
+    from test_moe import hf_greedy
+    from tp_model_ranks import PROMPTS, greedy_paged
+
+    from pdserve.model import llama
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("qwen3", seed=3)
+    model = llama.LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    tokens, logits = greedy_paged(model, PROMPTS[:2], 2)
+    ref_tokens, ref_logits = hf_greedy(hf, PROMPTS[:2], 2)
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (got - want).abs().max().item() < 1e-4

@@ -126,20 +126,77 @@ def test_route_align_takes_decode_batches_only():
     assert not triton_moe.route_align_fits(0, 8)
 
 
+GEMV_CONFIGS = [
+    triton_moe.GemvConfig(8, 16, 4, 8, 16, 4),  # several K chunks, ragged column blocks
+    triton_moe.GemvConfig(32, 64, 4, 16, 64, 2),  # one chunk, one column block
+]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["small", "wide"])
+@pytest.mark.parametrize(
+    "T, H, inter, E, k, renorm",
+    [(1, 40, 24, 8, 2, True), (3, 33, 20, 6, 3, False), (4, 64, 48, 16, 4, True)],
+)
+def test_route_experts_gemv_equals_route_and_loop_fp32(T, H, inter, E, k, renorm, config):
+    """The few-token path (routing inside the gate/up GEMV, weights and top-k sum inside the
+    down GEMV): route's ids exactly, its weights to fp32 rounding, the loop's output."""
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7 + T)).to(DEVICE)
+    out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, config)
+    w0, ids0 = moe.route(logits, k, renorm)
+    assert torch.equal(ids, ids0)
+    assert (w - w0).abs().max().item() < 1e-6
+    ref = moe.experts_loop(x, w13, w2, w0, ids0)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    err = (out - ref).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_route_experts_gemv_half_and_router_logits_in_bf16(dtype):
+    """16-bit activations and weights (fp32 accumulation, the loop's roundings) against the
+    loop in fp32 on the same rounded weights; the router logits in the model's dtype."""
+    x, w13, w2, _, _ = _problem(2, 64, 32, 8, 2, dtype=dtype, seed=5)
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, 2, True)
+    w0, ids0 = moe.route(logits, 2, True)
+    assert torch.equal(ids, ids0) and (w - w0).abs().max().item() < 1e-6
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w0, ids0)
+    assert out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_gemv_fits_few_tokens_only(monkeypatch):
+    assert triton_moe.gemv_fits(1) and triton_moe.gemv_fits(4)
+    assert not triton_moe.gemv_fits(5) and not triton_moe.gemv_fits(0)
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "0")
+    assert not triton_moe.gemv_fits(1)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
 @pytest.mark.parametrize(
-    "cells", [triton_moe.ROUTE_ALIGN_MAX_CELLS, 8], ids=["one-launch", "torch"]
+    "cells, gemv",
+    [(triton_moe.ROUTE_ALIGN_MAX_CELLS, 0), (8, 0), (triton_moe.ROUTE_ALIGN_MAX_CELLS, 4)],
+    ids=["one-launch", "torch", "gemv"],
 )
-def test_model_with_fused_experts_equals_transformers(monkeypatch, cells):
+def test_model_with_fused_experts_equals_transformers(monkeypatch, cells, gemv):
     """PDSERVE_MOE_EXPERTS=fused: the whole tiny Qwen3-MoE through the Triton kernels, its
-    routing in the one-launch kernel (every step fits) or in torch (none but 1 row fits)."""
+    routing in the one-launch kernel (every step fits) or in torch (none but 1 row fits);
+    ``gemv``: the two decode steps (2 rows) through the few-token kernels, the prefill
+    through the grouped ones."""
     monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", str(gemv))
     monkeypatch.setattr(triton_moe, "ROUTE_ALIGN_MAX_CELLS", cells)
     hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
     model.load_weights(hf.state_dict().items())
-    called: dict[str, int] = {"grouped_experts": 0, "route_align": 0, "align": 0}
+    called: dict[str, int] = {
+        "grouped_experts": 0,
+        "route_align": 0,
+        "align": 0,
+        "route_experts_gemv": 0,
+    }
     for name in called:
         real = getattr(triton_moe, name)
 
@@ -150,11 +207,17 @@ def test_model_with_fused_experts_equals_transformers(monkeypatch, cells):
         monkeypatch.setattr(triton_moe, name, spy)
     prompts = PROMPTS[:2]
     tokens, logits = greedy_paged(model, prompts, 2)
-    assert called["grouped_experts"] == 3 * 2, "the fused kernels: 3 steps x 2 sparse layers"
-    if cells == 8:
-        assert called["align"] == 6 and called["route_align"] == 0
+    if gemv:
+        assert called["route_experts_gemv"] == 2 * 2, "2 decode steps x 2 sparse layers"
+        assert called["grouped_experts"] == called["route_align"] == 2, "the prefill"
+        assert called["align"] == 0
     else:
-        assert called["route_align"] == 6 and called["align"] == 0
+        assert called["route_experts_gemv"] == 0
+        assert called["grouped_experts"] == 3 * 2, "the fused kernels: 3 steps x 2 sparse layers"
+        if cells == 8:
+            assert called["align"] == 6 and called["route_align"] == 0
+        else:
+            assert called["route_align"] == 6 and called["align"] == 0
     ref_tokens, ref_logits = hf_greedy(hf, prompts, 2)
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
@@ -260,3 +323,82 @@ def test_route_align_and_experts_capture_in_a_cuda_graph():
         w, ids = moe.route(logits, k, True)
         ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
         assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_route_experts_gemv_captures_in_a_cuda_graph():
+    """The few-token path (router logits -> 2 launches) captured once and replayed on new
+    hidden states and router logits (other experts each time)."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    T, H, inter, E, k = 4, 2048, 768, 128, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+
+    def step():
+        return triton_moe.route_experts_gemv(logits, x, w13, w2, k, True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, w, ids = step()
+    for seed in (1, 2):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        logits.copy_(torch.randn(T, E, device=DEVICE, generator=g))
+        x.copy_(torch.randn(T, H, device=DEVICE, generator=g).bfloat16())
+        graph.replay()
+        w0, ids0 = moe.route(logits, k, True)
+        assert torch.equal(ids, ids0)
+        ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w0, ids0)
+        assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+@pytest.mark.parametrize(
+    "arch, backend",
+    [("qwen3_moe", "torch_sdpa"), ("qwen3_moe", "triton"), ("mixtral", "triton")],
+    ids=["qwen3-rope", "qwen3-rope_store", "mixtral"],
+)
+def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, arch, backend):
+    """The decoder as it runs on CUDA, here under the interpreter: every fused op of
+    ``fused_ops`` (add + RMSNorm, with the router GEMM inside it before a sparse MLP; Qwen3's
+    q/k norms inside the RoPE kernel, with the KV store too for the triton backend), the
+    decode steps' experts through the few-token kernels, the prefill's through the grouped
+    ones. Tiny Qwen3-MoE (and Mixtral: no q/k norms, top-2 of 8 experts) in fp32 against
+    transformers: the same greedy tokens, logits within 1e-4."""
+    from pdserve.model import fused_ops, llama
+
+    monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "4")
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    calls = []
+    real = triton_moe.route_experts_gemv
+    monkeypatch.setattr(
+        triton_moe, "route_experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    router_calls = []
+    real_router = fused_ops.add_rms_norm_router
+    monkeypatch.setattr(
+        fused_ops,
+        "add_rms_norm_router",
+        lambda *a, **kw: router_calls.append(1) or real_router(*a, **kw),
+    )
+    hf = random_tiny_model(MOE_CONFIGS[arch](), seed=4)
+    assert hf.config.model_type == arch
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend=backend)
+    model.load_weights(hf.state_dict().items())
+    layer = next(model.decoder_layers())
+    assert (layer.q_norm is not None) == (arch == "qwen3_moe"), "Qwen3's q/k norms in RoPE"
+    prompts = PROMPTS[:2]
+    tokens, logits = greedy_paged(model, prompts, 2)
+    assert len(calls) == 2 * 2, "2 decode steps x 2 sparse layers"
+    assert len(router_calls) == 3 * 2, "the router inside add + RMSNorm: 3 steps x 2 layers"
+    ref_tokens, ref_logits = hf_greedy(hf, prompts, 2)
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        assert (got - want).abs().max().item() < TOL
