@@ -4,12 +4,61 @@ here for the card the model loads on is not timed at start (:func:`pdserve.model
 copies the entry), so every process on that kind of card takes the same paths (a prefill and a
 decode worker compute the same numbers as a mixed one); a shape not listed is timed.
 
-Written by ``scripts/gpu_fp8_kernels2.py`` (``$OUT/fp8_paths_table.py``, its picks) from a
-GPU measurement; empty until one is copied here.
+Written by ``scripts/gpu_fp8_kernels2.py`` on NVIDIA H200 (torch 2.11.0+cu130, Triton
+3.6.0; every timing in its ``fp8_kernels2.json``); do not edit by hand.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, Any]], ...]] = {}
+TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, Any]], ...]] = {
+    ("NVIDIA H200", 6144, 4096): (
+        (1, ("gemv", ("gemv", 8, 512, 4, 1))),
+        (2, ("w8a8", ("w8a8", 16, 64, 256, 1, True, 4, 4))),
+        (4, ("w8a8", ("w8a8", 16, 64, 256, 1, True, 4, 4))),
+        (8, ("w8a8", ("w8a8", 16, 64, 256, 1, True, 4, 4))),
+        (16, ("w8a8", ("w8a8", 16, 64, 256, 1, True, 4, 4))),
+        (32, ("w8a8", ("w8a8", 32, 64, 256, 1, True, 4, 4))),
+        (64, ("w8a8", ("w8a8", 64, 64, 256, 1, True, 4, 4))),
+        (128, ("scaled_mm", None)),
+        (256, ("scaled_mm", None)),
+        (1024, ("scaled_mm", None)),
+    ),
+    ("NVIDIA H200", 4096, 4096): (
+        (1, ("gemv", ("gemv", 8, 1024, 4, 1))),
+        (2, ("w8a8", ("w8a8", 16, 64, 128, 4, True, 4, 4))),
+        (4, ("w8a8", ("w8a8", 16, 64, 128, 4, True, 4, 4))),
+        (8, ("w8a8", ("w8a8", 16, 64, 128, 4, True, 4, 4))),
+        (16, ("w8a8", ("w8a8", 16, 64, 256, 1, True, 4, 4))),
+        (32, ("w8a8", ("w8a8", 32, 64, 256, 1, True, 4, 4))),
+        (64, ("w8a8", ("w8a8", 64, 64, 256, 1, True, 4, 4))),
+        (128, ("w8a8", ("w8a8", 64, 128, 128, 4, True, 4, 4))),
+        (256, ("scaled_mm", None)),
+        (1024, ("scaled_mm", None)),
+    ),
+    ("NVIDIA H200", 28672, 4096): (
+        (1, ("w8a8", ("w8a8", 16, 64, 128, 1, True, 4, 4))),
+        (2, ("w8a8", ("w8a8", 16, 64, 128, 1, True, 4, 4))),
+        (4, ("w8a8", ("w8a8", 16, 64, 128, 1, True, 4, 4))),
+        (8, ("w8a8", ("w8a8", 16, 64, 128, 1, True, 4, 4))),
+        (16, ("w8a8", ("w8a8", 16, 64, 128, 1, True, 4, 4))),
+        (32, ("w8a8", ("w8a8", 32, 64, 128, 1, True, 4, 4))),
+        (64, ("w8a8", ("w8a8", 64, 128, 128, 1, True, 4, 4))),
+        (128, ("scaled_mm", None)),
+        (256, ("scaled_mm", None)),
+        (1024, ("scaled_mm", None)),
+    ),
+    ("NVIDIA H200", 4096, 14336): (
+        (1, ("gemv", ("gemv", 8, 1024, 4, 1))),
+        (2, ("w8a8", ("w8a8", 16, 64, 256, 4, True, 4, 4))),
+        (4, ("w8a8", ("w8a8", 16, 64, 256, 4, True, 4, 4))),
+        (8, ("w8a8", ("w8a8", 16, 64, 256, 4, True, 4, 4))),
+        (16, ("w8a8", ("w8a8", 16, 64, 256, 4, True, 4, 4))),
+        (32, ("w8a8", ("w8a8", 32, 64, 256, 4, True, 4, 4))),
+        (64, ("w8a8", ("w8a8", 64, 64, 128, 4, True, 4, 4))),
+        (128, ("w8a8", ("w8a8", 64, 128, 128, 4, False, 4, 4))),
+        (256, ("scaled_mm", None)),
+        (1024, ("scaled_mm", None)),
+    ),
+}
