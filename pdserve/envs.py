@@ -199,11 +199,13 @@ def _parse_nonneg_int(raw: str) -> int:
 MOE_GEMV_MAX_TOKENS = EnvVar(
     "PDSERVE_MOE_GEMV_MAX_TOKENS",
     _parse_nonneg_int,
-    4,
+    0,
     "On the fused mixture-of-experts path, forwards of at most this many tokens (decode at "
     "small batch) take the few-token kernels: routing fused into the gate/up GEMV, the "
     "routing weights and the top-k sum into the down GEMV, no sort by expert (3 launches a "
-    "layer instead of 5); larger forwards take the grouped GEMMs. 0 = never.",
+    "layer instead of 5); larger forwards take the grouped GEMMs. 0 = never (the default: "
+    "on the H200 at Qwen3-30B-A3B's shapes the grouped path measured faster at every "
+    "token count from 1 to 16, docs/figures/h200_s5/moe_layer_ab.json).",
 )
 
 MOE_ROUTING_STATS = EnvVar(

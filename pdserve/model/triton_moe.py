@@ -607,7 +607,7 @@ class GemvConfig(NamedTuple):
     down_warps: int = 8
 
 
-GEMV_MAX_TOKENS = 4  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS)
+GEMV_MAX_TOKENS = 0  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS): off
 
 
 def gemv_fits(tokens: int) -> bool:
