@@ -169,26 +169,44 @@ def _complete(cycle: FrontCycle) -> None:
     on_response()
 
 
+def _client_left(cycle: FrontCycle) -> bool:
+    """Whether the client's connection is closing (it left, e.g. an SDK that closes once it
+    read a stream's ``[DONE]``, before the last chunk's terminator): then nothing more is
+    written (uvloop's transport raises on a write after close) and the cycle is marked
+    disconnected."""
+    if cycle.transport.is_closing():
+        cycle.disconnected = True
+    return cycle.disconnected
+
+
 async def _write(cycle: FrontCycle, response: Response, request_id: str) -> None:
-    """Write ``response`` to the client: whole, or a stream's chunks as they come."""
+    """Write ``response`` to the client: whole, or a stream's chunks as they come; stops
+    quietly where the client left (:func:`_client_left`)."""
     cycle.response_started = True
     transport = cycle.transport
     if not isinstance(response, StreamingResponse):
-        transport.write(_head(cycle, response, request_id, chunked=False) + response.body)
+        if not _client_left(cycle):
+            transport.write(_head(cycle, response, request_id, chunked=False) + response.body)
         _complete(cycle)
         return
     chunks: Any = response.body_iterator
     try:
-        transport.write(_head(cycle, response, request_id, chunked=True))
+        if not _client_left(cycle):
+            transport.write(_head(cycle, response, request_id, chunked=True))
         async for chunk in chunks:
+            if _client_left(cycle):
+                break
             if isinstance(chunk, str):
                 chunk = chunk.encode("utf-8")
             if not chunk:
                 continue
             if cycle.flow.write_paused:
                 await cycle.flow.drain()
+            if _client_left(cycle):
+                break
             transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        transport.write(b"0\r\n\r\n")
+        if not _client_left(cycle):
+            transport.write(b"0\r\n\r\n")
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:  # ended early (the client left): the relay closes its legs
