@@ -171,7 +171,10 @@ class MultiprocExecutor(Executor):
     # --- failure --------------------------------------------------------------------
     @property
     def failure(self) -> str | None:
-        return self._failure
+        if self._failure is None:
+            return None
+        with self._failure_lock:  # logged by now (_fail)
+            return self._failure
 
     def _rank_failure(self, rank: int) -> str:
         """What happened to rank ``rank`` (its exit and, when it said so, why)."""
@@ -188,12 +191,15 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, text: str) -> None:
         """Record why the executor cannot serve; logged once, by whoever notices first (a
-        richer text for the same failure replaces it silently)."""
+        richer text for the same failure replaces it silently).  Logged under the lock that
+        :meth:`_raise_if_failed` reads it under, so no step fails on a failure that is not
+        logged yet (the watcher thread could set it and lose the GIL before its log line,
+        while the engine thread ended the requests)."""
         with self._failure_lock:
             first = self._failure is None
             self._failure = text
-        if first:
-            logger.error("%s; the engine stops serving", text)
+            if first:
+                logger.error("%s; the engine stops serving", text)
 
     def _watch(self) -> None:
         """Background: wait on the rank sentinels; the first to fire fails the executor."""
@@ -208,7 +214,8 @@ class MultiprocExecutor(Executor):
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            raise RankFailedError(self._failure)
+            with self._failure_lock:  # logged by now (_fail)
+                raise RankFailedError(self._failure)
         if self._closed:
             raise RankFailedError("the tensor-parallel executor is shut down")
 
