@@ -150,6 +150,7 @@ def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
         "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
         "timing": r.timing,
+        "start_unix": r.start_unix,
     }
 
 
