@@ -56,7 +56,9 @@ def to_client_ms(req: dict) -> float | None:
     """The first chunk's last server-side write (the router's relay, else the stub) → the
     client having it, ms."""
     timing = req.get("timing") or {}
-    block = next((b for b in timing.values() if isinstance(b, dict) and "first_chunk_unix" in b), None)
+    block = next(
+        (b for b in timing.values() if isinstance(b, dict) and "first_chunk_unix" in b), None
+    )
     if block is None or req.get("ttft_ms") is None or not req.get("start_unix"):
         return None
     out = (block.get("relay") or {}).get("first_chunk_out_unix") or block["first_chunk_unix"]
@@ -64,49 +66,100 @@ def to_client_ms(req: dict) -> float | None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rate", default="8")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=9.4)
     p.add_argument("--prefill-ms", type=float, default=20.0)
-    p.add_argument("--direct-head-late", action="store_true",
-                   help="the direct stub writes its head with the first chunk (as the relay)")
+    p.add_argument(
+        "--direct-head-late",
+        action="store_true",
+        help="the direct stub writes its head with the first chunk (as the relay)",
+    )
     p.add_argument("--json")
+    p.add_argument("--serve-json", help="keep bench serve's own JSON here")
     p.add_argument("extra", nargs="*", help="more bench serve flags (after --)")
     args = p.parse_args()
     py = sys.executable
     ports = {k: free_port() for k in ("direct", "decode", "prefill", "router")}
-    stub = [py, "-m", "pdserve.bench.sse_stub", "--step-ms", str(args.step_ms),
-            "--prefill-ms", str(args.prefill_ms)]
+    stub = [
+        py,
+        "-m",
+        "pdserve.bench.sse_stub",
+        "--step-ms",
+        str(args.step_ms),
+        "--prefill-ms",
+        str(args.prefill_ms),
+    ]
     procs = [
-        subprocess.Popen([*stub, "--port", str(ports["direct"]), "--role", "mixed"]
-                         + ([] if args.direct_head_late else ["--head-early"])),
+        subprocess.Popen(
+            [*stub, "--port", str(ports["direct"]), "--role", "mixed"]
+            + ([] if args.direct_head_late else ["--head-early"])
+        ),
         subprocess.Popen([*stub, "--port", str(ports["decode"]), "--role", "decode"]),
         subprocess.Popen([*stub, "--port", str(ports["prefill"]), "--role", "prefill"]),
     ]
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
-    procs.append(subprocess.Popen(
-        [py, "-m", "pdserve", "router", "--port", str(ports["router"]),
-         "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-         "--decode", f"http://127.0.0.1:{ports['decode']}",
-         "--pd-min-prefill-tokens", "100000000"],  # every request whole to the decode stub
-        env=env, stdout=subprocess.DEVNULL))
+    procs.append(
+        subprocess.Popen(
+            [
+                py,
+                "-m",
+                "pdserve",
+                "router",
+                "--port",
+                str(ports["router"]),
+                "--prefill",
+                f"http://127.0.0.1:{ports['prefill']}",
+                "--decode",
+                f"http://127.0.0.1:{ports['decode']}",
+                "--pd-min-prefill-tokens",
+                "100000000",
+            ],  # every request whole to the decode stub
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+    )
     try:
         for k in ports:
             wait(ports[k])
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "serve.json")
-            cmd = [py, "-m", "pdserve", "bench", "serve", "--no-progress",
-                   "--url", f"http://127.0.0.1:{ports['router']}",
-                   "--compare", f"http://127.0.0.1:{ports['direct']}",
-                   "--request-rate", args.rate, "--num-requests", str(args.num_requests),
-                   "--input-len", "16", "--output-len", str(args.output_len),
-                   "--ignore-eos", "--json", out, *args.extra]
+            cmd = [
+                py,
+                "-m",
+                "pdserve",
+                "bench",
+                "serve",
+                "--no-progress",
+                "--url",
+                f"http://127.0.0.1:{ports['router']}",
+                "--compare",
+                f"http://127.0.0.1:{ports['direct']}",
+                "--request-rate",
+                args.rate,
+                "--num-requests",
+                str(args.num_requests),
+                "--input-len",
+                "16",
+                "--output-len",
+                str(args.output_len),
+                "--ignore-eos",
+                "--json",
+                out,
+                *args.extra,
+            ]
             t0 = time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             wall = time.time() - t0
-            doc = json.load(open(out))
+            with open(out) as f:
+                doc = json.load(f)
+            if args.serve_json:
+                with open(args.serve_json, "w") as f:
+                    json.dump(doc, f)
     finally:
         for proc in procs:
             proc.terminate()
@@ -116,23 +169,27 @@ def main() -> int:
     for s in doc["series"]:
         late = [x for r in s["requests"] if r["ok"] and (x := to_client_ms(r)) is not None]
         ttft = [r["ttft_ms"] for r in s["requests"] if r["ok"]]
-        itl = s["summary"]["itl_ms"] if "itl_ms" in s["summary"] else None
         row = {
             "target": "router (relay)" if s["target"] == "target" else "stub direct",
-            "rate": s["request_rate"], "load_point": s.get("load_point"),
+            "rate": s["request_rate"],
+            "load_point": s.get("load_point"),
             "requests": len(ttft),
             "to_client_median_ms": statistics.median(late) if late else None,
             "to_client_p99_ms": pct(late, 99) if late else None,
             "ttft_median_ms": statistics.median(ttft) if ttft else None,
             "ttft_p99_ms": pct(ttft, 99) if ttft else None,
+            "to_client_ms": [round(x, 3) for x in late],
         }
         report["points"].append(row)
-        print(f"{row['target']:15s} @{row['rate']} req/s: to_client median {row['to_client_median_ms']:.2f} "
-              f"p99 {row['to_client_p99_ms']:.2f} ms; TTFT median {row['ttft_median_ms']:.2f} "
-              f"p99 {row['ttft_p99_ms']:.2f} ms ({row['requests']} ok)")
+        print(
+            f"{row['target']:15s} @{row['rate']} req/s: to_client median {row['to_client_median_ms']:.2f} "
+            f"p99 {row['to_client_p99_ms']:.2f} ms; TTFT median {row['ttft_median_ms']:.2f} "
+            f"p99 {row['ttft_p99_ms']:.2f} ms ({row['requests']} ok)"
+        )
     print(f"load average {report['load_avg']}")
     if args.json:
-        json.dump(report, open(args.json, "w"), indent=1)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

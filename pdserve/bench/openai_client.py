@@ -204,6 +204,37 @@ async def _stream_lean(
         await resp.aclose()
 
 
+_STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    httpx.HTTPError,
+    SSEError,
+    ValueError,
+    RuntimeError,
+    AttributeError,
+    TimeoutError,
+    *TRANSPORT_ERRORS,
+)
+
+
+async def _within(work: Any, timeout_s: float | None) -> None:
+    """Await the coroutine ``work`` as a task of its own for at most ``timeout_s`` seconds
+    (``None``: no limit); ``TimeoutError`` when it took longer (it is cancelled), and it
+    is cancelled when the caller is."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled (or failed as it was): over
+            pass
+        raise TimeoutError(f"the request took over {timeout_s:g} s")
+    task.result()
+
+
 async def stream_request(
     client: httpx.AsyncClient, base_url: str, endpoint: str, body: dict[str, Any]
 ) -> StreamResult:
@@ -222,13 +253,12 @@ async def stream_request(
     streams = getattr(client, "streams", None)
     try:
         if isinstance(streams, WorkerClient) and url.startswith("http://"):
-            async with asyncio.timeout(getattr(client, "timeout_s", None)):
-                await _stream_lean(streams, url, body, state)
+            await _within(
+                _stream_lean(streams, url, body, state), getattr(client, "timeout_s", None)
+            )
         else:
             await _stream_httpx(client, url, body, state)
-    except TimeoutError as exc:
-        result.error = _error_text(exc) if str(exc) else "TimeoutError: the request timed out"
-    except (httpx.HTTPError, SSEError, ValueError, RuntimeError, AttributeError, *TRANSPORT_ERRORS) as exc:
+    except _STREAM_ERRORS as exc:
         result.error = _error_text(exc)
     result.latency = time.perf_counter() - result.start
     result.text = "".join(state.pieces)

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import gc
 import math
 import os
 import platform
@@ -32,6 +33,7 @@ from pdserve.cli import Flag, add_flags, flag_values
 
 if TYPE_CHECKING:
     from pdserve.bench.runner import Series, Target
+    from pdserve.gc_watch import GcWatch
 
 # Per-scenario defaults of the lengths and concurrency (None in argparse = "not given").
 _DEFAULTS = {
@@ -235,18 +237,46 @@ async def _targets(client: Any, args: argparse.Namespace) -> list[Target]:
 
 
 async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Target], dict[str, Any]]:
+    """Run the benchmark: (every series, the targets, the JSON's header)."""
     # Imported here so that building the CLI parser stays light.
+    from pdserve.gc_watch import GcWatch
+
+    spec, ispec, rates, concurrency, blocks = _resolve(args)
+    reqs = build_requests(spec)
+    # the client's own collections: its start-up heap frozen after the warm-up (a full
+    # collection would stop every stream's reading), every pause timed for the JSON
+    watch = GcWatch(slow_s=0.01).install()
+    try:
+        series, targets = await _measure(args, spec, ispec, reqs, rates, concurrency, blocks, watch)
+    finally:
+        watch.uninstall()
+        gc.unfreeze()
+    header = _header(args, targets, spec, ispec, rates, concurrency, blocks)
+    header["client_gc"] = watch.stats()
+    return series, targets, header
+
+
+async def _measure(
+    args: argparse.Namespace,
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec | None,
+    reqs: list,
+    rates: tuple[float, ...],
+    concurrency: int | None,
+    blocks: int,
+    watch: GcWatch,
+) -> tuple[list[Series], list[Target]]:
+    """Warm up, then run every load point (or the interference scenario) on the targets."""
     from tqdm import tqdm
 
     from pdserve.bench.interference import run_interference
     from pdserve.bench.openai_client import make_client
     from pdserve.bench.runner import run_load_point, warm_up
 
-    spec, ispec, rates, concurrency, blocks = _resolve(args)
-    reqs = build_requests(spec)
     async with make_client(args.timeout) as client:
         targets = await _targets(client, args)
         await warm_up(client, targets, spec, reqs, args.num_warmups)
+        watch.freeze()
         bar = tqdm(
             total=len(targets) * len(reqs) * len(rates),
             unit="req",
@@ -275,11 +305,33 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
                         else poisson_arrivals(len(rreqs), rate, rspec.seed)
                     )
                     series += await run_load_point(
-                        client, targets, rspec, rreqs, arrivals, rate, concurrency, blocks, on_done
+                        client,
+                        targets,
+                        rspec,
+                        rreqs,
+                        arrivals,
+                        rate,
+                        concurrency,
+                        blocks,
+                        on_done,
+                        point=i,
                     )
         finally:
             bar.close()
-    header = {
+    return series, targets
+
+
+def _header(
+    args: argparse.Namespace,
+    targets: list[Target],
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec | None,
+    rates: tuple[float, ...],
+    concurrency: int | None,
+    blocks: int,
+) -> dict[str, Any]:
+    """The JSON's header: the command, the machine, the targets, the workload and load."""
+    return {
         "version": 1,
         "tool": "pdserve bench serve",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -301,7 +353,6 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
         },
         "interference": ispec.to_dict() if ispec else None,
     }
-    return series, targets, header
 
 
 def _report_phases(series: list[Series], json_path: str | None) -> list[dict[str, Any]]:

@@ -158,7 +158,7 @@ class StubServer:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One keep-alive connection."""
         loop = asyncio.get_running_loop()
-        info = {"role": self.role, "served_model_name": "stub"}
+        info: dict[str, str | int] = {"role": self.role, "served_model_name": "stub"}
         if self.role == "prefill":
             info |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1}
         gets = {
@@ -184,7 +184,9 @@ class StubServer:
                     continue
                 req = json.loads(body or b"{}")
                 if not req.get("stream"):
-                    writer.write(_response(b'{"error":{"message":"stream only"}}', "400 Bad Request"))
+                    writer.write(
+                        _response(b'{"error":{"message":"stream only"}}', "400 Bad Request")
+                    )
                     continue
                 s = _Stream(
                     writer,
