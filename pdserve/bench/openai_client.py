@@ -47,26 +47,32 @@ def normalize_base_url(url: str) -> str:
 class BenchClient(httpx.AsyncClient):
     """An ``httpx.AsyncClient`` (for the non-streamed calls) that also holds ``streams``,
     the pooled httptools connections :func:`stream_request` streams ``http://`` answers
-    on, and ``timeout_s``, the seconds one streamed request may take in all (its
-    connection, every chunk); closing the client closes both."""
+    on (``None``: streamed through httpx too), and ``timeout_s``, the seconds one
+    streamed request may take in all (its connection, every chunk); closing the client
+    closes both."""
 
-    def __init__(self, timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, timeout_s: float, socket_streams: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.timeout_s = timeout_s
-        self.streams = WorkerClient(connect_timeout=min(timeout_s, 30.0))
+        self.streams = (
+            WorkerClient(connect_timeout=min(timeout_s, 30.0)) if socket_streams else None
+        )
 
     async def aclose(self) -> None:
         """Close the streamed connections and httpx's."""
-        await self.streams.aclose()
+        if self.streams is not None:
+            await self.streams.aclose()
         await super().aclose()
 
 
-def make_client(timeout_s: float) -> BenchClient:
+def make_client(timeout_s: float, socket_streams: bool = True) -> BenchClient:
     """A client without a connection cap (the benchmark sets the concurrency) that
     ignores proxy environment variables (targets are usually on this host);
-    ``timeout_s``: seconds allowed per request."""
+    ``timeout_s``: seconds allowed per request; ``socket_streams``: stream ``http://``
+    answers on httptools connections (else through httpx; ``--stream-client``)."""
     return BenchClient(
         timeout_s,
+        socket_streams,
         timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         trust_env=False,

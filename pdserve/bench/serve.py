@@ -57,6 +57,16 @@ TARGET_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--timeout", "seconds allowed per request (default 600)", float, default=600.0),
 )
+# not in TARGET_FLAGS: ``pdserve eval`` takes those four as they are
+STREAM_CLIENT = Flag(
+    "--stream-client",
+    "how streamed answers are read: socket: keep-alive connections parsed by httptools, "
+    "each chunk timed when its bytes come off the socket (https URLs: httpx); httpx: "
+    "httpx + httpx-sse, each chunk timed when parsed, which counts the client's own "
+    "event-loop delays into TTFT and ITL (the client before 2026-12-03)",
+    default="socket",
+    choices=("socket", "httpx"),
+)
 LOAD_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--scenario",
@@ -179,7 +189,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_flags(p, TARGET_FLAGS, "targets")
+    add_flags(p, (*TARGET_FLAGS, STREAM_CLIENT), "targets")
     add_flags(p, LOAD_FLAGS, "load")
     add_flags(p, WORKLOAD_FLAGS, "workload")
     add_flags(p, INTERFERENCE_FLAGS, "interference scenario")
@@ -273,7 +283,7 @@ async def _measure(
     from pdserve.bench.openai_client import make_client
     from pdserve.bench.runner import run_load_point, warm_up
 
-    async with make_client(args.timeout) as client:
+    async with make_client(args.timeout, socket_streams=args.stream_client == "socket") as client:
         targets = await _targets(client, args)
         await warm_up(client, targets, spec, reqs, args.num_warmups)
         watch.freeze()

@@ -153,11 +153,16 @@ def test_streamed_path_chat_errors_and_timeout(stubs, tmp_path):
             )
         async with make_client(0.01) as client:  # the first chunk comes after 30 ms
             out["timeout"] = await stream_request(client, stubs["late"], "chat", chat)
+        async with make_client(30.0, socket_streams=False) as client:  # --stream-client httpx
+            assert client.streams is None
+            out["httpx"] = await stream_request(client, stubs["late"], "chat", chat)
         return out
 
     got = asyncio.run(main())
     chat = got["chat"]
     assert chat.ok and chat.text == " tok" * 2 and chat.output_tokens == 2, chat
+    via_httpx = got["httpx"]
+    assert via_httpx.ok and via_httpx.text == chat.text and len(via_httpx.itl) == 1, via_httpx
     assert not got["404"].ok and got["404"].error.startswith("HTTP 404"), got["404"]
     refused = got["refused"]
     assert not refused.ok and "WorkerConnectionError" in refused.error, refused
