@@ -228,9 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     stub = StubServer(args.role, args.step_ms / 1e3, args.prefill_ms / 1e3, args.head_early)
     try:
-        import uvloop  # the servers' loop (uvicorn's)
-
-        uvloop.run(serve_forever(args.port, stub))
+        try:
+            import uvloop  # the servers' loop (uvicorn's)
+        except ImportError:
+            asyncio.run(serve_forever(args.port, stub))
+        else:
+            uvloop.run(serve_forever(args.port, stub))
     except KeyboardInterrupt:
         pass
 
