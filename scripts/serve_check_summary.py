@@ -86,7 +86,7 @@ def main() -> int:
         )
         for r in rows:
 
-            def g(key: str) -> str:
+            def g(key: str, r: dict = r) -> str:
                 v = r.get(key)
                 return "-" if v is None else f"{v:.2f}"
 
