@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import random
 import time
@@ -219,7 +220,9 @@ async def run_load_point(
     point: int = 0,
 ) -> list[Series]:
     """Run the whole workload once on every target (blocks interleaved); one ``Series``
-    per target, results in request order; ``point``: the load point's index."""
+    per target, results in request order; ``point``: the load point's index. With the
+    collector disabled (``bench serve`` under load), a collection runs after each block,
+    when no stream is read."""
     series = {t.name: Series(t, "main", request_rate, concurrency, point=point) for t in targets}
     probes = {t.name: await prefill_urls(client, t.base_url) for t in targets}
     blocks = split_blocks(len(reqs), num_blocks)
@@ -234,6 +237,8 @@ async def run_load_point(
                 client, target, spec, block_reqs, block_arrivals, concurrency, on_done
             )
             after = await kv_bytes_sent(client, probes[target.name])
+            if not gc.isenabled():  # bench serve's collector is off under load: collect now
+                gc.collect()
             s = series[target.name]
             s.results.extend(results)
             s.duration_s += duration
