@@ -111,7 +111,8 @@ class StreamResult:
     """What one streamed request gave. Times in seconds (``perf_counter`` clock).
 
     ttft: to the first text chunk (``None`` if none came); itl: gaps between text chunks;
-    latency: request sent → stream closed; output_tokens: from usage, else text chunks.
+    latency: request sent → ``[DONE]`` arrived (streamed on a socket) or the stream
+    closed; output_tokens: from usage, else text chunks.
     cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the server
     found in its prefix cache), ``None`` when the server does not say.
     timing: the finished choice's timing block (pdserve's ``return_timing``: role ->
@@ -144,6 +145,7 @@ class _StreamState:
         self.pieces: list[str] = []
         self.completion_tokens: int | None = None
         self.last = result.start
+        self.end: float | None = None  # perf_counter when [DONE] arrived (socket path)
 
     def event(self, data: str, now: float) -> bool:
         """One SSE event's data that arrived at ``now`` (perf_counter); False at
@@ -203,11 +205,33 @@ async def _stream_lean(
             text = (await resp.aread()).decode("utf-8", "replace")
             state.result.error = f"HTTP {resp.status_code}: {text}"[:_ERROR_CHARS]
             return
-        async for at, event in resp.aiter_sse_timed():
+        events = resp.aiter_sse_timed()
+        async for at, event in events:
             if not state.event(event.data, at):
+                state.end = at  # the stream's end as the client saw it: [DONE] arrived
                 break
+        else:
+            return
+        # the body's end (the chunked terminator, often a write after [DONE]) lets the
+        # connection be reused, so no request pays a connect in its TTFT; a server that
+        # keeps the body open after [DONE] only loses the connection
+        drain = asyncio.ensure_future(_drain(events))
+        try:
+            await asyncio.wait({drain}, timeout=_DRAIN_S)
+        finally:
+            drain.cancel()
+            # a connection broken after [DONE] is no error of the request: seen, dropped
+            drain.add_done_callback(lambda t: t.cancelled() or t.exception())
     finally:
         await resp.aclose()
+
+
+_DRAIN_S = 1.0  # seconds a stream's body may take to end after its [DONE]
+
+
+async def _drain(events: Any) -> None:
+    async for _ in events:
+        pass
 
 
 _STREAM_ERRORS: tuple[type[BaseException], ...] = (
@@ -266,7 +290,7 @@ async def stream_request(
             await _stream_httpx(client, url, body, state)
     except _STREAM_ERRORS as exc:
         result.error = _error_text(exc)
-    result.latency = time.perf_counter() - result.start
+    result.latency = (state.end or time.perf_counter()) - result.start
     result.text = "".join(state.pieces)
     result.output_tokens = (
         state.completion_tokens if state.completion_tokens is not None else len(state.pieces)

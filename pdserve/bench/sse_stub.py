@@ -18,7 +18,8 @@ is the client's own lateness (and, with the stub behind a ``pdserve router``, th
 and the client's). ``--head-early``: the response head is written as the request arrives
 (as a worker that starts its stream before the first token); by default it goes with the
 first chunk (as the router's relay, which waits for the first chunk to answer an early
-error with its status).
+error with its status). ``--end-late``: the body's chunked terminator comes one step
+after ``data: [DONE]`` (by default in the same write).
 
 Also ``GET /health``, ``GET /v1/models`` (``stub``) and ``GET /get_server_info``
 (``{"role": ..., "served_model_name": "stub"}``; a prefill role adds a bootstrap port),
@@ -74,15 +75,20 @@ class StubServer:
     role: the timing block's key and ``/get_server_info``'s role; step_s: seconds between
     engine steps; prefill_s: seconds from a request's arrival to its first token's step
     (the first step at or after it); head_early: write the head at once (else with the
-    first chunk)."""
+    first chunk); end_late: the body's chunked terminator one step after ``[DONE]`` (else
+    in the same write)."""
 
-    def __init__(self, role: str, step_s: float, prefill_s: float, head_early: bool) -> None:
+    def __init__(
+        self, role: str, step_s: float, prefill_s: float, head_early: bool, end_late: bool = False
+    ) -> None:
         self.role, self.step_s, self.prefill_s, self.head_early = (
             role,
             step_s,
             prefill_s,
             head_early,
         )
+        self.end_late = end_late
+        self.ending: list[_Stream] = []  # [DONE] written, the terminator due next step
         self.streams: list[_Stream] = []
         self.created = int(time.time())
 
@@ -130,6 +136,11 @@ class StubServer:
             now = loop.time()
             if now - next_at > self.step_s:  # fell behind (a busy machine): no catch-up burst
                 next_at = now
+            for s in self.ending:
+                if not s.writer.is_closing():
+                    s.writer.write(b"0\r\n\r\n")
+                s.done.set()
+            self.ending = []
             still = []
             for s in self.streams:
                 if s.due > now:
@@ -142,14 +153,18 @@ class StubServer:
                 last = s.sent >= s.max_tokens
                 data = _chunked(self._chunk(s, last))
                 if last:
-                    data += _chunked(self._usage(s)) + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+                    data += _chunked(self._usage(s)) + _chunked(b"data: [DONE]\n\n")
+                    if not self.end_late:
+                        data += b"0\r\n\r\n"
                 if not s.head_sent:
                     data = _HEAD + data
                     s.head_sent = True
                 if s.sent == 1:
                     s.first_chunk_unix = time.time()
                 s.writer.write(data)
-                if last:
+                if last and self.end_late:
+                    self.ending.append(s)
+                elif last:
                     s.done.set()
                 else:
                     still.append(s)
@@ -225,8 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-ms", type=float, default=9.4, help="engine step, ms (default 9.4)")
     p.add_argument("--prefill-ms", type=float, default=20.0, help="first token after, ms")
     p.add_argument("--head-early", action="store_true", help="head written at once")
+    p.add_argument("--end-late", action="store_true", help="terminator a step after [DONE]")
     args = p.parse_args(argv)
-    stub = StubServer(args.role, args.step_ms / 1e3, args.prefill_ms / 1e3, args.head_early)
+    stub = StubServer(
+        args.role, args.step_ms / 1e3, args.prefill_ms / 1e3, args.head_early, args.end_late
+    )
     try:
         try:
             import uvloop  # the servers' loop (uvicorn's)

@@ -56,11 +56,12 @@ def stubs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sse_stub")
     late = _start_stub(tmp, "--step-ms", str(STEP_MS), "--prefill-ms", "30")
     early = _start_stub(tmp, "--step-ms", str(STEP_MS), "--prefill-ms", "30", "--head-early")
+    end_late = _start_stub(tmp, "--step-ms", str(STEP_MS), "--prefill-ms", "30", "--end-late")
     try:
-        wait_healthy([late, early], timeout=60)
-        yield {"late": late.url, "early": early.url}
+        wait_healthy([late, early, end_late], timeout=60)
+        yield {"late": late.url, "early": early.url, "end_late": end_late.url}
     finally:
-        stop([late, early])
+        stop([late, early, end_late])
 
 
 def _to_client_ms(r: StreamResult) -> float:
@@ -199,3 +200,24 @@ def test_repeated_rates_are_reported_as_load_points_of_their_own(capsys):
     # one table per load point, each with the compare ÷ target column
     assert out.count("compare ÷ target") == 2
     assert json.dumps(entries)  # JSON-ready
+
+
+@pytest.mark.timeout(60)
+def test_connections_are_reused_and_latency_ends_at_done(stubs):
+    """A stream's connection goes back to the pool once its body ends, also when the
+    chunked terminator comes a step after ``[DONE]``; E2E latency ends at ``[DONE]``."""
+
+    async def main() -> tuple[list[StreamResult], int]:
+        body = {"model": "stub", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        async with make_client(30.0) as client:
+            results = [
+                await stream_request(client, stubs["end_late"], "completions", body)
+                for _ in range(3)
+            ]
+            return results, len(client.streams._open)
+
+    results, opened = asyncio.run(main())
+    assert all(r.ok for r in results), results
+    assert opened == 1  # one connection for the three requests
+    for r in results:  # [DONE] comes with the last token: not a step (25 ms) later
+        assert r.ttft is not None and r.latency - r.ttft < STEP_MS / 1e3 + 0.015, r
