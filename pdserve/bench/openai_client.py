@@ -9,12 +9,15 @@ server sends no usage.
 Streamed requests to ``http://`` URLs from a :func:`make_client` client go over pooled
 keep-alive connections parsed by httptools (``pdserve.http.client``, the router's worker
 legs), and each chunk's time is when its bytes came off the socket (stamped in the
-connection's ``data_received``), not when this coroutine got to it: one event loop reads
-every stream of a load point, and at an H200's pace (~5-10 streams × 100-200 chunks/s)
-``httpx`` + ``httpx-sse`` read a first chunk 5-10 ms after the server wrote it, later when
-the response head came with it (a router's relay) than when it came first (a worker),
-which the TTFT then counted as the server's. ``https://`` URLs (and a plain
-``httpx.AsyncClient``) go through ``httpx`` + ``httpx-sse``, timed when the chunk is parsed.
+connection's ``data_received``), not when this coroutine got to it. One event loop reads
+every stream of a load point (at an H200's pace ~5-10 streams × 100-200 chunks/s, each
+decode step's chunks in one burst); ``httpx`` + ``httpx-sse`` timed a chunk when parsed,
+some loop iterations after its bytes came, one more when the response head came with
+the first chunk (a router's relay) than when it came first (a worker), and the TTFT
+counted that as the server's (the H200's ``to_client``, the server's write → the client
+having it, was 9.6 ms for PD and 5.5 ms for mixed at the median: docs/benchmarks.md).
+``https://`` URLs (and a plain ``httpx.AsyncClient``, or ``--stream-client httpx``) go
+through ``httpx`` + ``httpx-sse``, timed when the chunk is parsed.
 """
 
 from __future__ import annotations
