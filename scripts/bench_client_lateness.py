@@ -165,7 +165,14 @@ def main() -> int:
             proc.terminate()
         for proc in procs:
             proc.wait(10)
-    report: dict = {"command": cmd[2:], "wall_s": wall, "load_avg": os.getloadavg(), "points": []}
+    client = (doc.get("arguments") or {}).get("stream_client", "?")
+    report: dict = {
+        "stream_client": client,
+        "command": cmd[2:],
+        "wall_s": wall,
+        "load_avg": os.getloadavg(),
+        "points": [],
+    }
     for s in doc["series"]:
         late = [x for r in s["requests"] if r["ok"] and (x := to_client_ms(r)) is not None]
         ttft = [r["ttft_ms"] for r in s["requests"] if r["ok"]]
@@ -182,7 +189,7 @@ def main() -> int:
         }
         report["points"].append(row)
         print(
-            f"{row['target']:15s} @{row['rate']} req/s: to_client median {row['to_client_median_ms']:.2f} "
+            f"[{client} client] {row['target']:15s} @{row['rate']} req/s: to_client median {row['to_client_median_ms']:.2f} "
             f"p99 {row['to_client_p99_ms']:.2f} ms; TTFT median {row['ttft_median_ms']:.2f} "
             f"p99 {row['ttft_p99_ms']:.2f} ms ({row['requests']} ok)"
         )

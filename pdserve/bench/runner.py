@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import math
 import random
 import time
@@ -218,11 +217,12 @@ async def run_load_point(
     num_blocks: int,
     on_done: Callable[[StreamResult], None],
     point: int = 0,
+    between_blocks: Callable[[], None] = lambda: None,
 ) -> list[Series]:
     """Run the whole workload once on every target (blocks interleaved); one ``Series``
-    per target, results in request order; ``point``: the load point's index. With the
-    collector disabled (``bench serve`` under load), a collection runs after each block,
-    when no stream is read."""
+    per target, results in request order; ``point``: the load point's index;
+    ``between_blocks``: run after each block, when no stream is read (``bench serve``'s
+    garbage collection, off under load)."""
     series = {t.name: Series(t, "main", request_rate, concurrency, point=point) for t in targets}
     probes = {t.name: await prefill_urls(client, t.base_url) for t in targets}
     blocks = split_blocks(len(reqs), num_blocks)
@@ -237,8 +237,7 @@ async def run_load_point(
                 client, target, spec, block_reqs, block_arrivals, concurrency, on_done
             )
             after = await kv_bytes_sent(client, probes[target.name])
-            if not gc.isenabled():  # bench serve's collector is off under load: collect now
-                gc.collect()
+            between_blocks()
             s = series[target.name]
             s.results.extend(results)
             s.duration_s += duration

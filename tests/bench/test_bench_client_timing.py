@@ -221,3 +221,31 @@ def test_connections_are_reused_and_latency_ends_at_done(stubs):
     assert opened == 1  # one connection for the three requests
     for r in results:  # [DONE] comes with the last token: not a step (25 ms) later
         assert r.ttft is not None and r.latency - r.ttft < STEP_MS / 1e3 + 0.015, r
+
+
+@pytest.mark.timeout(60)
+def test_bench_serve_json_has_load_points_client_gc_and_send_times(stubs, tmp_path, capsys):
+    from pdserve.cli import main
+
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--url", stubs["early"], "--compare", stubs["late"]]
+    argv += ["--request-rate", "20,20", "--num-requests", "4", "--output-len", "3"]
+    argv += ["--input-len", "4", "--phase-timing", "--no-progress", "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [(s["target"], s["load_point"]) for s in doc["series"]] == [
+        ("target", 0),
+        ("compare", 0),
+        ("target", 1),
+        ("compare", 1),
+    ]
+    assert [e["load_point"] for e in doc["ttft_stages"]] == [0, 1]
+    # both stubs answer with a mixed timing block: the client's lateness is a stage
+    assert all("to_client" in e["stages"]["compare"] for e in doc["ttft_stages"])
+    assert all(r["start_unix"] > 0 for s in doc["series"] for r in s["requests"])
+    gc_stats = doc["client_gc"]
+    assert gc_stats["frozen_objects"] > 0  # the client's heap frozen after the warm-up
+    # the collector is off under load: no collection counted while streams were read
+    assert gc_stats["pause_seconds"]["count"] == 0, gc_stats
+    assert doc["arguments"]["stream_client"] == "socket"
+    assert "(load point 2)" in capsys.readouterr().out
