@@ -2,8 +2,9 @@
 """How late the serve bench's client is: ``bench serve`` against stub servers streaming at a
 decode engine's cadence (``pdserve/bench/sse_stub.py``), one directly and one behind a real
 ``pdserve router``, PD's relay path (``--compare``: the stub directly). Per target, the
-median / p99 of ``to_client`` (the server's, or the router's, write of the first chunk → the
-client having it) and the TTFT. Run from the repository root:
+median / p99 of ``to_client`` (the server's, or the router's relay's, hand-off of the first
+chunk → the client having it), the TTFT, and through the router its hop (the stub's write →
+the relay's hand-off). Run from the repository root:
 
     .venv/bin/python scripts/bench_client_lateness.py [--rate 8] [--num-requests 64]
         [--step-ms 9.4] [--json FILE] [-- extra bench serve flags]
@@ -61,8 +62,21 @@ def to_client_ms(req: dict) -> float | None:
     )
     if block is None or req.get("ttft_ms") is None or not req.get("start_unix"):
         return None
-    out = (block.get("relay") or {}).get("first_chunk_out_unix") or block["first_chunk_unix"]
+    out = (timing.get("relay") or {}).get("first_chunk_out_unix") or block["first_chunk_unix"]
     return (req["start_unix"] + req["ttft_ms"] / 1e3 - out) * 1e3
+
+
+def router_hop_ms(req: dict) -> float | None:
+    """Through a router: the stub's write of the first chunk → the router's relay handing
+    it on (``relay_in`` + ``relay`` of bench serve's stages), ms; None direct."""
+    timing = req.get("timing") or {}
+    relay = timing.get("relay") or {}
+    block = next(
+        (b for b in timing.values() if isinstance(b, dict) and "first_chunk_unix" in b), None
+    )
+    if block is None or not relay.get("first_chunk_out_unix"):
+        return None
+    return (relay["first_chunk_out_unix"] - block["first_chunk_unix"]) * 1e3
 
 
 def main() -> int:
@@ -187,11 +201,21 @@ def main() -> int:
             "ttft_p99_ms": pct(ttft, 99) if ttft else None,
             "to_client_ms": [round(x, 3) for x in late],
         }
+        hop = [x for r in s["requests"] if r["ok"] and (x := router_hop_ms(r)) is not None]
+        if hop:
+            row["router_hop_median_ms"] = statistics.median(hop)
+            row["router_hop_p99_ms"] = pct(hop, 99)
         report["points"].append(row)
         print(
             f"[{client} client] {row['target']:15s} @{row['rate']} req/s: to_client median {row['to_client_median_ms']:.2f} "
             f"p99 {row['to_client_p99_ms']:.2f} ms; TTFT median {row['ttft_median_ms']:.2f} "
             f"p99 {row['ttft_p99_ms']:.2f} ms ({row['requests']} ok)"
+            + (
+                f"; the router's hop (stub's write → relay's) median "
+                f"{row['router_hop_median_ms']:.2f} p99 {row['router_hop_p99_ms']:.2f} ms"
+                if hop
+                else ""
+            )
         )
     print(f"load average {report['load_avg']}")
     if args.json:
