@@ -79,10 +79,17 @@ def main() -> int:
             doc = json.load(f)
         rows = judge(doc)
         gc = doc.get("client_gc") or {}
-        out[path] = {"runs": rows, "client_gc_max_pause_ms": 1e3 * gc.get("max_pause_seconds", 0.0)}
+        proc = doc.get("client_process") or {}
+        out[path] = {
+            "runs": rows,
+            "client_gc_max_pause_ms": 1e3 * gc.get("max_pause_seconds", 0.0),
+            "client_process": proc,
+        }
         print(
             f"== {path} (stream client {rows[0]['stream_client'] if rows else '?'}; client gc "
-            f"max pause {out[path]['client_gc_max_pause_ms']:.1f} ms)"
+            f"max pause {out[path]['client_gc_max_pause_ms']:.1f} ms; client CPU "
+            f"{proc.get('cpu_seconds', float('nan')):.2f} s, involuntary context switches "
+            f"{proc.get('involuntary_context_switches', '?')}, load {proc.get('load_average_1m', '?')})"
         )
         for r in rows:
 

@@ -17,6 +17,7 @@ import gc
 import math
 import os
 import platform
+import resource
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
@@ -259,14 +260,23 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
     # during the load and collects between blocks (runner.run_load_point, untimed);
     # every pause under load is timed for the JSON (client_gc)
     watch = GcWatch(slow_s=0.01).install()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     try:
         series, targets = await _measure(args, spec, ispec, reqs, rates, concurrency, blocks, watch)
     finally:
         gc.enable()
         watch.uninstall()
         gc.unfreeze()
+    after = resource.getrusage(resource.RUSAGE_SELF)
     header = _header(args, targets, spec, ispec, rates, concurrency, blocks)
     header["client_gc"] = watch.stats()
+    # whether the client had its CPU: its own time, and how often the kernel took the CPU
+    # from it (a client descheduled under load reads every chunk late, however timed)
+    header["client_process"] = {
+        "cpu_seconds": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "involuntary_context_switches": after.ru_nivcsw - before.ru_nivcsw,
+        "load_average_1m": os.getloadavg()[0],
+    }
     return series, targets, header
 
 

@@ -248,4 +248,6 @@ def test_bench_serve_json_has_load_points_client_gc_and_send_times(stubs, tmp_pa
     # the collector is off under load: no collection counted while streams were read
     assert gc_stats["pause_seconds"]["count"] == 0, gc_stats
     assert doc["arguments"]["stream_client"] == "socket"
+    proc = doc["client_process"]
+    assert proc["cpu_seconds"] > 0 and proc["involuntary_context_switches"] >= 0
     assert "(load point 2)" in capsys.readouterr().out
