@@ -33,6 +33,7 @@ AB_UNTIL=${AB_UNTIL:-165}   # the httpx A/B run only if it can start by this man
 mkdir -p "$OUT/logs"
 OUT=$(realpath "$OUT")
 LOGS=$OUT/logs
+command -v setsid > /dev/null || setsid() { "$@"; }  # (then the processes are stopped by pid)
 port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 RP=$(port); MP=$(port)
 DT=bfloat16; [ "$DEVICE" = cpu ] && DT=float32
@@ -44,10 +45,11 @@ setsid $PY -m pdserve serve "${common[@]}" --port "$MP" > "$LOGS/mixed.log" 2>&1
 MX=$!
 LAT=
 cleanup() {
-  [ -n "$LAT" ] && kill -- -"$LAT" 2>/dev/null
-  kill -INT -- -"$UP" 2>/dev/null; kill -TERM -- -"$MX" 2>/dev/null
+  [ -n "$LAT" ] && { kill -- -"$LAT" 2>/dev/null || kill "$LAT" 2>/dev/null; }
+  kill -INT -- -"$UP" 2>/dev/null || kill -INT "$UP" 2>/dev/null
+  kill -TERM -- -"$MX" 2>/dev/null || kill -TERM "$MX" 2>/dev/null
   for i in $(seq 1 20); do kill -0 $UP 2>/dev/null || kill -0 $MX 2>/dev/null || break; sleep 0.5; done
-  kill -KILL -- -"$UP" -"$MX" 2>/dev/null; wait 2>/dev/null
+  kill -KILL -- -"$UP" -"$MX" 2>/dev/null; kill -KILL "$UP" "$MX" 2>/dev/null; wait 2>/dev/null
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
