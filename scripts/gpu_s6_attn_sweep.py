@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -64,8 +65,18 @@ SHORT = [
     (2, 32, 2, 3),
     (4, 32, 4, 3),
     (4, 64, 4, 2),
+    # the next tile loaded before this one's math (DecodeConfig.prefetch; no stages: no
+    # shared-memory pipeline then)
+    (1, 32, 4, 1, 0, 0, True),
+    (1, 32, 2, 1, 0, 0, True),
+    (1, 64, 4, 1, 0, 0, True),
+    (1, 64, 8, 1, 0, 0, True),
+    (1, 128, 8, 1, 0, 0, True),
+    (1, 16, 2, 1, 0, 0, True),
+    (2, 32, 4, 1, 0, 0, True),
+    (2, 64, 8, 1, 0, 0, True),
 ]
-QUICK = [0, 1, 5, 6, 10, 13, 15]
+QUICK = [0, 1, 6, 7, 11, 14, 21, 23]
 CASES = [  # (rows, context): the asked shapes first, then the bound and the long rows
     (64, 200),
     (256, 200),
@@ -186,11 +197,14 @@ def attention(report: dict, out_path: str | None, dev, quick: bool, budget: floa
         if dev.type != "cuda":  # the interpreter: the page is 16 tokens, tiles up to 16
             cur = DecodeConfig(1, 16, 4, 2)
         todo: dict[str, DecodeConfig] = {"current": cur}
+        if dev.type == "cuda":
+            todo["current+prefetch"] = replace(cur, prefetch=True)
         if ctx <= tb.ONE_SPLIT_MAX_CONTEXT and rows * HKV >= 256:
             for c in cands:
                 todo.setdefault(f"{c}", DecodeConfig(*c))
         elif dev.type != "cuda":
             todo["(2, 16, 4, 2)"] = DecodeConfig(2, 16, 4, 2)
+            todo["(2, 16, 4, 1, 0, 0, True)"] = DecodeConfig(2, 16, 4, 1, 0, 0, True)
         res = []
         for label, cfg in todo.items():
             if dev.type != "cuda" and cfg.block_n > ps:
@@ -214,6 +228,7 @@ def attention(report: dict, out_path: str | None, dev, quick: bool, budget: floa
                     num_stages=cfg.num_stages,
                     min_split=cfg.min_split,
                     balance=cfg.balance,
+                    prefetch=cfg.prefetch,
                     us_per_layer=us,
                     gb_s=gbs,
                     fraction=gbs * 1e9 / bw,
@@ -320,7 +335,8 @@ def main() -> None:
         "torch": torch.__version__,
         "copy_bandwidth_bytes_per_s": bw,
         "shapes": dict(hq=HQ, hkv=HKV, head_dim=D, page=PS, layers=32, vocab=VOCAB),
-        "config": "(splits, block_n, num_warps, num_stages) of DecodeConfig, min_split 0",
+        "config": "DecodeConfig fields (splits, block_n, num_warps, num_stages[, min_split, "
+        "balance, prefetch])",
         "attention": [],
         "greedy": [],
     }

@@ -71,7 +71,9 @@ class DecodeConfig:
     (a multiple of ``block_n``; 0: none), so short contexts leave later splits empty;
     balance: 0, or the number of equal pieces the kernel cuts the batch's whole KV into
     (a split then covers at least ``total context * Hkv / balance`` tokens, computed on the
-    device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``)."""
+    device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``); prefetch: the
+    kernel loads the next tile before this one's math (``decode_split_kernel``'s
+    ``PREFETCH``)."""
 
     splits: int
     block_n: int
@@ -79,6 +81,7 @@ class DecodeConfig:
     num_stages: int
     min_split: int = 0
     balance: int = 0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -429,6 +432,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

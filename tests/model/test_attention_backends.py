@@ -134,11 +134,15 @@ def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
         (3, 16, 4, 1, 32),  # merge kernel; a floor of 32 tokens leaves splits empty
         (4, 16, 2, 2, 0),
         (2, 64, 4, 1, 128),  # every row but the longest in its first split
+        (1, 16, 4, 1, 0, 0, True),  # the next tile loaded before this one's math
+        (1, 32, 2, 2, 0, 0, True),  # prefetched tiles of two pages (gathered)
+        (3, 16, 4, 1, 32, 0, True),  # prefetch with splits, some empty
     ],
 )
 def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
     """Every kind of decode configuration (one split without a merge, the merge kernel, a
-    split floor, tiles inside a page or across pages) equals torch_sdpa on a page-major
+    split floor, tiles inside a page or across pages, with and without the prefetch of the
+    next tile) equals torch_sdpa on a page-major
     pool, twice with the same plan (its scratch reused)."""
     from pdserve.model import triton_backend
 
