@@ -175,7 +175,8 @@ def time_graph(run: Callable[[], None], per: int, replays: int = 8) -> float:
 def current_config(rows: int, ctx: int) -> DecodeConfig:
     """The configuration the engine's replayed decode graph uses for this case now."""
     bound = tb.ONE_SPLIT_MAX_CONTEXT if ctx <= tb.ONE_SPLIT_MAX_CONTEXT else None
-    return tb.decode_config(rows, HKV, PS, bound)
+    picks = tb.device_picks(torch.device("cuda"), HQ // HKV, D)  # the table's, if any
+    return tb.decode_config(rows, HKV, PS, bound, None, picks)
 
 
 def attention(report: dict, out_path: str | None, dev, quick: bool, budget: float, t0: float):

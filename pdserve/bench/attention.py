@@ -188,18 +188,19 @@ def measure(
 
     from pdserve.engine.worker.cuda_graph import pick_graph
     from pdserve.model.attention import build_attention_metadata, get_attention_backend
-    from pdserve.model.triton_backend import TritonPlan, decode_config
+    from pdserve.model.triton_backend import TritonPlan, decode_config, device_picks
 
     k_cache, v_cache, tables = _pool(seq_lens, page_size, hkv, head_dim, dtype, device, order)
     md = build_attention_metadata([1] * batch, seq_lens, tables, page_size, device=device)
     q = torch.randn(batch, hq, head_dim, device=device).to(dtype)
     kv_new = torch.empty(batch, hkv, head_dim, device=device, dtype=dtype)  # not read
     tri = get_attention_backend("triton")
+    picks = device_picks(device, hq // hkv, head_dim)  # the engine's measured picks
     if config_spec == "eager":
-        cfg = decode_config(batch, hkv, page_size, max(seq_lens), sum(seq_lens))
+        cfg = decode_config(batch, hkv, page_size, max(seq_lens), sum(seq_lens), picks)
     elif config_spec == "graph":
         bound = pick_graph(batch, tri.capture_context_bounds(batch, hkv), max(seq_lens))[1]
-        cfg = decode_config(batch, hkv, page_size, bound)
+        cfg = decode_config(batch, hkv, page_size, bound, None, picks)
     else:
         cfg = config_spec
     plan = TritonPlan(decode=True, max_seq_len=max(seq_lens), max_q_len=1, config=cfg)

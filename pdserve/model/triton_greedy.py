@@ -20,10 +20,13 @@ Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tes
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.model import decode_attn_table
 from pdserve.model.pdl import launch_options, pdl_enter
 
 # Programs a pick aims at (about 4 per SM of an H200's 132) and the vocabulary a program
@@ -42,6 +45,20 @@ def greedy_splits(
     by_rows = -(-target // max(1, rows))
     by_vocab = max(1, -(-vocab // block_v))
     return max(1, min(_MAX_SPLITS, by_rows, by_vocab))
+
+
+@functools.cache
+def _cuda_params(index: int) -> tuple[int, int, int] | None:
+    return decode_attn_table.GREEDY.get(torch.cuda.get_device_name(index))
+
+
+def measured_params(device: torch.device) -> tuple[int, int, int] | None:
+    """``(target programs, block_v, num_warps)`` of the greedy pick measured faster than
+    ``argmax`` + ``log_softmax`` on ``device`` (``decode_attn_table.GREEDY``, by the CUDA
+    device's name, read once a process), or ``None``: keep torch's ops (and off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_params(device.index if device.index is not None else 0)
 
 
 @triton.jit(do_not_specialize=("s_lr", "vocab", "chunk"))

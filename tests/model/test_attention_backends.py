@@ -9,6 +9,7 @@ GPU runs.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,6 +179,58 @@ def test_eager_decode_configs_are_a_fixed_set():
                 seen.add(cfg)
     assert len(seen) >= 12  # the set is what the rule gives, not a superset far from it
     assert eager_config(decode_config(1, 8, 128, 600, 600)).splits == 16  # 10, rounded up
+
+
+def test_measured_decode_picks_take_over_and_stay_in_the_fixed_set():
+    """With measured picks (``decode_attn_table``'s form), short contexts at ``B * Hkv >=
+    SHORT_MIN_ROWS`` take the entry whose bound holds ``B * Hkv`` (the last past it),
+    smaller batches and long contexts keep the rule (prefetching with ``long_prefetch``),
+    and every eager step's configuration is still one of the start-up set, which adds the
+    picks' own configurations."""
+    from pdserve.model.decode_attn_table import SHORT_MIN_ROWS
+    from pdserve.model.triton_backend import (
+        DecodeConfig,
+        DecodePicks,
+        decode_config,
+        eager_config,
+        eager_decode_configs,
+    )
+
+    a, b = DecodeConfig(1, 32, 4, 1, 0, 0, True), DecodeConfig(2, 64, 8, 1, 0, 0, True)
+    picks = DecodePicks(((512, a), (1024, b)), long_prefetch=True)
+    assert SHORT_MIN_ROWS == 256
+    assert decode_config(32, 8, 128, 200, None, picks) == a  # 256 rows x KV heads
+    assert decode_config(64, 8, 128, 1024, None, picks) == a  # 512
+    assert decode_config(65, 8, 128, 1024, None, picks) == b
+    assert decode_config(256, 8, 128, 300, 256 * 300, picks) == b  # past the last bound
+    assert decode_config(16, 8, 128, 200, None, picks) == decode_config(16, 8, 128, 200)
+    long = decode_config(64, 8, 128, None, None, picks)
+    assert long.prefetch and replace(long, prefetch=False) == decode_config(64, 8, 128, None)
+    allowed = set(eager_decode_configs(picks))
+    assert {a, b} <= allowed and len(allowed) == 21
+    for rows in (1, 3, 8, 24, 32, 50, 64, 100, 256):
+        for longest in (1, 65, 300, 1024, 1025, 4096, 40000):
+            for total in (longest, longest * rows):
+                cfg = eager_config(decode_config(rows, 8, 128, longest, total, picks))
+                assert cfg in allowed, (rows, longest, total, cfg)
+
+
+def test_decode_attn_table_entries_are_valid():
+    """Every committed pick is a valid configuration the warm-up compiles as is: bounds
+    ascending, split counts powers of two (``eager_config`` keeps them), 128-token pages
+    tiled whole; greedy picks of positive sizes."""
+    from pdserve.model import decode_attn_table as t
+    from pdserve.model.triton_backend import DecodeConfig, eager_config
+
+    for (name, group, head_dim), entries in t.SHORT.items():
+        assert name and group >= 1 and head_dim >= 16 and entries
+        bounds = [n for n, _ in entries]
+        assert bounds == sorted(set(bounds)) and bounds[0] >= t.SHORT_MIN_ROWS
+        for _, c in entries:
+            cfg = DecodeConfig(*c)
+            assert eager_config(cfg) == cfg and 128 % cfg.block_n == 0
+    for target, block_v, warps in t.GREEDY.values():
+        assert target >= 1 and block_v >= 16 and block_v & (block_v - 1) == 0 and warps >= 1
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,34 @@
+"""Decode-step kernel picks measured on a GPU: the split-KV decode attention's launch
+configuration at short contexts, the long-context rule's tile prefetch, and the greedy pick.
+
+``SHORT[(device name, G, head_dim)]``: ``((largest B * Hkv, (splits, block_n, num_warps,
+num_stages, min_split, balance, prefetch)), ...)`` ascending, the
+:class:`~pdserve.model.triton_backend.DecodeConfig` a decode step of ``B`` rows and ``Hkv``
+KV heads (``G`` query heads each) runs when every context is at most
+``ONE_SPLIT_MAX_CONTEXT`` tokens (an eager step's longest, or the bound of the graph
+replayed), for ``B * Hkv`` from :data:`SHORT_MIN_ROWS` up (below it, or past the last
+entry's bound with no entry: the rule of ``decode_config``; past the last entry: the last
+entry). Splits are powers of two (``eager_config`` keeps them: every entry is compiled at
+start-up by ``TritonBackend.warm_up``).
+
+``LONG_PREFETCH``: the ``(device name, G, head_dim)`` whose long-context (balanced) decode
+configurations load the next tile before this one's math (``DecodeConfig.prefetch``).
+
+``GREEDY[device name]``: ``(target programs, block_v, num_warps)`` of the one-pass greedy pick
+(``model/triton_greedy.py``) a decode graph computes its argmax and that token's logprob
+with; a device not listed keeps ``argmax`` + ``log_softmax`` + ``gather``.
+
+Written from ``scripts/gpu_s6_attn_sweep.py``'s JSON (``attn_sweep.json``; the figures and
+the rule each pick was taken by are in the commit that set it); do not edit by hand.
+"""
+
+from __future__ import annotations
+
+SHORT_MIN_ROWS = 256
+
+SHORT: dict[tuple[str, int, int], tuple[tuple[int, tuple[int, int, int, int, int, int, bool]], ...]]
+SHORT = {}
+
+LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
+
+GREEDY: dict[str, tuple[int, int, int]] = {}
