@@ -147,14 +147,13 @@ def _decode_tile(
     s_ct,
     s_vcp,
     s_vct,
-    DTYPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
 ):
     """K and V tiles ``[BLOCK_N, BLOCK_D]`` of context positions ``start + nn`` (those at or
     past ``hi`` masked: none read, zeros) of one KV head (``k_head`` / ``v_head``: its base
-    in the caches) of the sequence whose page-table row is ``table_row``, converted to
-    ``DTYPE`` (an FP8 cache converted in registers). ``TILE_IN_PAGE``: the tile lies in one
+    in the caches) of the sequence whose page-table row is ``table_row``, in the cache's
+    dtype. ``TILE_IN_PAGE``: the tile lies in one
     page (one page-table read), else each position reads its own entry."""
     pos = start + nn
     nmask = pos < hi
@@ -169,8 +168,8 @@ def _decode_tile(
         off = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = k_head + pages * s_cp + off * s_ct
         v_rows = v_head + pages * s_vcp + off * s_vct
-    k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(DTYPE)
-    v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(DTYPE)
+    k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
     return k, v
 
 
@@ -178,7 +177,10 @@ def _decode_tile(
 def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr):
     """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
     against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
-    l_i)``, returned updated."""
+    l_i)``, returned updated. The tiles are converted to q's dtype here (an FP8 cache in
+    registers)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -301,12 +303,12 @@ def decode_split_kernel(
     if PREFETCH:  # the next tile's loads are issued before this tile's math
         k, v = _decode_tile(
             k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-            q.dtype, PAGE_SIZE, TILE_IN_PAGE,
+            PAGE_SIZE, TILE_IN_PAGE,
         )  # fmt: skip
         for start in range(lo, hi, BLOCK_N):
             k_next, v_next = _decode_tile(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
-                s_vcp, s_vct, q.dtype, PAGE_SIZE, TILE_IN_PAGE,
+                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
             k, v = k_next, v_next
@@ -314,7 +316,7 @@ def decode_split_kernel(
         for start in range(lo, hi, BLOCK_N):
             k, v = _decode_tile(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-                q.dtype, PAGE_SIZE, TILE_IN_PAGE,
+                PAGE_SIZE, TILE_IN_PAGE,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
