@@ -172,10 +172,10 @@ def time_graph(run: Callable[[], None], per: int, replays: int = 8) -> float:
     return sorted(times)[1]
 
 
-def current_config(rows: int, ctx: int) -> DecodeConfig:
+def current_config(rows: int, ctx: int, dev) -> DecodeConfig:
     """The configuration the engine's replayed decode graph uses for this case now."""
     bound = tb.ONE_SPLIT_MAX_CONTEXT if ctx <= tb.ONE_SPLIT_MAX_CONTEXT else None
-    picks = tb.device_picks(torch.device("cuda"), HQ // HKV, D)  # the table's, if any
+    picks = tb.device_picks(dev, HQ // HKV, D)  # the table's, if any
     return tb.decode_config(rows, HKV, PS, bound, None, picks)
 
 
@@ -194,7 +194,7 @@ def attention(report: dict, out_path: str | None, dev, quick: bool, budget: floa
             break
         case = Case(pool, rows, ctx, seed=i, dev=dev)
         ref = case.reference()
-        cur = current_config(rows, ctx)
+        cur = current_config(rows, ctx, dev)
         if dev.type != "cuda":  # the interpreter: the page is 16 tokens, tiles up to 16
             cur = DecodeConfig(1, 16, 4, 2)
         todo: dict[str, DecodeConfig] = {"current": cur}
