@@ -1,15 +1,15 @@
 """Decode-step kernel picks measured on a GPU: the split-KV decode attention's launch
 configuration at short contexts, the long-context rule's tile prefetch, and the greedy pick.
 
-``SHORT[(device name, G, head_dim)]``: ``((largest B * Hkv, (splits, block_n, num_warps,
-num_stages, min_split, balance, prefetch)), ...)`` ascending, the
-:class:`~pdserve.model.triton_backend.DecodeConfig` a decode step of ``B`` rows and ``Hkv``
-KV heads (``G`` query heads each) runs when every context is at most
+``SHORT[(device name, G, head_dim)]``: ``(least B * Hkv, ((largest B * Hkv, (splits,
+block_n, num_warps, num_stages, min_split, balance, prefetch)), ...))``, bounds ascending:
+the :class:`~pdserve.model.triton_backend.DecodeConfig` a decode step of ``B`` rows and
+``Hkv`` KV heads (``G`` query heads each) runs when every context is at most
 ``ONE_SPLIT_MAX_CONTEXT`` tokens (an eager step's longest, or the bound of the graph
-replayed), for ``B * Hkv`` from :data:`SHORT_MIN_ROWS` up (below it, or past the last
-entry's bound with no entry: the rule of ``decode_config``; past the last entry: the last
-entry). Splits are powers of two (``eager_config`` keeps them: every entry is compiled at
-start-up by ``TritonBackend.warm_up``).
+replayed), for ``B * Hkv`` from the least (the smallest measured; below it: the rule of
+``decode_config``) up to each bound (past the last: the last entry). Splits are powers of
+two (``eager_config`` keeps them: every entry is compiled at start-up by
+``TritonBackend.warm_up``).
 
 ``LONG_PREFETCH``: the ``(device name, G, head_dim)`` whose long-context (balanced) decode
 configurations load the next tile before this one's math (``DecodeConfig.prefetch``).
@@ -24,10 +24,9 @@ the rule each pick was taken by are in the commit that set it); do not edit by h
 
 from __future__ import annotations
 
-SHORT_MIN_ROWS = 256
+_Config = tuple[int, int, int, int, int, int, bool]
 
-SHORT: dict[tuple[str, int, int], tuple[tuple[int, tuple[int, int, int, int, int, int, bool]], ...]]
-SHORT = {}
+SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] = {}
 
 LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
 

@@ -99,11 +99,12 @@ class DecodeConfig:
 class DecodePicks:
     """The measured picks of :mod:`pdserve.model.decode_attn_table` for one device and
     head shape. short: ``((largest B * Hkv, DecodeConfig), ...)`` ascending, for contexts
-    up to ``ONE_SPLIT_MAX_CONTEXT`` and ``B * Hkv >= SHORT_MIN_ROWS`` (empty: the rule);
+    up to ``ONE_SPLIT_MAX_CONTEXT`` and ``B * Hkv >= short_min`` (empty: the rule);
     long_prefetch: the balanced long-context configurations prefetch the next tile."""
 
     short: tuple[tuple[int, DecodeConfig], ...] = ()
     long_prefetch: bool = False
+    short_min: int = 0
 
 
 NO_PICKS = DecodePicks()
@@ -112,8 +113,9 @@ NO_PICKS = DecodePicks()
 @functools.cache
 def _cuda_picks(index: int, group: int, head_dim: int) -> DecodePicks:
     key = (torch.cuda.get_device_name(index), group, head_dim)
-    short = tuple((n, DecodeConfig(*c)) for n, c in decode_attn_table.SHORT.get(key, ()))
-    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH)
+    least, entries = decode_attn_table.SHORT.get(key, (0, ()))
+    short = tuple((n, DecodeConfig(*c)) for n, c in entries)
+    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least)
 
 
 def device_picks(device: torch.device, group: int, head_dim: int) -> DecodePicks:
@@ -149,7 +151,7 @@ def decode_config(
     any context; ``total_context``: the sum of an eager step's contexts, else ``None``;
     ``picks``: the device's measured picks, :func:`device_picks`).
 
-    Measured picks first: short contexts at ``B * Hkv >= SHORT_MIN_ROWS`` take the entry
+    Measured picks first: short contexts at ``B * Hkv >= picks.short_min`` take the entry
     of ``picks.short`` whose bound holds ``B * Hkv`` (past the last: the last), and the
     long-context configurations prefetch when ``picks.long_prefetch``; else the rule below.
 
@@ -174,7 +176,7 @@ def decode_config(
     rows = num_seqs * num_kv_heads
     large = rows >= 256
     if max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
-        if picks.short and rows >= decode_attn_table.SHORT_MIN_ROWS:
+        if picks.short and rows >= picks.short_min:
             return next((c for n, c in picks.short if rows <= n), picks.short[-1][1])
         if large:
             return DecodeConfig(1, 64, 4, 3)

@@ -182,12 +182,11 @@ def test_eager_decode_configs_are_a_fixed_set():
 
 
 def test_measured_decode_picks_take_over_and_stay_in_the_fixed_set():
-    """With measured picks (``decode_attn_table``'s form), short contexts at ``B * Hkv >=
-    SHORT_MIN_ROWS`` take the entry whose bound holds ``B * Hkv`` (the last past it),
+    """With measured picks (``decode_attn_table``'s form), short contexts from the least
+    measured ``B * Hkv`` take the entry whose bound holds ``B * Hkv`` (the last past it),
     smaller batches and long contexts keep the rule (prefetching with ``long_prefetch``),
     and every eager step's configuration is still one of the start-up set, which adds the
     picks' own configurations."""
-    from pdserve.model.decode_attn_table import SHORT_MIN_ROWS
     from pdserve.model.triton_backend import (
         DecodeConfig,
         DecodePicks,
@@ -197,9 +196,9 @@ def test_measured_decode_picks_take_over_and_stay_in_the_fixed_set():
     )
 
     a, b = DecodeConfig(1, 32, 4, 1, 0, 0, True), DecodeConfig(2, 64, 8, 1, 0, 0, True)
-    picks = DecodePicks(((512, a), (1024, b)), long_prefetch=True)
-    assert SHORT_MIN_ROWS == 256
-    assert decode_config(32, 8, 128, 200, None, picks) == a  # 256 rows x KV heads
+    picks = DecodePicks(((512, a), (1024, b)), long_prefetch=True, short_min=384)
+    assert decode_config(48, 8, 128, 200, None, picks) == a  # 384 rows x KV heads
+    assert decode_config(47, 8, 128, 200, None, picks) == decode_config(47, 8, 128, 200)
     assert decode_config(64, 8, 128, 1024, None, picks) == a  # 512
     assert decode_config(65, 8, 128, 1024, None, picks) == b
     assert decode_config(256, 8, 128, 300, 256 * 300, picks) == b  # past the last bound
@@ -222,10 +221,10 @@ def test_decode_attn_table_entries_are_valid():
     from pdserve.model import decode_attn_table as t
     from pdserve.model.triton_backend import DecodeConfig, eager_config
 
-    for (name, group, head_dim), entries in t.SHORT.items():
+    for (name, group, head_dim), (least, entries) in t.SHORT.items():
         assert name and group >= 1 and head_dim >= 16 and entries
         bounds = [n for n, _ in entries]
-        assert bounds == sorted(set(bounds)) and bounds[0] >= t.SHORT_MIN_ROWS
+        assert bounds == sorted(set(bounds)) and 1 <= least <= bounds[0]
         for _, c in entries:
             cfg = DecodeConfig(*c)
             assert eager_config(cfg) == cfg and 128 % cfg.block_n == 0

@@ -78,3 +78,20 @@ def test_greedy_pick_rejects_bad_input_and_sizes_its_splits():
     assert greedy_splits(600, 128256, 528, 2048) == 1
     assert greedy_splits(4, 100, 528, 2048) == 1
     assert measured_params(torch.device("cpu")) is None  # off CUDA: torch's ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_greedy_pick_on_cuda_at_llama_vocab(rows):
+    """On the GPU (``make test-gpu``), Llama-3's vocabulary: ids equal ``torch.argmax``'s and
+    logprobs ``log_softmax``'s to fp32 rounding, with the split count a decode graph uses."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 128256, device="cuda", generator=gen) * 4
+    x[0, 100] = x[0, 128000] = 50.0  # a tie across chunks: 100 wins
+    out = greedy_pick(x, splits=greedy_splits(rows, 128256), num_warps=8)
+    ids = x.argmax(-1)
+    lp = torch.log_softmax(x, -1).gather(1, ids[:, None])[:, 0].double()
+    assert torch.equal(out[:, 0].long(), ids) and out[0, 0] == 100
+    assert (out[:, 1] - lp).abs().max().item() < 1e-4
