@@ -77,6 +77,8 @@ CASES = [  # (rows, context), most telling first: the budget may stop the later 
     (64, 1024),
     (128, 512),
     (256, 1024),
+    (32, 200),
+    (32, 512),
 ]
 
 
