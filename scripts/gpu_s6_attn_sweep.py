@@ -308,6 +308,40 @@ def greedy(report: dict, out_path: str | None, dev):
             _write(out_path, report)
 
 
+def logits(report: dict, out_path: str | None, dev) -> None:
+    """The lm_head of a decode graph: a bf16 GEMM then its cast into the fp32 logits buffer
+    (what ``compute_logits(out=...)`` runs) against one GEMM writing fp32 (``out_dtype``),
+    at 64 and 256 rows x 4,096 -> 128,256 (CUDA only)."""
+    if dev.type != "cuda":
+        return
+    w = torch.randn(VOCAB, 4096, device=dev).to(torch.bfloat16)
+    for R in (64, 256):
+        h = [torch.randn(R, 4096, device=dev).to(torch.bfloat16) for _ in range(4)]
+        buf = torch.empty(R, VOCAB, device=dev)
+
+        def cast(h=h, buf=buf):
+            for x in h:
+                buf.copy_(x @ w.t())
+
+        def direct(h=h, buf=buf):
+            for x in h:
+                torch.mm(x, w.t(), out_dtype=torch.float32, out=buf)
+
+        res = [dict(rows=R, path="bf16 gemm + cast", us=time_graph(cast, 4))]
+        try:
+            res.append(dict(rows=R, path="gemm out_dtype fp32", us=time_graph(direct, 4)))
+        except Exception as exc:  # noqa: BLE001 (an op this torch lacks: reported)
+            res.append(dict(rows=R, path="gemm out_dtype fp32", error=str(exc)[:300]))
+        print(
+            f"== lm_head {R} rows: "
+            + ", ".join(f"{r['path']} {r.get('us', float('nan')):.1f} us" for r in res),
+            flush=True,
+        )
+        report["logits"] += res
+        if out_path:
+            _write(out_path, report)
+
+
 def _write(path: str, report: dict) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -331,10 +365,13 @@ def main() -> None:
         "balance, prefetch])",
         "attention": [],
         "greedy": [],
+        "logits": [],
     }
     print(f"copy bandwidth (read+write) {bw / 1e9:.0f} GB/s", flush=True)
     greedy(report, out_path, dev)
     attention(report, out_path, dev, quick, budget, t0)
+    if time.time() - t0 < budget:
+        logits(report, out_path, dev)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 
