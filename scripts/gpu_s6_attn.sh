@@ -9,7 +9,8 @@
 #   4,096 and 1 x 4,096 under the current choice (the long context kept honest); us a
 #   layer, GB/s, fraction of the copy bandwidth measured in the same run; then the greedy
 #   pick: torch argmax + log_softmax + gather against the one-pass Triton kernel at 64, 256
-#   and 1 rows x 128,256 fp32 logits.
+#   and 1 rows x 128,256 fp32 logits (first), and the lm_head's bf16 GEMM + fp32 cast
+#   against one GEMM writing fp32 at 64 and 256 rows (second).
 # DRY_RUN=1: the same on CPU under Triton's interpreter at toy shapes (a check of the script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
