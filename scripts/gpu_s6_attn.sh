@@ -20,6 +20,7 @@ WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
 export OUT
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}  # pdserve from this tree
 . scripts/gpu_setup.sh
 if [ "${DRY_RUN:-0}" = 1 ]; then
     export TRITON_INTERPRET=1
