@@ -95,3 +95,20 @@ def test_greedy_pick_on_cuda_at_llama_vocab(rows):
     lp = torch.log_softmax(x, -1).gather(1, ids[:, None])[:, 0].double()
     assert torch.equal(out[:, 0].long(), ids) and out[0, 0] == 100
     assert (out[:, 1] - lp).abs().max().item() < 1e-4
+
+
+def test_graph_greedy_pick_off_listed_gpus_is_the_samplers_ops():
+    """``cuda_graph.greedy_pick`` (what decode and verify graphs hand plain greedy rows) off
+    a listed GPU: torch's argmax and ``log_softmax`` + ``gather``, bit for bit; the Triton
+    pick gives the same ids and the logprobs to fp32 rounding."""
+    from pdserve.engine.worker.cuda_graph import greedy_pick as graph_pick
+
+    x = torch.randn(5, 999, generator=torch.Generator().manual_seed(3)) * 3
+    packed = graph_pick(x)
+    ids = x.argmax(-1)
+    assert torch.equal(packed[:, 0].long(), ids)
+    assert torch.equal(
+        packed[:, 1], torch.log_softmax(x, -1).gather(1, ids[:, None])[:, 0].double()
+    )
+    tri = greedy_pick(x, splits=4, block_v=128, num_warps=4)
+    assert torch.equal(tri[:, 0], packed[:, 0]) and (tri[:, 1] - packed[:, 1]).abs().max() < 1e-5
