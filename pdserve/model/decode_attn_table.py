@@ -26,8 +26,18 @@ from __future__ import annotations
 
 _Config = tuple[int, int, int, int, int, int, bool]
 
-SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] = {}
+SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] = {
+    ("NVIDIA H200", 4, 128): (
+        256,
+        (
+            (256, (1, 128, 8, 2, 0, 0, False)),
+            (512, (1, 64, 4, 3, 0, 0, False)),
+            (1024, (1, 32, 2, 3, 0, 0, False)),
+            (2048, (1, 32, 2, 3, 0, 0, False)),
+        ),
+    )
+}
 
 LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
 
-GREEDY: dict[str, tuple[int, int, int]] = {}
+GREEDY: dict[str, tuple[int, int, int]] = {"NVIDIA H200": (1056, 1024, 4)}

@@ -29,11 +29,12 @@ import triton.language as tl
 from pdserve.model import decode_attn_table
 from pdserve.model.pdl import launch_options, pdl_enter
 
-# Programs a pick aims at (about 4 per SM of an H200's 132) and the vocabulary a program
-# reads per iteration; replaced by the measured picks of scripts/gpu_s6_attn_sweep.py.
-GREEDY_TARGET_PROGRAMS = 528
-GREEDY_BLOCK_V = 2048
-GREEDY_NUM_WARPS = 8
+# Programs a pick aims at (about 8 per SM of an H200's 132), the vocabulary a program reads
+# per iteration and its warps: the H200's measured pick (decode_attn_table.GREEDY), the
+# defaults for a caller that names none.
+GREEDY_TARGET_PROGRAMS = 1056
+GREEDY_BLOCK_V = 1024
+GREEDY_NUM_WARPS = 4
 _MAX_SPLITS = 64
 
 
