@@ -106,7 +106,8 @@ def picks(report: dict) -> tuple[dict, list[str]]:
 
 
 def write(device: str, data: dict) -> None:
-    """Rewrite the data part of the table module (after its docstring and imports)."""
+    """Rewrite the data part of the table module (after its docstring and imports; the
+    hand-set ``FP32_LOGITS`` kept)."""
     text = TABLE.read_text()
     head = text[: text.index("SHORT: dict")]
     key = (device, G, D)
@@ -118,6 +119,9 @@ def write(device: str, data: dict) -> None:
         f"LONG_PREFETCH: frozenset[tuple[str, int, int]] = {long}\n\n"
         f"GREEDY: dict[str, tuple[int, int, int]] = {greedy!r}\n"
     )
+    keep = text.find("\nFP32_LOGITS")  # set by hand: kept as it is
+    if keep >= 0:
+        body += text[keep:]
     ast.parse(head + body)
     TABLE.write_text(head + body)
 

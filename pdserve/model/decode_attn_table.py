@@ -18,6 +18,11 @@ configurations load the next tile before this one's math (``DecodeConfig.prefetc
 (``model/triton_greedy.py``) a decode graph computes its argmax and that token's logprob
 with; a device not listed keeps ``argmax`` + ``log_softmax`` + ``gather``.
 
+``FP32_LOGITS``: devices whose lm_head GEMM writes the fp32 logits itself
+(``linear.logits_fp32``: ``torch.mm`` with ``out_dtype``) instead of a 16-bit GEMM and a cast
+pass (H200: 288.8 vs 308.5 us at 64 rows x 4,096 -> 128,256, 423.5 vs 491.8 at 256; set by
+hand from the same JSON's ``logits`` rows).
+
 Written from ``scripts/gpu_s6_attn_sweep.py``'s JSON (``attn_sweep.json``; the figures and
 the rule each pick was taken by are in the commit that set it); do not edit by hand.
 """
@@ -41,3 +46,5 @@ SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] =
 LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
 
 GREEDY: dict[str, tuple[int, int, int]] = {"NVIDIA H200": (1056, 1024, 4)}
+
+FP32_LOGITS: frozenset[str] = frozenset({"NVIDIA H200"})
