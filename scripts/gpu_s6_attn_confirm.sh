@@ -3,12 +3,14 @@
 # in the engine (issue 24). About 2-2.5 minutes (one 8B model load). Run from the repository
 # root on the GPU machine with the wheels in ${WHEELS:-.whl}. Writes under ${OUT}:
 #   greedy_test.txt: the gpu-marked greedy-pick tests (ids = torch.argmax, logprobs =
-#     log_softmax at Llama-3's vocabulary, 1/64/256 rows);
+#     log_softmax at Llama-3's vocabulary, 1/64/256 rows) and the fp32-logits GEMM's
+#     (tests/model/test_logits_fp32.py);
 #   step_profile.json / step_profile.txt: scripts/gpu_step_profile.py 64x200 256x200
 #     32x4096: random:llama-3.1-8b bf16, graphs up to 256; per shape the engine step's wall
-#     time, its kernels' GPU time per name (decode_split_kernel, the greedy pick's kernels
-#     or cunn_SoftMaxForward + argmax), to set against docs/figures/h200_s4/step_profile.json
-#     (64x200: 5.39 ms a step, decode_split_kernel 0.749 ms, softmax 0.038 + argmax 0.039).
+#     time, its kernels' GPU time per name (decode_split_kernel; greedy_partial_kernel and
+#     greedy_merge_kernel where cunn_SoftMaxForward + argmax were; no bf16->fp32 cast after
+#     the lm_head GEMM), to set against docs/figures/h200_s4/step_profile.json (64x200:
+#     5.39 ms a step, decode_split_kernel 0.749 ms, softmax 0.038 + argmax 0.039).
 # DRY_RUN=1: the same on CPU (random:tiny, toy shapes) to check the script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +30,7 @@ else
     P=(64x200 256x200 32x4096)
     MARK=gpu
 fi
-timeout 25 $PY -m pytest -q -p no:cacheprovider -m "$MARK" tests/model/test_triton_greedy.py 2>&1 | tail -3 | tee "$OUT/greedy_test.txt"
+timeout 25 $PY -m pytest -q -p no:cacheprovider -m "$MARK" tests/model/test_triton_greedy.py tests/model/test_logits_fp32.py 2>&1 | tail -3 | tee "$OUT/greedy_test.txt"
 timeout 150 $PY scripts/gpu_step_profile.py --json step_profile.json "${P[@]}" 2>&1 | tee "$OUT/step_profile.txt" | tail -40
 echo "step profile rc=${PIPESTATUS[0]}"
 ls -la "$OUT"
