@@ -65,7 +65,8 @@ def main() -> None:
     try:
         rows = [(n, "gsm8k") for n in counts]
         prompt_sets = [offline.workload_prompts(llm, n, None, None) for n in counts]
-        offline._run(args, llm, rows, prompt_sets, None)
+        prefill = offline._parse_nxl(args.prefill) if args.prefill else None
+        offline._run(args, llm, rows, prompt_sets, prefill)
         print(f"bench rows done at {time.time() - t0:.0f} s", flush=True)
         profile(llm, own, out, args.device == "cuda" or str(args.device).startswith("cuda"))
         print(f"profile done at {time.time() - t0:.0f} s", flush=True)

@@ -471,3 +471,26 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
     assert triton_moe.pick_plan(1024, 128).down == (16, 32, 128, 4, 3)
     assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_plans_and_dot_path_at_real_shapes_bf16(T):
+    """Qwen3-30B-A3B's layer in bf16: the decode table's plan, a down_sum plan and the
+    tensor-core few-token path against the loop in fp32 on the same rounded weights."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    H, inter, E, k = 2048, 768, 128, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16, seed=T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    w, ids = moe.route(logits, k, True)
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+    tol = 0.02 * ref.abs().max().item()
+    c = triton_moe.MoEConfig(16, 32, 256, 4, 3)
+    for plan in (triton_moe.pick_plan(T * k, E), triton_moe.MoEPlan(c, c, (4, 256, 8))):
+        w1, ids1, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+        got = triton_moe.grouped_experts(x, w13, w2, w1, al, plan, ids=ids1)
+        assert (got.float() - ref).abs().max().item() < tol, plan
+    cfg = triton_moe.GemvConfig(16, 256, 4, 4, 256, 8, "dot", 4)
+    got = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
+    assert (got.float() - ref).abs().max().item() < tol
