@@ -13,10 +13,11 @@ A. the same tiles for both kernels (main's ``(16, 64, 128, 4, 3)`` first; 32/64-
    at 64 tokens);
 B. the gate/up tiles, the down tiles of A's best kept;
 C. the down tiles, B's gate/up kept; D. (<= 16 tokens) the down projection + routing
-   weights + top-k sum in one GEMV launch (``down_sum``), B's gate/up kept;
+   weights + top-k sum in one launch (``down_sum``: elementwise or tensor cores), B's
+   gate/up kept;
 E. (<= 16 tokens) route_align's warps (1, 2, 4) with the best plan;
 F. (<= 4 tokens) the few-token path (``route_experts_gemv``, elementwise and tensor-core
-   gate/up).
+   gate/up and down).
 
 Routing regimes: ``uniform`` (random router logits: at 64 tokens ~127 experts routed) and
 ``pool24`` (each token's 8 experts drawn from 24: the concentrated routing of the
@@ -67,7 +68,9 @@ DOWN_TILES = [(64, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3
 SAME_FEW = [MAIN, (16, 32, 128, 4, 3), (16, 32, 256, 4, 3)]
 SAME_64 = [MAIN, (32, 64, 128, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
            (64, 128, 64, 8, 3), (32, 128, 64, 4, 3)]  # fmt: skip
-DSUM = [(4, 256, 8), (8, 256, 8), (2, 512, 8), (4, 512, 8), (8, 128, 4), (16, 128, 8)]
+DSUM = [("rows", 4, 256, 8, 1), ("rows", 8, 256, 8, 1), ("rows", 2, 512, 8, 1),
+        ("rows", 4, 512, 8, 1), ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 4),
+        ("dot", 16, 128, 4, 6), ("dot", 32, 128, 4, 4)]  # fmt: skip
 GEMVS = [
     tm.GemvConfig(),
     tm.GemvConfig(32, 256, 8, 8, 128, 8),
@@ -75,10 +78,12 @@ GEMVS = [
     tm.GemvConfig(32, 128, 4, 4, 256, 8, "dot", 4),
     tm.GemvConfig(16, 512, 4, 4, 256, 8, "dot", 3),
     tm.GemvConfig(32, 256, 4, 8, 256, 8, "dot", 3),
+    tm.GemvConfig(16, 256, 4, 16, 256, 4, "dot", 4, "dot", 4),
+    tm.GemvConfig(32, 128, 4, 16, 128, 4, "dot", 4, "dot", 6),
 ]
 if SMOKE:
     UP_TILES, DOWN_TILES = UP_TILES[:2], DOWN_TILES[:2]
-    SAME_FEW, SAME_64, DSUM, GEMVS = SAME_FEW[:2], SAME_64[:2], DSUM[:1], GEMVS[2:3]
+    SAME_FEW, SAME_64, DSUM, GEMVS = SAME_FEW[:2], SAME_64[:2], DSUM[:5:4], GEMVS[6:7]
 
 
 def smem_ok(bm: int, t: tuple, up: bool) -> bool:

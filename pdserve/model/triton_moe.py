@@ -364,16 +364,22 @@ def pick_config(n_assign: int, n_experts: int) -> MoEConfig:
     return pick_plan(n_assign, n_experts).up
 
 
+# The one-launch down projection + routing weights + top-k sum: (kind, BLOCK_N, BLOCK_K,
+# num_warps, num_stages); kind "rows" (elementwise fp32 products, all k experts' tiles in
+# one load; num_stages unused) or "dot" (tensor cores, 16-row tiles, pipelined loads).
+DownSum = tuple[str, int, int, int, int]
+
+
 class MoEPlan(NamedTuple):
     """How :func:`grouped_experts` runs: the gate/up kernel's tiles (``up``; its ``block_m``
     is the alignment's), the down kernel's (``down``, same ``block_m``), and ``down_sum``:
-    ``(BLOCK_N, BLOCK_K, num_warps)`` of the one-launch down projection + routing weights +
-    top-k sum (``_down_sum_gemv_kernel``, each token's k experts read for it alone), or
-    None for the grouped down kernel then the top-k sum in torch."""
+    the one-launch down projection + routing weights + top-k sum (a :data:`DownSum`; each
+    token's k experts read for it alone), or None for the grouped down kernel then the
+    top-k sum in torch."""
 
     up: MoEConfig
     down: MoEConfig
-    down_sum: tuple[int, int, int] | None = None
+    down_sum: DownSum | None = None
 
 
 def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
@@ -511,13 +517,15 @@ def _down_sum(
     T: int,
     H: int,
     k: int,
-    tiles: tuple[int, int, int],
+    tiles: DownSum,
 ) -> torch.Tensor:
-    """``_down_sum_gemv_kernel`` over act ``[T * k, I]`` (row ``t * k + j``): the down
-    projection, routing weights and top-k sum -> ``[T, H]`` in act's dtype."""
-    bn, bk, warps = tiles
+    """The down projection, routing weights and top-k sum in one launch over act
+    ``[T * k, I]`` (row ``t * k + j``) -> ``[T, H]`` in act's dtype; tiles: a
+    :data:`DownSum` (``"rows"``: ``_down_sum_gemv_kernel``, ``"dot"``:
+    ``_down_sum_dot_kernel``)."""
+    kind, bn, bk, warps, stages = tiles
     out = torch.empty((T, H), dtype=act.dtype, device=act.device)
-    _down_sum_gemv_kernel[(T, triton.cdiv(H, bn))](
+    args = (
         act,
         w2,
         out,
@@ -529,13 +537,16 @@ def _down_sum(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
-        TOP_K=k,
-        BLOCK_J=triton.next_power_of_2(k),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=warps,
-        **pdl.launch_options(act),
     )
+    grid = (T, triton.cdiv(H, bn))
+    opts = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch_options(act))
+    if kind == "dot":
+        ieee = act.dtype == torch.float32
+        _down_sum_dot_kernel[grid](*args, IEEE=ieee, num_stages=stages, **opts)
+    elif kind == "rows":
+        _down_sum_gemv_kernel[grid](*args, BLOCK_J=triton.next_power_of_2(k), **opts)
+    else:
+        raise ValueError(f"down_sum kind: 'rows' or 'dot', got {kind!r}")
     return out
 
 
@@ -779,12 +790,76 @@ def _down_sum_gemv_kernel(
     tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(ty), mask=cmask)
 
 
+@triton.jit
+def _down_sum_dot_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_down_sum_gemv_kernel``'s work (same grid, roundings and stores) on tensor cores:
+    one pipelined loop over the token's k experts times K chunks, the act row in a 16-row
+    tile (rows 1-15 zero) times ``[BLOCK_K, BLOCK_N]`` tiles of ``w2[e_j]``; after an
+    expert's last chunk its term (rounded, times its weight, rounded) joins the fp32 total."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    nk = tl.cdiv(K, BLOCK_K)
+    ty = out_ptr.dtype.element_ty
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for i in range(0, TOP_K * nk):
+        j = i // nk
+        k0 = (i - j * nk) * BLOCK_K
+        a = t * TOP_K + j
+        e = tl.load(ids_ptr + a)
+        kmask = ks + k0 < K
+        av = tl.load(
+            act_ptr + a * s_an + k0 + ks[None, :] + rows[:, None] * 0,
+            mask=first & kmask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + k0 + ks[:, None],
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(av, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(av, w, acc)
+        flush = k0 + BLOCK_K >= K
+        rw = tl.load(rw_ptr + a)
+        term = (acc.to(ty).to(tl.float32) * rw).to(ty).to(tl.float32)
+        total = tl.where(flush, total + term, total)
+        acc = tl.where(flush, 0.0, acc)
+    o_ptrs = out_ptr + t * s_ot + cols[None, :] + rows[:, None] * 0
+    tl.store(o_ptrs, total.to(ty), mask=first & cmask[None, :])
+
+
 class GemvConfig(NamedTuple):
     """Tiles of the few-token path: output features and reduction chunk per program of the
     gate/up kernel (``up_n``, ``up_k``, ``up_warps``) and of the down + sum kernel
     (``down_n``, ``down_k``, ``down_warps``); ``up_kind``: the gate/up products as
     elementwise fp32 sums (``"rows"``) or on tensor cores in 16-row tiles (``"dot"``,
-    ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16)."""
+    ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
+    ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`)."""
 
     up_n: int = 16
     up_k: int = 512
@@ -794,6 +869,8 @@ class GemvConfig(NamedTuple):
     down_warps: int = 8
     up_kind: str = "rows"
     up_stages: int = 3
+    down_kind: str = "rows"
+    down_stages: int = 3
 
 
 GEMV_MAX_TOKENS = 0  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS): off
@@ -872,5 +949,6 @@ def route_experts_gemv(
         _route_gate_up_gemv_kernel[grid](*args, **common)
     else:
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
-    out = _down_sum(act, w2, weights, ids, T, H, top_k, (cfg.down_n, cfg.down_k, cfg.down_warps))
+    tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
+    out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
     return out, weights, ids

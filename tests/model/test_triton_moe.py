@@ -416,15 +416,18 @@ def test_route_experts_gemv_dot_kind_equals_route_and_loop_fp32(T, H, inter, E, 
     dots), ragged column blocks and several K chunks."""
     x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=T)
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7 + T)).to(DEVICE)
-    cfg = triton_moe.GemvConfig(16, 16, 4, 8, 16, 4, "dot", 2)
-    out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg)
     w0, ids0 = moe.route(logits, k, renorm)
-    assert torch.equal(ids, ids0) and (w - w0).abs().max().item() < 1e-6
     ref = moe.experts_loop(x, w13, w2, w0, ids0)
-    err = (out - ref).abs().max().item()
-    assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+    cfg = triton_moe.GemvConfig(16, 16, 4, 8, 16, 4, "dot", 2)
+    for c in (cfg, cfg._replace(down_n=16, down_kind="dot", down_stages=2)):
+        out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, c)
+        assert torch.equal(ids, ids0) and (w - w0).abs().max().item() < 1e-6
+        err = (out - ref).abs().max().item()
+        assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
     with pytest.raises(ValueError, match="up_kind"):
         triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg._replace(up_kind="x"))
+    with pytest.raises(ValueError, match="kind"):
+        triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg._replace(down_kind="x"))
 
 
 PLANS = [
@@ -434,12 +437,20 @@ PLANS = [
     ),
     # the down projection, routing weights and top-k sum in one GEMV launch
     triton_moe.MoEPlan(
-        triton_moe.MoEConfig(16, 32, 16, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2), (8, 16, 4)
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        ("rows", 8, 16, 4, 1),
+    ),
+    # the same on tensor cores (one pipelined loop over the k experts' K chunks)
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        ("dot", 16, 16, 4, 2),
     ),
 ]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["down-tiles", "down-sum"])
+@pytest.mark.parametrize("plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot"])
 @pytest.mark.parametrize("T, H, inter, E, k", [(1, 40, 24, 8, 2), (5, 33, 20, 6, 3)])
 def test_grouped_plans_equal_loop_fp32(T, H, inter, E, k, plan):
     """A :class:`MoEPlan` through route_align + grouped_experts equals the loop: separate
@@ -463,11 +474,11 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     (the last row past them); prefill sizes the large blocks."""
     from pdserve.model import moe_table
 
-    rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), (4, 256, 8)),
+    rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1)),
             (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None))  # fmt: skip
     monkeypatch.setattr(moe_table, "DECODE", rows)
     p = triton_moe.pick_plan(8, 128)
-    assert p.up == (16, 32, 256, 4, 4) and p.down_sum == (4, 256, 8)
+    assert p.up == (16, 32, 256, 4, 4) and p.down_sum == ("rows", 4, 256, 8, 1)
     assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
     assert triton_moe.pick_plan(1024, 128).down == (16, 32, 128, 4, 3)
     assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
@@ -487,10 +498,15 @@ def test_plans_and_dot_path_at_real_shapes_bf16(T):
     ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
     tol = 0.02 * ref.abs().max().item()
     c = triton_moe.MoEConfig(16, 32, 256, 4, 3)
-    for plan in (triton_moe.pick_plan(T * k, E), triton_moe.MoEPlan(c, c, (4, 256, 8))):
+    plans = [triton_moe.pick_plan(T * k, E)]
+    plans += [
+        triton_moe.MoEPlan(c, c, ("rows", 4, 256, 8, 1)),
+        triton_moe.MoEPlan(c, c, ("dot", 16, 256, 4, 4)),
+    ]
+    for plan in plans:
         w1, ids1, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
         got = triton_moe.grouped_experts(x, w13, w2, w1, al, plan, ids=ids1)
         assert (got.float() - ref).abs().max().item() < tol, plan
-    cfg = triton_moe.GemvConfig(16, 256, 4, 4, 256, 8, "dot", 4)
+    cfg = triton_moe.GemvConfig(16, 256, 4, 16, 256, 4, "dot", 4, "dot", 4)
     got = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
     assert (got.float() - ref).abs().max().item() < tol
