@@ -12,7 +12,7 @@ count and routing regime, a coordinate descent over ``triton_moe.MoEPlan``:
 A. the same tiles for both kernels (main's ``(16, 64, 128, 4, 3)`` first; 32/64-row blocks
    at 64 tokens);
 B. the gate/up tiles, the down tiles of A's best kept;
-C. the down tiles, B's gate/up kept; D. (<= 16 tokens) the down projection + routing
+C. the down tiles, B's gate/up kept, then the top-k sum in Triton; D. (<= 16 tokens) the down projection + routing
    weights + top-k sum in one launch (``down_sum``: elementwise or tensor cores), B's
    gate/up kept;
 E. (<= 16 tokens) route_align's warps (1, 2, 4) with the best plan;
@@ -167,6 +167,8 @@ def plan_name(kind: str, c, warps=None) -> str:
     name = f"grouped up{tuple(c.up)} down{tuple(c.down)}"
     if c.down_sum:
         name = f"grouped up{tuple(c.up)} down_sum{tuple(c.down_sum)}"
+    elif c.triton_sum:
+        name += " triton_sum"
     return name + (f" ra_warps {warps}" if warps else "")
 
 
@@ -192,6 +194,9 @@ def all_candidates() -> list[tuple[int, str, object, int | None]]:
                 out.append(
                     (T, "grouped", tm.MoEPlan(cfg(16, MAIN[1:]), cfg(16, MAIN[1:]), d), None)
                 )
+            out.append(
+                (T, "grouped", tm.MoEPlan(cfg(16, MAIN[1:]), cfg(16, MAIN[1:]), None, True), None)
+            )
             for w in (1, 2, 4):
                 out.append((T, "grouped", tm.MoEPlan(cfg(16, MAIN[1:]), cfg(16, MAIN[1:])), w))
         if T <= 4:
@@ -307,6 +312,10 @@ def descend(row: Row) -> dict:
     if T <= 16 and bm == 16:
         cands += [("grouped", tm.MoEPlan(pb.up, pb.down, d), None) for d in DSUM]
     _, (_, pc, _) = row.best(cands)
+    if pc.down_sum is None:  # the top-k sum in Triton instead of torch
+        _, (_, pc, _) = row.best(
+            [("grouped", pc, None), ("grouped", pc._replace(triton_sum=True), None)]
+        )
     warps = None
     if T <= 16:
         tw, (_, _, warps) = row.best([("grouped", pc, w) for w in (1, 2, 4)])
@@ -322,6 +331,7 @@ def descend(row: Row) -> dict:
     row.data["best"] = best_name
     row.data["best_plan"] = {"up": list(pc.up), "down": list(pc.down),
                              "down_sum": list(pc.down_sum) if pc.down_sum else None,
+                             "triton_sum": pc.triton_sum,
                              "route_align_warps": warps,
                              "best_gemv": list(gemv) if gemv else None}  # fmt: skip
     if best_name:
@@ -402,7 +412,7 @@ def main() -> None:
         if pick and pick.get("best_plan"):
             p = pick["best_plan"]
             proposal.append((T * K, tuple(p["up"]), tuple(p["down"]),
-                             tuple(p["down_sum"]) if p["down_sum"] else None))  # fmt: skip
+                             tuple(p["down_sum"]) if p["down_sum"] else None, p["triton_sum"]))  # fmt: skip
     result["decode_table_proposal"] = proposal
     save()
     print("DECODE proposal:", proposal)

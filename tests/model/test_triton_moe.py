@@ -447,10 +447,16 @@ PLANS = [
         triton_moe.MoEConfig(16, 32, 16, 4, 2),
         ("dot", 16, 16, 4, 2),
     ),
+    # the grouped down kernel, the top-k sum in Triton
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 32, 16, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2), None, True
+    ),
 ]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot"])
+@pytest.mark.parametrize(
+    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum"]
+)
 @pytest.mark.parametrize("T, H, inter, E, k", [(1, 40, 24, 8, 2), (5, 33, 20, 6, 3)])
 def test_grouped_plans_equal_loop_fp32(T, H, inter, E, k, plan):
     """A :class:`MoEPlan` through route_align + grouped_experts equals the loop: separate
@@ -474,12 +480,13 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     (the last row past them); prefill sizes the large blocks."""
     from pdserve.model import moe_table
 
-    rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1)),
-            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None))  # fmt: skip
+    rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1), False),
+            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True))  # fmt: skip
     monkeypatch.setattr(moe_table, "DECODE", rows)
     p = triton_moe.pick_plan(8, 128)
     assert p.up == (16, 32, 256, 4, 4) and p.down_sum == ("rows", 4, 256, 8, 1)
     assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
+    assert triton_moe.pick_plan(16, 128).triton_sum and not p.triton_sum
     assert triton_moe.pick_plan(1024, 128).down == (16, 32, 128, 4, 3)
     assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
 
