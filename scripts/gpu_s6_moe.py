@@ -30,7 +30,9 @@ Each candidate's output is checked against ``moe.experts_loop`` (bf16, relative 
 Kernels compile first in ``JOBS`` processes (Triton's disk cache), then the main process
 times; candidates past ``BUDGET_S`` (default 110) are skipped and listed. Prints a table,
 the picks, and a ``moe_table.DECODE`` proposal; writes ``$OUT/moe_s6_sweep.json`` after each
-row. Usage (repository root, GPU machine): ``python3 scripts/gpu_s6_moe.py``; ``SMOKE=1``
+row. ``python3 scripts/gpu_s6_moe.py --write-table SWEEP.json`` (no GPU) writes
+``pdserve/model/moe_table.py`` from such a JSON: per token count the grouped plan with the
+least sum over its routing regimes of (time / the regime's best). Usage (repository root, GPU machine): ``python3 scripts/gpu_s6_moe.py``; ``SMOKE=1``
 checks the script on CPU under ``TRITON_INTERPRET=1`` at toy shapes (timings meaningless).
 """
 
@@ -172,6 +174,72 @@ def plan_name(kind: str, c, warps=None) -> str:
     return name + (f" ra_warps {warps}" if warps else "")
 
 
+def plan_dict(kind: str, c, warps=None) -> dict:
+    """A candidate as JSON (what --write-table reads back)."""
+    if kind == "gemv":
+        return {"kind": "gemv", "gemv": list(c)}
+    return {"kind": "grouped", "up": list(c.up), "down": list(c.down),
+            "down_sum": list(c.down_sum) if c.down_sum else None,
+            "triton_sum": c.triton_sum, "route_align_warps": warps}  # fmt: skip
+
+
+def pick_for_table(rows: list[dict]) -> dict | None:
+    """The grouped plan of one token count: over its rows (routing regimes), the candidate
+    timed correct in all of them with the least sum of (its time / the row's best grouped
+    time); None when none was."""
+    best: dict[str, float] = {}
+    scores: dict[str, float] = {}
+    plans: dict[str, dict] = {}
+    for row in rows:
+        ok = {n: v for n, v in row["candidates"].items()
+              if v.get("ok") and v.get("plan", {}).get("kind") == "grouped"}  # fmt: skip
+        if not ok:
+            return None
+        low = min(v["us"] for v in ok.values())
+        for n, v in ok.items():
+            scores[n] = scores.get(n, 0.0) + v["us"] / low
+            best[n] = best.get(n, 0) + 1
+            plans[n] = v["plan"]
+    common = [n for n in scores if best[n] == len(rows)]
+    if not common:
+        return None
+    return plans[min(common, key=lambda n: scores[n])]
+
+
+def table_source(result: dict) -> str:
+    """pdserve/model/moe_table.py from a sweep's JSON: DECODE per token count (bound T x k),
+    ROUTE_ALIGN_WARPS from the route_align step of each count up to 16 tokens."""
+    _, _, n_experts, k = result["shape"]
+    decode, warps = [], []
+    for T in sorted({r["tokens"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["tokens"] == T]
+        p = pick_for_table(rows)
+        if p is None:
+            continue
+        ds = tuple(p["down_sum"]) if p["down_sum"] else None
+        decode.append((T * k, tuple(p["up"]), tuple(p["down"]), ds, p["triton_sum"]))
+        w = next(
+            (r["best_plan"].get("route_align_warps") for r in rows if r.get("best_plan")), None
+        )
+        if w and T <= 16:
+            warps.append((T * n_experts, w))
+    from pdserve.model import moe_table
+
+    head = (moe_table.__doc__ or "").split("Written by")[0]
+    date = time.strftime("%Y-%m-%d", time.gmtime(result.get("time", time.time())))
+    return (
+        f'"""{head}Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep\n'
+        f"({result.get('device', 'GPU')}, {date}; the timings: {result.get('source', 'SWEEP.json')}).\n"
+        '"""\n\nfrom __future__ import annotations\n\n'
+        "Tiles = tuple[int, int, int, int, int]\nDownSum = tuple[str, int, int, int, int]\n\n"
+        "DECODE: tuple[tuple[int, Tiles, Tiles, DownSum | None, bool], ...] = (\n"
+        + "".join(f"    {row!r},\n" for row in decode)
+        + ")\nROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = ("
+        + "".join(f"{w!r}, " for w in warps).rstrip(" ")
+        + ")\n"
+    )
+
+
 def all_candidates() -> list[tuple[int, str, object, int | None]]:
     """Every (tokens, kind, plan, warps) a descent may time, for the compile warm-up: each
     kernel tile once per block_m (the descents pair them differently; the kernels compile
@@ -280,7 +348,8 @@ class Row:
             return None
         ok = err <= 0.02
         self.data["candidates"][name] = {"us": dt * 1e6, "fraction": self.floor / dt,
-                                         "rel_err": err, "ok": ok}  # fmt: skip
+                                         "rel_err": err, "ok": ok,
+                                         "plan": plan_dict(kind, c, warps)}  # fmt: skip
         print(f"T {self.T:>3} {self.regime:<7} {self.routed:>3} exp floor {self.floor * 1e6:6.1f} us | "
               f"{name:<66} {dt * 1e6:7.1f} us ({self.floor / dt:4.0%}) err {err:.1e}"
               + ("" if ok else "  WRONG"), flush=True)  # fmt: skip
@@ -354,6 +423,16 @@ def eager_time(fn, reps: int) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--write-table":
+        with open(sys.argv[2]) as f:
+            result = json.load(f)
+        result["source"] = sys.argv[2]
+        path = os.path.join(os.path.dirname(tm.__file__), "moe_table.py")
+        source = table_source(result)
+        with open(path, "w") as f:
+            f.write(source)
+        print(f"wrote {path} (run ruff format on it)")
+        return
     dev = torch.device("cpu" if SMOKE else "cuda")
     os.makedirs(OUT_DIR, exist_ok=True)
     from pdserve.bench.roofline import copy_bandwidth
@@ -369,7 +448,9 @@ def main() -> None:
     per_expert = 3 * INTER * H * 2
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; one expert {per_expert / 1e6:.2f} MB; "
           f"{time.time() - T0:.0f} s", flush=True)  # fmt: skip
-    result = {"copy_bandwidth": bw, "shape": [H, INTER, E, K], "copies": COPIES,
+    device = "cpu" if SMOKE else torch.cuda.get_device_name()
+    result = {"device": device, "time": time.time(), "copy_bandwidth": bw,
+              "shape": [H, INTER, E, K], "copies": COPIES,
               "rows": [], "loop_vs_fused": []}  # fmt: skip
 
     def save():

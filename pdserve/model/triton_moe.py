@@ -217,17 +217,17 @@ def route_align(
 
 
 def route_align_warps(tokens: int, n_experts: int) -> int:
-    """Warps of :func:`route_align`'s one program: 8 past 2,048 logits, 4 down to
-    :data:`ROUTE_ALIGN_FEW_WARPS_CELLS`, then :data:`ROUTE_ALIGN_FEW_WARPS` (its reductions
-    are serial rounds: fewer warps, fewer shared-memory exchanges)."""
+    """Warps of :func:`route_align`'s one program: ``moe_table.ROUTE_ALIGN_WARPS``'s entry
+    of the smallest bound >= ``tokens * n_experts`` logits (measured: its reductions are
+    serial rounds, where fewer warps exchange less through shared memory); past the table
+    8 beyond 2,048 logits, else 4."""
+    from pdserve.model import moe_table
+
     cells = tokens * n_experts
-    if cells > 2048:
-        return 8
-    return ROUTE_ALIGN_FEW_WARPS if cells <= ROUTE_ALIGN_FEW_WARPS_CELLS else 4
-
-
-ROUTE_ALIGN_FEW_WARPS = 4  # route_align's warps at few logits (the H200 sweep picks)
-ROUTE_ALIGN_FEW_WARPS_CELLS = 256  # "few": up to this many router logits (T * E)
+    for bound, warps in moe_table.ROUTE_ALIGN_WARPS:
+        if cells <= bound:
+            return warps
+    return 8 if cells > 2048 else 4
 
 
 @triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
