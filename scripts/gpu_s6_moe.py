@@ -186,13 +186,15 @@ def plan_dict(kind: str, c, warps=None) -> dict:
 def pick_for_table(rows: list[dict]) -> dict | None:
     """The grouped plan of one token count: over its rows (routing regimes), the candidate
     timed correct in all of them with the least sum of (its time / the row's best grouped
-    time); None when none was."""
+    time), the top-k sum and route_align's warps left aside; then ``triton_sum`` where the
+    Triton sum beat torch's in every pair timed. None when no plan was timed in every row."""
     best: dict[str, float] = {}
     scores: dict[str, float] = {}
     plans: dict[str, dict] = {}
     for row in rows:
         ok = {n: v for n, v in row["candidates"].items()
-              if v.get("ok") and v.get("plan", {}).get("kind") == "grouped"}  # fmt: skip
+              if v.get("ok") and v.get("plan", {}).get("kind") == "grouped"
+              and not v["plan"]["triton_sum"] and not v["plan"]["route_align_warps"]}  # fmt: skip
         if not ok:
             return None
         low = min(v["us"] for v in ok.values())
@@ -203,7 +205,13 @@ def pick_for_table(rows: list[dict]) -> dict | None:
     common = [n for n in scores if best[n] == len(rows)]
     if not common:
         return None
-    return plans[min(common, key=lambda n: scores[n])]
+    plan = dict(plans[min(common, key=lambda n: scores[n])])
+    # the top-k sum in Triton where it beat torch's in every (row, plan) pair timed
+    pairs = [(v["us"], row["candidates"][n + " triton_sum"].get("us"))
+             for row in rows for n, v in row["candidates"].items()
+             if v.get("ok") and n + " triton_sum" in row["candidates"]]  # fmt: skip
+    plan["triton_sum"] = bool(pairs) and all(t is not None and t < u for u, t in pairs)
+    return plan
 
 
 def table_source(result: dict) -> str:

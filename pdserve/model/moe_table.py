@@ -9,8 +9,8 @@ projection, routing weights and top-k sum in one launch; ``triton_sum``: the top
 after the grouped down kernel in Triton instead of torch. ``ROUTE_ALIGN_WARPS``: ``(router
 logits T x E up to, warps)`` of ``route_align``'s one program.
 
-Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep; first
-values: main's untuned tiles (16, 64, 128, 4, 3) everywhere, until that run.
+Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep
+(NVIDIA H200, 2026-12-03; the timings: docs/figures/h200_s6/moe_s6_sweep.json).
 """
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ Tiles = tuple[int, int, int, int, int]
 DownSum = tuple[str, int, int, int, int]
 
 DECODE: tuple[tuple[int, Tiles, Tiles, DownSum | None, bool], ...] = (
-    (2048, (16, 64, 128, 4, 3), (16, 64, 128, 4, 3), None, False),
+    (8, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),
+    (16, (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), None, True),
+    (32, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),
+    (64, (16, 32, 128, 4, 5), (16, 64, 128, 4, 3), None, True),
+    (128, (16, 32, 128, 4, 3), (16, 32, 128, 4, 3), None, True),
+    (512, (16, 64, 128, 4, 3), (16, 64, 128, 4, 3), None, True),
 )
-ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = ()
+ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = (
+    (128, 1),
+    (256, 2),
+    (512, 4),
+    (1024, 4),
+    (2048, 4),
+)
