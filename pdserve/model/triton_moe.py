@@ -10,7 +10,11 @@ one expert (the block's expert). Then:
    (fp32 accumulators) and writes ``silu(gate) * up`` to ``act[a]`` ``[N, I]``;
 2. ``_down_kernel``: per (row block, column block of H) ``act[a] @ w2[e].T`` times the
    assignment's routing weight, written to ``out[a]`` ``[N, H]``;
-3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``).
+3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``, or
+   ``_topk_sum_kernel`` when the plan says so: faster on the H200 at every decode size).
+
+The tiles are a :class:`MoEPlan` per assignment count (:func:`pick_plan`, at decode sizes
+from ``pdserve.model.moe_table``, measured by scripts/gpu_s6_moe.sh).
 
 For decode batches (up to :data:`ROUTE_ALIGN_MAX_CELLS` router logits) the routing and the
 alignment are one launch (``_route_align_kernel``) instead of ~20 small torch kernels per
