@@ -1,5 +1,6 @@
 """GEMV sweep (issue 10): the Triton GEMV's configurations against cuBLAS (``F.linear``) for the
-linear shapes of Llama-3.1-8B at the decode graphs' row counts (buckets 1, 2, 4, 8, 16, 32, 48,
+linear shapes of Llama-3.1-8B (and the attention linears of Qwen3-30B-A3B: ``moe_qkv``,
+``moe_o_proj``) at the decode graphs' row counts (buckets 1, 2, 4, 8, 16, 32, 48,
 64), bf16, fp32 accumulation, on the GPU.
 
 Each (shape, M, configuration) is timed as a CUDA graph of back-to-back launches over copies
@@ -54,6 +55,9 @@ SHAPES = {  # name: (N, K) of Llama-3.1-8B at TP 1
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
+    # the attention linears of Qwen3-30B-A3B (hidden 2048, 32 query and 4 KV heads of 128)
+    "moe_qkv": (5120, 2048),
+    "moe_o_proj": (2048, 4096),
 }
 MS = (1, 2, 4, 8, 16, 32, 48, 64)
 ROWS = [  # (BLOCK_N, BLOCK_K, num_warps): 4-8 16-byte loads a thread per iteration

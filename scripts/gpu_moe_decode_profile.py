@@ -8,11 +8,12 @@ load of the model): issue 27's MoE decode check.
    the experts the batch routed to.
 2. Then the routing counters are switched off in every sparse layer and the CUDA graphs
    captured again (the counters' kernels would count as the layer's), and
-   ``scripts/gpu_step_profile.py``'s measurement runs at ``--profile-rows`` x
-   ``--profile-context`` (default 1 x 200): step time, GPU kernel time and launches per
+   ``scripts/gpu_step_profile.py``'s measurement runs at ``--profile-rows`` (a list:
+   each) x ``--profile-context`` (default 1 x 200): step time, GPU kernel time and launches per
    step per kernel name (torch.profiler over ``--profile-steps`` steps), and per layer:
    the kernels that run once a sparse layer (count per step >= the layer count, divided
-   by it) -> ``$OUT/moe_step_profile.json``.
+   by it) -> ``$OUT/moe_step_profile_rows{N}.json`` (the first also
+   ``$OUT/moe_step_profile.json``).
 
 Usage (repository root, GPU machine)::
 
@@ -45,7 +46,9 @@ def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile-rows", type=int, default=1)
+    ap.add_argument(
+        "--profile-rows", default="1", help="rows of the profiled step; a list profiles each"
+    )
     ap.add_argument("--profile-context", type=int, default=200)
     ap.add_argument("--profile-steps", type=int, default=8)
     own = ap.parse_args(argv[:split])
@@ -65,7 +68,8 @@ def main() -> None:
     try:
         rows = [(n, "gsm8k") for n in counts]
         prompt_sets = [offline.workload_prompts(llm, n, None, None) for n in counts]
-        offline._run(args, llm, rows, prompt_sets, None)
+        prefill = offline._parse_nxl(args.prefill) if args.prefill else None
+        offline._run(args, llm, rows, prompt_sets, prefill)
         print(f"bench rows done at {time.time() - t0:.0f} s", flush=True)
         profile(llm, own, out, args.device == "cuda" or str(args.device).startswith("cuda"))
         print(f"profile done at {time.time() - t0:.0f} s", flush=True)
@@ -87,10 +91,17 @@ def profile(llm, own: argparse.Namespace, out: str, cuda: bool) -> None:
         g._pool = None
         gc.collect()
         g.capture()
-    rows, ctx, n = own.profile_rows, own.profile_context, own.profile_steps
+    for i, rows in enumerate(int(r) for r in str(own.profile_rows).split(",")):
+        _profile_rows(llm, rows, own, out, cuda, len(layers), first=i == 0)
+
+
+def _profile_rows(llm, rows: int, own: argparse.Namespace, out: str, cuda: bool, n_layers: int,
+                  first: bool) -> None:  # fmt: skip
+    """One profiled step shape -> ``moe_step_profile_rows{rows}.json`` (and
+    ``moe_step_profile.json`` for the first of ``--profile-rows``)."""
+    ctx, n = own.profile_context, own.profile_steps
     _decode_steps(llm, rows, ctx, 4, 0, cuda)  # warm
     times, per, launches, count = _decode_steps(llm, rows, ctx, n, 1, cuda)
-    n_layers = len(layers)
     layer_kernels = {k: c / n for k, c in count.items() if c / n >= n_layers - 0.5}
     r = {
         "rows": rows,
@@ -117,8 +128,10 @@ def profile(llm, own: argparse.Namespace, out: str, cuda: bool) -> None:
     )
     for k, v in list(r["per_kernel"].items())[:24]:
         print(f"  {v['us_per_step']:9.1f} us {v['per_step']:6.1f}x  {k[:100]}", flush=True)
-    with open(os.path.join(out, "moe_step_profile.json"), "w") as f:
-        json.dump(r, f, indent=1)
+    names = [f"moe_step_profile_rows{rows}.json"] + (["moe_step_profile.json"] if first else [])
+    for name in names:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(r, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ routing + alignment at 2 and 64 tokens, and the few-token path's two GEMV kernel
 register of the default bf16 gate/up GEMV). Prints shared memory, whether the dots became
 warpgroup (HGMMA) or warp (HMMA) MMAs, and spills (LDL/STL). Builds, not speed.
 
-``python3 scripts/sm90_moe_build_check.py`` (TRITON_INTERPRET unset). On 2026-12-02 with
+``python3 scripts/sm90_moe_build_check.py [--new]`` (TRITON_INTERPRET unset; ``--new``:
+session 6's kernels only). On 2026-12-02 with
 Triton 3.9: every kernel built; bf16 tiles of 16/32 rows use HMMA, 64 rows HGMMA; no bf16
 spills; route_align 2 KB / 32 KB of shared memory at 2 / 64 tokens, no spills.
 """
@@ -42,6 +43,9 @@ def _report(name: str, kernel) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--new"]:
+        new_kernels()
+        return
     for cfg in CONFIGS:
         tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
         for ieee, dt in ((False, BF16), (True, F32)):
@@ -94,6 +98,49 @@ def main() -> None:
             consts = dict(TOP_K=K, BLOCK_J=K, BLOCK_N=g.down_n, BLOCK_K=g.down_k, PDL=False)
             k2 = build(tm._down_sum_gemv_kernel, args, consts, g.down_warps, 1)
             _report(f"down_sum_gemv {tuple(g)[3:]} {dt}", k2)
+
+    new_kernels()
+
+
+def new_kernels() -> None:
+    """Session 6's kernels (scripts/gpu_s6_moe.py times them): the tensor-core few-token
+    gate/up, the one-launch down + weights + top-k sum on tensor cores, the Triton top-k
+    sum, and the grouped GEMMs at the sweep's smallest and largest tiles."""
+    for bn, bk, warps, stages in ((16, 256, 4, 4), (32, 128, 4, 4), (16, 512, 4, 3)):
+        args = dict(logits_ptr=_t(F32), x_ptr=_t(BF16), w_ptr=_t(BF16), act_ptr=_t(BF16))
+        args.update(rw_ptr=_t(F32), ids_ptr=_t(I64), E=E, K=H, INTER=INTER, s_lt=E, s_xt=H)
+        args.update(s_we=2 * INTER * H, s_wn=H, s_an=INTER)
+        consts = dict(TOP_K=K, RENORM=True, BLOCK_E=E, BLOCK_N=bn, BLOCK_K=bk, IEEE=False)
+        k = build(tm._route_gate_up_dot_kernel, args, dict(PDL=False, **consts), warps, stages)
+        _report(f"route_gate_up_dot {(bn, bk, warps, stages)}", k)
+    for bn, bk, warps, stages in (
+        (16, 128, 4, 4),
+        (16, 256, 4, 4),
+        (16, 128, 4, 6),
+        (32, 128, 4, 4),
+    ):
+        args = dict(act_ptr=_t(BF16), w_ptr=_t(BF16), out_ptr=_t(BF16), rw_ptr=_t(F32))
+        args.update(ids_ptr=_t(I64), K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER)
+        args.update(s_ot=H)
+        consts = dict(TOP_K=K, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=False)
+        k = build(tm._down_sum_dot_kernel, args, consts, warps, stages)
+        _report(f"down_sum_dot {(bn, bk, warps, stages)}", k)
+    args = dict(src_ptr=_t(BF16), dst_ptr=_t(BF16), H=H)
+    k = build(tm._topk_sum_kernel, args, dict(TOP_K=K, BLOCK_K=K, BLOCK_H=1024), 4, 1)
+    _report("topk_sum", k)
+    for cfg in (tm.MoEConfig(16, 16, 512, 4, 3), tm.MoEConfig(64, 64, 128, 4, 3)):
+        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        up = dict(x_ptr=_t(BF16), w_ptr=_t(BF16), act_ptr=_t(BF16), ids_ptr=_t(I32))
+        up.update(bexp_ptr=_t(I32), used_ptr=_t(I32), N=64 * K, K=H, INTER=INTER)
+        up.update(s_xt=H, s_we=2 * INTER * H, s_wn=H, s_an=INTER)
+        k = build(
+            tm._gate_up_kernel,
+            up,
+            dict(TOP_K=K, IEEE=False, **tiles),
+            cfg.num_warps,
+            cfg.num_stages,
+        )
+        _report(f"gate_up {tuple(cfg)}", k)
 
 
 if __name__ == "__main__":

@@ -136,15 +136,15 @@ class SparseMoeBlock(nn.Module):
                     logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob
                 )
             else:
-                cfg = tm.pick_config(x.shape[0] * s.top_k, s.n_experts)
+                plan = tm.pick_plan(x.shape[0] * s.top_k, s.n_experts)
                 if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
                     weights, ids, al = tm.route_align(
-                        logits, s.top_k, s.norm_topk_prob, cfg.block_m
+                        logits, s.top_k, s.norm_topk_prob, plan.up.block_m
                     )
                 else:
                     weights, ids = route(logits, s.top_k, s.norm_topk_prob)
-                    al = tm.align(ids, s.n_experts, cfg.block_m)
-                out = tm.grouped_experts(x, self.w13, self.w2, weights, al, cfg)
+                    al = tm.align(ids, s.n_experts, plan.up.block_m)
+                out = tm.grouped_experts(x, self.w13, self.w2, weights, al, plan, ids=ids)
         else:
             weights, ids = route(logits, s.top_k, s.norm_topk_prob)
             out = experts_loop(x, self.w13, self.w2, weights, ids)

@@ -10,7 +10,11 @@ one expert (the block's expert). Then:
    (fp32 accumulators) and writes ``silu(gate) * up`` to ``act[a]`` ``[N, I]``;
 2. ``_down_kernel``: per (row block, column block of H) ``act[a] @ w2[e].T`` times the
    assignment's routing weight, written to ``out[a]`` ``[N, H]``;
-3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``).
+3. the ``k`` rows of each token are summed (``out.view(T, k, H).sum(1)``, or
+   ``_topk_sum_kernel`` when the plan says so: faster on the H200 at every decode size).
+
+The tiles are a :class:`MoEPlan` per assignment count (:func:`pick_plan`, at decode sizes
+from ``pdserve.model.moe_table``, measured by scripts/gpu_s6_moe.sh).
 
 For decode batches (up to :data:`ROUTE_ALIGN_MAX_CELLS` router logits) the routing and the
 alignment are one launch (``_route_align_kernel``) instead of ~20 small torch kernels per
@@ -172,12 +176,17 @@ def route_align_fits(tokens: int, n_experts: int) -> bool:
 
 
 def route_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """:func:`pdserve.model.moe.route` then :func:`align`, in one Triton launch (when
     :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns ``(weights [T, k]
     float32, ids [T, k] int64, Alignment)``, equal to the torch pair's (ids and order;
-    weights to fp32 rounding)."""
+    weights to fp32 rounding). num_warps: of the one program (default
+    :func:`route_align_warps`)."""
     T, E = router_logits.shape
     dev = router_logits.device
     N = T * top_k
@@ -206,9 +215,23 @@ def route_align(
         BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_R=triton.next_power_of_2(rows),
         BLOCK_B=triton.next_power_of_2(rows // block_m),
-        num_warps=8 if T * E > 2048 else 4,
+        num_warps=num_warps or route_align_warps(T, E),
     )
     return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)
+
+
+def route_align_warps(tokens: int, n_experts: int) -> int:
+    """Warps of :func:`route_align`'s one program: ``moe_table.ROUTE_ALIGN_WARPS``'s entry
+    of the smallest bound >= ``tokens * n_experts`` logits (measured: its reductions are
+    serial rounds, where fewer warps exchange less through shared memory); past the table
+    8 beyond 2,048 logits, else 4."""
+    from pdserve.model import moe_table
+
+    cells = tokens * n_experts
+    for bound, warps in moe_table.ROUTE_ALIGN_WARPS:
+        if cells <= bound:
+            return warps
+    return 8 if cells > 2048 else 4
 
 
 @triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
@@ -341,16 +364,47 @@ class MoEConfig(NamedTuple):
 
 
 def pick_config(n_assign: int, n_experts: int) -> MoEConfig:
-    """Tiles for ``n_assign`` assignments over ``n_experts``: 16-row blocks while experts
-    see few tokens each (decode: each routed expert's weights read once per column tile,
-    little padding), 64-row blocks for prefill-sized batches. Untuned first choices (the
-    H200 run of scripts/gpu_moe_check.sh measures them)."""
+    """The gate/up tiles of :func:`pick_plan` (its ``block_m`` is the alignment's)."""
+    return pick_plan(n_assign, n_experts).up
+
+
+# The one-launch down projection + routing weights + top-k sum: (kind, BLOCK_N, BLOCK_K,
+# num_warps, num_stages); kind "rows" (elementwise fp32 products, all k experts' tiles in
+# one load; num_stages unused) or "dot" (tensor cores, 16-row tiles, pipelined loads).
+DownSum = tuple[str, int, int, int, int]
+
+
+class MoEPlan(NamedTuple):
+    """How :func:`grouped_experts` runs: the gate/up kernel's tiles (``up``; its ``block_m``
+    is the alignment's), the down kernel's (``down``, same ``block_m``), and ``down_sum``:
+    the one-launch down projection + routing weights + top-k sum (a :data:`DownSum`; each
+    token's k experts read for it alone), or None for the grouped down kernel then the
+    top-k sum: in torch, or when ``triton_sum`` in ``_topk_sum_kernel`` (one small launch;
+    torch's reduction kernel took 4.4 us a layer at 1 token on the H200)."""
+
+    up: MoEConfig
+    down: MoEConfig
+    down_sum: DownSum | None = None
+    triton_sum: bool = False
+
+
+def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
+    """The plan for ``n_assign`` assignments over ``n_experts``. While experts see at most 16
+    tokens each (decode), ``pdserve.model.moe_table.DECODE``'s row of the smallest bound
+    ``>= n_assign`` (the last row past them): tiles measured on the H200 per assignment
+    count (scripts/gpu_s6_moe.sh). Larger batches: 32-row blocks up to 64 tokens an
+    expert, then 64-row blocks (prefill)."""
+    from pdserve.model import moe_table
+
     per_expert = n_assign / max(n_experts, 1)
-    if per_expert <= 16:
-        return MoEConfig(16, 64, 128, 4, 3)
+    if per_expert <= 16 and moe_table.DECODE:
+        row = next((r for r in moe_table.DECODE if r[0] >= n_assign), moe_table.DECODE[-1])
+        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4])
     if per_expert <= 64:
-        return MoEConfig(32, 64, 64, 4, 3)
-    return MoEConfig(64, 128, 64, 8, 3)
+        c = MoEConfig(32, 64, 64, 4, 3)
+    else:
+        c = MoEConfig(64, 128, 64, 8, 3)
+    return MoEPlan(c, c)
 
 
 def fused_experts(
@@ -359,19 +413,28 @@ def fused_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    config: MoEConfig | None = None,
+    config: MoEConfig | MoEPlan | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum with the two grouped-GEMM kernels (same contract as
     ``pdserve.model.moe.experts_loop``).
 
     x ``[T, H]`` (fp32/bf16/fp16); w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (x's dtype, last
     dim contiguous); weights ``[T, k]`` float32; ids ``[T, k]`` int. Returns ``[T, H]`` in
-    x's dtype. config: tiles (default :func:`pick_config`). fp32 runs the dots in IEEE
-    fp32 (no TF32)."""
+    x's dtype. config: tiles of both kernels (a :class:`MoEConfig`) or a :class:`MoEPlan`
+    (default :func:`pick_plan`). fp32 runs the dots in IEEE fp32 (no TF32)."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    cfg = config or pick_config(ids.numel(), w13.shape[0])
-    return grouped_experts(x, w13, w2, weights, align(ids, w13.shape[0], cfg.block_m), cfg)
+    plan = as_plan(config or pick_plan(ids.numel(), w13.shape[0]))
+    al = align(ids, w13.shape[0], plan.up.block_m)
+    return grouped_experts(x, w13, w2, weights, al, plan, ids=ids)
+
+
+def as_plan(config: MoEConfig | MoEPlan) -> MoEPlan:
+    """A :class:`MoEPlan` of ``config`` (a :class:`MoEConfig`: the same tiles for both
+    kernels, no fused top-k sum)."""
+    if isinstance(config, MoEPlan):
+        return config
+    return MoEPlan(config, config)
 
 
 def grouped_experts(
@@ -380,24 +443,27 @@ def grouped_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     al: Alignment,
-    cfg: MoEConfig,
+    cfg: MoEConfig | MoEPlan,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The two grouped GEMMs over assignments already aligned (:func:`align` or
-    :func:`route_align` with ``cfg.block_m``) and the top-k sum: x ``[T, H]``, weights
-    ``[T, k]`` float32 -> ``[T, H]`` in x's dtype (see :func:`fused_experts`)."""
+    :func:`route_align` with the plan's ``block_m``) and the top-k sum: x ``[T, H]``,
+    weights ``[T, k]`` float32 -> ``[T, H]`` in x's dtype (see :func:`fused_experts`).
+    cfg: a :class:`MoEPlan` or one :class:`MoEConfig` for both kernels. ids ``[T, k]``
+    int64: the routed experts, needed by a plan's ``down_sum`` (ValueError without)."""
+    plan = as_plan(cfg)
+    up, dn = plan.up, plan.down
     T, H = x.shape
     inter = w13.shape[1] // 2
     k = weights.shape[1]
     N = T * k
-    assert al.block_m == cfg.block_m, "aligned to another row block"
+    assert al.block_m == up.block_m == dn.block_m, "aligned to another row block"
     x = x.contiguous()
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
     act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
-    out = torch.empty((N, H), dtype=x.dtype, device=x.device)
-    n_blocks = al.sorted_ids.numel() // cfg.block_m
+    n_blocks = al.sorted_ids.numel() // up.block_m
     ieee = x.dtype == torch.float32
-    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gate_up_kernel[(n_blocks, triton.cdiv(inter, cfg.block_n))](
+    _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
         x,
         w13,
         act,
@@ -412,13 +478,19 @@ def grouped_experts(
         w13.stride(1),
         act.stride(0),
         TOP_K=k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        BLOCK_M=up.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
         IEEE=ieee,
-        **opts,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
     )
-    _down_kernel[(n_blocks, triton.cdiv(H, cfg.block_n))](
+    if plan.down_sum is not None:
+        if ids is None:
+            raise ValueError("a plan with down_sum needs the routed expert ids")
+        return _down_sum(act, w2, weights, ids, T, H, k, plan.down_sum)
+    out = torch.empty((N, H), dtype=x.dtype, device=x.device)
+    _down_kernel[(n_blocks, triton.cdiv(H, dn.block_n))](
         act,
         w2,
         out,
@@ -433,13 +505,78 @@ def grouped_experts(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        BLOCK_M=dn.block_m,
+        BLOCK_N=dn.block_n,
+        BLOCK_K=dn.block_k,
         IEEE=ieee,
-        **opts,
+        num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
     )
-    return out.view(T, k, H).sum(dim=1)
+    if not plan.triton_sum:
+        return out.view(T, k, H).sum(dim=1)
+    total = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(H))
+    _topk_sum_kernel[(T, triton.cdiv(H, block))](
+        out, total, H, TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block, num_warps=4
+    )
+    return total
+
+
+@triton.jit
+def _topk_sum_kernel(
+    src_ptr, dst_ptr, H, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: ``dst[t, h] = sum_j src[t * TOP_K + j, h]`` (src
+    ``[T * TOP_K, H]``, dst ``[T, H]``, contiguous), summed in fp32 and rounded once, as
+    torch's ``sum(dim=1)`` of the ``[T, TOP_K, H]`` view."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_K)
+    mask = (j[:, None] < TOP_K) & (h[None, :] < H)
+    v = tl.load(src_ptr + (t * TOP_K + j[:, None]) * H + h[None, :], mask=mask, other=0.0)
+    total = tl.sum(v.to(tl.float32), axis=0)
+    tl.store(dst_ptr + t * H + h, total.to(dst_ptr.dtype.element_ty), mask=h < H)
+
+
+def _down_sum(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    T: int,
+    H: int,
+    k: int,
+    tiles: DownSum,
+) -> torch.Tensor:
+    """The down projection, routing weights and top-k sum in one launch over act
+    ``[T * k, I]`` (row ``t * k + j``) -> ``[T, H]`` in act's dtype; tiles: a
+    :data:`DownSum` (``"rows"``: ``_down_sum_gemv_kernel``, ``"dot"``:
+    ``_down_sum_dot_kernel``)."""
+    kind, bn, bk, warps, stages = tiles
+    out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+    args = (
+        act,
+        w2,
+        out,
+        weights.contiguous(),
+        ids.contiguous(),
+        act.shape[1],
+        H,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+    )
+    grid = (T, triton.cdiv(H, bn))
+    opts = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch_options(act))
+    if kind == "dot":
+        ieee = act.dtype == torch.float32
+        _down_sum_dot_kernel[grid](*args, IEEE=ieee, num_stages=stages, **opts)
+    elif kind == "rows":
+        _down_sum_gemv_kernel[grid](*args, BLOCK_J=triton.next_power_of_2(k), **opts)
+    else:
+        raise ValueError(f"down_sum kind: 'rows' or 'dot', got {kind!r}")
+    return out
 
 
 # ------------------------------------------------------------------ few-token decode path
@@ -539,6 +676,94 @@ def _route_gate_up_gemv_kernel(
 
 
 @triton.jit
+def _route_gate_up_dot_kernel(
+    logits_ptr,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    rw_ptr,
+    ids_ptr,
+    E,
+    K,
+    INTER,
+    s_lt,
+    s_xt,
+    s_we,
+    s_wn,
+    s_an,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_route_gate_up_gemv_kernel``'s work (same grid, routing, roundings and stores) with
+    the products on tensor cores: x's row in a 16-row tile (rows 1-15 zero) times
+    ``[BLOCK_K, BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``)."""
+    pdl_enter(PDL)
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = a // TOP_K
+    j = a % TOP_K
+    ev = tl.arange(0, BLOCK_E)
+    emask = ev < E
+    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(emask, p, -1.0)
+    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
+    sel_w = total
+    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(left, axis=0)
+        arg = tl.argmax(left, axis=0)
+        total += top
+        sel_w = tl.where(j == jj, top, sel_w)
+        sel_e = tl.where(j == jj, arg, sel_e)
+        left = tl.where(ev == arg, -1.0, left)
+    if RENORM:
+        sel_w = sel_w / total
+    if pid_n == 0:
+        tl.store(ids_ptr + a, sel_e.to(tl.int64))
+        tl.store(rw_ptr + a, sel_w)
+    e = sel_e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    u_ptrs = g_ptrs + INTER * s_wn
+    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
+    acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=first & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xa, g, acc_g)
+            acc_u = tl.dot(xa, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    ty = act_ptr.dtype.element_ty
+    gate = acc_g.to(ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    up = acc_u.to(ty).to(tl.float32)
+    a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
+    tl.store(a_ptrs, (silu * up).to(ty), mask=first & cmask[None, :])
+
+
+@triton.jit
 def _down_sum_gemv_kernel(
     act_ptr,
     w_ptr,
@@ -594,10 +819,76 @@ def _down_sum_gemv_kernel(
     tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(ty), mask=cmask)
 
 
+@triton.jit
+def _down_sum_dot_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_down_sum_gemv_kernel``'s work (same grid, roundings and stores) on tensor cores:
+    one pipelined loop over the token's k experts times K chunks, the act row in a 16-row
+    tile (rows 1-15 zero) times ``[BLOCK_K, BLOCK_N]`` tiles of ``w2[e_j]``; after an
+    expert's last chunk its term (rounded, times its weight, rounded) joins the fp32 total."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    nk = tl.cdiv(K, BLOCK_K)
+    ty = out_ptr.dtype.element_ty
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for i in range(0, TOP_K * nk):
+        j = i // nk
+        k0 = (i - j * nk) * BLOCK_K
+        a = t * TOP_K + j
+        e = tl.load(ids_ptr + a)
+        kmask = ks + k0 < K
+        av = tl.load(
+            act_ptr + a * s_an + k0 + ks[None, :] + rows[:, None] * 0,
+            mask=first & kmask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + k0 + ks[:, None],
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(av, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(av, w, acc)
+        flush = k0 + BLOCK_K >= K
+        rw = tl.load(rw_ptr + a)
+        term = (acc.to(ty).to(tl.float32) * rw).to(ty).to(tl.float32)
+        total = tl.where(flush, total + term, total)
+        acc = tl.where(flush, 0.0, acc)
+    o_ptrs = out_ptr + t * s_ot + cols[None, :] + rows[:, None] * 0
+    tl.store(o_ptrs, total.to(ty), mask=first & cmask[None, :])
+
+
 class GemvConfig(NamedTuple):
     """Tiles of the few-token path: output features and reduction chunk per program of the
     gate/up kernel (``up_n``, ``up_k``, ``up_warps``) and of the down + sum kernel
-    (``down_n``, ``down_k``, ``down_warps``)."""
+    (``down_n``, ``down_k``, ``down_warps``); ``up_kind``: the gate/up products as
+    elementwise fp32 sums (``"rows"``) or on tensor cores in 16-row tiles (``"dot"``,
+    ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
+    ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`)."""
 
     up_n: int = 16
     up_k: int = 512
@@ -605,6 +896,10 @@ class GemvConfig(NamedTuple):
     down_n: int = 4
     down_k: int = 256
     down_warps: int = 8
+    up_kind: str = "rows"
+    up_stages: int = 3
+    down_kind: str = "rows"
+    down_stages: int = 3
 
 
 GEMV_MAX_TOKENS = 0  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS): off
@@ -644,13 +939,12 @@ def route_experts_gemv(
     dev = x.device
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
-    out = torch.empty((T, H), dtype=x.dtype, device=dev)
     if T == 0:
-        return out, weights, ids
+        return torch.empty((0, H), dtype=x.dtype, device=dev), weights, ids
     assert router_logits.stride(1) == 1 and x.stride(1) == 1
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
     act = torch.empty((T * top_k, inter), dtype=x.dtype, device=dev)
-    _route_gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, cfg.up_n))](
+    args = (
         router_logits,
         x,
         w13,
@@ -665,6 +959,9 @@ def route_experts_gemv(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+    )
+    grid = (T * top_k, triton.cdiv(inter, cfg.up_n))
+    common = dict(
         TOP_K=top_k,
         RENORM=renormalize,
         BLOCK_E=triton.next_power_of_2(E),
@@ -673,23 +970,14 @@ def route_experts_gemv(
         num_warps=cfg.up_warps,
         **pdl.launch_options(x),
     )
-    _down_sum_gemv_kernel[(T, triton.cdiv(H, cfg.down_n))](
-        act,
-        w2,
-        out,
-        weights,
-        ids,
-        inter,
-        H,
-        act.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK_J=triton.next_power_of_2(top_k),
-        BLOCK_N=cfg.down_n,
-        BLOCK_K=cfg.down_k,
-        num_warps=cfg.down_warps,
-        **pdl.launch_options(x),
-    )
+    if cfg.up_kind == "dot":
+        _route_gate_up_dot_kernel[grid](
+            *args, IEEE=x.dtype == torch.float32, num_stages=cfg.up_stages, **common
+        )
+    elif cfg.up_kind == "rows":
+        _route_gate_up_gemv_kernel[grid](*args, **common)
+    else:
+        raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
+    tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
+    out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
     return out, weights, ids

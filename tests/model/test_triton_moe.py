@@ -404,3 +404,116 @@ def test_model_through_the_cuda_decode_kernels_equals_transformers(monkeypatch, 
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize(
+    "T, H, inter, E, k, renorm",
+    [(1, 40, 24, 8, 2, True), (3, 33, 20, 6, 3, False), (4, 64, 48, 16, 4, True)],
+)
+def test_route_experts_gemv_dot_kind_equals_route_and_loop_fp32(T, H, inter, E, k, renorm):
+    """The few-token path with the gate/up products on tensor cores (``up_kind="dot"``,
+    16-row tiles of which one is the token): route's ids, the loop's output (IEEE fp32
+    dots), ragged column blocks and several K chunks."""
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7 + T)).to(DEVICE)
+    w0, ids0 = moe.route(logits, k, renorm)
+    ref = moe.experts_loop(x, w13, w2, w0, ids0)
+    cfg = triton_moe.GemvConfig(16, 16, 4, 8, 16, 4, "dot", 2)
+    for c in (cfg, cfg._replace(down_n=16, down_kind="dot", down_stages=2)):
+        out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, c)
+        assert torch.equal(ids, ids0) and (w - w0).abs().max().item() < 1e-6
+        err = (out - ref).abs().max().item()
+        assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+    with pytest.raises(ValueError, match="up_kind"):
+        triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg._replace(up_kind="x"))
+    with pytest.raises(ValueError, match="kind"):
+        triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg._replace(down_kind="x"))
+
+
+PLANS = [
+    # other tiles for the down kernel than for gate/up (same block_m)
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 16, 32, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2)
+    ),
+    # the down projection, routing weights and top-k sum in one GEMV launch
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        ("rows", 8, 16, 4, 1),
+    ),
+    # the same on tensor cores (one pipelined loop over the k experts' K chunks)
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        ("dot", 16, 16, 4, 2),
+    ),
+    # the grouped down kernel, the top-k sum in Triton
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 32, 16, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2), None, True
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum"]
+)
+@pytest.mark.parametrize("T, H, inter, E, k", [(1, 40, 24, 8, 2), (5, 33, 20, 6, 3)])
+def test_grouped_plans_equal_loop_fp32(T, H, inter, E, k, plan):
+    """A :class:`MoEPlan` through route_align + grouped_experts equals the loop: separate
+    down tiles, or the fused down + weights + top-k sum (which needs the ids)."""
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=3 + T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m, num_warps=1)
+    out = triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids)
+    ref = moe.experts_loop(x, w13, w2, w, ids)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    err = (out - ref).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+    assert torch.equal(triton_moe.fused_experts(x, w13, w2, w, ids, plan), out)
+    if plan.down_sum is not None:
+        with pytest.raises(ValueError, match="ids"):
+            triton_moe.grouped_experts(x, w13, w2, w, al, plan)
+
+
+def test_pick_plan_reads_the_decode_table(monkeypatch):
+    """Decode sizes take moe_table.DECODE's row of the smallest bound >= the assignments
+    (the last row past them); prefill sizes the large blocks."""
+    from pdserve.model import moe_table
+
+    rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1), False),
+            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True))  # fmt: skip
+    monkeypatch.setattr(moe_table, "DECODE", rows)
+    p = triton_moe.pick_plan(8, 128)
+    assert p.up == (16, 32, 256, 4, 4) and p.down_sum == ("rows", 4, 256, 8, 1)
+    assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
+    assert triton_moe.pick_plan(16, 128).triton_sum and not p.triton_sum
+    assert triton_moe.pick_plan(1024, 128).down == (16, 32, 128, 4, 3)
+    assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_plans_and_dot_path_at_real_shapes_bf16(T):
+    """Qwen3-30B-A3B's layer in bf16: the decode table's plan, a down_sum plan and the
+    tensor-core few-token path against the loop in fp32 on the same rounded weights."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    H, inter, E, k = 2048, 768, 128, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16, seed=T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    w, ids = moe.route(logits, k, True)
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+    tol = 0.02 * ref.abs().max().item()
+    c = triton_moe.MoEConfig(16, 32, 256, 4, 3)
+    plans = [triton_moe.pick_plan(T * k, E)]
+    plans += [
+        triton_moe.MoEPlan(c, c, ("rows", 4, 256, 8, 1)),
+        triton_moe.MoEPlan(c, c, ("dot", 16, 256, 4, 4)),
+    ]
+    for plan in plans:
+        w1, ids1, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+        got = triton_moe.grouped_experts(x, w13, w2, w1, al, plan, ids=ids1)
+        assert (got.float() - ref).abs().max().item() < tol, plan
+    cfg = triton_moe.GemvConfig(16, 256, 4, 16, 256, 4, "dot", 4, "dot", 4)
+    got = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
+    assert (got.float() - ref).abs().max().item() < tol
