@@ -57,6 +57,7 @@ _LLM_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--kv-cache-memory",
+    "--max-num-batched-tokens",
 )
 _SPEC_FLAGS = (
     "--num-speculative-tokens",
@@ -159,13 +160,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--quantization": "ours only: the transformers side runs the unquantized weights",
             "--kv-cache-memory": "here, unset on CUDA: 0.4 of free memory (room for the "
             "transformers side), or the engine's default share with --ours-only",
+            "--max-num-batched-tokens": "prompt chunks and decode rows together; unset: "
+            f"{CHUNK_TOKENS_PER_PROMPT} x the most prompts of a row, within "
+            f"{MIN_BATCHED_TOKENS:,}..{MAX_BATCHED_TOKENS:,} (at 1,024 prompts of ~126 tokens "
+            "the serving default of 2,048 would leave 1,024 prompt tokens a step once every "
+            "row decodes: the last prompts start after the first ones end)",
         },
     )
-    p.set_defaults(func=run_offline)
+    # the budget follows the rows (batched_tokens_for) unless given
+    p.set_defaults(func=run_offline, max_num_batched_tokens=None)
 
 
 # The most prompts of one row (--num-prompts, --long-context).
 MAX_PROMPTS = 1024
+# --max-num-batched-tokens when unset: this many tokens per prompt of the largest row,
+# within these bounds (the lower one the serving default, so rows of up to 128 prompts run
+# as before).
+CHUNK_TOKENS_PER_PROMPT = 16
+MIN_BATCHED_TOKENS = 2048
+MAX_BATCHED_TOKENS = 16384
+
+
+def batched_tokens_for(max_prompts: int) -> int:
+    """The step's token budget of a run whose largest row has ``max_prompts`` prompts:
+    :data:`CHUNK_TOKENS_PER_PROMPT` per prompt within
+    ``MIN_BATCHED_TOKENS..MAX_BATCHED_TOKENS`` (2,048 up to 128 prompts, 16,384 from 1,024),
+    so that the prompts of a large row are admitted within a few steps, not over a ramp
+    as long as their decode (ValueError when ``max_prompts < 1``)."""
+    if max_prompts < 1:
+        raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+    return max(MIN_BATCHED_TOKENS, min(MAX_BATCHED_TOKENS, CHUNK_TOKENS_PER_PROMPT * max_prompts))
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -321,6 +345,8 @@ def run_offline(args: argparse.Namespace) -> int:
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
         fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
+        if fields.get("max_num_batched_tokens") is None:
+            fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
@@ -458,6 +484,17 @@ def _decode_row(args, llm, hf, prompts: list[list[int]], pad_id: int, rates: dic
     return row
 
 
+def best_batch(results: list[dict]) -> dict | None:
+    """The decode row of ``results`` (``_decode_row``'s dicts with ``prompt_source``) with
+    the most output tokens/s, the long-context row left out: ``{"num_prompts",
+    "ours_tok_s"}``, or ``None`` when there is no such row."""
+    rows = [r for r in results if not r["prompt_source"].endswith("(long context)")]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: r["ours_tok_s"])
+    return {"num_prompts": top["num_prompts"], "ours_tok_s": top["ours_tok_s"]}
+
+
 def _run(
     args: argparse.Namespace,
     llm: Any,
@@ -481,6 +518,11 @@ def _run(
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
         f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
+        f"  quantization {engine.config.model.quantization or '-'}"
+        f"  kv dtype {engine.executor.rank0.storage.kv.dtype}"
+        f"  max running {engine.config.scheduler.max_running}"
+        f"  step budget {engine.config.scheduler.max_num_batched_tokens} tokens"
+        f"  kv pages {engine.executor.rank0.storage.num_pages}"
     )
     print(
         f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
@@ -512,6 +554,9 @@ def _run(
         )
         if row["steady_error"]:
             print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
+    best = best_batch(results)
+    if best is not None:
+        print(f"best batch: {best['num_prompts']} prompts, {best['ours_tok_s']:.1f} tok/s")
     prefill_row = None
     if prefill:
         prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
@@ -555,7 +600,13 @@ def _run(
             "roofline_ms_per_step / the whole run's decode ms per step (ours_decode_ms_per_step)",
             "decode": "(time of max_tokens - time of 1 token) / (max_tokens - 1): steps after "
             "the prefill; each timed run starts with an empty prefix cache",
+            "quantization": engine.config.model.quantization,
+            "kv_cache_dtype": str(engine.executor.rank0.storage.kv.dtype),
+            "max_running_requests": engine.config.scheduler.max_running,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "kv_pages": engine.executor.rank0.storage.num_pages,
             "results": results,
+            "best_batch": best,
             "prefill": prefill_row,
         }
         write_json(args.json, report)
