@@ -75,3 +75,13 @@ def test_fp8_cache_equals_attention_over_dequantized_kv(backend, q_lens, s_lens,
     vd = (quantize_kv(v, SCALES[1]).float() * SCALES[1]).contiguous()
     ref = sdpa.forward(q, kd, vd, rk, rv, md, sdpa.plan(md, page_size), scale, kv_stored=True)
     assert (out.float() - ref).abs().max().item() < 1e-4
+
+
+def test_quantize_kv_leaves_its_input_alone():
+    """fp32 K/V at scale 1: the saturation is of a copy (``x.float()`` is x itself in
+    fp32, and an in-place clamp of it saturated the caller's values too)."""
+    x = torch.tensor([[300.0, -700.0, 1000.0, 0.5]])
+    before = x.clone()
+    q = quantize_kv(x, 1.0)
+    assert torch.equal(x, before)
+    assert q.float().tolist() == [[288.0, -448.0, 448.0, 0.5]]
