@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench.cli import add_json_flag, write_json
@@ -323,8 +324,11 @@ def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) 
     return row
 
 
-def run_offline(args: argparse.Namespace) -> int:
-    """Run the comparison, print a table, optionally write JSON; 2 on bad arguments."""
+def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = None) -> int:
+    """Run the comparison, print a table, optionally write JSON; 2 on bad arguments.
+    after: called with the ``LLM`` once the rows ran (0 returned), before it shuts down (a
+    script that measures more on the same engine, e.g. ``scripts/gpu_step_profile.py``,
+    without loading the model again)."""
 
     from pdserve.engine.llm import LLM
 
@@ -378,7 +382,10 @@ def run_offline(args: argparse.Namespace) -> int:
             from pdserve.bench.speculative import run_speculative
 
             return run_speculative(args, llm, counts, _prompts, _time_ours)
-        return _run(args, llm, rows, prompt_sets, prefill)
+        rc = _run(args, llm, rows, prompt_sets, prefill)
+        if rc == 0 and after is not None:
+            after(llm)
+        return rc
     finally:
         llm.shutdown()
 

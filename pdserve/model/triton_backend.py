@@ -10,8 +10,8 @@ query head, so a decode row there costs about 64 x its compute and G x its KV re
 long contexts that made a mixed step (rows that decode beside a later prompt's chunk)
 several times slower than the chunk alone. Both read K/V in place from the paged cache,
 through its strides; this step's K/V are stored first by the store kernel, or, on CUDA,
-by the model's RoPE kernel (``fused_ops.rope_store_kv``: one kernel a layer fewer;
-``forward(..., kv_stored=True)``).
+by the model's RoPE kernel (``fused_ops.rope_store_kv``: one kernel a layer fewer, for
+an FP8 cache five fewer, its quantization in that kernel; ``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size and the context bound it is captured for (the split count is
