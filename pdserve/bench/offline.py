@@ -543,36 +543,12 @@ def _run(
         f" {'ours ms/step':>12} {'hf ms/step':>10} {'ours decode/s':>14} {'hf decode/s':>12}"
         f" {'ours decode ms':>14} {'step ms':>8} {'roof ms':>8} {'bound':>7} {'roofline':>8}"
     )
-    for (n, source), prompts in zip(rows, prompt_sets):
-        row = _decode_row(args, llm, hf, prompts, pad_id, rates)
-        row["prompt_source"] = source
-        results.append(row)
-        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
-        print(
-            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
-            f"{_fmt(row['hf_tok_s']):>9} "
-            f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
-            f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
-            f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
-            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step'], '.2f'):>14} "
-            f"{_fmt(row['ours_step_ms_all_decoding'], '.2f'):>8} "
-            f"{row['steady_roofline_ms'] or row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
-            f"{row['roofline_fraction']:>8.0%}"
-        )
-        if row["steady_error"]:
-            print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
-    best = best_batch(results)
-    if best is not None:
-        print(f"best batch: {best['num_prompts']} prompts, {best['ours_tok_s']:.1f} tok/s")
-    prefill_row = None
-    if prefill:
-        prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
-        theirs = "-" if prefill_row["hf_tok_s"] is None else f"{prefill_row['hf_tok_s']:.0f}"
-        print(
-            f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
-            f"tok/s, hf {theirs} tok/s, ratio {_fmt(prefill_row['ratio'], '.2f')}"
-        )
-    if args.json:
+
+    def save(complete: bool, prefill_row: dict | None = None) -> None:
+        """The JSON report so far (after each row: a run cut short keeps what it measured;
+        ``complete`` once every row ran)."""
+        if not args.json:
+            return
         report = {
             "benchmark": "offline",
             "model": args.model,
@@ -613,8 +589,41 @@ def _run(
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_pages": engine.executor.rank0.storage.num_pages,
             "results": results,
-            "best_batch": best,
+            "complete": complete,
+            "best_batch": best_batch(results),
             "prefill": prefill_row,
         }
         write_json(args.json, report)
+
+    for (n, source), prompts in zip(rows, prompt_sets):
+        row = _decode_row(args, llm, hf, prompts, pad_id, rates)
+        row["prompt_source"] = source
+        results.append(row)
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+        print(
+            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
+            f"{_fmt(row['hf_tok_s']):>9} "
+            f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
+            f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
+            f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
+            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step'], '.2f'):>14} "
+            f"{_fmt(row['ours_step_ms_all_decoding'], '.2f'):>8} "
+            f"{row['steady_roofline_ms'] or row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
+            f"{row['roofline_fraction']:>8.0%}"
+        )
+        if row["steady_error"]:
+            print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
+        save(False)
+    best = best_batch(results)
+    if best is not None:
+        print(f"best batch: {best['num_prompts']} prompts, {best['ours_tok_s']:.1f} tok/s")
+    prefill_row = None
+    if prefill:
+        prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
+        theirs = "-" if prefill_row["hf_tok_s"] is None else f"{prefill_row['hf_tok_s']:.0f}"
+        print(
+            f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
+            f"tok/s, hf {theirs} tok/s, ratio {_fmt(prefill_row['ratio'], '.2f')}"
+        )
+    save(True, prefill_row)
     return 0

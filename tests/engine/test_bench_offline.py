@@ -39,6 +39,7 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
     assert [r["num_prompts"] for r in report["results"]] == [1, 2]
     assert report["kv_order"] == "layer_major"
     assert report["max_num_batched_tokens"] == 512
+    assert report["complete"] is True  # written after each row too, False until the end
     for row in report["results"]:
         assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
