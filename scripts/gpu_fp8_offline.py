@@ -42,9 +42,11 @@ def main() -> int:
         if not shapes:
             return
         print(f"== step profile on the same engine: {' '.join(shapes)}", flush=True)
-        res = profile_shapes(llm, shapes, own.profile_steps)
-        with open(os.path.join(out, own.profile_json), "w") as f:
-            json.dump(res, f, indent=1)
+        res: dict = {}
+        for shape in shapes:  # written after each shape: a run cut short keeps what it measured
+            res.update(profile_shapes(llm, [shape], own.profile_steps))
+            with open(os.path.join(out, own.profile_json), "w") as f:
+                json.dump(res, f, indent=1)
 
     return run_offline(args, after)
 
