@@ -15,6 +15,9 @@ graph of 24 calls cycling ``--copies`` layers' caches so that L2 does not hold t
   torch ops and its store kernel writes them: the engine before the fused FP8 store) and
   ``fp8_fused`` (the RoPE kernel quantizes and stores: ``fused_ops.rope_store_kv`` with an
   e4m3 cache); x 32 layers in ``block_ms_per_step``;
+- ``variants_us`` (at ``--variant-shapes``): the decode attention under other tiles / warps /
+  stages (``--variants``) than the bucket's own ``config``, both caches: does the e4m3
+  cache, with half the bytes a tile, want more tokens a tile?
 - ``max_rel_err``: the e4m3 cache's attention output against the bf16 cache's over the same
   values (largest |difference| / largest |output|).
 
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -54,8 +58,11 @@ def _timer(cuda: bool):
     return cpu_us
 
 
-def probe(rows: int, ctx: int, copies: int, dev: torch.device) -> dict:
-    """The figures of one shape (see the module doc)."""
+def probe(
+    rows: int, ctx: int, copies: int, dev: torch.device, variants: list[tuple[int, int, int]]
+) -> dict:
+    """The figures of one shape (see the module doc); ``variants``: the decode
+    configurations ``(block_n, num_warps, num_stages)`` also timed over both caches."""
     cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(rows * 7 + ctx)
     pages_per_row = -(-(ctx + 1) // PAGE)
@@ -108,6 +115,30 @@ def probe(rows: int, ctx: int, copies: int, dev: torch.device) -> dict:
     res["fp8_over_bf16"] = res["attn_us"]["fp8"] / res["attn_us"]["bf16"]
     ref = outs["bf16"]
     res["max_rel_err"] = float((outs["fp8"] - ref).abs().max() / ref.abs().max())
+    # The e4m3 cache reads half the bytes a tile: variants of the decode configuration
+    # the graph's plan picks (more tokens a tile, stages, warps) for that cache, and the
+    # same for bf16 as the control. (block_n, num_warps, num_stages); min_split stays a
+    # multiple of block_n.
+    if variants:
+        base = plan()
+        attn("fp8", 0, base)  # fixes base.config (the engine's pick for this bucket)
+        cfg0 = base.config
+        res["config"] = str(cfg0)
+        res["variants_us"] = {}
+        for bn, warps, stages in variants:
+            min_split = -(-cfg0.min_split // bn) * bn if cfg0.min_split else 0
+            cfg = replace(cfg0, block_n=bn, num_warps=warps, num_stages=stages, min_split=min_split)
+            for kind in ("fp8", "bf16"):
+                p = plan()
+                p.config = cfg
+                try:
+                    attn(kind, 0, p)
+                    us = timer(
+                        [lambda i=i, p=p, kind=kind: attn(kind, i, p) for i in range(copies)]
+                    )
+                except Exception as exc:  # noqa: BLE001 a tile Triton cannot build: noted
+                    us = f"failed: {str(exc)[:120]}"
+                res["variants_us"][f"{kind} n{bn} w{warps} s{stages}"] = us
     res["block_us"] = {}
     for name, kind, fused in (
         ("bf16", "bf16", True),
@@ -132,6 +163,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--copies", type=int, default=4, help="layers' caches cycled (L2)")
     ap.add_argument("--json", default="fp8_attn_probe.json", help="file name under $OUT")
+    ap.add_argument(
+        "--variants",
+        default="64/4/3,128/4/2,128/8/2,128/4/3",
+        help="decode configurations block_n/warps/stages also timed (with the bucket's "
+        "splits), comma-separated; '': none",
+    )
+    ap.add_argument(
+        "--variant-shapes", default="1x200,32x4096", help="the shapes the variants are timed at"
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     out = os.environ.get("OUT", ".")
@@ -143,7 +183,10 @@ def main() -> None:
     )
     for shape in args.shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
-        r = probe(rows, ctx, args.copies, dev)
+        variants = [tuple(int(x) for x in v.split("/")) for v in args.variants.split(",") if v]
+        r = probe(
+            rows, ctx, args.copies, dev, variants if shape in args.variant_shapes.split(",") else []
+        )
         res[shape] = r
         a, b = r["attn_us"], r["block_us"]
         print(
@@ -152,6 +195,16 @@ def main() -> None:
             f"{b['fp8_unfused']:>11.1f} {b['fp8_fused']:>9.1f} {r['max_rel_err']:>7.3f}",
             flush=True,
         )
+        if "variants_us" in r:
+            print(f"          {r['config']}")
+            print(
+                "          "
+                + "  ".join(
+                    f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}"
+                    for k, v in r["variants_us"].items()
+                ),
+                flush=True,
+            )
         with open(os.path.join(out, args.json), "w") as f:  # after each shape: a cut run keeps it
             json.dump(res, f, indent=1)
 
