@@ -9,7 +9,9 @@
 #      -> fp8_attn_probe.json
 #   2. in the background during 3's model load: tests/model/test_fused_ops.py's
 #      rope_store_kv tests on CUDA (the fused e4m3 store byte for byte as the unfused one,
-#      the GPU's own cast) -> fused_store_tests.txt
+#      the GPU's own cast) -> fused_store_tests.txt; beside it scripts/gpu_fp8_kernels2.py
+#      --rows 4096,16384 (35 s at most): the FP8 linear paths at prefill chunk sizes past the path table's
+#      1,024 rows (which path_for extends with the 1,024 pick, _scaled_mm) -> large_m/
 #   3. scripts/gpu_fp8_offline.py: bench offline --quantization fp8 --kv-cache-dtype
 #      fp8_e4m3 --ours-only at 256 / 512 / 1,024 prompts (128 tokens; the step budget
 #      bench offline now gives them: 4,096 / 8,192 / 16,384 tokens, every prompt running
@@ -44,14 +46,27 @@ echo "== 2. fused e4m3 store tests on CUDA, in the background ($SECONDS s)"
     echo "pytest exit $? (124: cut by its timeout)" >> "$OUT/fused_store_tests.txt"
 ) &
 tests_pid=$!
+# Beside it, the FP8 linear paths at prefill chunk sizes; both end within 40 s, while 3
+# still generates its random weights on the CPU (40-90 s): nothing runs beside 3's timings.
+large_pid=
+if [ "$DEVICE" = cuda ]; then
+    mkdir -p "$OUT/large_m"
+    (
+        OUT="$OUT/large_m" timeout ${T_LARGE_M:-35} $PY scripts/gpu_fp8_kernels2.py \
+            --rows ${LARGE_M_ROWS:-4096,16384} --budget-s 15 > "$OUT/large_m/output.txt" 2>&1
+        echo "exit $? (124: cut by its timeout)" >> "$OUT/large_m/output.txt"
+    ) &
+    large_pid=$!
+fi
 echo "== 3. bench offline FP8 weights + FP8 KV, 256/512/1,024 + 32x4096, then the step profile ($SECONDS s)"
 timeout ${T_OFFLINE:-195} $PY scripts/gpu_fp8_offline.py --profile ${PROFILE_SHAPES:-1x200,32x4096} \
     --profile-json step_profile_fp8.json -- --model "$MODEL" --device "$DEVICE" \
     --dtype ${DTYPE:-bfloat16} --ours-only --quantization fp8 --kv-cache-dtype fp8_e4m3 \
     --num-prompts ${COUNTS:-256,512,1024} --long-context ${LONG:-32x4096} --max-tokens ${MAX_TOKENS:-128} \
     --repeats 1 --json "$OUT/offline_fp8.json" 2>&1 | grep -v "^USDT\|profiler_st" | tail -40
-wait $tests_pid
+wait $tests_pid $large_pid
 tail -3 "$OUT/fused_store_tests.txt"
+[ -f "$OUT/large_m/output.txt" ] && grep "picks\|exit\|M=" "$OUT/large_m/output.txt"
 left=$((BUDGET - 8 - SECONDS))
 echo "== 4. FP8 weights + bf16 KV step profile ($SECONDS s; $left s left)"
 if [ "$left" -ge ${MIN_LEFT:-110} ]; then
