@@ -25,6 +25,7 @@ Runs on CUDA, and on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +56,12 @@ _BALANCED_LAUNCH = 2048
 # Context lengths each balanced program sums at a time (a loop: one compiled variant for
 # every batch size).
 _BALANCE_BLOCK_B = 64
+# An e4m3 cache's decode tiles, by the rule decode_config used: "split" (short contexts,
+# more than one split), "one" (short contexts, one split, large batches), "long" (the
+# balanced rule) -> (block_n, num_warps, num_stages) in place of the bf16 cache's; a rule
+# not listed keeps them. A tile of block_n tokens reads half the bytes in e4m3, so it may
+# want more tokens a tile (scripts/gpu_fp8_attn_probe.py times the candidates).
+FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {}
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -173,6 +180,30 @@ def eager_decode_configs() -> tuple[DecodeConfig, ...]:
         for i in range(6)
     )
     return (*short, DecodeConfig(1, 64, 4, 3), *long)
+
+
+def decode_rule(cfg: DecodeConfig) -> str:
+    """The rule of :func:`decode_config` that gave ``cfg``: ``"long"`` (balanced), ``"one"``
+    (short contexts, one split) or ``"split"`` (short contexts, several)."""
+    if cfg.balance:
+        return "long"
+    return "one" if cfg.splits == 1 else "split"
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_decode_config(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` (the bf16 cache's decode configuration) for an e4m3 cache: the tile, warps and
+    stages of :data:`FP8_DECODE_TILES` for its :func:`decode_rule` (``min_split`` rounded
+    up to a multiple of the tile), the same splits; ``cfg`` itself when the rule is not
+    listed. Applied wherever the decode kernel launches (eager steps, graph captures,
+    ``TritonBackend.warm_up``), so the variants compiled at start-up are those that run.
+    Cached: the table is read once per configuration (tests clear the cache)."""
+    tile = FP8_DECODE_TILES.get(decode_rule(cfg))
+    if tile is None:
+        return cfg
+    bn, warps, stages = tile
+    min_split = -(-cfg.min_split // bn) * bn if cfg.min_split else 0
+    return replace(cfg, block_n=bn, num_warps=warps, num_stages=stages, min_split=min_split)
 
 
 @dataclass
@@ -391,6 +422,8 @@ class TritonBackend(AttentionBackend):
             if plan.total_context is not None:  # eager: one of the few warmed split counts
                 plan.config = eager_config(plan.config)
         cfg = plan.config
+        if is_fp8(k_cache):  # its own tiles where measured (the splits are the same)
+            cfg = fp8_decode_config(cfg)
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
             plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)

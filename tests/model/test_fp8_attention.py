@@ -85,3 +85,55 @@ def test_quantize_kv_leaves_its_input_alone():
     q = quantize_kv(x, 1.0)
     assert torch.equal(x, before)
     assert q.float().tolist() == [[288.0, -448.0, 448.0, 0.5]]
+
+
+def test_fp8_decode_tiles_replace_the_bf16_ones_by_rule(monkeypatch):
+    """FP8_DECODE_TILES gives an e4m3 cache its own tile / warps / stages for the rules it
+    lists (min_split rounded up to the tile, splits kept); other rules, and an empty table,
+    leave the configuration as the bf16 cache's."""
+    from pdserve.model import triton_backend as tb
+
+    short = tb.DecodeConfig(16, 64, 4, 2)
+    one = tb.DecodeConfig(1, 64, 4, 3)
+    long = tb.DecodeConfig(8, 64, 4, 2, 64, 1024)
+    assert [tb.decode_rule(c) for c in (short, one, long)] == ["split", "one", "long"]
+    monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (128, 8, 3)})
+    tb.fp8_decode_config.cache_clear()
+    try:
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 128, 8, 3, 128, 1024)
+        assert tb.fp8_decode_config(short) is short and tb.fp8_decode_config(one) is one
+    finally:
+        tb.fp8_decode_config.cache_clear()
+
+
+@pytest.mark.timeout(300)
+def test_fp8_decode_with_its_own_tiles_equals_the_default_tiles(monkeypatch):
+    """An e4m3 decode step under FP8_DECODE_TILES' 128-token tiles (and the 3-stage,
+    8-warp variant) gives the output of the default tiles (fp32 queries: the same sums up to
+    their order)."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 128
+    pool8, qkv, md = _step([1, 1, 1], [1, 300, 700], ps, Hq, Hkv, D, 12, seed=3)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    real = tb.fp8_decode_config
+    launched = []  # the configurations the kernel ran with
+    monkeypatch.setattr(tb, "fp8_decode_config", lambda c: launched.append(real(c)) or real(c))
+
+    def run(tiles):
+        monkeypatch.setattr(tb, "FP8_DECODE_TILES", tiles)
+        real.cache_clear()
+        pool = pool8.clone()
+        kc, vc = _views(pool)
+        out = b.forward(q, k, v, kc, vc, md, b.plan(md, ps), D**-0.5, kv_scale=SCALES)
+        return out.float()
+
+    try:
+        base = run({})
+        assert launched[-1] == tb.DecodeConfig(16, 64, 4, 2)  # the short rule's, 16 splits
+        for tiles in ({"split": (128, 4, 2)}, {"split": (128, 8, 3)}):
+            assert (run(tiles) - base).abs().max().item() < 1e-4
+            assert launched[-1] == tb.DecodeConfig(16, *tiles["split"])
+    finally:
+        real.cache_clear()
