@@ -18,6 +18,8 @@ graph of 24 calls cycling ``--copies`` layers' caches so that L2 does not hold t
 - ``variants_us`` (at ``--variant-shapes``): the decode attention under other tiles / warps /
   stages (``--variants``) than the bucket's own ``config``, both caches: does the e4m3
   cache, with half the bytes a tile, want more tokens a tile?
+- ``silu_gemv`` (once): a one-row step's SwiGLU + FP8 down projection, two launches against
+  the gemv that computes the activation itself (``fp8.FUSE_SILU_GEMV``'s question);
 - ``max_rel_err``: the e4m3 cache's attention output against the bf16 cache's over the same
   values (largest |difference| / largest |output|).
 
@@ -157,6 +159,41 @@ def probe(
     return res
 
 
+def silu_gemv(dev: torch.device, copies: int, n: int = 4096, k: int = 14336) -> dict:
+    """One-row SwiGLU + down projection (Llama-3.1-8B's ``[4096, 14336]``, e4m3 per channel)
+    by the FP8 gemv with the card's one-row tile (``fp8_paths_table``, else the default):
+    ``fused_ops.silu_mul`` then the gemv (two launches, what a one-row FP8 step runs now)
+    against the gemv computing the activation itself (``silu_mul=True``, one launch), µs a
+    layer; and their largest difference over the largest output."""
+    from pdserve.model import fp8_paths_table, triton_w8a8
+    from pdserve.model.fused_ops import silu_mul
+
+    card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    entry = fp8_paths_table.TABLE.get((card, n, k))
+    config = entry[0][1][1] if entry and entry[0][1][0] == "gemv" else triton_w8a8.DEFAULT_GEMV
+    gen = torch.Generator().manual_seed(11)
+    ws = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(dev)
+        ws.append(fp8.quantize_per_channel(w))
+    x = torch.randn(1, 2 * k, generator=gen).to(torch.bfloat16).to(dev)
+    timer = _timer(dev.type == "cuda")
+
+    def two(q, s):
+        return triton_w8a8.gemv(silu_mul(x), q, s, None, config)
+
+    def one(q, s):
+        return triton_w8a8.gemv(x, q, s, None, config, silu_mul=True)
+
+    a, b = two(*ws[0]).float(), one(*ws[0]).float()
+    return {
+        "config": list(config),
+        "silu_then_gemv_us": timer([lambda q=q, s=s: two(q, s) for q, s in ws]),
+        "fused_us": timer([lambda q=q, s=s: one(q, s) for q, s in ws]),
+        "max_rel_diff": float((a - b).abs().max() / a.abs().max()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shapes", nargs="*", default=["1x200", "64x200", "32x4096"])
@@ -169,6 +206,7 @@ def main() -> None:
         help="decode configurations block_n/warps/stages also timed (with the bucket's "
         "splits), comma-separated; '': none",
     )
+    ap.add_argument("--no-silu-gemv", action="store_true", help="skip the SwiGLU gemv timing")
     ap.add_argument(
         "--variant-shapes", default="1x200,32x4096", help="the shapes the variants are timed at"
     )
@@ -181,6 +219,16 @@ def main() -> None:
         f"{'fp8':>6} {'block bf16':>10} {'fp8 unfused':>11} {'fp8 fused':>9} (us a layer)"
         f" {'err':>7}"
     )
+    if not args.no_silu_gemv:
+        r = silu_gemv(dev, args.copies)
+        res["silu_gemv"] = r
+        print(
+            f"one-row SwiGLU + FP8 down gemv {r['config']}: silu_mul then gemv "
+            f"{r['silu_then_gemv_us']:.1f} us, fused {r['fused_us']:.1f} us "
+            f"(x 32 layers: {32 * (r['silu_then_gemv_us'] - r['fused_us']) / 1e3:+.3f} ms saved; "
+            f"diff {r['max_rel_diff']:.2g})",
+            flush=True,
+        )
     for shape in args.shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
         variants = [tuple(int(x) for x in v.split("/")) for v in args.variants.split(",") if v]

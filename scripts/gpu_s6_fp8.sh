@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 26, session 6, one H200 call (budget 270 s; the timeouts add up to 250 s): FP8 at
 # large batches and the FP8 KV cache's decode step.
-#   1. scripts/gpu_fp8_attn_probe.py (no model): one layer's decode attention, bf16 vs e4m3
+#   1. scripts/gpu_fp8_attn_probe.py (no model): a one-row SwiGLU + FP8 down gemv, two
+#      launches vs the gemv computing the activation (fp8.FUSE_SILU_GEMV's question); one
+#      layer's decode attention, bf16 vs e4m3
 #      cache, at 1 x 200, 64 x 200, 32 x 4,096 (the KV-only ratio of the attention kernel),
 #      four decode tiles/warps/stages on both caches at 1 x 200 and 32 x 4,096 (does e4m3 want
 #      more tokens a tile?), and RoPE + KV store + attention as a step runs them: bf16, e4m3 with the old unfused
@@ -37,7 +39,7 @@ git log --oneline -1 2>/dev/null
 MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 echo "== 1. decode attention, bf16 vs e4m3 cache, one layer ($SECONDS s)"
-timeout ${T_PROBE:-55} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" ${PROBE_SHAPES:-1x200 64x200 32x4096} \
+timeout ${T_PROBE:-55} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" ${PROBE_ARGS:-} ${PROBE_SHAPES:-1x200 64x200 32x4096} \
     2>&1 | grep -v "^USDT" | tail -6
 echo "== 2. fused e4m3 store tests on CUDA, in the background ($SECONDS s)"
 (
@@ -107,7 +109,10 @@ probe = load("fp8_attn_probe.json")
 if probe:
     s["attn_probe"] = {k: {"attn_us": v["attn_us"], "fp8_over_bf16": v["fp8_over_bf16"],
                            "block_ms_per_step": v["block_ms_per_step"]}
-                       for k, v in probe.items() if isinstance(v, dict)}
+                       for k, v in probe.items() if isinstance(v, dict) and "attn_us" in v}
+    s["attn_probe_variants"] = {k: v.get("variants_us") for k, v in probe.items()
+                                if isinstance(v, dict) and "variants_us" in v}
+    s["silu_gemv"] = probe.get("silu_gemv")
 (out / "summary.json").write_text(json.dumps(s, indent=1))
 print(json.dumps(s, indent=1)[:6000])
 PYEOF

@@ -613,6 +613,34 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias)
 
 
+# Whether a one-row step's SwiGLU activation runs inside the down projection's FP8 gemv
+# (linear_silu_mul) when that shape's one-row path is the gemv: one launch a layer fewer
+# for recomputing silu(gate) * up in each of its programs (~N / BLOCK_N times over).
+# Off until the H200 times both (scripts/gpu_fp8_attn_probe.py, silu_gemv).
+FUSE_SILU_GEMV = False
+
+
+def linear_silu_mul(
+    gate_up: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``(silu(gate) * up) @ real(w).T + bias`` of one row ``gate_up = [gate | up]``
+    ``[1, 2K]`` bf16 -> ``[1, N]`` in one launch (the FP8 gemv with the activation computed
+    as x is loaded) when :data:`FUSE_SILU_GEMV` is on and :func:`path_for` gives this
+    shape's one row the gemv (CUDA, one-group weight); None otherwise (the caller runs the
+    activation, then :func:`linear`)."""
+    if not (FUSE_SILU_GEMV and gate_up.is_cuda and gate_up.dim() == 2):
+        return None
+    n, k = w.weight.shape
+    if gate_up.shape != (1, 2 * k) or gate_up.dtype != torch.bfloat16 or not w.one_group:
+        return None
+    kind, config = path_for(1, n, k)
+    if kind != "gemv":
+        return None
+    from pdserve.model import triton_w8a8
+
+    return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
+
+
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:
     """Mean µs of one call, calling ``fns[i % len(fns)]`` (e.g. the same matmul over
     several weights, so that they do not all sit in L2), replayed in a CUDA graph of

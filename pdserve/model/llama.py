@@ -192,6 +192,10 @@ class LlamaDecoderLayer(nn.Module):
                 down = lin.silu_mul_linear(gate_up, self.down_proj, self.down_bias)
                 if down is not None:
                     return h, down
+            elif self.tp is None:  # an FP8 down projection: its one-row gemv, when fused
+                down = fp8.linear_silu_mul(gate_up, self.fp8["down_proj"], self.down_bias)
+                if down is not None:
+                    return h, down
             act = fused.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
