@@ -77,8 +77,9 @@ def probe(
     qkv = (torch.randn(rows, HQ + 2 * HKV, D, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
     table = torch.randn(max(ctx, 1) + 1, D, generator=gen).to(torch.bfloat16).to(dev)
     caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"bf16": [], "fp8": []}
-    for _ in range(copies):
-        kv = torch.randn(2, num_pages, PAGE, HKV, D, generator=gen).to(torch.bfloat16).to(dev)
+    torch.manual_seed(rows * 7 + ctx)
+    for _ in range(copies):  # drawn on the device (32 x 4,096: 4 x 277 M values)
+        kv = torch.randn(2, num_pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
         caches["bf16"].append((kv[0], kv[1]))
         caches["fp8"].append((quantize_kv(kv[0], 1.0), quantize_kv(kv[1], 1.0)))
     timer = _timer(cuda)
