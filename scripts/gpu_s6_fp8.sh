@@ -40,7 +40,7 @@ MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 echo "== 1. decode attention, bf16 vs e4m3 cache, one layer ($SECONDS s)"
 timeout ${T_PROBE:-55} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" ${PROBE_ARGS:-} ${PROBE_SHAPES:-1x200 64x200 32x4096} \
-    2>&1 | grep -v "^USDT" | tail -6
+    2>&1 | grep -v "^USDT" | tail -14
 echo "== 2. fused e4m3 store tests on CUDA, in the background ($SECONDS s)"
 (
     timeout ${T_TESTS:-40} $PY -m pytest -q -p no:cacheprovider tests/model/test_fused_ops.py \
