@@ -351,7 +351,9 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
         fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
         if fields.get("max_num_batched_tokens") is None:
             fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
+        t0 = time.perf_counter()
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
+        llm.engine_start_s = time.perf_counter() - t0  # the load, pool and graph capture
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -530,6 +532,7 @@ def _run(
         f"  max running {engine.config.scheduler.max_running}"
         f"  step budget {engine.config.scheduler.max_num_batched_tokens} tokens"
         f"  kv pages {engine.executor.rank0.storage.num_pages}"
+        f"  engine up in {getattr(llm, 'engine_start_s', 0.0):.0f} s"
     )
     print(
         f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
@@ -588,6 +591,7 @@ def _run(
             "max_running_requests": engine.config.scheduler.max_running,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_pages": engine.executor.rank0.storage.num_pages,
+            "engine_start_s": getattr(llm, "engine_start_s", None),
             "results": results,
             "complete": complete,
             "best_batch": best_batch(results),
