@@ -353,7 +353,7 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
             fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
         t0 = time.perf_counter()
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
-        llm.engine_start_s = time.perf_counter() - t0  # the load, pool and graph capture
+        start_s = time.perf_counter() - t0  # the load, the pool, the graph capture
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -384,7 +384,7 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
             from pdserve.bench.speculative import run_speculative
 
             return run_speculative(args, llm, counts, _prompts, _time_ours)
-        rc = _run(args, llm, rows, prompt_sets, prefill)
+        rc = _run(args, llm, rows, prompt_sets, prefill, start_s)
         if rc == 0 and after is not None:
             after(llm)
         return rc
@@ -510,6 +510,7 @@ def _run(
     rows: list[tuple[int, str]],
     prompt_sets: list[list[list[int]]],
     prefill: tuple[int, int] | None,
+    start_s: float = 0.0,
 ) -> int:
     import torch
 
@@ -532,7 +533,7 @@ def _run(
         f"  max running {engine.config.scheduler.max_running}"
         f"  step budget {engine.config.scheduler.max_num_batched_tokens} tokens"
         f"  kv pages {engine.executor.rank0.storage.num_pages}"
-        f"  engine up in {getattr(llm, 'engine_start_s', 0.0):.0f} s"
+        f"  engine up in {start_s:.0f} s"
     )
     print(
         f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
@@ -591,7 +592,7 @@ def _run(
             "max_running_requests": engine.config.scheduler.max_running,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_pages": engine.executor.rank0.storage.num_pages,
-            "engine_start_s": getattr(llm, "engine_start_s", None),
+            "engine_start_s": start_s,
             "results": results,
             "complete": complete,
             "best_batch": best_batch(results),
