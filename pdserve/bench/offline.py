@@ -163,9 +163,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "transformers side), or the engine's default share with --ours-only",
             "--max-num-batched-tokens": "prompt chunks and decode rows together; unset: "
             f"{CHUNK_TOKENS_PER_PROMPT} x the most prompts of a row, within "
-            f"{MIN_BATCHED_TOKENS:,}..{MAX_BATCHED_TOKENS:,} (at 1,024 prompts of ~126 tokens "
-            "the serving default of 2,048 would leave 1,024 prompt tokens a step once every "
-            "row decodes: the last prompts start after the first ones end)",
+            f"{MIN_BATCHED_TOKENS:,}..{MAX_BATCHED_TOKENS:,} (with the serving default of 2,048, "
+            "1,024 prompts of ~126 tokens are admitted over ~90 mixed steps, fewer each step "
+            "as the rows already decoding take the budget)",
         },
     )
     # the budget follows the rows (batched_tokens_for) unless given
@@ -186,8 +186,8 @@ def batched_tokens_for(max_prompts: int) -> int:
     """The step's token budget of a run whose largest row has ``max_prompts`` prompts:
     :data:`CHUNK_TOKENS_PER_PROMPT` per prompt within
     ``MIN_BATCHED_TOKENS..MAX_BATCHED_TOKENS`` (2,048 up to 128 prompts, 16,384 from 1,024),
-    so that the prompts of a large row are admitted within a few steps, not over a ramp
-    as long as their decode (ValueError when ``max_prompts < 1``)."""
+    so that the prompts of a large row are admitted within a few steps, not over a ramp of
+    ~90 mixed steps at 1,024 prompts (ValueError when ``max_prompts < 1``)."""
     if max_prompts < 1:
         raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
     return max(MIN_BATCHED_TOKENS, min(MAX_BATCHED_TOKENS, CHUNK_TOKENS_PER_PROMPT * max_prompts))
