@@ -242,3 +242,47 @@ def test_dense_qwen3_through_the_cuda_kernels_equals_transformers(monkeypatch, t
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+def test_an_fp8_cache_is_stored_by_the_rope_kernel_with_each_layers_scales(
+    monkeypatch, tiny_hf_builder
+):
+    """On the CUDA path (fused ops) an e4m3 pool is written by the RoPE kernel, quantized
+    with each layer's own K/V scales; the backend's store kernel (and the torch
+    quantization before it: four elementwise kernels for K and V) does not run."""
+    from pdserve.engine.kv.layout import KVCacheLayout
+    from pdserve.model import fused_ops, llama, triton_backend
+    from pdserve.model.attention import build_attention_metadata
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("llama", seed=5)
+    model = llama.LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    layers = list(model.decoder_layers())
+    for i, layer in enumerate(layers):
+        layer.kv_scale = (0.5 * (i + 1), 0.25 * (i + 1))
+    s = model.shapes
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, 4, 8, torch.float8_e4m3fn
+    )
+    pool = lay.allocate("cpu")
+    caches = lay.layer_views(pool)
+    stored = []
+    real_store = fused_ops.rope_store_kv
+
+    def recording(qk, v, table, positions, kc, vc, slots, qk_norm=None, kv_scale=(1.0, 1.0)):
+        stored.append((kc.dtype, kv_scale))
+        real_store(qk, v, table, positions, kc, vc, slots, qk_norm, kv_scale)
+
+    monkeypatch.setattr(fused_ops, "rope_store_kv", recording)
+
+    class NoStore:
+        def __getitem__(self, grid):
+            raise AssertionError("the backend's store kernel ran")
+
+    monkeypatch.setattr(triton_backend, "store_kv_kernel", NoStore())
+    md = build_attention_metadata([5], [5], [[3, 6]], 4)
+    model(torch.tensor([1, 7, 9, 4, 2]), torch.arange(5), md, caches)
+    assert stored == [(torch.float8_e4m3fn, layer.kv_scale) for layer in layers]
+    assert pool.view(torch.uint8).any()  # the prompt's K/V are in the pool
