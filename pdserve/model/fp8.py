@@ -616,7 +616,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
 # Whether a one-row step's SwiGLU activation runs inside the down projection's FP8 gemv
 # (linear_silu_mul) when that shape's one-row path is the gemv: one launch a layer fewer
 # for recomputing silu(gate) * up in each of its programs (~N / BLOCK_N times over).
-# Off until the H200 times both (scripts/gpu_fp8_attn_probe.py, silu_gemv).
+# Off: the H200 timed both the same (scripts/gpu_fp8_attn_probe.py, 2026-12-03: [4096,
+# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer).
 FUSE_SILU_GEMV = False
 
 
