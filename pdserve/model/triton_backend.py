@@ -466,6 +466,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
+            F16_DOT=is_fp8(k_cache) and q.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

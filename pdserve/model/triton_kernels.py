@@ -173,6 +173,7 @@ def decode_split_kernel(
     BLOCK_D: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     IEEE: tl.constexpr,
+    F16_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
@@ -194,7 +195,11 @@ def decode_split_kernel(
     tile lies inside one page (splits start at multiples of ``BLOCK_N``), so a tile reads
     one page-table entry; else each position reads its own. A row of context 0 (a padded
     row) outputs 0. K and V of a tile are both loaded before its first dot, so their
-    memory latencies overlap."""
+    memory latencies overlap. ``F16_DOT`` (an e4m3 cache under bf16 queries): q is taken
+    to fp16 (saturated to its range) and the tiles are converted to fp16, not bf16, for
+    the dots: e4m3 -> fp16 is one packed conversion a pair of values (-> bf16 two more,
+    each through fp16), fp16 holds every e4m3 value and a bf16 q in [2^-14, 65504] exactly,
+    and p in fp16 keeps 3 more bits than in bf16."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -225,6 +230,8 @@ def decode_split_kernel(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
+    if F16_DOT:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)

@@ -137,3 +137,31 @@ def test_fp8_decode_with_its_own_tiles_equals_the_default_tiles(monkeypatch):
             assert launched[-1] == tb.DecodeConfig(16, *tiles["split"])
     finally:
         real.cache_clear()
+
+
+@pytest.mark.timeout(300)
+def test_bf16_queries_over_an_fp8_cache_take_fp16_dots_and_match_the_reference():
+    """bf16 queries over an e4m3 cache (the CUDA case): the decode kernel converts the
+    tiles (and q) to fp16 for its dots (``F16_DOT``); the output equals fp32 attention over
+    the dequantized K/V up to bf16's rounding of it, splits and merge included."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=9)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    kc, vc = _views(pool8)
+    out = b.forward(q, k, v, kc, vc, md, b.plan(md, ps), D**-0.5, kv_scale=SCALES)
+    assert out.dtype == torch.bfloat16
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    kd = (quantize_kv(k, SCALES[0]).float() * SCALES[0]).contiguous()
+    vd = (quantize_kv(v, SCALES[1]).float() * SCALES[1]).contiguous()
+    qf = q.float()
+    ref = sdpa.forward(qf, kd, vd, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2**-7 * ref.abs().max().item(), err
