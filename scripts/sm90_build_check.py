@@ -12,8 +12,10 @@ copies, TMA), ``SYNCS`` (mbarrier operations), ``STG.E.128`` / ``STG.E.U16`` (16
 uses, with this machine's Triton (3.9 in the CPU venv; the H200 image has 3.6): not its
 speed, nor its results (the CPU tests run it under the interpreter; the sweep on the GPU).
 
-``python3 scripts/sm90_build_check.py [--configs "('tma', 128, 128, 4, 3)" ...] [--ms 32,64]
-[--json]``: default every ``tma*`` configuration of ``scripts/gpu_gemv_sweep.py`` at the
+``python3 scripts/sm90_build_check.py --decode --configs "(1, 64, 4, 3)" "(1, 32, 4, 1, 0,
+0, True)"``: the split-KV decode kernel instead (shared memory, registers, programs an SM
+holds by each, cp.async vs register loads). ``python3 scripts/sm90_build_check.py
+[--configs "('tma', 128, 128, 4, 3)" ...] [--ms 32,64] [--json]``: default every ``tma*`` configuration of ``scripts/gpu_gemv_sweep.py`` at the
 Llama-3.1-8B o_proj shape (N = K = 4096), bf16. ``--pdl`` instead builds every kernel that
 takes a ``PDL`` constexpr (``model/pdl.py``) with it on and off and says whether the PTX has
 ``griddepcontrol.wait`` / ``.launch_dependents``. Run with ``TRITON_INTERPRET`` unset.
@@ -44,7 +46,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pdserve.model import triton_gemv, triton_gemv_tma
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL")
+OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL", "LDGSTS", "LDG",
+       "F2FP", "F2F", "HADD2.F32")
 
 
 def build(fn, args: dict, constexprs: dict, warps: int, stages: int):
@@ -130,7 +133,7 @@ _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
 PDL_KERNELS = {
     "fused_ops._rope_kernel": (
         dict(H=40, HALF=64, BLOCK_H=64, BLOCK_D=64, STORE=True, HQ=32, HKV=8, D=128,
-             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128),
+             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False),
         dict(pos_ptr=_I64, slot_ptr=_I64), 4),
     "fused_ops._silu_mul_kernel": (dict(BLOCK=1024), {}, 4),
     "fused_ops._add_rms_norm_kernel": (dict(HAS_RES=True, BLOCK=4096), {}, 8),
@@ -138,7 +141,8 @@ PDL_KERNELS = {
         dict(HKV=8, D=128, PAGE_SIZE=128, BLOCK_H=8, BLOCK_D=128), dict(slot_ptr=_I64), 4),
     "triton_kernels.decode_split_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
-             BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False),
+             BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
+             F16_DOT=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
@@ -153,6 +157,61 @@ PDL_KERNELS = {
     "triton_gemv._splitk_reduce_kernel": (
         dict(HAS_BIAS=False, SPLIT_K=2, BLOCK=1024), dict(p_ptr=_F32), 4),
 }  # fmt: skip
+
+
+def registers(kernel) -> int:
+    """Registers a thread of ``kernel`` uses (``cuobjdump -res-usage``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.findall(r"REG:(\d+)", out)[0])
+
+
+def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
+    """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
+    heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
+    ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch])``: shared
+    memory, registers a thread, programs an SM can hold by each (228 KB, 64K registers) and
+    its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
+    loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
+    e4m3 cache, ``f16_dot``: the kernel's ``F16_DOT`` (its tiles converted to fp16, not
+    bf16)."""
+    from pdserve.model import triton_kernels
+
+    splits, block_n, warps, stages, *rest = cfg
+    min_split, balance, prefetch = (list(rest) + [0, 0, False][len(rest) :])[:3]
+    consts = dict(
+        G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=splits, MIN_SPLIT=min_split,
+        BALANCE_PROGRAMS=balance, BLOCK_B=64 if balance else 1, BLOCK_H=16, BLOCK_N=block_n,
+        BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
+        PREFETCH=bool(prefetch), F16_DOT=f16_dot,
+    )  # fmt: skip
+    dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
+    if kv == "fp8":
+        dtypes.update(k_cache_ptr=torch.float8_e4m3fn, v_cache_ptr=torch.float8_e4m3fn)
+    args: dict = {}
+    for arg in triton_kernels.decode_split_kernel.arg_names:
+        if arg in consts:
+            continue
+        if arg.endswith("_ptr"):
+            args[arg] = torch.empty(64, dtype=dtypes.get(arg, torch.bfloat16))
+        else:
+            args[arg] = 0.5 if arg == "scale" else 4096
+    kernel = build(triton_kernels.decode_split_kernel, args, consts, warps, stages)
+    regs = registers(kernel)
+    shared = kernel.metadata.shared
+    return dict(
+        config=list(cfg),
+        kv=kv,
+        f16_dot=f16_dot,
+        shared=shared,
+        registers=regs,
+        programs_per_sm_by_shared=(228 * 1024) // max(1, shared + 1024),
+        programs_per_sm_by_registers=65536 // (regs * 32 * warps),
+        sass=sass_counts(kernel),
+    )
 
 
 def check_pdl(name: str, pdl: bool) -> dict:
@@ -189,7 +248,24 @@ def main() -> None:
     ap.add_argument(
         "--pdl", action="store_true", help="build the PDL kernels with and without PDL instead"
     )
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="build the split-KV decode kernel for each --configs tuple (DecodeConfig's "
+        "fields) instead",
+    )
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--decode's cache")
+    ap.add_argument("--f16-dot", action="store_true", help="--decode with F16_DOT")
     args = ap.parse_args()
+    if args.decode:
+        for c in args.configs or ["(1, 64, 4, 3)"]:
+            cfg = tuple(ast.literal_eval(c))
+            try:
+                row = check_decode(cfg, args.kv, args.f16_dot)
+            except Exception as exc:  # noqa: BLE001 (reported: a configuration that does not build)
+                row = dict(config=list(cfg), error=" ".join(str(exc).split())[:300])
+            print(json.dumps(row) if args.json else row, flush=True)
+        return
     if args.pdl:
         for name in PDL_KERNELS:
             for pdl in (True, False):

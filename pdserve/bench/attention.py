@@ -6,7 +6,7 @@ than one split) over a paged KV pool of random values, for each batch size, cont
 and length layout asked for, under each decode configuration asked for: the one an eager
 step picks from its lengths (``eager``), the one of the CUDA graph the engine would replay
 (``graph``: the bucket's bounded or unbounded graph), or one given as
-``splits/block_n/warps/stages[/balance]``. K/V are taken as stored (the store kernel is
+``splits/block_n/warps/stages[/balance[/prefetch]]``. K/V are taken as stored (the store kernel is
 not timed).
 
 Bytes a call must read: the K and V of every context token of every KV head, plus the
@@ -49,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--configs",
         default="eager,graph",
         help="comma-separated decode configurations: eager (an eager step's choice), graph "
-        "(the replayed graph's), or splits/block_n/warps/stages[/balance], e.g. 4/64/4/2",
+        "(the replayed graph's), or splits/block_n/warps/stages[/balance[/prefetch]], e.g. "
+        "4/64/4/2 or 1/32/4/1/0/1 (prefetch 1: the next tile loaded before this one's math)",
     )
     p.add_argument("--num-heads", type=int, default=32, help="query heads (Llama-3.1-8B: 32)")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (Llama-3.1-8B: 8)")
@@ -75,23 +76,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_config(text: str):
-    """``"eager"`` / ``"graph"`` stay strings; ``"S/BN/W/ST[/BAL]"`` -> ``DecodeConfig``
-    (min_split 0). ValueError naming ``configs`` otherwise."""
+    """``"eager"`` / ``"graph"`` stay strings; ``"S/BN/W/ST[/BAL[/PREFETCH]]"`` ->
+    ``DecodeConfig`` (min_split 0; PREFETCH 0 or 1). ValueError naming ``configs``
+    otherwise."""
     from pdserve.model.triton_backend import DecodeConfig
 
     if text in ("eager", "graph"):
         return text
     try:
         parts = [int(x) for x in text.split("/")]
-        if len(parts) not in (4, 5):
-            raise ValueError("4 or 5 numbers")
+        if len(parts) not in (4, 5, 6):
+            raise ValueError("4 to 6 numbers")
         splits, block_n, warps, stages = parts[:4]
-        balance = parts[4] if len(parts) == 5 else 0
-        return DecodeConfig(splits, block_n, warps, stages, 0, balance)
+        balance = parts[4] if len(parts) >= 5 else 0
+        prefetch = parts[5] if len(parts) == 6 else 0
+        if prefetch not in (0, 1):
+            raise ValueError(f"prefetch must be 0 or 1, got {prefetch}")
+        return DecodeConfig(splits, block_n, warps, stages, 0, balance, bool(prefetch))
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"configs: {text!r} is not eager, graph or "
-            f"splits/block_n/warps/stages[/balance] ({exc})"
+            f"splits/block_n/warps/stages[/balance[/prefetch]] ({exc})"
         ) from None
 
 
@@ -188,18 +193,19 @@ def measure(
 
     from pdserve.engine.worker.cuda_graph import pick_graph
     from pdserve.model.attention import build_attention_metadata, get_attention_backend
-    from pdserve.model.triton_backend import TritonPlan, decode_config
+    from pdserve.model.triton_backend import TritonPlan, decode_config, device_picks
 
     k_cache, v_cache, tables = _pool(seq_lens, page_size, hkv, head_dim, dtype, device, order)
     md = build_attention_metadata([1] * batch, seq_lens, tables, page_size, device=device)
     q = torch.randn(batch, hq, head_dim, device=device).to(dtype)
     kv_new = torch.empty(batch, hkv, head_dim, device=device, dtype=dtype)  # not read
     tri = get_attention_backend("triton")
+    picks = device_picks(device, hq // hkv, head_dim)  # the engine's measured picks
     if config_spec == "eager":
-        cfg = decode_config(batch, hkv, page_size, max(seq_lens), sum(seq_lens))
+        cfg = decode_config(batch, hkv, page_size, max(seq_lens), sum(seq_lens), picks)
     elif config_spec == "graph":
         bound = pick_graph(batch, tri.capture_context_bounds(batch, hkv), max(seq_lens))[1]
-        cfg = decode_config(batch, hkv, page_size, bound)
+        cfg = decode_config(batch, hkv, page_size, bound, None, picks)
     else:
         cfg = config_spec
     plan = TritonPlan(decode=True, max_seq_len=max(seq_lens), max_q_len=1, config=cfg)
@@ -235,6 +241,7 @@ def measure(
         "num_stages": cfg.num_stages,
         "min_split": cfg.min_split,
         "balance": cfg.balance,
+        "prefetch": cfg.prefetch,
         "us_per_call": seconds * 1e6,
         "bytes": nbytes,
         "bytes_per_s": nbytes / seconds,

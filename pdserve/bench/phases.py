@@ -211,16 +211,17 @@ def phase_png_path(json_path: str) -> str:
 
 
 def report_stages(series: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per (load point, stream) of ``series`` (``runner.Series``): the stats of each
-    target's stages and, with two targets, the stage that grew most (target vs compare).
+    """Per (load point, stream) of ``series`` (``runner.Series``; a repeated rate is a load
+    point of its own, ``load_point`` its index): the stats of each target's stages and, with two targets, the stage that grew most (target vs compare).
     JSON-ready."""
     out: list[dict[str, Any]] = []
-    keys = list(dict.fromkeys((s.request_rate, s.stream) for s in series))
-    for rate, stream in keys:
-        group = [s for s in series if (s.request_rate, s.stream) == (rate, stream)]
+    keys = list(dict.fromkeys((s.point, s.request_rate, s.stream) for s in series))
+    for point, rate, stream in keys:
+        group = [s for s in series if (s.point, s.request_rate, s.stream) == (point, rate, stream)]
         stats = [(s.target.name, stage_stats(s.results)) for s in group]
         entry: dict[str, Any] = {
             "request_rate": rate,
+            "load_point": point,
             "stream": stream,
             "stages": dict(stats),
             "label": group[0].label.split(" ", 1)[1],

@@ -64,7 +64,8 @@ def _load_title(s: Series) -> str:
         load = f"Poisson {s.request_rate:g} req/s" + (
             f", concurrency cap {s.concurrency}" if s.concurrency else ""
         )
-    return f"{s.stream} stream — {load}"
+    point = f" (load point {s.point + 1})" if s.point else ""
+    return f"{s.stream} stream — {load}{point}"
 
 
 def make_console() -> Console:
@@ -98,8 +99,7 @@ def print_report(series: Sequence[Series], console: Console | None = None) -> No
     throughput-vs-rate table when several rates were run."""
     console = console or make_console()
     streams = list(dict.fromkeys(s.stream for s in series))
-    rates_seen = list(dict.fromkeys(s.request_rate for s in series))
-    key = lambda s: (rates_seen.index(s.request_rate), streams.index(s.stream))  # noqa: E731
+    key = lambda s: (s.point, streams.index(s.stream))  # noqa: E731
     for _, group in groupby(sorted(series, key=key), key=key):
         rows = list(group)
         console.print(series_table(rows))
@@ -108,18 +108,23 @@ def print_report(series: Sequence[Series], console: Console | None = None) -> No
                 console.print(
                     f"[red]{s.target.name} error:[/red] {err}", markup=True, highlight=False
                 )
-    rates = sorted({s.request_rate for s in series if s.stream == "main"})
-    if len(rates) > 1:
+    points = sorted({(s.request_rate, s.point) for s in series if s.stream == "main"})
+    if len(points) > 1:
         table = Table(title="throughput vs request rate")
         table.add_column("rate (req/s)", justify="right")
         names = list(dict.fromkeys(s.target.name for s in series))
         for name in names:
             table.add_column(f"{name} req/s", justify="right")
             table.add_column(f"{name} tok/s", justify="right")
-        for rate in rates:
-            row = [f"{rate:g}"]
+        repeated = len({rate for rate, _ in points}) < len(points)
+        for rate, point in points:
+            row = [f"{rate:g}" + (f" (load point {point + 1})" if repeated else "")]
             for name in names:
-                s = next(x for x in series if x.target.name == name and x.request_rate == rate)
+                s = next(
+                    x
+                    for x in series
+                    if x.target.name == name and x.request_rate == rate and x.point == point
+                )
                 summ = s.summary()
                 row += [_fmt(summ.request_throughput, 3), _fmt(summ.output_throughput, 1)]
             table.add_row(*row)
@@ -150,6 +155,7 @@ def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
         "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
         "timing": r.timing,
+        "start_unix": r.start_unix,
     }
 
 
@@ -173,6 +179,7 @@ def series_record(s: Series) -> dict[str, Any]:
         "model": s.target.model,
         "stream": s.stream,
         "request_rate": s.request_rate,  # null in JSON = closed loop
+        "load_point": s.point,
         "concurrency": s.concurrency,
         "summary": summary.to_dict(),
         "requests": [_result_record(i, r) for i, r in enumerate(s.results)],

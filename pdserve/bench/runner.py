@@ -43,6 +43,8 @@ class Series:
     duration_s: wall time summed over the target's blocks.
     kv_bytes: KV bytes the target's prefill workers sent during its blocks (PD routers
         only; ``None`` when unknown).
+    point: index of the load point in the run (``--request-rate 8,8,8``: 0, 1, 2), so
+        repeated rates are reported apart; 0 for the interference scenario.
     """
 
     target: Target
@@ -52,6 +54,7 @@ class Series:
     results: list[StreamResult] = field(default_factory=list)
     duration_s: float = 0.0
     kv_bytes: int | None = None
+    point: int = 0
 
     def summary(self) -> RunSummary:
         """The aggregate statistics of this series."""
@@ -59,9 +62,11 @@ class Series:
 
     @property
     def label(self) -> str:
-        """Short label for plots, e.g. ``target main @2 req/s``."""
+        """Short label for plots, e.g. ``target main @2 req/s`` (``... (load point 2)``
+        from the second load point on)."""
         rate = "closed loop" if math.isinf(self.request_rate) else f"@{self.request_rate:g} req/s"
-        return f"{self.target.name} {self.stream} {rate}"
+        run = f" (load point {self.point + 1})" if self.point else ""
+        return f"{self.target.name} {self.stream} {rate}{run}"
 
 
 def request_body(
@@ -211,10 +216,14 @@ async def run_load_point(
     concurrency: int | None,
     num_blocks: int,
     on_done: Callable[[StreamResult], None],
+    point: int = 0,
+    between_blocks: Callable[[], None] = lambda: None,
 ) -> list[Series]:
     """Run the whole workload once on every target (blocks interleaved); one ``Series``
-    per target, results in request order."""
-    series = {t.name: Series(t, "main", request_rate, concurrency) for t in targets}
+    per target, results in request order; ``point``: the load point's index;
+    ``between_blocks``: run after each block, when no stream is read (``bench serve``'s
+    garbage collection, off under load)."""
+    series = {t.name: Series(t, "main", request_rate, concurrency, point=point) for t in targets}
     probes = {t.name: await prefill_urls(client, t.base_url) for t in targets}
     blocks = split_blocks(len(reqs), num_blocks)
     if spec.dataset == "multi-turn":  # a conversation is never cut between blocks
@@ -228,6 +237,7 @@ async def run_load_point(
                 client, target, spec, block_reqs, block_arrivals, concurrency, on_done
             )
             after = await kv_bytes_sent(client, probes[target.name])
+            between_blocks()
             s = series[target.name]
             s.results.extend(results)
             s.duration_s += duration

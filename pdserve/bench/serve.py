@@ -13,9 +13,11 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import gc
 import math
 import os
 import platform
+import resource
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,7 @@ from pdserve.cli import Flag, add_flags, flag_values
 
 if TYPE_CHECKING:
     from pdserve.bench.runner import Series, Target
+    from pdserve.gc_watch import GcWatch
 
 # Per-scenario defaults of the lengths and concurrency (None in argparse = "not given").
 _DEFAULTS = {
@@ -54,6 +57,16 @@ TARGET_FLAGS: tuple[Flag, ...] = (
         "model field of the requests (default: first id of each target's /v1/models)",
     ),
     Flag("--timeout", "seconds allowed per request (default 600)", float, default=600.0),
+)
+# not in TARGET_FLAGS: ``pdserve eval`` takes those four as they are
+STREAM_CLIENT = Flag(
+    "--stream-client",
+    "how streamed answers are read: socket: keep-alive connections parsed by httptools, "
+    "each chunk timed when its bytes come off the socket (https URLs: httpx); httpx: "
+    "httpx + httpx-sse, each chunk timed when parsed, which counts the client's own "
+    "event-loop delays into TTFT and ITL (the client before 2026-12-03)",
+    default="socket",
+    choices=("socket", "httpx"),
 )
 LOAD_FLAGS: tuple[Flag, ...] = (
     Flag(
@@ -177,7 +190,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_flags(p, TARGET_FLAGS, "targets")
+    add_flags(p, (*TARGET_FLAGS, STREAM_CLIENT), "targets")
     add_flags(p, LOAD_FLAGS, "load")
     add_flags(p, WORKLOAD_FLAGS, "workload")
     add_flags(p, INTERFERENCE_FLAGS, "interference scenario")
@@ -235,18 +248,72 @@ async def _targets(client: Any, args: argparse.Namespace) -> list[Target]:
 
 
 async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Target], dict[str, Any]]:
+    """Run the benchmark: (every series, the targets, the JSON's header)."""
     # Imported here so that building the CLI parser stays light.
+    from pdserve.gc_watch import GcWatch
+
+    spec, ispec, rates, concurrency, blocks = _resolve(args)
+    reqs = build_requests(spec)
+    # the client's own collections: its start-up heap frozen after the warm-up, and none
+    # while streams are read (a collection stops every stream's reading; a full one of
+    # the heap before the freeze took 22 ms on the CPU machine): the collector is off
+    # during the load and collects between blocks (runner.run_load_point, untimed);
+    # every pause under load is timed for the JSON (client_gc)
+    watch = GcWatch(slow_s=0.01).install()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        series, targets = await _measure(args, spec, ispec, reqs, rates, concurrency, blocks, watch)
+    finally:
+        gc.enable()
+        watch.uninstall()
+        gc.unfreeze()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    header = _header(args, targets, spec, ispec, rates, concurrency, blocks)
+    header["client_gc"] = watch.stats()
+    # whether the client had its CPU: its own time, and how often the kernel took the CPU
+    # from it (a client descheduled under load reads every chunk late, however timed)
+    header["client_process"] = {
+        "cpu_seconds": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "involuntary_context_switches": after.ru_nivcsw - before.ru_nivcsw,
+        "load_average_1m": os.getloadavg()[0],
+    }
+    return series, targets, header
+
+
+def _collect_untimed(watch: GcWatch) -> None:
+    """A full collection between blocks (the collector is off under load), not counted
+    among the pauses of ``watch`` (no stream is read while it runs)."""
+    watch.uninstall()
+    try:
+        gc.collect()
+    finally:
+        watch.install()
+
+
+async def _measure(
+    args: argparse.Namespace,
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec | None,
+    reqs: list,
+    rates: tuple[float, ...],
+    concurrency: int | None,
+    blocks: int,
+    watch: GcWatch,
+) -> tuple[list[Series], list[Target]]:
+    """Warm up, then run every load point (or the interference scenario) on the targets."""
     from tqdm import tqdm
 
     from pdserve.bench.interference import run_interference
     from pdserve.bench.openai_client import make_client
     from pdserve.bench.runner import run_load_point, warm_up
 
-    spec, ispec, rates, concurrency, blocks = _resolve(args)
-    reqs = build_requests(spec)
-    async with make_client(args.timeout) as client:
+    async with make_client(args.timeout, socket_streams=args.stream_client == "socket") as client:
         targets = await _targets(client, args)
         await warm_up(client, targets, spec, reqs, args.num_warmups)
+        watch.uninstall()  # the freeze's own full collection is no pause under load
+        watch.freeze()
+        watch.install()
+        gc.disable()
         bar = tqdm(
             total=len(targets) * len(reqs) * len(rates),
             unit="req",
@@ -275,11 +342,34 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
                         else poisson_arrivals(len(rreqs), rate, rspec.seed)
                     )
                     series += await run_load_point(
-                        client, targets, rspec, rreqs, arrivals, rate, concurrency, blocks, on_done
+                        client,
+                        targets,
+                        rspec,
+                        rreqs,
+                        arrivals,
+                        rate,
+                        concurrency,
+                        blocks,
+                        on_done,
+                        point=i,
+                        between_blocks=lambda: _collect_untimed(watch),
                     )
         finally:
             bar.close()
-    header = {
+    return series, targets
+
+
+def _header(
+    args: argparse.Namespace,
+    targets: list[Target],
+    spec: WorkloadSpec,
+    ispec: InterferenceSpec | None,
+    rates: tuple[float, ...],
+    concurrency: int | None,
+    blocks: int,
+) -> dict[str, Any]:
+    """The JSON's header: the command, the machine, the targets, the workload and load."""
+    return {
         "version": 1,
         "tool": "pdserve bench serve",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -301,7 +391,6 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
         },
         "interference": ispec.to_dict() if ispec else None,
     }
-    return series, targets, header
 
 
 def _report_phases(series: list[Series], json_path: str | None) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ neither, so the step's types have no producer to depend on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -94,6 +95,39 @@ class ScheduledSeq(NamedTuple):
     draft_q: torch.Tensor | None = None
     draft_masks: tuple[torch.Tensor, ...] | None = None
     draft_reference: tuple[int, ...] | None = None
+
+    @classmethod
+    def greedy(
+        cls,
+        request_id: str,
+        token_ids: list[int],
+        start_pos: int,
+        pages: list[int],
+        *,
+        sample: bool = True,
+    ) -> ScheduledSeq:
+        """A row outside the scheduler (start-up warm-up, a draft model's own steps):
+        greedy sampling, no logprobs, no penalties, no structured output, no drafts.
+        ``token_ids``/``start_pos``/``pages``/``sample`` as on the class."""
+        return cls(
+            request_id=request_id,
+            token_ids=token_ids,
+            start_pos=start_pos,
+            pages=pages,
+            sample=sample,
+            prompt_logprobs_start=0,
+            prompt_logprobs_targets=[],
+            params=_greedy_params(),
+            generator=None,
+        )
+
+
+@functools.cache
+def _greedy_params() -> SamplingParams:
+    """The one greedy :class:`SamplingParams` of :meth:`ScheduledSeq.greedy` (built once)."""
+    from pdserve.engine.sampling_params import SamplingParams  # at first use: keeps imports light
+
+    return SamplingParams(temperature=0.0, max_tokens=None)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -157,6 +158,8 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.error: WorkerConnectionError | None = None
         self.chunks: deque[bytes] = deque()
+        self.stamps: deque[float] = deque()  # each chunk's arrival, perf_counter seconds
+        self.received_at = 0.0
         self.buffered = 0
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -168,6 +171,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.got_bytes = True
+        self.received_at = time.perf_counter()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -202,6 +206,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        self.stamps.append(self.received_at)
         self.buffered += len(body)
         if self.streaming and self.buffered > _STREAM_HIGH_WATER and not self.paused:
             self.paused = True
@@ -246,19 +251,28 @@ class _Connection(asyncio.Protocol):
             await self._progress()
         data = b"".join(self.chunks)
         self.chunks.clear()
+        self.stamps.clear()
         self.buffered = 0
         return data
 
     async def next_chunk(self) -> bytes | None:
         """The body's next bytes as they arrived; None at its end."""
+        got = await self.next_chunk_timed()
+        return None if got is None else got[1]
+
+    async def next_chunk_timed(self) -> tuple[float, bytes] | None:
+        """(when its bytes came off the socket: ``time.perf_counter()`` seconds at the
+        ``data_received`` that carried them, the body's next bytes as they arrived); None
+        at the body's end."""
         while True:
             if self.chunks:
                 chunk = self.chunks.popleft()
+                stamp = self.stamps.popleft()
                 self.buffered -= len(chunk)
                 if self.paused and self.buffered <= _STREAM_HIGH_WATER // 2:
                     self.paused = False
                     self.transport.resume_reading()  # type: ignore[union-attr]
-                return chunk
+                return stamp, chunk
             if self.complete:
                 return None
             if self.error is not None:
@@ -317,6 +331,20 @@ class WorkerStream:
         while (chunk := await conn.next_chunk()) is not None:
             for event in decoder.feed(chunk):
                 yield event
+
+    async def aiter_sse_timed(self) -> AsyncIterator[tuple[float, ServerSentEvent]]:
+        """As :meth:`aiter_sse`, each event with when the bytes that completed it came off
+        the socket (``time.perf_counter()`` seconds, stamped in the connection's
+        ``data_received``): a reader that gets to an event late (its event loop busy with
+        other streams) still knows when it arrived."""
+        if self._conn is None:
+            raise WorkerConnectionError("the stream was closed")
+        conn = self._conn
+        conn.streaming = True
+        decoder = SSEDecoder()
+        while (got := await conn.next_chunk_timed()) is not None:
+            for event in decoder.feed(got[1]):
+                yield got[0], event
 
     async def aclose(self) -> None:
         """End the answer: its connection back to the pool when it was read to its end,

@@ -190,9 +190,11 @@ async def _write(cycle: FrontCycle, response: Response, request_id: str) -> None
         _complete(cycle)
         return
     chunks: Any = response.body_iterator
+    # the head goes out with the first chunk, in one write: the router's relay answers
+    # once its first chunk is known (an error before it gets its own status), so nothing
+    # waits for it, and a head alone would make the first chunk a second TCP segment
+    head = _head(cycle, response, request_id, chunked=True)
     try:
-        if not _client_left(cycle):
-            transport.write(_head(cycle, response, request_id, chunked=True))
         async for chunk in chunks:
             if _client_left(cycle):
                 break
@@ -204,9 +206,10 @@ async def _write(cycle: FrontCycle, response: Response, request_id: str) -> None
                 await cycle.flow.drain()
             if _client_left(cycle):
                 break
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            transport.write(b"%b%x\r\n%b\r\n" % (head, len(chunk), chunk))
+            head = b""
         if not _client_left(cycle):
-            transport.write(b"0\r\n\r\n")
+            transport.write(head + b"0\r\n\r\n")
     finally:
         close = getattr(chunks, "aclose", None)
         if close is not None:  # ended early (the client left): the relay closes its legs

@@ -95,8 +95,9 @@ def update(path: str) -> None:
         text = f.read()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
+    body = reference()  # before the file is opened for writing: a failure leaves it whole
     with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{reference()}{END}{tail}")
+        f.write(f"{head}{BEGIN}\n{body}{END}{tail}")
 
 
 if __name__ == "__main__":

@@ -516,7 +516,7 @@ DEFAULT_SCALED_MM_MIN_ROWS = 32
 # Row counts :func:`choose_paths` times at start (the decode graphs' buckets are powers of
 # two up to 64, then multiples; a count between two probes takes the larger probe's path, a
 # count past 1,024 (prefill) that of 1,024: on the H200 _scaled_mm, which also measured
-# fastest of every candidate at 4,096 and 16,384 rows, docs/benchmarks.md row AJ).
+# fastest of every candidate at 4,096 and 16,384 rows, docs/benchmarks.md row AK).
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 # What :func:`choose_paths` measured: (N, K) -> {rows: {str(path): µs}} (for logs and scripts).
 PATH_TIMINGS: dict[tuple[int, int], dict[int, dict[str, float]]] = {}

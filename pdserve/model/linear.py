@@ -10,13 +10,14 @@ nothing. Packing is also skipped off CPU, for other dtypes, and when the ops are
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from pdserve import envs
-from pdserve.model import gemv_table
+from pdserve.model import decode_attn_table, gemv_table
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,36 @@ def linear(
         if config is not None:
             return triton_gemv.gemv(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _fp32_gemm_listed(index: int) -> bool:
+    return torch.cuda.get_device_name(index) in decode_attn_table.FP32_LOGITS
+
+
+def logits_fp32(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` as float32 ``[T, out_features]`` (the lm_head's logits), written into
+    ``out`` (float32, that shape) when given, else a new tensor. On a CUDA device that
+    ``decode_attn_table.FP32_LOGITS`` lists, with 16-bit x and weight of one dtype: one GEMM
+    writing fp32 (``torch.mm(..., out_dtype=torch.float32)``: the fp32 accumulator, not
+    rounded to 16 bits; no cast pass). Elsewhere :func:`linear` (x's dtype) then the cast
+    to fp32 (into ``out``: that copy is the cast)."""
+    direct = (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and _fp32_gemm_listed(x.device.index if x.device.index is not None else 0)
+    )
+    if direct:
+        if out is None:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        result: torch.Tensor = torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        return result
+    y = linear(x, weight, None, None)
+    return y.float().contiguous() if out is None else out.copy_(y)
 
 
 def silu_mul_linear(

@@ -502,8 +502,12 @@ class LlamaForCausalLM(nn.Module):
         rows ``[N, vocab_shard]``, gathered in rank order, the padding dropped.
         out: an ``[N, V]`` float32 tensor to write them into (the cast to fp32 is that
         copy: no extra pass; CUDA graphs share one such buffer), returned; ``None``: a new
-        tensor."""
+        tensor. Without TP or a packed head, on a GPU ``decode_attn_table.FP32_LOGITS``
+        lists, the GEMM writes fp32 itself (``linear.logits_fp32``): no 16-bit rounding of
+        the logits, no cast pass; every step of that process computes them so."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self._tp is None and self._lm_head_packed is None:  # fp32 from the GEMM where listed
+            return lin.logits_fp32(hidden, w, out)
         logits = lin.linear(hidden, w, None, self._lm_head_packed)
         if self._tp is not None:
             if hidden.shape[0] == 0:  # every rank has the same rows: all skip the gather

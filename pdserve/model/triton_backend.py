@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.model import pdl
+from pdserve.model import decode_attn_table, pdl
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
@@ -82,7 +82,9 @@ class DecodeConfig:
     (a multiple of ``block_n``; 0: none), so short contexts leave later splits empty;
     balance: 0, or the number of equal pieces the kernel cuts the batch's whole KV into
     (a split then covers at least ``total context * Hkv / balance`` tokens, computed on the
-    device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``)."""
+    device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``); prefetch: the
+    kernel loads the next tile before this one's math (``decode_split_kernel``'s
+    ``PREFETCH``)."""
 
     splits: int
     block_n: int
@@ -90,6 +92,7 @@ class DecodeConfig:
     num_stages: int
     min_split: int = 0
     balance: int = 0
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -100,6 +103,38 @@ class DecodeConfig:
             raise ValueError(f"min_split: {self.min_split} is not a multiple of {self.block_n}")
         if self.balance < 0:
             raise ValueError(f"balance: {self.balance} is negative")
+
+
+@dataclass(frozen=True)
+class DecodePicks:
+    """The measured picks of :mod:`pdserve.model.decode_attn_table` for one device and
+    head shape. short: ``((largest B * Hkv, DecodeConfig), ...)`` ascending, for contexts
+    up to ``ONE_SPLIT_MAX_CONTEXT`` and ``B * Hkv >= short_min`` (empty: the rule);
+    long_prefetch: the balanced long-context configurations prefetch the next tile."""
+
+    short: tuple[tuple[int, DecodeConfig], ...] = ()
+    long_prefetch: bool = False
+    short_min: int = 0
+
+
+NO_PICKS = DecodePicks()
+
+
+@functools.cache
+def _cuda_picks(index: int, group: int, head_dim: int) -> DecodePicks:
+    key = (torch.cuda.get_device_name(index), group, head_dim)
+    least, entries = decode_attn_table.SHORT.get(key, (0, ()))
+    short = tuple((n, DecodeConfig(*c)) for n, c in entries)
+    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least)
+
+
+def device_picks(device: torch.device, group: int, head_dim: int) -> DecodePicks:
+    """The measured decode picks for ``device`` (a CUDA device's name, read once a
+    process) and heads of ``group`` query heads per KV head of ``head_dim``;
+    :data:`NO_PICKS` for a device or shape the table does not list (and off CUDA)."""
+    if device.type != "cuda":
+        return NO_PICKS
+    return _cuda_picks(device.index if device.index is not None else 0, group, head_dim)
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int | None) -> int:
@@ -119,10 +154,16 @@ def decode_config(
     page_size: int,
     max_seq_len: int | None,
     total_context: int | None = None,
+    picks: DecodePicks = NO_PICKS,
 ) -> DecodeConfig:
     """The decode kernel's configuration for ``num_seqs`` rows (``max_seq_len``: the longest
     context of an eager step, or the bound a graph is captured for; ``None``: a graph for
-    any context; ``total_context``: the sum of an eager step's contexts, else ``None``).
+    any context; ``total_context``: the sum of an eager step's contexts, else ``None``;
+    ``picks``: the device's measured picks, :func:`device_picks`).
+
+    Measured picks first: short contexts at ``B * Hkv >= picks.short_min`` take the entry
+    of ``picks.short`` whose bound holds ``B * Hkv`` (past the last: the last), and the
+    long-context configurations prefetch when ``picks.long_prefetch``; else the rule below.
 
     Short contexts (``max_seq_len <= ONE_SPLIT_MAX_CONTEXT``): splits as
     :func:`num_decode_splits`; 64-token tiles, 4 warps, 2 stages; once the rows alone make
@@ -145,6 +186,8 @@ def decode_config(
     rows = num_seqs * num_kv_heads
     large = rows >= 256
     if max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
+        if picks.short and rows >= picks.short_min:
+            return next((c for n, c in picks.short if rows <= n), picks.short[-1][1])
         if large:
             return DecodeConfig(1, 64, 4, 3)
         return DecodeConfig(num_decode_splits(num_seqs, num_kv_heads, max_seq_len), 64, 4, 2)
@@ -157,7 +200,9 @@ def decode_config(
         splits = max(1, min(_MAX_SPLITS, _BALANCED_LAUNCH // max(1, rows)))
         if max_seq_len is not None:
             splits = max(1, min(splits, -(-max_seq_len // 64)))
-    return DecodeConfig(splits, 64, 4, 2, floor if large else 0, _TARGET_PROGRAMS)
+    return DecodeConfig(
+        splits, 64, 4, 2, floor if large else 0, _TARGET_PROGRAMS, picks.long_prefetch
+    )
 
 
 def eager_config(cfg: DecodeConfig) -> DecodeConfig:
@@ -172,18 +217,24 @@ def eager_config(cfg: DecodeConfig) -> DecodeConfig:
     return replace(cfg, splits=min(_MAX_SPLITS, _pow2(cfg.splits, 1)))
 
 
-def eager_decode_configs() -> tuple[DecodeConfig, ...]:
+def eager_decode_configs(picks: DecodePicks = NO_PICKS) -> tuple[DecodeConfig, ...]:
     """Every configuration :func:`decode_config` + :func:`eager_config` can give an eager
-    step: short contexts' power-of-two splits (2 stages) and the one split of 3 stages of
-    256 rows x KV heads; long contexts' balanced splits, with and without the 256-token
-    floor of large batches."""
+    step (under ``picks``): short contexts' power-of-two splits (2 stages) and the one
+    split of 3 stages of 256 rows x KV heads; long contexts' balanced splits, with and
+    without the 256-token floor of large batches (prefetching with
+    ``picks.long_prefetch``); then each of ``picks.short`` not listed yet (split counts
+    rounded up to a power of two)."""
     short = tuple(DecodeConfig(1 << i, 64, 4, 2) for i in range(6))
     long = tuple(
-        DecodeConfig(1 << i, 64, 4, 2, floor, _TARGET_PROGRAMS)
+        DecodeConfig(1 << i, 64, 4, 2, floor, _TARGET_PROGRAMS, picks.long_prefetch)
         for floor in (0, 256)
         for i in range(6)
     )
-    return (*short, DecodeConfig(1, 64, 4, 3), *long)
+    out = (*short, DecodeConfig(1, 64, 4, 3), *long)
+    extra = tuple(
+        dict.fromkeys(eager_config(c) for _, c in picks.short if eager_config(c) not in out)
+    )
+    return out + extra
 
 
 def decode_rule(cfg: DecodeConfig) -> str:
@@ -284,11 +335,11 @@ class TritonBackend(AttentionBackend):
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
     ) -> int:
         """Launch the decode kernel (and its merge) once in each of
-        :func:`eager_decode_configs`, as an eager step launches it (int64 page table and
-        lengths, as ``ModelRunner.run_staged`` stages them), over one row of one token that
-        reads page 0: the variants are compiled at start-up, not in a request's step
-        (the graphs' variants are captured already: their page table is int32). Writes no
-        KV. Returns the configurations run."""
+        :func:`eager_decode_configs` (under the device's :func:`device_picks`), as an eager
+        step launches it (int64 page table and lengths, as ``ModelRunner.run_staged``
+        stages them), over one row of one token that reads page 0: the variants are
+        compiled at start-up, not in a request's step (the graphs' variants are captured
+        already: their page table is int32). Writes no KV. Returns the configurations run."""
         dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
         # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
         qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
@@ -299,7 +350,7 @@ class TritonBackend(AttentionBackend):
             page_table=torch.zeros(1, 2, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
         )
-        configs = eager_decode_configs()
+        configs = eager_decode_configs(device_picks(dev, num_q_heads // Hkv, D))
         for cfg in configs:
             plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
             kv = qkv[:, num_q_heads : num_q_heads + Hkv]
@@ -422,7 +473,10 @@ class TritonBackend(AttentionBackend):
         Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)
         table = attn.page_table
         if plan.config is None:
-            plan.config = decode_config(B, Hkv, page_size, plan.max_seq_len, plan.total_context)
+            picks = device_picks(q.device, G, D)
+            plan.config = decode_config(
+                B, Hkv, page_size, plan.max_seq_len, plan.total_context, picks
+            )
             if plan.total_context is not None:  # eager: one of the few warmed split counts
                 plan.config = eager_config(plan.config)
         cfg = plan.config
@@ -467,6 +521,7 @@ class TritonBackend(AttentionBackend):
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
             F16_DOT=is_fp8(k_cache) and q.dtype == torch.bfloat16,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

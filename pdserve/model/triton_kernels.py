@@ -133,6 +133,70 @@ def _attend_block(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _decode_tile(
+    k_head,
+    v_head,
+    table_row,
+    start,
+    hi,
+    nn,
+    dd,
+    dmask,
+    s_cp,
+    s_ct,
+    s_vcp,
+    s_vct,
+    PAGE_SIZE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+):
+    """K and V tiles ``[BLOCK_N, BLOCK_D]`` of context positions ``start + nn`` (those at or
+    past ``hi`` masked: none read, zeros) of one KV head (``k_head`` / ``v_head``: its base
+    in the caches) of the sequence whose page-table row is ``table_row``, in the cache's
+    dtype. ``TILE_IN_PAGE``: the tile lies in one
+    page (one page-table read), else each position reads its own entry."""
+    pos = start + nn
+    nmask = pos < hi
+    kv_mask = nmask[:, None] & dmask[None, :]
+    if TILE_IN_PAGE:
+        page = tl.load(table_row + start // PAGE_SIZE, mask=start < hi, other=0).to(tl.int64)
+        off = (start % PAGE_SIZE + nn).to(tl.int64)
+        k_rows = k_head + page * s_cp + off * s_ct
+        v_rows = v_head + page * s_vcp + off * s_vct
+    else:
+        pages = tl.load(table_row + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+        off = (pos % PAGE_SIZE).to(tl.int64)
+        k_rows = k_head + pages * s_cp + off * s_ct
+        v_rows = v_head + pages * s_vcp + off * s_vct
+    k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr):
+    """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
+    against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
+    l_i)``, returned updated. The tiles are converted to q's dtype here (an FP8 cache in
+    registers)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(nmask[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=_DECODE_PER_STEP_INTS)
 def decode_split_kernel(
     q_ptr,
@@ -175,6 +239,7 @@ def decode_split_kernel(
     IEEE: tl.constexpr,
     F16_DOT: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -195,11 +260,15 @@ def decode_split_kernel(
     tile lies inside one page (splits start at multiples of ``BLOCK_N``), so a tile reads
     one page-table entry; else each position reads its own. A row of context 0 (a padded
     row) outputs 0. K and V of a tile are both loaded before its first dot, so their
-    memory latencies overlap. ``F16_DOT`` (an e4m3 cache under bf16 queries): q is taken
-    to fp16 (saturated to its range) and the tiles are converted to fp16, not bf16, for
-    the dots: e4m3 -> fp16 is one packed conversion a pair of values (-> bf16 two more,
-    each through fp16), fp16 holds every e4m3 value and a bf16 q in [2^-14, 65504] exactly,
-    and p in fp16 keeps 3 more bits than in bf16."""
+    memory latencies overlap. ``PREFETCH``: the next tile's page-table entry and K/V are
+    loaded (into registers) before this tile's dots, so a program always has one tile in
+    flight while it computes (else a tile's page-table read, then its K/V, then its math
+    run one after the other: Triton's pipeliner keeps one shared-memory buffer for this
+    loop whatever ``num_stages`` is, as its sm_90 build shows). ``F16_DOT`` (an e4m3 cache
+    under bf16 queries): q is taken to fp16 (saturated to its range) and the tiles are
+    converted to fp16, not bf16, for the dots: e4m3 -> fp16 is one packed conversion a
+    pair of values (-> bf16 two more, each through fp16), fp16 holds every e4m3 value and
+    a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -238,37 +307,25 @@ def decode_split_kernel(
     table_row = table_ptr + b * s_tb
     k_head = k_cache_ptr + kvh * s_ch
     v_head = v_cache_ptr + kvh * s_vch
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + nn
-        nmask = pos < hi
-        kv_mask = nmask[:, None] & dmask[None, :]
-        if TILE_IN_PAGE:
-            page = tl.load(table_row + start // PAGE_SIZE).to(tl.int64)
-            off = (start % PAGE_SIZE + nn).to(tl.int64)
-            k_rows = k_head + page * s_cp + off * s_ct  # [BLOCK_N]
-            v_rows = v_head + page * s_vcp + off * s_vct
-        else:
-            pages = tl.load(table_row + pos // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
-            off = (pos % PAGE_SIZE).to(tl.int64)
-            k_rows = k_head + pages * s_cp + off * s_ct
-            v_rows = v_head + pages * s_vcp + off * s_vct
-        # [BLOCK_N, BLOCK_D]; an FP8 cache converted to q's dtype in registers
-        k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if PREFETCH:  # the next tile's loads are issued before this tile's math
+        k, v = _decode_tile(
+            k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+            PAGE_SIZE, TILE_IN_PAGE,
+        )  # fmt: skip
+        for start in range(lo, hi, BLOCK_N):
+            k_next, v_next = _decode_tile(
+                k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
+                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE,
+            )  # fmt: skip
+            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
+            k, v = k_next, v_next
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            k, v = _decode_tile(
+                k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+                PAGE_SIZE, TILE_IN_PAGE,
+            )  # fmt: skip
+            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_safe[:, None]
     omask = hmask[:, None] & dmask[None, :]

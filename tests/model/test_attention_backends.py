@@ -9,6 +9,7 @@ GPU runs.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,11 +135,15 @@ def test_triton_matches_sdpa_kernelwise(q_lens, s_lens, page_size, page_major):
         (3, 16, 4, 1, 32),  # merge kernel; a floor of 32 tokens leaves splits empty
         (4, 16, 2, 2, 0),
         (2, 64, 4, 1, 128),  # every row but the longest in its first split
+        (1, 16, 4, 1, 0, 0, True),  # the next tile loaded before this one's math
+        (1, 32, 2, 2, 0, 0, True),  # prefetched tiles of two pages (gathered)
+        (3, 16, 4, 1, 32, 0, True),  # prefetch with splits, some empty
     ],
 )
 def test_triton_decode_configs_match_sdpa(cfg, page_size, monkeypatch):
     """Every kind of decode configuration (one split without a merge, the merge kernel, a
-    split floor, tiles inside a page or across pages) equals torch_sdpa on a page-major
+    split floor, tiles inside a page or across pages, with and without the prefetch of the
+    next tile) equals torch_sdpa on a page-major
     pool, twice with the same plan (its scratch reused)."""
     from pdserve.model import triton_backend
 
@@ -174,6 +179,57 @@ def test_eager_decode_configs_are_a_fixed_set():
                 seen.add(cfg)
     assert len(seen) >= 12  # the set is what the rule gives, not a superset far from it
     assert eager_config(decode_config(1, 8, 128, 600, 600)).splits == 16  # 10, rounded up
+
+
+def test_measured_decode_picks_take_over_and_stay_in_the_fixed_set():
+    """With measured picks (``decode_attn_table``'s form), short contexts from the least
+    measured ``B * Hkv`` take the entry whose bound holds ``B * Hkv`` (the last past it),
+    smaller batches and long contexts keep the rule (prefetching with ``long_prefetch``),
+    and every eager step's configuration is still one of the start-up set, which adds the
+    picks' own configurations."""
+    from pdserve.model.triton_backend import (
+        DecodeConfig,
+        DecodePicks,
+        decode_config,
+        eager_config,
+        eager_decode_configs,
+    )
+
+    a, b = DecodeConfig(1, 32, 4, 1, 0, 0, True), DecodeConfig(2, 64, 8, 1, 0, 0, True)
+    picks = DecodePicks(((512, a), (1024, b)), long_prefetch=True, short_min=384)
+    assert decode_config(48, 8, 128, 200, None, picks) == a  # 384 rows x KV heads
+    assert decode_config(47, 8, 128, 200, None, picks) == decode_config(47, 8, 128, 200)
+    assert decode_config(64, 8, 128, 1024, None, picks) == a  # 512
+    assert decode_config(65, 8, 128, 1024, None, picks) == b
+    assert decode_config(256, 8, 128, 300, 256 * 300, picks) == b  # past the last bound
+    assert decode_config(16, 8, 128, 200, None, picks) == decode_config(16, 8, 128, 200)
+    long = decode_config(64, 8, 128, None, None, picks)
+    assert long.prefetch and replace(long, prefetch=False) == decode_config(64, 8, 128, None)
+    allowed = set(eager_decode_configs(picks))
+    assert {a, b} <= allowed and len(allowed) == 21
+    for rows in (1, 3, 8, 24, 32, 50, 64, 100, 256):
+        for longest in (1, 65, 300, 1024, 1025, 4096, 40000):
+            for total in (longest, longest * rows):
+                cfg = eager_config(decode_config(rows, 8, 128, longest, total, picks))
+                assert cfg in allowed, (rows, longest, total, cfg)
+
+
+def test_decode_attn_table_entries_are_valid():
+    """Every committed pick is a valid configuration the warm-up compiles as is: bounds
+    ascending, split counts powers of two (``eager_config`` keeps them), 128-token pages
+    tiled whole; greedy picks of positive sizes."""
+    from pdserve.model import decode_attn_table as t
+    from pdserve.model.triton_backend import DecodeConfig, eager_config
+
+    for (name, group, head_dim), (least, entries) in t.SHORT.items():
+        assert name and group >= 1 and head_dim >= 16 and entries
+        bounds = [n for n, _ in entries]
+        assert bounds == sorted(set(bounds)) and 1 <= least <= bounds[0]
+        for _, c in entries:
+            cfg = DecodeConfig(*c)
+            assert eager_config(cfg) == cfg and 128 % cfg.block_n == 0
+    for target, block_v, warps in t.GREEDY.values():
+        assert target >= 1 and block_v >= 16 and block_v & (block_v - 1) == 0 and warps >= 1
 
 
 @pytest.mark.timeout(300)
@@ -332,3 +388,36 @@ def test_paged_kernels_compile_one_variant_for_every_page_table_width():
             else {"s_tb", "row0"}  # a mixed step's leading decode rows: an offset
         )
         assert unspecialised == expected, kernel
+
+
+@pytest.mark.timeout(300)
+def test_decode_kernel_builds_for_hopper_with_and_without_prefetch():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``: Triton's
+    own ptxas, the interpreter off): the default short-context configuration stages its
+    tiles through shared memory (cp.async, LDGSTS); the prefetching one loads them into
+    registers (LDG, no LDGSTS) and spills nothing, so a 64-row step's 512 programs fit one
+    wave of the H200's 132 SMs (4 programs an SM by registers)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cfgs = ["(1, 64, 4, 3)", "(1, 32, 4, 1, 0, 0, True)"]
+    done = subprocess.run(
+        [sys.executable, str(script), "--decode", "--configs", *cfgs, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 2, done.stderr[-3000:]
+    staged, prefetch = rows
+    assert "error" not in staged and "error" not in prefetch, rows
+    assert staged["sass"]["LDGSTS"] > 0
+    assert prefetch["sass"]["LDGSTS"] == 0 and prefetch["sass"]["LDG"] > 0
+    assert prefetch["sass"]["LDL"] == 0 and prefetch["sass"]["STL"] == 0
+    assert prefetch["programs_per_sm_by_registers"] * 132 >= 64 * 8

@@ -20,17 +20,19 @@ def test_bench_attention_rows_match_sdpa_and_count_their_bytes(tmp_path, capsys)
     args = ["bench", "attention", "--device", DEVICE, "--dtype", "float32", "--batch", "2"]
     args += ["--context", "40", "--layout", "uniform,skewed", "--num-heads", "8"]
     args += ["--num-kv-heads", "2", "--head-dim", "16", "--page-size", "16", "--iters", "1"]
-    args += ["--configs", "eager,graph,3/16/4/1/4", "--json", str(out)]
+    args += ["--configs", "eager,graph,3/16/4/1/4,2/16/4/1/0/1", "--json", str(out)]
     assert main(args) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert len(rows) == 2 * 3
-    assert [(r["layout"], r["config_spec"]) for r in rows[:3]] == [
+    assert len(rows) == 2 * 4
+    assert [(r["layout"], r["config_spec"]) for r in rows[:4]] == [
         ("uniform", "eager"),
         ("uniform", "graph"),
         ("uniform", "given"),
+        ("uniform", "given"),
     ]
     assert (rows[2]["splits"], rows[2]["block_n"], rows[2]["balance"]) == (3, 16, 4)
+    assert rows[3]["prefetch"] and not rows[2]["prefetch"]
     for r in rows:
         assert r["max_abs_diff_vs_sdpa"] < 1e-5
         lens = context_lengths(2, 40, r["layout"])
@@ -49,7 +51,8 @@ def test_bytes_lengths_and_configs():
     assert context_lengths(2, 5, "uniform") == [5, 5]
     assert parse_config("eager") == "eager"
     assert parse_config("4/64/4/2").splits == 4
-    for bad in ("4/64", "0/64/4/2", "x"):
+    assert parse_config("1/32/4/1/0/1").prefetch and not parse_config("1/32/4/1/0").prefetch
+    for bad in ("4/64", "0/64/4/2", "x", "1/32/4/1/0/2", "1/32/4/1/0/1/1"):
         with pytest.raises(ValueError, match="configs"):
             parse_config(bad)
 

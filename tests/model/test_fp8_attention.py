@@ -165,3 +165,34 @@ def test_bf16_queries_over_an_fp8_cache_take_fp16_dots_and_match_the_reference()
     ref = sdpa.forward(qf, kd, vd, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
     err = (out.float() - ref).abs().max().item()
     assert err <= 2**-7 * ref.abs().max().item(), err
+
+
+@pytest.mark.timeout(300)
+def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode --kv fp8``:
+    Triton's own ptxas, the interpreter off): an e4m3 tile converted for bf16 dots costs a
+    packed e4m3 -> fp16 conversion (F2FP) a pair plus an fp16 -> bf16 one (F2F) a value;
+    with ``F16_DOT`` the F2F are gone."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for extra in ([], ["--f16-dot"]):
+        done = subprocess.run(
+            [sys.executable, str(script), "--decode", "--kv", "fp8", "--json", *extra]
+            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    bf16_dots, f16_dots = rows
+    assert bf16_dots["sass"]["F2F"] >= 64 and bf16_dots["sass"]["F2FP"] > 0
+    assert f16_dots["sass"]["F2F"] == 0 and f16_dots["sass"]["F2FP"] > 0

@@ -92,23 +92,33 @@ def _metadata(q_lens: list[int], s_lens: list[int], page_size: int, width: int):
 
 
 @pytest.mark.timeout(600)
-def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch):
+@pytest.mark.parametrize("measured", [False, True])
+def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, measured):
     """Mixed steps with 1..3 leading decode rows, decode-only steps of several sizes and
     contexts, prefills of several lengths and page-table widths: every kernel launch is a
     variant (Triton's specialization key) that the warm-up's two steps and
     ``TritonBackend.warm_up`` launched already, so nothing compiles while serving. (A mixed
     step's extend rows were views sliced at the decode rows, 8 bytes apart per row: an odd
-    count launched another alignment; its decode splits followed the context: 8, 9, 10...)"""
+    count launched another alignment; its decode splits followed the context: 8, 9, 10...)
+    ``measured``: the same under measured picks (``decode_attn_table``'s form: prefetching
+    short-context entries from 2 rows x KV heads, a long-context rule that prefetches)."""
     from pdserve.model import triton_backend
     from pdserve.model.attention import get_attention_backend
+    from pdserve.model.triton_backend import DecodeConfig, DecodePicks
 
+    if measured:
+        a, b = DecodeConfig(1, 16, 4, 1, 0, 0, True), DecodeConfig(2, 16, 2, 1, 0, 0, True)
+        picks = DecodePicks(((4, a), (8, b)), long_prefetch=True, short_min=2)
+        monkeypatch.setattr(triton_backend, "device_picks", lambda *args: picks)
     keys: set = set()
     for name in ("decode_split_kernel", "decode_merge_kernel", "extend_kernel", "store_kv_kernel"):
         monkeypatch.setattr(triton_backend, name, _Variants(getattr(triton_backend, name), keys))
     backend = get_attention_backend("triton")
     ps, Hq, Hkv, D = 16, 4, 2, 32
-    k_cache = torch.randn(400, ps, Hkv, D)
-    v_cache = torch.randn(400, ps, Hkv, D)
+    # 512 pages: the widest step below (5 rows of up to 1,552 tokens) uses 485 (there were
+    # 400: its last pages were written and read past the cache's end)
+    k_cache = torch.randn(512, ps, Hkv, D)
+    v_cache = torch.randn(512, ps, Hkv, D)
     qkv_heads = Hq + 2 * Hkv
 
     def step(q_lens: list[int], s_lens: list[int]) -> None:

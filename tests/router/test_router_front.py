@@ -453,3 +453,46 @@ def test_a_stream_whose_client_left_ends_quietly():
     n = len(transport.written)
     asyncio.run(front._write(cycle2, front._error_body(400, "x"), "req-2"))
     assert len(transport.written) == n and cycle2.disconnected
+
+
+def test_a_streams_head_goes_out_with_its_first_chunk():
+    """The head and the first chunk in one write (one TCP segment, not two: the router's
+    relay answers once its first chunk is known, so nothing waits for the head alone); a
+    stream without chunks gets its head with the terminator."""
+    import asyncio
+
+    from starlette.responses import StreamingResponse
+
+    from pdserve.http import front
+
+    class Transport:
+        def __init__(self) -> None:
+            self.written: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            self.written.append(data)
+
+    class Flow:
+        write_paused = False
+
+    async def body(chunks):
+        for chunk in chunks:
+            yield chunk
+
+    for chunks in ([b"data: 1\n\n", b"data: [DONE]\n\n"], []):
+        transport = Transport()
+        cycle = front.FrontCycle(
+            "/v1/completions", [], transport, Flow(), [], True, False, lambda: None
+        )
+        response = StreamingResponse(body(chunks), media_type="text/event-stream")
+        asyncio.run(front._write(cycle, response, "req-1"))
+        first = transport.written[0]
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in first
+        if chunks:
+            assert first.endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n"), first
+            assert transport.written[1:] == [b"e\r\ndata: [DONE]\n\n\r\n", b"0\r\n\r\n"]
+        else:
+            assert first.endswith(b"\r\n\r\n0\r\n\r\n") and len(transport.written) == 1

@@ -18,7 +18,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import BatchPlan, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -34,20 +33,6 @@ def warm_up_rank(ctx: RankContext) -> int:
     k_cache, v_cache = ctx.storage.layer_caches[0]
     model = ctx.model
     return int(model.backend.warm_up(k_cache, v_cache, model.shapes.n_heads, model.dtype))
-
-
-def _seq(rid: str, tokens: list[int], start: int, pages: list[int], sample: bool) -> ScheduledSeq:
-    return ScheduledSeq(
-        request_id=rid,
-        token_ids=tokens,
-        start_pos=start,
-        pages=pages,
-        sample=sample,
-        prompt_logprobs_start=0,
-        prompt_logprobs_targets=[],
-        params=SamplingParams(temperature=0.0, max_tokens=1),
-        generator=None,
-    )
 
 
 def warm_up(core: EngineCore) -> dict[str, Any]:
@@ -68,14 +53,14 @@ def warm_up(core: EngineCore) -> dict[str, Any]:
         tok = [i % max(1, core.vocab_size) for i in range(1, 1 + max(n_a, n_b1))]
         prefill = BatchPlan(
             seqs=(
-                _seq("warmup-a", tok[:n_a], 0, pages_a, True),
-                _seq("warmup-b", tok[:n_b0], 0, pages_b, False),
+                ScheduledSeq.greedy("warmup-a", tok[:n_a], 0, pages_a),
+                ScheduledSeq.greedy("warmup-b", tok[:n_b0], 0, pages_b, sample=False),
             )
         )
         mixed = BatchPlan(
             seqs=(
-                _seq("warmup-a", tok[:1], n_a, pages_a, True),
-                _seq("warmup-b", tok[:n_b1], n_b0, pages_b, True),
+                ScheduledSeq.greedy("warmup-a", tok[:1], n_a, pages_a),
+                ScheduledSeq.greedy("warmup-b", tok[:n_b1], n_b0, pages_b),
             )
         )
         steps = 0

@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.kv.cache import KVCacheManager, PageIds
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec.drafter import Draft, Drafter, DraftInput
 from pdserve.engine.step import BatchPlan, ScheduledSeq
 
 if TYPE_CHECKING:
     from pdserve.engine.worker.executor import Executor
-
-_GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
 
 @dataclass
@@ -99,7 +96,9 @@ class DraftModelDrafter(Drafter):
         seqs = []
         for _, row, st, _ in live:
             start = len(st.tokens)
-            seqs.append(self._row(row.request_id, list(row.token_ids[start:]), start, st.pages))
+            seqs.append(
+                ScheduledSeq.greedy(row.request_id, list(row.token_ids[start:]), start, st.pages)
+            )
             st.tokens.extend(row.token_ids[start:])
         sampled = self._run(seqs)
         for i, row, _, _ in live:
@@ -110,27 +109,15 @@ class DraftModelDrafter(Drafter):
             for i, row, st, k in live:
                 if k > j:
                     prev = drafts[i][-1]
-                    seqs.append(self._row(row.request_id, [prev], len(st.tokens), st.pages))
+                    seqs.append(
+                        ScheduledSeq.greedy(row.request_id, [prev], len(st.tokens), st.pages)
+                    )
                     st.tokens.append(prev)
             sampled = self._run(seqs)
             for i, row, _, k in live:
                 if k > j:
                     drafts[i].append(sampled[row.request_id])
         return [Draft(d) for d in drafts]
-
-    @staticmethod
-    def _row(request_id: str, token_ids: list[int], start: int, pages: list[int]) -> ScheduledSeq:
-        return ScheduledSeq(
-            request_id=request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            pages=pages,
-            sample=True,
-            prompt_logprobs_start=0,
-            prompt_logprobs_targets=[],
-            params=_GREEDY,
-            generator=None,
-        )
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[str, int]:
         result = self.executor.execute(BatchPlan(tuple(seqs)))

@@ -8,8 +8,11 @@ replayed, and the logits of its first ``B`` rows are returned. Padded rows have 
 (nothing is written) and context length 0 (their output is ignored).
 
 Greedy inside the graph: each graph also computes the argmax of every row and that token's
-logprob (``log_softmax`` then ``gather``, the sampler's own ops, so the numbers are the
-eager sampler's bit for bit), packed as ``[bs, 2]`` float64. A step whose rows are all plain
+logprob, packed as ``[bs, 2]`` float64: on a GPU that ``model/decode_attn_table.py`` lists
+for it, by the one-pass Triton greedy pick (``model/triton_greedy.py``: the same token,
+the logprob to fp32 rounding, no ``[bs, V]`` log-softmax written); elsewhere by
+``log_softmax`` then ``gather``, the sampler's own ops (the eager sampler's numbers bit for
+bit). A step whose rows are all plain
 greedy (``sampler.plain_greedy``) reads only that (:meth:`CUDAGraphRunner.greedy_tokens`:
 one device-to-host copy of ``B x 2`` numbers, no sampler kernels launched after the graph);
 any other step samples from the logits as before.
@@ -160,6 +163,25 @@ def graph_context_bounds(model: LlamaForCausalLM, bs: int) -> tuple[int, ...]:
     return tuple(model.backend.capture_context_bounds(bs, model.shapes.n_kv_heads))
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of ``logits`` ``[R, V]`` fp32 and that token's raw logprob, packed
+    ``[R, 2]`` float64 (what a graph hands the plain greedy rows). On a CUDA device that
+    ``model/decode_attn_table.py`` lists, the one-pass Triton pick (``model/triton_greedy.py``:
+    the same token, the logprob to fp32 rounding, no ``[R, V]`` log-softmax written); else
+    the sampler's own ops (``argmax``, ``log_softmax`` + ``gather``: its numbers bit for bit)."""
+    if logits.is_cuda:
+        from pdserve.model import triton_greedy  # (Triton: with CUDA builds of torch)
+
+        picked = triton_greedy.measured_params(logits.device)
+        if picked is not None:
+            target, block_v, warps = picked
+            splits = triton_greedy.greedy_splits(logits.shape[0], logits.shape[1], target, block_v)
+            return triton_greedy.greedy_pick(logits, None, splits, block_v, warps)
+    ids = logits.argmax(dim=-1, keepdim=True)  # [R, 1] (the sampler's greedy pick)
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [R, 1]
+    return torch.cat((ids.double(), chosen.double()), dim=1)
+
+
 def pick_graph(bs: int, bounds: Sequence[int], max_context: int) -> GraphKey:
     """The key of the graph that runs a step of bucket ``bs`` whose longest context is
     ``max_context`` tokens: the smallest of ``bounds`` (ascending) that holds it, else the
@@ -303,9 +325,7 @@ class CUDAGraphRunner:
         # keep bucket x V x 4 bytes per graph: 67 GB for Llama-3.1-8B's graphs up to 1,024)
         assert self._logits_out is not None  # made by capture()
         logits = self.model.compute_logits(hidden, out=self._logits_out[:bs])
-        ids = logits.argmax(dim=-1, keepdim=True)  # [bs, 1] (the sampler's greedy pick)
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [bs, 1]
-        return logits, torch.cat((ids.double(), chosen.double()), dim=1)
+        return logits, greedy_pick(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -481,9 +501,7 @@ class CUDAGraphRunner:
         hidden = self.model(self._vtok[0, :T], self._vtok[1, :T], md, self.kv_cache, plan)
         assert self._logits_out is not None  # made by prepare_verify
         logits = self.model.compute_logits(hidden, out=self._logits_out[:T])
-        ids = logits.argmax(dim=-1, keepdim=True)  # [T, 1] (the sampler's greedy pick)
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, ids)  # [T, 1]
-        return logits, torch.cat((ids.double(), chosen.double()), dim=1)
+        return logits, greedy_pick(logits)
 
     @torch.inference_mode()
     def capture_verify(self, num_speculative_tokens: int) -> None:
