@@ -22,7 +22,8 @@ that do not fit in L2 (random bf16 weights x 0.02, quantized per channel):
 Writes ``$OUT/fp8_kernels2.json`` after each row count (a cut run keeps what it measured),
 at the end ``$OUT/fp8_paths_table.py`` (``pdserve/model/fp8_paths_table.py`` filled with
 this run's picks: copy it there, then ``ruff format`` it, for the same paths in every process
-on that card) and a compact table. ``--smoke``: tiny shapes, 1-4 rows (a check of the
+on that card) and a compact table. ``--rows M,M,...``: only those row counts (prefill chunks
+past the table's 1,024, say), their picks printed and kept in the JSON, no table written. ``--smoke``: tiny shapes, 1-4 rows (a check of the
 script itself; needs CUDA too).
 """
 
@@ -153,6 +154,12 @@ def main() -> int:
         BUDGET_S = float(sys.argv[sys.argv.index("--budget-s") + 1])
     shapes = {"tiny": (256, 512)} if smoke else SHAPES
     rows = (1, 2, 4) if smoke else tuple(sorted(set(fp8.PROBE_ROWS) | set(TABLE_ROWS)))
+    # --rows M,M,...: only these row counts (e.g. prefill chunks past the table's 1,024),
+    # their picks printed and in the JSON; no table is written from a partial run
+    custom = "--rows" in sys.argv
+    if custom:
+        rows = tuple(int(x) for x in sys.argv[sys.argv.index("--rows") + 1].split(","))
+
     res: dict = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -179,6 +186,15 @@ def main() -> int:
             res["shapes"][name]["rows"][str(m)] = measure_row(m, n, k, *state[name])
             _dump(res)
     if smoke:
+        return 0
+    if custom:
+        for m in rows:
+            picks = {
+                s: (r.get("engine"), r.get("engine_us"), r.get("bf16_us"))
+                for s in shapes
+                if (r := res["shapes"][s]["rows"].get(str(m)))
+            }
+            print(f"picks M={m} (path, us, bf16 us): {picks}")
         return 0
     done = [m for m in TABLE_ROWS if all(str(m) in res["shapes"][s]["rows"] for s in SHAPES)]
     totals: dict = {}

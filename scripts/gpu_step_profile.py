@@ -1,7 +1,8 @@
 """Where a decode step's time goes at issue 24's shapes: GPU kernels or the host.
 
 For each shape ``ROWSxCONTEXT`` (default ``1x200 64x200 256x200 32x4096``) one engine
-(``random:llama-3.1-8b`` bf16 on CUDA, graphs up to 256 rows, 24 GiB of KV) decodes greedy
+(``random:llama-3.1-8b`` bf16 on CUDA, graphs up to 256 rows, 24 GiB of KV; ``--model``,
+``--quantization fp8``, ``--kv-cache-dtype fp8_e4m3`` as the engine takes them) decodes greedy
 tokens for ROWS prompts of CONTEXT tokens and reports:
 
 - ``step_ms``: the wall time of one engine step once every request decodes (the prompts
@@ -93,39 +94,25 @@ def _decode_steps(llm: LLM, rows: int, ctx: int, steps: int, salt: int, cuda: bo
     return times, per, launches, count
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shapes", nargs="*", default=["1x200", "64x200", "256x200", "32x4096"])
-    ap.add_argument("--model", default="random:llama-3.1-8b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-memory", type=float, default=24)
-    ap.add_argument("--max-running-requests", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=24, help="decode steps timed, then profiled")
-    ap.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
-    ap.add_argument("--json", default="step_profile.json", help="file name under $OUT")
-    args = ap.parse_args()
-    cuda = args.device == "cuda"
-    out = os.environ.get("OUT", ".")
-    t0 = time.time()
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_running_requests=args.max_running_requests,
-        kv_cache_memory=args.kv_cache_memory,
-    )
-    print(f"engine up in {time.time() - t0:.0f} s", flush=True)
+def profile_shapes(llm: LLM, shapes: list[str], steps: int = 24, top_n: int = 12) -> dict:
+    """The profile of each shape ``"ROWSxCONTEXT"`` on ``llm``'s engine (see the module
+    doc), printed as it goes; returns ``{shape: result}``. Also called by other scripts
+    with the engine they built (``scripts/gpu_fp8_offline.py``: after bench offline's rows,
+    one model load for both)."""
+    cuda = llm.engine.device.type == "cuda"
     res = {}
-    n = args.steps
-    for shape in args.shapes:
+    n = steps
+    for shape in shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
         _decode_steps(llm, rows, ctx, 4, 0, cuda)  # warm: this shape's buckets, the allocator
         times, per, launches, count = _decode_steps(llm, rows, ctx, n, 1, cuda)
         step_ms = statistics.median(times) * 1e3
         kernel_ms = sum(per.values()) / n / 1e3
-        top = sorted(per.items(), key=lambda kv: -kv[1])[: args.top]
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:top_n]
         r = {
+            "model": llm.engine.config.model.model,
+            "quantization": llm.engine.config.model.quantization,
+            "kv_dtype": str(llm.engine.executor.rank0.storage.kv.dtype),
             "rows": rows,
             "context": ctx,
             "step_ms": step_ms,
@@ -146,6 +133,45 @@ def main() -> None:
         )
         for k, v in top:
             print(f"   {v / n / 1e3:8.3f} ms {count[k] / n:6.1f}x  {k[:100]}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", nargs="*", default=["1x200", "64x200", "256x200", "32x4096"])
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--quantization", default=None, help="fp8 / fp8_block (the engine's flag); unset: none"
+    )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8_e4m3")
+    ap.add_argument("--kv-cache-memory", type=float, default=24)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed, then profiled")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
+    ap.add_argument("--json", default="step_profile.json", help="file name under $OUT")
+    args = ap.parse_args()
+    out = os.environ.get("OUT", ".")
+    t0 = time.time()
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    print(
+        f"engine up in {time.time() - t0:.0f} s ({args.model}, quantization "
+        f"{args.quantization or '-'}, KV {llm.engine.executor.rank0.storage.kv.dtype})",
+        flush=True,
+    )
+    try:
+        res = profile_shapes(llm, args.shapes, args.steps, args.top)
+    finally:
+        llm.shutdown()
     with open(os.path.join(out, args.json), "w") as f:
         json.dump(res, f, indent=1)
 

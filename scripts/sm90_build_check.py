@@ -46,7 +46,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pdserve.model import triton_gemv, triton_gemv_tma
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL", "LDGSTS", "LDG")
+OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL", "LDGSTS", "LDG",
+       "F2FP", "F2F", "HADD2.F32")
 
 
 def build(fn, args: dict, constexprs: dict, warps: int, stages: int):
@@ -132,7 +133,7 @@ _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
 PDL_KERNELS = {
     "fused_ops._rope_kernel": (
         dict(H=40, HALF=64, BLOCK_H=64, BLOCK_D=64, STORE=True, HQ=32, HKV=8, D=128,
-             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128),
+             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False),
         dict(pos_ptr=_I64, slot_ptr=_I64), 4),
     "fused_ops._silu_mul_kernel": (dict(BLOCK=1024), {}, 4),
     "fused_ops._add_rms_norm_kernel": (dict(HAS_RES=True, BLOCK=4096), {}, 8),
@@ -140,7 +141,8 @@ PDL_KERNELS = {
         dict(HKV=8, D=128, PAGE_SIZE=128, BLOCK_H=8, BLOCK_D=128), dict(slot_ptr=_I64), 4),
     "triton_kernels.decode_split_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
-             BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False),
+             BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
+             F16_DOT=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
@@ -167,13 +169,15 @@ def registers(kernel) -> int:
     return int(re.findall(r"REG:(\d+)", out)[0])
 
 
-def check_decode(cfg: tuple) -> dict:
+def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
     ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch])``: shared
     memory, registers a thread, programs an SM can hold by each (228 KB, 64K registers) and
     its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
-    loads into registers)."""
+    loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
+    e4m3 cache, ``f16_dot``: the kernel's ``F16_DOT`` (its tiles converted to fp16, not
+    bf16)."""
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
@@ -182,9 +186,11 @@ def check_decode(cfg: tuple) -> dict:
         G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=splits, MIN_SPLIT=min_split,
         BALANCE_PROGRAMS=balance, BLOCK_B=64 if balance else 1, BLOCK_H=16, BLOCK_N=block_n,
         BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
-        PREFETCH=bool(prefetch),
+        PREFETCH=bool(prefetch), F16_DOT=f16_dot,
     )  # fmt: skip
     dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
+    if kv == "fp8":
+        dtypes.update(k_cache_ptr=torch.float8_e4m3fn, v_cache_ptr=torch.float8_e4m3fn)
     args: dict = {}
     for arg in triton_kernels.decode_split_kernel.arg_names:
         if arg in consts:
@@ -198,6 +204,8 @@ def check_decode(cfg: tuple) -> dict:
     shared = kernel.metadata.shared
     return dict(
         config=list(cfg),
+        kv=kv,
+        f16_dot=f16_dot,
         shared=shared,
         registers=regs,
         programs_per_sm_by_shared=(228 * 1024) // max(1, shared + 1024),
@@ -246,12 +254,14 @@ def main() -> None:
         help="build the split-KV decode kernel for each --configs tuple (DecodeConfig's "
         "fields) instead",
     )
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--decode's cache")
+    ap.add_argument("--f16-dot", action="store_true", help="--decode with F16_DOT")
     args = ap.parse_args()
     if args.decode:
         for c in args.configs or ["(1, 64, 4, 3)"]:
             cfg = tuple(ast.literal_eval(c))
             try:
-                row = check_decode(cfg)
+                row = check_decode(cfg, args.kv, args.f16_dot)
             except Exception as exc:  # noqa: BLE001 (reported: a configuration that does not build)
                 row = dict(config=list(cfg), error=" ".join(str(exc).split())[:300])
             print(json.dumps(row) if args.json else row, flush=True)

@@ -102,7 +102,7 @@ def other_builds() -> dict:
             K=4096,
             s_wn=4096,
         )
-        const = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=bn, BLOCK_K=bk, PDL=False)
+        const = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=bn, BLOCK_K=bk, SILU=False, PDL=False)
         name = f"gemv{list(cfg[1:])}"
         try:
             out[name] = _row(build(triton_w8a8._gemv_kernel, args, const, warps, stages))

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench.cli import add_json_flag, write_json
@@ -57,6 +58,7 @@ _LLM_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--kv-cache-memory",
+    "--max-num-batched-tokens",
 )
 _SPEC_FLAGS = (
     "--num-speculative-tokens",
@@ -159,13 +161,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--quantization": "ours only: the transformers side runs the unquantized weights",
             "--kv-cache-memory": "here, unset on CUDA: 0.4 of free memory (room for the "
             "transformers side), or the engine's default share with --ours-only",
+            "--max-num-batched-tokens": "prompt chunks and decode rows together; unset: "
+            f"{CHUNK_TOKENS_PER_PROMPT} x the most prompts of a row, within "
+            f"{MIN_BATCHED_TOKENS:,}..{MAX_BATCHED_TOKENS:,} (with the serving default of 2,048, "
+            "1,024 prompts of ~126 tokens are admitted over ~90 mixed steps, fewer each step "
+            "as the rows already decoding take the budget)",
         },
     )
-    p.set_defaults(func=run_offline)
+    # the budget follows the rows (batched_tokens_for) unless given
+    p.set_defaults(func=run_offline, max_num_batched_tokens=None)
 
 
 # The most prompts of one row (--num-prompts, --long-context).
 MAX_PROMPTS = 1024
+# --max-num-batched-tokens when unset: this many tokens per prompt of the largest row,
+# within these bounds (the lower one the serving default, so rows of up to 128 prompts run
+# as before).
+CHUNK_TOKENS_PER_PROMPT = 16
+MIN_BATCHED_TOKENS = 2048
+MAX_BATCHED_TOKENS = 16384
+
+
+def batched_tokens_for(max_prompts: int) -> int:
+    """The step's token budget of a run whose largest row has ``max_prompts`` prompts:
+    :data:`CHUNK_TOKENS_PER_PROMPT` per prompt within
+    ``MIN_BATCHED_TOKENS..MAX_BATCHED_TOKENS`` (2,048 up to 128 prompts, 16,384 from 1,024),
+    so that the prompts of a large row are admitted within a few steps, not over a ramp of
+    ~90 mixed steps at 1,024 prompts (ValueError when ``max_prompts < 1``)."""
+    if max_prompts < 1:
+        raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
+    return max(MIN_BATCHED_TOKENS, min(MAX_BATCHED_TOKENS, CHUNK_TOKENS_PER_PROMPT * max_prompts))
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -299,8 +324,11 @@ def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) 
     return row
 
 
-def run_offline(args: argparse.Namespace) -> int:
-    """Run the comparison, print a table, optionally write JSON; 2 on bad arguments."""
+def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = None) -> int:
+    """Run the comparison, print a table, optionally write JSON; 2 on bad arguments.
+    after: called with the ``LLM`` once the rows ran (0 returned), before it shuts down (a
+    script that measures more on the same engine, e.g. ``scripts/gpu_step_profile.py``,
+    without loading the model again)."""
 
     from pdserve.engine.llm import LLM
 
@@ -321,7 +349,11 @@ def run_offline(args: argparse.Namespace) -> int:
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
         fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
+        if fields.get("max_num_batched_tokens") is None:
+            fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
+        t0 = time.perf_counter()
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
+        start_s = time.perf_counter() - t0  # the load, the pool, the graph capture
     except ValueError as exc:
         print(f"pdserve bench offline: {exc}", file=sys.stderr)
         return 2
@@ -352,7 +384,10 @@ def run_offline(args: argparse.Namespace) -> int:
             from pdserve.bench.speculative import run_speculative
 
             return run_speculative(args, llm, counts, _prompts, _time_ours)
-        return _run(args, llm, rows, prompt_sets, prefill)
+        rc = _run(args, llm, rows, prompt_sets, prefill, start_s)
+        if rc == 0 and after is not None:
+            after(llm)
+        return rc
     finally:
         llm.shutdown()
 
@@ -458,12 +493,24 @@ def _decode_row(args, llm, hf, prompts: list[list[int]], pad_id: int, rates: dic
     return row
 
 
+def best_batch(results: list[dict]) -> dict | None:
+    """The decode row of ``results`` (``_decode_row``'s dicts with ``prompt_source``) with
+    the most output tokens/s, the long-context row left out: ``{"num_prompts",
+    "ours_tok_s"}``, or ``None`` when there is no such row."""
+    rows = [r for r in results if not r["prompt_source"].endswith("(long context)")]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: r["ours_tok_s"])
+    return {"num_prompts": top["num_prompts"], "ours_tok_s": top["ours_tok_s"]}
+
+
 def _run(
     args: argparse.Namespace,
     llm: Any,
     rows: list[tuple[int, str]],
     prompt_sets: list[list[list[int]]],
     prefill: tuple[int, int] | None,
+    start_s: float = 0.0,
 ) -> int:
     import torch
 
@@ -481,6 +528,12 @@ def _run(
     print(
         f"model {args.model}  dtype {engine.dtype}  device {engine.device}  threads {torch.get_num_threads()}"
         f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
+        f"  quantization {engine.config.model.quantization or '-'}"
+        f"  kv dtype {engine.executor.rank0.storage.kv.dtype}"
+        f"  max running {engine.config.scheduler.max_running}"
+        f"  step budget {engine.config.scheduler.max_num_batched_tokens} tokens"
+        f"  kv pages {engine.executor.rank0.storage.num_pages}"
+        f"  engine up in {start_s:.0f} s"
     )
     print(
         f"attention {engine.attention_backend}  kv order {engine.executor.rank0.storage.kv_layout.order}  page size {engine.executor.rank0.storage.page_size}"
@@ -494,33 +547,12 @@ def _run(
         f" {'ours ms/step':>12} {'hf ms/step':>10} {'ours decode/s':>14} {'hf decode/s':>12}"
         f" {'ours decode ms':>14} {'step ms':>8} {'roof ms':>8} {'bound':>7} {'roofline':>8}"
     )
-    for (n, source), prompts in zip(rows, prompt_sets):
-        row = _decode_row(args, llm, hf, prompts, pad_id, rates)
-        row["prompt_source"] = source
-        results.append(row)
-        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
-        print(
-            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
-            f"{_fmt(row['hf_tok_s']):>9} "
-            f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
-            f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
-            f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
-            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step'], '.2f'):>14} "
-            f"{_fmt(row['ours_step_ms_all_decoding'], '.2f'):>8} "
-            f"{row['steady_roofline_ms'] or row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
-            f"{row['roofline_fraction']:>8.0%}"
-        )
-        if row["steady_error"]:
-            print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
-    prefill_row = None
-    if prefill:
-        prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
-        theirs = "-" if prefill_row["hf_tok_s"] is None else f"{prefill_row['hf_tok_s']:.0f}"
-        print(
-            f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
-            f"tok/s, hf {theirs} tok/s, ratio {_fmt(prefill_row['ratio'], '.2f')}"
-        )
-    if args.json:
+
+    def save(complete: bool, prefill_row: dict | None = None) -> None:
+        """The JSON report so far (after each row: a run cut short keeps what it measured;
+        ``complete`` once every row ran)."""
+        if not args.json:
+            return
         report = {
             "benchmark": "offline",
             "model": args.model,
@@ -555,8 +587,48 @@ def _run(
             "roofline_ms_per_step / the whole run's decode ms per step (ours_decode_ms_per_step)",
             "decode": "(time of max_tokens - time of 1 token) / (max_tokens - 1): steps after "
             "the prefill; each timed run starts with an empty prefix cache",
+            "quantization": engine.config.model.quantization,
+            "kv_cache_dtype": str(engine.executor.rank0.storage.kv.dtype),
+            "max_running_requests": engine.config.scheduler.max_running,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "kv_pages": engine.executor.rank0.storage.num_pages,
+            "engine_start_s": start_s,
             "results": results,
+            "complete": complete,
+            "best_batch": best_batch(results),
             "prefill": prefill_row,
         }
         write_json(args.json, report)
+
+    for (n, source), prompts in zip(rows, prompt_sets):
+        row = _decode_row(args, llm, hf, prompts, pad_id, rates)
+        row["prompt_source"] = source
+        results.append(row)
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+        print(
+            f"{n:>7} {row['mean_prompt_len']:>7.0f} {row['ours_tok_s']:>11.1f} "
+            f"{_fmt(row['hf_tok_s']):>9} "
+            f"{_fmt(row['ratio'], '.2f'):>6} {pct(row['identical_outputs']):>12} "
+            f"{pct(row['identical_first_tokens']):>8} {row['ours_ms_per_step']:>12.2f} "
+            f"{_fmt(row['hf_ms_per_step'], '.2f'):>10} {_fmt(row['ours_decode_tok_s']):>14} "
+            f"{_fmt(row['hf_decode_tok_s']):>12} {_fmt(row['ours_decode_ms_per_step'], '.2f'):>14} "
+            f"{_fmt(row['ours_step_ms_all_decoding'], '.2f'):>8} "
+            f"{row['steady_roofline_ms'] or row['roofline_ms_per_step']:>8.2f} {row['roofline_bound']:>7} "
+            f"{row['roofline_fraction']:>8.0%}"
+        )
+        if row["steady_error"]:
+            print(f"        step ms of {n} prompts not measured: {row['steady_error']}")
+        save(False)
+    best = best_batch(results)
+    if best is not None:
+        print(f"best batch: {best['num_prompts']} prompts, {best['ours_tok_s']:.1f} tok/s")
+    prefill_row = None
+    if prefill:
+        prefill_row = _time_prefill(llm, hf, prefill, pad_id, args.repeats)
+        theirs = "-" if prefill_row["hf_tok_s"] is None else f"{prefill_row['hf_tok_s']:.0f}"
+        print(
+            f"prefill {prefill[0]} x {prefill[1]} tokens: ours {prefill_row['ours_tok_s']:.0f} "
+            f"tok/s, hf {theirs} tok/s, ratio {_fmt(prefill_row['ratio'], '.2f')}"
+        )
+    save(True, prefill_row)
     return 0

@@ -226,7 +226,9 @@ def is_fp8(cache: torch.Tensor) -> bool:
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``x / scale`` saturated to e4m3's range (+-448) and cast to ``float8_e4m3fn``: what an
     FP8 cache stores for K or V ``x`` (any shape) with per-tensor ``scale``."""
-    y = x.float() if scale == 1.0 else x.float() / scale
+    # a copy even when x is fp32 and the scale 1 (clamped in place below: x.float() would
+    # be x itself, and the caller's fp32 K/V past +-448 would be saturated too)
+    y = x.to(torch.float32, copy=True) if scale == 1.0 else x.float() / scale
     return y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 

@@ -515,7 +515,8 @@ PATHS: dict[tuple[int, int], tuple[tuple[int, Path], ...]] = {}
 DEFAULT_SCALED_MM_MIN_ROWS = 32
 # Row counts :func:`choose_paths` times at start (the decode graphs' buckets are powers of
 # two up to 64, then multiples; a count between two probes takes the larger probe's path, a
-# count past 1,024 (prefill) that of 1,024).
+# count past 1,024 (prefill) that of 1,024: on the H200 _scaled_mm, which also measured
+# fastest of every candidate at 4,096 and 16,384 rows, docs/benchmarks.md row AK).
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 # What :func:`choose_paths` measured: (N, K) -> {rows: {str(path): µs}} (for logs and scripts).
 PATH_TIMINGS: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
@@ -611,6 +612,35 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     from pdserve.model import triton_fp8
 
     return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias)
+
+
+# Whether a one-row step's SwiGLU activation runs inside the down projection's FP8 gemv
+# (linear_silu_mul) when that shape's one-row path is the gemv: one launch a layer fewer
+# for recomputing silu(gate) * up in each of its programs (~N / BLOCK_N times over).
+# Off: the H200 timed both the same (scripts/gpu_fp8_attn_probe.py, 2026-12-03: [4096,
+# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer).
+FUSE_SILU_GEMV = False
+
+
+def linear_silu_mul(
+    gate_up: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``(silu(gate) * up) @ real(w).T + bias`` of one row ``gate_up = [gate | up]``
+    ``[1, 2K]`` bf16 -> ``[1, N]`` in one launch (the FP8 gemv with the activation computed
+    as x is loaded) when :data:`FUSE_SILU_GEMV` is on and :func:`path_for` gives this
+    shape's one row the gemv (CUDA, one-group weight); None otherwise (the caller runs the
+    activation, then :func:`linear`)."""
+    if not (FUSE_SILU_GEMV and gate_up.is_cuda and gate_up.dim() == 2):
+        return None
+    n, k = w.weight.shape
+    if gate_up.shape != (1, 2 * k) or gate_up.dtype != torch.bfloat16 or not w.one_group:
+        return None
+    kind, config = path_for(1, n, k)
+    if kind != "gemv":
+        return None
+    from pdserve.model import triton_w8a8
+
+    return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
 
 
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:

@@ -32,6 +32,8 @@ def _rope_kernel(
     qw_ptr,
     kw_ptr,
     eps,
+    k_inv,
+    v_inv,
     s_xt,
     s_xh,
     s_tp,
@@ -56,6 +58,7 @@ def _rope_kernel(
     BLOCK_DV: tl.constexpr,
     QK_NORM: tl.constexpr,
     NQ: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: rotate its ``H`` heads in place by the table row of its
@@ -65,7 +68,10 @@ def _rope_kernel(
     statistics, the normalised head rounded to x's dtype, then times the weight. With ``STORE`` the last ``HKV`` of
     them are K heads: the rotated K and the token's V ``[HKV, D]`` are also written to the
     paged cache at slot ``slot_mapping[t]`` (a negative slot, a padded row of a captured
-    batch, writes nothing), the same bytes the attention backend's store would write."""
+    batch, writes nothing), the same bytes the attention backend's store would write: with
+    ``FP8`` (an e4m3 cache) the rotated K rounded to x's dtype, times ``k_inv`` (1 / the
+    K scale), saturated to +-448 and cast (V likewise with ``v_inv``), as
+    ``attention.quantize_kv``."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -110,13 +116,20 @@ def _rope_kernel(
         kmask = mask & (hh >= HQ) & (slots >= 0)  # interpreter rejects a scalar one)
         kbase = kc_ptr + page * s_kcp + off * s_kct + tl.where(hh >= HQ, hh - HQ, 0) * s_kch + dd
         cty = kc_ptr.dtype.element_ty
-        tl.store(kbase, o1.to(ty).to(cty), mask=kmask)
-        tl.store(kbase + HALF, o2.to(ty).to(cty), mask=kmask)
+        k1 = o1.to(ty)
+        k2 = o2.to(ty)
+        if FP8:  # quantize_kv: x.float() * (1 / scale), saturated to e4m3's range
+            k1 = tl.clamp(k1.to(tl.float32) * k_inv, -448.0, 448.0)
+            k2 = tl.clamp(k2.to(tl.float32) * k_inv, -448.0, 448.0)
+        tl.store(kbase, k1.to(cty), mask=kmask)
+        tl.store(kbase + HALF, k2.to(cty), mask=kmask)
         vh = tl.arange(0, BLOCK_KV)[:, None]
         vd = tl.arange(0, BLOCK_DV)[None, :]
         vslots = tl.zeros([BLOCK_KV, BLOCK_DV], tl.int64) + slot
         vmask = (vh < HKV) & (vd < D) & (vslots >= 0)
         v = tl.load(v_ptr + t * s_vt + vh * s_vh + vd, mask=vmask)
+        if FP8:
+            v = tl.clamp(v.to(tl.float32) * v_inv, -448.0, 448.0)
         tl.store(
             vc_ptr + page * s_vcp + off * s_vct + vh * s_vch + vd,
             v.to(vc_ptr.dtype.element_ty),
@@ -149,6 +162,7 @@ def rope_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     qk_norm: QKNorm | None = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """:func:`rope_inplace` of ``qk`` (with ``qk_norm`` as there) ``[T, Hq + Hkv, D]`` (query heads, then KV heads), and
     in the same kernel the rotated K heads and ``v`` ``[T, Hkv, D]`` written into one
@@ -156,8 +170,10 @@ def rope_store_kv(
     strides, dim stride 1; ``KVCacheLayout.layer_views``) at ``slot_mapping`` ``[T]`` int64
     (``page * page_size + offset``; negative: not written). Replaces the attention backend's
     KV store (one kernel a layer fewer); the cache gets the bytes that store would write
-    (cast to the cache's dtype)."""
-    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache), qk_norm)
+    (cast to the cache's dtype; an e4m3 cache ``attention.quantize_kv`` of K and V with
+    the per-tensor scales ``kv_scale`` = ``(k_scale, v_scale)``, both > 0, in the same
+    kernel: the unfused path's four elementwise kernels a tensor are not run)."""
+    _rope(qk, table, positions, (v, slot_mapping, k_cache, v_cache), qk_norm, kv_scale)
 
 
 def _rope(
@@ -166,6 +182,7 @@ def _rope(
     positions: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
     qk_norm: QKNorm | None = None,
+    kv_scale: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """The launch of both: ``store`` is ``(v, slot_mapping, k_cache, v_cache)`` of
     :func:`rope_store_kv`, or None (rotate only; the store's pointers are ``qk``'s, unused)."""
@@ -178,6 +195,9 @@ def _rope(
     qw, kw, eps, nq = qk_norm or (table, table, 0.0, 0)
     if qk_norm is not None:
         assert qw.shape == kw.shape == (D,) and qw.stride(0) == kw.stride(0) == 1
+    fp8 = store is not None and k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not (kv_scale[0] > 0 and kv_scale[1] > 0):
+        raise ValueError(f"kv_scale must be two positive scales, got {kv_scale}")
     _rope_kernel[(T,)](
         qk,
         table,
@@ -189,6 +209,8 @@ def _rope(
         qw,
         kw,
         float(eps),
+        1.0 / kv_scale[0],
+        1.0 / kv_scale[1],
         qk.stride(0),
         qk.stride(1),
         table.stride(0),
@@ -208,6 +230,7 @@ def _rope(
         BLOCK_DV=triton.next_power_of_2(D) if store else 1,
         QK_NORM=qk_norm is not None,
         NQ=nq,
+        FP8=fp8,
         **pdl.launch_options(qk),
     )
 

@@ -131,8 +131,9 @@ class LlamaDecoderLayer(nn.Module):
         second argument, a ``fused_ops.QKNorm``, to RMS-normalise the q/k heads first);
         fused: ``pdserve.model.fused_ops`` on CUDA (SiLU-and-mul, add + RMSNorm in one
         kernel, Qwen3's q/k norms inside RoPE's); rope_store: ``(qk, v, k_cache, v_cache,
-        qk_norm)`` -> (q/k normalised first when ``qk_norm``, as ``rope``) rotates ``qk`` in
-        place and writes K/V into the cache (one kernel, CUDA with a backend that
+        qk_norm, kv_scale)`` -> (q/k normalised first when ``qk_norm``, as ``rope``) rotates
+        ``qk`` in place and writes K/V into the cache, an FP8 one quantized with this
+        layer's ``kv_scale`` (one kernel, CUDA with a backend that
         ``accepts_stored_kv``), used instead of ``rope`` and the backend's own store when
         given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
         rows, the router's logits come out of the add + RMSNorm kernel.
@@ -160,7 +161,7 @@ class LlamaDecoderLayer(nn.Module):
             qk = qkv[:, :nqk]
         v = qkv[:, nqk:]
         if rope_store is not None:  # rotated in place, K/V already in the cache
-            rope_store(qk, v, k_cache, v_cache, qk_norm)
+            rope_store(qk, v, k_cache, v_cache, qk_norm, self.kv_scale)
         elif qk_norm is not None:
             qk = rope(qk, qk_norm)
         else:
@@ -189,6 +190,10 @@ class LlamaDecoderLayer(nn.Module):
             # SwiGLU inside the down projection's GEMV, where it runs
             if self.tp is None and "down_proj" not in self.fp8:
                 down = lin.silu_mul_linear(gate_up, self.down_proj, self.down_bias)
+                if down is not None:
+                    return h, down
+            elif self.tp is None:  # an FP8 down projection: its one-row gemv, when fused
+                down = fp8.linear_silu_mul(gate_up, self.fp8["down_proj"], self.down_bias)
                 if down is not None:
                     return h, down
             act = fused.silu_mul(gate_up)
@@ -440,8 +445,8 @@ class LlamaForCausalLM(nn.Module):
                 fused_ops.rope_inplace(x, table, positions, qk_norm)
                 return x
 
-            # an FP8 cache is written by the backend's store (quantized with the K/V scales)
-            if self.backend.accepts_stored_kv and kv_cache[0][0].dtype != fp8.FP8:
+            # an FP8 cache too: the kernel quantizes with the layer's K/V scales
+            if self.backend.accepts_stored_kv:
                 slots = attn.slot_mapping
 
                 def rope_store(
@@ -450,8 +455,11 @@ class LlamaForCausalLM(nn.Module):
                     kc: torch.Tensor,
                     vc: torch.Tensor,
                     qk_norm: Any = None,
+                    kv_scale: tuple[float, float] = (1.0, 1.0),
                 ) -> None:
-                    fused_ops.rope_store_kv(qk, v, table, positions, kc, vc, slots, qk_norm)
+                    fused_ops.rope_store_kv(
+                        qk, v, table, positions, kc, vc, slots, qk_norm, kv_scale
+                    )
         else:
             cs = self.rope_cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
             cos, sin = cs.chunk(2, dim=-1)

@@ -10,8 +10,8 @@ query head, so a decode row there costs about 64 x its compute and G x its KV re
 long contexts that made a mixed step (rows that decode beside a later prompt's chunk)
 several times slower than the chunk alone. Both read K/V in place from the paged cache,
 through its strides; this step's K/V are stored first by the store kernel, or, on CUDA,
-by the model's RoPE kernel (``fused_ops.rope_store_kv``: one kernel a layer fewer;
-``forward(..., kv_stored=True)``).
+by the model's RoPE kernel (``fused_ops.rope_store_kv``: one kernel a layer fewer, for
+an FP8 cache five fewer, its quantization in that kernel; ``forward(..., kv_stored=True)``).
 
 CUDA graphs: :meth:`TritonBackend.plan_for_capture` builds a decode plan whose launch shapes
 depend only on the batch size and the context bound it is captured for (the split count is
@@ -56,6 +56,16 @@ _BALANCED_LAUNCH = 2048
 # Context lengths each balanced program sums at a time (a loop: one compiled variant for
 # every batch size).
 _BALANCE_BLOCK_B = 64
+# An e4m3 cache's decode tiles, by the rule decode_config used: "split" (short contexts,
+# more than one split), "one" (short contexts, one split, large batches), "long" (the
+# balanced rule) -> (block_n, num_warps, num_stages) in place of the bf16 cache's; a rule
+# not listed keeps them. A tile of block_n tokens reads half the bytes in e4m3, so it may
+# want more tokens a tile (scripts/gpu_fp8_attn_probe.py times the candidates). Empty: on
+# the H200 (2026-12-03) every candidate was slower than the bf16 cache's tiles on the e4m3
+# cache, one layer at 32 x 4,096 (balanced, 8 splits): 64/4/2 123.7 µs against 64/4/3
+# 157.1, 128/4/2 138.4, 128/8/2 148.4, 128/4/3 147.6; at 1 x 200 (16 splits): 5.5 against
+# 5.6-6.9.
+FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {}
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -225,6 +235,30 @@ def eager_decode_configs(picks: DecodePicks = NO_PICKS) -> tuple[DecodeConfig, .
         dict.fromkeys(eager_config(c) for _, c in picks.short if eager_config(c) not in out)
     )
     return out + extra
+
+
+def decode_rule(cfg: DecodeConfig) -> str:
+    """The rule of :func:`decode_config` that gave ``cfg``: ``"long"`` (balanced), ``"one"``
+    (short contexts, one split) or ``"split"`` (short contexts, several)."""
+    if cfg.balance:
+        return "long"
+    return "one" if cfg.splits == 1 else "split"
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_decode_config(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` (the bf16 cache's decode configuration) for an e4m3 cache: the tile, warps and
+    stages of :data:`FP8_DECODE_TILES` for its :func:`decode_rule` (``min_split`` rounded
+    up to a multiple of the tile), the same splits; ``cfg`` itself when the rule is not
+    listed. Applied wherever the decode kernel launches (eager steps, graph captures,
+    ``TritonBackend.warm_up``), so the variants compiled at start-up are those that run.
+    Cached: the table is read once per configuration (tests clear the cache)."""
+    tile = FP8_DECODE_TILES.get(decode_rule(cfg))
+    if tile is None:
+        return cfg
+    bn, warps, stages = tile
+    min_split = -(-cfg.min_split // bn) * bn if cfg.min_split else 0
+    return replace(cfg, block_n=bn, num_warps=warps, num_stages=stages, min_split=min_split)
 
 
 @dataclass
@@ -446,6 +480,8 @@ class TritonBackend(AttentionBackend):
             if plan.total_context is not None:  # eager: one of the few warmed split counts
                 plan.config = eager_config(plan.config)
         cfg = plan.config
+        if is_fp8(k_cache):  # its own tiles where measured (the splits are the same)
+            cfg = fp8_decode_config(cfg)
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
             plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
@@ -484,6 +520,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
+            F16_DOT=is_fp8(k_cache) and q.dtype == torch.bfloat16,
             PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

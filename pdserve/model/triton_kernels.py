@@ -237,6 +237,7 @@ def decode_split_kernel(
     BLOCK_D: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     IEEE: tl.constexpr,
+    F16_DOT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
 ):
@@ -263,7 +264,11 @@ def decode_split_kernel(
     loaded (into registers) before this tile's dots, so a program always has one tile in
     flight while it computes (else a tile's page-table read, then its K/V, then its math
     run one after the other: Triton's pipeliner keeps one shared-memory buffer for this
-    loop whatever ``num_stages`` is, as its sm_90 build shows)."""
+    loop whatever ``num_stages`` is, as its sm_90 build shows). ``F16_DOT`` (an e4m3 cache
+    under bf16 queries): q is taken to fp16 (saturated to its range) and the tiles are
+    converted to fp16, not bf16, for the dots: e4m3 -> fp16 is one packed conversion a
+    pair of values (-> bf16 two more, each through fp16), fp16 holds every e4m3 value and
+    a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -294,6 +299,8 @@ def decode_split_kernel(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
+    if F16_DOT:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
-from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
+from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 # (tl.constexpr: a @triton.jit function may read no other module global when compiled)
 FP8_MAX = tl.constexpr(448.0)
@@ -403,10 +403,13 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SILU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = (sum_k w[n, k] x[k]) * s[n] (+ b[n])``
-    with w e4m3 and the sum in fp32. ``EVEN_K``: BLOCK_K divides K."""
+    with w e4m3 and the sum in fp32. ``EVEN_K``: BLOCK_K divides K. ``SILU``: the row is
+    ``[gate | up]`` (2K wide) and ``x = silu(gate) * up``, computed as it is loaded
+    (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding)."""
     pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -415,7 +418,15 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        if EVEN_K:
+        if SILU:
+            x = _load_x(x_ptr, kk, kk < K, K, True)
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+            else:
+                w = tl.load(
+                    w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0
+                )
+        elif EVEN_K:
             x = tl.load(x_ptr + kk)
             w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
         else:
@@ -447,13 +458,21 @@ def gemv(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``x [1, K] @ (w [N, K] e4m3 * w_scale [N] or [N, 1]).T + bias`` -> ``[1, N]`` in x's
-    dtype; x is not quantized. ValueError for more than one row."""
+    dtype; x is not quantized. With ``silu_mul`` x is ``[gate | up]`` ``[1, 2K]`` and the
+    product is taken with ``silu(gate) * up`` computed in the kernel (SwiGLU's activation
+    and the down projection in one launch). ValueError for more than one row, or an x of
+    the wrong width."""
     M, K = x.shape
     if M != 1:
         raise ValueError(f"the FP8 gemv takes one row, got M={M}")
     N = w.shape[0]
+    if silu_mul:
+        if 2 * w.shape[1] != K:
+            raise ValueError(f"silu_mul: x must be [1, 2K] = [1, {2 * w.shape[1]}], got {K}")
+        K = w.shape[1]
     kind, bn, bk, warps, stages = config or DEFAULT_GEMV
     if kind != "gemv":
         raise ValueError(f"gemv: config {config} is not a gemv config")
@@ -473,6 +492,7 @@ def gemv(
         EVEN_K=K % bk == 0,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        SILU=silu_mul,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(x),

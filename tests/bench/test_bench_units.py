@@ -253,8 +253,14 @@ def test_bench_offline_takes_serves_engine_flags():
     shared = [flag for flag, *_ in ENGINE_FLAGS if flag in offline]
     assert {"--model", "--dtype", "--device", "--page-size", "--enforce-eager"} <= set(shared)
     assert "--tensor-parallel-size" in shared and "--overlap-schedule" in shared
+    # bench offline's step budget follows its largest row when unset (offline.batched_tokens_for)
+    budget = offline["--max-num-batched-tokens"]
+    assert budget.default is None and serve["--max-num-batched-tokens"].default == 2048
+    assert "16 x the most prompts of a row" in (budget.help or "")
     for flag in shared:
         a, b = serve[flag], offline[flag]
+        if flag == "--max-num-batched-tokens":
+            continue
         assert (a.option_strings, a.type, a.default, type(a)) == (
             b.option_strings,
             b.type,

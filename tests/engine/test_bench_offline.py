@@ -28,6 +28,8 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
             "1",
             "--kv-order",
             "layer_major",  # not the CPU default: the flag reaches the pool
+            "--max-num-batched-tokens",
+            "512",
             "--json",
             str(out),
         ]
@@ -36,6 +38,8 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert [r["num_prompts"] for r in report["results"]] == [1, 2]
     assert report["kv_order"] == "layer_major"
+    assert report["max_num_batched_tokens"] == 512
+    assert report["complete"] is True  # written after each row too, False until the end
     for row in report["results"]:
         assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
@@ -117,6 +121,15 @@ def test_input_len_long_context_and_ours_only(tmp_path, capsys):
     assert [r["prompt_lens"] for r in rows] == [[24], [24] * 3, [40] * 2]
     assert [r["prompt_source"] for r in rows][:2] == ["random", "random"]
     assert report["copy_bandwidth_bytes_per_s"] > 0 and report["matmul_flop_per_s"] > 0
+    # the best batch is that of the fastest decode row, the long-context row left out
+    top = max(rows[:2], key=lambda r: r["ours_tok_s"])
+    assert report["best_batch"] == {
+        "num_prompts": top["num_prompts"],
+        "ours_tok_s": top["ours_tok_s"],
+    }
+    # every prompt of the largest row can run at once, with the budget batched_tokens_for gives
+    assert report["max_running_requests"] == 3 and report["max_num_batched_tokens"] == 2048
+    assert report["kv_cache_dtype"] == "torch.float32" and report["quantization"] is None
     shapes = ModelShapes(preset_config("tiny"))
     for r in rows:
         assert r["hf_tok_s"] is None and r["ratio"] is None and r["identical_outputs"] is None
@@ -199,3 +212,32 @@ def test_gsm8k_prompts_cut_or_padded_to_input_len():
 def test_new_options_reject_bad_values(extra, field, capsys):
     assert main(["bench", "offline", "--model", "random:tiny", "--device", "cpu"] + extra) == 2
     assert field in capsys.readouterr().err
+
+
+def test_step_budget_follows_the_largest_row():
+    """Unset, bench offline's step budget is 16 tokens a prompt of its largest row within
+    2,048..16,384: rows of 1,024 prompts get their prompts admitted in a few steps."""
+    from pdserve.bench.offline import batched_tokens_for
+
+    assert [batched_tokens_for(n) for n in (1, 64, 128, 256, 512, 1024)] == [
+        2048,
+        2048,
+        2048,
+        4096,
+        8192,
+        16384,
+    ]
+    with pytest.raises(ValueError, match="max_prompts"):
+        batched_tokens_for(0)
+
+
+def test_best_batch_leaves_the_long_context_row_out():
+    from pdserve.bench.offline import best_batch
+
+    rows = [
+        {"num_prompts": 256, "ours_tok_s": 9.0, "prompt_source": "gsm8k"},
+        {"num_prompts": 512, "ours_tok_s": 12.0, "prompt_source": "gsm8k"},
+        {"num_prompts": 32, "ours_tok_s": 99.0, "prompt_source": "random (long context)"},
+    ]
+    assert best_batch(rows) == {"num_prompts": 512, "ours_tok_s": 12.0}
+    assert best_batch(rows[2:]) is None

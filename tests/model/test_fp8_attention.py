@@ -75,3 +75,124 @@ def test_fp8_cache_equals_attention_over_dequantized_kv(backend, q_lens, s_lens,
     vd = (quantize_kv(v, SCALES[1]).float() * SCALES[1]).contiguous()
     ref = sdpa.forward(q, kd, vd, rk, rv, md, sdpa.plan(md, page_size), scale, kv_stored=True)
     assert (out.float() - ref).abs().max().item() < 1e-4
+
+
+def test_quantize_kv_leaves_its_input_alone():
+    """fp32 K/V at scale 1: the saturation is of a copy (``x.float()`` is x itself in
+    fp32, and an in-place clamp of it saturated the caller's values too)."""
+    x = torch.tensor([[300.0, -700.0, 1000.0, 0.5]])
+    before = x.clone()
+    q = quantize_kv(x, 1.0)
+    assert torch.equal(x, before)
+    assert q.float().tolist() == [[288.0, -448.0, 448.0, 0.5]]
+
+
+def test_fp8_decode_tiles_replace_the_bf16_ones_by_rule(monkeypatch):
+    """FP8_DECODE_TILES gives an e4m3 cache its own tile / warps / stages for the rules it
+    lists (min_split rounded up to the tile, splits kept); other rules, and an empty table,
+    leave the configuration as the bf16 cache's."""
+    from pdserve.model import triton_backend as tb
+
+    short = tb.DecodeConfig(16, 64, 4, 2)
+    one = tb.DecodeConfig(1, 64, 4, 3)
+    long = tb.DecodeConfig(8, 64, 4, 2, 64, 1024)
+    assert [tb.decode_rule(c) for c in (short, one, long)] == ["split", "one", "long"]
+    monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (128, 8, 3)})
+    tb.fp8_decode_config.cache_clear()
+    try:
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 128, 8, 3, 128, 1024)
+        assert tb.fp8_decode_config(short) is short and tb.fp8_decode_config(one) is one
+    finally:
+        tb.fp8_decode_config.cache_clear()
+
+
+@pytest.mark.timeout(300)
+def test_fp8_decode_with_its_own_tiles_equals_the_default_tiles(monkeypatch):
+    """An e4m3 decode step under FP8_DECODE_TILES' 128-token tiles (and the 3-stage,
+    8-warp variant) gives the output of the default tiles (fp32 queries: the same sums up to
+    their order)."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 128
+    pool8, qkv, md = _step([1, 1, 1], [1, 300, 700], ps, Hq, Hkv, D, 12, seed=3)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    real = tb.fp8_decode_config
+    launched = []  # the configurations the kernel ran with
+    monkeypatch.setattr(tb, "fp8_decode_config", lambda c: launched.append(real(c)) or real(c))
+
+    def run(tiles):
+        monkeypatch.setattr(tb, "FP8_DECODE_TILES", tiles)
+        real.cache_clear()
+        pool = pool8.clone()
+        kc, vc = _views(pool)
+        out = b.forward(q, k, v, kc, vc, md, b.plan(md, ps), D**-0.5, kv_scale=SCALES)
+        return out.float()
+
+    try:
+        base = run({})
+        assert launched[-1] == tb.DecodeConfig(16, 64, 4, 2)  # the short rule's, 16 splits
+        for tiles in ({"split": (128, 4, 2)}, {"split": (128, 8, 3)}):
+            assert (run(tiles) - base).abs().max().item() < 1e-4
+            assert launched[-1] == tb.DecodeConfig(16, *tiles["split"])
+    finally:
+        real.cache_clear()
+
+
+@pytest.mark.timeout(300)
+def test_bf16_queries_over_an_fp8_cache_take_fp16_dots_and_match_the_reference():
+    """bf16 queries over an e4m3 cache (the CUDA case): the decode kernel converts the
+    tiles (and q) to fp16 for its dots (``F16_DOT``); the output equals fp32 attention over
+    the dequantized K/V up to bf16's rounding of it, splits and merge included."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=9)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    kc, vc = _views(pool8)
+    out = b.forward(q, k, v, kc, vc, md, b.plan(md, ps), D**-0.5, kv_scale=SCALES)
+    assert out.dtype == torch.bfloat16
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    kd = (quantize_kv(k, SCALES[0]).float() * SCALES[0]).contiguous()
+    vd = (quantize_kv(v, SCALES[1]).float() * SCALES[1]).contiguous()
+    qf = q.float()
+    ref = sdpa.forward(qf, kd, vd, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= 2**-7 * ref.abs().max().item(), err
+
+
+@pytest.mark.timeout(300)
+def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode --kv fp8``:
+    Triton's own ptxas, the interpreter off): an e4m3 tile converted for bf16 dots costs a
+    packed e4m3 -> fp16 conversion (F2FP) a pair plus an fp16 -> bf16 one (F2F) a value;
+    with ``F16_DOT`` the F2F are gone."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for extra in ([], ["--f16-dot"]):
+        done = subprocess.run(
+            [sys.executable, str(script), "--decode", "--kv", "fp8", "--json", *extra]
+            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    bf16_dots, f16_dots = rows
+    assert bf16_dots["sass"]["F2F"] >= 64 and bf16_dots["sass"]["F2FP"] > 0
+    assert f16_dots["sass"]["F2F"] == 0 and f16_dots["sass"]["F2FP"] > 0

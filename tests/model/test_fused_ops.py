@@ -76,12 +76,19 @@ def test_add_rms_norm_matches_add_then_rms_norm(dtype, with_residual):
         assert (y - rms_norm(ref_h, w, eps)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "kv_dtype,kv_scale",
+    [(None, (1.0, 1.0)), ("fp8", (1.0, 1.0)), ("fp8", (0.5, 0.25))],
+    ids=["model-dtype", "fp8", "fp8-scaled"],
+)
 @pytest.mark.parametrize("order", ["page_major", "layer_major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
+def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype, kv_dtype, kv_scale):
     """The fused RoPE + KV store leaves q/k and the pool byte for byte as RoPE followed by
     the triton backend's store kernel (the unfused path); a padded row (slot -1) writes
-    nothing. bf16 too on CPU: both paths convert the same way under the interpreter."""
+    nothing. bf16 too on CPU: both paths convert the same way under the interpreter. An
+    e4m3 pool gets ``quantize_kv`` of K and V with the layer's scales in both paths (the
+    scales here powers of two: ``x / s`` and the kernel's ``x * (1 / s)`` are equal)."""
     from pdserve.engine.kv.layout import KVCacheLayout
     from pdserve.model.attention import build_attention_metadata
     from pdserve.model.fused_ops import rope_inplace, rope_store_kv
@@ -89,7 +96,10 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
 
     gen = torch.Generator().manual_seed(3)
     Hq, Hkv, D, ps, L = 4, 2, 16, 3, 2
-    layout = KVCacheLayout(order, L, Hkv, D, ps, 8, dtype)
+    from pdserve.model.attention import quantize_kv
+
+    pool_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
+    layout = KVCacheLayout(order, L, Hkv, D, ps, 8, pool_dtype)
     # Three sequences: a 2-token prefill over a cached prefix, two decodes, one padded row.
     md = build_attention_metadata([2, 1, 1], [5, 1, 7], [[6, 2], [0], [3, 5, 1]], ps, DEVICE)
     slots = torch.cat((md.slot_mapping, torch.tensor([-1], device=DEVICE)))
@@ -97,7 +107,16 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
     T = slots.shape[0]
     qkv = torch.randn(T, Hq + 2 * Hkv, D, generator=gen).to(dtype).to(DEVICE)
     table = torch.randn(64, D, generator=gen).to(dtype).to(DEVICE)
-    pool = torch.randn(layout.shape, generator=gen).to(dtype).to(DEVICE)
+    if kv_dtype == "fp8" and DEVICE == "cpu":
+        # Triton 3.9's interpreter casts fp32 -> e4m3 wrongly when the rounding carries
+        # into the exponent (0.4846 -> 0.25, not 0.5); the GPU's cast rounds as torch's.
+        # So here K and V are values of e4m3's grid and RoPE the identity (cos 1, sin 0):
+        # nothing is rounded, the kernel's scaling, saturation and slots are what is tested.
+        qkv = qkv.to(torch.float8_e4m3fn).to(dtype)
+        table[:, : D // 2], table[:, D // 2 :] = 1.0, 0.0
+    if kv_dtype == "fp8":  # some values past e4m3's 448 once divided by the scale
+        qkv[0, Hq + Hkv, :2] = torch.tensor([320.0, -704.0], dtype=dtype)
+    pool = torch.randn(layout.shape, generator=gen).to(pool_dtype).to(DEVICE)
     layer, before = 1, pool.clone()
 
     ref_qkv, ref_pool = qkv.clone(), pool.clone()
@@ -106,18 +125,29 @@ def test_rope_store_kv_equals_rope_then_the_backends_store(order, dtype):
     md.slot_mapping = slots
     plan = TritonBackend().plan(md, ps)
     k, v = ref_qkv[:, Hq : Hq + Hkv], ref_qkv[:, Hq + Hkv :]
-    TritonBackend().forward(ref_qkv[:, :Hq], k, v, kc, vc, md, plan, D**-0.5)
+    TritonBackend().forward(ref_qkv[:, :Hq], k, v, kc, vc, md, plan, D**-0.5, kv_scale=kv_scale)
 
     kc, vc = layout.layer_views(pool)[layer]
-    rope_store_kv(qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv :], table, positions, kc, vc, slots)
+    rope_store_kv(
+        qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv :], table, positions, kc, vc, slots, None, kv_scale
+    )
     assert torch.equal(qkv, ref_qkv)  # q and k rotated as RoPE alone does, V untouched
-    assert torch.equal(pool, ref_pool)  # the same bytes in the pool, nothing else written
+    # the same bytes in the pool, nothing else written
+    assert torch.equal(pool.view(torch.uint8), ref_pool.view(torch.uint8))
     kc, vc = layout.layer_views(pool)[layer]
     for t in range(T - 1):  # each real token's rotated K and its V sit at its slot
         page, off = divmod(int(slots[t]), ps)
-        assert torch.equal(kc[page, off], qkv[t, Hq : Hq + Hkv])
-        assert torch.equal(vc[page, off], qkv[t, Hq + Hkv :])
-    changed = (pool != before).movedim(layout.page_dim, 0).flatten(1).any(1)
+        k_t, v_t = qkv[t, Hq : Hq + Hkv], qkv[t, Hq + Hkv :]
+        if kv_dtype == "fp8":
+            k_t, v_t = quantize_kv(k_t, kv_scale[0]), quantize_kv(v_t, kv_scale[1])
+        assert torch.equal(kc[page, off].view(torch.uint8), k_t.view(torch.uint8))
+        assert torch.equal(vc[page, off].view(torch.uint8), v_t.view(torch.uint8))
+    if kv_dtype == "fp8":  # saturated, as quantize_kv saturates
+        page, off = divmod(int(slots[0]), ps)
+        want = [max(-448.0, min(448.0, x / kv_scale[1])) for x in (320.0, -704.0)]
+        assert vc[page, off, 0, :2].float().tolist() == want  # [320, -448] or [448, -448]
+    changed = pool.view(torch.uint8) != before.view(torch.uint8)
+    changed = changed.movedim(layout.page_dim, 0).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == [0, 1, 2]  # the pages of the 4 slots
 
 
@@ -212,3 +242,47 @@ def test_dense_qwen3_through_the_cuda_kernels_equals_transformers(monkeypatch, t
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+def test_an_fp8_cache_is_stored_by_the_rope_kernel_with_each_layers_scales(
+    monkeypatch, tiny_hf_builder
+):
+    """On the CUDA path (fused ops) an e4m3 pool is written by the RoPE kernel, quantized
+    with each layer's own K/V scales; the backend's store kernel (and the torch
+    quantization before it: four elementwise kernels for K and V) does not run."""
+    from pdserve.engine.kv.layout import KVCacheLayout
+    from pdserve.model import fused_ops, llama, triton_backend
+    from pdserve.model.attention import build_attention_metadata
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("llama", seed=5)
+    model = llama.LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    layers = list(model.decoder_layers())
+    for i, layer in enumerate(layers):
+        layer.kv_scale = (0.5 * (i + 1), 0.25 * (i + 1))
+    s = model.shapes
+    lay = KVCacheLayout(
+        "page_major", s.n_layers, s.n_kv_heads, s.head_dim, 4, 8, torch.float8_e4m3fn
+    )
+    pool = lay.allocate("cpu")
+    caches = lay.layer_views(pool)
+    stored = []
+    real_store = fused_ops.rope_store_kv
+
+    def recording(qk, v, table, positions, kc, vc, slots, qk_norm=None, kv_scale=(1.0, 1.0)):
+        stored.append((kc.dtype, kv_scale))
+        real_store(qk, v, table, positions, kc, vc, slots, qk_norm, kv_scale)
+
+    monkeypatch.setattr(fused_ops, "rope_store_kv", recording)
+
+    class NoStore:
+        def __getitem__(self, grid):
+            raise AssertionError("the backend's store kernel ran")
+
+    monkeypatch.setattr(triton_backend, "store_kv_kernel", NoStore())
+    md = build_attention_metadata([5], [5], [[3, 6]], 4)
+    model(torch.tensor([1, 7, 9, 4, 2]), torch.arange(5), md, caches)
+    assert stored == [(torch.float8_e4m3fn, layer.kv_scale) for layer in layers]
+    assert pool.view(torch.uint8).any()  # the prompt's K/V are in the pool

@@ -156,6 +156,38 @@ def test_gemv_matches_dequantized(config, k):
         triton_w8a8.gemv(torch.cat([x, x]), w.weight, w.scale, None, config)
 
 
+@pytest.mark.parametrize("config, k", [(("gemv", 16, 32, 4, 1), 160), (("gemv", 8, 64, 4, 1), 100)])
+def test_gemv_with_silu_mul_equals_the_activation_then_the_gemv(config, k):
+    """SwiGLU inside the FP8 gemv: ``[gate | up]`` in, the same output as
+    ``fused_ops.silu_mul`` then the gemv (fp32: the same arithmetic), ragged K too."""
+    from pdserve.model.fused_ops import silu_mul
+
+    n = 40
+    w = _weight(n, k, seed=6)
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(1, 2 * k, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(n, generator=g) * 0.1).to(DEVICE)
+    want = triton_w8a8.gemv(silu_mul(gate_up), w.weight, w.scale, bias, config)
+    got = triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
+    assert got.shape == (1, n)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    with pytest.raises(ValueError, match="silu_mul"):
+        triton_w8a8.gemv(gate_up[:, :k], w.weight, w.scale, None, config, silu_mul=True)
+
+
+def test_linear_silu_mul_runs_only_where_the_gemv_is_the_path(monkeypatch):
+    """fp8.linear_silu_mul: None (the caller runs the activation, then the linear) while
+    FUSE_SILU_GEMV is off, off CUDA, for more than one row, or where the shape's one-row
+    path is not the gemv."""
+    w = _weight(48, 160)
+    x = torch.randn(1, 320)
+    monkeypatch.setattr(fp8, "FUSE_SILU_GEMV", False)
+    assert fp8.linear_silu_mul(x, w, None) is None
+    monkeypatch.setattr(fp8, "FUSE_SILU_GEMV", True)
+    assert fp8.linear_silu_mul(x, w, None) is None  # a CPU tensor
+    assert fp8.linear_silu_mul(torch.randn(2, 320), w, None) is None
+
+
 def test_path_for_reads_the_table(monkeypatch):
     monkeypatch.setitem(
         fp8.PATHS, (48, 160), ((1, ("gemv", None)), (8, ("w8a8", None)), (64, ("w8a16", None)))
