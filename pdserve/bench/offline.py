@@ -518,7 +518,7 @@ def _run(
     hf = None if args.ours_only else hf_model(engine)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
-    results = []
+    results: list[dict[str, Any]] = []
     rates = {
         "bandwidth": copy_bandwidth(engine.device),
         "flop_rate": matmul_rate(engine.device, engine.dtype),
