@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_step_profile import _decode_steps
 
 from pdserve.bench import offline
-from pdserve.cli import flag_values
 
 
 def main() -> None:
@@ -62,7 +61,7 @@ def main() -> None:
 
     t0 = time.time()
     counts = offline._parse_counts(args.num_prompts)
-    fields = flag_values(args, [f for f in offline.ENGINE_FLAGS if f.flag in offline._LLM_FLAGS])
+    fields = offline.llm_fields(args, counts)
     llm = LLM(max_running_requests=max(counts), **fields)
     print(f"engine up in {time.time() - t0:.0f} s", flush=True)
     try:

@@ -324,6 +324,16 @@ def _time_prefill(llm, hf, prefill: tuple[int, int], pad_id: int, repeats: int) 
     return row
 
 
+def llm_fields(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    """The :class:`LLM` keyword arguments of ``bench offline``'s engine flags in ``args``, the
+    step's token budget filled in from the largest of ``batches`` (prompts of a row) when
+    ``--max-num-batched-tokens`` was not given (:func:`batched_tokens_for`)."""
+    fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
+    if fields.get("max_num_batched_tokens") is None:
+        fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
+    return fields
+
+
 def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = None) -> int:
     """Run the comparison, print a table, optionally write JSON; 2 on bad arguments.
     after: called with the ``LLM`` once the rows ran (0 returned), before it shuts down (a
@@ -348,9 +358,7 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
         kwargs: dict[str, Any] = {}
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
-        fields = flag_values(args, [f for f in ENGINE_FLAGS if f.flag in _LLM_FLAGS])
-        if fields.get("max_num_batched_tokens") is None:
-            fields["max_num_batched_tokens"] = batched_tokens_for(max(batches))
+        fields = llm_fields(args, batches)
         t0 = time.perf_counter()
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
         start_s = time.perf_counter() - t0  # the load, the pool, the graph capture
