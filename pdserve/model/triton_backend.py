@@ -39,6 +39,13 @@ from pdserve.model.triton_kernels import (
     store_kv_kernel,
 )
 
+# The decode kernel's F16_DOT for an e4m3 cache under bf16 queries (dots in fp16: one packed
+# conversion a pair of values instead of three). Off: on the H200 (docs/figures/h200_s6/
+# fp8_attn_probe_f16dot.json against fp8_attn_probe.json, one layer, us) it took 5.0 vs 5.5
+# at 1 x 200 but 20.7 vs 18.4 at 64 x 200 and 124.4 vs 123.7 at 32 x 4,096, the case it
+# was built for. The path stays tested (tests/model/test_fp8_attention.py).
+FP8_KV_F16_DOTS = False
+
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
 _EXTEND_BLOCK_N = 64
@@ -520,7 +527,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
-            F16_DOT=is_fp8(k_cache) and q.dtype == torch.bfloat16,
+            F16_DOT=FP8_KV_F16_DOTS and is_fp8(k_cache) and q.dtype == torch.bfloat16,
             PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
