@@ -53,7 +53,7 @@ def judge(doc: dict) -> list[dict]:
                 .get("stages", {})
                 .get("target" if name == "pd" else "compare", {})
             )
-            for stage in ("to_client", "prefill", "stream_back", "to_worker"):
+            for stage in ("to_client", "text_wait", "prefill", "stream_back", "to_worker"):
                 if stage in st:
                     row[f"{name}_{stage}_median_ms"] = st[stage]["median_ms"]
         row["median_gap_ms"] = row["pd_ttft_median_ms"] - row["mixed_ttft_median_ms"]
@@ -104,6 +104,7 @@ def main() -> int:
                 f"({g('pd_p99_over_median')}×) / mixed {g('mixed_ttft_p99_ms')} "
                 f"({g('mixed_p99_over_median')}×) {'OK' if r['no_stall_ok'] else 'NOT MET'} ≤ 2×; "
                 f"to_client PD {g('pd_to_client_median_ms')} / mixed {g('mixed_to_client_median_ms')}; "
+                f"text_wait PD {g('pd_text_wait_median_ms')} / mixed {g('mixed_text_wait_median_ms')}; "
                 f"prefill PD {g('pd_prefill_median_ms')} / mixed {g('mixed_prefill_median_ms')}; "
                 f"ITL median {g('pd_itl_median_ms')} / {g('mixed_itl_median_ms')}; "
                 f"done {r['pd_completed']}/{r['mixed_completed']}"

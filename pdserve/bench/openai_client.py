@@ -122,6 +122,8 @@ class StreamResult:
         ``{"phases": {name: seconds}, ...}``), ``None`` when the server sent none.
     start_unix: when the request was sent, Unix seconds (to place the timing block's
         ``start_unix`` against it).
+    first_event: to the first SSE event of any kind (``None`` if none came): before
+        ``ttft`` when the stream's first chunks carried no text.
     """
 
     ok: bool = False
@@ -137,6 +139,7 @@ class StreamResult:
     cached_tokens: int | None = None
     timing: dict[str, Any] | None = None
     start_unix: float = 0.0
+    first_event: float | None = None
 
 
 class _StreamState:
@@ -153,9 +156,11 @@ class _StreamState:
     def event(self, data: str, now: float) -> bool:
         """One SSE event's data that arrived at ``now`` (perf_counter); False at
         ``[DONE]``. Raises ``ValueError`` (not JSON) or ``RuntimeError`` (an error chunk)."""
+        result = self.result
+        if result.first_event is None:
+            result.first_event = now - result.start
         if data.strip() == "[DONE]":
             return False
-        result = self.result
         chunk = json.loads(data)
         if chunk.get("error"):
             raise RuntimeError(f"server error in stream: {json.dumps(chunk['error'])}")

@@ -28,7 +28,9 @@ stages' sum) where the blocks carry their times: ``sse_write`` (the streaming wo
 event loop holding the first token → its first SSE chunk handed to its server:
 ``first_chunk_unix``), ``relay_in`` (→ the router's relay took that chunk: the HTTP hop),
 ``relay`` (→ the relay rendered it for the client: ``relay``'s times, router/relay.py),
-``to_client`` (→ the client had it; from the worker's chunk when no router relayed it).
+``to_client`` (→ the client had it; from the worker's chunk when no router relayed it),
+``text_wait`` (→ the first chunk with text, when the client's first event had none: the
+worker stamps its first chunk, the client's TTFT counts the first text).
 
 Times in ms in the tables and the PNG; seconds in the JSON's blocks.
 """
@@ -60,6 +62,7 @@ STAGES = (
     "relay_in",
     "relay",
     "to_client",
+    "text_wait",
     "router_and_stream",
 )
 _PREFILL_PATH = ("tokenize", "engine_inbox", "bootstrap", "queue", "prefill", "kv_transfer")
@@ -110,8 +113,9 @@ def stream_back_parts(r: StreamResult) -> dict[str, float]:
     chunk = streamer.get("first_chunk_unix") if isinstance(streamer, dict) else None
     if not chunk:
         return {}
-    client = r.start_unix + r.ttft  # the client's first chunk
-    held = client - stages["stream_back"]  # the worker's loop held the first token
+    first = r.ttft if r.first_event is None else min(r.first_event, r.ttft)
+    client = r.start_unix + first  # the client's first chunk (its first event)
+    held = r.start_unix + r.ttft - stages["stream_back"]  # the worker's loop held the first token
     out = {"sse_write": float(chunk) - held}
     relay = timing.get("relay") or {}
     t_in, t_out = relay.get("first_chunk_in_unix"), relay.get("first_chunk_out_unix")
@@ -123,6 +127,7 @@ def stream_back_parts(r: StreamResult) -> dict[str, float]:
         )
     else:
         out["to_client"] = client - float(chunk)
+    out["text_wait"] = r.ttft - first
     return out
 
 

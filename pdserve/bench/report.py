@@ -156,6 +156,7 @@ def _result_record(i: int, r: StreamResult) -> dict[str, Any]:
         "finish_reason": r.finish_reason,
         "timing": r.timing,
         "start_unix": r.start_unix,
+        "first_event_ms": None if r.first_event is None else r.first_event * 1000.0,
     }
 
 

@@ -96,8 +96,18 @@ def test_stream_back_parts_from_the_worker_and_relay_times():
     # a worker answering directly (no router): its chunk, then the way to the client
     del r.timing["relay"]
     assert stream_back_parts(r) == pytest.approx(
-        {"sse_write": 0.0002, "to_client": stream_back - 0.0002}, abs=1e-7
+        {"sse_write": 0.0002, "to_client": stream_back - 0.0002, "text_wait": 0.0}, abs=1e-7
     )
+    # the client's first event carried no text (its TTFT counts the next, 9 ms on): that
+    # wait is text_wait, not the way to the client, and the parts still add up
+    r.first_event = 0.030
+    r.ttft = 0.039
+    stream_back = ttft_stages(r)["stream_back"]
+    parts = stream_back_parts(r)
+    assert parts["text_wait"] == pytest.approx(0.009, abs=1e-7)
+    assert parts["sse_write"] == pytest.approx(0.0002, abs=1e-7)
+    assert parts["to_client"] == pytest.approx(0.030 - (chunk - 1000.0), abs=1e-7)
+    assert sum(parts.values()) == pytest.approx(stream_back)
 
 
 def test_mixed_stages_and_missing_blocks():
