@@ -597,6 +597,36 @@ def _down_sum(
 
 
 @triton.jit
+def _route_one(
+    logits_ptr, s_lt, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """Token ``t``'s ``j``-th expert and its routing weight, from its router logits (row
+    ``t`` of ``logits_ptr``, stride ``s_lt``, ``E`` experts): softmax in fp32, the
+    ``TOP_K`` largest in order (ties to the lower id, as ``tl.argmax``), renormalised over
+    them when ``RENORM``. Returns ``(expert id int32, weight fp32)``."""
+    ev = tl.arange(0, BLOCK_E)
+    emask = ev < E
+    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(emask, p, -1.0)
+    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
+    sel_w = total
+    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(left, axis=0)
+        arg = tl.argmax(left, axis=0)
+        total += top
+        sel_w = tl.where(j == jj, top, sel_w)
+        sel_e = tl.where(j == jj, arg, sel_e)
+        left = tl.where(ev == arg, -1.0, left)
+    if RENORM:
+        sel_w = sel_w / total
+    return sel_e, sel_w
+
+
+@triton.jit
 def _route_gate_up_gemv_kernel(
     logits_ptr,
     x_ptr,
@@ -625,26 +655,7 @@ def _route_gate_up_gemv_kernel(
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = a // TOP_K
-    j = a % TOP_K
-    ev = tl.arange(0, BLOCK_E)
-    emask = ev < E
-    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
-    p = tl.exp(lg - tl.max(lg, axis=0))
-    p = tl.where(emask, p, 0.0)
-    p = p / tl.sum(p, axis=0)
-    left = tl.where(emask, p, -1.0)
-    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
-    sel_w = total
-    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
-    for jj in tl.static_range(TOP_K):
-        top = tl.max(left, axis=0)
-        arg = tl.argmax(left, axis=0)
-        total += top
-        sel_w = tl.where(j == jj, top, sel_w)
-        sel_e = tl.where(j == jj, arg, sel_e)
-        left = tl.where(ev == arg, -1.0, left)
-    if RENORM:
-        sel_w = sel_w / total
+    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
     if pid_n == 0:
         tl.store(ids_ptr + a, sel_e.to(tl.int64))
         tl.store(rw_ptr + a, sel_w)
@@ -706,26 +717,7 @@ def _route_gate_up_dot_kernel(
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = a // TOP_K
-    j = a % TOP_K
-    ev = tl.arange(0, BLOCK_E)
-    emask = ev < E
-    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
-    p = tl.exp(lg - tl.max(lg, axis=0))
-    p = tl.where(emask, p, 0.0)
-    p = p / tl.sum(p, axis=0)
-    left = tl.where(emask, p, -1.0)
-    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
-    sel_w = total
-    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
-    for jj in tl.static_range(TOP_K):
-        top = tl.max(left, axis=0)
-        arg = tl.argmax(left, axis=0)
-        total += top
-        sel_w = tl.where(j == jj, top, sel_w)
-        sel_e = tl.where(j == jj, arg, sel_e)
-        left = tl.where(ev == arg, -1.0, left)
-    if RENORM:
-        sel_w = sel_w / total
+    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
     if pid_n == 0:
         tl.store(ids_ptr + a, sel_e.to(tl.int64))
         tl.store(rw_ptr + a, sel_w)
