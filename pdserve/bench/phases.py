@@ -215,6 +215,16 @@ def phase_png_path(json_path: str) -> str:
     return f"{stem}.phases.png"
 
 
+def decode_only_count(results: Sequence[StreamResult]) -> int:
+    """Answers the router sent whole to a decode worker (selective PD's ``decode_only``: a
+    short or cached prompt, no prefill leg): their timing has no PD stages to split."""
+    return sum(
+        1
+        for r in results
+        if r.ok and ((r.timing or {}).get("router") or {}).get("pd_decision") == "decode_only"
+    )
+
+
 def report_stages(series: Sequence[Any]) -> list[dict[str, Any]]:
     """Per (load point, stream) of ``series`` (``runner.Series``; a repeated rate is a load
     point of its own, ``load_point`` its index): the stats of each target's stages and, with two targets, the stage that grew most (target vs compare).
@@ -229,6 +239,7 @@ def report_stages(series: Sequence[Any]) -> list[dict[str, Any]]:
             "load_point": point,
             "stream": stream,
             "stages": dict(stats),
+            "decode_only": {s.target.name: decode_only_count(s.results) for s in group},
             "label": group[0].label.split(" ", 1)[1],
         }
         if len(stats) == 2:

@@ -64,7 +64,7 @@ STREAM_CLIENT = Flag(
     "how streamed answers are read: socket: keep-alive connections parsed by httptools, "
     "each chunk timed when its bytes come off the socket (https URLs: httpx); httpx: "
     "httpx + httpx-sse, each chunk timed when parsed, which counts the client's own "
-    "event-loop delays into TTFT and ITL (the client before 2026-12-03)",
+    "event-loop delays into TTFT and ITL (the older client, for an A/B)",
     default="socket",
     choices=("socket", "httpx"),
 )
@@ -404,6 +404,13 @@ def _report_phases(series: list[Series], json_path: str | None) -> list[dict[str
     entries = report_stages(series)
     for entry in entries:
         named = list(entry["stages"].items())
+        skipped = {name: n for name, n in (entry.get("decode_only") or {}).items() if n}
+        if skipped:
+            console.print(
+                "served decode-only by the router (selective PD: no prefill leg, no PD stages): "
+                + ", ".join(f"{name} {n}" for name, n in skipped.items())
+                + f" ({entry['label']})"
+            )
         if not any(stats for _, stats in named):
             console.print(f"no phase timings in the answers ({entry['label']})")
             continue
@@ -427,6 +434,11 @@ def run(args: argparse.Namespace) -> int:
     target completed no request or could not be reached, 2 on bad arguments)."""
     from pdserve.bench.report import interference_headline, print_report, write_json
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):  # found now, not after the whole run
+            print(f"error: {flag}: folder {folder} does not exist", file=sys.stderr)
+            return 2
     try:
         series, targets, header = asyncio.run(_run_async(args))
     except ValueError as exc:

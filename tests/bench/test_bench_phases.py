@@ -141,3 +141,51 @@ def test_stats_and_the_stage_that_grew_most(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(pd["kv_transfer"]["p99_ms"])
+
+
+def test_decode_only_answers_are_counted():
+    """Answers the router sent whole to decode (selective PD) carry no PD stages: counted,
+    so the report says why they are missing from the table."""
+    from pdserve.bench.phases import decode_only_count
+
+    whole = {"decode": {"phases": {"tokenize": 0.001}}, "router": {"pd_decision": "decode_only"}}
+    pd = {**PD_TIMING, "router": {"pd_decision": "pd"}}
+    results = [
+        StreamResult(ok=True, ttft=0.02, timing=whole),
+        StreamResult(ok=True, ttft=0.02, timing=pd),
+        StreamResult(ok=False, timing=whole),
+        StreamResult(ok=True, ttft=0.02, timing=None),
+    ]
+    assert decode_only_count(results) == 1
+    assert ttft_stages(results[0]) is None and ttft_stages(results[1]) is not None
+
+
+def test_bench_serve_refuses_a_missing_json_folder_before_the_run(tmp_path):
+    """--json/--plot into a folder that does not exist: a one-line error (exit 2) before
+    any request, not a traceback after the whole run."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no" / "such"
+    for flag in ("--json", "--plot"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "bench",
+                "serve",
+                "--url",
+                "http://127.0.0.1:9",
+                "--num-requests",
+                "1",
+                flag,
+                str(missing / "x.out"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert f"error: {flag}: folder {missing} does not exist" in proc.stderr
+        assert "Traceback" not in proc.stderr
