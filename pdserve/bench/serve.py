@@ -258,8 +258,9 @@ async def _run_async(args: argparse.Namespace) -> tuple[list[Series], list[Targe
     # while streams are read (a collection stops every stream's reading; a full one of
     # the heap before the freeze took 22 ms on the CPU machine): the collector is off
     # during the load and collects between blocks (runner.run_load_point, untimed);
-    # every pause under load is timed for the JSON (client_gc)
-    watch = GcWatch(slow_s=0.01).install()
+    # every pause under load is timed for the JSON (client_gc); the watch starts after the
+    # warm-up's freeze (_measure): start-up collections are no pause under load
+    watch = GcWatch(slow_s=0.01)
     before = resource.getrusage(resource.RUSAGE_SELF)
     try:
         series, targets = await _measure(args, spec, ispec, reqs, rates, concurrency, blocks, watch)
@@ -310,8 +311,7 @@ async def _measure(
     async with make_client(args.timeout, socket_streams=args.stream_client == "socket") as client:
         targets = await _targets(client, args)
         await warm_up(client, targets, spec, reqs, args.num_warmups)
-        watch.uninstall()  # the freeze's own full collection is no pause under load
-        watch.freeze()
+        watch.freeze()  # its own full collection is no pause under load: not watched yet
         watch.install()
         gc.disable()
         bar = tqdm(
