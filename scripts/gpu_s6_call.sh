@@ -1,24 +1,4 @@
 #!/usr/bin/env bash
-# One H200 call of session 6 running the named parts in order, each under its own timeout:
+# Session 6's parts (scripts/gpu_s6_NAME.sh) through scripts/gpu_call.sh:
 #   OUT=gpu_s6 bash scripts/gpu_s6_call.sh NAME[:SECONDS] ...
-# runs scripts/gpu_s6_NAME.sh with OUT=$OUT/NAME (its stdout and stderr in
-# $OUT/NAME/output.txt, the last 40 lines echoed), for at most SECONDS (default 240).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_s6}
-mkdir -p "$OUT"
-OUT=$(realpath "$OUT")
-export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-export PY=${PYTHON:-python3} WHEELS=${WHEELS:-.whl}
-. scripts/gpu_setup.sh
-git log --oneline -1 2>/dev/null
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
-for part in "$@"; do
-    name=${part%%:*}; secs=${part#*:}; [ "$secs" = "$part" ] && secs=240
-    mkdir -p "$OUT/$name"
-    echo "== $name (limit $secs s, at $SECONDS s)"
-    OUT="$OUT/$name" timeout -k 10 "$secs" bash "scripts/gpu_s6_$name.sh" > "$OUT/$name/output.txt" 2>&1
-    echo "rc=$? after $SECONDS s" | tee -a "$OUT/$name/output.txt"
-    grep -v "^USDT" "$OUT/$name/output.txt" | tail -40
-done
-echo "== end at $SECONDS s"
+OUT=${OUT:-gpu_s6} PREFIX=s6_ exec bash "$(dirname "$0")/gpu_call.sh" "$@"
