@@ -37,10 +37,10 @@ def parse_rates(text: str) -> tuple[float, ...]:
         try:
             rate = float(part)
         except ValueError:
-            raise ValueError(f"request_rate: {part!r} is not a number") from None
+            raise ValueError(f"--request-rate: {part!r} is not a number") from None
         if not rate > 0:
-            raise ValueError(f"request_rate must be > 0, got {part!r}")
+            raise ValueError(f"--request-rate must be > 0, got {part!r}")
         rates.append(rate)
     if not rates:
-        raise ValueError("request_rate: no rate given")
+        raise ValueError("--request-rate: no rate given")
     return tuple(rates)

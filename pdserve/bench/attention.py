@@ -266,9 +266,9 @@ def run_attention(args: argparse.Namespace) -> int:
         if not configs:
             raise ValueError("configs: none given")
         if args.num_heads % args.num_kv_heads:
-            raise ValueError("num-heads must be a multiple of num-kv-heads")
+            raise ValueError("--num-heads must be a multiple of --num-kv-heads")
         if args.iters < 1:
-            raise ValueError(f"iters must be >= 1, got {args.iters}")
+            raise ValueError(f"--iters must be >= 1, got {args.iters}")
         dtype = getattr(torch, args.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: {args.dtype!r} is not a torch dtype")

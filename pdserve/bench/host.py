@@ -250,7 +250,7 @@ def run_host(args: argparse.Namespace) -> int:
     try:
         counts = _parse_counts(args.num_prompts)
         if args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
-            raise ValueError("max-tokens must be >= 2, prompt-len and repeats >= 1")
+            raise ValueError("--max-tokens must be >= 2, --prompt-len and --repeats >= 1")
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -347,13 +347,13 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
         prefill = _parse_nxl(args.prefill)
         long_ctx = _parse_nxl(args.long_context, "long-context", "32x4096")
         if args.max_tokens < 1 or args.repeats < 1:
-            raise ValueError("max-tokens and repeats must be >= 1")
+            raise ValueError("--max-tokens and --repeats must be >= 1")
         if args.steady_steps < 0:
-            raise ValueError(f"steady-steps must be >= 0, got {args.steady_steps}")
+            raise ValueError(f"--steady-steps must be >= 0, got {args.steady_steps}")
         if args.input_len is not None and args.input_len < 1:
-            raise ValueError(f"input-len must be >= 1, got {args.input_len}")
+            raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
         if args.input_source is not None and args.input_len is None:
-            raise ValueError("input-source needs --input-len (the length to cut or pad to)")
+            raise ValueError("--input-source needs --input-len (the length to cut or pad to)")
         batches = counts + [r[0] for r in (prefill, long_ctx) if r]
         kwargs: dict[str, Any] = {}
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy

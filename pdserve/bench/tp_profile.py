@@ -182,7 +182,7 @@ def run_tp_profile(args: argparse.Namespace) -> int:
     try:
         counts = _parse_counts(args.num_prompts)
         if args.tp < 2 or args.num_threads < 1 or args.max_tokens < 1 or args.repeats < 1:
-            raise ValueError("tp must be >= 2; num-threads, max-tokens, repeats >= 1")
+            raise ValueError("--tp must be >= 2; --num-threads, --max-tokens, --repeats >= 1")
         torch.set_num_threads(args.num_threads)  # rank processes take rank 0's count
         kw = dict(device=args.device, max_running_requests=max(counts))
         one = LLM(args.model, **kw)

@@ -319,7 +319,10 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
         scoring = req.max_tokens == 0  # no output: the engine's one token is dropped
         if scoring and not req.echo:
             raise APIError(
-                400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens"
+                400,
+                "max_tokens is 0 without echo: give max_tokens >= 1, or echo: true to score"
+                " the prompt",
+                "max_tokens",
             )
         if req.echo:
             for prompt, ids in zip(batch, ids_of):

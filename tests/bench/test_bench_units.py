@@ -92,7 +92,7 @@ def test_poisson_schedule_is_seeded_and_has_the_right_rate():
 def test_parse_rates():
     assert parse_rates("1, 2.5,inf") == (1.0, 2.5, math.inf)
     for bad in ("0", "-1", "x", "1,,2"):
-        with pytest.raises(ValueError, match="request_rate"):
+        with pytest.raises(ValueError, match="--request-rate"):
             parse_rates(bad)
 
 
