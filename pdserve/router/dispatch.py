@@ -28,20 +28,16 @@ from pdserve.http.client import (
     WorkerStream,
 )
 from pdserve.http.json_fields import as_int
-from pdserve.router.errors import error_from_worker, error_response
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.migration import Leg, Migration, StreamState
-from pdserve.router.relay import (
-    OpenStreams,
-    PrefillWatch,
-    StreamEnd,
+from pdserve.router.answer_merge import (
     merge_cached_tokens,
     merge_prompt_logprobs,
     merge_router_timing,
     merge_timing,
-    relay_sse,
-    start_relay,
 )
+from pdserve.router.errors import error_from_worker, error_response
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import Leg, Migration, StreamState
+from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import (
     NoHealthyWorker,
     WorkerPool,

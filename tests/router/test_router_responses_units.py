@@ -4,7 +4,7 @@ stream event, and a stored output turned back into input items (no processes).""
 from __future__ import annotations
 
 from pdserve.router import responses as rr
-from pdserve.router.relay import is_final_chunk, merge_cached_tokens
+from pdserve.router.answer_merge import is_final_chunk, merge_cached_tokens
 
 PATH = "/v1/responses"
 

@@ -10,8 +10,8 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.disagg.base import ROOM_LIMIT, check_room, rooms_needed, sample_room
 from pdserve.http.http_errors import error_json, error_status
+from pdserve.router.answer_merge import merge_prompt_logprobs
 from pdserve.router.dispatch import Dispatcher, _num_samples
-from pdserve.router.relay import merge_prompt_logprobs
 from pdserve.router.workers import WorkerState, _block_keys, create_policy, routing_key
 
 
