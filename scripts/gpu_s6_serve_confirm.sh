@@ -10,7 +10,7 @@
 # at an H200's cadence (scripts/bench_client_lateness.py, socket then httpx client); and,
 # if time is left, one more run with the old client (--stream-client httpx) on the same
 # deployment: the A/B of what the client counted into TTFT.
-# Usage (repository root): [OUT=dir] bash scripts/gpu_s6_serve_confirm.sh [MODEL] [DEVICE]
+# Usage (repository root): [OUT=dir] [DECODE_GPU=1] bash scripts/gpu_s6_serve_confirm.sh [MODEL] [DEVICE]
 #   MODEL default random:llama-3.1-8b, DEVICE default cuda; `random:tiny cpu` for a dry run
 #   (then NREQ, ILEN, OLEN, RATES may be set smaller).
 # Writes under $OUT: serve.json (+ .png, .phases.png), summary.json, client_lateness_*.json,
@@ -39,7 +39,11 @@ RP=$(port); MP=$(port)
 DT=bfloat16; [ "$DEVICE" = cpu ] && DT=float32
 common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "$KV")
 echo "== $(git log --oneline -1 2>/dev/null) model $MODEL on $DEVICE; router :$RP, mixed :$MP"
-setsid $PY -m pdserve up "${common[@]}" --port "$RP" --log-dir "$LOGS" > "$LOGS/up.out" 2>&1 &
+# PREFILL_GPU / DECODE_GPU (default 0: one shared card) place PD's workers; DECODE_GPU=1 on a
+# two-GPU machine gives the check without the shared card's time-slicing (mixed stays on GPU 0)
+pd_gpus=(--prefill-gpu-ids "${PREFILL_GPU:-0}" --decode-gpu-ids "${DECODE_GPU:-0}")
+[ "$DEVICE" = cpu ] && pd_gpus=()
+setsid $PY -m pdserve up "${common[@]}" "${pd_gpus[@]}" --port "$RP" --log-dir "$LOGS" > "$LOGS/up.out" 2>&1 &
 UP=$!
 setsid $PY -m pdserve serve "${common[@]}" --port "$MP" > "$LOGS/mixed.log" 2>&1 &
 MX=$!
