@@ -203,7 +203,7 @@ def test_bad_arguments_and_unreachable_url(fake_urls, capsys):
     assert main(["bench", "serve", "--url", fake_urls[0], "--concurrency", "0"]) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     assert main(["bench", "serve", "--url", fake_urls[0], "--request-rate", "fast"]) == 2
-    assert "request_rate" in capsys.readouterr().err
+    assert "--request-rate" in capsys.readouterr().err
     assert (
         main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "1"])
         == 1
