@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_step_profile import _prompts, profile_shapes  # noqa: E402
+from gpu_step_profile import _prompts, profile_shapes
 
-from pdserve.engine.llm import LLM  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _host_profile(llm: LLM, rows: int, ctx: int, steps: int, cuda: bool) -> dict:
@@ -63,7 +63,7 @@ def _host_profile(llm: LLM, rows: int, ctx: int, steps: int, cuda: bool) -> dict
         core.step()
     st = pstats.Stats(pr)
     rows_out = []
-    for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+    for (fn, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
         rows_out.append(
             {
                 "function": f"{os.path.relpath(fn) if fn.startswith('/') else fn}:{line}({name})",
