@@ -18,7 +18,11 @@ from __future__ import annotations
 Tiles = tuple[int, int, int, int, int]
 DownSum = tuple[str, int, int, int, int]
 
-DECODE: tuple[tuple[int, Tiles, Tiles, DownSum | None, bool], ...] = (
+DECODE: tuple[
+    tuple[int, Tiles, Tiles, DownSum | None, bool]
+    | tuple[int, Tiles, Tiles, DownSum | None, bool, int],
+    ...,
+] = (
     (8, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),
     (16, (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), None, True),
     (32, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),
@@ -33,3 +37,6 @@ ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = (
     (1024, 4),
     (2048, 4),
 )
+# (tokens up to, RouteAlignConfig fields (kind, num_warps, rank_dot, tokens_per_program,
+# align_warps)) of route_align; past the rows (or none): one program, ROUTE_ALIGN_WARPS
+ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = ()

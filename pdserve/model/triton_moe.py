@@ -90,6 +90,93 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
     return Alignment(sorted_ids, block_expert, ends[-1:].to(torch.int32), block_m)
 
 
+@triton.jit
+def _route_topk(logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K):
+    """Routing of the tokens ``tv`` (``[BLOCK_T]``, those ``< T`` real): softmax of their
+    router logits in fp32, ``TOP_K`` rounds of argmax (each chosen expert masked out), the
+    weights renormalised when ``RENORM``; stores ``ids [T, k]`` (int64) and ``w [T, k]``.
+    Returns ``(chosen, order)`` ``[BLOCK_T, BLOCK_E]`` int32: 1 where the token chose the
+    expert, and its rank ``j`` among the token's choices."""
+    t = tv[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    tmask = t < T
+    valid = tmask & (e < E)
+    x = tl.load(logits_ptr + t * s_lt + e, mask=valid, other=-float("inf")).to(tl.float32)
+    x = tl.where(tmask, x, 0.0)  # rows past T: finite, never stored
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(valid, p, 0.0)
+    den = tl.sum(p, axis=1)
+    p = p / tl.where(den > 0, den, 1.0)[:, None]
+    left = tl.where(valid, p, -1.0)
+    total = tl.sum(tl.zeros_like(p), axis=1)
+    order = tl.zeros_like(t + e).to(tl.int32)
+    chosen = tl.zeros_like(order)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(left, axis=1)
+        arg = tl.argmax(left, axis=1)
+        hit = e == arg[:, None]
+        total += top
+        order = tl.where(hit, j, order)
+        chosen = tl.where(hit, 1, chosen)
+        left = tl.where(hit, -1.0, left)
+        tl.store(ids_ptr + tv * TOP_K + j, arg.to(tl.int64), mask=tv < T)
+        tl.store(w_ptr + tv * TOP_K + j, top, mask=tv < T)
+    if RENORM:
+        tl.debug_barrier()
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        kmask = tmask & (kk < TOP_K)
+        wp = w_ptr + t * TOP_K + kk
+        tl.store(wp, tl.load(wp, mask=kmask, other=0.0) / total[:, None], mask=kmask)
+    return tl.where(tmask, chosen, 0), order
+
+
+@triton.jit
+def _align_store(
+    chosen,
+    order,
+    sorted_ptr,
+    bexp_ptr,
+    used_ptr,
+    T,
+    E,
+    ROWS,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    RANK_DOT: tl.constexpr,
+):
+    """:func:`align`'s outputs from ``chosen``/``order`` ``[BLOCK_T, BLOCK_E]`` (see
+    ``_route_topk``): per expert its count and padded end (cumsum), each assignment's rank
+    among its expert's tokens (an exclusive cumsum over tokens: a token chooses an expert at
+    most once; with ``RANK_DOT`` as a product with the strictly lower triangle of ones on
+    tensor cores, exact for these small counts), so assignment ``t * k + j`` lands at
+    ``start[e] + rank``: the order of :func:`align`."""
+    t = tl.arange(0, BLOCK_T)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    counts = tl.sum(chosen, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    if RANK_DOT:
+        lower = (tl.arange(0, BLOCK_T)[None, :] < t).to(tl.float16)  # [t, t'] t' < t
+        rank = tl.dot(lower, chosen.to(tl.float16), out_dtype=tl.float32).to(tl.int32)
+    else:
+        rank = tl.cumsum(chosen, axis=0) - chosen
+    r = tl.arange(0, BLOCK_R)
+    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
+    tl.debug_barrier()
+    dest = (ends - padded)[None, :] + rank
+    keep = (chosen > 0) & (t < T) & (e < E)
+    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=keep)
+    bv = tl.arange(0, BLOCK_B)
+    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
+    be = tl.sum(past.to(tl.int32), axis=1)
+    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
+
+
 @triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
 def _route_align_kernel(
     logits_ptr,
@@ -110,63 +197,90 @@ def _route_align_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    RANK_DOT: tl.constexpr,
 ):
     """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
     tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
-    decode step). Softmax in fp32, ``TOP_K`` rounds of argmax (each chosen expert masked
-    out), the weights renormalised when ``RENORM``; then per expert its count and padded
-    end (cumsum), and each assignment's rank among its expert's tokens (an exclusive cumsum
-    over tokens: a token chooses an expert at most once), so assignment ``t * k + j`` lands
-    at ``start[e] + rank``: the order of :func:`align`."""
+    decode step): ``_route_topk`` then ``_align_store``."""
     tv = tl.arange(0, BLOCK_T)
-    t = tv[:, None]
+    chosen, order = _route_topk(
+        logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
+    )
+    _align_store(
+        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
+        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=("T",))  # per-step sizes: no recompile
+def _route_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    T,
+    E,
+    s_lt,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid ``(cdiv(T, BLOCK_T),)``: the routing (``_route_topk``) of ``BLOCK_T`` tokens a
+    program, the first launch of the split :func:`route_align`."""
+    tv = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_topk(logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
+def _align_ids_kernel(
+    ids_ptr,
+    sorted_ptr,
+    bexp_ptr,
+    used_ptr,
+    T,
+    E,
+    ROWS,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    RANK_DOT: tl.constexpr,
+):
+    """One program: :func:`align` of the routed ``ids [T, k]`` (the second launch of the
+    split :func:`route_align`): the chosen/order grids from the ids, then ``_align_store``."""
+    tv = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)[None, :]
-    tmask = t < T
-    valid = tmask & (e < E)
-    x = tl.load(logits_ptr + t * s_lt + e, mask=valid, other=-float("inf")).to(tl.float32)
-    x = tl.where(tmask, x, 0.0)  # rows past T: finite, never stored
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = tl.where(valid, p, 0.0)
-    den = tl.sum(p, axis=1)
-    p = p / tl.where(den > 0, den, 1.0)[:, None]
-    left = tl.where(valid, p, -1.0)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        top = tl.max(left, axis=1)
-        arg = tl.argmax(left, axis=1)
-        hit = e == arg[:, None]
-        total += top
-        order = tl.where(hit, j, order)
+        idj = tl.load(ids_ptr + tv * TOP_K + j, mask=tv < T, other=-1)
+        hit = e == idj[:, None]
         chosen = tl.where(hit, 1, chosen)
-        left = tl.where(hit, -1.0, left)
-        tl.store(ids_ptr + tv * TOP_K + j, arg.to(tl.int64), mask=tv < T)
-        tl.store(w_ptr + tv * TOP_K + j, top, mask=tv < T)
-    if RENORM:
-        tl.debug_barrier()
-        kk = tl.arange(0, BLOCK_K)[None, :]
-        kmask = tmask & (kk < TOP_K)
-        wp = w_ptr + t * TOP_K + kk
-        tl.store(wp, tl.load(wp, mask=kmask, other=0.0) / total[:, None], mask=kmask)
-    chosen = tl.where(tmask, chosen, 0)
-    counts = tl.sum(chosen, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    rank = tl.cumsum(chosen, axis=0) - chosen
-    r = tl.arange(0, BLOCK_R)
-    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
-    tl.debug_barrier()
-    dest = (ends - padded)[None, :] + rank
-    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=(chosen > 0) & valid)
-    bv = tl.arange(0, BLOCK_B)
-    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
-    be = tl.sum(past.to(tl.int32), axis=1)
-    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
-    tl.store(used_ptr, tl.sum(padded, axis=0))
+        order = tl.where(hit, j, order)
+    _align_store(
+        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
+        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
+    )  # fmt: skip
 
 
 ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
+
+
+class RouteAlignConfig(NamedTuple):
+    """How :func:`route_align` runs. ``kind``: ``"one"`` (routing and alignment in one
+    program, ``num_warps`` warps; 0: :func:`route_align_warps`) or ``"split"`` (the routing
+    in programs of ``tokens_per_program`` tokens with ``num_warps`` warps each, then the
+    alignment in one program of ``align_warps`` warps: two launches). ``rank_dot``: each
+    assignment's rank within its expert as a tensor-core product instead of a cumsum."""
+
+    kind: str = "one"
+    num_warps: int = 0
+    rank_dot: bool = False
+    tokens_per_program: int = 4
+    align_warps: int = 4
 
 
 def route_align_fits(tokens: int, n_experts: int) -> bool:
@@ -181,13 +295,18 @@ def route_align(
     renormalize: bool,
     block_m: int,
     num_warps: int | None = None,
+    config: RouteAlignConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-    """:func:`pdserve.model.moe.route` then :func:`align`, in one Triton launch (when
-    :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns ``(weights [T, k]
-    float32, ids [T, k] int64, Alignment)``, equal to the torch pair's (ids and order;
-    weights to fp32 rounding). num_warps: of the one program (default
-    :func:`route_align_warps`)."""
+    """:func:`pdserve.model.moe.route` then :func:`align`, in one or two Triton launches
+    (when :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns
+    ``(weights [T, k] float32, ids [T, k] int64, Alignment)``, equal to the torch pair's
+    (ids and order; weights to fp32 rounding). config: a :class:`RouteAlignConfig`
+    (default :func:`route_align_config`); num_warps: overrides its ``num_warps``. Raises
+    ValueError for an unknown ``config.kind``."""
     T, E = router_logits.shape
+    cfg = config or route_align_config(T, E)
+    if num_warps:
+        cfg = cfg._replace(num_warps=num_warps)
     dev = router_logits.device
     N = T * top_k
     rows = max_rows(N, E, block_m)
@@ -196,28 +315,70 @@ def route_align(
     sorted_ids = torch.empty((rows,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((rows // block_m,), dtype=torch.int32, device=dev)
     used = torch.empty((1,), dtype=torch.int32, device=dev)
-    _route_align_kernel[(1,)](
-        router_logits,
-        weights,
-        ids,
-        sorted_ids,
-        block_expert,
-        used,
-        T,
-        E,
-        rows,
-        router_logits.stride(0),
+    # a tensor-core rank needs 16-row tiles
+    block_t = max(triton.next_power_of_2(max(T, 1)), 16 if cfg.rank_dot else 1)
+    block_e = max(triton.next_power_of_2(E), 16 if cfg.rank_dot else 1)
+    align_args = dict(
         TOP_K=top_k,
-        RENORM=renormalize,
         BLOCK_M=block_m,
-        BLOCK_T=triton.next_power_of_2(max(T, 1)),
-        BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
         BLOCK_R=triton.next_power_of_2(rows),
         BLOCK_B=triton.next_power_of_2(rows // block_m),
-        num_warps=num_warps or route_align_warps(T, E),
+        RANK_DOT=cfg.rank_dot,
     )
+    if cfg.kind == "one":
+        _route_align_kernel[(1,)](
+            router_logits,
+            weights,
+            ids,
+            sorted_ids,
+            block_expert,
+            used,
+            T,
+            E,
+            rows,
+            router_logits.stride(0),
+            RENORM=renormalize,
+            BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=cfg.num_warps or route_align_warps(T, E),
+            **align_args,
+        )
+    elif cfg.kind == "split":
+        tpp = min(cfg.tokens_per_program, triton.next_power_of_2(max(T, 1)))
+        _route_kernel[(triton.cdiv(T, tpp),)](
+            router_logits,
+            weights,
+            ids,
+            T,
+            E,
+            router_logits.stride(0),
+            TOP_K=top_k,
+            RENORM=renormalize,
+            BLOCK_T=tpp,
+            BLOCK_E=triton.next_power_of_2(E),
+            BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=cfg.num_warps or 1,
+        )
+        _align_ids_kernel[(1,)](
+            ids, sorted_ids, block_expert, used, T, E, rows,
+            num_warps=cfg.align_warps, **align_args,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"RouteAlignConfig.kind: 'one' or 'split', got {cfg.kind!r}")
     return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)
+
+
+def route_align_config(tokens: int, n_experts: int) -> RouteAlignConfig:
+    """The :class:`RouteAlignConfig` of ``tokens`` rows of ``n_experts`` logits:
+    ``moe_table.ROUTE_ALIGN``'s entry of the smallest bound >= ``tokens`` (measured on the
+    H200 by scripts/gpu_s7_moe.py), else one program of :func:`route_align_warps` warps."""
+    from pdserve.model import moe_table
+
+    for bound, row in getattr(moe_table, "ROUTE_ALIGN", ()):
+        if tokens <= bound:
+            return RouteAlignConfig(*row)
+    return RouteAlignConfig()
 
 
 def route_align_warps(tokens: int, n_experts: int) -> int:
@@ -352,6 +513,158 @@ def _down_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
+@triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
+def _gate_up_split_kernel(
+    x_ptr,
+    w_ptr,
+    part_ptr,
+    ids_ptr,
+    bexp_ptr,
+    used_ptr,
+    N,
+    K,
+    INTER,
+    K_PER,
+    s_xt,
+    s_we,
+    s_wn,
+    s_ps,
+    s_pn,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Grid ``(row blocks, cdiv(INTER, BLOCK_N), splits)``: ``_gate_up_kernel``'s dots over
+    the split's ``K_PER`` (a multiple of ``BLOCK_K``) reduction columns only, stored unrounded
+    (fp32) as ``part[split, a, n]`` (gate) and ``part[split, a, INTER + n]`` (up)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ids = tl.load(ids_ptr + rows)
+    valid = a_ids < N
+    tok = (a_ids // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    k_lo = pid_s * K_PER
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * s_xt + k_lo + ks[None, :]
+    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + k_lo + ks[:, None]
+    u_ptrs = g_ptrs + INTER * s_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xa, g, acc_g)
+            acc_u = tl.dot(xa, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    p_ptrs = part_ptr + pid_s * s_ps + a_ids[:, None].to(tl.int64) * s_pn + cols[None, :]
+    smask = valid[:, None] & cmask[None, :]
+    tl.store(p_ptrs, acc_g, mask=smask)
+    tl.store(p_ptrs + INTER, acc_u, mask=smask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    part_ptr,
+    act_ptr,
+    INTER,
+    s_ps,
+    s_pn,
+    s_an,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(N, cdiv(INTER, BLOCK))``: the split partial sums of assignment ``a`` added in
+    split order (fp32), then ``act[a] = silu(gate) * up`` with ``_gate_up_kernel``'s
+    roundings."""
+    a = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < INTER
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        base = part_ptr + sp * s_ps + a * s_pn + cols
+        g += tl.load(base, mask=cmask, other=0.0)
+        u += tl.load(base + INTER, mask=cmask, other=0.0)
+    ty = act_ptr.dtype.element_ty
+    gate = g.to(ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    up = u.to(ty).to(tl.float32)
+    tl.store(act_ptr + a * s_an + cols, (silu * up).to(ty), mask=cmask)
+
+
+def _gate_up_split(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    act: torch.Tensor,
+    al: Alignment,
+    k: int,
+    up: MoEConfig,
+    splits: int,
+) -> None:
+    """``act [N, I]`` of the aligned assignments with the reduction over H split in
+    ``splits`` programs per tile (``MoEPlan.up_split``): partial sums ``[splits, N, 2I]``
+    fp32, then their ordered sum, silu and product (two launches)."""
+    N, inter = act.shape
+    H = x.shape[1]
+    k_per = triton.cdiv(triton.cdiv(H, splits), up.block_k) * up.block_k
+    splits = triton.cdiv(H, k_per)
+    part = torch.empty((splits, N, 2 * inter), dtype=torch.float32, device=x.device)
+    n_blocks = al.sorted_ids.numel() // up.block_m
+    _gate_up_split_kernel[(n_blocks, triton.cdiv(inter, up.block_n), splits)](
+        x,
+        w13,
+        part,
+        al.sorted_ids,
+        al.block_expert,
+        al.used,
+        N,
+        H,
+        inter,
+        k_per,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        part.stride(0),
+        part.stride(1),
+        TOP_K=k,
+        BLOCK_M=up.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(N, triton.cdiv(inter, block))](
+        part,
+        act,
+        inter,
+        part.stride(0),
+        part.stride(1),
+        act.stride(0),
+        SPLITS=splits,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
 class MoEConfig(NamedTuple):
     """Tile sizes of one launch: rows per block (``block_m``: tokens of one expert), the
     output-column and reduction tiles, warps and pipeline stages."""
@@ -380,12 +693,16 @@ class MoEPlan(NamedTuple):
     the one-launch down projection + routing weights + top-k sum (a :data:`DownSum`; each
     token's k experts read for it alone), or None for the grouped down kernel then the
     top-k sum: in torch, or when ``triton_sum`` in ``_topk_sum_kernel`` (one small launch;
-    torch's reduction kernel took 4.4 us a layer at 1 token on the H200)."""
+    torch's reduction kernel took 4.4 us a layer at 1 token on the H200). ``up_split``: the
+    gate/up kernel's reduction over H split into that many programs (``_gate_up_split_kernel``:
+    fp32 partial sums, then ``_silu_mul_kernel`` adds them in a fixed order), so that few
+    experts with many tokens still give every SM work; 1: one program per tile."""
 
     up: MoEConfig
     down: MoEConfig
     down_sum: DownSum | None = None
     triton_sum: bool = False
+    up_split: int = 1
 
 
 def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
@@ -399,7 +716,8 @@ def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
     per_expert = n_assign / max(n_experts, 1)
     if per_expert <= 16 and moe_table.DECODE:
         row = next((r for r in moe_table.DECODE if r[0] >= n_assign), moe_table.DECODE[-1])
-        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4])
+        split = row[5] if len(row) > 5 else 1
+        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4], split)
     if per_expert <= 64:
         c = MoEConfig(32, 64, 64, 4, 3)
     else:
@@ -463,28 +781,31 @@ def grouped_experts(
     act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
     n_blocks = al.sorted_ids.numel() // up.block_m
     ieee = x.dtype == torch.float32
-    _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
-        x,
-        w13,
-        act,
-        al.sorted_ids,
-        al.block_expert,
-        al.used,
-        N,
-        H,
-        inter,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        act.stride(0),
-        TOP_K=k,
-        BLOCK_M=up.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        IEEE=ieee,
-        num_warps=up.num_warps,
-        num_stages=up.num_stages,
-    )
+    if plan.up_split > 1:
+        _gate_up_split(x, w13, act, al, k, up, plan.up_split)
+    else:
+        _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
+            x,
+            w13,
+            act,
+            al.sorted_ids,
+            al.block_expert,
+            al.used,
+            N,
+            H,
+            inter,
+            x.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            act.stride(0),
+            TOP_K=k,
+            BLOCK_M=up.block_m,
+            BLOCK_N=up.block_n,
+            BLOCK_K=up.block_k,
+            IEEE=ieee,
+            num_warps=up.num_warps,
+            num_stages=up.num_stages,
+        )
     if plan.down_sum is not None:
         if ids is None:
             raise ValueError("a plan with down_sum needs the routed expert ids")

@@ -121,6 +121,42 @@ def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
     assert int(al.used.item()) == int(al0.used.item())
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_moe.RouteAlignConfig("one", 2, True),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
+        triton_moe.RouteAlignConfig("split", 2, True, 4, 4),
+    ],
+)
+@pytest.mark.parametrize("T, E, k, renorm, block_m", [(1, 8, 2, True, 16), (21, 40, 3, False, 4)])
+def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, config):
+    """The rank on tensor cores and the split launches (routing in programs of a few
+    tokens, then the alignment) give the torch pair's ids, order, blocks and used rows."""
+    g = torch.Generator().manual_seed(T)
+    logits = (torch.randn(T, E, generator=g) + torch.linspace(1.0, -1.0, E)).to(DEVICE)
+    w, ids, al = triton_moe.route_align(logits, k, renorm, block_m, config=config)
+    w0, ids0 = moe.route(logits, k, renorm)
+    al0 = triton_moe.align(ids0, E, block_m)
+    assert torch.equal(ids, ids0)
+    assert (w - w0).abs().max().item() < 1e-6
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item())
+
+
+def test_route_align_config_reads_the_table(monkeypatch):
+    from pdserve.model import moe_table
+
+    monkeypatch.setattr(moe_table, "ROUTE_ALIGN", ((16, ("one", 1, True, 4, 4)),))
+    assert triton_moe.route_align_config(16, 128) == triton_moe.RouteAlignConfig("one", 1, True)
+    assert triton_moe.route_align_config(17, 128) == triton_moe.RouteAlignConfig()
+    with pytest.raises(ValueError, match="kind"):
+        triton_moe.route_align(
+            torch.zeros(2, 8), 2, True, 16, config=triton_moe.RouteAlignConfig("bad")
+        )
+
+
 def test_route_align_takes_decode_batches_only():
     assert triton_moe.route_align_fits(64, 128) and not triton_moe.route_align_fits(65, 128)
     assert not triton_moe.route_align_fits(0, 8)
@@ -451,11 +487,19 @@ PLANS = [
     triton_moe.MoEPlan(
         triton_moe.MoEConfig(16, 32, 16, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2), None, True
     ),
+    # the gate/up reduction split in 3 programs (ragged: H 40 or 33 in 16-wide chunks)
+    triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 16, 16, 4, 2),
+        triton_moe.MoEConfig(16, 32, 16, 4, 2),
+        None,
+        True,
+        3,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum"]
+    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum", "up-split"]
 )
 @pytest.mark.parametrize("T, H, inter, E, k", [(1, 40, 24, 8, 2), (5, 33, 20, 6, 3)])
 def test_grouped_plans_equal_loop_fp32(T, H, inter, E, k, plan):
@@ -481,8 +525,10 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     from pdserve.model import moe_table
 
     rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1), False),
-            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True))  # fmt: skip
+            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True, 4))  # fmt: skip
     monkeypatch.setattr(moe_table, "DECODE", rows)
+    assert triton_moe.pick_plan(8, 128).up_split == 1  # a 5-field row: no split
+    assert triton_moe.pick_plan(512, 128).up_split == 4
     p = triton_moe.pick_plan(8, 128)
     assert p.up == (16, 32, 256, 4, 4) and p.down_sum == ("rows", 4, 256, 8, 1)
     assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
