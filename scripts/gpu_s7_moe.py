@@ -415,7 +415,7 @@ def main() -> None:
         ra = next((f for t, f in result["table"]["route_align"] if t >= T), None)
         if ra is None:
             continue
-        plan = next((p for n, p in result["table"]["decode"] if n >= T * K), None)
+        plan = next((p for n, p in result["table"]["decode"] if n == T * K), None)
         p = tm.MoEPlan(tm.MoEConfig(*plan[0]), tm.MoEConfig(*plan[1]), None, plan[3], plan[4]) \
             if plan else table_plan(T)  # fmt: skip
         row.time(p, tm.RouteAlignConfig(*ra))

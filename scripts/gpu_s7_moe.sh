@@ -91,6 +91,21 @@ else:
     res["bench"] = b
     res["bench_log_tail"] = tail("bench.log", 15)
 json.dump(res, open(out, "w"), indent=1)
+sw = res["sweep"]
+for r in sw.get("route_align", []):
+    c = r["candidates"]
+    ok = sorted((v["us"], n) for n, v in c.items() if v.get("ok"))
+    d = c.get(r["default"], {}).get("us")
+    print(f"route_align T {r['tokens']:>2} {r['regime']:<7} committed {d and round(d, 2)} us, best "
+          + (f"{ok[0][1]} {ok[0][0]:.2f} us" if ok else "-")
+          + f"; wrong {sum(1 for v in c.values() if v.get('ok') is False)}")
+for r in sw.get("layers", []):
+    c = r["candidates"]
+    ok = sorted((v["us"], n) for n, v in c.items() if v.get("ok"))
+    d = c.get(r.get("committed"), {})
+    print(f"layer T {r['tokens']:>2} {r['regime']:<7} {r['routed_experts']:>3} exp: committed "
+          f"{d.get('us') and round(d['us'], 1)} us ({d.get('fraction') and round(d['fraction'], 2)}), best "
+          + (f"{ok[0][0]:.1f} us ({r['roofline_us'] / ok[0][0]:.2f}) {ok[0][1]}" if ok else "-"))
 p = res["parity"]
 print(f"parity: {p.get('identical')}/{p.get('of')} (PD ready {p.get('pd_ready_s')} s, mixed {p.get('mixed_ready_s')} s)")
 print(f"table picks: {res['sweep'].get('table')}")

@@ -91,7 +91,19 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Alignment:
 
 
 @triton.jit
-def _route_topk(logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K):
+def _route_topk(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    tv,
+    T,
+    E,
+    s_lt,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Routing of the tokens ``tv`` (``[BLOCK_T]``, those ``< T`` real): softmax of their
     router logits in fp32, ``TOP_K`` rounds of argmax (each chosen expert masked out), the
     weights renormalised when ``RENORM``; stores ``ids [T, k]`` (int64) and ``w [T, k]``.

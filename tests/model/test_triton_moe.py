@@ -537,6 +537,13 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
 
 
+RA_REAL = [
+    triton_moe.RouteAlignConfig("one", 4, True),
+    triton_moe.RouteAlignConfig("split", 1, False, 1, 4),
+    triton_moe.RouteAlignConfig("split", 4, True, 16, 8),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_plans_and_dot_path_at_real_shapes_bf16(T):
@@ -555,7 +562,13 @@ def test_plans_and_dot_path_at_real_shapes_bf16(T):
     plans += [
         triton_moe.MoEPlan(c, c, ("rows", 4, 256, 8, 1)),
         triton_moe.MoEPlan(c, c, ("dot", 16, 256, 4, 4)),
+        triton_moe.MoEPlan(c, c, None, True, 4),  # the gate/up reduction in 4 programs
     ]
+    for ra in RA_REAL:  # route_align's variants, compiled for the GPU
+        w1, ids1, al = triton_moe.route_align(logits, k, True, 16, config=ra)
+        al0 = triton_moe.align(ids, E, 16)
+        assert torch.equal(ids1, ids) and torch.equal(al.sorted_ids, al0.sorted_ids), ra
+        assert torch.equal(al.block_expert, al0.block_expert), ra
     for plan in plans:
         w1, ids1, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
         got = triton_moe.grouped_experts(x, w13, w2, w1, al, plan, ids=ids1)
