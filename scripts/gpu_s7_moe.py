@@ -320,7 +320,8 @@ def write_table(result: dict) -> str:
     body = "".join(f"    ({T}, {tuple(f)!r}),\n" for T, f in ra)
     src = re.sub(
         r"ROUTE_ALIGN: tuple\[tuple\[int, tuple\[str, int, bool, int, int\]\], \.\.\.\] = \((.|\n)*?\)\n$",
-        "ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (\n" + body + ")\n",
+        "ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = "
+        + (f"(\n{body})\n" if body else "()\n"),
         src,
     )
     for n_assign, plan in result["table"]["decode"]:
@@ -341,6 +342,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--write-table":
         with open(sys.argv[2]) as f:
             result = json.load(f)
+        result = result.get("sweep", result)  # the call's moe_s7.json holds the sweep's
         result["source"] = sys.argv[2]
         print(f"wrote {write_table(result)}: {result['table']} (run ruff format on it)")
         return

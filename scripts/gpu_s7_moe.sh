@@ -4,11 +4,11 @@
 #      then one sparse layer at 1/16/64 tokens (uniform and concentrated routing): the
 #      committed plans against the split gate/up reduction; the picks written into
 #      pdserve/model/moe_table.py here (so a, c and d run them);
-#   a. the gpu-marked MoE tests (pytest -m gpu tests/model/test_triton_moe.py, <= 75 s), in
-#      the background while c's deployment starts (they time nothing);
 #   c. scripts/gpu_serve_parity_sequential.sh: random:qwen3-30b-a3b through `pdserve up`
 #      (PD on GPU 0, every request through prefill + NIXL), stopped, then one mixed worker:
 #      6 prompts x 32 tokens greedy, token for token (the time left, ~215 s);
+#   a. the gpu-marked MoE tests (pytest -m gpu tests/model/test_triton_moe.py, <= 75 s),
+#      beside c's mixed worker start-up (they time nothing);
 #   d. if >= 150 s are left: bench offline --num-prompts 1,64 --max-tokens 128 with the picks.
 # Everything lands in one JSON, $OUT/moe_s7.json (sweep, tests' tail, parity, bench).
 # Usage (repository root, GPU machine): OUT=... bash scripts/gpu_s7_moe.sh
@@ -38,13 +38,19 @@ if [ -f "$WORK/sweep/moe_s7.json" ]; then
   $PY scripts/gpu_s7_moe.py --write-table "$WORK/sweep/moe_s7.json" | tail -1
   diff "$WORK/moe_table_committed.py" pdserve/model/moe_table.py | grep "^[<>]" | head -12
 fi
-echo "== a. pytest -m gpu tests/model/test_triton_moe.py, in the background of c's start-up ($SECONDS s)"
-( timeout -k 5 ${TESTS_T:-75} $PY -m pytest -q -p no:cacheprovider -m "${MARK:-gpu}" tests/model/test_triton_moe.py \
-    > "$WORK/tests.txt" 2>&1; echo "pytest exit $?" >> "$WORK/tests.txt" ) &
-TESTS=$!
 LEFT=$((BUDGET - SECONDS - 20))
 echo "== c. serve parity PD then mixed, $MODEL ($SECONDS s, $LEFT s left)"
-OUT="$WORK/parity" timeout -k 10 "$LEFT" bash scripts/gpu_serve_parity_sequential.sh "$MODEL" "$DEVICE" > "$WORK/parity.log" 2>&1
+OUT="$WORK/parity" timeout -k 10 "$LEFT" bash scripts/gpu_serve_parity_sequential.sh "$MODEL" "$DEVICE" > "$WORK/parity.log" 2>&1 &
+PARITY=$!
+# a. the tests beside the mixed worker's start-up (one 61 GB copy then; with PD's two, the
+# Mixtral-shaped test's ~9 GB might not fit)
+while kill -0 $PARITY 2>/dev/null && ! grep -q "== PD stopped" "$WORK/parity.log"; do sleep 1; done
+TESTS_LEFT=$((BUDGET - SECONDS - 25)); [ "$TESTS_LEFT" -gt "${TESTS_T:-75}" ] && TESTS_LEFT=${TESTS_T:-75}
+echo "== a. pytest -m gpu tests/model/test_triton_moe.py beside the mixed worker's start-up ($SECONDS s, <= $TESTS_LEFT s)"
+[ "$TESTS_LEFT" -ge 10 ] && ( timeout -k 5 "$TESTS_LEFT" $PY -m pytest -q -p no:cacheprovider -m "${MARK:-gpu}" tests/model/test_triton_moe.py \
+    > "$WORK/tests.txt" 2>&1; echo "pytest exit $?" >> "$WORK/tests.txt" ) &
+TESTS=$!
+wait $PARITY
 echo "rc $? ($SECONDS s)"
 grep -v "^USDT" "$WORK/parity.log" | grep -E "==|ready|SAME|DIFF|parity|died|answers|Error|error|memory" | tail -16
 wait $TESTS
