@@ -9,7 +9,7 @@ on one H200, CUDA graphs, 4 weight copies (no step finds its experts in L2).
 2. the layer (``route_align`` + ``grouped_experts``) at 1, 16 and 64 tokens, uniform and
    concentrated (``pool``: each token's 8 experts from 24, as the random preset routes)
    routing: the committed plan (``pick_plan``) against the gate/up reduction split in 2, 4
-   or 8 programs (``MoEPlan.up_split``) on its tiles and on 32-row tiles, all with the
+   (8 from 8 tokens) programs (``MoEPlan.up_split``) on its tiles and on 32-row tiles, all with the
    committed route_align; then the best plan with the best route_align. Each checked
    against ``moe.experts_loop`` (relative max error > 0.02 = WRONG, never picked).
 
@@ -134,9 +134,9 @@ def table_plan(T: int) -> tm.MoEPlan:
 def layer_plans(T: int) -> list[tm.MoEPlan]:
     """The committed plan, then its gate/up split, then 32-row tiles with and without."""
     base = table_plan(T)
-    out = [base]
+    out = [base] + [base._replace(up_split=s) for s in SPLITS[:2]]
     if T >= 8:
-        out += [base._replace(up_split=s) for s in SPLITS]
+        out += [base._replace(up_split=s) for s in SPLITS[2:]]
         alt = tm.MoEPlan(ALT_32[0], ALT_32[1], None, True)
         out += [alt] + [alt._replace(up_split=s) for s in SPLITS[:2]]
     return out
