@@ -18,7 +18,12 @@ from ``pdserve.model.moe_table``, measured by scripts/gpu_s6_moe.sh).
 
 For decode batches (up to :data:`ROUTE_ALIGN_MAX_CELLS` router logits) the routing and the
 alignment are one launch (``_route_align_kernel``) instead of ~20 small torch kernels per
-layer. Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
+layer; that one program's serial rounds grow with the tokens, so :class:`RouteAlignConfig`
+can also split it into the routing in many programs and the alignment in one, or take each
+assignment's rank within its expert from a tensor-core product (``moe_table.ROUTE_ALIGN``
+says which per token count). When few experts get many tokens the gate/up grid has too few
+programs to keep every SM reading; ``MoEPlan.up_split`` splits its reduction over programs
+(fp32 partial sums added in a fixed order: the same numbers in every process). Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
 (few tokens per expert) reads each routed expert's weights once per column block: the
 decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from ``T``,
 ``k`` and ``E`` only (at most ``N + min(N, E) * (BLOCK_M - 1)`` sorted rows) and the used
