@@ -330,7 +330,10 @@ def write_table(result: dict) -> str:
         src, n = re.subn(rf"\n    \({n_assign}, .*\),\n", f"\n    {row!r},\n", src, count=1)
         if not n:
             raise SystemExit(f"no DECODE row {n_assign} in {path}")
-    stamp = f"The session 7 rows: scripts/gpu_s7_moe.py ({result.get('device')}, {result.get('source', 'JSON')})"
+    stamp = (
+        "``ROUTE_ALIGN`` written by ``scripts/gpu_s7_moe.py --write-table JSON`` "
+        f"({result.get('device')}; the timings: {result.get('source', 'JSON')})"
+    )
     if ra or result["table"]["decode"]:
         src = src.replace('"""\n\nfrom __future__', f'\n{stamp}.\n"""\n\nfrom __future__', 1)
     with open(path, "w") as f:
