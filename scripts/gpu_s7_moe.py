@@ -1,5 +1,5 @@
-"""MoE decode kernels, session 7 (issue 27): route_align's variants and the split gate/up
-reduction, one Qwen3-30B-A3B sparse layer (H 2048, I 768, 128 experts, 8 per token, bf16)
+"""MoE decode kernels, session 7 (issue 27): route_align's variants against the committed
+plans, one Qwen3-30B-A3B sparse layer (H 2048, I 768, 128 experts, 8 per token, bf16)
 on one H200, CUDA graphs, 4 weight copies (no step finds its experts in L2).
 
 1. ``route_align`` alone (48 launches a graph, as 48 layers) at 1, 8, 16 and 64 tokens:
@@ -8,8 +8,7 @@ on one H200, CUDA graphs, 4 weight copies (no step finds its experts in L2).
    equal to ``moe.route`` + ``triton_moe.align`` (ids, order, blocks, used rows);
 2. the layer (``route_align`` + ``grouped_experts``) at 1, 16 and 64 tokens, uniform and
    concentrated (``pool``: each token's 8 experts from 24, as the random preset routes)
-   routing: the committed plan (``pick_plan``) against the gate/up reduction split in 2, 4
-   (8 from 8 tokens) programs (``MoEPlan.up_split``) on its tiles and on 32-row tiles, all with the
+   routing: the committed plan (``pick_plan``) against 32-row tiles, all with the
    committed route_align; then the best plan with the best route_align. Each checked
    against ``moe.experts_loop`` (relative max error > 0.02 = WRONG, never picked).
 
@@ -17,9 +16,15 @@ Kernels compile first in ``JOBS`` processes; candidates past ``BUDGET_S`` second
 (route_align's past half of it) are skipped and listed.
 Writes ``$OUT/moe_s7.json`` after each item, with ``table``: the ``moe_table`` rows the
 measurements pick (``ROUTE_ALIGN`` per token bound; ``DECODE`` rows of 16 and 64 tokens
-where a split plan beat the committed one summed over the regimes).
+where another plan beat the committed one summed over the regimes).
+
 ``python3 scripts/gpu_s7_moe.py --write-table JSON`` (no GPU) writes them into
 ``pdserve/model/moe_table.py``. ``SMOKE=1``: toy shapes on CPU under ``TRITON_INTERPRET=1``.
+
+The H200 call of 2026-12-03 (docs/figures/h200_s7/moe_s7.json) also timed the gate/up
+reduction split over 2, 4 or 8 programs (fp32 partial sums, then their ordered sum + silu *
+up: commit de9063c): slower at 1, 16 and 64 tokens in both regimes (e.g. 64 tokens, 24
+experts: 142.4 / 146.5 / 157.0 us against 140.5), so the kernels were dropped.
 """
 
 from __future__ import annotations
@@ -60,11 +65,10 @@ RA = (
     ]
 )
 LAYER_TOKENS = [64, 16, 1]
-SPLITS = (2, 4, 8)
 ALT_32 = (tm.MoEConfig(32, 128, 64, 4, 3), tm.MoEConfig(32, 128, 64, 4, 3))  # s6's pool best
 if SMOKE:
     RA = RA[:1] + RA[4:5] + RA[8:9] + RA[-1:]
-    RA_TOKENS, LAYER_TOKENS, SPLITS = [1, 8], [8, 1], (2,)
+    RA_TOKENS, LAYER_TOKENS = [1, 8], [8, 1]
     ALT_32 = (tm.MoEConfig(32, 16, 16, 4, 2), tm.MoEConfig(32, 16, 16, 4, 2))
 
 
@@ -82,8 +86,6 @@ def plan_name(p: tm.MoEPlan) -> str:
         s += f" down_sum{tuple(p.down_sum)}"
     if p.triton_sum:
         s += " triton_sum"
-    if p.up_split > 1:
-        s += f" split{p.up_split}"
     return s
 
 
@@ -132,13 +134,12 @@ def table_plan(T: int) -> tm.MoEPlan:
 
 
 def layer_plans(T: int) -> list[tm.MoEPlan]:
-    """The committed plan, then its gate/up split, then 32-row tiles with and without."""
+    """The committed plan, then (from 8 tokens) 32-row tiles."""
     base = table_plan(T)
-    out = [base] + [base._replace(up_split=s) for s in SPLITS[:2]]
+    out = [base]
     if T >= 8:
-        out += [base._replace(up_split=s) for s in SPLITS[2:]]
         alt = tm.MoEPlan(ALT_32[0], ALT_32[1], None, True)
-        out += [alt] + [alt._replace(up_split=s) for s in SPLITS[:2]]
+        out += [alt]
     return out
 
 
@@ -249,7 +250,7 @@ class LayerRow:
         self.data["candidates"][name] = {
             "us": dt * 1e6, "fraction": self.floor / dt, "rel_err": err, "ok": ok,
             "plan": [list(p.up), list(p.down), list(p.down_sum) if p.down_sum else None,
-                     p.triton_sum, p.up_split],
+                     p.triton_sum],
             "route_align": list(ra) if ra else None,
         }  # fmt: skip
         print(f"T {self.T:>3} {self.regime:<7} {self.routed:>3} exp floor {self.floor * 1e6:6.1f} us"
@@ -325,8 +326,8 @@ def write_table(result: dict) -> str:
         src,
     )
     for n_assign, plan in result["table"]["decode"]:
-        up, down, dsum, tsum, split = plan
-        row = (n_assign, tuple(up), tuple(down), tuple(dsum) if dsum else None, tsum, split)
+        up, down, dsum, tsum = plan
+        row = (n_assign, tuple(up), tuple(down), tuple(dsum) if dsum else None, tsum)
         src, n = re.subn(rf"\n    \({n_assign}, .*\),\n", f"\n    {row!r},\n", src, count=1)
         if not n:
             raise SystemExit(f"no DECODE row {n_assign} in {path}")
@@ -421,7 +422,7 @@ def main() -> None:
         if ra is None:
             continue
         plan = next((p for n, p in result["table"]["decode"] if n == T * K), None)
-        p = tm.MoEPlan(tm.MoEConfig(*plan[0]), tm.MoEConfig(*plan[1]), None, plan[3], plan[4]) \
+        p = tm.MoEPlan(tm.MoEConfig(*plan[0]), tm.MoEConfig(*plan[1]), None, plan[3]) \
             if plan else table_plan(T)  # fmt: skip
         row.time(p, tm.RouteAlignConfig(*ra))
         save()

@@ -2,7 +2,7 @@
 # Issue 27, session 7, one H200 call (<= 330 s): MoE decode kernels and the 30B serve parity.
 #   b. scripts/gpu_s7_moe.py (<= 90 s): route_align's variants alone at 1/8/16/64 tokens,
 #      then one sparse layer at 1/16/64 tokens (uniform and concentrated routing): the
-#      committed plans against the split gate/up reduction; the picks written into
+#      committed plans against 32-row tiles; the picks written into
 #      pdserve/model/moe_table.py here (so a, c and d run them);
 #   c. scripts/gpu_serve_parity_sequential.sh: random:qwen3-30b-a3b through `pdserve up`
 #      (PD on GPU 0, every request through prefill + NIXL), stopped, then one mixed worker:

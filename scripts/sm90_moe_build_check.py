@@ -149,8 +149,7 @@ def new_kernels() -> None:
 def s7_kernels() -> None:
     """Session 7's kernels (scripts/gpu_s7_moe.py times them): route_align in one program
     with the rank as a cumsum or a tensor-core product, the split launches (routing in
-    programs of a few tokens, then the alignment), the split gate/up reduction and its
-    ordered sum + silu * up."""
+    programs of a few tokens, then the alignment)."""
     for T in (2, 8, 16, 64):
         rows = tm.max_rows(T * K, E, 16)
         for dot in (False, True):
@@ -175,28 +174,6 @@ def s7_kernels() -> None:
             consts.update(BLOCK_E=E, BLOCK_K=K)
             k = build(tm._route_kernel, args, consts, warps, 1)
             _report(f"route {T} tokens tpp {tpp} w{warps}", k)
-    for cfg in (
-        tm.MoEConfig(16, 64, 128, 4, 3),
-        tm.MoEConfig(16, 32, 128, 4, 3),
-        tm.MoEConfig(32, 128, 64, 4, 3),
-    ):
-        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-        up = dict(x_ptr=_t(BF16), w_ptr=_t(BF16), part_ptr=_t(F32), ids_ptr=_t(I32))
-        up.update(bexp_ptr=_t(I32), used_ptr=_t(I32), N=64 * K, K=H, INTER=INTER, K_PER=512)
-        up.update(s_xt=H, s_we=2 * INTER * H, s_wn=H, s_ps=64 * K * 2 * INTER, s_pn=2 * INTER)
-        k = build(
-            tm._gate_up_split_kernel,
-            up,
-            dict(TOP_K=K, IEEE=False, **tiles),
-            cfg.num_warps,
-            cfg.num_stages,
-        )
-        _report(f"gate_up_split {tuple(cfg)}", k)
-    for splits in (2, 4, 8):
-        args = dict(part_ptr=_t(F32), act_ptr=_t(BF16), INTER=INTER, s_ps=64 * K * 2 * INTER)
-        args.update(s_pn=2 * INTER, s_an=INTER)
-        k = build(tm._silu_mul_kernel, args, dict(SPLITS=splits, BLOCK=1024), 4, 1)
-        _report(f"silu_mul splits {splits}", k)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,7 @@ from __future__ import annotations
 Tiles = tuple[int, int, int, int, int]
 DownSum = tuple[str, int, int, int, int]
 
-DECODE: tuple[
-    tuple[int, Tiles, Tiles, DownSum | None, bool]
-    | tuple[int, Tiles, Tiles, DownSum | None, bool, int],
-    ...,
-] = (
+DECODE: tuple[tuple[int, Tiles, Tiles, DownSum | None, bool], ...] = (
     (8, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),
     (16, (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), None, True),
     (32, (16, 32, 256, 4, 3), (16, 64, 128, 4, 3), None, True),

@@ -21,9 +21,7 @@ alignment are one launch (``_route_align_kernel``) instead of ~20 small torch ke
 layer; that one program's serial rounds grow with the tokens, so :class:`RouteAlignConfig`
 can also split it into the routing in many programs and the alignment in one, or take each
 assignment's rank within its expert from a tensor-core product (``moe_table.ROUTE_ALIGN``
-says which per token count). When few experts get many tokens the gate/up grid has too few
-programs to keep every SM reading; ``MoEPlan.up_split`` splits its reduction over programs
-(fp32 partial sums added in a fixed order: the same numbers in every process). Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
+says which per token count). Each program reads its expert's weights once for up to ``BLOCK_M`` tokens, so a decode step
 (few tokens per expert) reads each routed expert's weights once per column block: the
 decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from ``T``,
 ``k`` and ``E`` only (at most ``N + min(N, E) * (BLOCK_M - 1)`` sorted rows) and the used
@@ -530,158 +528,6 @@ def _down_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
-def _gate_up_split_kernel(
-    x_ptr,
-    w_ptr,
-    part_ptr,
-    ids_ptr,
-    bexp_ptr,
-    used_ptr,
-    N,
-    K,
-    INTER,
-    K_PER,
-    s_xt,
-    s_we,
-    s_wn,
-    s_ps,
-    s_pn,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """Grid ``(row blocks, cdiv(INTER, BLOCK_N), splits)``: ``_gate_up_kernel``'s dots over
-    the split's ``K_PER`` (a multiple of ``BLOCK_K``) reduction columns only, stored unrounded
-    (fp32) as ``part[split, a, n]`` (gate) and ``part[split, a, INTER + n]`` (up)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(used_ptr):
-        return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_ids = tl.load(ids_ptr + rows)
-    valid = a_ids < N
-    tok = (a_ids // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < INTER
-    k_lo = pid_s * K_PER
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * s_xt + k_lo + ks[None, :]
-    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + k_lo + ks[:, None]
-    u_ptrs = g_ptrs + INTER * s_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        kmask = ks + k0 < K
-        xa = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=wmask, other=0.0)
-        u = tl.load(u_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, g, acc_g)
-            acc_u = tl.dot(xa, u, acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    p_ptrs = part_ptr + pid_s * s_ps + a_ids[:, None].to(tl.int64) * s_pn + cols[None, :]
-    smask = valid[:, None] & cmask[None, :]
-    tl.store(p_ptrs, acc_g, mask=smask)
-    tl.store(p_ptrs + INTER, acc_u, mask=smask)
-
-
-@triton.jit
-def _silu_mul_kernel(
-    part_ptr,
-    act_ptr,
-    INTER,
-    s_ps,
-    s_pn,
-    s_an,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Grid ``(N, cdiv(INTER, BLOCK))``: the split partial sums of assignment ``a`` added in
-    split order (fp32), then ``act[a] = silu(gate) * up`` with ``_gate_up_kernel``'s
-    roundings."""
-    a = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < INTER
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sp in tl.static_range(SPLITS):
-        base = part_ptr + sp * s_ps + a * s_pn + cols
-        g += tl.load(base, mask=cmask, other=0.0)
-        u += tl.load(base + INTER, mask=cmask, other=0.0)
-    ty = act_ptr.dtype.element_ty
-    gate = g.to(ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-    up = u.to(ty).to(tl.float32)
-    tl.store(act_ptr + a * s_an + cols, (silu * up).to(ty), mask=cmask)
-
-
-def _gate_up_split(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    act: torch.Tensor,
-    al: Alignment,
-    k: int,
-    up: MoEConfig,
-    splits: int,
-) -> None:
-    """``act [N, I]`` of the aligned assignments with the reduction over H split in
-    ``splits`` programs per tile (``MoEPlan.up_split``): partial sums ``[splits, N, 2I]``
-    fp32, then their ordered sum, silu and product (two launches)."""
-    N, inter = act.shape
-    H = x.shape[1]
-    k_per = triton.cdiv(triton.cdiv(H, splits), up.block_k) * up.block_k
-    splits = triton.cdiv(H, k_per)
-    part = torch.empty((splits, N, 2 * inter), dtype=torch.float32, device=x.device)
-    n_blocks = al.sorted_ids.numel() // up.block_m
-    _gate_up_split_kernel[(n_blocks, triton.cdiv(inter, up.block_n), splits)](
-        x,
-        w13,
-        part,
-        al.sorted_ids,
-        al.block_expert,
-        al.used,
-        N,
-        H,
-        inter,
-        k_per,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        part.stride(0),
-        part.stride(1),
-        TOP_K=k,
-        BLOCK_M=up.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        IEEE=x.dtype == torch.float32,
-        num_warps=up.num_warps,
-        num_stages=up.num_stages,
-    )
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(N, triton.cdiv(inter, block))](
-        part,
-        act,
-        inter,
-        part.stride(0),
-        part.stride(1),
-        act.stride(0),
-        SPLITS=splits,
-        BLOCK=block,
-        num_warps=4,
-    )
-
-
 class MoEConfig(NamedTuple):
     """Tile sizes of one launch: rows per block (``block_m``: tokens of one expert), the
     output-column and reduction tiles, warps and pipeline stages."""
@@ -710,16 +556,12 @@ class MoEPlan(NamedTuple):
     the one-launch down projection + routing weights + top-k sum (a :data:`DownSum`; each
     token's k experts read for it alone), or None for the grouped down kernel then the
     top-k sum: in torch, or when ``triton_sum`` in ``_topk_sum_kernel`` (one small launch;
-    torch's reduction kernel took 4.4 us a layer at 1 token on the H200). ``up_split``: the
-    gate/up kernel's reduction over H split into that many programs (``_gate_up_split_kernel``:
-    fp32 partial sums, then ``_silu_mul_kernel`` adds them in a fixed order), so that few
-    experts with many tokens still give every SM work; 1: one program per tile."""
+    torch's reduction kernel took 4.4 us a layer at 1 token on the H200)."""
 
     up: MoEConfig
     down: MoEConfig
     down_sum: DownSum | None = None
     triton_sum: bool = False
-    up_split: int = 1
 
 
 def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
@@ -733,8 +575,7 @@ def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
     per_expert = n_assign / max(n_experts, 1)
     if per_expert <= 16 and moe_table.DECODE:
         row = next((r for r in moe_table.DECODE if r[0] >= n_assign), moe_table.DECODE[-1])
-        split = row[5] if len(row) > 5 else 1
-        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4], split)
+        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4])
     if per_expert <= 64:
         c = MoEConfig(32, 64, 64, 4, 3)
     else:
@@ -798,31 +639,28 @@ def grouped_experts(
     act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
     n_blocks = al.sorted_ids.numel() // up.block_m
     ieee = x.dtype == torch.float32
-    if plan.up_split > 1:
-        _gate_up_split(x, w13, act, al, k, up, plan.up_split)
-    else:
-        _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
-            x,
-            w13,
-            act,
-            al.sorted_ids,
-            al.block_expert,
-            al.used,
-            N,
-            H,
-            inter,
-            x.stride(0),
-            w13.stride(0),
-            w13.stride(1),
-            act.stride(0),
-            TOP_K=k,
-            BLOCK_M=up.block_m,
-            BLOCK_N=up.block_n,
-            BLOCK_K=up.block_k,
-            IEEE=ieee,
-            num_warps=up.num_warps,
-            num_stages=up.num_stages,
-        )
+    _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
+        x,
+        w13,
+        act,
+        al.sorted_ids,
+        al.block_expert,
+        al.used,
+        N,
+        H,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        TOP_K=k,
+        BLOCK_M=up.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
+        IEEE=ieee,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
     if plan.down_sum is not None:
         if ids is None:
             raise ValueError("a plan with down_sum needs the routed expert ids")

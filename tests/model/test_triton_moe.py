@@ -487,19 +487,11 @@ PLANS = [
     triton_moe.MoEPlan(
         triton_moe.MoEConfig(16, 32, 16, 4, 2), triton_moe.MoEConfig(16, 32, 16, 4, 2), None, True
     ),
-    # the gate/up reduction split in 3 programs (ragged: H 40 or 33 in 16-wide chunks)
-    triton_moe.MoEPlan(
-        triton_moe.MoEConfig(16, 16, 16, 4, 2),
-        triton_moe.MoEConfig(16, 32, 16, 4, 2),
-        None,
-        True,
-        3,
-    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum", "up-split"]
+    "plan", PLANS, ids=["down-tiles", "down-sum", "down-sum-dot", "triton-sum"]
 )
 @pytest.mark.parametrize("T, H, inter, E, k", [(1, 40, 24, 8, 2), (5, 33, 20, 6, 3)])
 def test_grouped_plans_equal_loop_fp32(T, H, inter, E, k, plan):
@@ -525,10 +517,8 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     from pdserve.model import moe_table
 
     rows = ((8, (16, 32, 256, 4, 4), (16, 64, 128, 4, 3), ("rows", 4, 256, 8, 1), False),
-            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True, 4))  # fmt: skip
+            (512, (16, 64, 128, 4, 3), (16, 32, 128, 4, 3), None, True))  # fmt: skip
     monkeypatch.setattr(moe_table, "DECODE", rows)
-    assert triton_moe.pick_plan(8, 128).up_split == 1  # a 5-field row: no split
-    assert triton_moe.pick_plan(512, 128).up_split == 4
     p = triton_moe.pick_plan(8, 128)
     assert p.up == (16, 32, 256, 4, 4) and p.down_sum == ("rows", 4, 256, 8, 1)
     assert triton_moe.pick_plan(16, 128).down == (16, 32, 128, 4, 3)
@@ -562,7 +552,6 @@ def test_plans_and_dot_path_at_real_shapes_bf16(T):
     plans += [
         triton_moe.MoEPlan(c, c, ("rows", 4, 256, 8, 1)),
         triton_moe.MoEPlan(c, c, ("dot", 16, 256, 4, 4)),
-        triton_moe.MoEPlan(c, c, None, True, 4),  # the gate/up reduction in 4 programs
     ]
     for ra in RA_REAL:  # route_align's variants, compiled for the GPU
         w1, ids1, al = triton_moe.route_align(logits, k, True, 16, config=ra)
