@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Greedy parity of PD against a mixed worker when the two deployments do not fit the GPU
 # together (issue 27: random:qwen3-30b-a3b is 61 GB a copy; prefill + decode + mixed would
-# be three): `pdserve up` (prefill + decode + router on GPU 0) answers the prompts, is
-# stopped, then one mixed worker answers the same prompts, and the two are compared token
-# for token (text and per-token log-probs). ~4 min for the 30B model on one H200.
+# be three): `pdserve up` (prefill + decode + router on GPU 0, every request through
+# prefill and the KV transfer: --pd-min-prefill-tokens 0) answers the prompts, is stopped,
+# then one mixed worker with the same flags answers the same prompts, and the two are
+# compared token for token (text and per-token log-probs).
 # Usage (repository root): scripts/gpu_serve_parity_sequential.sh [MODEL] [DEVICE]
-#   MODEL default random:qwen3-30b-a3b, DEVICE default cuda (cpu + random:tiny: a dry run).
-# Writes pd.json, mixed.json, parity.json under ${OUT:-gpu_parity}; missing wheels as
-# scripts/gpu_serve_check.sh (${WHEELS:-.whl}).
+#   MODEL default random:qwen3-30b-a3b, DEVICE default cuda (cpu + random:tiny-qwen3-moe:
+#   a dry run). KV_GIB (default 2) a worker's KV pool, MAX_RUNNING (default 8) its running
+#   batch and largest CUDA graph (a short start-up), READY_S (default 900) the wait for each
+#   deployment; PARITY_PROMPTS / PARITY_TOKENS: scripts/gpu_serve_lib.sh.
+# Writes parity.json (the verdict and both sides' answers) under ${OUT:-gpu_parity}; missing
+# wheels as scripts/gpu_serve_check.sh (${WHEELS:-.whl}).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-random:qwen3-30b-a3b}
@@ -16,58 +20,55 @@ OUT=${OUT:-gpu_parity}
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
 . scripts/gpu_setup.sh
+. scripts/gpu_serve_lib.sh
 mkdir -p "$OUT"
 DT=bfloat16; [ "$DEVICE" = cpu ] && DT=float32
-common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "${KV_GIB:-4}")
+common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "${KV_GIB:-2}"
+        --max-running-requests "${MAX_RUNNING:-8}")
 LOGS=$(mktemp -d)
-port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
-wait_ready() {  # URL PID
-  for i in $(seq 1 900); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/health")" = 200 ] && { echo "ready after ${i}s"; return 0; }
-    kill -0 "$2" 2>/dev/null || { echo "the deployment died"; return 1; }
-    sleep 1
-  done
-  return 1
-}
-answer() {  # URL FILE: greedy answers with log-probs and token ids
-  $PY - "$1" "$2" <<'PYEOF'
-import json, sys, httpx
-url, path = sys.argv[1:3]
-prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
-           "1, 2, 3, 4,", "The quick brown fox", "Water boils at"]
-model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-out = []
-for p in prompts:
-    body = {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True}
-    c = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0]
-    out.append({"prompt": p, "text": c["text"], "logprobs": c["logprobs"]["token_logprobs"]})
-json.dump(out, open(path, "w"), indent=1)
-PYEOF
-}
-P=$(port)
-$PY -m pdserve up "${common[@]}" --port "$P" --log-dir "$LOGS" > "$LOGS/up.out" 2>&1 &
+UP=; MX=
+cleanup() { [ -n "$UP" ] && stop "$UP"; [ -n "$MX" ] && stop "$MX" TERM; }
+trap cleanup EXIT
+trap 'exit 143' TERM INT  # a timeout: the EXIT trap stops what still runs
+P=$(free_port)
+$PY -m pdserve up "${common[@]}" --pd-min-prefill-tokens 0 --port "$P" --log-dir "$LOGS" > "$LOGS/up.out" 2>&1 &
 UP=$!
 echo "== pdserve up ($SECONDS s)"
-wait_ready "http://127.0.0.1:$P" $UP && answer "http://127.0.0.1:$P" "$OUT/pd.json"
-kill -INT $UP; wait $UP 2>/dev/null
-M=$(port)
+T0=$SECONDS
+if wait_ready "http://127.0.0.1:$P" $UP "${READY_S:-900}"; then
+  PD_READY=$((SECONDS - T0))
+  greedy_answers "http://127.0.0.1:$P" "$LOGS/pd.json"
+else
+  tail -n 20 "$LOGS"/*.log "$LOGS/up.out" 2>/dev/null | grep -v "^USDT" | tail -30
+fi
+stop $UP; UP=
+echo "== PD stopped ($SECONDS s)"
+M=$(free_port)
 $PY -m pdserve serve "${common[@]}" --port "$M" > "$LOGS/mixed.log" 2>&1 &
 MX=$!
 echo "== mixed worker ($SECONDS s)"
-wait_ready "http://127.0.0.1:$M" $MX && answer "http://127.0.0.1:$M" "$OUT/mixed.json"
-kill $MX; wait $MX 2>/dev/null
-$PY - "$OUT" <<'PYEOF'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-pd, mx = (json.loads((out / f).read_text()) for f in ("pd.json", "mixed.json"))
-rows = [{"prompt": a["prompt"], "same_text": a["text"] == b["text"],
-         "max_abs_logprob_diff": max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))}
-        for a, b in zip(pd, mx)]
-for r in rows:
-    print(f"{'SAME' if r['same_text'] else 'DIFF'} max|dlogprob|={r['max_abs_logprob_diff']:.2e} {r['prompt']!r}")
-same = sum(r["same_text"] for r in rows)
-print(f"parity: {same}/{len(rows)} identical greedy outputs")
-(out / "parity.json").write_text(json.dumps({"identical": same, "of": len(rows), "rows": rows}, indent=1))
+T0=$SECONDS
+if wait_ready "http://127.0.0.1:$M" $MX "${READY_S:-900}"; then
+  MIXED_READY=$((SECONDS - T0))
+  greedy_answers "http://127.0.0.1:$M" "$LOGS/mixed.json"
+else
+  tail -n 30 "$LOGS/mixed.log" | grep -v "^USDT"
+fi
+stop $MX TERM; MX=
+if [ -f "$LOGS/pd.json" ] && [ -f "$LOGS/mixed.json" ]; then
+  compare_answers "$LOGS/pd.json" "$LOGS/mixed.json" "$OUT/parity.json"
+else
+  echo "parity: not measured (a deployment did not answer)"
+  echo '{"identical": null, "error": "a deployment did not answer"}' > "$OUT/parity.json"
+fi
+$PY - "$OUT/parity.json" "$MODEL" "${PD_READY:-}" "${MIXED_READY:-}" "${common[*]}" <<'PYEOF'
+import json, sys
+path, model, pd_s, mixed_s, flags = sys.argv[1:6]
+d = json.load(open(path))
+d.update(model=model, flags=flags, pd_ready_s=int(pd_s) if pd_s else None,
+         mixed_ready_s=int(mixed_s) if mixed_s else None)
+json.dump(d, open(path, "w"), indent=1)
+print(f"ready after: PD {pd_s or '-'} s, mixed {mixed_s or '-'} s")
 PYEOF
+rm -rf "$LOGS"
 echo "== end at $SECONDS s"

@@ -6,8 +6,8 @@ routing + alignment at 2 and 64 tokens, and the few-token path's two GEMV kernel
 register of the default bf16 gate/up GEMV). Prints shared memory, whether the dots became
 warpgroup (HGMMA) or warp (HMMA) MMAs, and spills (LDL/STL). Builds, not speed.
 
-``python3 scripts/sm90_moe_build_check.py [--new]`` (TRITON_INTERPRET unset; ``--new``:
-session 6's kernels only). On 2026-12-02 with
+``python3 scripts/sm90_moe_build_check.py [--new | --s7]`` (TRITON_INTERPRET unset;
+``--new``: session 6's kernels only, ``--s7``: session 7's). On 2026-12-02 with
 Triton 3.9: every kernel built; bf16 tiles of 16/32 rows use HMMA, 64 rows HGMMA; no bf16
 spills; route_align 2 KB / 32 KB of shared memory at 2 / 64 tokens, no spills.
 """
@@ -45,6 +45,9 @@ def _report(name: str, kernel) -> None:
 def main() -> None:
     if sys.argv[1:] == ["--new"]:
         new_kernels()
+        return
+    if sys.argv[1:] == ["--s7"]:
+        s7_kernels()
         return
     for cfg in CONFIGS:
         tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
@@ -141,6 +144,36 @@ def new_kernels() -> None:
             cfg.num_stages,
         )
         _report(f"gate_up {tuple(cfg)}", k)
+
+
+def s7_kernels() -> None:
+    """Session 7's kernels (scripts/gpu_s7_moe.py times them): route_align in one program
+    with the rank as a cumsum or a tensor-core product, the split launches (routing in
+    programs of a few tokens, then the alignment)."""
+    for T in (2, 8, 16, 64):
+        rows = tm.max_rows(T * K, E, 16)
+        for dot in (False, True):
+            bt = max(triton.next_power_of_2(T), 16 if dot else 1)
+            align = dict(BLOCK_M=16, BLOCK_T=bt, BLOCK_E=E, BLOCK_R=triton.next_power_of_2(rows))
+            align.update(BLOCK_B=triton.next_power_of_2(rows // 16), RANK_DOT=dot, TOP_K=K)
+            args = dict(logits_ptr=_t(F32), w_ptr=_t(F32), ids_ptr=_t(I64), sorted_ptr=_t(I32))
+            args.update(bexp_ptr=_t(I32), used_ptr=_t(I32), T=T, E=E, ROWS=rows, s_lt=E)
+            for warps in (1, 8):
+                k = build(
+                    tm._route_align_kernel, args, dict(RENORM=True, BLOCK_K=K, **align), warps, 1
+                )
+                _report(f"route_align one {T} tokens w{warps} dot {dot}", k)
+            args = dict(ids_ptr=_t(I64), sorted_ptr=_t(I32), bexp_ptr=_t(I32), used_ptr=_t(I32))
+            args.update(T=T, E=E, ROWS=rows)
+            _report(
+                f"align_ids {T} tokens dot {dot}", build(tm._align_ids_kernel, args, align, 4, 1)
+            )
+        for tpp, warps in ((1, 1), (4, 1), (16, 4)):
+            args = dict(logits_ptr=_t(F32), w_ptr=_t(F32), ids_ptr=_t(I64), T=T, E=E, s_lt=E)
+            consts = dict(TOP_K=K, RENORM=True, BLOCK_T=min(tpp, triton.next_power_of_2(T)))
+            consts.update(BLOCK_E=E, BLOCK_K=K)
+            k = build(tm._route_kernel, args, consts, warps, 1)
+            _report(f"route {T} tokens tpp {tpp} w{warps}", k)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ logits T x E up to, warps)`` of ``route_align``'s one program.
 
 Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep
 (NVIDIA H200, 2026-12-03; the timings: docs/figures/h200_s6/moe_s6_sweep.json).
+
+``ROUTE_ALIGN`` written by ``scripts/gpu_s7_moe.py --write-table JSON`` (NVIDIA H200,
+2026-12-03; the timings: docs/figures/h200_s7/moe_s7.json).
 """
 
 from __future__ import annotations
@@ -32,4 +35,11 @@ ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = (
     (512, 4),
     (1024, 4),
     (2048, 4),
+)
+# (tokens up to, RouteAlignConfig fields (kind, num_warps, rank_dot, tokens_per_program,
+# align_warps)) of route_align; past the rows (or none): one program, ROUTE_ALIGN_WARPS
+ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (
+    (8, ("split", 1, False, 1, 8)),
+    (16, ("split", 1, True, 1, 8)),
+    (64, ("split", 1, True, 1, 8)),
 )

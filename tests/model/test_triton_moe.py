@@ -121,6 +121,42 @@ def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
     assert int(al.used.item()) == int(al0.used.item())
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_moe.RouteAlignConfig("one", 2, True),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
+        triton_moe.RouteAlignConfig("split", 2, True, 4, 4),
+    ],
+)
+@pytest.mark.parametrize("T, E, k, renorm, block_m", [(1, 8, 2, True, 16), (21, 40, 3, False, 4)])
+def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, config):
+    """The rank on tensor cores and the split launches (routing in programs of a few
+    tokens, then the alignment) give the torch pair's ids, order, blocks and used rows."""
+    g = torch.Generator().manual_seed(T)
+    logits = (torch.randn(T, E, generator=g) + torch.linspace(1.0, -1.0, E)).to(DEVICE)
+    w, ids, al = triton_moe.route_align(logits, k, renorm, block_m, config=config)
+    w0, ids0 = moe.route(logits, k, renorm)
+    al0 = triton_moe.align(ids0, E, block_m)
+    assert torch.equal(ids, ids0)
+    assert (w - w0).abs().max().item() < 1e-6
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item())
+
+
+def test_route_align_config_reads_the_table(monkeypatch):
+    from pdserve.model import moe_table
+
+    monkeypatch.setattr(moe_table, "ROUTE_ALIGN", ((16, ("one", 1, True, 4, 4)),))
+    assert triton_moe.route_align_config(16, 128) == triton_moe.RouteAlignConfig("one", 1, True)
+    assert triton_moe.route_align_config(17, 128) == triton_moe.RouteAlignConfig()
+    with pytest.raises(ValueError, match="kind"):
+        triton_moe.route_align(
+            torch.zeros(2, 8), 2, True, 16, config=triton_moe.RouteAlignConfig("bad")
+        )
+
+
 def test_route_align_takes_decode_batches_only():
     assert triton_moe.route_align_fits(64, 128) and not triton_moe.route_align_fits(65, 128)
     assert not triton_moe.route_align_fits(0, 8)
@@ -491,6 +527,13 @@ def test_pick_plan_reads_the_decode_table(monkeypatch):
     assert triton_moe.pick_plan(16384 * 8, 128).up.block_m == 64
 
 
+RA_REAL = [
+    triton_moe.RouteAlignConfig("one", 4, True),
+    triton_moe.RouteAlignConfig("split", 1, False, 1, 4),
+    triton_moe.RouteAlignConfig("split", 4, True, 16, 8),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_plans_and_dot_path_at_real_shapes_bf16(T):
@@ -510,6 +553,11 @@ def test_plans_and_dot_path_at_real_shapes_bf16(T):
         triton_moe.MoEPlan(c, c, ("rows", 4, 256, 8, 1)),
         triton_moe.MoEPlan(c, c, ("dot", 16, 256, 4, 4)),
     ]
+    for ra in RA_REAL:  # route_align's variants, compiled for the GPU
+        w1, ids1, al = triton_moe.route_align(logits, k, True, 16, config=ra)
+        al0 = triton_moe.align(ids, E, 16)
+        assert torch.equal(ids1, ids) and torch.equal(al.sorted_ids, al0.sorted_ids), ra
+        assert torch.equal(al.block_expert, al0.block_expert), ra
     for plan in plans:
         w1, ids1, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
         got = triton_moe.grouped_experts(x, w13, w2, w1, al, plan, ids=ids1)
