@@ -45,6 +45,15 @@ from pdserve.model.triton_kernels import (
 # at 1 x 200 but 20.7 vs 18.4 at 64 x 200 and 124.4 vs 123.7 at 32 x 4,096, the case it
 # was built for. The path stays tested (tests/model/test_fp8_attention.py).
 FP8_KV_F16_DOTS = False
+# The decode kernel's ALIGNED (each token's K/V row loaded 16 bytes at a time, where
+# :func:`kv_rows_aligned` holds) for an e4m3 cache and for a 16-bit one, and its E4M3_BITS
+# for an e4m3 cache under 16-bit queries (tiles to fp16 by integer shifts, fp16 dots).
+# Without ALIGNED Triton cannot tell that a row read through the page table starts on 16
+# bytes and loads one element per instruction: an e4m3 tile then takes as many loads as a
+# bf16 one for half the bytes.
+FP8_KV_ALIGNED_LOADS = False
+KV16_ALIGNED_LOADS = False
+FP8_KV_BITS = False
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -73,6 +82,18 @@ _BALANCE_BLOCK_B = 64
 # 157.1, 128/4/2 138.4, 128/8/2 148.4, 128/4/3 147.6; at 1 x 200 (16 splits): 5.5 against
 # 5.6-6.9.
 FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {}
+
+
+def kv_rows_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether every token's row of K and V (``[P, page_size, Hkv, D]`` views, dim stride 1)
+    starts on 16 bytes: both bases and the page, token and head strides (in bytes) are
+    multiples of 16 (the decode kernel's ``ALIGNED`` then holds for every page the table
+    names)."""
+    for t in (k_cache, v_cache):
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
+            return False
+    return True
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -487,8 +508,15 @@ class TritonBackend(AttentionBackend):
             if plan.total_context is not None:  # eager: one of the few warmed split counts
                 plan.config = eager_config(plan.config)
         cfg = plan.config
-        if is_fp8(k_cache):  # its own tiles where measured (the splits are the same)
+        fp8 = is_fp8(k_cache)
+        if fp8:  # its own tiles where measured (the splits are the same)
             cfg = fp8_decode_config(cfg)
+        aligned = (FP8_KV_ALIGNED_LOADS if fp8 else KV16_ALIGNED_LOADS) and kv_rows_aligned(
+            k_cache, v_cache
+        )
+        bits = FP8_KV_BITS and fp8 and q.dtype in (torch.bfloat16, torch.float16)
+        if bits:  # the kernel reads the e4m3 bits and converts them itself
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
             plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
@@ -527,8 +555,10 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
-            F16_DOT=FP8_KV_F16_DOTS and is_fp8(k_cache) and q.dtype == torch.bfloat16,
+            F16_DOT=FP8_KV_F16_DOTS and fp8 and q.dtype == torch.bfloat16 and not bits,
             PREFETCH=cfg.prefetch,
+            ALIGNED=aligned,
+            E4M3_BITS=bits,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

@@ -197,3 +197,88 @@ def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions():
     bf16_dots, f16_dots = rows
     assert bf16_dots["sass"]["F2F"] >= 64 and bf16_dots["sass"]["F2FP"] > 0
     assert f16_dots["sass"]["F2F"] == 0 and f16_dots["sass"]["F2FP"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_fp8_decode_aligned_loads_and_e4m3_bits_give_the_same_numbers(monkeypatch):
+    """The decode kernel's load and conversion variants over an e4m3 cache, bf16 queries
+    (the CUDA case), splits and merge: ``ALIGNED`` (16-byte loads, a compiler hint) changes
+    no number; ``E4M3_BITS`` (the tiles' bits shifted into fp16, value * 2^-8, the 2^8
+    folded back) equals ``F16_DOT`` bit for bit (powers of two commute with every rounding
+    here), and both match fp32 attention over the dequantized K/V up to bf16's rounding."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=5)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    kc, vc = _views(pool8)
+    assert tb.kv_rows_aligned(kc, vc)  # 32 one-byte dims a row
+    assert not tb.kv_rows_aligned(kc[:, :, :, 1:], vc)  # a row starting one byte in
+
+    def run(**knobs):
+        for name in ("FP8_KV_F16_DOTS", "FP8_KV_ALIGNED_LOADS", "FP8_KV_BITS"):
+            monkeypatch.setattr(tb, name, knobs.get(name, False))
+        plan = b.plan(md, ps)
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=SCALES, kv_stored=True)
+        assert plan.config is not None and plan.config.splits > 1  # the merge ran too
+        return out
+
+    base, f16 = run(), run(FP8_KV_F16_DOTS=True)
+    assert torch.equal(run(FP8_KV_ALIGNED_LOADS=True), base)
+    assert torch.equal(run(FP8_KV_ALIGNED_LOADS=True, FP8_KV_F16_DOTS=True), f16)
+    assert torch.equal(run(FP8_KV_BITS=True), f16)
+    assert torch.equal(run(FP8_KV_BITS=True, FP8_KV_ALIGNED_LOADS=True), f16)
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    ref = sdpa.forward(q.float(), k, v, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    assert (f16.float() - ref).abs().max().item() <= 2**-7 * ref.abs().max().item()
+
+
+def test_e4m3_bits_shifted_into_fp16_are_the_value_times_2_to_the_minus_8():
+    """Every finite e4m3 value (normals, subnormals, zeros of both signs) through the
+    kernel's shift (``triton_kernels._e4m3_bits_to_f16``, mirrored here in torch) is its
+    value * 2^-8 in fp16 exactly."""
+    bits = torch.arange(256, dtype=torch.int32)
+    finite = (bits & 0x7F) != 0x7F  # 0x7F / 0xFF: e4m3's NaN
+    e4m3 = bits.to(torch.uint8).view(torch.float8_e4m3fn)[finite].float()
+    x = bits[finite]
+    f16 = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(torch.int16).view(torch.float16)
+    assert torch.equal(f16.float(), e4m3 * 2.0**-8)
+
+
+@pytest.mark.timeout(300)
+def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
+    long-context rule's configuration): without ``ALIGNED`` an e4m3 tile is loaded one
+    element an instruction (Triton cannot see that a row read through the page table starts
+    on 16 bytes), with it 16 bytes a thread (``LDG.E.128``: a 64 x 128 tile of K and one
+    of V over 128 threads, 4 each), for the e4m3 cache as for bf16 (8 each)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for extra in (["--kv", "fp8"], ["--kv", "fp8", "--aligned"], ["--kv", "bf16", "--aligned"]):
+        done = subprocess.run(
+            [sys.executable, str(script), "--decode", "--json", *extra]
+            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3 and all("error" not in r for r in rows), rows
+    fp8, fp8_aligned, bf16_aligned = (r["sass"] for r in rows)
+    assert fp8["LDG"] >= 128 and fp8["LDG.E.128"] <= 1  # the q row only
+    assert fp8_aligned["LDG.E.128"] >= 8 and fp8_aligned["LDG"] < 32
+    assert bf16_aligned["LDG.E.128"] >= 16 and bf16_aligned["LDG"] < 32
