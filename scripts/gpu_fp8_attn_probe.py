@@ -132,9 +132,12 @@ def _case(rows: int, ctx: int, copies: int, dev: torch.device) -> dict:
     return dict(md=md, qkv=qkv, caches=caches, bound=bound, backend=TritonBackend())
 
 
-def probe_kernels(rows: int, ctx: int, copies: int, dev: torch.device, names: list[str]) -> dict:
+def probe_kernels(
+    rows: int, ctx: int, copies: int, dev: torch.device, names: list[str], save=None
+) -> dict:
     """The decode attention alone at one shape under each variant of ``names`` (see the
-    module doc), as the engine's decode graph for that bucket runs it."""
+    module doc), as the engine's decode graph for that bucket runs it; ``save(res)`` (if
+    given) after each variant, so that a run cut short keeps what it measured."""
     c = _case(rows, ctx, copies, dev)
     timer = _timer(dev.type == "cuda")
     backend, md, qkv = c["backend"], c["md"], c["qkv"]
@@ -168,10 +171,12 @@ def probe_kernels(rows: int, ctx: int, copies: int, dev: torch.device, names: li
             res["kernels_us"][name] = f"failed: {' '.join(str(exc).split())[:160]}"
         finally:
             apply_variant("bf16")
-    timed = {n: t for n, t in res["kernels_us"].items() if isinstance(t, float)}
-    fp8 = {n: t for n, t in timed.items() if KERNEL_VARIANTS[n][0] == "fp8"}
-    if fp8:
-        res["best_fp8"] = min(fp8, key=fp8.__getitem__)
+        timed = {n: t for n, t in res["kernels_us"].items() if isinstance(t, float)}
+        fp8 = {n: t for n, t in timed.items() if KERNEL_VARIANTS[n][0] == "fp8"}
+        if fp8:
+            res["best_fp8"] = min(fp8, key=fp8.__getitem__)
+        if save is not None:
+            save(res)
     return res
 
 
@@ -318,8 +323,13 @@ def kernel_variants(args, dev: torch.device, out: str, res: dict) -> None:
         raise SystemExit(f"--kernel-variants: unknown {unknown}; known: {list(KERNEL_VARIANTS)}")
     for shape in args.shapes:
         rows, ctx = (int(x) for x in shape.split("x"))
-        r = probe_kernels(rows, ctx, args.copies, dev, names)
-        res[shape] = r
+
+        def save(r: dict, shape: str = shape) -> None:
+            res[shape] = r
+            with open(os.path.join(out, args.json), "w") as f:
+                json.dump(res, f, indent=1)
+
+        r = probe_kernels(rows, ctx, args.copies, dev, names, save)
         print(f"{shape}: fastest e4m3 variant: {r.get('best_fp8')}", flush=True)
         for n, t in r["kernels_us"].items():
             if not isinstance(t, float):
@@ -331,8 +341,6 @@ def kernel_variants(args, dev: torch.device, out: str, res: dict) -> None:
             if n in r["diff_vs_fp8"]:
                 line += f"  vs fp8 {r['diff_vs_fp8'][n]:.1e}"
             print(line, flush=True)
-        with open(os.path.join(out, args.json), "w") as f:  # after each shape: a cut run keeps it
-            json.dump(res, f, indent=1)
 
 
 def main() -> None:

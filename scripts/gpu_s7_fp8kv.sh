@@ -10,7 +10,7 @@
 #   2. scripts/gpu_step_profile.py 32x4096 with FP8 weights + e4m3 KV, the engine running
 #      the fastest e4m3 variant of 1 (apply_variant in this process before the engine starts)
 #      -> step.json (the step of issue 26's target: 7.31 ms before, <= 5.42 ms wanted)
-#   3. the same variants at 64 x 200, 1 x 8,192, 1 x 200 (is the pick a loss anywhere?) ->
+#   3. the same variants at 64 x 200, 1 x 200, 1 x 8,192 (is the pick a loss anywhere?) ->
 #      probe_short.json
 # Then the three merged into fp8kv.json (the others deleted) and a compact summary. Run as
 #   OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh fp8kv:200
@@ -30,7 +30,7 @@ git log --oneline -1 2>/dev/null
 MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 LONG_SHAPE=${LONG_SHAPE:-32x4096}
-SHORT_SHAPES=${SHORT_SHAPES:-64x200 1x8192 1x200}
+SHORT_SHAPES=${SHORT_SHAPES:-64x200 1x200 1x8192}
 VARIANTS=${VARIANTS:-"bf16,bf16 aligned,fp8,fp8 aligned,fp8 aligned f16dot,fp8 aligned bits,fp8 aligned f16dot prefetch,fp8 aligned bits prefetch,fp8 aligned f16dot n128,fp8 aligned f16dot n128 w8,fp8 aligned f16dot balance2048"}
 echo "== 1. decode attention variants at $LONG_SHAPE ($SECONDS s)"
 timeout ${T_LONG:-45} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" --json probe_long.json \
