@@ -85,6 +85,8 @@ KERNEL_VARIANTS: dict[str, tuple[str, dict[str, bool], dict[str, int | bool]]] =
     "fp8 aligned f16dot n128": ("fp8", _AL | _F16, {"block_n": 128}),
     "fp8 aligned f16dot n128 w8": ("fp8", _AL | _F16, {"block_n": 128, "num_warps": 8}),
     "fp8 aligned f16dot n32": ("fp8", _AL | _F16, {"block_n": 32}),
+    "fp8 aligned f16dot w8": ("fp8", _AL | _F16, {"num_warps": 8}),
+    "fp8 aligned f16dot w2": ("fp8", _AL | _F16, {"num_warps": 2}),
     "fp8 aligned f16dot balance2048": ("fp8", _AL | _F16, {"balance": 2048}),
     "fp8 aligned bits prefetch": ("fp8", _AL | _BITS, {"prefetch": True}),
 }

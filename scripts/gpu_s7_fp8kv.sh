@@ -6,7 +6,7 @@
 #      kernel (triton_backend's ALIGNED loads: 16 bytes a thread instead of one element an
 #      instruction, which sm_90 builds of the kernel show for both caches; the fp16 dots;
 #      E4M3_BITS, the e4m3 -> fp16 conversion by shifts; the next tile's prefetch; 128-token
-#      tiles, 8 warps; twice the pieces of the long-context rule) -> probe_long.json
+#      tiles, 8 or 2 warps; twice the pieces of the long-context rule) -> probe_long.json
 #   2. scripts/gpu_step_profile.py 32x4096 with FP8 weights + e4m3 KV, the engine running
 #      the fastest e4m3 variant of 1 (apply_variant in this process before the engine starts)
 #      -> step.json (the step of issue 26's target: 7.31 ms before, <= 5.42 ms wanted)
@@ -31,9 +31,9 @@ MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 LONG_SHAPE=${LONG_SHAPE:-32x4096}
 SHORT_SHAPES=${SHORT_SHAPES:-64x200 1x200 1x8192}
-VARIANTS=${VARIANTS:-"bf16,bf16 aligned,fp8,fp8 aligned,fp8 aligned f16dot,fp8 aligned bits,fp8 aligned f16dot prefetch,fp8 aligned bits prefetch,fp8 aligned f16dot n128,fp8 aligned f16dot n128 w8,fp8 aligned f16dot balance2048"}
+VARIANTS=${VARIANTS:-"bf16,bf16 aligned,fp8,fp8 aligned,fp8 aligned f16dot,fp8 aligned bits,fp8 aligned f16dot prefetch,fp8 aligned bits prefetch,fp8 aligned f16dot n128,fp8 aligned f16dot n128 w8,fp8 aligned f16dot w8,fp8 aligned f16dot w2,fp8 aligned f16dot balance2048"}
 echo "== 1. decode attention variants at $LONG_SHAPE ($SECONDS s)"
-timeout ${T_LONG:-45} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" --json probe_long.json \
+timeout ${T_LONG:-50} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" --json probe_long.json \
     --kernel-variants "$VARIANTS" $LONG_SHAPE 2>&1 | grep -v "^USDT" | tail -16
 left=$((BUDGET - 45 - SECONDS))
 echo "== 2. engine step at $LONG_SHAPE, FP8 weights + e4m3 KV, the fastest variant ($SECONDS s; $left s for it)"
