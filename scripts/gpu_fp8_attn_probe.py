@@ -69,40 +69,50 @@ def _timer(cuda: bool):
 
 _AL = {"FP8_KV_ALIGNED_LOADS": True}
 _F16 = {"FP8_KV_F16_DOTS": True}
-_BITS = {"FP8_KV_BITS": True}
-# name -> (cache, the backend's switches set, DecodeConfig fields replaced in the e4m3
+_S6 = {"FP8_KV_ALIGNED_LOADS": False, "FP8_KV_F16_DOTS": False}
+# name -> (cache, the backend's switches set (``FP8_KV_F16_DOTS``: every rule or none; a
+# switch not named keeps the backend's default), DecodeConfig fields replaced in the e4m3
 # cache's configuration: tokens a tile, warps, the next tile's prefetch, the pieces the
-# long-context rule cuts the batch's KV into)
+# long-context rule cuts the batch's KV into). "fp8": the backend's e4m3 defaults; "fp8
+# s6": the e4m3 kernel as session 6 left it (4 warps everywhere: the bf16 tiles).
 KERNEL_VARIANTS: dict[str, tuple[str, dict[str, bool], dict[str, int | bool]]] = {
     "bf16": ("bf16", {}, {}),
     "bf16 aligned": ("bf16", {"KV16_ALIGNED_LOADS": True}, {}),
     "fp8": ("fp8", {}, {}),
+    "fp8 s6": ("fp8", _S6, {"num_warps": 4}),
     "fp8 f16dot": ("fp8", _F16, {}),
     "fp8 aligned": ("fp8", _AL, {}),
     "fp8 aligned f16dot": ("fp8", _AL | _F16, {}),
-    "fp8 aligned bits": ("fp8", _AL | _BITS, {}),
     "fp8 aligned f16dot prefetch": ("fp8", _AL | _F16, {"prefetch": True}),
     "fp8 aligned f16dot n128": ("fp8", _AL | _F16, {"block_n": 128}),
     "fp8 aligned f16dot n128 w8": ("fp8", _AL | _F16, {"block_n": 128, "num_warps": 8}),
     "fp8 aligned f16dot n32": ("fp8", _AL | _F16, {"block_n": 32}),
     "fp8 aligned f16dot w8": ("fp8", _AL | _F16, {"num_warps": 8}),
+    "fp8 aligned f16dot w4": ("fp8", _AL | _F16, {"num_warps": 4}),
     "fp8 aligned f16dot w2": ("fp8", _AL | _F16, {"num_warps": 2}),
     "fp8 aligned f16dot balance2048": ("fp8", _AL | _F16, {"balance": 2048}),
-    "fp8 aligned bits prefetch": ("fp8", _AL | _BITS, {"prefetch": True}),
 }
-_SWITCHES = ("FP8_KV_F16_DOTS", "FP8_KV_ALIGNED_LOADS", "KV16_ALIGNED_LOADS", "FP8_KV_BITS")
+_DEFAULTS = {
+    sw: getattr(triton_backend, sw)
+    for sw in ("FP8_KV_ALIGNED_LOADS", "KV16_ALIGNED_LOADS", "FP8_KV_F16_DOTS")
+}
+_RULES = frozenset({"split", "one", "long"})
 _FP8_CONFIG = triton_backend.fp8_decode_config
 
 
 def apply_variant(name: str) -> str:
     """Set :mod:`pdserve.model.triton_backend` up for the decode-kernel variant ``name`` (of
     :data:`KERNEL_VARIANTS`) in this process, before any launch or graph capture: its
-    switches on (the others off) and its fields replaced in every e4m3 configuration
-    (``balance`` only in the long-context rule's; ``min_split`` rounded up to the tile).
-    Returns the cache it is for (``"bf16"`` / ``"fp8"``)."""
+    switches set (the others at the backend's defaults) and its fields replaced in every
+    e4m3 configuration (``balance`` only in the long-context rule's; ``min_split`` rounded
+    up to the tile). Returns the cache it is for (``"bf16"`` / ``"fp8"``)."""
     kind, switches, fields = KERNEL_VARIANTS[name]
-    for sw in _SWITCHES:
-        setattr(triton_backend, sw, switches.get(sw, False))
+    for sw, default in _DEFAULTS.items():
+        on = switches.get(sw)
+        if sw == "FP8_KV_F16_DOTS" and on is not None:
+            setattr(triton_backend, sw, _RULES if on else frozenset())
+        else:
+            setattr(triton_backend, sw, default if on is None else on)
 
     def fp8_config(cfg):
         cfg = _FP8_CONFIG(cfg)

@@ -5,7 +5,7 @@
 #      decode attention under a CUDA graph, bf16 vs e4m3 caches, each variant of the decode
 #      kernel (triton_backend's ALIGNED loads: 16 bytes a thread instead of one element an
 #      instruction, which sm_90 builds of the kernel show for both caches; the fp16 dots;
-#      E4M3_BITS, the e4m3 -> fp16 conversion by shifts; the next tile's prefetch; 128-token
+#      E4M3_BITS (at 4616dab, since dropped), the e4m3 -> fp16 conversion by shifts; the next tile's prefetch; 128-token
 #      tiles, 8 or 2 warps; twice the pieces of the long-context rule) -> probe_long.json
 #   2. scripts/gpu_step_profile.py 32x4096 with FP8 weights + e4m3 KV, the engine running
 #      the fastest e4m3 variant of 1 (apply_variant in this process before the engine starts)
@@ -14,6 +14,8 @@
 #      probe_short.json
 # Then the three merged into fp8kv.json (the others deleted) and a compact summary. Run as
 #   OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh fp8kv:200
+# (run at 4616dab: there "fp8" was session 6's e4m3 kernel, since the default changed;
+# docs/figures/h200_s7/fp8kv.json)
 # from the repository root on the GPU machine, with the wheels in ${WHEELS:-.whl}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,7 @@ MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 LONG_SHAPE=${LONG_SHAPE:-32x4096}
 SHORT_SHAPES=${SHORT_SHAPES:-64x200 1x200 1x8192}
-VARIANTS=${VARIANTS:-"bf16,bf16 aligned,fp8,fp8 aligned,fp8 aligned f16dot,fp8 aligned bits,fp8 aligned f16dot prefetch,fp8 aligned bits prefetch,fp8 aligned f16dot n128,fp8 aligned f16dot n128 w8,fp8 aligned f16dot w8,fp8 aligned f16dot w2,fp8 aligned f16dot balance2048"}
+VARIANTS=${VARIANTS:-"bf16,bf16 aligned,fp8,fp8 aligned,fp8 aligned f16dot,fp8 aligned f16dot prefetch,fp8 aligned f16dot n128,fp8 aligned f16dot n128 w8,fp8 aligned f16dot w8,fp8 aligned f16dot w2,fp8 aligned f16dot balance2048"}
 echo "== 1. decode attention variants at $LONG_SHAPE ($SECONDS s)"
 timeout ${T_LONG:-50} $PY scripts/gpu_fp8_attn_probe.py --device "$DEVICE" --json probe_long.json \
     --kernel-variants "$VARIANTS" $LONG_SHAPE 2>&1 | grep -v "^USDT" | tail -16

@@ -183,31 +183,13 @@ def _decode_tile(
 
 
 @triton.jit
-def _e4m3_bits_to_f16(x):
-    """e4m3 values held as their bits (uint8, any shape) -> fp16 of value * 2^-8, exactly:
-    the sign to bit 15 and the 7 exponent/mantissa bits under fp16's (the exponent biases
-    differ by 8; e4m3 subnormals become fp16 subnormals). Integer shifts in place of the
-    conversion instruction; e4m3's NaN (never in a KV cache) is not kept."""
-    x = x.to(tl.uint16)
-    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _decode_fold(
-    q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr, E4M3_BITS: tl.constexpr = False
-):
+def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr):
     """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
     against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
     l_i)``, returned updated. The tiles are converted to q's dtype here (an FP8 cache in
-    registers); with ``E4M3_BITS`` they are e4m3 bits (uint8) taken to fp16 * 2^-8
-    (:func:`_e4m3_bits_to_f16`; q is fp16, ``scale`` has the 2^8 of K folded in, ``acc``
-    carries V's 2^-8)."""
-    if E4M3_BITS:
-        k = _e4m3_bits_to_f16(k)
-        v = _e4m3_bits_to_f16(v)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    registers)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -268,7 +250,6 @@ def decode_split_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     ALIGNED: tl.constexpr = False,
-    E4M3_BITS: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -300,10 +281,7 @@ def decode_split_kernel(
     a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16.
     ``ALIGNED``: every token's K/V row starts on 16 bytes (bases and strides checked by the
     caller), so a thread loads 16 bytes at once (the compiler cannot see it through the
-    page table: else one load an element). ``E4M3_BITS``: the caches are e4m3 bits
-    (uint8 views); tiles become fp16 by integer shifts (value * 2^-8 exactly, the 2^8
-    folded into the softmax scale and the output), q as under ``F16_DOT``: the same
-    numbers as ``F16_DOT``, other instructions."""
+    page table: else one load an element, as Triton 3.9's sm_90 build shows)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -334,10 +312,8 @@ def decode_split_kernel(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
-    if F16_DOT or E4M3_BITS:
+    if F16_DOT:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    if E4M3_BITS:  # K's tiles hold k * 2^-8: exact powers of two
-        scale = scale * 256.0
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -354,9 +330,7 @@ def decode_split_kernel(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
                 s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
-            acc, m_i, l_i = _decode_fold(
-                q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, E4M3_BITS
-            )
+            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
             k, v = k_next, v_next
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -364,13 +338,9 @@ def decode_split_kernel(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
                 PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
-            acc, m_i, l_i = _decode_fold(
-                q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, E4M3_BITS
-            )
+            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_safe[:, None]
-    if E4M3_BITS:  # V's tiles held v * 2^-8
-        res = res * 256.0
     omask = hmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
         tl.store(
