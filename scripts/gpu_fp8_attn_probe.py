@@ -26,6 +26,13 @@ graph of 24 calls cycling ``--copies`` layers' caches so that L2 does not hold t
 Writes ``$OUT/fp8_attn_probe.json`` and prints a compact table. ``--device cpu`` (under
 ``TRITON_INTERPRET=1``, toy shapes such as ``2x40``) checks the script itself: the times
 mean nothing there.
+
+``--kernel-variants NAME,...`` (``all``: every one of ``KERNEL_VARIANTS``) times instead the
+decode attention alone at each shape under each named variant of the decode kernel
+(``apply_variant``: the backend's load / conversion switches, the e4m3 cache's tile, warps,
+prefetch, pieces), with its output's largest difference from the bf16 cache's
+(``err_vs_bf16``) and from the e4m3 default's (``diff_vs_fp8``), over the largest output;
+``best_fp8``: the fastest e4m3 variant at that shape.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.model import fp8
+from pdserve.model import fp8, triton_backend
 from pdserve.model.attention import build_attention_metadata, quantize_kv
 from pdserve.model.fused_ops import rope_inplace, rope_store_kv
 from pdserve.model.triton_backend import ONE_SPLIT_MAX_CONTEXT, TritonBackend
@@ -58,6 +65,131 @@ def _timer(cuda: bool):
         return 1e6 * (time.perf_counter() - t0) / reps
 
     return cpu_us
+
+
+_AL = {"FP8_KV_ALIGNED_LOADS": True}
+_F16 = {"FP8_KV_F16_DOTS": True}
+_S6 = {"FP8_KV_ALIGNED_LOADS": False, "FP8_KV_F16_DOTS": False}
+# name -> (cache, the backend's switches set (``FP8_KV_F16_DOTS``: every rule or none; a
+# switch not named keeps the backend's default), DecodeConfig fields replaced in the e4m3
+# cache's configuration: tokens a tile, warps, the next tile's prefetch, the pieces the
+# long-context rule cuts the batch's KV into). "fp8": the backend's e4m3 defaults; "fp8
+# s6": the e4m3 kernel as session 6 left it (4 warps everywhere: the bf16 tiles).
+KERNEL_VARIANTS: dict[str, tuple[str, dict[str, bool], dict[str, int | bool]]] = {
+    "bf16": ("bf16", {}, {}),
+    "bf16 aligned": ("bf16", {"KV16_ALIGNED_LOADS": True}, {}),
+    "fp8": ("fp8", {}, {}),
+    "fp8 s6": ("fp8", _S6, {"num_warps": 4}),
+    "fp8 f16dot": ("fp8", _F16, {}),
+    "fp8 aligned": ("fp8", _AL, {}),
+    "fp8 aligned f16dot": ("fp8", _AL | _F16, {}),
+    "fp8 aligned f16dot prefetch": ("fp8", _AL | _F16, {"prefetch": True}),
+    "fp8 aligned f16dot n128": ("fp8", _AL | _F16, {"block_n": 128}),
+    "fp8 aligned f16dot n128 w8": ("fp8", _AL | _F16, {"block_n": 128, "num_warps": 8}),
+    "fp8 aligned f16dot n32": ("fp8", _AL | _F16, {"block_n": 32}),
+    "fp8 aligned f16dot w8": ("fp8", _AL | _F16, {"num_warps": 8}),
+    "fp8 aligned f16dot w4": ("fp8", _AL | _F16, {"num_warps": 4}),
+    "fp8 aligned f16dot w2": ("fp8", _AL | _F16, {"num_warps": 2}),
+    "fp8 aligned f16dot balance2048": ("fp8", _AL | _F16, {"balance": 2048}),
+}
+_DEFAULTS = {
+    sw: getattr(triton_backend, sw)
+    for sw in ("FP8_KV_ALIGNED_LOADS", "KV16_ALIGNED_LOADS", "FP8_KV_F16_DOTS")
+}
+_RULES = frozenset({"split", "one", "long"})
+_FP8_CONFIG = triton_backend.fp8_decode_config
+
+
+def apply_variant(name: str) -> str:
+    """Set :mod:`pdserve.model.triton_backend` up for the decode-kernel variant ``name`` (of
+    :data:`KERNEL_VARIANTS`) in this process, before any launch or graph capture: its
+    switches set (the others at the backend's defaults) and its fields replaced in every
+    e4m3 configuration (``balance`` only in the long-context rule's; ``min_split`` rounded
+    up to the tile). Returns the cache it is for (``"bf16"`` / ``"fp8"``)."""
+    kind, switches, fields = KERNEL_VARIANTS[name]
+    for sw, default in _DEFAULTS.items():
+        on = switches.get(sw)
+        if sw == "FP8_KV_F16_DOTS" and on is not None:
+            setattr(triton_backend, sw, _RULES if on else frozenset())
+        else:
+            setattr(triton_backend, sw, default if on is None else on)
+
+    def fp8_config(cfg):
+        cfg = _FP8_CONFIG(cfg)
+        f = {k: v for k, v in fields.items() if k != "balance" or cfg.balance}
+        bn = int(f.get("block_n", cfg.block_n))
+        f["min_split"] = -(-cfg.min_split // bn) * bn if cfg.min_split else 0
+        return replace(cfg, **f)
+
+    triton_backend.fp8_decode_config = fp8_config if fields else _FP8_CONFIG  # type: ignore[assignment]
+    return kind
+
+
+def _case(rows: int, ctx: int, copies: int, dev: torch.device) -> dict:
+    """One shape's inputs: ``rows`` decode rows over ``ctx`` tokens, ``copies`` layers'
+    caches of each kind (random bf16 and its e4m3), the metadata, q/k/v and a backend."""
+    gen = torch.Generator().manual_seed(rows * 7 + ctx)
+    pages_per_row = -(-(ctx + 1) // PAGE)
+    num_pages = rows * pages_per_row
+    tables = [list(range(r * pages_per_row, (r + 1) * pages_per_row)) for r in range(rows)]
+    md = build_attention_metadata([1] * rows, [ctx] * rows, tables, PAGE, dev)
+    qkv = (torch.randn(rows, HQ + 2 * HKV, D, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+    caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"bf16": [], "fp8": []}
+    torch.manual_seed(rows * 7 + ctx)
+    for _ in range(copies):
+        kv = torch.randn(2, num_pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+        caches["bf16"].append((kv[0], kv[1]))
+        caches["fp8"].append((quantize_kv(kv[0], 1.0), quantize_kv(kv[1], 1.0)))
+    bound = ONE_SPLIT_MAX_CONTEXT if ctx <= ONE_SPLIT_MAX_CONTEXT else None
+    return dict(md=md, qkv=qkv, caches=caches, bound=bound, backend=TritonBackend())
+
+
+def probe_kernels(
+    rows: int, ctx: int, copies: int, dev: torch.device, names: list[str], save=None
+) -> dict:
+    """The decode attention alone at one shape under each variant of ``names`` (see the
+    module doc), as the engine's decode graph for that bucket runs it; ``save(res)`` (if
+    given) after each variant, so that a run cut short keeps what it measured."""
+    c = _case(rows, ctx, copies, dev)
+    timer = _timer(dev.type == "cuda")
+    backend, md, qkv = c["backend"], c["md"], c["qkv"]
+    q, k, v = qkv[:, :HQ], qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+    kv_bytes = {"bf16": rows * ctx * HKV * D * 2 * 2, "fp8": rows * ctx * HKV * D * 2}
+    res: dict = {"rows": rows, "context": ctx, "graph_context_bound": c["bound"]}
+    for key in ("kernels_us", "gb_s", "err_vs_bf16", "diff_vs_fp8", "configs"):
+        res[key] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for name in names:
+        try:
+            kind = apply_variant(name)
+            p = backend.plan_for_capture(md, PAGE, c["bound"])
+
+            def attn(i: int, p=p, kind=kind) -> torch.Tensor:
+                kc, vc = c["caches"][kind][i]
+                return backend.forward(q, k, v, kc, vc, md, p, D**-0.5, kv_stored=True)
+
+            out = attn(0).float()
+            cfg = p.config if kind == "bf16" else triton_backend.fp8_decode_config(p.config)
+            res["configs"][name] = str(cfg)
+            us = timer([lambda i=i: attn(i) for i in range(copies)])
+            res["kernels_us"][name] = us
+            res["gb_s"][name] = kv_bytes[kind] / us / 1e3
+            outs[name] = out
+            for ref, key in (("bf16", "err_vs_bf16"), ("fp8", "diff_vs_fp8")):
+                if ref in outs:
+                    d = (out - outs[ref]).abs().max() / outs[ref].abs().max()
+                    res[key][name] = float(d)
+        except Exception as exc:  # noqa: BLE001 a variant that fails to build or run: noted
+            res["kernels_us"][name] = f"failed: {' '.join(str(exc).split())[:160]}"
+        finally:
+            apply_variant("bf16")
+        timed = {n: t for n, t in res["kernels_us"].items() if isinstance(t, float)}
+        fp8 = {n: t for n, t in timed.items() if KERNEL_VARIANTS[n][0] == "fp8"}
+        if fp8:
+            res["best_fp8"] = min(fp8, key=fp8.__getitem__)
+        if save is not None:
+            save(res)
+    return res
 
 
 def probe(
@@ -192,6 +324,37 @@ def silu_gemv(dev: torch.device, copies: int, n: int = 4096, k: int = 14336) -> 
     }
 
 
+def kernel_variants(args, dev: torch.device, out: str, res: dict) -> None:
+    """``--kernel-variants``: each shape's decode attention under each named variant,
+    printed and written to ``$OUT/<--json>`` after each shape."""
+    names = (
+        list(KERNEL_VARIANTS) if args.kernel_variants == "all" else args.kernel_variants.split(",")
+    )
+    unknown = [n for n in names if n not in KERNEL_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--kernel-variants: unknown {unknown}; known: {list(KERNEL_VARIANTS)}")
+    for shape in args.shapes:
+        rows, ctx = (int(x) for x in shape.split("x"))
+
+        def save(r: dict, shape: str = shape) -> None:
+            res[shape] = r
+            with open(os.path.join(out, args.json), "w") as f:
+                json.dump(res, f, indent=1)
+
+        r = probe_kernels(rows, ctx, args.copies, dev, names, save)
+        print(f"{shape}: fastest e4m3 variant: {r.get('best_fp8')}", flush=True)
+        for n, t in r["kernels_us"].items():
+            if not isinstance(t, float):
+                print(f"  {n:<32} {t}", flush=True)
+                continue
+            line = f"  {n:<32} {t:8.1f} us {r['gb_s'][n]:6.0f} GB/s"
+            if n in r["err_vs_bf16"]:
+                line += f"  err {r['err_vs_bf16'][n]:.3f}"
+            if n in r["diff_vs_fp8"]:
+                line += f"  vs fp8 {r['diff_vs_fp8'][n]:.1e}"
+            print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shapes", nargs="*", default=["1x200", "64x200", "32x4096"])
@@ -208,10 +371,19 @@ def main() -> None:
     ap.add_argument(
         "--variant-shapes", default="1x200,32x4096", help="the shapes the variants are timed at"
     )
+    ap.add_argument(
+        "--kernel-variants",
+        default="",
+        help="time only the decode attention under these KERNEL_VARIANTS (comma-separated "
+        "names; 'all': every one) at each shape",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     out = os.environ.get("OUT", ".")
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    if args.kernel_variants:
+        kernel_variants(args, dev, out, res)
+        return
     print(
         f"{'shape':>9} {'attn bf16 us':>12} {'fp8 us':>8} {'fp8/bf16':>8} {'GB/s bf16':>9} "
         f"{'fp8':>6} {'block bf16':>10} {'fp8 unfused':>11} {'fp8 fused':>9} (us a layer)"

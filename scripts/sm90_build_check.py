@@ -47,7 +47,7 @@ from pdserve.model import triton_gemv, triton_gemv_tma
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL", "LDGSTS", "LDG",
-       "F2FP", "F2F", "HADD2.F32")
+       "LDG.E.128", "F2FP", "F2F", "HADD2.F32")
 
 
 def build(fn, args: dict, constexprs: dict, warps: int, stages: int):
@@ -169,7 +169,7 @@ def registers(kernel) -> int:
     return int(re.findall(r"REG:(\d+)", out)[0])
 
 
-def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
+def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False, aligned: bool = False) -> dict:
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
     ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch])``: shared
@@ -177,7 +177,7 @@ def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
     its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
     loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
     e4m3 cache, ``f16_dot``: the kernel's ``F16_DOT`` (its tiles converted to fp16, not
-    bf16)."""
+    bf16); ``aligned``: its ``ALIGNED`` (16-byte K/V loads: ``LDG.E.128``)."""
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
@@ -186,7 +186,7 @@ def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
         G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=splits, MIN_SPLIT=min_split,
         BALANCE_PROGRAMS=balance, BLOCK_B=64 if balance else 1, BLOCK_H=16, BLOCK_N=block_n,
         BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
-        PREFETCH=bool(prefetch), F16_DOT=f16_dot,
+        PREFETCH=bool(prefetch), F16_DOT=f16_dot, ALIGNED=aligned,
     )  # fmt: skip
     dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
     if kv == "fp8":
@@ -206,6 +206,7 @@ def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False) -> dict:
         config=list(cfg),
         kv=kv,
         f16_dot=f16_dot,
+        aligned=aligned,
         shared=shared,
         registers=regs,
         programs_per_sm_by_shared=(228 * 1024) // max(1, shared + 1024),
@@ -256,12 +257,13 @@ def main() -> None:
     )
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--decode's cache")
     ap.add_argument("--f16-dot", action="store_true", help="--decode with F16_DOT")
+    ap.add_argument("--aligned", action="store_true", help="--decode with ALIGNED")
     args = ap.parse_args()
     if args.decode:
         for c in args.configs or ["(1, 64, 4, 3)"]:
             cfg = tuple(ast.literal_eval(c))
             try:
-                row = check_decode(cfg, args.kv, args.f16_dot)
+                row = check_decode(cfg, args.kv, args.f16_dot, args.aligned)
             except Exception as exc:  # noqa: BLE001 (reported: a configuration that does not build)
                 row = dict(config=list(cfg), error=" ".join(str(exc).split())[:300])
             print(json.dumps(row) if args.json else row, flush=True)

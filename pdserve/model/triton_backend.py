@@ -39,12 +39,21 @@ from pdserve.model.triton_kernels import (
     store_kv_kernel,
 )
 
-# The decode kernel's F16_DOT for an e4m3 cache under bf16 queries (dots in fp16: one packed
-# conversion a pair of values instead of three). Off: on the H200 (docs/figures/h200_s6/
-# fp8_attn_probe_f16dot.json against fp8_attn_probe.json, one layer, us) it took 5.0 vs 5.5
-# at 1 x 200 but 20.7 vs 18.4 at 64 x 200 and 124.4 vs 123.7 at 32 x 4,096, the case it
-# was built for. The path stays tested (tests/model/test_fp8_attention.py).
-FP8_KV_F16_DOTS = False
+# The rules of decode_rule whose e4m3 decode takes the kernel's F16_DOT under bf16 queries
+# (dots in fp16: one packed conversion a pair of values instead of three). H200, one layer,
+# µs (docs/figures/h200_s7/fp8kv.json, 16-byte loads on, 4 warps): bf16 dots / fp16 dots
+# 5.5 / 5.3 at 1 x 200 ("split"), 15.9 / 15.2 at 1 x 8,192 and 123.8 / 124.3 at 32 x 4,096
+# ("long": with 2 warps, below, 96.3), but 18.4 / 20.8 at 64 x 200 ("one": left out).
+FP8_KV_F16_DOTS: frozenset[str] = frozenset({"split", "long"})
+# The decode kernel's ALIGNED (each token's K/V row loaded 16 bytes a thread, where
+# :func:`kv_rows_aligned` holds) for an e4m3 cache and for a 16-bit one. Triton 3.9's sm_90
+# build of the kernel without it loads one element an instruction (it cannot tell that a
+# row read through the page table starts on 16 bytes) and spills registers; Triton 3.6's
+# (the H200's) runs the same either way (fp8kv.json: 123.1 vs 123.8 µs at 32 x 4,096, 18.0
+# vs 18.4 at 64 x 200, 5.5 and 15.9 both at 1 x 200 and 1 x 8,192; bf16 144.9 vs 144.8).
+# On for e4m3, where it is part of every configuration measured faster; off for bf16.
+FP8_KV_ALIGNED_LOADS = True
+KV16_ALIGNED_LOADS = False
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -67,12 +76,27 @@ _BALANCE_BLOCK_B = 64
 # more than one split), "one" (short contexts, one split, large batches), "long" (the
 # balanced rule) -> (block_n, num_warps, num_stages) in place of the bf16 cache's; a rule
 # not listed keeps them. A tile of block_n tokens reads half the bytes in e4m3, so it may
-# want more tokens a tile (scripts/gpu_fp8_attn_probe.py times the candidates). Empty: on
-# the H200 (2026-12-03) every candidate was slower than the bf16 cache's tiles on the e4m3
-# cache, one layer at 32 x 4,096 (balanced, 8 splits): 64/4/2 123.7 µs against 64/4/3
-# 157.1, 128/4/2 138.4, 128/8/2 148.4, 128/4/3 147.6; at 1 x 200 (16 splits): 5.5 against
-# 5.6-6.9.
-FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {}
+# want more tokens a tile (scripts/gpu_fp8_attn_probe.py --kernel-variants times the
+# candidates). "long": 64 tokens, 2 warps (the bf16 cache's 4 hold twice the threads for
+# half the bytes). H200, one layer, µs, fp16 dots and 16-byte loads (h200_s7/fp8kv.json):
+# 32 x 4,096 (8 splits) 96.3 (2,788 GB/s) against 124.3 with 4 warps, 130.4 with 8, 110.1
+# with 128-token tiles, 144.9 with the next tile prefetched, 124.9 with twice the pieces
+# (the e4m3 default before: 123.1; the bf16 cache: 144.9); 1 x 8,192 15.0 against 15.2
+# (128-token tiles 14.2; before 15.9). "one": 2 warps took 15.0 against 18.0 at 64 x 200,
+# the only bucket measured: not listed. "split" (1 x 200): 2 warps 6.0 against 5.3.
+FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {"long": (64, 2, 2)}
+
+
+def kv_rows_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether every token's row of K and V (``[P, page_size, Hkv, D]`` views, dim stride 1)
+    starts on 16 bytes: both bases and the page, token and head strides (in bytes) are
+    multiples of 16 (the decode kernel's ``ALIGNED`` then holds for every page the table
+    names)."""
+    for t in (k_cache, v_cache):
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
+            return False
+    return True
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -487,8 +511,13 @@ class TritonBackend(AttentionBackend):
             if plan.total_context is not None:  # eager: one of the few warmed split counts
                 plan.config = eager_config(plan.config)
         cfg = plan.config
-        if is_fp8(k_cache):  # its own tiles where measured (the splits are the same)
+        fp8 = is_fp8(k_cache)
+        if fp8:  # its own tiles where measured (the splits are the same)
             cfg = fp8_decode_config(cfg)
+        aligned = (FP8_KV_ALIGNED_LOADS if fp8 else KV16_ALIGNED_LOADS) and kv_rows_aligned(
+            k_cache, v_cache
+        )
+        f16_dot = fp8 and q.dtype == torch.bfloat16 and decode_rule(cfg) in FP8_KV_F16_DOTS
         S = cfg.splits
         if S > 1 and (plan.mid_o is None or plan.mid_o.shape[0] != B):
             plan.mid_o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
@@ -527,8 +556,9 @@ class TritonBackend(AttentionBackend):
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
             IEEE=ieee,
-            F16_DOT=FP8_KV_F16_DOTS and is_fp8(k_cache) and q.dtype == torch.bfloat16,
+            F16_DOT=f16_dot,
             PREFETCH=cfg.prefetch,
+            ALIGNED=aligned,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

@@ -149,12 +149,16 @@ def _decode_tile(
     s_vct,
     PAGE_SIZE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
+    ALIGNED: tl.constexpr = False,
 ):
     """K and V tiles ``[BLOCK_N, BLOCK_D]`` of context positions ``start + nn`` (those at or
     past ``hi`` masked: none read, zeros) of one KV head (``k_head`` / ``v_head``: its base
     in the caches) of the sequence whose page-table row is ``table_row``, in the cache's
     dtype. ``TILE_IN_PAGE``: the tile lies in one
-    page (one page-table read), else each position reads its own entry."""
+    page (one page-table read), else each position reads its own entry. ``ALIGNED``: every
+    token's row of ``BLOCK_D`` dims starts on 16 bytes (the caller checked the bases and
+    strides), told to the compiler, which cannot prove it through the page-table read
+    (without it every element is a load of its own)."""
     pos = start + nn
     nmask = pos < hi
     kv_mask = nmask[:, None] & dmask[None, :]
@@ -168,8 +172,13 @@ def _decode_tile(
         off = (pos % PAGE_SIZE).to(tl.int64)
         k_rows = k_head + pages * s_cp + off * s_ct
         v_rows = v_head + pages * s_vcp + off * s_vct
-    k = tl.load(k_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_rows[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+    k_ptrs = k_rows[:, None] + dd[None, :]
+    v_ptrs = v_rows[:, None] + dd[None, :]
+    if ALIGNED:  # row starts on 16 bytes, runs of >= 16 contiguous dims
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [16, 16]), [1, 16])
+        v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [16, 16]), [1, 16])
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v
 
 
@@ -240,6 +249,7 @@ def decode_split_kernel(
     F16_DOT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    ALIGNED: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -268,7 +278,10 @@ def decode_split_kernel(
     under bf16 queries): q is taken to fp16 (saturated to its range) and the tiles are
     converted to fp16, not bf16, for the dots: e4m3 -> fp16 is one packed conversion a
     pair of values (-> bf16 two more, each through fp16), fp16 holds every e4m3 value and
-    a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16."""
+    a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16.
+    ``ALIGNED``: every token's K/V row starts on 16 bytes (bases and strides checked by the
+    caller), so a thread loads 16 bytes at once (the compiler cannot see it through the
+    page table: else one load an element, as Triton 3.9's sm_90 build shows)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -310,12 +323,12 @@ def decode_split_kernel(
     if PREFETCH:  # the next tile's loads are issued before this tile's math
         k, v = _decode_tile(
             k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-            PAGE_SIZE, TILE_IN_PAGE,
+            PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
         )  # fmt: skip
         for start in range(lo, hi, BLOCK_N):
             k_next, v_next = _decode_tile(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
-                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE,
+                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
             k, v = k_next, v_next
@@ -323,7 +336,7 @@ def decode_split_kernel(
         for start in range(lo, hi, BLOCK_N):
             k, v = _decode_tile(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-                PAGE_SIZE, TILE_IN_PAGE,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -146,7 +146,7 @@ def test_bf16_queries_over_an_fp8_cache_take_fp16_dots_and_match_the_reference(m
     the dequantized K/V up to bf16's rounding of it, splits and merge included."""
     from pdserve.model import triton_backend as tb
 
-    monkeypatch.setattr(tb, "FP8_KV_F16_DOTS", True)  # off by default (measured), tested here
+    monkeypatch.setattr(tb, "FP8_KV_F16_DOTS", frozenset({"split"}))  # the rule run here
     Hq, Hkv, D, ps = 8, 2, 32, 16
     pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=9)
     qkv = qkv.to(torch.bfloat16)
@@ -197,3 +197,72 @@ def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions():
     bf16_dots, f16_dots = rows
     assert bf16_dots["sass"]["F2F"] >= 64 and bf16_dots["sass"]["F2FP"] > 0
     assert f16_dots["sass"]["F2F"] == 0 and f16_dots["sass"]["F2FP"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_fp8_decode_aligned_loads_change_no_number(monkeypatch):
+    """The decode kernel's ``ALIGNED`` (16-byte K/V loads, a compiler hint) over an e4m3
+    cache, bf16 queries (the CUDA case), splits and merge: the same output as without it,
+    under bf16 dots and under fp16 dots; ``kv_rows_aligned`` says when it may be set."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=5)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    kc, vc = _views(pool8)
+    assert tb.kv_rows_aligned(kc, vc)  # 32 one-byte dims a row
+    assert not tb.kv_rows_aligned(kc[:, :, :, 1:], vc)  # a row starting one byte in
+
+    def run(aligned: bool, f16_dots: bool):
+        monkeypatch.setattr(tb, "FP8_KV_ALIGNED_LOADS", aligned)
+        monkeypatch.setattr(tb, "FP8_KV_F16_DOTS", frozenset({"split"} if f16_dots else ()))
+        plan = b.plan(md, ps)
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=SCALES, kv_stored=True)
+        assert plan.config is not None and plan.config.splits > 1  # the merge ran too
+        return out
+
+    f16 = run(False, True)
+    assert torch.equal(run(True, False), run(False, False))
+    assert torch.equal(run(True, True), f16)
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    ref = sdpa.forward(q.float(), k, v, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    assert (f16.float() - ref).abs().max().item() <= 2**-7 * ref.abs().max().item()
+
+
+@pytest.mark.timeout(300)
+def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
+    long-context rule's configuration): without ``ALIGNED`` an e4m3 tile is loaded one
+    element an instruction (Triton cannot see that a row read through the page table starts
+    on 16 bytes), with it 16 bytes a thread (``LDG.E.128``: a 64 x 128 tile of K and one
+    of V over 128 threads, 4 each), for the e4m3 cache as for bf16 (8 each)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for extra in (["--kv", "fp8"], ["--kv", "fp8", "--aligned"], ["--kv", "bf16", "--aligned"]):
+        done = subprocess.run(
+            [sys.executable, str(script), "--decode", "--json", *extra]
+            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3 and all("error" not in r for r in rows), rows
+    fp8, fp8_aligned, bf16_aligned = (r["sass"] for r in rows)
+    assert fp8["LDG"] >= 128 and fp8["LDG.E.128"] <= 1  # the q row only
+    assert fp8_aligned["LDG.E.128"] >= 8 and fp8_aligned["LDG"] < 32
+    assert bf16_aligned["LDG.E.128"] >= 16 and bf16_aligned["LDG"] < 32
