@@ -227,6 +227,7 @@ def main() -> None:
     run = Run(args)
     out_dir = os.environ.get("OUT", ".")
     t0 = time.perf_counter()
+    run.res["engine_load_wall"] = [time.time()]  # wall clock: compared with the sweep's rows
     llm = LLM(
         args.model,
         device=args.device,
@@ -236,6 +237,7 @@ def main() -> None:
         max_num_batched_tokens=budgets[0],
     )
     run.res["engine_start_s"] = time.perf_counter() - t0
+    run.res["engine_load_wall"].append(time.time())
     run.res["model"] = args.model
     run.res["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"engine up in {run.res['engine_start_s']:.0f} s (at {elapsed():.0f} s)", flush=True)

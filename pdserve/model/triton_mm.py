@@ -86,9 +86,9 @@ def _mm_tma_kernel(
             x = x_desc.load([off_m, kt * BLOCK_K])  # [BLOCK_M, BLOCK_K], zeros past M, K
             w = w_desc.load([off_n, kt * BLOCK_K])  # [BLOCK_N, BLOCK_K], zeros past N, K
             if IEEE:
-                acc = tl.dot(x, w.T, acc, input_precision="ieee")
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
             else:
-                acc = tl.dot(x, w.T, acc)
+                acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
             rn = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
