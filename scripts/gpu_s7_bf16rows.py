@@ -20,7 +20,10 @@ and every part skipped once ``--deadline-s`` is near:
    model load) found configurations beating ``F.linear`` by >= 3 %, the engine with that
    table (``mm_table.TABLE`` set in process, the decode graphs captured again): the
    ``256x200`` step profile and the 256-prompt row at 4,096.
-4. ``pdl``: ``PDSERVE_TRITON_PDL=1`` (``pdl``'s cached choice cleared, the graphs captured
+4. ``splitk``: ``fused_splitk_norm.FUSE`` on (the 64-row down projection's split-K reduce
+   folded into the next add + RMSNorm, the graphs captured again): the ``64x200`` step
+   profile and the 64-prompt row at 4,096, then the baseline's ``64x200`` again.
+5. ``pdl``: ``PDSERVE_TRITON_PDL=1`` (``pdl``'s cached choice cleared, the graphs captured
    again with PDL launches) vs off: the step at ``64x200`` / ``256x200`` and the 64 / 256
    rows at 4,096, then off again (the first graphs swapped back) for the step: A, B, A.
 
@@ -48,9 +51,10 @@ from gpu_step_profile import profile_shapes
 
 from pdserve.bench.offline import _random_prompts, _time_ours, workload_prompts
 from pdserve.engine.llm import LLM
-from pdserve.model import mm_table, pdl
+from pdserve.model import fused_splitk_norm, mm_table, pdl
 
 T0 = time.perf_counter()
+LAST_IDS: list[list[int]] = []  # the output ids of offline_row's last full run
 FLOP_PER_TOKEN = 2 * 7e9  # the task's Llama-3.1-8B linear FLOP per prompt token (attention aside)
 
 
@@ -97,13 +101,17 @@ def set_budget(llm: LLM, tokens: int) -> None:
     sch.config = dataclasses.replace(sch.config, max_num_batched_tokens=tokens)
 
 
-def use_variant(run: Run, llm: LLM, name: str, pdl_on: bool, table: dict) -> float:
-    """Switch the engine to variant ``name``: PDL on/off, ``mm_table.TABLE``; its decode
-    graphs captured on first use (kept: switching back swaps them in). Returns the seconds
-    the capture took (0 when swapped)."""
+def use_variant(
+    run: Run, llm: LLM, name: str, pdl_on: bool, table: dict, fuse: bool = False
+) -> float:
+    """Switch the engine to variant ``name``: PDL on/off, ``mm_table.TABLE``, the split-K
+    reduce folded into the norm (``fused_splitk_norm.FUSE``); its decode graphs captured on
+    first use (kept: switching back swaps them in). Returns the seconds the capture took
+    (0 when swapped)."""
     os.environ["PDSERVE_TRITON_PDL"] = "1" if pdl_on else "0"
     pdl._options.cache_clear()
     mm_table.TABLE = table
+    fused_splitk_norm.FUSE = fuse
     g = llm.engine.executor.rank0.runner.graphs
     if g is None:
         return 0.0
@@ -135,7 +143,8 @@ def offline_row(
         "first_token_runs_s": firsts,
     }
     if full:
-        secs = _time_ours(llm, prompts, max_tokens)[0]
+        secs, ids = _time_ours(llm, prompts, max_tokens)
+        LAST_IDS[:] = ids
         row["full_s"] = secs
         row["tok_s"] = n * max_tokens / secs
         row["decode_ms_per_step"] = (secs - row["first_token_s"]) / (max_tokens - 1) * 1e3
@@ -217,6 +226,9 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=2)
     ap.add_argument("--sweep-wait-s", type=float, default=30.0)
     ap.add_argument("--json", default="bf16rows.json", help="file name under $OUT")
+    ap.add_argument(
+        "--parts", default="profile,offline,prefill,mm,splitk,pdl", help="which parts, in order"
+    )
     args = ap.parse_args()
     toy = args.toy
     counts = [4, 8] if toy else [64, 256]
@@ -288,6 +300,25 @@ def main() -> None:
         # the baseline again right after (the same engine, the first graphs)
         run.res["mm_base_again"] = brief(profile_shapes(llm, big, steps, 14))
 
+    def p_splitk() -> None:
+        small = [s for s in shapes if s.startswith(f"{min(counts)}x")]
+        cap = use_variant(run, llm, "splitk", False, {}, fuse=True)
+        run.res["splitk_capture_s"] = cap
+        run.res["splitk_profile"] = brief(profile_shapes(llm, small, steps, 14))
+        run.save()
+        run.res["splitk_offline"] = [
+            offline_row(llm, min(counts), budgets[0], args.max_tokens, args.ttft_repeats)
+        ]
+        fused_ids = list(LAST_IDS)
+        use_variant(run, llm, "base", False, {})
+        run.res["splitk_base_again"] = brief(profile_shapes(llm, small, steps, 14))
+        # the same greedy tokens with the reduce folded (the same bits by construction)?
+        prompts = workload_prompts(llm, min(counts), None, None)
+        base_ids = _time_ours(llm, prompts, args.max_tokens)[1]
+        same = sum(a == b for a, b in zip(fused_ids, base_ids))
+        run.res["splitk_same_outputs"] = [same, len(base_ids)]
+        print(f"   split-K folded vs not: {same} of {len(base_ids)} outputs identical", flush=True)
+
     def p_pdl() -> None:
         cap = use_variant(run, llm, "pdl", True, {})
         run.res["pdl_capture_s"] = cap
@@ -301,11 +332,16 @@ def main() -> None:
         run.res["pdl_off_again"] = brief(profile_shapes(llm, shapes, steps, 14))
 
     try:
-        run.part("profile", 15, p_profile)
-        run.part("offline", 30, p_offline)
-        run.part("prefill", 8, p_prefill)
-        run.part("mm", 30, p_mm)
-        run.part("pdl", 40, p_pdl)
+        parts = {
+            "profile": (15, p_profile),
+            "offline": (30, p_offline),
+            "prefill": (8, p_prefill),
+            "mm": (30, p_mm),
+            "splitk": (25, p_splitk),
+            "pdl": (40, p_pdl),
+        }
+        for name in args.parts.split(","):
+            run.part(name, *parts[name])
     finally:
         if "profile" in run.res:  # keep the JSON small: the top kernels, not every count
             run.res["profile"] = {

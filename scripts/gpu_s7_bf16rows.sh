@@ -7,7 +7,9 @@
 #   2. scripts/gpu_s7_bf16rows.py, one engine load: the step profile at 64x200 / 256x200;
 #      bench offline's 64 / 256 GSM8K rows (128 tokens) at step budgets 4,096 / 8,192 /
 #      16,384; one prefill step of 4,096 / 8,192 / 16,384 tokens profiled; the engine with
-#      the sweep's winning table (if any); PDSERVE_TRITON_PDL=1 vs off -> bf16rows.json
+#      the sweep's winning table (if any); the 64-row split-K reduce folded into the next
+#      add + RMSNorm (pdserve/model/fused_splitk_norm.py) vs not; PDSERVE_TRITON_PDL=1 vs off
+#      -> bf16rows.json
 # Then a compact summary on stdout. Two files are left under $OUT: bf16rows.json and
 # mm_sweep.json. Run as: OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh bf16rows:270
 set -uo pipefail
@@ -58,15 +60,17 @@ def steps(tag, prof):
 steps("base", r.get("profile"))
 steps("mm", r.get("mm_profile"))
 steps("mm-base", r.get("mm_base_again"))
+steps("splitk", r.get("splitk_profile"))
+steps("splitk-base", r.get("splitk_base_again"))
 steps("pdl", r.get("pdl_profile"))
 steps("pdl-off", r.get("pdl_off_again"))
-for tag in ("offline", "mm_offline", "pdl_offline"):
+for tag in ("offline", "mm_offline", "splitk_offline", "pdl_offline"):
     for o in r.get(tag) or []:
         print(f"{tag:11s} {o['num_prompts']:4d} @ {o['budget']:6d}: first {o['first_token_s']*1e3:7.1f} ms "
               f"tok/s {o.get('tok_s', 0):8.0f} decode {o.get('decode_ms_per_step', 0):.2f} ms")
 for p in r.get("prefill") or []:
     print(f"prefill {p['tokens']:6d} tok: {p['wall_ms']:.1f} ms wall ({p['tok_s']:.0f} tok/s, "
           f"{p['tflops_wall']:.0f} TFLOP/s), kernels {p['kernel_ms']:.1f} ms")
-print("mm table:", r.get("mm_table"))
+print("mm table:", r.get("mm_table"), "| split-K folded, same outputs:", r.get("splitk_same_outputs"))
 PYEOF
 echo "== end at $SECONDS s"
