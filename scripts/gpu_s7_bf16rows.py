@@ -20,12 +20,12 @@ and every part skipped once ``--deadline-s`` is near:
    model load) found configurations beating ``F.linear`` by >= 3 %, the engine with that
    table (``mm_table.TABLE`` set in process, the decode graphs captured again): the
    ``256x200`` step profile and the 256-prompt row at 4,096.
-4. ``splitk``: ``fused_splitk_norm.FUSE`` on (the 64-row down projection's split-K reduce
-   folded into the next add + RMSNorm, the graphs captured again): the ``64x200`` step
-   profile and the 64-prompt row at 4,096, then the baseline's ``64x200`` again.
-5. ``pdl``: ``PDSERVE_TRITON_PDL=1`` (``pdl``'s cached choice cleared, the graphs captured
+4. ``pdl``: ``PDSERVE_TRITON_PDL=1`` (``pdl``'s cached choice cleared, the graphs captured
    again with PDL launches) vs off: the step at ``64x200`` / ``256x200`` and the 64 / 256
    rows at 4,096, then off again (the first graphs swapped back) for the step: A, B, A.
+5. ``splitk``: ``fused_splitk_norm.FUSE`` on (the 64-row down projection's split-K reduce
+   folded into the next add + RMSNorm, the graphs captured again): the ``64x200`` step
+   profile and the 64-prompt row at 4,096, then the baseline's ``64x200`` again.
 
 Run by ``scripts/gpu_s7_bf16rows.sh``; ``--device cpu --model random:tiny --toy`` checks it.
 """
@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--sweep-wait-s", type=float, default=30.0)
     ap.add_argument("--json", default="bf16rows.json", help="file name under $OUT")
     ap.add_argument(
-        "--parts", default="profile,offline,prefill,mm,splitk,pdl", help="which parts, in order"
+        "--parts", default="profile,offline,prefill,mm,pdl,splitk", help="which parts, in order"
     )
     args = ap.parse_args()
     toy = args.toy

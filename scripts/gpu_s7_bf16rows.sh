@@ -3,7 +3,7 @@
 #   1. in the background, beside the model load (its random weights are drawn on the CPU):
 #      scripts/gpu_s7_mm_sweep.py, the persistent TMA matmul (pdserve/model/triton_mm.py)
 #      vs F.linear at the four Llama-3.1-8B linear shapes and 256/128/192/96 rows, no model
-#      (<= 60 s) -> mm_sweep.json
+#      (<= 85 s; gate_up first) -> mm_sweep.json
 #   2. scripts/gpu_s7_bf16rows.py, one engine load: the step profile at 64x200 / 256x200;
 #      bench offline's 64 / 256 GSM8K rows (128 tokens) at step budgets 4,096 / 8,192 /
 #      16,384; one prefill step of 4,096 / 8,192 / 16,384 tokens profiled; the engine with
@@ -29,7 +29,7 @@ MODEL=${MODEL:-random:llama-3.1-8b}
 rm -f "$OUT/mm_sweep.done"
 echo "== 1. the TMA matmul sweep, in the background ($SECONDS s)"
 (
-    timeout ${T_SWEEP:-70} $PY scripts/gpu_s7_mm_sweep.py --device "$DEVICE" --budget-s ${SWEEP_S:-55} \
+    timeout ${T_SWEEP:-85} $PY scripts/gpu_s7_mm_sweep.py --device "$DEVICE" --budget-s ${SWEEP_S:-65} \
         ${SWEEP_ARGS:-} > "$OUT/mm_sweep.log" 2>&1
     echo "sweep exit $? (124: cut by its timeout)" >> "$OUT/mm_sweep.log"
     touch "$OUT/mm_sweep.done"
