@@ -16,10 +16,9 @@ and every part skipped once ``--deadline-s`` is near:
    ``prefill``: one prefill step of N random 128-token prompts (N = 32 / 64 / 128, the
    budget N x 128: one step each) under ``torch.profiler``: wall and kernel ms, its
    TFLOP/s against 2 x 7e9 x tokens, the top kernels.
-3. ``mm``: when ``$OUT/mm_sweep.json`` (``scripts/gpu_s7_mm_sweep.py``, run beside the
-   model load) found configurations beating ``F.linear`` by >= 3 %, the engine with that
-   table (``mm_table.TABLE`` set in process, the decode graphs captured again): the
-   ``256x200`` step profile and the 256-prompt row at 4,096.
+3. ``mm``: reads ``$OUT/mm_sweep.json`` (``scripts/gpu_s7_mm_sweep.py``, run beside the
+   model load) and records which configurations beat ``F.linear`` by >= 3 % (on the H200:
+   none; the engine has no such table, so nothing further runs here).
 4. ``pdl``: ``PDSERVE_TRITON_PDL=1`` (``pdl``'s cached choice cleared, the graphs captured
    again with PDL launches) vs off: the step at ``64x200`` / ``256x200`` and the 64 / 256
    rows at 4,096, then off again (the first graphs swapped back) for the step: A, B, A.
@@ -51,7 +50,7 @@ from gpu_step_profile import profile_shapes
 
 from pdserve.bench.offline import _random_prompts, _time_ours, workload_prompts
 from pdserve.engine.llm import LLM
-from pdserve.model import fused_splitk_norm, mm_table, pdl
+from pdserve.model import fused_splitk_norm, pdl
 
 T0 = time.perf_counter()
 LAST_IDS: list[list[int]] = []  # the output ids of offline_row's last full run
@@ -101,16 +100,12 @@ def set_budget(llm: LLM, tokens: int) -> None:
     sch.config = dataclasses.replace(sch.config, max_num_batched_tokens=tokens)
 
 
-def use_variant(
-    run: Run, llm: LLM, name: str, pdl_on: bool, table: dict, fuse: bool = False
-) -> float:
-    """Switch the engine to variant ``name``: PDL on/off, ``mm_table.TABLE``, the split-K
-    reduce folded into the norm (``fused_splitk_norm.FUSE``); its decode graphs captured on
-    first use (kept: switching back swaps them in). Returns the seconds the capture took
-    (0 when swapped)."""
+def use_variant(run: Run, llm: LLM, name: str, pdl_on: bool, fuse: bool) -> float:
+    """Switch the engine to variant ``name``: PDL on/off, the split-K reduce folded into the
+    norm (``fused_splitk_norm.FUSE``); its decode graphs captured on first use (kept:
+    switching back swaps them in). Returns the seconds the capture took (0 when swapped)."""
     os.environ["PDSERVE_TRITON_PDL"] = "1" if pdl_on else "0"
     pdl._options.cache_clear()
-    mm_table.TABLE = table
     fused_splitk_norm.FUSE = fuse
     g = llm.engine.executor.rank0.runner.graphs
     if g is None:
@@ -244,6 +239,9 @@ def main() -> None:
     steps = 4 if toy else 24
     run = Run(args)
     out_dir = os.environ.get("OUT", ".")
+    # the baseline of this run: the split-K fold off (as on main before it; part splitk
+    # turns it on); the engine captures its first graphs with it off
+    fused_splitk_norm.FUSE = False
     t0 = time.perf_counter()
     run.res["engine_load_wall"] = [time.time()]  # wall clock: compared with the sweep's rows
     llm = LLM(
@@ -292,23 +290,11 @@ def main() -> None:
             sweep = json.load(f)
         table = {k: v for k, v in table_entries(sweep).items() if any(c for _, c in v)}
         run.res["mm_table"] = {str(k): v for k, v in table.items()}
-        if not table:
-            print("   the sweep found no configuration >= 3 % faster: nothing to run", flush=True)
-            return
-        cap = use_variant(run, llm, "mm", False, table)
-        run.res["mm_capture_s"] = cap
-        big = [s for s in shapes if s.startswith(str(max(counts)))]
-        run.res["mm_profile"] = brief(profile_shapes(llm, big, steps, 14))
-        run.res["mm_offline"] = [
-            offline_row(llm, max(counts), budgets[0], args.max_tokens, args.ttft_repeats)
-        ]
-        use_variant(run, llm, "base", False, {})
-        # the baseline again right after (the same engine, the first graphs)
-        run.res["mm_base_again"] = brief(profile_shapes(llm, big, steps, 14))
+        print(f"   configurations >= 3 % faster than F.linear: {run.res['mm_table']}", flush=True)
 
     def p_splitk() -> None:
         small = [s for s in shapes if s.startswith(f"{min(counts)}x")]
-        cap = use_variant(run, llm, "splitk", False, {}, fuse=True)
+        cap = use_variant(run, llm, "splitk", False, True)
         run.res["splitk_capture_s"] = cap
         run.res["splitk_profile"] = brief(profile_shapes(llm, small, steps, 14))
         run.save()
@@ -316,7 +302,7 @@ def main() -> None:
             offline_row(llm, min(counts), budgets[0], args.max_tokens, args.ttft_repeats)
         ]
         fused_ids = list(LAST_IDS)
-        use_variant(run, llm, "base", False, {})
+        use_variant(run, llm, "base", False, False)
         run.res["splitk_base_again"] = brief(profile_shapes(llm, small, steps, 14))
         # the same greedy tokens with the reduce folded (the same bits by construction)?
         prompts = workload_prompts(llm, min(counts), None, None)
@@ -326,7 +312,7 @@ def main() -> None:
         print(f"   split-K folded vs not: {same} of {len(base_ids)} outputs identical", flush=True)
 
     def p_pdl() -> None:
-        cap = use_variant(run, llm, "pdl", True, {})
+        cap = use_variant(run, llm, "pdl", True, False)
         run.res["pdl_capture_s"] = cap
         run.res["pdl_profile"] = brief(profile_shapes(llm, shapes, steps, 14))
         run.save()
@@ -334,7 +320,7 @@ def main() -> None:
             offline_row(llm, n, budgets[0], args.max_tokens, args.ttft_repeats) for n in counts
         ]
         run.save()
-        use_variant(run, llm, "base", False, {})
+        use_variant(run, llm, "base", False, False)
         run.res["pdl_off_again"] = brief(profile_shapes(llm, shapes, steps, 14))
 
     try:
@@ -342,7 +328,7 @@ def main() -> None:
             "profile": (15, p_profile),
             "offline": (30, p_offline),
             "prefill": (8, p_prefill),
-            "mm": (30, p_mm),
+            "mm": (1, p_mm),
             "splitk": (25, p_splitk),
             "pdl": (40, p_pdl),
         }

@@ -11,7 +11,8 @@ partials (:func:`down_partials`: a :class:`SplitKPartials` instead of a tensor) 
 :func:`add_rms_norm` does the reduce's sum, bias and rounding, then the add and the norm,
 in one kernel: the same operations in the same order, so the same bits as the two kernels.
 
-Off unless a measurement keeps it (``FUSE``; ``scripts/gpu_s7_bf16rows.py`` flips it in process).
+On by default, kept on its H200 measurement (docs/benchmarks.md, row S7-BF16:
+``scripts/gpu_s7_bf16rows.py`` runs the decode step with and without it in one process).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pdserve.model import gemv_table, pdl, triton_gemv
 from pdserve.model.pdl import pdl_enter
 
 # Whether a split-K down projection leaves its reduce to the next add + RMSNorm.
-FUSE = False
+FUSE = True
 
 
 class SplitKPartials(NamedTuple):

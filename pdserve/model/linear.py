@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import envs
-from pdserve.model import decode_attn_table, gemv_table, mm_table
+from pdserve.model import decode_attn_table, gemv_table
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given.
     On CUDA a shape and row count that ``gemv_table.TABLE`` lists (measured faster than
-    cuBLAS there) runs the Triton GEMV of ``triton_gemv``, one of 65+ rows that
-    ``mm_table.TABLE`` lists the persistent TMA matmul of ``triton_mm`` (x and weight
-    TMA-aligned, a function of the shape and strides); everything else ``F.linear``."""
+    cuBLAS there) runs the Triton GEMV of ``triton_gemv``; everything else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
@@ -79,12 +77,6 @@ def linear(
         config = triton_gemv.pick(gemv_table.TABLE, x, weight)
         if config is not None:
             return triton_gemv.gemv(x, weight, bias, config)
-    if mm_table.TABLE and x.is_cuda and x.dim() == 2:
-        from pdserve.model import triton_mm
-
-        mm_config = triton_mm.pick(mm_table.TABLE, x, weight)
-        if mm_config is not None and triton_mm.supported(x, weight):
-            return triton_mm.mm(x, weight, bias, mm_config)
     return F.linear(x, weight, bias)
 
 

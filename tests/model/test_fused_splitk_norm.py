@@ -27,6 +27,7 @@ def test_fused_reduce_add_norm_equals_reduce_then_add_norm(monkeypatch, kind, wi
     cfg = (kind, 16, 32, 4, 2)
     name = str(DTYPE).removeprefix("torch.")
     monkeypatch.setattr(gemv_table, "TABLE", {(name, n, k): ((32, cfg),)})
+    monkeypatch.setattr(fused_splitk_norm, "FUSE", False)
     assert fused_splitk_norm.down_partials(act, w, b) is None  # FUSE off
     monkeypatch.setattr(fused_splitk_norm, "FUSE", True)
     parts = fused_splitk_norm.down_partials(act, w, b)

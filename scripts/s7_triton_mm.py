@@ -1,13 +1,12 @@
-# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False, disallow-untyped-decorators=False
-# (Triton kernels, as the other kernel modules in [tool.mypy.overrides] of pyproject.toml)
-"""Persistent TMA matmul ``x @ w.T`` for decode batches past the GEMV's 64 rows, in Triton.
+"""Persistent TMA matmul ``x @ w.T`` for decode batches past the GEMV's 64 rows, in Triton:
+the candidate that ``scripts/gpu_s7_mm_sweep.py`` timed against cuBLAS (not used by the
+engine: on the H200 it lost at every shape and row count from 96 to 256, docs/benchmarks.md
+row S7-BF16; kept here, beside its sweep, to run that again).
 
 At 128-256 decode rows a Llama-3.1-8B linear layer is near the H200's ridge point (about
 200 FLOP per weight byte): both the weight stream and the tensor cores matter, and
-cuBLAS's pick for ``gate_up`` (M = 256, N = 28,672, K = 4,096) reached about 0.68 of the
-measured bf16 matmul rate (docs/benchmarks.md). This kernel is the candidate against it;
-``mm_table.TABLE`` (written from a GPU sweep, ``scripts/gpu_s7_mm_sweep.py``) says where it
-runs, :func:`pick` reads it, ``model/linear.py`` calls :func:`mm`.
+cuBLAS's pick for ``gate_up`` (M = 256, N = 28,672, K = 4,096) was read as about 0.68 of
+the measured bf16 matmul rate in an old step profile.
 
 Design (Triton's Hopper persistent matmul): x ``[M, K]``, w ``[N, K]`` and out ``[M, N]``
 are read and written through host-side ``TensorDescriptor`` boxes (TMA; out-of-range boxes
@@ -16,13 +15,13 @@ zero-filled on load, clipped on store, so no masks); ``tl.dot(x_tile, w_tile.T)`
 with a grid stride, the M tiles of one N tile adjacent (their programs read the same weight
 box, from L2 after the first), so the weight is streamed from HBM about once.
 A configuration is ``(kind, BLOCK_N, BLOCK_K, num_warps, num_stages)`` as in
-``gemv_table``, the kind ``mmBM`` (``BLOCK_M`` = BM: 64, 128 or 256) or ``mmBM_ws`` (the
+``pdserve/model/gemv_table.py``, the kind ``mmBM`` (``BLOCK_M`` = BM: 64, 128 or 256) or ``mmBM_ws`` (the
 persistent loop warp-specialized; not flattened).
 
 Every output element is the fp32 sum over all of K in box order, rounded once: the same
 bits whatever the grid, so the result is a function of the shape and the configuration
-only. Correctness is tested on CPU under ``TRITON_INTERPRET=1`` (which does not model TMA
-or the pipeliner); speed is the GPU sweep's.
+only. The sweep checks every configuration against ``F.linear`` before timing it; on CPU
+it runs under ``TRITON_INTERPRET=1`` (``--device cpu --toy``).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from pdserve.model.pdl import pdl_enter
 
 Config = tuple[str, int, int, int, int]
 CPU_PROGRAMS = 3  # persistent programs under the interpreter: a test sees several tiles each
-MIN_ROWS = 65  # the table's entries start past the GEMV's rows (gemv_table: M <= 64)
 _KIND = re.compile(r"mm(64|128|256)(_ws)?")
 
 
@@ -161,24 +159,3 @@ def mm(
         num_warps=warps, num_stages=stages, **pdl.launch_options(x),
     )  # fmt: skip
     return out
-
-
-def pick(
-    table: dict[tuple[str, int, int], tuple[tuple[int, Config | None], ...]],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-) -> Config | None:
-    """The measured ``mm*`` configuration for ``x [M, K] @ weight[N, K].T``, or None
-    (cuBLAS): only for ``M >= MIN_ROWS`` (fewer rows are ``gemv_table``'s); ``table`` as
-    ``mm_table.TABLE`` (``(dtype name, N, K) -> ((m, config or None), ...)`` ascending in m),
-    the entry of the smallest measured ``m >= M`` decides; None past the last one."""
-    M = x.shape[0]
-    if M < MIN_ROWS:
-        return None
-    rows = table.get((str(x.dtype).removeprefix("torch."), weight.shape[0], weight.shape[1]))
-    if rows is None:
-        return None
-    for m, config in rows:
-        if m >= M:
-            return config
-    return None
