@@ -25,6 +25,8 @@ from pdserve.model.tp_group import TPGroup
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from pdserve.model.fused_splitk_norm import SplitKPartials
+
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -43,11 +45,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: Any
+    h: torch.Tensor,
+    delta: torch.Tensor | SplitKPartials | None,
+    weight: torch.Tensor,
+    eps: float,
+    fused: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h + delta, rms_norm(h + delta))`` (``delta`` None: ``(h, rms_norm(h))``); h, delta
     ``[T, H]``. fused: ``pdserve.model.fused_ops`` on CUDA (one kernel for both), else None
-    (torch's add, then :func:`rms_norm`: the CPU path's ops unchanged)."""
+    (torch's add, then :func:`rms_norm`: the CPU path's ops unchanged). A ``delta`` of
+    split-K partials (the previous layer's down projection, ``fused_splitk_norm``, CUDA
+    path only) is reduced inside the same kernel."""
+    if delta is not None and not isinstance(delta, torch.Tensor):
+        from pdserve.model import fused_splitk_norm
+
+        return fused_splitk_norm.add_rms_norm(h, delta, weight, eps)
     if fused is not None:
         out: tuple[torch.Tensor, torch.Tensor] = fused.add_rms_norm(h, delta, weight, eps)
         return out
@@ -115,7 +127,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor | SplitKPartials | None,
         rope: Callable[..., torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -124,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         fused: Any = None,
         rope_store: Callable[..., None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | SplitKPartials]:
         """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
         output, None for the first layer) is still to be added; rope: rotates
         ``[T, heads, D]`` (returns the rotated tensor, may be in place; on CUDA it takes a
@@ -138,7 +150,9 @@ class LlamaDecoderLayer(nn.Module):
         given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
         rows, the router's logits come out of the add + RMSNorm kernel.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
-        added by the next norm (so each add and its norm are one kernel on CUDA)."""
+        added by the next norm (so each add and its norm are one kernel on CUDA); with
+        ``fused_splitk_norm.FUSE`` on, a split-K down projection's output is its unreduced
+        partials (a ``SplitKPartials``), reduced by that norm's kernel."""
         s = self.s
         T = h.shape[0]
         h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
@@ -197,6 +211,13 @@ class LlamaDecoderLayer(nn.Module):
                 if down is not None:
                     return h, down
             act = fused.silu_mul(gate_up)
+            if self.tp is None and "down_proj" not in self.fp8:
+                # a split-K GEMV's reduce left to the next add + RMSNorm (when FUSE is on)
+                from pdserve.model import fused_splitk_norm
+
+                parts = fused_splitk_norm.down_partials(act, self.down_proj, self.down_bias)
+                if parts is not None:
+                    return h, parts
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -468,7 +489,7 @@ class LlamaForCausalLM(nn.Module):
                 return apply_rope(x, cos, sin)
 
         h = self._embed(input_ids)
-        delta: torch.Tensor | None = None
+        delta: torch.Tensor | SplitKPartials | None = None
         for i, layer in enumerate(self.decoder_layers()):
             h, delta = layer(
                 h,
