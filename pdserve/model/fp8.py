@@ -643,6 +643,40 @@ def linear_silu_mul(
     return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
 
 
+# Whether an FP8 linear whose path quantizes its rows (``w8a8``) takes them from the add +
+# RMSNorm kernel before it (``fused_ops.add_rms_norm_quant``: one launch a linear fewer,
+# the same bits). Off until measured in the engine's step (scripts/gpu_s7_fp8row.sh).
+FUSE_NORM_QUANT = False
+
+
+def add_rms_norm_linear(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: Fp8Weight | None,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(h + delta, rms_norm(h + delta) @ real(w).T + bias)`` with the norm's output
+    quantized per token inside the add + RMSNorm kernel (``fused_ops.add_rms_norm_quant``)
+    and handed to the ``w8a8`` kernel as e4m3 rows: the bits of the add + RMSNorm kernel
+    followed by :func:`linear`. h, delta ``[T, K]`` bf16 on CUDA; ``[T, N]`` out. Only when
+    :data:`FUSE_NORM_QUANT` is on, w is a one-group FP8 weight and :func:`path_for` gives
+    these rows ``w8a8``; None otherwise (the caller runs the norm, then :func:`linear`)."""
+    if not (FUSE_NORM_QUANT and w is not None and w.one_group and h.is_cuda):
+        return None
+    if h.dim() != 2 or h.dtype != torch.bfloat16 or h.shape[0] == 0:
+        return None
+    n, k = w.weight.shape
+    kind, config = path_for(h.shape[0], n, k)
+    if kind != "w8a8":
+        return None
+    from pdserve.model import fused_ops, triton_w8a8
+
+    h, xq, xs = fused_ops.add_rms_norm_quant(h, delta, norm_weight, eps)
+    return h, triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, h.dtype, config)
+
+
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:
     """Mean µs of one call, calling ``fns[i % len(fns)]`` (e.g. the same matmul over
     several weights, so that they do not all sit in L2), replayed in a CUDA graph of
