@@ -22,7 +22,9 @@ issue 26's H200 figures asked for (the CPU tests run them under ``TRITON_INTERPR
           owns ``BLOCK_N`` weight rows, walks K in ``BLOCK_K`` tiles read as e4m3 (unmasked
           along K when ``BLOCK_K`` divides K, so the loads stay 16-byte wide), multiplies in
           fp32 and applies the per-channel scale once at the end: the structure of the bf16
-          GEMV of :mod:`pdserve.model.triton_gemv` on half the bytes.
+          GEMV of :mod:`pdserve.model.triton_gemv` on half the bytes. Under PDL its first
+          weight tile may be read before the wait for the kernel before it
+          (:data:`GEMV_EARLY_WEIGHTS`): weights are never written during a step.
 
 Which kernel and tile runs for which shape and row count is chosen when the model loads by
 :func:`pdserve.model.fp8.choose_paths` (timed on the card); this module only runs what it is
@@ -390,6 +392,26 @@ def linear_w8a16(
 
 
 @triton.jit
+def _gemv_w(w_rows, kk, nmask, K, EVEN_K: tl.constexpr):
+    """The e4m3 weight tile ``w[n, kk]`` ``[BLOCK_N, BLOCK_K]`` (zeros past N and K)."""
+    if EVEN_K:
+        return tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+    return tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_x(x_ptr, kk, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+    """x at ``kk`` in fp32 (zeros past K); ``SILU``: ``silu(gate) * up`` of ``[gate | up]``."""
+    if SILU:
+        x = _load_x(x_ptr, kk, kk < K, K, True)
+    elif EVEN_K:
+        x = tl.load(x_ptr + kk)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -404,40 +426,40 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SILU: tl.constexpr,
+    W_EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = (sum_k w[n, k] x[k]) * s[n] (+ b[n])``
     with w e4m3 and the sum in fp32. ``EVEN_K``: BLOCK_K divides K. ``SILU``: the row is
     ``[gate | up]`` (2K wide) and ``x = silu(gate) * up``, computed as it is loaded
-    (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding)."""
-    pdl_enter(PDL)
+    (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding). ``W_EARLY``: the
+    first weight tile is read before the PDL wait (a weight is never written by the kernels
+    before this one, so under PDL its read overlaps their tail); the same sums either way."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn
+    if W_EARLY:
+        w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
+        pdl_enter(PDL)
+    else:
+        pdl_enter(PDL)
+        w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc += w0.to(tl.float32) * _gemv_x(x_ptr, rk, K, EVEN_K, SILU)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        if SILU:
-            x = _load_x(x_ptr, kk, kk < K, K, True)
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-            else:
-                w = tl.load(
-                    w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0
-                )
-        elif EVEN_K:
-            x = tl.load(x_ptr + kk)
-            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        else:
-            kmask = kk < K
-            x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _gemv_w(w_rows, kk, nmask, K, EVEN_K)
+        acc += w.to(tl.float32) * _gemv_x(x_ptr, kk, K, EVEN_K, SILU)[None, :]
     out = tl.sum(acc, 1) * tl.load(s_ptr + rn, mask=nmask, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=nmask)
+
+
+# Whether the one-row gemv reads its first weight tile before the PDL wait (see
+# _gemv_kernel's W_EARLY): off until measured in the engine's step under PDL.
+GEMV_EARLY_WEIGHTS = False
 
 
 DEFAULT_GEMV: GemvConfig = ("gemv", 16, 1024, 8, 1)
@@ -493,6 +515,7 @@ def gemv(
         BLOCK_N=bn,
         BLOCK_K=bk,
         SILU=silu_mul,
+        W_EARLY=GEMV_EARLY_WEIGHTS,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(x),
