@@ -11,8 +11,8 @@ Usage: ``python scripts/gpu_s7_fp8row.py --key fp8 --variants base,pdl,pdl+fq [-
    captured again, ``gpu_step_profile.profile_shapes`` at ``--shape`` (step wall time, GPU
    kernels by name, kernels a step), and the greedy tokens of one prompt (32 tokens) against
    the first variant's (``same_tokens_as_first``: which levers keep the bits);
-3. ``--combine``: the levers that each beat ``pdl`` alone by more than 0.005 ms, together,
-   measured the same way;
+3. ``--combine``: the levers (:data:`LEVERS`) that each beat ``pdl`` alone by more than
+   0.005 ms, together, measured the same way;
 4. the fastest measured variant without ``attn`` words (those change the decode split count
    of a graph that serves contexts up to 1,024 tokens: measured for what one split would
    give, not deployable as is): bench offline's rows again with it.
@@ -46,7 +46,10 @@ from pdserve.model import fp8, pdl, triton_backend, triton_w8a8
 BASE_PATHS: dict = {}
 DEFAULT_DECODE_CONFIG = triton_backend.decode_config
 SUMMARY_KEYS = ("step_ms", "kernel_ms", "kernels_per_step", "same_tokens_as_first", "error")
-WORDS = ("base", "pdl", "early", "fq", "silu", "a8", "s3", "attn1", "attn2", "attn4")
+WORDS = ("base", "pdl", "early", "wpre", "gpre16", "gpre32", "fq", "silu", "a8", "s3")
+WORDS += ("attn1", "attn2", "attn4")
+# the single levers --combine may put together (a8+fq counts as one)
+LEVERS = ("fq", "early", "gpre16", "gpre32", "wpre", "silu", "a8+fq", "s3")
 
 
 def _one_row_paths(words: list[str]) -> None:
@@ -80,7 +83,8 @@ def _forced_splits(splits: int):
 
 def set_variant(variant: str) -> None:
     """Words: ``base`` (every lever off), ``pdl`` (PDSERVE_TRITON_PDL=1), ``early``
-    (triton_w8a8.GEMV_EARLY_WEIGHTS), ``fq`` (fp8.FUSE_NORM_QUANT), ``silu``
+    (triton_w8a8.GEMV_EARLY_WEIGHTS), ``gpreN`` (triton_w8a8.GEMV_PREFETCH_LINES = N),
+    ``wpre`` (triton_w8a8.W8A8_PREFETCH), ``fq`` (fp8.FUSE_NORM_QUANT), ``silu``
     (fp8.FUSE_SILU_GEMV), ``a8`` / ``s3`` (:func:`_one_row_paths`), ``attnN`` (N decode
     splits at short contexts below 256 rows x KV heads)."""
     words = variant.split("+")
@@ -90,6 +94,9 @@ def set_variant(variant: str) -> None:
     os.environ["PDSERVE_TRITON_PDL"] = "1" if "pdl" in words else "0"
     pdl._options.cache_clear()
     triton_w8a8.GEMV_EARLY_WEIGHTS = "early" in words
+    gpre = [int(w[4:]) for w in words if w.startswith("gpre")]
+    triton_w8a8.GEMV_PREFETCH_LINES = gpre[0] if gpre else 0
+    triton_w8a8.W8A8_PREFETCH = "wpre" in words
     fp8.FUSE_NORM_QUANT = "fq" in words
     fp8.FUSE_SILU_GEMV = "silu" in words
     _one_row_paths(words)
@@ -196,12 +203,11 @@ def main() -> int:
                 ref = r["tokens"]
         ok = {v: r["step_ms"] for v, r in res["variants"].items() if "step_ms" in r}
         if own.combine and "pdl" in ok:
-            wins = [
-                w
-                for w in ("early", "fq", "silu", "a8", "s3")
-                if ok.get(f"pdl+{w}", 1e9) < ok["pdl"] - 0.005
-            ]
-            combo = "+".join(["pdl", *wins])
+            wins = [w for w in LEVERS if ok.get(f"pdl+{w}", 1e9) < ok["pdl"] - 0.005]
+            if "gpre16" in wins and "gpre32" in wins:  # one prefetch depth: the faster
+                wins.remove(max(("gpre16", "gpre32"), key=lambda w: ok[f"pdl+{w}"]))
+            words = [x for w in wins for x in w.split("+")]
+            combo = "+".join(["pdl", *dict.fromkeys(words)])
             if len(wins) > 1:
                 measure(llm, combo, ref)
         ok = {

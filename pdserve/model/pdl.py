@@ -37,6 +37,22 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ``ptrs`` (a tensor of global addresses, valid ones: no
+    mask) in L2 (PTX ``prefetch.global.L2``), no wait, no value. For data no earlier kernel
+    of a step writes (weights), issued before :func:`pdl_enter`'s wait so that the read
+    overlaps the previous kernel's tail. CUDA only (inline PTX: not under the interpreter)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @functools.cache
 def _options(device_index: int) -> dict[str, Any]:
     if not envs.TRITON_PDL.get() or os.environ.get("TRITON_INTERPRET") == "1":

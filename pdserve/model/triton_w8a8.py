@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pdserve.model import pdl
-from pdserve.model.pdl import pdl_enter
+from pdserve.model.pdl import pdl_enter, prefetch_l2
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 # (tl.constexpr: a @triton.jit function may read no other module global when compiled)
@@ -170,6 +170,7 @@ def _w8a8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits)``: ``o[m, n] = (sum_k x[m, k]
@@ -177,17 +178,23 @@ def _w8a8_kernel(
     a multiple of BLOCK_K). ``A8``: x is e4m3 with per-row scales xs; else x is bf16/fp16
     (no xs: 1), the weight tile converted to x's dtype in registers. ``PARTIAL``: store the
     scaled fp32 sum at ``o + slice * s_os`` (no bias; the reduce kernel adds it).
-    ``EVEN_K``: BLOCK_K divides K (no K masks)."""
-    pdl_enter(PDL)
+    ``EVEN_K``: BLOCK_K divides K (no K masks). ``PREFETCH`` > 0 (CUDA, under PDL): the
+    first ``PREFETCH`` 128-byte lines of each of the program's weight rows in its K slice
+    are asked for in L2 before the PDL wait (weights are never written by a step)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = pid_s * K_SPLIT
+    if PREFETCH > 0:
+        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH) * 128, K - 1)
+        rows = tl.minimum(rn, N - 1).to(tl.int64) * s_wn
+        prefetch_l2(w_ptr + rows[:, None] + lines[None, :])
+    pdl_enter(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
-    k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + rm[:, None].to(tl.int64) * s_xm  # [BLOCK_M, 1]
@@ -242,6 +249,11 @@ def _w8a8_kernel(
         tl.store(o_ptr + pid_s * s_os + offs, out, mask=omask)
     else:
         tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+# Whether the w8a8 kernel under PDL asks for its first weight tiles in L2 before the wait
+# (see _w8a8_kernel's PREFETCH): off until measured in the engine's step.
+W8A8_PREFETCH = False
 
 
 def default_w8a8_config(m: int, n: int, k: int) -> W8a8Config:
@@ -318,6 +330,9 @@ def w8a8(
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
     b = bias if bias is not None else w_scale
     opts = pdl.launch_options(xq)
+    # under PDL: the weight lines of the first num_stages K tiles (the pipeline's prologue)
+    ahead = triton.next_power_of_2(max(1, stages * bk * w.element_size() // 128))
+    prefetch = ahead if W8A8_PREFETCH and opts.get("PDL") else 0
     _w8a8_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         xq,
         x_scale if x_scale is not None else w_scale,
@@ -342,6 +357,7 @@ def w8a8(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        PREFETCH=prefetch,
         num_warps=warps,
         num_stages=stages,
         **opts,
@@ -427,6 +443,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SILU: tl.constexpr,
     W_EARLY: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = (sum_k w[n, k] x[k]) * s[n] (+ b[n])``
@@ -434,11 +451,17 @@ def _gemv_kernel(
     ``[gate | up]`` (2K wide) and ``x = silu(gate) * up``, computed as it is loaded
     (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding). ``W_EARLY``: the
     first weight tile is read before the PDL wait (a weight is never written by the kernels
-    before this one, so under PDL its read overlaps their tail); the same sums either way."""
+    before this one, so under PDL its read overlaps their tail); the same sums either way.
+    ``PREFETCH`` > 0 (CUDA, under PDL): the first ``PREFETCH`` 128-byte lines of each
+    weight row are asked for in L2 before the wait."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn
+    if PREFETCH > 0:
+        lines = tl.minimum(tl.arange(0, PREFETCH) * 128, K - 1)
+        rows = tl.minimum(rn, N - 1).to(tl.int64) * s_wn
+        prefetch_l2(w_ptr + rows[:, None] + lines[None, :])
     if W_EARLY:
         w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
         pdl_enter(PDL)
@@ -460,6 +483,9 @@ def _gemv_kernel(
 # Whether the one-row gemv reads its first weight tile before the PDL wait (see
 # _gemv_kernel's W_EARLY): off until measured in the engine's step under PDL.
 GEMV_EARLY_WEIGHTS = False
+# 128-byte lines of each weight row the one-row gemv asks for in L2 before the PDL wait
+# (0: none; a power of two; see _gemv_kernel's PREFETCH): 0 until measured in the step.
+GEMV_PREFETCH_LINES = 0
 
 
 DEFAULT_GEMV: GemvConfig = ("gemv", 16, 1024, 8, 1)
@@ -501,6 +527,7 @@ def gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    pdl_opts = pdl.launch_options(x)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x,
         w,
@@ -516,8 +543,9 @@ def gemv(
         BLOCK_K=bk,
         SILU=silu_mul,
         W_EARLY=GEMV_EARLY_WEIGHTS,
+        PREFETCH=GEMV_PREFETCH_LINES if pdl_opts.get("PDL") else 0,
         num_warps=warps,
         num_stages=stages,
-        **pdl.launch_options(x),
+        **pdl_opts,
     )
     return out
