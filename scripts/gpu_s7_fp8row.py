@@ -132,6 +132,13 @@ def main() -> int:
     ap.add_argument("--shape", default="1x200", help="ROWSxCONTEXT profiled")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default="fp8row.json", help="file name under $OUT")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds from the start after which no further variant is measured (the rerun "
+        "of bench offline with the best one still runs); 0: no limit",
+    )
     own = ap.parse_args(argv[:split])
     args = build_parser().parse_args(["bench", "offline", *argv[split + 1 :]])
     out = os.environ.get("OUT", ".")
@@ -198,6 +205,12 @@ def main() -> int:
         ref = None
         names = [v for v in own.variants.split(",") if v]
         for i, variant in enumerate(names):
+            if own.budget and time.time() - t0 > own.budget:
+                res["skipped"] = names[i:]
+                print(
+                    f"SKIPPED {own.key} {names[i:]}: past --budget {own.budget:.0f} s", flush=True
+                )
+                break
             r = measure(llm, variant, ref)
             if i == 0 and "tokens" in r:
                 ref = r["tokens"]
@@ -208,7 +221,7 @@ def main() -> int:
                 wins.remove(max(("gpre16", "gpre32"), key=lambda w: ok[f"pdl+{w}"]))
             words = [x for w in wins for x in w.split("+")]
             combo = "+".join(["pdl", *dict.fromkeys(words)])
-            if len(wins) > 1:
+            if len(wins) > 1 and not (own.budget and time.time() - t0 > own.budget):
                 measure(llm, combo, ref)
         ok = {
             v: r["step_ms"]

@@ -5,7 +5,8 @@
 # and w8a8 weight lines prefetched to L2 before it, the activation quantization inside
 # add + RMSNorm, SwiGLU inside the down gemv, w8a8 or 3-stage gemv tiles at one row, 1 or 4
 # decode splits), then bench offline 1 prompt x 128
-# tokens again with the fastest deployable variant -> $OUT/fp8row.json (keys fp8, bf16);
+# tokens again with the fastest deployable variant -> $OUT/fp8row.json (keys fp8, bf16)
+# and fp8row_log.txt (the last lines of each run's output);
 # the gpu-marked tests of the new kernels with the time left.
 #   OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh fp8row:270
 set -uo pipefail
@@ -22,18 +23,20 @@ git log --oneline -1 2>/dev/null
 MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 BENCH="--model $MODEL --device $DEVICE --dtype ${DTYPE:-bfloat16} --ours-only --num-prompts 1 --max-tokens ${MAX_TOKENS:-128}"
-FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+early,pdl+gpre32,pdl+wpre,pdl+silu,pdl+a8+fq,pdl+gpre16,pdl+s3,pdl+attn1,pdl+attn4}
+FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+early,pdl+gpre32,pdl+wpre,pdl+silu,pdl+a8+fq,pdl+s3,pdl+attn1}
 BF16_VARIANTS=${BF16_VARIANTS:-base,pdl,pdl+attn1}
 echo "== 1. FP8 weights + FP8 KV: bench offline, the variants at 1x200, bench offline with the best ($SECONDS s)"
 timeout -k 5 ${T_FP8:-178} $PY scripts/gpu_s7_fp8row.py --key fp8 --variants "$FP8_VARIANTS" --combine \
+    --budget $(( ${T_FP8:-178} - 32 )) \
     --steps ${STEPS:-24} -- $BENCH --quantization fp8 --kv-cache-dtype fp8_e4m3 --repeats 2 2>&1 \
-    | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|^ *1 \|engine up\|Error\|error" | tail -20
+    | tee "$OUT/_fp8.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -20
 echo "== 2. bf16: the same, fewer variants ($SECONDS s)"
 left=$(( ${BUDGET:-262} - SECONDS ))
 if [ $left -gt 30 ]; then
     timeout -k 5 $left $PY scripts/gpu_s7_fp8row.py --key bf16 --variants "$BF16_VARIANTS" \
+        --budget $(( left - 14 )) \
         --steps ${STEPS:-24} -- $BENCH --repeats 1 2>&1 \
-        | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|^ *1 \|engine up\|Error\|error" | tail -10
+        | tee "$OUT/_bf16.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -10
 else
     echo "skipped: $left s left"
 fi
@@ -44,6 +47,11 @@ if [ $left -gt 20 ] && [ "$DEVICE" = cuda ]; then
         tests/model/test_triton_w8a8.py -k "quant or early or gemv or norm_linear" 2>&1 | tail -2
 fi
 rm -f "$OUT"/_bench_*.json
+# the one text file kept: the last lines of each run's full output (profiles, tracebacks)
+for f in "$OUT"/_fp8.log "$OUT"/_bf16.log; do
+    [ -f "$f" ] && { echo "== $f"; grep -v "^USDT\|profiler_st" "$f" | tail -120; }
+done > "$OUT/fp8row_log.txt" 2>/dev/null
+rm -f "$OUT"/_fp8.log "$OUT"/_bf16.log
 $PY - "$OUT/fp8row.json" <<'PYEOF' 2>/dev/null
 import json, sys
 d = json.load(open(sys.argv[1]))
