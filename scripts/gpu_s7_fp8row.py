@@ -13,7 +13,8 @@ Usage: ``python scripts/gpu_s7_fp8row.py --key fp8 --variants base,pdl,pdl+fq [-
    the first variant's (``same_tokens_as_first``: which levers keep the bits);
 3. ``--combine``: the levers (:data:`LEVERS`) that each beat ``pdl`` alone by more than
    0.005 ms, together, measured the same way;
-4. the fastest measured variant without ``attn`` words (those change the decode split count
+4. :func:`kernel_checks` (bits of the new kernels under PDL against the old ones);
+5. the fastest measured variant without ``attn`` words (those change the decode split count
    of a graph that serves contexts up to 1,024 tokens: measured for what one split would
    give, not deployable as is): bench offline's rows again with it.
 
@@ -102,6 +103,57 @@ def set_variant(variant: str) -> None:
     _one_row_paths(words)
     attn = [int(w[4:]) for w in words if w.startswith("attn")]
     triton_backend.decode_config = _forced_splits(attn[0]) if attn else DEFAULT_DECODE_CONFIG
+
+
+def kernel_checks(device) -> dict:
+    """Bit-equality on the device, under PDL, at Llama-3.1-8B's shapes: the fused add +
+    RMSNorm + quantization against the two kernels; the one-row gemv with its first weight
+    tile read early and with L2 prefetch against the plain one; the w8a8 kernel with and
+    without its prefetch. ``{check: True/False}`` (an exception: its text)."""
+    import torch
+
+    from pdserve.model import fused_ops
+
+    out: dict = {}
+    set_variant("pdl")
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
+
+    try:
+        x, r, nw = rnd(3, 4096), rnd(3, 4096), 1 + 0.1 * rnd(4096)
+        h0, y0 = fused_ops.add_rms_norm(x, r, nw, 1e-5)
+        q0, s0 = triton_w8a8.quantize_rows(y0)
+        h1, q1, s1 = fused_ops.add_rms_norm_quant(x, r, nw, 1e-5)
+        out["norm_quant_bits"] = bool(
+            torch.equal(h0, h1)
+            and torch.equal(s0, s1)
+            and torch.equal(q0.view(torch.uint8), q1.view(torch.uint8))
+        )
+        for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+            wq, ws = fp8.quantize_per_channel(0.05 * rnd(n, k).float())
+            xv = rnd(1, k)
+            cfg = ("gemv", 8, 512 if n == 6144 else 1024, 4, 1)
+            ref = triton_w8a8.gemv(xv, wq, ws, None, cfg)
+            triton_w8a8.GEMV_EARLY_WEIGHTS = True
+            triton_w8a8.GEMV_PREFETCH_LINES = 32
+            got = triton_w8a8.gemv(xv, wq, ws, None, cfg)
+            triton_w8a8.GEMV_EARLY_WEIGHTS, triton_w8a8.GEMV_PREFETCH_LINES = False, 0
+            out[f"gemv_early_prefetch_bits_{n}x{k}"] = bool(torch.equal(ref, got))
+        wq, ws = fp8.quantize_per_channel(0.05 * rnd(28672, 4096).float())
+        xq, xs = triton_w8a8.quantize_rows(rnd(1, 4096))
+        cfg8 = ("w8a8", 16, 64, 128, 1, True, 4, 4)
+        ref = triton_w8a8.w8a8(xq, xs, wq, ws, None, torch.bfloat16, cfg8)
+        triton_w8a8.W8A8_PREFETCH = True
+        got = triton_w8a8.w8a8(xq, xs, wq, ws, None, torch.bfloat16, cfg8)
+        out["w8a8_prefetch_bits"] = bool(torch.equal(ref, got))
+    except Exception as exc:  # noqa: BLE001 recorded, the run goes on
+        traceback.print_exc()
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    set_variant("base")
+    print(f"CHECKS {json.dumps(out)}", flush=True)
+    return out
 
 
 def recapture(llm) -> None:
@@ -223,6 +275,9 @@ def main() -> int:
             combo = "+".join(["pdl", *dict.fromkeys(words)])
             if len(wins) > 1 and not (own.budget and time.time() - t0 > own.budget):
                 measure(llm, combo, ref)
+        if llm.engine.device.type == "cuda":  # (minutes under the CPU interpreter)
+            res["kernel_checks"] = kernel_checks(llm.engine.device)
+            save()
         ok = {
             v: r["step_ms"]
             for v, r in res["variants"].items()

@@ -29,14 +29,14 @@ echo "== 1. FP8 weights + FP8 KV: bench offline, the variants at 1x200, bench of
 timeout -k 5 ${T_FP8:-178} $PY scripts/gpu_s7_fp8row.py --key fp8 --variants "$FP8_VARIANTS" --combine \
     --budget $(( ${T_FP8:-178} - 32 )) \
     --steps ${STEPS:-24} -- $BENCH --quantization fp8 --kv-cache-dtype fp8_e4m3 --repeats 2 2>&1 \
-    | tee "$OUT/_fp8.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -20
+    | tee "$OUT/_fp8.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|CHECKS\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -20
 echo "== 2. bf16: the same, fewer variants ($SECONDS s)"
 left=$(( ${BUDGET:-262} - SECONDS ))
 if [ $left -gt 30 ]; then
     timeout -k 5 $left $PY scripts/gpu_s7_fp8row.py --key bf16 --variants "$BF16_VARIANTS" \
         --budget $(( left - 14 )) \
         --steps ${STEPS:-24} -- $BENCH --repeats 1 2>&1 \
-        | tee "$OUT/_bf16.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -10
+        | tee "$OUT/_bf16.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|CHECKS\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -10
 else
     echo "skipped: $left s left"
 fi
