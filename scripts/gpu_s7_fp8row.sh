@@ -3,11 +3,11 @@
 # FP8 KV and bf16, with each kernel lever on and off in one engine per dtype
 # (scripts/gpu_s7_fp8row.py: PDL, the first gemv weight tile read before the PDL wait, gemv
 # and w8a8 weight lines prefetched to L2 before it, the activation quantization inside
-# add + RMSNorm, SwiGLU inside the down gemv, w8a8 or 3-stage gemv tiles at one row, 1 or 4
-# decode splits), then bench offline 1 prompt x 128
-# tokens again with the fastest deployable variant -> $OUT/fp8row.json (keys fp8, bf16)
-# and fp8row_log.txt (the last lines of each run's output);
-# the gpu-marked tests of the new kernels with the time left.
+# add + RMSNorm, SwiGLU inside the down gemv, w8a8 or 3-stage gemv tiles at one row, one
+# decode split), the new kernels' bits under PDL, then bench offline 1 prompt x 128 tokens
+# again with the fastest deployable variant -> $OUT/fp8row.json (keys fp8, bf16) and
+# fp8row_log.txt (the last lines of each run's output); the gpu-marked tests of the new
+# kernels if time is left.
 #   OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh fp8row:270
 set -uo pipefail
 cd "$(dirname "$0")/.."
