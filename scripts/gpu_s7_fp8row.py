@@ -12,12 +12,13 @@ Usage: ``python scripts/gpu_s7_fp8row.py --key fp8 --variants base,pdl,pdl+fq [-
    kernels by name, kernels a step), and the greedy tokens of one prompt (32 tokens) against
    the first variant's (``same_tokens_as_first``: which levers keep the bits);
 3. ``--combine``: the levers (:data:`LEVERS`) that each beat ``pdl`` alone by more than
-   0.005 ms, together, measured the same way;
+   0.005 ms, together, measured the same way; then the ``--late`` variants;
 4. :func:`kernel_checks` (bits of the new kernels under PDL against the old ones);
 5. the fastest measured variant without ``attn`` words (those change the decode split count
    of a graph that serves contexts up to 1,024 tokens: measured for what one split would
    give, not deployable as is): bench offline's rows again with it.
 
+Variants stop once ``--budget`` seconds have passed (the rerun of step 5 still runs).
 Everything goes to ``$OUT/JSON`` under ``--key`` (the file is read first and the key
 replaced, so several runs share one file), written after each item. A variant that fails
 (a kernel that does not build) is recorded with its error and the rest go on.
@@ -47,10 +48,10 @@ from pdserve.model import fp8, pdl, triton_backend, triton_w8a8
 BASE_PATHS: dict = {}
 DEFAULT_DECODE_CONFIG = triton_backend.decode_config
 SUMMARY_KEYS = ("step_ms", "kernel_ms", "kernels_per_step", "same_tokens_as_first", "error")
-WORDS = ("base", "pdl", "early", "wpre", "gpre16", "gpre32", "fq", "silu", "a8", "s3")
+WORDS = ("base", "pdl", "tf", "early", "wpre", "gpre16", "gpre32", "fq", "silu", "a8", "s3")
 WORDS += ("attn1", "attn2", "attn4")
 # the single levers --combine may put together (a8+fq counts as one)
-LEVERS = ("fq", "early", "gpre16", "gpre32", "wpre", "silu", "a8+fq", "s3")
+LEVERS = ("tf", "fq", "early", "gpre16", "gpre32", "wpre", "silu", "a8+fq", "s3")
 
 
 def _one_row_paths(words: list[str]) -> None:
@@ -83,7 +84,8 @@ def _forced_splits(splits: int):
 
 
 def set_variant(variant: str) -> None:
-    """Words: ``base`` (every lever off), ``pdl`` (PDSERVE_TRITON_PDL=1), ``early``
+    """Words: ``base`` (every lever off), ``pdl`` (PDSERVE_TRITON_PDL=1), ``tf``
+    (pdl.TRIGGER_FIRST: the next kernel launched before the wait), ``early``
     (triton_w8a8.GEMV_EARLY_WEIGHTS), ``gpreN`` (triton_w8a8.GEMV_PREFETCH_LINES = N),
     ``wpre`` (triton_w8a8.W8A8_PREFETCH), ``fq`` (fp8.FUSE_NORM_QUANT), ``silu``
     (fp8.FUSE_SILU_GEMV), ``a8`` / ``s3`` (:func:`_one_row_paths`), ``attnN`` (N decode
@@ -93,6 +95,7 @@ def set_variant(variant: str) -> None:
     if bad:
         raise ValueError(f"unknown variant words {bad}: not in {WORDS}")
     os.environ["PDSERVE_TRITON_PDL"] = "1" if "pdl" in words else "0"
+    pdl.TRIGGER_FIRST = "tf" in words
     pdl._options.cache_clear()
     triton_w8a8.GEMV_EARLY_WEIGHTS = "early" in words
     gpre = [int(w[4:]) for w in words if w.startswith("gpre")]
@@ -181,6 +184,9 @@ def main() -> int:
     ap.add_argument("--key", required=True, help="this run's key in the JSON (fp8, bf16)")
     ap.add_argument("--variants", default="base,pdl", help="comma-separated, first: reference")
     ap.add_argument("--combine", action="store_true", help="also the winning levers together")
+    ap.add_argument(
+        "--late", default="", help="variants measured after --combine's, if time is left"
+    )
     ap.add_argument("--shape", default="1x200", help="ROWSxCONTEXT profiled")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default="fp8row.json", help="file name under $OUT")
@@ -275,6 +281,13 @@ def main() -> int:
             combo = "+".join(["pdl", *dict.fromkeys(words)])
             if len(wins) > 1 and not (own.budget and time.time() - t0 > own.budget):
                 measure(llm, combo, ref)
+        late = [v for v in own.late.split(",") if v]
+        for i, variant in enumerate(late):
+            if own.budget and time.time() - t0 > own.budget:
+                res["skipped"] = res.get("skipped", []) + late[i:]
+                print(f"SKIPPED {own.key} {late[i:]}: past --budget {own.budget:.0f} s", flush=True)
+                break
+            measure(llm, variant, ref)
         if llm.engine.device.type == "cuda":  # (minutes under the CPU interpreter)
             res["kernel_checks"] = kernel_checks(llm.engine.device)
             save()

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 26, session 7 (branch fp8row, budget 270 s): the one-row decode step, FP8 weights +
 # FP8 KV and bf16, with each kernel lever on and off in one engine per dtype
-# (scripts/gpu_s7_fp8row.py: PDL, the first gemv weight tile read before the PDL wait, gemv
-# and w8a8 weight lines prefetched to L2 before it, the activation quantization inside
-# add + RMSNorm, SwiGLU inside the down gemv, w8a8 or 3-stage gemv tiles at one row, one
-# decode split), the new kernels' bits under PDL, then bench offline 1 prompt x 128 tokens
-# again with the fastest deployable variant -> $OUT/fp8row.json (keys fp8, bf16) and
-# fp8row_log.txt (the last lines of each run's output); the gpu-marked tests of the new
-# kernels if time is left.
+# (scripts/gpu_s7_fp8row.py: PDL, the next launch let go before the wait, the first gemv
+# weight tile read before the PDL wait, gemv and w8a8 weight lines prefetched to L2 before
+# it, the activation quantization inside add + RMSNorm, SwiGLU inside the down gemv, w8a8
+# or 3-stage gemv tiles at one row, one decode split), the new kernels' bits under PDL,
+# then bench offline 1 prompt x 128 tokens again with the fastest deployable variant ->
+# $OUT/fp8row.json (keys fp8, bf16) and fp8row_log.txt (the last lines of each run's
+# output); the gpu-marked tests of the new kernels if time is left.
 #   OUT=$OUT PREFIX=s7_ bash scripts/gpu_call.sh fp8row:270
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +23,12 @@ git log --oneline -1 2>/dev/null
 MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 BENCH="--model $MODEL --device $DEVICE --dtype ${DTYPE:-bfloat16} --ours-only --num-prompts 1 --max-tokens ${MAX_TOKENS:-128}"
-FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+early,pdl+gpre32,pdl+wpre,pdl+silu,pdl+a8+fq,pdl+s3,pdl+attn1}
+FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+gpre32,pdl+early,pdl+wpre,pdl+silu,pdl+tf+gpre32+wpre+early}
+FP8_LATE=${FP8_LATE:-pdl+attn1,pdl+a8+fq,pdl+s3}
 BF16_VARIANTS=${BF16_VARIANTS:-base,pdl,pdl+attn1}
 echo "== 1. FP8 weights + FP8 KV: bench offline, the variants at 1x200, bench offline with the best ($SECONDS s)"
 timeout -k 5 ${T_FP8:-178} $PY scripts/gpu_s7_fp8row.py --key fp8 --variants "$FP8_VARIANTS" --combine \
+    --late "$FP8_LATE" \
     --budget $(( ${T_FP8:-178} - 32 )) \
     --steps ${STEPS:-24} -- $BENCH --quantization fp8 --kv-cache-dtype fp8_e4m3 --repeats 2 2>&1 \
     | tee "$OUT/_fp8.log" | grep -v "^USDT\|profiler_st\|^\[W" | grep "VARIANT\|BEST\|CHECKS\|SKIPPED\|^ *1 \|engine up\|Error\|error" | tail -20

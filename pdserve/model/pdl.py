@@ -28,11 +28,23 @@ from pdserve import envs
 _OFF: dict[str, Any] = {"PDL": False}
 
 
+# With PDL on: whether each kernel lets the next one launch before it waits for its own
+# predecessor (``PDL`` = 2) rather than after (``PDL`` = True). Then the kernels that read
+# weights before the wait (triton_w8a8's prefetch) may start a few launches ahead; the
+# order of the results is the same (each still waits for the kernel before it, which
+# itself waited). Off until measured in the engine's step (scripts/gpu_s7_fp8row.sh).
+TRIGGER_FIRST = False
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First thing in a PDL-capable kernel: with ``PDL``, wait until the previous kernel on
-    the stream has finished and its writes are visible, then let the next one launch."""
-    if PDL:
+    the stream has finished and its writes are visible, then let the next one launch;
+    ``PDL == 2``: let the next one launch first, then wait (:data:`TRIGGER_FIRST`)."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -59,13 +71,13 @@ def _options(device_index: int) -> dict[str, Any]:
         return _OFF  # (the interpreter has no grid dependency control)
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return _OFF
-    return {"PDL": True, "launch_pdl": True}
+    return {"PDL": 2 if TRIGGER_FIRST else True, "launch_pdl": True}
 
 
 def launch_options(t: torch.Tensor) -> dict[str, Any]:
     """Keyword arguments for launching a PDL-capable kernel whose tensors live where ``t``
     does: ``{"PDL": True, "launch_pdl": True}`` when ``PDSERVE_TRITON_PDL`` is on (read
-    once a process and device) and ``t`` is on a CUDA device of compute capability >= 9,
+    once a process and device; ``"PDL": 2`` with :data:`TRIGGER_FIRST`) and ``t`` is on a CUDA device of compute capability >= 9,
     else ``{"PDL": False}``."""
     if t.device.type != "cuda":
         return _OFF

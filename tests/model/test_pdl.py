@@ -38,6 +38,10 @@ def test_pdl_is_opt_in_and_only_on_cuda_sm90_without_the_interpreter(monkeypatch
     assert pdl.launch_options(_on("cuda:0")) == {"PDL": True, "launch_pdl": True}
     assert pdl.launch_options(_on("cuda")) == {"PDL": True, "launch_pdl": True}
     assert pdl.launch_options(torch.zeros(1)) == {"PDL": False}  # CPU tensors never
+    monkeypatch.setattr(pdl, "TRIGGER_FIRST", True)
+    pdl._options.cache_clear()
+    assert pdl.launch_options(_on("cuda:0")) == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "TRIGGER_FIRST", False)
     pdl._options.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
     assert pdl.launch_options(_on("cuda:0")) == {"PDL": False}  # no grid control before sm_90
