@@ -119,10 +119,10 @@ def kernel_checks(device) -> dict:
 
     out: dict = {}
     set_variant("pdl")
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
+        return torch.randn(*shape, generator=g, device=device).to(torch.bfloat16)
 
     try:
         x, r, nw = rnd(3, 4096), rnd(3, 4096), 1 + 0.1 * rnd(4096)
