@@ -1,6 +1,8 @@
 """Issue 26, session 7: the one-row decode step with each kernel lever on and off, in one
 engine (one model load), then ``pdserve bench offline`` again with the fastest deployable
-variant.
+variant. Session 7's run (docs/figures/h200_s7/fp8row.json) also measured two levers
+dropped after it: ``tf`` (every kernel letting the next launch before its own wait) and
+``gpreN`` (the gemv asking for N lines of each weight row in L2 before the wait).
 
 Usage: ``python scripts/gpu_s7_fp8row.py --key fp8 --variants base,pdl,pdl+fq [--shape
 1x200] [--json fp8row.json] -- BENCH-OFFLINE-FLAGS...``. The flags after ``--`` are
@@ -48,10 +50,10 @@ from pdserve.model import fp8, pdl, triton_backend, triton_w8a8
 BASE_PATHS: dict = {}
 DEFAULT_DECODE_CONFIG = triton_backend.decode_config
 SUMMARY_KEYS = ("step_ms", "kernel_ms", "kernels_per_step", "same_tokens_as_first", "error")
-WORDS = ("base", "pdl", "tf", "early", "wpre", "gpre16", "gpre32", "fq", "silu", "a8", "s3")
+WORDS = ("base", "pdl", "early", "wpre", "fq", "silu", "a8", "s3")
 WORDS += ("attn1", "attn2", "attn4")
 # the single levers --combine may put together (a8+fq counts as one)
-LEVERS = ("tf", "fq", "early", "gpre16", "gpre32", "wpre", "silu", "a8+fq", "s3")
+LEVERS = ("fq", "early", "wpre", "silu", "a8+fq", "s3")
 
 
 def _one_row_paths(words: list[str]) -> None:
@@ -84,10 +86,8 @@ def _forced_splits(splits: int):
 
 
 def set_variant(variant: str) -> None:
-    """Words: ``base`` (every lever off), ``pdl`` (PDSERVE_TRITON_PDL=1), ``tf``
-    (pdl.TRIGGER_FIRST: the next kernel launched before the wait), ``early``
-    (triton_w8a8.GEMV_EARLY_WEIGHTS), ``gpreN`` (triton_w8a8.GEMV_PREFETCH_LINES = N),
-    ``wpre`` (triton_w8a8.W8A8_PREFETCH), ``fq`` (fp8.FUSE_NORM_QUANT), ``silu``
+    """Words: ``base`` (every lever off), ``pdl`` (PDSERVE_TRITON_PDL=1), ``early``
+    (triton_w8a8.GEMV_EARLY_WEIGHTS), ``wpre`` (triton_w8a8.W8A8_PREFETCH), ``fq`` (fp8.FUSE_NORM_QUANT), ``silu``
     (fp8.FUSE_SILU_GEMV), ``a8`` / ``s3`` (:func:`_one_row_paths`), ``attnN`` (N decode
     splits at short contexts below 256 rows x KV heads)."""
     words = variant.split("+")
@@ -95,11 +95,8 @@ def set_variant(variant: str) -> None:
     if bad:
         raise ValueError(f"unknown variant words {bad}: not in {WORDS}")
     os.environ["PDSERVE_TRITON_PDL"] = "1" if "pdl" in words else "0"
-    pdl.TRIGGER_FIRST = "tf" in words
     pdl._options.cache_clear()
     triton_w8a8.GEMV_EARLY_WEIGHTS = "early" in words
-    gpre = [int(w[4:]) for w in words if w.startswith("gpre")]
-    triton_w8a8.GEMV_PREFETCH_LINES = gpre[0] if gpre else 0
     triton_w8a8.W8A8_PREFETCH = "wpre" in words
     fp8.FUSE_NORM_QUANT = "fq" in words
     fp8.FUSE_SILU_GEMV = "silu" in words
@@ -111,7 +108,7 @@ def set_variant(variant: str) -> None:
 def kernel_checks(device) -> dict:
     """Bit-equality on the device, under PDL, at Llama-3.1-8B's shapes: the fused add +
     RMSNorm + quantization against the two kernels; the one-row gemv with its first weight
-    tile read early and with L2 prefetch against the plain one; the w8a8 kernel with and
+    tile read early against the plain one; the w8a8 kernel with and
     without its prefetch. ``{check: True/False}`` (an exception: its text)."""
     import torch
 
@@ -140,10 +137,9 @@ def kernel_checks(device) -> dict:
             cfg = ("gemv", 8, 512 if n == 6144 else 1024, 4, 1)
             ref = triton_w8a8.gemv(xv, wq, ws, None, cfg)
             triton_w8a8.GEMV_EARLY_WEIGHTS = True
-            triton_w8a8.GEMV_PREFETCH_LINES = 32
             got = triton_w8a8.gemv(xv, wq, ws, None, cfg)
-            triton_w8a8.GEMV_EARLY_WEIGHTS, triton_w8a8.GEMV_PREFETCH_LINES = False, 0
-            out[f"gemv_early_prefetch_bits_{n}x{k}"] = bool(torch.equal(ref, got))
+            triton_w8a8.GEMV_EARLY_WEIGHTS = False
+            out[f"gemv_early_bits_{n}x{k}"] = bool(torch.equal(ref, got))
         wq, ws = fp8.quantize_per_channel(0.05 * rnd(28672, 4096).float())
         xq, xs = triton_w8a8.quantize_rows(rnd(1, 4096))
         cfg8 = ("w8a8", 16, 64, 128, 1, True, 4, 4)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 26, session 7 (branch fp8row, budget 270 s): the one-row decode step, FP8 weights +
 # FP8 KV and bf16, with each kernel lever on and off in one engine per dtype
-# (scripts/gpu_s7_fp8row.py: PDL, the next launch let go before the wait, the first gemv
-# weight tile read before the PDL wait, gemv and w8a8 weight lines prefetched to L2 before
-# it, the activation quantization inside add + RMSNorm, SwiGLU inside the down gemv, w8a8
-# or 3-stage gemv tiles at one row, one decode split), the new kernels' bits under PDL,
+# (scripts/gpu_s7_fp8row.py: PDL, the first gemv weight tile read before the PDL wait,
+# w8a8 weight lines prefetched to L2 before it, the activation quantization inside add +
+# RMSNorm, SwiGLU inside the down gemv, w8a8 or 3-stage gemv tiles at one row, one decode
+# split), the new kernels' bits under PDL,
 # then bench offline 1 prompt x 128 tokens again with the fastest deployable variant ->
 # $OUT/fp8row.json (keys fp8, bf16) and fp8row_log.txt (the last lines of each run's
 # output); the gpu-marked tests of the new kernels if time is left.
@@ -23,7 +23,7 @@ git log --oneline -1 2>/dev/null
 MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 BENCH="--model $MODEL --device $DEVICE --dtype ${DTYPE:-bfloat16} --ours-only --num-prompts 1 --max-tokens ${MAX_TOKENS:-128}"
-FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+gpre32,pdl+early,pdl+wpre,pdl+silu,pdl+tf+gpre32+wpre+early}
+FP8_VARIANTS=${FP8_VARIANTS:-base,pdl,pdl+fq,pdl+early,pdl+wpre,pdl+silu}
 FP8_LATE=${FP8_LATE:-pdl+attn1,pdl+a8+fq,pdl+s3}
 BF16_VARIANTS=${BF16_VARIANTS:-base,pdl,pdl+attn1}
 echo "== 1. FP8 weights + FP8 KV: bench offline, the variants at 1x200, bench offline with the best ($SECONDS s)"

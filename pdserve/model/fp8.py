@@ -618,7 +618,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
 # (linear_silu_mul) when that shape's one-row path is the gemv: one launch a layer fewer
 # for recomputing silu(gate) * up in each of its programs (~N / BLOCK_N times over).
 # Off: the H200 timed both the same (scripts/gpu_fp8_attn_probe.py, 2026-12-03: [4096,
-# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer).
+# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer;
+# in the engine's one-row step under PDL, scripts/gpu_s7_fp8row.sh: 2.769 ms fused, 2.745 not).
 FUSE_SILU_GEMV = False
 
 
@@ -645,8 +646,9 @@ def linear_silu_mul(
 
 # Whether an FP8 linear whose path quantizes its rows (``w8a8``) takes them from the add +
 # RMSNorm kernel before it (``fused_ops.add_rms_norm_quant``: one launch a linear fewer,
-# the same bits). Off until measured in the engine's step (scripts/gpu_s7_fp8row.sh).
-FUSE_NORM_QUANT = False
+# the same bits). On: the H200's one-row FP8 step under PDL 2.712 ms with it, 2.745
+# without, 364 -> 332 kernels, the same greedy tokens (scripts/gpu_s7_fp8row.sh).
+FUSE_NORM_QUANT = True
 
 
 def add_rms_norm_linear(

@@ -1,15 +1,21 @@
-"""Programmatic dependent launch (PDL) of our Triton kernels, CUDA sm_90+ only, opt-in.
+"""Programmatic dependent launch (PDL) of our Triton kernels, CUDA sm_90+ only.
 
 A kernel launched with PDL may start while the kernel before it on the stream is still
 finishing; it must then wait for that kernel's completion in-kernel before it touches
 memory (PTX ``griddepcontrol.wait``: Triton's ``gdc_wait``), and it lets the kernel after
 it launch early (``griddepcontrol.launch_dependents``). Every kernel of ours that takes a
-``PDL`` constexpr does both first thing when ``PDL`` is set, before any load or store, so
-the only overlap is launch latency and CTA scheduling; results are the same bits. A kernel
+``PDL`` constexpr does both first thing when ``PDL`` is set, before any load or store of
+data another kernel may write, so the only overlap is launch latency, CTA scheduling and
+weight reads; results are the same bits. A kernel
 launched without PDL (cuBLAS, torch) runs as before: it starts after its predecessor ends.
 
-Off unless ``PDSERVE_TRITON_PDL=1``: not measured in the engine (a probe's figures:
-docs/benchmarks.md).
+Kernels that read weights may read them before the wait (weights are never written
+during a step): the FP8 one-row gemv its first weight tile, the w8a8 kernel asks for its
+first tiles in L2 (:func:`prefetch_l2`), so those reads overlap the previous kernel's tail.
+
+On by default on sm_90+ (``PDSERVE_TRITON_PDL=0`` turns it off): in the engine's one-row
+decode step on the H200 it saved 0.20 ms of 2.94 (FP8) and 0.11 of 4.34 (bf16), and a
+little at 64 / 256 rows (docs/benchmarks.md, session 7).
 """
 
 from __future__ import annotations
@@ -28,23 +34,11 @@ from pdserve import envs
 _OFF: dict[str, Any] = {"PDL": False}
 
 
-# With PDL on: whether each kernel lets the next one launch before it waits for its own
-# predecessor (``PDL`` = 2) rather than after (``PDL`` = True). Then the kernels that read
-# weights before the wait (triton_w8a8's prefetch) may start a few launches ahead; the
-# order of the results is the same (each still waits for the kernel before it, which
-# itself waited). Off until measured in the engine's step (scripts/gpu_s7_fp8row.sh).
-TRIGGER_FIRST = False
-
-
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """First thing in a PDL-capable kernel: with ``PDL``, wait until the previous kernel on
-    the stream has finished and its writes are visible, then let the next one launch;
-    ``PDL == 2``: let the next one launch first, then wait (:data:`TRIGGER_FIRST`)."""
-    if PDL == 2:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    the stream has finished and its writes are visible, then let the next one launch."""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -71,13 +65,13 @@ def _options(device_index: int) -> dict[str, Any]:
         return _OFF  # (the interpreter has no grid dependency control)
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return _OFF
-    return {"PDL": 2 if TRIGGER_FIRST else True, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def launch_options(t: torch.Tensor) -> dict[str, Any]:
     """Keyword arguments for launching a PDL-capable kernel whose tensors live where ``t``
-    does: ``{"PDL": True, "launch_pdl": True}`` when ``PDSERVE_TRITON_PDL`` is on (read
-    once a process and device; ``"PDL": 2`` with :data:`TRIGGER_FIRST`) and ``t`` is on a CUDA device of compute capability >= 9,
+    does: ``{"PDL": True, "launch_pdl": True}`` when ``PDSERVE_TRITON_PDL`` is on (the default; read
+    once a process and device) and ``t`` is on a CUDA device of compute capability >= 9,
     else ``{"PDL": False}``."""
     if t.device.type != "cuda":
         return _OFF

@@ -23,8 +23,9 @@ issue 26's H200 figures asked for (the CPU tests run them under ``TRITON_INTERPR
           along K when ``BLOCK_K`` divides K, so the loads stay 16-byte wide), multiplies in
           fp32 and applies the per-channel scale once at the end: the structure of the bf16
           GEMV of :mod:`pdserve.model.triton_gemv` on half the bytes. Under PDL its first
-          weight tile may be read before the wait for the kernel before it
-          (:data:`GEMV_EARLY_WEIGHTS`): weights are never written during a step.
+          weight tile is read before the wait for the kernel before it
+          (:data:`GEMV_EARLY_WEIGHTS`; the w8a8 kernel asks for its first tiles in L2,
+          :data:`W8A8_PREFETCH`): weights are never written during a step.
 
 Which kernel and tile runs for which shape and row count is chosen when the model loads by
 :func:`pdserve.model.fp8.choose_paths` (timed on the card); this module only runs what it is
@@ -252,8 +253,9 @@ def _w8a8_kernel(
 
 
 # Whether the w8a8 kernel under PDL asks for its first weight tiles in L2 before the wait
-# (see _w8a8_kernel's PREFETCH): off until measured in the engine's step.
-W8A8_PREFETCH = False
+# (see _w8a8_kernel's PREFETCH). On: the H200's one-row FP8 step under PDL 2.737 ms with
+# it, 2.745 without (scripts/gpu_s7_fp8row.sh).
+W8A8_PREFETCH = True
 
 
 def default_w8a8_config(m: int, n: int, k: int) -> W8a8Config:
@@ -443,7 +445,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     SILU: tl.constexpr,
     W_EARLY: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = (sum_k w[n, k] x[k]) * s[n] (+ b[n])``
@@ -451,17 +452,11 @@ def _gemv_kernel(
     ``[gate | up]`` (2K wide) and ``x = silu(gate) * up``, computed as it is loaded
     (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding). ``W_EARLY``: the
     first weight tile is read before the PDL wait (a weight is never written by the kernels
-    before this one, so under PDL its read overlaps their tail); the same sums either way.
-    ``PREFETCH`` > 0 (CUDA, under PDL): the first ``PREFETCH`` 128-byte lines of each
-    weight row are asked for in L2 before the wait."""
+    before this one, so under PDL its read overlaps their tail); the same sums either way."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn
-    if PREFETCH > 0:
-        lines = tl.minimum(tl.arange(0, PREFETCH) * 128, K - 1)
-        rows = tl.minimum(rn, N - 1).to(tl.int64) * s_wn
-        prefetch_l2(w_ptr + rows[:, None] + lines[None, :])
     if W_EARLY:
         w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
         pdl_enter(PDL)
@@ -481,11 +476,10 @@ def _gemv_kernel(
 
 
 # Whether the one-row gemv reads its first weight tile before the PDL wait (see
-# _gemv_kernel's W_EARLY): off until measured in the engine's step under PDL.
-GEMV_EARLY_WEIGHTS = False
-# 128-byte lines of each weight row the one-row gemv asks for in L2 before the PDL wait
-# (0: none; a power of two; see _gemv_kernel's PREFETCH): 0 until measured in the step.
-GEMV_PREFETCH_LINES = 0
+# _gemv_kernel's W_EARLY). On: the H200's one-row FP8 step under PDL 2.718 ms with it,
+# 2.745 without (scripts/gpu_s7_fp8row.sh). Asking for its first 32 lines of each weight
+# row in L2 instead was slower (2.870): not kept.
+GEMV_EARLY_WEIGHTS = True
 
 
 DEFAULT_GEMV: GemvConfig = ("gemv", 16, 1024, 8, 1)
@@ -527,7 +521,6 @@ def gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    pdl_opts = pdl.launch_options(x)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x,
         w,
@@ -543,9 +536,8 @@ def gemv(
         BLOCK_K=bk,
         SILU=silu_mul,
         W_EARLY=GEMV_EARLY_WEIGHTS,
-        PREFETCH=GEMV_PREFETCH_LINES if pdl_opts.get("PDL") else 0,
         num_warps=warps,
         num_stages=stages,
-        **pdl_opts,
+        **pdl.launch_options(x),
     )
     return out
