@@ -618,7 +618,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
 # (linear_silu_mul) when that shape's one-row path is the gemv: one launch a layer fewer
 # for recomputing silu(gate) * up in each of its programs (~N / BLOCK_N times over).
 # Off: the H200 timed both the same (scripts/gpu_fp8_attn_probe.py, 2026-12-03: [4096,
-# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer).
+# 14336] with the one-row tile 8 x 1024, silu_mul then gemv 18.6 µs, fused 18.7 µs a layer;
+# in the engine's one-row step under PDL, scripts/gpu_s7_fp8row.sh: 2.769 ms fused, 2.745 not).
 FUSE_SILU_GEMV = False
 
 
@@ -641,6 +642,41 @@ def linear_silu_mul(
     from pdserve.model import triton_w8a8
 
     return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
+
+
+# Whether an FP8 linear whose path quantizes its rows (``w8a8``) takes them from the add +
+# RMSNorm kernel before it (``fused_ops.add_rms_norm_quant``: one launch a linear fewer,
+# the same bits). On: the H200's one-row FP8 step under PDL 2.712 ms with it, 2.745
+# without, 364 -> 332 kernels, the same greedy tokens (scripts/gpu_s7_fp8row.sh).
+FUSE_NORM_QUANT = True
+
+
+def add_rms_norm_linear(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: Fp8Weight | None,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(h + delta, rms_norm(h + delta) @ real(w).T + bias)`` with the norm's output
+    quantized per token inside the add + RMSNorm kernel (``fused_ops.add_rms_norm_quant``)
+    and handed to the ``w8a8`` kernel as e4m3 rows: the bits of the add + RMSNorm kernel
+    followed by :func:`linear`. h, delta ``[T, K]`` bf16 on CUDA; ``[T, N]`` out. Only when
+    :data:`FUSE_NORM_QUANT` is on, w is a one-group FP8 weight and :func:`path_for` gives
+    these rows ``w8a8``; None otherwise (the caller runs the norm, then :func:`linear`)."""
+    if not (FUSE_NORM_QUANT and w is not None and w.one_group and h.is_cuda):
+        return None
+    if h.dim() != 2 or h.dtype != torch.bfloat16 or h.shape[0] == 0:
+        return None
+    n, k = w.weight.shape
+    kind, config = path_for(h.shape[0], n, k)
+    if kind != "w8a8":
+        return None
+    from pdserve.model import fused_ops, triton_w8a8
+
+    h, xq, xs = fused_ops.add_rms_norm_quant(h, delta, norm_weight, eps)
+    return h, triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, h.dtype, config)
 
 
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:

@@ -1,6 +1,7 @@
 """Fused elementwise kernels of the decoder on CUDA (Triton): RoPE in place (optionally
 after Qwen3's per-head q/k RMSNorm, and optionally storing the rotated K and V into the
-paged KV cache, in the same kernel), SiLU-and-mul, residual add + RMSNorm.
+paged KV cache, in the same kernel), SiLU-and-mul, residual add + RMSNorm (optionally with
+its output quantized per token to e4m3 for an FP8 linear: :func:`add_rms_norm_quant`).
 
 Each small elementwise kernel costs a launch gap inside a CUDA graph, so RoPE, SwiGLU's
 ``silu(gate) * up`` and each residual add with the RMSNorm after it become one kernel each
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 
 @triton.jit
@@ -459,3 +461,88 @@ def add_rms_norm_router(
         **pdl.launch_options(x),
     )
     return h, y, logits
+
+
+@triton.jit
+def _add_rms_norm_quant_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    h_ptr,
+    q_ptr,
+    s_ptr,
+    s_x,
+    s_r,
+    s_h,
+    s_q,
+    N,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per row: ``h`` and ``y`` as :func:`_add_rms_norm_kernel` (y rounded to
+    x's dtype), then y quantized per token as ``triton_w8a8._quant_rows_kernel`` does:
+    ``s = max(amax|y|, 1e-12) * fp32(1 / 448)``, ``q = e4m3(clamp(y / s))``; y itself is not
+    stored."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
+    ty = x.dtype
+    if HAS_RES:
+        r = tl.load(r_ptr + t * s_r + cols, mask=mask, other=0.0)
+        h = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+        tl.store(h_ptr + t * s_h + cols, h, mask=mask)
+    else:
+        h = x
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = ((hf * rstd).to(ty).to(tl.float32) * w.to(tl.float32)).to(ty).to(tl.float32)
+    y = tl.where(mask, y, 0.0)
+    scale = tl.maximum(tl.max(tl.abs(y), 0), AMAX_FLOOR) * INV_FP8_MAX
+    tl.store(s_ptr + t, scale)
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX))
+    tl.store(q_ptr + t * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` with its normalised output quantized per token in the same
+    kernel, for an FP8 linear that takes e4m3 rows (``triton_w8a8.w8a8``): ``(h, q, s)``
+    with ``h = x + residual`` ``[T, N]`` in x's dtype (x itself when ``residual`` is None),
+    ``q [T, N]`` float8_e4m3fn and ``s [T, 1]`` fp32 such that ``(q, s)`` are the bits
+    ``triton_w8a8.quantize_rows(add_rms_norm(x, residual, weight, eps)[1])`` gives (the
+    16-bit normalised row is not written). x, residual ``[T, N]`` bf16/fp16 (dim stride 1),
+    weight ``[N]``. One launch instead of two."""
+    T, N = x.shape
+    q = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    h = x if residual is None else x.new_empty(T, N)
+    if T == 0:
+        return h, q, s
+    assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    block = triton.next_power_of_2(N)
+    r = x if residual is None else residual
+    _add_rms_norm_quant_kernel[(T,)](
+        x,
+        r,
+        weight,
+        h,
+        q,
+        s,
+        x.stride(0),
+        r.stride(0),
+        h.stride(0),
+        q.stride(0),
+        N,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+        **pdl.launch_options(x),
+    )
+    return h, q, s

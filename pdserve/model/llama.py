@@ -155,8 +155,16 @@ class LlamaDecoderLayer(nn.Module):
         partials (a ``SplitKPartials``), reduced by that norm's kernel."""
         s = self.s
         T = h.shape[0]
-        h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
-        qkv = self._linear("qkv_proj", x, self.qkv_bias)
+        normed = None
+        if fused is not None:  # the FP8 activation quantization inside the norm's kernel
+            normed = fp8.add_rms_norm_linear(
+                h, delta, self.input_layernorm, s.eps, self.fp8.get("qkv_proj"), self.qkv_bias
+            )
+        if normed is not None:
+            h, qkv = normed
+        else:
+            h, x = add_rms_norm(h, delta, self.input_layernorm, s.eps, fused)
+            qkv = self._linear("qkv_proj", x, self.qkv_bias)
         qkv = qkv.view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         nq, nqk = s.n_heads, s.n_heads + s.n_kv_heads
         qk_norm = None  # (q_w, k_w, eps, nq): normalised by the RoPE kernel (CUDA)
@@ -197,9 +205,22 @@ class LlamaDecoderLayer(nn.Module):
                 h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
             out = self.moe(x, logits)
             return h, out if self.tp is None else self.tp.all_reduce_(out)
-        h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
         assert self.gate_up_proj is not None and self.down_proj is not None
-        gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
+        normed = None
+        if fused is not None:  # the FP8 activation quantization inside the norm's kernel
+            normed = fp8.add_rms_norm_linear(
+                h,
+                o,
+                self.post_attention_layernorm,
+                s.eps,
+                self.fp8.get("gate_up_proj"),
+                self.gate_up_bias,
+            )
+        if normed is not None:
+            h, gate_up = normed
+        else:
+            h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+            gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:
             # SwiGLU inside the down projection's GEMV, where it runs
             if self.tp is None and "down_proj" not in self.fp8:

@@ -22,7 +22,10 @@ issue 26's H200 figures asked for (the CPU tests run them under ``TRITON_INTERPR
           owns ``BLOCK_N`` weight rows, walks K in ``BLOCK_K`` tiles read as e4m3 (unmasked
           along K when ``BLOCK_K`` divides K, so the loads stay 16-byte wide), multiplies in
           fp32 and applies the per-channel scale once at the end: the structure of the bf16
-          GEMV of :mod:`pdserve.model.triton_gemv` on half the bytes.
+          GEMV of :mod:`pdserve.model.triton_gemv` on half the bytes. Under PDL its first
+          weight tile is read before the wait for the kernel before it
+          (:data:`GEMV_EARLY_WEIGHTS`; the w8a8 kernel asks for its first tiles in L2,
+          :data:`W8A8_PREFETCH`): weights are never written during a step.
 
 Which kernel and tile runs for which shape and row count is chosen when the model loads by
 :func:`pdserve.model.fp8.choose_paths` (timed on the card); this module only runs what it is
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from pdserve.model import pdl
-from pdserve.model.pdl import pdl_enter
+from pdserve.model.pdl import pdl_enter, prefetch_l2
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _load_x, _splitk_reduce_kernel
 
 # (tl.constexpr: a @triton.jit function may read no other module global when compiled)
@@ -168,6 +171,7 @@ def _w8a8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits)``: ``o[m, n] = (sum_k x[m, k]
@@ -175,17 +179,23 @@ def _w8a8_kernel(
     a multiple of BLOCK_K). ``A8``: x is e4m3 with per-row scales xs; else x is bf16/fp16
     (no xs: 1), the weight tile converted to x's dtype in registers. ``PARTIAL``: store the
     scaled fp32 sum at ``o + slice * s_os`` (no bias; the reduce kernel adds it).
-    ``EVEN_K``: BLOCK_K divides K (no K masks)."""
-    pdl_enter(PDL)
+    ``EVEN_K``: BLOCK_K divides K (no K masks). ``PREFETCH`` > 0 (CUDA, under PDL): the
+    first ``PREFETCH`` 128-byte lines of each of the program's weight rows in its K slice
+    are asked for in L2 before the PDL wait (weights are never written by a step)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = pid_s * K_SPLIT
+    if PREFETCH > 0:
+        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH) * 128, K - 1)
+        rows = tl.minimum(rn, N - 1).to(tl.int64) * s_wn
+        prefetch_l2(w_ptr + rows[:, None] + lines[None, :])
+    pdl_enter(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
-    k_lo = pid_s * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + rm[:, None].to(tl.int64) * s_xm  # [BLOCK_M, 1]
@@ -240,6 +250,12 @@ def _w8a8_kernel(
         tl.store(o_ptr + pid_s * s_os + offs, out, mask=omask)
     else:
         tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+# Whether the w8a8 kernel under PDL asks for its first weight tiles in L2 before the wait
+# (see _w8a8_kernel's PREFETCH). On: the H200's one-row FP8 step under PDL 2.737 ms with
+# it, 2.745 without (scripts/gpu_s7_fp8row.sh).
+W8A8_PREFETCH = True
 
 
 def default_w8a8_config(m: int, n: int, k: int) -> W8a8Config:
@@ -316,6 +332,9 @@ def w8a8(
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
     b = bias if bias is not None else w_scale
     opts = pdl.launch_options(xq)
+    # under PDL: the weight lines of the first num_stages K tiles (the pipeline's prologue)
+    ahead = triton.next_power_of_2(max(1, stages * bk * w.element_size() // 128))
+    prefetch = ahead if W8A8_PREFETCH and opts.get("PDL") else 0
     _w8a8_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         xq,
         x_scale if x_scale is not None else w_scale,
@@ -340,6 +359,7 @@ def w8a8(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        PREFETCH=prefetch,
         num_warps=warps,
         num_stages=stages,
         **opts,
@@ -390,6 +410,26 @@ def linear_w8a16(
 
 
 @triton.jit
+def _gemv_w(w_rows, kk, nmask, K, EVEN_K: tl.constexpr):
+    """The e4m3 weight tile ``w[n, kk]`` ``[BLOCK_N, BLOCK_K]`` (zeros past N and K)."""
+    if EVEN_K:
+        return tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+    return tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_x(x_ptr, kk, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+    """x at ``kk`` in fp32 (zeros past K); ``SILU``: ``silu(gate) * up`` of ``[gate | up]``."""
+    if SILU:
+        x = _load_x(x_ptr, kk, kk < K, K, True)
+    elif EVEN_K:
+        x = tl.load(x_ptr + kk)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -404,40 +444,42 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SILU: tl.constexpr,
+    W_EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N),)``, one row: ``o[n] = (sum_k w[n, k] x[k]) * s[n] (+ b[n])``
     with w e4m3 and the sum in fp32. ``EVEN_K``: BLOCK_K divides K. ``SILU``: the row is
     ``[gate | up]`` (2K wide) and ``x = silu(gate) * up``, computed as it is loaded
-    (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding)."""
-    pdl_enter(PDL)
+    (``triton_gemv_parts._load_x``: ``fused_ops.silu_mul``'s rounding). ``W_EARLY``: the
+    first weight tile is read before the PDL wait (a weight is never written by the kernels
+    before this one, so under PDL its read overlaps their tail); the same sums either way."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * s_wn
+    if W_EARLY:
+        w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
+        pdl_enter(PDL)
+    else:
+        pdl_enter(PDL)
+        w0 = _gemv_w(w_rows, rk, nmask, K, EVEN_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc += w0.to(tl.float32) * _gemv_x(x_ptr, rk, K, EVEN_K, SILU)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        if SILU:
-            x = _load_x(x_ptr, kk, kk < K, K, True)
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-            else:
-                w = tl.load(
-                    w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0
-                )
-        elif EVEN_K:
-            x = tl.load(x_ptr + kk)
-            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        else:
-            kmask = kk < K
-            x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _gemv_w(w_rows, kk, nmask, K, EVEN_K)
+        acc += w.to(tl.float32) * _gemv_x(x_ptr, kk, K, EVEN_K, SILU)[None, :]
     out = tl.sum(acc, 1) * tl.load(s_ptr + rn, mask=nmask, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=nmask)
+
+
+# Whether the one-row gemv reads its first weight tile before the PDL wait (see
+# _gemv_kernel's W_EARLY). On: the H200's one-row FP8 step under PDL 2.718 ms with it,
+# 2.745 without (scripts/gpu_s7_fp8row.sh). Asking for its first 32 lines of each weight
+# row in L2 instead was slower (2.870): not kept.
+GEMV_EARLY_WEIGHTS = True
 
 
 DEFAULT_GEMV: GemvConfig = ("gemv", 16, 1024, 8, 1)
@@ -493,6 +535,7 @@ def gemv(
         BLOCK_N=bn,
         BLOCK_K=bk,
         SILU=silu_mul,
+        W_EARLY=GEMV_EARLY_WEIGHTS,
         num_warps=warps,
         num_stages=stages,
         **pdl.launch_options(x),

@@ -286,3 +286,59 @@ def test_an_fp8_cache_is_stored_by_the_rope_kernel_with_each_layers_scales(
     model(torch.tensor([1, 7, 9, 4, 2]), torch.arange(5), md, caches)
     assert stored == [(torch.float8_e4m3fn, layer.kv_scale) for layer in layers]
     assert pool.view(torch.uint8).any()  # the prompt's K/V are in the pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_quant_gives_the_bits_of_add_rms_norm_then_quantize_rows(dtype, with_residual):
+    """The e4m3 rows and scales of the fused kernel are those of the two kernels it replaces
+    (bf16 too on CPU: both round through the same conversion), h the same, and an all-zero
+    row keeps scale 1e-12 / 448 with zero codes."""
+    from pdserve.model.fused_ops import add_rms_norm, add_rms_norm_quant
+    from pdserve.model.triton_w8a8 import quantize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    T, N, eps = 3, 1000, 1e-5  # N not a power of two: the masked tail counts nothing
+    x = (4 * torch.randn(T, 2 * N, generator=gen)).to(dtype).to(DEVICE)[:, :N]  # strided
+    r = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    x[2] = 0.0
+    if r is not None:
+        r[2] = 0.0
+    w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    h0, y0 = add_rms_norm(x, r, w, eps)
+    q0, s0 = quantize_rows(y0)
+    h, q, s = add_rms_norm_quant(x, r, w, eps)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (T, N) and s.shape == (T, 1)
+    assert torch.equal(h, h0)
+    assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    assert s[2].item() == pytest.approx(1e-12 / 448) and not q[2].float().any()
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_linear_equals_norm_then_fp8_linear(monkeypatch):
+    """fp8.add_rms_norm_linear (the quantization in the norm's kernel, then w8a8) gives the
+    bits of add_rms_norm then fp8.linear wherever the path is w8a8, and None elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    from pdserve.model import fp8
+    from pdserve.model.fused_ops import add_rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    K, N = 512, 384
+    q, sc = fp8.quantize_per_channel(torch.randn(N, K, generator=gen) * 0.1)
+    wt = fp8.Fp8Weight(q.cuda(), sc.cuda(), K)
+    cfg = ("w8a8", 16, 64, 128, 1, True, 4, 4)
+    monkeypatch.setitem(fp8.PATHS, (N, K), ((4, ("w8a8", cfg)), (8, ("gemv", None))))
+    monkeypatch.setattr(fp8, "FUSE_NORM_QUANT", True)
+    norm = (1 + 0.1 * torch.randn(K, generator=gen)).bfloat16().cuda()
+    for T in (1, 3):
+        x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+        d = torch.randn(T, K, generator=gen).bfloat16().cuda()
+        got = fp8.add_rms_norm_linear(x, d, norm, 1e-5, wt, None)
+        assert got is not None
+        h0, y0 = add_rms_norm(x, d, norm, 1e-5)
+        assert torch.equal(got[0], h0) and torch.equal(got[1], fp8.linear(y0, wt, None))
+    x = torch.randn(6, K, generator=gen).bfloat16().cuda()
+    assert fp8.add_rms_norm_linear(x, x, norm, 1e-5, wt, None) is None  # 6 rows: gemv path
+    monkeypatch.setattr(fp8, "FUSE_NORM_QUANT", False)
+    assert fp8.add_rms_norm_linear(x[:1], x[:1], norm, 1e-5, wt, None) is None

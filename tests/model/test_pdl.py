@@ -28,11 +28,16 @@ def _on(device: str):
     return SimpleNamespace(device=torch.device(device))  # where a launch's tensors live
 
 
-def test_pdl_is_opt_in_and_only_on_cuda_sm90_without_the_interpreter(monkeypatch, fresh_options):
+def test_pdl_is_on_by_default_and_only_on_cuda_sm90_without_the_interpreter(
+    monkeypatch, fresh_options
+):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("PDSERVE_TRITON_PDL", raising=False)
-    assert pdl.launch_options(_on("cuda:0")) == {"PDL": False}  # off by default
+    assert pdl.launch_options(_on("cuda:0")) == {"PDL": True, "launch_pdl": True}  # default
+    pdl._options.cache_clear()
+    monkeypatch.setenv("PDSERVE_TRITON_PDL", "0")
+    assert pdl.launch_options(_on("cuda:0")) == {"PDL": False}  # turned off
     pdl._options.cache_clear()
     monkeypatch.setenv("PDSERVE_TRITON_PDL", "1")
     assert pdl.launch_options(_on("cuda:0")) == {"PDL": True, "launch_pdl": True}

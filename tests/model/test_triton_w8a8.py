@@ -316,3 +316,19 @@ def test_choose_paths_times_on_the_gpu(monkeypatch):
         err = fp8.relative_error(fp8.linear(x, ws[0], None), ref)
         assert err < 0.05, (m, fp8.path_for(m, 512, 1024), err)
     assert fp8.path_for(100, 512, 1024) == chosen[(512, 1024)][-1][1]  # past the last: it
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_early_weight_read_gives_the_same_bits(monkeypatch, silu):
+    """GEMV_EARLY_WEIGHTS moves only the first weight tile's read before the PDL wait: the
+    same output bits, ragged K (one partial tile) and several tiles."""
+    for k in (100, 160):
+        w = _weight(24, k, seed=5)
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(1, 2 * k if silu else k, generator=g).to(DEVICE)
+        config = ("gemv", 8, 64, 4, 1)
+        monkeypatch.setattr(triton_w8a8, "GEMV_EARLY_WEIGHTS", False)
+        want = triton_w8a8.gemv(x, w.weight, w.scale, None, config, silu_mul=silu)
+        monkeypatch.setattr(triton_w8a8, "GEMV_EARLY_WEIGHTS", True)
+        got = triton_w8a8.gemv(x, w.weight, w.scale, None, config, silu_mul=silu)
+        assert torch.equal(got, want)
