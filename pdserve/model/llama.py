@@ -156,7 +156,9 @@ class LlamaDecoderLayer(nn.Module):
         s = self.s
         T = h.shape[0]
         normed = None
-        if fused is not None:  # the FP8 activation quantization inside the norm's kernel
+        if fused is not None and not isinstance(delta, tuple):
+            # the FP8 activation quantization inside the norm's kernel (a split-K GEMV's
+            # partials, from a bf16 down projection, go to add_rms_norm below)
             normed = fp8.add_rms_norm_linear(
                 h, delta, self.input_layernorm, s.eps, self.fp8.get("qkv_proj"), self.qkv_bias
             )
