@@ -7,7 +7,7 @@
 #   3. bench offline random:qwen3-30b-a3b 1 / 64 prompts, the roofline over the experts
 #      routed to (PDSERVE_MOE_ROUTING_STATS=1)                       -> $OUT/offline_moe.json
 #   4. the gpu-marked tests of the FP8 w8a8 path and the fused norms (failures named)
-# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds); run as
+# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_MOE=0 skips 3); run as
 #   OUT=gpu_s7 PREFIX=s7_ bash scripts/gpu_call.sh confirm:520
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ timeout ${T_FP8:-140} $PY -m pdserve bench offline --model random:llama-3.1-8b -
     --long-context 32x4096 --max-tokens 128 --repeats 1 --json "$OUT/offline_fp8.json" 2>&1 \
     | grep -v "^USDT" | tail -6
 echo "== 3. bench offline qwen3-30b-a3b 1/64 ($SECONDS s)"
-PDSERVE_MOE_ROUTING_STATS=1 timeout ${T_MOE:-150} $PY -m pdserve bench offline \
+[ "${T_MOE:-150}" -gt 0 ] && PDSERVE_MOE_ROUTING_STATS=1 timeout ${T_MOE:-150} $PY -m pdserve bench offline \
     --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 --ours-only --num-prompts 1,64 \
     --max-tokens 128 --repeats 1 --json "$OUT/offline_moe.json" 2>&1 | grep -v "^USDT" | tail -6
 echo "== 4. gpu-marked FP8 w8a8 and fused-norm tests ($SECONDS s)"
