@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -24,3 +25,31 @@ def check_min(obj: Any, low: float, *names: str, above: bool = False, unit: str 
             raise ValueError(f"{name} must be {'>' if above else '>='} {low}{unit}, got {value}")
         if value == float("inf"):
             raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def flag_message(exc: BaseException, args: Any) -> str:
+    """``str(exc)`` with the field names in it written as the command-line flags that set
+    them: ``"page_size must be >= 1, got 0"`` -> ``"--page-size must be >= 1, got 0"``,
+    ``"speculative_ngram_max (2) must be >= speculative_ngram_min (5)"`` -> the two flags,
+    for names that are destinations of the parsed ``args`` (an ``argparse.Namespace``): the
+    message's first word (``page_size`` or ``page-size``), and any other word with an
+    underscore. Config and spec checks (:func:`check_min`) name fields; a command's user
+    typed flags, so its error line should name those. Other words are left as they are."""
+    dests = vars(args)
+    message = str(exc)
+
+    def flag(word: str) -> str | None:
+        key = word.replace("-", "_")
+        return "--" + key.replace("_", "-") if key.isidentifier() and key in dests else None
+
+    head = re.match(r"[A-Za-z][\w-]*", message)
+    if head and not message.startswith("-") and (f := flag(head.group())):
+        message = f + message[head.end() :]
+        start = len(f)
+    else:
+        start = 0
+    return message[:start] + re.sub(
+        r"(?<![\w-])[a-z]\w*_\w+(?![\w-])",
+        lambda m: flag(m.group()) or m.group(),
+        message[start:],
+    )

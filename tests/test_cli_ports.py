@@ -84,9 +84,11 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
 @pytest.mark.parametrize(
     "flag,value,message",
     [
-        ("--pd-min-prefill-tokens", "-1", "pd_min_prefill_tokens must be >= 0, got -1"),
-        ("--health-check-interval", "0", "health_check_interval must be > 0 s, got 0.0"),
-        ("--request-timeout", "-1", "request_timeout must be > 0 s, got -1.0"),
+        ("--pd-min-prefill-tokens", "-1", "--pd-min-prefill-tokens must be >= 0, got -1"),
+        ("--health-check-interval", "0", "--health-check-interval must be > 0 s, got 0.0"),
+        ("--request-timeout", "-1", "--request-timeout must be > 0 s, got -1.0"),
+        ("--page-size", "0", "--page-size must be >= 1, got 0"),
+        ("--ready-timeout", "0", "argument --ready-timeout: expected a number > 0, got '0'"),
     ],
 )
 def test_up_refuses_a_bad_router_flag_before_starting_anything(tmp_path, flag, value, message):

@@ -102,10 +102,10 @@ def test_rules_between_two_flags_see_both_flags(command: str, flags: list[str]) 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--speculative-algorithm", "draft"], "speculative_model must be set"),
+        (["--speculative-algorithm", "draft"], "--speculative-model must be set"),
         (
             ["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"],
-            "speculative_ngram_max (2) must be >= speculative_ngram_min (5)",
+            "--speculative-ngram-max (2) must be >= --speculative-ngram-min (5)",
         ),
     ],
 )

@@ -40,6 +40,7 @@ from pdserve.bench.roofline import (
     step_bytes,
     step_flops,
 )
+from pdserve.bounds import flag_message
 from pdserve.cli import flag_values, int_list
 from pdserve.server.engine_args import ENGINE_FLAGS, add_engine_flags
 
@@ -346,8 +347,10 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
         counts = _parse_counts(args.num_prompts)
         prefill = _parse_nxl(args.prefill)
         long_ctx = _parse_nxl(args.long_context, "long-context", "32x4096")
-        if args.max_tokens < 1 or args.repeats < 1:
-            raise ValueError("--max-tokens and --repeats must be >= 1")
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if args.steady_steps < 0:
             raise ValueError(f"--steady-steps must be >= 0, got {args.steady_steps}")
         if args.input_len is not None and args.input_len < 1:
@@ -363,7 +366,7 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
         llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
         start_s = time.perf_counter() - t0  # the load, the pool, the graph capture
     except ValueError as exc:
-        print(f"pdserve bench offline: {exc}", file=sys.stderr)
+        print(f"pdserve bench offline: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     try:
         rows = [
@@ -385,7 +388,7 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
                 )
     except ValueError as exc:
         llm.shutdown()
-        print(f"pdserve bench offline: {exc}", file=sys.stderr)
+        print(f"pdserve bench offline: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     try:
         if args.speculative:

@@ -30,6 +30,7 @@ from pdserve.bench.workload import (
     WorkloadSpec,
     build_requests,
 )
+from pdserve.bounds import flag_message
 from pdserve.cli import Flag, add_flags, flag_values
 
 if TYPE_CHECKING:
@@ -442,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         series, targets, header = asyncio.run(_run_async(args))
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

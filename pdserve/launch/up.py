@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli import Flag, add_flags, flag_values, int_list, port_number
+from pdserve.bounds import flag_message
+from pdserve.cli import Flag, add_flags, flag_values, int_list, port_number, positive
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
@@ -76,7 +77,10 @@ UP_FLAGS: tuple[Flag, ...] = (
         for role in PD_ROLES
     ),
     Flag(
-        "--ready-timeout", "seconds to wait for every process to become ready", float, default=900.0
+        "--ready-timeout",
+        "seconds to wait for every process to become ready",
+        positive(float),
+        default=900.0,
     ),
     Flag(
         "--max-restarts",
@@ -274,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
         engine_config_from_args(args)  # the rules between flags, as each worker checks them
         _check_router_flags(args)
     except ValueError as exc:
-        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        print(f"pdserve up: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     try:
         probe = bind_socket(args.host, args.port)  # fail fast, before any model loads
@@ -293,7 +297,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a bad --num-threads or tensor-parallel size
         if args.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
-        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        print(f"pdserve up: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     finally:
         probe.close()

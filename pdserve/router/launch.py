@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pdserve import envs
+from pdserve.bounds import flag_message
 from pdserve.cli import Flag, add_flags, flag_values, port_number
 from pdserve.config import ROUTER_POLICIES, RouterConfig
 
@@ -162,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         sock = bind_socket(config.host, config.port)
     except (ValueError, PortInUseError) as exc:
-        print(f"pdserve router: error: {exc}", file=sys.stderr)
+        print(f"pdserve router: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
     mode = (

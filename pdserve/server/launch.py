@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pdserve import envs
+from pdserve.bounds import flag_message
 from pdserve.cli import Flag, add_flags, flag_values, port_number
 from pdserve.config import DisaggConfig, EngineConfig, ServerConfig
 from pdserve.disagg.base import Role
@@ -140,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
         engine_cfg, server_cfg, disagg_cfg = configs_from_args(args)
         sock = bind_socket(server_cfg.host, server_cfg.port)
     except (ValueError, PortInUseError) as exc:
-        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        print(f"pdserve serve: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
     print(f"pdserve worker ({disagg_cfg.role}) loading {engine_cfg.model.model} ...", flush=True)
@@ -149,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         app, info = build_worker(engine_cfg, server_cfg, disagg_cfg)
     except (ValueError, OSError) as exc:  # bad model/device, taken bootstrap port, init timeout
-        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        print(f"pdserve serve: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. the transfer backend cannot start: one readable line
         log.debug("start-up failed", exc_info=True)
