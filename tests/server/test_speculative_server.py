@@ -64,14 +64,14 @@ def test_server_info_metrics_and_greedy_output(spec_worker):
     assert buckets["+Inf"] == fams["pdserve_engine_spec_verify_rows"].samples[0].value > 0
 
 
-def test_bad_speculative_flags_are_refused_naming_the_field():
+def test_bad_speculative_flags_are_refused_naming_the_flag():
     import subprocess
     import sys
 
     for flags, field in (
-        (["--speculative-algorithm", "eagle"], "speculative_algorithm"),
-        (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
-        (["--speculative-algorithm", "draft"], "speculative_model"),
+        (["--speculative-algorithm", "eagle"], "--speculative-algorithm"),
+        (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["--speculative-algorithm", "draft"], "--speculative-model"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "pdserve", "serve", "--model", TINY, *flags],
