@@ -126,4 +126,4 @@ def test_infinite_sizes_are_refused_naming_the_flag(capsys) -> None:
     from pdserve.cli import main
 
     assert main(["bench", "offline", "--kv-cache-memory", "inf", "--model", "random:tiny"]) == 2
-    assert "kv_cache_memory must be a finite number, got inf" in capsys.readouterr().err
+    assert "--kv-cache-memory must be a finite number, got inf" in capsys.readouterr().err
