@@ -14,7 +14,8 @@
 #   MODEL default random:llama-3.1-8b, DEVICE default cuda; `random:tiny cpu` for a dry run
 #   (then NREQ, ILEN, OLEN, RATES may be set smaller).
 # Writes under $OUT: serve.json (+ .png, .phases.png), summary.json, client_lateness_*.json,
-# serve_httpx.json, parity.txt, gc.txt, logs/ (the servers' logs).
+# serve_httpx.json, parity.json + .txt, gc.txt, logs/ (the servers' logs). Start-up, parity
+# and the workers' reports: scripts/gpu_serve_lib.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-random:llama-3.1-8b}
@@ -24,6 +25,7 @@ PY=${PYTHON:-${PY:-python3}}
 WHEELS=${WHEELS:-.whl}
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 . scripts/gpu_setup.sh
+. scripts/gpu_serve_lib.sh
 KV=${KV_GIB:-16}
 RATES=${RATES:-8,8,8}
 NREQ=${NREQ:-64}
@@ -34,8 +36,7 @@ mkdir -p "$OUT/logs"
 OUT=$(realpath "$OUT")
 LOGS=$OUT/logs
 command -v setsid > /dev/null || setsid() { "$@"; }  # (then the processes are stopped by pid)
-port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
-RP=$(port); MP=$(port)
+RP=$(free_port); MP=$(free_port)
 DT=bfloat16; [ "$DEVICE" = cpu ] && DT=float32
 common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "$KV")
 echo "== $(git log --oneline -1 2>/dev/null) model $MODEL on $DEVICE; router :$RP, mixed :$MP"
@@ -78,27 +79,8 @@ kill -- -"$LAT" 2>/dev/null; LAT=
 echo "== client lateness on this host (stub servers, 8 req/s, 9.4 ms steps; to_client = server's write of the first chunk -> the client has it)"
 grep -E "to_client|load average" "$OUT/client_lateness.txt"
 echo "== greedy parity: router (PD) vs mixed"
-timeout 60 $PY - "$RP" "$MP" <<'PYEOF' | tee "$OUT/parity.txt"
-import sys, httpx
-rp, mp = sys.argv[1:3]
-prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
-           "1, 2, 3, 4,", "The quick brown fox"]
-model = httpx.get(f"http://127.0.0.1:{mp}/v1/models").json()["data"][0]["id"]
-same = 0
-for p in prompts:
-    body = {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True}
-    a = httpx.post(f"http://127.0.0.1:{rp}/v1/completions", json=body, timeout=60).json()
-    b = httpx.post(f"http://127.0.0.1:{mp}/v1/completions", json=body, timeout=60).json()
-    if "choices" not in a or "choices" not in b:
-        print("ERROR", a, b); continue
-    ta, tb = a["choices"][0]["text"], b["choices"][0]["text"]
-    la = a["choices"][0]["logprobs"]["token_logprobs"]; lb = b["choices"][0]["logprobs"]["token_logprobs"]
-    diff = max(abs(x - y) for x, y in zip(la, lb))
-    same += ta == tb
-    print(f"{'SAME' if ta == tb else 'DIFF'} max|dlogprob|={diff:.2e} {p!r} -> {ta[:60]!r}")
-print(f"parity: {same}/{len(prompts)} identical greedy outputs")
-PYEOF
+PARITY_PROMPTS=5 PARITY_TIMEOUT=60 parity "http://127.0.0.1:$RP" "http://127.0.0.1:$MP" "$OUT/parity.json" \
+  | tee "$OUT/parity.txt"
 echo "== bench serve --phase-timing: PD (target) vs mixed (compare), rates $RATES, $NREQ requests each (at ${SECONDS}s)"
 timeout 150 $PY -m pdserve bench serve --url "http://127.0.0.1:$RP" --compare "http://127.0.0.1:$MP" --no-progress \
   --dataset random --input-len $ILEN --output-len $OLEN --request-rate $RATES --num-requests $NREQ \
@@ -119,16 +101,5 @@ fi
 echo "== verdict"
 timeout 20 $PY scripts/serve_check_summary.py "${files[@]}" --json "$OUT/summary.json"
 echo "== every worker's gc and Triton compiles"
-timeout 20 $PY - "$RP" "$MP" <<'PYEOF' | tee "$OUT/gc.txt"
-import sys, httpx
-rp, mp = sys.argv[1:3]
-urls = [w["url"] for w in httpx.get(f"http://127.0.0.1:{rp}/get_server_info").json().get("workers", [])]
-for url in [*urls, f"http://127.0.0.1:{mp}"]:
-    info = httpx.get(f"{url}/get_server_info").json()
-    gc = info.get("gc") or {}
-    tr = info.get("triton") or {}
-    print(f"{info.get('role')} {url}: gc collections {gc.get('collections')} max pause "
-          f"{1e3 * gc.get('max_pause_seconds', 0):.1f} ms; triton compiled after start-up "
-          f"{tr.get('compilations_after_startup')}")
-PYEOF
+worker_report "http://127.0.0.1:$RP" "http://127.0.0.1:$MP" | tee "$OUT/gc.txt"
 echo "== done at ${SECONDS}s"
