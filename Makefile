@@ -34,8 +34,8 @@ run: $(STAMP)
 # disagg contract: see [tool.mypy] in pyproject.toml) and the layer contracts of
 # .importlinter (lint-imports), run before the tests so CI fails on a finding.
 lint: $(STAMP)
-	$(BIN)/ruff check pdserve tests
-	$(BIN)/ruff format --check pdserve tests
+	$(BIN)/ruff check pdserve tests scripts
+	$(BIN)/ruff format --check pdserve tests scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -84,16 +84,20 @@ def kernels() -> dict:
         entry: dict = {}
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            row: dict = {"bf16_us": _graph_us([lambda w=w: F.linear(x, w) for w in w16])}
+            row: dict = {"bf16_us": _graph_us([lambda w=w, x=x: F.linear(x, w) for w in w16])}
             try:
-                row["scaled_mm_us"] = _graph_us([lambda q=q: fp8.scaled_mm(x, q, None) for q in qw])
+                row["scaled_mm_us"] = _graph_us(
+                    [lambda q=q, x=x: fp8.scaled_mm(x, q, None) for q in qw]
+                )
             except RuntimeError as exc:  # shapes cuBLASLt refuses
                 row["scaled_mm_us"], row["scaled_mm_error"] = None, str(exc)[:200]
             default = triton_fp8.config_for(m, n, k, k)
             row["triton_default"] = list(default)
             row["triton_default_us"] = _graph_us(
                 [
-                    lambda q=q: triton_fp8.fp8_matmul(x, q.weight, q.scale, k, None, default)
+                    lambda q=q, x=x, k=k, c=default: triton_fp8.fp8_matmul(
+                        x, q.weight, q.scale, k, None, c
+                    )
                     for q in qw
                 ]
             )
@@ -103,7 +107,7 @@ def kernels() -> dict:
                 try:
                     us = _graph_us(
                         [
-                            lambda q=q, c=cfg: triton_fp8.fp8_matmul(
+                            lambda q=q, c=cfg, x=x, k=k: triton_fp8.fp8_matmul(
                                 x, q.weight, q.scale, k, None, c
                             )
                             for q in qw

@@ -30,9 +30,12 @@ def main() -> None:
             scale = ref.abs().max().item()
             row = {"n": n, "k": k, "m": m}
             for name, fn in (
-                ("linear", lambda: fp8.linear(x, fw, None)),
-                ("triton_default", lambda: triton_fp8.fp8_matmul(x, fw.weight, fw.scale, fw.group)),
-                ("scaled_mm", lambda: fp8.scaled_mm(x, fw, None)),
+                ("linear", lambda x=x, fw=fw: fp8.linear(x, fw, None)),
+                (
+                    "triton_default",
+                    lambda x=x, fw=fw: triton_fp8.fp8_matmul(x, fw.weight, fw.scale, fw.group),
+                ),
+                ("scaled_mm", lambda x=x, fw=fw: fp8.scaled_mm(x, fw, None)),
             ):
                 try:
                     got = fn().float()

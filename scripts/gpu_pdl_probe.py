@@ -2,19 +2,38 @@
 add+norm, o_proj, add+norm, gate_up, silu*mul, down split-K 2 + reduce, add), captured in one
 CUDA graph, with GEMVs by cuBLAS or by a Triton dot kernel, and Triton kernels launched with
 and without programmatic dependent launch (gdc_wait / gdc_launch_dependents)."""
-import json, os, sys, statistics
+
+import json
+import os
+import statistics
+
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait, gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 M, H, L = 64, 4096, 32
 
 
 @triton.jit
-def gemv_k(x_ptr, w_ptr, o_ptr, N, K, K_SPLIT, s_xm, s_wn, s_om, s_os,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def gemv_k(
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    N,
+    K,
+    K_SPLIT,
+    s_xm,
+    s_wn,
+    s_om,
+    s_os,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = k_lo + K_SPLIT
@@ -55,7 +74,9 @@ def reduce_k(p_ptr, res_ptr, MN, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def add_norm_k(y_ptr, s_y, h_ptr, w_ptr, x_ptr, ADD: tl.constexpr, N: tl.constexpr, PDL: tl.constexpr):
+def add_norm_k(
+    y_ptr, s_y, h_ptr, w_ptr, x_ptr, ADD: tl.constexpr, N: tl.constexpr, PDL: tl.constexpr
+):
     """h += y (if ADD); x = rmsnorm(h) * w; one program a row."""
     if PDL:
         gdc_launch_dependents()
@@ -94,7 +115,10 @@ CFG = {  # name: (N, K, BLOCK_N, BLOCK_K, warps, stages, split)
 def main():
     dev = "cuda"
     torch.manual_seed(0)
-    W = {n: [torch.randn(c[0], c[1], device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)] for n, c in CFG.items()}
+    W = {
+        n: [torch.randn(c[0], c[1], device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
+        for n, c in CFG.items()
+    }
     nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
     h0 = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
     h = h0.clone()
@@ -116,8 +140,25 @@ def main():
         kw = dict(num_warps=w, num_stages=st)
         if pdl:
             kw["launch_pdl"] = True
-        gemv_k[(N // bn, sp)](inp, wt, dst, N, K, K // sp, inp.stride(0), wt.stride(0), N, M * N,
-                              BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, PDL=pdl, PREFETCH=pre, **kw)
+        gemv_k[(N // bn, sp)](
+            inp,
+            wt,
+            dst,
+            N,
+            K,
+            K // sp,
+            inp.stride(0),
+            wt.stride(0),
+            N,
+            M * N,
+            BLOCK_M=64,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            SPLIT_K=sp,
+            PDL=pdl,
+            PREFETCH=pre,
+            **kw,
+        )
         return None if sp > 1 else y[name]
 
     def step(mode, pdl, pre):
@@ -134,13 +175,19 @@ def main():
             if d is None:
                 reduce_k[(M * H // 1024,)](part, h, M * H, BLOCK=1024, PDL=pdl, num_warps=4, **kw)
             else:
-                add_norm_k[(M,)](d, d.stride(0), h, nw, x, ADD=True, N=H, PDL=pdl, num_warps=8, **kw)
+                add_norm_k[(M,)](
+                    d, d.stride(0), h, nw, x, ADD=True, N=H, PDL=pdl, num_warps=8, **kw
+                )
 
     res = {}
     outs = {}
-    for tag, mode, pdl, pre in [("cublas", "cublas", False, False), ("cublas+pdl_small", "cublas", True, False),
-                                ("triton", "triton", False, False), ("triton+pdl", "triton", True, False),
-                                ("triton+pdl+prefetch", "triton", True, True)]:
+    for tag, mode, pdl, pre in [
+        ("cublas", "cublas", False, False),
+        ("cublas+pdl_small", "cublas", True, False),
+        ("triton", "triton", False, False),
+        ("triton+pdl", "triton", True, False),
+        ("triton+pdl+prefetch", "triton", True, True),
+    ]:
         try:
             h.copy_(h0)
             step(mode, pdl, pre)  # compile / warm
@@ -152,12 +199,11 @@ def main():
             g = torch.cuda.CUDAGraph()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                with torch.cuda.graph(g, stream=s):
-                    step(mode, pdl, pre)
+            with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+                step(mode, pdl, pre)
             torch.cuda.synchronize()
             ts = []
-            for rep in range(7):
+            for _ in range(7):
                 h.copy_(h0)
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
@@ -171,14 +217,18 @@ def main():
             torch.cuda.synchronize()
             same = torch.equal(h, outs[tag])
             res[tag] = dict(ms=statistics.median(ts), runs=ts, graph_equals_eager=same)
-            print(f"{tag:24s} {statistics.median(ts):.3f} ms per 32-layer step  graph==eager {same}", flush=True)
+            print(
+                f"{tag:24s} {statistics.median(ts):.3f} ms per 32-layer step  graph==eager {same}",
+                flush=True,
+            )
         except Exception as e:  # noqa
             res[tag] = dict(error=repr(e)[:400])
             print(tag, "FAILED", repr(e)[:400], flush=True)
     for t in outs:
         if t.startswith("triton") and "triton" in outs:
             print(t, "equal to triton no-pdl:", torch.equal(outs[t], outs["triton"]))
-    json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "pdl_probe.json"), "w"), indent=1)
+    with open(os.path.join(os.environ.get("OUT", "."), "pdl_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pdserve.model import triton_gemv, triton_gemv_tma
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPS = ("HGMMA", "HMMA", "UTMALDG", "SYNCS", "STG.E.128", "STG.E.U16", "LDL", "STL", "LDGSTS", "LDG",
-       "LDG.E.128", "F2FP", "F2F", "HADD2.F32")
+OPS = (
+    "HGMMA",
+    "HMMA",
+    "UTMALDG",
+    "SYNCS",
+    "STG.E.128",
+    "STG.E.U16",
+    "LDL",
+    "STL",
+    "LDGSTS",
+    "LDG",
+    "LDG.E.128",
+    "F2FP",
+    "F2F",
+    "HADD2.F32",
+)
 
 
 def build(fn, args: dict, constexprs: dict, warps: int, stages: int):
@@ -169,7 +183,9 @@ def registers(kernel) -> int:
     return int(re.findall(r"REG:(\d+)", out)[0])
 
 
-def check_decode(cfg: tuple, kv: str = "bf16", f16_dot: bool = False, aligned: bool = False) -> dict:
+def check_decode(
+    cfg: tuple, kv: str = "bf16", f16_dot: bool = False, aligned: bool = False
+) -> dict:
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
     ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch])``: shared
