@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import random
 from collections.abc import Callable, Collection, Iterator
@@ -28,6 +27,7 @@ from pdserve.http.client import (
     WorkerStream,
 )
 from pdserve.http.json_fields import as_int
+from pdserve.http.wire import json_bytes
 from pdserve.router.answer_merge import (
     merge_cached_tokens,
     merge_prompt_logprobs,
@@ -457,7 +457,7 @@ class Dispatcher:
                 except ValueError:
                     return Response(resp.content, media_type="application/json")
                 merge_router_timing(endpoint, answer, route.info)
-                return Response(json.dumps(answer), media_type="application/json")
+                return Response(json_bytes(answer), media_type="application/json")
             return Response(resp.content, media_type="application/json")
         with self._pair_legs(endpoint, body, route) as pd:
             p_task = asyncio.ensure_future(self._post(pd.prefill, endpoint, pd.prefill_body))
@@ -470,7 +470,7 @@ class Dispatcher:
             if route.info is not None:
                 merge_router_timing(endpoint, answer, route.info)
             return Response(
-                json.dumps(merge_cached_tokens(endpoint, answer, prefill_answer)),
+                json_bytes(merge_cached_tokens(endpoint, answer, prefill_answer)),
                 media_type="application/json",
             )
 

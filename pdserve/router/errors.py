@@ -7,6 +7,7 @@ import json
 from fastapi.responses import JSONResponse
 
 from pdserve.http.http_errors import error_json
+from pdserve.http.wire import SSE_DONE, sse_event
 
 
 def error_response(
@@ -18,7 +19,7 @@ def error_response(
 
 def sse_error(status: int, message: str) -> bytes:
     """One SSE event carrying an error body, followed by the terminating ``[DONE]`` event."""
-    return (f"data: {json.dumps(error_json(status, message))}\n\ndata: [DONE]\n\n").encode()
+    return sse_event(error_json(status, message)) + SSE_DONE
 
 
 def error_from_worker(status: int, content: bytes, who: str) -> JSONResponse:

@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from pdserve.http.aio import get_within
 from pdserve.http.client import WorkerStream
 from pdserve.http.http_errors import error_status
+from pdserve.http.wire import SSE_DONE, sse_event
 from pdserve.router.answer_merge import (
     is_final_chunk,
     merge_cached_tokens,
@@ -39,7 +40,7 @@ from pdserve.router.workers import NoHealthyWorker, WorkerState
 
 log = logging.getLogger("pdserve.router")
 
-DONE = b"data: [DONE]\n\n"
+DONE = SSE_DONE
 
 
 class OpenStreams:
@@ -298,7 +299,7 @@ async def relay_sse(
             chunk = state.rewrite(chunk)
             if chunk is None:
                 return None
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+        return sse_event(chunk)
 
     def worker_error(data: str) -> int | None:
         """A worker's own SSE error event's status (its request failed mid-stream;

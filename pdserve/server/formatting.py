@@ -14,7 +14,6 @@ a well-formed SSE error event followed by ``data: [DONE]``.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from pdserve.engine.core.request import CompletionOutput, RequestOutput
 from pdserve.engine.step import TokenLogprob
 from pdserve.http.disconnect import cancel_on_disconnect
 from pdserve.http.http_errors import error_json
+from pdserve.http.wire import SSE_DONE, sse_event
 from pdserve.server.protocol import _OpenAISampling
 from pdserve.server.serving import APIError, Job, Serving
 
@@ -369,10 +369,6 @@ class StreamSamples:
 ChunkFn = Callable[[int, RequestOutput], Iterable[dict]]
 
 
-def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
 async def sse_response(
     request: Request,
     serving: Serving,
@@ -402,18 +398,18 @@ async def sse_response(
                         now = time.perf_counter()
                         for j in jobs:
                             j.first_chunk_at = now
-                    yield sse(chunk)
+                    yield sse_event(chunk)
                 try:
                     item = await it.__anext__()
                 except StopAsyncIteration:
                     break
             for chunk in tail():
-                yield sse(chunk)
+                yield sse_event(chunk)
         except APIError as exc:
-            yield sse(error_json(exc.status, exc.message, exc.param, exc.code))
+            yield sse_event(error_json(exc.status, exc.message, exc.param, exc.code))
         finally:
             with anyio.CancelScope(shield=True):
                 await it.aclose()  # aborts unfinished samples when the client went away
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -7,6 +7,8 @@ import json
 
 import httpx
 
+from pdserve.http.wire import json_bytes
+
 LP_TOL = 2e-4  # prefill and decode run other batch shapes than the mixed worker
 IGNORED = ("id", "created", "e2e_latency", "cached_tokens")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -28,6 +30,8 @@ def pair(c, path: str, body: dict) -> tuple[dict, dict]:
     assert mixed.status_code == 200, mixed.text
     if before is not None:
         assert _prefilled(c) > before, "the router's answer did not go through prefill"
+    for side, resp in (("router (PD)", pd), ("mixed", mixed)):  # one spelling of JSON
+        assert resp.content == json_bytes(resp.json()), f"{side}: {resp.content[:200]!r}"
     return pd.json(), mixed.json()
 
 
@@ -64,7 +68,10 @@ def sse(resp: httpx.Response) -> list:
     assert resp.status_code == 200, resp.text
     events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]
     assert events and events[-1] == "[DONE]", resp.text[-300:]
-    return [json.loads(e) for e in events[:-1]]
+    docs = [json.loads(e) for e in events[:-1]]
+    for event, doc in zip(events, docs):  # the router's and the worker's spelling are one
+        assert event.encode() == json_bytes(doc), event[:200]
+    return docs
 
 
 def fold(chunks: list, path: str = "") -> dict:
