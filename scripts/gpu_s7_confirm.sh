@@ -6,8 +6,9 @@
 #      32 x 4,096 long-context row                                   -> $OUT/offline_fp8.json
 #   3. bench offline random:qwen3-30b-a3b 1 / 64 prompts, the roofline over the experts
 #      routed to (PDSERVE_MOE_ROUTING_STATS=1)                       -> $OUT/offline_moe.json
-#   4. the gpu-marked tests of the FP8 w8a8 path and the fused norms (failures named)
-# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_MOE=0 skips 3); run as
+#   4. the gpu-marked tests of the FP8 w8a8 path and the fused norms, or GPU_TESTS (failures named)
+# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_MOE=0 skips 3; GPU_TESTS:
+# the test files of 4 instead of the w8a8 / fused-norm ones); run as
 #   OUT=gpu_s7 PREFIX=s7_ bash scripts/gpu_call.sh confirm:520
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ echo "== 3. bench offline qwen3-30b-a3b 1/64 ($SECONDS s)"
     --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 --ours-only --num-prompts 1,64 \
     --max-tokens 128 --repeats 1 --json "$OUT/offline_moe.json" 2>&1 | grep -v "^USDT" | tail -6
 echo "== 4. gpu-marked FP8 w8a8 and fused-norm tests ($SECONDS s)"
-timeout ${T_TESTS:-45} $PY -m pytest -q -p no:cacheprovider -m gpu -rf tests/model/test_triton_w8a8.py \
-    tests/model/test_fused_ops.py tests/model/test_fused_splitk_norm.py 2>&1 | grep -v "^USDT" \
+timeout ${T_TESTS:-45} $PY -m pytest -q -p no:cacheprovider -m gpu -rf ${GPU_TESTS:-tests/model/test_triton_w8a8.py \
+    tests/model/test_fused_ops.py tests/model/test_fused_splitk_norm.py} 2>&1 | grep -v "^USDT" \
     | grep -E "^FAILED|passed|failed|Error" | cut -c1-300 | tail -15
 echo "== end at $SECONDS s"
