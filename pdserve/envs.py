@@ -206,7 +206,8 @@ MOE_GEMV_MAX_TOKENS = EnvVar(
     "routing weights and the top-k sum into the down GEMV, no sort by expert (3 launches a "
     "layer instead of 5); larger forwards take the grouped GEMMs. 0 = never (the default: "
     "on the H200 at Qwen3-30B-A3B's shapes the grouped path measured faster at every "
-    "token count from 1 to 16, docs/figures/h200_s5/moe_layer_ab.json).",
+    "token count from 1 to 16, docs/figures/h200_s5/moe_layer_ab.json). Unset: "
+    "pdserve.model.moe_table.GEMV_MAX_TOKENS (a measured pick).",
 )
 
 MOE_ROUTING_STATS = EnvVar(

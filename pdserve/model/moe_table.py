@@ -43,3 +43,11 @@ ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (
     (16, ("split", 1, True, 1, 8)),
     (64, ("split", 1, True, 1, 8)),
 )
+# PDL on the grouped path's kernels (route_align's, gate/up, down, top-k sum: launched with
+# programmatic dependent launch on sm_90+, see pdserve.model.pdl); the few-token path's
+# bound (forwards of at most GEMV_MAX_TOKENS tokens take route_experts_gemv unless
+# PDSERVE_MOE_GEMV_MAX_TOKENS is set; 0: never) and its tiles (GemvConfig fields; None:
+# GemvConfig's defaults). Picks of scripts/gpu_s8_moe8.py.
+PDL: bool = False
+GEMV_MAX_TOKENS: int = 0
+GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = None

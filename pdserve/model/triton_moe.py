@@ -37,7 +37,7 @@ Tested on CPU under ``TRITON_INTERPRET=1`` against ``pdserve.model.moe.experts_l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -213,10 +213,12 @@ def _route_align_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     RANK_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
     tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
     decode step): ``_route_topk`` then ``_align_store``."""
+    pdl_enter(PDL)
     tv = tl.arange(0, BLOCK_T)
     chosen, order = _route_topk(
         logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
@@ -240,9 +242,11 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_T),)``: the routing (``_route_topk``) of ``BLOCK_T`` tokens a
     program, the first launch of the split :func:`route_align`."""
+    pdl_enter(PDL)
     tv = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _route_topk(logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K)
 
@@ -263,9 +267,11 @@ def _align_ids_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     RANK_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: :func:`align` of the routed ``ids [T, k]`` (the second launch of the
     split :func:`route_align`): the chosen/order grids from the ids, then ``_align_store``."""
+    pdl_enter(PDL)
     tv = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)[None, :]
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
@@ -342,6 +348,7 @@ def route_align(
         BLOCK_B=triton.next_power_of_2(rows // block_m),
         RANK_DOT=cfg.rank_dot,
     )
+    opts = moe_pdl(router_logits)
     if cfg.kind == "one":
         _route_align_kernel[(1,)](
             router_logits,
@@ -358,6 +365,7 @@ def route_align(
             BLOCK_K=triton.next_power_of_2(top_k),
             num_warps=cfg.num_warps or route_align_warps(T, E),
             **align_args,
+            **opts,
         )
     elif cfg.kind == "split":
         tpp = min(cfg.tokens_per_program, triton.next_power_of_2(max(T, 1)))
@@ -374,10 +382,11 @@ def route_align(
             BLOCK_E=triton.next_power_of_2(E),
             BLOCK_K=triton.next_power_of_2(top_k),
             num_warps=cfg.num_warps or 1,
+            **opts,
         )
         _align_ids_kernel[(1,)](
             ids, sorted_ids, block_expert, used, T, E, rows,
-            num_warps=cfg.align_warps, **align_args,
+            num_warps=cfg.align_warps, **align_args, **opts,
         )  # fmt: skip
     else:
         raise ValueError(f"RouteAlignConfig.kind: 'one' or 'split', got {cfg.kind!r}")
@@ -410,6 +419,16 @@ def route_align_warps(tokens: int, n_experts: int) -> int:
     return 8 if cells > 2048 else 4
 
 
+def moe_pdl(t: torch.Tensor) -> dict[str, Any]:
+    """Launch options of the grouped path's kernels (``route_align``'s, gate/up, down, the
+    top-k sum) for tensors on ``t``'s device: :func:`pdserve.model.pdl.launch_options` when
+    ``moe_table.PDL`` (a measured pick; the few-token kernels always take PDL), else PDL off.
+    Read at each launch, so a sweep can flip it and capture again."""
+    from pdserve.model import moe_table
+
+    return pdl.launch_options(t) if getattr(moe_table, "PDL", False) else {"PDL": False}
+
+
 @triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
 def _gate_up_kernel(
     x_ptr,
@@ -430,9 +449,11 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[a, n] = silu(x[a // k] . w13[e, n]) * (x[a // k] . w13[e, INTER + n]) for the
     block's rows a and columns n; fp32 accumulation, rounded to act's dtype once."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -494,9 +515,11 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[a, n] = routing_weight[a] * (act[a] . w2[e, n]) for the block's rows a and
     hidden columns n (fp32 accumulation; the product in fp32, rounded once)."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -639,6 +662,7 @@ def grouped_experts(
     act = torch.empty((N, inter), dtype=x.dtype, device=x.device)
     n_blocks = al.sorted_ids.numel() // up.block_m
     ieee = x.dtype == torch.float32
+    opts = moe_pdl(x)
     _gate_up_kernel[(n_blocks, triton.cdiv(inter, up.block_n))](
         x,
         w13,
@@ -660,6 +684,7 @@ def grouped_experts(
         IEEE=ieee,
         num_warps=up.num_warps,
         num_stages=up.num_stages,
+        **opts,
     )
     if plan.down_sum is not None:
         if ids is None:
@@ -687,24 +712,41 @@ def grouped_experts(
         IEEE=ieee,
         num_warps=dn.num_warps,
         num_stages=dn.num_stages,
+        **opts,
     )
     if not plan.triton_sum:
         return out.view(T, k, H).sum(dim=1)
-    total = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    return topk_sum(out, T, k, opts)
+
+
+def topk_sum(out: torch.Tensor, T: int, k: int, opts: dict[str, Any]) -> torch.Tensor:
+    """``out [T * k, H]`` (contiguous) summed over each token's k rows -> ``[T, H]`` in
+    out's dtype (``_topk_sum_kernel``: fp32 sum, one rounding); opts: launch options
+    (:func:`moe_pdl`)."""
+    H = out.shape[1]
+    total = torch.empty((T, H), dtype=out.dtype, device=out.device)
     block = min(1024, triton.next_power_of_2(H))
     _topk_sum_kernel[(T, triton.cdiv(H, block))](
-        out, total, H, TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block, num_warps=4
-    )
+        out, total, H, TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block, num_warps=4,
+        **opts,
+    )  # fmt: skip
     return total
 
 
 @triton.jit
 def _topk_sum_kernel(
-    src_ptr, dst_ptr, H, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr
+    src_ptr,
+    dst_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: ``dst[t, h] = sum_j src[t * TOP_K + j, h]`` (src
     ``[T * TOP_K, H]``, dst ``[T, H]``, contiguous), summed in fp32 and rounded once, as
     torch's ``sum(dim=1)`` of the ``[T, TOP_K, H]`` view."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_K)
@@ -1050,13 +1092,68 @@ def _down_sum_dot_kernel(
     tl.store(o_ptrs, total.to(ty), mask=first & cmask[None, :])
 
 
+@triton.jit
+def _down_assign_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T * TOP_K, cdiv(HID, BLOCK_N))``: ``out[a, n] = rw[a] * (act[a] . w2[e_a, n])``
+    for assignment ``a`` (expert ``ids[a]``), rounded as ``_down_kernel`` rounds it (the
+    product rounded to out's dtype, times the weight in fp32, rounded); the act row in a
+    16-row tile (rows 1-15 zero) on tensor cores, ``num_stages`` pipelined loads. The
+    few-token path's down projection when ``GemvConfig.down_kind == "assign"``: one program
+    per (assignment, column block), so the k experts' reads spread over k times the
+    programs of the one-launch down + sum; the top-k sum follows (``_topk_sum_kernel``)."""
+    pdl_enter(PDL)
+    a = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    e = tl.load(ids_ptr + a)
+    a_ptrs = act_ptr + a * s_an + ks[None, :] + rows[:, None] * 0
+    w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        av = tl.load(a_ptrs, mask=first & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(av, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(av, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ty = out_ptr.dtype.element_ty
+    rw = tl.load(rw_ptr + a)
+    o = (acc.to(ty).to(tl.float32) * rw).to(ty)
+    o_ptrs = out_ptr + a * s_on + cols[None, :] + rows[:, None] * 0
+    tl.store(o_ptrs, o, mask=first & cmask[None, :])
+
+
 class GemvConfig(NamedTuple):
     """Tiles of the few-token path: output features and reduction chunk per program of the
     gate/up kernel (``up_n``, ``up_k``, ``up_warps``) and of the down + sum kernel
     (``down_n``, ``down_k``, ``down_warps``); ``up_kind``: the gate/up products as
     elementwise fp32 sums (``"rows"``) or on tensor cores in 16-row tiles (``"dot"``,
     ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
-    ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`)."""
+    ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`), or
+    ``"assign"``: the down projection per assignment (``_down_assign_kernel``, tensor cores,
+    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up.)"""
 
     up_n: int = 16
     up_k: int = 512
@@ -1070,16 +1167,28 @@ class GemvConfig(NamedTuple):
     down_stages: int = 3
 
 
-GEMV_MAX_TOKENS = 0  # default bound of the few-token path (PDSERVE_MOE_GEMV_MAX_TOKENS): off
+def gemv_config() -> GemvConfig:
+    """The few-token path's default tiles: ``moe_table.GEMV`` (a measured pick) when set,
+    else :class:`GemvConfig`'s defaults."""
+    from pdserve.model import moe_table
+
+    row = getattr(moe_table, "GEMV", None)
+    return GemvConfig(*row) if row else GemvConfig()
 
 
 def gemv_fits(tokens: int) -> bool:
     """Whether a forward of ``tokens`` rows takes the few-token path (:func:`route_experts_gemv`):
-    ``0 < tokens <= PDSERVE_MOE_GEMV_MAX_TOKENS`` (each token's experts are read for it
-    alone, so past a few tokens sharing experts the grouped kernels read fewer bytes)."""
+    ``0 < tokens <= PDSERVE_MOE_GEMV_MAX_TOKENS`` when that is set, else ``<=
+    moe_table.GEMV_MAX_TOKENS`` (a measured pick, 0: never). Each token's experts are read
+    for it alone, so past a few tokens sharing experts the grouped kernels read fewer bytes."""
     from pdserve import envs
+    from pdserve.model import moe_table
 
-    return 0 < tokens <= envs.MOE_GEMV_MAX_TOKENS.get()
+    if envs.MOE_GEMV_MAX_TOKENS.is_set():
+        bound = envs.MOE_GEMV_MAX_TOKENS.get()
+    else:
+        bound = getattr(moe_table, "GEMV_MAX_TOKENS", 0)
+    return 0 < tokens <= bound
 
 
 def route_experts_gemv(
@@ -1100,7 +1209,7 @@ def route_experts_gemv(
     to fp32 rounding) and the sum of ``pdserve.model.moe.experts_loop`` (fp32
     accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
     a CUDA graph."""
-    cfg = config or GemvConfig()
+    cfg = config or gemv_config()
     T, E = router_logits.shape
     H = x.shape[1]
     inter = w13.shape[1] // 2
@@ -1146,6 +1255,15 @@ def route_experts_gemv(
         _route_gate_up_gemv_kernel[grid](*args, **common)
     else:
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
+    if cfg.down_kind == "assign":
+        opts = pdl.launch_options(x)
+        per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)
+        _down_assign_kernel[(T * top_k, triton.cdiv(H, cfg.down_n))](
+            act, w2, per, weights, ids, inter, H, act.stride(0), w2.stride(0), w2.stride(1),
+            per.stride(0), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, IEEE=x.dtype == torch.float32,
+            num_warps=cfg.down_warps, num_stages=cfg.down_stages, **opts,
+        )  # fmt: skip
+        return topk_sum(per, T, top_k, opts), weights, ids
     tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
     out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
     return out, weights, ids
