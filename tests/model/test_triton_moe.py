@@ -12,7 +12,7 @@ import torch
 from test_moe import MOE_CONFIGS, TOL, hf_greedy, scenario_away_from_ties
 from tp_model_ranks import PROMPTS, greedy_paged
 
-from pdserve.model import moe, triton_moe
+from pdserve.model import moe, pdl, triton_moe, triton_moe_route
 from pdserve.model.llama import LlamaForCausalLM
 from tiny_models import random_tiny_model
 
@@ -225,7 +225,9 @@ def test_model_with_fused_experts_equals_transformers(monkeypatch, cells, gemv):
     through the grouped ones."""
     monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
     monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", str(gemv))
-    monkeypatch.setattr(triton_moe, "ROUTE_ALIGN_MAX_CELLS", cells)
+    monkeypatch.setattr(
+        triton_moe_route, "ROUTE_ALIGN_MAX_CELLS", cells
+    )  # route_align_fits reads it
     hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
     model.load_weights(hf.state_dict().items())
@@ -520,9 +522,7 @@ def test_moe_pdl_pick_same_results(monkeypatch):
         monkeypatch.setattr(moe_table, "PDL", on)
         w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
         outs.append(triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids))
-        assert triton_moe.moe_pdl(x).get("PDL", False) == (
-            on and triton_moe.pdl.launch_options(x)["PDL"]
-        )
+        assert triton_moe.moe_pdl(x).get("PDL", False) == (on and pdl.launch_options(x)["PDL"])
     assert torch.equal(outs[0], outs[1])
 
 
