@@ -28,7 +28,7 @@ decode path is the same kernels with a small ``BLOCK_M``. Buffers are sized from
 length stays on the device (programs past it return at once), so a step's launch has fixed
 shapes for a fixed ``T`` and no host sync: CUDA-graph capturable per batch bucket.
 
-A few tokens (at most ``PDSERVE_MOE_GEMV_MAX_TOKENS``) skip the sort: :func:`route_experts_gemv`
+A few tokens (at most ``moe_table.GEMV_MAX_TOKENS``, or ``PDSERVE_MOE_GEMV_MAX_TOKENS``) skip the sort: :func:`route_experts_gemv`
 routes inside the gate/up GEMV and applies the routing weights and the top-k sum inside the
 down GEMV (two launches, see the section below).
 

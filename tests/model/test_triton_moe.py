@@ -203,7 +203,11 @@ def test_route_experts_gemv_half_and_router_logits_in_bf16(dtype):
 
 
 def test_gemv_fits_few_tokens_only(monkeypatch):
-    assert not triton_moe.gemv_fits(1)  # off by default (slower on the H200)
+    from pdserve.model import moe_table
+
+    monkeypatch.delenv("PDSERVE_MOE_GEMV_MAX_TOKENS", raising=False)
+    bound = moe_table.GEMV_MAX_TOKENS  # the measured default: 1 token on the H200
+    assert triton_moe.gemv_fits(bound) == (bound > 0) and not triton_moe.gemv_fits(bound + 1)
     monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "4")
     assert triton_moe.gemv_fits(1) and triton_moe.gemv_fits(4)
     assert not triton_moe.gemv_fits(5) and not triton_moe.gemv_fits(0)
