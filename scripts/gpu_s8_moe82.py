@@ -54,6 +54,8 @@ if not m.SMOKE:
     m.RA_ALTS = [tm.RouteAlignConfig("split", 1, True, 1, 16)]
 m.UP_ALTS = []
 m.OUT_DIR = os.environ.get("OUT", "gpu_s8_moe82")
+# the baseline is the path before session 8's picks, whatever moe_table holds now
+m.COMMITTED.update({"PDL": False, "GEMV_MAX_TOKENS": 0, "GEMV": None})
 
 
 def _warm2(chunk: list) -> int:
