@@ -13,7 +13,10 @@ Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep
 (NVIDIA H200, 2026-12-03; the timings: docs/figures/h200_s6/moe_s6_sweep.json).
 
 ``ROUTE_ALIGN`` written by ``scripts/gpu_s7_moe.py --write-table JSON`` (NVIDIA H200,
-2026-12-03; the timings: docs/figures/h200_s7/moe_s7.json).
+2026-12-03; the timings: docs/figures/h200_s7/moe_s7.json); its 64-token row's alignment
+in 16 warps instead of 8 from session 8's two H200 rounds (the layer at 64 tokens with PDL,
+uniform / 24 experts routed: 298.1 / 102.6 -> 294.3 / 99.4 us, the same bits;
+docs/figures/h200_s8/moe82.json).
 """
 
 from __future__ import annotations
@@ -41,5 +44,15 @@ ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = (
 ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (
     (8, ("split", 1, False, 1, 8)),
     (16, ("split", 1, True, 1, 8)),
-    (64, ("split", 1, True, 1, 8)),
+    (64, ("split", 1, True, 1, 16)),  # S8: the alignment in 16 warps
 )
+# PDL on the grouped path's kernels (route_align's, gate/up, down, top-k sum: launched with
+# programmatic dependent launch on sm_90+, see pdserve.model.pdl); the few-token path's
+# bound (forwards of at most GEMV_MAX_TOKENS tokens take route_experts_gemv unless
+# PDSERVE_MOE_GEMV_MAX_TOKENS is set; 0: never) and its tiles (GemvConfig fields; None:
+# GemvConfig's defaults). Picks of scripts/gpu_s8_moe8.py (NVIDIA H200, 2026-12-03; the
+# layer at 1 token 31.8 -> 28.3 us, the engine's 1x200 step 2.912 -> 2.850 ms, greedy
+# tokens unchanged: docs/figures/h200_s8/moe8_output.txt).
+PDL: bool = True
+GEMV_MAX_TOKENS: int = 1
+GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 4, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip

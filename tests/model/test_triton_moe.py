@@ -12,7 +12,7 @@ import torch
 from test_moe import MOE_CONFIGS, TOL, hf_greedy, scenario_away_from_ties
 from tp_model_ranks import PROMPTS, greedy_paged
 
-from pdserve.model import moe, triton_moe
+from pdserve.model import moe, pdl, triton_moe, triton_moe_route
 from pdserve.model.llama import LlamaForCausalLM
 from tiny_models import random_tiny_model
 
@@ -203,7 +203,11 @@ def test_route_experts_gemv_half_and_router_logits_in_bf16(dtype):
 
 
 def test_gemv_fits_few_tokens_only(monkeypatch):
-    assert not triton_moe.gemv_fits(1)  # off by default (slower on the H200)
+    from pdserve.model import moe_table
+
+    monkeypatch.delenv("PDSERVE_MOE_GEMV_MAX_TOKENS", raising=False)
+    bound = moe_table.GEMV_MAX_TOKENS  # the measured default: 1 token on the H200
+    assert triton_moe.gemv_fits(bound) == (bound > 0) and not triton_moe.gemv_fits(bound + 1)
     monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "4")
     assert triton_moe.gemv_fits(1) and triton_moe.gemv_fits(4)
     assert not triton_moe.gemv_fits(5) and not triton_moe.gemv_fits(0)
@@ -225,7 +229,9 @@ def test_model_with_fused_experts_equals_transformers(monkeypatch, cells, gemv):
     through the grouped ones."""
     monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
     monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", str(gemv))
-    monkeypatch.setattr(triton_moe, "ROUTE_ALIGN_MAX_CELLS", cells)
+    monkeypatch.setattr(
+        triton_moe_route, "ROUTE_ALIGN_MAX_CELLS", cells
+    )  # route_align_fits reads it
     hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
     model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
     model.load_weights(hf.state_dict().items())
@@ -466,6 +472,64 @@ def test_route_experts_gemv_dot_kind_equals_route_and_loop_fp32(T, H, inter, E, 
         triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg._replace(down_kind="x"))
 
 
+@pytest.mark.parametrize(
+    "T, H, inter, E, k, renorm",
+    [(1, 40, 24, 8, 2, True), (3, 33, 20, 6, 3, False), (4, 64, 48, 16, 4, True)],
+)
+def test_route_experts_gemv_assign_down_equals_loop_and_grouped(T, H, inter, E, k, renorm):
+    """The few-token path with the down projection per assignment (``down_kind="assign"``:
+    per (assignment, column block) a tensor-core product, then the top-k sum kernel): route's
+    ids, the loop's output (IEEE fp32), ragged column blocks and several K chunks; and the
+    grouped path's output on the same routing (its roundings and summation order)."""
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=T)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(7 + T)).to(DEVICE)
+    w0, ids0 = moe.route(logits, k, renorm)
+    ref = moe.experts_loop(x, w13, w2, w0, ids0)
+    cfg = triton_moe.GemvConfig(16, 16, 4, 16, 8, 4, "dot", 2, "assign", 2)
+    out, w, ids = triton_moe.route_experts_gemv(logits, x, w13, w2, k, renorm, cfg)
+    assert torch.equal(ids, ids0) and (w - w0).abs().max().item() < 1e-6
+    err = (out - ref).abs().max().item()
+    assert err < 1e-5 * max(1.0, ref.abs().max().item()), f"max |diff| {err:.2e}"
+    plan = triton_moe.MoEPlan(CONFIGS[0], CONFIGS[0], None, True)
+    grouped = triton_moe.fused_experts(x, w13, w2, w, ids, plan)
+    assert (out - grouped).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_gemv_defaults_from_the_table(monkeypatch):
+    """Without ``PDSERVE_MOE_GEMV_MAX_TOKENS`` the few-token bound and tiles are
+    ``moe_table``'s picks; the variable, when set, wins."""
+    from pdserve.model import moe_table
+
+    monkeypatch.delenv("PDSERVE_MOE_GEMV_MAX_TOKENS", raising=False)
+    monkeypatch.setattr(moe_table, "GEMV_MAX_TOKENS", 2)
+    monkeypatch.setattr(moe_table, "GEMV", (32, 64, 4, 32, 64, 4, "dot", 3, "assign", 3))
+    assert triton_moe.gemv_fits(2) and not triton_moe.gemv_fits(3)
+    assert triton_moe.gemv_config().down_kind == "assign"
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "0")
+    assert not triton_moe.gemv_fits(1)
+    monkeypatch.setattr(moe_table, "GEMV", None)
+    assert triton_moe.gemv_config() == triton_moe.GemvConfig()
+
+
+def test_moe_pdl_pick_same_results(monkeypatch):
+    """``moe_table.PDL`` only changes how the grouped path's kernels launch (PDL on sm_90+;
+    off on CPU and under the interpreter): route_align + grouped experts give the same bits
+    with it on and off."""
+    from pdserve.model import moe_table
+
+    T, H, inter, E, k = 5, 40, 24, 8, 2
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=3)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    plan = triton_moe.MoEPlan(CONFIGS[0], CONFIGS[0], None, True)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(moe_table, "PDL", on)
+        w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+        outs.append(triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids))
+        assert triton_moe.moe_pdl(x).get("PDL", False) == (on and pdl.launch_options(x)["PDL"])
+    assert torch.equal(outs[0], outs[1])
+
+
 PLANS = [
     # other tiles for the down kernel than for gate/up (same block_m)
     triton_moe.MoEPlan(
@@ -565,3 +629,44 @@ def test_plans_and_dot_path_at_real_shapes_bf16(T):
     cfg = triton_moe.GemvConfig(16, 256, 4, 16, 256, 4, "dot", 4, "dot", 4)
     got = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
     assert (got.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.gpu
+def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
+    """On CUDA (PDL on sm_90+): the few-token path with the per-assignment down kernel and
+    the grouped path with ``moe_table.PDL`` on, each captured in a CUDA graph and replayed,
+    give the bits of the grouped path without PDL at Qwen3-30B-A3B-like shapes."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    from pdserve.model import moe_table
+
+    T, H, inter, E, k = 1, 512, 256, 32, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    plan = triton_moe.pick_plan(T * k, E)
+    gcfg = triton_moe.GemvConfig(32, 256, 4, 64, 128, 4, "dot", 3, "assign", 3)
+
+    def grouped():
+        w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids)
+
+    monkeypatch.setattr(moe_table, "PDL", False)
+    want = grouped()
+    monkeypatch.setattr(moe_table, "PDL", True)
+    for fn in (
+        grouped,
+        lambda: triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, gcfg)[0],
+    ):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (
+            out.float() - want.float()
+        ).abs().max().item() <= 1e-2 * want.float().abs().max().item()

@@ -1,0 +1,573 @@
+"""The few-token MoE path on CUDA (Triton) and the kernels it shares with the grouped path,
+split out of ``pdserve.model.triton_moe`` (which re-exports every name here).
+
+:func:`route_experts_gemv`: routing fused into the gate/up launch, no sort (see the section
+comment below); :func:`topk_sum` (the top-k sum kernel) and ``_down_sum`` (the one-launch
+down projection + routing weights + top-k sum), used by both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.model import pdl
+from pdserve.model.pdl import pdl_enter
+
+# The one-launch down projection + routing weights + top-k sum: (kind, BLOCK_N, BLOCK_K,
+# num_warps, num_stages); kind "rows" (elementwise fp32 products, all k experts' tiles in
+# one load; num_stages unused) or "dot" (tensor cores, 16-row tiles, pipelined loads).
+DownSum = tuple[str, int, int, int, int]
+
+
+def topk_sum(out: torch.Tensor, T: int, k: int, opts: dict[str, Any]) -> torch.Tensor:
+    """``out [T * k, H]`` (contiguous) summed over each token's k rows -> ``[T, H]`` in
+    out's dtype (``_topk_sum_kernel``: fp32 sum, one rounding); opts: launch options
+    (:func:`moe_pdl`)."""
+    H = out.shape[1]
+    total = torch.empty((T, H), dtype=out.dtype, device=out.device)
+    block = min(1024, triton.next_power_of_2(H))
+    _topk_sum_kernel[(T, triton.cdiv(H, block))](
+        out, total, H, TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_H=block, num_warps=4,
+        **opts,
+    )  # fmt: skip
+    return total
+
+
+@triton.jit
+def _topk_sum_kernel(
+    src_ptr,
+    dst_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: ``dst[t, h] = sum_j src[t * TOP_K + j, h]`` (src
+    ``[T * TOP_K, H]``, dst ``[T, H]``, contiguous), summed in fp32 and rounded once, as
+    torch's ``sum(dim=1)`` of the ``[T, TOP_K, H]`` view."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_K)
+    mask = (j[:, None] < TOP_K) & (h[None, :] < H)
+    v = tl.load(src_ptr + (t * TOP_K + j[:, None]) * H + h[None, :], mask=mask, other=0.0)
+    total = tl.sum(v.to(tl.float32), axis=0)
+    tl.store(dst_ptr + t * H + h, total.to(dst_ptr.dtype.element_ty), mask=h < H)
+
+
+def _down_sum(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    T: int,
+    H: int,
+    k: int,
+    tiles: DownSum,
+) -> torch.Tensor:
+    """The down projection, routing weights and top-k sum in one launch over act
+    ``[T * k, I]`` (row ``t * k + j``) -> ``[T, H]`` in act's dtype; tiles: a
+    :data:`DownSum` (``"rows"``: ``_down_sum_gemv_kernel``, ``"dot"``:
+    ``_down_sum_dot_kernel``)."""
+    kind, bn, bk, warps, stages = tiles
+    out = torch.empty((T, H), dtype=act.dtype, device=act.device)
+    args = (
+        act,
+        w2,
+        out,
+        weights.contiguous(),
+        ids.contiguous(),
+        act.shape[1],
+        H,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+    )
+    grid = (T, triton.cdiv(H, bn))
+    opts = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl.launch_options(act))
+    if kind == "dot":
+        ieee = act.dtype == torch.float32
+        _down_sum_dot_kernel[grid](*args, IEEE=ieee, num_stages=stages, **opts)
+    elif kind == "rows":
+        _down_sum_gemv_kernel[grid](*args, BLOCK_J=triton.next_power_of_2(k), **opts)
+    else:
+        raise ValueError(f"down_sum kind: 'rows' or 'dot', got {kind!r}")
+    return out
+
+
+# ------------------------------------------------------------------ few-token decode path
+# For a handful of tokens (decode at batch 1-4) there is nothing to group: each assignment
+# reads its own expert's rows. Three launches a layer instead of five (router GEMM,
+# route_align, gate_up, down, top-k sum): the router GEMM (cuBLAS), then
+#  1. ``_route_gate_up_gemv_kernel``: program (assignment a = t * k + j, column block of I)
+#     takes token t's router logits (E values), softmax in fp32, k rounds of argmax (the
+#     order of route_align), keeps the j-th expert e and weight, stores them (column block
+#     0 only), then the GEMV act[a] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n]);
+#  2. ``_down_sum_gemv_kernel``: program (token t, column block of H) sums over j the
+#     weighted GEMVs weight[a] * (act[a] . w2[e, n]): the down projection, the routing
+#     weights and the top-k sum in one kernel, each token's k experts read once.
+# GEMVs as pdserve.model.triton_gemv's ``rows`` kernel does them (no tensor cores: w * x
+# elementwise in fp32, one sum at the end; many programs of BLOCK_N output features so the
+# weight reads fill the memory system). No sort, no padding, no host sync: CUDA-graph
+# capturable, shapes fixed by T.
+
+
+@triton.jit
+def _route_one(
+    logits_ptr, s_lt, t, j, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """Token ``t``'s ``j``-th expert and its routing weight, from its router logits (row
+    ``t`` of ``logits_ptr``, stride ``s_lt``, ``E`` experts): softmax in fp32, the
+    ``TOP_K`` largest in order (ties to the lower id, as ``tl.argmax``), renormalised over
+    them when ``RENORM``. Returns ``(expert id int32, weight fp32)``."""
+    ev = tl.arange(0, BLOCK_E)
+    emask = ev < E
+    lg = tl.load(logits_ptr + t * s_lt + ev, mask=emask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(emask, p, -1.0)
+    total = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.float32), axis=0)  # fp32 scalars
+    sel_w = total
+    sel_e = tl.sum(tl.zeros((BLOCK_E,), dtype=tl.int32), axis=0)
+    for jj in tl.static_range(TOP_K):
+        top = tl.max(left, axis=0)
+        arg = tl.argmax(left, axis=0)
+        total += top
+        sel_w = tl.where(j == jj, top, sel_w)
+        sel_e = tl.where(j == jj, arg, sel_e)
+        left = tl.where(ev == arg, -1.0, left)
+    if RENORM:
+        sel_w = sel_w / total
+    return sel_e, sel_w
+
+
+@triton.jit
+def _route_gate_up_gemv_kernel(
+    logits_ptr,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    rw_ptr,
+    ids_ptr,
+    E,
+    K,
+    INTER,
+    s_lt,
+    s_xt,
+    s_we,
+    s_wn,
+    s_an,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
+    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``."""
+    pdl_enter(PDL)
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = a // TOP_K
+    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
+    if pid_n == 0:
+        tl.store(ids_ptr + a, sel_e.to(tl.int64))
+        tl.store(rw_ptr + a, sel_w)
+    e = sel_e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
+    u_ptrs = g_ptrs + INTER * s_wn
+    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        wmask = cmask[:, None] & kmask[None, :]
+        acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # the roundings of _gate_up_kernel (torch's: gate, up, silu(gate), the product)
+    gate = tl.sum(acc_g, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = tl.sum(acc_u, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        act_ptr + a.to(tl.int64) * s_an + cols, (silu * up).to(act_ptr.dtype.element_ty), mask=cmask
+    )
+
+
+@triton.jit
+def _route_gate_up_dot_kernel(
+    logits_ptr,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    rw_ptr,
+    ids_ptr,
+    E,
+    K,
+    INTER,
+    s_lt,
+    s_xt,
+    s_we,
+    s_wn,
+    s_an,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_route_gate_up_gemv_kernel``'s work (same grid, routing, roundings and stores) with
+    the products on tensor cores: x's row in a 16-row tile (rows 1-15 zero) times
+    ``[BLOCK_K, BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``)."""
+    pdl_enter(PDL)
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = a // TOP_K
+    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
+    if pid_n == 0:
+        tl.store(ids_ptr + a, sel_e.to(tl.int64))
+        tl.store(rw_ptr + a, sel_w)
+    e = sel_e.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < INTER
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    u_ptrs = g_ptrs + INTER * s_wn
+    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
+    acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=first & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xa, g, acc_g)
+            acc_u = tl.dot(xa, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    ty = act_ptr.dtype.element_ty
+    gate = acc_g.to(ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    up = acc_u.to(ty).to(tl.float32)
+    a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
+    tl.store(a_ptrs, (silu * up).to(ty), mask=first & cmask[None, :])
+
+
+@triton.jit
+def _down_sum_gemv_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T, cdiv(HID, BLOCK_N))``: ``out[t, n] = sum_j rw[a] * (act[a] . w2[e_a, n])``
+    over the token's assignments ``a = t * TOP_K + j``; each term rounded to out's dtype as
+    _down_kernel rounds it, the k terms summed in fp32 and rounded once (the top-k sum).
+    The k experts' tiles are one ``[BLOCK_J, BLOCK_N, BLOCK_K]`` load (``BLOCK_J`` = k
+    rounded up to a power of two): all k weight reads in flight at once."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    js = tl.arange(0, BLOCK_J)
+    jmask = js < TOP_K
+    a = t.to(tl.int64) * TOP_K + js  # [BLOCK_J]
+    e = tl.load(ids_ptr + a, mask=jmask, other=0)
+    rw = tl.load(rw_ptr + a, mask=jmask, other=0.0)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = (
+        w_ptr
+        + e[:, None, None] * s_we
+        + cols[None, :, None].to(tl.int64) * s_wn
+        + ks[None, None, :]
+    )
+    a_ptrs = act_ptr + a[:, None] * s_an + ks[None, :]
+    wmask = jmask[:, None, None] & cmask[None, :, None]
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=wmask & kmask[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * av[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ty = out_ptr.dtype.element_ty
+    term = tl.sum(acc, axis=2).to(ty).to(tl.float32) * rw[:, None]  # [BLOCK_J, BLOCK_N]
+    total = tl.sum(term.to(ty).to(tl.float32), axis=0)  # padded j rows are 0
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + cols, total.to(ty), mask=cmask)
+
+
+@triton.jit
+def _down_sum_dot_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_down_sum_gemv_kernel``'s work (same grid, roundings and stores) on tensor cores:
+    one pipelined loop over the token's k experts times K chunks, the act row in a 16-row
+    tile (rows 1-15 zero) times ``[BLOCK_K, BLOCK_N]`` tiles of ``w2[e_j]``; after an
+    expert's last chunk its term (rounded, times its weight, rounded) joins the fp32 total."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    nk = tl.cdiv(K, BLOCK_K)
+    ty = out_ptr.dtype.element_ty
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for i in range(0, TOP_K * nk):
+        j = i // nk
+        k0 = (i - j * nk) * BLOCK_K
+        a = t * TOP_K + j
+        e = tl.load(ids_ptr + a)
+        kmask = ks + k0 < K
+        av = tl.load(
+            act_ptr + a * s_an + k0 + ks[None, :] + rows[:, None] * 0,
+            mask=first & kmask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + k0 + ks[:, None],
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(av, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(av, w, acc)
+        flush = k0 + BLOCK_K >= K
+        rw = tl.load(rw_ptr + a)
+        term = (acc.to(ty).to(tl.float32) * rw).to(ty).to(tl.float32)
+        total = tl.where(flush, total + term, total)
+        acc = tl.where(flush, 0.0, acc)
+    o_ptrs = out_ptr + t * s_ot + cols[None, :] + rows[:, None] * 0
+    tl.store(o_ptrs, total.to(ty), mask=first & cmask[None, :])
+
+
+@triton.jit
+def _down_assign_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    ids_ptr,
+    K,
+    HID,
+    s_an,
+    s_we,
+    s_wn,
+    s_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(T * TOP_K, cdiv(HID, BLOCK_N))``: ``out[a, n] = rw[a] * (act[a] . w2[e_a, n])``
+    for assignment ``a`` (expert ``ids[a]``), rounded as ``_down_kernel`` rounds it (the
+    product rounded to out's dtype, times the weight in fp32, rounded); the act row in a
+    16-row tile (rows 1-15 zero) on tensor cores, ``num_stages`` pipelined loads. The
+    few-token path's down projection when ``GemvConfig.down_kind == "assign"``: one program
+    per (assignment, column block), so the k experts' reads spread over k times the
+    programs of the one-launch down + sum; the top-k sum follows (``_topk_sum_kernel``)."""
+    pdl_enter(PDL)
+    a = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < HID
+    rows = tl.arange(0, 16)
+    first = rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    e = tl.load(ids_ptr + a)
+    a_ptrs = act_ptr + a * s_an + ks[None, :] + rows[:, None] * 0
+    w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        av = tl.load(a_ptrs, mask=first & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(av, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(av, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ty = out_ptr.dtype.element_ty
+    rw = tl.load(rw_ptr + a)
+    o = (acc.to(ty).to(tl.float32) * rw).to(ty)
+    o_ptrs = out_ptr + a * s_on + cols[None, :] + rows[:, None] * 0
+    tl.store(o_ptrs, o, mask=first & cmask[None, :])
+
+
+class GemvConfig(NamedTuple):
+    """Tiles of the few-token path: output features and reduction chunk per program of the
+    gate/up kernel (``up_n``, ``up_k``, ``up_warps``) and of the down + sum kernel
+    (``down_n``, ``down_k``, ``down_warps``); ``up_kind``: the gate/up products as
+    elementwise fp32 sums (``"rows"``) or on tensor cores in 16-row tiles (``"dot"``,
+    ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
+    ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`), or
+    ``"assign"``: the down projection per assignment (``_down_assign_kernel``, tensor cores,
+    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up.)"""
+
+    up_n: int = 16
+    up_k: int = 512
+    up_warps: int = 8
+    down_n: int = 4
+    down_k: int = 256
+    down_warps: int = 8
+    up_kind: str = "rows"
+    up_stages: int = 3
+    down_kind: str = "rows"
+    down_stages: int = 3
+
+
+def gemv_config() -> GemvConfig:
+    """The few-token path's default tiles: ``moe_table.GEMV`` (a measured pick) when set,
+    else :class:`GemvConfig`'s defaults."""
+    from pdserve.model import moe_table
+
+    row = getattr(moe_table, "GEMV", None)
+    return GemvConfig(*row) if row else GemvConfig()
+
+
+def gemv_fits(tokens: int) -> bool:
+    """Whether a forward of ``tokens`` rows takes the few-token path (:func:`route_experts_gemv`):
+    ``0 < tokens <= PDSERVE_MOE_GEMV_MAX_TOKENS`` when that is set, else ``<=
+    moe_table.GEMV_MAX_TOKENS`` (a measured pick, 0: never). Each token's experts are read
+    for it alone, so past a few tokens sharing experts the grouped kernels read fewer bytes."""
+    from pdserve import envs
+    from pdserve.model import moe_table
+
+    if envs.MOE_GEMV_MAX_TOKENS.is_set():
+        bound = envs.MOE_GEMV_MAX_TOKENS.get()
+    else:
+        bound = getattr(moe_table, "GEMV_MAX_TOKENS", 0)
+    return 0 < tokens <= bound
+
+
+def route_experts_gemv(
+    router_logits: torch.Tensor,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routing and the experts' weighted sum of a few tokens in two launches (no sort).
+
+    router_logits ``[T, E]`` (any float dtype, last dim contiguous); x ``[T, H]``
+    (fp32/bf16/fp16); w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` in x's dtype, last dim
+    contiguous. Returns ``(out [T, H] in x's dtype, weights [T, k] float32, ids [T, k]
+    int64)``: the routing of :func:`pdserve.model.moe.route` (same ids and order, weights
+    to fp32 rounding) and the sum of ``pdserve.model.moe.experts_loop`` (fp32
+    accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
+    a CUDA graph."""
+    cfg = config or gemv_config()
+    T, E = router_logits.shape
+    H = x.shape[1]
+    inter = w13.shape[1] // 2
+    dev = x.device
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=dev)
+    if T == 0:
+        return torch.empty((0, H), dtype=x.dtype, device=dev), weights, ids
+    assert router_logits.stride(1) == 1 and x.stride(1) == 1
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
+    act = torch.empty((T * top_k, inter), dtype=x.dtype, device=dev)
+    args = (
+        router_logits,
+        x,
+        w13,
+        act,
+        weights,
+        ids,
+        E,
+        H,
+        inter,
+        router_logits.stride(0),
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+    )
+    grid = (T * top_k, triton.cdiv(inter, cfg.up_n))
+    common = dict(
+        TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_N=cfg.up_n,
+        BLOCK_K=cfg.up_k,
+        num_warps=cfg.up_warps,
+        **pdl.launch_options(x),
+    )
+    if cfg.up_kind == "dot":
+        _route_gate_up_dot_kernel[grid](
+            *args, IEEE=x.dtype == torch.float32, num_stages=cfg.up_stages, **common
+        )
+    elif cfg.up_kind == "rows":
+        _route_gate_up_gemv_kernel[grid](*args, **common)
+    else:
+        raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
+    if cfg.down_kind == "assign":
+        opts = pdl.launch_options(x)
+        per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)
+        _down_assign_kernel[(T * top_k, triton.cdiv(H, cfg.down_n))](
+            act, w2, per, weights, ids, inter, H, act.stride(0), w2.stride(0), w2.stride(1),
+            per.stride(0), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, IEEE=x.dtype == torch.float32,
+            num_warps=cfg.down_warps, num_stages=cfg.down_stages, **opts,
+        )  # fmt: skip
+        return topk_sum(per, T, top_k, opts), weights, ids
+    tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
+    out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
+    return out, weights, ids
