@@ -10,7 +10,7 @@
 #      compared -> engine.json
 #   2. scripts/gpu_s8_attn.py sweep (no model): one step's decode attention (32 layers of a
 #      page-major pool, one CUDA graph) per variant at 32x4096 (bf16: the current kernel
-#      only; e4m3: 14 variants), 256x200 and 64x200 (bf16), until 42 / 55 / 64 s; bytes / s
+#      only; e4m3: 14 variants), 256x200 and 64x200 (bf16), until 48 / 58 / 66 s; bytes / s
 #      against a torch copy of the same run, output against the current kernel's -> sweep.json
 # Then both merged into attn.json (the others deleted) and a compact summary. Run as
 #   OUT=$OUT PREFIX=s8_ bash scripts/gpu_call.sh attn:150
@@ -41,8 +41,8 @@ echo "== 1. the engine, in the background ($SECONDS s; $ENGINE_T s for it)"
 ) &
 engine_pid=$!
 echo "== 2. the decode attention sweep ($SECONDS s)"
-timeout -k 3 ${T_SWEEP:-72} $PY scripts/gpu_s8_attn.py sweep --device "$DEVICE" \
-    --deadline-s ${SWEEP_S:-64} --shape-deadlines ${SHAPE_S:-42,55,64} --json sweep.json --done "$OUT/sweep.done" ${SWEEP_ARGS:-} 2>&1 \
+timeout -k 3 ${T_SWEEP:-74} $PY scripts/gpu_s8_attn.py sweep --device "$DEVICE" \
+    --deadline-s ${SWEEP_S:-66} --shape-deadlines ${SHAPE_S:-48,58,66} --json sweep.json --done "$OUT/sweep.done" ${SWEEP_ARGS:-} 2>&1 \
     | grep --line-buffered -v "^USDT"
 echo "sweep exit ${PIPESTATUS[0]} (124: cut by its timeout) at $SECONDS s"
 echo "sweep done" >> "$OUT/sweep.done"  # the engine waits for this line
