@@ -85,6 +85,13 @@ _BALANCE_BLOCK_B = 64
 # (128-token tiles 14.2; before 15.9). "one": 2 warps took 15.0 against 18.0 at 64 x 200,
 # the only bucket measured: not listed. "split" (1 x 200): 2 warps 6.0 against 5.3.
 # A value may add (widen, fma): DecodeConfig's fields of those names (both off if absent).
+# Session 8 (h200_s8/attn.json: one step's 32 layers on a page-major pool, 32 x 4,096, µs a
+# layer): the (64, 2, 2) tiles 95.4 / 95.5 (2.81 TB/s of KV read; the bf16 cache 134.7,
+# 3.99 TB/s); widen V 126.8 (Triton 3.6 builds it slower, though 3.9's sm_90 build drops
+# V's byte loads from shared memory), widen K and V 151.1, 4 warps + widen 121.2, 32-token
+# tiles 94.9 (the engine's step 6.212 vs 6.220 ms: noise), 1 warp + 32 + widen 96.8, 768 /
+# 2,048 pieces 116.2 / 115.5 (+ widen 130.5), 128-token tiles of 4 warps + widen 111.2,
+# fma (16-token tiles, 4 warps) 903.7: nothing kept.
 FP8_DECODE_TILES: dict[str, tuple[int, ...]] = {"long": (64, 2, 2)}
 
 
