@@ -84,7 +84,15 @@ _BALANCE_BLOCK_B = 64
 # (the e4m3 default before: 123.1; the bf16 cache: 144.9); 1 x 8,192 15.0 against 15.2
 # (128-token tiles 14.2; before 15.9). "one": 2 warps took 15.0 against 18.0 at 64 x 200,
 # the only bucket measured: not listed. "split" (1 x 200): 2 warps 6.0 against 5.3.
-FP8_DECODE_TILES: dict[str, tuple[int, int, int]] = {"long": (64, 2, 2)}
+# A value may add (widen, fma): DecodeConfig's fields of those names (both off if absent).
+# Session 8 (h200_s8/attn.json: one step's 32 layers on a page-major pool, 32 x 4,096, µs a
+# layer): the (64, 2, 2) tiles 95.4 / 95.5 (2.81 TB/s of KV read; the bf16 cache 134.7,
+# 3.99 TB/s); widen V 126.8 (Triton 3.6 builds it slower, though 3.9's sm_90 build drops
+# V's byte loads from shared memory), widen K and V 151.1, 4 warps + widen 121.2, 32-token
+# tiles 94.9 (the engine's step 6.212 vs 6.220 ms: noise), 1 warp + 32 + widen 96.8, 768 /
+# 2,048 pieces 116.2 / 115.5 (+ widen 130.5), 128-token tiles of 4 warps + widen 111.2,
+# fma (16-token tiles, 4 warps) 903.7: nothing kept.
+FP8_DECODE_TILES: dict[str, tuple[int, ...]] = {"long": (64, 2, 2)}
 
 
 def kv_rows_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -115,7 +123,9 @@ class DecodeConfig:
     (a split then covers at least ``total context * Hkv / balance`` tokens, computed on the
     device from ``seq_lens``: ``decode_split_kernel``'s ``BALANCE_PROGRAMS``); prefetch: the
     kernel loads the next tile before this one's math (``decode_split_kernel``'s
-    ``PREFETCH``)."""
+    ``PREFETCH``); widen: which tiles of an 8-bit cache are converted before their layout
+    change for the dots (bit 1: V, bit 2: K; ``WIDEN``); fma: scores and output by fp32
+    products and sums instead of dots, over the G query heads only (``FMA``)."""
 
     splits: int
     block_n: int
@@ -124,6 +134,8 @@ class DecodeConfig:
     min_split: int = 0
     balance: int = 0
     prefetch: bool = False
+    widen: int = 0
+    fma: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -134,6 +146,8 @@ class DecodeConfig:
             raise ValueError(f"min_split: {self.min_split} is not a multiple of {self.block_n}")
         if self.balance < 0:
             raise ValueError(f"balance: {self.balance} is negative")
+        if not 0 <= self.widen <= 3:
+            raise ValueError(f"widen: {self.widen} is not a mask of bits 1 (V) and 2 (K)")
 
 
 @dataclass(frozen=True)
@@ -287,9 +301,18 @@ def fp8_decode_config(cfg: DecodeConfig) -> DecodeConfig:
     tile = FP8_DECODE_TILES.get(decode_rule(cfg))
     if tile is None:
         return cfg
-    bn, warps, stages = tile
+    bn, warps, stages, *rest = tile
+    widen, fma = (*rest, 0, False)[:2]
     min_split = -(-cfg.min_split // bn) * bn if cfg.min_split else 0
-    return replace(cfg, block_n=bn, num_warps=warps, num_stages=stages, min_split=min_split)
+    return replace(
+        cfg,
+        block_n=bn,
+        num_warps=warps,
+        num_stages=stages,
+        min_split=min_split,
+        widen=int(widen),
+        fma=bool(fma),
+    )
 
 
 @dataclass
@@ -551,7 +574,7 @@ class TritonBackend(AttentionBackend):
             MIN_SPLIT=cfg.min_split,
             BALANCE_PROGRAMS=cfg.balance,
             BLOCK_B=_BALANCE_BLOCK_B if cfg.balance else 1,
-            BLOCK_H=_pow2(G),
+            BLOCK_H=_pow2(G, 1) if cfg.fma else _pow2(G),
             BLOCK_N=cfg.block_n,
             BLOCK_D=block_d,
             TILE_IN_PAGE=page_size % cfg.block_n == 0,
@@ -559,6 +582,8 @@ class TritonBackend(AttentionBackend):
             F16_DOT=f16_dot,
             PREFETCH=cfg.prefetch,
             ALIGNED=aligned,
+            WIDEN=cfg.widen if fp8 else 0,
+            FMA=cfg.fma,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

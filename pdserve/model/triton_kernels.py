@@ -183,13 +183,22 @@ def _decode_tile(
 
 
 @triton.jit
-def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr):
+def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr, WIDEN: tl.constexpr = 0):
     """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
     against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
     l_i)``, returned updated. The tiles are converted to q's dtype here (an FP8 cache in
-    registers)."""
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
+    registers). ``WIDEN`` (a bit mask, 1: V, 2: K; for an 8-bit cache): the tile is
+    converted before it is laid out for the dot (a select on the mask in between: Triton
+    otherwise moves its layout change ahead of the conversion, through shared memory in
+    bytes, where V, read across its token rows, is loaded one byte an instruction)."""
+    if WIDEN & 2:
+        k = tl.where(nmask[:, None], k.to(q.dtype), 0.0).to(q.dtype)
+    else:
+        k = k.to(q.dtype)
+    if WIDEN & 1:
+        v = tl.where(nmask[:, None], v.to(q.dtype), 0.0).to(q.dtype)
+    else:
+        v = v.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -203,6 +212,24 @@ def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr):
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_fold_fma(q, k, v, acc, m_i, l_i, nmask, scale):
+    """:func:`_decode_fold` without tensor cores: ``q`` ``[BLOCK_H, BLOCK_D]`` fp32 (only
+    the G heads, no padding to a dot's 16 rows) against the tiles converted to fp32, the
+    scores and ``p @ v`` as broadcast products summed in fp32 (no shared-memory layout
+    change for the dots)."""
+    kf = k.to(tl.float32)
+    vf = v.to(tl.float32)
+    s = tl.sum(q[:, None, :] * kf[None, :, :], 2)  # [BLOCK_H, BLOCK_N]
+    s = tl.where(nmask[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vf[None, :, :], 1)
     return acc, m_new, l_i
 
 
@@ -250,6 +277,8 @@ def decode_split_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     ALIGNED: tl.constexpr = False,
+    WIDEN: tl.constexpr = 0,
+    FMA: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -281,7 +310,9 @@ def decode_split_kernel(
     a bf16 q in [2^-14, 65504] exactly, and p in fp16 keeps 3 more bits than in bf16.
     ``ALIGNED``: every token's K/V row starts on 16 bytes (bases and strides checked by the
     caller), so a thread loads 16 bytes at once (the compiler cannot see it through the
-    page table: else one load an element, as Triton 3.9's sm_90 build shows)."""
+    page table: else one load an element, as Triton 3.9's sm_90 build shows). ``WIDEN``: see
+    :func:`_decode_fold`. ``FMA``: the scores and the output by fp32 products and sums
+    instead of dots (:func:`_decode_fold_fma`; ``BLOCK_H`` may then be G itself)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -312,7 +343,9 @@ def decode_split_kernel(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_H, BLOCK_D]
-    if F16_DOT:
+    if FMA:
+        q = q.to(tl.float32)
+    elif F16_DOT:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -330,7 +363,12 @@ def decode_split_kernel(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
                 s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
-            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
+            if FMA:
+                acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
+            else:
+                acc, m_i, l_i = _decode_fold(
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
+                )
             k, v = k_next, v_next
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -338,7 +376,12 @@ def decode_split_kernel(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
                 PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
             )  # fmt: skip
-            acc, m_i, l_i = _decode_fold(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE)
+            if FMA:
+                acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
+            else:
+                acc, m_i, l_i = _decode_fold(
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
+                )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_safe[:, None]
     omask = hmask[:, None] & dmask[None, :]

@@ -6,6 +6,7 @@ prefix, on a page-major strided pool."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -266,3 +267,101 @@ def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
     assert fp8["LDG"] >= 128 and fp8["LDG.E.128"] <= 1  # the q row only
     assert fp8_aligned["LDG.E.128"] >= 8 and fp8_aligned["LDG"] < 32
     assert bf16_aligned["LDG.E.128"] >= 16 and bf16_aligned["LDG"] < 32
+
+
+def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
+    """An FP8_DECODE_TILES value of five fields also sets DecodeConfig's ``widen`` and
+    ``fma``; of three, both stay off."""
+    from pdserve.model import triton_backend as tb
+
+    long = tb.DecodeConfig(8, 64, 4, 2, 256, 1024)
+    monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (32, 2, 2, 1, False)})
+    tb.fp8_decode_config.cache_clear()
+    try:
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 32, 2, 2, 256, 1024, widen=1)
+        monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (16, 4, 2, 0, True)})
+        tb.fp8_decode_config.cache_clear()
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 16, 4, 2, 256, 1024, fma=True)
+        monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
+        tb.fp8_decode_config.cache_clear()
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024)
+    finally:
+        tb.fp8_decode_config.cache_clear()
+    with pytest.raises(ValueError, match="widen"):
+        tb.DecodeConfig(1, 64, 4, 2, widen=4)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_decode_widen_and_fma_match_the_reference(kv):
+    """The decode kernel's ``WIDEN`` (an e4m3 tile converted before its layout change; a
+    select on the mask that loads already zeroed) gives the same numbers as without it;
+    ``FMA`` (fp32 products and sums, BLOCK_H = G) equals fp32 attention over the
+    dequantized K/V up to the output's rounding; bf16 queries, splits and merge, the
+    balanced long-context rule too, over a page-major pool with pages out of order."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=13)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    scales = SCALES if kv == "fp8" else (1.0, 1.0)
+    pool = pool8 if kv == "fp8" else pool8.float().to(torch.bfloat16)
+    kc, vc = _views(pool)
+    b = tb.TritonBackend()
+
+    def run(cfg):
+        plan = b.plan(md, ps)
+        plan.config = cfg
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=scales, kv_stored=True)
+        return out.float()
+
+    ref_pool = pool.float()
+    ref_pool[:, :, 0] *= scales[0]
+    ref_pool[:, :, 1] *= scales[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    ref = sdpa.forward(q.float(), k, v, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    top = ref.abs().max().item()
+    for base in (tb.DecodeConfig(4, 32, 4, 2), tb.DecodeConfig(8, 32, 2, 2, 0, 16)):
+        plain = run(base)
+        for widen in (1, 3):
+            assert torch.equal(run(replace(base, widen=widen)), plain)
+        fma = run(replace(base, block_n=16, fma=True))
+        assert (fma - ref).abs().max().item() <= 2**-8 * top  # bf16 rounding of the output
+        if kv == "fp8" or DEVICE == "cuda":  # Triton 3.9's interpreter: bf16 x bf16 dots are
+            assert (plain - ref).abs().max().item() <= 2**-7 * top  # wrong (values ~1e8)
+
+
+@pytest.mark.timeout(300)
+def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
+    long-context rule's e4m3 configuration, fp16 dots, 16-byte loads): without ``WIDEN``
+    the V tile goes through shared memory in bytes and is read back one byte an
+    instruction (LDS: ~20 a 64 x 128 tile's thread); widened (V converted first) it is
+    read back by ``ldmatrix`` (LDSM) in 16-bit lanes, and the kernel holds fewer
+    registers."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for widen in (0, 1):
+        done = subprocess.run(
+            [sys.executable, str(script), "--decode", "--kv", "fp8", "--f16-dot", "--aligned"]
+            + ["--json", "--configs", f"(8, 64, 2, 2, 256, 1024, False, {widen})"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    plain, widened = rows
+    assert plain["sass"]["LDS"] >= 3 * widened["sass"]["LDS"]
+    assert widened["sass"]["LDSM"] > plain["sass"]["LDSM"]
+    assert widened["registers"] < plain["registers"]

@@ -88,6 +88,7 @@ DECODE_CONFIGS = [
     (2, 64, 4, 2, 256),  # a floor of 256 tokens a split: short rows use one (batch 64)
     (4, 64, 4, 2, 256),
     (32, 64, 4, 2, 0),  # batch 1
+    (2, 16, 4, 2, 0, 0, False, 0, True),  # fp32 products and sums (fma), no dots
 ]
 
 
