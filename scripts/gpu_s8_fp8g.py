@@ -57,11 +57,11 @@ import torch
 from pdserve.model import fp8, triton_w8a8
 
 # Llama-3.1-8B's fused FP8 linears (N, K): qkv, o, gate_up, down
-SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+SHAPES = ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096))  # the order timed
 NAMES = {(6144, 4096): "qkv", (4096, 4096): "o", (28672, 4096): "gate_up", (4096, 14336): "down"}
 AFTER_NORM = {(6144, 4096), (28672, 4096)}  # their w8a8 rows are quantized inside add + RMSNorm
 # --device cpu: tiny shapes with the same roles (interpreter)
-CPU_SHAPES = ((128, 64), (64, 64), (256, 64), (64, 128))  # random:tiny's
+CPU_SHAPES = ((128, 64), (64, 64), (64, 128), (256, 64))  # random:tiny's
 
 # gemvk tiles (BLOCK_N, BLOCK_K, num_warps, num_stages, AHEAD); each at K split 1 and 2
 GEMVK_TILES = (
@@ -213,7 +213,7 @@ def sweep_shape(n, k, rows, base_paths, device, cpu, copies, deadline, log):
                 r["GBps"] = nbytes / us / 1e3
                 r["frac_of_copy_rw"] = r["GBps"] / res["copy_GBps_rw"]
                 eff = us
-                if path[0] == "w8a8q":
+                if path[0] == "w8a8q" and (n, k) not in AFTER_NORM:
                     uq = time_fns(
                         [
                             lambda w=w, p=path, x=x, xq=xq: run_variant(p, x, xq, w, quant=True)
@@ -221,9 +221,7 @@ def sweep_shape(n, k, rows, base_paths, device, cpu, copies, deadline, log):
                         ],
                         cpu,
                     )
-                    r["us_with_quant"] = uq
-                    if (n, k) not in AFTER_NORM:
-                        eff = uq
+                    r["us_with_quant"] = eff = uq
                 r["eff_us"] = eff
             except Exception as exc:  # noqa: BLE001 a variant that fails is recorded
                 r["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -384,6 +382,44 @@ def quant_diag(device) -> dict:
     return out
 
 
+def write_table(json_path: str, keep: str, card: str = "NVIDIA H200") -> None:
+    """Rewrite ``pdserve/model/fp8_paths_table.py`` with the winners of ``json_path`` (this
+    script's JSON) that ``keep`` names (``"N,K:M;N,K:M"``, e.g. the ones the engine A/B
+    confirmed; ``all`` for every winner) in place of the table's entries for those rows."""
+    from pdserve.model import fp8_paths_table
+
+    with open(json_path) as f:
+        winners = json.load(f).get("winners", {})
+    wanted = None if keep == "all" else {tuple(p.split(":")) for p in keep.split(";") if p}
+    table = dict(fp8_paths_table.TABLE)
+    changed = []
+    for shape, by_m in winners.items():
+        n, k = (int(v) for v in shape.split(","))
+        entries = list(table[(card, n, k)])
+        for m, (name, path, us, cur) in by_m.items():
+            if wanted is not None and (shape, m) not in wanted:
+                continue
+            p = _parse_path(path)
+            for i, (m_max, _old) in enumerate(entries):
+                if m_max == int(m):
+                    entries[i] = (m_max, (p[0], p[1]))
+                    changed.append(f"{shape}:{m} {name} {us:.2f} us (was {cur:.2f})")
+        table[(card, n, k)] = tuple(entries)
+    with open(fp8_paths_table.__file__) as f:
+        src = f.read()
+    head = src[: src.index("TABLE: dict")]
+    body = "TABLE: dict[tuple[str, int, int], tuple[tuple[int, tuple[str, Any]], ...]] = {\n"
+    for key, entries in table.items():
+        body += f"    {key!r}: (\n"
+        for m_max, p in entries:
+            body += f"        ({m_max}, {p!r}),\n"
+        body += "    ),\n"
+    body += "}\n"
+    with open(fp8_paths_table.__file__, "w") as f:
+        f.write(head + body)
+    print(f"wrote {fp8_paths_table.__file__}: " + "; ".join(changed))
+
+
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -392,12 +428,26 @@ def main() -> int:
     ap.add_argument("--precompile-procs", type=int, default=4)
     ap.add_argument("--budget", type=float, default=0, help="s from start: no engine A/B after")
     ap.add_argument("--sweep-budget", type=float, default=0, help="s from start: no sweep after")
+    ap.add_argument(
+        "--limit",
+        type=float,
+        default=0,
+        help="s from start the process must end by: the sweep gets at least --sweep-min s "
+        "after the engine is up within it, the engine A/B and the bench with the winners run "
+        "only when they fit",
+    )
+    ap.add_argument("--sweep-min", type=float, default=18.0)
     ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--rotate-mb", type=float, default=240.0)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default="fp8g.json")
     ap.add_argument("--cpu", action="store_true", help="tiny shapes (with --device cpu)")
+    ap.add_argument("--write-table", default="", help="JSON: write its winners to the table")
+    ap.add_argument("--keep", default="all", help="with --write-table: N,K:M;... or all")
     own = ap.parse_args(argv[:split])
+    if own.write_table:
+        write_table(own.write_table, own.keep)
+        return 0
     if own.precompile:
         i, p = (int(v) for v in own.precompile.split("/"))
         precompile(i, p, own.cpu)
@@ -469,6 +519,9 @@ def main() -> int:
         base = dict(fp8.PATHS)
         res["base_paths"] = {f"{n},{k}": [(m, str(p)) for m, p in e] for (n, k), e in base.items()}
         deadline = t0 + own.sweep_budget if own.sweep_budget else math.inf
+        if own.limit:  # a slow engine start: the sweep first, the A/B and the bench as fit
+            deadline = max(deadline, min(time.time() + own.sweep_min, t0 + own.limit - 8))
+        res["sweep_deadline_s"] = round(deadline - t0, 1)
         shapes = CPU_SHAPES if cpu else SHAPES
         for n, k in shapes:
             copies = 2 if cpu else max(2, min(16, math.ceil(own.rotate_mb * 1e6 / (n * k))))
@@ -487,19 +540,23 @@ def main() -> int:
         for s, bm in winners.items():
             for m, (name, _p, us, cur) in bm.items():
                 log(f"WINNER {s} m={m}: {name} {us:.2f} us vs current {cur:.2f} us")
-        if not cpu:
+        if winners:
+            engine_ab(llm, base, winners)
+        else:
+            log("no winner: engine unchanged")
+        if not cpu and not (own.limit and time.time() - t0 > own.limit - 5):
             res["quantize_rows_diag"] = quant_diag(device)
             log(f"QUANT {json.dumps(res['quantize_rows_diag'])}")
             save()
-        if not winners:
-            log("no winner: engine unchanged")
-            return
+
+    def engine_ab(llm, base, winners) -> None:
         on = paths_with(base, winners)
         shapes_prof = ["1x200"] + (["64x200"] if any(64 in bm for bm in winners.values()) else [])
         eng = res["engine"]
         toks = {}
         for label in ("off", "on", "off", "on"):
-            if own.budget and time.time() - t0 > own.budget:
+            late = own.limit and time.time() - t0 > own.limit - 14
+            if late or (own.budget and time.time() - t0 > own.budget):
                 eng.setdefault("skipped", []).append(label)
                 continue
             fp8.PATHS.clear()
@@ -535,6 +592,9 @@ def main() -> int:
             eng["greedy_64"] = token_agreement(toks["off"][1], toks["on"][1])
             log(f"GREEDY 1: {eng['greedy_1']} 64: {eng['greedy_64']}")
         save()
+        if own.limit and time.time() - t0 > own.limit - 10:
+            log("bench with the winners skipped: past --limit - 10 s")
+            return
         fp8.PATHS.clear()
         fp8.PATHS.update(on)
         recapture(llm)

@@ -20,7 +20,7 @@ MODEL=${MODEL:-random:llama-3.1-8b}
 DEVICE=${DEVICE:-cuda}
 T_MAIN=${T_MAIN:-124}
 echo "== 1. bench offline 1,64 (FP8 + FP8 KV), the sweep, the engine A/B, bench with the winners ($SECONDS s)"
-timeout -k 5 $T_MAIN $PY scripts/gpu_s8_fp8g.py --budget $(( T_MAIN - 20 )) --sweep-budget $(( T_MAIN - 34 )) \
+timeout -k 5 $T_MAIN $PY scripts/gpu_s8_fp8g.py --budget $(( T_MAIN - 20 )) --sweep-budget $(( T_MAIN - 34 )) --limit $(( T_MAIN - 3 )) \
     ${FP8G_FLAGS:-} -- --model $MODEL --device $DEVICE --dtype bfloat16 --ours-only \
     --num-prompts 1,64 --max-tokens ${MAX_TOKENS:-128} --repeats 2 \
     --quantization fp8 --kv-cache-dtype fp8_e4m3 2>&1 \
