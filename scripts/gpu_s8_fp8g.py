@@ -15,7 +15,7 @@ Usage: ``python scripts/gpu_s8_fp8g.py [--budget S] [--sweep-budget S] -- BENCH-
    timed the same way (GB/s counted once, and read + write); each variant's output on one x
    against the current path's (bit-equal, max |diff| / max |current|) and against the
    dequantized fp32 product. One row: the current path (the table's), gemv tiles of the
-   current kernel, the ``gemvk`` tiles (``triton_w8a8.gemvk``: 16-byte vectors summed in
+   current kernel, the ``gemvk`` tiles (``scripts/s8_gemvk.py``: 16-byte vectors summed in
    thread, the next tile read ahead, K split 1 / 2 / 4), w8a8 with K split; 64 rows: the
    current w8a8 tile, other w8a8 tiles, ``_scaled_mm``. A w8a8 variant is timed twice: the
    kernel on rows quantized before (what the engine runs where the quantization is inside
@@ -136,6 +136,10 @@ def run_variant(path: tuple, x: torch.Tensor, xq, w: fp8.Fp8Weight, quant: bool)
     """The output of ``path`` on x (``w8a8q``: on the pre-quantized ``xq = (q, s)`` unless
     ``quant``, then quantized in the call as ``fp8.run_path`` does)."""
     kind, cfg = path
+    if kind == "gemvk":  # not an engine path: the kernel lives beside this script
+        import s8_gemvk
+
+        return s8_gemvk.gemvk(x, w.weight, w.scale, None, cfg)
     if kind == "w8a8q":
         if quant:
             return fp8.run_path(("w8a8", cfg), x, w, None)
@@ -384,12 +388,17 @@ def quant_diag(device) -> dict:
 
 def write_table(json_path: str, keep: str, card: str = "NVIDIA H200") -> None:
     """Rewrite ``pdserve/model/fp8_paths_table.py`` with the winners of ``json_path`` (this
-    script's JSON) that ``keep`` names (``"N,K:M;N,K:M"``, e.g. the ones the engine A/B
+    script's JSON, or gpu_s8_fp8g2.py's: winners by :func:`pick_winners`, margin 0.03) that ``keep`` names (``"N,K:M;N,K:M"``, e.g. the ones the engine A/B
     confirmed; ``all`` for every winner) in place of the table's entries for those rows."""
     from pdserve.model import fp8_paths_table
 
     with open(json_path) as f:
-        winners = json.load(f).get("winners", {})
+        doc = json.load(f)
+    # gpu_s8_fp8g2.py's JSON has the sweep only: its winners by this script's rule
+    winners = doc.get("winners") or {
+        s: {str(m): list(v) for m, v in bm.items()}
+        for s, bm in pick_winners(doc["sweep"], 0.03).items()
+    }
     wanted = None if keep == "all" else {tuple(p.split(":")) for p in keep.split(";") if p}
     table = dict(fp8_paths_table.TABLE)
     changed = []

@@ -501,12 +501,10 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 # triton_w8a8.quantize_rows; config None), ``w8a8`` (triton_w8a8.w8a8, same activations;
 # config a triton_w8a8.W8a8Config), ``w8a16s`` (triton_w8a8.linear_w8a16: the w8a8 kernel's
 # tiles on bf16 activations, the weight tile converted in registers; a W8a8Config), ``gemv``
-# (one row, bf16 activations; triton_w8a8.GemvConfig), ``gemvk`` (one row, bf16 activations,
-# the weight read in 16-byte vectors summed at once, K split or not; triton_w8a8.GemvkConfig)
-# or ``w8a16`` (triton_fp8.fp8_matmul,
+# (one row, bf16 activations; triton_w8a8.GemvConfig) or ``w8a16`` (triton_fp8.fp8_matmul,
 # bf16 activations; its Config, None for its own choice).
 Path = tuple[str, Any]
-PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "gemvk", "w8a16")
+PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16")
 # (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
 # the first entry whose largest M is >= M, past the last that of the last. Filled at start on
 # CUDA for the model's shapes by :func:`choose_paths` (each path timed on the card at
@@ -585,11 +583,9 @@ def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | Non
     kind, config = path
     if kind == "scaled_mm":
         return scaled_mm(x, w, bias)
-    if kind in ("w8a8", "w8a16s", "gemv", "gemvk"):
+    if kind in ("w8a8", "w8a16s", "gemv"):
         from pdserve.model import triton_w8a8
 
-        if kind == "gemvk":
-            return triton_w8a8.gemvk(x, w.weight, w.scale, bias, config)
         if kind == "gemv":
             return triton_w8a8.gemv(x, w.weight, w.scale, bias, config)
         if kind == "w8a16s":

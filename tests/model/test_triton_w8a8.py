@@ -335,36 +335,3 @@ def test_gemv_early_weight_read_gives_the_same_bits(monkeypatch, silu):
         monkeypatch.setattr(triton_w8a8, "GEMV_EARLY_WEIGHTS", True)
         got = triton_w8a8.gemv(x, w.weight, w.scale, None, config, silu_mul=silu)
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize(
-    "config, n, k",
-    [
-        # one slice, several tiles, ragged N (40 rows in 16-row tiles); the next tile read
-        # ahead or not; K cut into 2 and 3 slices (3: the last slice one tile short)
-        (("gemvk", 16, 64, 1, 4, 1, True), 40, 256),
-        (("gemvk", 8, 32, 1, 4, 1, False), 40, 160),
-        (("gemvk", 4, 32, 2, 2, 1, True), 24, 128),
-        (("gemvk", 8, 64, 3, 4, 1, False), 24, 448),
-    ],
-)
-def test_gemvk_matches_dequantized(config, n, k):
-    """The one-row gemvk (16-byte vectors summed in-thread, split K through the reduce
-    kernel) against the dequantized product: bf16 with bias, fp32 to 1e-4; through
-    fp8.run_path too; more than one row and a BLOCK_K not dividing K refused."""
-    w = _weight(n, k, seed=8)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16).to(DEVICE)
-    ref = x.float().cpu() @ w.dequantize().cpu().T + bias.float().cpu()
-    got = triton_w8a8.gemvk(x, w.weight, w.scale, bias, config)
-    assert got.shape == (1, n) and got.dtype == torch.bfloat16
-    assert (got.float().cpu() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
-    got32 = triton_w8a8.gemvk(x.float(), w.weight, w.scale, None, config)
-    assert (got32.cpu() - (ref - bias.float().cpu())).abs().max().item() < 1e-4
-    via = fp8.run_path(("gemvk", config), x.float(), w, None)
-    assert torch.equal(via.cpu(), got32.cpu())
-    with pytest.raises(ValueError, match="one row"):
-        triton_w8a8.gemvk(torch.cat([x, x]), w.weight, w.scale, None, config)
-    with pytest.raises(ValueError, match="does not fit"):
-        triton_w8a8.gemvk(x[:, : k - 16], w.weight[:, : k - 16], w.scale, None, config)
