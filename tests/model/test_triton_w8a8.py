@@ -53,12 +53,15 @@ def test_quantize_rows_same_bits_as_torch(m, k, dtype):
     assert torch.equal(s.cpu(), rs.cpu())
     # the same codes, but for the sign of a zero (CUDA's torch cast keeps -0, the kernel
     # writes +0: the H200 showed exactly those two codes differing, nothing else)
-    nonzero = rq.float() != 0
+    nonzero = (rq.float() != 0).cpu()  # (a CPU mask: _bits is on the CPU)
     assert torch.equal(_bits(q)[nonzero], _bits(rq)[nonzero])
-    assert torch.equal(q.float() == 0, ~nonzero)
+    assert torch.equal((q.float() == 0).cpu(), ~nonzero)
     assert q[1, 1].item() == 80.0 and q[1, 2].item() == -12.0 and q[1, 3].item() == 128.0
-    # fp8.quantize_rows is the kernel on CUDA, the torch form elsewhere: the same either way
-    assert torch.equal(_bits(fp8.quantize_rows(x)[0]), _bits(rq))
+    # fp8.quantize_rows is the kernel on CUDA, the torch form elsewhere: the same codes
+    # either way, but for the sign of a zero on CUDA (as above)
+    fq = fp8.quantize_rows(x)[0]
+    assert torch.equal(_bits(fq)[nonzero], _bits(rq)[nonzero])
+    assert torch.equal((fq.float() == 0).cpu(), ~nonzero)
 
 
 def _w8a8_ref(xq, xs, w, bias):
