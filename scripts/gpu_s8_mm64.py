@@ -42,28 +42,32 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 T0 = time.perf_counter()
-SHAPES = {  # name: (N, K, swiglu)
+SHAPES = {  # name: (N, K, swiglu); gate_up runs as swiglu (its F.linear alone also timed)
     "qkv": (6144, 4096, False),
     "o_proj": (4096, 4096, False),
-    "down": (4096, 14336, False),
-    "gate_up": (28672, 4096, False),
     "swiglu": (28672, 4096, True),
+    "down": (4096, 14336, False),
 }
 TOY_SHAPES = {"qkv": (96, 64, False), "o_proj": (64, 64, False), "swiglu": (192, 64, True)}
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PREFETCH lines); per row count,
-# the candidates (a few: every one is a compile, and the sweep runs beside the model load)
-CANDS: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {
-    64: [
-        (64, 64, 128, 1, 4, 4, 4),
-        (64, 64, 128, 2, 4, 4, 4),
-        (64, 32, 256, 2, 4, 3, 4),
-        (64, 64, 128, 4, 4, 4, 4),
-        (64, 64, 128, 2, 4, 4, 0),
-    ],
-    128: [(128, 64, 64, 1, 4, 4, 4), (128, 64, 64, 2, 4, 4, 4)],
-    256: [(128, 128, 64, 1, 8, 3, 4)],
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PREFETCH lines) per row count and
+# shape: a few each (every one is a compile, and the sweep runs beside the model load),
+# chosen so the grid fills the 132 SMs in about one wave (1 or 2 CTAs an SM by shared memory)
+CANDS: dict[int, dict[str, list[tuple[int, int, int, int, int, int, int]]]] = {
+    64: {
+        "qkv": [(64, 64, 128, 2, 4, 3, 4), (64, 32, 128, 1, 4, 4, 4), (64, 64, 128, 4, 4, 3, 4)],
+        "o_proj": [(64, 64, 128, 2, 4, 4, 4), (64, 32, 128, 2, 4, 4, 4), (64, 64, 128, 4, 4, 3, 4)],
+        "swiglu": [(64, 128, 64, 1, 8, 4, 4), (64, 64, 64, 1, 4, 4, 4)],
+        "down": [(64, 64, 128, 2, 4, 4, 4), (64, 64, 128, 4, 4, 3, 4), (64, 32, 128, 2, 4, 4, 4)],
+    },
+    128: {
+        "qkv": [(128, 64, 64, 2, 4, 4, 4)],
+        "o_proj": [(128, 64, 64, 2, 4, 4, 4), (128, 64, 64, 4, 4, 4, 4)],
+        "swiglu": [(128, 64, 64, 1, 8, 3, 4)],
+        "down": [(128, 64, 64, 4, 4, 4, 4)],
+    },
+    256: {"qkv": [], "o_proj": [], "swiglu": [(128, 128, 64, 1, 8, 3, 4)], "down": []},
 }
-TOY_CANDS = {16: [(16, 16, 32, 1, 4, 2, 0), (16, 16, 32, 2, 4, 2, 0)]}
+TOY_CANDS = {16: {k: [(16, 16, 32, 1, 4, 2, 0), (16, 16, 32, 2, 4, 2, 0)] for k in TOY_SHAPES}}
 
 
 def elapsed() -> float:
@@ -170,12 +174,16 @@ def micro(args) -> None:
                 variants["mm_t"] = lambda i: torch.mm(x, wts[i])
             if cuda and not sw:
                 variants["cublaslt"] = "lt"
-            for cfg in cands.get(M, []):
+            if sw:  # gate_up's F.linear alone (no activation): its bandwidth, not a candidate
+                variants["gate_up_only"] = lambda i: F.linear(x, ws[i])
+            for cfg in cands.get(M, {}).get(name, []):
                 try:
                     triton_skinny.check(cfg, M, N // 2 if sw else N, K, sw)
                 except ValueError:
                     continue
-                variants[str(cfg)] = (lambda i, cfg=cfg: triton_skinny.run(x, ws[i], None, cfg, swiglu=sw))
+                variants[str(cfg)] = lambda i, cfg=cfg: triton_skinny.run(
+                    x, ws[i], None, cfg, swiglu=sw
+                )
             for vname, fn in variants.items():
                 try:
                     if fn == "lt":
@@ -183,22 +191,35 @@ def micro(args) -> None:
                         torch.backends.cuda.preferred_blas_library("cublaslt")
                         try:
                             y = F.linear(x, w0)
-                            us = graph_time_us([lambda i=i: F.linear(x, ws[i % copies]) for i in range(4 * copies)], cuda)
+                            us = graph_time_us(
+                                [
+                                    lambda i=i: F.linear(x, ws[i % copies])
+                                    for i in range(4 * copies)
+                                ],
+                                cuda,
+                            )
                         finally:
                             torch.backends.cuda.preferred_blas_library(prev)
                     else:
                         y = fn(0)
                         n_calls = 4 * copies if cuda else 2
-                        us = graph_time_us([lambda i=i: fn(i % copies) for i in range(n_calls)], cuda)
-                    err = (y.float() - ref32).abs().max().item()
+                        us = graph_time_us(
+                            [lambda i=i: fn(i % copies) for i in range(n_calls)], cuda
+                        )
+                    err = (y.float() - ref32).abs().max().item() if vname != "gate_up_only" else 0.0
                     row["err"][vname] = err
                     if err > 2 * cub_err + 1e-3:
-                        res["errors"][f"{name}@{M}:{vname}"] = f"error {err:.4g} vs cuBLAS {cub_err:.4g}"
+                        res["errors"][f"{name}@{M}:{vname}"] = (
+                            f"error {err:.4g} vs cuBLAS {cub_err:.4g}"
+                        )
                         continue
                     row["us"][vname] = us
                 except Exception as exc:  # noqa: BLE001 (one failed variant must not end the sweep)
                     res["errors"][f"{name}@{M}:{vname}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            torch_best = min((v for k, v in row["us"].items() if not k.startswith("(")), default=None)
+            torch_best = min(
+                (v for k, v in row["us"].items() if not k.startswith("(") and k != "gate_up_only"),
+                default=None,
+            )
             sk = {k: v for k, v in row["us"].items() if k.startswith("(")}
             if sk:
                 bk = min(sk, key=lambda k: sk[k])
@@ -209,9 +230,13 @@ def micro(args) -> None:
                 row["gbps"] = {k: wbytes / v / 1e3 for k, v in row["us"].items()}
                 row["tflops"] = {k: 2 * M * N * K / v / 1e6 for k, v in row["us"].items()}
                 row["bw_fraction"] = {k: g / res["copy_gbps"] for k, g in row["gbps"].items()}
-                row["flop_fraction"] = {k: t / res["matmul_tflops"] for k, t in row["tflops"].items()}
+                row["flop_fraction"] = {
+                    k: t / res["matmul_tflops"] for k, t in row["tflops"].items()
+                }
             res["rows"].append(row)
-            us = "  ".join(f"{k} {v:.1f}" for k, v in sorted(row["us"].items(), key=lambda kv: kv[1])[:4])
+            us = "  ".join(
+                f"{k} {v:.1f}" for k, v in sorted(row["us"].items(), key=lambda kv: kv[1])[:4]
+            )
             print(f"[{elapsed():5.1f} s] {name:8s} M={M:4d}: {us}", flush=True)
             save(out_path, res)
             del ws, wts, x
@@ -232,7 +257,7 @@ def picks(micro_res: dict, min_gain: float, force_m: int | None) -> tuple[dict, 
     entries: dict[tuple, list] = {}
     notes: list[str] = []
     for r in micro_res.get("rows", []):
-        if "best_skinny" not in r or r["shape"] == "gate_up":  # gate_up runs as swiglu
+        if "best_skinny" not in r:
             continue
         cfg = literal_eval(r["best_skinny"])
         won = r["speedup_vs_best_torch"] >= min_gain
@@ -249,8 +274,9 @@ def picks(micro_res: dict, min_gain: float, force_m: int | None) -> tuple[dict, 
         full: list = []
         prev = 0
         for m, cfg in rows:
-            if m // 2 > prev:  # the buckets below m: not this kernel
-                full.append((m // 2 if m > 64 else 48, None))
+            below = m - 16 if m <= 64 else m // 2  # the buckets up to it: not this kernel
+            if below > prev:
+                full.append((below, None))
             full.append((m, cfg))
             prev = m
         table[key] = tuple(full)
@@ -324,10 +350,16 @@ def engine(args) -> None:
     res["engine_start_s"] = time.perf_counter() - t0
     res["engine_load_wall"].append(time.time())
     print(f"engine up in {res['engine_start_s']:.0f} s (at {elapsed():.0f} s)", flush=True)
+    # the micro sweep (beside the load) ends before anything here is timed
+    done = os.path.join(out_dir, args.micro_json + ".done")
+    t = time.perf_counter()
+    while not os.path.exists(done) and time.perf_counter() - t < args.micro_wait_s:
+        time.sleep(0.5)
+    res["micro_wait_s"] = time.perf_counter() - t
     save(out_path, res)
     g = llm.engine.executor.rank0.runner.graphs
     sets: dict[str, tuple] = {}
-    state = {"cur": "base"}
+    state: dict[str, Any] = {"cur": "base", "table": {}}
 
     def swap(name: str) -> float:
         if g is None:
@@ -399,9 +431,6 @@ def engine(args) -> None:
 
     def p_skinny() -> None:
         path = os.path.join(out_dir, args.micro_json)
-        t = time.perf_counter()
-        while not os.path.exists(path + ".done") and time.perf_counter() - t < args.micro_wait_s:
-            time.sleep(1)
         with open(path) as f:
             mres = json.load(f)
         res["micro"] = mres
@@ -412,6 +441,7 @@ def engine(args) -> None:
         if not table:
             return
         skinny_table.TABLE = table
+        state["table"] = table
         res["skinny_capture_s"] = swap("skinny")
         res["skinny_profile"] = brief(profile_shapes(llm, shapes, steps, 14))
         save(out_path, res)
@@ -433,10 +463,23 @@ def engine(args) -> None:
         r.pop("_ids")
         res["base_offline"].append(r)
 
+    def p_one(key) -> None:
+        """The 64-row step with one shape's entry of the table alone."""
+        full = state["table"]
+        skinny_table.TABLE = {key: full[key]}
+        swap(f"one:{key}")
+        prof = profile_shapes(llm, shapes[:1], steps, 14)
+        res.setdefault("one_shape_profile", {})[str(key)] = brief(prof)
+        skinny_table.TABLE = {}
+        swap("base")
+
     try:
         for name, need, fn in (("base", 12, p_base), ("skinny", 20, p_skinny),
                                ("base_again", 10, p_base_again), ("steady", 8, p_steady)):  # fmt: skip
             part(name, need, fn)
+        # each shape's 64-row entry alone, while time is left (qkv, o, swiglu, down)
+        for key in list(state["table"])[: 1 if toy else 4]:
+            part(f"one:{key[0]}:{key[2]}x{key[3]}", 6, lambda key=key: p_one(key))
     finally:
         res.pop("base_ids_64", None)
         for r in res.get("skinny_offline", []):
@@ -455,7 +498,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--toy", action="store_true", help="small shapes and counts (CPU check)")
     ap.add_argument("--ms", default="", help="micro: row counts (default: 64,128,256)")
-    ap.add_argument("--budget-s", type=float, default=45.0, help="micro: stop starting shapes after")
+    ap.add_argument(
+        "--budget-s", type=float, default=45.0, help="micro: stop starting shapes after"
+    )
     ap.add_argument("--deadline-s", type=float, default=85.0, help="engine: skip parts after")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-gain", type=float, default=1.02)
