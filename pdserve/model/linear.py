@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import envs
-from pdserve.model import decode_attn_table, gemv_table
+from pdserve.model import decode_attn_table, gemv_table, skinny_table
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +67,17 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; x ``[T, in]`` -> ``[T, out]``, through ``packed`` when given.
     On CUDA a shape and row count that ``gemv_table.TABLE`` lists (measured faster than
-    cuBLAS there) runs the Triton GEMV of ``triton_gemv``; everything else ``F.linear``."""
+    cuBLAS there) runs the Triton GEMV of ``triton_gemv``, one that ``skinny_table`` lists
+    the skinny GEMM of ``triton_skinny``; everything else ``F.linear``."""
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
+    if skinny_table.TABLE and skinny_table.ON and x.is_cuda:
+        from pdserve.model import triton_skinny
+
+        y = triton_skinny.linear(x, weight, bias)
+        if y is not None:
+            return y
     if gemv_table.TABLE and x.is_cuda and x.dim() == 2:
         from pdserve.model import triton_gemv
 

@@ -195,8 +195,17 @@ class LlamaDecoderLayer(nn.Module):
         o = backend.forward(
             q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
         )
-        o = self._row_parallel("o_proj", o, self.o_bias)
+        o_out: torch.Tensor | SplitKPartials | None = None
+        if fused is not None and self.tp is None and self.moe is None and "o_proj" not in self.fp8:
+            # the skinny GEMM where measured faster; a split one's reduce left to the norm
+            from pdserve.model import triton_skinny
+
+            o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
+        if o_out is None:
+            o_out = self._row_parallel("o_proj", o, self.o_bias)
         if self.moe is not None:
+            assert isinstance(o_out, torch.Tensor)
+            o = o_out
             logits = None
             if fused is not None and 0 < T <= fused.ROUTER_FUSE_MAX_TOKENS:
                 # the router's GEMM inside the add + RMSNorm kernel (decode batches)
@@ -209,10 +218,11 @@ class LlamaDecoderLayer(nn.Module):
             return h, out if self.tp is None else self.tp.all_reduce_(out)
         assert self.gate_up_proj is not None and self.down_proj is not None
         normed = None
-        if fused is not None:  # the FP8 activation quantization inside the norm's kernel
+        if fused is not None and isinstance(o_out, torch.Tensor):
+            # the FP8 activation quantization inside the norm's kernel
             normed = fp8.add_rms_norm_linear(
                 h,
-                o,
+                o_out,
                 self.post_attention_layernorm,
                 s.eps,
                 self.fp8.get("gate_up_proj"),
@@ -221,7 +231,15 @@ class LlamaDecoderLayer(nn.Module):
         if normed is not None:
             h, gate_up = normed
         else:
-            h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+            h, x = add_rms_norm(h, o_out, self.post_attention_layernorm, s.eps, fused)
+            act_fused = None
+            if fused is not None and self.tp is None and "gate_up_proj" not in self.fp8:
+                # gate/up and SwiGLU in one skinny GEMM, where measured faster
+                from pdserve.model import triton_skinny
+
+                act_fused = triton_skinny.swiglu(x, self.gate_up_proj, self.gate_up_bias)
+            if act_fused is not None:
+                return h, self._down(act_fused)
             gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
         if fused is not None:
             # SwiGLU inside the down projection's GEMV, where it runs
@@ -234,17 +252,26 @@ class LlamaDecoderLayer(nn.Module):
                 if down is not None:
                     return h, down
             act = fused.silu_mul(gate_up)
-            if self.tp is None and "down_proj" not in self.fp8:
-                # a split-K GEMV's reduce left to the next add + RMSNorm (when FUSE is on)
-                from pdserve.model import fused_splitk_norm
-
-                parts = fused_splitk_norm.down_partials(act, self.down_proj, self.down_bias)
-                if parts is not None:
-                    return h, parts
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            return h, self._down(act)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
         return h, self._row_parallel("down_proj", act, self.down_bias)
+
+    def _down(self, act: torch.Tensor) -> torch.Tensor | SplitKPartials:
+        """The down projection of SwiGLU's output ``act [T, I]`` on the CUDA (fused-ops) path:
+        a split-K kernel's partials (the skinny GEMM's, else the split-K GEMV's) left to the
+        next add + RMSNorm where a table picks one and ``fused_splitk_norm.FUSE`` is on."""
+        if self.tp is None and "down_proj" not in self.fp8 and self.down_proj is not None:
+            from pdserve.model import fused_splitk_norm, triton_skinny
+
+            out = triton_skinny.partials(act, self.down_proj, self.down_bias)
+            if out is not None:
+                return out
+            # a split-K GEMV's reduce left to the next add + RMSNorm (when FUSE is on)
+            parts = fused_splitk_norm.down_partials(act, self.down_proj, self.down_bias)
+            if parts is not None:
+                return parts
+        return self._row_parallel("down_proj", act, self.down_bias)
 
     def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [T, in] @ W.T + bias`` for fused parameter ``name``: its FP8 weight
