@@ -132,10 +132,10 @@ def micro(args) -> None:
         b = torch.empty_like(a)
         res["copy_gbps"] = a.numel() / graph_time_us([lambda: b.copy_(a)] * 8, True) / 1e3
         del a, b
-        x = torch.randn(8192, 8192, device=dev, dtype=dtype)
-        y = torch.randn(8192, 8192, device=dev, dtype=dtype)
-        res["matmul_tflops"] = 2 * 8192**3 / graph_time_us([lambda: x @ y] * 6, True) / 1e6
-        del x, y
+        ma = torch.randn(8192, 8192, device=dev, dtype=dtype)
+        mb = torch.randn(8192, 8192, device=dev, dtype=dtype)
+        res["matmul_tflops"] = 2 * 8192**3 / graph_time_us([lambda: ma @ mb] * 6, True) / 1e6
+        del ma, mb
         print(f"copy {res['copy_gbps']:.0f} GB/s, bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
               flush=True)  # fmt: skip
     shapes = TOY_SHAPES if args.toy else SHAPES
@@ -169,19 +169,19 @@ def micro(args) -> None:
                                    "weight_bytes": wbytes, "flop": 2 * M * N * K,
                                    "cublas_err": cub_err, "us": {}, "err": {},
                                    "t_wall": time.time()}  # fmt: skip
-            variants: dict[str, Any] = {"cublas": lambda i, w=None: cublas(ws[i])}
+            variants: dict[str, Any] = {"cublas": lambda i, ws=ws: cublas(ws[i])}
             if wts is not None:
-                variants["mm_t"] = lambda i: torch.mm(x, wts[i])
+                variants["mm_t"] = lambda i, x=x, wts=wts: torch.mm(x, wts[i])
             if cuda and not sw:
                 variants["cublaslt"] = "lt"
             if sw:  # gate_up's F.linear alone (no activation): its bandwidth, not a candidate
-                variants["gate_up_only"] = lambda i: F.linear(x, ws[i])
+                variants["gate_up_only"] = lambda i, x=x, ws=ws: F.linear(x, ws[i])
             for cfg in cands.get(M, {}).get(name, []):
                 try:
                     triton_skinny.check(cfg, M, N // 2 if sw else N, K, sw)
                 except ValueError:
                     continue
-                variants[str(cfg)] = lambda i, cfg=cfg: triton_skinny.run(
+                variants[str(cfg)] = lambda i, cfg=cfg, x=x, ws=ws, sw=sw: triton_skinny.run(
                     x, ws[i], None, cfg, swiglu=sw
                 )
             for vname, fn in variants.items():
@@ -193,7 +193,7 @@ def micro(args) -> None:
                             y = F.linear(x, w0)
                             us = graph_time_us(
                                 [
-                                    lambda i=i: F.linear(x, ws[i % copies])
+                                    lambda i=i, x=x, ws=ws, c=copies: F.linear(x, ws[i % c])
                                     for i in range(4 * copies)
                                 ],
                                 cuda,
@@ -204,7 +204,7 @@ def micro(args) -> None:
                         y = fn(0)
                         n_calls = 4 * copies if cuda else 2
                         us = graph_time_us(
-                            [lambda i=i: fn(i % copies) for i in range(n_calls)], cuda
+                            [lambda i=i, fn=fn, c=copies: fn(i % c) for i in range(n_calls)], cuda
                         )
                     err = (y.float() - ref32).abs().max().item() if vname != "gate_up_only" else 0.0
                     row["err"][vname] = err
