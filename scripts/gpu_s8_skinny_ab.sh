@@ -2,7 +2,9 @@
 # Session 8: bench offline bf16 64 / 256 prompts with the skinny GEMM table off, then on
 # (pdserve/model/skinny_table.ON patched in the bench's own process), two repeats each:
 # whether the 64-row picks gain in the whole run and whether the 256-prompt run moves.
-#   OUT=$OUT/s8ab PREFIX=s8_ bash scripts/gpu_call.sh skinny_ab:200
+#   OUT=$OUT/s8ab PREFIX=s8_ bash scripts/gpu_call.sh skinny_ab:310
+# (each side: the engine start, graphs and two repeats of 64 + 256 prompts: over 90 s on the
+# H200, the session-8 call with T_EACH=90 was cut on both sides and printed nothing)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_s8_skinny_ab}
@@ -14,7 +16,7 @@ export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 . scripts/gpu_setup.sh
 for on in False True; do
     echo "== skinny_table.ON=$on ($SECONDS s)"
-    timeout ${T_EACH:-95} $PY - "$on" "$OUT/offline_skinny_$on.json" <<'PYEOF' 2>&1 | grep -v "^USDT" | tail -5
+    timeout ${T_EACH:-150} $PY - "$on" "$OUT/offline_skinny_$on.json" <<'PYEOF' 2>&1 | grep -v "^USDT" | tail -5
 import sys
 
 from pdserve.cli import main
