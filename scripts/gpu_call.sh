@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call running the named parts in order, each under its own timeout:
-#   OUT=gpu_s7 PREFIX=s7_ bash scripts/gpu_call.sh NAME[:SECONDS] ...
+#   OUT=$OUT/gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh NAME[:SECONDS] ...
+# (on the device machine OUT must lie under the device's $OUT: only files there come back)
 # runs scripts/gpu_${PREFIX}NAME.sh with OUT=$OUT/NAME (its stdout and stderr in
 # $OUT/NAME/output.txt, the last 40 lines echoed), for at most SECONDS (default 240).
 # A call brings back at most 8 files: each part keeps its JSON and deletes the rest.

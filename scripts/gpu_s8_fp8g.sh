@@ -4,7 +4,7 @@
 # against the current path's), then the winners in the engine: the 1x200 (and 64x200) step
 # off / on / off / on, greedy tokens, bench offline 1,64 prompts with them
 # (scripts/gpu_s8_fp8g.py) -> $OUT/fp8g.json and fp8g_log.txt; the quantize_rows tests last.
-#   OUT=gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh fp8g:140
+#   OUT=$OUT/gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh fp8g:140
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_s8_fp8g}

@@ -10,7 +10,7 @@
 #      the micro sweep's winners in skinny_table on vs off (greedy tokens compared), bench
 #      offline's 64 / 256 rows, the 256-prompt all-decoding step timed step by step -> mm64.json
 # One file is left under $OUT: mm64.json (the micro JSON inside it). Run as:
-#   OUT=gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh mm64:140
+#   OUT=$OUT/gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh mm64:140
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_s8_mm64}

@@ -8,7 +8,7 @@
 # with A's picks (greedy compared), then bench offline --num-prompts 1,64 x 128 with the
 # picks (PDSERVE_MOE_ROUTING_STATS=1: the roofline over the experts routed to).
 # -> $OUT/moe8.json, $OUT/moe8_log.txt (the log's last lines).
-#   OUT=gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh moe8:150
+#   OUT=$OUT/gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh moe8:150
 # CPU dry run: SMOKE=1 DEVICE=cpu MODEL=random:tiny-qwen3-moe TRITON_INTERPRET=1 BUDGET=900 OUT=/tmp/m8 bash scripts/gpu_s8_moe8.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@
 # then one engine, routing counters off: the kernel profile of a 1x200 and a 64x200 step
 # with the committed path, the first round's picks, and the picks with PDL off everywhere
 # (each kernel's own time). -> $OUT/moe82.json, $OUT/moe82_log.txt.
-#   OUT=gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh moe82:100
+#   OUT=$OUT/gpu_s8 PREFIX=s8_ bash scripts/gpu_call.sh moe82:100
 # CPU dry run: SMOKE=1 DEVICE=cpu MODEL=random:tiny-qwen3-moe TRITON_INTERPRET=1 BUDGET=400 OUT=/tmp/m82 bash scripts/gpu_s8_moe82.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
