@@ -158,7 +158,7 @@ PDL_KERNELS = {
     "triton_kernels.decode_split_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
              BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
-             F16_DOT=False),
+             F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
