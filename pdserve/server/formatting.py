@@ -14,6 +14,8 @@ a well-formed SSE error event followed by ``data: [DONE]``.
 
 from __future__ import annotations
 
+import codecs
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -31,12 +33,42 @@ from pdserve.server.protocol import _OpenAISampling
 from pdserve.server.serving import APIError, Job, Serving
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's convention, used by Llama 3, Qwen, SmolLM2...):
+    each byte is written as one printable character, the bytes that print as themselves
+    (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) as themselves and the other 68 as the
+    characters from U+0100 on, in byte order. Returns character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in kept}
+    moved = [b for b in range(256) if b not in alphabet.values()]
+    alphabet.update({chr(0x100 + n): b for n, b in enumerate(moved)})
+    return alphabet
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The types of a fast tokenizer's decoder and of its parts (``ByteLevel``,
+    ``ByteFallback``, ...); empty when the tokenizer does not say."""
+    try:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except (AttributeError, ValueError, TypeError):
+        return set()
+    parts = decoder.get("decoders") or [decoder]
+    return {d.get("type", "") for d in parts if isinstance(d, dict)}
+
+
 class TokenText:
-    """Decodes single token ids, memoised (the same ids recur in logprob answers)."""
+    """Decodes single token ids, memoised (the same ids recur in logprob answers): the
+    text of a token alone (``"\ufffd"`` for one that holds part of a character) and its
+    raw bytes (:meth:`raw`, what OpenAI's ``bytes`` fields carry: a character split over
+    tokens is whole again when their bytes are joined)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
+        self._raw: dict[int, bytes] = {}
+        kinds = _decoder_kinds(tokenizer)
+        self._alphabet = _byte_level_alphabet() if "ByteLevel" in kinds else None
+        self._byte_fallback = "ByteFallback" in kinds
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -45,6 +77,27 @@ class TokenText:
             if len(self._cache) > 200_000:
                 self._cache.clear()
         return text
+
+    def raw(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for: from its byte-level piece (GPT-2-style
+        BPE) or its ``<0xNN>`` piece (SentencePiece byte fallback, ``▁`` a space), else the
+        UTF-8 of its text (special tokens, other tokenizers)."""
+        data = self._raw.get(token_id)
+        if data is not None:
+            return data
+        data = self(token_id).encode("utf-8")
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self._tok.all_special_ids:
+            if self._alphabet is not None and all(c in self._alphabet for c in piece):
+                data = bytes(self._alphabet[c] for c in piece)
+            elif self._byte_fallback and len(piece) == 6 and piece.startswith("<0x"):
+                data = bytes([int(piece[3:5], 16)])
+            elif self._byte_fallback:
+                data = piece.replace("\u2581", " ").encode("utf-8")
+        if len(self._raw) > 200_000:
+            self._raw.clear()
+        self._raw[token_id] = data
+        return data
 
 
 def usage(
@@ -84,12 +137,15 @@ def completion_top(entry: TokenLogprob, tt: TokenText, k: int | None = None) -> 
 
 
 def _tokens_at(tt: TokenText, ids: Sequence[int], offset: int) -> tuple[list[str], list[int]]:
-    """Each token's text and its character offset, the first at ``offset``."""
+    """Each token's text and the character offset in the answer's text where it starts, the
+    first at ``offset``: counted over the tokens' bytes decoded in order, so tokens that
+    share one character (its bytes split over them) start where that character does."""
     tokens, offsets = [], []
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in ids:
         offsets.append(offset)
         tokens.append(tt(t))
-        offset += len(tokens[-1])
+        offset += len(decoder.decode(tt.raw(t)))
     return tokens, offsets
 
 
@@ -137,8 +193,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tt: TokenText) -> dict:
     """Chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
     def one(token_id: int, logprob: float) -> dict:
-        text = tt(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": tt(token_id), "logprob": logprob, "bytes": list(tt.raw(token_id))}
 
     return {
         "content": [

@@ -137,8 +137,10 @@ def test_chat_logprobs_and_generate_logprobs(worker):
         body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     )
     assert len(content) == body["usage"]["completion_tokens"] == 3
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    # a token's bytes are its text's, but where it holds part of a character (its text "\ufffd")
     assert all(
-        len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode()) for c in content
+        c["bytes"] == list(c["token"].encode()) for c in content if "\ufffd" not in c["token"]
     )
 
     r = post(
