@@ -20,11 +20,11 @@ from pdserve.engine.sampling_params import SamplingParams
 PROMPT = list(range(5, 40))
 
 
-def _core(folder: str) -> EngineCore:
+def _core(folder: str, num_pages: int = 96) -> EngineCore:
     return EngineCore(
         EngineConfig(
             model=ModelConfig(model=folder, device="cpu", dtype="float32"),
-            cache=CacheConfig(page_size=4, num_pages=96),
+            cache=CacheConfig(page_size=4, num_pages=num_pages),
         )
     )
 
@@ -65,6 +65,15 @@ def test_warm_up_releases_its_pages_when_a_step_fails(tiny_model_dir, monkeypatc
     with pytest.raises(RuntimeError, match="step failed"):
         warm_up(core)
     assert core.kv.num_free_pages == free and core.kv.num_held_pages == 0
+
+
+def test_a_pool_too_small_for_the_warm_up_is_refused_naming_the_flag(tiny_model_dir):
+    # page size 4: the warm-up's two requests take 3 + 4 pages (11 tokens + 1; 4 + 9)
+    core = _core(tiny_model_dir("llama"), num_pages=5)
+    with pytest.raises(ValueError, match=r"--num-pages.*needs 7 \(give --num-pages 7 or more"):
+        warm_up(core)
+    assert core.kv.num_held_pages == 0
+    assert warm_up(_core(tiny_model_dir("llama"), num_pages=7))["steps"] == 2
 
 
 @pytest.mark.timeout(300)

@@ -38,7 +38,8 @@ def warm_up_rank(ctx: RankContext) -> int:
 def warm_up(core: EngineCore) -> dict[str, Any]:
     """Run the eager step shapes once on ``core``'s executor (module docstring). Returns
     ``{"steps", "backend_variants", "seconds"}``. Every page it takes is released before
-    it returns, also when a step raises (the error is then raised)."""
+    it returns, also when a step raises (the error is then raised). Raises ``ValueError``
+    naming ``--num-pages`` when the pool is smaller than the warm-up's two requests."""
     t0 = time.perf_counter()
     kv = core.kv
     ps = kv.page_size
@@ -46,6 +47,13 @@ def warm_up(core: EngineCore) -> dict[str, Any]:
     # chunk, then a chunk of a page and a bit over that cached prefix.
     n_a = min(2 * ps + 3, core.max_model_len - 1)
     n_b0, n_b1 = min(ps, n_a), min(ps + 5, core.max_model_len - min(ps, n_a))
+    needed = kv.pages_needed(n_a + 1) + kv.pages_needed(n_b0 + n_b1)
+    if needed > kv.num_available_pages:
+        raise ValueError(
+            f"--num-pages / --kv-cache-memory: the KV pool holds {kv.num_pages} pages of {ps} "
+            f"tokens, {kv.num_available_pages} available; the start-up warm-up needs {needed} "
+            f"(give --num-pages {needed} or more, or a larger --kv-cache-memory)"
+        )
     pages_a = kv.allocate(kv.pages_needed(n_a + 1))
     pages_b: list[int] = []
     try:
