@@ -89,9 +89,12 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
         ("--request-timeout", "-1", "--request-timeout must be > 0 s, got -1.0"),
         ("--page-size", "0", "--page-size must be >= 1, got 0"),
         ("--ready-timeout", "0", "argument --ready-timeout: expected a number > 0, got '0'"),
+        ("--served-model-name", "", "--served-model-name must be non-empty when given"),
     ],
 )
-def test_up_refuses_a_bad_router_flag_before_starting_anything(tmp_path, flag, value, message):
+def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
+    tmp_path, flag, value, message
+):
     log_dir = tmp_path / "logs"
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", flag, value]
     proc = subprocess.run(

@@ -276,6 +276,7 @@ def main(args: argparse.Namespace) -> int:
     try:  # the flags first: a bad one is named whatever holds the port
         check_tp_sizes(args)
         engine_config_from_args(args)  # the rules between flags, as each worker checks them
+        ServerConfig(**flag_values(args, UP_FLAGS, ServerConfig))  # as the workers will
         _check_router_flags(args)
     except ValueError as exc:
         print(f"pdserve up: error: {flag_message(exc, args)}", file=sys.stderr)
