@@ -263,4 +263,14 @@ OMP_WAIT_POLICY = EnvVar(
 )
 
 
+SUPERVISOR_PID = EnvVar(
+    "PDSERVE_SUPERVISOR_PID",
+    int,
+    0,
+    "Set by pdserve up in each child it starts (its own pid): the child stops (SIGTERM to "
+    "itself) once that process is no longer its parent, e.g. after kill -9 of up; 0/unset: "
+    "not watched.",
+)
+
+
 ALL: tuple[EnvVar, ...] = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))

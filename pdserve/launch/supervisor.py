@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve import envs
 from pdserve.process_exit import death_cause
 
 
@@ -32,6 +33,9 @@ class Child:
         log (and :meth:`log_tail`) holds this run only, never an earlier run's lines from
         a reused ``--log-dir``; ``append``: a restart, after the lines of the run that
         died."""
+        # the child stops itself should this process be killed past its cleanup (kill -9)
+        env = dict(os.environ if self.env is None else self.env)
+        env[envs.SUPERVISOR_PID.name] = str(os.getpid())
         log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115 (closed once the child has it)
         try:
             self.proc = subprocess.Popen(
@@ -40,7 +44,7 @@ class Child:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=self.env,
+                env=env,
             )
         finally:
             log.close()

@@ -157,8 +157,10 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.gc_watch import process_watch
     from pdserve.http.netutil import PortInUseError, bind_socket, configure_logging, serve_app
     from pdserve.router.app import build_router_app
+    from pdserve.supervised import watch_supervisor
 
     configure_logging(envs.LOG_LEVEL.get())
+    watch_supervisor()  # a child of pdserve up stops once up is gone
     try:
         config = config_from_args(args)
         sock = bind_socket(config.host, config.port)

@@ -135,8 +135,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 def main(args: argparse.Namespace) -> int:
     from pdserve.http.netutil import PortInUseError, bind_socket, configure_logging, serve_app
+    from pdserve.supervised import watch_supervisor
 
     configure_logging(envs.LOG_LEVEL.get())
+    watch_supervisor()  # a child of pdserve up stops once up is gone
     try:
         engine_cfg, server_cfg, disagg_cfg = configs_from_args(args)
         sock = bind_socket(server_cfg.host, server_cfg.port)

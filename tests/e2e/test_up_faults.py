@@ -3,7 +3,7 @@
 concurrency 8 — failures are clear errors, every success equals a mixed worker's answer,
 everything is healthy and KV pages are back at baseline afterwards; under --max-restarts 0
 a child's death stops everything with a message naming it and leaves no process behind. Also: a taken port
-fails fast, SIGTERM during start-up leaves no orphan."""
+fails fast, SIGTERM during start-up leaves no orphan, nor does a kill -9 of up."""
 
 from __future__ import annotations
 
@@ -220,6 +220,24 @@ def test_sigterm_during_start_up_leaves_no_orphans(tmp_path):
     assert "SIGTERM received" in up.text and "pdserve stopped" in up.text, up.text
     for kid in kids.values():
         assert not pid_alive(kid.pid), f"{kid.name} (pid {kid.pid}) survived"
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_up_stops_its_children_too(tmp_path):
+    # each child watches that up is still its parent (PDSERVE_SUPERVISOR_PID, supervised.py)
+    up = Up(["--model", TINY, "--port", str(free_port()), "--log-dir", str(tmp_path)])
+    up.wait_line(r"pdserve is ready at", 150)
+    kids = up.children()
+    assert len(kids) == 3
+    up.popen.kill()
+    up.finish(30)
+    wait_for(
+        lambda: not any(pid_alive(k.pid) for k in kids.values()),
+        60,
+        "the children of a killed `pdserve up` to stop",
+    )
+    logs = "".join(k.log_path.read_text(errors="replace") for k in kids.values())
+    assert "is gone: stopping" in logs, logs[-2000:]
 
 
 @pytest.mark.timeout(30)
