@@ -19,6 +19,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 
@@ -246,9 +247,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, s_xt, s_ot, N, BLOCK: tl.constexpr, PDL: tl
     mask = nn < N
     g = tl.load(x_ptr + t * s_xt + nn, mask=mask, other=0.0)
     u = tl.load(x_ptr + t * s_xt + N + nn, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # torch rounds silu's result, then the product
-    tl.store(out_ptr + t * s_ot + nn, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(out_ptr + t * s_ot + nn, silu_mul_rounded(g, u), mask=mask)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_act import silu_mul_rounded
 
 REDUCE_BLOCK = 1024  # elements a program of the split-K reduce sums
 
@@ -23,9 +24,7 @@ def _load_x(x_ptr, offs, mask, K, SILU: tl.constexpr):
     if SILU:
         g = tl.load(x_ptr + offs, mask=mask, other=0.0)
         u = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        x = (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        x = silu_mul_rounded(g, u)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     return x

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_moe_gemv import (
     DownSum,
     GemvConfig,
@@ -181,11 +182,8 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    # silu and the product rounded to the dtype where torch rounds them (silu(gate) * up)
-    gate = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
-    out = (silu * up).to(act_ptr.dtype.element_ty)
+    ty = act_ptr.dtype.element_ty
+    out = silu_mul_rounded(acc_g.to(ty), acc_u.to(ty))  # torch's roundings (silu(gate) * up)
     a_ptrs = act_ptr + a_ids[:, None].to(tl.int64) * s_an + cols[None, :]
     tl.store(a_ptrs, out, mask=valid[:, None] & cmask[None, :])
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_act import silu_mul_rounded
 
 # The one-launch down projection + routing weights + top-k sum: (kind, BLOCK_N, BLOCK_K,
 # num_warps, num_stages); kind "rows" (elementwise fp32 products, all k experts' tiles in
@@ -200,12 +201,9 @@ def _route_gate_up_gemv_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     # the roundings of _gate_up_kernel (torch's: gate, up, silu(gate), the product)
-    gate = tl.sum(acc_g, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = tl.sum(acc_u, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(
-        act_ptr + a.to(tl.int64) * s_an + cols, (silu * up).to(act_ptr.dtype.element_ty), mask=cmask
-    )
+    ty = act_ptr.dtype.element_ty
+    out = silu_mul_rounded(tl.sum(acc_g, axis=1).to(ty), tl.sum(acc_u, axis=1).to(ty))
+    tl.store(act_ptr + a.to(tl.int64) * s_an + cols, out, mask=cmask)
 
 
 @triton.jit
@@ -270,11 +268,8 @@ def _route_gate_up_dot_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     ty = act_ptr.dtype.element_ty
-    gate = acc_g.to(ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-    up = acc_u.to(ty).to(tl.float32)
     a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
-    tl.store(a_ptrs, (silu * up).to(ty), mask=first & cmask[None, :])
+    tl.store(a_ptrs, silu_mul_rounded(acc_g.to(ty), acc_u.to(ty)), mask=first & cmask[None, :])
 
 
 @triton.jit

@@ -37,6 +37,7 @@ import triton.language as tl
 from pdserve.model import pdl, skinny_table
 from pdserve.model.fused_splitk_norm import SplitKPartials
 from pdserve.model.pdl import pdl_enter, prefetch_l2
+from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PREFETCH lines)
@@ -103,10 +104,7 @@ def _skinny_kernel(
         if SWIGLU:
             if HAS_BIAS:
                 acc_u += tl.load(b_ptr + UP + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            gf = acc.to(ty).to(tl.float32)
-            sg = (gf / (1.0 + tl.exp(-gf))).to(ty)
-            out = (sg.to(tl.float32) * acc_u.to(ty).to(tl.float32)).to(ty)
-            tl.store(o_ptr + offs, out, mask=omask)
+            tl.store(o_ptr + offs, silu_mul_rounded(acc.to(ty), acc_u.to(ty)), mask=omask)
         else:
             tl.store(o_ptr + offs, acc.to(ty), mask=omask)
 
