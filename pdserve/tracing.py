@@ -50,10 +50,26 @@ REQUEST_START: contextvars.ContextVar[float] = contextvars.ContextVar(
     "pdserve_request_start", default=0.0
 )
 
+
+def _epoch_offset_ns(pairs: int = 32) -> int:
+    """``time_ns() - perf_counter_ns()`` from the tightest of ``pairs`` readings of the wall
+    clock between two perf_counter reads: a preemption between the reads (a busy 2-core
+    machine) would skew a single pair by as long, and with it every Unix time this process
+    reports (the bench's ``to_worker`` stage compares them with the client's clock)."""
+    best_gap, offset = None, 0
+    for _ in range(pairs):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best_gap is None or after - before < best_gap:
+            best_gap, offset = after - before, wall - (before + after) // 2
+    return offset
+
+
 # perf_counter -> Unix epoch, fixed once per process: spans need epoch nanoseconds, the
 # engine records perf_counter floats. A wall-clock step after start (NTP) shifts this
 # process's span times by as much; durations are unaffected.
-_EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+_EPOCH_OFFSET_NS = _epoch_offset_ns()
 
 
 def epoch_ns(perf: float) -> int:
