@@ -90,6 +90,8 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
         ("--page-size", "0", "--page-size must be >= 1, got 0"),
         ("--ready-timeout", "0", "argument --ready-timeout: expected a number > 0, got '0'"),
         ("--served-model-name", "", "--served-model-name must be non-empty when given"),
+        ("--model", "nosuchmodel", "--model 'nosuchmodel': not an existing folder"),
+        ("--model", "random:nope", "--model 'random:nope': unknown random preset 'nope'"),
     ],
 )
 def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(

@@ -69,6 +69,20 @@ def role_tp(args: argparse.Namespace, role: str) -> int:
     return int(value)
 
 
+def check_models(args: argparse.Namespace) -> None:
+    """Resolve ``--model`` (and ``--speculative-model`` when given) to their configs, as
+    every worker will, before any process starts: ValueError naming the model when it is
+    not an existing folder, ``.gguf`` file, random preset or the embedded model id (read
+    from its config or metadata alone, no weights).  A model whose config resolves but
+    whose weights do not load still fails in the workers, with their log's excerpt."""
+    from pdserve.model.loader import model_config
+
+    model_config(args.model)
+    draft = getattr(args, "speculative_model", None)
+    if draft:
+        model_config(draft)
+
+
 def check_tp_sizes(args: argparse.Namespace) -> None:
     """ValueError naming the flag and the valid sizes when a role's tensor-parallel size
     (:func:`role_tp`) does not split ``--model`` (checked on its config alone, before any

@@ -24,7 +24,13 @@ from pdserve.cli import Flag, add_flags, flag_values, int_list, port_number, pos
 from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
 from pdserve.disagg.base import PD_ROLES
 from pdserve.disagg.registry import backend_names
-from pdserve.launch.plan import UP_ROUTER_FLAGS, check_tp_sizes, plan_children, role_tp
+from pdserve.launch.plan import (
+    UP_ROUTER_FLAGS,
+    check_models,
+    check_tp_sizes,
+    plan_children,
+    role_tp,
+)
 from pdserve.launch.supervisor import Child, Restarts, stop_all
 from pdserve.process_exit import death_cause
 from pdserve.router.launch import ROUTER_FLAGS
@@ -274,6 +280,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     try:  # the flags first: a bad one is named whatever holds the port
+        check_models(args)
         check_tp_sizes(args)
         engine_config_from_args(args)  # the rules between flags, as each worker checks them
         ServerConfig(**flag_values(args, UP_FLAGS, ServerConfig))  # as the workers will

@@ -110,6 +110,14 @@ def test_a_host_not_of_this_machine_names_the_host_not_the_port(tmp_path):
     assert "started" not in up.text and _leftovers(tmp_path) == [], up.text
 
 
+def _weightless_model(folder: Path) -> str:
+    """A folder whose config resolves (so ``up``'s check before start passes) but which
+    holds no weights: every worker fails at load, after start."""
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return str(folder)
+
+
 def _failed_up(model: str, log_dir: Path) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "up", "--model", model, "--port", "0"]
@@ -127,11 +135,12 @@ def test_a_reused_log_dir_shows_this_runs_error_only(tmp_path):
     """Two failed runs with one --log-dir: the second run's crash excerpt and log files
     hold its own error, not the first run's (the files are started fresh, not appended)."""
     log_dir = tmp_path / "logs"
-    first = _failed_up("/nonexistent/model", log_dir)
-    assert "model '/nonexistent/model'" in first, first
-    second = _failed_up("random:nope", log_dir)
+    one, two = _weightless_model(tmp_path / "one"), _weightless_model(tmp_path / "two")
+    first = _failed_up(one, log_dir)
+    assert f"model '{one}'" in first, first
+    second = _failed_up(two, log_dir)
     excerpt = second.split("last lines of its log", 1)[1]
-    assert "unknown random preset 'nope'" in excerpt, second
-    assert "/nonexistent/model" not in second, second
+    assert f"model '{two}'" in excerpt and "no *.safetensors weights" in excerpt, second
+    assert one not in second, second
     for log in log_dir.glob("*.log"):
-        assert "/nonexistent/model" not in log.read_text(), log
+        assert one not in log.read_text(), log
