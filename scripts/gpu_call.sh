@@ -4,7 +4,9 @@
 # (on the device machine OUT must lie under the device's $OUT: only files there come back)
 # runs scripts/gpu_${PREFIX}NAME.sh with OUT=$OUT/NAME (its stdout and stderr in
 # $OUT/NAME/output.txt, the last 40 lines echoed), for at most SECONDS (default 240).
-# A call brings back at most 8 files: each part keeps its JSON and deletes the rest.
+# A call brings back at most 8 files: each part keeps its JSON and deletes the rest. Beside
+# each part nvidia-smi records the card's SM clock, power and slowdown reasons; their summary
+# (scripts/gpu_clocks.py) ends the part's output.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_call}
@@ -20,8 +22,19 @@ for part in "$@"; do
     name=${part%%:*}; secs=${part#*:}; [ "$secs" = "$part" ] && secs=240
     mkdir -p "$OUT/$name"
     echo "== $name (limit $secs s, at $SECONDS s)"
+    clocks=""  # the card's clocks, power and slowdown reasons beside the part (gpu_clocks.py)
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi -i 0 --query-gpu="$($PY scripts/gpu_clocks.py query)" --format=csv,nounits \
+            -lms 250 > "$OUT/$name/.clocks.csv" 2> /dev/null &
+        clocks=$!
+    fi
     OUT="$OUT/$name" timeout -k 10 "$secs" bash "scripts/gpu_${PREFIX}$name.sh" > "$OUT/$name/output.txt" 2>&1
     echo "rc=$? after $SECONDS s" | tee -a "$OUT/$name/output.txt"
-    grep -v "^USDT" "$OUT/$name/output.txt" | tail -40
+    if [ -n "$clocks" ]; then
+        kill "$clocks" 2> /dev/null; wait "$clocks" 2> /dev/null
+        $PY scripts/gpu_clocks.py summary "$OUT/$name/.clocks.csv" >> "$OUT/$name/output.txt"
+        rm -f "$OUT/$name/.clocks.csv"
+    fi
+    grep -v "^USDT\|^clk " "$OUT/$name/output.txt" | tail -40
 done
 echo "== end at $SECONDS s"
