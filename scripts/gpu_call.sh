@@ -22,18 +22,19 @@ for part in "$@"; do
     name=${part%%:*}; secs=${part#*:}; [ "$secs" = "$part" ] && secs=240
     mkdir -p "$OUT/$name"
     echo "== $name (limit $secs s, at $SECONDS s)"
-    clocks=""  # the card's clocks, power and slowdown reasons beside the part (gpu_clocks.py)
+    clocks=""  # the card's clocks, power and slowdown reasons beside the part (gpu_clocks.py),
+    # read into the call's folder: a part deletes what it does not bring back from its own
     if command -v nvidia-smi > /dev/null; then
         nvidia-smi -i 0 --query-gpu="$($PY scripts/gpu_clocks.py query)" --format=csv,nounits \
-            -lms 250 > "$OUT/$name/.clocks.csv" 2> /dev/null &
+            -lms 250 > "$OUT/.clocks.$name.csv" 2> /dev/null &
         clocks=$!
     fi
     OUT="$OUT/$name" timeout -k 10 "$secs" bash "scripts/gpu_${PREFIX}$name.sh" > "$OUT/$name/output.txt" 2>&1
     echo "rc=$? after $SECONDS s" | tee -a "$OUT/$name/output.txt"
     if [ -n "$clocks" ]; then
         kill "$clocks" 2> /dev/null; wait "$clocks" 2> /dev/null
-        $PY scripts/gpu_clocks.py summary "$OUT/$name/.clocks.csv" >> "$OUT/$name/output.txt"
-        rm -f "$OUT/$name/.clocks.csv"
+        $PY scripts/gpu_clocks.py summary "$OUT/.clocks.$name.csv" >> "$OUT/$name/output.txt"
+        rm -f "$OUT/.clocks.$name.csv"
     fi
     grep -v "^USDT\|^clk " "$OUT/$name/output.txt" | tail -40
 done

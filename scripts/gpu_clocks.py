@@ -152,8 +152,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "summary":
         print(__doc__, file=sys.stderr)
         return 2
-    with open(argv[1]) as f:
-        print("\n".join(summary(parse(f.readlines()))))
+    try:
+        with open(argv[1]) as f:
+            lines = f.readlines()
+    except OSError as exc:
+        lines = []
+        print(f"clocks: no readings ({exc})")
+    print("\n".join(summary(parse(lines))))
     return 0
 
 
