@@ -1,6 +1,6 @@
 """The roofline of a decode step (``bench offline``): the bytes a step must read and the
 FLOPs it must compute, against the device's copy bandwidth and bf16 (the model dtype's)
-matmul rate, both measured in the same run (GPU.md: ~4.3 TB/s read+write and ~790 TFLOP/s
+matmul rate held under sustained load (:func:`matmul_rate`), both measured in the same run (GPU.md: ~4.3 TB/s read+write and ~790 TFLOP/s
 bf16 on an H200).
 
 A decode step reads every weight once (the input embedding table only for its rows unless
@@ -58,12 +58,24 @@ def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float
 
 
 def matmul_rate(
-    device, dtype: torch.dtype | None = None, n: int | None = None, repeats: int = 5
+    device,
+    dtype: torch.dtype | None = None,
+    n: int | None = None,
+    repeats: int = 5,
+    sustain_s: float = 0.0,
 ) -> float:
     """FLOP/s of an ``[n, n] @ [n, n]`` matmul in ``dtype`` (default n = 8192 on CUDA, 512
-    elsewhere), best of ``repeats`` after a warm-up: ``2 * n**3 / seconds`` (a multiply and
-    an add per term; dtype ``None``: bfloat16). Raises whatever torch raises for a dtype
-    the device cannot multiply."""
+    elsewhere): ``2 * n**3 / seconds`` (a multiply and an add per term; dtype ``None``:
+    bfloat16). With ``sustain_s`` = 0, the best of ``repeats`` calls after a warm-up: the
+    card's burst rate. With ``sustain_s`` > 0, the rate it holds under load: matmuls back to
+    back for ``sustain_s`` seconds first, then the median of ``repeats`` calls. A GPU lowers
+    its SM clock under its power cap after about a second of full load (an H200 held
+    ~1,600 of its 1,980 MHz through the compute-bound parts of session 9's runs,
+    ``scripts/gpu_clocks.py``), and a prefill or a many-row decode step runs at that clock,
+    not at the burst's. Raises whatever torch raises for a dtype the device cannot
+    multiply."""
+    import statistics
+
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -73,8 +85,23 @@ def matmul_rate(
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    best = _timed_best(device, lambda: torch.matmul(a, b, out=out), repeats)
-    return 2 * n**3 / best
+    if sustain_s <= 0:
+        best = _timed_best(device, lambda: torch.matmul(a, b, out=out), repeats)
+        return 2 * n**3 / best
+    end = time.perf_counter() + sustain_s
+    while time.perf_counter() < end:
+        for _ in range(8):
+            torch.matmul(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
 
 
 def matmul_weights_per_token(shapes) -> int:

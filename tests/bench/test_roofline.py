@@ -74,3 +74,5 @@ def test_rates_are_measured_on_the_device():
     rate = matmul_rate("cpu", torch.float32, n=64, repeats=2)
     assert 1e6 < bw < 1e13  # 1 MB/s .. 10 TB/s: a real timing, not a constant
     assert 1e5 < rate < 1e14
+    held = matmul_rate("cpu", torch.float32, n=64, repeats=3, sustain_s=0.05)
+    assert 1e5 < held < 1e14  # after 50 ms of load: the median of three, a real timing too
