@@ -162,3 +162,23 @@ def test_token_stop_rules():
     assert _stop(min_tokens=2, stop_token_ids=[9]).check(9, 3) == ("stop", 9)
     s = _stop(ignore_eos=True, stop_token_ids=[9])
     assert s.check(2, 1) is None and s.check(9, 1) == ("stop", 9)
+
+
+def test_llm_freezes_the_heap_when_asked_and_on_cuda_only_by_default():
+    """LLM(freeze_heap=True) moves the start-up heap to the permanent generation (a full
+    collection then skips the model, tokenizer and caches); the default does so on CUDA
+    only, so a CPU engine leaves the collector as it was."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        llm = LLM("random:tiny", device="cpu", num_pages=16)
+        assert gc.get_freeze_count() == 0
+        llm.shutdown()
+        llm = LLM("random:tiny", device="cpu", num_pages=16, freeze_heap=True)
+        assert gc.get_freeze_count() > 0
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+        llm.shutdown()
+    finally:
+        gc.unfreeze()

@@ -342,3 +342,32 @@ def test_add_rms_norm_linear_equals_norm_then_fp8_linear(monkeypatch):
     assert fp8.add_rms_norm_linear(x, x, norm, 1e-5, wt, None) is None  # 6 rows: gemv path
     monkeypatch.setattr(fp8, "FUSE_NORM_QUANT", False)
     assert fp8.add_rms_norm_linear(x[:1], x[:1], norm, 1e-5, wt, None) is None
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_linear_scaled_mm_equals_norm_then_fp8_linear(monkeypatch):
+    """With FUSE_NORM_QUANT_SCALED_MM, rows whose path is _scaled_mm take their e4m3 rows
+    from the norm's kernel: the bits of add_rms_norm then fp8.linear (quantize_rows then
+    _scaled_mm); without it, None (the caller's two launches)."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    from pdserve.model import fp8
+    from pdserve.model.fused_ops import add_rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    K, N = 512, 384
+    q, sc = fp8.quantize_per_channel(torch.randn(N, K, generator=gen) * 0.1)
+    wt = fp8.Fp8Weight(q.cuda(), sc.cuda(), K)
+    monkeypatch.setitem(fp8.PATHS, (N, K), ((1024, ("scaled_mm", None)),))
+    monkeypatch.setattr(fp8, "FUSE_NORM_QUANT", True)
+    norm = (1 + 0.1 * torch.randn(K, generator=gen)).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    x = torch.randn(300, K, generator=gen).bfloat16().cuda()
+    d = torch.randn(300, K, generator=gen).bfloat16().cuda()
+    monkeypatch.setattr(fp8, "FUSE_NORM_QUANT_SCALED_MM", False)
+    assert fp8.add_rms_norm_linear(x, d, norm, 1e-5, wt, bias) is None
+    monkeypatch.setattr(fp8, "FUSE_NORM_QUANT_SCALED_MM", True)
+    got = fp8.add_rms_norm_linear(x, d, norm, 1e-5, wt, bias)
+    assert got is not None
+    h0, y0 = add_rms_norm(x, d, norm, 1e-5)
+    assert torch.equal(got[0], h0) and torch.equal(got[1], fp8.linear(y0, wt, bias))
