@@ -160,3 +160,135 @@ def test_model_through_the_skinny_gemm_agrees_with_cublas(tiny_hf_builder, monke
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += ref.shape[0]
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+# ---------------------------------------------------------------- e4m3 weights (FP8 skinny)
+def _fp8_data(m, n, k, with_bias, seed=7):
+    """x in the tests' dtype, an e4m3 weight with per-row scales (fp8.quantize_per_channel)
+    and its dequantized fp32 value, a bias."""
+    from pdserve.model import fp8
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
+    wq, ws = fp8.quantize_per_channel(torch.randn(n, k, generator=gen) / k**0.5)
+    b = torch.randn(n, generator=gen).to(DEVICE, DTYPE) if with_bias else None
+    real = (wq.float() * ws).to(DEVICE)
+    return x, wq.to(DEVICE), ws.to(DEVICE), real, b
+
+
+def _ref(x, real, b):
+    """The dequantized product in fp32, rounded to x's dtype as the kernel rounds once."""
+    out = x.float() @ real.T
+    return (out if b is None else out + b.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m", [5, 20])
+def test_e4m3_weights_match_the_dequantized_product(split, with_bias, m):
+    n, k = 40, 128  # the last N tile masked, rows past M too
+    x, wq, ws, real, b = _fp8_data(m, n, k, with_bias)
+    out = triton_skinny.run(x, wq, b, (16, 16, 32, split, 4, 2, 2), scale=ws)
+    assert isinstance(out, torch.Tensor) and out.shape == (m, n) and out.dtype == DTYPE
+    torch.testing.assert_close(out, _ref(x, real, b), **TOL)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_e4m3_partials_are_scaled_and_fold_into_add_rms_norm(with_bias):
+    m, n, k = 7, 48, 128
+    x, wq, ws, real, b = _fp8_data(m, n, k, with_bias)
+    cfg = (16, 16, 32, 2, 4, 2, 0)
+    parts = triton_skinny.run(x, wq, b, cfg, keep_partials=True, scale=ws.reshape(-1))
+    assert isinstance(parts, fused_splitk_norm.SplitKPartials) and parts.parts.shape == (2, m, n)
+    torch.testing.assert_close(parts.parts.sum(0), x.float() @ real.T, atol=1e-3, rtol=1e-3)
+    res = torch.randn(m, n).to(DEVICE, DTYPE)
+    nw = torch.rand(n).to(DEVICE, DTYPE)
+    h, y = fused_splitk_norm.add_rms_norm(res, parts, nw, 1e-5)
+    reduced = triton_skinny.run(x, wq, b, cfg, scale=ws)
+    h_ref, y_ref = fused_ops.add_rms_norm(res, reduced, nw, 1e-5)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_e4m3_swiglu_scales_gate_and_up_rows_by_their_own_scales(with_bias):
+    m, inter, k = 9, 48, 64
+    x, wq, ws, real, b = _fp8_data(m, 2 * inter, k, with_bias)
+    ws[inter:] *= 3.0  # the up rows' scales differ from the gate rows'
+    real[inter:] *= 3.0
+    out = triton_skinny.run(x, wq, b, (16, 16, 32, 1, 4, 2, 0), swiglu=True, scale=ws)
+    ref = fused_ops.silu_mul(_ref(x, real, b))
+    assert isinstance(out, torch.Tensor) and out.shape == (m, inter)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_fp8_skinny_path_runs_where_the_paths_pick_it(monkeypatch):
+    """fp8's ``skinny`` path kind: run_path, linear_partials (split: partials) and swiglu
+    (whole K only) follow ``fp8.PATHS``; another path kind gives None."""
+    from pdserve.model import fp8
+
+    m, n, k = 6, 32, 64
+    x, wq, ws, real, _ = _fp8_data(m, n, k, False)
+    w = fp8.Fp8Weight(wq, ws, k)
+    split2, whole = (16, 16, 32, 2, 4, 2, 0), (16, 16, 32, 1, 4, 2, 0)
+    out = fp8.run_path(("skinny", split2), x, w, None)
+    torch.testing.assert_close(out, _ref(x, real, None), **TOL)
+    monkeypatch.setattr(fp8, "PATHS", {(n, k): ((4, ("w8a8", None)), (64, ("skinny", split2)))})
+    parts = fp8.linear_partials(x, w, None)
+    assert isinstance(parts, fused_splitk_norm.SplitKPartials)
+    assert fp8.linear_partials(x[:3], w, None) is None  # 3 rows: the w8a8 entry
+    assert fp8.swiglu(x, w, None) is None  # a split tile has no SwiGLU epilogue
+    monkeypatch.setattr(fp8, "PATHS", {(n, k): ((64, ("skinny", whole)),)})
+    act = fp8.swiglu(x, w, None)
+    assert act is not None and act.shape == (m, n // 2)
+    torch.testing.assert_close(act, fused_ops.silu_mul(_ref(x, real, None)), **TOL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+def test_an_fp8_model_on_the_skinny_path_gives_the_dequantized_greedy_tokens(
+    monkeypatch, tiny_hf_builder
+):
+    """The tiny Llama quantized to e4m3 at load, on the CUDA layer path (fused ops), with
+    fp8.PATHS giving every linear the ``skinny`` path: qkv whole, o and down split (their
+    partials summed by the next add + RMSNorm), gate/up with its SwiGLU epilogue. The same
+    greedy tokens as the dequantized weights (``fp8.linear`` on CPU), logits within fp32
+    rounding, and each layer's four linears ran the kernel."""
+    from tp_model_ranks import PROMPTS, greedy_paged
+
+    from pdserve.model import fp8, llama
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("llama", seed=4)
+    model = llama.LlamaForCausalLM(
+        hf.config, torch.float32, "cpu", attn_backend="triton", quantization="fp8"
+    )
+    model.load_weights(hf.state_dict().items())
+    s = model.shapes
+    base = greedy_paged(model, PROMPTS[:2], 3)
+    whole, split = (16, 16, 32, 1, 4, 2, 0), (16, 16, 32, 2, 4, 2, 0)
+    qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
+    paths = {
+        (qkv_out, s.hidden): ((64, ("skinny", whole)),),
+        (s.hidden, s.n_heads * s.head_dim): ((64, ("skinny", split)),),
+        (2 * s.intermediate, s.hidden): ((64, ("skinny", whole)),),
+        (s.hidden, s.intermediate): ((64, ("skinny", (16, 16, 16, 2, 4, 2, 0))),),  # K 2 x 48
+    }
+    monkeypatch.setattr(fp8, "PATHS", paths)
+    calls = []
+    real_run = triton_skinny.run
+    monkeypatch.setattr(triton_skinny, "run", lambda *a, **k: calls.append(k) or real_run(*a, **k))
+    real_linear = fp8.linear
+
+    def linear_anywhere(x, w, b):  # the skinny path off CUDA too (qkv: fp8.linear)
+        config = fp8._skinny_config(x, w)
+        return real_linear(x, w, b) if config is None else fp8.run_path(("skinny", config), x, w, b)
+
+    monkeypatch.setattr(fp8, "linear", linear_anywhere)
+    got = greedy_paged(model, PROMPTS[:2], 3)
+    steps = 4  # prefill + 3 decode steps
+    assert len(calls) == 4 * s.n_layers * steps
+    assert sum(bool(k.get("swiglu")) for k in calls) == s.n_layers * steps
+    assert sum(bool(k.get("keep_partials")) for k in calls) == 2 * s.n_layers * steps
+    assert got[0] == base[0]
+    for a, b in zip(base[1], got[1]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
