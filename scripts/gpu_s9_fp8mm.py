@@ -80,6 +80,18 @@ CANDS = {
     "gate_up": [(64, 64, 256, 1, 4, 3, 4), (64, 64, 256, 1, 8, 3, 4), (64, 64, 128, 1, 4, 4, 4),
                 (64, 128, 128, 1, 8, 3, 4), (64, 32, 256, 1, 4, 4, 4), (64, 64, 128, 1, 8, 4, 4)],
 }  # fmt: skip
+# skinny8 tiles (the activations quantized in the kernel, FP8 dots), ``--kind skinny8``
+CANDS8 = {
+    "qkv": [(64, 64, 256, 1, 4, 4, 4), (64, 64, 128, 1, 4, 4, 4), (64, 64, 128, 2, 4, 4, 4),
+            (64, 128, 128, 1, 4, 4, 4), (64, 64, 256, 2, 4, 4, 4)],
+    "o": [(64, 64, 256, 2, 4, 4, 4), (64, 64, 128, 2, 4, 4, 4), (64, 64, 128, 4, 4, 4, 4),
+          (64, 64, 256, 1, 4, 4, 4), (64, 128, 128, 4, 4, 4, 4)],
+    "down": [(64, 64, 256, 2, 4, 4, 4), (64, 64, 128, 2, 4, 4, 4), (64, 64, 256, 4, 4, 4, 4),
+             (64, 64, 128, 4, 4, 4, 4), (64, 64, 256, 1, 4, 4, 4)],
+    "gate_up": [(64, 128, 128, 1, 4, 4, 4), (64, 64, 256, 1, 4, 3, 4), (64, 64, 128, 1, 4, 4, 4),
+                (64, 128, 128, 1, 8, 4, 4), (64, 64, 256, 1, 8, 3, 4)],
+}  # fmt: skip
+KIND = ["skinny"]  # the path kind swept: --kind
 TOY_CANDS = {k: [(16, 16, 32, 1, 4, 2, 0), (16, 16, 32, 2, 4, 2, 0)] for k in SHAPES}
 TOY_CANDS["gate_up"] = [(16, 16, 32, 1, 4, 2, 0)]
 
@@ -135,7 +147,7 @@ def run_skinny(name: str, cfg, x, w: fp8.Fp8Weight, partials: bool = True):
     """The skinny kernel as the engine would run it (o/down split: partials kept)."""
     swiglu = SHAPES_NOW[name][2]
     return triton_skinny.run(x, w.weight, None, cfg, swiglu=swiglu, keep_partials=partials,
-                             scale=w.scale_row())  # fmt: skip
+                             scale=w.scale_row(), quant_x=KIND[0] == "skinny8")  # fmt: skip
 
 
 SHAPES_NOW = dict(SHAPES)
@@ -152,7 +164,7 @@ def time_fns(fns, cuda: bool) -> float:
 
 def precompile(shard: int, procs: int, toy: bool, m: int) -> None:
     device = "cpu" if toy else "cuda"
-    cands = TOY_CANDS if toy else CANDS
+    cands = TOY_CANDS if toy else (CANDS8 if KIND[0] == "skinny8" else CANDS)
     jobs = [(name, cfg) for name in SHAPES_NOW for cfg in cands[name]]
     jobs += [(name, None) for name in SHAPES_NOW]  # the current path's kernels
     mine = jobs[shard::procs]
@@ -235,9 +247,9 @@ def sweep_shape(args, name: str, m: int, dev, g, cands) -> dict:
         try:
             triton_skinny.check(cfg, m, n // 2 if swiglu else n, k, swiglu)
         except ValueError as exc:
-            vs[f"skinny{list(cfg)}"] = {"error": str(exc)}
+            vs[f"{KIND[0]}{list(cfg)}"] = {"error": str(exc)}
             continue
-        one(f"skinny{list(cfg)}", lambda w, cfg=cfg: run_skinny(name, cfg, x, w),
+        one(f"{KIND[0]}{list(cfg)}", lambda w, cfg=cfg: run_skinny(name, cfg, x, w),
             lambda cfg=cfg: reduced(run_skinny(name, cfg, x, ws[0])))  # fmt: skip
     # the current path again: how much the rate moved over the shape's timings
     one("current_again", lambda w: run_current(name, path, x, xq, w),
@@ -253,7 +265,7 @@ def micro(args) -> None:
     dev = torch.device(args.device)
     m = 16 if toy else 64
     out_path = os.path.join(os.environ.get("OUT", "."), args.micro_json)
-    res: dict[str, Any] = {"rows": m, "shapes": {}, "errors": {}}
+    res: dict[str, Any] = {"rows": m, "kind": KIND[0], "shapes": {}, "errors": {}}
     if cuda:
         import triton
 
@@ -264,6 +276,7 @@ def micro(args) -> None:
     for i in range(args.precompile_procs):
         cmd = [sys.executable, me, "precompile", "--shard", f"{i}/{args.precompile_procs}"]
         cmd += ["--toy", "--device", "cpu"] if toy else []
+        cmd += ["--kind", KIND[0]]
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
@@ -278,7 +291,7 @@ def micro(args) -> None:
             res.setdefault("precompile", []).append("killed: still compiling")
     log(f"precompile done: {res.get('precompile')}")
     save(out_path, res)
-    cands = TOY_CANDS if toy else CANDS
+    cands = TOY_CANDS if toy else (CANDS8 if KIND[0] == "skinny8" else CANDS)
     g = torch.Generator(device=dev).manual_seed(1)
     for name in SHAPES_NOW:
         if elapsed() > args.budget_s:
@@ -310,7 +323,8 @@ def picks(mres: dict, margin: float) -> dict:
               and v["err_vs_ref"] < fp8.CHOICE_MAX_ERROR]  # fmt: skip
         if ok:
             us, lab = min(ok)
-            out[name] = {"N": r["N"], "K": r["K"], "config": ast.literal_eval(lab[6:]), "us": us,
+            kind, cfg = lab[: lab.index("[")], lab[lab.index("[") :]
+            out[name] = {"N": r["N"], "K": r["K"], "kind": kind, "config": ast.literal_eval(cfg), "us": us,
                          "current_us": cur, "kept": us < cur * (1 - margin)}  # fmt: skip
     return out
 
@@ -321,7 +335,7 @@ def paths_with(base: dict, chosen: dict, m: int) -> dict:
     for p in chosen.values():
         key = (p["N"], p["K"])
         entries = list(base.get(key, ())) or [(m, None), (1 << 30, ("w8a16", None))]
-        sk = ("skinny", tuple(p["config"]))
+        sk = (p.get("kind", "skinny"), tuple(p["config"]))
         entries = [(mm, sk if mm == m else path) for mm, path in entries]
         new[key] = tuple(entries)
     return new
@@ -486,6 +500,9 @@ def engine(args) -> None:
         else:
             res["skipped"]["on"] = "no pick beat the current paths"
             part("off_row", 6, p_off_row)
+            if chosen:  # the best tiles in the engine all the same (what the sweep cannot see)
+                part("all", 12, p_all)
+                part("off_again", 5, p_off_again)
     finally:
         save(out_path, res)
         llm.shutdown()
@@ -507,7 +524,7 @@ def write_table(json_path: str, keep: str) -> None:
         if key not in table:
             print(f"{name}: {key} not in the table, left out")
             continue
-        sk = ("skinny", tuple(p["config"]))
+        sk = (p.get("kind", "skinny"), tuple(p["config"]))
         table[key] = tuple((mm, sk if mm == 64 else path) for mm, path in table[key])
         changed.append(f"{name} {p['config']} {p['us']:.2f} us (was {p['current_us']:.2f})")
     with open(fp8_paths_table.__file__) as f:
@@ -539,6 +556,7 @@ def main() -> None:
     ap.add_argument("--rotate-mb", type=float, default=240.0)
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--force", action="store_true", help="engine: the best tiles even if slower")
+    ap.add_argument("--kind", default="skinny", choices=["skinny", "skinny8"])
     ap.add_argument("--deadline-s", type=float, default=110.0, help="engine: skip parts after")
     ap.add_argument("--micro-wait-s", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -547,6 +565,7 @@ def main() -> None:
     ap.add_argument("--write-table", default="")
     ap.add_argument("--keep", default="kept")
     args = ap.parse_args()
+    KIND[0] = args.kind
     if args.toy:
         SHAPES_NOW.clear()
         SHAPES_NOW.update(TOY_SHAPES)

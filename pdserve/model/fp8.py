@@ -510,9 +510,12 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 # bf16 activations; its Config, None for its own choice) or ``skinny`` (triton_skinny.run on
 # the e4m3 weight: bf16 activations, split-K, early weight reads; a triton_skinny.Config;
 # in the decode layer a split one's partials go to the next add + RMSNorm
-# (linear_partials) and the gate/up projection runs with SwiGLU in its epilogue (swiglu)).
+# (linear_partials) and the gate/up projection runs with SwiGLU in its epilogue (swiglu)),
+# ``skinny8`` (the same kernel with the activations quantized to e4m3 inside it, one scale
+# per row and BLOCK_K columns, and FP8 dots; its uses as ``skinny``'s).
 Path = tuple[str, Any]
-PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16", "skinny")
+PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16", "skinny", "skinny8")
+SKINNY_KINDS = ("skinny", "skinny8")
 # (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
 # the first entry whose largest M is >= M, past the last that of the last. Filled at start on
 # CUDA for the model's shapes by :func:`choose_paths` (each path timed on the card at
@@ -603,10 +606,11 @@ def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | Non
         from pdserve.model import triton_fp8
 
         return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias, config)
-    if kind == "skinny":
+    if kind in SKINNY_KINDS:
         from pdserve.model import triton_skinny
 
-        out = triton_skinny.run(x, w.weight, bias, config, scale=w.scale_row())
+        quant = kind == "skinny8"
+        out = triton_skinny.run(x, w.weight, bias, config, scale=w.scale_row(), quant_x=quant)
         assert isinstance(out, torch.Tensor)
         return out
     raise ValueError(f"FP8 path kind {kind!r} is not one of {', '.join(PATH_KINDS)}")
@@ -629,8 +633,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
 
 
 def _skinny_config(x: torch.Tensor, w: Fp8Weight | None) -> Any:
-    """The ``skinny`` path's configuration for x's rows of w (one-group; bf16 on CUDA), else
-    None."""
+    """``(config, quant_x)`` of the ``skinny`` / ``skinny8`` path for x's rows of w
+    (one-group; bf16 on CUDA), else None."""
     # (bf16 on CUDA as run_path; off CUDA only a test forcing the CUDA layer path gets here)
     if w is None or x.dim() != 2 or (x.is_cuda and x.dtype != torch.bfloat16):
         return None
@@ -638,36 +642,42 @@ def _skinny_config(x: torch.Tensor, w: Fp8Weight | None) -> Any:
         return None
     n, k = w.weight.shape
     kind, config = path_for(x.shape[0], n, k)
-    return config if kind == "skinny" else None
+    return (config, kind == "skinny8") if kind in SKINNY_KINDS else None
 
 
 def linear_partials(
     x: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None
 ) -> torch.Tensor | SplitKPartials | None:
     """``x [M, K] @ real(w).T + bias`` where :func:`path_for` gives these rows the
-    ``skinny`` path: a split configuration's fp32 partials unreduced (a
+    ``skinny`` or ``skinny8`` path: a split configuration's fp32 partials unreduced (a
     ``fused_splitk_norm.SplitKPartials``, the weight's scale already applied, for the next
     add + RMSNorm to sum) when ``fused_splitk_norm.FUSE`` is on, else the ``[M, N]`` tensor;
     None for any other path (the caller runs :func:`linear`)."""
-    config = _skinny_config(x, w)
-    if config is None or w is None:
+    found = _skinny_config(x, w)
+    if found is None or w is None:
         return None
     from pdserve.model import fused_splitk_norm, triton_skinny
 
+    config, quant = found
     keep = fused_splitk_norm.FUSE
-    return triton_skinny.run(x, w.weight, bias, config, keep_partials=keep, scale=w.scale_row())
+    return triton_skinny.run(
+        x, w.weight, bias, config, keep_partials=keep, scale=w.scale_row(), quant_x=quant
+    )
 
 
 def swiglu(x: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``silu(g) * u`` of ``[g | u] = x @ real(w).T + bias`` (w the gate/up weight ``[2I,
     K]``) -> ``[M, I]`` in one launch where :func:`path_for` gives these rows of w the
-    ``skinny`` path with no K split (its SwiGLU epilogue); None otherwise."""
-    config = _skinny_config(x, w)
-    if config is None or w is None or config[3] != 1:
+    ``skinny`` or ``skinny8`` path with no K split (its SwiGLU epilogue); None otherwise."""
+    found = _skinny_config(x, w)
+    if found is None or w is None or found[0][3] != 1:
         return None
     from pdserve.model import triton_skinny
 
-    out = triton_skinny.run(x, w.weight, bias, config, swiglu=True, scale=w.scale_row())
+    config, quant = found
+    out = triton_skinny.run(
+        x, w.weight, bias, config, swiglu=True, scale=w.scale_row(), quant_x=quant
+    )
     assert isinstance(out, torch.Tensor)
     return out
 

@@ -24,7 +24,10 @@ for 132 SMs and starts reading only once the kernel before it has ended. This ke
   ``skinny`` path of :mod:`pdserve.model.fp8`): each weight tile is converted to x's dtype
   in registers and the sums are multiplied by the row's scale in the epilogue (in every
   K slice, before the bias), so bf16 activations go in as they are: no activation
-  quantization kernel, half the weight bytes of bf16.
+  quantization kernel, half the weight bytes of bf16; with ``quant_x`` as well, each x tile
+  is quantized to e4m3 in registers (one scale per row and BLOCK_K columns: finer than one
+  per row) and multiplied on the FP8 tensor cores (the ``skinny8`` path: no conversion of
+  the weight, no separate activation-quantization kernel).
 
 fp32 accumulation; results differ from cuBLAS only by summation order. Where which
 configuration runs is not guessed: for bf16 weights ``skinny_table`` (written from an H200
@@ -46,6 +49,7 @@ from pdserve.model.fused_splitk_norm import SplitKPartials
 from pdserve.model.pdl import pdl_enter, prefetch_l2
 from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
+from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PREFETCH lines)
 Config = tuple[int, int, int, int, int, int, int]
@@ -56,7 +60,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, o_ptr, M, N, K, K_SPLIT, UP, s_xm, s_wn, s_om, s_os,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
-    SCALED: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    SCALED: tl.constexpr, QUANT_X: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
     LINE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -66,7 +70,10 @@ def _skinny_kernel(
     (bias ``b[UP + n]``), and ``o = silu(g) * u``. ``PARTIAL``: the fp32 sum stored at
     ``o + slice * s_os`` (no bias: the reduce adds it). ``SCALED``: w is e4m3, each tile
     converted to x's dtype in registers, the sums multiplied by ``s[n]`` (fp32, one per
-    weight row; ``s[UP + n]`` for u) before the bias, in every slice. ``PREFETCH`` > 0
+    weight row; ``s[UP + n]`` for u) before the bias, in every slice. ``QUANT_X`` (with
+    SCALED): each x tile is quantized to e4m3 in registers, one scale per row and tile
+    (``amax / 448``), and multiplied with the e4m3 weight tile on the FP8 tensor cores, the
+    tile's fp32 product times the row's scale added to the sums. ``PREFETCH`` > 0
     (CUDA, PDL): the first ``PREFETCH`` 128-byte lines (``LINE`` weight elements each) of
     the program's weight rows asked for in L2 before the wait."""
     pid_n = tl.program_id(0)
@@ -95,19 +102,35 @@ def _skinny_kernel(
         kk = k0 + rk
         x = tl.load(x_rows + kk[None, :], mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        if EMULATE:  # the interpreter: fp32 tiles (e4m3 and bf16 values are exact in fp32)
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        elif SCALED:
-            w = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(w), acc)
-        if SWIGLU:
-            u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-            if EMULATE:
-                u = u.to(tl.float32)
+        if QUANT_X:  # per row and tile: e4m3 x, the FP8 dot, its sum times the row's scale
+            xf = x.to(tl.float32)
+            xs = tl.maximum(tl.max(tl.abs(xf), 1), AMAX_FLOOR) * INV_FP8_MAX  # [BLOCK_M]
+            xv = tl.minimum(tl.maximum(xf * (1.0 / xs)[:, None], -FP8_MAX), FP8_MAX)
+            if EMULATE:  # e4m3 values held in fp32 (exact products in fp32)
+                xq = _round_e4m3(xv)
+                w = w.to(tl.float32)
+            else:
+                xq = xv.to(w.dtype)
+            acc += tl.dot(xq, tl.trans(w)) * xs[:, None]
+            if SWIGLU:
+                u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+                if EMULATE:
+                    u = u.to(tl.float32)
+                acc_u += tl.dot(xq, tl.trans(u)) * xs[:, None]
+        else:
+            if EMULATE:  # the interpreter: fp32 tiles (e4m3 and bf16 values exact in fp32)
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
             elif SCALED:
-                u = u.to(x.dtype)
-            acc_u = tl.dot(x, tl.trans(u), acc_u)
+                w = w.to(x.dtype)
+            acc = tl.dot(x, tl.trans(w), acc)
+            if SWIGLU:
+                u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+                if EMULATE:
+                    u = u.to(tl.float32)
+                elif SCALED:
+                    u = u.to(x.dtype)
+                acc_u = tl.dot(x, tl.trans(u), acc_u)
     offs = rm[:, None] * s_om + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
     if SCALED:
@@ -150,6 +173,7 @@ def run(
     swiglu: bool = False,
     keep_partials: bool = False,
     scale: torch.Tensor | None = None,
+    quant_x: bool = False,
 ) -> torch.Tensor | SplitKPartials:
     """``x [M, K] @ weight[N, K].T + bias`` with ``config``: a new ``[M, N]`` tensor in x's
     dtype; with ``swiglu`` ``silu(g) * u`` of ``[g | u] = x @ weight.T + bias`` (``[M,
@@ -158,7 +182,9 @@ def run(
     x and weight row-contiguous, one dtype; or, with ``scale`` (fp32, one per weight row:
     ``[N_rows]`` or ``[N_rows, 1]`` contiguous), an e4m3 weight whose real value is
     ``weight * scale`` (the FP8 ``skinny`` path of :mod:`pdserve.model.fp8`: bf16
-    activations, no activation quantization). ValueError as :func:`check`."""
+    activations, no activation quantization); with ``quant_x`` too, x is quantized to e4m3
+    inside the kernel per row and BLOCK_K tile and the dots run on the FP8 tensor cores
+    (the ``skinny8`` path). ValueError as :func:`check`."""
     bm, bn, bk, split, warps, stages, prefetch = config
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
@@ -171,6 +197,7 @@ def run(
     else:
         assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
         assert scale.is_contiguous() and scale.numel() == weight.shape[0]
+    assert scale is not None or not quant_x
     out = x.new_empty(M, N)
     parts = split > 1
     dst = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if parts else out
@@ -181,8 +208,8 @@ def run(
         _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
             x, weight, b, s, dst, M, N, K, K // split, N, x.stride(0), weight.stride(0), N,
             M * N, HAS_BIAS=bias is not None, SWIGLU=swiglu, PARTIAL=parts,
-            SCALED=scale is not None, EMULATE=_INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PREFETCH=prefetch if opts["PDL"] else 0, LINE=128 // weight.element_size(),
+            SCALED=scale is not None, QUANT_X=quant_x, EMULATE=_INTERPRET, BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch if opts["PDL"] else 0, LINE=128 // weight.element_size(),
             num_warps=warps, num_stages=stages, **opts,
         )  # fmt: skip
     if parts and keep_partials:

@@ -245,14 +245,16 @@ def test_fp8_skinny_path_runs_where_the_paths_pick_it(monkeypatch):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+@pytest.mark.parametrize("kind", ["skinny", "skinny8"])
 def test_an_fp8_model_on_the_skinny_path_gives_the_dequantized_greedy_tokens(
-    monkeypatch, tiny_hf_builder
+    kind, monkeypatch, tiny_hf_builder
 ):
     """The tiny Llama quantized to e4m3 at load, on the CUDA layer path (fused ops), with
     fp8.PATHS giving every linear the ``skinny`` path: qkv whole, o and down split (their
     partials summed by the next add + RMSNorm), gate/up with its SwiGLU epilogue. The same
     greedy tokens as the dequantized weights (``fp8.linear`` on CPU), logits within fp32
-    rounding, and each layer's four linears ran the kernel."""
+    rounding, and each layer's four linears ran the kernel; ``skinny8`` (activations
+    quantized in the kernel) the same calls, the prompts' logits within e4m3's error."""
     from tp_model_ranks import PROMPTS, greedy_paged
 
     from pdserve.model import fp8, llama
@@ -268,10 +270,10 @@ def test_an_fp8_model_on_the_skinny_path_gives_the_dequantized_greedy_tokens(
     whole, split = (16, 16, 32, 1, 4, 2, 0), (16, 16, 32, 2, 4, 2, 0)
     qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
     paths = {
-        (qkv_out, s.hidden): ((64, ("skinny", whole)),),
-        (s.hidden, s.n_heads * s.head_dim): ((64, ("skinny", split)),),
-        (2 * s.intermediate, s.hidden): ((64, ("skinny", whole)),),
-        (s.hidden, s.intermediate): ((64, ("skinny", (16, 16, 16, 2, 4, 2, 0))),),  # K 2 x 48
+        (qkv_out, s.hidden): ((64, (kind, whole)),),
+        (s.hidden, s.n_heads * s.head_dim): ((64, (kind, split)),),
+        (2 * s.intermediate, s.hidden): ((64, (kind, whole)),),
+        (s.hidden, s.intermediate): ((64, (kind, (16, 16, 16, 2, 4, 2, 0))),),  # K 2 x 48
     }
     monkeypatch.setattr(fp8, "PATHS", paths)
     calls = []
@@ -280,8 +282,10 @@ def test_an_fp8_model_on_the_skinny_path_gives_the_dequantized_greedy_tokens(
     real_linear = fp8.linear
 
     def linear_anywhere(x, w, b):  # the skinny path off CUDA too (qkv: fp8.linear)
-        config = fp8._skinny_config(x, w)
-        return real_linear(x, w, b) if config is None else fp8.run_path(("skinny", config), x, w, b)
+        found = fp8._skinny_config(x, w)
+        if found is None:
+            return real_linear(x, w, b)
+        return fp8.run_path(("skinny8" if found[1] else "skinny", found[0]), x, w, b)
 
     monkeypatch.setattr(fp8, "linear", linear_anywhere)
     got = greedy_paged(model, PROMPTS[:2], 3)
@@ -289,6 +293,62 @@ def test_an_fp8_model_on_the_skinny_path_gives_the_dequantized_greedy_tokens(
     assert len(calls) == 4 * s.n_layers * steps
     assert sum(bool(k.get("swiglu")) for k in calls) == s.n_layers * steps
     assert sum(bool(k.get("keep_partials")) for k in calls) == 2 * s.n_layers * steps
+    assert sum(bool(k.get("quant_x")) for k in calls) == (len(calls) if kind == "skinny8" else 0)
+    if kind == "skinny8":  # e4m3 activations (per row and tile) through 2 layers x 4 linears:
+        # the prompts' logits (the same inputs) within 10 % of the largest; the random tiny
+        # model's near-tied logits then pick other tokens, so the later steps differ
+        a, b = base[1][0], got[1][0]
+        assert (a - b).abs().max() <= 0.1 * a.abs().max()
+        return
     assert got[0] == base[0]
     for a, b in zip(base[1], got[1]):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def _group_quant_ref(x, bk):
+    """x [M, K] quantized to e4m3 per row and ``bk`` columns as the ``quant_x`` kernel does:
+    ``scale = max(amax, 1e-12) * fp32(1 / 448)``, ``q = clamp(x * (1 / scale))`` rounded to
+    e4m3; returns the dequantized fp32 values."""
+    from pdserve.model import fp8
+
+    m, k = x.shape
+    g = x.float().reshape(m, k // bk, bk)
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) * torch.tensor(1 / 448.0)
+    q = (g * (1.0 / scale)).clamp(-448, 448).to(fp8.FP8).float()
+    return (q * scale).reshape(m, k)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quant_x_matches_the_group_quantized_product(split, with_bias):
+    """``quant_x``: the activations quantized per row and BLOCK_K columns inside the kernel,
+    FP8 dots: the product of the group-quantized x and the dequantized weight (fp32 sums),
+    and within e4m3's error of the unquantized product."""
+    m, n, k, bk = 20, 40, 128, 32
+    x, wq, ws, real, b = _fp8_data(m, n, k, with_bias)
+    x[3] = 0.0  # an all-zero row: scale floor, zeros out
+    x[5, :32] *= 100.0  # one group far larger than the others: its own scale
+    out = triton_skinny.run(x, wq, b, (16, 16, bk, split, 4, 2, 0), scale=ws, quant_x=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (m, n)
+    ref = _group_quant_ref(x, bk) @ real.T
+    ref = (ref if b is None else ref + b.float()).to(DTYPE)
+    torch.testing.assert_close(out, ref, **TOL)
+    exact = _ref(x, real, b).float()
+    assert (out.float() - exact).abs().max() <= 0.06 * exact.abs().max()
+    if b is None:
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_quant_x_swiglu_and_partials():
+    from pdserve.model import fp8
+
+    m, inter, k, bk = 9, 48, 64, 32
+    x, wq, ws, real, _ = _fp8_data(m, 2 * inter, k, False)
+    out = triton_skinny.run(
+        x, wq, None, (16, 16, bk, 1, 4, 2, 0), swiglu=True, scale=ws, quant_x=True
+    )
+    xg = _group_quant_ref(x, bk)
+    torch.testing.assert_close(out, fused_ops.silu_mul((xg @ real.T).to(DTYPE)), **TOL)
+    w = fp8.Fp8Weight(wq[:inter].contiguous(), ws[:inter].contiguous(), k)
+    parts = fp8.run_path(("skinny8", (16, 16, bk, 2, 4, 2, 0)), x, w, None)
+    torch.testing.assert_close(parts, (xg @ real[:inter].T).to(DTYPE), **TOL)
