@@ -36,12 +36,10 @@ rank's columns: finer than TP 1's, and not the same numbers.
 
 Matmul (:func:`linear`): on CPU the weight is dequantized to the activations' dtype and
 multiplied (correct, not fast). On CUDA, a one-group weight under bf16 activations runs one
-of six paths (:data:`Path`), chosen per shape and row count when the model loads by timing
-them on the card (:func:`choose_paths`) or from ``fp8_paths_table``: the one-row FP8 GEMV, the
-w8a8 Triton GEMM and its tiles on bf16 activations of :mod:`pdserve.model.triton_w8a8`,
-``torch._scaled_mm``, the w8a16 kernel of :mod:`pdserve.model.triton_fp8` (e4m3 weights
-converted in registers), or the split-K skinny GEMM of :mod:`pdserve.model.triton_skinny` on
-e4m3 weights (decode batches; measured picks only, not timed at start); ``w8a8`` and
+of five paths (:data:`Path`), chosen per shape and row count when the model loads by timing
+them on the card (:func:`choose_paths`): the one-row FP8 GEMV, the w8a8 Triton GEMM and its
+tiles on bf16 activations of :mod:`pdserve.model.triton_w8a8`, ``torch._scaled_mm``, or the
+w8a16 kernel of :mod:`pdserve.model.triton_fp8` (e4m3 weights converted in registers); ``w8a8`` and
 ``_scaled_mm`` quantize the activations per token (:func:`quantize_rows`: one Triton
 launch on CUDA). Block-scaled weights and other activation dtypes run the w8a16 kernel.
 Static ``input_scale`` values are read and kept (``Fp8Weight``) but the activations are
@@ -55,14 +53,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from pdserve.model.fused_splitk_norm import SplitKPartials
 
 logger = logging.getLogger(__name__)
 
@@ -506,16 +501,10 @@ def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
 # triton_w8a8.quantize_rows; config None), ``w8a8`` (triton_w8a8.w8a8, same activations;
 # config a triton_w8a8.W8a8Config), ``w8a16s`` (triton_w8a8.linear_w8a16: the w8a8 kernel's
 # tiles on bf16 activations, the weight tile converted in registers; a W8a8Config), ``gemv``
-# (one row, bf16 activations; triton_w8a8.GemvConfig), ``w8a16`` (triton_fp8.fp8_matmul,
-# bf16 activations; its Config, None for its own choice) or ``skinny`` (triton_skinny.run on
-# the e4m3 weight: bf16 activations, split-K, early weight reads; a triton_skinny.Config;
-# in the decode layer a split one's partials go to the next add + RMSNorm
-# (linear_partials) and the gate/up projection runs with SwiGLU in its epilogue (swiglu)),
-# ``skinny8`` (the same kernel with the activations quantized to e4m3 inside it, one scale
-# per row and BLOCK_K columns, and FP8 dots; its uses as ``skinny``'s).
+# (one row, bf16 activations; triton_w8a8.GemvConfig) or ``w8a16`` (triton_fp8.fp8_matmul,
+# bf16 activations; its Config, None for its own choice).
 Path = tuple[str, Any]
-PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16", "skinny", "skinny8")
-SKINNY_KINDS = ("skinny", "skinny8")
+PATH_KINDS = ("scaled_mm", "w8a8", "w8a16s", "gemv", "w8a16")
 # (N, K) -> ((largest M, path), ...) ascending in M: the path of a call with M rows is that of
 # the first entry whose largest M is >= M, past the last that of the last. Filled at start on
 # CUDA for the model's shapes by :func:`choose_paths` (each path timed on the card at
@@ -606,13 +595,6 @@ def run_path(path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | Non
         from pdserve.model import triton_fp8
 
         return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias, config)
-    if kind in SKINNY_KINDS:
-        from pdserve.model import triton_skinny
-
-        quant = kind == "skinny8"
-        out = triton_skinny.run(x, w.weight, bias, config, scale=w.scale_row(), quant_x=quant)
-        assert isinstance(out, torch.Tensor)
-        return out
     raise ValueError(f"FP8 path kind {kind!r} is not one of {', '.join(PATH_KINDS)}")
 
 
@@ -630,56 +612,6 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Te
     from pdserve.model import triton_fp8
 
     return triton_fp8.fp8_matmul(x, w.weight, w.scale, w.group, bias)
-
-
-def _skinny_config(x: torch.Tensor, w: Fp8Weight | None) -> Any:
-    """``(config, quant_x)`` of the ``skinny`` / ``skinny8`` path for x's rows of w
-    (one-group; bf16 on CUDA), else None."""
-    # (bf16 on CUDA as run_path; off CUDA only a test forcing the CUDA layer path gets here)
-    if w is None or x.dim() != 2 or (x.is_cuda and x.dtype != torch.bfloat16):
-        return None
-    if not w.one_group or x.shape[0] == 0:
-        return None
-    n, k = w.weight.shape
-    kind, config = path_for(x.shape[0], n, k)
-    return (config, kind == "skinny8") if kind in SKINNY_KINDS else None
-
-
-def linear_partials(
-    x: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None
-) -> torch.Tensor | SplitKPartials | None:
-    """``x [M, K] @ real(w).T + bias`` where :func:`path_for` gives these rows the
-    ``skinny`` or ``skinny8`` path: a split configuration's fp32 partials unreduced (a
-    ``fused_splitk_norm.SplitKPartials``, the weight's scale already applied, for the next
-    add + RMSNorm to sum) when ``fused_splitk_norm.FUSE`` is on, else the ``[M, N]`` tensor;
-    None for any other path (the caller runs :func:`linear`)."""
-    found = _skinny_config(x, w)
-    if found is None or w is None:
-        return None
-    from pdserve.model import fused_splitk_norm, triton_skinny
-
-    config, quant = found
-    keep = fused_splitk_norm.FUSE
-    return triton_skinny.run(
-        x, w.weight, bias, config, keep_partials=keep, scale=w.scale_row(), quant_x=quant
-    )
-
-
-def swiglu(x: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``silu(g) * u`` of ``[g | u] = x @ real(w).T + bias`` (w the gate/up weight ``[2I,
-    K]``) -> ``[M, I]`` in one launch where :func:`path_for` gives these rows of w the
-    ``skinny`` or ``skinny8`` path with no K split (its SwiGLU epilogue); None otherwise."""
-    found = _skinny_config(x, w)
-    if found is None or w is None or found[0][3] != 1:
-        return None
-    from pdserve.model import triton_skinny
-
-    config, quant = found
-    out = triton_skinny.run(
-        x, w.weight, bias, config, swiglu=True, scale=w.scale_row(), quant_x=quant
-    )
-    assert isinstance(out, torch.Tensor)
-    return out
 
 
 # Whether a one-row step's SwiGLU activation runs inside the down projection's FP8 gemv

@@ -201,9 +201,6 @@ class LlamaDecoderLayer(nn.Module):
             from pdserve.model import triton_skinny
 
             o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
-        elif fused is not None and self.tp is None and self.moe is None:
-            # the FP8 skinny GEMM where fp8's paths pick it; a split one's reduce to the norm
-            o_out = fp8.linear_partials(o, self.fp8.get("o_proj"), self.o_bias)
         if o_out is None:
             o_out = self._row_parallel("o_proj", o, self.o_bias)
         if self.moe is not None:
@@ -241,8 +238,6 @@ class LlamaDecoderLayer(nn.Module):
                 from pdserve.model import triton_skinny
 
                 act_fused = triton_skinny.swiglu(x, self.gate_up_proj, self.gate_up_bias)
-            elif fused is not None and self.tp is None:  # its FP8 form, where fp8 picks it
-                act_fused = fp8.swiglu(x, self.fp8["gate_up_proj"], self.gate_up_bias)
             if act_fused is not None:
                 return h, self._down(act_fused)
             gate_up = self._linear("gate_up_proj", x, self.gate_up_bias)
@@ -264,9 +259,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def _down(self, act: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """The down projection of SwiGLU's output ``act [T, I]`` on the CUDA (fused-ops) path:
-        a split-K kernel's partials (the skinny GEMM's, bf16 or FP8, else the split-K GEMV's)
-        left to the next add + RMSNorm where a table picks one and ``fused_splitk_norm.FUSE``
-        is on."""
+        a split-K kernel's partials (the skinny GEMM's, else the split-K GEMV's) left to the
+        next add + RMSNorm where a table picks one and ``fused_splitk_norm.FUSE`` is on."""
         if self.tp is None and "down_proj" not in self.fp8 and self.down_proj is not None:
             from pdserve.model import fused_splitk_norm, triton_skinny
 
@@ -277,10 +271,6 @@ class LlamaDecoderLayer(nn.Module):
             parts = fused_splitk_norm.down_partials(act, self.down_proj, self.down_bias)
             if parts is not None:
                 return parts
-        elif self.tp is None and "down_proj" in self.fp8:  # the FP8 skinny GEMM's partials
-            fout = fp8.linear_partials(act, self.fp8["down_proj"], self.down_bias)
-            if fout is not None:
-                return fout
         return self._row_parallel("down_proj", act, self.down_bias)
 
     def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -20,19 +20,9 @@ for 132 SMs and starts reading only once the kernel before it has ended. This ke
   outputs rounded to x's dtype first, then ``fused_ops.silu_mul``'s rounding): no separate
   activation kernel, no ``[M, 2I]`` round trip.
 
-- with a ``scale`` (:func:`run`), the weight is e4m3 with one fp32 scale per row (the FP8
-  ``skinny`` path of :mod:`pdserve.model.fp8`): each weight tile is converted to x's dtype
-  in registers and the sums are multiplied by the row's scale in the epilogue (in every
-  K slice, before the bias), so bf16 activations go in as they are: no activation
-  quantization kernel, half the weight bytes of bf16; with ``quant_x`` as well, each x tile
-  is quantized to e4m3 in registers (one scale per row and BLOCK_K columns: finer than one
-  per row) and multiplied on the FP8 tensor cores (the ``skinny8`` path: no conversion of
-  the weight, no separate activation-quantization kernel).
-
 fp32 accumulation; results differ from cuBLAS only by summation order. Where which
-configuration runs is not guessed: for bf16 weights ``skinny_table`` (written from an H200
-measurement, ``scripts/gpu_s8_mm64.py``), read by :func:`pick`; for e4m3 weights
-``fp8_paths_table`` (``scripts/gpu_s9_fp8mm.py``), read by ``fp8.path_for``.
+configuration runs is not guessed: ``skinny_table`` (written from an H200 measurement,
+``scripts/gpu_s8_mm64.py``), read by :func:`pick`.
 """
 
 from __future__ import annotations
@@ -49,7 +39,6 @@ from pdserve.model.fused_splitk_norm import SplitKPartials
 from pdserve.model.pdl import pdl_enter, prefetch_l2
 from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
-from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PREFETCH lines)
 Config = tuple[int, int, int, int, int, int, int]
@@ -58,31 +47,24 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit(do_not_specialize=("M",))  # per-step sizes: no recompile
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, o_ptr, M, N, K, K_SPLIT, UP, s_xm, s_wn, s_om, s_os,
+    x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_SPLIT, UP, s_xm, s_wn, s_om, s_os,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
-    SCALED: tl.constexpr, QUANT_X: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LINE: tl.constexpr, PDL: tl.constexpr,
+    EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), splits)``: ``o[m, n] = sum_k x[m, k]
     w[n, k] (+ b[n])`` over K slice ``program_id(2)`` (``K_SPLIT`` columns, a multiple of
     BLOCK_K; BLOCK_K divides K). ``SWIGLU``: also ``u[m, n]`` from weight row ``UP + n``
     (bias ``b[UP + n]``), and ``o = silu(g) * u``. ``PARTIAL``: the fp32 sum stored at
-    ``o + slice * s_os`` (no bias: the reduce adds it). ``SCALED``: w is e4m3, each tile
-    converted to x's dtype in registers, the sums multiplied by ``s[n]`` (fp32, one per
-    weight row; ``s[UP + n]`` for u) before the bias, in every slice. ``QUANT_X`` (with
-    SCALED): each x tile is quantized to e4m3 in registers, one scale per row and tile
-    (``amax / 448``), and multiplied with the e4m3 weight tile on the FP8 tensor cores, the
-    tile's fp32 product times the row's scale added to the sums. ``PREFETCH`` > 0
-    (CUDA, PDL): the first ``PREFETCH`` 128-byte lines (``LINE`` weight elements each) of
-    the program's weight rows asked for in L2 before the wait."""
+    ``o + slice * s_os`` (no bias: the reduce adds it). ``PREFETCH`` > 0 (CUDA, PDL):
+    the first lines of the program's weight rows asked for in L2 before the wait."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_s * K_SPLIT
     if PREFETCH > 0 and PDL:  # (PDL: CUDA; the interpreter has no inline PTX)
-        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH) * LINE, K - 1)
+        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH) * 64, K - 1)
         rows = tl.minimum(rn, N - 1).to(tl.int64) * s_wn
         prefetch_l2(w_ptr + rows[:, None] + lines[None, :])
         if SWIGLU:
@@ -102,41 +84,17 @@ def _skinny_kernel(
         kk = k0 + rk
         x = tl.load(x_rows + kk[None, :], mask=mmask[:, None], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        if QUANT_X:  # per row and tile: e4m3 x, the FP8 dot, its sum times the row's scale
-            xf = x.to(tl.float32)
-            xs = tl.maximum(tl.max(tl.abs(xf), 1), AMAX_FLOOR) * INV_FP8_MAX  # [BLOCK_M]
-            xv = tl.minimum(tl.maximum(xf * (1.0 / xs)[:, None], -FP8_MAX), FP8_MAX)
-            if EMULATE:  # e4m3 values held in fp32 (exact products in fp32)
-                xq = _round_e4m3(xv)
-                w = w.to(tl.float32)
-            else:
-                xq = xv.to(w.dtype)
-            acc += tl.dot(xq, tl.trans(w)) * xs[:, None]
-            if SWIGLU:
-                u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-                if EMULATE:
-                    u = u.to(tl.float32)
-                acc_u += tl.dot(xq, tl.trans(u)) * xs[:, None]
-        else:
-            if EMULATE:  # the interpreter: fp32 tiles (e4m3 and bf16 values exact in fp32)
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            elif SCALED:
-                w = w.to(x.dtype)
-            acc = tl.dot(x, tl.trans(w), acc)
-            if SWIGLU:
-                u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-                if EMULATE:
-                    u = u.to(tl.float32)
-                elif SCALED:
-                    u = u.to(x.dtype)
-                acc_u = tl.dot(x, tl.trans(u), acc_u)
+        if EMULATE:  # the interpreter: fp32 tiles
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if SWIGLU:
+            u = tl.load(u_rows + kk[None, :], mask=nmask[:, None], other=0.0)
+            if EMULATE:
+                u = u.to(tl.float32)
+            acc_u = tl.dot(x, tl.trans(u), acc_u)
     offs = rm[:, None] * s_om + rn[None, :]
     omask = mmask[:, None] & nmask[None, :]
-    if SCALED:
-        acc *= tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
-        if SWIGLU:
-            acc_u *= tl.load(s_ptr + UP + rn, mask=nmask, other=0.0)[None, :]
     if PARTIAL:
         tl.store(o_ptr + pid_s * s_os + offs, acc, mask=omask)
     else:
@@ -172,44 +130,29 @@ def run(
     config: Config,
     swiglu: bool = False,
     keep_partials: bool = False,
-    scale: torch.Tensor | None = None,
-    quant_x: bool = False,
 ) -> torch.Tensor | SplitKPartials:
     """``x [M, K] @ weight[N, K].T + bias`` with ``config``: a new ``[M, N]`` tensor in x's
     dtype; with ``swiglu`` ``silu(g) * u`` of ``[g | u] = x @ weight.T + bias`` (``[M,
     N/2]``); with ``keep_partials`` and ``SPLIT > 1`` the unreduced
     :class:`~pdserve.model.fused_splitk_norm.SplitKPartials` (``[SPLIT, M, N]`` fp32).
-    x and weight row-contiguous, one dtype; or, with ``scale`` (fp32, one per weight row:
-    ``[N_rows]`` or ``[N_rows, 1]`` contiguous), an e4m3 weight whose real value is
-    ``weight * scale`` (the FP8 ``skinny`` path of :mod:`pdserve.model.fp8`: bf16
-    activations, no activation quantization); with ``quant_x`` too, x is quantized to e4m3
-    inside the kernel per row and BLOCK_K tile and the dots run on the FP8 tensor cores
-    (the ``skinny8`` path). ValueError as :func:`check`."""
+    x and weight row-contiguous, one dtype. ValueError as :func:`check`."""
     bm, bn, bk, split, warps, stages, prefetch = config
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     check(config, M, N, K, swiglu)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    assert weight.stride(-1) == 1 and weight.shape[1] == K
-    if scale is None:
-        assert weight.dtype == x.dtype
-    else:
-        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-        assert scale.is_contiguous() and scale.numel() == weight.shape[0]
-    assert scale is not None or not quant_x
+    assert weight.stride(-1) == 1 and weight.shape[1] == K and weight.dtype == x.dtype
     out = x.new_empty(M, N)
     parts = split > 1
     dst = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if parts else out
     if M:
         b: Any = bias if bias is not None else weight
         opts = pdl.launch_options(x)
-        s: Any = scale if scale is not None else weight
         _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
-            x, weight, b, s, dst, M, N, K, K // split, N, x.stride(0), weight.stride(0), N,
-            M * N, HAS_BIAS=bias is not None, SWIGLU=swiglu, PARTIAL=parts,
-            SCALED=scale is not None, QUANT_X=quant_x, EMULATE=_INTERPRET, BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch if opts["PDL"] else 0, LINE=128 // weight.element_size(),
+            x, weight, b, dst, M, N, K, K // split, N, x.stride(0), weight.stride(0), N, M * N,
+            HAS_BIAS=bias is not None, SWIGLU=swiglu, PARTIAL=parts, EMULATE=_INTERPRET,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch if opts["PDL"] else 0,
             num_warps=warps, num_stages=stages, **opts,
         )  # fmt: skip
     if parts and keep_partials:
