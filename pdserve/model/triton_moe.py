@@ -69,6 +69,7 @@ from pdserve.model.triton_moe_route import (
     ROUTE_ALIGN_MAX_CELLS,
     Alignment,
     RouteAlignConfig,
+    _align_experts_kernel,
     _align_ids_kernel,
     _align_store,
     _route_align_kernel,
@@ -86,6 +87,7 @@ from pdserve.model.triton_moe_route import (
 # the few-token path and the routing / alignment live in triton_moe_gemv and
 # triton_moe_route; their names stay importable from here
 __all__ = [
+    "_align_experts_kernel",
     "_align_ids_kernel",
     "_align_store",
     "_down_assign_kernel",

@@ -404,9 +404,15 @@ def _down_assign_kernel(
     s_we,
     s_wn,
     s_on,
+    sum_ptr,
+    cnt_ptr,
+    s_st,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(T * TOP_K, cdiv(HID, BLOCK_N))``: ``out[a, n] = rw[a] * (act[a] . w2[e_a, n])``
@@ -442,6 +448,48 @@ def _down_assign_kernel(
     o = (acc.to(ty).to(tl.float32) * rw).to(ty)
     o_ptrs = out_ptr + a * s_on + cols[None, :] + rows[:, None] * 0
     tl.store(o_ptrs, o, mask=first & cmask[None, :])
+    if SUM:
+        _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, a // TOP_K, cols, cmask, s_on, s_st,
+                        TOP_K, BLOCK_J)  # fmt: skip
+
+
+@triton.jit
+def _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, t, cols, cmask, s_on, s_st,
+                    TOP_K: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+    """The top-k sum inside the down kernel (``down_kind="assign_sum"``): after its block
+    of ``out`` rows is stored, each program of token ``t`` and column block ``pid 1`` adds
+    one to that pair's counter (``cnt_ptr``, int32, zero between launches); the program that
+    finds ``TOP_K - 1`` there (the last of the k) resets it to 0 and sums the k rows of the
+    block as ``_topk_sum_kernel`` does (fp32, j in one fixed order, rounded once) into
+    ``sum[t]``. No atomics on the values: the bits of ``_topk_sum_kernel``'s sum."""
+    tl.debug_barrier()  # every thread's stores of the block before the release below
+    c_ptr = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    seen = tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+    if seen == TOP_K - 1:
+        tl.store(c_ptr, 0)
+        j = tl.arange(0, BLOCK_J)
+        v = tl.load(
+            out_ptr + (t * TOP_K + j[:, None]) * s_on + cols[None, :],
+            mask=(j[:, None] < TOP_K) & cmask[None, :],
+            other=0.0,
+            cache_modifier=".cg",  # the other programs' rows: from L2, not a stale L1
+        )
+        total = tl.sum(v.to(tl.float32), axis=0)
+        tl.store(sum_ptr + t * s_st + cols, total.to(sum_ptr.dtype.element_ty), mask=cmask)
+
+
+_COUNTERS: list[torch.Tensor] = []  # every counter buffer made (graphs hold their pointers)
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` int32 zeros on ``device`` for ``_last_sums_topk`` (kept for the
+    process: each launch leaves them zero again, so CUDA graphs can share them)."""
+    for c in reversed(_COUNTERS):
+        if c.device == device and c.numel() >= n:
+            return c
+    c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    _COUNTERS.append(c)
+    return c
 
 
 class GemvConfig(NamedTuple):
@@ -452,7 +500,10 @@ class GemvConfig(NamedTuple):
     ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
     ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`), or
     ``"assign"``: the down projection per assignment (``_down_assign_kernel``, tensor cores,
-    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up.)"""
+    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up; or
+    ``"assign_sum"``: the same down kernel summing the top-k rows itself (the last of a
+    token's k programs of a column block, ``_last_sums_topk``): two launches, the same
+    bits.)"""
 
     up_n: int = 16
     up_k: int = 512
@@ -554,15 +605,21 @@ def route_experts_gemv(
         _route_gate_up_gemv_kernel[grid](*args, **common)
     else:
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
-    if cfg.down_kind == "assign":
+    if cfg.down_kind in ("assign", "assign_sum"):
         opts = pdl.launch_options(x)
         per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)
-        _down_assign_kernel[(T * top_k, triton.cdiv(H, cfg.down_n))](
+        fused = cfg.down_kind == "assign_sum"
+        nb = triton.cdiv(H, cfg.down_n)
+        total = torch.empty((T, H), dtype=x.dtype, device=dev) if fused else per
+        cnt = _counters(T * nb, dev) if fused else ids
+        _down_assign_kernel[(T * top_k, nb)](
             act, w2, per, weights, ids, inter, H, act.stride(0), w2.stride(0), w2.stride(1),
-            per.stride(0), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, IEEE=x.dtype == torch.float32,
-            num_warps=cfg.down_warps, num_stages=cfg.down_stages, **opts,
+            per.stride(0), total, cnt, total.stride(0), TOP_K=top_k,
+            BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+            IEEE=x.dtype == torch.float32, SUM=fused, num_warps=cfg.down_warps,
+            num_stages=cfg.down_stages, **opts,
         )  # fmt: skip
-        return topk_sum(per, T, top_k, opts), weights, ids
+        return (total if fused else topk_sum(per, T, top_k, opts)), weights, ids
     tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
     out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
     return out, weights, ids

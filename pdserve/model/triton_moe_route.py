@@ -260,6 +260,63 @@ def _align_ids_kernel(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
+def _align_experts_kernel(
+    ids_ptr,
+    sorted_ptr,
+    bexp_ptr,
+    used_ptr,
+    T,
+    E,
+    ROWS,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TB: tl.constexpr,
+    BLOCK_RP: tl.constexpr,
+    BLOCK_BP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid ``(E,)``: :func:`align` of the routed ``ids [T, k]`` with one program per
+    expert (``RouteAlignConfig.align_kind == "experts"``) instead of ``_align_ids_kernel``'s
+    one program, whose serial work grows with the ``[T, E]`` grid. Every program reads the
+    ``N = T * k`` ids (``BLOCK_N`` >= N) and counts each expert's assignments (a histogram
+    over ``BLOCK_E`` bins), so it knows its expert ``e``'s padded start; it stores its
+    assignments at ``start + rank`` (rank: an exclusive cumsum in flat-id order, the order
+    of :func:`align`), its padding rows (``N``) and its row blocks' expert (at most
+    ``cdiv(T, BLOCK_M)`` blocks: a token chooses an expert once); and its share
+    (``BLOCK_RP`` rows, ``BLOCK_BP`` blocks) of the rows and blocks past the used ones
+    (``N``, ``-1``). Program 0 stores ``used``."""
+    pdl_enter(PDL)
+    e = tl.program_id(0)
+    N = T * TOP_K
+    n = tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + n, mask=n < N, other=0).to(tl.int32)
+    counts = tl.histogram(ids, BLOCK_E, mask=n < N)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ev = tl.arange(0, BLOCK_E)
+    start = tl.sum(tl.where(ev < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(ev == e, counts, 0), axis=0)
+    my_pad = tl.sum(tl.where(ev == e, padded, 0), axis=0)
+    used = tl.sum(padded, axis=0)
+    hit = ((ids == e) & (n < N)).to(tl.int32)
+    rank = tl.cumsum(hit, axis=0) - hit
+    tl.store(sorted_ptr + start + rank, n.to(tl.int32), mask=hit > 0)
+    pm = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + mine + pm, tl.zeros_like(pm) + N, mask=mine + pm < my_pad)
+    bv = tl.arange(0, BLOCK_TB)
+    tl.store(bexp_ptr + start // BLOCK_M + bv, tl.zeros_like(bv) + e,
+             mask=bv * BLOCK_M < my_pad)  # fmt: skip
+    r = e * BLOCK_RP + tl.arange(0, BLOCK_RP)
+    tl.store(sorted_ptr + r, tl.zeros_like(r) + N, mask=(r >= used) & (r < ROWS))
+    b = e * BLOCK_BP + tl.arange(0, BLOCK_BP)
+    past = (b * BLOCK_M >= used) & (b * BLOCK_M < ROWS)
+    tl.store(bexp_ptr + b, tl.zeros_like(b) - 1, mask=past)
+    if e == 0:
+        tl.store(used_ptr, used)
+
+
 ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
 
 
@@ -268,13 +325,17 @@ class RouteAlignConfig(NamedTuple):
     program, ``num_warps`` warps; 0: :func:`route_align_warps`) or ``"split"`` (the routing
     in programs of ``tokens_per_program`` tokens with ``num_warps`` warps each, then the
     alignment in one program of ``align_warps`` warps: two launches). ``rank_dot``: each
-    assignment's rank within its expert as a tensor-core product instead of a cumsum."""
+    assignment's rank within its expert as a tensor-core product instead of a cumsum.
+    ``align_kind`` (``"split"`` only): the alignment in that one program (``"one"``) or in
+    one program per expert (``"experts"``: ``_align_experts_kernel``, ``align_warps`` each;
+    ``rank_dot`` unused)."""
 
     kind: str = "one"
     num_warps: int = 0
     rank_dot: bool = False
     tokens_per_program: int = 4
     align_warps: int = 4
+    align_kind: str = "one"
 
 
 def route_align_fits(tokens: int, n_experts: int) -> bool:
@@ -357,10 +418,25 @@ def route_align(
             num_warps=cfg.num_warps or 1,
             **opts,
         )
-        _align_ids_kernel[(1,)](
-            ids, sorted_ids, block_expert, used, T, E, rows,
-            num_warps=cfg.align_warps, **align_args, **opts,
-        )  # fmt: skip
+        if cfg.align_kind == "experts":
+            nb = rows // block_m
+            _align_experts_kernel[(E,)](
+                ids, sorted_ids, block_expert, used, T, E, rows, TOP_K=top_k, BLOCK_M=block_m,
+                BLOCK_N=triton.next_power_of_2(N), BLOCK_E=triton.next_power_of_2(E),
+                BLOCK_TB=triton.next_power_of_2(triton.cdiv(T, block_m)),
+                BLOCK_RP=triton.next_power_of_2(triton.cdiv(rows, E)),
+                BLOCK_BP=triton.next_power_of_2(triton.cdiv(nb, E)),
+                num_warps=cfg.align_warps, **opts,
+            )  # fmt: skip
+        elif cfg.align_kind == "one":
+            _align_ids_kernel[(1,)](
+                ids, sorted_ids, block_expert, used, T, E, rows,
+                num_warps=cfg.align_warps, **align_args, **opts,
+            )  # fmt: skip
+        else:
+            raise ValueError(
+                f"RouteAlignConfig.align_kind: 'one' or 'experts', got {cfg.align_kind!r}"
+            )
     else:
         raise ValueError(f"RouteAlignConfig.kind: 'one' or 'split', got {cfg.kind!r}")
     return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)

@@ -12,7 +12,7 @@ import torch
 from test_moe import MOE_CONFIGS, TOL, hf_greedy, scenario_away_from_ties
 from tp_model_ranks import PROMPTS, greedy_paged
 
-from pdserve.model import moe, pdl, triton_moe, triton_moe_route
+from pdserve.model import moe, pdl, triton_moe, triton_moe_gemv, triton_moe_route
 from pdserve.model.llama import LlamaForCausalLM
 from tiny_models import random_tiny_model
 
@@ -127,9 +127,14 @@ def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
         triton_moe.RouteAlignConfig("one", 2, True),
         triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
         triton_moe.RouteAlignConfig("split", 2, True, 4, 4),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 4, "experts"),
+        triton_moe.RouteAlignConfig("split", 2, False, 4, 1, "experts"),
     ],
 )
-@pytest.mark.parametrize("T, E, k, renorm, block_m", [(1, 8, 2, True, 16), (21, 40, 3, False, 4)])
+@pytest.mark.parametrize(
+    "T, E, k, renorm, block_m",
+    [(1, 8, 2, True, 16), (21, 40, 3, False, 4), (64, 128, 8, True, 16), (64, 128, 8, True, 32)],
+)
 def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, config):
     """The rank on tensor cores and the split launches (routing in programs of a few
     tokens, then the alignment) give the torch pair's ids, order, blocks and used rows."""
@@ -143,6 +148,24 @@ def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, c
     assert torch.equal(al.sorted_ids, al0.sorted_ids)
     assert torch.equal(al.block_expert, al0.block_expert)
     assert int(al.used.item()) == int(al0.used.item())
+
+
+def test_align_experts_kind_with_crowded_experts_and_bad_kind():
+    """The alignment in one program per expert when a few experts take every token (several
+    row blocks of one expert, most experts empty, padding rows past the used ones) equals
+    :func:`align`; an unknown ``align_kind`` is refused."""
+    T, E, k = 40, 16, 4
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(T, E, generator=g) * 0.1 + torch.arange(E).flip(0) * 2.0).to(DEVICE)
+    cfg = triton_moe.RouteAlignConfig("split", 1, False, 1, 4, "experts")
+    w, ids, al = triton_moe.route_align(logits, k, True, 8, config=cfg)
+    al0 = triton_moe.align(ids, E, 8)
+    assert sorted(ids.unique().tolist()) == [0, 1, 2, 3], "every token: the same 4 experts"
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item()) == 4 * 40
+    with pytest.raises(ValueError, match="align_kind"):
+        triton_moe.route_align(logits, k, True, 8, config=cfg._replace(align_kind="bad"))
 
 
 def test_route_align_config_reads_the_table(monkeypatch):
@@ -493,6 +516,29 @@ def test_route_experts_gemv_assign_down_equals_loop_and_grouped(T, H, inter, E, 
     plan = triton_moe.MoEPlan(CONFIGS[0], CONFIGS[0], None, True)
     grouped = triton_moe.fused_experts(x, w13, w2, w, ids, plan)
     assert (out - grouped).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    # the top-k sum inside the down kernel: the same bits, twice (its counters left zero)
+    for _ in range(2):
+        fused = triton_moe.route_experts_gemv(
+            logits, x, w13, w2, k, renorm, cfg._replace(down_kind="assign_sum")
+        )[0]
+        assert torch.equal(fused, out)
+    assert all(int(c.count_nonzero()) == 0 for c in triton_moe_gemv._COUNTERS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_assign_sum_equals_assign_then_topk_sum(dtype):
+    """``down_kind="assign_sum"`` (the last of a token's k programs of a column block sums
+    the k rows) gives the bits of the per-assignment down kernel + ``_topk_sum_kernel``
+    with several tokens, ragged column blocks and k not a power of two."""
+    T, H, inter, E, k = 3, 50, 24, 8, 3
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=dtype, seed=5)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    cfg = triton_moe.GemvConfig(16, 16, 4, 16, 8, 4, "dot", 2, "assign", 2)
+    want = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
+    got = triton_moe.route_experts_gemv(
+        logits, x, w13, w2, k, True, cfg._replace(down_kind="assign_sum")
+    )[0]
+    assert torch.equal(got, want)
 
 
 def test_gemv_defaults_from_the_table(monkeypatch):
@@ -595,6 +641,7 @@ RA_REAL = [
     triton_moe.RouteAlignConfig("one", 4, True),
     triton_moe.RouteAlignConfig("split", 1, False, 1, 4),
     triton_moe.RouteAlignConfig("split", 4, True, 16, 8),
+    triton_moe.RouteAlignConfig("split", 1, True, 1, 4, "experts"),
 ]
 
 
@@ -656,6 +703,9 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
     for fn in (
         grouped,
         lambda: triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, gcfg)[0],
+        lambda: triton_moe.route_experts_gemv(
+            logits, x, w13, w2, k, True, gcfg._replace(down_kind="assign_sum")
+        )[0],
     ):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
