@@ -74,6 +74,8 @@ else:
         GEMV_BASE._replace(up_n=16, up_k=512, up_stages=2),
         GEMV_BASE._replace(up_warps=2),
         GEMV_BASE._replace(up_k=128, up_stages=5),
+        GEMV_BASE._replace(up_n=16, down_n=32, down_kind="assign_sum"),
+        GEMV_BASE._replace(up_n=16, up_k=128, up_stages=4, down_kind="assign_sum"),
     ]
     RA_ALTS = [
         RA("split", 1, True, 1, 4, "experts"),
