@@ -53,11 +53,12 @@ from pdserve.model.triton_moe_gemv import (
     DownSum,
     GemvConfig,
     _down_assign_kernel,
+    _down_dot_loop,
     _down_sum,
     _down_sum_dot_kernel,
     _down_sum_gemv_kernel,
-    _route_gate_up_dot_kernel,
-    _route_gate_up_gemv_kernel,
+    _gate_up_dot_loop,
+    _route_gate_up_kernel,
     _route_one,
     _topk_sum_kernel,
     gemv_config,
@@ -70,8 +71,6 @@ from pdserve.model.triton_moe_route import (
     Alignment,
     RouteAlignConfig,
     _align_experts_kernel,
-    _align_ids_kernel,
-    _align_store,
     _route_align_kernel,
     _route_kernel,
     _route_topk,
@@ -88,15 +87,12 @@ from pdserve.model.triton_moe_route import (
 # triton_moe_route; their names stay importable from here
 __all__ = [
     "_align_experts_kernel",
-    "_align_ids_kernel",
-    "_align_store",
     "_down_assign_kernel",
     "_down_sum",
     "_down_sum_dot_kernel",
     "_down_sum_gemv_kernel",
     "_route_align_kernel",
-    "_route_gate_up_dot_kernel",
-    "_route_gate_up_gemv_kernel",
+    "_route_gate_up_kernel",
     "_route_kernel",
     "_route_one",
     "_route_topk",
@@ -167,23 +163,9 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tok[:, None] * s_xt + ks[None, :]
     g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
     u_ptrs = g_ptrs + INTER * s_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xa = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=wmask, other=0.0)
-        u = tl.load(u_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, g, acc_g)
-            acc_u = tl.dot(xa, u, acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    acc_g, acc_u = _gate_up_dot_loop(
+        x_ptrs, g_ptrs, u_ptrs, valid[:, None], cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE
+    )
     ty = act_ptr.dtype.element_ty
     out = silu_mul_rounded(acc_g.to(ty), acc_u.to(ty))  # torch's roundings (silu(gate) * up)
     a_ptrs = act_ptr + a_ids[:, None].to(tl.int64) * s_an + cols[None, :]
@@ -229,17 +211,7 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + a64[:, None] * s_an + ks[None, :]
     w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _down_dot_loop(a_ptrs, w_ptrs, valid[:, None], cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     rw = tl.load(rw_ptr + a64, mask=valid, other=0.0)
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * rw[:, None]
     o_ptrs = out_ptr + a64[:, None] * s_on + cols[None, :]

@@ -24,6 +24,79 @@ from pdserve.model.triton_act import silu_mul_rounded
 DownSum = tuple[str, int, int, int, int]
 
 
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` on tensor cores; ``IEEE``: fp32 inputs in full precision (no TF32)."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _gate_up_dot_loop(
+    x_ptrs,
+    g_ptrs,
+    u_ptrs,
+    xrows,
+    cmask,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The gate/up K loop of the MoE kernels on tensor cores (``_gate_up_kernel``,
+    ``_route_gate_up_kernel``): ``[BLOCK_M, BLOCK_K]`` tiles of x (``x_ptrs``, rows
+    where ``xrows`` ``[BLOCK_M, 1]``, else 0) times ``[BLOCK_K, BLOCK_N]`` tiles of the gate
+    and up rows (``g_ptrs``, ``u_ptrs``: k along dim 0, columns where ``cmask``), ``K`` in
+    ``BLOCK_K`` chunks. Returns the fp32 ``(gate, up)`` accumulators ``[BLOCK_M, BLOCK_N]``."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=xrows & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        acc_g = _dot(xa, g, acc_g, IEEE)
+        acc_u = _dot(xa, u, acc_u, IEEE)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_dot_loop(
+    a_ptrs,
+    w_ptrs,
+    arows,
+    cmask,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The down projection's K loop on tensor cores (``_down_kernel``,
+    ``_down_assign_kernel``): ``[BLOCK_M, BLOCK_K]`` tiles of act (rows where ``arows``)
+    times ``[BLOCK_K, BLOCK_N]`` tiles of ``w2[e]`` (columns where ``cmask``). Returns the
+    fp32 accumulator ``[BLOCK_M, BLOCK_N]``."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        a = tl.load(a_ptrs, mask=arows & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = _dot(a, w, acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
 def topk_sum(out: torch.Tensor, T: int, k: int, opts: dict[str, Any]) -> torch.Tensor:
     """``out [T * k, H]`` (contiguous) summed over each token's k rows -> ``[T, H]`` in
     out's dtype (``_topk_sum_kernel``: fp32 sum, one rounding); opts: launch options
@@ -106,7 +179,7 @@ def _down_sum(
 # For a handful of tokens (decode at batch 1-4) there is nothing to group: each assignment
 # reads its own expert's rows. Three launches a layer instead of five (router GEMM,
 # route_align, gate_up, down, top-k sum): the router GEMM (cuBLAS), then
-#  1. ``_route_gate_up_gemv_kernel``: program (assignment a = t * k + j, column block of I)
+#  1. ``_route_gate_up_kernel``: program (assignment a = t * k + j, column block of I)
 #     takes token t's router logits (E values), softmax in fp32, k rounds of argmax (the
 #     order of route_align), keeps the j-th expert e and weight, stores them (column block
 #     0 only), then the GEMV act[a] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n]);
@@ -150,7 +223,7 @@ def _route_one(
 
 
 @triton.jit
-def _route_gate_up_gemv_kernel(
+def _route_gate_up_kernel(
     logits_ptr,
     x_ptr,
     w_ptr,
@@ -170,69 +243,16 @@ def _route_gate_up_gemv_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
-    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``."""
-    pdl_enter(PDL)
-    a = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    t = a // TOP_K
-    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
-    if pid_n == 0:
-        tl.store(ids_ptr + a, sel_e.to(tl.int64))
-        tl.store(rw_ptr + a, sel_w)
-    e = sel_e.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < INTER
-    ks = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
-    u_ptrs = g_ptrs + INTER * s_wn
-    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        wmask = cmask[:, None] & kmask[None, :]
-        acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # the roundings of _gate_up_kernel (torch's: gate, up, silu(gate), the product)
-    ty = act_ptr.dtype.element_ty
-    out = silu_mul_rounded(tl.sum(acc_g, axis=1).to(ty), tl.sum(acc_u, axis=1).to(ty))
-    tl.store(act_ptr + a.to(tl.int64) * s_an + cols, out, mask=cmask)
-
-
-@triton.jit
-def _route_gate_up_dot_kernel(
-    logits_ptr,
-    x_ptr,
-    w_ptr,
-    act_ptr,
-    rw_ptr,
-    ids_ptr,
-    E,
-    K,
-    INTER,
-    s_lt,
-    s_xt,
-    s_we,
-    s_wn,
-    s_an,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``_route_gate_up_gemv_kernel``'s work (same grid, routing, roundings and stores) with
-    the products on tensor cores: x's row in a 16-row tile (rows 1-15 zero) times
-    ``[BLOCK_K, BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``)."""
+    """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
+    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``, rounded as
+    ``_gate_up_kernel`` rounds (torch's: gate, up, silu(gate), the product). ``DOT``: the
+    products on tensor cores, x's row in a 16-row tile (rows 1-15 zero) times ``[BLOCK_K,
+    BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``; ``IEEE``: fp32
+    inputs in full precision); else elementwise fp32 products summed once at the end."""
     pdl_enter(PDL)
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -244,32 +264,37 @@ def _route_gate_up_dot_kernel(
     e = sel_e.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < INTER
-    rows = tl.arange(0, 16)
-    first = rows[:, None] == 0
     ks = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    u_ptrs = g_ptrs + INTER * s_wn
-    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
-    acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xa = tl.load(x_ptrs, mask=first & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=wmask, other=0.0)
-        u = tl.load(u_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, g, acc_g)
-            acc_u = tl.dot(xa, u, acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     ty = act_ptr.dtype.element_ty
-    a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
-    tl.store(a_ptrs, silu_mul_rounded(acc_g.to(ty), acc_u.to(ty)), mask=first & cmask[None, :])
+    if DOT:
+        rows = tl.arange(0, 16)
+        first = rows[:, None] == 0
+        g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+        u_ptrs = g_ptrs + INTER * s_wn
+        x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
+        acc_g, acc_u = _gate_up_dot_loop(
+            x_ptrs, g_ptrs, u_ptrs, first, cmask, K, 16, BLOCK_N, BLOCK_K, IEEE
+        )
+        a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
+        out = silu_mul_rounded(acc_g.to(ty), acc_u.to(ty))
+        tl.store(a_ptrs, out, mask=first & cmask[None, :])
+    else:
+        g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
+        u_ptrs = g_ptrs + INTER * s_wn
+        x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = ks + k0 < K
+            xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            wmask = cmask[:, None] & kmask[None, :]
+            acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        out = silu_mul_rounded(tl.sum(acc_g, axis=1).to(ty), tl.sum(acc_u, axis=1).to(ty))
+        tl.store(act_ptr + a.to(tl.int64) * s_an + cols, out, mask=cmask)
 
 
 @triton.jit
@@ -378,10 +403,7 @@ def _down_sum_dot_kernel(
             mask=kmask[:, None] & cmask[None, :],
             other=0.0,
         )
-        if IEEE:
-            acc = tl.dot(av, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(av, w, acc)
+        acc = _dot(av, w, acc, IEEE)
         flush = k0 + BLOCK_K >= K
         rw = tl.load(rw_ptr + a)
         term = (acc.to(ty).to(tl.float32) * rw).to(ty).to(tl.float32)
@@ -432,17 +454,7 @@ def _down_assign_kernel(
     e = tl.load(ids_ptr + a)
     a_ptrs = act_ptr + a * s_an + ks[None, :] + rows[:, None] * 0
     w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        av = tl.load(a_ptrs, mask=first & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(av, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(av, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _down_dot_loop(a_ptrs, w_ptrs, first, cmask, K, 16, BLOCK_N, BLOCK_K, IEEE)
     ty = out_ptr.dtype.element_ty
     rw = tl.load(rw_ptr + a)
     o = (acc.to(ty).to(tl.float32) * rw).to(ty)
@@ -597,14 +609,12 @@ def route_experts_gemv(
         num_warps=cfg.up_warps,
         **pdl.launch_options(x),
     )
-    if cfg.up_kind == "dot":
-        _route_gate_up_dot_kernel[grid](
-            *args, IEEE=x.dtype == torch.float32, num_stages=cfg.up_stages, **common
-        )
-    elif cfg.up_kind == "rows":
-        _route_gate_up_gemv_kernel[grid](*args, **common)
-    else:
+    if cfg.up_kind not in ("dot", "rows"):
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
+    stages = dict(num_stages=cfg.up_stages) if cfg.up_kind == "dot" else {}
+    _route_gate_up_kernel[grid](
+        *args, DOT=cfg.up_kind == "dot", IEEE=x.dtype == torch.float32, **stages, **common
+    )
     if cfg.down_kind in ("assign", "assign_sum"):
         opts = pdl.launch_options(x)
         per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)

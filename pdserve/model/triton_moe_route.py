@@ -118,53 +118,6 @@ def _route_topk(
     return tl.where(tmask, chosen, 0), order
 
 
-@triton.jit
-def _align_store(
-    chosen,
-    order,
-    sorted_ptr,
-    bexp_ptr,
-    used_ptr,
-    T,
-    E,
-    ROWS,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    RANK_DOT: tl.constexpr,
-):
-    """:func:`align`'s outputs from ``chosen``/``order`` ``[BLOCK_T, BLOCK_E]`` (see
-    ``_route_topk``): per expert its count and padded end (cumsum), each assignment's rank
-    among its expert's tokens (an exclusive cumsum over tokens: a token chooses an expert at
-    most once; with ``RANK_DOT`` as a product with the strictly lower triangle of ones on
-    tensor cores, exact for these small counts), so assignment ``t * k + j`` lands at
-    ``start[e] + rank``: the order of :func:`align`."""
-    t = tl.arange(0, BLOCK_T)[:, None]
-    e = tl.arange(0, BLOCK_E)[None, :]
-    counts = tl.sum(chosen, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    if RANK_DOT:
-        lower = (tl.arange(0, BLOCK_T)[None, :] < t).to(tl.float16)  # [t, t'] t' < t
-        rank = tl.dot(lower, chosen.to(tl.float16), out_dtype=tl.float32).to(tl.int32)
-    else:
-        rank = tl.cumsum(chosen, axis=0) - chosen
-    r = tl.arange(0, BLOCK_R)
-    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
-    tl.debug_barrier()
-    dest = (ends - padded)[None, :] + rank
-    keep = (chosen > 0) & (t < T) & (e < E)
-    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=keep)
-    bv = tl.arange(0, BLOCK_B)
-    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
-    be = tl.sum(past.to(tl.int32), axis=1)
-    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
-    tl.store(used_ptr, tl.sum(padded, axis=0))
-
-
 @triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
 def _route_align_kernel(
     logits_ptr,
@@ -186,20 +139,55 @@ def _route_align_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     RANK_DOT: tl.constexpr,
+    ROUTE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
-    tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
-    decode step): ``_route_topk`` then ``_align_store``."""
+    """One program: :func:`align` of ``T <= BLOCK_T`` tokens, after their routing
+    (:func:`pdserve.model.moe.route`, ``_route_topk``) when ``ROUTE`` (routing and alignment
+    in one launch instead of ~20 small torch kernels per layer), else of the routed ``ids
+    [T, k]`` (the second launch of the split :func:`route_align`; logits_ptr and w_ptr
+    unused). From the ``[BLOCK_T, BLOCK_E]`` grids ``chosen`` (1 where the token chose the
+    expert) and ``order`` (its rank j among the token's choices): per expert its count and
+    padded end (cumsum), each assignment's rank among its expert's tokens (an exclusive
+    cumsum over tokens: a token chooses an expert at most once; with ``RANK_DOT`` as a
+    product with the strictly lower triangle of ones on tensor cores, exact for these small
+    counts), so assignment ``t * k + j`` lands at ``start[e] + rank``: the order of
+    :func:`align`."""
     pdl_enter(PDL)
     tv = tl.arange(0, BLOCK_T)
-    chosen, order = _route_topk(
-        logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
-    )
-    _align_store(
-        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
-        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
-    )  # fmt: skip
+    t = tv[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    if ROUTE:
+        chosen, order = _route_topk(
+            logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
+        )
+    else:
+        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+        order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            idj = tl.load(ids_ptr + tv * TOP_K + j, mask=tv < T, other=-1)
+            hit = e == idj[:, None]
+            chosen = tl.where(hit, 1, chosen)
+            order = tl.where(hit, j, order)
+    counts = tl.sum(chosen, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    if RANK_DOT:
+        lower = (tl.arange(0, BLOCK_T)[None, :] < t).to(tl.float16)  # [t, t'] t' < t
+        rank = tl.dot(lower, chosen.to(tl.float16), out_dtype=tl.float32).to(tl.int32)
+    else:
+        rank = tl.cumsum(chosen, axis=0) - chosen
+    r = tl.arange(0, BLOCK_R)
+    tl.store(sorted_ptr + r, tl.zeros((BLOCK_R,), dtype=tl.int32) + T * TOP_K, mask=r < ROWS)
+    tl.debug_barrier()
+    dest = (ends - padded)[None, :] + rank
+    keep = (chosen > 0) & (t < T) & (e < E)
+    tl.store(sorted_ptr + dest, (t * TOP_K + order).to(tl.int32), mask=keep)
+    bv = tl.arange(0, BLOCK_B)
+    past = (ends[None, :] <= bv[:, None] * BLOCK_M) & (e < E)
+    be = tl.sum(past.to(tl.int32), axis=1)
+    tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
+    tl.store(used_ptr, tl.sum(padded, axis=0))
 
 
 @triton.jit(do_not_specialize=("T",))  # per-step sizes: no recompile
@@ -225,42 +213,6 @@ def _route_kernel(
 
 
 @triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
-def _align_ids_kernel(
-    ids_ptr,
-    sorted_ptr,
-    bexp_ptr,
-    used_ptr,
-    T,
-    E,
-    ROWS,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    RANK_DOT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program: :func:`align` of the routed ``ids [T, k]`` (the second launch of the
-    split :func:`route_align`): the chosen/order grids from the ids, then ``_align_store``."""
-    pdl_enter(PDL)
-    tv = tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)[None, :]
-    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
-    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        idj = tl.load(ids_ptr + tv * TOP_K + j, mask=tv < T, other=-1)
-        hit = e == idj[:, None]
-        chosen = tl.where(hit, 1, chosen)
-        order = tl.where(hit, j, order)
-    _align_store(
-        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
-        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
 def _align_experts_kernel(
     ids_ptr,
     sorted_ptr,
@@ -279,7 +231,7 @@ def _align_experts_kernel(
     PDL: tl.constexpr,
 ):
     """Grid ``(E,)``: :func:`align` of the routed ``ids [T, k]`` with one program per
-    expert (``RouteAlignConfig.align_kind == "experts"``) instead of ``_align_ids_kernel``'s
+    expert (``RouteAlignConfig.align_kind == "experts"``) instead of ``_route_align_kernel``'s
     one program, whose serial work grows with the ``[T, E]`` grid. Every program reads the
     ``N = T * k`` ids (``BLOCK_N`` >= N) and counts each expert's assignments (a histogram
     over ``BLOCK_E`` bins), so it knows its expert ``e``'s padded start; it stores its
@@ -373,8 +325,12 @@ def route_align(
     # a tensor-core rank needs 16-row tiles
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 if cfg.rank_dot else 1)
     block_e = max(triton.next_power_of_2(E), 16 if cfg.rank_dot else 1)
+    align_ptrs = (router_logits, weights, ids, sorted_ids, block_expert, used, T, E, rows,
+                  router_logits.stride(0))  # fmt: skip
     align_args = dict(
         TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_M=block_m,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
@@ -385,22 +341,9 @@ def route_align(
     opts = moe_pdl(router_logits)
     if cfg.kind == "one":
         _route_align_kernel[(1,)](
-            router_logits,
-            weights,
-            ids,
-            sorted_ids,
-            block_expert,
-            used,
-            T,
-            E,
-            rows,
-            router_logits.stride(0),
-            RENORM=renormalize,
-            BLOCK_K=triton.next_power_of_2(top_k),
-            num_warps=cfg.num_warps or route_align_warps(T, E),
-            **align_args,
-            **opts,
-        )
+            *align_ptrs, ROUTE=True, num_warps=cfg.num_warps or route_align_warps(T, E),
+            **align_args, **opts,
+        )  # fmt: skip
     elif cfg.kind == "split":
         tpp = min(cfg.tokens_per_program, triton.next_power_of_2(max(T, 1)))
         _route_kernel[(triton.cdiv(T, tpp),)](
@@ -429,10 +372,9 @@ def route_align(
                 num_warps=cfg.align_warps, **opts,
             )  # fmt: skip
         elif cfg.align_kind == "one":
-            _align_ids_kernel[(1,)](
-                ids, sorted_ids, block_expert, used, T, E, rows,
-                num_warps=cfg.align_warps, **align_args, **opts,
-            )  # fmt: skip
+            _route_align_kernel[(1,)](
+                *align_ptrs, ROUTE=False, num_warps=cfg.align_warps, **align_args, **opts
+            )
         else:
             raise ValueError(
                 f"RouteAlignConfig.align_kind: 'one' or 'experts', got {cfg.align_kind!r}"
