@@ -13,10 +13,8 @@ Written by ``scripts/gpu_s6_moe.py --write-table SWEEP.json`` from an H200 sweep
 (NVIDIA H200, 2026-12-03; the timings: docs/figures/h200_s6/moe_s6_sweep.json).
 
 ``ROUTE_ALIGN`` written by ``scripts/gpu_s7_moe.py --write-table JSON`` (NVIDIA H200,
-2026-12-03; the timings: docs/figures/h200_s7/moe_s7.json); its 64-token row's alignment
-in 16 warps instead of 8 from session 8's two H200 rounds (the layer at 64 tokens with PDL,
-uniform / 24 experts routed: 298.1 / 102.6 -> 294.3 / 99.4 us, the same bits;
-docs/figures/h200_s8/moe82.json).
+2026-12-03; the timings: docs/figures/h200_s7/moe_s7.json); its 64-token row from session
+9's H200 round (the alignment in one program per expert; see the comment at the table).
 """
 
 from __future__ import annotations
@@ -40,11 +38,16 @@ ROUTE_ALIGN_WARPS: tuple[tuple[int, int], ...] = (
     (2048, 4),
 )
 # (tokens up to, RouteAlignConfig fields (kind, num_warps, rank_dot, tokens_per_program,
-# align_warps)) of route_align; past the rows (or none): one program, ROUTE_ALIGN_WARPS
-ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (
+# align_warps[, align_kind])) of route_align; past the rows (or none): one program,
+# ROUTE_ALIGN_WARPS. 17-64 tokens since session 9: the alignment in one program per expert
+# (scripts/gpu_s9_moe9.py, NVIDIA H200: the layer at 64 tokens, uniform / 24 experts routed,
+# 294.3 / 100.0 -> 279.4 / 84.9 us, the same bits; the engine's 64x200 step 16.702 ->
+# 15.964 ms; docs/figures/h200_s9/moe9.json)
+RouteAlign = tuple[str, int, bool, int, int] | tuple[str, int, bool, int, int, str]
+ROUTE_ALIGN: tuple[tuple[int, RouteAlign], ...] = (
     (8, ("split", 1, False, 1, 8)),
     (16, ("split", 1, True, 1, 8)),
-    (64, ("split", 1, True, 1, 16)),  # S8: the alignment in 16 warps
+    (64, ("split", 1, True, 1, 4, "experts")),
 )
 # PDL on the grouped path's kernels (route_align's, gate/up, down, top-k sum: launched with
 # programmatic dependent launch on sm_90+, see pdserve.model.pdl); the few-token path's
@@ -52,7 +55,9 @@ ROUTE_ALIGN: tuple[tuple[int, tuple[str, int, bool, int, int]], ...] = (
 # PDSERVE_MOE_GEMV_MAX_TOKENS is set; 0: never) and its tiles (GemvConfig fields; None:
 # GemvConfig's defaults). Picks of scripts/gpu_s8_moe8.py (NVIDIA H200, 2026-12-03; the
 # layer at 1 token 31.8 -> 28.3 us, the engine's 1x200 step 2.912 -> 2.850 ms, greedy
-# tokens unchanged: docs/figures/h200_s8/moe8_output.txt).
+# tokens unchanged: docs/figures/h200_s8/moe8_output.txt); the gate/up in 2 warps instead of
+# 4 from scripts/gpu_s9_moe9.py (the layer at 1 token 28.6 -> 27.3 us, the same bits; the
+# engine's 1x200 step 2.830 -> 2.788 ms; docs/figures/h200_s9/moe9.json).
 PDL: bool = True
 GEMV_MAX_TOKENS: int = 1
-GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 4, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip
+GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 2, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip

@@ -171,6 +171,10 @@ def test_align_experts_kind_with_crowded_experts_and_bad_kind():
 def test_route_align_config_reads_the_table(monkeypatch):
     from pdserve.model import moe_table
 
+    # the committed picks: 17-64 tokens align in one program per expert
+    assert triton_moe.route_align_config(64, 128).align_kind == "experts"
+    assert triton_moe.route_align_config(16, 128).align_kind == "one"
+
     monkeypatch.setattr(moe_table, "ROUTE_ALIGN", ((16, ("one", 1, True, 4, 4)),))
     assert triton_moe.route_align_config(16, 128) == triton_moe.RouteAlignConfig("one", 1, True)
     assert triton_moe.route_align_config(17, 128) == triton_moe.RouteAlignConfig()
