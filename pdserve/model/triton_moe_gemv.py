@@ -35,6 +35,14 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _count_forward(stats_ptr, distinct):
+    """One forward that routed to ``distinct`` experts added to the float64 counters
+    ``stats_ptr[0]`` (experts) and ``stats_ptr[1]`` (forwards) (one program only)."""
+    tl.store(stats_ptr, tl.load(stats_ptr) + distinct)
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + 1.0)
+
+
+@triton.jit
 def _gate_up_dot_loop(
     x_ptrs,
     g_ptrs,
@@ -238,6 +246,7 @@ def _route_gate_up_kernel(
     s_we,
     s_wn,
     s_an,
+    stats_ptr,
     TOP_K: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -245,6 +254,7 @@ def _route_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    STATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
@@ -252,7 +262,10 @@ def _route_gate_up_kernel(
     ``_gate_up_kernel`` rounds (torch's: gate, up, silu(gate), the product). ``DOT``: the
     products on tensor cores, x's row in a 16-row tile (rows 1-15 zero) times ``[BLOCK_K,
     BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``; ``IEEE``: fp32
-    inputs in full precision); else elementwise fp32 products summed once at the end."""
+    inputs in full precision); else elementwise fp32 products summed once at the end.
+    ``STATS`` (one token only): program (0, 0) adds the forward's ``TOP_K`` distinct experts
+    and one forward to ``stats_ptr``'s two float64 counters (``SparseMoeBlock``'s routing
+    counters, in this launch instead of their own kernels)."""
     pdl_enter(PDL)
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -261,6 +274,9 @@ def _route_gate_up_kernel(
     if pid_n == 0:
         tl.store(ids_ptr + a, sel_e.to(tl.int64))
         tl.store(rw_ptr + a, sel_w)
+        if STATS:  # noqa: SIM102 (a constexpr, then a scalar of the program)
+            if a == 0:
+                _count_forward(stats_ptr, TOP_K)
     e = sel_e.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < INTER
@@ -561,6 +577,7 @@ def route_experts_gemv(
     top_k: int,
     renormalize: bool,
     config: GemvConfig | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing and the experts' weighted sum of a few tokens in two launches (no sort).
 
@@ -570,7 +587,9 @@ def route_experts_gemv(
     int64)``: the routing of :func:`pdserve.model.moe.route` (same ids and order, weights
     to fp32 rounding) and the sum of ``pdserve.model.moe.experts_loop`` (fp32
     accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
-    a CUDA graph."""
+    a CUDA graph. stats: ``[2]`` float64 routing counters (one row of
+    ``SparseMoeBlock.routing_stats``) that the gate/up launch adds this forward to; one
+    token only (its k experts are distinct)."""
     cfg = config or gemv_config()
     T, E = router_logits.shape
     H = x.shape[1]
@@ -581,6 +600,7 @@ def route_experts_gemv(
     if T == 0:
         return torch.empty((0, H), dtype=x.dtype, device=dev), weights, ids
     assert router_logits.stride(1) == 1 and x.stride(1) == 1
+    assert stats is None or T == 1, "routing counted in the kernel for one token only"
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
     act = torch.empty((T * top_k, inter), dtype=x.dtype, device=dev)
     args = (
@@ -598,6 +618,7 @@ def route_experts_gemv(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+        stats if stats is not None else weights,
     )
     grid = (T * top_k, triton.cdiv(inter, cfg.up_n))
     common = dict(
@@ -613,8 +634,9 @@ def route_experts_gemv(
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
     stages = dict(num_stages=cfg.up_stages) if cfg.up_kind == "dot" else {}
     _route_gate_up_kernel[grid](
-        *args, DOT=cfg.up_kind == "dot", IEEE=x.dtype == torch.float32, **stages, **common
-    )
+        *args, DOT=cfg.up_kind == "dot", IEEE=x.dtype == torch.float32, STATS=stats is not None,
+        **stages, **common,
+    )  # fmt: skip
     if cfg.down_kind in ("assign", "assign_sum"):
         opts = pdl.launch_options(x)
         per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_moe_gemv import _count_forward
 
 
 class Alignment(NamedTuple):
@@ -130,6 +131,7 @@ def _route_align_kernel(
     E,
     ROWS,
     s_lt,
+    stats_ptr,
     TOP_K: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -140,6 +142,7 @@ def _route_align_kernel(
     BLOCK_B: tl.constexpr,
     RANK_DOT: tl.constexpr,
     ROUTE: tl.constexpr,
+    STATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: :func:`align` of ``T <= BLOCK_T`` tokens, after their routing
@@ -152,7 +155,8 @@ def _route_align_kernel(
     cumsum over tokens: a token chooses an expert at most once; with ``RANK_DOT`` as a
     product with the strictly lower triangle of ones on tensor cores, exact for these small
     counts), so assignment ``t * k + j`` lands at ``start[e] + rank``: the order of
-    :func:`align`."""
+    :func:`align`. ``STATS``: the experts with a count and one forward added to
+    ``stats_ptr``'s two float64 routing counters."""
     pdl_enter(PDL)
     tv = tl.arange(0, BLOCK_T)
     t = tv[:, None]
@@ -170,6 +174,8 @@ def _route_align_kernel(
             chosen = tl.where(hit, 1, chosen)
             order = tl.where(hit, j, order)
     counts = tl.sum(chosen, axis=0)
+    if STATS:
+        _count_forward(stats_ptr, tl.sum((counts > 0).to(tl.int32), axis=0).to(tl.float64))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     if RANK_DOT:
@@ -221,6 +227,7 @@ def _align_experts_kernel(
     T,
     E,
     ROWS,
+    stats_ptr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -228,6 +235,7 @@ def _align_experts_kernel(
     BLOCK_TB: tl.constexpr,
     BLOCK_RP: tl.constexpr,
     BLOCK_BP: tl.constexpr,
+    STATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(E,)``: :func:`align` of the routed ``ids [T, k]`` with one program per
@@ -239,7 +247,8 @@ def _align_experts_kernel(
     of :func:`align`), its padding rows (``N``) and its row blocks' expert (at most
     ``cdiv(T, BLOCK_M)`` blocks: a token chooses an expert once); and its share
     (``BLOCK_RP`` rows, ``BLOCK_BP`` blocks) of the rows and blocks past the used ones
-    (``N``, ``-1``). Program 0 stores ``used``."""
+    (``N``, ``-1``). Program 0 stores ``used`` (and with ``STATS`` adds the experts with a
+    count and one forward to ``stats_ptr``'s two float64 routing counters)."""
     pdl_enter(PDL)
     e = tl.program_id(0)
     N = T * TOP_K
@@ -267,6 +276,8 @@ def _align_experts_kernel(
     tl.store(bexp_ptr + b, tl.zeros_like(b) - 1, mask=past)
     if e == 0:
         tl.store(used_ptr, used)
+        if STATS:
+            _count_forward(stats_ptr, tl.sum((counts > 0).to(tl.int32), axis=0).to(tl.float64))
 
 
 ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
@@ -303,13 +314,16 @@ def route_align(
     block_m: int,
     num_warps: int | None = None,
     config: RouteAlignConfig | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """:func:`pdserve.model.moe.route` then :func:`align`, in one or two Triton launches
     (when :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns
     ``(weights [T, k] float32, ids [T, k] int64, Alignment)``, equal to the torch pair's
     (ids and order; weights to fp32 rounding). config: a :class:`RouteAlignConfig`
     (default :func:`route_align_config`); num_warps: overrides its ``num_warps``. Raises
-    ValueError for an unknown ``config.kind``."""
+    ValueError for an unknown ``config.kind``. stats: ``[2]`` float64 routing counters (one
+    row of ``SparseMoeBlock.routing_stats``) that the alignment adds this forward's distinct
+    experts and one forward to."""
     T, E = router_logits.shape
     cfg = config or route_align_config(T, E)
     if num_warps:
@@ -325,8 +339,9 @@ def route_align(
     # a tensor-core rank needs 16-row tiles
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 if cfg.rank_dot else 1)
     block_e = max(triton.next_power_of_2(E), 16 if cfg.rank_dot else 1)
+    counters = stats if stats is not None else weights
     align_ptrs = (router_logits, weights, ids, sorted_ids, block_expert, used, T, E, rows,
-                  router_logits.stride(0))  # fmt: skip
+                  router_logits.stride(0), counters)  # fmt: skip
     align_args = dict(
         TOP_K=top_k,
         RENORM=renormalize,
@@ -337,6 +352,7 @@ def route_align(
         BLOCK_R=triton.next_power_of_2(rows),
         BLOCK_B=triton.next_power_of_2(rows // block_m),
         RANK_DOT=cfg.rank_dot,
+        STATS=stats is not None,
     )
     opts = moe_pdl(router_logits)
     if cfg.kind == "one":
@@ -364,7 +380,8 @@ def route_align(
         if cfg.align_kind == "experts":
             nb = rows // block_m
             _align_experts_kernel[(E,)](
-                ids, sorted_ids, block_expert, used, T, E, rows, TOP_K=top_k, BLOCK_M=block_m,
+                ids, sorted_ids, block_expert, used, T, E, rows, counters, TOP_K=top_k,
+                BLOCK_M=block_m, STATS=stats is not None,
                 BLOCK_N=triton.next_power_of_2(N), BLOCK_E=triton.next_power_of_2(E),
                 BLOCK_TB=triton.next_power_of_2(triton.cdiv(T, block_m)),
                 BLOCK_RP=triton.next_power_of_2(triton.cdiv(rows, E)),

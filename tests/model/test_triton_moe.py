@@ -724,3 +724,69 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
         assert (
             out.float() - want.float()
         ).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        triton_moe.RouteAlignConfig("one", 2, True),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
+        triton_moe.RouteAlignConfig("split", 1, True, 1, 4, "experts"),
+    ],
+)
+def test_route_align_counts_routed_experts_in_its_kernel(config):
+    """``route_align(stats=row)``: the alignment adds the forward's distinct experts and one
+    forward to the two float64 counters (what ``SparseMoeBlock`` counted with torch ops)."""
+    T, E, k = 9, 16, 3
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(T, E, generator=g) + torch.linspace(2.0, -2.0, E)).to(DEVICE)
+    row = torch.tensor([5.0, 2.0], dtype=torch.float64, device=DEVICE)
+    _, ids, _ = triton_moe.route_align(logits, k, True, 4, config=config, stats=row)
+    distinct = ids.unique().numel()
+    assert row.tolist() == [5.0 + distinct, 3.0]
+
+
+def test_routing_counters_inside_the_fused_kernels_equal_torch_counting(monkeypatch):
+    """With ``PDSERVE_MOE_ROUTING_STATS=1`` the tiny Qwen3-MoE through the Triton kernels
+    (one-token forwards: the few-token gate/up kernel counts; 3 tokens: route_align's
+    alignment; a prefill of 5 past route_align's cells: torch) leaves every layer's counters
+    equal to the torch loop's (torch's counting)."""
+    from pdserve.engine.kv.layout import KVCacheLayout
+    from pdserve.model.attention import build_attention_metadata
+
+    monkeypatch.setenv("PDSERVE_MOE_ROUTING_STATS", "1")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "1")
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    spied: list[tuple[int, bool]] = []  # (tokens, stats given) of the fused decode calls
+    for name in ("route_align", "route_experts_gemv"):
+        real = getattr(triton_moe, name)
+
+        def spy(logits, *a, _real=real, **kw):
+            spied.append((logits.shape[0], kw.get("stats") is not None))
+            return _real(logits, *a, **kw)
+
+        monkeypatch.setattr(triton_moe, name, spy)
+    stats = {}
+    for impl in ("loop", "fused"):
+        monkeypatch.setenv("PDSERVE_MOE_EXPERTS", impl)
+        cells = 4 * 8 if impl == "fused" else triton_moe_route.ROUTE_ALIGN_MAX_CELLS
+        monkeypatch.setattr(triton_moe_route, "ROUTE_ALIGN_MAX_CELLS", cells)  # 8 experts
+        model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
+        model.load_weights(hf.state_dict().items())
+        s = model.shapes
+        lay = KVCacheLayout("page_major", s.n_layers, s.n_kv_heads, s.head_dim, 4, 4, torch.float32)
+        caches = lay.layer_views(lay.allocate("cpu"))
+        model(torch.tensor([7, 30, 9, 40, 12]), torch.arange(5),
+              build_attention_metadata([5], [5], [[0, 1, 2]], 4), caches)  # fmt: skip
+        for pos in (5, 6):
+            meta = build_attention_metadata([1], [pos + 1], [[0, 1, 2]], 4)
+            model(torch.tensor([7 + pos]), torch.tensor([pos]), meta, caches)
+        meta = build_attention_metadata([3], [10], [[0, 1, 2]], 4)
+        model(torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]), meta, caches)
+        stats[impl] = [ly.moe.routing_stats.clone() for ly in model.decoder_layers()]
+    assert [c[0] for c in spied] == [1] * 4 + [3] * 2, "2 layers: 1-token kernels, route_align"
+    assert all(c[1] for c in spied), "each counted in its kernel"
+    for a, b in zip(stats["loop"], stats["fused"]):
+        assert torch.equal(a, b)
+        assert a[1, 1] == 2 and a[3, 1] == 1 and a[5, 1] == 1
