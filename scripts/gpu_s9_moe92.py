@@ -10,7 +10,8 @@ A. The sparse layer alone (H 2048, I 768, 128 experts, top 8, bf16; 4 weight cop
      stages in 2 warps, the down kernel in 2 / 8 warps;
    - 64 tokens (uniform ~125 experts / 24 experts): the committed path (per-expert
      alignment since round 1) against row blocks of 32 with other tiles than round 1's
-     (its (32, 128, 64) tiles: 24 experts 84.9 -> 71.4 us, but ~125 experts 279.4 -> 293.9).
+     (its (32, 128, 64) tiles: 24 experts 84.9 -> 71.4 us, but ~125 experts 279.4 -> 293.9),
+     and of 64.
    Picks: a few-token config < 0.99 x the committed; a 64-token plan < 0.97 x the committed
    summed over both regimes and not slower by > 1 % on either.
 B. One engine with ``PDSERVE_MOE_ROUTING_STATS=1`` (the counters now inside the decode
@@ -51,12 +52,15 @@ else:
         base._replace(down_warps=2),
         base._replace(down_warps=8),
         base._replace(up_n=64, up_k=128),
+        base._replace(up_warps=1),
+        base._replace(up_warps=1, down_warps=2),
     ]
     PLANS = [
         tm.MoEPlan(MC(32, 64, 128, 4, 3), MC(32, 64, 128, 4, 3), None, True),
         tm.MoEPlan(MC(32, 64, 64, 4, 4), MC(32, 64, 128, 4, 3), None, True),
         tm.MoEPlan(MC(32, 32, 128, 4, 4), MC(32, 64, 128, 4, 3), None, True),
         tm.MoEPlan(MC(32, 64, 128, 4, 3), MC(32, 128, 64, 4, 3), None, True),
+        tm.MoEPlan(MC(64, 64, 128, 4, 3), MC(64, 64, 128, 4, 3), None, True),
     ]
 s9.GEMV_BASE = G(*m.moe_table.GEMV) if m.moe_table.GEMV else G()
 if m.SMOKE:
