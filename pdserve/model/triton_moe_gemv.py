@@ -477,33 +477,36 @@ def _down_assign_kernel(
     o_ptrs = out_ptr + a * s_on + cols[None, :] + rows[:, None] * 0
     tl.store(o_ptrs, o, mask=first & cmask[None, :])
     if SUM:
-        _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, a // TOP_K, cols, cmask, s_on, s_st,
-                        TOP_K, BLOCK_J)  # fmt: skip
+        one = tl.arange(0, 1)  # the program's one token as a row vector
+        _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, a // TOP_K + one, one == 0, cols, cmask,
+                        s_on, s_st, TOP_K, BLOCK_J)  # fmt: skip
 
 
 @triton.jit
-def _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, t, cols, cmask, s_on, s_st,
+def _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, tok, live, cols, cmask, s_on, s_st,
                     TOP_K: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
-    """The top-k sum inside the down kernel (``down_kind="assign_sum"``): after its block
-    of ``out`` rows is stored, each program of token ``t`` and column block ``pid 1`` adds
-    one to that pair's counter (``cnt_ptr``, int32, zero between launches); the program that
-    finds ``TOP_K - 1`` there (the last of the k) resets it to 0 and sums the k rows of the
-    block as ``_topk_sum_kernel`` does (fp32, j in one fixed order, rounded once) into
-    ``sum[t]``. No atomics on the values: the bits of ``_topk_sum_kernel``'s sum."""
+    """The top-k sum inside a down kernel (``down_kind="assign_sum"``, a plan's
+    ``fused_sum``): after a program has stored its ``out`` rows of this column block
+    (``pid 1``), each of its ``live`` rows (token ``tok``, ``[BLOCK_M]``) adds one to that
+    (token, column block)'s counter (``cnt_ptr``, int32, zero between launches); where it
+    finds ``TOP_K - 1`` (the token's last of k) it resets the counter and sums the token's
+    k rows of the block as ``_topk_sum_kernel`` does (fp32, j in one fixed order, rounded
+    once) into ``sum[tok]``. No atomics on the values: the bits of ``_topk_sum_kernel``."""
     tl.debug_barrier()  # every thread's stores of the block before the release below
-    c_ptr = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
-    seen = tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
-    if seen == TOP_K - 1:
-        tl.store(c_ptr, 0)
-        j = tl.arange(0, BLOCK_J)
-        v = tl.load(
-            out_ptr + (t * TOP_K + j[:, None]) * s_on + cols[None, :],
-            mask=(j[:, None] < TOP_K) & cmask[None, :],
-            other=0.0,
-            cache_modifier=".cg",  # the other programs' rows: from L2, not a stale L1
-        )
-        total = tl.sum(v.to(tl.float32), axis=0)
-        tl.store(sum_ptr + t * s_st + cols, total.to(sum_ptr.dtype.element_ty), mask=cmask)
+    c_ptrs = cnt_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    seen = tl.atomic_add(c_ptrs, 1, mask=live, sem="acq_rel", scope="gpu")
+    last = live & (seen == TOP_K - 1)
+    tl.store(c_ptrs, 0, mask=last)
+    j = tl.arange(0, BLOCK_J)
+    v = tl.load(
+        out_ptr + (tok[:, None, None] * TOP_K + j[None, :, None]) * s_on + cols[None, None, :],
+        mask=last[:, None, None] & (j < TOP_K)[None, :, None] & cmask[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",  # the other programs' rows: from L2, not a stale L1
+    )
+    total = tl.sum(v.to(tl.float32), axis=1)
+    s_ptrs = sum_ptr + tok[:, None] * s_st + cols[None, :]
+    tl.store(s_ptrs, total.to(sum_ptr.dtype.element_ty), mask=last[:, None] & cmask[None, :])
 
 
 _COUNTERS: list[torch.Tensor] = []  # every counter buffer made (graphs hold their pointers)

@@ -790,3 +790,33 @@ def test_routing_counters_inside_the_fused_kernels_equal_torch_counting(monkeypa
     for a, b in zip(stats["loop"], stats["fused"]):
         assert torch.equal(a, b)
         assert a[1, 1] == 2 and a[3, 1] == 1 and a[5, 1] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T, H, inter, E, k, block_m", [(1, 40, 24, 8, 2, 16), (20, 50, 24, 8, 3, 4)]
+)
+def test_grouped_fused_sum_equals_triton_sum(dtype, T, H, inter, E, k, block_m):
+    """A plan's ``fused_sum`` (the top-k sum inside the grouped down kernel: the program
+    writing a token's last assignment of a column block sums its k rows) gives the bits of
+    the down kernel + ``_topk_sum_kernel``, with row blocks of several tokens, ragged column
+    blocks, k not a power of two; twice (its counters left zero)."""
+    x, w13, w2, w, ids = _problem(T, H, inter, E, k, dtype=dtype, seed=T)
+    c = triton_moe.MoEConfig(block_m, 16, 16, 4, 2)
+    want = triton_moe.fused_experts(x, w13, w2, w, ids, triton_moe.MoEPlan(c, c, None, True))
+    for _ in range(2):
+        got = triton_moe.fused_experts(
+            x, w13, w2, w, ids, triton_moe.MoEPlan(c, c, None, True, True)
+        )
+        assert torch.equal(got, want)
+    assert all(int(c.count_nonzero()) == 0 for c in triton_moe_gemv._COUNTERS)
+
+
+def test_decode_table_rows_take_fused_sum(monkeypatch):
+    """A ``moe_table.DECODE`` row's optional sixth field is the plan's ``fused_sum``."""
+    from pdserve.model import moe_table
+
+    t = (16, 64, 128, 4, 3)
+    monkeypatch.setattr(moe_table, "DECODE", ((8, t, t, None, True), (512, t, t, None, True, True)))
+    assert not triton_moe.pick_plan(8, 128).fused_sum
+    assert triton_moe.pick_plan(512, 128).fused_sum
