@@ -697,9 +697,9 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
     plan = triton_moe.pick_plan(T * k, E)
     gcfg = triton_moe.GemvConfig(32, 256, 4, 64, 128, 4, "dot", 3, "assign", 3)
 
-    def grouped():
-        w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
-        return triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids)
+    def grouped(p=plan):
+        w, ids, al = triton_moe.route_align(logits, k, True, p.up.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, p, ids=ids)
 
     monkeypatch.setattr(moe_table, "PDL", False)
     want = grouped()
@@ -710,6 +710,7 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
         lambda: triton_moe.route_experts_gemv(
             logits, x, w13, w2, k, True, gcfg._replace(down_kind="assign_sum")
         )[0],
+        lambda: grouped(plan._replace(triton_sum=True, fused_sum=True)),
     ):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
