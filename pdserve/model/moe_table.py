@@ -57,9 +57,10 @@ ROUTE_ALIGN: tuple[tuple[int, RouteAlign], ...] = (
 # PDSERVE_MOE_GEMV_MAX_TOKENS is set; 0: never) and its tiles (GemvConfig fields; None:
 # GemvConfig's defaults). Picks of scripts/gpu_s8_moe8.py (NVIDIA H200, 2026-12-03; the
 # layer at 1 token 31.8 -> 28.3 us, the engine's 1x200 step 2.912 -> 2.850 ms, greedy
-# tokens unchanged: docs/figures/h200_s8/moe8_output.txt); the gate/up in 2 warps instead of
-# 4 from scripts/gpu_s9_moe9.py (the layer at 1 token 28.6 -> 27.3 us, the same bits; the
-# engine's 1x200 step 2.830 -> 2.788 ms; docs/figures/h200_s9/moe9.json).
+# tokens unchanged: docs/figures/h200_s8/moe8_output.txt); the gate/up in 1 warp instead of
+# 4 from session 9's two H200 rounds (the layer at 1 token: 4 -> 2 warps 28.6 -> 27.3 us,
+# the engine's 1x200 step 2.830 -> 2.788 ms; 2 -> 1 warp 27.6 -> 27.0 us; the same bits;
+# docs/figures/h200_s9/moe9.json, moe92.json).
 PDL: bool = True
 GEMV_MAX_TOKENS: int = 1
-GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 2, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip
+GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 1, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip
