@@ -213,9 +213,10 @@ MOE_ROUTING_STATS = EnvVar(
     _parse_bool,
     False,
     "Count, in every mixture-of-experts layer and per forward size, the distinct experts each "
-    "forward routes to (a few small kernels per layer, inside CUDA graphs too), so `bench "
-    "offline`'s roofline counts the bytes of the experts a decode step actually reads instead "
-    "of all of them.",
+    "forward routes to, so `bench offline`'s roofline counts the bytes of the experts a decode "
+    "step actually reads instead of all of them. Decode forwards count inside their routing "
+    "kernels (the few-token gate/up at 1 token, route_align's alignment up to 64 tokens: no "
+    "launch of their own); other forwards with a few small torch kernels per layer.",
 )
 
 # --- router ------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_build_check import build, sass_counts
+from sm90_build_check import build as _build
+from sm90_build_check import sass_counts
 
 from pdserve.model import triton_moe as tm
 
@@ -32,6 +33,18 @@ CONFIGS = [tm.pick_config(n * K, E) for n in (1, 1024, 16384)]
 
 def _t(dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(16, dtype=dtype)
+
+
+def build(fn, args: dict, consts: dict, warps: int, stages: int):
+    """``sm90_build_check.build`` with the kernels' optional features off where a call
+    leaves them out (PDL, the routing counters, the fused top-k sum; the few-token gate/up
+    on tensor cores): their arguments filled with placeholders."""
+    off = dict(PDL=False, STATS=False, SUM=False, ROUTE=True, DOT=True, IEEE=False)
+    off.update(TOP_K=K, BLOCK_J=K)
+    consts = {**{k: v for k, v in off.items() if k in fn.arg_names}, **consts}
+    filler = dict(stats_ptr=_t(torch.float64), sum_ptr=_t(BF16), cnt_ptr=_t(I32), s_st=H)
+    args = {**{k: v for k, v in filler.items() if k in fn.arg_names}, **args}
+    return _build(fn, args, consts, warps, stages)
 
 
 def _report(name: str, kernel) -> None:
@@ -76,7 +89,8 @@ def main() -> None:
         args.update(bexp_ptr=_t(I32), used_ptr=_t(I32), T=T, E=E, ROWS=rows, s_lt=E)
         consts = dict(TOP_K=K, RENORM=True, BLOCK_M=16, BLOCK_T=triton.next_power_of_2(T))
         consts.update(BLOCK_E=E, BLOCK_K=K, BLOCK_R=triton.next_power_of_2(rows))
-        consts.update(BLOCK_B=triton.next_power_of_2(rows // 16))
+        consts.update(BLOCK_B=triton.next_power_of_2(rows // 16), RANK_DOT=False, ROUTE=True)
+        consts.update(PDL=False)
         warps = 8 if T * E > 2048 else 4
         _report(f"route_align {T} tokens", build(tm._route_align_kernel, args, consts, warps, 1))
 
@@ -91,9 +105,8 @@ def main() -> None:
             args.update(rw_ptr=_t(F32), ids_ptr=_t(I64), E=E, K=H, INTER=INTER, s_lt=E, s_xt=H)
             args.update(s_we=2 * INTER * H, s_wn=H, s_an=INTER)
             consts = dict(TOP_K=K, RENORM=True, BLOCK_E=E, BLOCK_N=g.up_n, BLOCK_K=g.up_k)
-            k1 = build(
-                tm._route_gate_up_gemv_kernel, args, dict(PDL=False, **consts), g.up_warps, 1
-            )
+            consts.update(DOT=False, IEEE=False, PDL=False)
+            k1 = build(tm._route_gate_up_kernel, args, consts, g.up_warps, 1)
             _report(f"route_gate_up_gemv {tuple(g)[:3]} {dt}", k1)
             args = dict(act_ptr=_t(dt), w_ptr=_t(dt), out_ptr=_t(dt), rw_ptr=_t(F32))
             args.update(ids_ptr=_t(I64), K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER)
@@ -114,7 +127,8 @@ def new_kernels() -> None:
         args.update(rw_ptr=_t(F32), ids_ptr=_t(I64), E=E, K=H, INTER=INTER, s_lt=E, s_xt=H)
         args.update(s_we=2 * INTER * H, s_wn=H, s_an=INTER)
         consts = dict(TOP_K=K, RENORM=True, BLOCK_E=E, BLOCK_N=bn, BLOCK_K=bk, IEEE=False)
-        k = build(tm._route_gate_up_dot_kernel, args, dict(PDL=False, **consts), warps, stages)
+        consts.update(DOT=True, PDL=False)
+        k = build(tm._route_gate_up_kernel, args, consts, warps, stages)
         _report(f"route_gate_up_dot {(bn, bk, warps, stages)}", k)
     for bn, bk, warps, stages in (
         (16, 128, 4, 4),
@@ -159,19 +173,16 @@ def s7_kernels() -> None:
             args = dict(logits_ptr=_t(F32), w_ptr=_t(F32), ids_ptr=_t(I64), sorted_ptr=_t(I32))
             args.update(bexp_ptr=_t(I32), used_ptr=_t(I32), T=T, E=E, ROWS=rows, s_lt=E)
             for warps in (1, 8):
-                k = build(
-                    tm._route_align_kernel, args, dict(RENORM=True, BLOCK_K=K, **align), warps, 1
-                )
+                consts = dict(RENORM=True, BLOCK_K=K, ROUTE=True, PDL=False, **align)
+                k = build(tm._route_align_kernel, args, consts, warps, 1)
                 _report(f"route_align one {T} tokens w{warps} dot {dot}", k)
-            args = dict(ids_ptr=_t(I64), sorted_ptr=_t(I32), bexp_ptr=_t(I32), used_ptr=_t(I32))
-            args.update(T=T, E=E, ROWS=rows)
-            _report(
-                f"align_ids {T} tokens dot {dot}", build(tm._align_ids_kernel, args, align, 4, 1)
-            )
+            consts = dict(RENORM=True, BLOCK_K=K, ROUTE=False, PDL=False, **align)
+            k = build(tm._route_align_kernel, args, consts, 4, 1)
+            _report(f"align (ids) {T} tokens dot {dot}", k)
         for tpp, warps in ((1, 1), (4, 1), (16, 4)):
             args = dict(logits_ptr=_t(F32), w_ptr=_t(F32), ids_ptr=_t(I64), T=T, E=E, s_lt=E)
             consts = dict(TOP_K=K, RENORM=True, BLOCK_T=min(tpp, triton.next_power_of_2(T)))
-            consts.update(BLOCK_E=E, BLOCK_K=K)
+            consts.update(BLOCK_E=E, BLOCK_K=K, PDL=False)
             k = build(tm._route_kernel, args, consts, warps, 1)
             _report(f"route {T} tokens tpp {tpp} w{warps}", k)
 

@@ -126,21 +126,32 @@ class SparseMoeBlock(nn.Module):
         logits: the router's ``[T, E]`` (``x @ gate.T``) when the caller computed them
         (``fused_ops.add_rms_norm_router``); None: computed here."""
         s = self.s
+        T = x.shape[0]
         if logits is None:
             logits = F.linear(x, self.gate)
-        if experts_impl(x.device) == "fused" and x.shape[0] > 0:
+        # the routing counters' row of this forward size; the decode kernels add to it
+        # themselves (no launches of their own), other paths below
+        row = None
+        if self.routing_stats is not None:
+            row = self.routing_stats[min(T, STATS_ROWS - 1)]
+        counted = False
+        if experts_impl(x.device) == "fused" and T > 0:
             from pdserve.model import triton_moe as tm
 
-            if tm.gemv_fits(x.shape[0]):  # a few tokens: routing + 2 GEMVs, no sort
+            if tm.gemv_fits(T):  # a few tokens: routing + 2 GEMVs, no sort
+                in_kernel = row if T == 1 else None
                 out, weights, ids = tm.route_experts_gemv(
-                    logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob
-                )
+                    logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob,
+                    stats=in_kernel,
+                )  # fmt: skip
+                counted = in_kernel is not None
             else:
-                plan = tm.pick_plan(x.shape[0] * s.top_k, s.n_experts)
-                if tm.route_align_fits(x.shape[0], s.n_experts):  # decode: one launch
+                plan = tm.pick_plan(T * s.top_k, s.n_experts)
+                if tm.route_align_fits(T, s.n_experts):  # decode: one launch
                     weights, ids, al = tm.route_align(
-                        logits, s.top_k, s.norm_topk_prob, plan.up.block_m
+                        logits, s.top_k, s.norm_topk_prob, plan.up.block_m, stats=row
                     )
+                    counted = True
                 else:
                     weights, ids = route(logits, s.top_k, s.norm_topk_prob)
                     al = tm.align(ids, s.n_experts, plan.up.block_m)
@@ -148,10 +159,9 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = route(logits, s.top_k, s.norm_topk_prob)
             out = experts_loop(x, self.w13, self.w2, weights, ids)
-        if self.routing_stats is not None:
+        if row is not None and not counted:
             hit = torch.zeros(s.n_experts, dtype=torch.float64, device=x.device)
             hit.index_fill_(0, ids.flatten(), 1.0)
-            row = self.routing_stats[min(x.shape[0], STATS_ROWS - 1)]
             row[0] += hit.sum()
             row[1] += 1.0
         return out

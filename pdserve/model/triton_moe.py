@@ -52,12 +52,15 @@ from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_moe_gemv import (
     DownSum,
     GemvConfig,
+    _counters,
     _down_assign_kernel,
+    _down_dot_loop,
     _down_sum,
     _down_sum_dot_kernel,
     _down_sum_gemv_kernel,
-    _route_gate_up_dot_kernel,
-    _route_gate_up_gemv_kernel,
+    _gate_up_dot_loop,
+    _last_sums_topk,
+    _route_gate_up_kernel,
     _route_one,
     _topk_sum_kernel,
     gemv_config,
@@ -69,8 +72,7 @@ from pdserve.model.triton_moe_route import (
     ROUTE_ALIGN_MAX_CELLS,
     Alignment,
     RouteAlignConfig,
-    _align_ids_kernel,
-    _align_store,
+    _align_experts_kernel,
     _route_align_kernel,
     _route_kernel,
     _route_topk,
@@ -86,15 +88,13 @@ from pdserve.model.triton_moe_route import (
 # the few-token path and the routing / alignment live in triton_moe_gemv and
 # triton_moe_route; their names stay importable from here
 __all__ = [
-    "_align_ids_kernel",
-    "_align_store",
+    "_align_experts_kernel",
     "_down_assign_kernel",
     "_down_sum",
     "_down_sum_dot_kernel",
     "_down_sum_gemv_kernel",
     "_route_align_kernel",
-    "_route_gate_up_dot_kernel",
-    "_route_gate_up_gemv_kernel",
+    "_route_gate_up_kernel",
     "_route_kernel",
     "_route_one",
     "_route_topk",
@@ -165,23 +165,9 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tok[:, None] * s_xt + ks[None, :]
     g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
     u_ptrs = g_ptrs + INTER * s_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xa = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=wmask, other=0.0)
-        u = tl.load(u_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, g, acc_g)
-            acc_u = tl.dot(xa, u, acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    acc_g, acc_u = _gate_up_dot_loop(
+        x_ptrs, g_ptrs, u_ptrs, valid[:, None], cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE
+    )
     ty = act_ptr.dtype.element_ty
     out = silu_mul_rounded(acc_g.to(ty), acc_u.to(ty))  # torch's roundings (silu(gate) * up)
     a_ptrs = act_ptr + a_ids[:, None].to(tl.int64) * s_an + cols[None, :]
@@ -204,14 +190,22 @@ def _down_kernel(
     s_we,
     s_wn,
     s_on,
+    sum_ptr,
+    cnt_ptr,
+    s_st,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    SUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[a, n] = routing_weight[a] * (act[a] . w2[e, n]) for the block's rows a and
-    hidden columns n (fp32 accumulation; the product in fp32, rounded once)."""
+    hidden columns n (fp32 accumulation; the product in fp32, rounded once). ``SUM``: then
+    the top-k sum of each token whose last assignment this program wrote
+    (``_last_sums_topk``) into ``sum [T, H]``."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -227,21 +221,14 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + a64[:, None] * s_an + ks[None, :]
     w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _down_dot_loop(a_ptrs, w_ptrs, valid[:, None], cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     rw = tl.load(rw_ptr + a64, mask=valid, other=0.0)
     out = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * rw[:, None]
     o_ptrs = out_ptr + a64[:, None] * s_on + cols[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+    if SUM:
+        _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, a64 // TOP_K, valid, cols, cmask, s_on, s_st,
+                        TOP_K, BLOCK_J)  # fmt: skip
 
 
 class MoEConfig(NamedTuple):
@@ -266,12 +253,16 @@ class MoEPlan(NamedTuple):
     the one-launch down projection + routing weights + top-k sum (a :data:`DownSum`; each
     token's k experts read for it alone), or None for the grouped down kernel then the
     top-k sum: in torch, or when ``triton_sum`` in ``_topk_sum_kernel`` (one small launch;
-    torch's reduction kernel took 4.4 us a layer at 1 token on the H200)."""
+    torch's reduction kernel took 4.4 us a layer at 1 token on the H200), or when
+    ``fused_sum`` inside the down kernel (``_last_sums_topk``: the program writing a token's
+    last assignment of a column block sums its k rows there; the same bits, one launch
+    fewer)."""
 
     up: MoEConfig
     down: MoEConfig
     down_sum: DownSum | None = None
     triton_sum: bool = False
+    fused_sum: bool = False
 
 
 def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
@@ -285,7 +276,7 @@ def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
     per_expert = n_assign / max(n_experts, 1)
     if per_expert <= 16 and moe_table.DECODE:
         row = next((r for r in moe_table.DECODE if r[0] >= n_assign), moe_table.DECODE[-1])
-        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), row[3], row[4])
+        return MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), *row[3:])
     if per_expert <= 64:
         c = MoEConfig(32, 64, 64, 4, 3)
     else:
@@ -378,7 +369,11 @@ def grouped_experts(
             raise ValueError("a plan with down_sum needs the routed expert ids")
         return _down_sum(act, w2, weights, ids, T, H, k, plan.down_sum)
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
-    _down_kernel[(n_blocks, triton.cdiv(H, dn.block_n))](
+    nb = triton.cdiv(H, dn.block_n)
+    fused = plan.fused_sum
+    total = torch.empty((T, H), dtype=x.dtype, device=x.device) if fused else out
+    cnt = _counters(T * nb, x.device) if fused else al.used
+    _down_kernel[(n_blocks, nb)](
         act,
         w2,
         out,
@@ -393,14 +388,22 @@ def grouped_experts(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        total,
+        cnt,
+        total.stride(0),
         BLOCK_M=dn.block_m,
         BLOCK_N=dn.block_n,
         BLOCK_K=dn.block_k,
         IEEE=ieee,
+        TOP_K=k,
+        BLOCK_J=triton.next_power_of_2(k),
+        SUM=fused,
         num_warps=dn.num_warps,
         num_stages=dn.num_stages,
         **opts,
     )
+    if fused:
+        return total
     if not plan.triton_sum:
         return out.view(T, k, H).sum(dim=1)
     return topk_sum(out, T, k, opts)

@@ -24,6 +24,87 @@ from pdserve.model.triton_act import silu_mul_rounded
 DownSum = tuple[str, int, int, int, int]
 
 
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` on tensor cores; ``IEEE``: fp32 inputs in full precision (no TF32)."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _count_forward(stats_ptr, distinct):
+    """One forward that routed to ``distinct`` experts added to the float64 counters
+    ``stats_ptr[0]`` (experts) and ``stats_ptr[1]`` (forwards) (one program only)."""
+    tl.store(stats_ptr, tl.load(stats_ptr) + distinct)
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + 1.0)
+
+
+@triton.jit
+def _gate_up_dot_loop(
+    x_ptrs,
+    g_ptrs,
+    u_ptrs,
+    xrows,
+    cmask,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The gate/up K loop of the MoE kernels on tensor cores (``_gate_up_kernel``,
+    ``_route_gate_up_kernel``): ``[BLOCK_M, BLOCK_K]`` tiles of x (``x_ptrs``, rows
+    where ``xrows`` ``[BLOCK_M, 1]``, else 0) times ``[BLOCK_K, BLOCK_N]`` tiles of the gate
+    and up rows (``g_ptrs``, ``u_ptrs``: k along dim 0, columns where ``cmask``), ``K`` in
+    ``BLOCK_K`` chunks. Returns the fp32 ``(gate, up)`` accumulators ``[BLOCK_M, BLOCK_N]``."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        xa = tl.load(x_ptrs, mask=xrows & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0)
+        acc_g = _dot(xa, g, acc_g, IEEE)
+        acc_u = _dot(xa, u, acc_u, IEEE)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_dot_loop(
+    a_ptrs,
+    w_ptrs,
+    arows,
+    cmask,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The down projection's K loop on tensor cores (``_down_kernel``,
+    ``_down_assign_kernel``): ``[BLOCK_M, BLOCK_K]`` tiles of act (rows where ``arows``)
+    times ``[BLOCK_K, BLOCK_N]`` tiles of ``w2[e]`` (columns where ``cmask``). Returns the
+    fp32 accumulator ``[BLOCK_M, BLOCK_N]``."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks + k0 < K
+        a = tl.load(a_ptrs, mask=arows & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = _dot(a, w, acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
 def topk_sum(out: torch.Tensor, T: int, k: int, opts: dict[str, Any]) -> torch.Tensor:
     """``out [T * k, H]`` (contiguous) summed over each token's k rows -> ``[T, H]`` in
     out's dtype (``_topk_sum_kernel``: fp32 sum, one rounding); opts: launch options
@@ -106,7 +187,7 @@ def _down_sum(
 # For a handful of tokens (decode at batch 1-4) there is nothing to group: each assignment
 # reads its own expert's rows. Three launches a layer instead of five (router GEMM,
 # route_align, gate_up, down, top-k sum): the router GEMM (cuBLAS), then
-#  1. ``_route_gate_up_gemv_kernel``: program (assignment a = t * k + j, column block of I)
+#  1. ``_route_gate_up_kernel``: program (assignment a = t * k + j, column block of I)
 #     takes token t's router logits (E values), softmax in fp32, k rounds of argmax (the
 #     order of route_align), keeps the j-th expert e and weight, stores them (column block
 #     0 only), then the GEMV act[a] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n]);
@@ -150,7 +231,7 @@ def _route_one(
 
 
 @triton.jit
-def _route_gate_up_gemv_kernel(
+def _route_gate_up_kernel(
     logits_ptr,
     x_ptr,
     w_ptr,
@@ -165,15 +246,26 @@ def _route_gate_up_gemv_kernel(
     s_we,
     s_wn,
     s_an,
+    stats_ptr,
     TOP_K: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    STATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(T * TOP_K, cdiv(INTER, BLOCK_N))``: routing of token ``a // TOP_K`` (its
-    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``."""
+    ``a % TOP_K``-th expert) and ``act[a, n]`` for the block's columns ``n``, rounded as
+    ``_gate_up_kernel`` rounds (torch's: gate, up, silu(gate), the product). ``DOT``: the
+    products on tensor cores, x's row in a 16-row tile (rows 1-15 zero) times ``[BLOCK_K,
+    BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``; ``IEEE``: fp32
+    inputs in full precision); else elementwise fp32 products summed once at the end.
+    ``STATS`` (one token only): program (0, 0) adds the forward's ``TOP_K`` distinct experts
+    and one forward to ``stats_ptr``'s two float64 counters (``SparseMoeBlock``'s routing
+    counters, in this launch instead of their own kernels)."""
     pdl_enter(PDL)
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -182,94 +274,43 @@ def _route_gate_up_gemv_kernel(
     if pid_n == 0:
         tl.store(ids_ptr + a, sel_e.to(tl.int64))
         tl.store(rw_ptr + a, sel_w)
+        if STATS:  # noqa: SIM102 (a constexpr, then a scalar of the program)
+            if a == 0:
+                _count_forward(stats_ptr, TOP_K)
     e = sel_e.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < INTER
     ks = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
-    u_ptrs = g_ptrs + INTER * s_wn
-    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        wmask = cmask[:, None] & kmask[None, :]
-        acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # the roundings of _gate_up_kernel (torch's: gate, up, silu(gate), the product)
     ty = act_ptr.dtype.element_ty
-    out = silu_mul_rounded(tl.sum(acc_g, axis=1).to(ty), tl.sum(acc_u, axis=1).to(ty))
-    tl.store(act_ptr + a.to(tl.int64) * s_an + cols, out, mask=cmask)
-
-
-@triton.jit
-def _route_gate_up_dot_kernel(
-    logits_ptr,
-    x_ptr,
-    w_ptr,
-    act_ptr,
-    rw_ptr,
-    ids_ptr,
-    E,
-    K,
-    INTER,
-    s_lt,
-    s_xt,
-    s_we,
-    s_wn,
-    s_an,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """``_route_gate_up_gemv_kernel``'s work (same grid, routing, roundings and stores) with
-    the products on tensor cores: x's row in a 16-row tile (rows 1-15 zero) times
-    ``[BLOCK_K, BLOCK_N]`` weight tiles, the loads software-pipelined (``num_stages``)."""
-    pdl_enter(PDL)
-    a = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    t = a // TOP_K
-    sel_e, sel_w = _route_one(logits_ptr, s_lt, t, a % TOP_K, E, TOP_K, RENORM, BLOCK_E)
-    if pid_n == 0:
-        tl.store(ids_ptr + a, sel_e.to(tl.int64))
-        tl.store(rw_ptr + a, sel_w)
-    e = sel_e.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < INTER
-    rows = tl.arange(0, 16)
-    first = rows[:, None] == 0
-    ks = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    u_ptrs = g_ptrs + INTER * s_wn
-    x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
-    acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        xa = tl.load(x_ptrs, mask=first & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=wmask, other=0.0)
-        u = tl.load(u_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(xa, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(xa, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, g, acc_g)
-            acc_u = tl.dot(xa, u, acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    ty = act_ptr.dtype.element_ty
-    a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
-    tl.store(a_ptrs, silu_mul_rounded(acc_g.to(ty), acc_u.to(ty)), mask=first & cmask[None, :])
+    if DOT:
+        rows = tl.arange(0, 16)
+        first = rows[:, None] == 0
+        g_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
+        u_ptrs = g_ptrs + INTER * s_wn
+        x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks[None, :] + rows[:, None] * 0
+        acc_g, acc_u = _gate_up_dot_loop(
+            x_ptrs, g_ptrs, u_ptrs, first, cmask, K, 16, BLOCK_N, BLOCK_K, IEEE
+        )
+        a_ptrs = act_ptr + a.to(tl.int64) * s_an + cols[None, :] + rows[:, None] * 0
+        out = silu_mul_rounded(acc_g.to(ty), acc_u.to(ty))
+        tl.store(a_ptrs, out, mask=first & cmask[None, :])
+    else:
+        g_ptrs = w_ptr + e * s_we + cols[:, None].to(tl.int64) * s_wn + ks[None, :]
+        u_ptrs = g_ptrs + INTER * s_wn
+        x_ptrs = x_ptr + t.to(tl.int64) * s_xt + ks
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = ks + k0 < K
+            xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            wmask = cmask[:, None] & kmask[None, :]
+            acc_g += tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32) * xv
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        out = silu_mul_rounded(tl.sum(acc_g, axis=1).to(ty), tl.sum(acc_u, axis=1).to(ty))
+        tl.store(act_ptr + a.to(tl.int64) * s_an + cols, out, mask=cmask)
 
 
 @triton.jit
@@ -378,10 +419,7 @@ def _down_sum_dot_kernel(
             mask=kmask[:, None] & cmask[None, :],
             other=0.0,
         )
-        if IEEE:
-            acc = tl.dot(av, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(av, w, acc)
+        acc = _dot(av, w, acc, IEEE)
         flush = k0 + BLOCK_K >= K
         rw = tl.load(rw_ptr + a)
         term = (acc.to(ty).to(tl.float32) * rw).to(ty).to(tl.float32)
@@ -404,9 +442,15 @@ def _down_assign_kernel(
     s_we,
     s_wn,
     s_on,
+    sum_ptr,
+    cnt_ptr,
+    s_st,
+    TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(T * TOP_K, cdiv(HID, BLOCK_N))``: ``out[a, n] = rw[a] * (act[a] . w2[e_a, n])``
@@ -426,22 +470,57 @@ def _down_assign_kernel(
     e = tl.load(ids_ptr + a)
     a_ptrs = act_ptr + a * s_an + ks[None, :] + rows[:, None] * 0
     w_ptrs = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn + ks[:, None]
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = ks + k0 < K
-        av = tl.load(a_ptrs, mask=first & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(av, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(av, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _down_dot_loop(a_ptrs, w_ptrs, first, cmask, K, 16, BLOCK_N, BLOCK_K, IEEE)
     ty = out_ptr.dtype.element_ty
     rw = tl.load(rw_ptr + a)
     o = (acc.to(ty).to(tl.float32) * rw).to(ty)
     o_ptrs = out_ptr + a * s_on + cols[None, :] + rows[:, None] * 0
     tl.store(o_ptrs, o, mask=first & cmask[None, :])
+    if SUM:
+        one = tl.arange(0, 1)  # the program's one token as a row vector
+        _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, a // TOP_K + one, one == 0, cols, cmask,
+                        s_on, s_st, TOP_K, BLOCK_J)  # fmt: skip
+
+
+@triton.jit
+def _last_sums_topk(out_ptr, sum_ptr, cnt_ptr, tok, live, cols, cmask, s_on, s_st,
+                    TOP_K: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+    """The top-k sum inside a down kernel (``down_kind="assign_sum"``, a plan's
+    ``fused_sum``): after a program has stored its ``out`` rows of this column block
+    (``pid 1``), each of its ``live`` rows (token ``tok``, ``[BLOCK_M]``) adds one to that
+    (token, column block)'s counter (``cnt_ptr``, int32, zero between launches); where it
+    finds ``TOP_K - 1`` (the token's last of k) it resets the counter and sums the token's
+    k rows of the block as ``_topk_sum_kernel`` does (fp32, j in one fixed order, rounded
+    once) into ``sum[tok]``. No atomics on the values: the bits of ``_topk_sum_kernel``."""
+    tl.debug_barrier()  # every thread's stores of the block before the release below
+    c_ptrs = cnt_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    seen = tl.atomic_add(c_ptrs, 1, mask=live, sem="acq_rel", scope="gpu")
+    last = live & (seen == TOP_K - 1)
+    tl.store(c_ptrs, 0, mask=last)
+    j = tl.arange(0, BLOCK_J)
+    v = tl.load(
+        out_ptr + (tok[:, None, None] * TOP_K + j[None, :, None]) * s_on + cols[None, None, :],
+        mask=last[:, None, None] & (j < TOP_K)[None, :, None] & cmask[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",  # the other programs' rows: from L2, not a stale L1
+    )
+    total = tl.sum(v.to(tl.float32), axis=1)
+    s_ptrs = sum_ptr + tok[:, None] * s_st + cols[None, :]
+    tl.store(s_ptrs, total.to(sum_ptr.dtype.element_ty), mask=last[:, None] & cmask[None, :])
+
+
+_COUNTERS: list[torch.Tensor] = []  # every counter buffer made (graphs hold their pointers)
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` int32 zeros on ``device`` for ``_last_sums_topk`` (kept for the
+    process: each launch leaves them zero again, so CUDA graphs can share them)."""
+    for c in reversed(_COUNTERS):
+        if c.device == device and c.numel() >= n:
+            return c
+    c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    _COUNTERS.append(c)
+    return c
 
 
 class GemvConfig(NamedTuple):
@@ -452,7 +531,10 @@ class GemvConfig(NamedTuple):
     ``up_stages`` pipelined loads; ``up_n`` and ``up_k`` >= 16); ``down_kind`` and
     ``down_stages`` likewise for the down + sum kernel (see :data:`DownSum`), or
     ``"assign"``: the down projection per assignment (``_down_assign_kernel``, tensor cores,
-    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up.)"""
+    ``down_n`` >= 16) then the top-k sum kernel: three launches with the gate/up; or
+    ``"assign_sum"``: the same down kernel summing the top-k rows itself (the last of a
+    token's k programs of a column block, ``_last_sums_topk``): two launches, the same
+    bits.)"""
 
     up_n: int = 16
     up_k: int = 512
@@ -498,6 +580,7 @@ def route_experts_gemv(
     top_k: int,
     renormalize: bool,
     config: GemvConfig | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing and the experts' weighted sum of a few tokens in two launches (no sort).
 
@@ -507,7 +590,9 @@ def route_experts_gemv(
     int64)``: the routing of :func:`pdserve.model.moe.route` (same ids and order, weights
     to fp32 rounding) and the sum of ``pdserve.model.moe.experts_loop`` (fp32
     accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
-    a CUDA graph."""
+    a CUDA graph. stats: ``[2]`` float64 routing counters (one row of
+    ``SparseMoeBlock.routing_stats``) that the gate/up launch adds this forward to; one
+    token only (its k experts are distinct)."""
     cfg = config or gemv_config()
     T, E = router_logits.shape
     H = x.shape[1]
@@ -518,6 +603,7 @@ def route_experts_gemv(
     if T == 0:
         return torch.empty((0, H), dtype=x.dtype, device=dev), weights, ids
     assert router_logits.stride(1) == 1 and x.stride(1) == 1
+    assert stats is None or T == 1, "routing counted in the kernel for one token only"
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dim"
     act = torch.empty((T * top_k, inter), dtype=x.dtype, device=dev)
     args = (
@@ -535,6 +621,7 @@ def route_experts_gemv(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+        stats if stats is not None else weights,
     )
     grid = (T * top_k, triton.cdiv(inter, cfg.up_n))
     common = dict(
@@ -546,23 +633,28 @@ def route_experts_gemv(
         num_warps=cfg.up_warps,
         **pdl.launch_options(x),
     )
-    if cfg.up_kind == "dot":
-        _route_gate_up_dot_kernel[grid](
-            *args, IEEE=x.dtype == torch.float32, num_stages=cfg.up_stages, **common
-        )
-    elif cfg.up_kind == "rows":
-        _route_gate_up_gemv_kernel[grid](*args, **common)
-    else:
+    if cfg.up_kind not in ("dot", "rows"):
         raise ValueError(f"GemvConfig.up_kind: 'rows' or 'dot', got {cfg.up_kind!r}")
-    if cfg.down_kind == "assign":
+    stages = dict(num_stages=cfg.up_stages) if cfg.up_kind == "dot" else {}
+    _route_gate_up_kernel[grid](
+        *args, DOT=cfg.up_kind == "dot", IEEE=x.dtype == torch.float32, STATS=stats is not None,
+        **stages, **common,
+    )  # fmt: skip
+    if cfg.down_kind in ("assign", "assign_sum"):
         opts = pdl.launch_options(x)
         per = torch.empty((T * top_k, H), dtype=x.dtype, device=dev)
-        _down_assign_kernel[(T * top_k, triton.cdiv(H, cfg.down_n))](
+        fused = cfg.down_kind == "assign_sum"
+        nb = triton.cdiv(H, cfg.down_n)
+        total = torch.empty((T, H), dtype=x.dtype, device=dev) if fused else per
+        cnt = _counters(T * nb, dev) if fused else ids
+        _down_assign_kernel[(T * top_k, nb)](
             act, w2, per, weights, ids, inter, H, act.stride(0), w2.stride(0), w2.stride(1),
-            per.stride(0), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, IEEE=x.dtype == torch.float32,
-            num_warps=cfg.down_warps, num_stages=cfg.down_stages, **opts,
+            per.stride(0), total, cnt, total.stride(0), TOP_K=top_k,
+            BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+            IEEE=x.dtype == torch.float32, SUM=fused, num_warps=cfg.down_warps,
+            num_stages=cfg.down_stages, **opts,
         )  # fmt: skip
-        return topk_sum(per, T, top_k, opts), weights, ids
+        return (total if fused else topk_sum(per, T, top_k, opts)), weights, ids
     tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
     out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)
     return out, weights, ids

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
+from pdserve.model.triton_moe_gemv import _count_forward
 
 
 class Alignment(NamedTuple):
@@ -118,33 +119,63 @@ def _route_topk(
     return tl.where(tmask, chosen, 0), order
 
 
-@triton.jit
-def _align_store(
-    chosen,
-    order,
+@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
+def _route_align_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
     sorted_ptr,
     bexp_ptr,
     used_ptr,
     T,
     E,
     ROWS,
+    s_lt,
+    stats_ptr,
     TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     RANK_DOT: tl.constexpr,
+    ROUTE: tl.constexpr,
+    STATS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """:func:`align`'s outputs from ``chosen``/``order`` ``[BLOCK_T, BLOCK_E]`` (see
-    ``_route_topk``): per expert its count and padded end (cumsum), each assignment's rank
-    among its expert's tokens (an exclusive cumsum over tokens: a token chooses an expert at
-    most once; with ``RANK_DOT`` as a product with the strictly lower triangle of ones on
-    tensor cores, exact for these small counts), so assignment ``t * k + j`` lands at
-    ``start[e] + rank``: the order of :func:`align`."""
-    t = tl.arange(0, BLOCK_T)[:, None]
+    """One program: :func:`align` of ``T <= BLOCK_T`` tokens, after their routing
+    (:func:`pdserve.model.moe.route`, ``_route_topk``) when ``ROUTE`` (routing and alignment
+    in one launch instead of ~20 small torch kernels per layer), else of the routed ``ids
+    [T, k]`` (the second launch of the split :func:`route_align`; logits_ptr and w_ptr
+    unused). From the ``[BLOCK_T, BLOCK_E]`` grids ``chosen`` (1 where the token chose the
+    expert) and ``order`` (its rank j among the token's choices): per expert its count and
+    padded end (cumsum), each assignment's rank among its expert's tokens (an exclusive
+    cumsum over tokens: a token chooses an expert at most once; with ``RANK_DOT`` as a
+    product with the strictly lower triangle of ones on tensor cores, exact for these small
+    counts), so assignment ``t * k + j`` lands at ``start[e] + rank``: the order of
+    :func:`align`. ``STATS``: the experts with a count and one forward added to
+    ``stats_ptr``'s two float64 routing counters."""
+    pdl_enter(PDL)
+    tv = tl.arange(0, BLOCK_T)
+    t = tv[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
+    if ROUTE:
+        chosen, order = _route_topk(
+            logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
+        )
+    else:
+        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+        order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            idj = tl.load(ids_ptr + tv * TOP_K + j, mask=tv < T, other=-1)
+            hit = e == idj[:, None]
+            chosen = tl.where(hit, 1, chosen)
+            order = tl.where(hit, j, order)
     counts = tl.sum(chosen, axis=0)
+    if STATS:
+        _count_forward(stats_ptr, tl.sum((counts > 0).to(tl.int32), axis=0).to(tl.float64))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     if RANK_DOT:
@@ -163,43 +194,6 @@ def _align_store(
     be = tl.sum(past.to(tl.int32), axis=1)
     tl.store(bexp_ptr + bv, tl.where(be < E, be, -1), mask=bv * BLOCK_M < ROWS)
     tl.store(used_ptr, tl.sum(padded, axis=0))
-
-
-@triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
-def _route_align_kernel(
-    logits_ptr,
-    w_ptr,
-    ids_ptr,
-    sorted_ptr,
-    bexp_ptr,
-    used_ptr,
-    T,
-    E,
-    ROWS,
-    s_lt,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    RANK_DOT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program: :func:`pdserve.model.moe.route` and :func:`align` of ``T <= BLOCK_T``
-    tokens in one launch (~20 small torch kernels per layer otherwise, a visible share of a
-    decode step): ``_route_topk`` then ``_align_store``."""
-    pdl_enter(PDL)
-    tv = tl.arange(0, BLOCK_T)
-    chosen, order = _route_topk(
-        logits_ptr, w_ptr, ids_ptr, tv, T, E, s_lt, TOP_K, RENORM, BLOCK_E, BLOCK_K
-    )
-    _align_store(
-        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
-        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
-    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=("T",))  # per-step sizes: no recompile
@@ -225,7 +219,7 @@ def _route_kernel(
 
 
 @triton.jit(do_not_specialize=("T", "ROWS"))  # per-step sizes: no recompile
-def _align_ids_kernel(
+def _align_experts_kernel(
     ids_ptr,
     sorted_ptr,
     bexp_ptr,
@@ -233,31 +227,57 @@ def _align_ids_kernel(
     T,
     E,
     ROWS,
+    stats_ptr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    RANK_DOT: tl.constexpr,
+    BLOCK_TB: tl.constexpr,
+    BLOCK_RP: tl.constexpr,
+    BLOCK_BP: tl.constexpr,
+    STATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: :func:`align` of the routed ``ids [T, k]`` (the second launch of the
-    split :func:`route_align`): the chosen/order grids from the ids, then ``_align_store``."""
+    """Grid ``(E,)``: :func:`align` of the routed ``ids [T, k]`` with one program per
+    expert (``RouteAlignConfig.align_kind == "experts"``) instead of ``_route_align_kernel``'s
+    one program, whose serial work grows with the ``[T, E]`` grid. Every program reads the
+    ``N = T * k`` ids (``BLOCK_N`` >= N) and counts each expert's assignments (a histogram
+    over ``BLOCK_E`` bins), so it knows its expert ``e``'s padded start; it stores its
+    assignments at ``start + rank`` (rank: an exclusive cumsum in flat-id order, the order
+    of :func:`align`), its padding rows (``N``) and its row blocks' expert (at most
+    ``cdiv(T, BLOCK_M)`` blocks: a token chooses an expert once); and its share
+    (``BLOCK_RP`` rows, ``BLOCK_BP`` blocks) of the rows and blocks past the used ones
+    (``N``, ``-1``). Program 0 stores ``used`` (and with ``STATS`` adds the experts with a
+    count and one forward to ``stats_ptr``'s two float64 routing counters)."""
     pdl_enter(PDL)
-    tv = tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)[None, :]
-    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
-    order = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        idj = tl.load(ids_ptr + tv * TOP_K + j, mask=tv < T, other=-1)
-        hit = e == idj[:, None]
-        chosen = tl.where(hit, 1, chosen)
-        order = tl.where(hit, j, order)
-    _align_store(
-        chosen, order, sorted_ptr, bexp_ptr, used_ptr, T, E, ROWS,
-        TOP_K, BLOCK_M, BLOCK_T, BLOCK_E, BLOCK_R, BLOCK_B, RANK_DOT,
-    )  # fmt: skip
+    e = tl.program_id(0)
+    N = T * TOP_K
+    n = tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + n, mask=n < N, other=0).to(tl.int32)
+    counts = tl.histogram(ids, BLOCK_E, mask=n < N)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ev = tl.arange(0, BLOCK_E)
+    start = tl.sum(tl.where(ev < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(ev == e, counts, 0), axis=0)
+    my_pad = tl.sum(tl.where(ev == e, padded, 0), axis=0)
+    used = tl.sum(padded, axis=0)
+    hit = ((ids == e) & (n < N)).to(tl.int32)
+    rank = tl.cumsum(hit, axis=0) - hit
+    tl.store(sorted_ptr + start + rank, n.to(tl.int32), mask=hit > 0)
+    pm = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + mine + pm, tl.zeros_like(pm) + N, mask=mine + pm < my_pad)
+    bv = tl.arange(0, BLOCK_TB)
+    tl.store(bexp_ptr + start // BLOCK_M + bv, tl.zeros_like(bv) + e,
+             mask=bv * BLOCK_M < my_pad)  # fmt: skip
+    r = e * BLOCK_RP + tl.arange(0, BLOCK_RP)
+    tl.store(sorted_ptr + r, tl.zeros_like(r) + N, mask=(r >= used) & (r < ROWS))
+    b = e * BLOCK_BP + tl.arange(0, BLOCK_BP)
+    past = (b * BLOCK_M >= used) & (b * BLOCK_M < ROWS)
+    tl.store(bexp_ptr + b, tl.zeros_like(b) - 1, mask=past)
+    if e == 0:
+        tl.store(used_ptr, used)
+        if STATS:
+            _count_forward(stats_ptr, tl.sum((counts > 0).to(tl.int32), axis=0).to(tl.float64))
 
 
 ROUTE_ALIGN_MAX_CELLS = 8192  # T * next_pow2(E) one program of route_align holds
@@ -268,13 +288,17 @@ class RouteAlignConfig(NamedTuple):
     program, ``num_warps`` warps; 0: :func:`route_align_warps`) or ``"split"`` (the routing
     in programs of ``tokens_per_program`` tokens with ``num_warps`` warps each, then the
     alignment in one program of ``align_warps`` warps: two launches). ``rank_dot``: each
-    assignment's rank within its expert as a tensor-core product instead of a cumsum."""
+    assignment's rank within its expert as a tensor-core product instead of a cumsum.
+    ``align_kind`` (``"split"`` only): the alignment in that one program (``"one"``) or in
+    one program per expert (``"experts"``: ``_align_experts_kernel``, ``align_warps`` each;
+    ``rank_dot`` unused)."""
 
     kind: str = "one"
     num_warps: int = 0
     rank_dot: bool = False
     tokens_per_program: int = 4
     align_warps: int = 4
+    align_kind: str = "one"
 
 
 def route_align_fits(tokens: int, n_experts: int) -> bool:
@@ -290,13 +314,16 @@ def route_align(
     block_m: int,
     num_warps: int | None = None,
     config: RouteAlignConfig | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """:func:`pdserve.model.moe.route` then :func:`align`, in one or two Triton launches
     (when :func:`route_align_fits`). router_logits ``[T, E]``, last dim contiguous. Returns
     ``(weights [T, k] float32, ids [T, k] int64, Alignment)``, equal to the torch pair's
     (ids and order; weights to fp32 rounding). config: a :class:`RouteAlignConfig`
     (default :func:`route_align_config`); num_warps: overrides its ``num_warps``. Raises
-    ValueError for an unknown ``config.kind``."""
+    ValueError for an unknown ``config.kind``. stats: ``[2]`` float64 routing counters (one
+    row of ``SparseMoeBlock.routing_stats``) that the alignment adds this forward's distinct
+    experts and one forward to."""
     T, E = router_logits.shape
     cfg = config or route_align_config(T, E)
     if num_warps:
@@ -312,34 +339,27 @@ def route_align(
     # a tensor-core rank needs 16-row tiles
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 if cfg.rank_dot else 1)
     block_e = max(triton.next_power_of_2(E), 16 if cfg.rank_dot else 1)
+    counters = stats if stats is not None else weights
+    align_ptrs = (router_logits, weights, ids, sorted_ids, block_expert, used, T, E, rows,
+                  router_logits.stride(0), counters)  # fmt: skip
     align_args = dict(
         TOP_K=top_k,
+        RENORM=renormalize,
+        BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_M=block_m,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_R=triton.next_power_of_2(rows),
         BLOCK_B=triton.next_power_of_2(rows // block_m),
         RANK_DOT=cfg.rank_dot,
+        STATS=stats is not None,
     )
     opts = moe_pdl(router_logits)
     if cfg.kind == "one":
         _route_align_kernel[(1,)](
-            router_logits,
-            weights,
-            ids,
-            sorted_ids,
-            block_expert,
-            used,
-            T,
-            E,
-            rows,
-            router_logits.stride(0),
-            RENORM=renormalize,
-            BLOCK_K=triton.next_power_of_2(top_k),
-            num_warps=cfg.num_warps or route_align_warps(T, E),
-            **align_args,
-            **opts,
-        )
+            *align_ptrs, ROUTE=True, num_warps=cfg.num_warps or route_align_warps(T, E),
+            **align_args, **opts,
+        )  # fmt: skip
     elif cfg.kind == "split":
         tpp = min(cfg.tokens_per_program, triton.next_power_of_2(max(T, 1)))
         _route_kernel[(triton.cdiv(T, tpp),)](
@@ -357,10 +377,25 @@ def route_align(
             num_warps=cfg.num_warps or 1,
             **opts,
         )
-        _align_ids_kernel[(1,)](
-            ids, sorted_ids, block_expert, used, T, E, rows,
-            num_warps=cfg.align_warps, **align_args, **opts,
-        )  # fmt: skip
+        if cfg.align_kind == "experts":
+            nb = rows // block_m
+            _align_experts_kernel[(E,)](
+                ids, sorted_ids, block_expert, used, T, E, rows, counters, TOP_K=top_k,
+                BLOCK_M=block_m, STATS=stats is not None,
+                BLOCK_N=triton.next_power_of_2(N), BLOCK_E=triton.next_power_of_2(E),
+                BLOCK_TB=triton.next_power_of_2(triton.cdiv(T, block_m)),
+                BLOCK_RP=triton.next_power_of_2(triton.cdiv(rows, E)),
+                BLOCK_BP=triton.next_power_of_2(triton.cdiv(nb, E)),
+                num_warps=cfg.align_warps, **opts,
+            )  # fmt: skip
+        elif cfg.align_kind == "one":
+            _route_align_kernel[(1,)](
+                *align_ptrs, ROUTE=False, num_warps=cfg.align_warps, **align_args, **opts
+            )
+        else:
+            raise ValueError(
+                f"RouteAlignConfig.align_kind: 'one' or 'experts', got {cfg.align_kind!r}"
+            )
     else:
         raise ValueError(f"RouteAlignConfig.kind: 'one' or 'split', got {cfg.kind!r}")
     return weights, ids, Alignment(sorted_ids, block_expert, used, block_m)

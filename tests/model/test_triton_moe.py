@@ -12,7 +12,7 @@ import torch
 from test_moe import MOE_CONFIGS, TOL, hf_greedy, scenario_away_from_ties
 from tp_model_ranks import PROMPTS, greedy_paged
 
-from pdserve.model import moe, pdl, triton_moe, triton_moe_route
+from pdserve.model import moe, pdl, triton_moe, triton_moe_gemv, triton_moe_route
 from pdserve.model.llama import LlamaForCausalLM
 from tiny_models import random_tiny_model
 
@@ -127,9 +127,14 @@ def test_route_align_equals_route_then_align(T, E, k, renorm, block_m):
         triton_moe.RouteAlignConfig("one", 2, True),
         triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
         triton_moe.RouteAlignConfig("split", 2, True, 4, 4),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 4, "experts"),
+        triton_moe.RouteAlignConfig("split", 2, False, 4, 1, "experts"),
     ],
 )
-@pytest.mark.parametrize("T, E, k, renorm, block_m", [(1, 8, 2, True, 16), (21, 40, 3, False, 4)])
+@pytest.mark.parametrize(
+    "T, E, k, renorm, block_m",
+    [(1, 8, 2, True, 16), (21, 40, 3, False, 4), (64, 128, 8, True, 16), (64, 128, 8, True, 32)],
+)
 def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, config):
     """The rank on tensor cores and the split launches (routing in programs of a few
     tokens, then the alignment) give the torch pair's ids, order, blocks and used rows."""
@@ -145,8 +150,30 @@ def test_route_align_variants_equal_route_then_align(T, E, k, renorm, block_m, c
     assert int(al.used.item()) == int(al0.used.item())
 
 
+def test_align_experts_kind_with_crowded_experts_and_bad_kind():
+    """The alignment in one program per expert when a few experts take every token (several
+    row blocks of one expert, most experts empty, padding rows past the used ones) equals
+    :func:`align`; an unknown ``align_kind`` is refused."""
+    T, E, k = 40, 16, 4
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(T, E, generator=g) * 0.1 + torch.arange(E).flip(0) * 2.0).to(DEVICE)
+    cfg = triton_moe.RouteAlignConfig("split", 1, False, 1, 4, "experts")
+    w, ids, al = triton_moe.route_align(logits, k, True, 8, config=cfg)
+    al0 = triton_moe.align(ids, E, 8)
+    assert sorted(ids.unique().tolist()) == [0, 1, 2, 3], "every token: the same 4 experts"
+    assert torch.equal(al.sorted_ids, al0.sorted_ids)
+    assert torch.equal(al.block_expert, al0.block_expert)
+    assert int(al.used.item()) == int(al0.used.item()) == 4 * 40
+    with pytest.raises(ValueError, match="align_kind"):
+        triton_moe.route_align(logits, k, True, 8, config=cfg._replace(align_kind="bad"))
+
+
 def test_route_align_config_reads_the_table(monkeypatch):
     from pdserve.model import moe_table
+
+    # the committed picks: 17-64 tokens align in one program per expert
+    assert triton_moe.route_align_config(64, 128).align_kind == "experts"
+    assert triton_moe.route_align_config(16, 128).align_kind == "one"
 
     monkeypatch.setattr(moe_table, "ROUTE_ALIGN", ((16, ("one", 1, True, 4, 4)),))
     assert triton_moe.route_align_config(16, 128) == triton_moe.RouteAlignConfig("one", 1, True)
@@ -493,6 +520,29 @@ def test_route_experts_gemv_assign_down_equals_loop_and_grouped(T, H, inter, E, 
     plan = triton_moe.MoEPlan(CONFIGS[0], CONFIGS[0], None, True)
     grouped = triton_moe.fused_experts(x, w13, w2, w, ids, plan)
     assert (out - grouped).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    # the top-k sum inside the down kernel: the same bits, twice (its counters left zero)
+    for _ in range(2):
+        fused = triton_moe.route_experts_gemv(
+            logits, x, w13, w2, k, renorm, cfg._replace(down_kind="assign_sum")
+        )[0]
+        assert torch.equal(fused, out)
+    assert all(int(c.count_nonzero()) == 0 for c in triton_moe_gemv._COUNTERS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_assign_sum_equals_assign_then_topk_sum(dtype):
+    """``down_kind="assign_sum"`` (the last of a token's k programs of a column block sums
+    the k rows) gives the bits of the per-assignment down kernel + ``_topk_sum_kernel``
+    with several tokens, ragged column blocks and k not a power of two."""
+    T, H, inter, E, k = 3, 50, 24, 8, 3
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=dtype, seed=5)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    cfg = triton_moe.GemvConfig(16, 16, 4, 16, 8, 4, "dot", 2, "assign", 2)
+    want = triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, cfg)[0]
+    got = triton_moe.route_experts_gemv(
+        logits, x, w13, w2, k, True, cfg._replace(down_kind="assign_sum")
+    )[0]
+    assert torch.equal(got, want)
 
 
 def test_gemv_defaults_from_the_table(monkeypatch):
@@ -595,6 +645,7 @@ RA_REAL = [
     triton_moe.RouteAlignConfig("one", 4, True),
     triton_moe.RouteAlignConfig("split", 1, False, 1, 4),
     triton_moe.RouteAlignConfig("split", 4, True, 16, 8),
+    triton_moe.RouteAlignConfig("split", 1, True, 1, 4, "experts"),
 ]
 
 
@@ -646,9 +697,9 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
     plan = triton_moe.pick_plan(T * k, E)
     gcfg = triton_moe.GemvConfig(32, 256, 4, 64, 128, 4, "dot", 3, "assign", 3)
 
-    def grouped():
-        w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
-        return triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids)
+    def grouped(p=plan):
+        w, ids, al = triton_moe.route_align(logits, k, True, p.up.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, p, ids=ids)
 
     monkeypatch.setattr(moe_table, "PDL", False)
     want = grouped()
@@ -656,6 +707,10 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
     for fn in (
         grouped,
         lambda: triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, gcfg)[0],
+        lambda: triton_moe.route_experts_gemv(
+            logits, x, w13, w2, k, True, gcfg._replace(down_kind="assign_sum")
+        )[0],
+        lambda: grouped(plan._replace(triton_sum=True, fused_sum=True)),
     ):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -670,3 +725,99 @@ def test_assign_path_and_pdl_grouped_path_in_a_cuda_graph_bf16(monkeypatch):
         assert (
             out.float() - want.float()
         ).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        triton_moe.RouteAlignConfig("one", 2, True),
+        triton_moe.RouteAlignConfig("split", 1, False, 1, 2),
+        triton_moe.RouteAlignConfig("split", 1, True, 1, 4, "experts"),
+    ],
+)
+def test_route_align_counts_routed_experts_in_its_kernel(config):
+    """``route_align(stats=row)``: the alignment adds the forward's distinct experts and one
+    forward to the two float64 counters (what ``SparseMoeBlock`` counted with torch ops)."""
+    T, E, k = 9, 16, 3
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(T, E, generator=g) + torch.linspace(2.0, -2.0, E)).to(DEVICE)
+    row = torch.tensor([5.0, 2.0], dtype=torch.float64, device=DEVICE)
+    _, ids, _ = triton_moe.route_align(logits, k, True, 4, config=config, stats=row)
+    distinct = ids.unique().numel()
+    assert row.tolist() == [5.0 + distinct, 3.0]
+
+
+def test_routing_counters_inside_the_fused_kernels_equal_torch_counting(monkeypatch):
+    """With ``PDSERVE_MOE_ROUTING_STATS=1`` the tiny Qwen3-MoE through the Triton kernels
+    (one-token forwards: the few-token gate/up kernel counts; 3 tokens: route_align's
+    alignment; a prefill of 5 past route_align's cells: torch) leaves every layer's counters
+    equal to the torch loop's (torch's counting)."""
+    from pdserve.engine.kv.layout import KVCacheLayout
+    from pdserve.model.attention import build_attention_metadata
+
+    monkeypatch.setenv("PDSERVE_MOE_ROUTING_STATS", "1")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "1")
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    spied: list[tuple[int, bool]] = []  # (tokens, stats given) of the fused decode calls
+    for name in ("route_align", "route_experts_gemv"):
+        real = getattr(triton_moe, name)
+
+        def spy(logits, *a, _real=real, **kw):
+            spied.append((logits.shape[0], kw.get("stats") is not None))
+            return _real(logits, *a, **kw)
+
+        monkeypatch.setattr(triton_moe, name, spy)
+    stats = {}
+    for impl in ("loop", "fused"):
+        monkeypatch.setenv("PDSERVE_MOE_EXPERTS", impl)
+        cells = 4 * 8 if impl == "fused" else triton_moe_route.ROUTE_ALIGN_MAX_CELLS
+        monkeypatch.setattr(triton_moe_route, "ROUTE_ALIGN_MAX_CELLS", cells)  # 8 experts
+        model = LlamaForCausalLM(hf.config, torch.float32, "cpu")
+        model.load_weights(hf.state_dict().items())
+        s = model.shapes
+        lay = KVCacheLayout("page_major", s.n_layers, s.n_kv_heads, s.head_dim, 4, 4, torch.float32)
+        caches = lay.layer_views(lay.allocate("cpu"))
+        model(torch.tensor([7, 30, 9, 40, 12]), torch.arange(5),
+              build_attention_metadata([5], [5], [[0, 1, 2]], 4), caches)  # fmt: skip
+        for pos in (5, 6):
+            meta = build_attention_metadata([1], [pos + 1], [[0, 1, 2]], 4)
+            model(torch.tensor([7 + pos]), torch.tensor([pos]), meta, caches)
+        meta = build_attention_metadata([3], [10], [[0, 1, 2]], 4)
+        model(torch.tensor([1, 2, 3]), torch.tensor([7, 8, 9]), meta, caches)
+        stats[impl] = [ly.moe.routing_stats.clone() for ly in model.decoder_layers()]
+    assert [c[0] for c in spied] == [1] * 4 + [3] * 2, "2 layers: 1-token kernels, route_align"
+    assert all(c[1] for c in spied), "each counted in its kernel"
+    for a, b in zip(stats["loop"], stats["fused"]):
+        assert torch.equal(a, b)
+        assert a[1, 1] == 2 and a[3, 1] == 1 and a[5, 1] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T, H, inter, E, k, block_m", [(1, 40, 24, 8, 2, 16), (20, 50, 24, 8, 3, 4)]
+)
+def test_grouped_fused_sum_equals_triton_sum(dtype, T, H, inter, E, k, block_m):
+    """A plan's ``fused_sum`` (the top-k sum inside the grouped down kernel: the program
+    writing a token's last assignment of a column block sums its k rows) gives the bits of
+    the down kernel + ``_topk_sum_kernel``, with row blocks of several tokens, ragged column
+    blocks, k not a power of two; twice (its counters left zero)."""
+    x, w13, w2, w, ids = _problem(T, H, inter, E, k, dtype=dtype, seed=T)
+    c = triton_moe.MoEConfig(block_m, 16, 16, 4, 2)
+    want = triton_moe.fused_experts(x, w13, w2, w, ids, triton_moe.MoEPlan(c, c, None, True))
+    for _ in range(2):
+        got = triton_moe.fused_experts(
+            x, w13, w2, w, ids, triton_moe.MoEPlan(c, c, None, True, True)
+        )
+        assert torch.equal(got, want)
+    assert all(int(c.count_nonzero()) == 0 for c in triton_moe_gemv._COUNTERS)
+
+
+def test_decode_table_rows_take_fused_sum(monkeypatch):
+    """A ``moe_table.DECODE`` row's optional sixth field is the plan's ``fused_sum``."""
+    from pdserve.model import moe_table
+
+    t = (16, 64, 128, 4, 3)
+    monkeypatch.setattr(moe_table, "DECODE", ((8, t, t, None, True), (512, t, t, None, True, True)))
+    assert not triton_moe.pick_plan(8, 128).fused_sum
+    assert triton_moe.pick_plan(512, 128).fused_sum
