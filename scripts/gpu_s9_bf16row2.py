@@ -3,14 +3,15 @@ bench offline's timed runs (the 256-prompt bf16 run moves +-8 % between calls)?
 
 One ``pdserve bench offline`` process (its own engine: the flags after ``--``), every
 garbage collection timed (``gc.callbacks``: when, which generation, how long) and every
-timed run of ``_time_ours`` bracketed (when, prompts, tokens, seconds), so each
-collection is placed in the run it stopped:
+run of ``_time_ours`` bracketed (when, prompts, tokens, seconds, its engine steps and the
+three longest), so each collection is placed in the run (and a stall in the step) it
+stopped:
 
 1. bench offline's rows as it runs them, with its start-up freeze switched off (the
    process as it was before ``8162d63``): its JSON ``--json``;
 2. on the same engine after those rows (``run_offline``'s ``after``): the tracked objects
    and the time of a full collection (twice), then ``GcWatch.freeze()`` (bench offline's
-   freeze now) and the 64 / 256-prompt rows again (``_decode_row``: the same procedure),
+   freeze now) and the 256 / 64-prompt rows again (``_decode_row``: the same procedure),
    with their collections.
 
 Writes ``$OUT/bf16row2.json`` (``--json-out``): ``runs`` (each timed run with the
@@ -25,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -38,7 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json-out", default="bf16row2.json", help="file name under $OUT")
     ap.add_argument("--deadline-s", type=float, default=100.0)
-    ap.add_argument("--frozen-rows", default="64,256")
+    ap.add_argument("--frozen-rows", default="256,64")
     own = ap.parse_args(argv[:split])
 
     from pdserve.bench import offline
@@ -82,10 +84,25 @@ def main() -> int:
     real_time_ours = offline._time_ours
 
     def timed(llm, prompts, max_tokens):
+        core = llm.engine
+        orig = type(core).step
+        durs: list[float] = []
+
+        def step():  # every engine step's duration (the longest are kept)
+            t = time.perf_counter()
+            out = orig(core)
+            durs.append((time.perf_counter() - t) * 1e3)
+            return out
+
         t0 = now_ms()
         n_before = len(res["collections"])
-        secs, ids = real_time_ours(llm, prompts, max_tokens)
+        core.step = step
+        try:
+            secs, ids = real_time_ours(llm, prompts, max_tokens)
+        finally:
+            del core.step
         inside = res["collections"][n_before:]
+        top = sorted(range(len(durs)), key=lambda j: -durs[j])[:3]
         res["runs"].append(
             {
                 "t0_ms": t0,
@@ -94,13 +111,17 @@ def main() -> int:
                 "max_tokens": max_tokens,
                 "phase": res["phase"],
                 "gc_ms": round(sum(c["ms"] for c in inside), 3),
-                "gc_gens": [c["gen"] for c in inside],
+                "gc": [(c["gen"], c["ms"]) for c in inside if c["ms"] >= 1 or c["gen"] == 2],
+                "steps": len(durs),
+                "longest_steps": [(j, round(durs[j], 2)) for j in top],
             }  # fmt: skip
         )
-        if inside and max(c["ms"] for c in inside) >= 5:
-            print(f"   [{now_ms() / 1e3:6.1f} s] run of {len(prompts)} x {max_tokens}: "
-                  f"{secs * 1e3:.1f} ms, collections inside {[(c['gen'], c['ms']) for c in inside]}",
-                  flush=True)  # fmt: skip
+        if max_tokens > 1 or inside:
+            r = res["runs"][-1]
+            print(f"   [{now_ms() / 1e3:6.1f} s] {r['phase']} run of {len(prompts)} x {max_tokens}: "
+                  f"{secs * 1e3:.1f} ms, longest steps {r['longest_steps']}, collections "
+                  f"{r['gc']}", flush=True)  # fmt: skip
+        save()
         return secs, ids
 
     offline._time_ours = timed
@@ -159,6 +180,10 @@ def main() -> int:
             save()
         gc.unfreeze()
 
+    def on_term(signum, frame):  # the call's timeout: end through the finally below
+        raise SystemExit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         rc = offline.run_offline(args, after)
     finally:

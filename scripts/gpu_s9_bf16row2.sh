@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24, session 9, second round of part bf16row (budget 120 s, one engine load): does a
 # garbage collection land inside bench offline's timed runs? scripts/gpu_s9_bf16row2.py:
-# `pdserve bench offline --ours-only --num-prompts 1,64,256 --max-tokens 128 --repeats 2`
+# `pdserve bench offline --ours-only --num-prompts 64,256 --max-tokens 128 --repeats 3`
 # (its own engine, as S8-CONFIRM ran it) with its start-up freeze switched off, every
 # collection timed and placed in the timed run it stopped; then on the same engine the time
 # of a full collection, the freeze, and the 64 / 256 rows again -> bf16row2.json (bench
@@ -23,9 +23,9 @@ DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-random:llama-3.1-8b}
 left=$((BUDGET - 6 - SECONDS))
 echo "== bench offline with every collection timed ($SECONDS s; $left s for it)"
-timeout -k 3 "$left" $PY scripts/gpu_s9_bf16row2.py --deadline-s $((left - 16)) ${ARGS2:-} -- \
-    --model "$MODEL" --device "$DEVICE" --ours-only --num-prompts ${COUNTS:-1,64,256} \
-    --max-tokens ${MAX_TOKENS:-128} --repeats ${REPEATS:-2} --json "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
+timeout -k 3 "$left" $PY scripts/gpu_s9_bf16row2.py --deadline-s $((left - 15)) ${ARGS2:-} -- \
+    --model "$MODEL" --device "$DEVICE" --ours-only --num-prompts ${COUNTS:-64,256} \
+    --max-tokens ${MAX_TOKENS:-128} --repeats ${REPEATS:-3} --json "$OUT/offline.json" ${BENCH_ARGS:-} 2>&1 \
     | grep --line-buffered -v "^USDT\|profiler_st\|^gc: "
 echo "exit ${PIPESTATUS[0]} (124: cut by its timeout) at $SECONDS s"
 rm -f "$OUT/offline.json"
