@@ -17,6 +17,15 @@ other measured tables):
 ``python3 scripts/attn_table_from_sweep.py attn_sweep.json [--write]``: prints the picks
 with their figures; ``--write`` rewrites the table module (its data only; run ``ruff
 format`` on it after).
+
+``--s9 bf16row.json`` (``scripts/gpu_s9_bf16row.sh``'s JSON: its sweep under ``"sweep"``, the
+engine's A/B beside it): one ``SHORT`` entry, the 64-row bucket's (bound ``64 * Hkv``),
+replaced by the sweep's pick when both hold: the sweep's rule took it (``pick`` not None:
+at most 0.97 of the current configuration's summed µs over 64 x 130 / 200 / 256, at most
+1.03 of it at 512 and 1,024, the error within 2 x the current one's + 1e-3) and the
+engine's 64-row step with it, interleaved with the current one's, was faster (the median
+of the paired span differences below 0). Every other entry, the long-context prefetch and
+the greedy pick stay as the module has them.
 """
 
 from __future__ import annotations
@@ -126,7 +135,54 @@ def write(device: str, data: dict) -> None:
     TABLE.write_text(head + body)
 
 
+def s9_entry(report: dict, rows: int = 64) -> tuple[tuple[int, tuple] | None, list[str]]:
+    """The ``(bound, config)`` entry ``--s9`` writes from ``report``, or None, and why."""
+    sweep = report.get("sweep") or {}
+    pick = sweep.get("pick") or {}
+    why = [f"sweep: {pick.get('why')} -> pick {pick.get('pick')}"]
+    ab = ((report.get("attn_ab") or {}).get("variants") or {}).get("attn") or {}
+    diff = ab.get("paired_diff_median_ms")
+    fields = pick.get("fields")
+    same = fields is not None and list(fields) == list(report.get("attn_fields") or [])
+    why.append(f"engine: {list(report.get('attn_fields') or [])} step {diff} ms vs current")
+    if pick.get("pick") is None or diff is None or diff >= 0 or not same:
+        return None, why
+    assert fields is not None
+    return (rows * HKV, (*fields, 0, 0, False)), why
+
+
+def write_entry(device: str, entry: tuple[int, tuple]) -> None:
+    """The table module with ``entry`` in place of the entry of its bound (the rest as it is)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_table", TABLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    key = (device, G, D)
+    least, entries = mod.SHORT[key]
+    bound, cfg = entry
+    if bound not in {n for n, _ in entries}:
+        raise ValueError(f"no entry of bound {bound} in {entries}")
+    new = tuple((n, cfg if n == bound else c) for n, c in entries)
+    data = dict(
+        short=(least, new),
+        long_prefetch=key in mod.LONG_PREFETCH,
+        greedy=mod.GREEDY.get(device),
+    )
+    write(device, data)
+
+
 def main() -> None:
+    if sys.argv[1] == "--s9":
+        report = json.loads(pathlib.Path(sys.argv[2]).read_text())
+        entry, why = s9_entry(report)
+        print("\n".join(why))
+        print("entry:", entry)
+        if entry is not None and "--write" in sys.argv:
+            write_entry(report["device"], entry)
+            print(f"wrote {TABLE}")
+        return
     report = json.loads(pathlib.Path(sys.argv[1]).read_text())
     data, why = picks(report)
     print(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
+from pdserve import gc_watch
 from pdserve.config import EMBEDDED_MODEL_ID, EngineConfig
 from pdserve.engine.core.engine import EngineCore
 from pdserve.engine.core.request import RequestOutput
@@ -50,8 +50,7 @@ class LLM:
         self.engine = EngineCore(EngineConfig.from_fields(model=model, **fields))
         self._ids = itertools.count()
         if freeze_heap or (freeze_heap is None and self.engine.device.type == "cuda"):
-            gc.collect()
-            gc.freeze()
+            gc_watch.freeze_heap()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer

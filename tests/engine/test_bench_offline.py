@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -40,6 +41,10 @@ def test_bench_offline_writes_json_with_identical_outputs(tmp_path, capsys):
     assert report["kv_order"] == "layer_major"
     assert report["max_num_batched_tokens"] == 512
     assert report["complete"] is True  # written after each row too, False until the end
+    # the start-up heap frozen before the rows (and thawed after), the rows' collections
+    gc_stats = report["gc"]
+    assert gc_stats["frozen_objects"] > 10_000 and set(gc_stats["collections"]) == {"0", "1", "2"}
+    assert gc.get_freeze_count() == 0
     for row in report["results"]:
         assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])

@@ -160,3 +160,16 @@ def test_model_through_the_skinny_gemm_agrees_with_cublas(tiny_hf_builder, monke
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += ref.shape[0]
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+def test_committed_table_entries_are_configurations_the_kernel_runs():
+    """Every entry of ``skinny_table`` (a measured pick) passes the kernel's own check at its
+    rows and shape, row bounds ascending, ``None`` (not this kernel) allowed."""
+    for (kind, _dtype, n, k), rows in skinny_table.TABLE.items():
+        if kind not in ("linear", "swiglu"):
+            continue
+        bounds = [m for m, _ in rows]
+        assert bounds == sorted(set(bounds)) and bounds[0] >= 1
+        for m, config in rows:
+            if config is not None:
+                triton_skinny.check(config, m, n, k, swiglu=kind == "swiglu")
