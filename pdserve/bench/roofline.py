@@ -72,8 +72,9 @@ def matmul_rate(
     its SM clock under its power cap after about a second of full load (an H200 held
     ~1,600 of its 1,980 MHz through the compute-bound parts of session 9's runs,
     ``scripts/gpu_clocks.py``), and a prefill or a many-row decode step runs at that clock,
-    not at the burst's. Raises whatever torch raises for a dtype the device cannot
-    multiply."""
+    not at the burst's. ``torch.float8_e4m3fn``: ``torch._scaled_mm`` (unit scales, bf16
+    out), the path FP8 weights take at many rows. Raises whatever torch raises for a dtype
+    the device cannot multiply."""
     import statistics
 
     import torch
@@ -84,20 +85,31 @@ def matmul_rate(
         n = 8192 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
+    if dtype == torch.float8_e4m3fn:  # FP8 weights' large-batch path: cuBLAS's scaled matmul
+        one = torch.ones((), device=device)
+        b_cols = b.t()  # the second operand column-major, as _scaled_mm takes it
+
+        def mm() -> None:
+            torch._scaled_mm(a, b_cols, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        out = torch.empty(n, n, device=device, dtype=dtype)
+
+        def mm() -> None:
+            torch.matmul(a, b, out=out)
+
     if sustain_s <= 0:
-        best = _timed_best(device, lambda: torch.matmul(a, b, out=out), repeats)
+        best = _timed_best(device, mm, repeats)
         return 2 * n**3 / best
     end = time.perf_counter() + sustain_s
     while time.perf_counter() < end:
         for _ in range(8):
-            torch.matmul(a, b, out=out)
+            mm()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.matmul(a, b, out=out)
+        mm()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)

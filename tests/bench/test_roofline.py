@@ -76,3 +76,5 @@ def test_rates_are_measured_on_the_device():
     assert 1e5 < rate < 1e14
     held = matmul_rate("cpu", torch.float32, n=64, repeats=3, sustain_s=0.05)
     assert 1e5 < held < 1e14  # after 50 ms of load: the median of three, a real timing too
+    fp8 = matmul_rate("cpu", torch.float8_e4m3fn, n=64, repeats=2)  # FP8 weights' scaled mm
+    assert 1e5 < fp8 < 1e14
