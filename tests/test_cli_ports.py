@@ -92,12 +92,19 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
         ("--served-model-name", "", "--served-model-name must be non-empty when given"),
         ("--model", "nosuchmodel", "--model 'nosuchmodel': not an existing folder"),
         ("--model", "random:nope", "--model 'random:nope': unknown random preset 'nope'"),
+        ("--model", "{bad_config}", "--model '{bad_config}': cannot read its config.json"),
+        ("--model", "{junk_gguf}", "--model '{junk_gguf}': cannot read the GGUF's metadata"),
     ],
 )
 def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
     tmp_path, flag, value, message
 ):
     log_dir = tmp_path / "logs"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")  # a folder, its config broken
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")  # a file named .gguf, not one
+    paths = {"bad_config": tmp_path / "bad", "junk_gguf": tmp_path / "junk.gguf"}
+    value, message = value.format(**paths), message.format(**paths)
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", flag, value]
     proc = subprocess.run(
         [*cmd, "--log-dir", str(log_dir)], capture_output=True, text=True, timeout=120

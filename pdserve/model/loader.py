@@ -306,13 +306,19 @@ def model_config(model: str) -> transformers.PretrainedConfig:
             raise _usage(model, "GGUF file not found")
         cached = find_cached_gguf_dir(gguf)
         if cached is None:  # the GGUF's metadata, not its tensors
-            return cast(transformers.PretrainedConfig, gguf_config(gguf))
+            try:
+                return cast(transformers.PretrainedConfig, gguf_config(gguf))
+            except Exception as exc:  # a truncated or foreign file: struct, OSError, ...
+                raise _usage(model, f"cannot read the GGUF's metadata ({exc})") from exc
         folder = cached
     else:
         raise _usage(
             model, "not an existing folder, .gguf file, random preset or the embedded model id"
         )
-    cfg = transformers.AutoConfig.from_pretrained(folder)
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... here
+        raise _usage(model, f"cannot read its config.json ({exc})") from exc
     return cast(transformers.PretrainedConfig, cfg)
 
 
