@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,17 @@ def test_source_paths_the_docs_name_exist():
                 if not any(f.endswith("/" + path) for f in files):
                     missing.append(f"{doc.relative_to(ROOT)}:{n}: {path}")
     assert not missing, "docs name files that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_python_runs_and_prints_text():
+    """Every ```python block of the README that uses the offline API (``LLM(``; the others
+    talk to a running server) runs as written on the embedded model and prints something."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "LLM(" in b]
+    assert blocks, "the README shows the offline API in a python block"
+    for block in blocks:
+        done = subprocess.run(
+            [sys.executable, "-c", block], capture_output=True, text=True, timeout=280
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip(), done.stderr[-2000:]
