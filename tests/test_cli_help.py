@@ -106,3 +106,22 @@ def test_document_default_refuses_undocumented(kwargs: dict) -> None:
     action = argparse.ArgumentParser().add_argument("--x", **kwargs)
     with pytest.raises(ValueError, match="--x"):
         document_default(action)
+
+
+@pytest.mark.parametrize(
+    "argv,prog",
+    [
+        (["up", "--bogus-flag"], "pdserve up"),
+        (["bench", "offline", "--bogus"], "pdserve bench offline"),
+        (["--bogus"], "pdserve"),
+    ],
+)
+def test_an_unknown_flag_is_named_with_its_commands_usage(
+    argv: list[str], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error: unrecognized arguments: {argv[-1]}" in err
+    assert err.startswith(f"usage: {prog} "), err[:200]
