@@ -102,7 +102,12 @@ class LLM:
                 raise ValueError(
                     f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}"
                 )
-        return self._run(token_lists, params_list, use_tqdm)
+        outputs = self._run(token_lists, params_list, use_tqdm)
+        texts = [prompts] if isinstance(prompts, str) else prompts
+        for out, text in zip(outputs, texts):
+            if isinstance(text, str):
+                out.prompt = text
+        return outputs
 
     def chat(
         self,

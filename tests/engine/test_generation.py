@@ -266,3 +266,12 @@ def test_repetition_penalty_matches_transformers_generate(tiny_llm, tiny_model_d
     assert got == ref
     plain = tiny_llm.generate([ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert plain[0].outputs[0].token_ids != got  # the penalty changed something
+
+
+def test_outputs_carry_their_prompt_text(tiny_llm):
+    """As vLLM's: ``RequestOutput.prompt`` is the text given, ``None`` for token ids."""
+    p = SamplingParams(max_tokens=2)
+    texts = tiny_llm.generate(["first prompt", "x"], p)
+    assert [o.prompt for o in texts] == ["first prompt", "x"]
+    assert tiny_llm.generate("alone", p)[0].prompt == "alone"
+    assert tiny_llm.generate([[1, 2, 3]], p)[0].prompt is None

@@ -300,6 +300,8 @@ class RequestOutput:
     num_cached_tokens: prompt tokens whose KV was not computed for this request: found in
         the prefix cache at admission (full pages; a disaggregated decode worker counts the
         leading pages it already held and did not receive).  Never above the prompt length.
+    prompt: the prompt's text when it was given as text (the offline ``LLM.generate``, as
+        vLLM's ``RequestOutput.prompt``); ``None`` for token ids and inside the engine.
     """
 
     request_id: str
@@ -309,6 +311,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt: str | None = field(default=None, compare=False)
     times: PhaseTimes | None = field(default=None, compare=False, repr=False)
     timing: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
