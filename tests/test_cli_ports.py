@@ -6,12 +6,14 @@ no socket bound, no process started (``pdserve up --port 70000`` once ended in
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
 from pdserve.cli import build_parser, port_number
+from pdserve.model.presets import preset_config
 
 
 def _port_flags(
@@ -94,6 +96,7 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
         ("--model", "random:nope", "--model 'random:nope': unknown random preset 'nope'"),
         ("--model", "{bad_config}", "--model '{bad_config}': cannot read its config.json"),
         ("--model", "{junk_gguf}", "--model '{junk_gguf}': cannot read the GGUF's metadata"),
+        ("--model", "{no_weights}", "--model '{no_weights}': folder has no *.safetensors"),
     ],
 )
 def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
@@ -103,7 +106,13 @@ def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")  # a folder, its config broken
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")  # a file named .gguf, not one
-    paths = {"bad_config": tmp_path / "bad", "junk_gguf": tmp_path / "junk.gguf"}
+    (tmp_path / "empty").mkdir()  # a readable config.json and no weights
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(preset_config("tiny").to_dict()))
+    paths = {
+        "bad_config": tmp_path / "bad",
+        "junk_gguf": tmp_path / "junk.gguf",
+        "no_weights": tmp_path / "empty",
+    }
     value, message = value.format(**paths), message.format(**paths)
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", flag, value]
     proc = subprocess.run(

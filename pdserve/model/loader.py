@@ -99,6 +99,9 @@ def _eos_ids(
 
 
 # ------------------------------------------------------------------ HF folder
+_NO_WEIGHTS = "folder has no *.safetensors weights"
+
+
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -145,7 +148,7 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
         raise _usage(model, "folder has no config.json")
     files = _safetensors_files(folder)
     if not files:
-        raise _usage(model, "folder has no *.safetensors weights")
+        raise _usage(model, _NO_WEIGHTS)
     cfg = transformers.AutoConfig.from_pretrained(folder)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -283,12 +286,13 @@ def _load_random(model: str, seed: int) -> ModelSource:
     )
 
 
-def model_config(model: str) -> transformers.PretrainedConfig:
+def model_config(model: str, *, weights: bool = False) -> transformers.PretrainedConfig:
     """The transformers config of ``model`` (any source :func:`load_model_source` takes),
     read without its weights or tokenizer: a folder's ``config.json``, a preset's config, a
     GGUF's metadata (its cached conversion's ``config.json`` when there is one).  For
-    checks before workers start (``pdserve up``'s tensor-parallel sizes).  Raises
-    ``ValueError`` naming ``model`` when it cannot be resolved."""
+    checks before workers start (``pdserve up``'s tensor-parallel sizes).  ``weights``:
+    also require a folder to hold ``*.safetensors`` files (listed, not read), as loading
+    it will.  Raises ``ValueError`` naming ``model`` when it cannot be resolved."""
     if not isinstance(model, str) or not model:
         raise _usage(str(model), "empty model name")
     if model.startswith(RANDOM_PREFIX):
@@ -319,6 +323,8 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         cfg = transformers.AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... here
         raise _usage(model, f"cannot read its config.json ({exc})") from exc
+    if weights and folder == model and not _safetensors_files(folder):
+        raise _usage(model, _NO_WEIGHTS)
     return cast(transformers.PretrainedConfig, cfg)
 
 
