@@ -121,3 +121,33 @@ def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
     assert proc.returncode == 2, proc.stderr
     assert f"pdserve up: error: {message}" in proc.stderr
     assert not log_dir.exists()  # nothing was planned or started
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--prefill", "http://127.0.0.1:1"], "--decode must be non-empty in PD mode"),
+        ([], "--worker must be non-empty (or give --prefill and --decode,"),
+        (["--worker", "notaurl"], "--worker: 'notaurl' must start with http://"),
+    ],
+)
+def test_router_errors_name_the_flags_not_the_config_fields(capsys, flags, message):
+    """``decode_urls`` is set by ``--decode``: the error line names what the user typed
+    (in process: the router refuses before it binds or starts anything)."""
+    args = build_parser().parse_args(["router", "--port", "0", *flags])
+    assert args.func(args) == 2
+    assert f"pdserve router: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_up_refuses_a_log_dir_it_cannot_write_with_one_line(tmp_path, capsys, kind):
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder")
+    log_dir = taken if kind == "a file" else taken / "logs"
+    args = build_parser().parse_args(
+        ["up", "--model", "random:tiny", "--port", "0", "--log-dir", str(log_dir)]
+    )
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert f"pdserve up: error: --log-dir '{log_dir}': cannot write logs there (" in err, err
+    assert "Traceback" not in err

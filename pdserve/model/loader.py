@@ -114,12 +114,25 @@ def _safetensors_files(folder: str) -> list[str]:
 
 def _file_identity(path: str) -> list[str | int]:
     """Cheap identity of a safetensors file: size, header (names/shapes/dtypes) and 16 x 64 KiB
-    samples spread over the data, so two different weight sets differ without hashing GBs."""
+    samples spread over the data, so two different weight sets differ without hashing GBs.
+    ValueError naming the file when it is not a safetensors file (its 8-byte header length
+    past the file's end, or the header not a JSON object: a truncated download, junk)."""
     size = os.path.getsize(path)
     h = hashlib.sha256()
+    name = os.path.basename(path)
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        h.update(f.read(header_len))
+        (header_len,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        if size < 8 or header_len > size - 8:
+            raise ValueError(
+                f"{name} is not a safetensors file (header of {header_len} bytes, file of {size})"
+            )
+        header = f.read(header_len)
+        try:
+            if not isinstance(json.loads(header), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ValueError(f"{name} is not a safetensors file (header: {exc})") from None
+        h.update(header)
         for i in range(16):
             f.seek(8 + header_len + (size - 8 - header_len) * i // 16)
             h.update(f.read(1 << 16))
@@ -163,7 +176,10 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
         with open(manifest) as f:
             identity = {"gguf_sha256": json.load(f)["gguf_sha256"]}
     else:
-        identity = {"safetensors": [_file_identity(p) for p in files]}
+        try:
+            identity = {"safetensors": [_file_identity(p) for p in files]}
+        except ValueError as exc:
+            raise _usage(model, str(exc)) from None
     return ModelSource(
         model,
         cfg,
