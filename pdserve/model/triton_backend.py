@@ -407,7 +407,8 @@ class TritonBackend(AttentionBackend):
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
     ) -> int:
         """Launch the decode kernel (and its merge) once in each of
-        :func:`eager_decode_configs` (under the device's :func:`device_picks`), as an eager
+        :func:`eager_decode_configs` (under the device's :func:`device_picks`; an e4m3 cache
+        also in the one-split tiles of its ``fp8_one`` entries), as an eager
         step launches it (int64 page table and lengths, as ``ModelRunner.run_staged``
         stages them), over one row of one token that reads page 0: the variants are
         compiled at start-up, not in a request's step (the graphs' variants are captured
