@@ -443,8 +443,7 @@ def engine(args) -> None:
             core.abort_request(rid)
         while core.has_unfinished_requests():
             core.step()
-        set_picks(True, True)
-        recapture(tuple(buckets))
+        set_picks(True, True)  # each bench row captures its buckets from 256 rows again
 
     # -------------------------------------------------------------- 2. bench rows
     each_step: list[float] = []
