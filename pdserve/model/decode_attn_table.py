@@ -53,7 +53,7 @@ SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] =
 LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
 
 FP8_ONE: dict[tuple[str, int, int], tuple[tuple[int, tuple[int, int, int]], ...]] = {
-    ("NVIDIA H200", 4, 128): ((4096, (16, 1, 3)),)
+    ("NVIDIA H200", 4, 128): ((3072, (16, 1, 3)),)
 }
 
 GREEDY: dict[str, tuple[int, int, int]] = {"NVIDIA H200": (1056, 1024, 4)}

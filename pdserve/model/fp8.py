@@ -707,7 +707,10 @@ def add_rms_norm_linear(
 # Whether an FP8 linear whose path quantizes its rows (``scaled_mm`` or ``w8a8``) and whose
 # input is SwiGLU's output (the down projection) takes its e4m3 rows and scales from the
 # SwiGLU kernel (``fused_ops.silu_mul_quant``: one launch and a 16-bit [T, I] write and read
-# fewer; the same bits as silu_mul then quantize_rows).
+# fewer; the same bits as silu_mul then quantize_rows). On: the H200 (scripts/gpu_s10_fp8big.py,
+# [T, 2 x 14,336] bf16, µs) 8.3 -> 6.3 at 16 rows, 10.5 -> 6.4 at 64, 50.8 -> 39.2 at 1,024,
+# 722 -> 557 at a 16,384-token chunk, the same bits at every T; in one FP8 + e4m3-KV engine
+# the 1,024-prompt run's first token 1.988 / 1.989 s against 2.046 with it off.
 FUSE_SILU_QUANT = True
 
 
