@@ -821,3 +821,38 @@ def test_decode_table_rows_take_fused_sum(monkeypatch):
     monkeypatch.setattr(moe_table, "DECODE", ((8, t, t, None, True), (512, t, t, None, True, True)))
     assert not triton_moe.pick_plan(8, 128).fused_sum
     assert triton_moe.pick_plan(512, 128).fused_sum
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_top_k_sum_left_to_the_next_norm_computes_the_same_bits(monkeypatch, path):
+    """``fused_splitk_norm.FUSE_TOPK`` (one decoding row, the few-token path) and
+    ``FUSE_TOPK_GROUPED`` (two rows, the grouped path after ``route_align``): the MoE output
+    handed to the next add + RMSNorm (and the final norm) as its k weighted expert rows,
+    summed there: the greedy tokens and logits of the tiny Qwen3-MoE on the CUDA path
+    (interpreter) equal those with the top-k sum kernel, bit for bit, and every sparse
+    layer of each decode step takes the partials."""
+    from pdserve.model import fused_splitk_norm, llama
+
+    gemv = path == "gemv"
+    monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "1" if gemv else "0")
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    calls = []
+    real = fused_splitk_norm.add_rms_norm
+    monkeypatch.setattr(fused_splitk_norm, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    flag = "FUSE_TOPK" if gemv else "FUSE_TOPK_GROUPED"
+    runs = []
+    for fuse in (False, True):
+        monkeypatch.setattr(fused_splitk_norm, flag, fuse)
+        runs.append(greedy_paged(model, PROMPTS[: 1 if gemv else 2], 3))
+    n_sparse = sum(layer.moe is not None for layer in model.decoder_layers())
+    # 3 decode steps (and the prefill where route_align takes it: the grouped path)
+    assert len(calls) == (3 if gemv else 4) * n_sparse
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
