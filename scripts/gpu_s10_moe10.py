@@ -24,6 +24,10 @@ variant, and a 1-prompt bench row with today's graphs, as seconds are left.
 
 ``$OUT/moe10.json`` after every item, within ``BUDGET_S``. CPU dry run (no graphs: the
 variants are skipped, the rest runs): ``DEVICE=cpu MODEL=random:tiny-qwen3-moe``.
+
+Run on the H200 at ``987bf3e`` (docs/benchmarks.md row S10-MOE10): the attention variants
+were slower and ``triton_backend.FEW_ROWS`` was dropped after it (their part fails on a
+later tree: check out that commit to run them again); the two top-k switches were kept on.
 """
 
 from __future__ import annotations

@@ -30,10 +30,14 @@ from pdserve.model.pdl import pdl_enter
 FUSE = True
 # Whether the few-token MoE path (one token, no TP) leaves its top-k sum to the next add +
 # RMSNorm (``SparseMoeBlock.forward``'s ``rows_out``): one launch fewer per sparse layer.
-FUSE_TOPK = False
+# Kept on its H200 measurement (random:qwen3-30b-a3b, bf16, one engine, the 1-row graphs
+# with and without it interleaved: step 2.794 -> 2.769 ms, paired median -0.036 ms, the
+# same greedy tokens; docs/benchmarks.md row S10-MOE10, docs/figures/h200_s10/moe10.json).
+FUSE_TOPK = True
 # The same for a decode batch on the grouped MoE path (``route_align``'s sizes; a plan
-# whose top-k sum is the Triton kernel).
-FUSE_TOPK_GROUPED = False
+# whose top-k sum is the Triton kernel). Kept on the same run's 64-row step: 5.888 ->
+# 5.805 ms, paired median -0.087 ms, 64 of 64 greedy outputs the same.
+FUSE_TOPK_GROUPED = True
 
 
 class SplitKPartials(NamedTuple):

@@ -93,11 +93,6 @@ _BALANCE_BLOCK_B = 64
 # 2,048 pieces 116.2 / 115.5 (+ widen 130.5), 128-token tiles of 4 warps + widen 111.2,
 # fma (16-token tiles, 4 warps) 903.7: nothing kept.
 FP8_DECODE_TILES: dict[str, tuple[int, ...]] = {"long": (64, 2, 2)}
-# Short-context decode picks at a few rows x KV heads, ahead of decode_attn_table.SHORT and
-# the rule: ``(device name, G, head_dim) -> ((largest B * Hkv, (splits, block_n,
-# num_warps, num_stages, min_split, balance, prefetch)), ...)``, bounds ascending; past the
-# last bound SHORT / the rule as before. Empty: none measured faster.
-FEW_ROWS: dict[tuple[str, int, int], tuple[tuple[int, tuple[int, int, int, int, int, int, bool]], ...]] = {}  # fmt: skip
 
 
 def kv_rows_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -160,13 +155,11 @@ class DecodePicks:
     """The measured picks of :mod:`pdserve.model.decode_attn_table` for one device and
     head shape. short: ``((largest B * Hkv, DecodeConfig), ...)`` ascending, for contexts
     up to ``ONE_SPLIT_MAX_CONTEXT`` and ``B * Hkv >= short_min`` (empty: the rule);
-    long_prefetch: the balanced long-context configurations prefetch the next tile; few:
-    :data:`FEW_ROWS`'s entries, ahead of ``short`` and the rule, up to their last bound."""
+    long_prefetch: the balanced long-context configurations prefetch the next tile."""
 
     short: tuple[tuple[int, DecodeConfig], ...] = ()
     long_prefetch: bool = False
     short_min: int = 0
-    few: tuple[tuple[int, DecodeConfig], ...] = ()
 
 
 NO_PICKS = DecodePicks()
@@ -177,8 +170,7 @@ def _cuda_picks(index: int, group: int, head_dim: int) -> DecodePicks:
     key = (torch.cuda.get_device_name(index), group, head_dim)
     least, entries = decode_attn_table.SHORT.get(key, (0, ()))
     short = tuple((n, DecodeConfig(*c)) for n, c in entries)
-    few = tuple((n, DecodeConfig(*c)) for n, c in FEW_ROWS.get(key, ()))
-    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least, few)
+    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least)
 
 
 def device_picks(device: torch.device, group: int, head_dim: int) -> DecodePicks:
@@ -239,8 +231,6 @@ def decode_config(
     rows = num_seqs * num_kv_heads
     large = rows >= 256
     if max_seq_len is not None and max_seq_len <= ONE_SPLIT_MAX_CONTEXT:
-        if picks.few and rows <= picks.few[-1][0]:
-            return next(c for n, c in picks.few if rows <= n)
         if picks.short and rows >= picks.short_min:
             return next((c for n, c in picks.short if rows <= n), picks.short[-1][1])
         if large:
@@ -277,8 +267,8 @@ def eager_decode_configs(picks: DecodePicks = NO_PICKS) -> tuple[DecodeConfig, .
     step (under ``picks``): short contexts' power-of-two splits (2 stages) and the one
     split of 3 stages of 256 rows x KV heads; long contexts' balanced splits, with and
     without the 256-token floor of large batches (prefetching with
-    ``picks.long_prefetch``); then each of ``picks.short`` and ``picks.few`` not listed
-    yet (split counts rounded up to a power of two)."""
+    ``picks.long_prefetch``); then each of ``picks.short`` not listed yet (split counts
+    rounded up to a power of two)."""
     short = tuple(DecodeConfig(1 << i, 64, 4, 2) for i in range(6))
     long = tuple(
         DecodeConfig(1 << i, 64, 4, 2, floor, _TARGET_PROGRAMS, picks.long_prefetch)
@@ -287,9 +277,7 @@ def eager_decode_configs(picks: DecodePicks = NO_PICKS) -> tuple[DecodeConfig, .
     )
     out = (*short, DecodeConfig(1, 64, 4, 3), *long)
     extra = tuple(
-        dict.fromkeys(
-            eager_config(c) for _, c in (*picks.short, *picks.few) if eager_config(c) not in out
-        )
+        dict.fromkeys(eager_config(c) for _, c in picks.short if eager_config(c) not in out)
     )
     return out + extra
 

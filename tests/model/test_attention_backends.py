@@ -214,30 +214,6 @@ def test_measured_decode_picks_take_over_and_stay_in_the_fixed_set():
                 assert cfg in allowed, (rows, longest, total, cfg)
 
 
-def test_few_rows_picks_come_first_up_to_their_last_bound():
-    """``FEW_ROWS``'s entries (``DecodePicks.few``) at short contexts up to their last
-    ``B * Hkv`` bound, ahead of ``short`` and the rule; past it (and at long contexts) both
-    as without them; the warm-up set holds them."""
-    from pdserve.model.triton_backend import (
-        DecodeConfig,
-        DecodePicks,
-        decode_config,
-        eager_decode_configs,
-    )
-
-    one = DecodeConfig(1, 128, 8, 2)
-    a = DecodeConfig(1, 32, 4, 1, 0, 0, True)
-    picks = DecodePicks(((512, a),), short_min=384, few=((4, one),))
-    plain = DecodePicks(((512, a),), short_min=384)
-    assert decode_config(1, 4, 128, 300, None, picks) == one
-    assert decode_config(1, 4, 128, 300, None, plain).splits > 1  # the rule: split + merge
-    for rows, ctx in ((2, 300), (96, 300), (1, 4096), (1, None)):
-        assert decode_config(rows, 4, 128, ctx, None, picks) == decode_config(
-            rows, 4, 128, ctx, None, plain
-        )
-    assert one in set(eager_decode_configs(picks))
-
-
 def test_decode_attn_table_entries_are_valid():
     """Every committed pick is a valid configuration the warm-up compiles as is: bounds
     ascending, split counts powers of two (``eager_config`` keeps them), 128-token pages

@@ -845,7 +845,8 @@ def test_top_k_sum_left_to_the_next_norm_computes_the_same_bits(monkeypatch, pat
     calls = []
     real = fused_splitk_norm.add_rms_norm
     monkeypatch.setattr(fused_splitk_norm, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
-    flag = "FUSE_TOPK" if gemv else "FUSE_TOPK_GROUPED"
+    flag, other = ("FUSE_TOPK", "FUSE_TOPK_GROUPED")[:: 1 if gemv else -1]
+    monkeypatch.setattr(fused_splitk_norm, other, False)  # the other path's switch off
     runs = []
     for fuse in (False, True):
         monkeypatch.setattr(fused_splitk_norm, flag, fuse)
