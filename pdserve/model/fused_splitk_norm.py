@@ -28,11 +28,25 @@ from pdserve.model.pdl import pdl_enter
 
 # Whether a split-K down projection leaves its reduce to the next add + RMSNorm.
 FUSE = True
+# Whether the few-token MoE path (one token, no TP) leaves its top-k sum to the next add +
+# RMSNorm (``SparseMoeBlock.forward``'s ``rows_out``): one launch fewer per sparse layer.
+# Kept on its H200 measurement (random:qwen3-30b-a3b, bf16, one engine, the 1-row graphs
+# with and without it interleaved: step 2.794 -> 2.769 ms, paired median -0.036 ms, the
+# same greedy tokens; docs/benchmarks.md row S10-MOE10, docs/figures/h200_s10/moe10.json).
+FUSE_TOPK = True
+# The same for a decode batch on the grouped MoE path (``route_align``'s sizes; a plan
+# whose top-k sum is the Triton kernel). Kept on the same run's 64-row step: 5.888 ->
+# 5.805 ms, paired median -0.087 ms, 64 of 64 greedy outputs the same.
+FUSE_TOPK_GROUPED = True
 
 
 class SplitKPartials(NamedTuple):
     """A split-K GEMV's unreduced output: ``parts [S, M, N]`` fp32 (slice s's sum over its
-    K range), ``bias [N]`` or None (added once, after the sum), ``dtype`` the output's."""
+    K range), ``bias [N]`` or None (added once, after the sum), ``dtype`` the output's.
+    Also the few-token MoE path's top-k rows (``triton_moe_gemv.route_experts_gemv`` with
+    ``rows_out``): ``parts [k, T, H]`` in the output's dtype (a strided view of the down
+    kernel's ``[T * k, H]`` rows, last dim contiguous), summed in fp32 by the norm's kernel
+    as the top-k sum kernel would (:data:`FUSE_TOPK`)."""
 
     parts: torch.Tensor
     bias: torch.Tensor | None
@@ -72,21 +86,23 @@ def down_partials(
 
 @triton.jit
 def _splitk_add_rms_norm_kernel(
-    x_ptr, p_ptr, b_ptr, w_ptr, h_ptr, y_ptr, s_x, s_h, s_y, N, MN, eps,
+    x_ptr, p_ptr, b_ptr, w_ptr, h_ptr, y_ptr, s_x, s_h, s_y, N, s_ps, s_pt, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per row t: ``r = sum_s p[s, t] (+ b)`` in slice order, rounded to x's
-    dtype (``_splitk_reduce_kernel``'s sum); ``h = x + r`` rounded, stored; ``y =
-    rms_norm(h) * w`` as ``fused_ops._add_rms_norm_kernel`` computes it."""
+    """One program per row t: ``r = sum_s p[s, t] (+ b)`` in fp32 in slice order, rounded
+    to x's dtype (``_splitk_reduce_kernel``'s sum; 16-bit partials, the top-k rows of
+    :class:`SplitKPartials`, as ``triton_moe_gemv._topk_sum_kernel`` sums them); ``h = x + r``
+    rounded, stored; ``y = rms_norm(h) * w`` as ``fused_ops._add_rms_norm_kernel`` computes
+    it. ``p[s, t, n]`` at ``s * s_ps + t * s_pt + n``."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
     ty = x.dtype
-    acc = tl.load(p_ptr + t * N + cols, mask=mask, other=0.0)
+    acc = tl.load(p_ptr + t * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + t * N + cols, mask=mask, other=0.0)
+        acc += tl.load(p_ptr + s * s_ps + t * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     r = acc.to(ty)
@@ -104,7 +120,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, rms_norm(h))`` with ``h = x + reduce(partials)``, in one kernel: the same bits
     as ``_splitk_reduce_kernel`` then ``fused_ops.add_rms_norm``. x ``[T, N]`` (dim stride
-    1), ``partials.parts [S, T, N]`` fp32, weight ``[N]``; both outputs new ``[T, N]``
+    1), ``partials.parts [S, T, N]`` (fp32, or the top-k rows in x's dtype; last dim
+    contiguous), weight ``[N]``; both outputs new ``[T, N]``
     tensors in x's dtype. ValueError when the shapes or the dtype disagree."""
     T, N = x.shape
     p = partials.parts
@@ -116,11 +133,12 @@ def add_rms_norm(
     y = x.new_empty(T, N)
     if T == 0:
         return h, y
-    assert x.stride(-1) == 1 and p.is_contiguous()
+    assert x.stride(-1) == 1 and p.stride(-1) == 1
     block = triton.next_power_of_2(N)
     b: Any = partials.bias if partials.bias is not None else weight
     _splitk_add_rms_norm_kernel[(T,)](
-        x, p, b, weight, h, y, x.stride(0), h.stride(0), y.stride(0), N, T * N, eps,
+        x, p, b, weight, h, y, x.stride(0), h.stride(0), y.stride(0), N, p.stride(0),
+        p.stride(1), eps,
         HAS_BIAS=partials.bias is not None, SPLIT_K=p.shape[0], BLOCK=block,
         num_warps=min(16, max(1, block // 512)), **pdl.launch_options(x),
     )  # fmt: skip

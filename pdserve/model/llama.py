@@ -214,8 +214,11 @@ class LlamaDecoderLayer(nn.Module):
                 )
             else:
                 h, x = add_rms_norm(h, o, self.post_attention_layernorm, s.eps, fused)
+            if self.tp is None:  # the top-k sum may be left to the next add + RMSNorm
+                return h, self.moe(x, logits, rows_out=fused is not None)
             out = self.moe(x, logits)
-            return h, out if self.tp is None else self.tp.all_reduce_(out)
+            assert isinstance(out, torch.Tensor)
+            return h, self.tp.all_reduce_(out)
         assert self.gate_up_proj is not None and self.down_proj is not None
         normed = None
         if fused is not None and isinstance(o_out, torch.Tensor):

@@ -35,6 +35,7 @@ from pdserve import envs
 from pdserve.model.weight_map import Target
 
 if TYPE_CHECKING:
+    from pdserve.model.fused_splitk_norm import SplitKPartials
     from pdserve.model.shapes import ModelShapes
 
 
@@ -121,10 +122,17 @@ class SparseMoeBlock(nn.Module):
         if envs.MOE_ROUTING_STATS.get():
             self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, rows_out: bool = False
+    ) -> torch.Tensor | SplitKPartials:
         """x ``[T, H]`` (post-attention-norm hidden states) -> ``[T, H]`` in x's dtype.
         logits: the router's ``[T, E]`` (``x @ gate.T``) when the caller computed them
-        (``fused_ops.add_rms_norm_router``); None: computed here."""
+        (``fused_ops.add_rms_norm_router``); None: computed here. rows_out: the caller
+        hands the output to ``fused_splitk_norm.add_rms_norm`` (no TP): with
+        ``fused_splitk_norm.FUSE_TOPK`` on, one token on the few-token path returns its k
+        weighted expert rows unsummed (a ``SplitKPartials``), summed by that kernel; with
+        ``FUSE_TOPK_GROUPED``, a decode batch on the grouped path (``route_align``'s)
+        likewise."""
         s = self.s
         T = x.shape[0]
         if logits is None:
@@ -139,15 +147,24 @@ class SparseMoeBlock(nn.Module):
             from pdserve.model import triton_moe as tm
 
             if tm.gemv_fits(T):  # a few tokens: routing + 2 GEMVs, no sort
+                from pdserve.model import fused_splitk_norm
+
                 in_kernel = row if T == 1 else None
-                out, weights, ids = tm.route_experts_gemv(
+                rows = rows_out and T == 1 and fused_splitk_norm.FUSE_TOPK
+                gemv_out, weights, ids = tm.route_experts_gemv(
                     logits, x.contiguous(), self.w13, self.w2, s.top_k, s.norm_topk_prob,
-                    stats=in_kernel,
+                    stats=in_kernel, rows_out=rows,
                 )  # fmt: skip
                 counted = in_kernel is not None
+                if isinstance(gemv_out, tuple):  # counted in the kernel (one token)
+                    return gemv_out
+                out = gemv_out
             else:
+                from pdserve.model import fused_splitk_norm
+
                 plan = tm.pick_plan(T * s.top_k, s.n_experts)
-                if tm.route_align_fits(T, s.n_experts):  # decode: one launch
+                decode = tm.route_align_fits(T, s.n_experts)
+                if decode:  # one launch
                     weights, ids, al = tm.route_align(
                         logits, s.top_k, s.norm_topk_prob, plan.up.block_m, stats=row
                     )
@@ -155,7 +172,13 @@ class SparseMoeBlock(nn.Module):
                 else:
                     weights, ids = route(logits, s.top_k, s.norm_topk_prob)
                     al = tm.align(ids, s.n_experts, plan.up.block_m)
-                out = tm.grouped_experts(x, self.w13, self.w2, weights, al, plan, ids=ids)
+                rows = rows_out and decode and fused_splitk_norm.FUSE_TOPK_GROUPED
+                grouped = tm.grouped_experts(
+                    x, self.w13, self.w2, weights, al, plan, ids=ids, rows_out=rows
+                )
+                if isinstance(grouped, tuple):  # counted in route_align
+                    return grouped
+                out = grouped
         else:
             weights, ids = route(logits, s.top_k, s.norm_topk_prob)
             out = experts_loop(x, self.w13, self.w2, weights, ids)

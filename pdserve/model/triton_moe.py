@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.model.fused_splitk_norm import SplitKPartials
 from pdserve.model.pdl import pdl_enter
 from pdserve.model.triton_act import silu_mul_rounded
 from pdserve.model.triton_moe_gemv import (
@@ -303,7 +304,9 @@ def fused_experts(
         return torch.empty_like(x)
     plan = as_plan(config or pick_plan(ids.numel(), w13.shape[0]))
     al = align(ids, w13.shape[0], plan.up.block_m)
-    return grouped_experts(x, w13, w2, weights, al, plan, ids=ids)
+    out = grouped_experts(x, w13, w2, weights, al, plan, ids=ids)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 def as_plan(config: MoEConfig | MoEPlan) -> MoEPlan:
@@ -322,12 +325,17 @@ def grouped_experts(
     al: Alignment,
     cfg: MoEConfig | MoEPlan,
     ids: torch.Tensor | None = None,
-) -> torch.Tensor:
+    rows_out: bool = False,
+) -> torch.Tensor | SplitKPartials:
     """The two grouped GEMMs over assignments already aligned (:func:`align` or
     :func:`route_align` with the plan's ``block_m``) and the top-k sum: x ``[T, H]``,
     weights ``[T, k]`` float32 -> ``[T, H]`` in x's dtype (see :func:`fused_experts`).
     cfg: a :class:`MoEPlan` or one :class:`MoEConfig` for both kernels. ids ``[T, k]``
-    int64: the routed experts, needed by a plan's ``down_sum`` (ValueError without)."""
+    int64: the routed experts, needed by a plan's ``down_sum`` (ValueError without).
+    rows_out: a plan whose top-k sum is the Triton kernel (``triton_sum``, not fused)
+    returns the down kernel's weighted rows unsummed instead, a
+    ``fused_splitk_norm.SplitKPartials`` (``parts [k, T, H]``) that the next add + RMSNorm
+    kernel sums as that kernel would: one launch fewer."""
     plan = as_plan(cfg)
     up, dn = plan.up, plan.down
     T, H = x.shape
@@ -404,6 +412,8 @@ def grouped_experts(
     )
     if fused:
         return total
+    if rows_out and plan.triton_sum:
+        return SplitKPartials(out.view(T, k, H).permute(1, 0, 2), None, x.dtype)
     if not plan.triton_sum:
         return out.view(T, k, H).sum(dim=1)
     return topk_sum(out, T, k, opts)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pdserve.model import pdl
+from pdserve.model.fused_splitk_norm import SplitKPartials
 from pdserve.model.pdl import pdl_enter
 from pdserve.model.triton_act import silu_mul_rounded
 
@@ -581,7 +582,8 @@ def route_experts_gemv(
     renormalize: bool,
     config: GemvConfig | None = None,
     stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows_out: bool = False,
+) -> tuple[torch.Tensor | SplitKPartials, torch.Tensor, torch.Tensor]:
     """Routing and the experts' weighted sum of a few tokens in two launches (no sort).
 
     router_logits ``[T, E]`` (any float dtype, last dim contiguous); x ``[T, H]``
@@ -592,7 +594,10 @@ def route_experts_gemv(
     accumulation, its roundings; summation order differs). Shapes fixed by T: capturable in
     a CUDA graph. stats: ``[2]`` float64 routing counters (one row of
     ``SparseMoeBlock.routing_stats``) that the gate/up launch adds this forward to; one
-    token only (its k experts are distinct)."""
+    token only (its k experts are distinct). rows_out: with the ``"assign"`` down kernel,
+    ``out`` is its weighted rows unsummed, a ``fused_splitk_norm.SplitKPartials`` (``parts
+    [k, T, H]`` in x's dtype) that the next add + RMSNorm kernel sums as ``topk_sum``
+    would: one launch fewer (other down kinds ignore it)."""
     cfg = config or gemv_config()
     T, E = router_logits.shape
     H = x.shape[1]
@@ -654,6 +659,9 @@ def route_experts_gemv(
             IEEE=x.dtype == torch.float32, SUM=fused, num_warps=cfg.down_warps,
             num_stages=cfg.down_stages, **opts,
         )  # fmt: skip
+        if rows_out and not fused:
+            rows = per.view(T, top_k, H).permute(1, 0, 2)  # [k, T, H]: the partials' layout
+            return SplitKPartials(rows, None, x.dtype), weights, ids
         return (total if fused else topk_sum(per, T, top_k, opts)), weights, ids
     tiles = (cfg.down_kind, cfg.down_n, cfg.down_k, cfg.down_warps, cfg.down_stages)
     out = _down_sum(act, w2, weights, ids, T, H, top_k, tiles)

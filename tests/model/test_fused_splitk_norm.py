@@ -79,3 +79,22 @@ def test_a_model_with_the_reduce_folded_computes_the_same_bits(monkeypatch, tiny
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T, k", [(1, 8), (3, 2)])
+def test_topk_rows_add_norm_equals_topk_sum_then_add_norm(T, k):
+    """The few-token MoE path's weighted expert rows ``[T * k, H]`` (in the model's dtype)
+    handed to the norm as a ``SplitKPartials`` of ``[k, T, H]`` (a strided view): the same
+    bits as ``_topk_sum_kernel`` (fp32 sum, one rounding) then ``fused_ops.add_rms_norm``."""
+    from pdserve.model import pdl, triton_moe_gemv
+
+    gen = torch.Generator().manual_seed(T)
+    n = 40  # not a power of two: the norm's block masked
+    rows = torch.randn(T * k, n, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(T, n, generator=gen).to(DEVICE, DTYPE)
+    norm_w = torch.rand(n, generator=gen).to(DEVICE, DTYPE)
+    parts = fused_splitk_norm.SplitKPartials(rows.view(T, k, n).permute(1, 0, 2), None, DTYPE)
+    h, y = fused_splitk_norm.add_rms_norm(x, parts, norm_w, 1e-5)
+    total = triton_moe_gemv.topk_sum(rows, T, k, pdl.launch_options(x))
+    h_ref, y_ref = fused_ops.add_rms_norm(x, total, norm_w, 1e-5)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)

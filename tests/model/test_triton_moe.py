@@ -821,3 +821,71 @@ def test_decode_table_rows_take_fused_sum(monkeypatch):
     monkeypatch.setattr(moe_table, "DECODE", ((8, t, t, None, True), (512, t, t, None, True, True)))
     assert not triton_moe.pick_plan(8, 128).fused_sum
     assert triton_moe.pick_plan(512, 128).fused_sum
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_top_k_sum_left_to_the_next_norm_computes_the_same_bits(monkeypatch, path):
+    """``fused_splitk_norm.FUSE_TOPK`` (one decoding row, the few-token path) and
+    ``FUSE_TOPK_GROUPED`` (two rows, the grouped path after ``route_align``): the MoE output
+    handed to the next add + RMSNorm (and the final norm) as its k weighted expert rows,
+    summed there: the greedy tokens and logits of the tiny Qwen3-MoE on the CUDA path
+    (interpreter) equal those with the top-k sum kernel, bit for bit, and every sparse
+    layer of each decode step takes the partials."""
+    from pdserve.model import fused_splitk_norm, llama
+
+    gemv = path == "gemv"
+    monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "1" if gemv else "0")
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    calls = []
+    real = fused_splitk_norm.add_rms_norm
+    monkeypatch.setattr(fused_splitk_norm, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    flag, other = ("FUSE_TOPK", "FUSE_TOPK_GROUPED")[:: 1 if gemv else -1]
+    monkeypatch.setattr(fused_splitk_norm, other, False)  # the other path's switch off
+    runs = []
+    for fuse in (False, True):
+        monkeypatch.setattr(fused_splitk_norm, flag, fuse)
+        runs.append(greedy_paged(model, PROMPTS[: 1 if gemv else 2], 3))
+    n_sparse = sum(layer.moe is not None for layer in model.decoder_layers())
+    # 3 decode steps (and the prefill where route_align takes it: the grouped path)
+    assert len(calls) == (3 if gemv else 4) * n_sparse
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("T", [1, 64])
+def test_top_k_rows_into_the_norm_same_bits_on_cuda_bf16(T):
+    """On CUDA in bf16 at Qwen3-30B-A3B's shapes: the experts' weighted rows handed to the
+    add + RMSNorm kernel unsummed (``rows_out``: the few-token path at 1 token, the grouped
+    path after ``route_align`` at 64) give the bits of the top-k sum kernel followed by
+    ``fused_ops.add_rms_norm``."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    from pdserve.model import fused_ops, fused_splitk_norm
+
+    H, inter, E, k = 2048, 768, 128, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=DEVICE)
+    h = torch.randn(T, H, device=DEVICE).bfloat16()
+    norm_w = torch.rand(H, device=DEVICE).bfloat16()
+    plan = triton_moe.pick_plan(T * k, E)._replace(triton_sum=True, fused_sum=False)
+
+    def run(rows_out):
+        if T == 1:
+            return triton_moe.route_experts_gemv(logits, x, w13, w2, k, True, rows_out=rows_out)[0]
+        w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids, rows_out=rows_out)
+
+    summed, parts = run(False), run(True)
+    assert isinstance(parts, fused_splitk_norm.SplitKPartials) and parts.parts.shape == (k, T, H)
+    got = fused_splitk_norm.add_rms_norm(h, parts, norm_w, 1e-6)
+    want = fused_ops.add_rms_norm(h, summed, norm_w, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
