@@ -125,7 +125,9 @@ class DecodeConfig:
     kernel loads the next tile before this one's math (``decode_split_kernel``'s
     ``PREFETCH``); widen: which tiles of an 8-bit cache are converted before their layout
     change for the dots (bit 1: V, bit 2: K; ``WIDEN``); fma: scores and output by fp32
-    products and sums instead of dots, over the G query heads only (``FMA``)."""
+    products and sums instead of dots, over the G query heads only (``FMA``); unroll: the
+    tile loop unrolled that many times (``UNROLL``; 1: not); evict: K/V loaded with the
+    ``evict_first`` policy (``EVICT``)."""
 
     splits: int
     block_n: int
@@ -136,6 +138,8 @@ class DecodeConfig:
     prefetch: bool = False
     widen: int = 0
     fma: bool = False
+    unroll: int = 1
+    evict: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -148,6 +152,8 @@ class DecodeConfig:
             raise ValueError(f"balance: {self.balance} is negative")
         if not 0 <= self.widen <= 3:
             raise ValueError(f"widen: {self.widen} is not a mask of bits 1 (V) and 2 (K)")
+        if self.unroll not in (1, 2, 4):
+            raise ValueError(f"unroll: {self.unroll} is not 1, 2 or 4")
 
 
 @dataclass(frozen=True)
@@ -584,6 +590,8 @@ class TritonBackend(AttentionBackend):
             ALIGNED=aligned,
             WIDEN=cfg.widen if fp8 else 0,
             FMA=cfg.fma,
+            UNROLL=cfg.unroll,
+            EVICT=cfg.evict,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

@@ -150,6 +150,7 @@ def _decode_tile(
     PAGE_SIZE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     ALIGNED: tl.constexpr = False,
+    EVICT: tl.constexpr = False,
 ):
     """K and V tiles ``[BLOCK_N, BLOCK_D]`` of context positions ``start + nn`` (those at or
     past ``hi`` masked: none read, zeros) of one KV head (``k_head`` / ``v_head``: its base
@@ -158,7 +159,8 @@ def _decode_tile(
     page (one page-table read), else each position reads its own entry. ``ALIGNED``: every
     token's row of ``BLOCK_D`` dims starts on 16 bytes (the caller checked the bases and
     strides), told to the compiler, which cannot prove it through the page-table read
-    (without it every element is a load of its own)."""
+    (without it every element is a load of its own). ``EVICT``: the tiles are loaded with
+    the ``evict_first`` policy (KV is read once a step: it need not stay in L2)."""
     pos = start + nn
     nmask = pos < hi
     kv_mask = nmask[:, None] & dmask[None, :]
@@ -177,8 +179,12 @@ def _decode_tile(
     if ALIGNED:  # row starts on 16 bytes, runs of >= 16 contiguous dims
         k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [16, 16]), [1, 16])
         v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [16, 16]), [1, 16])
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if EVICT:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v
 
 
@@ -279,6 +285,8 @@ def decode_split_kernel(
     ALIGNED: tl.constexpr = False,
     WIDEN: tl.constexpr = 0,
     FMA: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
+    EVICT: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -312,7 +320,11 @@ def decode_split_kernel(
     caller), so a thread loads 16 bytes at once (the compiler cannot see it through the
     page table: else one load an element, as Triton 3.9's sm_90 build shows). ``WIDEN``: see
     :func:`_decode_fold`. ``FMA``: the scores and the output by fp32 products and sums
-    instead of dots (:func:`_decode_fold_fma`; ``BLOCK_H`` may then be G itself)."""
+    instead of dots (:func:`_decode_fold_fma`; ``BLOCK_H`` may then be G itself).
+    ``UNROLL`` (> 1, without ``PREFETCH``): the tile loop unrolled that many times
+    (``tl.range``'s ``loop_unroll_factor``), so the compiler may issue a later tile's loads
+    before an earlier one's math without the registers of an explicit prefetch; ``EVICT``:
+    see :func:`_decode_tile`."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -356,12 +368,12 @@ def decode_split_kernel(
     if PREFETCH:  # the next tile's loads are issued before this tile's math
         k, v = _decode_tile(
             k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-            PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+            PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
         )  # fmt: skip
         for start in range(lo, hi, BLOCK_N):
             k_next, v_next = _decode_tile(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
-                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
             )  # fmt: skip
             if FMA:
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
@@ -370,11 +382,23 @@ def decode_split_kernel(
                     q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
                 )
             k, v = k_next, v_next
+    elif UNROLL > 1:
+        for start in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+            k, v = _decode_tile(
+                k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
+            )  # fmt: skip
+            if FMA:
+                acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
+            else:
+                acc, m_i, l_i = _decode_fold(
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
+                )
     else:
         for start in range(lo, hi, BLOCK_N):
             k, v = _decode_tile(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-                PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
             )  # fmt: skip
             if FMA:
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)

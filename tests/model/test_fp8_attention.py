@@ -333,6 +333,36 @@ def test_decode_widen_and_fma_match_the_reference(kv):
             assert (plain - ref).abs().max().item() <= 2**-7 * top  # wrong (values ~1e8)
 
 
+@pytest.mark.timeout(600)
+def test_decode_unroll_and_evict_give_the_same_numbers():
+    """The decode kernel's ``UNROLL`` (the tile loop unrolled 2 or 4 times: tiles folded in
+    the same order) and ``EVICT`` (an evict-first load hint) leave every output bit as it
+    is: an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
+    a page-major pool with pages out of order, contexts of 1 / 70 / 300 tokens (a split's
+    tile count not a multiple of the unroll)."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=17)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    kc, vc = _views(pool8)
+    b = tb.TritonBackend()
+
+    def run(cfg):
+        plan = b.plan(md, ps)
+        plan.config = cfg
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=SCALES, kv_stored=True)
+        return out.float()
+
+    for base in (tb.DecodeConfig(4, 32, 4, 2), tb.DecodeConfig(8, 16, 2, 2, 0, 16)):
+        plain = run(base)
+        for fields in ({"unroll": 2}, {"unroll": 4}, {"evict": True}, {"unroll": 2, "evict": True}):
+            assert torch.equal(run(replace(base, **fields)), plain), fields
+    with pytest.raises(ValueError, match="unroll"):
+        tb.DecodeConfig(1, 64, 4, 2, unroll=3)
+
+
 @pytest.mark.timeout(300)
 def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
