@@ -93,6 +93,15 @@ VARIANTS: dict[str, list[tuple[str, dict[str, dict[str, Any]]]]] = {
     "32x4096": [("bf16", _BF16_LONG), ("fp8", _FP8_LONG)],
     "8x4096": [("fp8", {"current": {}})],
 }
+# Round 2 (--set even): whole tiles without masks (DecodeConfig.even) on and off, whatever the
+# engine's own configuration is, e4m3 and bf16.
+EVEN_VARIANTS: dict[str, list[tuple[str, dict[str, dict[str, Any]]]]] = {
+    "32x4096": [
+        ("fp8", {"current": {}, "even on": {"even": True}, "even off": {"even": False}}),
+        ("bf16", {"current": {}, "even on": {"even": True}, "even off": {"even": False}}),
+    ],
+}
+VARIANT_SETS = {"round1": VARIANTS, "even": EVEN_VARIANTS}
 TOY_SHAPES = {"32x4096": "2x300", "8x4096": "1x300"}
 
 
@@ -275,7 +284,7 @@ def sweep(args, dev: torch.device) -> None:
     for si, shape in enumerate(shapes):
         real = TOY_SHAPES.get(shape, shape) if args.toy else shape
         rows, ctx = (int(x) for x in real.split("x"))
-        kinds = VARIANTS[shape]
+        kinds = VARIANT_SETS[args.set][shape]
         case = build_pool(rows, ctx, [k for k, _ in kinds], layers, dev)
         print(f"== {shape} ({real}): pool built (at {elapsed():.1f} s)", flush=True)
         for kind, variants in kinds:
@@ -336,7 +345,7 @@ def sweep(args, dev: torch.device) -> None:
                     timed[r["best"]] / timed["current"] if "current" in timed else None
                 )
                 save()
-            if kind == "fp8" and len(r["variants"]) > 2:
+            if len(r["variants"]) > 2 and (kind == "fp8" or args.set != "round1"):
                 confirm(r, case, kind, cur, variants, args, dev, layers, stop[si] + 10)
                 save()
         del case
@@ -457,7 +466,11 @@ def engine(args, dev: torch.device) -> None:
             time.sleep(0.5)
         name = best.get("best", "current") if best else "current"
         fields = best.get("best_fields", {}) if best else {}
-        if args.force_fields:
+        if args.force_fields == "toggle-even":  # the other side of DecodeConfig.even
+            long = tb.fp8_decode_config(tb.decode_config(rows, HKV, PAGE, None))
+            name = "even_off" if long.even else "even_on"
+            fields = {"even": not long.even}
+        elif args.force_fields:
             name, fields = "forced", json.loads(args.force_fields)
         res["variant"], res["variant_fields"] = name, fields
         print(f"sweep's fastest e4m3 variant: {name} {fields} (at {elapsed():.1f} s)", flush=True)
@@ -591,6 +604,7 @@ def main() -> None:
     ap.add_argument("--span-tokens", type=int, default=128, help="engine: tokens a span request")
     ap.add_argument("--greedy-tokens", type=int, default=8)
     ap.add_argument("--confirm-rounds", type=int, default=3, help="sweep: rounds of the top 3")
+    ap.add_argument("--set", default="round1", choices=sorted(VARIANT_SETS), help="sweep: variants")
     ap.add_argument("--sweep-json", default="", help="engine: the sweep's JSON to read")
     ap.add_argument("--wait-s", type=float, default=90.0, help="engine: wait for the sweep")
     ap.add_argument(
@@ -600,7 +614,12 @@ def main() -> None:
         help="engine: seconds its A/B needs; it stops waiting for the sweep this long before "
         "--deadline-s",
     )
-    ap.add_argument("--force-fields", default="", help="engine: JSON fields instead of the sweep's")
+    ap.add_argument(
+        "--force-fields",
+        default="",
+        help="engine: JSON fields instead of the sweep's; toggle-even: DecodeConfig.even "
+        "flipped from the engine's own",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.mode == "sweep":

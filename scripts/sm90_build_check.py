@@ -191,7 +191,7 @@ def check_decode(
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
     ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch, widen, fma,
-    unroll, evict])``: shared
+    unroll, evict, even])``: shared
     memory, registers a thread, programs an SM can hold by each (228 KB, 64K registers) and
     its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
     loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
@@ -200,14 +200,18 @@ def check_decode(
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
-    defaults = (0, 0, False, 0, False, 1, False)
-    min_split, balance, prefetch, widen, fma, unroll, evict = (*rest, *defaults[len(rest) :])
+    defaults = (0, 0, False, 0, False, 1, False, False)
+    min_split, balance, prefetch, widen, fma, unroll, evict, even = (
+        *rest,
+        *defaults[len(rest) :],
+    )
     consts = dict(
         G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=splits, MIN_SPLIT=min_split,
         BALANCE_PROGRAMS=balance, BLOCK_B=64 if balance else 1, BLOCK_H=4 if fma else 16,
         BLOCK_N=block_n, BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
         PREFETCH=bool(prefetch), F16_DOT=f16_dot, ALIGNED=aligned,
         WIDEN=widen if kv == "fp8" else 0, FMA=bool(fma), UNROLL=unroll, EVICT=bool(evict),
+        EVEN=bool(even),
     )  # fmt: skip
     dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
     if kv == "fp8":

@@ -271,7 +271,7 @@ def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
 
 def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
     """An FP8_DECODE_TILES value of five fields also sets DecodeConfig's ``widen`` and
-    ``fma``; of three, both stay off."""
+    ``fma``; of three, both stay off; a rule in FP8_KV_EVEN gets ``even``."""
     from pdserve.model import triton_backend as tb
 
     long = tb.DecodeConfig(8, 64, 4, 2, 256, 1024)
@@ -283,8 +283,12 @@ def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 16, 4, 2, 256, 1024, fma=True)
         monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
+        monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024)
+        monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset({"long"}))  # a rule's even tiles
+        tb.fp8_decode_config.cache_clear()
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024, even=True)
     finally:
         tb.fp8_decode_config.cache_clear()
     with pytest.raises(ValueError, match="widen"):
@@ -334,10 +338,10 @@ def test_decode_widen_and_fma_match_the_reference(kv):
 
 
 @pytest.mark.timeout(600)
-def test_decode_unroll_and_evict_give_the_same_numbers():
+def test_decode_unroll_evict_and_even_give_the_same_numbers():
     """The decode kernel's ``UNROLL`` (the tile loop unrolled 2 or 4 times: tiles folded in
-    the same order) and ``EVICT`` (an evict-first load hint) leave every output bit as it
-    is: an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
+    the same order), ``EVICT`` (an evict-first load hint) and ``EVEN`` (whole tiles without
+    masks, the partial last one with them) leave every output bit as it is: an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
     a page-major pool with pages out of order, contexts of 1 / 70 / 300 tokens (a split's
     tile count not a multiple of the unroll)."""
     from pdserve.model import triton_backend as tb
@@ -355,9 +359,20 @@ def test_decode_unroll_and_evict_give_the_same_numbers():
         out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=SCALES, kv_stored=True)
         return out.float()
 
-    for base in (tb.DecodeConfig(4, 32, 4, 2), tb.DecodeConfig(8, 16, 2, 2, 0, 16)):
+    for base in (
+        tb.DecodeConfig(4, 32, 4, 2),
+        tb.DecodeConfig(8, 16, 2, 2, 0, 16),
+        tb.DecodeConfig(2, 32, 2, 2),  # tiles of 32 across 16-token pages: a page per token
+    ):
         plain = run(base)
-        for fields in ({"unroll": 2}, {"unroll": 4}, {"evict": True}, {"unroll": 2, "evict": True}):
+        for fields in (
+            {"unroll": 2},
+            {"unroll": 4},
+            {"evict": True},
+            {"unroll": 2, "evict": True},
+            {"even": True},
+            {"even": True, "evict": True},
+        ):
             assert torch.equal(run(replace(base, **fields)), plain), fields
     with pytest.raises(ValueError, match="unroll"):
         tb.DecodeConfig(1, 64, 4, 2, unroll=3)
