@@ -11,6 +11,9 @@ copies, TMA), ``SYNCS`` (mbarrier operations), ``STG.E.128`` / ``STG.E.U16`` (16
 (warp specialization adds warps). This says the kernel builds and which instructions it
 uses, with this machine's Triton (3.9 in the CPU venv; the H200 image has 3.6): not its
 speed, nor its results (the CPU tests run it under the interpreter; the sweep on the GPU).
+The H200's own build: ``pip install --no-deps --target /tmp/triton36 triton==3.6.0`` and
+``PYTHONPATH=/tmp/triton36:.`` (the decode kernel's registers and shared memory then equal
+those the H200 reported, docs/figures/h200_s10/fp8kv.json).
 
 ``python3 scripts/sm90_build_check.py --decode --configs "(1, 64, 4, 3)" "(1, 32, 4, 1, 0,
 0, True)"``: the split-KV decode kernel instead (shared memory, registers, programs an SM
@@ -158,7 +161,8 @@ PDL_KERNELS = {
     "triton_kernels.decode_split_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
              BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
-             F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False),
+             F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False, UNROLL=1,
+             EVICT=False, EVEN=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),

@@ -99,6 +99,7 @@ def test_fp8_decode_tiles_replace_the_bf16_ones_by_rule(monkeypatch):
     long = tb.DecodeConfig(8, 64, 4, 2, 64, 1024)
     assert [tb.decode_rule(c) for c in (short, one, long)] == ["split", "one", "long"]
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (128, 8, 3)})
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     tb.fp8_decode_config.cache_clear()
     try:
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 128, 8, 3, 128, 1024)
@@ -275,6 +276,7 @@ def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
     from pdserve.model import triton_backend as tb
 
     long = tb.DecodeConfig(8, 64, 4, 2, 256, 1024)
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (32, 2, 2, 1, False)})
     tb.fp8_decode_config.cache_clear()
     try:
@@ -283,7 +285,6 @@ def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 16, 4, 2, 256, 1024, fma=True)
         monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
-        monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024)
         monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset({"long"}))  # a rule's even tiles
