@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -27,18 +28,23 @@ def check_min(obj: Any, low: float, *names: str, above: bool = False, unit: str 
             raise ValueError(f"{name} must be a finite number, got {value}")
 
 
-def flag_message(exc: BaseException, args: Any) -> str:
+def flag_message(exc: BaseException, args: Any, fields: Mapping[str, str] | None = None) -> str:
     """``str(exc)`` with the field names in it written as the command-line flags that set
     them: ``"page_size must be >= 1, got 0"`` -> ``"--page-size must be >= 1, got 0"``,
     ``"speculative_ngram_max (2) must be >= speculative_ngram_min (5)"`` -> the two flags,
     for names that are destinations of the parsed ``args`` (an ``argparse.Namespace``): the
     message's first word (``page_size`` or ``page-size``), and any other word with an
-    underscore. Config and spec checks (:func:`check_min`) name fields; a command's user
-    typed flags, so its error line should name those. Other words are left as they are."""
+    underscore. ``fields``: config fields set by a flag of another name (``decode_urls``
+    -> ``--decode``), written as that flag. Config and spec checks (:func:`check_min`) name
+    fields; a command's user typed flags, so its error line should name those. Other words
+    are left as they are."""
     dests = vars(args)
+    renamed = fields or {}
     message = str(exc)
 
     def flag(word: str) -> str | None:
+        if word in renamed:
+            return renamed[word]
         key = word.replace("-", "_")
         return "--" + key.replace("_", "-") if key.isidentifier() and key in dests else None
 

@@ -11,7 +11,9 @@ to the permanent generation, which later collections skip, so a collection costs
 requests allocate. vLLM and SGLang freeze the heap after start-up too.
 
 :class:`GcWatch` also times every collection (``gc.callbacks``): a pause of at least
-``slow_s`` is logged as a warning naming its generation, and the pauses are a histogram in
+``slow_s`` is logged naming its generation (a warning once the heap is frozen, that is
+while serving; at debug level during start-up and in short commands that never freeze,
+where loading a model pauses the process by design), and the pauses are a histogram in
 ``/metrics`` (``pdserve_gc_pause_seconds``) and in ``/get_server_info`` (``gc``), so a
 latency stall can be matched against them.
 
@@ -47,7 +49,8 @@ def freeze_heap() -> tuple[int, float]:
 class GcWatch:
     """Times the process's garbage collections and freezes its start-up heap.
 
-    slow_s: a pause at least this long (seconds) is logged as a warning. One per process
+    slow_s: a pause at least this long (seconds) is logged: a warning after :meth:`freeze`
+    (serving), debug before it (start-up). One per process
     (:meth:`install` adds the callback, :meth:`uninstall` removes it); :meth:`stats` may be
     read from any thread.
     """
@@ -109,7 +112,8 @@ class GcWatch:
         self._sum += pause
         self._max = max(self._max, pause)
         if pause >= self.slow_s:
-            logger.warning(
+            logger.log(
+                logging.WARNING if self._frozen else logging.DEBUG,
                 "gc: a generation-%d collection paused the process for %.1f ms "
                 "(%d objects collected, %d uncollectable)",
                 generation,

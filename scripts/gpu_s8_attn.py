@@ -200,7 +200,7 @@ def run_variant(case: dict, kind: str, cfg: tb.DecodeConfig, aligned16: bool, de
     views = case["pools"][kind][1]
     plan = backend.plan_for_capture(md, PAGE, None)
     plan.config = cfg
-    tb.fp8_decode_config = lambda c: c  # type: ignore[assignment] # cfg is the whole config
+    tb.fp8_decode_config = lambda c, t=None: c  # type: ignore[assignment] # cfg is the whole config
     tb.KV16_ALIGNED_LOADS = aligned16
     try:
         out: list[torch.Tensor] = []
@@ -326,8 +326,8 @@ def apply_fields(fields: dict[str, Any]) -> None:
         tb.fp8_decode_config = _FP8_CONFIG  # type: ignore[assignment]
         return
 
-    def cfg_with(c: tb.DecodeConfig) -> tb.DecodeConfig:
-        c = _FP8_CONFIG(c)
+    def cfg_with(c: tb.DecodeConfig, t: Any = None) -> tb.DecodeConfig:
+        c = _FP8_CONFIG(c, t)
         return variant_config(c, fields) if tb.decode_rule(c) == "long" else c
 
     tb.fp8_decode_config = cfg_with  # type: ignore[assignment]

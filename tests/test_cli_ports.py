@@ -6,12 +6,14 @@ no socket bound, no process started (``pdserve up --port 70000`` once ended in
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
 from pdserve.cli import build_parser, port_number
+from pdserve.model.presets import preset_config
 
 
 def _port_flags(
@@ -94,6 +96,7 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback(tmp_path, value: str) ->
         ("--model", "random:nope", "--model 'random:nope': unknown random preset 'nope'"),
         ("--model", "{bad_config}", "--model '{bad_config}': cannot read its config.json"),
         ("--model", "{junk_gguf}", "--model '{junk_gguf}': cannot read the GGUF's metadata"),
+        ("--model", "{no_weights}", "--model '{no_weights}': folder has no *.safetensors"),
     ],
 )
 def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
@@ -103,7 +106,13 @@ def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")  # a folder, its config broken
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")  # a file named .gguf, not one
-    paths = {"bad_config": tmp_path / "bad", "junk_gguf": tmp_path / "junk.gguf"}
+    (tmp_path / "empty").mkdir()  # a readable config.json and no weights
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(preset_config("tiny").to_dict()))
+    paths = {
+        "bad_config": tmp_path / "bad",
+        "junk_gguf": tmp_path / "junk.gguf",
+        "no_weights": tmp_path / "empty",
+    }
     value, message = value.format(**paths), message.format(**paths)
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", flag, value]
     proc = subprocess.run(
@@ -112,3 +121,33 @@ def test_up_refuses_a_bad_router_or_worker_flag_before_starting_anything(
     assert proc.returncode == 2, proc.stderr
     assert f"pdserve up: error: {message}" in proc.stderr
     assert not log_dir.exists()  # nothing was planned or started
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--prefill", "http://127.0.0.1:1"], "--decode must be non-empty in PD mode"),
+        ([], "--worker must be non-empty (or give --prefill and --decode,"),
+        (["--worker", "notaurl"], "--worker: 'notaurl' must start with http://"),
+    ],
+)
+def test_router_errors_name_the_flags_not_the_config_fields(capsys, flags, message):
+    """``decode_urls`` is set by ``--decode``: the error line names what the user typed
+    (in process: the router refuses before it binds or starts anything)."""
+    args = build_parser().parse_args(["router", "--port", "0", *flags])
+    assert args.func(args) == 2
+    assert f"pdserve router: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_up_refuses_a_log_dir_it_cannot_write_with_one_line(tmp_path, capsys, kind):
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder")
+    log_dir = taken if kind == "a file" else taken / "logs"
+    args = build_parser().parse_args(
+        ["up", "--model", "random:tiny", "--port", "0", "--log-dir", str(log_dir)]
+    )
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert f"pdserve up: error: --log-dir '{log_dir}': cannot write logs there (" in err, err
+    assert "Traceback" not in err

@@ -19,6 +19,14 @@ def watch():
 
 
 def test_collections_are_timed_by_generation_and_logged(watch, caplog):
+    with caplog.at_level(logging.DEBUG, logger="pdserve.gc_watch"):
+        gc.collect(0)
+        gc.collect(2)
+    # before the freeze (start-up, a short command) a slow pause is debug, not a warning
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("generation-2 collection paused" in r.message for r in caplog.records)
+    caplog.clear()
+    watch.freeze()  # serving from here: a slow pause is a warning
     with caplog.at_level(logging.WARNING, logger="pdserve.gc_watch"):
         gc.collect(0)
         gc.collect(2)

@@ -409,6 +409,11 @@ def rooms_needed(num_prompts: int, n: int) -> int:
     return num_prompts * n
 
 
+# The fields a PD request's two legs carry (the router adds them; a client never does):
+# the prefill worker's bootstrap server and the transfer's room.
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
 def check_room(value: object, field: str = "bootstrap_room") -> int:
     """``value`` if it is an int (not a bool) in ``[0, ROOM_LIMIT)``; else ValueError
     naming ``field``."""

@@ -450,8 +450,14 @@ class WorkerClient:
             if conn is None:
                 conn = await self._connect(address)
             conn.start()
-            conn.transport.write(message)  # type: ignore[union-attr]
             try:
+                try:
+                    conn.transport.write(message)  # type: ignore[union-attr]
+                except RuntimeError as exc:  # uvloop's transport closed (a worker gone)
+                    host, port = address
+                    raise WorkerConnectionError(
+                        f"connection to {host}:{port} closed before the request: {exc}"
+                    ) from exc
                 await conn.head()
                 return conn
             except WorkerConnectionError:

@@ -277,6 +277,7 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
             self._refusal: bytes | str | None = None  # a refused request's answer, held back
             self._in_head = False
             self._head_read = 0
+            self._before: Any = None  # the request before the one being read
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -322,8 +323,20 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
                 self._refuse()
 
         def _answering(self) -> bool:
-            """Whether an earlier request's answer is still being written or queued."""
+            """Whether an earlier request's answer is still being written or queued. When
+            the refused request is the current one (its head was read, its body was not:
+            a bad chunk), it leaves the pipeline (it is never served) and only the request
+            before it counts: waiting for its own answer would hold the refusal forever."""
             cycle = self.cycle
+            if cycle is not None and (
+                not cycle.body_done
+                if isinstance(cycle, FrontCycle)
+                else getattr(cycle, "more_body", False)
+            ):
+                for item in [i for i in self.pipeline if i[0] is cycle]:
+                    self.pipeline.remove(item)
+                before = self._before
+                return before is not None and not getattr(before, "response_complete", True)
             busy = cycle is not None and not getattr(cycle, "response_complete", True)
             return busy or bool(self.pipeline)
 
@@ -346,6 +359,7 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._before = self.cycle  # the request before this one (answered or not)
             size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
             if size > MAX_HEAD_BYTES:
                 self._head_refused = True

@@ -167,7 +167,11 @@ MEANINGS: dict[str, str] = {
     "ResponsesRequest.metadata": "echoed in the response",
     "ResponsesRequest.user": "echoed in the response",
     "truncation": "accepted, echoed (disabled when unset); no effect",
-    "include": "accepted, no effect",
+    "include": '"message.output_text.logprobs": each output text part carries its tokens\' '
+    "logprobs (chat's shape; with top_logprobs alternatives; a 400 with tools); other "
+    "values accepted, no effect",
+    "ResponsesRequest.top_logprobs": "alternatives per output token (<= 20); implies the "
+    "output text's logprobs",
     "reasoning": "accepted, no effect (no reasoning models)",
     "ResponsesRequest.service_tier": "accepted, no effect",
     "ResponsesRequest.prompt_cache_key": "accepted, no effect",

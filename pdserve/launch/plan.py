@@ -73,14 +73,15 @@ def check_models(args: argparse.Namespace) -> None:
     """Resolve ``--model`` (and ``--speculative-model`` when given) to their configs, as
     every worker will, before any process starts: ValueError naming the model when it is
     not an existing folder, ``.gguf`` file, random preset or the embedded model id (read
-    from its config or metadata alone, no weights).  A model whose config resolves but
-    whose weights do not load still fails in the workers, with their log's excerpt."""
+    from its config or metadata alone; a folder must also list ``*.safetensors`` files).
+    A model whose config resolves but whose weights do not load still fails in the
+    workers, with their log's excerpt."""
     from pdserve.model.loader import model_config
 
-    model_config(args.model)
+    model_config(args.model, weights=True)
     draft = getattr(args, "speculative_model", None)
     if draft:
-        model_config(draft)
+        model_config(draft, weights=True)
 
 
 def check_tp_sizes(args: argparse.Namespace) -> None:

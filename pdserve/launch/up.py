@@ -8,7 +8,9 @@ child's restarts keep failing (``--max-restarts``)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -299,7 +301,18 @@ def main(args: argparse.Namespace) -> int:
     # ports are planned, so none of them is planned on it.
     args.port = probe.getsockname()[1]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as exc:  # a file of that name, a read-only or virtual file system
+        probe.close()
+        print(
+            f"pdserve up: error: --log-dir {str(log_dir)!r}: cannot write logs there "
+            f"({exc.strerror or exc})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         workers, router = plan_children(args, log_dir)
     except ValueError as exc:  # a bad --num-threads or tensor-parallel size

@@ -18,6 +18,13 @@ configurations load the next tile before this one's math (``DecodeConfig.prefetc
 (``model/triton_greedy.py``) a decode graph computes its argmax and that token's logprob
 with; a device not listed keeps ``argmax`` + ``log_softmax`` + ``gather``.
 
+``FP8_ONE[(device name, G, head_dim)]``: ``((least B * Hkv, (block_n, num_warps,
+num_stages)), ...)`` ascending: an e4m3 cache's tiles for a short-context decode step of
+one split (``decode_rule`` "one") from that many rows x KV heads on (the entry with the
+largest least not above ``B * Hkv``); fewer rows keep ``triton_backend.FP8_DECODE_TILES``'
+rule (the bf16 cache's tiles for "one"). Set by hand from ``scripts/gpu_s10_fp8big.py``'s
+JSON (the commit that set it names the figures).
+
 ``FP32_LOGITS``: devices whose lm_head GEMM writes the fp32 logits itself
 (``linear.logits_fp32``: ``torch.mm`` with ``out_dtype``) instead of a 16-bit GEMM and a cast
 pass (H200: 288.8 vs 308.5 us at 64 rows x 4,096 -> 128,256, 423.5 vs 491.8 at 256; set by
@@ -44,6 +51,10 @@ SHORT: dict[tuple[str, int, int], tuple[int, tuple[tuple[int, _Config], ...]]] =
 }
 
 LONG_PREFETCH: frozenset[tuple[str, int, int]] = frozenset()
+
+FP8_ONE: dict[tuple[str, int, int], tuple[tuple[int, tuple[int, int, int]], ...]] = {
+    ("NVIDIA H200", 4, 128): ((3072, (16, 1, 3)),)
+}
 
 GREEDY: dict[str, tuple[int, int, int]] = {"NVIDIA H200": (1056, 1024, 4)}
 

@@ -249,6 +249,8 @@ class LlamaDecoderLayer(nn.Module):
                     return h, down
             elif self.tp is None:  # an FP8 down projection: its one-row gemv, when fused
                 down = fp8.linear_silu_mul(gate_up, self.fp8["down_proj"], self.down_bias)
+                if down is None:  # its e4m3 rows from the SwiGLU kernel, where it quantizes
+                    down = fp8.silu_mul_linear(gate_up, self.fp8["down_proj"], self.down_bias)
                 if down is not None:
                     return h, down
             act = fused.silu_mul(gate_up)

@@ -99,6 +99,9 @@ def _eos_ids(
 
 
 # ------------------------------------------------------------------ HF folder
+_NO_WEIGHTS = "folder has no *.safetensors weights"
+
+
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -111,12 +114,25 @@ def _safetensors_files(folder: str) -> list[str]:
 
 def _file_identity(path: str) -> list[str | int]:
     """Cheap identity of a safetensors file: size, header (names/shapes/dtypes) and 16 x 64 KiB
-    samples spread over the data, so two different weight sets differ without hashing GBs."""
+    samples spread over the data, so two different weight sets differ without hashing GBs.
+    ValueError naming the file when it is not a safetensors file (its 8-byte header length
+    past the file's end, or the header not a JSON object: a truncated download, junk)."""
     size = os.path.getsize(path)
     h = hashlib.sha256()
+    name = os.path.basename(path)
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        h.update(f.read(header_len))
+        (header_len,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        if size < 8 or header_len > size - 8:
+            raise ValueError(
+                f"{name} is not a safetensors file (header of {header_len} bytes, file of {size})"
+            )
+        header = f.read(header_len)
+        try:
+            if not isinstance(json.loads(header), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ValueError(f"{name} is not a safetensors file (header: {exc})") from None
+        h.update(header)
         for i in range(16):
             f.seek(8 + header_len + (size - 8 - header_len) * i // 16)
             h.update(f.read(1 << 16))
@@ -145,7 +161,7 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
         raise _usage(model, "folder has no config.json")
     files = _safetensors_files(folder)
     if not files:
-        raise _usage(model, "folder has no *.safetensors weights")
+        raise _usage(model, _NO_WEIGHTS)
     cfg = transformers.AutoConfig.from_pretrained(folder)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -160,7 +176,10 @@ def _load_hf_folder(model: str, folder: str) -> ModelSource:
         with open(manifest) as f:
             identity = {"gguf_sha256": json.load(f)["gguf_sha256"]}
     else:
-        identity = {"safetensors": [_file_identity(p) for p in files]}
+        try:
+            identity = {"safetensors": [_file_identity(p) for p in files]}
+        except ValueError as exc:
+            raise _usage(model, str(exc)) from None
     return ModelSource(
         model,
         cfg,
@@ -283,12 +302,13 @@ def _load_random(model: str, seed: int) -> ModelSource:
     )
 
 
-def model_config(model: str) -> transformers.PretrainedConfig:
+def model_config(model: str, *, weights: bool = False) -> transformers.PretrainedConfig:
     """The transformers config of ``model`` (any source :func:`load_model_source` takes),
     read without its weights or tokenizer: a folder's ``config.json``, a preset's config, a
     GGUF's metadata (its cached conversion's ``config.json`` when there is one).  For
-    checks before workers start (``pdserve up``'s tensor-parallel sizes).  Raises
-    ``ValueError`` naming ``model`` when it cannot be resolved."""
+    checks before workers start (``pdserve up``'s tensor-parallel sizes).  ``weights``:
+    also require a folder to hold ``*.safetensors`` files (listed, not read), as loading
+    it will.  Raises ``ValueError`` naming ``model`` when it cannot be resolved."""
     if not isinstance(model, str) or not model:
         raise _usage(str(model), "empty model name")
     if model.startswith(RANDOM_PREFIX):
@@ -319,6 +339,8 @@ def model_config(model: str) -> transformers.PretrainedConfig:
         cfg = transformers.AutoConfig.from_pretrained(folder)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... here
         raise _usage(model, f"cannot read its config.json ({exc})") from exc
+    if weights and folder == model and not _safetensors_files(folder):
+        raise _usage(model, _NO_WEIGHTS)
     return cast(transformers.PretrainedConfig, cfg)
 
 

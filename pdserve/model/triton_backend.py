@@ -182,6 +182,17 @@ class DecodePicks:
     short: tuple[tuple[int, DecodeConfig], ...] = ()
     long_prefetch: bool = False
     short_min: int = 0
+    fp8_one: tuple[tuple[int, tuple[int, int, int]], ...] = ()
+
+    def fp8_one_tile(self, rows: int) -> tuple[int, int, int] | None:
+        """An e4m3 cache's ``(block_n, num_warps, num_stages)`` for a one-split short-context
+        step of ``rows`` = ``B * Hkv`` (``fp8_one``: the entry with the largest least not
+        above ``rows``); None below the first (or none listed)."""
+        tile = None
+        for least, t in self.fp8_one:
+            if rows >= least:
+                tile = t
+        return tile
 
 
 NO_PICKS = DecodePicks()
@@ -192,7 +203,8 @@ def _cuda_picks(index: int, group: int, head_dim: int) -> DecodePicks:
     key = (torch.cuda.get_device_name(index), group, head_dim)
     least, entries = decode_attn_table.SHORT.get(key, (0, ()))
     short = tuple((n, DecodeConfig(*c)) for n, c in entries)
-    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least)
+    fp8_one = decode_attn_table.FP8_ONE.get(key, ())
+    return DecodePicks(short, key in decode_attn_table.LONG_PREFETCH, least, fp8_one)
 
 
 def device_picks(device: torch.device, group: int, head_dim: int) -> DecodePicks:
@@ -313,14 +325,20 @@ def decode_rule(cfg: DecodeConfig) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def fp8_decode_config(cfg: DecodeConfig) -> DecodeConfig:
+def fp8_decode_config(
+    cfg: DecodeConfig, one_tile: tuple[int, int, int] | None = None
+) -> DecodeConfig:
     """``cfg`` (the bf16 cache's decode configuration) for an e4m3 cache: the tile, warps and
     stages of :data:`FP8_DECODE_TILES` for its :func:`decode_rule` (``min_split`` rounded
     up to a multiple of the tile), the same splits; ``cfg`` itself when the rule is not
-    listed. Applied wherever the decode kernel launches (eager steps, graph captures,
-    ``TritonBackend.warm_up``), so the variants compiled at start-up are those that run.
-    Cached: the table is read once per configuration (tests clear the cache)."""
-    tile = FP8_DECODE_TILES.get(decode_rule(cfg))
+    listed. ``one_tile``: ``(block_n, num_warps, num_stages)`` in place of the rule's for a
+    one-split short-context step ("one"; the device's measured pick for its rows,
+    :meth:`DecodePicks.fp8_one_tile`). Applied wherever the decode kernel launches (eager
+    steps, graph captures, ``TritonBackend.warm_up``), so the variants compiled at start-up
+    are those that run. Cached: the table is read once per configuration (tests clear the
+    cache)."""
+    rule = decode_rule(cfg)
+    tile = one_tile if one_tile is not None and rule == "one" else FP8_DECODE_TILES.get(rule)
     if tile is None:
         return cfg
     bn, warps, stages, *rest = tile
@@ -412,7 +430,8 @@ class TritonBackend(AttentionBackend):
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
     ) -> int:
         """Launch the decode kernel (and its merge) once in each of
-        :func:`eager_decode_configs` (under the device's :func:`device_picks`), as an eager
+        :func:`eager_decode_configs` (under the device's :func:`device_picks`; an e4m3 cache
+        also in the one-split tiles of its ``fp8_one`` entries), as an eager
         step launches it (int64 page table and lengths, as ``ModelRunner.run_staged``
         stages them), over one row of one token that reads page 0: the variants are
         compiled at start-up, not in a request's step (the graphs' variants are captured
@@ -427,7 +446,10 @@ class TritonBackend(AttentionBackend):
             page_table=torch.zeros(1, 2, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
         )
-        configs = eager_decode_configs(device_picks(dev, num_q_heads // Hkv, D))
+        picks = device_picks(dev, num_q_heads // Hkv, D)
+        configs = eager_decode_configs(picks)
+        if is_fp8(k_cache):  # the e4m3 tiles of large one-split steps (one row here)
+            configs += tuple(DecodeConfig(1, *t) for _, t in picks.fp8_one)
         for cfg in configs:
             plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
             kv = qkv[:, num_q_heads : num_q_heads + Hkv]
@@ -559,7 +581,8 @@ class TritonBackend(AttentionBackend):
         cfg = plan.config
         fp8 = is_fp8(k_cache)
         if fp8:  # its own tiles where measured (the splits are the same)
-            cfg = fp8_decode_config(cfg)
+            tile = device_picks(q.device, G, D).fp8_one_tile(B * Hkv)
+            cfg = fp8_decode_config(cfg) if tile is None else fp8_decode_config(cfg, tile)
         aligned = (FP8_KV_ALIGNED_LOADS if fp8 else KV16_ALIGNED_LOADS) and kv_rows_aligned(
             k_cache, v_cache
         )

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 import pdserve
 from pdserve.config import RouterConfig
+from pdserve.disagg.base import BOOTSTRAP_FIELDS
 from pdserve.gc_watch import process_stats
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.client import WorkerClient
@@ -177,6 +178,14 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             return error_response(400, "request body must be a JSON object")
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
             return error_response(400, "stream must be a boolean", param="stream")
+        if (field := next((f for f in BOOTSTRAP_FIELDS if f in body), None)) is not None:
+            # the router's to set: from a client it would point a worker at any address
+            return error_response(
+                400,
+                f"{field} is set by the router (the prefill worker's bootstrap server and "
+                "the KV transfer's room of a PD request); a request must not carry it",
+                param=field,
+            )
         if (missing := unknown_model(endpoint, body)) is not None:
             return missing
         if endpoint == "/v1/responses":  # a follow-up: its conversation, from its holder

@@ -12,9 +12,10 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -442,10 +443,40 @@ class Dispatcher:
 
     async def _whole_once(self, endpoint: str, body: dict, route: Route) -> Response:
         try:
-            return await self._whole_picked(endpoint, body, route)
+            return await self._until_ejected(self._whole_picked(endpoint, body, route), route)
         except LegError as exc:
             exc.pair = route.urls()
             raise
+
+    async def _until_ejected(self, work: Coroutine[Any, Any, Response], route: Route) -> Response:
+        """``work`` (one attempt of a non-streamed request on ``route``), stopped when one
+        of the route's workers is ejected before it answers: a LegError (transport, 502)
+        that sends the request again whole to another worker. A worker hung with its
+        connection open (a stopped process, a wedged GPU) answers nothing until
+        ``--request-timeout``; its health checks eject it in a few seconds, and nothing of
+        a non-streamed answer has reached the client yet. The attempt's legs are cancelled
+        (the workers see their clients leave), as when the client leaves."""
+        workers = route.pair if route.pair is not None else (route.worker,)
+        attempt = asyncio.ensure_future(work)
+        watches = {asyncio.ensure_future(w.ejected.wait()): w for w in workers}
+        try:
+            done, _ = await asyncio.wait({attempt, *watches}, return_when=asyncio.FIRST_COMPLETED)
+            if attempt in done:
+                return attempt.result()
+            gone = next(w for f, w in watches.items() if f in done)
+            reason = (
+                f"{gone.role} worker {gone.url} was ejected ({gone.last_error or 'unhealthy'}) "
+                "before it answered"
+            )
+            raise LegError(
+                gone.role, reason, error_response(502, reason), url=gone.url, transport=True
+            )
+        finally:
+            for watch in watches:
+                watch.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
 
     async def _whole_picked(self, endpoint: str, body: dict, route: Route) -> Response:
         if route.pair is None:  # one worker runs the whole request

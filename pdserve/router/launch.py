@@ -165,7 +165,8 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         sock = bind_socket(config.host, config.port)
     except (ValueError, PortInUseError) as exc:
-        print(f"pdserve router: error: {flag_message(exc, args)}", file=sys.stderr)
+        renamed = {f.field: f.flag for f in ROUTER_FLAGS if f.field}  # decode_urls: --decode
+        print(f"pdserve router: error: {flag_message(exc, args, renamed)}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
     mode = (

@@ -38,6 +38,8 @@ class WorkerState:
 
     outstanding: requests dispatched to it and not yet answered.
     server_info: the worker's last ``/get_server_info`` JSON (prefill: bootstrap port).
+    ejected: set while it is out of picking (its health checks or a failed request took
+    it out), so that a request waiting on it can stop waiting (``router/dispatch.py``).
     """
 
     url: str
@@ -47,6 +49,7 @@ class WorkerState:
     outstanding: int = 0
     last_error: str | None = None
     server_info: dict[str, Any] = field(default_factory=dict)
+    ejected: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
 
 class Policy(ABC):
@@ -463,6 +466,7 @@ class WorkerPool:
         """Eject ``worker``; its prefix index is dropped (a worker that failed may come
         back restarted, its cache empty)."""
         worker.healthy = False
+        worker.ejected.set()
         self.decode_prefixes.forget(worker.url)
         log.warning("ejecting %s worker %s: %s", worker.role, worker.url, reason)
 
@@ -470,6 +474,7 @@ class WorkerPool:
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.url)
         worker.healthy = True
+        worker.ejected.clear()
         worker.consecutive_failures = 0
         worker.last_error = None
 

@@ -147,10 +147,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     port = sock.getsockname()[1]
     print(f"pdserve worker ({disagg_cfg.role}) loading {engine_cfg.model.model} ...", flush=True)
+    from pdserve.http.loading import answer_503_while_loading
     from pdserve.server.worker import build_worker
 
     try:
-        app, info = build_worker(engine_cfg, server_cfg, disagg_cfg)
+        # the port is bound already: a probe gets 503 "loading" now, not a hung connection
+        with answer_503_while_loading(
+            sock, f"the {disagg_cfg.role} worker is loading {engine_cfg.model.model}"
+        ):
+            app, info = build_worker(engine_cfg, server_cfg, disagg_cfg)
     except (ValueError, OSError) as exc:  # bad model/device, taken bootstrap port, init timeout
         print(f"pdserve serve: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2

@@ -49,7 +49,9 @@ class _Body(RequestModel):
 
 
 class Bootstrap(_Body):
-    """The disaggregation fields (required on prefill/decode workers, ignored on mixed)."""
+    """The disaggregation fields (``disagg.base.BOOTSTRAP_FIELDS``): required on a prefill
+    worker; a decode worker runs a request with none of them whole; ignored on mixed. The
+    router sets them and refuses them from a client."""
 
     bootstrap_host: str | None = None
     bootstrap_port: StrictInt | None = Field(None, ge=1, le=PORT_MAX)

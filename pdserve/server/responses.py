@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from pdserve.disagg.base import Role
 from pdserve.engine.core.request import RequestOutput
 from pdserve.http.disconnect import cancel_on_disconnect
+from pdserve.server import formatting as fmt
 from pdserve.server import tools as tl
 from pdserve.server.formatting import sse_response
 from pdserve.server.openai_api import WorkerContext, chat_job
@@ -104,14 +105,34 @@ def _as_listed(item: dict) -> dict:
     return dict(item, content=[part], status="completed")
 
 
-def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include value that asks for them
+
+
+def _message_item(
+    text: str, status: str, item_id: str | None = None, logprobs: list | None = None
+) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "id": item_id or _new_id("msg"),
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [part],
     }
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the output text's tokens carry logprobs: ``include`` names
+    ``message.output_text.logprobs`` or ``top_logprobs`` is given (OpenAI's two ways).
+    400 naming ``include`` with tools: a tool call's text is cut out of the tokens."""
+    wanted = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+    if wanted and req.tools:
+        raise APIError(
+            400,
+            f"include {LOGPROBS_INCLUDE!r} (or top_logprobs) is not supported with tools",
+            "include" if LOGPROBS_INCLUDE in (req.include or []) else "top_logprobs",
+        )
+    return wanted
 
 
 def _call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
@@ -259,8 +280,11 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
         items = before + normalize_input(req.input)
         if not items:
             raise APIError(400, "input must not be empty", "input")
+        logprobs = wants_logprobs(req)
         chat_body = {
             "model": req.model,
+            "logprobs": logprobs or None,
+            "top_logprobs": req.top_logprobs if logprobs else None,
             "messages": chat_messages(items, req.instructions),
             "tools": chat_tools(req.tools),
             "tool_choice": chat_tool_choice(req.tool_choice),
@@ -300,15 +324,17 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
                 store.put(response, items)
             return response
 
+        logprobs = chat_req.logprobs is True
         if req.stream:
-            return await _stream(request, ctx, job, plan, shape, finish)
+            return await _stream(request, ctx, job, plan, shape, finish, logprobs)
         outs = await cancel_on_disconnect(request, ctx.serving.collect(job))
         o = outs[0].outputs[0]
         content, calls = tl.parse_output(o.text, plan)
         status, _ = _status(o.finish_reason)
         output = []
         if content is not None or not calls:
-            output.append(_message_item(content or "", status))
+            lp = fmt.chat_logprobs(o.logprobs or [], ctx.token_text)["content"] if logprobs else []
+            output.append(_message_item(content or "", status, logprobs=lp))
         output += [_call_item(c) for c in calls]
         return JSONResponse(finish(output, outs[0]))
 
@@ -366,6 +392,7 @@ async def _stream(
     plan: tl.ToolPlan,
     shape: _Shape,
     finish: Any,
+    logprobs: bool = False,
 ) -> Response:
     """The typed events of one streamed response: ``response.created``,
     ``response.in_progress``, then per output item ``response.output_item.added``, (text:
@@ -373,7 +400,8 @@ async def _stream(
     ``response.output_text.done``, ``response.content_part.done``; call:
     ``response.function_call_arguments.delta`` ..., ``...done``),
     ``response.output_item.done``, and ``response.completed`` with the whole response
-    (whose ``status`` is ``incomplete`` when ``max_output_tokens`` cut it, as vLLM's)."""
+    (whose ``status`` is ``incomplete`` when ``max_output_tokens`` cut it, as vLLM's).
+    ``logprobs``: each text delta carries its tokens' logprobs, the done events all."""
     seq = {"n": 0}
     items: list[dict] = []  # output items in order (texts and calls filled as they stream)
     open_text: dict[str, Any] = {}  # the message item being streamed: {"item", "index"}
@@ -401,10 +429,12 @@ async def _stream(
             text_event("response.content_part.added", item, open_text["index"], part=part),
         ]
 
-    def text_delta(delta: str) -> list[dict]:
+    def text_delta(delta: str, entries: list | None = None) -> list[dict]:
         out = open_message()
+        lp = fmt.chat_logprobs(entries or [], ctx.token_text)["content"] if logprobs else []
+        item = open_text["item"]
+        item.setdefault("_logprobs", []).extend(lp)
         if delta:
-            item = open_text["item"]
             item.setdefault("_text", "")
             item["_text"] += delta
             out.append(
@@ -413,7 +443,7 @@ async def _stream(
                     item,
                     open_text["index"],
                     delta=delta,
-                    logprobs=[],
+                    logprobs=lp,
                 )
             )
         return out
@@ -456,9 +486,10 @@ async def _stream(
         for index, item in enumerate(items):
             if item["type"] == "message":
                 text = item.pop("_text", "")
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                lp = item.pop("_logprobs", [])
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lp}
                 out.append(
-                    text_event("response.output_text.done", item, index, text=text, logprobs=[])
+                    text_event("response.output_text.done", item, index, text=text, logprobs=lp)
                 )
                 out.append(text_event("response.content_part.done", item, index, part=part))
                 item.update(status=status, content=[part])
@@ -483,7 +514,7 @@ async def _stream(
             yield event("response.created", response=opening)
             yield event("response.in_progress", response=opening)
         if tool_stream is None:
-            yield from text_delta(o.delta_text)
+            yield from text_delta(o.delta_text, o.delta_logprobs)
         else:
             for delta in tool_stream.feed(o.delta_text, o.finished):
                 if delta.get("content"):

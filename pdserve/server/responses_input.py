@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictFloat
 
 from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from pdserve.server.body_base import Int, RequestModel
-from pdserve.server.protocol import Bootstrap
+from pdserve.server.protocol import MAX_TOP_LOGPROBS, Bootstrap
 from pdserve.server.serving import APIError
 
 INPUT_TYPES = ("message", "function_call", "function_call_output")
@@ -69,6 +69,7 @@ class ResponsesRequest(Bootstrap):
     user: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

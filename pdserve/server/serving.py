@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import tracing
-from pdserve.disagg.base import ROOM_LIMIT, DuplicateRoomError, Role, sample_room
+from pdserve.disagg.base import (
+    BOOTSTRAP_FIELDS,
+    ROOM_LIMIT,
+    DuplicateRoomError,
+    Role,
+    sample_room,
+)
 from pdserve.engine.core.request import (
     DisaggRequestInfo,
     PromptError,
@@ -317,7 +323,7 @@ class Serving:
             raise APIError(400, str(exc), field, code=exc.code) from None
         if self.role == Role.MIXED or job.fake_transfer or self._runs_whole(job):
             return
-        for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        for name in BOOTSTRAP_FIELDS:
             if getattr(job, name) in (None, ""):
                 raise APIError(
                     400,

@@ -123,12 +123,43 @@ def _params_schema(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
+def _check_tools(tools: tuple[dict, ...]) -> None:
+    """400 naming ``tools[i].function.name`` for a function name given twice (OpenAI's
+    API refuses it: a call could not say which one it means) and
+    ``tools[i].function.parameters`` for parameters that are not valid JSON Schema, whatever
+    ``tool_choice`` is (the schema reaches the prompt even when no grammar is built)."""
+    from pdserve.engine.structured.backend import json_schema_problem
+    from pdserve.server.serving import APIError
+
+    first: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn["name"] in first:
+            raise APIError(
+                400,
+                f"tools[{i}].function.name {fn['name']!r} is also tools[{first[fn['name']]}]'s: "
+                "function names must be unique",
+                f"tools[{i}].function.name",
+            )
+        first[fn["name"]] = i
+        problem = None if "parameters" not in fn else json_schema_problem(fn["parameters"])
+        if problem is not None:
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters of {fn['name']!r} is not a valid JSON "
+                f"schema: {problem}",
+                f"tools[{i}].function.parameters",
+            )
+
+
 def plan_tools(req: Any, chat_template: str | None) -> ToolPlan:
     """The :class:`ToolPlan` of a parsed chat request; 400 naming ``tool_choice`` for a
-    choice without tools or naming an unknown function."""
+    choice without tools or naming an unknown function, and naming the tool for a repeated
+    function name or parameters that are not JSON Schema (:func:`_check_tools`)."""
     from pdserve.server.serving import APIError
 
     tools = tuple(t.model_dump(exclude_none=True) for t in (req.tools or []))
+    _check_tools(tools)
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"

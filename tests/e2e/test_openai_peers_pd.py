@@ -6,7 +6,7 @@ Responses API with the official ``openai`` client: plain and streamed (the
 ``responses.stream`` helper), instructions, a function tool with tool_choice required,
 text.format json_schema parsed by ``responses.parse``, a two-turn conversation via
 previous_response_id (equal to the same conversation sent in full), stored responses read
-back, the store's bound, bad input as a 400 naming the field.
+back, the store's bound, bad input as a 400 naming the field, the output text's logprobs.
 
 Assistant prefill: a continued final message equals ``/v1/completions`` on the rendered
 prompt. vLLM's extensions in vLLM's shapes: usage in chunks only with include_usage, chat
@@ -138,6 +138,47 @@ def test_streamed_with_helper(cluster):
         ]
         # a streamed response is stored too
         assert client.responses.retrieve(final.id).output_text == plain.output_text
+
+
+def test_output_text_logprobs_through_pd_equal_mixed_and_chat(cluster):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each output
+    token's logprob and top alternatives (chat's shape), through PD as on a mixed worker
+    and as chat gives them; streamed, the deltas carry their tokens' and the done event
+    all of them; with tools it is a 400 naming ``include``."""
+    pd, mixed = clients(cluster)
+    kw = dict(BASE, input="Name a colour.", include=["message.output_text.logprobs"])
+    a = pd.responses.create(**kw, top_logprobs=2)
+    b = mixed.responses.create(**kw, top_logprobs=2)
+    lp_a, lp_b = a.output[0].content[0].logprobs, b.output[0].content[0].logprobs
+    assert len(lp_a) == a.usage.output_tokens == 12 and len(lp_b) == 12
+    assert "".join(x.token for x in lp_a) == a.output_text == b.output_text
+    for x, y in zip(lp_a, lp_b):
+        assert x.token == y.token and abs(x.logprob - y.logprob) < 1e-4
+        assert len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.logprob - 1e-6
+    chat = mixed.chat.completions.create(
+        model=MODEL,
+        temperature=0.0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": kw["input"]}],
+    )
+    assert [x.token for x in chat.choices[0].logprobs.content] == [x.token for x in lp_b]
+    assert not pd.responses.create(**BASE, input="Name a colour.").output[0].content[0].logprobs
+    deltas, done = [], None
+    with pd.responses.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += event.logprobs
+            elif event.type == "response.output_text.done":
+                done = event.logprobs
+        final = stream.get_final_response()
+    assert [x.token for x in deltas] == [x.token for x in done] == [x.token for x in lp_a]
+    assert [x.token for x in final.output[0].content[0].logprobs] == [x.token for x in lp_a]
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        pd.responses.create(**kw, tools=[tool])
+    assert err.value.body["param"] == "include"
 
 
 def test_cached_tokens_are_prefill_s_through_pd(cluster):

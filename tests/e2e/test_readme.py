@@ -49,6 +49,16 @@ def test_reference_lists_every_flag_of_serve_router_up_and_every_env_var():
     assert "make run" in README and "make test" in README
 
 
+def test_the_generated_region_of_the_reference_is_current() -> None:
+    """Every row of the generated region as ``flag_docs --update`` writes it now: a
+    changed default or meaning (of a flag, an environment variable, a request field) fails
+    here, not only a missing name."""
+    from pdserve.launch.flag_docs import BEGIN, END, reference
+
+    region = REFERENCE.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert region == f"\n{reference()}", STALE
+
+
 def test_the_generated_reference_is_in_docs_reference_only_and_the_readme_links_to_it():
     """One generated region, in docs/reference.md (the file flag_docs --update names in its
     marker); the README carries none of it and links to it."""

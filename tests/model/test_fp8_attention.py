@@ -121,7 +121,9 @@ def test_fp8_decode_with_its_own_tiles_equals_the_default_tiles(monkeypatch):
     b = tb.TritonBackend()
     real = tb.fp8_decode_config
     launched = []  # the configurations the kernel ran with
-    monkeypatch.setattr(tb, "fp8_decode_config", lambda c: launched.append(real(c)) or real(c))
+    monkeypatch.setattr(
+        tb, "fp8_decode_config", lambda c, t=None: launched.append(real(c, t)) or real(c, t)
+    )
 
     def run(tiles):
         monkeypatch.setattr(tb, "FP8_DECODE_TILES", tiles)
@@ -137,6 +139,71 @@ def test_fp8_decode_with_its_own_tiles_equals_the_default_tiles(monkeypatch):
         for tiles in ({"split": (128, 4, 2)}, {"split": (128, 8, 3)}):
             assert (run(tiles) - base).abs().max().item() < 1e-4
             assert launched[-1] == tb.DecodeConfig(16, *tiles["split"])
+    finally:
+        real.cache_clear()
+
+
+def test_fp8_one_tiles_by_rows_replace_the_one_rule_only(monkeypatch):
+    """DecodePicks.fp8_one: the entry with the largest least not above B * Hkv, none below
+    the first; fp8_decode_config takes it for a one-split short step only (a split or long
+    step keeps FP8_DECODE_TILES' rule); the table's entries are ascending valid tiles."""
+    from pdserve.model import decode_attn_table
+    from pdserve.model import triton_backend as tb
+
+    picks = tb.DecodePicks(fp8_one=((4096, (16, 1, 3)), (16384, (32, 1, 3))))
+    assert picks.fp8_one_tile(2048) is None and tb.NO_PICKS.fp8_one_tile(1 << 20) is None
+    assert picks.fp8_one_tile(4096) == picks.fp8_one_tile(8192) == (16, 1, 3)
+    assert picks.fp8_one_tile(16384) == (32, 1, 3)
+    monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
+    tb.fp8_decode_config.cache_clear()
+    try:
+        one, short = tb.DecodeConfig(1, 32, 2, 3), tb.DecodeConfig(4, 64, 4, 2)
+        long = tb.DecodeConfig(8, 64, 4, 2, 256, 1024)
+        assert tb.fp8_decode_config(one, (16, 1, 3)) == tb.DecodeConfig(1, 16, 1, 3)
+        assert tb.fp8_decode_config(one, None) is one
+        assert tb.fp8_decode_config(short, (16, 1, 3)) is short
+        assert tb.fp8_decode_config(long, (16, 1, 3)) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024)
+    finally:
+        tb.fp8_decode_config.cache_clear()
+    for entries in decode_attn_table.FP8_ONE.values():
+        leasts = [n for n, _ in entries]
+        assert leasts == sorted(set(leasts))
+        for _, t in entries:
+            assert tb.decode_rule(tb.DecodeConfig(1, *t)) == "one"
+
+
+@pytest.mark.timeout(300)
+def test_fp8_one_tiles_of_large_steps_equal_the_default_tiles(monkeypatch):
+    """An e4m3 one-split decode step under the rows' FP8_ONE tiles (16 tokens, 1 warp)
+    gives the output of the one rule's default tiles (fp32 queries: the same sums up to
+    their order), and the launch takes the tiles only from their least rows x KV heads."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=5)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+    real = tb.fp8_decode_config
+    launched = []
+    monkeypatch.setattr(
+        tb, "fp8_decode_config", lambda c, t=None: launched.append(real(c, t)) or real(c, t)
+    )
+    one = tb.DecodeConfig(1, 32, 2, 3)  # the short rule's pick from 0 rows: one split
+
+    def run(least):
+        picks = tb.DecodePicks(((1 << 20, one),), False, 0, ((least, (16, 1, 3)),))
+        monkeypatch.setattr(tb, "device_picks", lambda *a: picks)
+        real.cache_clear()
+        kc, vc = _views(pool8.clone())
+        out = b.forward(q, k, v, kc, vc, md, b.plan(md, ps), D**-0.5, kv_scale=SCALES)
+        return out.float()
+
+    try:
+        base = run(7)  # 3 rows x 2 KV heads = 6 < 7: the rule's tiles
+        assert launched[-1] == one
+        got = run(6)
+        assert launched[-1] == tb.DecodeConfig(1, 16, 1, 3)
+        assert (got - base).abs().max().item() < 1e-4
     finally:
         real.cache_clear()
 

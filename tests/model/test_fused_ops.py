@@ -371,3 +371,58 @@ def test_add_rms_norm_linear_scaled_mm_equals_norm_then_fp8_linear(monkeypatch):
     assert got is not None
     h0, y0 = add_rms_norm(x, d, norm, 1e-5)
     assert torch.equal(got[0], h0) and torch.equal(got[1], fp8.linear(y0, wt, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("one_tile_max", [None, 256])
+def test_silu_mul_quant_gives_the_bits_of_silu_mul_then_quantize_rows(
+    dtype, one_tile_max, monkeypatch
+):
+    """The e4m3 rows and scales of SwiGLU + quantization in one kernel are those of the two
+    kernels it replaces (silu_mul, then quantize_rows), with the row in registers and read
+    twice (a narrow one-tile bound: the masked tail of the last tile too); an all-zero row
+    keeps scale 1e-12 / 448 with zero codes."""
+    from pdserve.model import fused_ops
+    from pdserve.model.triton_w8a8 import quantize_rows
+
+    if one_tile_max is not None:
+        monkeypatch.setattr(fused_ops, "SILU_QUANT_ONE_TILE_MAX", one_tile_max)
+    gen = torch.Generator().manual_seed(5)
+    T, N = 4, 700  # N not a power of two; 700 > 256: three tiles when read twice
+    x = (3 * torch.randn(T, 2 * N + 40, generator=gen)).to(dtype).to(DEVICE)[:, : 2 * N]
+    x[1, 5] = 80.0  # one large value sets its row's scale
+    x[3] = 0.0
+    q0, s0 = quantize_rows(fused_ops.silu_mul(x))
+    q, s = fused_ops.silu_mul_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (T, N) and s.shape == (T, 1)
+    assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    assert s[3].item() == pytest.approx(1e-12 / 448) and not q[3].float().any()
+    assert fused_ops.silu_mul_quant(x[:0])[0].shape == (0, N)
+
+
+@pytest.mark.gpu
+def test_silu_mul_linear_equals_silu_mul_then_fp8_linear(monkeypatch):
+    """fp8.silu_mul_linear (the quantization in the SwiGLU kernel, then w8a8 or _scaled_mm)
+    gives the bits of silu_mul then fp8.linear wherever the path quantizes its rows, and
+    None elsewhere or with FUSE_SILU_QUANT off."""
+    if not torch.cuda.is_available():
+        pytest.fail("this gpu-marked test needs a CUDA device (run it with make test-gpu)")
+    from pdserve.model import fp8
+    from pdserve.model.fused_ops import silu_mul
+
+    gen = torch.Generator().manual_seed(6)
+    K, N = 1024, 384
+    q, sc = fp8.quantize_per_channel(torch.randn(N, K, generator=gen) * 0.1)
+    wt = fp8.Fp8Weight(q.cuda(), sc.cuda(), K)
+    cfg = ("w8a8", 16, 64, 128, 1, True, 4, 4)
+    paths = ((1, ("gemv", None)), (4, ("w8a8", cfg)), (64, ("scaled_mm", None)))
+    monkeypatch.setitem(fp8.PATHS, (N, K), paths)
+    monkeypatch.setattr(fp8, "FUSE_SILU_QUANT", True)
+    for T in (3, 40):
+        gate_up = torch.randn(T, 2 * K, generator=gen).bfloat16().cuda()
+        got = fp8.silu_mul_linear(gate_up, wt, None)
+        assert got is not None
+        assert torch.equal(got, fp8.linear(silu_mul(gate_up), wt, None))
+    assert fp8.silu_mul_linear(torch.randn(1, 2 * K).bfloat16().cuda(), wt, None) is None
+    monkeypatch.setattr(fp8, "FUSE_SILU_QUANT", False)
+    assert fp8.silu_mul_linear(torch.randn(3, 2 * K).bfloat16().cuda(), wt, None) is None

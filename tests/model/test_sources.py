@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -120,6 +121,24 @@ def test_folder_without_config_or_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="safetensors"):
         load_model_source(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [b"garbage\n", b"\x10\x00\x00\x00\x00\x00\x00\x00not json here", b"\x02\x00"],
+)
+def test_a_weights_file_that_is_not_safetensors_is_value_error_naming_it(tiny_dir, tmp_path, junk):
+    """A truncated or junk model.safetensors: a ValueError naming the model and the file
+    before anything is allocated (its first 8 bytes read as a header length of GBs)."""
+    folder, _ = tiny_dir("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    (bad / "model.safetensors").write_bytes(junk)
+    with pytest.raises(ValueError, match="model.safetensors is not a safetensors file") as info:
+        load_model_source(str(bad))
+    assert str(bad) in str(info.value)
 
 
 def test_unsupported_architecture_is_value_error():

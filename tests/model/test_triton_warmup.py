@@ -92,7 +92,7 @@ def _metadata(q_lens: list[int], s_lens: list[int], page_size: int, width: int):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.parametrize("measured", [False, True, "fp8_one"])
 def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, measured):
     """Mixed steps with 1..3 leading decode rows, decode-only steps of several sizes and
     contexts, prefills of several lengths and page-table widths: every kernel launch is a
@@ -101,12 +101,18 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
     step's extend rows were views sliced at the decode rows, 8 bytes apart per row: an odd
     count launched another alignment; its decode splits followed the context: 8, 9, 10...)
     ``measured``: the same under measured picks (``decode_attn_table``'s form: prefetching
-    short-context entries from 2 rows x KV heads, a long-context rule that prefetches)."""
+    short-context entries from 2 rows x KV heads, a long-context rule that prefetches);
+    ``"fp8_one"``: an e4m3 cache whose one-split steps take ``fp8_one``'s tiles from 6 rows x
+    KV heads (one split from 4)."""
     from pdserve.model import triton_backend
     from pdserve.model.attention import get_attention_backend
     from pdserve.model.triton_backend import DecodeConfig, DecodePicks
 
-    if measured:
+    if measured == "fp8_one":
+        one = DecodeConfig(1, 32, 2, 3)
+        picks = DecodePicks(((1 << 20, one),), short_min=4, fp8_one=((6, (16, 1, 3)),))
+        monkeypatch.setattr(triton_backend, "device_picks", lambda *args: picks)
+    elif measured:
         a, b = DecodeConfig(1, 16, 4, 1, 0, 0, True), DecodeConfig(2, 16, 2, 1, 0, 0, True)
         picks = DecodePicks(((4, a), (8, b)), long_prefetch=True, short_min=2)
         monkeypatch.setattr(triton_backend, "device_picks", lambda *args: picks)
@@ -119,6 +125,8 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
     # 400: its last pages were written and read past the cache's end)
     k_cache = torch.randn(512, ps, Hkv, D)
     v_cache = torch.randn(512, ps, Hkv, D)
+    if measured == "fp8_one":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     qkv_heads = Hq + 2 * Hkv
 
     def step(q_lens: list[int], s_lens: list[int]) -> None:
@@ -144,5 +152,7 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
         step([1] * rows, [ctx + 13 * i for i in range(rows)])
     for n in (1, 17, 64, 100):
         step([n], [n])
+    if measured == "fp8_one":  # the rows' e4m3 tiles did launch while serving
+        assert any({("BLOCK_N", "16"), ("num_warps", "1")} <= set(k[1]) for k in keys)
     new = keys - warm
     assert not new, sorted(new)

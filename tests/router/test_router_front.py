@@ -373,6 +373,33 @@ def test_a_request_head_over_the_limit_is_431_json_and_closed(setup):
         sock.close()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/workers"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_bad_chunk_in_a_body_is_400_at_once(setup, path, kept):
+    """A chunked body whose chunk size is not hex: the parser refuses it after the head
+    was read, so the refused request is the one waiting for its body (a forwarded POST
+    of the front, or one the app serves): 400 and closed at once, after the answer of
+    a request before it on the connection (it waited forever for its own body before)."""
+    _, decode, _, pd, _ = setup
+    sock, f = _connect(pd)
+    try:
+        before = _post("/v1/completions", b'{"prompt": "kept"}') if kept else b""
+        sock.sendall(
+            before
+            + f"POST {path} HTTP/1.1\r\nhost: router\r\n".encode()
+            + b"transfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n"
+        )
+        if kept:
+            status, _, answer = _read(f)
+            assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode"
+        status, headers, _ = _read(f)
+        assert status == 400 and headers["connection"] == "close"
+        assert f.read() == b""
+    finally:
+        f.close()
+        sock.close()
+
+
 @pytest.mark.parametrize("refused", ["malformed", "head too large"])
 def test_a_refused_request_is_answered_after_the_ones_before_it(setup, refused):
     """A valid request and, in the same write, one the parser refuses: the valid one is

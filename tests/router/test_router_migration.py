@@ -109,6 +109,10 @@ class StubWorker:
                 "total_tokens": len(prompt) + len(out),
             }
             if not body.get("stream"):
+                if HANGS:  # hung: its probes fail, its answer never comes
+                    HANGS.pop(0)
+                    self.health = 500
+                    await asyncio.sleep(3600)
                 if self.status != 200:
                     return JSONResponse({"error": {"message": "boom"}}, status_code=self.status)
                 text = "".join(f"t{t} " for t in out)
@@ -422,6 +426,22 @@ def test_a_hung_worker_ejected_by_its_health_checks_is_left(setup):
     assert text == "".join(pieces([], _expected(chat_prompt(CHAT["messages"]), 12)))
     assert _metric(url, "unhealthy") == before + 1
     assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_non_streamed_request_on_a_hung_worker_is_sent_again_once_it_is_ejected(setup):
+    """A worker that stops answering with its connection open (SIGSTOP, a wedged GPU):
+    its health checks eject it within a second here, and the request waiting on it is
+    sent again whole to the other worker then, not at --request-timeout (600 s)."""
+    workers, url = setup
+    HANGS.append(0)
+    before = _metric(url, "retry_whole")
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "".join(f"t{t} " for t in _expected([1, 2], 3))
+    assert time.monotonic() - t0 < 10
+    assert _metric(url, "retry_whole") == before + 1
+    assert len([b for w in workers for b in w.bodies]) == 2  # the hung one's, then the other's
 
 
 def test_workers_a_request_failed_on_are_picked_only_when_no_other_is():

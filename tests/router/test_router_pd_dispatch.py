@@ -273,6 +273,18 @@ def test_router_bad_input_and_metrics(setup):
     for content in (b"{oops", b"[1]", b'{"stream": "yes"}'):
         r = httpx.post(url + "/v1/chat/completions", content=content)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # the bootstrap fields are the router's: from a client they would point a worker at an
+    # address of the client's choosing (the decode-only path sent them on as they came)
+    for field, value in (
+        ("bootstrap_host", "10.0.0.1"),
+        ("bootstrap_port", 80),
+        ("bootstrap_room", 7),
+    ):
+        for path, body in (("/v1/chat/completions", {"messages": []}), ("/v1/completions", {})):
+            r = httpx.post(url + path, json={**body, field: value})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field
+            assert "is set by the router" in r.json()["error"]["message"]
     assert not prefill.bodies and not decode.bodies
     httpx.post(url + "/generate", json={"text": "x"})
     text = httpx.get(url + "/metrics").text

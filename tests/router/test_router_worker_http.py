@@ -138,6 +138,52 @@ def test_client_post_stream_and_errors():
     asyncio.run(scenario())
 
 
+def test_a_closed_transport_at_write_is_a_connection_error_and_a_pooled_one_is_retried():
+    """uvloop raises RuntimeError when a request is written on a transport it has closed
+    (a worker killed between its answers): a pooled connection is then replaced by a fresh
+    one and the request sent again; a fresh one raises a TRANSPORT_ERRORS member, so that
+    the dispatcher fails the leg (ejection, migration), not the router (500)."""
+
+    async def scenario() -> None:
+        async def handler(reader, writer):
+            try:
+                while True:
+                    await _read_request(reader)
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            except asyncio.IncompleteReadError:
+                writer.close()
+
+        def closed(data: bytes) -> None:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+        server, port = await _server(handler)
+        client = WorkerClient()
+        url = f"http://127.0.0.1:{port}/x"
+        try:
+            assert (await client.post(url, {}, {})).status_code == 200
+            (pooled,) = client._idle[("127.0.0.1", port)]
+            pooled.transport.write = closed  # closed under the pool, not yet seen as closing
+            assert (await client.post(url, {}, {})).status_code == 200  # on a new connection
+            assert pooled.closed
+            real_connect = client._connect
+
+            async def connect_closed(address):
+                conn = await real_connect(address)
+                conn.transport.write = closed
+                return conn
+
+            client._idle.clear()
+            client._connect = connect_closed
+            with pytest.raises(TRANSPORT_ERRORS, match="closed before the request"):
+                await client.post(url, {}, {})
+        finally:
+            await client.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
 def test_stream_broken_midway_raises():
     """A connection lost in the middle of a chunked stream raises from aiter_sse."""
 

@@ -1,6 +1,6 @@
 """A real mixed worker (``pdserve serve``, tiny random model) over HTTP: chat input errors
-name the chat's own fields (``messages``, not ``prompt``), a content part other than text
-is one clear 400, null content only for assistant messages; /metrics gives every family a
+name the chat's own fields (``messages``, not ``prompt``, ``tools[i]...``), a content part
+other than text is one clear 400, null content only for assistant messages; /metrics gives every family a
 meaning, and a stream the client abandoned is counted 499."""
 
 from __future__ import annotations
@@ -45,6 +45,24 @@ def test_a_content_part_other_than_text_is_one_clear_400(worker):
     assert err["param"] == "messages[1].content[1]", err  # the place the message names
     ok = post(worker, CHAT, {"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("tool_choice", [None, "none", "required"])
+def test_a_tool_with_a_bad_schema_or_a_repeated_name_is_400_naming_the_tool(worker, tool_choice):
+    good = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "g", "parameters": {"type": "bogus"}}}
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    if tool_choice is not None:
+        base["tool_choice"] = tool_choice
+    err = error(post(worker, CHAT, {**base, "tools": [good, bad]}))
+    assert err["param"] == "tools[1].function.parameters", err
+    assert err["message"].startswith(
+        "tools[1].function.parameters of 'g' is not a valid JSON schema: 'bogus' is not valid"
+    ), err
+    err = error(post(worker, CHAT, {**base, "tools": [good, good]}))
+    assert err["param"] == "tools[1].function.name", err
+    assert "function names must be unique" in err["message"], err
+    assert post(worker, CHAT, {**base, "tools": [good]}).status_code == 200  # still serving
 
 
 @pytest.mark.parametrize("role", ["user", "system"])

@@ -36,6 +36,7 @@ BAD_BODIES = [
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ({"prompt": "x", "logit_bias": {str(10**7): 1}}, 400),
     ({"prompt": "x", "logit_bias": [1, 2]}, 400),
+    ({"prompt": "x", "stop_token_ids": [10**7]}, 400),
     ({"prompt": "x", "suffix": "the end"}, 400),
     ({"prompt": "x", "best_of": 3}, 400),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, 400),

@@ -559,7 +559,7 @@ def check_prompt(
     output_tokens: int = 1,
 ) -> None:
     """The one check of a prompt against the model: not empty, integer ids in
-    ``[0, vocab_size)``, ``logit_bias`` ids in the vocabulary, and ``len(prompt) +
+    ``[0, vocab_size)``, ``logit_bias`` and ``stop_token_ids`` ids in the vocabulary, and ``len(prompt) +
     output_tokens <= max_model_len`` (the engine asks room for 1 output token; the server
     for ``max_tokens``).  Raises :class:`PromptError` (a ValueError) naming the field."""
     n = len(prompt_token_ids)
@@ -571,6 +571,11 @@ def check_prompt(
     if bad_bias:
         raise PromptError(
             f"logit_bias token ids must be in [0, {vocab_size}), got {bad_bias[0]}", "logit_bias"
+        )
+    bad_stop = [t for t in params.stop_token_ids or () if t >= vocab_size]
+    if bad_stop:  # one the model can never sample: the stop would silently never match
+        raise PromptError(
+            f"stop_token_ids must be in [0, {vocab_size}), got {bad_stop[0]}", "stop_token_ids"
         )
     if n + output_tokens > max_model_len:
         raise PromptError(

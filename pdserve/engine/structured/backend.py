@@ -27,22 +27,28 @@ def choice_regex(choices: Sequence[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
 
-def _check_schema(spec: StructuredOutputsParams) -> None:
-    """ValueError naming ``spec.field`` for a schema that is not valid JSON Schema (checked
-    against its meta-schema with ``jsonschema``, before xgrammar sees it)."""
-    import json
-
+def json_schema_problem(schema: Any) -> str | None:
+    """Why ``schema`` (a decoded JSON value) is not valid JSON Schema, checked against its
+    meta-schema with ``jsonschema`` (``"<message> (at <path>)"``), or None when it is."""
     import jsonschema
 
-    assert isinstance(spec.json, str)  # StructuredOutputsParams stores the schema as JSON text
-    schema = json.loads(spec.json)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise ValueError(
-            f"{spec.field} is not a valid JSON schema: {exc.message} (at {where})"
-        ) from None
+        return f"{exc.message} (at {where})"
+    return None
+
+
+def _check_schema(spec: StructuredOutputsParams) -> None:
+    """ValueError naming ``spec.field`` for a schema that is not valid JSON Schema
+    (:func:`json_schema_problem`, before xgrammar sees it)."""
+    import json
+
+    assert isinstance(spec.json, str)  # StructuredOutputsParams stores the schema as JSON text
+    problem = json_schema_problem(json.loads(spec.json))
+    if problem is not None:
+        raise ValueError(f"{spec.field} is not a valid JSON schema: {problem}")
 
 
 class XGrammarBackend:
