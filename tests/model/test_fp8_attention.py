@@ -155,6 +155,7 @@ def test_fp8_one_tiles_by_rows_replace_the_one_rule_only(monkeypatch):
     assert picks.fp8_one_tile(4096) == picks.fp8_one_tile(8192) == (16, 1, 3)
     assert picks.fp8_one_tile(16384) == (32, 1, 3)
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     tb.fp8_decode_config.cache_clear()
     try:
         one, short = tb.DecodeConfig(1, 32, 2, 3), tb.DecodeConfig(4, 64, 4, 2)
