@@ -11,6 +11,9 @@ copies, TMA), ``SYNCS`` (mbarrier operations), ``STG.E.128`` / ``STG.E.U16`` (16
 (warp specialization adds warps). This says the kernel builds and which instructions it
 uses, with this machine's Triton (3.9 in the CPU venv; the H200 image has 3.6): not its
 speed, nor its results (the CPU tests run it under the interpreter; the sweep on the GPU).
+The H200's own build: ``pip install --no-deps --target /tmp/triton36 triton==3.6.0`` and
+``PYTHONPATH=/tmp/triton36:.`` (the decode kernel's registers and shared memory then equal
+those the H200 reported, docs/figures/h200_s10/fp8kv.json).
 
 ``python3 scripts/sm90_build_check.py --decode --configs "(1, 64, 4, 3)" "(1, 32, 4, 1, 0,
 0, True)"``: the split-KV decode kernel instead (shared memory, registers, programs an SM
@@ -158,7 +161,8 @@ PDL_KERNELS = {
     "triton_kernels.decode_split_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
              BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
-             F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False),
+             F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False, UNROLL=1,
+             EVICT=False, EVEN=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
@@ -190,7 +194,8 @@ def check_decode(
 ) -> dict:
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
-    ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch, widen, fma])``: shared
+    ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch, widen, fma,
+    unroll, evict, even])``: shared
     memory, registers a thread, programs an SM can hold by each (228 KB, 64K registers) and
     its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
     loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
@@ -199,13 +204,18 @@ def check_decode(
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
-    min_split, balance, prefetch, widen, fma = (*rest, 0, 0, False, 0, False)[:5]
+    defaults = (0, 0, False, 0, False, 1, False, False)
+    min_split, balance, prefetch, widen, fma, unroll, evict, even = (
+        *rest,
+        *defaults[len(rest) :],
+    )
     consts = dict(
         G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=splits, MIN_SPLIT=min_split,
         BALANCE_PROGRAMS=balance, BLOCK_B=64 if balance else 1, BLOCK_H=4 if fma else 16,
         BLOCK_N=block_n, BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
         PREFETCH=bool(prefetch), F16_DOT=f16_dot, ALIGNED=aligned,
-        WIDEN=widen if kv == "fp8" else 0, FMA=bool(fma),
+        WIDEN=widen if kv == "fp8" else 0, FMA=bool(fma), UNROLL=unroll, EVICT=bool(evict),
+        EVEN=bool(even),
     )  # fmt: skip
     dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
     if kv == "fp8":

@@ -54,6 +54,20 @@ FP8_KV_F16_DOTS: frozenset[str] = frozenset({"split", "long"})
 # On for e4m3, where it is part of every configuration measured faster; off for bf16.
 FP8_KV_ALIGNED_LOADS = True
 KV16_ALIGNED_LOADS = False
+# The rules of decode_rule (among FP8_DECODE_TILES') whose e4m3 decode runs a split's whole
+# tiles without masks (DecodeConfig.even: the same bits). Session 10 (h200_s10/fp8kv.json:
+# one step's 32 layers on a page-major pool, 32 x 4,096, µs a layer, each compiled kernel's
+# registers beside): the (64, 2, 2) tiles 95.1 (238 registers, 4 programs an SM; bf16 138.1)
+# against 19 variants, none faster by more than 1 %: the tile loop unrolled 2 / 4 times
+# 102.4 / 173.8, prefetch at 64 / 32 / 16 tokens 389.5 (spills) / 141.7 / 174.3,
+# evict-first loads 95.0, 1 / 3 stages 126.1 / 98.0, 32-token tiles of 1 warp 110.8 (12
+# programs an SM), 128-token tiles 94.2, 512 / 2,048 pieces 94.1 / 99.4 (the engine's step
+# 6.296 vs 6.327 ms: not taken). Triton 3.6's sm_90 build (scripts/sm90_build_check.py
+# with triton==3.6.0: the registers the H200 reported) issues about as many instructions a
+# 64-token tile as the bf16 cache's (2 warps x 2,152 against 4 x 1,152) for half its
+# bytes, an eighth of them the masks' selects and predicates, which "even" drops. "long":
+# set without an H200 figure of its own (measured on / off by scripts/gpu_s10_fp8kv2.sh).
+FP8_KV_EVEN: frozenset[str] = frozenset({"long"})
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -125,7 +139,10 @@ class DecodeConfig:
     kernel loads the next tile before this one's math (``decode_split_kernel``'s
     ``PREFETCH``); widen: which tiles of an 8-bit cache are converted before their layout
     change for the dots (bit 1: V, bit 2: K; ``WIDEN``); fma: scores and output by fp32
-    products and sums instead of dots, over the G query heads only (``FMA``)."""
+    products and sums instead of dots, over the G query heads only (``FMA``); unroll: the
+    tile loop unrolled that many times (``UNROLL``; 1: not); evict: K/V loaded with the
+    ``evict_first`` policy (``EVICT``); even: a split's whole tiles without masks, its last
+    partial one with them (``EVEN``, where the head dim is a power of two; the same bits)."""
 
     splits: int
     block_n: int
@@ -136,6 +153,9 @@ class DecodeConfig:
     prefetch: bool = False
     widen: int = 0
     fma: bool = False
+    unroll: int = 1
+    evict: bool = False
+    even: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -148,6 +168,8 @@ class DecodeConfig:
             raise ValueError(f"balance: {self.balance} is negative")
         if not 0 <= self.widen <= 3:
             raise ValueError(f"widen: {self.widen} is not a mask of bits 1 (V) and 2 (K)")
+        if self.unroll not in (1, 2, 4):
+            raise ValueError(f"unroll: {self.unroll} is not 1, 2 or 4")
 
 
 @dataclass(frozen=True)
@@ -330,6 +352,7 @@ def fp8_decode_config(
         min_split=min_split,
         widen=int(widen),
         fma=bool(fma),
+        even=decode_rule(cfg) in FP8_KV_EVEN,
     )
 
 
@@ -607,6 +630,9 @@ class TritonBackend(AttentionBackend):
             ALIGNED=aligned,
             WIDEN=cfg.widen if fp8 else 0,
             FMA=cfg.fma,
+            UNROLL=cfg.unroll,
+            EVICT=cfg.evict,
+            EVEN=cfg.even and block_d == D,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

@@ -150,6 +150,8 @@ def _decode_tile(
     PAGE_SIZE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
     ALIGNED: tl.constexpr = False,
+    EVICT: tl.constexpr = False,
+    MASKED: tl.constexpr = True,
 ):
     """K and V tiles ``[BLOCK_N, BLOCK_D]`` of context positions ``start + nn`` (those at or
     past ``hi`` masked: none read, zeros) of one KV head (``k_head`` / ``v_head``: its base
@@ -158,11 +160,19 @@ def _decode_tile(
     page (one page-table read), else each position reads its own entry. ``ALIGNED``: every
     token's row of ``BLOCK_D`` dims starts on 16 bytes (the caller checked the bases and
     strides), told to the compiler, which cannot prove it through the page-table read
-    (without it every element is a load of its own)."""
+    (without it every element is a load of its own). ``EVICT``: the tiles are loaded with
+    the ``evict_first`` policy (KV is read once a step: it need not stay in L2).
+    ``MASKED`` False: the caller knows every position is below ``hi`` and ``BLOCK_D == D``:
+    no K/V load is predicated (nor, with ``TILE_IN_PAGE``, the page-table read)."""
     pos = start + nn
     nmask = pos < hi
     kv_mask = nmask[:, None] & dmask[None, :]
-    if TILE_IN_PAGE:
+    if TILE_IN_PAGE and not MASKED:
+        page = tl.load(table_row + start // PAGE_SIZE).to(tl.int64)
+        off = (start % PAGE_SIZE + nn).to(tl.int64)
+        k_rows = k_head + page * s_cp + off * s_ct
+        v_rows = v_head + page * s_vcp + off * s_vct
+    elif TILE_IN_PAGE:
         page = tl.load(table_row + start // PAGE_SIZE, mask=start < hi, other=0).to(tl.int64)
         off = (start % PAGE_SIZE + nn).to(tl.int64)
         k_rows = k_head + page * s_cp + off * s_ct
@@ -177,17 +187,37 @@ def _decode_tile(
     if ALIGNED:  # row starts on 16 bytes, runs of >= 16 contiguous dims
         k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [16, 16]), [1, 16])
         v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [16, 16]), [1, 16])
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if not MASKED:  # the caller knows every position is inside: no predicates
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    elif EVICT:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0, eviction_policy="evict_first")
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k, v
 
 
 @triton.jit
-def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr, WIDEN: tl.constexpr = 0):
+def _decode_fold(
+    q,
+    k,
+    v,
+    acc,
+    m_i,
+    l_i,
+    nmask,
+    scale,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr = 0,
+    MASKED: tl.constexpr = True,
+):
     """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
     against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
     l_i)``, returned updated. The tiles are converted to q's dtype here (an FP8 cache in
-    registers). ``WIDEN`` (a bit mask, 1: V, 2: K; for an 8-bit cache): the tile is
+    registers). ``MASKED`` False: every position is inside (no select on the scores).
+    ``WIDEN`` (a bit mask, 1: V, 2: K; for an 8-bit cache): the tile is
     converted before it is laid out for the dot (a select on the mask in between: Triton
     otherwise moves its layout change ahead of the conversion, through shared memory in
     bytes, where V, read across its token rows, is loaded one byte an instruction)."""
@@ -203,7 +233,10 @@ def _decode_fold(q, k, v, acc, m_i, l_i, nmask, scale, IEEE: tl.constexpr, WIDEN
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(nmask[None, :], s * scale, float("-inf"))
+    if MASKED:
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+    else:
+        s = s * scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
@@ -279,6 +312,9 @@ def decode_split_kernel(
     ALIGNED: tl.constexpr = False,
     WIDEN: tl.constexpr = 0,
     FMA: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
+    EVICT: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -312,7 +348,15 @@ def decode_split_kernel(
     caller), so a thread loads 16 bytes at once (the compiler cannot see it through the
     page table: else one load an element, as Triton 3.9's sm_90 build shows). ``WIDEN``: see
     :func:`_decode_fold`. ``FMA``: the scores and the output by fp32 products and sums
-    instead of dots (:func:`_decode_fold_fma`; ``BLOCK_H`` may then be G itself)."""
+    instead of dots (:func:`_decode_fold_fma`; ``BLOCK_H`` may then be G itself).
+    ``UNROLL`` (> 1, without ``PREFETCH``): the tile loop unrolled that many times
+    (``tl.range``'s ``loop_unroll_factor``), so the compiler may issue a later tile's loads
+    before an earlier one's math without the registers of an explicit prefetch; ``EVICT``:
+    see :func:`_decode_tile`. ``EVEN`` (without ``PREFETCH`` / ``FMA``; the caller passes it
+    only when ``D == BLOCK_D``): the split's whole tiles run without masks (no
+    predicated loads, no select on the scores: the mask logic is a large share of an e4m3
+    tile's instructions, as Triton 3.6's sm_90 build shows), its last partial tile with them;
+    the same arithmetic, so the same bits."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -356,12 +400,12 @@ def decode_split_kernel(
     if PREFETCH:  # the next tile's loads are issued before this tile's math
         k, v = _decode_tile(
             k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-            PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+            PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
         )  # fmt: skip
         for start in range(lo, hi, BLOCK_N):
             k_next, v_next = _decode_tile(
                 k_head, v_head, table_row, start + BLOCK_N, hi, nn, dd, dmask, s_cp, s_ct,
-                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+                s_vcp, s_vct, PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
             )  # fmt: skip
             if FMA:
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
@@ -370,11 +414,41 @@ def decode_split_kernel(
                     q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
                 )
             k, v = k_next, v_next
+    elif EVEN and not FMA:  # whole tiles without masks, then the last partial one with them
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full, BLOCK_N):
+            k, v = _decode_tile(
+                k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT, False,
+            )  # fmt: skip
+            acc, m_i, l_i = _decode_fold(
+                q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, False
+            )
+        if full < hi:
+            k, v = _decode_tile(
+                k_head, v_head, table_row, full, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
+            )  # fmt: skip
+            acc, m_i, l_i = _decode_fold(
+                q, k, v, acc, m_i, l_i, (full + nn) < hi, scale, IEEE, WIDEN
+            )
+    elif UNROLL > 1:
+        for start in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+            k, v = _decode_tile(
+                k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
+            )  # fmt: skip
+            if FMA:
+                acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
+            else:
+                acc, m_i, l_i = _decode_fold(
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
+                )
     else:
         for start in range(lo, hi, BLOCK_N):
             k, v = _decode_tile(
                 k_head, v_head, table_row, start, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,
-                PAGE_SIZE, TILE_IN_PAGE, ALIGNED,
+                PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
             )  # fmt: skip
             if FMA:
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)

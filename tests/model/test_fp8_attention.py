@@ -99,6 +99,7 @@ def test_fp8_decode_tiles_replace_the_bf16_ones_by_rule(monkeypatch):
     long = tb.DecodeConfig(8, 64, 4, 2, 64, 1024)
     assert [tb.decode_rule(c) for c in (short, one, long)] == ["split", "one", "long"]
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (128, 8, 3)})
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     tb.fp8_decode_config.cache_clear()
     try:
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 128, 8, 3, 128, 1024)
@@ -154,6 +155,7 @@ def test_fp8_one_tiles_by_rows_replace_the_one_rule_only(monkeypatch):
     assert picks.fp8_one_tile(4096) == picks.fp8_one_tile(8192) == (16, 1, 3)
     assert picks.fp8_one_tile(16384) == (32, 1, 3)
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     tb.fp8_decode_config.cache_clear()
     try:
         one, short = tb.DecodeConfig(1, 32, 2, 3), tb.DecodeConfig(4, 64, 4, 2)
@@ -338,10 +340,11 @@ def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
 
 def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
     """An FP8_DECODE_TILES value of five fields also sets DecodeConfig's ``widen`` and
-    ``fma``; of three, both stay off."""
+    ``fma``; of three, both stay off; a rule in FP8_KV_EVEN gets ``even``."""
     from pdserve.model import triton_backend as tb
 
     long = tb.DecodeConfig(8, 64, 4, 2, 256, 1024)
+    monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset())
     monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (32, 2, 2, 1, False)})
     tb.fp8_decode_config.cache_clear()
     try:
@@ -352,6 +355,9 @@ def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
         monkeypatch.setattr(tb, "FP8_DECODE_TILES", {"long": (64, 2, 2)})
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024)
+        monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset({"long"}))  # a rule's even tiles
+        tb.fp8_decode_config.cache_clear()
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024, even=True)
     finally:
         tb.fp8_decode_config.cache_clear()
     with pytest.raises(ValueError, match="widen"):
@@ -398,6 +404,47 @@ def test_decode_widen_and_fma_match_the_reference(kv):
         assert (fma - ref).abs().max().item() <= 2**-8 * top  # bf16 rounding of the output
         if kv == "fp8" or DEVICE == "cuda":  # Triton 3.9's interpreter: bf16 x bf16 dots are
             assert (plain - ref).abs().max().item() <= 2**-7 * top  # wrong (values ~1e8)
+
+
+@pytest.mark.timeout(600)
+def test_decode_unroll_evict_and_even_give_the_same_numbers():
+    """The decode kernel's ``UNROLL`` (the tile loop unrolled 2 or 4 times: tiles folded in
+    the same order), ``EVICT`` (an evict-first load hint) and ``EVEN`` (whole tiles without
+    masks, the partial last one with them) leave every output bit as it is: an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
+    a page-major pool with pages out of order, contexts of 1 / 70 / 300 tokens (a split's
+    tile count not a multiple of the unroll)."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1], [1, 70, 300], ps, Hq, Hkv, D, 48, seed=17)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    kc, vc = _views(pool8)
+    b = tb.TritonBackend()
+
+    def run(cfg):
+        plan = b.plan(md, ps)
+        plan.config = cfg
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=SCALES, kv_stored=True)
+        return out.float()
+
+    for base in (
+        tb.DecodeConfig(4, 32, 4, 2),
+        tb.DecodeConfig(8, 16, 2, 2, 0, 16),
+        tb.DecodeConfig(2, 32, 2, 2),  # tiles of 32 across 16-token pages: a page per token
+    ):
+        plain = run(base)
+        for fields in (
+            {"unroll": 2},
+            {"unroll": 4},
+            {"evict": True},
+            {"unroll": 2, "evict": True},
+            {"even": True},
+            {"even": True, "evict": True},
+        ):
+            assert torch.equal(run(replace(base, **fields)), plain), fields
+    with pytest.raises(ValueError, match="unroll"):
+        tb.DecodeConfig(1, 64, 4, 2, unroll=3)
 
 
 @pytest.mark.timeout(300)
