@@ -38,6 +38,12 @@ def _bind_cause(host: str, port: int, exc: OSError) -> tuple[str, str | None]:
     return "", None
 
 
+# Seconds a stopped server (SIGTERM) gives its in-flight requests before it cuts them
+# (uvicorn's timeout_graceful_shutdown); a router waits that long, and as long again, for a
+# worker its health checks ejected before it sends the request elsewhere.
+GRACEFUL_SHUTDOWN_S = 5
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind a listening TCP socket on ``host:port`` (port 0 = a free one). Binding before
     the model loads makes a taken port fail fast. Raises PortInUseError naming host, port
@@ -159,7 +165,7 @@ class ThreadedServer:
         options: dict[str, Any] = {
             "log_level": "warning",
             "access_log": False,
-            "timeout_graceful_shutdown": 5,
+            "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
             "loop": "asyncio",  # uvicorn's "auto" would take uvloop/httptools when installed
             "http": app_protocol(app) or "h11",  # the router's front serves its requests
         }
@@ -236,7 +242,7 @@ def serve_app(
         log_level=log_level.lower(),
         access_log=False,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         loop=loop,
         http=app_protocol(app) or http,
     )

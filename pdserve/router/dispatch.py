@@ -28,6 +28,7 @@ from pdserve.http.client import (
     WorkerStream,
 )
 from pdserve.http.json_fields import as_int
+from pdserve.http.netutil import GRACEFUL_SHUTDOWN_S
 from pdserve.http.wire import json_bytes
 from pdserve.router.answer_merge import (
     merge_cached_tokens,
@@ -72,6 +73,10 @@ class LegError(Exception):
         self.transport = transport  # no HTTP answer: the connection failed
         self.pair: set[str] = {url} if url else set()  # the URLs of the attempt's workers
 
+
+# seconds a non-streamed request still waits for a worker ejected under it (dispatch's
+# _until_ejected): a stopping worker's graceful shutdown, and as long again
+EJECTED_GRACE_S = 2 * GRACEFUL_SHUTDOWN_S
 
 # fields of the client's body that the prefill leg of a PD request does not get
 _DECODE_ONLY_FIELDS = ("stream", "stream_options")
@@ -450,20 +455,24 @@ class Dispatcher:
 
     async def _until_ejected(self, work: Coroutine[Any, Any, Response], route: Route) -> Response:
         """``work`` (one attempt of a non-streamed request on ``route``), stopped when one
-        of the route's workers is ejected before it answers: a LegError (transport, 502)
-        that sends the request again whole to another worker. A worker hung with its
-        connection open (a stopped process, a wedged GPU) answers nothing until
-        ``--request-timeout``; its health checks eject it in a few seconds, and nothing of
-        a non-streamed answer has reached the client yet. The attempt's legs are cancelled
-        (the workers see their clients leave), as when the client leaves."""
+        of the route's workers was ejected and has not answered :data:`EJECTED_GRACE_S`
+        later: a LegError (transport, 502) that sends the request again whole to another
+        worker. A worker hung with its connection open (a stopped process, a wedged GPU)
+        answers nothing until ``--request-timeout``; its health checks eject it in a few
+        seconds, and nothing of a non-streamed answer has reached the client yet. The
+        grace lets a worker that is shutting down (its probes fail at once) answer what it
+        still runs, or say 503 itself. The attempt's legs are cancelled (the workers see
+        their clients leave), as when the client leaves."""
         workers = route.pair if route.pair is not None else (route.worker,)
         attempt = asyncio.ensure_future(work)
         watches = {asyncio.ensure_future(w.ejected.wait()): w for w in workers}
         try:
             done, _ = await asyncio.wait({attempt, *watches}, return_when=asyncio.FIRST_COMPLETED)
+            if attempt not in done:
+                done, _ = await asyncio.wait({attempt}, timeout=EJECTED_GRACE_S)
             if attempt in done:
                 return attempt.result()
-            gone = next(w for f, w in watches.items() if f in done)
+            gone = next(w for f, w in watches.items() if f.done() and not f.cancelled())
             reason = (
                 f"{gone.role} worker {gone.url} was ejected ({gone.last_error or 'unhealthy'}) "
                 "before it answered"

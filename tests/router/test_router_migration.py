@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.config import RouterConfig
 from pdserve.http.netutil import ThreadedServer
+from pdserve.router import dispatch
 from pdserve.router.app import build_router_app
 from pdserve.router.migration import StreamState, mid_stream_refusal
 
@@ -428,11 +429,15 @@ def test_a_hung_worker_ejected_by_its_health_checks_is_left(setup):
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
-def test_a_non_streamed_request_on_a_hung_worker_is_sent_again_once_it_is_ejected(setup):
+def test_a_non_streamed_request_on_a_hung_worker_is_sent_again_once_it_is_ejected(
+    setup, monkeypatch
+):
     """A worker that stops answering with its connection open (SIGSTOP, a wedged GPU):
     its health checks eject it within a second here, and the request waiting on it is
-    sent again whole to the other worker then, not at --request-timeout (600 s)."""
+    sent again whole to the other worker once the ejected worker's grace has passed,
+    not at --request-timeout (600 s)."""
     workers, url = setup
+    monkeypatch.setattr(dispatch, "EJECTED_GRACE_S", 0.5)  # the router runs in this process
     HANGS.append(0)
     before = _metric(url, "retry_whole")
     t0 = time.monotonic()
