@@ -111,10 +111,11 @@ def test_a_host_not_of_this_machine_names_the_host_not_the_port(tmp_path):
 
 
 def _weightless_model(folder: Path) -> str:
-    """A folder whose config resolves (so ``up``'s check before start passes) but which
-    holds no weights: every worker fails at load, after start."""
+    """A folder whose config resolves and which holds a ``*.safetensors`` file (so ``up``'s
+    check before start passes) but no tokenizer: every worker fails at load, after start."""
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"junk, not a header")
     return str(folder)
 
 
@@ -140,7 +141,7 @@ def test_a_reused_log_dir_shows_this_runs_error_only(tmp_path):
     assert f"model '{one}'" in first, first
     second = _failed_up(two, log_dir)
     excerpt = second.split("last lines of its log", 1)[1]
-    assert f"model '{two}'" in excerpt and "no *.safetensors weights" in excerpt, second
+    assert f"model '{two}'" in excerpt and "no usable tokenizer" in excerpt, second
     assert one not in second, second
     for log in log_dir.glob("*.log"):
         assert one not in log.read_text(), log
