@@ -16,7 +16,7 @@ OUT=$(realpath "$OUT")
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PY=${PYTHON:-python3} WHEELS=${WHEELS:-.whl}
 . scripts/gpu_setup.sh
-git log --oneline -1 2>/dev/null
+echo "tree $(bash scripts/tree_hash.sh) (here: bash scripts/tree_hash.sh on the checkout that sent it)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 for part in "$@"; do
     name=${part%%:*}; secs=${part#*:}; [ "$secs" = "$part" ] && secs=240
