@@ -95,12 +95,19 @@ def cached_gguf_dir(gguf_path: str) -> str:
     """Return the cached HF folder of ``gguf_path``, converting it first when needed.
 
     The first call for a file prints one progress line and takes ~20 s for SmolLM2-135M;
-    later calls only stat the GGUF. Raises ``ValueError`` when the file does not exist or
-    transformers cannot convert it (the message names the file).
+    later calls only stat the GGUF. Raises ``ValueError`` when the file does not exist, does
+    not start with the GGUF magic, or transformers cannot convert it (the message names the
+    file).
     """
     found = find_cached_gguf_dir(gguf_path)
     if found is not None:
         return found
+    with open(gguf_path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":  # before the hash, the lock file and the "converting" line
+        raise ValueError(
+            f"model {gguf_path!r}: not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+        )
     root = os.path.join(envs.CACHE_DIR.get(), "gguf")
     os.makedirs(os.path.join(root, "by-stat"), exist_ok=True)
     pointer = os.path.join(root, "by-stat", _stat_key(gguf_path))

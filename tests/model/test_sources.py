@@ -166,3 +166,16 @@ def test_random_preset_tokenizer_without_the_package(tmp_path, monkeypatch, embe
     embedded_source.tokenizer.save_pretrained(tmp_path / "tokenizers" / "smollm2-135m-instruct")
     src = load_model_source("random:tiny")
     assert len(src.tokenizer) == 49152 and src.tokenizer.chat_template
+
+
+def test_a_gguf_that_is_not_gguf_is_refused_before_any_cache_work(tmp_path, monkeypatch, capfd):
+    """A ``.gguf`` file without the GGUF magic is a ValueError naming it before the hash,
+    the conversion lock file or the "converting" line."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a GGUF file") as info:
+        load_model_source(str(bad))
+    assert str(bad) in str(info.value)
+    assert "converting" not in capfd.readouterr().err
+    assert not any(p.name.endswith(".lock") for p in (tmp_path / "cache").rglob("*"))
