@@ -348,6 +348,11 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
                     f"messages[{i}].content must not be null for a {m.role} message "
                     "(only an assistant message, e.g. one with tool_calls, may omit it)"
                 )
+            if m.role == "tool" and m.tool_call_id is None:  # OpenAI requires it too
+                raise ValueError(
+                    f"messages[{i}].tool_call_id is required for a tool message (the id "
+                    "of the assistant's tool call it answers)"
+                )
         return messages
 
 
