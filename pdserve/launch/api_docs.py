@@ -25,7 +25,9 @@ MEANINGS: dict[str, str] = {
     "n": f"samples per prompt, 1 to {p.MAX_N}; each is its own engine request (and bootstrap "
     f"room); through a PD router a request has at most {MAX_ROOMS_PER_REQUEST} samples "
     "(prompts x n; 400 otherwise)",
-    "temperature": "0 = greedy (exact argmax); > 0 divides the logits",
+    "temperature": "a finite number >= 0 (NaN, infinities and negatives are a 400): 0 = greedy "
+    "(exact argmax); > 0 divides the logits; no upper bound (above OpenAI's 2 is accepted, as "
+    "SGLang does)",
     "top_p": "nucleus mass in (0, 1]; 1 disables",
     "top_k": "keep the k most likely tokens; 0 or -1 disables",
     "min_p": "drop tokens below min_p x the best token's probability; 0 disables",

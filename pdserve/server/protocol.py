@@ -129,7 +129,7 @@ class _Sampling(_Penalties, GuidedFields):
     SGLang's extensions); meanings in ``SamplingParams``."""
 
     n: Int = Field(1, ge=1, le=MAX_N)
-    temperature: StrictFloat = Field(1.0, ge=0.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)  # finite; no upper bound
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: Int = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)

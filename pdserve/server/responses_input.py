@@ -54,7 +54,7 @@ class ResponsesRequest(Bootstrap):
     input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
-    temperature: StrictFloat = Field(1.0, ge=0.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)  # finite; no upper bound
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
