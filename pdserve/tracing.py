@@ -259,10 +259,11 @@ def request_id_from(given: str) -> str:
 
 
 class RequestContext:
-    """ASGI middleware: each request to one of ``paths`` runs with its request id
-    (``x-request-id`` from the caller when it is 1-128 of ``A-Za-z0-9._:-``, else a new
-    hex id; echoed in the response headers)
-    and, with ``tracing``, a server span ``<service>.request`` continuing the caller's
+    """ASGI middleware: every HTTP request runs with its request id (``x-request-id`` from
+    the caller when it is 1-128 of ``A-Za-z0-9._:-``, else a new hex id; echoed in the
+    response headers, and the ``request_id`` of its error bodies, a 404 for an unknown path
+    or a 405 too) and, for one of ``paths`` with ``tracing``, a server span
+    ``<service>.request`` continuing the caller's
     ``traceparent`` (attributes: ``http.route``, ``pdserve.request_id``,
     ``http.status_code``), ended after the last byte; a 5xx, or a client gone before the
     last byte (``client aborted``), sets its status to ERROR."""
@@ -271,15 +272,21 @@ class RequestContext:
         self.app, self.tracing, self.paths = app, tracing, frozenset(paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in self.paths:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = request_id_from(headers.get(REQUEST_ID_HEADER, ""))
+        given, wanted = b"", REQUEST_ID_HEADER.encode()
+        for name, value in scope["headers"]:  # the last one, as a dict of them would keep
+            if name.lower() == wanted:
+                given = value
+        request_id = request_id_from(given.decode("latin-1"))
         id_token = REQUEST_ID.set(request_id)
         start_token = REQUEST_START.set(time.perf_counter())
         span, current = None, None
         ending: list = []  # phase spans that end with the request's (add_phases open_last)
-        if self.tracing is not None:
+        if self.tracing is not None and scope.get("path") in self.paths:
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
             span = self.tracing.start_request(
                 f"{self.tracing.service}.request",
                 headers,

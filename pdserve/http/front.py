@@ -304,17 +304,18 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
             head was too large), then the connection closes. Requests before it on the
             connection (pipelined, or a stream still running) are answered first: uvicorn
             writes its 400 at once, into the middle of an answer in flight."""
-            if self._head_refused:
-                body = json.dumps(
-                    error_json(
-                        431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
-                    ),
-                    separators=(",", ":"),
-                ).encode()
+            if self._head_refused:  # a new id: the head that would carry one is refused
+                request_id = request_id_from("")
+                error = error_json(
+                    431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes"
+                )
+                error["request_id"] = request_id
+                body = json.dumps(error, separators=(",", ":")).encode()
                 self._refusal = (
                     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                     b"content-type: application/json\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%b" % (len(body), body)
+                    b"%b: %b\r\nconnection: close\r\n\r\n%b"
+                    % (len(body), _REQUEST_ID_NAME, request_id.encode("latin-1"), body)
                 )
             else:
                 self._refusal = msg

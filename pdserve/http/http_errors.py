@@ -37,6 +37,14 @@ def error_json(
     return body
 
 
+def http_error_message(status: int, detail: str, method: str, path: str) -> str:
+    """The message of an HTTP error raised outside the endpoints: Starlette's words for a
+    path no route serves (404) or a method it does not take (405) followed by the
+    request's method and path (``Not Found: GET /v1/nothing``, the two OpenAI's "Invalid
+    URL" answer names); ``detail`` as it is for another status (a 413's own message)."""
+    return f"{detail}: {method} {path}" if status in (404, 405) else detail
+
+
 def error_status(body: object) -> int | None:
     """The HTTP status an OpenAI error body stands for (its ``error.type``, the inverse of
     :func:`error_json`'s choice: ``invalid_request_error`` 400, ``service_unavailable``

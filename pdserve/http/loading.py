@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import select
 import socket
 import threading
 from collections.abc import Iterator
 
 from pdserve.http.http_errors import error_json
+from pdserve.tracing import REQUEST_ID_HEADER, request_id_from
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +34,33 @@ _READ_S = 1.0  # how long it waits for a request's head, seconds
 _HEAD_LIMIT = 65536  # bytes of a request read before answering anyway
 
 
-def loading_response(message: str) -> bytes:
-    """The whole HTTP/1.1 response sent while loading: status 503, a JSON error body
-    (:func:`error_json`), ``Retry-After: 1`` and ``Connection: close``."""
-    body = json.dumps(error_json(503, message)).encode()
-    head = (
+# a request's x-request-id header line, in its head's bytes
+_REQUEST_ID_LINE = re.compile(rb"\r\nx-request-id:[ \t]*([^\r\n]*)", re.IGNORECASE)
+
+
+def loading_response(message: str, head: bytes = b"") -> bytes:
+    """The whole HTTP/1.1 response sent while loading to the request whose ``head`` was
+    read: status 503, a JSON error body (:func:`error_json`) with the request's id (its
+    ``x-request-id`` when well-formed, else a new one; also the header of that name),
+    ``Retry-After: 1`` and ``Connection: close``; to a ``HEAD`` request the same without
+    the body."""
+    given = _REQUEST_ID_LINE.findall(head.split(b"\r\n\r\n", 1)[0])
+    request_id = request_id_from(given[-1].strip().decode("latin-1") if given else "")
+    body = json.dumps({**error_json(503, message), "request_id": request_id}).encode()
+    lines = (
         "HTTP/1.1 503 Service Unavailable\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
+        f"{REQUEST_ID_HEADER}: {request_id}\r\n"
         "retry-after: 1\r\n"
         "connection: close\r\n\r\n"
     )
-    return head.encode() + body
+    return lines.encode() + (b"" if head.startswith(b"HEAD ") else body)
 
 
-def _answer(conn: socket.socket, response: bytes) -> None:
+def _answer(conn: socket.socket, message: str) -> None:
     """Read the request's head (so that closing does not reset the connection under an
-    unread request), send ``response``, close."""
+    unread request), send :func:`loading_response` of ``message``, close."""
     with conn:
         conn.settimeout(_READ_S)
         received = b""
@@ -58,13 +70,13 @@ def _answer(conn: socket.socket, response: bytes) -> None:
                 if not chunk:
                     return  # the client went away
                 received += chunk
-            conn.sendall(response)
+            conn.sendall(loading_response(message, received))
             conn.shutdown(socket.SHUT_WR)
         except OSError:  # a client that stalls or resets: nothing to answer
             return
 
 
-def _serve(sock: socket.socket, response: bytes, stop: threading.Event) -> None:
+def _serve(sock: socket.socket, message: str, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             ready, _, _ = select.select([sock], [], [], _POLL_S)
@@ -74,7 +86,7 @@ def _serve(sock: socket.socket, response: bytes, stop: threading.Event) -> None:
         except OSError as exc:  # the socket closed under us: nothing left to answer
             log.debug("loading answerer stops: %s", exc)
             return
-        _answer(conn, response)
+        _answer(conn, message)
 
 
 @contextlib.contextmanager
@@ -87,7 +99,7 @@ def answer_503_while_loading(sock: socket.socket, message: str) -> Iterator[None
     stop = threading.Event()
     thread = threading.Thread(
         target=_serve,
-        args=(sock, loading_response(message), stop),
+        args=(sock, message, stop),
         name="pdserve-loading-503",
         daemon=True,
     )

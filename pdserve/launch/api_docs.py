@@ -25,7 +25,9 @@ MEANINGS: dict[str, str] = {
     "n": f"samples per prompt, 1 to {p.MAX_N}; each is its own engine request (and bootstrap "
     f"room); through a PD router a request has at most {MAX_ROOMS_PER_REQUEST} samples "
     "(prompts x n; 400 otherwise)",
-    "temperature": "0 = greedy (exact argmax); > 0 divides the logits",
+    "temperature": "a finite number >= 0 (NaN, infinities and negatives are a 400): 0 = greedy "
+    "(exact argmax); > 0 divides the logits; no upper bound (above OpenAI's 2 is accepted, as "
+    "SGLang does)",
     "top_p": "nucleus mass in (0, 1]; 1 disables",
     "top_k": "keep the k most likely tokens; 0 or -1 disables",
     "min_p": "drop tokens below min_p x the best token's probability; 0 disables",
@@ -134,7 +136,8 @@ MEANINGS: dict[str, str] = {
     "tool_choice": "none | auto (default with tools: tool-call text parsed) | required | "
     '{"type": "function", "function": {"name"}} (both forced by a grammar: always valid JSON)',
     "tool_calls": "an assistant turn's calls: [{id, type, function: {name, arguments}}]",
-    "tool_call_id": "a tool turn's answer to this call id",
+    "tool_call_id": "the id of the call a tool message answers; required for role tool (400 "
+    "naming messages[i].tool_call_id, as OpenAI's)",
     "FunctionDef.name": "the function's name",
     "FunctionDef.description": "what it does (shown to the model)",
     "parameters": "its arguments' JSON Schema (forced calls are valid under it)",
@@ -143,7 +146,8 @@ MEANINGS: dict[str, str] = {
     "input": "a string (one user message) or a list of input items: messages (role user, "
     "system, developer or assistant; content a string or input_text/output_text parts), "
     "function_call and function_call_output items; another item type, or an image/file/"
-    "audio part, is a 400 naming it",
+    "audio part, is a 400 naming it; so is a function_call_output whose call_id no earlier "
+    "function_call (in input or the previous response) has",
     "instructions": "a system message before the input (not carried over by "
     "previous_response_id, as OpenAI's)",
     "max_output_tokens": "most tokens to generate (status incomplete when it cut the output)",

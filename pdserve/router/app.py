@@ -27,6 +27,8 @@ from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.client import WorkerClient
 from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from pdserve.http.front import FrontHandler, front_protocol
+from pdserve.http.head import HeadAsGet
+from pdserve.http.http_errors import http_error_message
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
@@ -35,7 +37,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.relay import RelayedStream
 from pdserve.router.responses import resolve_previous, stored_get
 from pdserve.router.workers import NoHealthyWorker, WorkerPool
-from pdserve.tracing import RequestContext, Tracing, current_error
+from pdserve.tracing import RequestContext, Tracing, current_error, outgoing_headers
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # answered by any one worker
@@ -47,15 +49,26 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+class BadString(ValueError):
+    """A string of the body that is not valid Unicode; ``param`` is its place
+    (``messages[0].content``; None for a key of the body itself)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check_strings(value, where: str = "body") -> None:
-    """ValueError naming the place of a string that is not valid Unicode (a lone surrogate
-    from a ``\\ud800`` escape), which could not be re-encoded for the workers."""
+    """:class:`BadString` naming the place of a string that is not valid Unicode (a lone
+    surrogate from a ``\\ud800`` escape), which could not be re-encoded for the workers."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(
-                f"{where} holds a lone surrogate (\\ud800-\\udfff escape without its pair)"
+        except UnicodeEncodeError as exc:
+            raise BadString(
+                f"{where} is not valid Unicode: a lone surrogate at character {exc.start} "
+                "(\\ud800-\\udfff escapes must come in pairs)",
+                None if where == "body" else where,
             ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
@@ -79,7 +92,7 @@ def parse_json_body(raw: bytes):
     """Parse a client body (its bytes) strictly: RFC 8259 JSON only (no NaN/Infinity, which Python's
     parser accepts but JSON cannot carry on to the workers, and no number beyond a double's
     range), strings valid Unicode, nesting within Python's recursion limit.
-    Raises ValueError with the reason."""
+    Raises ValueError with the reason (:class:`BadString` for a string, naming its place)."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
         if b"\\u" in raw:  # a lone surrogate can only come from a \u escape (not UTF-8)
@@ -87,6 +100,14 @@ def parse_json_body(raw: bytes):
     except RecursionError:
         raise ValueError("the body is nested too deeply") from None
     return body
+
+
+def body_error(exc: ValueError) -> Response:
+    """The 400 of a body :func:`parse_json_body` refused: naming the string's place
+    (``param``) for a :class:`BadString`, else saying the body is not valid JSON."""
+    if isinstance(exc, BadString):
+        return error_response(400, str(exc), param=exc.param)
+    return error_response(400, f"request body is not valid JSON: {exc}")
 
 
 def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) -> FastAPI:
@@ -152,15 +173,20 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
     # a request cut by the graceful-shutdown timeout: 503 JSON, not uvicorn's bare 500
     app.add_middleware(ShutdownAnswer, flag=stopping, who="the router")
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
-    # a request id (x-request-id, passed to both legs) and, with tracing, a span per request
+    # every request's id (x-request-id, passed to the workers it asks; its error bodies'
+    # request_id) and, with tracing, a span per API request
     app.add_middleware(RequestContext, tracing=tracer, paths=(*FORWARDED, *TOKENIZER_PATHS))
+    app.add_middleware(HeadAsGet)  # outermost: HEAD /health (probes) answered as GET
     app.include_router(build_admin_router(pool, config.admin_token))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         """413 from the body cap, 404/405 for unknown routes/methods: OpenAI's error shape
         (a 405 keeps Starlette's ``Allow`` header, which RFC 9110 15.5.6 requires)."""
-        response = error_response(exc.status_code, str(exc.detail))
+        message = http_error_message(
+            exc.status_code, str(exc.detail), request.method, request.url.path
+        )
+        response = error_response(exc.status_code, message)
         response.headers.update(exc.headers or {})
         return response
 
@@ -173,7 +199,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         try:
             body = parse_json_body(raw)
         except ValueError as exc:  # UnicodeError is a ValueError
-            return error_response(400, f"request body is not valid JSON: {exc}")
+            return body_error(exc)
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -290,14 +316,18 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
         app.router.routes.append(Route(path, handler, methods=["POST"], name=path))
 
     async def ask_a_worker(method: str, path: str, content: bytes | None = None) -> Response:
-        """One worker's answer, as is (the endpoints every role serves alike)."""
+        """One worker's answer, as is (the endpoints every role serves alike), asked with
+        this request's id (so an error body's ``request_id`` is the router's)."""
+        headers = outgoing_headers()
+        if content is not None:
+            headers["content-type"] = "application/json"
         try:
             worker = pool.pick("decode" if config.pd_mode else "mixed")
             resp = await client.request(
                 method,
                 f"{worker.url}{path}",
                 content=content,
-                headers={"content-type": "application/json"} if content is not None else None,
+                headers=headers,
                 timeout=config.health_check_timeout if content is None else None,
             )
         except NoHealthyWorker as exc:
@@ -344,7 +374,7 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             try:
                 body = parse_json_body(raw := await request.body())
             except ValueError as exc:
-                response: Response = error_response(400, f"request body is not valid JSON: {exc}")
+                response: Response = body_error(exc)
             else:
                 missing = unknown_model(_path, body) if isinstance(body, dict) else None
                 response = (

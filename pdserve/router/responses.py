@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from pdserve.router.errors import error_from_worker, error_response
 from pdserve.router.workers import WorkerPool
+from pdserve.tracing import outgoing_headers
 
 PAGE = 100  # items per input_items page asked of a worker (its most)
 
@@ -34,11 +35,11 @@ async def ask_holders(
     pool: WorkerPool, client: httpx.AsyncClient, pd_mode: bool, path: str, timeout: float
 ) -> httpx.Response | None:
     """The first answer other than 404 to ``GET path`` from a worker that may hold the
-    response (workers that cannot be reached are skipped); None when every one said 404
-    or none answered."""
+    response (workers that cannot be reached are skipped), asked with the request's id;
+    None when every one said 404 or none answered."""
     for worker in holders(pool, pd_mode):
         try:
-            resp = await client.get(worker.url + path, timeout=timeout)
+            resp = await client.get(worker.url + path, headers=outgoing_headers(), timeout=timeout)
         except httpx.HTTPError:
             continue
         if resp.status_code != 404:
@@ -114,7 +115,10 @@ async def resolve_previous(
         params = {"order": "asc", "limit": str(PAGE)} | ({"after": after} if after else {})
         try:
             page_resp = await client.get(
-                f"{holder}/v1/responses/{response_id}/input_items", params=params, timeout=timeout
+                f"{holder}/v1/responses/{response_id}/input_items",
+                params=params,
+                headers=outgoing_headers(),
+                timeout=timeout,
             )
         except httpx.HTTPError as exc:
             return error_response(502, f"worker {holder} failed: {type(exc).__name__}: {exc}")

@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.disagg.base import KVManager, Role
 from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected
-from pdserve.http.http_errors import error_json
+from pdserve.http.head import HeadAsGet
+from pdserve.http.http_errors import error_json, http_error_message
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
@@ -154,9 +155,10 @@ def build_worker_app(
 ) -> FastAPI:
     """Return the worker app. The engine thread starts with the app's lifespan and stops
     with it; ``kv_managers`` (name -> manager) are shut down after it; a request body over
-    ``max_request_body_bytes`` gets 413. Every API request runs with a request id and,
-    with ``tracing``, a span (``pdserve/tracing.py:RequestContext``); the tracer is shut
-    down (its queued spans exported) last."""
+    ``max_request_body_bytes`` gets 413. Every request runs with a request id (its error
+    bodies' ``request_id``, a 404 or 405 too) and, for an API request with ``tracing``, a
+    span (``pdserve/tracing.py:RequestContext``); the tracer is shut down (its queued spans
+    exported) last. ``HEAD`` is answered as ``GET`` without a body (``http/head.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -181,7 +183,8 @@ def build_worker_app(
     app.add_middleware(ShutdownAnswer, flag=stopping, who="the worker")
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(RequestContext, tracing=tracing, paths=_COUNTED)
-    app.add_middleware(_RequestMetrics, metrics=metrics)  # outermost: counts the 413s too
+    app.add_middleware(_RequestMetrics, metrics=metrics)  # counts the 413s too
+    app.add_middleware(HeadAsGet)  # outermost: HEAD /health (probes) answered as GET
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,10 +204,11 @@ def build_worker_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # exc.headers: Starlette's ``Allow`` of a 405 (RFC 9110 15.5.6 requires it)
+        message = http_error_message(
+            exc.status_code, str(exc.detail), request.method, request.url.path
+        )
         return JSONResponse(
-            error_json(exc.status_code, str(exc.detail)),
-            status_code=exc.status_code,
-            headers=exc.headers,
+            error_json(exc.status_code, message), status_code=exc.status_code, headers=exc.headers
         )
 
     @app.exception_handler(Exception)

@@ -129,7 +129,7 @@ class _Sampling(_Penalties, GuidedFields):
     SGLang's extensions); meanings in ``SamplingParams``."""
 
     n: Int = Field(1, ge=1, le=MAX_N)
-    temperature: StrictFloat = Field(1.0, ge=0.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)  # finite; no upper bound
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: Int = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
@@ -347,6 +347,11 @@ class ChatCompletionRequest(_OpenAISampling, ToolFields):
                 raise ValueError(
                     f"messages[{i}].content must not be null for a {m.role} message "
                     "(only an assistant message, e.g. one with tool_calls, may omit it)"
+                )
+            if m.role == "tool" and m.tool_call_id is None:  # OpenAI requires it too
+                raise ValueError(
+                    f"messages[{i}].tool_call_id is required for a tool message (the id "
+                    "of the assistant's tool call it answers)"
                 )
         return messages
 

@@ -52,6 +52,7 @@ from pdserve.server.responses_input import (
     chat_messages,
     chat_tool_choice,
     chat_tools,
+    check_call_outputs,
     normalize_input,
     output_as_input,
     response_format,
@@ -277,7 +278,9 @@ def build_responses_router(ctx: WorkerContext, store: ResponseStore) -> APIRoute
         if req.background:
             raise APIError(400, "background is not supported", "background")
         before = conversation(req)
-        items = before + normalize_input(req.input)
+        given = normalize_input(req.input)
+        check_call_outputs(before, given)
+        items = before + given
         if not items:
             raise APIError(400, "input must not be empty", "input")
         logprobs = wants_logprobs(req)

@@ -6,7 +6,8 @@ stored input items and turned into chat messages after ``instructions``, functio
 finished response's output into the input items a follow-up continues from.
 
 Unsupported parts are an :class:`~pdserve.server.serving.APIError` (a 400) naming the
-item: built-in tools, image/file/audio content, other input item types.
+item: built-in tools, image/file/audio content, other input item types; so is a
+``function_call_output`` that answers no earlier ``function_call``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ResponsesRequest(Bootstrap):
     input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
-    temperature: StrictFloat = Field(1.0, ge=0.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)  # finite; no upper bound
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -156,6 +157,27 @@ def normalize_input(value: str | list[Any], field: str = "input") -> list[dict]:
                 f"{where}.type",
             )
     return items
+
+
+def check_call_outputs(before: list[dict], items: list[dict], field: str = "input") -> None:
+    """400 naming ``field[i].call_id`` for a ``function_call_output`` item of ``items`` (the
+    request's normalized input) without a ``function_call`` of that ``call_id`` before it:
+    earlier in ``items``, or in ``before`` (the conversation ``previous_response_id``
+    continues). OpenAI's API refuses such an output too: no call of the conversation asked
+    for it, and the chat template would render an answer to nothing."""
+    calls = {item["call_id"] for item in before if item["type"] == "function_call"}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            where = f"{field}[{i}].call_id"
+            raise APIError(
+                400,
+                f"{where}: no function call with call_id {item['call_id']!r} comes before "
+                "this function_call_output (earlier in input, or in the output of the response "
+                "previous_response_id names)",
+                where,
+            )
 
 
 def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:

@@ -325,6 +325,35 @@ def test_bad_input(cluster):
         _error(post(too_long), 400, "input", "context")
         missing = httpx.get(url + "/v1/responses/resp_unknown", timeout=30)
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+        # a function_call_output answering no earlier function_call (OpenAI: a 400 too)
+        orphan = {"type": "function_call_output", "call_id": "nope", "output": "12:00"}
+        _error(post({"input": [orphan]}), 400, "input[0].call_id", "'nope'")
+        # chat: a tool message needs the id of the call it answers, as OpenAI's
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]},
+            timeout=60,
+        )
+        _error(chat, 400, "messages[1].tool_call_id", "required")
+
+
+def test_error_bodies_have_the_request_id_and_probes_may_send_head(cluster):
+    """Router and worker processes alike: an unknown path, an unknown model, a wrong method
+    are OpenAI errors whose ``request_id`` is the answer's ``x-request-id``; ``HEAD`` of the
+    probe paths answers like ``GET`` without a body."""
+    for proc in (cluster["router"], cluster["mixed"]):
+        with httpx.Client(base_url=proc.url, timeout=30) as client:
+            for method, path, status in (
+                ("GET", "/v1/nothing", 404),
+                ("GET", "/v1/models/foo", 404),
+                ("DELETE", "/v1/models", 405),
+            ):
+                r = client.request(method, path)
+                assert r.status_code == status, (proc.name, path, r.text)
+                assert r.json()["request_id"] == r.headers["x-request-id"], (proc.name, r.text)
+            for path in ("/health", "/v1/models", "/metrics"):
+                head = client.head(path)
+                assert head.status_code == 200 and head.content == b"", (proc.name, path)
 
 
 def test_store_is_bounded_and_optional(cluster):

@@ -208,3 +208,22 @@ def test_penalty_tokens_follow_the_request_and_sample_as_plain_lists():
     ids.extend(range(40))
     assert pt.tensor(torch.device("cpu")).tolist() == ids and pt.output("cpu").tolist() == ids[2:]
     assert before.tolist() == snapshot
+
+
+def test_extreme_temperatures_keep_masked_tokens_out_and_their_limits():
+    """A temperature fp32 cannot hold (1e308 is inf there) or that underflows to 0 (1e-300)
+    used to make ``-inf / inf`` and ``x / 0`` NaN (the draw: token 0, a banned one here);
+    clamped, the huge one draws every allowed token alike and the tiny one the argmax."""
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.1, 0.05]]))
+
+    def draws(temperature, n=400):
+        g = gen(1)
+        row = SampleRequest(SamplingParams(temperature=temperature), g, banned_token_ids=(0,))
+        return collections.Counter(sample(logits, [row])[0].token_id for _ in range(n))
+
+    for temperature in (1e308, 1e39, 1e30):
+        counts = draws(temperature)
+        assert set(counts) == {1, 2, 3, 4}, counts  # 0 is banned: never drawn
+        assert max(counts.values()) < 2 * min(counts.values()), counts  # uniform, ~100 each
+    for temperature in (1e-300, 1e-40, 1e-30):
+        assert set(draws(temperature, n=50)) == {1}

@@ -3,6 +3,7 @@ listening socket with real HTTP clients."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -18,14 +19,24 @@ def test_every_request_gets_503_json_while_loading_then_the_socket_is_handed_bac
     try:
         with answer_503_while_loading(sock, "the decode worker is loading m"):
             with httpx.Client(timeout=5.0) as client:
-                health = client.get(f"{url}/health")
-                post = client.post(f"{url}/v1/completions", json={"prompt": "x" * 20000})
-            for r in (health, post):
+                health = client.head(f"{url}/health")  # a probe's HEAD too
+                post = client.post(
+                    f"{url}/v1/completions",
+                    json={"prompt": "x" * 20000},
+                    headers={"x-request-id": "load-1"},
+                )
+                named = client.get(f"{url}/health", headers={"x-request-id": "a b"})
+            assert health.status_code == 503 and health.content == b""
+            for r in (post, named):
                 assert r.status_code == 503
                 assert r.headers["retry-after"] == "1"
                 error = r.json()["error"]
                 assert error["type"] == "service_unavailable"
                 assert error["message"] == "the decode worker is loading m"
+                # the request's id (the caller's when well-formed), in header and body
+                assert r.json()["request_id"] == r.headers["x-request-id"]
+            assert post.headers["x-request-id"] == "load-1"
+            assert re.fullmatch(r"[0-9a-f]{32}", named.headers["x-request-id"])
             # a client that connects and sends nothing does not stop the others
             idle = socket.create_connection(sock.getsockname(), timeout=5.0)
             assert httpx.get(f"{url}/health", timeout=5.0).status_code == 503

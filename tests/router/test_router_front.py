@@ -356,6 +356,7 @@ def test_a_request_head_over_the_limit_is_431_json_and_closed(setup):
         status, headers, body = _read(f)
         assert status == 431 and headers["connection"] == "close"
         assert "line and headers are over" in json.loads(body)["error"]["message"]
+        assert json.loads(body)["request_id"] == headers["x-request-id"]
         assert f.read() == b""
     finally:
         f.close()

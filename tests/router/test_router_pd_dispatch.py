@@ -328,9 +328,43 @@ def test_huge_body_is_413_and_unknown_routes_are_openai_errors(setup):
     err = r.json()["error"]
     assert r.status_code == 413 and err["type"] == "invalid_request_error", r.text[:300]
     assert not prefill.bodies and not decode.bodies
-    for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
-        r = httpx.request(method, url + path)
-        assert r.status_code == status and r.json()["error"]["code"] is None, r.text
+    for method, path, status in (
+        ("GET", "/nope", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/health", 405),
+        ("POST", "/v1/models", 405),
+    ):
+        for given in (None, "probe-7"):
+            headers = {"x-request-id": given} if given else {}
+            r = httpx.request(method, url + path, headers=headers)
+            assert r.status_code == status and r.json()["error"]["code"] is None, r.text
+            assert f"{method} {path}" in r.json()["error"]["message"], r.text
+            # the error body's request_id is the answer's x-request-id (the caller's if given)
+            assert (
+                r.json()["request_id"]
+                == r.headers["x-request-id"]
+                == (given or r.headers["x-request-id"])
+            ), r.text
+
+
+def test_head_of_the_probe_paths_answers_like_get_without_a_body(setup):
+    """Load balancers and Kubernetes probes may send HEAD: GET's status and headers, no
+    body; a POST-only path stays a 405."""
+    prefill, decode, url = setup
+    with httpx.Client(base_url=url, timeout=10) as client:
+        for path in ("/health", "/v1/models", "/metrics", "/get_server_info", "/version"):
+            get, head = client.get(path), client.head(path)
+            assert get.status_code == head.status_code == 200, (path, head.text)
+            assert head.content == b"" and get.content, path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+        decode.health = 503  # the router's health follows its workers' (HEAD too)
+        _wait(lambda: client.head("/health").status_code == 503)
+        assert client.head("/health").content == b""
+        decode.health = 200
+        _wait(lambda: client.head("/health").status_code == 200)
+        post_only = client.head("/v1/completions")
+        assert post_only.status_code == 405 and post_only.headers["allow"] == "POST"
+    assert not prefill.bodies and not decode.bodies
 
 
 def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
@@ -352,6 +386,22 @@ def test_nan_infinity_and_lone_surrogates_are_400_and_counted(setup):
     assert not prefill.bodies and not decode.bodies
     text = httpx.get(url + "/metrics").text
     assert 'pdserve_router_requests_total{endpoint="/generate",status="400"} 4.0' in text
+    # a lone surrogate is named by its place (param), as a worker names it
+    for path, content, param in (
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages[0].content",
+        ),
+        ("/v1/completions", b'{"prompt": "ok", "stop": ["a", "\\udfffb"]}', "stop[1]"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "ok", "\\ud800": 1}', None),  # a key: the body's
+    ):
+        r = httpx.post(url + path, content=content)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (path, r.text)
+        assert "lone surrogate" in err["message"] and r.json()["request_id"], r.text
+    assert not prefill.bodies and not decode.bodies
 
 
 def test_numbers_beyond_a_double_and_deep_nesting_are_400_json_not_500(setup):

@@ -1,7 +1,8 @@
 """A real mixed worker (``pdserve serve``, tiny random model) over HTTP: chat input errors
 name the chat's own fields (``messages``, not ``prompt``, ``tools[i]...``), a content part
-other than text is one clear 400, null content only for assistant messages; /metrics gives every family a
-meaning, and a stream the client abandoned is counted 499."""
+other than text is one clear 400, null content only for assistant messages, a tool message
+needs its tool_call_id and a Responses function_call_output its function_call; /metrics
+gives every family a meaning, and a stream the client abandoned is counted 499."""
 
 from __future__ import annotations
 
@@ -88,6 +89,78 @@ def test_null_content_is_400_except_for_an_assistant_message(worker, role):
         },
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_a_tool_message_without_tool_call_id_is_400_naming_it(worker):
+    """OpenAI requires ``tool_call_id`` on a tool message (the call it answers); a missing
+    or null one is a 400 naming ``messages[i].tool_call_id``, and the worker keeps
+    serving. An assistant message with tool calls and no content stays accepted."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    for tool in (
+        {"role": "tool", "content": "r"},
+        {"role": "tool", "content": "r", "tool_call_id": None},
+    ):
+        err = error(post(worker, CHAT, {"messages": [*turns, tool], "max_tokens": 1}))
+        assert err["param"] == "messages[2].tool_call_id", err
+        assert err["message"].startswith("messages[2].tool_call_id is required"), err
+    ok = {"role": "tool", "content": "r", "tool_call_id": "c1"}
+    assert post(worker, CHAT, {"messages": [*turns, ok], "max_tokens": 1}).status_code == 200
+
+
+TIME_TOOL = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}}},
+}
+
+
+def test_a_function_call_output_without_its_call_is_400_naming_its_call_id(worker):
+    """A Responses ``function_call_output`` needs a ``function_call`` of its ``call_id``
+    before it: earlier in ``input``, or in the output of the response
+    ``previous_response_id`` continues (as OpenAI's API); else a 400 naming
+    ``input[i].call_id``."""
+    output = {"type": "function_call_output", "call_id": "nope", "output": "12:00"}
+    base = {"max_output_tokens": 4, "temperature": 0.0}
+    r = post(worker, "/v1/responses", {**base, "input": [output]})
+    err = error(r)
+    assert err["param"] == "input[0].call_id" and "'nope'" in err["message"], err
+    call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c1", "output": "12:00"}
+    # its call after it does not count; before it, it does
+    err = error(post(worker, "/v1/responses", {**base, "input": [answer, call]}))
+    assert err["param"] == "input[0].call_id", err
+    ok = post(worker, "/v1/responses", {**base, "input": [call, answer]})
+    assert ok.status_code == 200, ok.text
+    # the call made by the previous response: its output answers it in the follow-up
+    first = post(
+        worker,
+        "/v1/responses",
+        {
+            **base,
+            "input": "What time is it?",
+            "tools": [TIME_TOOL],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,  # one call, then the answer ends
+            "max_output_tokens": 40,
+        },
+    ).json()
+    call_id = next(o["call_id"] for o in first["output"] if o["type"] == "function_call")
+    follow = {**base, "previous_response_id": first["id"]}
+    answered = dict(answer, call_id=call_id)
+    r = post(worker, "/v1/responses", {**follow, "input": [answered]})
+    assert r.status_code == 200, r.text
+    err = error(
+        post(
+            worker,
+            "/v1/responses",
+            {**follow, "input": [{"role": "user", "content": "hi"}, output]},
+        )
+    )
+    assert err["param"] == "input[1].call_id", err
 
 
 def _families(worker: Proc) -> dict:

@@ -154,3 +154,14 @@ def test_chat_path_errors_are_renamed_to_the_responses_fields():
     for param, message, want_param, want_message in cases:
         exc = r.responses_error(APIError(400, message, param, code="c"))
         assert (exc.param, exc.message, exc.code) == (want_param, want_message, "c")
+
+
+def test_a_function_call_output_needs_its_call_before_it():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "c1", "output": "x"}
+    ri.check_call_outputs([], [call, out])  # in the input, before it
+    ri.check_call_outputs([call], [out])  # in the conversation it continues
+    assert _param(lambda: ri.check_call_outputs([], [out])) == "input[0].call_id"
+    assert _param(lambda: ri.check_call_outputs([], [out, call])) == "input[0].call_id"
+    other = dict(out, call_id="c2")
+    assert _param(lambda: ri.check_call_outputs([call], [out, other])) == "input[1].call_id"

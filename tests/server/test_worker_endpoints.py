@@ -132,3 +132,44 @@ def test_tokenize_detokenize_version_and_models(worker):
     assert httpx.get(worker.url + "/version").json()["version"] == worker.get_info()["version"]
     model = httpx.get(worker.url + "/v1/models").json()["data"][0]
     assert model["max_model_len"] == worker.get_info()["max_model_len"]
+
+
+def test_every_error_body_has_the_request_id_of_its_header(worker):
+    """Unknown paths (404), a model that is not served (404), a wrong method (405), a bad
+    body (400): each body's top-level ``request_id`` is the answer's ``x-request-id`` (the
+    caller's when given), as for every other error."""
+    cases = [
+        ("GET", "/v1/nothing", None, 404, "Not Found: GET /v1/nothing"),
+        ("GET", "/v1/models/foo", None, 404, "'foo' does not exist"),
+        ("GET", "/v1/responses/resp_none", None, 404, "resp_none"),
+        ("POST", "/health", None, 405, "Method Not Allowed: POST /health"),
+        ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
+        ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ]
+    for method, path, body, status, words in cases:
+        for given in (None, "probe-id-1"):
+            headers = {"x-request-id": given} if given else {}
+            r = httpx.request(method, worker.url + path, json=body, headers=headers, timeout=30)
+            assert r.status_code == status, (path, r.text)
+            assert words in r.json()["error"]["message"], (path, r.text)
+            assert r.json()["request_id"] == r.headers["x-request-id"], (path, r.text)
+            if given:
+                assert r.headers["x-request-id"] == given
+
+
+def test_head_answers_like_get_without_a_body(worker):
+    """``HEAD`` of the probe paths (load balancers, Kubernetes) is GET's status and headers
+    with no body; a path without GET stays a 405."""
+    with httpx.Client(base_url=worker.url, timeout=30) as client:
+        for path in ("/health", "/v1/models", "/v1/models/random:tiny", "/metrics", "/version"):
+            get, head = client.get(path), client.head(path)
+            assert get.status_code == head.status_code == 200, (path, head.text)
+            assert head.content == b"" and get.content, path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+            if path != "/metrics":  # its counters may move between the two
+                assert head.headers["content-length"] == str(len(get.content)), path
+        missing = client.head("/v1/models/foo")
+        assert missing.status_code == 404 and missing.content == b""
+        post_only = client.head("/v1/completions")
+        assert post_only.status_code == 405 and post_only.headers["allow"] == "POST"
+        assert client.get("/health").json() == {"status": "ok"}  # the connection still serves

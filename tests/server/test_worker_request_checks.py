@@ -214,6 +214,58 @@ def test_lone_surrogate_is_400_naming_the_field(worker):
     assert_all_healthy([worker])
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1", b"-1e-9"])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": %b}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": %b}',
+        ),
+        ("/v1/responses", b'{"input": "hi", "max_output_tokens": 2, "temperature": %b}'),
+        ("/generate", b'{"text": "hi", "sampling_params": {"temperature": %b}}'),
+    ],
+)
+def test_a_temperature_not_finite_or_negative_is_400_naming_it(worker, path, body, value):
+    r = httpx.post(
+        worker.url + path,
+        content=body % value,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    param = "sampling_params.temperature" if path == "/generate" else "temperature"
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_any_finite_temperature_is_served(worker):
+    """No upper bound (SGLang's rule; OpenAI's and vLLM's is 2): a temperature fp32 cannot
+    hold (1e308) samples every allowed token alike, a tiny one (1e-300, 0 in fp32) is the
+    argmax; neither turns the row into NaN (which drew token 0, or failed a grammar)."""
+    base = {"prompt": "Hello there", "max_tokens": 6, "min_tokens": 6, "return_token_ids": True}
+
+    def tokens(temperature, seed=3):
+        r = post(worker, "/v1/completions", {**base, "temperature": temperature, "seed": seed})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    greedy = tokens(0.0)
+    assert tokens(1e-300) == tokens(1e-40) == greedy
+    assert tokens(5.0) == tokens(5.0)  # > 2 accepted, seeded as any other
+    wild = [tokens(t, seed) for t in (1e308, 1e39) for seed in (1, 2)]
+    assert all(len(set(ids)) > 1 for ids in wild), wild  # not one id over and over (NaN's 0)
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_object"},
+    }
+    for temperature in (1e308, 1e-300):
+        r = post(worker, "/v1/chat/completions", {**chat, "temperature": temperature, "seed": 1})
+        assert r.status_code == 200, r.text  # the grammar's masked tokens stay masked
+    assert_all_healthy([worker])
+
+
 def test_unknown_fields_are_ignored_with_a_warning_and_counted(worker):
     base = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
     want = post(worker, "/v1/completions", base).json()["choices"][0]["text"]

@@ -106,6 +106,18 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, device=like.device, dtype=like.dtype).unsqueeze(1)
 
 
+# The temperatures the logits are divided by, in fp32: any finite temperature > 0 is
+# accepted (as vLLM and SGLang), but one that fp32 cannot hold, or that makes the quotient
+# overflow, would turn a row into NaN (``-inf / inf``: a masked or banned token; ``x / 0``
+# or ``+inf`` logits: a temperature that underflows to 0), and the draw into token 0.
+# Clamped to this range the quotient stays finite for logits up to ~3e8 in magnitude, and
+# the distribution is what the temperature's limit is: below 1e-30 every token but the
+# largest logit(s) has probability exp(-gap * 1e30) = 0 (argmax), above 1e30 every
+# allowed token has exp(logit * 1e-30) = 1 (uniform). Inside it nothing changes.
+MIN_TEMPERATURE = 1e-30
+MAX_TEMPERATURE = 1e30
+
+
 def _apply_bias_and_bans(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
     """``logit_bias`` added and banned ids set to ``-inf``, each one ``index_put_``."""
     b_rows: list[int] = []
@@ -244,8 +256,10 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> tor
 def target_probs(work: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
     """The distribution random rows draw from: ``work[R, V]`` (from :func:`processed_logits`)
     over each row's temperature, top-k / top-p / min-p filtered, softmaxed (fp32 ``[R, V]``,
-    rows sum to 1).  Every row of ``rows`` must be a random (non-greedy) one."""
+    rows sum to 1).  Every row of ``rows`` must be a random (non-greedy) one; its
+    temperature counts as within [``MIN_TEMPERATURE``, ``MAX_TEMPERATURE``]."""
     temps = _column([r.params.temperature for r in rows], work)
+    temps.clamp_(MIN_TEMPERATURE, MAX_TEMPERATURE)  # [R, 1]: finite, > 0 (see above)
     scaled = _filter(work / temps, [r.params for r in rows])
     return scaled.softmax(dim=-1)
 
