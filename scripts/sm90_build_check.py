@@ -195,17 +195,20 @@ def check_decode(
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
     ``(splits, block_n, num_warps, num_stages[, min_split, balance, prefetch, widen, fma,
-    unroll, evict, even])``: shared
+    unroll, evict, even, vmul])``: shared
     memory, registers a thread, programs an SM can hold by each (228 KB, 64K registers) and
     its SASS counts (``LDGSTS``: cp.async into shared memory, Triton's pipeline; ``LDG``:
     loads into registers; ``F2FP``/``F2F``/``HADD2.F32``: conversions). ``kv="fp8"``: an
     e4m3 cache, ``f16_dot``: the kernel's ``F16_DOT`` (its tiles converted to fp16, not
-    bf16); ``aligned``: its ``ALIGNED`` (16-byte K/V loads: ``LDG.E.128``)."""
+    bf16); ``aligned``: its ``ALIGNED`` (16-byte K/V loads: ``LDG.E.128``). ``loops``: each
+    loop's body (a backward branch's range) in SASS instructions, one warp's, and the
+    opcodes it issues most (the tile loop is the longest; with ``even`` its whole tiles'
+    loop), ``LDS.U8``: byte loads from shared memory in the whole kernel."""
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
-    defaults = (0, 0, False, 0, False, 1, False, False)
-    min_split, balance, prefetch, widen, fma, unroll, evict, even = (
+    defaults = (0, 0, False, 0, False, 1, False, False, False)
+    min_split, balance, prefetch, widen, fma, unroll, evict, even, vmul = (
         *rest,
         *defaults[len(rest) :],
     )
@@ -215,7 +218,7 @@ def check_decode(
         BLOCK_N=block_n, BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
         PREFETCH=bool(prefetch), F16_DOT=f16_dot, ALIGNED=aligned,
         WIDEN=widen if kv == "fp8" else 0, FMA=bool(fma), UNROLL=unroll, EVICT=bool(evict),
-        EVEN=bool(even),
+        EVEN=bool(even), VMUL=bool(vmul) and kv == "fp8",
     )  # fmt: skip
     dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
     if kv == "fp8":
@@ -227,7 +230,7 @@ def check_decode(
         if arg.endswith("_ptr"):
             args[arg] = torch.empty(64, dtype=dtypes.get(arg, torch.bfloat16))
         else:
-            args[arg] = 0.5 if arg == "scale" else 4096
+            args[arg] = {"scale": 0.5, "v_mul": 1.0}.get(arg, 4096)
     kernel = build(triton_kernels.decode_split_kernel, args, consts, warps, stages)
     regs = registers(kernel)
     shared = kernel.metadata.shared
@@ -241,7 +244,37 @@ def check_decode(
         programs_per_sm_by_shared=(228 * 1024) // max(1, shared + 1024),
         programs_per_sm_by_registers=65536 // (regs * 32 * warps),
         sass=sass_counts(kernel),
+        loops=loop_counts(kernel),
+        lds_u8=sass_text(kernel).count("LDS.U8"),
     )
+
+
+def sass_text(kernel) -> str:
+    """``kernel``'s SASS (``cuobjdump -sass``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def loop_counts(kernel) -> list[dict]:
+    """Each loop of ``kernel``'s SASS (the instructions from a backward branch's target to
+    the branch): its instruction count and its 8 most frequent opcodes (without
+    modifiers), longest loop first."""
+    ins = []
+    for line in sass_text(kernel).splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    out = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            ops = collections.Counter(o.split(".")[0] for o in body)
+            out.append({"instructions": len(body), "top": dict(ops.most_common(8))})
+    return sorted(out, key=lambda r: -r["instructions"])
 
 
 def check_pdl(name: str, pdl: bool) -> dict:
@@ -260,7 +293,7 @@ def check_pdl(name: str, pdl: bool) -> dict:
         if arg.endswith("_ptr"):
             args[arg] = torch.empty(64, dtype=dtypes.get(arg, torch.bfloat16))
         else:
-            args[arg] = 0.5 if arg in ("scale", "eps") else 4096
+            args[arg] = 0.5 if arg in ("scale", "eps", "v_mul") else 4096
     ptx = build(fn, args, consts, warps, 2).asm["ptx"]
     return dict(
         kernel=name,

@@ -69,6 +69,21 @@ KV16_ALIGNED_LOADS = False
 # until scripts/gpu_s10_fp8kv2.sh measures "long" on / off on the H200 (session 10's
 # device time ran out before it: a pick is kept only with its measurement).
 FP8_KV_EVEN: frozenset[str] = frozenset()
+# The rules of decode_rule (among FP8_DECODE_TILES') whose e4m3 decode converts each V tile
+# to 16 bits in registers, in the coalesced layout it was loaded in, before its layout change
+# for the p @ v dot (DecodeConfig.vmul: the same bits). Why: the dot's B operand wants pairs
+# of tokens of one dim, which lie a token's row apart; an 8-bit V tile goes through shared
+# memory in bytes and Triton 3.6 reads it back one byte an instruction (LDS.U8), then packs
+# the bytes; a 16-bit tile is read back by ldmatrix's transposing form (no cache layout
+# change needed). Triton 3.6's sm_90 build (scripts/sm90_build_check.py --decode with
+# triton==3.6.0, the long rule's (8, 64, 2, 2) tiles with fp16 dots and 16-byte loads):
+# instructions in a 64-token tile's loop, one warp's: 1,209 -> 984 (1,049 -> 957 with even's
+# whole tiles), registers 238 -> 184 (255 -> 168 with even), shared memory 22.5 -> 38 KB:
+# 5 programs an SM instead of 4; no LDS.U8 left (128 a tile before), 64 HMUL2 added (the
+# multiply by 1.0 that keeps the conversion ahead of the layout change; WIDEN's select an
+# element instead cost 1,223). Not measured on a GPU yet: empty until
+# scripts/gpu_s11_fp8v.sh measures "long" on / off on the H200.
+FP8_KV_VMUL: frozenset[str] = frozenset()
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -143,7 +158,9 @@ class DecodeConfig:
     products and sums instead of dots, over the G query heads only (``FMA``); unroll: the
     tile loop unrolled that many times (``UNROLL``; 1: not); evict: K/V loaded with the
     ``evict_first`` policy (``EVICT``); even: a split's whole tiles without masks, its last
-    partial one with them (``EVEN``, where the head dim is a power of two; the same bits)."""
+    partial one with them (``EVEN``, where the head dim is a power of two; the same bits);
+    vmul: an 8-bit cache's V tiles converted to 16 bits in registers before their layout
+    change for the ``p @ v`` dot (``VMUL``; ignored for a 16-bit cache; the same bits)."""
 
     splits: int
     block_n: int
@@ -157,6 +174,7 @@ class DecodeConfig:
     unroll: int = 1
     evict: bool = False
     even: bool = False
+    vmul: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.splits <= _MAX_SPLITS:
@@ -354,6 +372,7 @@ def fp8_decode_config(
         widen=int(widen),
         fma=bool(fma),
         even=decode_rule(cfg) in FP8_KV_EVEN,
+        vmul=decode_rule(cfg) in FP8_KV_VMUL,
     )
 
 
@@ -604,6 +623,7 @@ class TritonBackend(AttentionBackend):
             mid_lse,
             out,
             scale,
+            1.0,  # v_mul: VMUL's multiply keeps the values (see decode_split_kernel)
             q.stride(0),
             q.stride(1),
             *k_cache.stride()[:3],
@@ -634,6 +654,7 @@ class TritonBackend(AttentionBackend):
             UNROLL=cfg.unroll,
             EVICT=cfg.evict,
             EVEN=cfg.even and block_d == D,
+            VMUL=cfg.vmul and fp8,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),

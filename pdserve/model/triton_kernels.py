@@ -212,6 +212,8 @@ def _decode_fold(
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr = 0,
     MASKED: tl.constexpr = True,
+    VMUL: tl.constexpr = False,
+    v_mul=1.0,
 ):
     """One online-softmax step of the decode kernel: the query rows ``q [BLOCK_H, BLOCK_D]``
     against the tiles ``k`` / ``v`` (positions where ``nmask``), folded into ``(acc, m_i,
@@ -220,12 +222,18 @@ def _decode_fold(
     ``WIDEN`` (a bit mask, 1: V, 2: K; for an 8-bit cache): the tile is
     converted before it is laid out for the dot (a select on the mask in between: Triton
     otherwise moves its layout change ahead of the conversion, through shared memory in
-    bytes, where V, read across its token rows, is loaded one byte an instruction)."""
+    bytes, where V, read across its token rows, is loaded one byte an instruction).
+    ``VMUL``: V is converted, then multiplied by the runtime scalar ``v_mul`` (the caller
+    passes 1.0: exact, the same values) before its layout change: the same effect as
+    ``WIDEN`` bit 1 without a select an element (a packed 16-bit multiply a pair of values
+    instead), so whole tiles (``MASKED`` False) keep it too."""
     if WIDEN & 2:
         k = tl.where(nmask[:, None], k.to(q.dtype), 0.0).to(q.dtype)
     else:
         k = k.to(q.dtype)
-    if WIDEN & 1:
+    if VMUL:
+        v = v.to(q.dtype) * tl.cast(v_mul, q.dtype)
+    elif WIDEN & 1:
         v = tl.where(nmask[:, None], v.to(q.dtype), 0.0).to(q.dtype)
     else:
         v = v.to(q.dtype)
@@ -277,6 +285,7 @@ def decode_split_kernel(
     mid_lse_ptr,
     out_ptr,
     scale,
+    v_mul,
     s_qt,
     s_qh,
     s_cp,
@@ -315,6 +324,7 @@ def decode_split_kernel(
     UNROLL: tl.constexpr = 1,
     EVICT: tl.constexpr = False,
     EVEN: tl.constexpr = False,
+    VMUL: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -356,7 +366,13 @@ def decode_split_kernel(
     only when ``D == BLOCK_D``): the split's whole tiles run without masks (no
     predicated loads, no select on the scores: the mask logic is a large share of an e4m3
     tile's instructions, as Triton 3.6's sm_90 build shows), its last partial tile with them;
-    the same arithmetic, so the same bits."""
+    the same arithmetic, so the same bits. ``VMUL`` (an 8-bit cache; ``v_mul`` 1.0): each V
+    tile converted to q's dtype and multiplied by ``v_mul`` in registers, in the layout it was
+    loaded in (each token's row of D values contiguous, coalesced), before Triton lays it out
+    for the ``p @ v`` dot (see :func:`_decode_fold`): the tile then reaches the dot through
+    shared memory in 16 bits, read back by ``ldmatrix``'s transposing form, where an 8-bit
+    tile is read back one byte an instruction (the dot's operand wants pairs of tokens of one
+    dim, which lie a token's row apart); the same values, so the same bits."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -411,8 +427,9 @@ def decode_split_kernel(
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
             else:
                 acc, m_i, l_i = _decode_fold(
-                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
-                )
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, True, VMUL,
+                    v_mul,
+                )  # fmt: skip
             k, v = k_next, v_next
     elif EVEN and not FMA:  # whole tiles without masks, then the last partial one with them
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -422,7 +439,7 @@ def decode_split_kernel(
                 PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT, False,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(
-                q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, False
+                q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, False, VMUL, v_mul
             )
         if full < hi:
             k, v = _decode_tile(
@@ -430,7 +447,7 @@ def decode_split_kernel(
                 PAGE_SIZE, TILE_IN_PAGE, ALIGNED, EVICT,
             )  # fmt: skip
             acc, m_i, l_i = _decode_fold(
-                q, k, v, acc, m_i, l_i, (full + nn) < hi, scale, IEEE, WIDEN
+                q, k, v, acc, m_i, l_i, (full + nn) < hi, scale, IEEE, WIDEN, True, VMUL, v_mul
             )
     elif UNROLL > 1:
         for start in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
@@ -442,8 +459,9 @@ def decode_split_kernel(
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
             else:
                 acc, m_i, l_i = _decode_fold(
-                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
-                )
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, True, VMUL,
+                    v_mul,
+                )  # fmt: skip
     else:
         for start in range(lo, hi, BLOCK_N):
             k, v = _decode_tile(
@@ -454,8 +472,9 @@ def decode_split_kernel(
                 acc, m_i, l_i = _decode_fold_fma(q, k, v, acc, m_i, l_i, (start + nn) < hi, scale)
             else:
                 acc, m_i, l_i = _decode_fold(
-                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN
-                )
+                    q, k, v, acc, m_i, l_i, (start + nn) < hi, scale, IEEE, WIDEN, True, VMUL,
+                    v_mul,
+                )  # fmt: skip
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_safe[:, None]
     omask = hmask[:, None] & dmask[None, :]

@@ -358,6 +358,13 @@ def test_fp8_decode_tiles_may_set_widen_and_fma(monkeypatch):
         monkeypatch.setattr(tb, "FP8_KV_EVEN", frozenset({"long"}))  # a rule's even tiles
         tb.fp8_decode_config.cache_clear()
         assert tb.fp8_decode_config(long) == tb.DecodeConfig(8, 64, 2, 2, 256, 1024, even=True)
+        monkeypatch.setattr(tb, "FP8_KV_VMUL", frozenset({"long"}))  # and its V widened
+        tb.fp8_decode_config.cache_clear()
+        assert tb.fp8_decode_config(long) == tb.DecodeConfig(
+            8, 64, 2, 2, 256, 1024, even=True, vmul=True
+        )
+        short = tb.DecodeConfig(1, 64, 4, 3)  # "one": not a listed rule, kept as it is
+        assert tb.fp8_decode_config(short) == short
     finally:
         tb.fp8_decode_config.cache_clear()
     with pytest.raises(ValueError, match="widen"):
@@ -447,6 +454,80 @@ def test_decode_unroll_evict_and_even_give_the_same_numbers():
         tb.DecodeConfig(1, 64, 4, 2, unroll=3)
 
 
+def test_fp8_kv_vmul_is_off_by_default():
+    """``DecodeConfig.vmul`` is a pick to be measured on the H200 first
+    (``scripts/gpu_s11_fp8v.sh``): no rule takes it yet, and the engine's long-context e4m3
+    configuration at 32 x 4,096 (a graph's: no context bound) runs without it."""
+    from pdserve.model import triton_backend as tb
+
+    assert not tb.FP8_KV_VMUL
+    tb.fp8_decode_config.cache_clear()
+    long = tb.fp8_decode_config(tb.decode_config(32, 8, 128, None))
+    assert tb.decode_rule(long) == "long" and not long.vmul
+    assert not tb.DecodeConfig(1, 64, 4, 2).vmul
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_decode_vmul_gives_the_same_numbers(q_dtype):
+    """The decode kernel's ``VMUL`` (each e4m3 V tile converted to q's dtype and multiplied by
+    a runtime 1.0 in registers before its layout change for the dot) leaves every output bit
+    as it is, and the output stays within the rounding of attention over the dequantized K/V
+    (per-tensor scales 0.5 / 2.0: the V scale still applied to the output once): bf16
+    queries with fp16 dots ("long", "split") and with bf16 dots ("one": on a GPU only, Triton
+    3.9's interpreter gets bf16 x bf16 dots wrong), fp32 queries ("one" included);
+    contexts of 1 / 70 / 300 / 129 tokens (partial last tiles, a context of one token, a
+    context one past a page), several splits and the merge, the balanced rule, a split's
+    whole tiles without masks (``even``), tiles of 32 across 16-token pages (a page-table
+    read a token), tiles unrolled or prefetched, over a page-major pool with pages out of
+    order. A bf16 cache ignores it (no conversion there)."""
+    from pdserve.model import triton_backend as tb
+
+    Hq, Hkv, D, ps = 8, 2, 32, 16
+    pool8, qkv, md = _step([1, 1, 1, 1], [1, 70, 300, 129], ps, Hq, Hkv, D, 64, seed=19)
+    qkv = qkv.to(q_dtype)
+    q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+    b = tb.TritonBackend()
+
+    def run(cfg, pool=pool8, scales=SCALES):
+        kc, vc = _views(pool)
+        plan = b.plan(md, ps)
+        plan.config = cfg
+        out = b.forward(q, k, v, kc, vc, md, plan, D**-0.5, kv_scale=scales, kv_stored=True)
+        return out.float()
+
+    ref_pool = pool8.float()
+    ref_pool[:, :, 0] *= SCALES[0]
+    ref_pool[:, :, 1] *= SCALES[1]
+    rk, rv = _views(ref_pool)
+    sdpa = get_attention_backend("torch_sdpa")
+    ref = sdpa.forward(q.float(), k, v, rk, rv, md, sdpa.plan(md, ps), D**-0.5, kv_stored=True)
+    top = ref.abs().max().item()
+    for base in (
+        tb.DecodeConfig(8, 16, 2, 2, 0, 16),  # balanced ("long": fp16 dots under bf16 q)
+        tb.DecodeConfig(4, 32, 4, 2),  # "split"
+        tb.DecodeConfig(1, 16, 2, 3),  # "one": one split, no merge, bf16 dots
+        tb.DecodeConfig(2, 32, 2, 2),  # tiles of 32 across 16-token pages
+    ):
+        bf16_dots = q_dtype == torch.bfloat16 and tb.decode_rule(base) not in tb.FP8_KV_F16_DOTS
+        if bf16_dots and DEVICE != "cuda":  # the interpreter's bf16 x bf16 dots: garbage
+            continue
+        plain = run(base)
+        assert (plain - ref).abs().max().item() <= 2**-7 * top, base
+        for fields in (
+            {"vmul": True},
+            {"vmul": True, "even": True},
+            {"vmul": True, "unroll": 2},
+            {"vmul": True, "prefetch": True},
+        ):
+            assert torch.equal(run(replace(base, **fields)), plain), (base, fields)
+    if q_dtype == torch.bfloat16 and DEVICE == "cuda":  # the interpreter's bf16 x bf16 dots
+        pool16 = pool8.float().to(torch.bfloat16)  # are wrong (see the widen test)
+        cfg = tb.DecodeConfig(8, 16, 2, 2, 0, 16)
+        plain = run(cfg, pool16, (1.0, 1.0))
+        assert torch.equal(run(replace(cfg, vmul=True), pool16, (1.0, 1.0)), plain)
+
+
 @pytest.mark.timeout(300)
 def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
@@ -479,3 +560,36 @@ def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
     assert plain["sass"]["LDS"] >= 3 * widened["sass"]["LDS"]
     assert widened["sass"]["LDSM"] > plain["sass"]["LDSM"]
     assert widened["registers"] < plain["registers"]
+
+
+@pytest.mark.timeout(400)
+def test_vmul_builds_for_hopper_without_byte_loads_from_shared_memory():
+    """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
+    long-context rule's e4m3 tiles with whole tiles unmasked, fp16 dots, 16-byte loads):
+    without ``VMUL`` the V tile is read back from shared memory one byte an instruction
+    (``LDS.U8``); with it none is (V reaches the dot in 16 bits, by ``ldmatrix``), and the
+    whole tiles' loop issues fewer instructions and the kernel holds fewer registers."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    base = "8, 64, 2, 2, 256, 1024, False, 0, False, 1, False, True"
+    done = subprocess.run(
+        [sys.executable, str(script), "--decode", "--kv", "fp8", "--f16-dot", "--aligned"]
+        + ["--json", "--configs", f"({base})", f"({base}, True)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 2 and all("error" not in r for r in rows), (rows, done.stderr[-2000:])
+    plain, vmul = rows
+    assert plain["lds_u8"] >= 64 and vmul["lds_u8"] == 0
+    assert vmul["sass"]["LDSM"] > plain["sass"]["LDSM"]
+    assert vmul["loops"][0]["instructions"] < 0.95 * plain["loops"][0]["instructions"]
+    assert vmul["registers"] < plain["registers"]
