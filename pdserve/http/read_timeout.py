@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,10 +99,11 @@ def timeout_answer(
 
 def with_read_timeout(base: Any, timeout_s: float) -> type:
     """``base`` (an uvicorn HTTP protocol class: h11's, httptools', or a subclass such as
-    the router's front) with the read timeout of this module, ``timeout_s`` seconds (> 0).
+    the router's front) with the read timeout of this module, ``timeout_s`` seconds (> 0,
+    finite).
     ValueError for a protocol class it does not know."""
-    if not timeout_s > 0:
-        raise ValueError(f"the request read timeout must be > 0 s, got {timeout_s}")
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"the request read timeout must be > 0 s and finite, got {timeout_s}")
     if issubclass(base, H11Protocol):
         phases: Any = _H11Phases
     else:

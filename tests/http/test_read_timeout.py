@@ -181,8 +181,8 @@ def test_a_pipelined_request_waiting_its_turn_is_not_timed(server):
 def test_only_positive_timeouts_and_known_protocols() -> None:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="must be > 0 s"):
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="must be > 0 s and finite"):
             with_read_timeout(H11Protocol, bad)
     with pytest.raises(ValueError, match="no read timeout for the HTTP protocol"):
         with_read_timeout(asyncio.Protocol, 1.0)
