@@ -371,6 +371,9 @@ class ServerConfig:
     num_threads: torch intra-op CPU threads of the worker (``torch.set_num_threads``, set
         before the model loads); 0 = torch's default (``OMP_NUM_THREADS`` or all cores).
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    request_read_timeout: seconds a request's line and headers may take to arrive, and
+        its body may pause between two reads; 408 and the connection closed after
+        (``http/read_timeout.py``; 60 s: nginx's client_header/body_timeout).
     strict_request_fields: answer 400 for an unknown request field instead of ignoring it
         with a warning (``server/field_policy.py``).
     otlp_traces_endpoint: OTLP/HTTP collector URL the worker sends its traces to
@@ -387,6 +390,7 @@ class ServerConfig:
     idle_poll_interval: float = 0.002
     num_threads: int = 0
     max_request_body_bytes: int = 32 * 2**20
+    request_read_timeout: float = 60.0  # http/read_timeout.py DEFAULT_REQUEST_READ_TIMEOUT_S
     strict_request_fields: bool = False
     otlp_traces_endpoint: str | None = None
     responses_store_size: int = 1000
@@ -410,6 +414,7 @@ class ServerConfig:
                 f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}"
             )
         check_min(self, 0, "max_request_body_bytes", above=True)
+        check_min(self, 0, "request_read_timeout", above=True, unit=" s")
 
 
 ROUTER_POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
@@ -433,6 +438,9 @@ class RouterConfig:
         how long one probe may take; ``health_failure_threshold`` consecutive failures eject
         a worker, one success restores it.
     max_request_body_bytes: largest request body accepted, in bytes (413 above).
+    request_read_timeout: seconds a request's line and headers may take to arrive, and
+        its body may pause between two reads; 408 and the connection closed after
+        (``http/read_timeout.py``).
     otlp_traces_endpoint: OTLP/HTTP collector URL the router sends its traces to
         (``pdserve/tracing.py``); ``None`` = tracing off.
     max_migrations: times one request may move to another worker (pair) after its worker
@@ -461,6 +469,7 @@ class RouterConfig:
     health_check_timeout: float = 5.0
     health_failure_threshold: int = 2
     max_request_body_bytes: int = 32 * 2**20
+    request_read_timeout: float = 60.0  # http/read_timeout.py DEFAULT_REQUEST_READ_TIMEOUT_S
     mode: str = "auto"
     admin_token: str | None = None
     otlp_traces_endpoint: str | None = None
@@ -505,6 +514,7 @@ class RouterConfig:
                     raise ValueError(f"{name}: {url!r} must start with http:// or https://")
         check_port(self.port, "port", allow_zero=True)
         check_min(self, 0, "max_request_body_bytes", above=True)
+        check_min(self, 0, "request_read_timeout", above=True, unit=" s")
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.policy!r}"

@@ -212,10 +212,14 @@ def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def pd_and_mixed(
-    logs: Path, model: str = TINY, worker_extra: Iterable[str] = ()
+    logs: Path,
+    model: str = TINY,
+    worker_extra: Iterable[str] = (),
+    router_extra: Iterable[str] = (),
 ) -> Iterator[dict[str, Any]]:
     """A prefill, a decode and a router over them, beside one mixed worker (the reference),
-    all on ``model`` and healthy (each worker given the flags ``worker_extra``); ``procs``
+    all on ``model`` and healthy (each worker given the flags ``worker_extra``, the router
+    ``router_extra``); ``procs``
     lists the four, ``baseline`` each PD worker's free pages at start. Every process is
     stopped however the block ends."""
     more = list(worker_extra)
@@ -228,7 +232,9 @@ def pd_and_mixed(
     )
     decode = start_worker("decode", "decode", logs, model=model, extra=more)
     mixed = start_worker("mixed", "mixed", logs, model=model, extra=more)
-    router = start_router("router", logs, prefill=[prefill], decode=[decode])
+    router = start_router(
+        "router", logs, prefill=[prefill], decode=[decode], extra=list(router_extra)
+    )
     procs = [prefill, decode, mixed, router]
     try:
         wait_healthy(procs)

@@ -120,8 +120,10 @@ class FrontCycle:
         keep_alive: bool,
         expect_100_continue: bool,
         on_response: Callable[[], None],
+        count: Callable[[Response, str, float], Response] | None = None,
     ) -> None:
         self.endpoint, self.headers = endpoint, headers
+        self.count, self.start = count, time.perf_counter()
         self.transport, self.flow, self.default_headers = transport, flow, default_headers
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
@@ -132,6 +134,12 @@ class FrontCycle:
         self.disconnected = False
         self.response_started = False
         self.response_complete = False
+
+    def read_timed_out(self) -> None:
+        """Its body stopped arriving and the read timeout answered 408
+        (http/read_timeout.py): counted as the app's requests are."""
+        if self.count is not None:
+            self.count(Response(status_code=408), self.endpoint, self.start)
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
@@ -383,6 +391,7 @@ def front_protocol(front: FrontHandler) -> type[HttpToolsProtocol]:
                 parser.should_keep_alive(),
                 self.expect_100_continue,
                 self.on_response_complete,
+                front.count,
             )
             if existing is None or existing.response_complete:
                 self._release(cycle)

@@ -12,6 +12,11 @@ from typing import Any
 
 import uvicorn
 
+from pdserve.http.read_timeout import (
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+    protocol_class,
+    with_read_timeout,
+)
 from pdserve.tracing import RequestIdFilter
 
 
@@ -149,6 +154,8 @@ class ThreadedServer:
     take the port in between. ``config`` goes to ``uvicorn.Config`` (defaults: warnings
     only, no access log, 5 s graceful shutdown); its ``log_level`` holds for the lines its
     thread logs whatever level another server of the process set on uvicorn's loggers.
+    ``request_read_timeout``: seconds a request may take to arrive
+    (:mod:`pdserve.http.read_timeout`; 408 after).
     ``stop()`` asks uvicorn to exit, as SIGTERM does, and joins the thread.
     """
 
@@ -159,6 +166,7 @@ class ThreadedServer:
         port: int = 0,
         *,
         name: str = "pdserve-http",
+        request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S,
         **config: Any,
     ) -> None:
         self.host, self.port, self.name = host, port, name
@@ -170,6 +178,7 @@ class ThreadedServer:
             "http": app_protocol(app) or "h11",  # the router's front serves its requests
         }
         options.update(config)
+        options["http"] = with_read_timeout(protocol_class(options["http"]), request_read_timeout)
         self.server = GracefulServer(uvicorn.Config(app, **options))
         level = options["log_level"]
         self._log_level = (
@@ -229,13 +238,16 @@ def serve_app(
     log_level: str = "info",
     loop: str = "asyncio",
     http: str = "h11",
+    request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT_S,
 ) -> None:
     """Run ``app`` under uvicorn on an already bound socket until SIGINT/SIGTERM.
     ``loop``/``http``: uvicorn's event loop and HTTP/1.1 parser; the router asks for
     ``auto`` = ``uvloop``/``httptools`` where installed (its whole job is parsing and relaying requests: they cut
     its CPU per request by about a third, ``pdserve bench router``), the workers keep the
     standard library's loop and h11. An app that names its own protocol class
-    (``app.state.http_protocol``: the router's front) is served by that one."""
+    (``app.state.http_protocol``: the router's front) is served by that one.
+    ``request_read_timeout``: seconds a request's head may take to arrive, and its body may
+    pause (:mod:`pdserve.http.read_timeout`; 408 after)."""
     # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
     config = uvicorn.Config(
         app,
@@ -244,7 +256,7 @@ def serve_app(
         timeout_keep_alive=30,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         loop=loop,
-        http=app_protocol(app) or http,
+        http=with_read_timeout(protocol_class(app_protocol(app) or http), request_read_timeout),
     )
     server = GracefulServer(config)
     try:

@@ -137,6 +137,7 @@ def plan_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child],
         passthrough += ["--served-model-name", args.served_model_name]
     # flags the workers and the router both get (the same collector for all of them)
     shared = ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    shared += ["--request-read-timeout", str(args.request_read_timeout)]
     if args.otlp_traces_endpoint:
         shared += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     passthrough += shared

@@ -130,6 +130,14 @@ UP_FLAGS: tuple[Flag, ...] = (
         int,
         cls=ServerConfig,
     ),
+    Flag(
+        "--request-read-timeout",
+        "seconds a request's line and headers may take to arrive at the router or a "
+        "worker, and its body may pause between two reads; then 408 and the connection "
+        "is closed",
+        float,
+        cls=ServerConfig,
+    ),
     STRICT_FIELDS_FLAG,
     Flag(
         "--otlp-traces-endpoint",

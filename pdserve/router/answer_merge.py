@@ -187,7 +187,9 @@ def merge_timing(endpoint: str, decode: Any, prefill: Any) -> Any:
 def merge_router_timing(endpoint: str, answer: Any, info: dict) -> Any:
     """Add the router's block ``{"router": info}`` (selective PD's decision:
     ``pd_decision``, ``prompt_tokens_estimate``, ``decode_cached_share``,
-    ``uncached_tokens_estimate``, ``pd_min_prefill_tokens``) to each sample's timing block
+    ``uncached_tokens_estimate``, ``pd_min_prefill_tokens``; ``pd_decision``
+    ``decode_fallback`` and its ``pd_fallback`` reason when no prefill/decode pair could
+    take the request) to each sample's timing block
     (``return_timing``) in ``answer`` (a full answer or one stream chunk), in place;
     returns ``answer``."""
     for block in timing_blocks(endpoint, answer).values():

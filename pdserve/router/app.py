@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 import pdserve
@@ -29,6 +30,7 @@ from pdserve.http.disconnect import ClientDisconnected, cancel_on_disconnect
 from pdserve.http.front import FrontHandler, front_protocol
 from pdserve.http.head import HeadAsGet
 from pdserve.http.http_errors import http_error_message
+from pdserve.http.read_timeout import timed_out
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.router.admin import build_admin_router, worker_json
 from pdserve.router.dispatch import Dispatcher
@@ -229,7 +231,11 @@ def build_router_app(config: RouterConfig, *, rng: random.Random | None = None) 
             return Response(status_code=499)
 
     async def forward(request: Request, endpoint: str) -> Response:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone (or timed out: http/read_timeout.py) mid-body
+            status = 408 if timed_out(request.scope) else 499
+            return _count(Response(status_code=status), endpoint, time.perf_counter())
         start = time.perf_counter()
         return _count(await answer(endpoint, raw, request), endpoint, start)
 

@@ -41,6 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Leg, Migration, StreamState
 from pdserve.router.relay import OpenStreams, PrefillWatch, StreamEnd, relay_sse, start_relay
 from pdserve.router.workers import (
+    NoHealthyPair,
     NoHealthyWorker,
     WorkerPool,
     WorkerState,
@@ -221,6 +222,8 @@ class Dispatcher:
         # per draw, which cost ~4 % of the router's CPU a request
         self._rng = rng or random.Random()
         self.streams = OpenStreams()  # relays now running; ended by the router's shutdown
+        # [reason, requests] of the outage now served without prefill (None: none)
+        self._fallback: list | None = None
 
     # --- rooms -------------------------------------------------------------------------
     def reserve_rooms(self, n: int) -> int:
@@ -401,7 +404,12 @@ class Dispatcher:
         to each decode worker) does not hold, for the decode worker holding the most; under
         the threshold the request runs on that decode worker alone (on the policy's pick
         when none holds any), else on a pair. The decision is counted, set on the trace
-        and returned in ``Route.info``."""
+        and returned in ``Route.info``.
+
+        A PD request with no pair to go to (no healthy prefill worker, e.g. while
+        ``pdserve up`` restarts a dead one) runs whole on a decode worker
+        (:meth:`_without_prefill`; ``Route.info`` says ``decode_fallback``) rather than
+        get 503; NoHealthyWorker only when no decode worker is healthy either."""
         key = routing_key(endpoint, body)
         if not self.pd_mode:
             return Route(self.pool.pick("mixed", key, avoid))
@@ -432,10 +440,49 @@ class Dispatcher:
                 decode = best if best is not None else self.pool.pick("decode", key, avoid)
                 self.metrics.pd_decisions.labels(decision).inc()  # once picked: not a poll
                 return Route(decode, info, functools.partial(index.record, decode.url, keys))
-        pair = self.pool.pick_pair(key, avoid)
+        try:
+            pair = self.pool.pick_pair(key, avoid)
+        except NoHealthyWorker as exc:
+            decode, reason = self._without_prefill(key, avoid, exc)
+            info = {**(info or {}), "pd_decision": "decode_fallback", "pd_fallback": reason}
+            return Route(decode, info, functools.partial(index.record, decode.url, keys))
+        if self._fallback is not None:
+            log.warning(
+                "a prefill/decode pair is usable again: PD requests go through pairs again "
+                "(%d served whole on decode workers meanwhile)",
+                self._fallback[1],
+            )
+            self._fallback = None
         if info is not None:
             self.metrics.pd_decisions.labels(info["pd_decision"]).inc()
         return Route(pair, info, functools.partial(index.record, pair[1].url, keys))
+
+    def _without_prefill(
+        self, key: str | None, avoid: Collection[str], exc: NoHealthyWorker
+    ) -> tuple[WorkerState, str]:
+        """The decode worker that serves a PD request whole when no pair can (``exc``, from
+        ``pick_pair``), and why (the counter's ``reason``): ``no_healthy_prefill``, no
+        prefill worker passes its health checks (dead, restarting, drained). A decode
+        worker runs a request whole as a mixed worker does (selective PD's path), so the
+        output is the same; it only pays the prefill itself. Re-raises ``exc`` when no
+        decode worker is healthy either (the client's 503), and for NoHealthyPair (healthy
+        prefills that every decode reports unhealthy: a 503 naming the reports, the
+        quarantine's own signal). Counted, and warned about once an outage (until a pair
+        is picked again)."""
+        if isinstance(exc, NoHealthyPair) or not self.pool.healthy("decode", avoid):
+            raise exc
+        reason = "no_healthy_prefill"
+        decode = self.pool.pick("decode", key, avoid)
+        self.metrics.pd_fallbacks.labels(reason).inc()
+        if self._fallback is None:
+            self._fallback = [reason, 0]
+            log.warning(
+                "%s: serving PD requests whole on decode workers until a prefill worker is "
+                "healthy again (counted in pdserve_router_pd_fallbacks_total)",
+                exc,
+            )
+        self._fallback[1] += 1
+        return decode, reason
 
     def _route_attributes(self, route: Route) -> dict:
         """The trace attributes of ``route`` (the ``route`` phase and the request span)."""

@@ -67,6 +67,14 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
         cls=RouterConfig,
     ),
     Flag(
+        "--request-read-timeout",
+        "seconds a request's line and headers may take to arrive, and its body may "
+        "pause between two reads; then 408 and the connection is closed (a slow or "
+        "stalled client holds nothing longer)",
+        float,
+        cls=RouterConfig,
+    ),
+    Flag(
         "--max-migrations",
         "times one request may move to another worker after its worker failed: a stream "
         "goes on from the tokens already sent, a non-streamed request is sent again; 0 = "
@@ -189,5 +197,6 @@ def main(args: argparse.Namespace) -> int:
         log_level=envs.LOG_LEVEL.get(),
         loop="auto",  # uvloop and httptools (dependencies; the standard ones if absent)
         http="auto",
+        request_read_timeout=config.request_read_timeout,
     )
     return 0

@@ -94,6 +94,14 @@ class RouterMetrics:
             ["path"],
             registry=self.registry,
         )
+        self.pd_fallbacks = Counter(
+            "pdserve_router_pd_fallbacks",
+            "PD requests served whole on a decode worker because no prefill/decode pair "
+            "could take them, by reason (no_healthy_prefill: no prefill worker passes its "
+            "health checks)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pool, live_rooms))
 
     def render(self) -> bytes:

@@ -20,6 +20,7 @@ from pdserve.http.body_limit import BodySizeLimit
 from pdserve.http.disconnect import ClientDisconnected
 from pdserve.http.head import HeadAsGet
 from pdserve.http.http_errors import error_json, http_error_message
+from pdserve.http.read_timeout import timed_out
 from pdserve.http.shutdown import ShutdownAnswer, ShutdownFlag
 from pdserve.server.generate_api import build_generate_router
 from pdserve.server.metrics import ServerMetrics
@@ -138,6 +139,8 @@ class _RequestMetrics:
             # a stream the client abandoned after its 200 started: 499 (client closed
             # request), as the router counts it
             code = 499 if ended["client"] and not ended["body"] else status["code"]
+            if timed_out(scope):  # its body stopped arriving: answered 408
+                code = 408
             self.metrics.requests.labels(path, str(code)).inc()
             self.metrics.e2e.labels(path).observe(time.perf_counter() - start)
 

@@ -90,6 +90,14 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         int,
         cls=ServerConfig,
     ),
+    Flag(
+        "--request-read-timeout",
+        "seconds a request's line and headers may take to arrive, and its body may "
+        "pause between two reads; then 408 and the connection is closed (a slow or "
+        "stalled client holds nothing longer)",
+        float,
+        cls=ServerConfig,
+    ),
     STRICT_FIELDS_FLAG,
     Flag(
         "--responses-store-size",
@@ -172,5 +180,10 @@ def main(args: argparse.Namespace) -> int:
         f"http://{server_cfg.host}:{port}{extra}",
         flush=True,
     )
-    serve_app(app, sock, log_level=envs.LOG_LEVEL.get())
+    serve_app(
+        app,
+        sock,
+        log_level=envs.LOG_LEVEL.get(),
+        request_read_timeout=server_cfg.request_read_timeout,
+    )
     return 0

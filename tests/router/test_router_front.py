@@ -524,3 +524,48 @@ def test_a_streams_head_goes_out_with_its_first_chunk():
             assert transport.written[1:] == [b"e\r\ndata: [DONE]\n\n\r\n", b"0\r\n\r\n"]
         else:
             assert first.endswith(b"\r\n\r\n0\r\n\r\n") and len(transport.written) == 1
+
+
+def test_read_timeout_spares_a_pipelined_request_waiting_its_turn_and_ends_a_stalled_one(
+    setup,
+):
+    """The read timeout (http/read_timeout.py) on the front: a pipelined POST whose body
+    arrives while the one before it is still answered (the front has stopped reading) is
+    served however long that takes; a POST whose body then stops gets 408 with its request
+    id, counted as 408."""
+    _, _, mixed, _, regular = setup
+    t = 0.5
+    router = ThreadedServer(
+        build_router_app(
+            RouterConfig(worker_urls=(regular_worker_url(regular),), max_request_body_bytes=CAP)
+        ),
+        request_read_timeout=t,
+    )
+    router.start()
+    mixed.gate = threading.Event()
+    try:
+        _wait(lambda: httpx.get(router.url + "/health").status_code == 200)
+        sock, f = _connect(router)
+        second = _post("/v1/completions", b'{"prompt": "second"}', "x-request-id: two")
+        sock.sendall(_post("/v1/completions", b'{"prompt": "first"}') + second[:-6])
+        time.sleep(t / 3)
+        sock.sendall(second[-6:])
+        assert not select.select([sock], [], [], 3 * t)[0], "answered while the gate is shut"
+        mixed.gate.set()
+        assert _read(f)[0] == 200 and _read(f)[0] == 200
+        sock.sendall(_post("/v1/completions", b'{"prompt": "third"}', "x-request-id: s3")[:-4])
+        start = time.monotonic()
+        status, headers, body = _read(f)
+        assert status == 408 and t - 0.05 <= time.monotonic() - start < t + 2
+        assert json.loads(body)["request_id"] == headers["x-request-id"] == "s3"
+        assert f.read() == b""  # closed
+        sock.close()
+        assert _metric(router, 408) == 1.0
+    finally:
+        mixed.gate.set()
+        router.stop()
+
+
+def regular_worker_url(regular: ThreadedServer) -> str:
+    """The mixed worker's URL behind the regular-mode router ``regular``."""
+    return httpx.get(regular.url + "/get_server_info").json()["workers"][0]["url"]

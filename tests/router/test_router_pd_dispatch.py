@@ -260,12 +260,22 @@ def test_unhealthy_worker_is_ejected_then_restored(setup):
     prefill.health = 503
     _wait_health(url, 503)
     assert "prefill" in httpx.get(url + "/health").json()["error"]["message"]
+    # no prefill worker: the decode worker serves the request whole (no bootstrap fields)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode", r.text
+    assert not prefill.bodies and len(decode.bodies) == 1
+    assert "bootstrap_room" not in decode.bodies[0]
+    metrics = httpx.get(url + "/metrics").text
+    assert 'pdserve_router_pd_fallbacks_total{reason="no_healthy_prefill"} 1.0' in metrics
+    decode.health = 503  # neither role: 503
+    _wait(lambda: "decode" in httpx.get(url + "/health").text)
     r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and "no healthy prefill worker" in r.json()["error"]["message"]
-    assert not prefill.bodies and not decode.bodies
-    prefill.health = 200
+    assert len(decode.bodies) == 1
+    prefill.health = decode.health = 200
     _wait_health(url, 200)
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert len(prefill.bodies) == 1 and "bootstrap_room" in decode.bodies[-1]  # a pair again
 
 
 def test_router_bad_input_and_metrics(setup):
