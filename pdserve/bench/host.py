@@ -174,14 +174,19 @@ def synthetic_executor(vocab: int, eos: frozenset[int], logprobs: int | None, se
     return execute
 
 
-STUB_VOCAB = 64  # the stub's logits columns: the sampler's tensors stay negligible
+# The stub's logits columns (the sampler's tensors stay negligible) and the first token it
+# picks: ids from 256 on are ordinary text pieces in the usual BPE vocabularies (the low ids
+# are special tokens, which skip_special_tokens decodes to nothing: the detokenizer would
+# then buffer every id of the output and decode them all again at each token)
+STUB_FIRST = 256
+STUB_VOCAB = STUB_FIRST + 64
 
 
 class StubModel:
     """Stands in for a runner's ``LlamaForCausalLM`` at no compute cost: the forward
     returns zeros ``[T, 1]`` (one hidden column), the LM head the rows of one fixed
-    ``[max_rows, STUB_VOCAB]`` fp32 table (row ``r`` ranks token ``r % STUB_VOCAB`` first,
-    so greedy picks vary by row, all below the tokenizer's vocabulary). ``backend``,
+    ``[max_rows, STUB_VOCAB]`` fp32 table (row ``r`` ranks token ``STUB_FIRST + r % 64``
+    first, so greedy picks vary by row, all ordinary text tokens). ``backend``,
     ``shapes`` (with ``vocab = STUB_VOCAB``) and ``dtype`` are what the model runner and the
     CUDA-graph runner read; the KV cache is not touched."""
 
@@ -197,7 +202,7 @@ class StubModel:
         self._hidden = torch.zeros(max_rows, 1, dtype=model.dtype)
         rows = torch.arange(max_rows)
         logits = torch.zeros(max_rows, STUB_VOCAB, dtype=torch.float32)
-        logits[rows, rows % STUB_VOCAB] = 1.0
+        logits[rows, STUB_FIRST + rows % (STUB_VOCAB - STUB_FIRST)] = 1.0
         self._logits = logits
 
     def __call__(self, input_ids: Any, positions: Any, attn: Any, caches: Any, plan: Any) -> Any:
@@ -334,7 +339,7 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
     out["steps"] = len(per_step)
     out["intake"] = intake * 1e6
     out["prefill"] = prefill * 1e6
-    out["first"] = (intake + prefill) * 1e6
+    out["first"] = out["intake"] + out["prefill"]
     out["prefill_steps"] = prefill_steps
     return out
 
