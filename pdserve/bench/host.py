@@ -6,6 +6,16 @@ one token each) is timed. With ``--executor synthetic`` (the default) the model 
 the executor returns a random token per sampling row, so the figures are the host side
 alone (scheduling, bookkeeping, token append, detokenization, stop checks, outputs); with
 ``--executor model`` the real model runs and ``execute`` holds its compute and sampling.
+With ``--executor stub`` the real model runner runs (the step's staging buffer, the
+attention plan, the logits gather, the sampler, and with ``--graphs`` the CUDA-graph
+runner's static-buffer filling, replayed eagerly) around a model whose forward and LM head
+cost nothing (:class:`StubModel`): ``execute`` is host work too and counts in ``host``.
+``--page-size``, ``--budget`` and ``--backend triton`` give the GPU engine's shape
+(128-token pages, a 4,096-token step, the Triton backend's plan) on the CPU.
+
+Each run also times the first token: ``intake`` (``add_request`` of every request), then
+every step until each request has its first token (``prefill``: their host time summed,
+``prefill_steps`` of them), ``first`` = both: the host time of a batch's first token.
 
 Two passes per repeat, each run's median over its steps, the best run of ``--repeats``
 after a warm-up (a shared machine only ever adds time):
@@ -36,6 +46,8 @@ from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.config import ModelConfig, default_of
 
 PHASES = ("schedule", "update", "append", "output", "disagg", "masks", "gc", "other")
+# the first token's host phases of a run (microseconds; ``prefill_steps`` a count)
+FIRST = ("intake", "prefill", "first")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,9 +67,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt")
     p.add_argument(
         "--executor",
-        choices=("synthetic", "model"),
+        choices=("synthetic", "stub", "model"),
         default="synthetic",
-        help="synthetic: random tokens, no model (host time alone); model: run the model",
+        help="synthetic: random tokens, no model runner (host time alone); stub: the real "
+        "model runner around a forward and LM head that cost nothing (the runner's host "
+        "work counts as host); model: run the model",
+    )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="with --executor stub: decode steps go through the CUDA-graph runner's "
+        "buffer filling (replayed eagerly), as on a GPU",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "torch_sdpa", "triton"),
+        default="auto",
+        help="with --executor stub: whose attention plan the runner builds (triton: the "
+        "GPU engine's); auto: the device's",
+    )
+    p.add_argument(
+        "--page-size", type=int, default=None, help="tokens per KV page; unset: the device's"
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="tokens a step (max_num_batched_tokens); unset: every prompt in one step",
     )
     p.add_argument(
         "--stop", action="append", default=None, help="a stop string (repeatable); unset: none"
@@ -138,6 +174,78 @@ def synthetic_executor(vocab: int, eos: frozenset[int], logprobs: int | None, se
     return execute
 
 
+# The stub's logits columns (the sampler's tensors stay negligible) and the first token it
+# picks: ids from 256 on are ordinary text pieces in the usual BPE vocabularies (the low ids
+# are special tokens, which skip_special_tokens decodes to nothing: the detokenizer would
+# then buffer every id of the output and decode them all again at each token)
+STUB_FIRST = 256
+STUB_VOCAB = STUB_FIRST + 64
+
+
+class StubModel:
+    """Stands in for a runner's ``LlamaForCausalLM`` at no compute cost: the forward
+    returns zeros ``[T, 1]`` (one hidden column), the LM head the rows of one fixed
+    ``[max_rows, STUB_VOCAB]`` fp32 table (row ``r`` ranks token ``STUB_FIRST + r % 64``
+    first, so greedy picks vary by row, all ordinary text tokens). ``backend``,
+    ``shapes`` (with ``vocab = STUB_VOCAB``) and ``dtype`` are what the model runner and the
+    CUDA-graph runner read; the KV cache is not touched."""
+
+    def __init__(self, model: Any, backend: Any, max_rows: int) -> None:
+        import copy
+
+        import torch
+
+        self.backend = backend
+        self.dtype = model.dtype
+        self.shapes = copy.copy(model.shapes)
+        self.shapes.vocab = STUB_VOCAB
+        self._hidden = torch.zeros(max_rows, 1, dtype=model.dtype)
+        rows = torch.arange(max_rows)
+        logits = torch.zeros(max_rows, STUB_VOCAB, dtype=torch.float32)
+        logits[rows, STUB_FIRST + rows % (STUB_VOCAB - STUB_FIRST)] = 1.0
+        self._logits = logits
+
+    def __call__(self, input_ids: Any, positions: Any, attn: Any, caches: Any, plan: Any) -> Any:
+        return self._hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden: Any, out: Any = None) -> Any:
+        n = hidden.shape[0]
+        if out is None:
+            return self._logits[:n]
+        return out.copy_(self._logits[:n])
+
+
+def install_stub(engine: Any, backend: str = "auto", graphs: bool = False) -> StubModel:
+    """Put a :class:`StubModel` under ``engine``'s (TP=1) model runner, with the attention
+    backend ``backend`` (``auto``: the model's own) for the plan; ``graphs``: also a
+    CUDA-graph runner over it that replays eagerly (``CUDAGraphRunner(eager=True)``), so
+    decode steps fill its static buffers as a GPU engine's do. ValueError for TP > 1."""
+    from pdserve.engine.worker.cuda_graph import CUDAGraphRunner
+    from pdserve.model.attention import get_attention_backend
+
+    rank0 = getattr(engine.executor, "rank0", None)
+    if rank0 is None or engine.executor.tp_size != 1:
+        raise ValueError("--executor stub needs a TP=1 engine")
+    runner = rank0.runner
+    model = runner.model
+    be = model.backend if backend == "auto" else get_attention_backend(backend)
+    sc = engine.config.scheduler
+    max_rows = max(sc.max_num_batched_tokens, sc.max_running) + 1
+    stub = StubModel(model, be, max_rows)
+    runner.model = stub
+    if graphs:
+        storage = runner.storage
+        runner.graphs = CUDAGraphRunner(
+            stub,  # type: ignore[arg-type]
+            storage.layer_caches,
+            storage.page_size,
+            sc.max_running,
+            CUDAGraphRunner.max_pages_for(engine.max_model_len, storage.page_size),
+            eager=True,
+        )
+    return stub
+
+
 def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bool) -> dict:
     """Run ``n`` requests to the end; microseconds per full decode step of each phase
     (medians over the steps)."""
@@ -151,10 +259,14 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
         logprobs=args.logprobs,
     )
     rng = random.Random(run)
-    for i in range(n):
-        prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
-        engine.add_request(f"host-{run}-{i}", prompt, params)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(n)]
     clock = CLOCKS[args.clock]
+    # the runner's execute is host work too with the stub model (not subtracted)
+    stub = getattr(args, "executor", "synthetic") == "stub"
+    t0 = clock()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"host-{run}-{i}", prompt, params)
+    intake = clock() - t0
     wrapped = [("schedule", engine.scheduler, "schedule"), ("execute", engine.executor, "execute")]
     if detail:
         wrapped += [
@@ -182,8 +294,15 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
 
     gc.callbacks.append(on_gc)
     per_step: list[dict[str, float]] = []
+    prefill, prefill_steps = 0.0, 0
+    sched = engine.scheduler
     try:
         while engine.has_unfinished_requests():
+            # a step of the first token: some request has none yet (none has finished:
+            # max_tokens >= 2)
+            first = any(r.num_output_tokens == 0 for r in sched.waiting) or any(
+                r.num_output_tokens == 0 for r in sched.running
+            )
             for acc in accs.values():
                 acc[0] = 0.0
             gc_acc[0] = 0.0
@@ -194,12 +313,17 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
             t0 = clock()
             engine.step()
             total = clock() - t0
+            if first:
+                prefill += total - (0.0 if stub else accs["execute"][0])
+                prefill_steps += 1
             if decode and full:
                 row = {name: acc[0] * 1e6 for name, acc in accs.items()}
-                row["host"] = total * 1e6 - row["execute"]
+                row["host"] = total * 1e6 - (0.0 if stub else row["execute"])
                 row["gc"] = gc_acc[0] * 1e6  # inside the other phases' figures too
                 if detail:
                     row["other"] = row["host"] - sum(row[k] for k in PHASES[:-2])
+                    if stub:  # the runner's host work: its own column, not "other"
+                        row["other"] -= row["execute"]
                 per_step.append(row)
     finally:
         gc.callbacks.remove(on_gc)
@@ -213,6 +337,10 @@ def _one_run(engine: Any, n: int, args: argparse.Namespace, run: int, detail: bo
     out = {k: statistics.median(r[k] for r in per_step) for k in per_step[0]}
     out["gc_mean"] = statistics.fmean(r["gc"] for r in per_step)
     out["steps"] = len(per_step)
+    out["intake"] = intake * 1e6
+    out["prefill"] = prefill * 1e6
+    out["first"] = out["intake"] + out["prefill"]
+    out["prefill_steps"] = prefill_steps
     return out
 
 
@@ -237,12 +365,18 @@ def measure(engine: Any, n: int, args: argparse.Namespace) -> dict:
     for ph in PHASES:
         res[f"{ph}_us"] = best[ph]
     res["detailed_host_us"] = best["host"]
+    # the first token: each phase's best light run (a shared machine only adds time)
+    for ph in FIRST:
+        res[f"{ph}_us"] = min(x[ph] for x in light)
+    res["prefill_steps"] = light[0]["prefill_steps"]
     res["gc_mean_us"] = min(x["gc_mean"] for x in light)
     return res
 
 
 def run_host(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve bench host``; prints one row per concurrency."""
+    import torch
+
     from pdserve.bench.offline import _parse_counts
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.core.engine import EngineCore
@@ -251,17 +385,28 @@ def run_host(args: argparse.Namespace) -> int:
         counts = _parse_counts(args.num_prompts)
         if args.max_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
             raise ValueError("--max-tokens must be >= 2, --prompt-len and --repeats >= 1")
+        if args.graphs and args.executor != "stub":
+            raise ValueError("--graphs needs --executor stub")
+        if (args.budget is not None and args.budget < 1) or (
+            args.page_size is not None and args.page_size < 1
+        ):
+            raise ValueError("--budget and --page-size must be >= 1")
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
     n_max = max(counts)
+    page_size = args.page_size
+    num_pages = None
+    if args.executor != "model":  # no weights to size memory for: pages enough for all
+        per_req = -(-(args.prompt_len + args.max_tokens) // (page_size or 16)) + 1
+        num_pages = n_max * per_req + 64
     config = EngineConfig(
         model=ModelConfig(
             model=args.model, device=args.device, dtype=default_of(ModelConfig, "dtype")
         ),
-        cache=CacheConfig(),
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=max(2048, n_max * args.prompt_len),
+            max_num_batched_tokens=args.budget or max(2048, n_max * args.prompt_len),
             max_running_requests=n_max,
             overlap_schedule=False,  # every step runs synchronously, through the executor
         ),
@@ -272,17 +417,25 @@ def run_host(args: argparse.Namespace) -> int:
         engine.executor.execute = synthetic_executor(  # type: ignore[method-assign]
             engine.vocab_size, engine.eos_token_ids, args.logprobs
         )
+    elif args.executor == "stub":
+        install_stub(engine, args.backend, args.graphs)
+        # no CPU compute to share out: torch's intra-op pool would only add wake-ups (on
+        # a GPU these small ops are kernel launches)
+        torch.set_num_threads(1)
     timer = timer_overhead_us(CLOCKS[args.clock])
     print(
-        f"bench host: {args.model} on {args.device}, executor {args.executor}, prompt "
-        f"{args.prompt_len} + {args.max_tokens} tokens, stop {args.stop}, logprobs "
-        f"{args.logprobs}; {args.clock} us per decode step (timer {timer:.2f} us a call, in 'other')"
+        f"bench host: {args.model} on {args.device}, executor {args.executor}"
+        f"{' + graphs' if args.graphs else ''}, prompt {args.prompt_len} + {args.max_tokens} "
+        f"tokens, page {engine.page_ids.page_size}, budget "
+        f"{config.scheduler.max_num_batched_tokens}, stop {args.stop}, logprobs "
+        f"{args.logprobs}; {args.clock} us per decode step (timer {timer:.2f} us a call, in "
+        "'other'); the first token's host us (intake, prefill steps, both)"
     )
     cols = ("host", "schedule", "update", "append", "output", "disagg", "masks", "other")
     print(
         f"{'prompts':>7} {'host/row':>9} "
         + " ".join(f"{c:>9}" for c in cols)
-        + f" {'execute':>9} {'gc mean':>9}"
+        + f" {'execute':>9} {'gc mean':>9} {'intake':>9} {'prefill':>9} {'steps':>5} {'first':>9}"
     )
     results = []
     for n in counts:
@@ -291,7 +444,8 @@ def run_host(args: argparse.Namespace) -> int:
         print(
             f"{n:>7} {res['host_us_per_row']:>9.1f} "
             + " ".join(f"{res[c + '_us']:>9.1f}" for c in cols)
-            + f" {res['execute_us']:>9.1f} {res['gc_mean_us']:>9.1f}"
+            + f" {res['execute_us']:>9.1f} {res['gc_mean_us']:>9.1f} {res['intake_us']:>9.1f}"
+            f" {res['prefill_us']:>9.1f} {res['prefill_steps']:>5} {res['first_us']:>9.1f}"
         )
     engine.shutdown()
     if args.json:

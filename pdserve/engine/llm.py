@@ -170,7 +170,7 @@ class LLM:
             ids: list[int]
             if isinstance(p, str):
                 ids = self.engine.tokenizer(p)["input_ids"]
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            elif isinstance(p, (list, tuple)) and all(map(isinstance, p, itertools.repeat(int))):
                 ids = list(p)
             else:
                 raise ValueError(f"prompts[{i}] must be a string or a list of token ids")

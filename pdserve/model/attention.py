@@ -127,14 +127,19 @@ def token_slots(
     sequence ``b`` sits at position ``seq_lens[b] - query_lens[b] + i`` and is written at slot
     ``table[b, pos // page_size] * page_size + pos % page_size``.
     """
-    qsl = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    B, W = len(query_lens), table.shape[1]
+    qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(query_lens, out=qsl[1:])
-    seq_of = np.repeat(np.arange(len(query_lens)), query_lens)  # [T] sequence of each token
-    positions = (
-        np.arange(int(qsl[-1]), dtype=np.int64) - qsl[seq_of] + (seq_lens - query_lens)[seq_of]
-    )
-    pages = table[seq_of, positions // page_size].astype(np.int64)
-    return qsl, positions, pages * page_size + positions % page_size
+    # token i of the step (row b): position i - qsl[b] + start_b; its page is entry
+    # b * W + position // page_size of the flat table (per-row offsets repeated once each)
+    positions = np.repeat(seq_lens - query_lens - qsl[:-1], query_lens)
+    positions += np.arange(int(qsl[-1]), dtype=np.int64)
+    flat = positions // page_size
+    flat += np.repeat(np.arange(0, B * W, W, dtype=np.int64), query_lens)
+    slots = table.reshape(-1)[flat].astype(np.int64)
+    slots *= page_size
+    slots += positions % page_size
+    return qsl, positions, slots
 
 
 class AttentionBackend(abc.ABC):

@@ -132,3 +132,47 @@ def test_page_keys_up_to_a_page_read_only_those_pages():
     rest = page_keys(tokens, 4, start=2, parent=first[-1], end=3)
     assert first + rest == page_keys(list(range(1, 13)), 4)
     assert page_keys(list(range(1, 41)), 4, end=99) == page_keys(list(range(1, 41)), 4)
+
+
+def test_page_keys_equal_the_chain_of_page_key():
+    """``page_keys`` packs every page's tokens at once: each key is still ``page_key`` of
+    its parent and its page, big ids and 0 included, from any start."""
+    tokens = [0, 2**40, 7, 128255] * 9 + [5]
+    chain, parent = [], ROOT_KEY
+    for p in range(len(tokens) // 4):
+        parent = page_key(parent, tokens[4 * p : 4 * p + 4])
+        chain.append(parent)
+    assert page_keys(tokens, 4) == chain and len(chain) == 9
+    assert page_keys(tokens, 4, start=3, parent=chain[2], end=7) == chain[3:7]
+    assert page_keys(tokens, 4, start=9, parent=chain[8]) == []
+
+
+def test_known_keys_are_taken_not_hashed_again(monkeypatch):
+    """A request's page keys from its lookup (``match_prefix_keys``) are reused by the next
+    lookup and by ``cache_full_pages``: the same keys cached, and pages past the known ones
+    hashed from the last known key."""
+    import pdserve.engine.kv.cache as cache_mod
+
+    kv = manager(num_pages=16)
+    tokens = list(range(1, 23))  # 5 full pages of 4, 2 tokens over
+    hit, keys = kv.match_prefix_keys(tokens, 21)
+    assert hit == [] and keys == page_keys(tokens, 4) and len(keys) == 5
+    assert kv.match_prefix(tokens, 21) == ([], [])
+    hashed = []
+    real = cache_mod.page_keys
+    monkeypatch.setattr(
+        cache_mod, "page_keys", lambda t, ps, **kw: hashed.append(kw) or real(t, ps, **kw)
+    )
+    assert kv.match_prefix_keys(tokens, 21, keys) == ([], keys) and hashed == []
+    # a longer bound hashes only the pages past the known ones
+    _, longer = kv.match_prefix_keys(tokens, 22, keys[:3])
+    assert longer == keys and [h["start"] for h in hashed] == [3]
+    hashed.clear()
+    pages = kv.allocate(6)
+    mine: list[bytes] = []
+    kv.cache_full_pages(tokens, pages, mine, 12, known=keys)  # 3 pages: all known
+    assert mine == keys[:3] and hashed == []
+    more = tokens + [99, 98]  # the request went on: page 5 is new
+    kv.cache_full_pages(more, pages, mine, 24, known=keys)
+    assert mine == page_keys(more, 4) and [h["start"] for h in hashed] == [5]
+    assert kv.match_prefix(more, 24)[0] == pages

@@ -227,3 +227,20 @@ def test_extreme_temperatures_keep_masked_tokens_out_and_their_limits():
         assert max(counts.values()) < 2 * min(counts.values()), counts  # uniform, ~100 each
     for temperature in (1e-300, 1e-40, 1e-30):
         assert set(draws(temperature, n=50)) == {1}
+
+
+def test_plain_greedy_eager_rows_equal_the_samplers_numbers():
+    """An eager step whose sampling rows are all plain greedy skips the per-row sample
+    requests (``ModelRunner.execute``'s greedy fast path): its tokens and raw logprobs are
+    the sampler's bit for bit, as a row asking a top logprob (the sampler's path) gets."""
+    from pdserve.engine.llm import LLM
+
+    llm = LLM("random:tiny", device="cpu", num_pages=64, enable_prefix_caching=False)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    fast = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+    slow = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=1))
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+        assert b.outputs[0].logprobs[0].logprob == b.outputs[0].cumulative_logprob
+    llm.shutdown()

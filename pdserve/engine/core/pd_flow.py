@@ -374,7 +374,12 @@ class PDFlow:
             # Leading prompt pages this worker holds already (a conversation's earlier
             # turns): prefill sends only the rest.  At most (n - 1) // page_size, as on
             # admission, so at least the last page moves.
-            held, keys = self._kv.match_prefix(req.prompt_token_ids, req.num_prompt_tokens - 1)
+            # the prompt's page keys hashed once (kept on the request), matched at each try
+            held, keys = self._kv.match_prefix_keys(
+                req.prompt_token_ids, req.num_prompt_tokens - 1, req.known_keys
+            )
+            if len(keys) > len(req.known_keys):
+                req.known_keys = keys
             fresh = self._scheduler.need_pages(req, req.num_prompt_tokens, len(held))
             if (
                 fresh > self._kv.num_available_pages - self._kv.num_evictable_among(held)
@@ -387,7 +392,7 @@ class PDFlow:
             pd.aux_slot = slot
             self._kv.share(held)
             req.pages = held + self._kv.allocate(fresh)
-            req.page_keys = keys
+            req.page_keys = keys[: len(held)]
             req.num_cached_tokens = len(held) * self._kv.page_size
             self._kv.cache.record_lookup(req.num_prompt_tokens, req.num_cached_tokens)
             req.status = Status.TRANSFERRING
@@ -508,7 +513,7 @@ class PDFlow:
         self._live.remove(req)
         req.num_computed_tokens = req.num_prompt_tokens
         self._kv.cache_full_pages(
-            req.all_token_ids, req.pages, req.page_keys, req.num_computed_tokens
+            req.all_token_ids, req.pages, req.page_keys, req.num_computed_tokens, req.known_keys
         )
         if req.generator is not None:  # the first draw happened on prefill
             skip_draw(req.generator, self._vocab_size, req.generator.device)

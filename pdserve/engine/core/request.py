@@ -17,6 +17,7 @@ import enum
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -430,6 +431,9 @@ class Request:
         self.num_cached_tokens = 0
         self.pages: list[int] = []
         self.page_keys: list[bytes] = []  # prefix-cache keys of pages[: len(page_keys)]
+        # keys of the first full pages of all_token_ids hashed at admission (a pure function
+        # of those tokens, which never change): cache_full_pages takes them, not hashing again
+        self.known_keys: list[bytes] = []
         self.status = Status.WAITING
         self.cumulative_logprob = 0.0
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -565,7 +569,13 @@ def check_prompt(
     n = len(prompt_token_ids)
     if n == 0:
         raise PromptError("prompt must not be empty", "prompt")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+    # the same test as "any(not isinstance(t, int) or not 0 <= t < vocab_size)", with its
+    # per-token work in C (map, min, max): intake does no Python per prompt token
+    if not (
+        all(map(isinstance, prompt_token_ids, repeat(int)))
+        and min(prompt_token_ids) >= 0
+        and max(prompt_token_ids) < vocab_size
+    ):
         raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
     bad_bias = [t for t, _ in params.logit_bias_items if t >= vocab_size]
     if bad_bias:

@@ -193,7 +193,13 @@ class Scheduler:
             end = req.compute_end
             if not req.pages and req.num_computed_tokens == 0:
                 if not req.needs_prompt_logprobs():
-                    hit, keys = self.kv.match_prefix(req.all_token_ids, end - 1)
+                    # every full page's key (the hits' first), kept on the request: its
+                    # pages are hashed once, not again at the next try or when they fill
+                    hit, keys = self.kv.match_prefix_keys(
+                        req.all_token_ids, end - 1, req.known_keys
+                    )
+                    if len(keys) > len(req.known_keys):
+                        req.known_keys = keys
                 start = len(hit) * self.kv.page_size
             else:
                 start = req.num_computed_tokens  # decode role: the prompt arrived by transfer
@@ -283,8 +289,9 @@ class Scheduler:
         return seqs
 
     def _attach_prefix(self, req: Request, hit: list[int], keys: list[bytes]) -> None:
+        """``keys``: the keys of ``req``'s full pages (``match_prefix_keys``), ``hit``'s first."""
         self.kv.share(hit)
-        req.pages, req.page_keys = list(hit), list(keys)
+        req.pages, req.page_keys = list(hit), keys[: len(hit)]
         req.num_computed_tokens = len(hit) * self.kv.page_size
         if not req.times.scheduled:  # the first admission is what usage and hit rate count
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
@@ -407,7 +414,9 @@ class Scheduler:
                     min(computed, req.num_prompt_tokens) - seq.start_pos
                 )
             if page_size and computed // page_size > len(req.page_keys):  # a page filled
-                kv.cache_full_pages(req.all_token_ids, req.pages, req.page_keys, computed)
+                kv.cache_full_pages(
+                    req.all_token_ids, req.pages, req.page_keys, computed, req.known_keys
+                )
             if self.drafter is not None and seq.sample and not req.pages_pinned():
                 # a row whose drafts the grammar cut (engine) holds their pages: release
                 keep = kv.pages_needed(computed)

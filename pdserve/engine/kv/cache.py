@@ -253,8 +253,17 @@ def page_keys(
     """
     keys: list[bytes] = []
     last = len(token_ids) // page_size if end is None else min(end, len(token_ids) // page_size)
-    for p in range(start, last):
-        parent = page_key(parent, token_ids[p * page_size : (p + 1) * page_size])
+    if last <= start:
+        return keys
+    # the bytes page_key hashes, packed for all the pages at once (one C call, not one
+    # per page), then hashed page by page over views of them: the same keys
+    lo, n = start * page_size, (last - start) * page_size
+    data = memoryview(struct.pack(f"<{n}q", *token_ids[lo : lo + n]))
+    step = 8 * page_size
+    for off in range(0, 8 * n, step):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(data[off : off + step])
+        parent = h.digest()
         keys.append(parent)
     return keys
 
@@ -455,11 +464,26 @@ class KVCacheManager:
         """Cached pages holding the longest prefix of ``token_ids`` of at most
         ``max_tokens`` tokens, in full pages, and their keys.  Takes no reference (call
         :meth:`share` to use them).  Empty when prefix caching is off."""
+        pages, keys = self.match_prefix_keys(token_ids, max_tokens)
+        return pages, keys[: len(pages)]
+
+    def match_prefix_keys(
+        self, token_ids: Sequence[int], max_tokens: int, known: Sequence[bytes] = ()
+    ) -> tuple[list[int], list[bytes]]:
+        """:meth:`match_prefix`, with the keys of every full page of the first
+        ``max_tokens`` tokens (the hits' first). known: keys of the first ``len(known)``
+        pages of ``token_ids`` hashed before (an earlier call's keys), taken instead of
+        hashing those pages again. A caller keeps the keys for its next lookup and for
+        :meth:`cache_full_pages` (``known``), so a request's pages are hashed once, not at
+        every try while it waits and again when they fill."""
         if not self.enable_prefix_caching or max_tokens < self.page_size:
             return [], []
-        keys = page_keys(token_ids[: max_tokens - max_tokens % self.page_size], self.page_size)
-        pages = self.cache.match(keys)
-        return pages, keys[: len(pages)]
+        full = min(max_tokens, len(token_ids)) // self.page_size
+        keys = list(known[:full])
+        if len(keys) < full:
+            parent = keys[-1] if keys else ROOT_KEY
+            keys += page_keys(token_ids, self.page_size, start=len(keys), parent=parent, end=full)
+        return self.cache.match(keys), keys
 
     def num_matchable(
         self, token_ids: Sequence[int], max_tokens: int, soon: Collection[bytes] = ()
@@ -495,12 +519,19 @@ class KVCacheManager:
         return sum(1 for p in pages if self._ref[p] == 0)
 
     def cache_full_pages(
-        self, token_ids: Sequence[int], pages: Sequence[int], keys: list[bytes], num_computed: int
+        self,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        keys: list[bytes],
+        num_computed: int,
+        known: Sequence[bytes] = (),
     ) -> None:
         """Index the request's full pages whose KV is computed.
 
         token_ids: the request's tokens; pages: its page table; keys: keys of its first
-        ``len(keys)`` pages, extended in place; num_computed: tokens with KV in ``pages``.
+        ``len(keys)`` pages, extended in place; num_computed: tokens with KV in ``pages``;
+        known: keys of the first ``len(known)`` pages of ``token_ids`` hashed already
+        (:meth:`match_prefix_keys`), taken instead of hashing those pages again.
         A page whose key is cached already (another request computed the same prefix at
         the same time) stays uncached and is freed on release.  No-op when caching is off.
         """
@@ -510,8 +541,12 @@ class KVCacheManager:
         if full <= len(keys):
             return
         start = len(keys)
-        parent = keys[-1] if keys else ROOT_KEY
-        new = page_keys(token_ids, self.page_size, start=start, parent=parent, end=full)
+        new = list(known[start:full])
+        if start + len(new) < full:
+            parent = new[-1] if new else keys[-1] if keys else ROOT_KEY
+            new += page_keys(
+                token_ids, self.page_size, start=start + len(new), parent=parent, end=full
+            )
         keys.extend(new)
         for i, key in enumerate(new, start):
             self.cache.insert(key, pages[i])

@@ -24,7 +24,14 @@ import numpy as np
 import torch
 
 from pdserve.engine.spec.verify import VerifySpan, verify, verify_greedy_packed, verify_rows
-from pdserve.engine.step import BatchPlan, InFlightTokens, ScheduledSeq, StepResult, TokenLogprob
+from pdserve.engine.step import (
+    BatchPlan,
+    InFlightTokens,
+    SampledToken,
+    ScheduledSeq,
+    StepResult,
+    TokenLogprob,
+)
 from pdserve.engine.worker.kv_storage import KVStorage
 from pdserve.engine.worker.sampler import (
     SampleRequest,
@@ -310,14 +317,19 @@ class ModelRunner:
             return result
         if any(s.draft_token_ids for s in plan.seqs):
             return self._verify_step(plan, result)
-        sample_reqs = [sample_request_of(s) for s in plan.seqs if s.sample]
         if logits is None:
             logits = self._eager_step(plan, result)
-        if sample_reqs:
+        sampling = [s for s in plan.seqs if s.sample]
+        if sampling:
             assert logits is not None  # sampling rows have logits
-            sampled = sample(logits, sample_reqs, self.generator)
-            seq_ids = [s.request_id for s in plan.seqs if s.sample]
-            result.sampled = dict(zip(seq_ids, sampled))
+            if all(plain_greedy(s) for s in sampling):
+                # the sampler's own greedy ops (greedy_pack: the same bits as sample's
+                # argmax and raw logprob), without a SampleRequest per row
+                sampled = [SampledToken(int(t), lp, ()) for t, lp in greedy_pack(logits).tolist()]
+            else:
+                rows = [sample_request_of(s) for s in sampling]
+                sampled = sample(logits, rows, self.generator)
+            result.sampled = dict(zip((s.request_id for s in sampling), sampled))
         return result
 
     def _graph_verify(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
