@@ -195,26 +195,29 @@ def s7_kernels() -> None:
 def s11_kernels() -> None:
     """Session 11's persistent grouped GEMMs (``_gate_up_persist_kernel``,
     ``_down_persist_kernel``, bf16, PDL on, the half tile where the row block is >= 32) at
-    the tiles of ``scripts/gpu_s11_moegemm.py``'s plans: shared memory, registers, MMAs,
+    the tiles of ``scripts/gpu_s11_moegemm.py``'s plans (and one with the tiles handed out by
+    the device counter, ``DYN``): shared memory, registers, MMAs,
     cp.async loads (LDGSTS: the K loop pipelined) and spills. (2026-12-04, Triton 3.9 and
     3.6: all built, HMMA, no spills but one register of (32, 64, 128, 4, 3)'s gate/up on 3.6.)"""
     from sm90_build_check import registers
 
     tiles = [(16, 64, 128, 4, 3), (32, 32, 128, 4, 4), (32, 64, 128, 4, 3), (32, 64, 64, 4, 4),
              (32, 16, 256, 4, 4), (32, 32, 256, 4, 3)]  # fmt: skip
-    for cfg in map(lambda t: tm.MoEConfig(*t), tiles):
+    for cfg, dyn in [(tm.MoEConfig(*t), False) for t in tiles] + [(tm.MoEConfig(*tiles[1]), True)]:
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-        consts.update(HALF=cfg.block_m >= 32, IEEE=False, PDL=True)
+        consts.update(HALF=cfg.block_m >= 32, DYN=dyn, IEEE=False, PDL=True)
         up = dict(x_ptr=_t(BF16), w_ptr=_t(BF16), act_ptr=_t(BF16), ids_ptr=_t(I32))
-        up.update(bexp_ptr=_t(I32), used_ptr=_t(I32), N=64 * K, K=H, INTER=INTER)
-        up.update(s_xt=H, s_we=2 * INTER * H, s_wn=H, s_an=INTER)
+        up.update(bexp_ptr=_t(I32), used_ptr=_t(I32), cnt_ptr=_t(I32), N=64 * K, K=H)
+        up.update(INTER=INTER, s_xt=H, s_we=2 * INTER * H, s_wn=H, s_an=INTER)
         k1 = build(tm._gate_up_persist_kernel, up, dict(TOP_K=K, **consts), cfg.num_warps,
                    cfg.num_stages)  # fmt: skip
         down = dict(act_ptr=_t(BF16), w_ptr=_t(BF16), out_ptr=_t(BF16), rw_ptr=_t(F32))
-        down.update(ids_ptr=_t(I32), bexp_ptr=_t(I32), used_ptr=_t(I32), N=64 * K, K=INTER)
-        down.update(HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER, s_on=H)
+        down.update(ids_ptr=_t(I32), bexp_ptr=_t(I32), used_ptr=_t(I32), cnt_ptr=_t(I32))
+        down.update(N=64 * K, K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER, s_on=H)
         k2 = build(tm._down_persist_kernel, down, consts, cfg.num_warps, cfg.num_stages)
-        for name, k in ((f"gate_up persist {tuple(cfg)}", k1), (f"down persist {tuple(cfg)}", k2)):
+        tag = " dyn" if dyn else ""
+        for name, k in ((f"gate_up persist {tuple(cfg)}{tag}", k1),
+                        (f"down persist {tuple(cfg)}{tag}", k2)):  # fmt: skip
             c = sass_counts(k)
             print(f"{name:<44} shared {k.metadata.shared:>6}  regs {registers(k):>3}  "
                   f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>2}  LDGSTS {c['LDGSTS']:>3}  "

@@ -308,14 +308,52 @@ def _down_kernel(
 # with 16-row blocks, 152 row blocks, of which a batch routed to 24 experts uses ~48; the
 # other programs (~2/3 of the launch: ~1,250 of gate/up's, ~3,300 of down's) start, read
 # ``used`` and return, interleaved with the working ones. The persistent kernels below launch
-# ``programs`` programs (a few per SM) that walk only the used tiles ``t = pid, pid + P, ...``
-# (row block ``t // column blocks``, column block ``t % column blocks``: programs working at
-# the same time read neighbouring column blocks of the same expert). With ``HALF`` (row
-# blocks of >= 32) a block whose second half is padding (an expert's last block holding
-# <= BLOCK_M / 2 rows) is multiplied as a tile of BLOCK_M / 2 rows: with 32-row blocks, a
-# batch whose experts see ~20 rows each reads each expert's weights once (one block), and
-# experts of a few rows cost the MMAs of 16-row blocks. Each output element is the same sum
-# in the same order as the kernels above (``_gate_up_tile`` / ``_down_tile``).
+# ``P`` programs (a few per SM) that walk only the used tiles (tile ``t``: row block ``t //
+# column blocks``, column block ``t % column blocks``, so programs working at the same time
+# read neighbouring column blocks of the same expert): ``t = pid, pid + P, ...``, or with
+# ``DYN`` the next tile from a device counter (``tl.atomic_add``, asked one tile ahead), so
+# a program that finishes early takes more; the last program out zeroes the counters for
+# the next launch (``_release_tiles``). With ``HALF`` (row blocks of >= 32) a block whose
+# second half is padding (an expert's last block holding <= BLOCK_M / 2 rows) is
+# multiplied as a tile of BLOCK_M / 2 rows: with 32-row blocks, a batch whose experts see
+# ~20 rows each reads each expert's weights once (one block), and experts of a few rows
+# cost the MMAs of 16-row blocks. Each output element is the same sum in the same order as
+# the kernels above (``_gate_up_tile`` / ``_down_tile``).
+@triton.jit
+def _release_tiles(cnt_ptr):
+    """End of a ``DYN`` persistent program: count it out in ``cnt_ptr[1]``; the last of the
+    grid's programs (every one has taken its last tile index from ``cnt_ptr[0]`` before
+    counting out: acq_rel) zeroes both counters for the next launch."""
+    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(cnt_ptr, 0)
+        tl.store(cnt_ptr + 1, 0)
+
+
+@triton.jit
+def _gate_up_any_tile(
+    x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, t, nb, N, K, INTER, s_xt, s_we, s_wn, s_an,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Tile ``t`` of the persistent gate/up kernel (``nb`` column blocks a row block): the
+    whole row block, or with ``HALF`` its first half when its row ``BLOCK_M / 2`` is padding."""
+    pid_m = t // nb
+    pid_n = t - pid_m * nb
+    if HALF:
+        if tl.load(ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < N:
+            _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K, INTER,
+                          s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
+                          IEEE)  # fmt: skip
+        else:
+            _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K, INTER,
+                          s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M // 2, BLOCK_N,
+                          BLOCK_K, IEEE)  # fmt: skip
+    else:
+        _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K, INTER, s_xt,
+                      s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
 def _gate_up_persist_kernel(
     x_ptr,
@@ -324,6 +362,7 @@ def _gate_up_persist_kernel(
     ids_ptr,
     bexp_ptr,
     used_ptr,
+    cnt_ptr,
     N,
     K,
     INTER,
@@ -336,31 +375,54 @@ def _gate_up_persist_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
+    DYN: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(P,)`` persistent: ``_gate_up_kernel``'s tiles over the used row blocks only
-    (``used`` rows, on the device), tile ``t`` by program ``t % P``; ``HALF``: a block
+    (``used`` rows, on the device), tile ``t`` by program ``t % P``, or with ``DYN`` as the
+    counters ``cnt_ptr [2]`` int32 (zero between launches) hand them out; ``HALF``: a block
     whose row ``BLOCK_M / 2`` is padding as a tile of ``BLOCK_M / 2`` rows."""
     pdl_enter(PDL)
     nb = tl.cdiv(INTER, BLOCK_N)
     tiles = tl.load(used_ptr) // BLOCK_M * nb
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        pid_m = t // nb
-        pid_n = t - pid_m * nb
-        if HALF:
-            if tl.load(ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < N:
-                _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K,
-                              INTER, s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N,
-                              BLOCK_K, IEEE)  # fmt: skip
-            else:
-                _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K,
-                              INTER, s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M // 2,
-                              BLOCK_N, BLOCK_K, IEEE)  # fmt: skip
+    if DYN:
+        t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+        while t < tiles:
+            nxt = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # under this tile
+            _gate_up_any_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, t, nb, N, K, INTER,
+                              s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HALF,
+                              IEEE)  # fmt: skip
+            t = nxt
+        _release_tiles(cnt_ptr)
+    else:
+        for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _gate_up_any_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, t, nb, N, K, INTER,
+                              s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HALF,
+                              IEEE)  # fmt: skip
+
+
+@triton.jit
+def _down_any_tile(
+    act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, t, nb, N, K, HID, s_an, s_we, s_wn, s_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Tile ``t`` of the persistent down kernel, as ``_gate_up_any_tile`` takes its rows."""
+    pid_m = t // nb
+    pid_n = t - pid_m * nb
+    if HALF:
+        if tl.load(ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < N:
+            _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K,
+                       HID, s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
+                       IEEE)  # fmt: skip
         else:
-            _gate_up_tile(x_ptr, w_ptr, act_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K, INTER,
-                          s_xt, s_we, s_wn, s_an, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                          IEEE)  # fmt: skip
+            _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K,
+                       HID, s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                       IEEE)  # fmt: skip
+    else:
+        _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K, HID,
+                   s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=("N",))  # per-step sizes: no recompile
@@ -372,6 +434,7 @@ def _down_persist_kernel(
     ids_ptr,
     bexp_ptr,
     used_ptr,
+    cnt_ptr,
     N,
     K,
     HID,
@@ -383,30 +446,27 @@ def _down_persist_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
+    DYN: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(P,)`` persistent: ``_down_kernel``'s tiles (no fused top-k sum) over the
-    used row blocks only, as ``_gate_up_persist_kernel`` walks them."""
+    used row blocks only, handed out as ``_gate_up_persist_kernel`` hands them."""
     pdl_enter(PDL)
     nb = tl.cdiv(HID, BLOCK_N)
     tiles = tl.load(used_ptr) // BLOCK_M * nb
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        pid_m = t // nb
-        pid_n = t - pid_m * nb
-        if HALF:
-            if tl.load(ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < N:
-                _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N,
-                           K, HID, s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                           IEEE)  # fmt: skip
-            else:
-                _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N,
-                           K, HID, s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M // 2, BLOCK_N,
-                           BLOCK_K, IEEE)  # fmt: skip
-        else:
-            _down_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, pid_m, pid_n, N, K,
-                       HID, s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                       IEEE)  # fmt: skip
+    if DYN:
+        t = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+        while t < tiles:
+            nxt = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # under this tile
+            _down_any_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, t, nb, N, K, HID,
+                           s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_N, BLOCK_K, HALF, IEEE)  # fmt: skip
+            t = nxt
+        _release_tiles(cnt_ptr)
+    else:
+        for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _down_any_tile(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, bexp_ptr, t, nb, N, K, HID,
+                           s_an, s_we, s_wn, s_on, BLOCK_M, BLOCK_N, BLOCK_K, HALF, IEEE)  # fmt: skip
 
 
 class MoEConfig(NamedTuple):
@@ -438,8 +498,10 @@ class MoEPlan(NamedTuple):
     (``_gate_up_persist_kernel``, ``_down_persist_kernel``: only the used row blocks'
     tiles, no early-exit programs; the same bits as the kernels they replace), or None for
     the grid of every possible row block; ``half``: with ``persist`` and row blocks of >=
-    32, a block whose second half is padding multiplied as a tile of half the rows. A
-    persistent plan takes neither ``down_sum`` nor ``fused_sum`` (ValueError)."""
+    32, a block whose second half is padding multiplied as a tile of half the rows;
+    ``dynamic``: with ``persist``, tiles handed out by a device counter instead of
+    round-robin. A persistent plan takes neither ``down_sum`` nor ``fused_sum``
+    (ValueError)."""
 
     up: MoEConfig
     down: MoEConfig
@@ -448,6 +510,7 @@ class MoEPlan(NamedTuple):
     fused_sum: bool = False
     persist: tuple[int, int] | None = None
     half: bool = True
+    dynamic: bool = False
 
 
 def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
@@ -464,10 +527,11 @@ def pick_plan(n_assign: int, n_experts: int) -> MoEPlan:
     if per_expert <= 16 and moe_table.DECODE:
         row = next((r for r in moe_table.DECODE if r[0] >= n_assign), moe_table.DECODE[-1])
         plan = MoEPlan(MoEConfig(*row[1]), MoEConfig(*row[2]), *row[3:])
-        for bound, up, down, up_per_sm, down_per_sm, half in moe_table.PERSISTENT:
+        for bound, up, down, up_per_sm, down_per_sm, half, *dyn in moe_table.PERSISTENT:
             if bound == row[0] and plan.down_sum is None:
                 return plan._replace(up=MoEConfig(*up), down=MoEConfig(*down), fused_sum=False,
-                                     persist=(up_per_sm, down_per_sm), half=half)  # fmt: skip
+                                     persist=(up_per_sm, down_per_sm), half=half,
+                                     dynamic=bool(dyn and dyn[0]))  # fmt: skip
         return plan
     if per_expert <= 64:
         c = MoEConfig(32, 64, 64, 4, 3)
@@ -630,6 +694,18 @@ def persistent_programs(device: torch.device, per_sm: int, tiles: int) -> int:
     return max(1, min(per_sm * sms, tiles))
 
 
+_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}  # graphs hold their pointers: kept
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Four int32 zeros on ``device`` for the ``dynamic`` persistent kernels (gate/up's next
+    tile and programs out, then down's), kept for the process: each launch leaves them zero
+    (``_release_tiles``), so CUDA graphs share them; launches on one stream at a time."""
+    if device not in _TILE_COUNTERS:
+        _TILE_COUNTERS[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return _TILE_COUNTERS[device]
+
+
 def _grouped_persistent(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -655,19 +731,20 @@ def _grouped_persistent(
     up_half = plan.half and up.block_m >= 32
     grid = (persistent_programs(x.device, plan.persist[0],
                                 n_blocks * triton.cdiv(inter, up.block_n)),)  # fmt: skip
+    cnt = _tile_counters(x.device)
     _gate_up_persist_kernel[grid](
-        x, w13, act, al.sorted_ids, al.block_expert, al.used, N, H, inter, x.stride(0),
+        x, w13, act, al.sorted_ids, al.block_expert, al.used, cnt, N, H, inter, x.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=k, BLOCK_M=up.block_m,
-        BLOCK_N=up.block_n, BLOCK_K=up.block_k, HALF=up_half, IEEE=ieee,
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, HALF=up_half, DYN=plan.dynamic, IEEE=ieee,
         num_warps=up.num_warps, num_stages=up.num_stages, **opts,
     )  # fmt: skip
     out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     grid = (persistent_programs(x.device, plan.persist[1], n_blocks * triton.cdiv(H, dn.block_n)),)
     _down_persist_kernel[grid](
         act, w2, out, weights.contiguous().view(-1), al.sorted_ids, al.block_expert, al.used,
-        N, inter, H, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        cnt[2:], N, inter, H, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        HALF=plan.half and dn.block_m >= 32, IEEE=ieee, num_warps=dn.num_warps,
+        HALF=plan.half and dn.block_m >= 32, DYN=plan.dynamic, IEEE=ieee, num_warps=dn.num_warps,
         num_stages=dn.num_stages, **opts,
     )  # fmt: skip
     if rows_out and plan.triton_sum:

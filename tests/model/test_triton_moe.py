@@ -921,6 +921,15 @@ PERSIST_PLANS = {
         persist=(2, 1),
         half=False,
     ),
+    # tiles handed out by the device counter
+    "32-dyn": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(32, 16, 16, 4, 2),
+        triton_moe.MoEConfig(32, 32, 16, 4, 2),
+        None,
+        True,
+        persist=(2, 3),
+        dynamic=True,
+    ),
     # the committed row block (16): persistent grid only; the top-k sum in torch
     "16-torch-sum": triton_moe.MoEPlan(
         triton_moe.MoEConfig(16, 16, 16, 4, 2),
@@ -947,7 +956,8 @@ def test_persistent_grouped_kernels_equal_loop_and_the_grid_kernels(dtype, plan,
     per-expert loop, and give the bits of the grid kernels with the same tiles and of the
     committed 16-row blocks with the same K chunk (each element the same sum in the same
     order): uneven experts, empty experts, padded blocks, ragged H and I, one token; twice
-    through the same buffers (nothing left from the first call)."""
+    through the same buffers (nothing left from the first call; the dynamic plan's tile
+    counters zero again after each launch)."""
     H, inter, E = 40, 24, 7
     if case == "crowded":
         T, k = 40, 2
@@ -971,6 +981,8 @@ def test_persistent_grouped_kernels_equal_loop_and_the_grid_kernels(dtype, plan,
         assert err < tol, f"max |diff| {err:.2e}"
         assert torch.equal(got, want)
         assert torch.equal(got, committed)
+    for c in triton_moe._TILE_COUNTERS.values():  # the dynamic plan's left zero
+        assert int(c.count_nonzero()) == 0
 
 
 def test_persistent_plan_after_route_align_with_rows_out_and_bad_plans():
@@ -1022,7 +1034,10 @@ def test_persistent_table_off_by_default_and_read_per_decode_row(monkeypatch):
     monkeypatch.setattr(moe_table, "PERSISTENT", ((512, up, down, 3, 4, True),))
     p = triton_moe.pick_plan(512, 128)
     assert p.up == up and p.down == down and p.persist == (3, 4) and p.half
-    assert p.triton_sum and not p.fused_sum
+    assert p.triton_sum and not p.fused_sum and not p.dynamic
+    monkeypatch.setattr(moe_table, "PERSISTENT", ((512, up, down, 3, 4, False, True),))
+    p = triton_moe.pick_plan(512, 128)
+    assert p.dynamic and not p.half
     assert triton_moe.pick_plan(8, 128).persist is None
 
 
@@ -1064,8 +1079,10 @@ def test_model_with_persistent_grouped_kernels_same_greedy_and_logits(monkeypatc
 def test_persistent_grouped_same_bits_on_cuda_bf16_in_a_graph(monkeypatch, regime):
     """On CUDA at Qwen3-30B-A3B's layer, 64 tokens (uniform routing, or each token's 8
     experts from 24 as the random preset routes), bf16, PDL as the table says: the
-    persistent kernels after ``route_align`` (32-row blocks with the half tile, and 16-row
-    blocks), captured in a CUDA graph and replayed, give the committed plan's bits."""
+    persistent kernels after ``route_align`` (32-row blocks with the half tile, 16-row
+    blocks, tiles handed out by the device counter), captured in a CUDA graph and replayed
+    twice, give the committed plan's bits (the same sums in the same order: MMAs of 16-row
+    tiles add K in 16-wide steps whatever the tile's K chunk)."""
     if DEVICE != "cuda":
         pytest.fail("needs CUDA")
     T, H, inter, E, k = 64, 2048, 768, 128, 8
@@ -1091,6 +1108,8 @@ def test_persistent_grouped_same_bits_on_cuda_bf16_in_a_graph(monkeypatch, regim
                            (2, 4)),
         triton_moe.MoEPlan(mc(16, 64, 128, 4, 3), mc(16, 64, 128, 4, 3), None, True, False,
                            (2, 4)),
+        triton_moe.MoEPlan(mc(32, 16, 256, 4, 4), mc(32, 32, 128, 4, 4), None, True, False,
+                           (2, 4), True, True),
     ):  # fmt: skip
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -1100,6 +1119,8 @@ def test_persistent_grouped_same_bits_on_cuda_bf16_in_a_graph(monkeypatch, regim
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run(plan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), plan
+        for _ in range(2):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), plan
