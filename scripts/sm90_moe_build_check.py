@@ -6,8 +6,10 @@ routing + alignment at 2 and 64 tokens, and the few-token path's two GEMV kernel
 register of the default bf16 gate/up GEMV). Prints shared memory, whether the dots became
 warpgroup (HGMMA) or warp (HMMA) MMAs, and spills (LDL/STL). Builds, not speed.
 
-``python3 scripts/sm90_moe_build_check.py [--new | --s7]`` (TRITON_INTERPRET unset;
-``--new``: session 6's kernels only, ``--s7``: session 7's). On 2026-12-02 with
+``python3 scripts/sm90_moe_build_check.py [--new | --s7 | --s11]`` (TRITON_INTERPRET unset;
+``--new``: session 6's kernels only, ``--s7``: session 7's, ``--s11``: the persistent
+grouped GEMMs at ``scripts/gpu_s11_moegemm.py``'s tiles, with registers: the programs per SM
+a plan asks for must fit beside each other). On 2026-12-02 with
 Triton 3.9: every kernel built; bf16 tiles of 16/32 rows use HMMA, 64 rows HGMMA; no bf16
 spills; route_align 2 KB / 32 KB of shared memory at 2 / 64 tokens, no spills.
 """
@@ -61,6 +63,9 @@ def main() -> None:
         return
     if sys.argv[1:] == ["--s7"]:
         s7_kernels()
+        return
+    if sys.argv[1:] == ["--s11"]:
+        s11_kernels()
         return
     for cfg in CONFIGS:
         tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
@@ -185,6 +190,38 @@ def s7_kernels() -> None:
             consts.update(BLOCK_E=E, BLOCK_K=K, PDL=False)
             k = build(tm._route_kernel, args, consts, warps, 1)
             _report(f"route {T} tokens tpp {tpp} w{warps}", k)
+
+
+def s11_kernels() -> None:
+    """Session 11's persistent grouped GEMMs (``_gate_up_persist_kernel``,
+    ``_down_persist_kernel``, bf16, PDL on, the half tile where the row block is >= 32) at
+    the tiles of ``scripts/gpu_s11_moegemm.py``'s plans (and one with the tiles handed out by
+    the device counter, ``DYN``): shared memory, registers, MMAs,
+    cp.async loads (LDGSTS: the K loop pipelined) and spills. (2026-12-04, Triton 3.9 and
+    3.6: all built, HMMA, no spills but one register of (32, 64, 128, 4, 3)'s gate/up on 3.6.)"""
+    from sm90_build_check import registers
+
+    tiles = [(16, 64, 128, 4, 3), (32, 32, 128, 4, 4), (32, 64, 128, 4, 3), (32, 64, 64, 4, 4),
+             (32, 16, 256, 4, 4), (32, 32, 256, 4, 3)]  # fmt: skip
+    for cfg, dyn in [(tm.MoEConfig(*t), False) for t in tiles] + [(tm.MoEConfig(*tiles[1]), True)]:
+        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        consts.update(HALF=cfg.block_m >= 32, DYN=dyn, IEEE=False, PDL=True)
+        up = dict(x_ptr=_t(BF16), w_ptr=_t(BF16), act_ptr=_t(BF16), ids_ptr=_t(I32))
+        up.update(bexp_ptr=_t(I32), used_ptr=_t(I32), cnt_ptr=_t(I32), N=64 * K, K=H)
+        up.update(INTER=INTER, s_xt=H, s_we=2 * INTER * H, s_wn=H, s_an=INTER)
+        k1 = build(tm._gate_up_persist_kernel, up, dict(TOP_K=K, **consts), cfg.num_warps,
+                   cfg.num_stages)  # fmt: skip
+        down = dict(act_ptr=_t(BF16), w_ptr=_t(BF16), out_ptr=_t(BF16), rw_ptr=_t(F32))
+        down.update(ids_ptr=_t(I32), bexp_ptr=_t(I32), used_ptr=_t(I32), cnt_ptr=_t(I32))
+        down.update(N=64 * K, K=INTER, HID=H, s_an=INTER, s_we=H * INTER, s_wn=INTER, s_on=H)
+        k2 = build(tm._down_persist_kernel, down, consts, cfg.num_warps, cfg.num_stages)
+        tag = " dyn" if dyn else ""
+        for name, k in ((f"gate_up persist {tuple(cfg)}{tag}", k1),
+                        (f"down persist {tuple(cfg)}{tag}", k2)):  # fmt: skip
+            c = sass_counts(k)
+            print(f"{name:<44} shared {k.metadata.shared:>6}  regs {registers(k):>3}  "
+                  f"HMMA {c['HMMA']:>3}  HGMMA {c['HGMMA']:>2}  LDGSTS {c['LDGSTS']:>3}  "
+                  f"LDL {c['LDL']:>2}  STL {c['STL']:>2}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -64,3 +64,10 @@ ROUTE_ALIGN: tuple[tuple[int, RouteAlign], ...] = (
 PDL: bool = True
 GEMV_MAX_TOKENS: int = 1
 GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256, 1, 64, 128, 4, "dot", 3, "assign", 3)  # fmt: skip
+# The persistent grouped GEMMs (``triton_moe.MoEPlan.persist``): rows ``(n_assign, up, down,
+# gate/up programs per SM, down programs per SM, half[, dynamic])``; a row whose ``n_assign`` is a DECODE
+# row's bound replaces that row's tiles (its ``block_m`` is the alignment's). Empty (off)
+# until an H200 measures them: scripts/gpu_s11_moegemm.sh (the grid of every possible row
+# block leaves ~2/3 of its programs idle at 64 tokens routed to ~24 experts).
+Persistent = tuple[int, Tiles, Tiles, int, int, bool] | tuple[int, Tiles, Tiles, int, int, bool, bool]  # fmt: skip
+PERSISTENT: tuple[Persistent, ...] = ()

@@ -889,3 +889,238 @@ def test_top_k_rows_into_the_norm_same_bits_on_cuda_bf16(T):
     got = fused_splitk_norm.add_rms_norm(h, parts, norm_w, 1e-6)
     want = fused_ops.add_rms_norm(h, summed, norm_w, 1e-6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _crowded_ids(device=DEVICE):
+    """40 tokens x top 2 over 7 experts with the counts that stress the persistent kernels'
+    row blocks: expert 4 33 assignments (a second 32-row block of 1 row: its half tile),
+    expert 1 17 (one block, past its half), expert 0 16 (exactly half a 32-row block),
+    expert 2 1, expert 5 13, experts 3 and 6 none (empty); each token's two distinct."""
+    seq = [4] * 33 + [1] * 17 + [0] * 16 + [2] * 1 + [5] * 13
+    ids = torch.tensor([[seq[t], seq[t + 40]] for t in range(40)], dtype=torch.int64)
+    assert all(a != b for a, b in ids.tolist())
+    g = torch.Generator().manual_seed(11)
+    w = torch.softmax(torch.randn(40, 2, generator=g), dim=1)
+    return w.to(device), ids.to(device)
+
+
+PERSIST_PLANS = {
+    # 32-row blocks, the half tile on (a block whose second half is padding as 16 rows)
+    "32-half": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(32, 16, 16, 4, 2),
+        triton_moe.MoEConfig(32, 32, 16, 4, 2),
+        None,
+        True,
+        persist=(1, 3),
+    ),
+    "32-full": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(32, 16, 16, 4, 2),
+        triton_moe.MoEConfig(32, 32, 16, 4, 2),
+        None,
+        True,
+        persist=(2, 1),
+        half=False,
+    ),
+    # tiles handed out by the device counter
+    "32-dyn": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(32, 16, 16, 4, 2),
+        triton_moe.MoEConfig(32, 32, 16, 4, 2),
+        None,
+        True,
+        persist=(2, 3),
+        dynamic=True,
+    ),
+    # the committed row block (16): persistent grid only; the top-k sum in torch
+    "16-torch-sum": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(16, 16, 16, 4, 2),
+        triton_moe.MoEConfig(16, 16, 16, 4, 2),
+        persist=(2, 2),
+    ),
+    # 64-row blocks with the half tile of 32 rows
+    "64-half": triton_moe.MoEPlan(
+        triton_moe.MoEConfig(64, 16, 16, 4, 2),
+        triton_moe.MoEConfig(64, 16, 16, 4, 2),
+        None,
+        True,
+        persist=(1, 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("plan", list(PERSIST_PLANS.values()), ids=list(PERSIST_PLANS))
+@pytest.mark.parametrize("case", ["crowded", "skewed", "one-token"])
+def test_persistent_grouped_kernels_equal_loop_and_the_grid_kernels(dtype, plan, case):
+    """The persistent grouped GEMMs (``MoEPlan.persist``: a few programs walking only the
+    used row blocks' tiles, the half tile for blocks whose second half is padding) equal the
+    per-expert loop, and give the bits of the grid kernels with the same tiles and of the
+    committed 16-row blocks with the same K chunk (each element the same sum in the same
+    order): uneven experts, empty experts, padded blocks, ragged H and I, one token; twice
+    through the same buffers (nothing left from the first call; the dynamic plan's tile
+    counters zero again after each launch)."""
+    H, inter, E = 40, 24, 7
+    if case == "crowded":
+        T, k = 40, 2
+        x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=dtype, seed=5)
+        w, ids = _crowded_ids()
+    else:
+        T, k = (1, 3) if case == "one-token" else (20, 3)
+        x, w13, w2, w, ids = _problem(T, H, inter, E, k, dtype=dtype, seed=T)
+    ref = moe.experts_loop(x.float(), w13.float(), w2.float(), w, ids)
+    grid = plan._replace(persist=None)
+    c16 = triton_moe.MoEPlan(
+        plan.up._replace(block_m=16), plan.down._replace(block_m=16), None, plan.triton_sum
+    )
+    want = triton_moe.fused_experts(x, w13, w2, w, ids, grid)
+    committed = triton_moe.fused_experts(x, w13, w2, w, ids, c16)
+    for _ in range(2):
+        got = triton_moe.fused_experts(x, w13, w2, w, ids, plan)
+        assert got.shape == (T, H) and got.dtype == dtype
+        err = (got.float() - ref).abs().max().item()
+        tol = (1e-5 if dtype == torch.float32 else 2e-3) * max(1.0, ref.abs().max().item())
+        assert err < tol, f"max |diff| {err:.2e}"
+        assert torch.equal(got, want)
+        assert torch.equal(got, committed)
+    for c in triton_moe._TILE_COUNTERS.values():  # the dynamic plan's left zero
+        assert int(c.count_nonzero()) == 0
+
+
+def test_persistent_plan_after_route_align_with_rows_out_and_bad_plans():
+    """``route_align`` with the persistent plan's row block (32), then the kernels: the rows
+    handed unsummed (``rows_out``, a ``SplitKPartials`` ``[k, T, H]``) sum to the summed
+    output; a persistent plan with ``down_sum`` or ``fused_sum`` is refused (ValueError)."""
+    from pdserve.model import fused_splitk_norm
+
+    T, H, inter, E, k = 9, 33, 20, 6, 3
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, seed=2)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    plan = PERSIST_PLANS["32-half"]
+    w, ids, al = triton_moe.route_align(logits, k, True, plan.up.block_m)
+    out = triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids)
+    parts = triton_moe.grouped_experts(x, w13, w2, w, al, plan, ids=ids, rows_out=True)
+    assert isinstance(parts, fused_splitk_norm.SplitKPartials) and parts.parts.shape == (k, T, H)
+    assert torch.equal(triton_moe.topk_sum(parts.parts.permute(1, 0, 2).reshape(T * k, H),
+                                           T, k, {"PDL": False}), out)  # fmt: skip
+    ref = moe.experts_loop(x, w13, w2, w, ids)
+    assert (out - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    for bad in (
+        plan._replace(fused_sum=True),
+        plan._replace(down_sum=("rows", 8, 16, 4, 1)),
+    ):
+        with pytest.raises(ValueError, match="persistent"):
+            triton_moe.grouped_experts(x, w13, w2, w, al, bad, ids=ids)
+
+
+def test_persistent_programs_per_sm_bounded_by_tiles():
+    """The persistent grid: ``per_sm`` programs per SM (``CPU_SMS`` under the interpreter),
+    never more than the tiles of every possible row block, at least one."""
+    cpu = torch.device("cpu")
+    assert triton_moe.persistent_programs(cpu, 3, 100) == 3 * triton_moe.CPU_SMS
+    assert triton_moe.persistent_programs(cpu, 3, 4) == 4
+    assert triton_moe.persistent_programs(cpu, 1, 0) == 1
+
+
+def test_persistent_table_off_by_default_and_read_per_decode_row(monkeypatch):
+    """``moe_table.PERSISTENT`` is empty (the persistent kernels off) until an H200 picks
+    them; a row replaces the tiles of the DECODE row of its bound (not the other rows), its
+    top-k sum as that row says, never fused in the down kernel."""
+    from pdserve.model import moe_table
+
+    assert moe_table.PERSISTENT == ()
+    assert all(triton_moe.pick_plan(n, 128).persist is None for n in (8, 64, 512, 4096))
+    t = (16, 64, 128, 4, 3)
+    monkeypatch.setattr(moe_table, "DECODE", ((8, t, t, None, True), (512, t, t, None, True, True)))
+    up, down = (32, 32, 128, 4, 4), (32, 64, 128, 4, 3)
+    monkeypatch.setattr(moe_table, "PERSISTENT", ((512, up, down, 3, 4, True),))
+    p = triton_moe.pick_plan(512, 128)
+    assert p.up == up and p.down == down and p.persist == (3, 4) and p.half
+    assert p.triton_sum and not p.fused_sum and not p.dynamic
+    monkeypatch.setattr(moe_table, "PERSISTENT", ((512, up, down, 3, 4, False, True),))
+    p = triton_moe.pick_plan(512, 128)
+    assert p.dynamic and not p.half
+    assert triton_moe.pick_plan(8, 128).persist is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's CPU interpreter path (greedy_paged is CPU)")
+def test_model_with_persistent_grouped_kernels_same_greedy_and_logits(monkeypatch):
+    """The tiny Qwen3-MoE on the CUDA path (interpreter), the grouped path at two rows
+    (``route_align``, the top-k rows into the next norm): with a ``moe_table.PERSISTENT``
+    row (32-row blocks, the half tile) the greedy tokens and logits equal the committed
+    plan's bit for bit, and every sparse layer's forward took the persistent kernels."""
+    from pdserve.model import llama, moe_table
+
+    monkeypatch.setenv("PDSERVE_MOE_EXPERTS", "fused")
+    monkeypatch.setenv("PDSERVE_MOE_GEMV_MAX_TOKENS", "0")
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = random_tiny_model(MOE_CONFIGS["qwen3_moe"](), seed=4)
+    model = LlamaForCausalLM(hf.config, torch.float32, "cpu", attn_backend="triton")
+    model.load_weights(hf.state_dict().items())
+    # the committed tiles' K chunks, so the sums are the same
+    t16 = (16, 32, 32, 4, 2)
+    monkeypatch.setattr(moe_table, "DECODE", ((512, t16, t16, None, True),))
+    calls = []
+    real = triton_moe._grouped_persistent
+    monkeypatch.setattr(triton_moe, "_grouped_persistent", lambda *a: calls.append(1) or real(*a))
+    runs = []
+    t32 = (32, 32, 32, 4, 2)
+    for rows in ((), ((512, t32, t32, 2, 3, True),)):
+        monkeypatch.setattr(moe_table, "PERSISTENT", rows)
+        runs.append(greedy_paged(model, PROMPTS[:2], 3))
+    n_sparse = sum(layer.moe is not None for layer in model.decoder_layers())
+    assert len(calls) >= 3 * n_sparse  # (the 3 decode steps; the prefill where it fits)
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("regime", ["uniform", "pool"])
+def test_persistent_grouped_same_bits_on_cuda_bf16_in_a_graph(monkeypatch, regime):
+    """On CUDA at Qwen3-30B-A3B's layer, 64 tokens (uniform routing, or each token's 8
+    experts from 24 as the random preset routes), bf16, PDL as the table says: the
+    persistent kernels after ``route_align`` (32-row blocks with the half tile, 16-row
+    blocks, tiles handed out by the device counter), captured in a CUDA graph and replayed
+    twice, give the committed plan's bits (the same sums in the same order: MMAs of 16-row
+    tiles add K in 16-wide steps whatever the tile's K chunk)."""
+    if DEVICE != "cuda":
+        pytest.fail("needs CUDA")
+    T, H, inter, E, k = 64, 2048, 768, 128, 8
+    x, w13, w2, _, _ = _problem(T, H, inter, E, k, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(T, E, generator=g)
+    if regime == "pool":
+        pool = torch.randperm(E, generator=g)[:24]
+        logits = logits * 0.1 - 8.0
+        for t in range(T):
+            logits[t, pool[torch.randperm(24, generator=g)[:k]]] = 2.0 + torch.rand(k, generator=g)
+    logits = logits.to(DEVICE)
+    base = triton_moe.pick_plan(T * k, E)
+
+    def run(p):
+        w, ids, al = triton_moe.route_align(logits, k, True, p.up.block_m)
+        return triton_moe.grouped_experts(x, w13, w2, w, al, p, ids=ids)
+
+    want = run(base)
+    mc = triton_moe.MoEConfig
+    for plan in (
+        triton_moe.MoEPlan(mc(32, 32, 128, 4, 4), mc(32, 64, 128, 4, 3), None, True, False,
+                           (2, 4)),
+        triton_moe.MoEPlan(mc(16, 64, 128, 4, 3), mc(16, 64, 128, 4, 3), None, True, False,
+                           (2, 4)),
+        triton_moe.MoEPlan(mc(32, 16, 256, 4, 4), mc(32, 32, 128, 4, 4), None, True, False,
+                           (2, 4), True, True),
+    ):  # fmt: skip
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(plan)
+        for _ in range(2):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), plan
