@@ -419,11 +419,14 @@ class Serving:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
         except EngineDeadError as exc:
             self.metrics.failures.labels("engine_dead").inc()
+            log.error("request failed: the engine cannot serve: %s", exc)
             raise APIError(503, str(exc)) from exc
-        except APIError:
-            self.metrics.failures.labels(
-                "kv_transfer" if self.role != Role.MIXED else "engine"
-            ).inc()
+        except APIError as exc:
+            cause = "kv_transfer" if self.role != Role.MIXED else "engine"
+            self.metrics.failures.labels(cause).inc()
+            # the client (often the router, which retries) gets the message; the worker's
+            # own log keeps why it failed, under the request's id
+            log.warning("request failed (%s): HTTP %d: %s", cause, exc.status, exc.message)
             raise
         finally:
             for rid in live:
