@@ -143,6 +143,19 @@ class _ReadTimeout:
         self._rt_read = 0  # bytes read of the current request (for the message)
         self._rt_timer: Any = None
         self._rt_arm(self.read_timeout_s)
+        resume = self.flow.resume_reading
+
+        def resume_reading() -> None:
+            # the client's time starts again when the server reads again: bytes it sent
+            # while reading was paused are only read now (on a loaded machine, maybe
+            # after the deadline counted from the last check during the pause)
+            if self.flow.read_paused:
+                self._rt_last = self.loop.time()
+                if self._rt_phase == _HEAD:
+                    self._rt_since = self._rt_last
+            resume()
+
+        self.flow.resume_reading = resume_reading
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # type: ignore[misc]
