@@ -418,8 +418,7 @@ class Serving:
             self.metrics.failures.labels("invalid").inc()
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
         except EngineDeadError as exc:
-            self.metrics.failures.labels("engine_dead").inc()
-            log.error("request failed: the engine cannot serve: %s", exc)
+            self.metrics.failures.labels("engine_dead").inc()  # (the engine logged why, once)
             raise APIError(503, str(exc)) from exc
         except APIError as exc:
             cause = "kv_transfer" if self.role != Role.MIXED else "engine"
