@@ -217,6 +217,13 @@ class StreamState:
             if choice.get("finish_reason") is not None:
                 self.finished = True
             self.started = True
+        if (
+            isinstance(choices, list)
+            and choices
+            and not chunk.get("usage")
+            and all(isinstance(c, dict) and _empty_chat_choice(c) for c in choices)
+        ):
+            return None  # its token ids were all it carried (held-back text of a tool call)
         usage = chunk.get("usage")
         if isinstance(usage, dict) and self.appended:
             usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.appended
@@ -286,3 +293,14 @@ class Migration:
     done: int = 0
     note: str = ""
     avoid: set[str] = field(default_factory=set)
+
+
+def _empty_chat_choice(choice: dict) -> bool:
+    """A chat chunk's choice with nothing for the client once its token ids are taken
+    out: an empty ``delta``, no logprobs, no finish reason, no other field."""
+    return (
+        choice.get("delta") == {}
+        and choice.get("logprobs") is None
+        and choice.get("finish_reason") is None
+        and set(choice) <= {"index", "delta", "logprobs", "finish_reason"}
+    )

@@ -436,6 +436,9 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     if o.finished:
                         reason = tl.finish_reason(o.finish_reason, ts.calls)
                 lp = fmt.chat_logprobs(o.delta_logprobs or [], tt) if top is not None else None
+                extras = choice_extras(req, tt, out, list(o.delta_token_ids), False)
+                if deltas == [{}] and reason is None and lp is None and not extras:
+                    return  # text held back (a tool call not whole yet): nothing to send
                 for delta in deltas[:-1]:  # tool-call deltas before the one that finishes
                     between = {
                         "index": index,
@@ -450,7 +453,7 @@ def build_openai_router(ctx: WorkerContext) -> APIRouter:
                     "delta": delta,
                     "logprobs": lp,
                     "finish_reason": reason,
-                    **choice_extras(req, tt, out, list(o.delta_token_ids), False),
+                    **extras,
                 }
                 yield samples.with_usage(dict(chunk_head, choices=[choice]), o, out)
 

@@ -280,6 +280,22 @@ def test_streamed_named_tool_call_is_tool_call_deltas(cluster):
     assert got["router"] == got["mixed"]
 
 
+def test_streamed_required_tool_call_sends_no_empty_chunks(cluster):
+    """A required (or auto) call is held back until it is whole: the tokens held send no
+    chunk (they sent one empty ``delta`` each before), then the call comes, finished."""
+    body = chat(tools=[WEATHER], tool_choice="required", logprobs=False)
+    del body["top_logprobs"]  # (with logprobs each token's chunk carries its logprobs)
+    for name in ("mixed", "router"):
+        chunks = [c for c in _stream(cluster[name].url, body) if c["choices"]]
+        opening, rest = chunks[0], chunks[1:]
+        assert opening["choices"][0]["delta"]["role"] == "assistant"
+        shown = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in rest]
+        assert rest and all(delta or reason for delta, reason in shown), (name, shown)
+        calls = [tc for c in rest for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert calls and calls[0]["function"]["name"] == "get_weather", rest
+        assert rest[-1]["choices"][0]["finish_reason"] == "tool_calls", rest
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
