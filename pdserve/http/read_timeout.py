@@ -142,6 +142,7 @@ class _ReadTimeout:
         self._rt_last = now  # the last read
         self._rt_read = 0  # bytes read of the current request (for the message)
         self._rt_timer: Any = None
+        self._rt_draining = False  # a 408 was written: input dropped until the close
         self._rt_arm(self.read_timeout_s)
         resume = self.flow.resume_reading
 
@@ -164,6 +165,8 @@ class _ReadTimeout:
             self._rt_timer = None
 
     def data_received(self, data: bytes) -> None:
+        if self._rt_draining:
+            return  # after a 408: dropped until the lingering close
         self._rt_last = self.loop.time()
         super().data_received(data)  # type: ignore[misc]
         self._rt_observe()
@@ -277,7 +280,19 @@ class _ReadTimeout:
                 self.server_state.default_headers,
             )
         )
-        transport.close()
+        self._rt_linger()
+
+    def _rt_linger(self) -> None:
+        """Close after the 408 without losing it: a socket closed while its client is still
+        sending answers those bytes with a reset, which can discard the 408 before the
+        client reads it (nginx's lingering close). The write side is shut (FIN after the
+        answer), what still comes is read and dropped, and the connection closes
+        ``min(1 s, the timeout)`` later."""
+        transport = self.transport
+        self._rt_draining = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(min(1.0, self.read_timeout_s), transport.close)
 
 
 class _HttpToolsPhases(_ReadTimeout):
