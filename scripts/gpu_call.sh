@@ -6,7 +6,8 @@
 # $OUT/NAME/output.txt, the last 40 lines echoed), for at most SECONDS (default 240).
 # A call brings back at most 8 files: each part keeps its JSON and deletes the rest. Beside
 # each part nvidia-smi records the card's SM clock, power and slowdown reasons; their summary
-# (scripts/gpu_clocks.py) ends the part's output.txt.
+# (scripts/gpu_clocks.py) ends the part's output.txt. BUDGET_<PREFIX><NAME> (e.g.
+# BUDGET_s10_fp8kv2=190), where set, is that part's BUDGET (the parts read one name).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_call}
@@ -29,7 +30,8 @@ for part in "$@"; do
             -lms 250 > "$OUT/.clocks.$name.csv" 2> /dev/null &
         clocks=$!
     fi
-    OUT="$OUT/$name" timeout -k 10 "$secs" bash "scripts/gpu_${PREFIX}$name.sh" > "$OUT/$name/output.txt" 2>&1
+    bvar="BUDGET_${PREFIX}$name"
+    OUT="$OUT/$name" BUDGET=${!bvar:-${BUDGET:-}} timeout -k 10 "$secs" bash "scripts/gpu_${PREFIX}$name.sh" > "$OUT/$name/output.txt" 2>&1
     echo "rc=$? after $SECONDS s" | tee -a "$OUT/$name/output.txt"
     if [ -n "$clocks" ]; then
         kill "$clocks" 2> /dev/null; wait "$clocks" 2> /dev/null

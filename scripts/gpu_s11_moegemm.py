@@ -80,6 +80,10 @@ TOKENS = os.environ.get("TOKENS", "128")
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
 SPAN = int(os.environ.get("SPAN", "8"))
 ENGINE_PLANS = int(os.environ.get("ENGINE_PLANS", "2"))
+# Part B's plans by name (comma-separated), in place of part A's order (session 12: p16, the
+# committed tiles persistent, which uniform routing should not slow, beside session 11's
+# engine pick p64, which uniform routing did)
+ENGINE_NAMES = [n for n in os.environ.get("ENGINE_NAMES", "").split(",") if n]
 MC = tm.MoEConfig
 
 # name -> (up tiles, down tiles, (gate/up, down) programs per SM or None: the grid kernels,
@@ -361,7 +365,7 @@ def part_b(res: dict, save) -> None:
     res["keys"] = keys
     sets: dict[str, Any] = {"base": {k: (g._graphs[k], g._logits[k], g._greedy[k]) for k in keys}}
     tables: dict[str, tuple] = {"base": ()}
-    engine_plans = (res.get("order") or [n for n in PLANS if PLANS[n][2]])[:ENGINE_PLANS]
+    engine_plans = ENGINE_NAMES or (res.get("order") or [n for n in PLANS if PLANS[n][2]])[:ENGINE_PLANS]
     for name in engine_plans:
         up, down, persist, half, dynamic = PLANS[name]
         tables[name] = ((bound, tuple(up), tuple(down), persist[0], persist[1], half, dynamic),)
