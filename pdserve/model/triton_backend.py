@@ -55,20 +55,27 @@ FP8_KV_F16_DOTS: frozenset[str] = frozenset({"split", "long"})
 FP8_KV_ALIGNED_LOADS = True
 KV16_ALIGNED_LOADS = False
 # The rules of decode_rule (among FP8_DECODE_TILES') whose e4m3 decode runs a split's whole
-# tiles without masks (DecodeConfig.even: the same bits). Session 10 (h200_s10/fp8kv.json:
-# one step's 32 layers on a page-major pool, 32 x 4,096, µs a layer, each compiled kernel's
-# registers beside): the (64, 2, 2) tiles 95.1 (238 registers, 4 programs an SM; bf16 138.1)
-# against 19 variants, none faster by more than 1 %: the tile loop unrolled 2 / 4 times
-# 102.4 / 173.8, prefetch at 64 / 32 / 16 tokens 389.5 (spills) / 141.7 / 174.3,
-# evict-first loads 95.0, 1 / 3 stages 126.1 / 98.0, 32-token tiles of 1 warp 110.8 (12
-# programs an SM), 128-token tiles 94.2, 512 / 2,048 pieces 94.1 / 99.4 (the engine's step
-# 6.296 vs 6.327 ms: not taken). Triton 3.6's sm_90 build (scripts/sm90_build_check.py
-# with triton==3.6.0: the registers the H200 reported) issues about as many instructions a
-# 64-token tile as the bf16 cache's (2 warps x 2,152 against 4 x 1,152) for half its
-# bytes, an eighth of them the masks' selects and predicates, which "even" drops. Empty
-# until scripts/gpu_s10_fp8kv2.sh measures "long" on / off on the H200 (session 10's
-# device time ran out before it: a pick is kept only with its measurement).
-FP8_KV_EVEN: frozenset[str] = frozenset()
+# tiles without masks (DecodeConfig.even). Session 10 (h200_s10/fp8kv.json: one step's 32
+# layers on a page-major pool, 32 x 4,096, µs a layer, each compiled kernel's registers
+# beside): the (64, 2, 2) tiles 95.1 (238 registers, 4 programs an SM; bf16 138.1) against
+# 19 variants, none faster by more than 1 %: the tile loop unrolled 2 / 4 times 102.4 /
+# 173.8, prefetch at 64 / 32 / 16 tokens 389.5 (spills) / 141.7 / 174.3, evict-first loads
+# 95.0, 1 / 3 stages 126.1 / 98.0, 32-token tiles of 1 warp 110.8 (12 programs an SM),
+# 128-token tiles 94.2, 512 / 2,048 pieces 94.1 / 99.4 (the engine's step 6.296 vs 6.327
+# ms: not taken). Triton 3.6's sm_90 build issues about as many instructions a 64-token
+# tile as the bf16 cache's (2 warps x 2,152 against 4 x 1,152) for half its bytes, an
+# eighth of them the masks' selects and predicates, which "even" drops. Session 12
+# (scripts/gpu_s10_fp8kv2.sh, h200_s12/fp8kv2.json): "long" with even 92.7 against 95.2 µs
+# a layer (5 interleaved rounds, every one lower; 255 registers against 238, still 4
+# programs an SM), the FP8 + e4m3-KV engine's 32 x 4,096 all-decoding step 6.244 against
+# 6.329 ms (0.987; 3 of 3 paired rounds faster). Not the same bits on the H200 (the
+# interpreter's are: tests/model/test_fp8_attention.py): the compiled maskless loop rounds
+# differently, the attention output within 3e-3 of the masked loop's (one bf16 step), and
+# the random-weight engine's greedy tokens part after a median 4 of 8 (4 of 32 rows whole),
+# as any change of rounding does with near-tied random logits. Prefill and decode, PD and
+# mixed, run the same kernel, so PD's exactness holds. The bf16 cache's "long" decode is
+# 1.8 % faster with even too (133.5 vs 136.0 µs): not taken without an engine check.
+FP8_KV_EVEN: frozenset[str] = frozenset({"long"})
 # The rules of decode_rule (among FP8_DECODE_TILES') whose e4m3 decode converts each V tile
 # to 16 bits in registers, in the coalesced layout it was loaded in, before its layout change
 # for the p @ v dot (DecodeConfig.vmul: the same bits). Why: the dot's B operand wants pairs
@@ -81,8 +88,12 @@ FP8_KV_EVEN: frozenset[str] = frozenset()
 # whole tiles), registers 238 -> 184 (255 -> 168 with even), shared memory 22.5 -> 38 KB:
 # 5 programs an SM instead of 4; no LDS.U8 left (128 a tile before), 64 HMUL2 added (the
 # multiply by 1.0 that keeps the conversion ahead of the layout change; WIDEN's select an
-# element instead cost 1,223). Not measured on a GPU yet: empty until
-# scripts/gpu_s11_fp8v.sh measures "long" on / off on the H200.
+# element instead cost 1,223). Measured on the H200 in session 12 (scripts/gpu_s11_fp8v.sh,
+# h200_s12/fp8v.json, 32 x 4,096, µs a layer): vmul 103.4 against 95.8 (the fewer
+# instructions do not pay for the 16-bit tile's shared memory: 5 programs an SM by
+# registers, 5 by shared memory), its best form (32-token tiles of 1 warp) 99.6, with even
+# 113.0; the engine's step 6.640 against 6.362 ms (0 of 3 paired rounds faster; greedy
+# identical): not taken.
 FP8_KV_VMUL: frozenset[str] = frozenset()
 
 # The extend kernel's tiles.
@@ -158,7 +169,8 @@ class DecodeConfig:
     products and sums instead of dots, over the G query heads only (``FMA``); unroll: the
     tile loop unrolled that many times (``UNROLL``; 1: not); evict: K/V loaded with the
     ``evict_first`` policy (``EVICT``); even: a split's whole tiles without masks, its last
-    partial one with them (``EVEN``, where the head dim is a power of two; the same bits);
+    partial one with them (``EVEN``, where the head dim is a power of two; the same
+    arithmetic, not the same bits on the H200: see ``FP8_KV_EVEN``);
     vmul: an 8-bit cache's V tiles converted to 16 bits in registers before their layout
     change for the ``p @ v`` dot (``VMUL``; ignored for a 16-bit cache; the same bits)."""
 

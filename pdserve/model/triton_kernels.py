@@ -366,7 +366,8 @@ def decode_split_kernel(
     only when ``D == BLOCK_D``): the split's whole tiles run without masks (no
     predicated loads, no select on the scores: the mask logic is a large share of an e4m3
     tile's instructions, as Triton 3.6's sm_90 build shows), its last partial tile with them;
-    the same arithmetic, so the same bits. ``VMUL`` (an 8-bit cache; ``v_mul`` 1.0): each V
+    the same arithmetic (the interpreter gives the same bits), though the H200's compiled
+    loop rounds differently (within one bf16 step: ``triton_backend.FP8_KV_EVEN``). ``VMUL`` (an 8-bit cache; ``v_mul`` 1.0): each V
     tile converted to q's dtype and multiplied by ``v_mul`` in registers, in the layout it was
     loaded in (each token's row of D values contiguous, coalesced), before Triton lays it out
     for the ``p @ v`` dot (see :func:`_decode_fold`): the tile then reaches the dot through
