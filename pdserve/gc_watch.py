@@ -98,6 +98,15 @@ class GcWatch:
         )
         return self._frozen
 
+    def thaw(self) -> None:
+        """Serving is over (a bench tearing its engine down): the frozen objects go back to
+        the collector's generations (``gc.unfreeze``), so a dropped engine's can be freed,
+        and a slow pause is logged at debug again, as during start-up (the full collection
+        that frees a dropped engine is expected, not a stall). Counts and pauses are
+        kept."""
+        gc.unfreeze()
+        self._frozen = 0
+
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()

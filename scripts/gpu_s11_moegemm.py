@@ -365,7 +365,9 @@ def part_b(res: dict, save) -> None:
     res["keys"] = keys
     sets: dict[str, Any] = {"base": {k: (g._graphs[k], g._logits[k], g._greedy[k]) for k in keys}}
     tables: dict[str, tuple] = {"base": ()}
-    engine_plans = ENGINE_NAMES or (res.get("order") or [n for n in PLANS if PLANS[n][2]])[:ENGINE_PLANS]
+    engine_plans = (
+        ENGINE_NAMES or (res.get("order") or [n for n in PLANS if PLANS[n][2]])[:ENGINE_PLANS]
+    )
     for name in engine_plans:
         up, down, persist, half, dynamic = PLANS[name]
         tables[name] = ((bound, tuple(up), tuple(down), persist[0], persist[1], half, dynamic),)

@@ -66,6 +66,19 @@ def test_freeze_moves_the_heap_to_the_permanent_generation(watch):
     assert gc.get_freeze_count() == 0
 
 
+def test_thaw_returns_the_heap_and_quiets_the_warning(watch, caplog):
+    kept = [[i] for i in range(1000)]
+    watch.freeze()
+    assert gc.get_freeze_count() >= len(kept)
+    watch.thaw()  # a bench dropping its engine: its collection is expected
+    assert gc.get_freeze_count() == 0 and watch.stats()["frozen_objects"] == 0
+    with caplog.at_level(logging.DEBUG, logger="pdserve.gc_watch"):
+        gc.collect(2)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("generation-2 collection paused" in r.message for r in caplog.records)
+    assert watch.stats()["collections"]["2"] >= 1  # still counted
+
+
 def test_uninstalled_watch_counts_nothing_and_bad_threshold_is_refused():
     w = GcWatch().install()
     w.uninstall()
