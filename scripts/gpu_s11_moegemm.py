@@ -80,8 +80,8 @@ TOKENS = os.environ.get("TOKENS", "128")
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
 SPAN = int(os.environ.get("SPAN", "8"))
 ENGINE_PLANS = int(os.environ.get("ENGINE_PLANS", "2"))
-# Part B's plans by name (comma-separated), in place of part A's order (session 12: p16, the
-# committed tiles persistent, which uniform routing should not slow, beside session 11's
+# Part B's plans by name (comma-separated), in place of part A's order (session 13: p16, the
+# committed tiles persistent, which uniform routing should not slow, beside session 12's
 # engine pick p64, which uniform routing did)
 ENGINE_NAMES = [n for n in os.environ.get("ENGINE_NAMES", "").split(",") if n]
 MC = tm.MoEConfig

@@ -67,13 +67,13 @@ GEMV: tuple[int, int, int, int, int, int, str, int, str, int] | None = (32, 256,
 # The persistent grouped GEMMs (``triton_moe.MoEPlan.persist``): rows ``(n_assign, up, down,
 # gate/up programs per SM, down programs per SM, half[, dynamic])``; a row whose ``n_assign``
 # is a DECODE row's bound replaces that row's tiles (its ``block_m`` is the alignment's).
-# Empty (off): measured on the H200 (scripts/gpu_s11_moegemm.sh; docs/figures/h200_s12/
+# Empty (off): measured on the H200 (scripts/gpu_s11_moegemm.sh; docs/figures/h200_s13/
 # moegemm.json, the layer at 64 tokens, µs): they win only where few experts are routed,
 # and lose where a trained router spreads the tokens. Routed uniformly (126 experts) the
 # committed grid kernels 287.0, every persistent plan slower (p32-dyn 289.3, p16 312.3, p64
 # 343.0); from a pool of 15 experts (the random preset's concentrated routing in bench
 # offline's 64-prompt steps) p64 54.4 against 71.7, of 24 p32-64 78.5 against 84.5. Session
-# 11's engine A/B (random:qwen3-30b-a3b, 64 rows: p64 5.457 vs 5.905 ms a step, the same
+# 12's engine A/B (random:qwen3-30b-a3b, 64 rows: p64 5.457 vs 5.905 ms a step, the same
 # greedy tokens; its JSON did not survive that session) measured that random routing, not a
 # checkpoint's: at uniform routing p64 would cost a 48-layer step ~2.7 ms.
 Persistent = tuple[int, Tiles, Tiles, int, int, bool] | tuple[int, Tiles, Tiles, int, int, bool, bool]  # fmt: skip

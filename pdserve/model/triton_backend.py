@@ -64,8 +64,8 @@ KV16_ALIGNED_LOADS = False
 # 128-token tiles 94.2, 512 / 2,048 pieces 94.1 / 99.4 (the engine's step 6.296 vs 6.327
 # ms: not taken). Triton 3.6's sm_90 build issues about as many instructions a 64-token
 # tile as the bf16 cache's (2 warps x 2,152 against 4 x 1,152) for half its bytes, an
-# eighth of them the masks' selects and predicates, which "even" drops. Session 12
-# (scripts/gpu_s10_fp8kv2.sh, h200_s12/fp8kv2.json): "long" with even 92.7 against 95.2 µs
+# eighth of them the masks' selects and predicates, which "even" drops. Session 13
+# (scripts/gpu_s10_fp8kv2.sh, h200_s13/fp8kv2.json): "long" with even 92.7 against 95.2 µs
 # a layer (5 interleaved rounds, every one lower; 255 registers against 238, still 4
 # programs an SM), the FP8 + e4m3-KV engine's 32 x 4,096 all-decoding step 6.244 against
 # 6.329 ms (0.987; 3 of 3 paired rounds faster). Not the same bits on the H200 (the
@@ -88,8 +88,8 @@ FP8_KV_EVEN: frozenset[str] = frozenset({"long"})
 # whole tiles), registers 238 -> 184 (255 -> 168 with even), shared memory 22.5 -> 38 KB:
 # 5 programs an SM instead of 4; no LDS.U8 left (128 a tile before), 64 HMUL2 added (the
 # multiply by 1.0 that keeps the conversion ahead of the layout change; WIDEN's select an
-# element instead cost 1,223). Measured on the H200 in session 12 (scripts/gpu_s11_fp8v.sh,
-# h200_s12/fp8v.json, 32 x 4,096, µs a layer): vmul 103.4 against 95.8 (the fewer
+# element instead cost 1,223). Measured on the H200 in session 13 (scripts/gpu_s11_fp8v.sh,
+# h200_s13/fp8v.json, 32 x 4,096, µs a layer): vmul 103.4 against 95.8 (the fewer
 # instructions do not pay for the 16-bit tile's shared memory: 5 programs an SM by
 # registers, 5 by shared memory), its best form (32-token tiles of 1 warp) 99.6, with even
 # 113.0; the engine's step 6.640 against 6.362 ms (0 of 3 paired rounds faster; greedy
