@@ -33,7 +33,9 @@ key beside the current one; 32 random 4,096-token prompts decoding, spans of
 ``--span-steps`` steps under each graph interleaved for ``--rounds`` rounds (the step after
 each switch untimed; medians, rounds in which the variant was faster); then the greedy
 tokens of the same prompts (``--greedy-tokens`` each) under each graph, compared token for
-token (their prompts' K/V from the prefix cache: the same for both).
+token (their prompts' K/V from the prefix cache: the same for both). ``--quantization none
+--kv-dtype auto`` (session 13): a bf16 engine with a bf16 cache, where ``--force-fields
+toggle-even`` flips ``triton_backend.KV16_EVEN``'s long rule instead.
 
 ``--device cpu`` (under ``TRITON_INTERPRET=1``, ``--toy``: 2 layers, toy shapes, few
 variants; ``engine --model random:tiny``, no graphs: the current kernel only) checks the
@@ -60,6 +62,7 @@ from pdserve.model.attention import build_attention_metadata, quantize_kv
 T0 = time.perf_counter()
 HQ, HKV, D, PAGE, LAYERS = 32, 8, 128, 128, 32
 _FP8_CONFIG = tb.fp8_decode_config  # the backend's own, restored after each variant
+_KV16_EVEN = tb.KV16_EVEN
 _KERNEL = tb.decode_split_kernel  # wrapped while a variant runs: its compiled form is read
 
 # kind -> variants: name -> DecodeConfig fields replaced in the current configuration
@@ -400,11 +403,18 @@ def confirm(
     )
 
 
-def apply_fields(fields: dict[str, Any]) -> None:
+def apply_fields(fields: dict[str, Any], kv16: bool = False) -> None:
     """The engine's e4m3 long-context configuration with ``fields`` replaced (``{}``: the
-    backend's own), in this process, before its graphs are captured again."""
+    backend's own), in this process, before its graphs are captured again. kv16: a 16-bit
+    cache's, where only ``even`` can be set (``triton_backend.KV16_EVEN``)."""
     if not fields:
         tb.fp8_decode_config = _FP8_CONFIG  # type: ignore[assignment]
+        tb.KV16_EVEN = _KV16_EVEN  # type: ignore[misc]
+        return
+    if kv16:
+        if set(fields) != {"even"}:
+            raise ValueError(f"--force-fields: a 16-bit cache takes only even, got {fields}")
+        tb.KV16_EVEN = frozenset({"long"}) if fields["even"] else frozenset()  # type: ignore[misc]
         return
 
     def cfg_with(c: tb.DecodeConfig) -> tb.DecodeConfig:
@@ -436,7 +446,7 @@ def engine(args, dev: torch.device) -> None:
         dtype=args.dtype,
         max_running_requests=rows,
         kv_cache_memory=args.kv_cache_memory,
-        quantization="fp8",
+        quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_dtype,
     )
     core = llm.engine
@@ -466,7 +476,11 @@ def engine(args, dev: torch.device) -> None:
             time.sleep(0.5)
         name = best.get("best", "current") if best else "current"
         fields = best.get("best_fields", {}) if best else {}
-        if args.force_fields == "toggle-even":  # the other side of DecodeConfig.even
+        kv16 = "float8" not in res["kv_dtype"]
+        if args.force_fields == "toggle-even" and kv16:  # KV16_EVEN's long rule flipped
+            on = "long" in tb.KV16_EVEN
+            name, fields = ("even_off" if on else "even_on"), {"even": not on}
+        elif args.force_fields == "toggle-even":  # the other side of DecodeConfig.even
             long = tb.fp8_decode_config(tb.decode_config(rows, HKV, PAGE, None))
             name = "even_off" if long.even else "even_on"
             fields = {"even": not long.even}
@@ -480,7 +494,7 @@ def engine(args, dev: torch.device) -> None:
         if g is not None and key in g._graphs:
             sets["current"] = (g._graphs[key], g._logits[key], g._greedy[key])
             if fields:
-                apply_fields(fields)
+                apply_fields(fields, kv16)
                 try:
                     t0 = time.perf_counter()
                     with torch.inference_mode():
@@ -599,6 +613,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=float, default=24)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-dtype", default="fp8_e4m3", help="engine: --kv-cache-dtype")
+    ap.add_argument("--quantization", default="fp8", help="engine: --quantization (none: bf16)")
     ap.add_argument("--span-steps", type=int, default=8, help="engine: steps a timed span")
     ap.add_argument("--rounds", type=int, default=5, help="engine: interleaved rounds")
     ap.add_argument("--span-tokens", type=int, default=128, help="engine: tokens a span request")

@@ -76,6 +76,12 @@ KV16_ALIGNED_LOADS = False
 # mixed, run the same kernel, so PD's exactness holds. The bf16 cache's "long" decode is
 # 1.8 % faster with even too (133.5 vs 136.0 µs): not taken without an engine check.
 FP8_KV_EVEN: frozenset[str] = frozenset({"long"})
+# The rules of decode_rule whose 16-bit-cache decode runs whole tiles without masks
+# (DecodeConfig.even, as FP8_KV_EVEN for an e4m3 cache): "long" 133.5 against 136.0 µs a
+# layer at 32 x 4,096 alone (h200_s13/fp8kv2.json). Empty until the engine's bf16 step is
+# measured with it (ENGINE_ARGS="--quantization none --kv-dtype auto" with
+# scripts/gpu_s10_fp8kv2.sh).
+KV16_EVEN: frozenset[str] = frozenset()
 # The rules of decode_rule (among FP8_DECODE_TILES') whose e4m3 decode converts each V tile
 # to 16 bits in registers, in the coalesced layout it was loaded in, before its layout change
 # for the p @ v dot (DecodeConfig.vmul: the same bits). Why: the dot's B operand wants pairs
@@ -388,6 +394,13 @@ def fp8_decode_config(
     )
 
 
+def kv16_decode_config(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` for a 16-bit cache: with ``even`` where its :func:`decode_rule` is in
+    :data:`KV16_EVEN` (read at every launch, so a graph captured after a change takes it),
+    else ``cfg`` itself."""
+    return replace(cfg, even=True) if decode_rule(cfg) in KV16_EVEN else cfg
+
+
 @dataclass
 class TritonPlan:
     """Per-step plan: ``decode`` (all rows one token) or extend; scratch of the decode splits.
@@ -615,6 +628,8 @@ class TritonBackend(AttentionBackend):
         if fp8:  # its own tiles where measured (the splits are the same)
             tile = device_picks(q.device, G, D).fp8_one_tile(B * Hkv)
             cfg = fp8_decode_config(cfg) if tile is None else fp8_decode_config(cfg, tile)
+        else:
+            cfg = kv16_decode_config(cfg)
         aligned = (FP8_KV_ALIGNED_LOADS if fp8 else KV16_ALIGNED_LOADS) and kv_rows_aligned(
             k_cache, v_cache
         )

@@ -273,6 +273,33 @@ def test_triton_decode_splits_gqa_and_lengths_match_sdpa(cfg, s_lens, hkv, monke
     assert used == [min(splits, -(-s // p)) for s, p in zip(s_lens, per_split)]
 
 
+def test_kv16_even_rules_take_whole_tiles_with_the_same_numbers(monkeypatch):
+    """A rule in ``KV16_EVEN`` runs a 16-bit (here fp32) cache's decode with ``even`` (whole
+    tiles without masks), other rules as they are; under the interpreter the output is the
+    masked loop's, bit for bit, and torch_sdpa's."""
+    from pdserve.model import triton_backend as tb
+
+    long, short = tb.DecodeConfig(5, 16, 4, 1, 0, 1024), tb.DecodeConfig(2, 16, 4, 1)
+    assert not tb.KV16_EVEN  # off until the H200's engine step says (see its comment)
+    assert tb.kv16_decode_config(long) is long
+    monkeypatch.setattr(tb, "KV16_EVEN", frozenset({"long"}))
+    assert tb.kv16_decode_config(long) == tb.DecodeConfig(5, 16, 4, 1, 0, 1024, even=True)
+    assert tb.kv16_decode_config(short) is short
+    monkeypatch.setattr(tb, "decode_config", lambda *a: long)
+    monkeypatch.setattr(tb, "eager_config", lambda c: c)
+    args = _random_step([1, 1, 1], [1, 37, 700], 16, 8, 2, 32, 128, torch.float32, 5, True)
+    ref, _, _ = _attend("torch_sdpa", *args, 16)
+    backend = get_attention_backend("triton")
+    q, k, v, k_cache, v_cache, md = args
+    outs = []
+    for rules in (frozenset({"long"}), frozenset()):
+        monkeypatch.setattr(tb, "KV16_EVEN", rules)
+        plan = backend.plan(md, 16)
+        outs.append(backend.forward(q, k, v, k_cache, v_cache, md, plan, 32**-0.5))
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0] - ref).abs().max().item() < 1e-5
+
+
 def test_decode_config_choice_and_validation():
     """Short contexts: rows x KV heads x splits near 1024 programs, one split (no merge)
     from 256 rows x KV heads, fewer splits for an eager step's short contexts. Long or
