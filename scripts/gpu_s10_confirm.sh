@@ -11,7 +11,8 @@
 #      routed to (PDSERVE_MOE_ROUTING_STATS=1)                       -> $OUT/offline_moe.json
 #   4. the gpu-marked tests of the skinny GEMM, the fused norms (FP8 quantization for
 #      _scaled_mm) and the MoE kernels, or GPU_TESTS (failures named)
-# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_MOE=0 skips 3, T_TESTS=0 (the default: session 10 ran all
+# Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_BF16=0 / T_FP8=0 /
+# T_MOE=0 skip 1 / 2 / 3 (BF16_PROMPTS: 1's prompt counts), T_TESTS=0 (the default: session 10 ran all
 # 52 gpu-marked tests in a call of their own, 335 s) skips 4; GPU_TESTS:
 # the test files of 4 instead of these); run as
 #   OUT=$OUT/gpu_s10 PREFIX=s10_ bash scripts/gpu_call.sh confirm:580
@@ -24,12 +25,12 @@ mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 . scripts/gpu_setup.sh
-echo "== 1. bench offline bf16 1/64/256 + 32x4096 ($SECONDS s)"
-timeout ${T_BF16:-175} $PY -m pdserve bench offline --model random:llama-3.1-8b --device cuda \
-    --dtype bfloat16 --ours-only --num-prompts 1,64,256 --long-context 32x4096 --max-tokens 128 --repeats ${BF16_REPEATS:-3} \
+echo "== 1. bench offline bf16 ${BF16_PROMPTS:-1,64,256} + 32x4096 ($SECONDS s)"
+[ "${T_BF16:-175}" -gt 0 ] && timeout ${T_BF16:-175} $PY -m pdserve bench offline --model random:llama-3.1-8b --device cuda \
+    --dtype bfloat16 --ours-only --num-prompts ${BF16_PROMPTS:-1,64,256} --long-context 32x4096 --max-tokens 128 --repeats ${BF16_REPEATS:-3} \
     --json "$OUT/offline_bf16.json" 2>&1 | grep -v "^USDT" | tail -6
 echo "== 2. bench offline fp8 + fp8 KV ${FP8_PROMPTS:-1,64,512,1024} + 32x4096 ($SECONDS s)"
-timeout ${T_FP8:-200} $PY -m pdserve bench offline --model random:llama-3.1-8b --device cuda \
+[ "${T_FP8:-200}" -gt 0 ] && timeout ${T_FP8:-200} $PY -m pdserve bench offline --model random:llama-3.1-8b --device cuda \
     --dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8_e4m3 --ours-only --num-prompts ${FP8_PROMPTS:-1,64,512,1024} ${FP8_FLAGS:-} \
     --long-context 32x4096 --max-tokens 128 --repeats 1 --json "$OUT/offline_fp8.json" 2>&1 \
     | grep -v "^USDT" | tail -6

@@ -274,13 +274,15 @@ def test_triton_decode_splits_gqa_and_lengths_match_sdpa(cfg, s_lens, hkv, monke
 
 
 def test_kv16_even_rules_take_whole_tiles_with_the_same_numbers(monkeypatch):
-    """A rule in ``KV16_EVEN`` runs a 16-bit (here fp32) cache's decode with ``even`` (whole
-    tiles without masks), other rules as they are; under the interpreter the output is the
-    masked loop's, bit for bit, and torch_sdpa's."""
+    """A rule in ``KV16_EVEN`` (the long-context rule on the H200's measurement) runs a
+    16-bit (here fp32) cache's decode with ``even`` (whole tiles without masks), other rules
+    as they are; under the interpreter the output is the masked loop's, bit for bit, and
+    torch_sdpa's."""
     from pdserve.model import triton_backend as tb
 
     long, short = tb.DecodeConfig(5, 16, 4, 1, 0, 1024), tb.DecodeConfig(2, 16, 4, 1)
-    assert not tb.KV16_EVEN  # off until the H200's engine step says (see its comment)
+    assert frozenset({"long"}) == tb.KV16_EVEN  # the H200's pick (see its comment)
+    monkeypatch.setattr(tb, "KV16_EVEN", frozenset())
     assert tb.kv16_decode_config(long) is long
     monkeypatch.setattr(tb, "KV16_EVEN", frozenset({"long"}))
     assert tb.kv16_decode_config(long) == tb.DecodeConfig(5, 16, 4, 1, 0, 1024, even=True)
