@@ -208,6 +208,27 @@ MOE_GEMV_MAX_TOKENS = EnvVar(
     "Qwen3-30B-A3B's shapes since session 8: the layer at 1 token 31.8 -> 28.3 us).",
 )
 
+
+def _parse_moe_routing(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("model", "uniform"):
+        raise ValueError(f"expected model or uniform, got {raw!r}")
+    return value
+
+
+MOE_ROUTING = EnvVar(
+    "PDSERVE_MOE_ROUTING",
+    _parse_moe_routing,
+    "model",
+    "Benchmarks only: `uniform` replaces every mixture-of-experts layer's router logits by a "
+    "fixed random table (per layer, by the token's row in the forward; the router's GEMM still "
+    "runs), so a decode batch routes its tokens spread over the experts as a trained router's "
+    "load balancing does; random-weight presets otherwise send a batch to a few experts. "
+    "Changes the model's outputs; `model` (default): the router's own choice. `bench "
+    "offline --moe-routing` sets it.",
+)
+
+
 MOE_ROUTING_STATS = EnvVar(
     "PDSERVE_MOE_ROUTING_STATS",
     _parse_bool,

@@ -26,6 +26,7 @@ gives the collections and pauses of the rows (``GcWatch.stats``).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve import envs
 from pdserve.bench.cli import add_json_flag, write_json
 from pdserve.bench.hf_reference import hf_model
 from pdserve.bench.roofline import (
@@ -135,6 +137,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="time our engine only: no transformers side (its columns, the ratio and the "
         "same-output counts are left empty), and the KV pool takes the engine's default share "
         "of device memory; unset: both sides, the pool at 0.4 of it",
+    )
+    p.add_argument(
+        "--moe-routing",
+        choices=("model", "uniform"),
+        default=None,
+        help="mixture-of-experts models: 'uniform' routes each token to a fixed random set of "
+        "experts (PDSERVE_MOE_ROUTING), spread as a trained router's load balancing spreads a "
+        "batch, where random-weight presets send a batch to a few experts; changes the "
+        "outputs, so only with --ours-only; 'model': the router's own; unset: the "
+        "environment's (default model)",
     )
     p.add_argument(
         "--prefill",
@@ -368,13 +380,29 @@ def run_offline(args: argparse.Namespace, after: Callable[[Any], None] | None = 
             raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
         if args.input_source is not None and args.input_len is None:
             raise ValueError("--input-source needs --input-len (the length to cut or pad to)")
+        if args.moe_routing == "uniform" and not args.ours_only:
+            raise ValueError(
+                "--moe-routing uniform changes the model's outputs: use it with --ours-only"
+            )
         batches = counts + [r[0] for r in (prefill, long_ctx) if r]
         kwargs: dict[str, Any] = {}
         if not args.ours_only:  # on a GPU the pool leaves room for the transformers copy
             kwargs["gpu_memory_utilization"] = 0.4
         fields = llm_fields(args, batches)
         t0 = time.perf_counter()
-        llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
+        # each MoE layer reads PDSERVE_MOE_ROUTING as the engine builds it (TP ranks' processes
+        # too, started inside): set for the build only, so nothing leaks into the process
+        prev = os.environ.get(envs.MOE_ROUTING.name)
+        if args.moe_routing is not None:
+            os.environ[envs.MOE_ROUTING.name] = args.moe_routing
+        args.moe_routing = envs.MOE_ROUTING.get()
+        try:
+            llm = LLM(max_running_requests=max(batches), **fields, **kwargs)
+        finally:
+            if prev is None:
+                os.environ.pop(envs.MOE_ROUTING.name, None)
+            else:
+                os.environ[envs.MOE_ROUTING.name] = prev
         start_s = time.perf_counter() - t0  # the load, the pool, the graph capture
     except ValueError as exc:
         print(f"pdserve bench offline: {flag_message(exc, args)}", file=sys.stderr)
@@ -572,6 +600,7 @@ def _run(
         f"  tp {engine.executor.tp_size}  max_tokens {args.max_tokens}  repeats {args.repeats}"
         f"  quantization {engine.config.model.quantization or '-'}"
         f"  kv dtype {engine.executor.rank0.storage.kv.dtype}"
+        f"  moe routing {args.moe_routing}"
         f"  max running {engine.config.scheduler.max_running}"
         f"  step budget {engine.config.scheduler.max_num_batched_tokens} tokens"
         f"  kv pages {engine.executor.rank0.storage.num_pages}"
@@ -642,6 +671,7 @@ def _run(
             "the prefill; each timed run starts with an empty prefix cache",
             "quantization": engine.config.model.quantization,
             "kv_cache_dtype": str(engine.executor.rank0.storage.kv.dtype),
+            "moe_routing": args.moe_routing,
             "max_running_requests": engine.config.scheduler.max_running,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "kv_pages": engine.executor.rank0.storage.num_pages,

@@ -85,7 +85,8 @@ class LlamaDecoderLayer(nn.Module):
     outputs summed over the ranks (``tp.all_reduce_``) before the row bias is added once.
     ``tp=None`` is the TP=1 path: no collective, the bias fused into the matmul.
     ``sparse``: the MLP is a mixture of experts (``self.moe``; the dense MLP parameters are
-    then None), its partial outputs all-reduced like down_proj's."""
+    then None), its partial outputs all-reduced like down_proj's. ``layer``: the layer's
+    index (seeds a benchmark's uniform routing, ``PDSERVE_MOE_ROUTING``)."""
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device | str,
         tp: TPGroup | None = None,
         sparse: bool = False,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.s = s
@@ -108,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self.o_bias = _empty((s.hidden,), dtype, device) if s.o_bias else None
         self.post_attention_layernorm = _empty((s.hidden,), dtype, device)
         dense = not sparse
-        self.moe = moe_mlp.SparseMoeBlock(s, dtype, device) if sparse else None
+        self.moe = moe_mlp.SparseMoeBlock(s, dtype, device, layer) if sparse else None
         self.gate_up_proj = _empty((2 * s.intermediate, s.hidden), dtype, device) if dense else None
         self.gate_up_bias = (
             _empty((2 * s.intermediate,), dtype, device) if dense and s.mlp_bias else None
@@ -333,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _empty((s.vocab_shard, s.hidden), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(s, dtype, device, self._tp, sparse=i in s.moe_layers)
+            LlamaDecoderLayer(s, dtype, device, self._tp, sparse=i in s.moe_layers, layer=i)
             for i in range(s.n_layers)
         )
         self.norm = _empty((s.hidden,), dtype, device)

@@ -102,9 +102,13 @@ class SparseMoeBlock(nn.Module):
 
     Parameters: ``gate [E, H]`` (router, whole on every rank), ``w13 [E, 2 * I_rank, H]``,
     ``w2 [E, H, I_rank]`` with ``I_rank = shapes.moe_intermediate``. :meth:`forward` returns
-    this rank's partial output (the caller all-reduces under TP)."""
+    this rank's partial output (the caller all-reduces under TP). layer: the layer's index,
+    which seeds the uniform routing table of ``PDSERVE_MOE_ROUTING=uniform`` (benchmarks:
+    the same table on every TP rank and in every process)."""
 
-    def __init__(self, s: ModelShapes, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, s: ModelShapes, dtype: torch.dtype, device: torch.device | str, layer: int = 0
+    ) -> None:
         super().__init__()
         self.s = s
         E, H, inter = s.n_experts, s.hidden, s.moe_intermediate
@@ -121,6 +125,11 @@ class SparseMoeBlock(nn.Module):
         self.routing_stats: torch.Tensor | None = None
         if envs.MOE_ROUTING_STATS.get():
             self.routing_stats = torch.zeros((STATS_ROWS, 2), dtype=torch.float64, device=device)
+        # PDSERVE_MOE_ROUTING=uniform (benchmarks): router logits from a fixed table instead
+        # of the router's (see uniform_logits)
+        self.uniform_table: torch.Tensor | None = None
+        if envs.MOE_ROUTING.get() == "uniform":
+            self.uniform_table = uniform_routing_table(E, layer, dtype, device)
 
     def forward(
         self, x: torch.Tensor, logits: torch.Tensor | None = None, rows_out: bool = False
@@ -137,6 +146,8 @@ class SparseMoeBlock(nn.Module):
         T = x.shape[0]
         if logits is None:
             logits = F.linear(x, self.gate)
+        if self.uniform_table is not None:
+            logits = uniform_logits(self.uniform_table, T)
         # the routing counters' row of this forward size; the decode kernels add to it
         # themselves (no launches of their own), other paths below
         row = None
@@ -188,6 +199,33 @@ class SparseMoeBlock(nn.Module):
             row[0] += hit.sum()
             row[1] += 1.0
         return out
+
+
+# Rows of a uniform routing table (PDSERVE_MOE_ROUTING=uniform): a forward of T tokens
+# takes rows 0..T-1 (past the table, rows again from 0)
+UNIFORM_ROWS = 4096
+
+
+def uniform_routing_table(
+    n_experts: int, layer: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Router logits ``[UNIFORM_ROWS, n_experts]`` (standard normal draws in ``dtype``, made
+    on the CPU from a generator seeded by ``layer``, so every process and TP rank draws the
+    same) for ``PDSERVE_MOE_ROUTING=uniform``: each row's top-k is a uniformly random set of
+    experts, a batch's rows independent of each other, so a decode batch of T tokens routes
+    to about ``E * (1 - (1 - k / E) ** T)`` distinct experts as a load-balanced router would
+    (a random-weight model's router sends a batch's tokens to a few)."""
+    gen = torch.Generator().manual_seed(1_000_003 + layer)
+    return torch.randn(UNIFORM_ROWS, n_experts, generator=gen).to(dtype).to(device)
+
+
+def uniform_logits(table: torch.Tensor, T: int) -> torch.Tensor:
+    """The logits of a forward of ``T`` tokens from a :func:`uniform_routing_table`: its
+    first T rows (a view: no launch inside a decode step's graph), cycled past its end."""
+    if table.shape[0] >= T:
+        return table[:T]
+    idx = torch.arange(T, device=table.device) % table.shape[0]
+    return table[idx]
 
 
 def routed_experts(

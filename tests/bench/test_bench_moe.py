@@ -5,6 +5,7 @@ to (``PDSERVE_MOE_ROUTING_STATS``)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -64,3 +65,51 @@ def test_routing_stats_count_distinct_experts_per_forward_size(monkeypatch):
     per_expert = 3 * s.moe_intermediate * s.hidden * 4
     assert unrouted_expert_bytes(model, 1) == s.n_layers * (s.n_experts - s.top_k) * per_expert
     assert moe.routed_experts(blocks, 1) is None  # reset by the read above: nothing counted
+
+
+def test_uniform_routing_replaces_the_router_with_a_fixed_table(monkeypatch):
+    """``PDSERVE_MOE_ROUTING=uniform`` (benchmarks): every MoE layer routes by its own table
+    (seeded by the layer's index: the same in every build), whatever the router says; the
+    output is the experts' sum under that routing; a forward past the table cycles it."""
+    monkeypatch.setenv("PDSERVE_MOE_ROUTING", "uniform")
+    src = load_model_source(MODEL)
+    models = []
+    for _ in range(2):
+        m = LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
+        m.load_weights(src.weights())
+        models.append(m)
+    blocks = [[layer.moe for layer in m.decoder_layers()] for m in models]
+    s = models[0].shapes
+    tables = [b.uniform_table for b in blocks[0]]
+    assert all(t is not None and t.shape == (moe.UNIFORM_ROWS, s.n_experts) for t in tables)
+    assert not torch.equal(tables[0], tables[1])  # each layer its own
+    assert all(torch.equal(a.uniform_table, b.uniform_table) for a, b in zip(*blocks))
+    block = blocks[0][1]
+    x = torch.randn(6, s.hidden, generator=torch.Generator().manual_seed(0))
+    weights, ids = moe.route(block.uniform_table[:6], s.top_k, s.norm_topk_prob)
+    ref = moe.experts_loop(x, block.w13, block.w2, weights, ids)
+    assert torch.equal(block(x), ref)
+    assert torch.equal(block(x, logits=torch.full((6, s.n_experts), 9.0)), ref)  # ignored
+    long = moe.uniform_logits(block.uniform_table, moe.UNIFORM_ROWS + 3)
+    assert torch.equal(long[-3:], block.uniform_table[:3])
+    monkeypatch.setenv("PDSERVE_MOE_ROUTING", "model")
+    plain = LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
+    assert all(layer.moe.uniform_table is None for layer in plain.decoder_layers())
+    monkeypatch.setenv("PDSERVE_MOE_ROUTING", "even")
+    with pytest.raises(ValueError, match="PDSERVE_MOE_ROUTING"):
+        LlamaForCausalLM(src.hf_config, torch.float32, "cpu")
+
+
+@pytest.mark.timeout(300)
+def test_bench_offline_moe_routing_flag(tmp_path, monkeypatch, capsys):
+    """``bench offline --moe-routing uniform`` needs ``--ours-only`` (it changes the outputs:
+    exit 2 naming the flag), labels the JSON, and leaves the process's environment as it
+    was (the layers read it while the engine is built)."""
+    monkeypatch.delenv("PDSERVE_MOE_ROUTING", raising=False)
+    argv = ["bench", "offline", "--model", MODEL, "--device", "cpu", "--num-prompts", "2"]
+    assert main([*argv, "--moe-routing", "uniform"]) == 2
+    assert "--moe-routing uniform" in capsys.readouterr().err
+    out = _offline(tmp_path, "uniform", "--ours-only", "--moe-routing", "uniform")
+    assert out["moe_routing"] == "uniform"
+    assert "PDSERVE_MOE_ROUTING" not in os.environ
+    assert _offline(tmp_path, "model", "--ours-only")["moe_routing"] == "model"
