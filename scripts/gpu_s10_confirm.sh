@@ -9,6 +9,8 @@
 #                                                                    -> $OUT/offline_fp8.json
 #   3. bench offline random:qwen3-30b-a3b 1 / 64 prompts, the roofline over the experts
 #      routed to (PDSERVE_MOE_ROUTING_STATS=1)                       -> $OUT/offline_moe.json
+#      3b. its 64 prompts with --moe-routing uniform (a checkpoint's spread of experts,
+#      session 13; T_MOE_UNIFORM, 0 skips)                          -> $OUT/offline_moe_uniform.json
 #   4. the gpu-marked tests of the skinny GEMM, the fused norms (FP8 quantization for
 #      _scaled_mm) and the MoE kernels, or GPU_TESTS (failures named)
 # Each under its own timeout (T_BF16, T_FP8, T_MOE, T_TESTS seconds; T_BF16=0 / T_FP8=0 /
@@ -38,6 +40,11 @@ echo "== 3. bench offline qwen3-30b-a3b 1/64 ($SECONDS s)"
 [ "${T_MOE:-120}" -gt 0 ] && PDSERVE_MOE_ROUTING_STATS=1 timeout ${T_MOE:-120} $PY -m pdserve bench offline \
     --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 --ours-only --num-prompts 1,64 \
     --max-tokens 128 --repeats 1 --json "$OUT/offline_moe.json" 2>&1 | grep -v "^USDT" | tail -6
+echo "== 3b. bench offline qwen3-30b-a3b 64, --moe-routing uniform ($SECONDS s)"
+[ "${T_MOE_UNIFORM:-110}" -gt 0 ] && PDSERVE_MOE_ROUTING_STATS=1 timeout ${T_MOE_UNIFORM:-110} $PY -m pdserve bench offline \
+    --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 --ours-only --num-prompts 64 \
+    --moe-routing uniform --max-tokens 128 --repeats 1 --json "$OUT/offline_moe_uniform.json" 2>&1 \
+    | grep -v "^USDT" | tail -3
 echo "== 4. gpu-marked skinny, fused-norm and MoE tests ($SECONDS s)"
 [ "${T_TESTS:-0}" -gt 0 ] && timeout ${T_TESTS} $PY -m pytest -q -p no:cacheprovider -m gpu -rf ${GPU_TESTS:-tests/model/test_triton_skinny.py \
     tests/model/test_fused_ops.py tests/model/test_triton_moe.py tests/model/test_moe.py} 2>&1 | grep -v "^USDT" \
