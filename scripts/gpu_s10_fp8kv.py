@@ -487,7 +487,9 @@ def engine(args, dev: torch.device) -> None:
         elif args.force_fields:
             name, fields = "forced", json.loads(args.force_fields)
         res["variant"], res["variant_fields"] = name, fields
-        print(f"sweep's fastest e4m3 variant: {name} {fields} (at {elapsed():.1f} s)", flush=True)
+        what = "forced" if args.force_fields else "the sweep's fastest"
+        kv = "bf16-cache" if kv16 else "e4m3"
+        print(f"{what} {kv} variant: {name} {fields} (at {elapsed():.1f} s)", flush=True)
         g = core.executor.rank0.runner.graphs
         key = (rows, None)  # the long-context graph of the batch's bucket
         sets: dict[str, Any] = {}
