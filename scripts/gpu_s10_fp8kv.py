@@ -410,11 +410,13 @@ def apply_fields(fields: dict[str, Any], kv16: bool = False) -> None:
     if not fields:
         tb.fp8_decode_config = _FP8_CONFIG  # type: ignore[assignment]
         tb.KV16_EVEN = _KV16_EVEN  # type: ignore[misc]
+        tb.kv16_decode_config.cache_clear()
         return
     if kv16:
         if set(fields) != {"even"}:
             raise ValueError(f"--force-fields: a 16-bit cache takes only even, got {fields}")
         tb.KV16_EVEN = frozenset({"long"}) if fields["even"] else frozenset()  # type: ignore[misc]
+        tb.kv16_decode_config.cache_clear()
         return
 
     def cfg_with(c: tb.DecodeConfig) -> tb.DecodeConfig:

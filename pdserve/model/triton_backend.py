@@ -397,10 +397,12 @@ def fp8_decode_config(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def kv16_decode_config(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` for a 16-bit cache: with ``even`` where its :func:`decode_rule` is in
-    :data:`KV16_EVEN` (read at every launch, so a graph captured after a change takes it),
-    else ``cfg`` itself."""
+    :data:`KV16_EVEN`, else ``cfg`` itself. Applied wherever the decode kernel launches, as
+    :func:`fp8_decode_config` is; cached likewise (no new config a launch on an eager step's
+    hot path; tests and scripts that change the table clear the cache)."""
     return replace(cfg, even=True) if decode_rule(cfg) in KV16_EVEN else cfg
 
 

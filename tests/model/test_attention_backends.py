@@ -282,9 +282,14 @@ def test_kv16_even_rules_take_whole_tiles_with_the_same_numbers(monkeypatch):
 
     long, short = tb.DecodeConfig(5, 16, 4, 1, 0, 1024), tb.DecodeConfig(2, 16, 4, 1)
     assert frozenset({"long"}) == tb.KV16_EVEN  # the H200's pick (see its comment)
-    monkeypatch.setattr(tb, "KV16_EVEN", frozenset())
+
+    def rules(r: frozenset) -> None:
+        monkeypatch.setattr(tb, "KV16_EVEN", r)
+        tb.kv16_decode_config.cache_clear()
+
+    rules(frozenset())
     assert tb.kv16_decode_config(long) is long
-    monkeypatch.setattr(tb, "KV16_EVEN", frozenset({"long"}))
+    rules(frozenset({"long"}))
     assert tb.kv16_decode_config(long) == tb.DecodeConfig(5, 16, 4, 1, 0, 1024, even=True)
     assert tb.kv16_decode_config(short) is short
     monkeypatch.setattr(tb, "decode_config", lambda *a: long)
@@ -294,10 +299,13 @@ def test_kv16_even_rules_take_whole_tiles_with_the_same_numbers(monkeypatch):
     backend = get_attention_backend("triton")
     q, k, v, k_cache, v_cache, md = args
     outs = []
-    for rules in (frozenset({"long"}), frozenset()):
-        monkeypatch.setattr(tb, "KV16_EVEN", rules)
-        plan = backend.plan(md, 16)
-        outs.append(backend.forward(q, k, v, k_cache, v_cache, md, plan, 32**-0.5))
+    try:
+        for r in (frozenset({"long"}), frozenset()):
+            rules(r)
+            plan = backend.plan(md, 16)
+            outs.append(backend.forward(q, k, v, k_cache, v_cache, md, plan, 32**-0.5))
+    finally:
+        tb.kv16_decode_config.cache_clear()  # no entry of these rules outlives the test
     assert torch.equal(outs[0], outs[1])
     assert (outs[0] - ref).abs().max().item() < 1e-5
 
