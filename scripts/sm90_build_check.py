@@ -152,7 +152,7 @@ _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
 PDL_KERNELS = {
     "fused_ops._rope_kernel": (
         dict(H=40, HALF=64, BLOCK_H=64, BLOCK_D=64, STORE=True, HQ=32, HKV=8, D=128,
-             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False),
+             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False, QK_NORM=False, NQ=32),
         dict(pos_ptr=_I64, slot_ptr=_I64), 4),
     "fused_ops._silu_mul_kernel": (dict(BLOCK=1024), {}, 4),
     "fused_ops._add_rms_norm_kernel": (dict(HAS_RES=True, BLOCK=4096), {}, 8),
@@ -162,7 +162,7 @@ PDL_KERNELS = {
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
              BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
              F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False, UNROLL=1,
-             EVICT=False, EVEN=False),
+             EVICT=False, EVEN=False, VMUL=False, ROPE=False, QK_NORM=False, KV_FP8=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
