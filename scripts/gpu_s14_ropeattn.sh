@@ -7,10 +7,10 @@
 # 32 x 4,096, then (if the budget allows) random:qwen3-30b-a3b bf16 1 x 200 with the
 # routing counters on -> $OUT/ropeattn.json (the summary: output.txt).
 #   OUT=$OUT/g1 PREFIX= bash scripts/gpu_call.sh s14_ropeattn:170
-# CPU dry run (~3 min; tiny models, TRITON_INTERPRET=1, no graphs: the flag read by each
+# CPU dry run (~7 min; tiny models, TRITON_INTERPRET=1, no graphs: the flag read by each
 # eager step):
 #   DEVICE=cpu MODEL_FP8=random:tiny MODEL_MOE=random:tiny-qwen3-moe TRITON_INTERPRET=1 \
-#   BUDGET=400 PYTHON=.venv/bin/python OUT=/tmp/s14_ropeattn bash scripts/gpu_s14_ropeattn.sh
+#   BUDGET=420 PYTHON=.venv/bin/python OUT=/tmp/s14_ropeattn bash scripts/gpu_s14_ropeattn.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_s14_ropeattn}
