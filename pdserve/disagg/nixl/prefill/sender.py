@@ -296,6 +296,7 @@ class NixlSender(RoomHandle, KVSender):
         """One decode rank's destination arrived (control thread); ``expected``: the decode
         ranks this rank writes into (from that rank's TP size)."""
         problem = None
+        ready = False
         with self._lock:
             self._reply[identity] = None
             terminal = self.is_terminal()
@@ -315,8 +316,11 @@ class NixlSender(RoomHandle, KVSender):
                     self.dest = first or dest
                     if self._state == KVPoll.Bootstrapping and set(self.dests) >= expected:
                         self._state = KVPoll.WaitingForInput
+                        ready = True
                     if self._check_counts():
                         self._premake()
+        if ready and self._state == KVPoll.WaitingForInput:
+            self._table.wake()  # the engine may init and send the room now
         if problem is not None:
             self._fail(f"room {self.room}: destinations disagree: {problem}", PEER_FAILED)
         elif terminal and self._state == KVPoll.Failed:
