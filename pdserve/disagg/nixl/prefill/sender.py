@@ -543,14 +543,17 @@ class TransferWorkers:
         return True
 
     def _finish(self, job: Job) -> None:
-        """Every WRITE of the job ended: release the handles; the room learns it, and when
-        this was its last outstanding send and the room is a ``Success`` here, decode is
-        told (an abort that came meanwhile fails the room instead, and decode hears that
-        in a ``RoomStatus``). The room ends first: a notification costs a system call,
-        and one that cannot be sent means decode is gone (its side fails the room)."""
-        for h in job.handles:
-            self._try_release(h)
+        """Every WRITE of the job ended: the room learns it, and when this was its last
+        outstanding send and the room is a ``Success`` here, decode is told (an abort that
+        came meanwhile fails the room instead, and decode hears that in a ``RoomStatus``);
+        then the handles are released. The room ends first: a notification costs a system
+        call, and one that cannot be sent means decode is gone (its side fails the room).
+        Every handle reported ``DONE`` (no error): releasing them waits until decode was
+        told, since it is not on the path decode's engine waits for; after an error they
+        are released first."""
         sender = job.sender
+        if job.error is not None:
+            self._release(job)
         if sender.chunk_finished(job.error):
             sender.transfer_finished(None)
             if sender.poll_state() == KVPoll.Success:
@@ -560,6 +563,12 @@ class TransferWorkers:
             self.notifier.progress()  # completes the sends (UCX frees their buffers)
             if self.metrics is not None:
                 self.metrics.record_completion(time.monotonic() - job.t0)
+        if job.error is None:
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        for h in job.handles:
+            self._try_release(h)
 
     def _notify(self, sender: NixlSender) -> str | None:
         """Tell every destination decode rank that each WRITE of the room is done (with
