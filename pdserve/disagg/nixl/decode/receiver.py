@@ -109,6 +109,9 @@ class NixlReceiver(RoomHandle, KVReceiver):
         # failed while a writer may still WRITE (declared dead, not known gone): the pages
         # stay out of use until that incarnation ends the room or is known gone
         self.quarantined_at: float | None = None
+        # time.perf_counter() when the notification thread read a writer's XferDone (the
+        # last one's; benchmarks read it: bench transfer's stages)
+        self.notif_read_at = 0.0
 
     @property
     def peer(self) -> PrefillPeer | None:

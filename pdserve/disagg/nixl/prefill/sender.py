@@ -119,6 +119,9 @@ class NixlSender(RoomHandle, KVSender):
         self.abort_request: tuple[str, str] | None = None
         self.expected_pages: list[int] | None = None  # expect_pages' hint
         self.premade: dict[int, object] | None = None  # decode rank -> WRITE made ahead
+        # time.perf_counter() of the last send's path (benchmarks read them: bench transfer's
+        # stages): its WRITEs posted, seen done, decode notified
+        self.posted_at = self.done_at = self.notified_at = 0.0
 
     # --- engine side ------------------------------------------------------------------
     def _tick(self) -> None:
@@ -501,6 +504,7 @@ class TransferWorkers:
                 job.handles.append(h)  # released in _finish
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
+        sender.posted_at = time.perf_counter()
         for h in premade.values():  # left over (a failed post): never posted
             self._try_release(h)
 
@@ -552,12 +556,14 @@ class TransferWorkers:
         told, since it is not on the path decode's engine waits for; after an error they
         are released first."""
         sender = job.sender
+        sender.done_at = time.perf_counter()
         if job.error is not None:
             self._release(job)
         if sender.chunk_finished(job.error):
             sender.transfer_finished(None)
             if sender.poll_state() == KVPoll.Success:
                 error = self._notify(sender)
+                sender.notified_at = time.perf_counter()
                 if error is not None:
                     log.warning("room %d: %s", sender.room, error)
             self.notifier.progress()  # completes the sends (UCX frees their buffers)
