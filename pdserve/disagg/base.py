@@ -369,9 +369,10 @@ class KVManager(ABC):
         time a room moves to a state the engine acts on (``WaitingForInput``, ``Success``,
         ``Failed``), so an engine waiting between polls steps at once. False when this
         manager cannot (its rooms live in other processes: the engine's poll finds them)."""
-        if not isinstance(self._rooms, RoomTable):
+        rooms = getattr(self, "_rooms", None)
+        if not isinstance(rooms, RoomTable):
             return False
-        self._rooms.set_wakeup(wakeup)
+        rooms.set_wakeup(wakeup)
         return True
 
     @abstractmethod
