@@ -367,7 +367,8 @@ class ServerConfig:
     served_model_name: the model name of the OpenAI API; ``None`` means the ``--model`` value.
     health_generate_timeout: seconds ``/health_generate`` waits for its one-token generation.
     idle_poll_interval: seconds the engine thread sleeps between steps that made no progress
-        (e.g. while KV transfers are pending), so it keeps polling without spinning.
+        (e.g. while KV transfers are pending), so it keeps polling without spinning; a KV
+        room's state change ends the sleep at once (``KVManager.set_wakeup``).
     num_threads: torch intra-op CPU threads of the worker (``torch.set_num_threads``, set
         before the model loads); 0 = torch's default (``OMP_NUM_THREADS`` or all cores).
     max_request_body_bytes: largest request body accepted, in bytes (413 above).

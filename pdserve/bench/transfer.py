@@ -10,9 +10,14 @@ like the engine's (:class:`~pdserve.engine.kv.layout.KVCacheLayout`, ``--kv-orde
 request's pages scattered over them (``--run-len``, or ``--pattern served``). The
 transfer time runs from ``send()`` until the room is a ``Success`` on prefill (the
 manager's ``transfer_latency_seconds``) and until decode's manager made it one (its
-``finished_at``; the harness sees it up to ``POLL_S`` later: the ``*_polled`` rows). The
+``finished_at``), and until decode's harness, waiting as an idle engine does (woken by
+the manager's ``set_wakeup``, else every ``POLL_S``), saw it: the ``*_polled`` rows. The
 WRITE is made ahead (``KVSender.expect_pages``), so the timed ``send`` only posts it.
-Decode's pages are checked byte for byte (a hash) at the end.
+``stages_s``: medians of each step of a request's path, ``send`` -> WRITEs posted -> seen
+done on prefill -> prefill ``Success`` -> ``XferDone`` sent -> read by decode's
+notification thread -> decode ``Success`` -> its harness woken (the rooms' own
+timestamps, ``perf_counter`` in both processes). Decode's pages are checked byte for
+byte (a hash) at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from pdserve.bench.transfer_pool import (
 from pdserve.cli import Flag, add_flags, flag_values
 
 BOOTSTRAP_WAIT_S = 120.0
+# a request's path, stage by stage (each from the end of the one before): send() until its
+# WRITEs are posted, until prefill saw them done, prefill's room a Success, XferDone sent,
+# read by decode's notification thread, decode's room a Success, decode's harness woken
+STAGES = ("post", "write", "success", "notify", "notif_read", "decode_success", "wake")
 
 
 def wait_bootstrapped(sender, room: int, wait_s: float = BOOTSTRAP_WAIT_S) -> None:
@@ -91,11 +100,12 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
 
     def transfer(
         room: int, src: list[int] = src, dst: list[int] = dst
-    ) -> tuple[float, float, float]:
+    ) -> tuple[float, float, float, dict[str, float]]:
         """One room through the managers: seconds from ``send`` until the room is a
         ``Success`` on prefill (the manager's own latency record of the room, so the
         harness's polling adds nothing), until decode's manager made it ``Success``
-        (its ``finished_at``), and until decode's harness polled it (every ``POLL_S``)."""
+        (its ``finished_at``), and until decode's harness saw it (woken, or its
+        ``POLL_S`` poll); and each stage's seconds (:data:`STAGES`)."""
         conn.send(("room", (room, dst)))
         s = prefill.create_sender(room)
         wait_bootstrapped(s, room)
@@ -112,13 +122,16 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         elapsed = after[0] - before[0] if after[1] == before[1] + 1 else time.perf_counter() - t
         state, error = s.poll(), s.failure_exception()
         s.close()
-        d_state, d_error, d_done, d_polled = conn.recv()
+        d_state, d_error, d_done, d_polled, d_read = conn.recv()
         if state != KVPoll.Success or d_state != "Success":
             raise RuntimeError(
                 f"transfer of room {room} failed: prefill {state.name} {error or ''}; "
                 f"decode {d_state} {d_error}"
             )
-        return elapsed, d_done - t, d_polled - t
+        ours = [getattr(s, k) for k in ("posted_at", "done_at", "finished_at", "notified_at")]
+        marks = (t, *ours, d_read, d_done, d_polled)  # a NixlSender's; perf_counter
+        stages = {k: b - a for k, a, b in zip(STAGES, marks, marks[1:])}
+        return elapsed, d_done - t, d_polled - t, stages
 
     raw = None
     try:
@@ -148,20 +161,27 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             "one_page_decode_polled",
         )
         times: dict[str, list[float]] = {k: [] for k in names}
+        stages: dict[str, dict[str, list[float]]] = {
+            k: {s: [] for s in STAGES} for k in ("nixl", "one_page")
+        }
         for i in range(cfg.repeats):
 
             def request(i=i) -> None:
-                p, d, dp = transfer(100 + i)
+                p, d, dp, st = transfer(100 + i)
                 times["nixl"].append(p)
                 times["nixl_decode"].append(d)
                 times["nixl_decode_polled"].append(dp)
+                for k, v in st.items():
+                    stages["nixl"][k].append(v)
 
             def one(i=i) -> None:
-                p, d, dp = transfer(10_000 + i, one_src, one_dst)
+                p, d, dp, st = transfer(10_000 + i, one_src, one_dst)
                 times["one_page"].append(p)
                 times["one_page_decode"].append(d)
                 times["one_page_decode_polled"].append(dp)
                 times["raw_one_page"].append(raw.write(small=True))
+                for k, v in st.items():
+                    stages["one_page"][k].append(v)
 
             order = [
                 request,
@@ -216,7 +236,11 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             "raw_one_page": med["raw_one_page"],
             "layer_prefill": med["one_page"] - med["raw_one_page"],
             "layer_decode": med["one_page_decode"] - med["raw_one_page"],
-            "decode_polled": med["one_page_decode_polled"],  # + the harness's POLL_S polling
+            "decode_polled": med["one_page_decode_polled"],  # + the harness woken (set_wakeup)
+        },
+        # each stage of a request's path (STAGES), medians: the big request and the one-page one
+        "stages_s": {
+            k: {s: statistics.median(v) for s, v in per.items()} for k, per in stages.items()
         },
         "times_s": times,
         "host": platform.node(),
@@ -260,6 +284,12 @@ def _print(result: dict) -> None:
         f"  fixed cost of a request in the transfer layer (one-page request - raw): "
         f"prefill {fixed['layer_prefill'] * 1e3:.3f} ms, decode {fixed['layer_decode'] * 1e3:.3f} ms"
     )
+    for k, label in (("nixl", "request"), ("one_page", "one-page")):
+        st = result["stages_s"][k]
+        print(
+            f"  {label} stages (us, medians): "
+            + ", ".join(f"{s} {st[s] * 1e6:.0f}" for s in STAGES)
+        )
     print(
         f"  descriptors: {result['descriptors_posted']} posted, {result['descriptors_merged']} "
         f"after merging adjacent pages ({result['source_page_runs']} source / "

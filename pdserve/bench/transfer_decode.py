@@ -15,8 +15,9 @@ from pdserve.bench.transfer_pool import TransferBenchConfig, make_pool, pages_di
 # 2-core machine each wake-up costs CPU the copy needs (CMA copies run inside prefill's
 # post): a spinning harness cost the managed row 0.70-0.75 of raw NIXL, and a
 # time.sleep(1e-4) costs ~13 us CPU a wake-up. The rows are the managers' own records,
-# so the harness's cadence adds nothing to them; an engine polls once per step (idle:
-# every 2 ms).
+# so the harness's cadence adds nothing to them. Decode's harness waits as an idle
+# engine does (pdserve/server/serving.py): woken by the manager (``set_wakeup``) when
+# the room ends, else after POLL_S.
 POLL_S = 1e-3
 
 
@@ -32,6 +33,8 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
         kv, aux, args = make_pool(cfg)
         transfer_cfg = TransferConfig.from_env(Role.DECODE)  # this process's edge
         mgr = create_kv_manager("nixl", args, Role.DECODE, transfer_cfg)
+        woken = threading.Event()
+        mgr.set_wakeup(woken.set)
         conn.send(("ok", None))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -46,11 +49,16 @@ def decode_main(conn, cfg: TransferBenchConfig, host: str, port: int) -> None:
                 time.sleep(0.0005)
             if r.poll() != KVPoll.Failed:
                 r.init(pages, 0)
-            while r.poll() not in (KVPoll.Success, KVPoll.Failed):
-                time.sleep(POLL_S)  # no spin: see POLL_S
+            while True:
+                woken.clear()  # before the look: a room ending after it keeps it set
+                if r.poll() in (KVPoll.Success, KVPoll.Failed):
+                    break
+                woken.wait(POLL_S)  # no spin: see POLL_S
             polled_at = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             done_at = getattr(r, "finished_at", None) or polled_at  # the manager's own record
-            conn.send((r.poll().name, str(r.failure_exception() or ""), done_at, polled_at))
+            read_at = getattr(r, "notif_read_at", 0.0) or done_at
+            state, error = r.poll().name, str(r.failure_exception() or "")
+            conn.send((state, error, done_at, polled_at, read_at))
             r.close()
         elif cmd == "raw":
             raw = RawSide(args, Role.DECODE, arg, transfer_cfg.agent)

@@ -364,6 +364,17 @@ class KVManager(ABC):
         """Rooms created and not yet closed (the engine's check that every room ended)."""
         return len(self._rooms)
 
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> bool:
+        """Have ``wakeup`` called (from a transfer-layer thread; it must not block) each
+        time a room moves to a state the engine acts on (``WaitingForInput``, ``Success``,
+        ``Failed``), so an engine waiting between polls steps at once. False when this
+        manager cannot (its rooms live in other processes: the engine's poll finds them)."""
+        rooms = getattr(self, "_rooms", None)
+        if not isinstance(rooms, RoomTable):
+            return False
+        rooms.set_wakeup(wakeup)
+        return True
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for metrics: bytes/pages transferred, transfer latency sum/count,
@@ -463,12 +474,27 @@ class FailureInjector:
 
 
 class RoomTable(Generic[H]):
-    """Live rooms of one manager, by room id; a room stays live until ``close()``."""
+    """Live rooms of one manager, by room id; a room stays live until ``close()``.
+
+    ``wake()``: a room moved to a state its engine acts on (``WaitingForInput``,
+    ``Success``, ``Failed``), called by the room's own thread after the change; it calls
+    the callback :meth:`set_wakeup` installed (the engine thread's wake-up: an engine
+    waiting between polls steps at once instead of at its next poll), nothing before."""
 
     def __init__(self, role: Role) -> None:
         self._role = role
         self._lock = threading.Lock()
         self._rooms: dict[int, H] = {}
+        self._wakeup: Callable[[], None] | None = None
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Install (``None``: remove) the callback of :meth:`wake`; it must not block."""
+        self._wakeup = wakeup
+
+    def wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup()
 
     def add(self, room: int, handle: H) -> None:
         with self._lock:
@@ -587,6 +613,7 @@ class RoomHandle:
             self.finished_at = time.perf_counter()
             self._state = KVPoll.Failed
             self._error = KVTransferError(reason)
+        self._table.wake()
         self._metrics.record_failure(kind)
         log.debug("room %d failed (%s): %s", self.room, kind, reason)
         return True
@@ -597,6 +624,7 @@ class RoomHandle:
                 return False
             self.finished_at = time.perf_counter()
             self._state = KVPoll.Success
+        self._table.wake()
         self._metrics.record_success(nbytes, npages, seconds)
         return True
 

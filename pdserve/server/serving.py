@@ -8,9 +8,13 @@ never waits on a forward pass. When idle the thread blocks on the input queue; w
 runs the model (a prefill chunk that emits nothing counts too) or emits output, the next
 step follows at once; while requests are unfinished but nothing could be scheduled (only KV
 transfer rooms pending) it waits on the queue for ``idle_poll_interval`` seconds between
-steps, polling the rooms without spinning. If the thread dies, or the engine reports a
-``failure`` (a tensor-parallel rank is gone, noticed even while idle), ``alive`` turns
-False (``/health`` then answers 503) and every live request gets the error.
+steps, polling the rooms without spinning; a room that moves to a state the engine acts on
+(a destination arrived, the transfer ended) ends that wait at once (the KV managers'
+``set_wakeup``: a ``wake`` item in the queue, one pending at a time), so the interval only
+paces rooms whose manager cannot wake it (tensor-parallel ranks in other processes). If
+the thread dies, or the engine reports a ``failure`` (a tensor-parallel rank is gone,
+noticed even while idle), ``alive`` turns False (``/health`` then answers 503) and every
+live request gets the error.
 
 ``Serving`` handles one client request inside the worker: validation against the model,
 fan-out of ``n`` samples into single-sample engine requests (each with its own bootstrap
@@ -85,6 +89,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._wake_pending = False  # a "wake" item is in the inbox (one is enough)
         self._error: str | None = None
         self.snapshot = EngineSnapshot(num_free_pages=core.num_free_pages, stats=_safe_stats(core))
 
@@ -92,6 +97,9 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the engine thread; outputs are delivered on ``loop``."""
         self._loop = loop
+        set_wakeup = getattr(self.core, "set_kv_wakeup", None)
+        if set_wakeup is not None:
+            set_wakeup(self.wake)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -131,6 +139,13 @@ class AsyncEngine:
         """Abort one engine request (no-op if it already finished)."""
         self._inbox.put(("abort", request_id))
 
+    def wake(self) -> None:
+        """End the engine thread's idle wait now (any thread; never blocks): a KV room
+        changed state (``KVManager.set_wakeup``). One wake-up pending at a time."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._inbox.put(("wake",))
+
     # --- engine thread ------------------------------------------------------------------
     def _deliver(self, sink: Sink, item: Any) -> None:
         assert self._loop is not None
@@ -152,6 +167,8 @@ class AsyncEngine:
         elif kind == "abort":
             if self._sinks.pop(command[1], None) is not None:
                 self.core.abort_request(command[1])
+        elif kind == "wake":  # the step that follows polls the rooms
+            self._wake_pending = False
         elif kind == "stop":
             self._stopping = True
 

@@ -29,4 +29,13 @@ def test_bench_transfer_moves_the_bytes_and_reports_every_row(tmp_path, capsys):
         r["median_s"]["raw_nixl"] / r["median_s"]["nixl"]
     )
     assert r["descriptors_posted"] == 4 and 1 <= r["descriptors_merged"] <= 4
+    # the path stage by stage, in order, from the rooms' own timestamps (both processes)
+    from pdserve.bench.transfer import STAGES
+
+    for row in ("nixl", "one_page"):
+        assert list(r["stages_s"][row]) == list(STAGES)
+        # each in one process but notif_read (decode may read XferDone before prefill's
+        # clock after send_notif)
+        one_process = {k: v for k, v in r["stages_s"][row].items() if k != "notif_read"}
+        assert all(v >= 0 for v in one_process.values()), r["stages_s"][row]
     assert "NIXL / raw NIXL" in capsys.readouterr().out

@@ -55,6 +55,7 @@ class Pool:
     """KV pages + aux slots with the engine's ownership checks (double free raises)."""
 
     def __init__(self, num_pages: int, num_slots: int, lay: KVLayout, seed: int) -> None:
+        self.wakeups = 0  # calls of its manager's set_wakeup callback (an engine's wake-ups)
         dtype = getattr(torch, lay.dtype)
         self.layout = KVCacheLayout(
             lay.kv_order, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size,
@@ -219,7 +220,13 @@ def _make(
         os.environ[key] = value
     pool = Pool(num_pages, num_slots, layout(**lay_over), seed)
     cfg = TransferConfig.from_env(role, bootstrap_port=bport)  # this process's edge
-    return pool, create_kv_manager("nixl", pool.args, role, cfg)
+    mgr = create_kv_manager("nixl", pool.args, role, cfg)
+
+    def wakeup() -> None:
+        pool.wakeups += 1
+
+    mgr.set_wakeup(wakeup)
+    return pool, mgr
 
 
 def _child(
@@ -268,6 +275,7 @@ def _child(
                     "live_rooms": mgr.num_live_rooms(),
                     "healthy": mgr.is_healthy(),
                     "stats": mgr.stats(),
+                    "wakeups": pool.wakeups,
                 }
             elif cmd == "recheck":
                 out = pool.recheck()

@@ -89,6 +89,25 @@ def test_many_concurrent_rooms_scattered_pages_byte_exact(fresh):
     }
 
 
+@pytest.mark.timeout(120)
+def test_each_room_wakes_the_engine_when_it_is_ready_and_when_it_ends(fresh):
+    """Each side's manager calls its wake-up (``set_wakeup``: an idle engine's wait ends
+    at once instead of at its next poll) when a room may be init'ed (its destination /
+    writers known: ``WaitingForInput``) and when it ends (decode: on reading the
+    XferDone), twice a room, not once per poll."""
+    prefill, decode = fresh
+    before = prefill.call("state")["wakeups"], decode.call("state")["wakeups"]
+    rooms = {(1 << 57) + 13 * i: 1 + i % 3 for i in range(8)}
+    decode.run(rooms, port=prefill.port)
+    prefill.run(rooms)
+    got_d, got_p = decode.result(), prefill.result()
+    assert {r["state"] for r in got_p.values()} == {"Success"}, got_p
+    assert {r["state"] for r in got_d.values()} == {"Success"}, got_d
+    after = prefill.call("state")["wakeups"], decode.call("state")["wakeups"]
+    assert [a - b for a, b in zip(after, before)] == [2 * len(rooms)] * 2
+    _nothing_leaked(prefill, decode)
+
+
 @pytest.mark.timeout(60)
 def test_a_notification_matching_no_room_is_counted_not_silent(fresh):
     """An XferDone decode cannot match (no live room, or not from the room's writer) is

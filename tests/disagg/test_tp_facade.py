@@ -135,6 +135,12 @@ def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal(scri
     r.close()
 
 
+def test_the_facade_cannot_wake_the_engine_its_rooms_live_in_rank_processes(scripted):
+    """``set_wakeup`` says no (the engine's idle poll paces tensor-parallel rooms)."""
+    tpm, _, _ = scripted("decode", 2)
+    assert tpm.set_wakeup(lambda: None) is False
+
+
 def test_holds_pages_if_any_rank_holds(scripted):
     tpm, mgrs, _ = scripted("decode", 2)
     r = tpm.create_receiver("h", 1, 9)

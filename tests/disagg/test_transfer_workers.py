@@ -204,6 +204,26 @@ def test_the_room_ends_before_decode_is_told_and_an_unsent_notification_only_war
     assert "completion notification failed: RuntimeError: peer gone" in caplog.text
 
 
+def test_decode_is_told_before_the_ended_writes_are_released_unless_one_failed():
+    """Releasing a handle NIXL reported DONE is not on decode's path: it follows
+    ``XferDone``. After an error every handle is released before the room learns it."""
+    engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
+    order: list[str] = []
+    real_release, real_send, real_chunk = engine.release, notifier.send_notif, sender.chunk_finished
+    engine.release = lambda h: (order.append("release"), real_release(h))
+    notifier.send_notif = lambda a, p: (order.append("notif"), real_send(a, p))
+    sender.chunk_finished = lambda e: (order.append("room"), real_chunk(e))[1]
+    sender.inflight = 1
+    _workers(engine, notifier).submit(sender, [5], [9], last=True)
+    assert order == ["room", "notif", "release"] and sender.state == KVPoll.Success
+    engine.state = lambda h: "ERR"
+    order.clear()
+    sender.inflight = 1
+    _workers(engine, notifier).submit(sender, [5], [9], last=True)
+    assert order[:2] == ["release", "room"] and "notif" not in order
+    assert sender.chunk_errors[-1] == "NIXL reported ERR for a WRITE"
+
+
 def test_a_room_that_failed_as_its_writes_ended_sends_no_xferdone():
     engine, sender, notifier = StubEngine(), StubSender(), StubNotifier()
     workers = _workers(engine, notifier)

@@ -9,7 +9,7 @@ when only transfers are pending it returns ``[]`` quickly (the caller may sleep)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +188,12 @@ class EngineCore:
             raise ValueError("kv_managers must be a non-empty mapping of backend name to KVManager")
         self.pd.set_managers(managers)
         self._managers_bound = True
+
+    def set_kv_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Have every bound KV manager call ``wakeup`` (from its own threads) when a room
+        moves to a state a step acts on (:meth:`KVManager.set_wakeup`): the serving thread,
+        waiting between polls while only rooms are pending, steps at once."""
+        self.pd.set_wakeup(wakeup)
 
     def set_drafter(self, drafter: Drafter | None, num_speculative_tokens: int = 0) -> None:
         """Swap the speculative drafter (``None``: speculation off) between runs, with no

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pdserve.disagg.base import (
     AuxRecord,
@@ -140,6 +140,11 @@ class PDFlow:
     def set_managers(self, managers: Mapping[str, KVManager]) -> None:
         """Replace the managers (``EngineCore.bind_kv_managers``: before any request)."""
         self._managers = dict(managers)
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """``KVManager.set_wakeup`` on every manager (``EngineCore.set_kv_wakeup``)."""
+        for manager in self._managers.values():
+            manager.set_wakeup(wakeup)
 
     @property
     def num_draining(self) -> int:

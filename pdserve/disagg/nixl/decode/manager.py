@@ -259,11 +259,13 @@ class NixlDecodeManager(KVManager):
     def _drain_notifs(self) -> bool:
         """Handle the notifications NIXL has; True if there were any."""
         got = False
-        for payloads in self.engine.new_notifs().values():
+        notifs = self.engine.new_notifs()
+        read_at = time.perf_counter()
+        for payloads in notifs.values():
             for payload in payloads:
                 got = True
                 self._notifs_received += 1
-                self._on_notif(payload)
+                self._on_notif(payload, read_at)
         self._notifs_read_at = time.monotonic()
         return got
 
@@ -282,7 +284,7 @@ class NixlDecodeManager(KVManager):
             if r is not None and rank is not None:
                 r.on_status(rank, msg)
 
-    def _on_notif(self, payload: bytes) -> None:
+    def _on_notif(self, payload: bytes, read_at: float = 0.0) -> None:
         try:
             done = decode_xfer_done(payload)
         except WireError as exc:
@@ -301,6 +303,7 @@ class NixlDecodeManager(KVManager):
                 "no live room" if r is None else "none of the room's writers",
             )
             return
+        r.notif_read_at = read_at
         r.on_done(rank, done.aux)
 
     # --- heartbeat thread -------------------------------------------------------------------

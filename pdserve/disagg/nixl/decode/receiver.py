@@ -109,6 +109,9 @@ class NixlReceiver(RoomHandle, KVReceiver):
         # failed while a writer may still WRITE (declared dead, not known gone): the pages
         # stay out of use until that incarnation ends the room or is known gone
         self.quarantined_at: float | None = None
+        # time.perf_counter() when the notification thread read a writer's XferDone (the
+        # last one's; benchmarks read it: bench transfer's stages)
+        self.notif_read_at = 0.0
 
     @property
     def peer(self) -> PrefillPeer | None:
@@ -229,12 +232,16 @@ class NixlReceiver(RoomHandle, KVReceiver):
         """The writer ranks were looked up and their agents loaded (bootstrap thread)."""
         with self._lock:
             self.peers = dict(peers)
-            if self._state == KVPoll.Bootstrapping:
+            ready = self._state == KVPoll.Bootstrapping
+            if ready:
                 self._state = KVPoll.WaitingForInput
-                return
-            failed_early = self._state == KVPoll.Failed
-            tell = [] if not failed_early else [p for r, p in peers.items() if r not in self._told]
-            self._told.update(peers)
+            else:
+                failed_early = self._state == KVPoll.Failed
+                tell = [p for r, p in peers.items() if r not in self._told] if failed_early else []
+                self._told.update(peers)
+        if ready:
+            self._table.wake()  # the engine may init the room now
+            return
         exc = self.failure_exception()
         for peer in tell:  # e.g. aborted while bootstrapping: prefill's senders must end too
             self._ctx.send(

@@ -119,6 +119,9 @@ class NixlSender(RoomHandle, KVSender):
         self.abort_request: tuple[str, str] | None = None
         self.expected_pages: list[int] | None = None  # expect_pages' hint
         self.premade: dict[int, object] | None = None  # decode rank -> WRITE made ahead
+        # time.perf_counter() of the last send's path (benchmarks read them: bench transfer's
+        # stages): its WRITEs posted, seen done, decode notified
+        self.posted_at = self.done_at = self.notified_at = 0.0
 
     # --- engine side ------------------------------------------------------------------
     def _tick(self) -> None:
@@ -296,6 +299,7 @@ class NixlSender(RoomHandle, KVSender):
         """One decode rank's destination arrived (control thread); ``expected``: the decode
         ranks this rank writes into (from that rank's TP size)."""
         problem = None
+        ready = False
         with self._lock:
             self._reply[identity] = None
             terminal = self.is_terminal()
@@ -315,8 +319,11 @@ class NixlSender(RoomHandle, KVSender):
                     self.dest = first or dest
                     if self._state == KVPoll.Bootstrapping and set(self.dests) >= expected:
                         self._state = KVPoll.WaitingForInput
+                        ready = True
                     if self._check_counts():
                         self._premake()
+        if ready and self._state == KVPoll.WaitingForInput:
+            self._table.wake()  # the engine may init and send the room now
         if problem is not None:
             self._fail(f"room {self.room}: destinations disagree: {problem}", PEER_FAILED)
         elif terminal and self._state == KVPoll.Failed:
@@ -497,6 +504,7 @@ class TransferWorkers:
                 job.handles.append(h)  # released in _finish
         except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
             job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
+        sender.posted_at = time.perf_counter()
         for h in premade.values():  # left over (a failed post): never posted
             self._try_release(h)
 
@@ -539,23 +547,34 @@ class TransferWorkers:
         return True
 
     def _finish(self, job: Job) -> None:
-        """Every WRITE of the job ended: release the handles; the room learns it, and when
-        this was its last outstanding send and the room is a ``Success`` here, decode is
-        told (an abort that came meanwhile fails the room instead, and decode hears that
-        in a ``RoomStatus``). The room ends first: a notification costs a system call,
-        and one that cannot be sent means decode is gone (its side fails the room)."""
-        for h in job.handles:
-            self._try_release(h)
+        """Every WRITE of the job ended: the room learns it, and when this was its last
+        outstanding send and the room is a ``Success`` here, decode is told (an abort that
+        came meanwhile fails the room instead, and decode hears that in a ``RoomStatus``);
+        then the handles are released. The room ends first: a notification costs a system
+        call, and one that cannot be sent means decode is gone (its side fails the room).
+        Every handle reported ``DONE`` (no error): releasing them waits until decode was
+        told, since it is not on the path decode's engine waits for; after an error they
+        are released first."""
         sender = job.sender
+        sender.done_at = time.perf_counter()
+        if job.error is not None:
+            self._release(job)
         if sender.chunk_finished(job.error):
             sender.transfer_finished(None)
             if sender.poll_state() == KVPoll.Success:
                 error = self._notify(sender)
+                sender.notified_at = time.perf_counter()
                 if error is not None:
                     log.warning("room %d: %s", sender.room, error)
             self.notifier.progress()  # completes the sends (UCX frees their buffers)
             if self.metrics is not None:
                 self.metrics.record_completion(time.monotonic() - job.t0)
+        if job.error is None:
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        for h in job.handles:
+            self._try_release(h)
 
     def _notify(self, sender: NixlSender) -> str | None:
         """Tell every destination decode rank that each WRITE of the room is done (with
