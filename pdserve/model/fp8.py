@@ -658,6 +658,58 @@ def linear_silu_mul(
     return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
 
 
+def linear_quantized(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    path: Path,
+) -> torch.Tensor:
+    """``(xq [M, K] e4m3 * xs [M, 1]) @ real(w).T + bias`` -> ``[M, N]`` in ``out_dtype`` by
+    ``path`` (``scaled_mm`` or ``w8a8``, the paths that quantize their rows): the second
+    half of :func:`run_path` for rows quantized already by the kernel before it (add +
+    RMSNorm, SwiGLU, the attention's split-KV merge). ValueError for another kind."""
+    kind, config = path
+    if kind == "scaled_mm":
+        return scaled_mm_quantized(xq, xs, w, bias, out_dtype)
+    if kind != "w8a8":
+        raise ValueError(f"FP8 path kind {kind!r} does not take quantized rows")
+    from pdserve.model import triton_w8a8
+
+    return triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, out_dtype, config)
+
+
+def kernels_on(x: torch.Tensor) -> bool:
+    """Whether activations ``x`` take the paths of :func:`path_for` (bf16 on CUDA), for
+    :func:`merge_quant_path` (tests force it on CPU, under Triton's interpreter)."""
+    return x.is_cuda and x.dtype == torch.bfloat16
+
+
+# Whether o_proj, where its path quantizes its rows (``w8a8``, ``scaled_mm``), takes them from
+# the attention's split-KV merge (``TritonBackend.forward_quantized``: the merge and the per-row
+# quantization in one kernel, ``triton_kernels.decode_merge_quant_kernel``): one launch a layer
+# fewer, the same bits, on decode steps that merge splits (long contexts: the 32 x 4,096 step
+# at 8 splits; short contexts from 256 rows x KV heads on run one split and no merge).
+# Session 13's profile of that step (docs/benchmarks.md S13-FP8PROF, PDL off): merge 4.2 µs
+# and quantize_rows 3.9 µs a layer. On: not measured on the H200 yet
+# (scripts/gpu_s14_fp8merge.sh), the same bits as the two kernels.
+FUSE_MERGE_QUANT = True
+
+
+def merge_quant_path(rows: int, w: Fp8Weight | None, x: torch.Tensor) -> Path | None:
+    """The path of ``rows`` rows of attention output ``x`` (its dtype and device) through
+    o_proj's FP8 weight ``w`` when :data:`FUSE_MERGE_QUANT` is on and that path takes e4m3
+    rows (``w8a8`` or ``scaled_mm``: one-group weight, bf16 activations on CUDA,
+    :func:`kernels_on`); None otherwise (a one-row gemv, a w8a16 kernel, CPU: the caller runs
+    :func:`linear` on the 16-bit output)."""
+    if not (FUSE_MERGE_QUANT and w is not None and w.one_group and rows > 0 and kernels_on(x)):
+        return None
+    n, k = w.weight.shape
+    path = path_for(rows, n, k)
+    return path if path[0] in ("w8a8", "scaled_mm") else None
+
+
 # Whether an FP8 linear whose path quantizes its rows (``w8a8``) takes them from the add +
 # RMSNorm kernel before it (``fused_ops.add_rms_norm_quant``: one launch a linear fewer,
 # the same bits). On: the H200's one-row FP8 step under PDL 2.712 ms with it, 2.745
@@ -696,12 +748,10 @@ def add_rms_norm_linear(
     kind, config = path_for(h.shape[0], n, k)
     if kind != "w8a8" and not (kind == "scaled_mm" and FUSE_NORM_QUANT_SCALED_MM):
         return None
-    from pdserve.model import fused_ops, triton_w8a8
+    from pdserve.model import fused_ops
 
     h, xq, xs = fused_ops.add_rms_norm_quant(h, delta, norm_weight, eps)
-    if kind == "scaled_mm":
-        return h, scaled_mm_quantized(xq, xs, w, bias, h.dtype)
-    return h, triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, h.dtype, config)
+    return h, linear_quantized(xq, xs, w, bias, h.dtype, (kind, config))
 
 
 # Whether an FP8 linear whose path quantizes its rows (``scaled_mm`` or ``w8a8``) and whose
@@ -734,12 +784,10 @@ def silu_mul_linear(
     kind, config = path_for(gate_up.shape[0], n, k)
     if kind not in ("scaled_mm", "w8a8"):
         return None
-    from pdserve.model import fused_ops, triton_w8a8
+    from pdserve.model import fused_ops
 
     xq, xs = fused_ops.silu_mul_quant(gate_up)
-    if kind == "scaled_mm":
-        return scaled_mm_quantized(xq, xs, w, bias, gate_up.dtype)
-    return triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, gate_up.dtype, config)
+    return linear_quantized(xq, xs, w, bias, gate_up.dtype, (kind, config))
 
 
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:

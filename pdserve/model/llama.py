@@ -194,17 +194,35 @@ class LlamaDecoderLayer(nn.Module):
             qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk[:, :nq], qk[:, nq:]
         stored = rope_store is not None
-        o = backend.forward(
+        # o_proj's e4m3 rows from the attention's last kernel (its split-KV merge), where
+        # o_proj's path at T rows quantizes them (FP8 weights: fp8.FUSE_MERGE_QUANT)
+        o_path = None if fused is None else fp8.merge_quant_path(T, self.fp8.get("o_proj"), q)
+        attend = backend.forward if o_path is None else backend.forward_quantized
+        o_rows = attend(
             q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
         )
         o_out: torch.Tensor | SplitKPartials | None = None
-        if fused is not None and self.tp is None and self.moe is None and "o_proj" not in self.fp8:
-            # the skinny GEMM where measured faster; a split one's reduce left to the norm
-            from pdserve.model import triton_skinny
+        if isinstance(o_rows, tuple):  # (xq, xs): o_proj on them; a row-parallel bias once
+            assert o_path is not None
+            bias = self.o_bias if self.tp is None else None
+            o_out = fp8.linear_quantized(*o_rows, self.fp8["o_proj"], bias, h.dtype, o_path)
+            if self.tp is not None:
+                o_out = self.tp.all_reduce_(o_out)
+                o_out = o_out if self.o_bias is None else o_out.add_(self.o_bias)
+        else:
+            o = o_rows
+            if (
+                fused is not None
+                and self.tp is None
+                and self.moe is None
+                and "o_proj" not in self.fp8
+            ):
+                # the skinny GEMM where measured faster; a split one's reduce left to the norm
+                from pdserve.model import triton_skinny
 
-            o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
-        if o_out is None:
-            o_out = self._row_parallel("o_proj", o, self.o_bias)
+                o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
+            if o_out is None:
+                o_out = self._row_parallel("o_proj", o, self.o_bias)
         if self.moe is not None:
             assert isinstance(o_out, torch.Tensor)
             o = o_out
@@ -441,6 +459,11 @@ class LlamaForCausalLM(nn.Module):
             fp8.quantize_layers_online(layers, scheme)
         if self.fp8_scheme is not None and self.embed_tokens.is_cuda:  # the switch, per shape
             fp8.choose_paths(w for layer in layers for w in layer.fp8.values())
+        # the backend's warm-up compiles its merge + quantization variants when o_proj can
+        # take e4m3 rows from it (a one-group FP8 weight: fp8.merge_quant_path)
+        self.backend.quantized_output = fp8.FUSE_MERGE_QUANT and any(
+            "o_proj" in layer.fp8 and layer.fp8["o_proj"].one_group for layer in layers
+        )
         for i, layer in enumerate(layers):
             both = kv_scales.get((i, "kv"), 1.0)
             layer.kv_scale = (kv_scales.get((i, "k"), both), kv_scales.get((i, "v"), both))

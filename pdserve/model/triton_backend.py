@@ -34,6 +34,7 @@ from pdserve.model import decode_attn_table, pdl
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
+    decode_merge_quant_kernel,
     decode_split_kernel,
     extend_kernel,
     store_kv_kernel,
@@ -104,6 +105,13 @@ KV16_EVEN: frozenset[str] = frozenset({"long"})
 # 113.0; the engine's step 6.640 against 6.362 ms (0 of 3 paired rounds faster; greedy
 # identical): not taken.
 FP8_KV_VMUL: frozenset[str] = frozenset()
+# Warps of ``decode_merge_quant_kernel`` (the split-KV merge and the per-row e4m3
+# quantization of o_proj's input in one kernel, :meth:`TritonBackend.forward_quantized`): one
+# program a row holds its Hq x D merged values (Llama-3.1-8B: 4,096, 16 a thread at 8 warps)
+# and reads its splits' partial outputs (Hq x D x 4 bytes a split). Not measured yet
+# (scripts/gpu_s14_fp8merge.sh times the candidates in :data:`MERGE_QUANT_WARPS_CANDIDATES`).
+MERGE_QUANT_WARPS = 8
+MERGE_QUANT_WARPS_CANDIDATES = (4, 8, 16)
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -485,7 +493,9 @@ class TritonBackend(AttentionBackend):
         step launches it (int64 page table and lengths, as ``ModelRunner.run_staged``
         stages them), over one row of one token that reads page 0: the variants are
         compiled at start-up, not in a request's step (the graphs' variants are captured
-        already: their page table is int32). Writes no KV. Returns the configurations run."""
+        already: their page table is int32); with :attr:`quantized_output` each
+        configuration of more than one split also through :meth:`forward_quantized` (the
+        merge and quantization kernel). Writes no KV. Returns the configurations run."""
         dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
         # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
         qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
@@ -504,6 +514,11 @@ class TritonBackend(AttentionBackend):
             plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
             kv = qkv[:, num_q_heads : num_q_heads + Hkv]
             self.forward(q, kv, kv, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True)
+            if self.quantized_output and cfg.splits > 1:  # and the merge + quantization
+                plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
+                self.forward_quantized(
+                    q, kv, kv, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True
+                )
         return len(configs)
 
     def forward(
@@ -519,7 +534,49 @@ class TritonBackend(AttentionBackend):
         kv_stored: bool = False,
         kv_scale: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
+        """See :meth:`AttentionBackend.forward` and :meth:`_attend`."""
+        out = self._attend(q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def forward_quantized(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: TritonPlan,
+        scale: float,
+        kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`AttentionBackend.forward_quantized`: a decode-only step whose decode
+        runs more than one split merges them and quantizes each row in one kernel
+        (``decode_merge_quant_kernel``, :data:`MERGE_QUANT_WARPS`) and returns ``(xq [T, Hq *
+        D] float8_e4m3fn, xs [T, 1] fp32)``, the bits of ``fp8.quantize_rows(forward(...))``
+        (``triton_w8a8.quantize_rows`` on CUDA); any other step (one split: the split kernel
+        writes the output; prefill, extend, mixed) returns :meth:`forward`'s ``[T, Hq * D]``."""
+        return self._attend(
+            q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale, quantize=True
+        )
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        plan: TritonPlan,
+        scale: float,
+        kv_stored: bool = False,
+        kv_scale: tuple[float, float] = (1.0, 1.0),
+        quantize: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` (``quantize``: :meth:`forward_quantized`). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
         any strides with dim stride 1. With ``kv_stored`` (the model's RoPE kernel wrote K/V,
         ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
@@ -570,7 +627,17 @@ class TritonBackend(AttentionBackend):
             return out.view(T, Hq * D)
         lead = B if plan.decode else plan.num_decode_rows
         if lead:
-            self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D)
+            rows = None
+            if quantize and lead == B == T:  # decode only: the merge may quantize the rows
+                rows = (
+                    torch.empty(T, Hq * D, dtype=torch.float8_e4m3fn, device=q.device),
+                    torch.empty(T, 1, dtype=torch.float32, device=q.device),
+                )
+            merged = self._decode(
+                q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D, rows, v_scale
+            )
+            if merged and rows is not None:
+                return rows
         if lead < B:
             grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
             extend_kernel[grid](  # rows lead.. (token offsets in q/out are absolute)
@@ -616,9 +683,14 @@ class TritonBackend(AttentionBackend):
         ieee: bool,
         G: int,
         D: int,
-    ) -> None:
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        v_scale: float = 1.0,
+    ) -> bool:
         """The split-KV decode kernel (and its merge) over rows ``0..B-1``: one query token
-        each, the token of row ``b`` at ``q[b]``; writes ``out[b]``."""
+        each, the token of row ``b`` at ``q[b]``; writes ``out[b]``. With ``rows`` (``(xq [B,
+        Hq * D] e4m3, xs [B, 1] fp32)``) and more than one split, the merge writes them
+        instead: each row's output times ``v_scale`` quantized (``decode_merge_quant_kernel``),
+        ``out`` not written. Returns whether it did so."""
         Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)
         table = attn.page_table
         if plan.config is None:
@@ -691,6 +763,28 @@ class TritonBackend(AttentionBackend):
             num_stages=cfg.num_stages,
             **pdl.launch_options(q),
         )
+        if S > 1 and rows is not None:
+            xq, xs = rows
+            decode_merge_quant_kernel[(B,)](
+                mid_o,
+                mid_lse,
+                out,
+                xq,
+                xs,
+                v_scale,
+                *mid_o.stride()[:3],
+                *mid_lse.stride()[:2],
+                xq.stride(0),
+                HQ=Hq,
+                D=D,
+                NUM_SPLITS=S,
+                BLOCK_H=_pow2(Hq, 1),
+                BLOCK_D=block_d,
+                V_MUL=v_scale != 1.0,
+                num_warps=MERGE_QUANT_WARPS,
+                **pdl.launch_options(q),
+            )
+            return True
         if S > 1:
             decode_merge_kernel[(B, Hq)](
                 mid_o,
@@ -702,7 +796,7 @@ class TritonBackend(AttentionBackend):
                 out.stride(1),
                 D=D,
                 NUM_SPLITS=S,
-                BLOCK_S=_pow2(S, 1),
                 BLOCK_D=block_d,
                 **pdl.launch_options(q),
             )
+        return False
