@@ -231,3 +231,111 @@ def test_a_model_with_the_merge_quantizing_computes_the_same_bits(monkeypatch, t
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split, with_bias", [(2, False), (4, True)])
+def test_splitk_add_norm_quant_gives_the_bits_of_reduce_then_add_norm_quant(
+    split, with_bias, dtype
+):
+    """fused_splitk_norm.add_rms_norm_quant (a split-K w8a8 linear's fp32 partials reduced in
+    the add + RMSNorm + quantization kernel) gives the bits of the reduce kernel then
+    fused_ops.add_rms_norm_quant: h, the e4m3 rows and their scales; an all-zero row keeps
+    scale 1e-12 / 448."""
+    from pdserve.model import fused_ops, fused_splitk_norm, pdl
+    from pdserve.model.triton_gemv_parts import REDUCE_BLOCK, _splitk_reduce_kernel
+
+    gen = torch.Generator().manual_seed(split)
+    T, N, eps = 5, 200, 1e-5  # N not a power of two: the masked tail counts nothing
+    parts = (2 * torch.randn(split, T, N, generator=gen)).to(DEVICE)
+    x = (3 * torch.randn(T, N, generator=gen)).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    parts[:, 3] = 0.0
+    x[3] = 0.0
+    if b is not None:
+        b.zero_()
+    reduced = torch.empty(T, N, dtype=dtype, device=DEVICE)
+    _splitk_reduce_kernel[(-(-T * N // REDUCE_BLOCK),)](
+        parts, b if b is not None else w, reduced, N, T * N, HAS_BIAS=b is not None,
+        SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl.launch_options(x),
+    )  # fmt: skip
+    h0, q0, s0 = fused_ops.add_rms_norm_quant(x, reduced, w, eps)
+    p = fused_splitk_norm.SplitKPartials(parts, b, dtype)
+    h, q, s = fused_splitk_norm.add_rms_norm_quant(x, p, w, eps)
+    assert torch.equal(h, h0) and torch.equal(s, s0) and torch.equal(_u8(q), _u8(q0))
+    assert s[3].item() == pytest.approx(1e-12 / 448) and not q[3].float().any()
+    with pytest.raises(ValueError, match="do not match"):
+        fused_splitk_norm.add_rms_norm_quant(x[:2], p, w, eps)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+def test_a_model_with_the_fp8_splitk_reduce_folded_computes_the_same_bits(
+    monkeypatch, tiny_hf_builder
+):
+    """The tiny FP8 Llama on the CUDA path with all four linears on w8a8 tiles, o_proj and
+    down_proj splitting K in two: greedy tokens and logits with fp8.FUSE_SPLITK_NORM on (their
+    reduce in the next add + RMSNorm + quantization kernel, the last layer's in the final
+    norm's) equal those with it off bit for bit, and no reduce kernel runs (two a layer
+    before), with and without the merge + quantization kernel (4 decode splits)."""
+    from tp_model_ranks import greedy_paged
+
+    from pdserve.model import fp8, fused_splitk_norm, llama, triton_w8a8
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    hf = tiny_hf_builder("llama", seed=7)
+    model = llama.LlamaForCausalLM(
+        hf.config, torch.float32, "cpu", attn_backend="triton", quantization="fp8"
+    )
+    model.load_weights(hf.state_dict().items())
+    s = model.shapes
+    one, two = ("w8a8", 16, 32, 32, 1, True, 4, 2), ("w8a8", 16, 32, 32, 2, True, 4, 2)
+    shapes = {
+        ((s.n_heads + 2 * s.n_kv_heads) * s.head_dim, s.hidden): one,  # qkv
+        (s.hidden, s.n_heads * s.head_dim): two,  # o_proj
+        (2 * s.intermediate, s.hidden): one,  # gate_up
+        (s.hidden, s.intermediate): two,  # down (96 = 64 + 32: an uneven last slice)
+    }
+    assert len(shapes) == 4
+    for shape, cfg in shapes.items():
+        monkeypatch.setitem(fp8.PATHS, shape, ((256, ("w8a8", cfg)),))
+    real_linear = fp8.linear
+
+    def linear_anywhere(x, w, b):  # the listed shapes on their paths off CUDA too
+        shape = tuple(w.weight.shape)
+        if shape not in shapes:
+            return real_linear(x, w, b)
+        return fp8.run_path(fp8.path_for(x.shape[0], *shape), x, w, b)
+
+    monkeypatch.setattr(fp8, "linear", linear_anywhere)
+    monkeypatch.setattr(fp8, "kernels_on", lambda x: True)  # fp32 on CPU here
+    fixed = DecodeConfig(4, 16, 4, 2)
+    monkeypatch.setattr(triton_backend, "decode_config", lambda *a, **k: fixed)
+    counts: dict = {}
+    for mod, name in (
+        (triton_w8a8, "_splitk_reduce_kernel"),
+        (fused_splitk_norm, "_splitk_add_rms_norm_quant_kernel"),
+        (fused_splitk_norm, "_splitk_add_rms_norm_kernel"),
+    ):
+        monkeypatch.setattr(mod, name, _Count(getattr(mod, name), counts, name))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (45, 30)]
+    steps = 2
+    forwards = 1 + steps
+    for merge in (False, True):
+        monkeypatch.setattr(fp8, "FUSE_MERGE_QUANT", merge)
+        runs, launches = [], []
+        for fold in (False, True):
+            monkeypatch.setattr(fp8, "FUSE_SPLITK_NORM", fold)
+            counts.clear()
+            runs.append(greedy_paged(model, prompts, steps, page_size=8))
+            launches.append(dict(counts))
+        assert launches[0] == {"_splitk_reduce_kernel": 2 * s.n_layers * forwards}
+        assert launches[1] == {  # o_proj's and down's (the last one's: the final norm's)
+            "_splitk_add_rms_norm_quant_kernel": (2 * s.n_layers - 1) * forwards,
+            "_splitk_add_rms_norm_kernel": forwards,
+        }
+        assert runs[0][0] == runs[1][0]
+        for a, b in zip(runs[0][1], runs[1][1]):
+            assert torch.equal(a, b)
