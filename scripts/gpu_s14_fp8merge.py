@@ -9,7 +9,9 @@ flags set while it is captured, then restored), each into the engine's graph poo
 - ``off``: ``fp8.FUSE_MERGE_QUANT`` off (the split-KV merge writes the 16-bit attention
   output, ``quantize_rows`` quantizes it for o_proj's w8a8 kernel);
 - ``on`` / ``on_w4`` / ``on_w16``: on (``decode_merge_quant_kernel``: the merge writes the e4m3
-  rows and scales itself), at ``triton_backend.MERGE_QUANT_WARPS`` 8 / 4 / 16;
+  rows and scales itself), one program a row, at ``triton_backend.MERGE_QUANT_WARPS`` 8 / 4 /
+  16; ``g4`` / ``g8``: on, 4 / 8 heads a program (``MERGE_QUANT_HEADS``: the row's last
+  program to finish quantizes it), 4 warps;
 - ``sk_off`` / ``sk``: ``fp8.FUSE_SPLITK_NORM`` off / on (a split-K w8a8 linear's reduce left to
   the next add + RMSNorm + quantization kernel), the merge flag on in both;
 
@@ -48,16 +50,26 @@ T0 = time.perf_counter()
 # variant -> {(module, attribute): value} set while its graph is captured (or its eager
 # steps run); a flag a tree does not have is left out with a note in the JSON
 _MODULES = {"fp8": fp8, "triton_backend": tb}
+_MERGE, _HEADS, _WARPS = (
+    ("fp8", "FUSE_MERGE_QUANT"),
+    ("triton_backend", "MERGE_QUANT_HEADS"),
+    (
+        "triton_backend",
+        "MERGE_QUANT_WARPS",
+    ),
+)
 VARIANTS: dict[str, dict[tuple[str, str], Any]] = {
-    "off": {("fp8", "FUSE_MERGE_QUANT"): False},
-    "on": {("fp8", "FUSE_MERGE_QUANT"): True, ("triton_backend", "MERGE_QUANT_WARPS"): 8},
-    "on_w4": {("fp8", "FUSE_MERGE_QUANT"): True, ("triton_backend", "MERGE_QUANT_WARPS"): 4},
-    "on_w16": {("fp8", "FUSE_MERGE_QUANT"): True, ("triton_backend", "MERGE_QUANT_WARPS"): 16},
-    "sk_off": {("fp8", "FUSE_MERGE_QUANT"): True, ("fp8", "FUSE_SPLITK_NORM"): False},
-    "sk": {("fp8", "FUSE_MERGE_QUANT"): True, ("fp8", "FUSE_SPLITK_NORM"): True},
+    "off": {_MERGE: False},
+    "on": {_MERGE: True, _HEADS: 0, _WARPS: 8},  # one program a row
+    "on_w4": {_MERGE: True, _HEADS: 0, _WARPS: 4},
+    "on_w16": {_MERGE: True, _HEADS: 0, _WARPS: 16},
+    "g4": {_MERGE: True, _HEADS: 4, _WARPS: 4},  # 4 heads a program, the last one quantizes
+    "g8": {_MERGE: True, _HEADS: 8, _WARPS: 4},
+    "sk_off": {_MERGE: True, ("fp8", "FUSE_SPLITK_NORM"): False},
+    "sk": {_MERGE: True, ("fp8", "FUSE_SPLITK_NORM"): True},
 }
 # each variant's paired reference (its rounds faster than it, its greedy tokens against it)
-PAIRED = {"on": "off", "on_w4": "off", "on_w16": "off", "sk": "sk_off"}
+PAIRED = {"on": "off", "on_w4": "off", "on_w16": "off", "g4": "off", "g8": "off", "sk": "sk_off"}
 
 
 def elapsed() -> float:

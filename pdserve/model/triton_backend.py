@@ -112,6 +112,11 @@ FP8_KV_VMUL: frozenset[str] = frozenset()
 # (scripts/gpu_s14_fp8merge.sh times the candidates in :data:`MERGE_QUANT_WARPS_CANDIDATES`).
 MERGE_QUANT_WARPS = 8
 MERGE_QUANT_WARPS_CANDIDATES = (4, 8, 16)
+# Heads a program of that kernel merges: 0, one program a row (grid (B,): all its Hq heads,
+# no scratch); else a power of two below Hq (grid (B, Hq / heads): the row's last program to
+# finish, counted by an atomic, reads the others' 16-bit output back and quantizes the row;
+# more programs in flight for a few more µs of tail). Not measured yet either.
+MERGE_QUANT_HEADS = 0
 
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
@@ -445,6 +450,10 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     accepts_stored_kv = True
 
+    def __init__(self) -> None:
+        # device -> the merge + quantization kernel's row counters (:meth:`_merge_counts`)
+        self._counts: dict[str, list[torch.Tensor]] = {}
+
     def plan(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
         """Plan an eager step (reads the host lengths; one device read when absent)."""
         q_lens, s_lens = attn.host_lens()
@@ -521,6 +530,16 @@ class TritonBackend(AttentionBackend):
                 )
         return len(configs)
 
+    def _merge_counts(self, device: torch.device, rows: int) -> torch.Tensor:
+        """The merge + quantization kernel's per-row counters on ``device`` (int32 zeros, at
+        least ``rows``; each launch leaves them 0). Kept for the backend's life, with every
+        smaller one made before (a captured graph holds their addresses)."""
+        held = self._counts.setdefault(str(device), [])
+        if not held or held[-1].numel() < rows:
+            held.append(torch.zeros(max(rows, 4096), dtype=torch.int32, device=device))
+        out: torch.Tensor = held[-1]
+        return out
+
     def forward(
         self,
         q: torch.Tensor,
@@ -556,7 +575,8 @@ class TritonBackend(AttentionBackend):
         runs more than one split merges them and quantizes each row in one kernel
         (``decode_merge_quant_kernel``, :data:`MERGE_QUANT_WARPS`) and returns ``(xq [T, Hq *
         D] float8_e4m3fn, xs [T, 1] fp32)``, the bits of ``fp8.quantize_rows(forward(...))``
-        (``triton_w8a8.quantize_rows`` on CUDA); any other step (one split: the split kernel
+        (``triton_w8a8.quantize_rows`` on CUDA; :data:`MERGE_QUANT_HEADS` picks one program a
+        row or a row's heads in groups); any other step (one split: the split kernel
         writes the output; prefill, extend, mixed) returns :meth:`forward`'s ``[T, Hq * D]``."""
         return self._attend(
             q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale, quantize=True
@@ -765,22 +785,33 @@ class TritonBackend(AttentionBackend):
         )
         if S > 1 and rows is not None:
             xq, xs = rows
-            decode_merge_quant_kernel[(B,)](
+            heads = _pow2(Hq, 1)
+            if 0 < MERGE_QUANT_HEADS < heads:
+                heads = _pow2(MERGE_QUANT_HEADS, 1)
+            groups = -(-Hq // heads)
+            amax = mid_lse if groups == 1 else torch.empty(B, groups, device=q.device)
+            counts = mid_lse if groups == 1 else self._merge_counts(q.device, B)
+            decode_merge_quant_kernel[(B, groups)](
                 mid_o,
                 mid_lse,
                 out,
                 xq,
                 xs,
+                amax,
+                counts,
                 v_scale,
                 *mid_o.stride()[:3],
                 *mid_lse.stride()[:2],
+                out.stride(0),
+                out.stride(1),
                 xq.stride(0),
                 HQ=Hq,
                 D=D,
                 NUM_SPLITS=S,
-                BLOCK_H=_pow2(Hq, 1),
+                BLOCK_H=heads,
                 BLOCK_D=block_d,
-                V_MUL=v_scale != 1.0,
+                GROUPS=groups,
+                BLOCK_G=_pow2(groups, 1),
                 num_warps=MERGE_QUANT_WARPS,
                 **pdl.launch_options(q),
             )

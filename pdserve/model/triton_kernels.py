@@ -566,38 +566,62 @@ def decode_merge_kernel(
 
 
 @triton.jit
+def _quant_block(yf, scale, q_ptr, row, heads, dd, mask, D: tl.constexpr):
+    """Codes ``e4m3(clamp(yf / scale))`` of a ``[BLOCK_H, BLOCK_D]`` block of heads ``heads``
+    stored at ``q_ptr + row + h * D + d`` (``triton_w8a8._quant_rows_kernel``'s arithmetic)."""
+    qv = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(yf, scale), -FP8_MAX), FP8_MAX))
+    tl.store(
+        q_ptr + row + heads[:, None] * D + dd[None, :], qv.to(q_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
 def decode_merge_quant_kernel(
     mid_o_ptr,
     mid_lse_ptr,
     out_ptr,
     q_ptr,
     s_ptr,
+    amax_ptr,
+    count_ptr,
     v_mul,
     s_ob,
     s_oh,
     s_os,
     s_lb,
     s_lh,
+    s_tb,
+    s_th,
     s_qb,
     HQ: tl.constexpr,
     D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    V_MUL: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid ``(B,)``: row ``b``'s merged attention output (all ``HQ`` heads, a ``[BLOCK_H,
-    BLOCK_D]`` block: :func:`_merge_splits`, as :func:`decode_merge_kernel` computes it),
-    rounded to ``out``'s dtype (q's; ``out`` itself is not written), with ``V_MUL`` times
-    ``v_mul`` rounded again (the e4m3 cache's V scale, as ``TritonBackend.forward`` applies
-    it), then quantized per row as ``triton_w8a8._quant_rows_kernel`` does: ``s[b] =
+    """Grid ``(B, GROUPS)``: row ``b``'s merged attention output (:func:`_merge_splits`, as
+    :func:`decode_merge_kernel` computes it) rounded to ``out``'s dtype (q's), times ``v_mul``
+    rounded again (the e4m3 cache's V scale, as ``TritonBackend.forward`` applies it; 1.0
+    leaves every value as it is: one compiled variant for both), then quantized per row as ``triton_w8a8._quant_rows_kernel`` does: ``s[b] =
     max(amax|y|, 1e-12) * fp32(1 / 448)`` over the row's ``HQ * D`` values, ``q[b, h * D +
-    d] = e4m3(clamp(y / s[b]))``. The bits of the merge kernel, the multiply, then
-    ``triton_w8a8.quantize_rows`` of the ``[B, HQ * D]`` output, in one launch."""
+    d] = e4m3(clamp(y / s[b]))``: the bits of the merge kernel, the multiply, then
+    ``triton_w8a8.quantize_rows`` of the ``[B, HQ * D]`` output, in one launch.
+
+    ``GROUPS`` 1: one program a row holds all its heads (``BLOCK_H >= HQ``) and quantizes
+    them; ``out``, ``amax`` and ``count`` are not touched. ``GROUPS`` > 1: program ``(b,
+    g)`` merges heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)``, stores them in ``out[b]``
+    (``s_tb`` / ``s_th``) and their largest |value| in ``amax[b, g]`` (``[B, GROUPS]`` fp32),
+    then counts itself done in ``count[b]`` (int32, 0 before the launch: a barrier, then one
+    acq_rel atomic at GPU scope, the split-K semaphore's pattern); the row's last program to
+    finish reads every group's amax and the row's ``out`` back (``.cg``: from L2, past its
+    SM's L1), quantizes the whole row and sets ``count[b]`` back to 0."""
     pdl_enter(PDL)
     b = tl.program_id(0)
-    heads = tl.arange(0, BLOCK_H)
+    g = tl.program_id(1)
+    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < HQ
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
@@ -606,20 +630,38 @@ def decode_merge_quant_kernel(
         NUM_SPLITS, BLOCK_H, BLOCK_D,
     )  # fmt: skip
     ty = out_ptr.dtype.element_ty
-    y = res.to(ty)
-    if V_MUL:
-        y = (y.to(tl.float32) * v_mul).to(ty)
+    y = (res.to(ty).to(tl.float32) * v_mul).to(ty)
     mask = hmask[:, None] & dmask[None, :]
     yf = tl.where(mask, y.to(tl.float32), 0.0)
     amax = tl.max(tl.max(tl.abs(yf), 1), 0)
-    scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-    tl.store(s_ptr + b, scale)
-    qv = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(yf, scale), -FP8_MAX), FP8_MAX))
-    tl.store(
-        q_ptr + b * s_qb + heads[:, None] * D + dd[None, :],
-        qv.to(q_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    row = b.to(tl.int64) * s_qb
+    if GROUPS == 1:
+        scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+        tl.store(s_ptr + b, scale)
+        _quant_block(yf, scale, q_ptr, row, heads, dd, mask, D)
+    else:
+        tl.store(out_ptr + b * s_tb + heads[:, None] * s_th + dd[None, :], y, mask=mask)
+        tl.store(amax_ptr + b * GROUPS + g, amax)
+        tl.debug_barrier()  # every thread's stores before the release below
+        done = tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if done == GROUPS - 1:  # the row's last program: the others' stores are visible
+            gg = tl.arange(0, BLOCK_G)
+            am = tl.load(
+                amax_ptr + b * GROUPS + gg, mask=gg < GROUPS, other=0.0, cache_modifier=".cg"
+            )
+            scale = tl.maximum(tl.max(am, 0), AMAX_FLOOR) * INV_FP8_MAX
+            tl.store(s_ptr + b, scale)
+            for g2 in tl.static_range(GROUPS):
+                h2 = g2 * BLOCK_H + tl.arange(0, BLOCK_H)
+                m2 = (h2 < HQ)[:, None] & dmask[None, :]
+                y2 = tl.load(
+                    out_ptr + b * s_tb + h2[:, None] * s_th + dd[None, :],
+                    mask=m2,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                _quant_block(y2.to(tl.float32), scale, q_ptr, row, h2, dd, m2, D)
+            tl.store(count_ptr + b, 0)  # for the next launch (the next layer's)
 
 
 @triton.jit(do_not_specialize=_PER_STEP_INTS)

@@ -62,16 +62,27 @@ def test_merge_quant_kernel_gives_the_bits_of_merge_then_quantize_rows(B, Hq, S,
     if v_scale != 1.0:
         out.mul_(v_scale)
     q0, s0 = quantize_rows(out.view(B, Hq * D))
-    q = torch.empty(B, Hq * D, dtype=torch.float8_e4m3fn, device=DEVICE)
-    s = torch.empty(B, 1, dtype=torch.float32, device=DEVICE)
-    decode_merge_quant_kernel[(B,)](
-        mid_o, mid_lse, out, q, s, v_scale, *mid_o.stride()[:3], *mid_lse.stride()[:2],
-        q.stride(0), HQ=Hq, D=D, NUM_SPLITS=S, BLOCK_H=triton_backend._pow2(Hq, 1),
-        BLOCK_D=block_d, V_MUL=v_scale != 1.0, PDL=False,
-    )  # fmt: skip
-    assert torch.equal(s, s0) and torch.equal(_u8(q), _u8(q0))
-    assert s[B - 1].item() == pytest.approx(1e-12 / 448) and not q[B - 1].float().any()
-    assert q[0].float().abs().max().item() == 448.0  # the row's largest value sets its scale
+    counts = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+    # one program a row (all heads), or the heads in groups of 1 / 2 / 4 (the last one of a
+    # row quantizes it; 6 heads in 4s: a padded group)
+    for heads in sorted({triton_backend._pow2(Hq, 1), 1, 2, 4} - {8}):
+        groups = -(-Hq // heads)
+        q = torch.empty(B, Hq * D, dtype=torch.float8_e4m3fn, device=DEVICE)
+        s = torch.empty(B, 1, dtype=torch.float32, device=DEVICE)
+        amax = torch.empty(B, groups, device=DEVICE)
+        scratch = torch.full_like(out, float("nan"))
+        decode_merge_quant_kernel[(B, groups)](
+            mid_o, mid_lse, scratch, q, s, amax, counts, v_scale, *mid_o.stride()[:3],
+            *mid_lse.stride()[:2], scratch.stride(0), scratch.stride(1), q.stride(0), HQ=Hq,
+            D=D, NUM_SPLITS=S, BLOCK_H=heads, BLOCK_D=block_d, GROUPS=groups,
+            BLOCK_G=triton_backend._pow2(groups, 1), PDL=False,
+        )  # fmt: skip
+        assert torch.equal(s, s0) and torch.equal(_u8(q), _u8(q0)), heads
+        assert s[B - 1].item() == pytest.approx(1e-12 / 448) and not q[B - 1].float().any()
+        assert q[0].float().abs().max().item() == 448.0  # the row's largest value: its scale
+        assert not counts.any()  # each row's last program set its counter back
+        if groups > 1:  # the 16-bit output kept on the way: the merge kernel's
+            assert torch.equal(scratch, out)
 
 
 def _decode_step(B: int, ctx: list[int], Hq: int, Hkv: int, D: int, ps: int, kv_dtype, seed: int):
@@ -94,14 +105,17 @@ def _decode_step(B: int, ctx: list[int], Hq: int, Hkv: int, D: int, ps: int, kv_
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float32])
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_forward_quantized_gives_the_bits_of_forward_then_quantize_rows(kv_dtype, splits):
+@pytest.mark.parametrize("splits, heads", [(1, 0), (2, 0), (4, 0), (4, 2)])
+def test_forward_quantized_gives_the_bits_of_forward_then_quantize_rows(
+    kv_dtype, splits, heads, monkeypatch
+):
     """A decode step of several splits: forward_quantized's (codes, scales) are
     quantize_rows of forward's output (an e4m3 cache with a V scale: the output's multiply
-    inside the kernel); one split (no merge) returns forward's output itself; a prefill
-    step too."""
+    inside the kernel), one program a row or (``heads``) two heads a program; one split (no
+    merge) returns forward's output itself; a prefill step too."""
     from pdserve.model.triton_w8a8 import quantize_rows
 
+    monkeypatch.setattr(triton_backend, "MERGE_QUANT_HEADS", heads)
     B, Hq, Hkv, D, ps = 3, 4, 2, 32, 8
     backend = get_attention_backend("triton")
     q, k_cache, v_cache, md = _decode_step(B, [70, 5, 130], Hq, Hkv, D, ps, kv_dtype, splits)
