@@ -8,10 +8,10 @@ flags set while it is captured, then restored), each into the engine's graph poo
 
 - ``off``: ``fp8.FUSE_MERGE_QUANT`` off (the split-KV merge writes the 16-bit attention
   output, ``quantize_rows`` quantizes it for o_proj's w8a8 kernel);
-- ``on`` / ``on_w4`` / ``on_w16``: on (``decode_merge_quant_kernel``: the merge writes the e4m3
-  rows and scales itself), one program a row, at ``triton_backend.MERGE_QUANT_WARPS`` 8 / 4 /
-  16; ``g4`` / ``g8``: on, 4 / 8 heads a program (``MERGE_QUANT_HEADS``: the row's last
-  program to finish quantizes it), 4 warps;
+- ``on`` / ``on_w4`` / ``on_w16`` / ``on_w32``: on (``decode_merge_quant_kernel``: the merge
+  writes the e4m3 rows and scales itself), one program a row, at
+  ``triton_backend.MERGE_QUANT_WARPS`` 8 / 4 / 16 / 32; ``g4`` / ``g8``: on, 4 / 8 heads a
+  program (``MERGE_QUANT_HEADS``: the row's last program to finish quantizes it), 4 warps;
 - ``sk_off`` / ``sk``: ``fp8.FUSE_SPLITK_NORM`` off / on (a split-K w8a8 linear's reduce left to
   the next add + RMSNorm + quantization kernel), the merge flag on in both;
 
@@ -63,13 +63,22 @@ VARIANTS: dict[str, dict[tuple[str, str], Any]] = {
     "on": {_MERGE: True, _HEADS: 0, _WARPS: 8},  # one program a row
     "on_w4": {_MERGE: True, _HEADS: 0, _WARPS: 4},
     "on_w16": {_MERGE: True, _HEADS: 0, _WARPS: 16},
+    "on_w32": {_MERGE: True, _HEADS: 0, _WARPS: 32},
     "g4": {_MERGE: True, _HEADS: 4, _WARPS: 4},  # 4 heads a program, the last one quantizes
     "g8": {_MERGE: True, _HEADS: 8, _WARPS: 4},
     "sk_off": {_MERGE: True, ("fp8", "FUSE_SPLITK_NORM"): False},
     "sk": {_MERGE: True, ("fp8", "FUSE_SPLITK_NORM"): True},
 }
 # each variant's paired reference (its rounds faster than it, its greedy tokens against it)
-PAIRED = {"on": "off", "on_w4": "off", "on_w16": "off", "g4": "off", "g8": "off", "sk": "sk_off"}
+PAIRED = {
+    "on": "off",
+    "on_w4": "off",
+    "on_w16": "off",
+    "on_w32": "off",
+    "g4": "off",
+    "g8": "off",
+    "sk": "sk_off",
+}
 
 
 def elapsed() -> float:

@@ -48,7 +48,9 @@ for case, c in res.get("cases", {}).items():
     for tag, v in c.get("variants", {}).items():
         prof = v.get("profile") or {}
         keep = {k: v.get(k) for k in v if k.startswith(("over_", "paired_", "greedy_", "missing"))}
-        print(f"   {tag}: kernels {prof.get('kernels')} {prof.get('merge_quant')} {keep}")
+        small = {k[:40]: (int(n), round(us, 1)) for k, (n, us) in (prof.get("by_name") or {}).items()
+                 if any(w in k for w in ("merge", "quant_rows", "reduce", "norm"))}
+        print(f"   {tag}: kernels {prof.get('kernels')} (launches, us a replay) {small} {keep}")
     if c.get("errors"):
         print("   errors", c["errors"])
 PYEOF
