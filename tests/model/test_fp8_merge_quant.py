@@ -353,3 +353,64 @@ def test_a_model_with_the_fp8_splitk_reduce_folded_computes_the_same_bits(
         assert runs[0][0] == runs[1][0]
         for a, b in zip(runs[0][1], runs[1][1]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(DEVICE == "cuda", reason="forces the CUDA path on CPU (interpreter)")
+def test_the_engine_decodes_the_same_tokens_with_the_merge_quantizing(monkeypatch):
+    """Through the engine (``LLM``, random:tiny, FP8 weights, the triton backend and the
+    CUDA path forced on CPU, 4 decode splits, o_proj on a w8a8 tile): the greedy tokens and
+    their logprobs with fp8.FUSE_MERGE_QUANT on equal those with it off, and the decode steps
+    ran the merge + quantization kernel instead of the merge."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.model import fp8, llama
+
+    monkeypatch.setattr(llama, "use_fused_ops", lambda ids: True)
+    llm = LLM(
+        "random:tiny",
+        device="cpu",
+        attention_backend="triton",
+        quantization="fp8",
+        num_pages=64,
+        page_size=8,
+        enable_prefix_caching=False,  # both runs prefill the whole prompts alike
+    )
+    try:
+        s = llm.engine.executor.rank0.model.shapes
+        o_shape = (s.hidden, s.n_heads * s.head_dim)
+        cfg = ("w8a8", 16, 32, 32, 1, True, 4, 2)
+        monkeypatch.setitem(fp8.PATHS, o_shape, ((256, ("w8a8", cfg)),))
+        real_linear = fp8.linear
+
+        def linear_anywhere(x, w, b):  # o_proj on its path off CUDA too (the reference)
+            if tuple(w.weight.shape) != o_shape:
+                return real_linear(x, w, b)
+            return fp8.run_path(fp8.path_for(x.shape[0], *o_shape), x, w, b)
+
+        monkeypatch.setattr(fp8, "linear", linear_anywhere)
+        monkeypatch.setattr(fp8, "kernels_on", lambda x: True)
+        fixed = DecodeConfig(4, 16, 4, 2)
+        monkeypatch.setattr(triton_backend, "decode_config", lambda *a, **k: fixed)
+        counts: dict = {}
+        for name in ("decode_merge_kernel", "decode_merge_quant_kernel"):
+            kernel = getattr(triton_backend, name)
+            monkeypatch.setattr(triton_backend, name, _Count(kernel, counts, name))
+        gen = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (40, 57)]
+        params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+        runs, launches = [], []
+        for fuse in (False, True):
+            monkeypatch.setattr(fp8, "FUSE_MERGE_QUANT", fuse)
+            counts.clear()
+            outs = llm.generate(prompts, params)
+            runs.append(
+                [(o.outputs[0].token_ids, [x.logprob for x in o.outputs[0].logprobs]) for o in outs]
+            )
+            launches.append(dict(counts))
+        assert runs[0] == runs[1]
+        assert launches[0].get("decode_merge_kernel", 0) > 0 and not launches[1].get(
+            "decode_merge_kernel"
+        )
+        assert launches[1].get("decode_merge_quant_kernel", 0) == launches[0]["decode_merge_kernel"]
+    finally:
+        llm.shutdown()
