@@ -10,7 +10,7 @@
 # at an H200's cadence (scripts/bench_client_lateness.py, socket then httpx client); and,
 # if time is left, one more run with the old client (--stream-client httpx) on the same
 # deployment: the A/B of what the client counted into TTFT.
-# Usage (repository root): [OUT=dir] [DECODE_GPU=1] bash scripts/gpu_s6_serve_confirm.sh [MODEL] [DEVICE]
+# Usage (repository root): [OUT=dir] [DECODE_GPU=1] [MPS=1] bash scripts/gpu_s6_serve_confirm.sh [MODEL] [DEVICE]
 #   MODEL default random:llama-3.1-8b, DEVICE default cuda; `random:tiny cpu` for a dry run
 #   (then NREQ, ILEN, OLEN, RATES may be set smaller).
 # Writes under $OUT: serve.json (+ .png, .phases.png), summary.json, client_lateness_*.json,
@@ -36,6 +36,25 @@ mkdir -p "$OUT/logs"
 OUT=$(realpath "$OUT")
 LOGS=$OUT/logs
 command -v setsid > /dev/null || setsid() { "$@"; }  # (then the processes are stopped by pid)
+# MPS=1: every process of the check (PD's two workers, the mixed worker) a client of a CUDA
+# MPS control daemon started here (its pipe directory under /tmp: a socket path has at most
+# 107 bytes; its log under $OUT/mps; stopped at the end):
+# prefill's and decode's kernels then share the card's SMs instead of time-slicing it, the
+# shared card's cost of PD on one GPU (row AL). Nothing else changes: the device's settings
+# (compute mode) stay as they are; without the daemon's binary the check runs without it.
+MPS_ON=0
+mps_stop() { [ "$MPS_ON" = 1 ] && echo quit | nvidia-cuda-mps-control && MPS_ON=0; }
+if [ "${MPS:-0}" = 1 ]; then
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/pdserve_mps.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY=$OUT/mps
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && MPS_ON=1
+    echo "== MPS control daemon started: $MPS_ON (pipe $CUDA_MPS_PIPE_DIRECTORY)"
+  else
+    echo "== MPS=1 but no nvidia-cuda-mps-control here: the check runs without MPS"
+  fi
+fi
 RP=$(free_port); MP=$(free_port)
 DT=bfloat16; [ "$DEVICE" = cpu ] && DT=float32
 common=(--model "$MODEL" --dtype $DT --device "$DEVICE" --kv-cache-memory "$KV")
@@ -55,6 +74,7 @@ cleanup() {
   kill -TERM -- -"$MX" 2>/dev/null || kill -TERM "$MX" 2>/dev/null
   for i in $(seq 1 20); do kill -0 $UP 2>/dev/null || kill -0 $MX 2>/dev/null || break; sleep 0.5; done
   kill -KILL -- -"$UP" -"$MX" 2>/dev/null; kill -KILL "$UP" "$MX" 2>/dev/null; wait 2>/dev/null
+  mps_stop
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT

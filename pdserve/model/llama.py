@@ -17,7 +17,12 @@ from torch import nn
 from pdserve.model import fp8, weight_map
 from pdserve.model import linear as lin
 from pdserve.model import moe as moe_mlp
-from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from pdserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeRope,
+    get_attention_backend,
+)
 from pdserve.model.rope import apply_rope, cos_sin_table
 from pdserve.model.shapes import ModelShapes
 from pdserve.model.tp_group import TPGroup
@@ -138,6 +143,7 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         fused: Any = None,
         rope_store: Callable[..., None] | None = None,
+        decode_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | SplitKPartials]:
         """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
         output, None for the first layer) is still to be added; rope: rotates
@@ -149,7 +155,11 @@ class LlamaDecoderLayer(nn.Module):
         ``qk`` in place and writes K/V into the cache, an FP8 one quantized with this
         layer's ``kv_scale`` (one kernel, CUDA with a backend that
         ``accepts_stored_kv``), used instead of ``rope`` and the backend's own store when
-        given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
+        given. decode_rope: ``(table, positions)`` of a step whose backend
+        ``fuses_decode_rope`` (CUDA, a plain decode step): q and k go to the backend
+        un-rotated, with a ``DecodeRope`` (the q/k norm weights too): RoPE, the norms and the
+        KV store happen inside its decode kernel; ``rope`` and ``rope_store`` are not used.
+        Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
         rows, the router's logits come out of the add + RMSNorm kernel.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA); with
@@ -190,7 +200,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qk = qkv[:, :nqk]
         v = qkv[:, nqk:]
-        if rope_store is not None:  # rotated in place, K/V already in the cache
+        rotate = None
+        if decode_rope is not None:  # the backend's decode kernel rotates and stores
+            rotate = DecodeRope(*decode_rope, qk_norm)
+        elif rope_store is not None:  # rotated in place, K/V already in the cache
             rope_store(qk, v, k_cache, v_cache, qk_norm, self.kv_scale)
         elif qk_norm is not None:
             qk = rope(qk, qk_norm)
@@ -203,7 +216,17 @@ class LlamaDecoderLayer(nn.Module):
         o_path = None if fused is None else fp8.merge_quant_path(T, self.fp8.get("o_proj"), q)
         attend = backend.forward if o_path is None else backend.forward_quantized
         o_rows = attend(
-            q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            attn,
+            plan,
+            s.scale,
+            kv_stored=stored,
+            kv_scale=self.kv_scale,
+            rope=rotate,
         )
         o_out: torch.Tensor | SplitKPartials | None = None
         # a split-K FP8 o_proj's reduce left to the next add + RMSNorm (fp8.FUSE_SPLITK_NORM)
@@ -547,6 +570,7 @@ class LlamaForCausalLM(nn.Module):
         fused: Any = None
         rope: Callable[..., torch.Tensor]
         rope_store: Callable[..., None] | None = None
+        decode_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm (+ router)
         if use_fused_ops(input_ids):
             from pdserve.model import fused_ops
@@ -558,8 +582,11 @@ class LlamaForCausalLM(nn.Module):
                 fused_ops.rope_inplace(x, table, positions, qk_norm)
                 return x
 
+            if self.backend.fuses_decode_rope(plan, self.shapes.head_dim):
+                # a decode step: RoPE (+ q/k norm) and the KV store inside the attention
+                decode_rope = (table, positions)
             # an FP8 cache too: the kernel quantizes with the layer's K/V scales
-            if self.backend.accepts_stored_kv:
+            elif self.backend.accepts_stored_kv:
                 slots = attn.slot_mapping
 
                 def rope_store(
@@ -594,6 +621,7 @@ class LlamaForCausalLM(nn.Module):
                 self.backend,
                 fused,
                 rope_store,
+                decode_rope,
             )
         return add_rms_norm(h, delta, self.norm, self.shapes.eps, fused)[1]
 

@@ -163,3 +163,42 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
         assert any(k[0] == "decode_merge_quant_kernel" for k in keys)
     new = keys - warm
     assert not new, sorted(new)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_decode_rope_steps_launch_only_variants_the_warm_up_launched(monkeypatch, qk_norm):
+    """With ``DECODE_ROPE`` on, the warm-up also launches every eager configuration with
+    RoPE inside (the model's q/k norms when it has them): eager decode steps of several
+    sizes and contexts, their q/k un-rotated with the model's table, positions and norm
+    weights (``DecodeRope``), launch nothing it did not (and no store kernel)."""
+    from pdserve.model import triton_backend
+    from pdserve.model.attention import DecodeRope, get_attention_backend
+
+    monkeypatch.setattr(triton_backend, "DECODE_ROPE", True)
+    keys: set = set()
+    for name in ("decode_split_kernel", "decode_merge_kernel", "store_kv_kernel"):
+        monkeypatch.setattr(triton_backend, name, _Variants(getattr(triton_backend, name), keys))
+    backend = get_attention_backend("triton")
+    ps, Hq, Hkv, D = 16, 4, 2, 32
+    k_cache = torch.randn(512, ps, Hkv, D)  # the widest step: 5 rows' pages 0..484
+    v_cache = torch.randn(512, ps, Hkv, D)
+    table = torch.randn(4096, D)  # the model's [max_positions, D]
+    w = torch.randn(D)
+    norm = (w, w.clone(), 1e-6, Hq) if qk_norm else None
+    backend.warm_up(k_cache, v_cache, Hq, torch.float32, qk_norm=qk_norm)
+    warm = set(keys)
+    keys.clear()
+    for rows, ctx in ((1, 20), (1, 600), (3, 70), (5, 1500), (2, 3000)):
+        s_lens = [ctx + 13 * i for i in range(rows)]
+        md = _metadata([1] * rows, s_lens, ps, max(-(-s // ps) for s in s_lens))
+        qkv = torch.randn(rows, Hq + 2 * Hkv, D)
+        q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
+        plan = backend.plan(md, ps)
+        assert backend.fuses_decode_rope(plan, D)
+        pos = torch.tensor(s_lens, dtype=torch.int64) - 1
+        rope = DecodeRope(table, pos, norm)
+        backend.forward(q, k, v, k_cache, v_cache, md, plan, D**-0.5, rope=rope)
+    assert keys and all(k[0] != "store_kv_kernel" for k in keys)
+    new = keys - warm
+    assert not new, sorted(new)
