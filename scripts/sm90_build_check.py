@@ -165,14 +165,7 @@ PDL_KERNELS = {
              EVICT=False, EVEN=False, VMUL=False, ROPE=False, QK_NORM=False, KV_FP8=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
-        dict(D=128, NUM_SPLITS=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
-    "triton_kernels.decode_merge_quant_kernel": (
-        dict(HQ=32, D=128, NUM_SPLITS=8, BLOCK_H=32, BLOCK_D=128, GROUPS=1, BLOCK_G=1),
-        dict(mid_o_ptr=_F32, mid_lse_ptr=_F32, q_ptr=torch.float8_e4m3fn, s_ptr=_F32,
-             amax_ptr=_F32, count_ptr=_I32), 8),
-    "fused_splitk_norm._splitk_add_rms_norm_quant_kernel": (
-        dict(HAS_BIAS=False, SPLIT_K=2, BLOCK=4096),
-        dict(p_ptr=_F32, q_ptr=torch.float8_e4m3fn, s_ptr=_F32), 8),
+        dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.extend_kernel": (
         dict(G=4, D=128, PAGE_SIZE=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, IEEE=False),
         dict(table_ptr=_I32, qsl_ptr=_I32, seq_lens_ptr=_I64), 4),

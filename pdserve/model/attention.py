@@ -173,10 +173,6 @@ class AttentionBackend(abc.ABC):
     # Whether the model may write this step's K/V itself, inside its RoPE kernel
     # (``fused_ops.rope_store_kv``, CUDA only), and call :meth:`forward` with ``kv_stored``.
     accepts_stored_kv: bool = False
-    # Set by the model when its o_proj may call :meth:`forward_quantized` (one-group FP8
-    # weights, ``fp8.FUSE_MERGE_QUANT``): :meth:`warm_up` then compiles the variants that
-    # quantize their output too.
-    quantized_output: bool = False
 
     @abc.abstractmethod
     def plan(self, attn: AttentionMetadata, page_size: int) -> Any:
@@ -255,27 +251,6 @@ class AttentionBackend(abc.ABC):
         ``attn.slot_mapping``). Returns ``[T, Hq * D]`` in q's dtype.
         Query head ``h`` uses KV head ``h // (Hq // Hkv)`` (HF ``repeat_kv`` order).
         """
-
-    def forward_quantized(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        plan: Any,
-        scale: float,
-        kv_stored: bool = False,
-        kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` for an output that an FP8 linear takes as per-row e4m3 codes (o_proj
-        on its ``w8a8`` / ``_scaled_mm`` path): where the backend's last kernel of this step
-        can quantize the rows itself, ``(xq [T, Hq * D] float8_e4m3fn, xs [T, 1] fp32)``, the
-        bits of ``fp8.quantize_rows`` of :meth:`forward`'s output; else that output ``[T, Hq *
-        D]`` (the caller quantizes). Default: :meth:`forward`."""
-        return self.forward(q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale, rope)
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

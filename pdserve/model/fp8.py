@@ -53,14 +53,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from pdserve.model.fused_splitk_norm import SplitKPartials
 
 logger = logging.getLogger(__name__)
 
@@ -661,115 +658,6 @@ def linear_silu_mul(
     return triton_w8a8.gemv(gate_up, w.weight, w.scale, bias, config, silu_mul=True)
 
 
-def linear_quantized(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    w: Fp8Weight,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    path: Path,
-) -> torch.Tensor:
-    """``(xq [M, K] e4m3 * xs [M, 1]) @ real(w).T + bias`` -> ``[M, N]`` in ``out_dtype`` by
-    ``path`` (``scaled_mm`` or ``w8a8``, the paths that quantize their rows): the second
-    half of :func:`run_path` for rows quantized already by the kernel before it (add +
-    RMSNorm, SwiGLU, the attention's split-KV merge). ValueError for another kind."""
-    kind, config = path
-    if kind == "scaled_mm":
-        return scaled_mm_quantized(xq, xs, w, bias, out_dtype)
-    if kind != "w8a8":
-        raise ValueError(f"FP8 path kind {kind!r} does not take quantized rows")
-    from pdserve.model import triton_w8a8
-
-    return triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, out_dtype, config)
-
-
-# Whether an FP8 linear whose output the next add + RMSNorm takes (o_proj, down_proj: TP 1,
-# dense layers), on a ``w8a8`` tile that splits K, leaves its reduce to that norm's kernel
-# (its fp32 partials as a ``fused_splitk_norm.SplitKPartials``: ``fused_splitk_norm.add_rms_norm
-# _quant`` before an FP8 linear that takes e4m3 rows, ``fused_splitk_norm.add_rms_norm``
-# before the LM head's norm), as the bf16 path's split-K GEMV does (``fused_splitk_norm.FUSE``):
-# one launch a split linear fewer, the same bits. The H200's table splits down_proj [4096,
-# 14336] 4 ways at 2-32 rows, 2 at 64, and o_proj [4096, 4096] 4 ways at 2-8 rows, 2 at 64
-# (fp8_paths_table.py). Session 13's profile of the 32 x 4,096 step: the reduce 1.6 µs a
-# layer. On: not measured on the H200 yet (scripts/gpu_s14_fp8merge.sh).
-FUSE_SPLITK_NORM = True
-
-
-def linear_quantized_partials(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    w: Fp8Weight,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    path: Path,
-) -> torch.Tensor | SplitKPartials:
-    """:func:`linear_quantized`, but where :data:`FUSE_SPLITK_NORM` is on and ``path`` is a
-    ``w8a8`` tile that splits K: its unreduced fp32 partials ``[S, M, N]`` and the bias, for
-    the next add + RMSNorm's kernel to sum (the bits of the w8a8 kernel's own reduce)."""
-    kind, config = path
-    if not (FUSE_SPLITK_NORM and kind == "w8a8"):
-        return linear_quantized(xq, xs, w, bias, out_dtype, path)
-    from pdserve.model import fused_splitk_norm, triton_w8a8
-
-    out = triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, out_dtype, config, partials=True)
-    if out.dim() == 3:
-        return fused_splitk_norm.SplitKPartials(out, bias, out_dtype)
-    return out
-
-
-def linear_partials(
-    x: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None
-) -> SplitKPartials | None:
-    """``x [M, K] @ real(w).T + bias`` as the split-K partials of
-    :func:`linear_quantized_partials` (x quantized per row first, as :func:`linear` does) where
-    :data:`FUSE_SPLITK_NORM` is on and :func:`path_for` gives these rows a ``w8a8`` tile that
-    splits K (bf16 on CUDA, one-group weight); None otherwise (the caller runs
-    :func:`linear`)."""
-    if not (FUSE_SPLITK_NORM and w is not None and w.one_group and x.dim() == 2):
-        return None
-    if not (kernels_on(x) and x.shape[0] > 0):
-        return None
-    n, k = w.weight.shape
-    path = path_for(x.shape[0], n, k)
-    if path[0] != "w8a8" or path[1][4] < 2:
-        return None
-    xq, xs = quantize_rows(x)
-    out = linear_quantized_partials(xq, xs, w, bias, x.dtype, path)
-    return None if isinstance(out, torch.Tensor) else out  # (K too short to split: reduced)
-
-
-def kernels_on(x: torch.Tensor) -> bool:
-    """Whether activations ``x`` take the paths of :func:`path_for` (bf16 on CUDA), for the
-    fused producers of their e4m3 rows (:func:`add_rms_norm_linear`, :func:`silu_mul_linear`,
-    :func:`merge_quant_path`, :func:`linear_partials`; tests force it on CPU, under Triton's
-    interpreter)."""
-    return x.is_cuda and x.dtype == torch.bfloat16
-
-
-# Whether o_proj, where its path quantizes its rows (``w8a8``, ``scaled_mm``), takes them from
-# the attention's split-KV merge (``TritonBackend.forward_quantized``: the merge and the per-row
-# quantization in one kernel, ``triton_kernels.decode_merge_quant_kernel``): one launch a layer
-# fewer, the same bits, on decode steps that merge splits (long contexts: the 32 x 4,096 step
-# at 8 splits; short contexts from 256 rows x KV heads on run one split and no merge).
-# Session 13's profile of that step (docs/benchmarks.md S13-FP8PROF, PDL off): merge 4.2 µs
-# and quantize_rows 3.9 µs a layer. On: not measured on the H200 yet
-# (scripts/gpu_s14_fp8merge.sh), the same bits as the two kernels.
-FUSE_MERGE_QUANT = True
-
-
-def merge_quant_path(rows: int, w: Fp8Weight | None, x: torch.Tensor) -> Path | None:
-    """The path of ``rows`` rows of attention output ``x`` (its dtype and device) through
-    o_proj's FP8 weight ``w`` when :data:`FUSE_MERGE_QUANT` is on and that path takes e4m3
-    rows (``w8a8`` or ``scaled_mm``: one-group weight, bf16 activations on CUDA,
-    :func:`kernels_on`); None otherwise (a one-row gemv, a w8a16 kernel, CPU: the caller runs
-    :func:`linear` on the 16-bit output)."""
-    if not (FUSE_MERGE_QUANT and w is not None and w.one_group and rows > 0 and kernels_on(x)):
-        return None
-    n, k = w.weight.shape
-    path = path_for(rows, n, k)
-    return path if path[0] in ("w8a8", "scaled_mm") else None
-
-
 # Whether an FP8 linear whose path quantizes its rows (``w8a8``) takes them from the add +
 # RMSNorm kernel before it (``fused_ops.add_rms_norm_quant``: one launch a linear fewer,
 # the same bits). On: the H200's one-row FP8 step under PDL 2.712 ms with it, 2.745
@@ -786,7 +674,7 @@ FUSE_NORM_QUANT_SCALED_MM = True
 
 def add_rms_norm_linear(
     h: torch.Tensor,
-    delta: torch.Tensor | SplitKPartials | None,
+    delta: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
     w: Fp8Weight | None,
@@ -796,30 +684,24 @@ def add_rms_norm_linear(
     quantized per token inside the add + RMSNorm kernel (``fused_ops.add_rms_norm_quant``)
     and handed to the ``w8a8`` kernel (or ``_scaled_mm``) as e4m3 rows: the bits of the add
     + RMSNorm kernel followed by :func:`linear`. h, delta ``[T, K]`` bf16 on CUDA; ``[T, N]``
-    out. A delta of fp32 split-K partials (the previous FP8 linear's,
-    :func:`linear_quantized_partials`) is reduced in the same kernel
-    (``fused_splitk_norm.add_rms_norm_quant``); other partials (the MoE path's top-k rows):
-    None. Only when :data:`FUSE_NORM_QUANT` is on, w is a one-group FP8 weight and
+    out. Only when :data:`FUSE_NORM_QUANT` is on, w is a one-group FP8 weight and
     :func:`path_for` gives these rows ``w8a8`` (or ``scaled_mm`` with
     :data:`FUSE_NORM_QUANT_SCALED_MM` on); None otherwise (the caller runs the norm, then
     :func:`linear`)."""
-    if not (FUSE_NORM_QUANT and w is not None and w.one_group and kernels_on(h)):
+    if not (FUSE_NORM_QUANT and w is not None and w.one_group and h.is_cuda):
         return None
-    if h.dim() != 2 or h.shape[0] == 0:
+    if h.dim() != 2 or h.dtype != torch.bfloat16 or h.shape[0] == 0:
         return None
     n, k = w.weight.shape
     kind, config = path_for(h.shape[0], n, k)
     if kind != "w8a8" and not (kind == "scaled_mm" and FUSE_NORM_QUANT_SCALED_MM):
         return None
-    from pdserve.model import fused_ops, fused_splitk_norm
+    from pdserve.model import fused_ops, triton_w8a8
 
-    if delta is None or isinstance(delta, torch.Tensor):
-        h, xq, xs = fused_ops.add_rms_norm_quant(h, delta, norm_weight, eps)
-    elif delta.parts.dtype == torch.float32:
-        h, xq, xs = fused_splitk_norm.add_rms_norm_quant(h, delta, norm_weight, eps)
-    else:
-        return None
-    return h, linear_quantized(xq, xs, w, bias, h.dtype, (kind, config))
+    h, xq, xs = fused_ops.add_rms_norm_quant(h, delta, norm_weight, eps)
+    if kind == "scaled_mm":
+        return h, scaled_mm_quantized(xq, xs, w, bias, h.dtype)
+    return h, triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, h.dtype, config)
 
 
 # Whether an FP8 linear whose path quantizes its rows (``scaled_mm`` or ``w8a8``) and whose
@@ -833,19 +715,18 @@ FUSE_SILU_QUANT = True
 
 
 def silu_mul_linear(
-    gate_up: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None, partials: bool = False
-) -> torch.Tensor | SplitKPartials | None:
+    gate_up: torch.Tensor, w: Fp8Weight | None, bias: torch.Tensor | None
+) -> torch.Tensor | None:
     """``(silu(gate) * up) @ real(w).T + bias`` of ``gate_up = [gate | up]`` ``[T, 2K]`` bf16
     on CUDA -> ``[T, N]``, with SwiGLU's output quantized per token inside the SwiGLU kernel
     (``fused_ops.silu_mul_quant``) and handed as e4m3 rows to ``_scaled_mm`` or the ``w8a8``
     kernel: the bits of ``fused_ops.silu_mul`` followed by :func:`linear`. Only when
     :data:`FUSE_SILU_QUANT` is on, w is a one-group FP8 ``[N, K]`` weight and :func:`path_for`
     gives these rows ``scaled_mm`` or ``w8a8``; None otherwise (the caller runs the
-    activation, then :func:`linear`). ``partials``: a split-K w8a8 tile's output unreduced
-    (:func:`linear_quantized_partials`, for the next add + RMSNorm)."""
-    if not (FUSE_SILU_QUANT and w is not None and w.one_group and kernels_on(gate_up)):
+    activation, then :func:`linear`)."""
+    if not (FUSE_SILU_QUANT and w is not None and w.one_group and gate_up.is_cuda):
         return None
-    if gate_up.dim() != 2 or gate_up.shape[0] == 0:
+    if gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or gate_up.shape[0] == 0:
         return None
     n, k = w.weight.shape
     if gate_up.shape[1] != 2 * k or gate_up.stride(1) != 1:
@@ -853,12 +734,12 @@ def silu_mul_linear(
     kind, config = path_for(gate_up.shape[0], n, k)
     if kind not in ("scaled_mm", "w8a8"):
         return None
-    from pdserve.model import fused_ops
+    from pdserve.model import fused_ops, triton_w8a8
 
     xq, xs = fused_ops.silu_mul_quant(gate_up)
-    if partials:
-        return linear_quantized_partials(xq, xs, w, bias, gate_up.dtype, (kind, config))
-    return linear_quantized(xq, xs, w, bias, gate_up.dtype, (kind, config))
+    if kind == "scaled_mm":
+        return scaled_mm_quantized(xq, xs, w, bias, gate_up.dtype)
+    return triton_w8a8.w8a8(xq, xs, w.weight, w.scale, bias, gate_up.dtype, config)
 
 
 def time_us(fns: Sequence[Any], reps: int = 24) -> float:

@@ -25,7 +25,6 @@ import triton.language as tl
 
 from pdserve.model import gemv_table, pdl, triton_gemv
 from pdserve.model.pdl import pdl_enter
-from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 # Whether a split-K down projection leaves its reduce to the next add + RMSNorm.
 FUSE = True
@@ -144,70 +143,3 @@ def add_rms_norm(
         num_warps=min(16, max(1, block // 512)), **pdl.launch_options(x),
     )  # fmt: skip
     return h, y
-
-
-@triton.jit
-def _splitk_add_rms_norm_quant_kernel(
-    x_ptr, p_ptr, b_ptr, w_ptr, h_ptr, q_ptr, s_ptr, s_x, s_h, s_q, N, s_ps, s_pt, eps,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One program per row t: ``r`` and ``h = x + r`` as :func:`_splitk_add_rms_norm_kernel`
-    (``h`` stored), ``y = rms_norm(h) * w`` rounded to x's dtype, then ``y`` quantized per
-    token as ``fused_ops._add_rms_norm_quant_kernel`` does: ``s[t] = max(amax|y|, 1e-12) *
-    fp32(1 / 448)``, ``q[t] = e4m3(clamp(y / s[t]))``; y itself is not stored."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0)
-    ty = x.dtype
-    acc = tl.load(p_ptr + t * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * s_ps + t * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    r = acc.to(ty)
-    h = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
-    tl.store(h_ptr + t * s_h + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = ((hf * rstd).to(ty).to(tl.float32) * w.to(tl.float32)).to(ty).to(tl.float32)
-    y = tl.where(mask, y, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(y), 0), AMAX_FLOOR) * INV_FP8_MAX
-    tl.store(s_ptr + t, scale)
-    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX))
-    tl.store(q_ptr + t * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-def add_rms_norm_quant(
-    x: torch.Tensor, partials: SplitKPartials, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm` with its normalised output quantized per token in the same kernel,
-    for an FP8 linear that takes e4m3 rows (``fp8.add_rms_norm_linear``): ``(h, q, s)`` with
-    ``h = x + reduce(partials)`` ``[T, N]`` in x's dtype, ``q [T, N]`` float8_e4m3fn and ``s
-    [T, 1]`` fp32, the bits of ``_splitk_reduce_kernel`` (the split-K w8a8 linear's own
-    reduce) then ``fused_ops.add_rms_norm_quant`` (one launch instead of two). x ``[T, N]``
-    (dim stride 1), ``partials.parts [S, T, N]`` (last dim contiguous), weight ``[N]``.
-    ValueError when the shapes or the dtype disagree."""
-    T, N = x.shape
-    p = partials.parts
-    if p.dim() != 3 or p.shape[1:] != (T, N) or partials.dtype != x.dtype:
-        raise ValueError(
-            f"partials {tuple(p.shape)} ({partials.dtype}) do not match x {tuple(x.shape)} ({x.dtype})"
-        )
-    h = x.new_empty(T, N)
-    q = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
-    if T == 0:
-        return h, q, s
-    assert x.stride(-1) == 1 and p.stride(-1) == 1
-    block = triton.next_power_of_2(N)
-    b: Any = partials.bias if partials.bias is not None else weight
-    _splitk_add_rms_norm_quant_kernel[(T,)](
-        x, p, b, weight, h, q, s, x.stride(0), h.stride(0), q.stride(0), N, p.stride(0),
-        p.stride(1), eps,
-        HAS_BIAS=partials.bias is not None, SPLIT_K=p.shape[0], BLOCK=block,
-        num_warps=min(16, max(1, block // 512)), **pdl.launch_options(x),
-    )  # fmt: skip
-    return h, q, s

@@ -164,17 +164,13 @@ class LlamaDecoderLayer(nn.Module):
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA); with
         ``fused_splitk_norm.FUSE`` on, a split-K down projection's output is its unreduced
-        partials (a ``SplitKPartials``), reduced by that norm's kernel (an FP8 one's on a
-        split-K w8a8 tile likewise, ``fp8.FUSE_SPLITK_NORM``). An FP8 o_proj whose path takes
-        e4m3 rows takes them from the attention's split-KV merge where the step has one
-        (``fp8.FUSE_MERGE_QUANT``, ``AttentionBackend.forward_quantized``)."""
+        partials (a ``SplitKPartials``), reduced by that norm's kernel."""
         s = self.s
         T = h.shape[0]
         normed = None
-        if fused is not None:
-            # the FP8 activation quantization inside the norm's kernel (with a split-K FP8
-            # linear's reduce; other partials, a bf16 down projection's split-K GEMV's or the
-            # MoE path's top-k rows, go to add_rms_norm below)
+        if fused is not None and not isinstance(delta, tuple):
+            # the FP8 activation quantization inside the norm's kernel (a split-K GEMV's
+            # partials, from a bf16 down projection, go to add_rms_norm below)
             normed = fp8.add_rms_norm_linear(
                 h, delta, self.input_layernorm, s.eps, self.fp8.get("qkv_proj"), self.qkv_bias
             )
@@ -211,11 +207,7 @@ class LlamaDecoderLayer(nn.Module):
             qk = rope(qk)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk[:, :nq], qk[:, nq:]
         stored = rope_store is not None
-        # o_proj's e4m3 rows from the attention's last kernel (its split-KV merge), where
-        # o_proj's path at T rows quantizes them (FP8 weights: fp8.FUSE_MERGE_QUANT)
-        o_path = None if fused is None else fp8.merge_quant_path(T, self.fp8.get("o_proj"), q)
-        attend = backend.forward if o_path is None else backend.forward_quantized
-        o_rows = attend(
+        o = backend.forward(
             q,
             k,
             v,
@@ -229,30 +221,13 @@ class LlamaDecoderLayer(nn.Module):
             rope=rotate,
         )
         o_out: torch.Tensor | SplitKPartials | None = None
-        # a split-K FP8 o_proj's reduce left to the next add + RMSNorm (fp8.FUSE_SPLITK_NORM)
-        fold = fused is not None and self.tp is None and self.moe is None
-        if isinstance(o_rows, tuple):  # (xq, xs): o_proj on them; a row-parallel bias once
-            assert o_path is not None
-            w_o = self.fp8["o_proj"]
-            if fold:
-                o_out = fp8.linear_quantized_partials(*o_rows, w_o, self.o_bias, h.dtype, o_path)
-            elif self.tp is None:
-                o_out = fp8.linear_quantized(*o_rows, w_o, self.o_bias, h.dtype, o_path)
-            else:
-                part = fp8.linear_quantized(*o_rows, w_o, None, h.dtype, o_path)
-                o_out = self.tp.all_reduce_(part)
-                o_out = o_out if self.o_bias is None else o_out.add_(self.o_bias)
-        else:
-            o = o_rows
-            if fold and "o_proj" not in self.fp8:
-                # the skinny GEMM where measured faster; a split one's reduce left to the norm
-                from pdserve.model import triton_skinny
+        if fused is not None and self.tp is None and self.moe is None and "o_proj" not in self.fp8:
+            # the skinny GEMM where measured faster; a split one's reduce left to the norm
+            from pdserve.model import triton_skinny
 
-                o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
-            elif fold:
-                o_out = fp8.linear_partials(o, self.fp8["o_proj"], self.o_bias)
-            if o_out is None:
-                o_out = self._row_parallel("o_proj", o, self.o_bias)
+            o_out = triton_skinny.partials(o, self.o_proj, self.o_bias)
+        if o_out is None:
+            o_out = self._row_parallel("o_proj", o, self.o_bias)
         if self.moe is not None:
             assert isinstance(o_out, torch.Tensor)
             o = o_out
@@ -271,9 +246,8 @@ class LlamaDecoderLayer(nn.Module):
             return h, self.tp.all_reduce_(out)
         assert self.gate_up_proj is not None and self.down_proj is not None
         normed = None
-        if fused is not None:
-            # the FP8 activation quantization inside the norm's kernel (and a split-K FP8
-            # o_proj's reduce)
+        if fused is not None and isinstance(o_out, torch.Tensor):
+            # the FP8 activation quantization inside the norm's kernel
             normed = fp8.add_rms_norm_linear(
                 h,
                 o_out,
@@ -302,15 +276,11 @@ class LlamaDecoderLayer(nn.Module):
                 if down is not None:
                     return h, down
             elif self.tp is None:  # an FP8 down projection: its one-row gemv, when fused
-                down8: torch.Tensor | SplitKPartials | None = fp8.linear_silu_mul(
-                    gate_up, self.fp8["down_proj"], self.down_bias
-                )
-                if down8 is None:  # its e4m3 rows from the SwiGLU kernel, where it quantizes
-                    down8 = fp8.silu_mul_linear(  # (a split-K tile's reduce left to the norm)
-                        gate_up, self.fp8["down_proj"], self.down_bias, partials=True
-                    )
-                if down8 is not None:
-                    return h, down8
+                down = fp8.linear_silu_mul(gate_up, self.fp8["down_proj"], self.down_bias)
+                if down is None:  # its e4m3 rows from the SwiGLU kernel, where it quantizes
+                    down = fp8.silu_mul_linear(gate_up, self.fp8["down_proj"], self.down_bias)
+                if down is not None:
+                    return h, down
             act = fused.silu_mul(gate_up)
             return h, self._down(act)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -494,11 +464,6 @@ class LlamaForCausalLM(nn.Module):
             fp8.quantize_layers_online(layers, scheme)
         if self.fp8_scheme is not None and self.embed_tokens.is_cuda:  # the switch, per shape
             fp8.choose_paths(w for layer in layers for w in layer.fp8.values())
-        # the backend's warm-up compiles its merge + quantization variants when o_proj can
-        # take e4m3 rows from it (a one-group FP8 weight: fp8.merge_quant_path)
-        self.backend.quantized_output = fp8.FUSE_MERGE_QUANT and any(
-            "o_proj" in layer.fp8 and layer.fp8["o_proj"].one_group for layer in layers
-        )
         for i, layer in enumerate(layers):
             both = kv_scales.get((i, "kv"), 1.0)
             layer.kv_scale = (kv_scales.get((i, "k"), both), kv_scales.get((i, "v"), both))

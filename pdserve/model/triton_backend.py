@@ -40,7 +40,6 @@ from pdserve.model.attention import (
 )
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
-    decode_merge_quant_kernel,
     decode_split_kernel,
     extend_kernel,
     store_kv_kernel,
@@ -111,18 +110,6 @@ KV16_EVEN: frozenset[str] = frozenset({"long"})
 # 113.0; the engine's step 6.640 against 6.362 ms (0 of 3 paired rounds faster; greedy
 # identical): not taken.
 FP8_KV_VMUL: frozenset[str] = frozenset()
-# Warps of ``decode_merge_quant_kernel`` (the split-KV merge and the per-row e4m3
-# quantization of o_proj's input in one kernel, :meth:`TritonBackend.forward_quantized`): one
-# program a row holds its Hq x D merged values (Llama-3.1-8B: 4,096, 16 a thread at 8 warps)
-# and reads its splits' partial outputs (Hq x D x 4 bytes a split). Not measured yet
-# (scripts/gpu_s14_fp8merge.sh times the candidates in :data:`MERGE_QUANT_WARPS_CANDIDATES`).
-MERGE_QUANT_WARPS = 8
-MERGE_QUANT_WARPS_CANDIDATES = (4, 8, 16)
-# Heads a program of that kernel merges: 0, one program a row (grid (B,): all its Hq heads,
-# no scratch); else a power of two below Hq (grid (B, Hq / heads): the row's last program to
-# finish, counted by an atomic, reads the others' 16-bit output back and quantizes the row;
-# more programs in flight for a few more µs of tail). Not measured yet either.
-MERGE_QUANT_HEADS = 0
 
 # A plain decode step (one query token a row, the backend's own decode kernel) applies RoPE
 # (after Qwen3's q/k norms) to q and k and stores the new token's K/V inside the split-KV
@@ -474,10 +461,6 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     accepts_stored_kv = True
 
-    def __init__(self) -> None:
-        # device -> the merge + quantization kernel's row counters (:meth:`_merge_counts`)
-        self._counts: dict[str, list[torch.Tensor]] = {}
-
     def plan(self, attn: AttentionMetadata, page_size: int) -> TritonPlan:
         """Plan an eager step (reads the host lengths; one device read when absent)."""
         q_lens, s_lens = attn.host_lens()
@@ -539,10 +522,8 @@ class TritonBackend(AttentionBackend):
         compiled at start-up, not in a request's step (the graphs' variants are captured
         already: their page table is int32). With :data:`DECODE_ROPE` (and heads it
         fuses) each configuration also with RoPE applied inside (``ROPE``; ``qk_norm``: the
-        model's q/k norms too), as an eager decode step of the model launches it; with
-        :attr:`quantized_output` each configuration of more than one split also through
-        :meth:`forward_quantized` (the merge and quantization kernel). Writes no KV (the
-        row's slot is -1). Returns the configurations run."""
+        model's q/k norms too), as an eager decode step of the model launches it. Writes no
+        KV (the row's slot is -1). Returns the configurations run."""
         dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
         # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
         qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
@@ -573,27 +554,7 @@ class TritonBackend(AttentionBackend):
             if rope is not None:
                 plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
                 self.forward(q, k, v, k_cache, v_cache, attn, plan, D**-0.5, rope=rope)
-            if self.quantized_output and cfg.splits > 1:  # and the merge + quantization
-                plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
-                self.forward_quantized(
-                    q, k, k, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True
-                )
-                if rope is not None:
-                    plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
-                    self.forward_quantized(
-                        q, k, v, k_cache, v_cache, attn, plan, D**-0.5, rope=rope
-                    )
         return len(configs)
-
-    def _merge_counts(self, device: torch.device, rows: int) -> torch.Tensor:
-        """The merge + quantization kernel's per-row counters on ``device`` (int32 zeros, at
-        least ``rows``; each launch leaves them 0). Kept for the backend's life, with every
-        smaller one made before (a captured graph holds their addresses)."""
-        held = self._counts.setdefault(str(device), [])
-        if not held or held[-1].numel() < rows:
-            held.append(torch.zeros(max(rows, 4096), dtype=torch.int32, device=device))
-        out: torch.Tensor = held[-1]
-        return out
 
     def forward(
         self,
@@ -609,53 +570,8 @@ class TritonBackend(AttentionBackend):
         kv_scale: tuple[float, float] = (1.0, 1.0),
         rope: DecodeRope | None = None,
     ) -> torch.Tensor:
-        """See :meth:`AttentionBackend.forward` and :meth:`_attend`."""
-        out = self._attend(q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale, rope)
-        assert isinstance(out, torch.Tensor)
-        return out
-
-    def forward_quantized(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        plan: TritonPlan,
-        scale: float,
-        kv_stored: bool = False,
-        kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """See :meth:`AttentionBackend.forward_quantized`: a decode-only step whose decode
-        runs more than one split merges them and quantizes each row in one kernel
-        (``decode_merge_quant_kernel``, :data:`MERGE_QUANT_WARPS`) and returns ``(xq [T, Hq *
-        D] float8_e4m3fn, xs [T, 1] fp32)``, the bits of ``fp8.quantize_rows(forward(...))``
-        (``triton_w8a8.quantize_rows`` on CUDA; :data:`MERGE_QUANT_HEADS` picks one program a
-        row or a row's heads in groups); any other step (one split: the split kernel
-        writes the output; prefill, extend, mixed) returns :meth:`forward`'s ``[T, Hq * D]``."""
-        return self._attend(
-            q, k, v, k_cache, v_cache, attn, plan, scale, kv_stored, kv_scale, rope, quantize=True
-        )
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        plan: TritonPlan,
-        scale: float,
-        kv_stored: bool = False,
-        kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
-        quantize: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` (``quantize``: :meth:`forward_quantized`). q ``[T, Hq, D]``, k/v
-        ``[T, Hkv, D]`` (any row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
+        """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
+        row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
         any strides with dim stride 1. With ``kv_stored`` (the model's RoPE kernel wrote K/V,
         ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
         dtype. An FP8 cache stores ``quantize_kv(k, kv_scale[0])`` (and V likewise); the
@@ -713,18 +629,7 @@ class TritonBackend(AttentionBackend):
             return out.view(T, Hq * D)
         lead = B if plan.decode else plan.num_decode_rows
         if lead:
-            rows = None
-            if quantize and lead == B == T:  # decode only: the merge may quantize the rows
-                rows = (
-                    torch.empty(T, Hq * D, dtype=torch.float8_e4m3fn, device=q.device),
-                    torch.empty(T, 1, dtype=torch.float32, device=q.device),
-                )
-            merged = self._decode(  # (rope last: tests read it as the last argument)
-                q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D, rows, v_scale,
-                rope_launch,
-            )  # fmt: skip
-            if merged and rows is not None:
-                return rows
+            self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D, rope_launch)
         if lead < B:
             grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
             extend_kernel[grid](  # rows lead.. (token offsets in q/out are absolute)
@@ -770,16 +675,11 @@ class TritonBackend(AttentionBackend):
         ieee: bool,
         G: int,
         D: int,
-        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-        v_scale: float = 1.0,
         rope: tuple[tuple[object, ...], dict[str, bool]] | None = None,
-    ) -> bool:
+    ) -> None:
         """The split-KV decode kernel (and its merge) over rows ``0..B-1``: one query token
         each, the token of row ``b`` at ``q[b]``; writes ``out[b]``. ``rope``: the kernel's
-        RoPE arguments and constexprs (``_rope_launch``; None: ``_no_rope``'s, unused). With
-        ``rows`` (``(xq [B, Hq * D] e4m3, xs [B, 1] fp32)``) and more than one split, the merge
-        writes them instead: each row's output times ``v_scale`` quantized
-        (``decode_merge_quant_kernel``), ``out`` not written. Returns whether it did so."""
+        RoPE arguments and constexprs (``_rope_launch``; None: ``_no_rope``'s, unused)."""
         Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)
         table = attn.page_table
         if plan.config is None:
@@ -855,39 +755,6 @@ class TritonBackend(AttentionBackend):
             **rope_consts,
             **pdl.launch_options(q),
         )
-        if S > 1 and rows is not None:
-            xq, xs = rows
-            heads = _pow2(Hq, 1)
-            if 0 < MERGE_QUANT_HEADS < heads:
-                heads = _pow2(MERGE_QUANT_HEADS, 1)
-            groups = -(-Hq // heads)
-            amax = mid_lse if groups == 1 else torch.empty(B, groups, device=q.device)
-            counts = mid_lse if groups == 1 else self._merge_counts(q.device, B)
-            decode_merge_quant_kernel[(B, groups)](
-                mid_o,
-                mid_lse,
-                out,
-                xq,
-                xs,
-                amax,
-                counts,
-                v_scale,
-                *mid_o.stride()[:3],
-                *mid_lse.stride()[:2],
-                out.stride(0),
-                out.stride(1),
-                xq.stride(0),
-                HQ=Hq,
-                D=D,
-                NUM_SPLITS=S,
-                BLOCK_H=heads,
-                BLOCK_D=block_d,
-                GROUPS=groups,
-                BLOCK_G=_pow2(groups, 1),
-                num_warps=MERGE_QUANT_WARPS,
-                **pdl.launch_options(q),
-            )
-            return True
         if S > 1:
             decode_merge_kernel[(B, Hq)](
                 mid_o,
@@ -899,10 +766,10 @@ class TritonBackend(AttentionBackend):
                 out.stride(1),
                 D=D,
                 NUM_SPLITS=S,
+                BLOCK_S=_pow2(S, 1),
                 BLOCK_D=block_d,
                 **pdl.launch_options(q),
             )
-        return False
 
 
 def _rope_launch(

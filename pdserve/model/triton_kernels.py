@@ -20,7 +20,6 @@ import triton.language as tl
 
 from pdserve.model.pdl import pdl_enter
 from pdserve.model.triton_rope import inv_rms, kv_cache_value, rope_rotate
-from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 # Integer arguments that change from step to step (the page table's row stride = its width
 # in pages). Triton compiles a kernel again for an int that is 1, or divisible by 16, or
@@ -669,36 +668,6 @@ def decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits(
-    mid_o_ptr, mid_lse_ptr, b, heads, hmask, dd, dmask, s_ob, s_oh, s_os, s_lb, s_lh,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """The merged attention output of row ``b``'s heads ``heads`` ``[BLOCK_H]`` (``hmask``:
-    real heads) over dims ``dd`` ``[BLOCK_D]`` (``dmask``): ``[BLOCK_H, BLOCK_D]`` fp32, the
-    splits' partial outputs weighted by ``exp(lse - max lse)`` and summed split by split in
-    the order 0, 1, ... (one fixed order, so that every kernel calling this computes the
-    same bits), divided by the weights' sum (summed likewise). A split whose lse is -inf
-    (empty) weighs 0 and its partial output is not read; a head whose splits are all empty
-    (a padded row) gets 0."""
-    lse_row = mid_lse_ptr + b * s_lb + heads * s_lh  # [BLOCK_H]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_row + s, mask=hmask, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    o_row = mid_o_ptr + b * s_ob + heads[:, None] * s_oh + dd[None, :]  # [BLOCK_H, BLOCK_D]
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(lse_row + s, mask=hmask, other=float("-inf"))
-        some = lse != float("-inf")
-        w = tl.where(some, tl.exp(lse - m_safe), 0.0)
-        o = tl.load(o_row + s * s_os, mask=(hmask & some)[:, None] & dmask[None, :], other=0.0)
-        acc += o * w[:, None]
-        total += w
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
-
-
-@triton.jit
 def decode_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,
@@ -712,127 +681,31 @@ def decode_merge_kernel(
     s_th,
     D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid ``(B, Hq)``: merge the splits' partial outputs by their log-sum-exp weights into
-    ``out[b, h, :]`` (q's dtype; :func:`_merge_splits`). A row whose splits are all empty (a
-    padded row) gets 0. An empty split's partial output is not read (its memory holds
-    anything)."""
+    ``out[b, h, :]`` (q's dtype). A row whose splits are all empty (a padded row) gets 0.
+    An empty split's partial output is not read (its memory holds anything)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    heads = h + tl.arange(0, 1)
+    ss = tl.arange(0, BLOCK_S)
     dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    res = _merge_splits(
-        mid_o_ptr, mid_lse_ptr, b, heads, heads >= 0, dd, dmask, s_ob, s_oh, s_os, s_lb, s_lh,
-        NUM_SPLITS, 1, BLOCK_D,
-    )  # fmt: skip
-    tl.store(
-        out_ptr + b * s_tb + heads[:, None] * s_th + dd[None, :],
-        res.to(out_ptr.dtype.element_ty),
-        mask=dmask[None, :],
+    smask = ss < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * s_lb + h * s_lh + ss, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m_safe))  # [BLOCK_S]
+    o = tl.load(
+        mid_o_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + dd[None, :],
+        mask=(smask & (lse != float("-inf")))[:, None] & (dd[None, :] < D),
+        other=0.0,
     )
-
-
-@triton.jit
-def _quant_block(yf, scale, q_ptr, row, heads, dd, mask, D: tl.constexpr):
-    """Codes ``e4m3(clamp(yf / scale))`` of a ``[BLOCK_H, BLOCK_D]`` block of heads ``heads``
-    stored at ``q_ptr + row + h * D + d`` (``triton_w8a8._quant_rows_kernel``'s arithmetic)."""
-    qv = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(yf, scale), -FP8_MAX), FP8_MAX))
-    tl.store(
-        q_ptr + row + heads[:, None] * D + dd[None, :], qv.to(q_ptr.dtype.element_ty), mask=mask
-    )
-
-
-@triton.jit
-def decode_merge_quant_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    out_ptr,
-    q_ptr,
-    s_ptr,
-    amax_ptr,
-    count_ptr,
-    v_mul,
-    s_ob,
-    s_oh,
-    s_os,
-    s_lb,
-    s_lh,
-    s_tb,
-    s_th,
-    s_qb,
-    HQ: tl.constexpr,
-    D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUPS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid ``(B, GROUPS)``: row ``b``'s merged attention output (:func:`_merge_splits`, as
-    :func:`decode_merge_kernel` computes it) rounded to ``out``'s dtype (q's), times ``v_mul``
-    rounded again (the e4m3 cache's V scale, as ``TritonBackend.forward`` applies it; 1.0
-    leaves every value as it is: one compiled variant for both), then quantized per row as ``triton_w8a8._quant_rows_kernel`` does: ``s[b] =
-    max(amax|y|, 1e-12) * fp32(1 / 448)`` over the row's ``HQ * D`` values, ``q[b, h * D +
-    d] = e4m3(clamp(y / s[b]))``: the bits of the merge kernel, the multiply, then
-    ``triton_w8a8.quantize_rows`` of the ``[B, HQ * D]`` output, in one launch.
-
-    ``GROUPS`` 1: one program a row holds all its heads (``BLOCK_H >= HQ``) and quantizes
-    them; ``out``, ``amax`` and ``count`` are not touched. ``GROUPS`` > 1: program ``(b,
-    g)`` merges heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)``, stores them in ``out[b]``
-    (``s_tb`` / ``s_th``) and their largest |value| in ``amax[b, g]`` (``[B, GROUPS]`` fp32),
-    then counts itself done in ``count[b]`` (int32, 0 before the launch: a barrier, then one
-    acq_rel atomic at GPU scope, the split-K semaphore's pattern); the row's last program to
-    finish reads every group's amax and the row's ``out`` back (``.cg``: from L2, past its
-    SM's L1), quantizes the whole row and sets ``count[b]`` back to 0."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < HQ
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    res = _merge_splits(
-        mid_o_ptr, mid_lse_ptr, b, heads, hmask, dd, dmask, s_ob, s_oh, s_os, s_lb, s_lh,
-        NUM_SPLITS, BLOCK_H, BLOCK_D,
-    )  # fmt: skip
-    ty = out_ptr.dtype.element_ty
-    y = (res.to(ty).to(tl.float32) * v_mul).to(ty)
-    mask = hmask[:, None] & dmask[None, :]
-    yf = tl.where(mask, y.to(tl.float32), 0.0)
-    amax = tl.max(tl.max(tl.abs(yf), 1), 0)
-    row = b.to(tl.int64) * s_qb
-    if GROUPS == 1:
-        scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-        tl.store(s_ptr + b, scale)
-        _quant_block(yf, scale, q_ptr, row, heads, dd, mask, D)
-    else:
-        tl.store(out_ptr + b * s_tb + heads[:, None] * s_th + dd[None, :], y, mask=mask)
-        tl.store(amax_ptr + b * GROUPS + g, amax)
-        tl.debug_barrier()  # every thread's stores before the release below
-        done = tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu")
-        if done == GROUPS - 1:  # the row's last program: the others' stores are visible
-            gg = tl.arange(0, BLOCK_G)
-            am = tl.load(
-                amax_ptr + b * GROUPS + gg, mask=gg < GROUPS, other=0.0, cache_modifier=".cg"
-            )
-            scale = tl.maximum(tl.max(am, 0), AMAX_FLOOR) * INV_FP8_MAX
-            tl.store(s_ptr + b, scale)
-            for g2 in tl.static_range(GROUPS):
-                h2 = g2 * BLOCK_H + tl.arange(0, BLOCK_H)
-                m2 = (h2 < HQ)[:, None] & dmask[None, :]
-                y2 = tl.load(
-                    out_ptr + b * s_tb + h2[:, None] * s_th + dd[None, :],
-                    mask=m2,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                _quant_block(y2.to(tl.float32), scale, q_ptr, row, h2, dd, m2, D)
-            tl.store(count_ptr + b, 0)  # for the next launch (the next layer's)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * s_tb + h * s_th + dd, res.to(out_ptr.dtype.element_ty), mask=dd < D)
 
 
 @triton.jit(do_not_specialize=_PER_STEP_INTS)

@@ -309,18 +309,14 @@ def w8a8(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: W8a8Config | None = None,
-    partials: bool = False,
 ) -> torch.Tensor:
     """``(xq [M, K] e4m3 * x_scale [M, 1]) @ (w [N, K] e4m3 * w_scale [N] or [N, 1]).T +
     bias [N]`` -> ``[M, N]`` in ``out_dtype``, on the FP8 tensor cores (fp32 accumulation;
     the scales and the bias applied in fp32 before the one rounding). With ``x_scale``
     None, xq is bf16/fp16 activations (not quantized) and the weight tiles are converted
     to their dtype in registers (16-bit tensor cores: :func:`linear_w8a16`). config: a
-    :data:`W8a8Config` (default :func:`default_w8a8_config`). ``partials``: where the tile
-    splits K, the K slices' scaled fp32 sums ``[S, M, N]`` are returned unreduced (no bias:
-    the caller's reduce adds it after the sum, as ``_splitk_reduce_kernel`` does; e.g.
-    ``fused_splitk_norm.add_rms_norm_quant``). ValueError for a tile under 16 (Triton
-    cannot build that ``tl.dot`` on CUDA) or a kind other than ``w8a8``."""
+    :data:`W8a8Config` (default :func:`default_w8a8_config`). ValueError for a tile under
+    16 (Triton cannot build that ``tl.dot`` on CUDA) or a kind other than ``w8a8``."""
     M, K = xq.shape
     N = w.shape[0]
     kind, bm, bn, bk, split, swap, warps, stages = config or default_w8a8_config(M, N, K)
@@ -368,8 +364,6 @@ def w8a8(
         num_stages=stages,
         **opts,
     )
-    if split > 1 and partials:
-        return dst
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             dst,

@@ -64,7 +64,7 @@ def test_every_pdl_kernel_builds_for_sm90_with_grid_control_exactly_when_asked()
         timeout=540,
     )
     rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2 * 12, done.stderr[-3000:]
+    assert len(rows) == 2 * 10, done.stderr[-3000:]
     for row in rows:
         assert "error" not in row, row
         assert row["wait"] == row["launch_dependents"] == row["pdl"], row

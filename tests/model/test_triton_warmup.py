@@ -92,7 +92,7 @@ def _metadata(q_lens: list[int], s_lens: list[int], page_size: int, width: int):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("measured", [False, True, "fp8_one", "quantized"])
+@pytest.mark.parametrize("measured", [False, True, "fp8_one"])
 def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, measured):
     """Mixed steps with 1..3 leading decode rows, decode-only steps of several sizes and
     contexts, prefills of several lengths and page-table widths: every kernel launch is a
@@ -103,9 +103,7 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
     ``measured``: the same under measured picks (``decode_attn_table``'s form: prefetching
     short-context entries from 2 rows x KV heads, a long-context rule that prefetches);
     ``"fp8_one"``: an e4m3 cache whose one-split steps take ``fp8_one``'s tiles from 6 rows x
-    KV heads (one split from 4); ``"quantized"``: every step through ``forward_quantized``
-    (an FP8 o_proj taking e4m3 rows: the merge + quantization kernel), the warm-up told so
-    (``quantized_output``)."""
+    KV heads (one split from 4)."""
     from pdserve.model import triton_backend
     from pdserve.model.attention import get_attention_backend
     from pdserve.model.triton_backend import DecodeConfig, DecodePicks
@@ -119,12 +117,9 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
         picks = DecodePicks(((4, a), (8, b)), long_prefetch=True, short_min=2)
         monkeypatch.setattr(triton_backend, "device_picks", lambda *args: picks)
     keys: set = set()
-    names = ("decode_split_kernel", "decode_merge_kernel", "extend_kernel", "store_kv_kernel")
-    for name in (*names, "decode_merge_quant_kernel"):
+    for name in ("decode_split_kernel", "decode_merge_kernel", "extend_kernel", "store_kv_kernel"):
         monkeypatch.setattr(triton_backend, name, _Variants(getattr(triton_backend, name), keys))
     backend = get_attention_backend("triton")
-    backend.quantized_output = measured == "quantized"
-    attend = backend.forward_quantized if backend.quantized_output else backend.forward
     ps, Hq, Hkv, D = 16, 4, 2, 32
     # 512 pages: the widest step below (5 rows of up to 1,552 tokens) uses 485 (there were
     # 400: its last pages were written and read past the cache's end)
@@ -141,7 +136,7 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
         qkv = torch.randn(T, qkv_heads, D)
         q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
         plan = backend.plan(md, ps)
-        attend(q, k, v, k_cache, v_cache, md, plan, D**-0.5)
+        backend.forward(q, k, v, k_cache, v_cache, md, plan, D**-0.5)
 
     # start-up: the engine's warm-up steps (a prefill of two prompts, a mixed step), then
     # the backend's decode configurations
@@ -159,8 +154,6 @@ def test_eager_steps_launch_only_variants_the_warm_up_launched(monkeypatch, meas
         step([n], [n])
     if measured == "fp8_one":  # the rows' e4m3 tiles did launch while serving
         assert any({("BLOCK_N", "16"), ("num_warps", "1")} <= set(k[1]) for k in keys)
-    if measured == "quantized":  # the merge + quantization kernel did launch while serving
-        assert any(k[0] == "decode_merge_quant_kernel" for k in keys)
     new = keys - warm
     assert not new, sorted(new)
 
