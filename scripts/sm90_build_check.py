@@ -152,7 +152,7 @@ _I32, _I64, _F32 = torch.int32, torch.int64, torch.float32
 PDL_KERNELS = {
     "fused_ops._rope_kernel": (
         dict(H=40, HALF=64, BLOCK_H=64, BLOCK_D=64, STORE=True, HQ=32, HKV=8, D=128,
-             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False, QK_NORM=False, NQ=32),
+             PAGE_SIZE=128, BLOCK_KV=8, BLOCK_DV=128, FP8=False),
         dict(pos_ptr=_I64, slot_ptr=_I64), 4),
     "fused_ops._silu_mul_kernel": (dict(BLOCK=1024), {}, 4),
     "fused_ops._add_rms_norm_kernel": (dict(HAS_RES=True, BLOCK=4096), {}, 8),
@@ -162,7 +162,7 @@ PDL_KERNELS = {
         dict(G=4, D=128, PAGE_SIZE=128, NUM_SPLITS=2, MIN_SPLIT=256, BALANCE_PROGRAMS=264,
              BLOCK_B=64, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, TILE_IN_PAGE=True, IEEE=False,
              F16_DOT=False, PREFETCH=False, ALIGNED=False, WIDEN=0, FMA=False, UNROLL=1,
-             EVICT=False, EVEN=False, VMUL=False, ROPE=False, QK_NORM=False, KV_FP8=False),
+             EVICT=False, EVEN=False),
         dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
     "triton_kernels.decode_merge_kernel": (
         dict(D=128, NUM_SPLITS=2, BLOCK_S=2, BLOCK_D=128), dict(mid_o_ptr=_F32, mid_lse_ptr=_F32), 4),
@@ -190,12 +190,7 @@ def registers(kernel) -> int:
 
 
 def check_decode(
-    cfg: tuple,
-    kv: str = "bf16",
-    f16_dot: bool = False,
-    aligned: bool = False,
-    rope: bool = False,
-    qk_norm: bool = False,
+    cfg: tuple, kv: str = "bf16", f16_dot: bool = False, aligned: bool = False
 ) -> dict:
     """The split-KV decode kernel (``triton_kernels.decode_split_kernel``) at Llama-3.1-8B's
     heads (G 4, head_dim 128, 128-token pages, bf16) for ``cfg`` = DecodeConfig's fields
@@ -208,11 +203,7 @@ def check_decode(
     bf16); ``aligned``: its ``ALIGNED`` (16-byte K/V loads: ``LDG.E.128``). ``loops``: each
     loop's body (a backward branch's range) in SASS instructions, one warp's, and the
     opcodes it issues most (the tile loop is the longest; with ``even`` its whole tiles'
-    loop), ``LDS.U8``: byte loads from shared memory in the whole kernel. ``rope``: the
-    kernel's ``ROPE`` (RoPE of q, the new token's K/V stored, a CTA barrier; ``qk_norm``:
-    with ``QK_NORM``); ``barrier_first``: whether a ``BAR.SYNC`` comes before the first
-    load of the cache in the SASS (the new token's store is then visible to the tile loop's
-    loads, pipelined or not)."""
+    loop), ``LDS.U8``: byte loads from shared memory in the whole kernel."""
     from pdserve.model import triton_kernels
 
     splits, block_n, warps, stages, *rest = cfg
@@ -227,17 +218,9 @@ def check_decode(
         BLOCK_N=block_n, BLOCK_D=128, TILE_IN_PAGE=128 % block_n == 0, IEEE=False, PDL=False,
         PREFETCH=bool(prefetch), F16_DOT=f16_dot, ALIGNED=aligned,
         WIDEN=widen if kv == "fp8" else 0, FMA=bool(fma), UNROLL=unroll, EVICT=bool(evict),
-        EVEN=bool(even), VMUL=bool(vmul) and kv == "fp8", ROPE=rope, QK_NORM=qk_norm,
-        KV_FP8=rope and kv == "fp8",
+        EVEN=bool(even), VMUL=bool(vmul) and kv == "fp8",
     )  # fmt: skip
-    dtypes = dict(
-        table_ptr=_I32,
-        seq_lens_ptr=_I64,
-        mid_o_ptr=_F32,
-        mid_lse_ptr=_F32,
-        rope_pos_ptr=_I64,
-        rope_slot_ptr=_I64,
-    )
+    dtypes = dict(table_ptr=_I32, seq_lens_ptr=_I64, mid_o_ptr=_F32, mid_lse_ptr=_F32)
     if kv == "fp8":
         dtypes.update(k_cache_ptr=torch.float8_e4m3fn, v_cache_ptr=torch.float8_e4m3fn)
     args: dict = {}
@@ -247,11 +230,9 @@ def check_decode(
         if arg.endswith("_ptr"):
             args[arg] = torch.empty(64, dtype=dtypes.get(arg, torch.bfloat16))
         else:
-            floats = {"scale": 0.5, "v_mul": 1.0, "rope_eps": 1e-6}
-            args[arg] = floats.get(arg, 1.0 if arg.startswith("rope_") else 4096)
+            args[arg] = {"scale": 0.5, "v_mul": 1.0}.get(arg, 4096)
     kernel = build(triton_kernels.decode_split_kernel, args, consts, warps, stages)
     regs = registers(kernel)
-    sass = sass_text(kernel)
     shared = kernel.metadata.shared
     return dict(
         config=list(cfg),
@@ -264,43 +245,7 @@ def check_decode(
         programs_per_sm_by_registers=65536 // (regs * 32 * warps),
         sass=sass_counts(kernel),
         loops=loop_counts(kernel),
-        lds_u8=sass.count("LDS.U8"),
-        rope=rope,
-        qk_norm=qk_norm,
-        barrier=rope_barrier(sass) if rope else None,
-    )
-
-
-def rope_barrier(sass: str) -> dict:
-    """Where the ``ROPE`` decode kernel's CTA barrier lies in its SASS: ``stores``: the
-    global stores (STG) before the tile loop (the new token's K and V; the loop is the
-    longest backward branch's range); ``then_barrier``: the first ``BAR.SYNC`` after the last
-    of them comes before the loop with no global load in between; ``loads_after``: every
-    cp.async of the kernel (LDGSTS: the pipeliner's tile loads, prologue included) comes
-    after that barrier."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    loops = [  # (body length, start) of each backward branch: the tile loop is the longest
-        (a - int(t.group(1), 16), int(t.group(1), 16))
-        for a, op, rest in ins
-        if op.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", rest))
-        if int(t.group(1), 16) < a
-    ]
-    loop = max(loops, default=(0, ins[-1][0] if ins else 0))[1]
-    stores = [a for a, op, _ in ins if op.startswith("STG") and a < loop]
-    last = max(stores, default=-1)
-    bar = next((a for a, op, _ in ins if op.startswith("BAR.SYNC") and a > last), None)
-    between = [op for a, op, _ in ins if bar is not None and last < a < bar]
-    ldgsts = [a for a, op, _ in ins if op.startswith("LDGSTS")]
-    return dict(
-        stores=len(stores),
-        then_barrier=bar is not None
-        and bar < loop
-        and not any(o.startswith("LDG") for o in between),
-        loads_after=bar is not None and all(a > bar for a in ldgsts),
+        lds_u8=sass_text(kernel).count("LDS.U8"),
     )
 
 
@@ -375,16 +320,12 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--decode's cache")
     ap.add_argument("--f16-dot", action="store_true", help="--decode with F16_DOT")
     ap.add_argument("--aligned", action="store_true", help="--decode with ALIGNED")
-    ap.add_argument("--rope", action="store_true", help="--decode with ROPE (RoPE + KV store)")
-    ap.add_argument("--qk-norm", action="store_true", help="--rope with QK_NORM")
     args = ap.parse_args()
     if args.decode:
         for c in args.configs or ["(1, 64, 4, 3)"]:
             cfg = tuple(ast.literal_eval(c))
             try:
-                row = check_decode(
-                    cfg, args.kv, args.f16_dot, args.aligned, args.rope, args.qk_norm
-                )
+                row = check_decode(cfg, args.kv, args.f16_dot, args.aligned)
             except Exception as exc:  # noqa: BLE001 (reported: a configuration that does not build)
                 row = dict(config=list(cfg), error=" ".join(str(exc).split())[:300])
             print(json.dumps(row) if args.json else row, flush=True)

@@ -142,20 +142,6 @@ def token_slots(
     return qsl, positions, slots
 
 
-@dataclass(frozen=True)
-class DecodeRope:
-    """What a backend needs to apply RoPE (after Qwen3's per-head q/k RMSNorm) to a decode
-    step's q and k itself and to store its K/V (:meth:`AttentionBackend.fuses_decode_rope`):
-    table ``[max_positions, D]`` (cos half, then sin half, the model's dtype; one row per
-    position, dim stride 1), positions ``[T]`` (each token's row of it), qk_norm ``(q_weight
-    [D], k_weight [D], eps, n_q_heads)`` or None (``fused_ops.QKNorm``). The slots are
-    ``attn.slot_mapping``; an FP8 cache's scales ``forward``'s ``kv_scale``."""
-
-    table: torch.Tensor
-    positions: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None
-
-
 class AttentionBackend(abc.ABC):
     """Paged attention implementation; one instance per model.
 
@@ -201,25 +187,13 @@ class AttentionBackend(abc.ABC):
         context. Default: none (one graph per batch size)."""
         return ()
 
-    def warm_up(
-        self, k_cache: Any, v_cache: Any, num_q_heads: int, dtype: Any, qk_norm: bool = False
-    ) -> int:
+    def warm_up(self, k_cache: Any, v_cache: Any, num_q_heads: int, dtype: Any) -> int:
         """Run once, at start-up, every launch variant an eager step of this backend can
         need that one ordinary step does not (a kernel compiled later stalls a step while
         serving). k_cache/v_cache: one layer's ``[P, page_size, Hkv, D]`` views (read only,
-        nothing is written); num_q_heads: this rank's query heads; dtype: q's; qk_norm:
-        whether the model has per-head q/k norms (a decode step that
-        :meth:`fuses_decode_rope` applies them). Returns the variants run. Default: none
-        (a backend without per-shape compiles)."""
+        nothing is written); num_q_heads: this rank's query heads; dtype: q's. Returns the
+        variants run. Default: none (a backend without per-shape compiles)."""
         return 0
-
-    def fuses_decode_rope(self, plan: Any, head_dim: int) -> bool:
-        """Whether :meth:`forward` of a step planned as ``plan`` (heads of ``head_dim``)
-        takes ``rope`` (a :class:`DecodeRope`): q and k as the qkv projection gave them, the
-        backend applying the q/k norm and RoPE and storing K/V itself (the model then runs
-        neither its RoPE kernel nor a store). Read by the model once per forward (a CUDA
-        graph keeps what its capture read). Default: never."""
-        return False
 
     @abc.abstractmethod
     def forward(
@@ -234,13 +208,9 @@ class AttentionBackend(abc.ABC):
         scale: float,
         kv_stored: bool = False,
         kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache (unless ``kv_stored``: the caller already
-        wrote them at ``attn.slot_mapping``), then attend. ``rope`` (only where
-        :meth:`fuses_decode_rope` said so for ``plan``): q and k are not rotated (nor
-        normalised) yet; the backend does both as ``fused_ops.rope_store_kv`` would and
-        stores K/V (``kv_stored`` is then ignored).
+        wrote them at ``attn.slot_mapping``), then attend.
 
         An FP8 cache (``float8_e4m3fn`` views) stores ``k / kv_scale[0]`` and
         ``v / kv_scale[1]`` (saturated to +-448) and is dequantized on load; every token,

@@ -20,7 +20,6 @@ import triton.language as tl
 from pdserve.model import pdl
 from pdserve.model.pdl import pdl_enter
 from pdserve.model.triton_act import silu_mul_rounded
-from pdserve.model.triton_rope import inv_rms, kv_cache_value, rope_rotate
 from pdserve.model.triton_w8a8 import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, _round_e4m3
 
 
@@ -75,8 +74,7 @@ def _rope_kernel(
     batch, writes nothing), the same bytes the attention backend's store would write: with
     ``FP8`` (an e4m3 cache) the rotated K rounded to x's dtype, times ``k_inv`` (1 / the
     K scale), saturated to +-448 and cast (V likewise with ``v_inv``), as
-    ``attention.quantize_kv``. The norm, rotation and cast are ``triton_rope``'s helpers,
-    which the decode kernel calls when it applies RoPE itself (its ``ROPE``)."""
+    ``attention.quantize_kv``."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -90,13 +88,10 @@ def _rope_kernel(
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     ty = x1.dtype
-    r = cos  # the norm's factor and weights: unused without QK_NORM
-    w1 = cos
-    w2 = sin
-    if QK_NORM:  # the q weight for the first NQ heads, the k weight for the others
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        r = inv_rms(tl.sum(a * a, axis=1), tl.sum(b * b, axis=1), HALF, eps)[:, None]
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if QK_NORM:
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
         is_q = hh < NQ
         w1 = tl.where(
             is_q,
@@ -108,8 +103,11 @@ def _rope_kernel(
             tl.load(qw_ptr + HALF + dd, mask=dmask, other=0.0),
             tl.load(kw_ptr + HALF + dd, mask=dmask, other=0.0),
         ).to(tl.float32)
-    o1 = rope_rotate(x1, x2, cos, sin, -1.0, r, w1, w2, QK_NORM)
-    o2 = rope_rotate(x2, x1, cos, sin, 1.0, r, w2, w1, QK_NORM)
+        a = (w1 * (a * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        b = (w2 * (b * r[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    # Round where torch rounds: each product, then each difference/sum.
+    o1 = (a * cos).to(ty).to(tl.float32) - (b * sin).to(ty).to(tl.float32)
+    o2 = (b * cos).to(ty).to(tl.float32) + (a * sin).to(ty).to(tl.float32)
     tl.store(base, o1.to(ty), mask=mask)
     tl.store(base + HALF, o2.to(ty), mask=mask)
     if STORE:
@@ -120,16 +118,24 @@ def _rope_kernel(
         slots = tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot  # a tensor mask (the
         kmask = mask & (hh >= HQ) & (slots >= 0)  # interpreter rejects a scalar one)
         kbase = kc_ptr + page * s_kcp + off * s_kct + tl.where(hh >= HQ, hh - HQ, 0) * s_kch + dd
-        tl.store(kbase, kv_cache_value(o1.to(ty), k_inv, kc_ptr, FP8), mask=kmask)
-        tl.store(kbase + HALF, kv_cache_value(o2.to(ty), k_inv, kc_ptr, FP8), mask=kmask)
+        cty = kc_ptr.dtype.element_ty
+        k1 = o1.to(ty)
+        k2 = o2.to(ty)
+        if FP8:  # quantize_kv: x.float() * (1 / scale), saturated to e4m3's range
+            k1 = tl.clamp(k1.to(tl.float32) * k_inv, -448.0, 448.0)
+            k2 = tl.clamp(k2.to(tl.float32) * k_inv, -448.0, 448.0)
+        tl.store(kbase, k1.to(cty), mask=kmask)
+        tl.store(kbase + HALF, k2.to(cty), mask=kmask)
         vh = tl.arange(0, BLOCK_KV)[:, None]
         vd = tl.arange(0, BLOCK_DV)[None, :]
         vslots = tl.zeros([BLOCK_KV, BLOCK_DV], tl.int64) + slot
         vmask = (vh < HKV) & (vd < D) & (vslots >= 0)
         v = tl.load(v_ptr + t * s_vt + vh * s_vh + vd, mask=vmask)
+        if FP8:
+            v = tl.clamp(v.to(tl.float32) * v_inv, -448.0, 448.0)
         tl.store(
             vc_ptr + page * s_vcp + off * s_vct + vh * s_vch + vd,
-            kv_cache_value(v, v_inv, vc_ptr, FP8),
+            v.to(vc_ptr.dtype.element_ty),
             mask=vmask,
         )
 

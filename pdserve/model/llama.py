@@ -17,12 +17,7 @@ from torch import nn
 from pdserve.model import fp8, weight_map
 from pdserve.model import linear as lin
 from pdserve.model import moe as moe_mlp
-from pdserve.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    DecodeRope,
-    get_attention_backend,
-)
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pdserve.model.rope import apply_rope, cos_sin_table
 from pdserve.model.shapes import ModelShapes
 from pdserve.model.tp_group import TPGroup
@@ -143,7 +138,6 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         fused: Any = None,
         rope_store: Callable[..., None] | None = None,
-        decode_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | SplitKPartials]:
         """h ``[T, H]``: the residual stream, to which ``delta`` (the previous layer's MLP
         output, None for the first layer) is still to be added; rope: rotates
@@ -155,11 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         ``qk`` in place and writes K/V into the cache, an FP8 one quantized with this
         layer's ``kv_scale`` (one kernel, CUDA with a backend that
         ``accepts_stored_kv``), used instead of ``rope`` and the backend's own store when
-        given. decode_rope: ``(table, positions)`` of a step whose backend
-        ``fuses_decode_rope`` (CUDA, a plain decode step): q and k go to the backend
-        un-rotated, with a ``DecodeRope`` (the q/k norm weights too): RoPE, the norms and the
-        KV store happen inside its decode kernel; ``rope`` and ``rope_store`` are not used.
-        Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
+        given. Before a sparse MLP on CUDA, for up to ``fused_ops.ROUTER_FUSE_MAX_TOKENS``
         rows, the router's logits come out of the add + RMSNorm kernel.
         Returns ``(h, mlp_out)``: the stream after attention and this layer's MLP output,
         added by the next norm (so each add and its norm are one kernel on CUDA); with
@@ -196,10 +186,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qk = qkv[:, :nqk]
         v = qkv[:, nqk:]
-        rotate = None
-        if decode_rope is not None:  # the backend's decode kernel rotates and stores
-            rotate = DecodeRope(*decode_rope, qk_norm)
-        elif rope_store is not None:  # rotated in place, K/V already in the cache
+        if rope_store is not None:  # rotated in place, K/V already in the cache
             rope_store(qk, v, k_cache, v_cache, qk_norm, self.kv_scale)
         elif qk_norm is not None:
             qk = rope(qk, qk_norm)
@@ -208,17 +195,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, :nq], qk[:, nq:]
         stored = rope_store is not None
         o = backend.forward(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            attn,
-            plan,
-            s.scale,
-            kv_stored=stored,
-            kv_scale=self.kv_scale,
-            rope=rotate,
+            q, k, v, k_cache, v_cache, attn, plan, s.scale, kv_stored=stored, kv_scale=self.kv_scale
         )
         o_out: torch.Tensor | SplitKPartials | None = None
         if fused is not None and self.tp is None and self.moe is None and "o_proj" not in self.fp8:
@@ -535,7 +512,6 @@ class LlamaForCausalLM(nn.Module):
         fused: Any = None
         rope: Callable[..., torch.Tensor]
         rope_store: Callable[..., None] | None = None
-        decode_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # one kernel each: RoPE (+ q/k norm, KV store), SiLU-and-mul, add + RMSNorm (+ router)
         if use_fused_ops(input_ids):
             from pdserve.model import fused_ops
@@ -547,11 +523,8 @@ class LlamaForCausalLM(nn.Module):
                 fused_ops.rope_inplace(x, table, positions, qk_norm)
                 return x
 
-            if self.backend.fuses_decode_rope(plan, self.shapes.head_dim):
-                # a decode step: RoPE (+ q/k norm) and the KV store inside the attention
-                decode_rope = (table, positions)
             # an FP8 cache too: the kernel quantizes with the layer's K/V scales
-            elif self.backend.accepts_stored_kv:
+            if self.backend.accepts_stored_kv:
                 slots = attn.slot_mapping
 
                 def rope_store(
@@ -586,7 +559,6 @@ class LlamaForCausalLM(nn.Module):
                 self.backend,
                 fused,
                 rope_store,
-                decode_rope,
             )
         return add_rms_norm(h, delta, self.norm, self.shapes.eps, fused)[1]
 

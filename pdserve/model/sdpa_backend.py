@@ -17,13 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    DecodeRope,
-    is_fp8,
-    quantize_kv,
-)
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 
 
 @dataclass
@@ -139,14 +133,10 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         kv_stored: bool = False,
         kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq*D]``.
         An FP8 cache is dequantized after each gather (``* kv_scale``), and a prompt with
-        no cached prefix reads its own K/V back from it too. ``rope``: never given (this
-        backend fuses no RoPE: ``fuses_decode_rope`` is the base's False)."""
-        if rope is not None:
-            raise ValueError("torch_sdpa applies no RoPE: rotate q and k before forward")
+        no cached prefix reads its own K/V back from it too."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv

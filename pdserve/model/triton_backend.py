@@ -31,13 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.model import decode_attn_table, pdl
-from pdserve.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    DecodeRope,
-    is_fp8,
-    quantize_kv,
-)
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_kv
 from pdserve.model.triton_kernels import (
     decode_merge_kernel,
     decode_split_kernel,
@@ -111,18 +105,6 @@ KV16_EVEN: frozenset[str] = frozenset({"long"})
 # identical): not taken.
 FP8_KV_VMUL: frozenset[str] = frozenset()
 
-# A plain decode step (one query token a row, the backend's own decode kernel) applies RoPE
-# (after Qwen3's q/k norms) to q and k and stores the new token's K/V inside the split-KV
-# decode kernel (its ROPE: decode_split_kernel, _decode_rope_new_token) instead of the
-# model's RoPE + KV store kernel before it (fused_ops.rope_store_kv): one kernel a layer
-# fewer. Read by the model once per forward (TritonBackend.fuses_decode_rope), so a CUDA
-# graph keeps the value it was captured with: flip it and recapture to A/B it in one engine.
-# Heads of a power-of-two dim >= 16 only (others keep the RoPE kernel); prefill, mixed and
-# verify steps keep it too. The same bits as the unfused step (tests/model/
-# test_decode_rope.py, the interpreter); on a GPU the same for Llama (elementwise math), for
-# Qwen3's q/k norms up to the order of one head's fp32 sum of squares (the layouts differ).
-DECODE_ROPE = False
-
 # The extend kernel's tiles.
 _EXTEND_BLOCK_M = 64
 _EXTEND_BLOCK_N = 64
@@ -173,12 +155,6 @@ def kv_rows_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
             return False
     return True
-
-
-def rope_head_dim(head_dim: int) -> bool:
-    """Whether the decode kernel can apply RoPE to heads of ``head_dim`` (``ROPE``): a power
-    of two, at least 16 (``BLOCK_D == D``, the halves a power of two)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -493,12 +469,6 @@ class TritonBackend(AttentionBackend):
             return TritonPlan(decode=False, max_seq_len=None, max_q_len=query_len)
         return TritonPlan(decode=True, max_seq_len=max_seq_len, max_q_len=1)
 
-    def fuses_decode_rope(self, plan: TritonPlan, head_dim: int) -> bool:
-        """:data:`DECODE_ROPE` for a decode-only plan (one query token a row) of heads of a
-        power-of-two dim >= 16 (the kernel's q halves are tiles of ``D // 2``, put side by
-        side again into the ``[G, D]`` tile of the dots)."""
-        return DECODE_ROPE and plan.decode and rope_head_dim(head_dim)
-
     def capture_context_bounds(self, num_seqs: int, num_kv_heads: int) -> tuple[int, ...]:
         """``(ONE_SPLIT_MAX_CONTEXT,)`` for every batch size: :func:`decode_config` runs
         short contexts by the measured short-context rule (one split from 256 rows x KV
@@ -507,12 +477,7 @@ class TritonBackend(AttentionBackend):
         return (ONE_SPLIT_MAX_CONTEXT,)
 
     def warm_up(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        num_q_heads: int,
-        dtype: torch.dtype,
-        qk_norm: bool = False,
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
     ) -> int:
         """Launch the decode kernel (and its merge) once in each of
         :func:`eager_decode_configs` (under the device's :func:`device_picks`; an e4m3 cache
@@ -520,10 +485,7 @@ class TritonBackend(AttentionBackend):
         step launches it (int64 page table and lengths, as ``ModelRunner.run_staged``
         stages them), over one row of one token that reads page 0: the variants are
         compiled at start-up, not in a request's step (the graphs' variants are captured
-        already: their page table is int32). With :data:`DECODE_ROPE` (and heads it
-        fuses) each configuration also with RoPE applied inside (``ROPE``; ``qk_norm``: the
-        model's q/k norms too), as an eager decode step of the model launches it. Writes no
-        KV (the row's slot is -1). Returns the configurations run."""
+        already: their page table is int32). Writes no KV. Returns the configurations run."""
         dev, D, Hkv = k_cache.device, k_cache.shape[3], k_cache.shape[2]
         # q as the model's qkv projection lays it out: [T, Hq + 2 Hkv, D], q the first heads
         qkv = torch.zeros(1, num_q_heads + 2 * Hkv, D, dtype=dtype, device=dev)
@@ -538,22 +500,10 @@ class TritonBackend(AttentionBackend):
         configs = eager_decode_configs(picks)
         if is_fp8(k_cache):  # the e4m3 tiles of large one-split steps (one row here)
             configs += tuple(DecodeConfig(1, *t) for _, t in picks.fp8_one)
-        rope = None
-        if DECODE_ROPE and rope_head_dim(D):  # the model's table, positions, norm weights
-            w = torch.ones(D, dtype=dtype, device=dev)
-            rope = DecodeRope(
-                torch.zeros(1, D, dtype=dtype, device=dev),
-                torch.zeros(1, dtype=torch.int64, device=dev),
-                (w, w, 1e-6, num_q_heads) if qk_norm else None,
-            )
-        k = qkv[:, num_q_heads : num_q_heads + Hkv]
-        v = qkv[:, num_q_heads + Hkv :]
         for cfg in configs:
             plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
-            self.forward(q, k, k, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True)
-            if rope is not None:
-                plan = TritonPlan(True, 1, 1, total_context=1, config=cfg)
-                self.forward(q, k, v, k_cache, v_cache, attn, plan, D**-0.5, rope=rope)
+            kv = qkv[:, num_q_heads : num_q_heads + Hkv]
+            self.forward(q, kv, kv, k_cache, v_cache, attn, plan, D**-0.5, kv_stored=True)
         return len(configs)
 
     def forward(
@@ -568,7 +518,6 @@ class TritonBackend(AttentionBackend):
         scale: float,
         kv_stored: bool = False,
         kv_scale: tuple[float, float] = (1.0, 1.0),
-        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (any
         row/head strides, dim stride 1); k_cache/v_cache ``[P, page_size, Hkv, D]`` views of
@@ -576,9 +525,7 @@ class TritonBackend(AttentionBackend):
         ``fused_ops.rope_store_kv``) k and v are not read. Returns ``[T, Hq * D]`` in q's
         dtype. An FP8 cache stores ``quantize_kv(k, kv_scale[0])`` (and V likewise); the
         kernels convert what they load to q's dtype, ``kv_scale[0]`` is folded into the
-        softmax scale and the output is multiplied by ``kv_scale[1]``. ``rope`` (a plan
-        that :meth:`fuses_decode_rope`): q and k un-rotated; the decode kernel normalises
-        and rotates them and stores K/V (``_rope_launch``); no store kernel runs."""
+        softmax scale and the output is multiplied by ``kv_scale[1]``."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -586,12 +533,6 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         block_d = _pow2(D)
-        rope_launch = None
-        if rope is not None:
-            if not (plan.decode and rope_head_dim(D)):
-                raise ValueError("rope: only a decode plan of a power-of-two head dim >= 16")
-            rope_launch = _rope_launch(rope, q, k, v, k_cache, attn, kv_scale)
-            kv_stored = True
         if T and not kv_stored:
             if k.stride(-1) != 1 or v.stride(-1) != 1:
                 k, v = k.contiguous(), v.contiguous()
@@ -629,7 +570,7 @@ class TritonBackend(AttentionBackend):
             return out.view(T, Hq * D)
         lead = B if plan.decode else plan.num_decode_rows
         if lead:
-            self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D, rope_launch)
+            self._decode(q, k_cache, v_cache, out, attn, plan, lead, scale, ieee, G, D)
         if lead < B:
             grid = (B - lead, Hq, -(-plan.max_q_len // _EXTEND_BLOCK_M))
             extend_kernel[grid](  # rows lead.. (token offsets in q/out are absolute)
@@ -675,11 +616,9 @@ class TritonBackend(AttentionBackend):
         ieee: bool,
         G: int,
         D: int,
-        rope: tuple[tuple[object, ...], dict[str, bool]] | None = None,
     ) -> None:
         """The split-KV decode kernel (and its merge) over rows ``0..B-1``: one query token
-        each, the token of row ``b`` at ``q[b]``; writes ``out[b]``. ``rope``: the kernel's
-        RoPE arguments and constexprs (``_rope_launch``; None: ``_no_rope``'s, unused)."""
+        each, the token of row ``b`` at ``q[b]``; writes ``out[b]``."""
         Hq, Hkv, page_size, block_d = q.shape[1], k_cache.shape[2], k_cache.shape[1], _pow2(D)
         table = attn.page_table
         if plan.config is None:
@@ -706,7 +645,6 @@ class TritonBackend(AttentionBackend):
             plan.mid_lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
         mid_o = out if plan.mid_o is None else plan.mid_o  # unused with one split
         mid_lse = out if plan.mid_lse is None else plan.mid_lse
-        rope_args, rope_consts = rope or _no_rope(q)
         decode_split_kernel[(B, Hkv, S)](
             q,
             k_cache,
@@ -728,7 +666,6 @@ class TritonBackend(AttentionBackend):
             out.stride(0),
             out.stride(1),
             B,
-            *rope_args,
             G=G,
             D=D,
             PAGE_SIZE=page_size,
@@ -752,7 +689,6 @@ class TritonBackend(AttentionBackend):
             VMUL=cfg.vmul and fp8,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            **rope_consts,
             **pdl.launch_options(q),
         )
         if S > 1:
@@ -770,49 +706,3 @@ class TritonBackend(AttentionBackend):
                 BLOCK_D=block_d,
                 **pdl.launch_options(q),
             )
-
-
-def _rope_launch(
-    rope: DecodeRope,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    kv_scale: tuple[float, float],
-) -> tuple[tuple[object, ...], dict[str, bool]]:
-    """``decode_split_kernel``'s RoPE arguments (after ``num_rows``) and constexprs for a
-    decode step whose un-rotated q (the kernel's q), k and v (views of the qkv projection's
-    output, dim stride 1) it rotates and stores: the new K/V pointers and strides, the
-    table, positions, slots, q/k norm weights and eps, ``1 / kv_scale`` (as
-    ``fused_ops.rope_store_kv`` passes them)."""
-    table, positions = rope.table, rope.positions
-    assert k.stride(-1) == v.stride(-1) == table.stride(-1) == 1 and q.stride(-1) == 1
-    qw, kw, eps, _ = rope.qk_norm or (table, table, 0.0, 0)
-    fp8 = is_fp8(k_cache)
-    if fp8 and not (kv_scale[0] > 0 and kv_scale[1] > 0):
-        raise ValueError(f"kv_scale must be two positive scales, got {kv_scale}")
-    args = (
-        k,
-        v,
-        table,
-        positions,
-        attn.slot_mapping,
-        qw,
-        kw,
-        float(eps),
-        1.0 / kv_scale[0],
-        1.0 / kv_scale[1],
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        table.stride(0),
-    )
-    return args, {"ROPE": True, "QK_NORM": rope.qk_norm is not None, "KV_FP8": fp8}
-
-
-def _no_rope(q: torch.Tensor) -> tuple[tuple[object, ...], dict[str, bool]]:
-    """The RoPE arguments of a decode launch without ``ROPE`` (unread: q for every
-    pointer, zero strides; the constexprs' defaults)."""
-    return (q, q, q, q, q, q, q, 0.0, 1.0, 1.0, 0, 0, 0, 0, 0), {}

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from pdserve.model.pdl import pdl_enter
-from pdserve.model.triton_rope import inv_rms, kv_cache_value, rope_rotate
 
 # Integer arguments that change from step to step (the page table's row stride = its width
 # in pages). Triton compiles a kernel again for an int that is 1, or divisible by 16, or
@@ -275,122 +274,6 @@ def _decode_fold_fma(q, k, v, acc, m_i, l_i, nmask, scale):
     return acc, m_new, l_i
 
 
-@triton.jit
-def _rope_heads(base, cos, sin, sign, dd, dpart, first, mask, r_unused, w, w_partner, eps,
-                HALF: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
-    """Heads ``[R, D]`` at ``base + dd`` (``base`` ``[R, 1]``; ``mask``: the rows to load)
-    normalised (``QK_NORM``, weights ``w`` / ``w_partner`` at each dim and at its
-    ``rotate_half`` partner ``dpart``) and rotated, in their own layout: each value and its
-    partner are loaded (two loads of the same heads, no layout change), the norm's sums of
-    squares are taken over each half (``first``: the first half's dims), as
-    ``fused_ops._rope_kernel`` takes them over its half tiles. Returns fp32 values of the
-    heads' dtype (:func:`triton_rope.rope_rotate`)."""
-    x = tl.load(base + dd, mask=mask, other=0.0)
-    p = tl.load(base + dpart, mask=mask, other=0.0)
-    r = r_unused
-    if QK_NORM:
-        sq = x.to(tl.float32) * x.to(tl.float32)
-        s1 = tl.sum(tl.where(first, sq, 0.0), axis=1)
-        s2 = tl.sum(tl.where(first, 0.0, sq), axis=1)
-        r = inv_rms(s1, s2, HALF, eps)[:, None]
-    return rope_rotate(x, p, cos, sin, sign, r, w, w_partner, QK_NORM)
-
-
-@triton.jit
-def _decode_rope_new_token(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_head,
-    v_head,
-    tab_ptr,
-    pos_ptr,
-    slot_ptr,
-    qw_ptr,
-    kw_ptr,
-    eps,
-    k_inv,
-    v_inv,
-    b,
-    kvh,
-    heads,
-    hmask,
-    owner,
-    s_qt,
-    s_qh,
-    s_kt,
-    s_kh,
-    s_vt,
-    s_vh,
-    s_rp,
-    s_cp,
-    s_ct,
-    s_vcp,
-    s_vct,
-    BLOCK_D: tl.constexpr,
-    HALF: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    QK_NORM: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    """The decode kernel's ``ROPE`` prologue for row ``b`` (one token, at position
-    ``pos[b]``) and KV head ``kvh``: returns the query heads ``heads`` ``[BLOCK_H]``
-    (``hmask``: this KV head's G) of ``q_ptr`` (the qkv projection's un-rotated q)
-    normalised (``QK_NORM``, weight ``qw``) and rotated (:func:`_rope_heads`), in q's dtype
-    ``[BLOCK_H, BLOCK_D]`` (head dim ``D == BLOCK_D == 2 * HALF``): the values
-    ``fused_ops._rope_kernel`` writes back into qkv for the unfused step. Where ``owner``
-    (this program's split holds the row's newest position ``seq_len - 1``: one program a
-    (row, KV head)), the token's K head ``kvh`` (normalised with ``kw``, rotated) and V head
-    are written into the cache at ``slot[b]`` (a negative slot: nothing) as
-    ``kv_cache_value`` casts / quantizes them (``k_inv`` / ``v_inv``): the bytes of the
-    unfused store. Then a CTA barrier, so that the caller's tile loop, which reads that slot
-    back from the cache, sees them (see ``decode_split_kernel``)."""
-    dd = tl.arange(0, BLOCK_D)[None, :]
-    first = dd < HALF
-    dpart = tl.where(first, dd + HALF, dd - HALF)  # rotate_half's partner of each dim
-    dh = tl.where(first, dd, dd - HALF)  # each dim's frequency
-    sign = tl.where(first, -1.0, 1.0)
-    pos = tl.load(pos_ptr + b).to(tl.int64)
-    cos = tl.load(tab_ptr + pos * s_rp + dh).to(tl.float32)  # [1, D]
-    sin = tl.load(tab_ptr + pos * s_rp + HALF + dh).to(tl.float32)
-    qw = cos  # the weights: unused without QK_NORM
-    qwp = sin
-    kw = cos
-    kwp = sin
-    if QK_NORM:
-        qw = tl.load(qw_ptr + dd).to(tl.float32)
-        qwp = tl.load(qw_ptr + dpart).to(tl.float32)
-        kw = tl.load(kw_ptr + dd).to(tl.float32)
-        kwp = tl.load(kw_ptr + dpart).to(tl.float32)
-    qmask = hmask[:, None] & (dd < BLOCK_D)  # [BLOCK_H, D]
-    q_rows = q_ptr + b * s_qt + heads[:, None] * s_qh
-    q = _rope_heads(q_rows, cos, sin, sign, dd, dpart, first, qmask, cos, qw, qwp, eps, HALF,
-                    QK_NORM)  # fmt: skip
-    ty = q_ptr.dtype.element_ty
-    # the new token's K / V: loaded, computed and stored by the owner only (tensor masks:
-    # the interpreter rejects a scalar one)
-    own = (tl.zeros([1, BLOCK_D], tl.int32) + owner.to(tl.int32)) > 0
-    k = _rope_heads(k_ptr + b * s_kt + kvh * s_kh + tl.zeros([1, 1], tl.int64), cos, sin, sign,
-                    dd, dpart, first, own, cos, kw, kwp, eps, HALF, QK_NORM)  # fmt: skip
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
-    smask = own & ((tl.zeros([1, BLOCK_D], tl.int64) + slot) >= 0)
-    tl.store(
-        k_head + page * s_cp + off * s_ct + dd,
-        kv_cache_value(k.to(ty), k_inv, k_head, FP8),
-        mask=smask,
-    )
-    v = tl.load(v_ptr + b * s_vt + kvh * s_vh + dd, mask=own, other=0.0)
-    tl.store(
-        v_head + page * s_vcp + off * s_vct + dd, kv_cache_value(v, v_inv, v_head, FP8), mask=smask
-    )
-    # Every thread's stores before any thread's first tile load (the tile loop reads the
-    # slot back; bar.sync orders the CTA's prior global accesses before its later ones).
-    tl.debug_barrier()
-    return q.to(ty)
-
-
 @triton.jit(do_not_specialize=_DECODE_PER_STEP_INTS)
 def decode_split_kernel(
     q_ptr,
@@ -420,21 +303,6 @@ def decode_split_kernel(
     s_tt,
     s_th,
     num_rows,
-    rope_k_ptr,
-    rope_v_ptr,
-    rope_tab_ptr,
-    rope_pos_ptr,
-    rope_slot_ptr,
-    rope_qw_ptr,
-    rope_kw_ptr,
-    rope_eps,
-    rope_k_inv,
-    rope_v_inv,
-    s_rkt,
-    s_rkh,
-    s_rvt,
-    s_rvh,
-    s_rtp,
     G: tl.constexpr,
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -457,9 +325,6 @@ def decode_split_kernel(
     EVICT: tl.constexpr = False,
     EVEN: tl.constexpr = False,
     VMUL: tl.constexpr = False,
-    ROPE: tl.constexpr = False,
-    QK_NORM: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the ``G`` query heads of one KV head of sequence ``b``
     (one query token each; K/V read once for the group) over split ``s`` of its context.
@@ -508,34 +373,7 @@ def decode_split_kernel(
     for the ``p @ v`` dot (see :func:`_decode_fold`): the tile then reaches the dot through
     shared memory in 16 bits, read back by ``ldmatrix``'s transposing form, where an 8-bit
     tile is read back one byte an instruction (the dot's operand wants pairs of tokens of one
-    dim, which lie a token's row apart); the same values, so the same bits.
-
-    ``ROPE`` (``triton_backend.DECODE_ROPE``; ``D == BLOCK_D``, a power of two): ``q_ptr``
-    is the qkv projection's q, not rotated yet, and ``rope_k_ptr`` / ``rope_v_ptr`` its K
-    and V of this step's token (strides ``s_rkt``, ``s_rkh`` / ``s_rvt``, ``s_rvh``), whose
-    K/V are not in the cache yet. Each program rotates its G query heads by the row of
-    ``rope_tab`` (``s_rtp`` a row) at ``rope_pos[b]`` (after their RMSNorm by
-    ``rope_qw``, eps ``rope_eps``, with ``QK_NORM``), in fp32 and cast to q's dtype with
-    the helpers ``fused_ops._rope_kernel`` calls (``triton_rope``): the q the unfused step
-    reads. The one program of a (row, KV head) whose split holds the newest position
-    ``seq_len - 1`` (exactly one: ``per_split`` is the same for every program of the row
-    and ``(seq_len - 1) // per_split < NUM_SPLITS``) rotates that K head (``rope_kw``),
-    casts / quantizes it and V (``KV_FP8``: times ``rope_k_inv`` / ``rope_v_inv``) as the
-    RoPE kernel does and stores them at ``rope_slot[b]`` (negative: nothing; a padded row,
-    context 0, owns no split). Its tile loop then reads that slot back from the cache like
-    any other: the loop is unchanged, so it folds the same bytes in the same tile and order
-    as the unfused step (the same output bits). Why the loop sees the stores: they precede
-    a CTA barrier (``tl.debug_barrier``: ``bar.sync``, which orders every thread's global
-    accesses before it before any thread's after it, PTX ISA "Memory Consistency Model")
-    and every load of the cache follows it in program order: the page-table and K/V loads
-    of the loop, of a ``PREFETCH`` prologue, and those that Triton's software pipeliner
-    issues ahead as cp.async (it puts its prologue right before the loop, after the
-    barrier: a barrier has memory effects, no load moves across it). The sm_90 builds of
-    Triton 3.6 and 3.9 show it (``scripts/sm90_build_check.py --decode --rope``: the
-    stores, then ``BAR.SYNC``, then every ``LDGSTS``). No other program reads the slot:
-    another split's range ends before ``seq_len - 1``, another row's pages are its own.
-    Folding the token from registers instead would change the tile's arithmetic (a
-    separate softmax step, not the same bits); reading it back costs one barrier."""
+    dim, which lie a token's row apart); the same values, so the same bits."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -561,23 +399,11 @@ def decode_split_kernel(
     heads = kvh * G + hh
     hmask = hh < G
     dmask = dd < D
-    table_row = table_ptr + b * s_tb
-    k_head = k_cache_ptr + kvh * s_ch
-    v_head = v_cache_ptr + kvh * s_vch
-    if ROPE:  # q rotated here; the new token's K/V stored by its split's program
-        owner = (seq_len - 1 >= lo) & (seq_len - 1 < hi)
-        q = _decode_rope_new_token(
-            q_ptr, rope_k_ptr, rope_v_ptr, k_head, v_head, rope_tab_ptr, rope_pos_ptr,
-            rope_slot_ptr, rope_qw_ptr, rope_kw_ptr, rope_eps, rope_k_inv, rope_v_inv, b, kvh,
-            heads, hmask, owner, s_qt, s_qh, s_rkt, s_rkh, s_rvt, s_rvh, s_rtp, s_cp, s_ct,
-            s_vcp, s_vct, BLOCK_D, BLOCK_D // 2, PAGE_SIZE, QK_NORM, KV_FP8,
-        )  # fmt: skip
-    else:
-        q = tl.load(
-            q_ptr + b * s_qt + heads[:, None] * s_qh + dd[None, :],
-            mask=hmask[:, None] & dmask[None, :],
-            other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
+    q = tl.load(
+        q_ptr + b * s_qt + heads[:, None] * s_qh + dd[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
     if FMA:
         q = q.to(tl.float32)
     elif F16_DOT:
@@ -585,6 +411,9 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = table_ptr + b * s_tb
+    k_head = k_cache_ptr + kvh * s_ch
+    v_head = v_cache_ptr + kvh * s_vch
     if PREFETCH:  # the next tile's loads are issued before this tile's math
         k, v = _decode_tile(
             k_head, v_head, table_row, lo, hi, nn, dd, dmask, s_cp, s_ct, s_vcp, s_vct,

@@ -32,8 +32,7 @@ def warm_up_rank(ctx: RankContext) -> int:
     layer 0's cache); returns the variants it ran."""
     k_cache, v_cache = ctx.storage.layer_caches[0]
     model = ctx.model
-    s = model.shapes
-    return int(model.backend.warm_up(k_cache, v_cache, s.n_heads, model.dtype, s.qk_norm))
+    return int(model.backend.warm_up(k_cache, v_cache, model.shapes.n_heads, model.dtype))
 
 
 def warm_up(core: EngineCore) -> dict[str, Any]:
