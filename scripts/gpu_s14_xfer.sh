@@ -8,8 +8,8 @@
 # transfer_e4m3.json; a second pair (_b) when the budget leaves room. The figures to read:
 # ratio (copy / NIXL until prefill Success) of e4m3 against bf16's, fixed_cost_s, stages_s.
 #   OUT=$OUT/g14 PREFIX=s14_ bash scripts/gpu_call.sh xfer:90
-# CPU dry run (~2.5 min on the 2-core machine, run at the commit that added it):
-#   DEVICE=cpu SHAPE=smollm2-135m REPEATS=5 T_RUN=60 BUDGET=200 PYTHON=.venv/bin/python \
+# CPU dry run (71 s on the loaded 2-core machine, both pairs; run at the commit that added it):
+#   DEVICE=cpu SHAPE=smollm2-135m REPEATS=5 T_RUN=90 BUDGET=200 PYTHON=.venv/bin/python \
 #   OUT=/tmp/s14_xfer bash scripts/gpu_s14_xfer.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
