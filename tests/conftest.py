@@ -35,23 +35,34 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
 
 
+# The test files whose module fixture is tests/e2e/conftest.py's ``shared_pd`` (one
+# ``pd_and_mixed`` on the tiny model with default flags for them all, per test process):
+# their tests only send requests and read answers, counters and free pages, so each file's
+# checks hold whichever ran before it.
+SHARED_PD_FILES = (
+    "tests/e2e/test_openai_surface.py",
+    "tests/e2e/test_structured_pd.py",
+    "tests/e2e/test_completion_batches.py",
+)
+SHARED_PD_GROUP = "tests/e2e/shared_pd"
+
 # --- Parallel runs (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----------------
 # Every test file runs whole in one xdist worker (its module fixtures start once), and the
 # files of one group below share one worker, one after another: the network-namespace tests
 # (each topology takes a /24 picked from its process id, so two at once could pick the same;
 # ``make test`` runs them after the others, alone: see the Makefile).
 # A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
-GROUPS = {"tests/net/": "tests/net/"}
+# The files of one shared deployment (tests/e2e/conftest.py's ``shared_pd``) are one group
+# too: each worker process would start its own.
+GROUPS = {"tests/net/": "tests/net/", **{f: SHARED_PD_GROUP for f in SHARED_PD_FILES}}
 
 # Files that take longest (`--durations` of a whole run) start first, so that no long file
 # is left to start last while the other workers sit idle; the rest keep their order.
 SLOW_FIRST = (
     "tests/engine/test_engine_parity.py",
     "tests/e2e/test_pd_tensor_parallel.py",
-    "tests/e2e/test_openai_surface.py",
-    "tests/e2e/test_structured_pd.py",
+    SHARED_PD_GROUP,
     "tests/e2e/test_pd_parity.py",
-    "tests/e2e/test_completion_batches.py",
     "tests/model/test_tensor_parallel.py",
     "tests/e2e/test_tensor_parallel_e2e.py",
     "tests/engine/test_engine_tp.py",
