@@ -36,13 +36,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 # The test files whose module fixture is tests/e2e/conftest.py's ``shared_pd`` (one
-# ``pd_and_mixed`` on the tiny model with default flags for them all, per test process):
-# their tests only send requests and read answers, counters and free pages, so each file's
-# checks hold whichever ran before it.
+# ``pd_and_mixed`` on the tiny model for them all, per test process): their tests only send
+# requests and read answers, counters, free pages and stored responses (only
+# test_openai_peers_pd.py stores any), so each file's checks hold whichever ran before it.
 SHARED_PD_FILES = (
     "tests/e2e/test_openai_surface.py",
     "tests/e2e/test_structured_pd.py",
     "tests/e2e/test_completion_batches.py",
+    "tests/e2e/test_openai_peers_pd.py",
 )
 SHARED_PD_GROUP = "tests/e2e/shared_pd"
 
