@@ -35,32 +35,56 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
 
 
+# The test files whose module fixture is tests/e2e/conftest.py's ``shared_pd`` (one
+# ``pd_and_mixed`` on the tiny model for them all, per test process): their tests only send
+# requests and read answers, counters, free pages and stored responses (only
+# test_openai_peers_pd.py stores any), so each file's checks hold whichever ran before it.
+SHARED_PD_FILES = (
+    "tests/e2e/test_openai_surface.py",
+    "tests/e2e/test_structured_pd.py",
+    "tests/e2e/test_completion_batches.py",
+    "tests/e2e/test_openai_peers_pd.py",
+)
+SHARED_PD_GROUP = "tests/e2e/shared_pd"
+
 # --- Parallel runs (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----------------
 # Every test file runs whole in one xdist worker (its module fixtures start once), and the
 # files of one group below share one worker, one after another: the network-namespace tests
 # (each topology takes a /24 picked from its process id, so two at once could pick the same;
 # ``make test`` runs them after the others, alone: see the Makefile).
 # A plain ``pytest`` (no ``-n``) runs everything in one process, as before.
-GROUPS = {"tests/net/": "tests/net/"}
+# The files of one shared deployment (tests/e2e/conftest.py's ``shared_pd``) are one group
+# too: each worker process would start its own.
+GROUPS = {"tests/net/": "tests/net/", **{f: SHARED_PD_GROUP for f in SHARED_PD_FILES}}
 
-# Files that take longest (`--durations` of a whole run) start first, so that no long file
-# is left to start last while the other workers sit idle; the rest keep their order.
+# Files that take longest start first, so that no long file is left to start last while the
+# other workers sit idle; the rest keep their order. By the worker-seconds each took in a
+# whole run (3 workers on a loaded 2-core machine, Triton's interpreter for the kernel tests):
 SLOW_FIRST = (
-    "tests/engine/test_engine_parity.py",
-    "tests/e2e/test_pd_tensor_parallel.py",
-    "tests/e2e/test_openai_surface.py",
-    "tests/e2e/test_structured_pd.py",
-    "tests/e2e/test_pd_parity.py",
-    "tests/e2e/test_completion_batches.py",
-    "tests/model/test_tensor_parallel.py",
-    "tests/e2e/test_tensor_parallel_e2e.py",
-    "tests/engine/test_engine_tp.py",
-    "tests/server/test_request_nulls_and_numbers.py",
-    "tests/model/test_embedded.py",
-    "tests/disagg/test_nixl_transfer.py",
-    "tests/e2e/test_router_admin_e2e.py",
-    "tests/e2e/test_up_faults.py",
-    "tests/server/test_worker_shutdown.py",
+    "tests/model/test_triton_moe.py",  # 401 s
+    "tests/model/test_fp8_attention.py",  # 375 s
+    "tests/model/test_attention_backends.py",  # 257 s
+    SHARED_PD_GROUP,  # ~180 s (four files, one deployment)
+    "tests/model/test_triton_warmup.py",  # 182 s
+    "tests/e2e/test_up_ports_and_logs.py",  # 121 s
+    "tests/engine/test_engine_tp.py",  # 115 s
+    "tests/test_cli_ports.py",  # 106 s
+    "tests/engine/test_speculative.py",  # 97 s
+    "tests/model/test_gemv.py",  # 95 s
+    "tests/model/test_moe_gguf.py",  # 91 s
+    "tests/e2e/test_up_migration.py",  # 87 s
+    "tests/engine/test_engine_parity.py",  # 80 s
+    "tests/disagg/test_nixl_transfer.py",  # 75 s
+    "tests/server/test_worker_shutdown.py",  # 74 s
+    "tests/e2e/test_pd_tensor_parallel.py",  # 74 s
+    "tests/model/test_tensor_parallel.py",  # 69 s
+    "tests/model/test_fp8.py",  # 66 s
+    "tests/e2e/test_pd_fp8.py",  # 66 s
+    "tests/e2e/test_pd_parity.py",  # 56 s
+    "tests/model/test_moe.py",  # 57 s
+    "tests/e2e/test_up_faults.py",  # 55 s
+    "tests/e2e/test_tensor_parallel_e2e.py",  # 53 s
+    "tests/engine/test_verify_graph.py",  # 52 s
 )
 
 

@@ -210,6 +210,11 @@ def stop(procs: Iterable[Proc], grace: float = 10.0) -> None:
             p.popen.wait(timeout=10)
 
 
+# --responses-store-size of the shared deployment's workers (tests/e2e/conftest.py's
+# ``shared_pd``; test_openai_peers_pd.py fills it)
+SHARED_PD_STORE = 6
+
+
 @contextlib.contextmanager
 def pd_and_mixed(
     logs: Path,

@@ -14,7 +14,6 @@ from pd_compare import assert_same, fold, pair, post, sse
 
 from pdserve_procs import (
     assert_all_healthy,
-    pd_and_mixed,
     start_router,
     stop,
     wait_for,
@@ -27,15 +26,17 @@ PROMPTS = ["one two three", "the cat sat on the", "a b"]
 
 
 @pytest.fixture(scope="module")
-def c(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("batch-logs")
-    with pd_and_mixed(logs) as procs:
-        regular = start_router("regular", logs, workers=[procs["mixed"]])
-        try:
-            wait_healthy([regular])
-            yield dict(procs, regular=regular)
-        finally:
-            stop([regular])
+def c(shared_pd, tmp_path_factory):
+    """The PD + mixed deployment shared with other files (tests/e2e/conftest.py) and a
+    regular-mode router of this file's own over its mixed worker."""
+    regular = start_router(
+        "regular", tmp_path_factory.mktemp("batch-logs"), workers=[shared_pd["mixed"]]
+    )
+    try:
+        wait_healthy([regular])
+        yield dict(shared_pd, regular=regular)
+    finally:
+        stop([regular])
 
 
 def client(proc) -> openai.OpenAI:

@@ -22,11 +22,11 @@ import openai
 import pydantic
 import pytest
 
-from pdserve_procs import assert_all_healthy, pd_and_mixed
+from pdserve_procs import SHARED_PD_STORE, assert_all_healthy
 
 pytestmark = pytest.mark.timeout(600)
 
-STORE = 6  # every worker's --responses-store-size
+STORE = SHARED_PD_STORE  # every worker's --responses-store-size (6)
 MODEL = "random:tiny"
 TIME_PARAMS = {
     "type": "object",
@@ -49,13 +49,11 @@ class City(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with pd_and_mixed(
-        tmp_path_factory.mktemp("responses-logs"),
-        worker_extra=["--responses-store-size", str(STORE), "--num-threads", "1"],
-    ) as procs:
-        yield procs
-        assert_all_healthy(procs["procs"])
+def cluster(shared_pd):
+    """The PD + mixed deployment these tests share with other files (tests/e2e/conftest.py;
+    its workers' --responses-store-size is ``STORE``)."""
+    yield shared_pd
+    assert_all_healthy(shared_pd["procs"])
 
 
 def clients(c):

@@ -17,15 +17,15 @@ import openai
 import pytest
 from pd_compare import assert_same, fold, pair, post, sse
 
-from pdserve_procs import assert_all_healthy, pd_and_mixed
+from pdserve_procs import assert_all_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def c(tmp_path_factory):
-    with pd_and_mixed(tmp_path_factory.mktemp("surface-logs")) as procs:
-        yield procs
+def c(shared_pd):
+    """The PD + mixed deployment these tests share with other files (tests/e2e/conftest.py)."""
+    return shared_pd
 
 
 def streams(c, path: str, body: dict) -> tuple[dict, dict, list]:

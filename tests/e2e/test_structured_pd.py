@@ -18,7 +18,7 @@ import pydantic
 import pytest
 from test_pd_parity import assert_same
 
-from pdserve_procs import assert_all_healthy, pd_and_mixed
+from pdserve_procs import assert_all_healthy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,9 +54,9 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with pd_and_mixed(tmp_path_factory.mktemp("structured-logs")) as procs:
-        yield procs
+def cluster(shared_pd):
+    """The PD + mixed deployment these tests share with other files (tests/e2e/conftest.py)."""
+    return shared_pd
 
 
 def post(url, path, body):
