@@ -263,18 +263,51 @@ class Dispatcher:
             url=worker.url,
         )
 
-    async def _post(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerResponse:
-        """POST to one worker; returns the 200 response, else raises LegError."""
-        worker.outstanding += 1
+    async def _post(
+        self, worker: WorkerState, endpoint: str, body: dict, *, counted: bool = False
+    ) -> WorkerResponse:
+        """POST to one worker; returns the 200 response, else raises LegError. The POST
+        counts in ``worker.outstanding`` while it runs, unless ``counted``: the caller
+        counted it from the pick on (:meth:`_counted`, :meth:`_post_task`)."""
+        if not counted:
+            worker.outstanding += 1
         try:
             resp = await self.client.post(worker.url + endpoint, body, tracing.outgoing_headers())
         except TRANSPORT_ERRORS as exc:
             raise self._transport_error(worker, exc) from exc
         finally:
-            worker.outstanding -= 1
+            if not counted:
+                worker.outstanding -= 1
         if resp.status_code != 200:
             raise self._http_error(worker, resp.status_code, resp.content)
         return resp
+
+    def _post_task(self, worker: WorkerState, endpoint: str, body: dict) -> asyncio.Future:
+        """:meth:`_post` as a task, counted in ``worker.outstanding`` from now until the
+        task ends (not from its first step, a loop iteration later: ``WorkerPool.drain``
+        must see every request that picked the worker before it was marked draining)."""
+        worker.outstanding += 1
+        task = asyncio.ensure_future(self._post(worker, endpoint, body, counted=True))
+
+        def uncount(_: asyncio.Future) -> None:
+            worker.outstanding -= 1
+
+        task.add_done_callback(uncount)
+        return task
+
+    @contextmanager
+    def _counted(self, route: Route) -> Iterator[None]:
+        """Every worker of ``route`` counted in ``outstanding`` for the block (a
+        non-streamed attempt, from its pick on: its legs run in tasks started iterations
+        later, which ``WorkerPool.drain`` would not wait for)."""
+        workers = route.pair if route.pair is not None else (route.worker,)
+        for w in workers:
+            w.outstanding += 1
+        try:
+            yield
+        finally:
+            for w in workers:
+                w.outstanding -= 1
 
     async def _open_stream(self, worker: WorkerState, endpoint: str, body: dict) -> WorkerStream:
         """Open a streaming POST; returns the open 200 response (caller closes it)."""
@@ -375,7 +408,8 @@ class Dispatcher:
                 except NoHealthyWorker:
                     raise last from None  # the client gets the failure, not the wait
             try:
-                answer = await self._whole_once(endpoint, body, picked)
+                with self._counted(picked):
+                    answer = await self._whole_once(endpoint, body, picked)
                 if picked.held is not None:
                     picked.held()
                 return answer
@@ -537,7 +571,7 @@ class Dispatcher:
     async def _whole_picked(self, endpoint: str, body: dict, route: Route) -> Response:
         if route.pair is None:  # one worker runs the whole request
             tracing.phase_so_far("route", self._route_attributes(route))
-            resp = await self._post(route.worker, endpoint, body)
+            resp = await self._post(route.worker, endpoint, body, counted=True)
             if route.info is not None and body.get("return_timing") is True:
                 try:
                     answer = resp.json()
@@ -547,8 +581,12 @@ class Dispatcher:
                 return Response(json_bytes(answer), media_type="application/json")
             return Response(resp.content, media_type="application/json")
         with self._pair_legs(endpoint, body, route) as pd:
-            p_task = asyncio.ensure_future(self._post(pd.prefill, endpoint, pd.prefill_body))
-            d_task = asyncio.ensure_future(self._post(pd.decode, endpoint, pd.decode_body))
+            p_task = asyncio.ensure_future(
+                self._post(pd.prefill, endpoint, pd.prefill_body, counted=True)
+            )
+            d_task = asyncio.ensure_future(
+                self._post(pd.decode, endpoint, pd.decode_body, counted=True)
+            )
             await self._legs((p_task, d_task))
             answer = d_task.result().json()
             prefill_answer = p_task.result().json()
@@ -693,7 +731,7 @@ class Dispatcher:
         with self._pair_legs(endpoint, body, route) as pd:
             decode = pd.decode
             prefill_body = {k: v for k, v in pd.prefill_body.items() if k != "return_token_ids"}
-            p_task = asyncio.ensure_future(self._post(pd.prefill, endpoint, prefill_body))
+            p_task = self._post_task(pd.prefill, endpoint, prefill_body)
             decode.outstanding += 1
             d_task = asyncio.ensure_future(self._open_stream(decode, endpoint, pd.decode_body))
             try:  # until decode's stream is open; prefill keeps running (the relay watches it)

@@ -371,8 +371,10 @@ class WorkerPool:
         log.info(
             "draining %s worker %s (%d outstanding)", worker.role, worker.url, worker.outstanding
         )
-        # A request that picked this worker before it was marked has queued its legs
-        # (which count themselves outstanding on their first step) ahead of this wake-up.
+        # A request that picked this worker before it was marked counts itself outstanding
+        # from its pick on (the dispatcher's _counted / _post_task, and a streamed leg's
+        # own count before its first await); one yield lets a pick made in this loop
+        # iteration, before the mark, finish that step.
         await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s

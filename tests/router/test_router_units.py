@@ -3,6 +3,7 @@ RouterConfig validation."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -348,3 +349,58 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     metrics = d.metrics.render().decode()
     assert 'pdserve_router_pd_decisions_total{path="decode_only"} 2.0' in metrics
     assert 'pdserve_router_pd_decisions_total{path="pd"} 4.0' in metrics
+
+
+def test_a_non_streamed_request_counts_its_workers_outstanding_from_its_pick():
+    """``WorkerPool.drain`` waits for every request that picked a worker before the worker
+    was marked draining: a non-streamed PD request counts its prefill and decode workers
+    outstanding in the loop step that picks them (its legs run in tasks started one and
+    two iterations later, which drain's one yield did not wait for: a request could still
+    reach a worker after its removal returned), once each while its legs run, and not
+    after it ends."""
+    from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.workers import WorkerPool
+
+    pool = WorkerPool(
+        {"prefill": ["http://p0"], "decode": ["http://d0"]},
+        policy="round_robin",
+        client=None,  # type: ignore[arg-type]  # no probe runs here
+        check_interval=1.0,
+        check_timeout=1.0,
+        failure_threshold=1,
+    )
+    for w in pool.all():
+        w.healthy = True
+    pool.workers["prefill"][0].server_info = {"bootstrap_port": 8998}
+    posted: list[str] = []
+
+    class Client:  # the legs' POSTs wait until the request is cancelled
+        async def post(self, url, body, headers):
+            posted.append(url)
+            await asyncio.Event().wait()
+
+    d = Dispatcher(
+        pool,
+        Client(),  # type: ignore[arg-type]
+        RouterMetrics(pool, set()),
+        set(),
+        pd_mode=True,
+        request_timeout=30.0,
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(d._whole("/v1/completions", {"prompt": "x"}, loop.time() + 30))
+        await asyncio.sleep(0)  # the request's first step: its pick, nothing posted yet
+        assert not posted
+        assert [w.outstanding for w in pool.all()] == [1, 1]
+        for _ in range(5):  # the legs' tasks start and post: still once each
+            await asyncio.sleep(0)
+        assert sorted(posted) == ["http://d0/v1/completions", "http://p0/v1/completions"]
+        assert [w.outstanding for w in pool.all()] == [1, 1]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert [w.outstanding for w in pool.all()] == [0, 0]
+
+    asyncio.run(main())
