@@ -33,9 +33,22 @@ def procs(tmp_path_factory):
     )
     try:
         wait_healthy(workers + [router])
+        # the router answers /health once one worker passes its probe: wait until its pool
+        # has both (else round robin's requests all go to the first, as seen under load)
+        wait_for(lambda: _healthy_in_router(router) == 2, 60, "both workers healthy in the router")
         yield workers, router
     finally:
         stop([router, *workers])
+
+
+def _healthy_in_router(router) -> int:
+    """How many workers the router's pool holds healthy (its /metrics gauge)."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(
+        line.rstrip().endswith(" 1.0")
+        for line in text.splitlines()
+        if line.startswith("pdserve_router_worker_healthy{")
+    )
 
 
 def _finished(worker) -> int:
