@@ -275,16 +275,13 @@ def test_error_status_reads_back_the_status_of_an_error_body():
         assert error_status(body) is None
 
 
-def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holding_it():
-    """Decode-only when the prompt's estimate less the share the decode prefix index holds
-    is under the threshold, on the decode worker holding the most; PD otherwise (the pair's
-    decode then holds the prompt); an ejected decode worker's index is forgotten."""
-    from pdserve.router.dispatch import Dispatcher
-    from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.workers import NoHealthyWorker, WorkerPool
+def _healthy_pool(urls: dict[str, list[str]]):
+    """A round-robin WorkerPool of ``urls`` (role -> URLs), every worker healthy, no probe
+    running."""
+    from pdserve.router.workers import WorkerPool
 
     pool = WorkerPool(
-        {"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"]},
+        urls,
         policy="round_robin",
         client=None,  # type: ignore[arg-type]  # no probe runs here
         check_interval=1.0,
@@ -293,6 +290,18 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     )
     for w in pool.all():
         w.healthy = True
+    return pool
+
+
+def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holding_it():
+    """Decode-only when the prompt's estimate less the share the decode prefix index holds
+    is under the threshold, on the decode worker holding the most; PD otherwise (the pair's
+    decode then holds the prompt); an ejected decode worker's index is forgotten."""
+    from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.workers import NoHealthyWorker
+
+    pool = _healthy_pool({"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"]})
     d = Dispatcher(
         pool,
         None,  # type: ignore[arg-type]  # nothing is sent
@@ -360,18 +369,8 @@ def test_a_non_streamed_request_counts_its_workers_outstanding_from_its_pick():
     after it ends."""
     from pdserve.router.dispatch import Dispatcher
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.workers import WorkerPool
 
-    pool = WorkerPool(
-        {"prefill": ["http://p0"], "decode": ["http://d0"]},
-        policy="round_robin",
-        client=None,  # type: ignore[arg-type]  # no probe runs here
-        check_interval=1.0,
-        check_timeout=1.0,
-        failure_threshold=1,
-    )
-    for w in pool.all():
-        w.healthy = True
+    pool = _healthy_pool({"prefill": ["http://p0"], "decode": ["http://d0"]})
     pool.workers["prefill"][0].server_info = {"bootstrap_port": 8998}
     posted: list[str] = []
 
