@@ -453,8 +453,8 @@ class RouterConfig:
     pd_min_prefill_tokens: selective PD: a request whose uncached prompt part (its
         estimated length less the share a decode worker holds by the router's prefix
         index) is below this many tokens runs whole on that decode worker, skipping the
-        prefill leg and the KV transfer; 0 = always PD (``Dispatcher._pick_now`` in
-        ``router/dispatch.py``). The default, 64, is measured (docs/benchmarks.md row X):
+        prefill leg and the KV transfer; 0 = always PD (``Picker.pick_now`` in
+        ``router/picking.py``). The default, 64, is measured (docs/benchmarks.md row X):
         16-token prompts' TTFT p50 through PD / decode alone 1.10-1.13 on CPU (two runs),
         ~1,000-token prompts still disaggregated.
     """

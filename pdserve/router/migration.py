@@ -34,6 +34,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.router.legs import Leg
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -259,24 +261,10 @@ def _drop_logprobs(logprobs: Any, n: int) -> None:
 
 
 @dataclass
-class Leg:
-    """One attempt at a streamed request: the worker's open 200 SSE response, that
-    worker, the PD prefill leg (None in regular mode) and what to run when it ends."""
-
-    resp: Any  # worker_http.WorkerStream
-    worker: Any  # WorkerState
-    prefill: Any  # PrefillWatch | None
-    on_close: Callable[[], None]
-    urls: set[str] = field(default_factory=set)  # its workers' (decode and prefill)
-    route: dict | None = None  # selective PD's decision for it (dispatch.Route.info)
-    held: Callable[[], None] | None = None  # run once its stream ended well (Route.held)
-
-
-@dataclass
 class Migration:
     """How a relay continues a stream elsewhere: ``state`` of what the client got,
     ``budget`` migrations allowed (``--max-migrations``), ``reopen(body)``: open the next
-    leg for ``body`` (raises the dispatcher's ``LegError``, or ``NoHealthyWorker`` when no
+    leg for ``body`` (raises ``legs.LegError``, or ``NoHealthyWorker`` when no
     healthy worker came within ``wait_s`` seconds, ``--migration-wait``);
     ``eject(urls)``: take workers whose connection failed out of picking at once;
     ``count(reason)``: one migration done, for the metrics. ``done``: migrations tried;

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,10 @@ from pdserve.router.answer_merge import (
     timing_blocks,
 )
 from pdserve.router.errors import sse_error
+from pdserve.router.legs import Leg, LegError, failed_urls
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.migration import Leg, Migration
-from pdserve.router.workers import NoHealthyWorker, WorkerState
+from pdserve.router.migration import Migration
+from pdserve.router.workers import NoHealthyWorker
 
 log = logging.getLogger("pdserve.router")
 
@@ -118,23 +119,12 @@ async def start_relay(end: StreamEnd, chunks: AsyncGenerator[bytes, None]) -> Re
     return Response(body, status_code=end.status, media_type="application/json")
 
 
-@dataclass
-class PrefillWatch:
-    """The prefill leg of a PD stream. ``task`` resolves to the worker's 200
-    ``WorkerResponse`` or raises ``LegError`` (whose ``response`` is the JSON error);
-    ``hold_first``: the client asked for prompt logprobs, which only prefill has."""
-
-    task: asyncio.Future
-    hold_first: bool
-
-
 def _sse_from_error(exc: BaseException) -> tuple[int, bytes]:
     """(HTTP status, one SSE error event + [DONE]) from a failed leg (``LegError.response``
     holds an OpenAI error body and its status) or any other exception (502)."""
-    response = getattr(exc, "response", None)
-    body = getattr(response, "body", None)
-    if isinstance(body, (bytes, bytearray)) and body:
-        return int(getattr(response, "status_code", 502)), b"data: " + bytes(body) + b"\n\n" + DONE
+    if isinstance(exc, LegError) and exc.response.body:
+        body = bytes(exc.response.body)
+        return exc.response.status_code, b"data: " + body + b"\n\n" + DONE
     return 502, sse_error(502, f"prefill leg failed: {type(exc).__name__}: {exc}")
 
 
@@ -207,25 +197,20 @@ def _start_leg(leg: Leg, queue: asyncio.Queue, tag: int) -> _LegRun:
 
 
 async def relay_sse(
-    resp: WorkerStream,
-    worker: WorkerState,
+    leg: Leg,
     endpoint: str,
     *,
     deadline: float,
     timeout_s: float,
     metrics: RouterMetrics,
-    on_close: Callable[[], None],
-    prefill: PrefillWatch | None = None,
     streams: OpenStreams | None = None,
     end: StreamEnd | None = None,
     migration: Migration | None = None,
-    route: dict | None = None,
-    held: Callable[[], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """Yield the client's SSE bytes from ``resp`` (an open 200 stream of ``worker``).
+    """Yield the client's SSE bytes from ``leg.resp`` (an open 200 stream of ``leg.worker``).
 
     deadline: loop time (s) by which the whole request must end (then a 504 SSE error);
-    timeout_s: the router's request timeout, for the message. prefill: PD only; its
+    timeout_s: the router's request timeout, for the message. ``leg.prefill``: PD only; its
     failure before decode's ``[DONE]`` cancels decode (the stream is closed, so the decode
     worker aborts) and yields one SSE error event + ``[DONE]``. Prompt logprobs from
     prefill's answer are merged into decode's chunks once it has arrived; when they were
@@ -234,8 +219,7 @@ async def relay_sse(
     a 502 SSE error; a worker's own SSE error event (its request failed mid-stream) is
     relayed as is, with the ``[DONE]`` that follows it. ``streams``: registry whose
     ``shutdown()`` ends the stream with a 503 SSE error ("router shutting down") +
-    ``[DONE]``. ``on_close`` runs once at the end,
-    after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
+    ``[DONE]``. ``leg.on_close`` runs once at the end, after both legs ended. ``end``: gets the stream's outcome (see ``StreamEnd``).
 
     migration: when given, a failure of the leg (its stream broke or ended before
     ``[DONE]``, a worker's 5xx error event, the prefill leg's failure, the worker ejected
@@ -244,13 +228,12 @@ async def relay_sse(
     body, at most ``migration.budget`` times (then the failure's SSE error, saying so);
     every chunk goes through ``migration.state.rewrite`` (:mod:`pdserve.router.migration`).
 
-    route: selective PD's decision for the first leg (``Leg.route`` for the later ones),
-    added to the chunks' timing blocks (:func:`merge_router_timing`); every timing block
+    ``leg.route``: selective PD's decision for the leg, added to the chunks' timing blocks (:func:`merge_router_timing`); every timing block
     also gets ``"relay": {"first_chunk_in_unix", "first_chunk_out_unix"}``, when the relay
     took the worker's first data chunk off its connection and when it rendered it for the
-    client (Unix seconds; ``bench serve --phase-timing`` splits ``stream_back`` by them). held: run when the
-    stream ends with ``[DONE]`` and no error (``Leg.held`` for the later legs): the prompt
-    is then recorded as held by the decode worker.
+    client (Unix seconds; ``bench serve --phase-timing`` splits ``stream_back`` by them).
+    ``leg.held``: run when the stream ends with ``[DONE]`` and no error (the last leg's):
+    the prompt is then recorded as held by the decode worker.
     """
     end = end if end is not None else StreamEnd()
     state = migration.state if migration is not None else None
@@ -270,7 +253,7 @@ async def relay_sse(
     queue: asyncio.Queue = asyncio.Queue()
     if streams is not None:
         streams.add(queue)
-    run = _start_leg(Leg(resp, worker, prefill, on_close, route=route, held=held), queue, 0)
+    run = _start_leg(leg, queue, 0)
 
     # when the relay took the leg's first data chunk and when it handed it on (Unix
     # seconds): the timing blocks' "relay" entry, for the TTFT stages of bench serve
@@ -355,10 +338,10 @@ async def relay_sse(
                 return False
             except Exception as exc:  # noqa: BLE001 - LegError: another try, within the budget
                 log.warning("the stream's next leg failed to open: %s", exc)
-                migration.avoid |= getattr(exc, "pair", set())
+                if isinstance(exc, LegError):
+                    migration.avoid |= exc.pair
                 kind, reason = "reopen_failed", f"reopening failed: {exc}"
-                url = getattr(exc, "url", None) if getattr(exc, "transport", False) else None
-                failed = {url} if url else set()
+                failed = failed_urls(exc)
                 continue
             migration.count(kind)
             run = _start_leg(leg, queue, run.tag + 1)
@@ -417,8 +400,7 @@ async def relay_sse(
                     run.answer = None
                 except BaseException as exc:  # noqa: BLE001 - LegError, or anything unforeseen
                     if not run.decode_done:
-                        url = getattr(exc, "url", None)
-                        failed = {url} if url and getattr(exc, "transport", False) else set()
+                        failed = failed_urls(exc)
                         if await migrate("prefill_failed", f"prefill leg failed: {exc}", failed):
                             continue
                         end.status, event = _sse_from_error(exc)

@@ -39,7 +39,8 @@ class WorkerState:
     outstanding: requests dispatched to it and not yet answered.
     server_info: the worker's last ``/get_server_info`` JSON (prefill: bootstrap port).
     ejected: set while it is out of picking (its health checks or a failed request took
-    it out), so that a request waiting on it can stop waiting (``router/dispatch.py``).
+    it out), so that a request waiting on it can stop waiting (``router/dispatch.py``:
+    ``Dispatcher._until_ejected``).
     """
 
     url: str
@@ -372,9 +373,9 @@ class WorkerPool:
             "draining %s worker %s (%d outstanding)", worker.role, worker.url, worker.outstanding
         )
         # A request that picked this worker before it was marked counts itself outstanding
-        # from its pick on (the dispatcher's _counted / _post_task, and a streamed leg's
-        # own count before its first await); one yield lets a pick made in this loop
-        # iteration, before the mark, finish that step.
+        # from its pick on (router/legs.py: LegSender.counted / post_task, and a streamed
+        # leg's counted_if_opened before its first await); one yield lets a pick made in
+        # this loop iteration, before the mark, finish that step.
         await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s

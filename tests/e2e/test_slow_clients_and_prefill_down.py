@@ -8,7 +8,7 @@ CPU, beside a mixed worker; tiny model):
   the limit and the flag (pdserve/http/read_timeout.py, http/body_limit.py);
 - no healthy prefill worker (killed): PD requests are served whole on the healthy decode
   worker, their greedy output equal to the mixed worker's, counted by reason and warned
-  about once (router/dispatch.py ``_without_prefill``). This test kills the prefill, so it
+  about once (router/picking.py ``Picker._without_prefill``). This test kills the prefill, so it
   runs last.
 """
 

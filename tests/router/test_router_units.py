@@ -12,7 +12,8 @@ from pdserve.config import RouterConfig
 from pdserve.disagg.base import ROOM_LIMIT, check_room, rooms_needed, sample_room
 from pdserve.http.http_errors import error_json, error_status
 from pdserve.router.answer_merge import merge_prompt_logprobs
-from pdserve.router.dispatch import Dispatcher, _num_samples
+from pdserve.router.pd_pair import LiveRooms
+from pdserve.router.request_facts import num_samples
 from pdserve.router.workers import WorkerState, _block_keys, create_policy, routing_key
 
 
@@ -192,15 +193,15 @@ def test_rooms_are_unique_63_bit_and_cover_n_samples():
             Rng.calls += 1
             return 42 if Rng.calls <= 2 else 1000
 
-    d = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0, rng=Rng())
-    first = d.reserve_rooms(3)
-    second = d.reserve_rooms(3)
-    assert first == 42 and second == 1000 and d.live_rooms == {42, 43, 44, 1000, 1001, 1002}
-    d.release_rooms(first, 3)
-    assert d.live_rooms == {1000, 1001, 1002}
-    real = Dispatcher(None, None, None, set(), pd_mode=True, request_timeout=1.0)
-    rooms = [real.reserve_rooms(5) for _ in range(200)]
-    assert all(r >= 0 and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live_rooms) == 1000
+    d = LiveRooms(set(), Rng())
+    first = d.reserve(3)
+    second = d.reserve(3)
+    assert first == 42 and second == 1000 and d.live == {42, 43, 44, 1000, 1001, 1002}
+    d.release(first, 3)
+    assert d.live == {1000, 1001, 1002}
+    real = LiveRooms(set())
+    rooms = [real.reserve(5) for _ in range(200)]
+    assert all(r >= 0 and r + 5 <= ROOM_LIMIT for r in rooms) and len(real.live) == 1000
 
 
 def test_room_plan_numbers_sample_i_of_prompt_p_after_the_p_prompts_before_it():
@@ -214,29 +215,29 @@ def test_room_plan_numbers_sample_i_of_prompt_p_after_the_p_prompts_before_it():
 
 
 def test_num_samples_reads_n_per_endpoint():
-    assert _num_samples("/v1/completions", {"n": 3}) == 3
-    assert _num_samples("/generate", {"sampling_params": {"n": 4}}) == 4
+    assert num_samples("/v1/completions", {"n": 3}) == 3
+    assert num_samples("/generate", {"sampling_params": {"n": 4}}) == 4
     assert (
-        _num_samples("/v1/completions", {"n": "x"}) == 1
-        and _num_samples("/v1/completions", {"n": True}) == 1
+        num_samples("/v1/completions", {"n": "x"}) == 1
+        and num_samples("/v1/completions", {"n": True}) == 1
     )
 
 
 def test_num_samples_reads_n_as_the_workers_do_null_and_integral_floats():
     # the workers read n: null as 1 and n: 2.0 as 2 (protocol.Int): as many rooms
-    assert _num_samples("/v1/completions", {"n": None}) == 1
-    assert _num_samples("/v1/completions", {"n": 2.0, "prompt": ["a", "b"]}) == 4
-    assert _num_samples("/generate", {"sampling_params": {"n": 3.0}}) == 3
-    assert _num_samples("/generate", {"sampling_params": None}) == 1
-    assert _num_samples("/v1/completions", {"n": 2.5}) == 1  # the workers' 400
+    assert num_samples("/v1/completions", {"n": None}) == 1
+    assert num_samples("/v1/completions", {"n": 2.0, "prompt": ["a", "b"]}) == 4
+    assert num_samples("/generate", {"sampling_params": {"n": 3.0}}) == 3
+    assert num_samples("/generate", {"sampling_params": None}) == 1
+    assert num_samples("/v1/completions", {"n": 2.5}) == 1  # the workers' 400
 
 
 def test_num_samples_counts_n_per_prompt_of_a_completions_batch():
-    assert _num_samples("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}) == 6
-    assert _num_samples("/v1/completions", {"prompt": [[1, 2], [3]]}) == 2
-    assert _num_samples("/v1/completions", {"prompt": [1, 2, 3], "n": 2}) == 2  # one prompt
-    assert _num_samples("/v1/completions", {"prompt": "abc", "n": 2}) == 2
-    assert _num_samples("/v1/chat/completions", {"prompt": ["a", "b"], "n": 2}) == 2
+    assert num_samples("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}) == 6
+    assert num_samples("/v1/completions", {"prompt": [[1, 2], [3]]}) == 2
+    assert num_samples("/v1/completions", {"prompt": [1, 2, 3], "n": 2}) == 2  # one prompt
+    assert num_samples("/v1/completions", {"prompt": "abc", "n": 2}) == 2
+    assert num_samples("/v1/chat/completions", {"prompt": ["a", "b"], "n": 2}) == 2
 
 
 @pytest.mark.parametrize(
@@ -297,24 +298,16 @@ def test_selective_pd_decides_on_the_uncached_part_and_prefers_the_decode_holdin
     """Decode-only when the prompt's estimate less the share the decode prefix index holds
     is under the threshold, on the decode worker holding the most; PD otherwise (the pair's
     decode then holds the prompt); an ejected decode worker's index is forgotten."""
-    from pdserve.router.dispatch import Dispatcher
     from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.picking import Picker
     from pdserve.router.workers import NoHealthyWorker
 
     pool = _healthy_pool({"prefill": ["http://p0"], "decode": ["http://d0", "http://d1"]})
-    d = Dispatcher(
-        pool,
-        None,  # type: ignore[arg-type]  # nothing is sent
-        RouterMetrics(pool, set()),
-        set(),
-        pd_mode=True,
-        request_timeout=1.0,
-        pd_min_prefill_tokens=64,
-    )
+    d = Picker(pool, RouterMetrics(pool, set()), pd_mode=True, pd_min_prefill_tokens=64)
     long = "x" * 1024  # 256 tokens by the estimate, 16 blocks of 64 bytes
 
     def pick(prompt: str, ok: bool = True):
-        route = d._pick_now("/v1/completions", {"prompt": prompt})
+        route = d.pick_now("/v1/completions", {"prompt": prompt})
         if ok:  # the request ended well: its decode worker now holds the prompt
             route.held()
         return route.pair, route.worker if route.pair is None else None, route.info
