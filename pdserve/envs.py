@@ -260,6 +260,24 @@ TP_TIMEOUT = EnvVar(
     "config is built; used by engine/worker/multiproc_executor.py).",
 )
 
+
+# --- HTTP servers ------------------------------------------------------------------
+def _parse_positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(f"expected a whole number of seconds >= 1, got {raw!r}")
+    return value
+
+
+GRACEFUL_SHUTDOWN_S = EnvVar(
+    "PDSERVE_GRACEFUL_SHUTDOWN_S",
+    _parse_positive_int,
+    5,
+    "Seconds a stopped server (SIGTERM: a worker, a router) gives its in-flight requests "
+    "before it cuts them with a 503; a router waits twice that for a worker its health "
+    "checks ejected (read when pdserve.http.netutil is imported).",
+)
+
 # --- logging -----------------------------------------------------------------------
 LOG_LEVEL = EnvVar(
     "PDSERVE_LOG_LEVEL",

@@ -21,7 +21,9 @@ holds by each, cp.async vs register loads). ``python3 scripts/sm90_build_check.p
 [--configs "('tma', 128, 128, 4, 3)" ...] [--ms 32,64] [--json]``: default every ``tma*`` configuration of ``scripts/gpu_gemv_sweep.py`` at the
 Llama-3.1-8B o_proj shape (N = K = 4096), bf16. ``--pdl`` instead builds every kernel that
 takes a ``PDL`` constexpr (``model/pdl.py``) with it on and off and says whether the PTX has
-``griddepcontrol.wait`` / ``.launch_dependents``. Run with ``TRITON_INTERPRET`` unset.
+``griddepcontrol.wait`` / ``.launch_dependents``. ``--serve``: many such calls in one process
+(one a line of stdin, as a JSON list of arguments; the tests' way: torch and Triton are
+imported once). Run with ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -303,7 +305,27 @@ def check_pdl(name: str, pdl: bool) -> dict:
     )
 
 
-def main() -> None:
+# ``--serve``: the line printed after each request's rows (the tests' ``sm90_build`` fixture,
+# tests/model/conftest.py, reads up to it).
+SERVE_END = "-- sm90_build_check: done --"
+
+
+def serve() -> None:
+    """Build on request, torch and Triton imported once: each line of stdin is one call's
+    arguments (a JSON list, as on the command line); its rows are printed, then
+    :data:`SERVE_END`. A call whose arguments fail to parse prints its usage error instead
+    (on stderr) and the marker all the same."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            main(json.loads(line))
+        except SystemExit:
+            pass
+        print(SERVE_END, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="*", default=None, help="config tuples (Python syntax)")
     ap.add_argument("--ms", default="32,64", help="row counts")
@@ -320,7 +342,16 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="--decode's cache")
     ap.add_argument("--f16-dot", action="store_true", help="--decode with F16_DOT")
     ap.add_argument("--aligned", action="store_true", help="--decode with ALIGNED")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="read calls from stdin, one a line (a JSON list of these arguments), each "
+        f"answered by its rows and a line {SERVE_END!r}: one process for many calls",
+    )
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve()
+        return
     if args.decode:
         for c in args.configs or ["(1, 64, 4, 3)"]:
             cfg = tuple(ast.literal_eval(c))

@@ -68,18 +68,20 @@ SLOW_FIRST = (
     "tests/model/test_triton_warmup.py",  # 182 s
     "tests/e2e/test_up_ports_and_logs.py",  # 121 s
     "tests/engine/test_engine_tp.py",  # 115 s
-    "tests/test_cli_ports.py",  # 106 s
     "tests/engine/test_speculative.py",  # 97 s
     "tests/model/test_gemv.py",  # 95 s
     "tests/model/test_moe_gguf.py",  # 91 s
     "tests/e2e/test_up_migration.py",  # 87 s
     "tests/engine/test_engine_parity.py",  # 80 s
     "tests/disagg/test_nixl_transfer.py",  # 75 s
-    "tests/server/test_worker_shutdown.py",  # 74 s
     "tests/e2e/test_pd_tensor_parallel.py",  # 74 s
     "tests/model/test_tensor_parallel.py",  # 69 s
     "tests/model/test_fp8.py",  # 66 s
     "tests/e2e/test_pd_fp8.py",  # 66 s
+    # est. from their CPU seconds alone since (not a whole run): `up` refuses a bad flag
+    # before torch (test_cli_ports' 8 such runs ~4 CPU s less each); 1-s graceful shutdown
+    "tests/server/test_worker_shutdown.py",  # ~60 s (was 74)
+    "tests/test_cli_ports.py",  # ~60 s (was 106)
     "tests/e2e/test_pd_parity.py",  # 56 s
     "tests/model/test_moe.py",  # 57 s
     "tests/e2e/test_up_faults.py",  # 55 s

@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from pdserve import envs
 from pdserve.http.read_timeout import (
     DEFAULT_REQUEST_READ_TIMEOUT_S,
     protocol_class,
@@ -46,7 +47,8 @@ def _bind_cause(host: str, port: int, exc: OSError) -> tuple[str, str | None]:
 # Seconds a stopped server (SIGTERM) gives its in-flight requests before it cuts them
 # (uvicorn's timeout_graceful_shutdown); a router waits that long, and as long again, for a
 # worker its health checks ejected before it sends the request elsewhere.
-GRACEFUL_SHUTDOWN_S = 5
+# PDSERVE_GRACEFUL_SHUTDOWN_S, default 5 (tests set less: they wait it out).
+GRACEFUL_SHUTDOWN_S = envs.GRACEFUL_SHUTDOWN_S.get()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -248,7 +250,8 @@ def serve_app(
     (``app.state.http_protocol``: the router's front) is served by that one.
     ``request_read_timeout``: seconds a request's head may take to arrive, and its body may
     pause (:mod:`pdserve.http.read_timeout`; 408 after)."""
-    # In-flight streams get 5 s to finish on SIGTERM; then the engine thread is stopped.
+    # In-flight streams get GRACEFUL_SHUTDOWN_S (5 s) to finish on SIGTERM; then the engine
+    # thread is stopped.
     config = uvicorn.Config(
         app,
         log_level=log_level.lower(),

@@ -290,11 +290,13 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     try:  # the flags first: a bad one is named whatever holds the port
-        check_models(args)
-        check_tp_sizes(args)
+        # the rules on the flags alone before the models': resolving a model imports torch
+        # and transformers (seconds), and a bad flag is refused without them
         engine_config_from_args(args)  # the rules between flags, as each worker checks them
         ServerConfig(**flag_values(args, UP_FLAGS, ServerConfig))  # as the workers will
         _check_router_flags(args)
+        check_models(args)
+        check_tp_sizes(args)
     except ValueError as exc:
         print(f"pdserve up: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2

@@ -8,7 +8,14 @@ On a machine without CUDA, ``TRITON_INTERPRET=1`` is set for Triton's CPU interp
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -108,3 +115,89 @@ def tiny_dir(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+SM90_SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
+SM90_SERVE_END = "-- sm90_build_check: done --"  # the script's SERVE_END (not importable here:
+# it refuses TRITON_INTERPRET, which this file sets)
+
+
+class Sm90Build:
+    """``scripts/sm90_build_check.py`` for a test process's sm_90 build checks, in one
+    process (its ``--serve``; started at the first call): torch and Triton imported once, not
+    once a call (~3 CPU s each). Run with ``TRITON_INTERPRET`` unset (Triton compiles)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+
+    def _start(self) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self._lines = queue.Queue()  # a new one: nothing left over from a process killed
+        proc = subprocess.Popen(
+            [sys.executable, str(SM90_SCRIPT), "--serve"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+        lines = self._lines
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)  # the process ended
+
+        threading.Thread(target=read, daemon=True, name="sm90-build-check").start()
+        return proc
+
+    def __call__(self, *args: str, timeout: float) -> tuple[list[dict], str]:
+        """The rows (JSON lines) of ``sm90_build_check.py *args``, and everything else it
+        printed (warnings, tracebacks: stdout and stderr) for an assertion's message."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(list(args)) + "\n")
+        self._proc.stdin.flush()
+        rows, other = [], []
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                self.close(kill=True)
+                msg = f"sm90_build_check.py {args}: no answer in {timeout} s"
+                raise TimeoutError(msg) from None
+            if line is None:
+                self._proc = None
+                break
+            if line.rstrip("\n") == SM90_SERVE_END:
+                break
+            (rows if line.startswith("{") else other).append(line)
+        return [json.loads(r) for r in rows], "".join(other)
+
+    def close(self, kill: bool = False) -> None:
+        """End the process: its stdin closed (it exits after the call in progress) or, with
+        ``kill``, killed."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
+        elif proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def sm90_build() -> Iterator[Sm90Build]:
+    """:class:`Sm90Build`: one build-check process for the test process's sm_90 checks."""
+    build = Sm90Build()
+    yield build
+    build.close()

@@ -428,30 +428,15 @@ def test_paged_kernels_compile_one_variant_for_every_page_table_width():
 
 
 @pytest.mark.timeout(300)
-def test_decode_kernel_builds_for_hopper_with_and_without_prefetch():
+def test_decode_kernel_builds_for_hopper_with_and_without_prefetch(sm90_build):
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``: Triton's
     own ptxas, the interpreter off): the default short-context configuration stages its
     tiles through shared memory (cp.async, LDGSTS); the prefetching one loads them into
     registers (LDG, no LDGSTS) and spills nothing, so a 64-row step's 512 programs fit one
     wave of the H200's 132 SMs (4 programs an SM by registers)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cfgs = ["(1, 64, 4, 3)", "(1, 32, 4, 1, 0, 0, True)"]
-    done = subprocess.run(
-        [sys.executable, str(script), "--decode", "--configs", *cfgs, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2, done.stderr[-3000:]
+    rows, log = sm90_build("--decode", "--configs", *cfgs, "--json", timeout=240)
+    assert len(rows) == 2, log[-3000:]
     staged, prefetch = rows
     assert "error" not in staged and "error" not in prefetch, rows
     assert staged["sass"]["LDGSTS"] > 0

@@ -239,30 +239,18 @@ def test_bf16_queries_over_an_fp8_cache_take_fp16_dots_and_match_the_reference(m
 
 
 @pytest.mark.timeout(300)
-def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions():
+def test_fp16_dots_build_for_hopper_without_the_per_value_bf16_conversions(sm90_build):
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode --kv fp8``:
     Triton's own ptxas, the interpreter off): an e4m3 tile converted for bf16 dots costs a
     packed e4m3 -> fp16 conversion (F2FP) a pair plus an fp16 -> bf16 one (F2F) a value;
     with ``F16_DOT`` the F2F are gone."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
     for extra in ([], ["--f16-dot"]):
-        done = subprocess.run(
-            [sys.executable, str(script), "--decode", "--kv", "fp8", "--json", *extra]
-            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
-            env=env,
-            capture_output=True,
-            text=True,
+        rows += sm90_build(
+            *["--decode", "--kv", "fp8", "--json", *extra],
+            *["--configs", "(8, 64, 4, 2, 256, 1024)"],
             timeout=240,
-        )
-        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+        )[0]
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     bf16_dots, f16_dots = rows
     assert bf16_dots["sass"]["F2F"] >= 64 and bf16_dots["sass"]["F2FP"] > 0
@@ -306,31 +294,18 @@ def test_fp8_decode_aligned_loads_change_no_number(monkeypatch):
 
 
 @pytest.mark.timeout(300)
-def test_aligned_decode_builds_for_hopper_with_16_byte_loads():
+def test_aligned_decode_builds_for_hopper_with_16_byte_loads(sm90_build):
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
     long-context rule's configuration): without ``ALIGNED`` an e4m3 tile is loaded one
     element an instruction (Triton cannot see that a row read through the page table starts
     on 16 bytes), with it 16 bytes a thread (``LDG.E.128``: a 64 x 128 tile of K and one
     of V over 128 threads, 4 each), for the e4m3 cache as for bf16 (8 each)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
     for extra in (["--kv", "fp8"], ["--kv", "fp8", "--aligned"], ["--kv", "bf16", "--aligned"]):
-        done = subprocess.run(
-            [sys.executable, str(script), "--decode", "--json", *extra]
-            + ["--configs", "(8, 64, 4, 2, 256, 1024)"],
-            env=env,
-            capture_output=True,
-            text=True,
+        rows += sm90_build(
+            *["--decode", "--json", *extra, "--configs", "(8, 64, 4, 2, 256, 1024)"],
             timeout=240,
-        )
-        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+        )[0]
     assert len(rows) == 3 and all("error" not in r for r in rows), rows
     fp8, fp8_aligned, bf16_aligned = (r["sass"] for r in rows)
     assert fp8["LDG"] >= 128 and fp8["LDG.E.128"] <= 1  # the q row only
@@ -535,32 +510,20 @@ def test_decode_vmul_gives_the_same_numbers(q_dtype):
 
 
 @pytest.mark.timeout(300)
-def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
+def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory(sm90_build):
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
     long-context rule's e4m3 configuration, fp16 dots, 16-byte loads): without ``WIDEN``
     the V tile goes through shared memory in bytes and is read back one byte an
     instruction (LDS: ~20 a 64 x 128 tile's thread); widened (V converted first) it is
     read back by ``ldmatrix`` (LDSM) in 16-bit lanes, and the kernel holds fewer
     registers."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
     for widen in (0, 1):
-        done = subprocess.run(
-            [sys.executable, str(script), "--decode", "--kv", "fp8", "--f16-dot", "--aligned"]
-            + ["--json", "--configs", f"(8, 64, 2, 2, 256, 1024, False, {widen})"],
-            env=env,
-            capture_output=True,
-            text=True,
+        rows += sm90_build(
+            *["--decode", "--kv", "fp8", "--f16-dot", "--aligned"],
+            *["--json", "--configs", f"(8, 64, 2, 2, 256, 1024, False, {widen})"],
             timeout=240,
-        )
-        rows += [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+        )[0]
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     plain, widened = rows
     assert plain["sass"]["LDS"] >= 3 * widened["sass"]["LDS"]
@@ -569,31 +532,19 @@ def test_widened_v_builds_for_hopper_without_byte_loads_from_shared_memory():
 
 
 @pytest.mark.timeout(400)
-def test_vmul_builds_for_hopper_without_byte_loads_from_shared_memory():
+def test_vmul_builds_for_hopper_without_byte_loads_from_shared_memory(sm90_build):
     """Compiled for sm_90 without a GPU (``scripts/sm90_build_check.py --decode``, the
     long-context rule's e4m3 tiles with whole tiles unmasked, fp16 dots, 16-byte loads):
     without ``VMUL`` the V tile is read back from shared memory one byte an instruction
     (``LDS.U8``); with it none is (V reaches the dot in 16 bits, by ``ldmatrix``), and the
     whole tiles' loop issues fewer instructions and the kernel holds fewer registers."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     base = "8, 64, 2, 2, 256, 1024, False, 0, False, 1, False, True"
-    done = subprocess.run(
-        [sys.executable, str(script), "--decode", "--kv", "fp8", "--f16-dot", "--aligned"]
-        + ["--json", "--configs", f"({base})", f"({base}, True)"],
-        env=env,
-        capture_output=True,
-        text=True,
+    rows, log = sm90_build(
+        *["--decode", "--kv", "fp8", "--f16-dot", "--aligned"],
+        *["--json", "--configs", f"({base})", f"({base}, True)"],
         timeout=380,
     )
-    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2 and all("error" not in r for r in rows), (rows, done.stderr[-2000:])
+    assert len(rows) == 2 and all("error" not in r for r in rows), (rows, log[-2000:])
     plain, vmul = rows
     assert plain["lds_u8"] >= 64 and vmul["lds_u8"] == 0
     assert vmul["sass"]["LDSM"] > plain["sass"]["LDSM"]

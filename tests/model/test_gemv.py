@@ -236,30 +236,15 @@ def test_sweep_probe_skips_configurations_that_fail_and_keeps_those_that_run(mon
 
 
 @pytest.mark.timeout(600)
-def test_tma_kernels_build_for_hopper_with_wgmma_fed_by_tma_copies():
+def test_tma_kernels_build_for_hopper_with_wgmma_fed_by_tma_copies(sm90_build):
     """Compiled for sm_90 without a GPU (scripts/sm90_build_check.py: Triton's own ptxas,
     the interpreter off): at 64 rows the stream-K and the warp-specialized kernels use wgmma
     (HGMMA, no HMMA) fed by bulk tensor copies (UTMALDG), spill nothing, store 16 bytes at a
     time and fit the H200's 227 KB of shared memory; warp specialization adds warps (producer
     warps beside the 4 of the MMA)."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cfgs = ["('tma_stream', 128, 128, 4, 3)", "('tma_ws', 64, 128, 4, 4)"]
-    done = subprocess.run(
-        [sys.executable, str(script), "--configs", *cfgs, "--ms", "64", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2, done.stderr[-3000:]
+    rows, log = sm90_build("--configs", *cfgs, "--ms", "64", "--json", timeout=540)
+    assert len(rows) == 2, log[-3000:]
     for row in rows:
         assert "error" not in row, row
         sass = row["sass"]

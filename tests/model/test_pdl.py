@@ -4,11 +4,6 @@ instructions exactly when ``PDL`` is set (no GPU needed: Triton's ahead-of-time 
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -53,18 +48,9 @@ def test_pdl_is_on_by_default_and_only_on_cuda_sm90_without_the_interpreter(
 
 
 @pytest.mark.timeout(600)
-def test_every_pdl_kernel_builds_for_sm90_with_grid_control_exactly_when_asked():
-    script = pathlib.Path(__file__).parents[2] / "scripts" / "sm90_build_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(script), "--pdl", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    rows = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2 * 10, done.stderr[-3000:]
+def test_every_pdl_kernel_builds_for_sm90_with_grid_control_exactly_when_asked(sm90_build):
+    rows, log = sm90_build("--pdl", "--json", timeout=540)
+    assert len(rows) == 2 * 10, log[-3000:]
     for row in rows:
         assert "error" not in row, row
         assert row["wait"] == row["launch_dependents"] == row["pdl"], row

@@ -17,6 +17,15 @@ from pdserve_procs import start_router, start_worker, stop, wait_for, wait_healt
 
 pytestmark = pytest.mark.timeout(300)
 
+# The graceful-shutdown window each test waits out (a stopped process cuts the request
+# after it): 1 s, not the default 5 (every request here runs far longer).
+GRACE_S = "1"
+
+
+@pytest.fixture(autouse=True)
+def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_GRACEFUL_SHUTDOWN_S", GRACE_S)  # the processes started here
+
 
 def _first_token_seen(url: str) -> bool:
     text = httpx.get(url + "/metrics", timeout=10.0).text
@@ -31,7 +40,7 @@ def _first_token_seen(url: str) -> bool:
 def _stop_during_a_long_request(target, worker, victim) -> httpx.Response:
     """POST a long completion to ``target``, SIGTERM ``victim`` once ``worker`` generates,
     and return the answer the client got."""
-    # 4 samples x 4000 tokens: far longer than the 5 s of graceful shutdown
+    # 4 samples x 4000 tokens: far longer than the GRACE_S of graceful shutdown
     body = {"prompt": "Hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
     answer: dict = {}
 
