@@ -76,7 +76,11 @@ def test_stopping_a_worker_answers_an_inflight_request_503_json(tmp_path, throug
         wait_healthy([worker])
         target = worker
         if through_router:
-            router = start_router("regular", tmp_path, workers=[worker])
+            # the router resends the worker's 503 to a healthy worker if one comes within
+            # --migration-wait (30 s by default); with none it passes the 503 on: wait 1 s
+            router = start_router(
+                "regular", tmp_path, workers=[worker], extra=["--migration-wait", "1"]
+            )
             wait_healthy([router])
             target = router
         r = _stop_during_a_long_request(target, worker, victim=worker)
