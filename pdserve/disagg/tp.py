@@ -315,6 +315,14 @@ class TPKVManager(KVManager):
         return min(kinds), None
 
     # --- the rest of KVManager -------------------------------------------------------------
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> bool:
+        """Rank 0's manager (in this process) calls ``wakeup`` each time one of its rooms
+        moves to a state the engine acts on (:meth:`KVManager.set_wakeup`), so an idle
+        engine polls the room at once; the ranks >= 1 live in other processes, and a room
+        they still hold back is found by the engine's idle poll (``idle_poll_interval``).
+        Returns what rank 0's manager returns (False: it cannot wake the engine)."""
+        return bool(self.ranks[0].manager.set_wakeup(wakeup))
+
     def is_healthy(self) -> bool:
         """Rank 0's manager is healthy, no rank is gone, and ranks >= 1 were healthy at
         their last answer (a poll or ``stats``: no call here, so ``/health`` never waits

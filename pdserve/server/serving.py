@@ -11,7 +11,8 @@ transfer rooms pending) it waits on the queue for ``idle_poll_interval`` seconds
 steps, polling the rooms without spinning; a room that moves to a state the engine acts on
 (a destination arrived, the transfer ended) ends that wait at once (the KV managers'
 ``set_wakeup``: a ``wake`` item in the queue, one pending at a time), so the interval only
-paces rooms whose manager cannot wake it (tensor-parallel ranks in other processes). If
+paces rooms whose manager cannot wake it (a tensor-parallel room its ranks >= 1, in other
+processes, still hold back). If
 the thread dies, or the engine reports a ``failure`` (a tensor-parallel rank is gone,
 noticed even while idle), ``alive`` turns False (``/health`` then answers 503) and every
 live request gets the error.

@@ -135,10 +135,23 @@ def test_one_rank_failing_aborts_the_others_and_fails_once_all_are_terminal(scri
     r.close()
 
 
-def test_the_facade_cannot_wake_the_engine_its_rooms_live_in_rank_processes(scripted):
-    """``set_wakeup`` says no (the engine's idle poll paces tensor-parallel rooms)."""
-    tpm, _, _ = scripted("decode", 2)
-    assert tpm.set_wakeup(lambda: None) is False
+def test_rank_0_s_rooms_wake_the_engine_the_others_are_polled(scripted):
+    """``set_wakeup`` goes to rank 0's manager (in the engine's process): its room moving
+    wakes the engine; rank 1's (another process) does not, the engine's poll finds it."""
+    tpm, mgrs, _ = scripted("decode", 2)
+    woken: list[int] = []
+    assert tpm.set_wakeup(lambda: woken.append(1)) is True
+    r = tpm.create_receiver("h", 1, 11)
+    h0, h1 = (m.handle(11) for m in mgrs)
+    for h in (h0, h1):
+        h.advance(KVPoll.WaitingForInput)
+    r.init([1], 0)
+    h1.advance(KVPoll.Success)
+    assert woken == []
+    h0.advance(KVPoll.Success)
+    assert woken == [1]
+    assert r.poll() == KVPoll.Success
+    r.close()
 
 
 def test_holds_pages_if_any_rank_holds(scripted):
@@ -238,6 +251,9 @@ def test_facades_over_nixl_ranks_move_a_room(p, d):
     full = torch.randn(P, L, 2, 4, PS, D, generator=torch.Generator().manual_seed(p))
     pre, pre_ranks = _facade("prefill", full, p)
     dec, dec_ranks = _facade("decode", full, d)
+    woken = Counter[str]()  # each facade's wake-ups (an idle engine's wait ended)
+    assert pre.set_wakeup(lambda: woken.update(["prefill"])) is True
+    assert dec.set_wakeup(lambda: woken.update(["decode"])) is True
     try:
         assert pre.bootstrap_port
         room, src, dst = 77, [1, 2, 3, 9], [4, 5, 6, 7]
@@ -255,6 +271,8 @@ def test_facades_over_nixl_ranks_move_a_room(p, d):
             r.failure_exception(),
         )
         assert r.aux_record() == AuxRecord(room, 5, -0.75, (5,), (-0.75,))
+        # rank 0's rooms woke each engine: the destination / the transfer's end
+        assert woken["prefill"] >= 2 and woken["decode"] >= 2, woken
         for rank, ctx in enumerate(dec_ranks.ctxs):
             start, end = kv_head_range(4, TPRank(rank, d))
             got = ctx.storage.kv_layout.pages(ctx.storage.kv, dst)
