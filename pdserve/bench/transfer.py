@@ -20,7 +20,8 @@ timestamps, ``perf_counter`` in both processes). Decode's pages are checked byte
 byte (a hash) at the end. ``--ab-env NAME=VALUE``: every repeat also runs the request and
 the one-page request with ``NAME=VALUE`` in this (prefill's) process's environment while
 each room's sender is created (a setting a room reads then, e.g.
-``PDSERVE_DISAGGREGATION_PLANNED_POST``), in turn with the others: the ``ab`` rows.
+``PDSERVE_DISAGGREGATION_PLANNED_POST``), each right beside its plain row, which of the
+two first flipping every second repeat: the ``ab`` rows.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def env_set(assignment: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def in_turn(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One step that runs ``steps`` in order."""
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
 
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
@@ -233,9 +244,16 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
                 lambda: times["copy"].append(copy()),
                 one,
             ]
-            if cfg.ab_env:  # each beside its own row, on the other side of it every repeat
-                order[1:1] = [ab("nixl", 20_000 + i, (src, dst))]
-                order.append(ab("one_page", 30_000 + i, (one_src, one_dst)))
+            if cfg.ab_env:
+                # each right beside its own row, as one step of the order; which of the two
+                # goes first flips every second repeat (the order itself every repeat), so
+                # each comes first, and second, after each neighbour equally often (on CPU
+                # the second finds the page in the cache)
+                first = (i // 2) % 2 == 0
+                pairs = ((0, "nixl", (src, dst)), (3, "one_page", (one_src, one_dst)))
+                for at, row, pages in pairs:
+                    a, b = order[at], ab(row, 20_000 + 10_000 * at + i, pages)
+                    order[at] = in_turn(a, b) if first else in_turn(b, a)
             for fn in order if i % 2 == 0 else order[::-1]:
                 fn()
         conn.send(("digest", dst))
