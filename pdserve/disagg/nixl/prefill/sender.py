@@ -381,7 +381,7 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(*abort)
         else:
             eng = self._ctx.engine
-            start, end = eng.kv_args.kv_heads
+            start, end = eng.kv_heads  # computed once (KVArgs.kv_heads: ~10 us cold here)
             heads = sum(
                 peer.remote.heads[1] - peer.remote.heads[0] for peer in self.peers() if peer.remote
             )
