@@ -11,7 +11,8 @@
 # and the one-page request, and ratio (copy / NIXL until prefill Success) of e4m3 against
 # bf16's, planned vs not.
 #   OUT=$OUT/g15 PREFIX=s15_ bash scripts/gpu_call.sh xfer:120
-# CPU dry run (both pairs; ~75 s on the loaded 2-core machine):
+# ~40-50 s a pair on the H200 (session 14: 15-20 s a run; the ab rows add 2 requests a repeat);
+# CPU dry run (both pairs; 35 s on the 2-core machine at the commit that added it):
 #   DEVICE=cpu SHAPE=smollm2-135m REPEATS=5 T_RUN=90 BUDGET=200 PYTHON=/work/main/.venv/bin/python \
 #   OUT=/tmp/s15_xfer bash scripts/gpu_s15_xfer.sh
 set -uo pipefail
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_s15_xfer}
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
-BUDGET=${BUDGET:-120}
+BUDGET=${BUDGET:-110}  # a second pair only if it ends by then: the part's limit is 120 s
 T_RUN=${T_RUN:-40}  # one bench run: spawn + NIXL + 2 x 1 GiB pools a side, ~15-20 s on the H200
 AB=${AB:-PDSERVE_DISAGGREGATION_PLANNED_POST=0}
 mkdir -p "$OUT"
