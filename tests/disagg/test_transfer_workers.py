@@ -512,3 +512,25 @@ def test_a_refused_planned_post_releases_what_was_not_posted():
     assert [p[1] for p in engine.posts] == ["made-0"]
     assert sender.chunk_errors == ["RuntimeError: post refused"]
     assert sorted(engine.released) == ["made-0", "made-1"]  # the posted one after it ended
+
+
+def test_a_destination_attached_after_the_plan_takes_the_usual_post(monkeypatch):
+    s, engine, sent = _room(True, monkeypatch, ranks=(0,))
+    s.init(4, 0)
+    s.expect_pages([0, 1, 2, 3])
+    assert s.premade is not None and s.premade.order == ("made-d0",)
+    from pdserve.disagg.wire import RoomDest
+
+    late = tw.DecodePeer(
+        "d1",
+        b"id",
+        SimpleNamespace(agent_name="d1", num_rows=1),
+        engine_rank=1,  # type: ignore[arg-type]
+    )
+    s.attach_dest(RoomDest(7, "p", "d", [20, 21, 22, 30], 1, 0), late, b"i1", frozenset({0}))
+    assert sorted(s.dests) == [0, 1]
+    s.send([0, 1, 2, 3], last=True, aux=AuxRecord(7, 1, -0.5))
+    ((_, src, dst, _, premade),) = sent
+    # unplanned: the send's pages, and the workers post rank 1 the usual way (_post)
+    assert premade.src is None and premade.handles == {0: "made-d0"}
+    assert src == [0, 1, 2, 3] and dst == [20, 21, 22, 30]

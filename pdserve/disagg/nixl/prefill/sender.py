@@ -240,6 +240,8 @@ class NixlSender(RoomHandle, KVSender):
                 and self.expected_pages == list(page_ids)
             ):
                 premade, self.premade = self.premade, None  # the job posts (and releases) them
+                if premade.src is not None and len(premade.order) != len(self.dests):
+                    premade = Premade(premade.handles)  # a destination came after the plan
             elif self.premade is not None:  # any other send: they are not these WRITEs
                 self._drop_premade()
             src: list[int] = []
