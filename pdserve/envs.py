@@ -120,6 +120,15 @@ DISAGGREGATION_NIXL_PROGRESS_THREAD = EnvVar(
     False,
     "Enable NIXL's progress thread (off: on few cores it competes with the polling threads).",
 )
+DISAGGREGATION_PLANNED_POST = EnvVar(
+    "PDSERVE_DISAGGREGATION_PLANNED_POST",
+    _parse_bool,
+    True,
+    "Prefill: a WRITE made ahead (expect_pages) is posted as planned when it was made (index "
+    "arrays, inline or queued, handles in order), nothing computed again at the send; 0: "
+    "the send computes them as for any other (the path before session 15, for A/B). Read "
+    "when a room is created.",
+)
 UCX_LOG_DIR = EnvVar(
     "PDSERVE_UCX_LOG_DIR",
     str,

@@ -17,17 +17,24 @@ WRITE is made ahead (``KVSender.expect_pages``), so the timed ``send`` only post
 done on prefill -> prefill ``Success`` -> ``XferDone`` sent -> read by decode's
 notification thread -> decode ``Success`` -> its harness woken (the rooms' own
 timestamps, ``perf_counter`` in both processes). Decode's pages are checked byte for
-byte (a hash) at the end.
+byte (a hash) at the end. ``--ab-env NAME=VALUE``: every repeat also runs the request and
+the one-page request with ``NAME=VALUE`` in this (prefill's) process's environment while
+each room's sender is created (a setting a room reads then, e.g.
+``PDSERVE_DISAGGREGATION_PLANNED_POST``), each right beside its plain row, which of the
+two first flipping every second repeat: the ``ab`` rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from pdserve.bench.cli import write_json
@@ -60,6 +67,34 @@ def wait_bootstrapped(sender, room: int, wait_s: float = BOOTSTRAP_WAIT_S) -> No
             sender.abort()
             raise RuntimeError(f"room {room}: decode did not bootstrap within {wait_s:g} s")
         time.sleep(0.0005)
+
+
+@contextlib.contextmanager
+def env_set(assignment: str):
+    """``NAME=VALUE`` set in ``os.environ`` inside the block (nothing for ""), restored after."""
+    if not assignment:
+        yield
+        return
+    name, _, value = assignment.partition("=")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def in_turn(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One step that runs ``steps`` in order."""
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
 
 
 def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
@@ -99,15 +134,17 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         return lat["sum"], lat["count"]
 
     def transfer(
-        room: int, src: list[int] = src, dst: list[int] = dst
+        room: int, src: list[int] = src, dst: list[int] = dst, env: str = ""
     ) -> tuple[float, float, float, dict[str, float]]:
         """One room through the managers: seconds from ``send`` until the room is a
         ``Success`` on prefill (the manager's own latency record of the room, so the
         harness's polling adds nothing), until decode's manager made it ``Success``
         (its ``finished_at``), and until decode's harness saw it (woken, or its
-        ``POLL_S`` poll); and each stage's seconds (:data:`STAGES`)."""
+        ``POLL_S`` poll); and each stage's seconds (:data:`STAGES`). ``env``: a
+        ``NAME=VALUE`` set while the sender is created."""
         conn.send(("room", (room, dst)))
-        s = prefill.create_sender(room)
+        with env_set(env):
+            s = prefill.create_sender(room)
         wait_bootstrapped(s, room)
         t = time.perf_counter()
         before = latency()
@@ -161,7 +198,15 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             "one_page_decode_polled",
         )
         times: dict[str, list[float]] = {k: [] for k in names}
+        if cfg.ab_env:
+            transfer(3, env=cfg.ab_env)  # its warm-up
+            transfer(4, one_src, one_dst, env=cfg.ab_env)
         stages: dict[str, dict[str, list[float]]] = {
+            k: {s: [] for s in STAGES} for k in ("nixl", "one_page")
+        }
+        ab_names = ("nixl", "nixl_decode", "one_page", "one_page_decode")
+        ab_times: dict[str, list[float]] = {k: [] for k in ab_names}
+        ab_stages: dict[str, dict[str, list[float]]] = {
             k: {s: [] for s in STAGES} for k in ("nixl", "one_page")
         }
         for i in range(cfg.repeats):
@@ -183,12 +228,32 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
                 for k, v in st.items():
                     stages["one_page"][k].append(v)
 
-            order = [
+            def ab(row: str, room: int, pages: tuple[list[int], list[int]]) -> Callable[[], None]:
+                def run() -> None:
+                    p, d, _, st = transfer(room, *pages, env=cfg.ab_env)
+                    ab_times[row].append(p)
+                    ab_times[f"{row}_decode"].append(d)
+                    for k, v in st.items():
+                        ab_stages[row][k].append(v)
+
+                return run
+
+            order: list[Callable[[], None]] = [
                 request,
                 lambda: times["raw_nixl"].append(raw.write()),
                 lambda: times["copy"].append(copy()),
                 one,
             ]
+            if cfg.ab_env:
+                # each right beside its own row, as one step of the order; which of the two
+                # goes first flips every second repeat (the order itself every repeat), so
+                # each comes first, and second, after each neighbour equally often (on CPU
+                # the second finds the page in the cache)
+                first = (i // 2) % 2 == 0
+                pairs = ((0, "nixl", (src, dst)), (3, "one_page", (one_src, one_dst)))
+                for at, row, pages in pairs:
+                    a, b = order[at], ab(row, 20_000 + 10_000 * at + i, pages)
+                    order[at] = in_turn(a, b) if first else in_turn(b, a)
             for fn in order if i % 2 == 0 else order[::-1]:
                 fn()
         conn.send(("digest", dst))
@@ -243,6 +308,21 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
             k: {s: statistics.median(v) for s, v in per.items()} for k, per in stages.items()
         },
         "times_s": times,
+        # --ab-env: the same request and one-page request with NAME=VALUE, in turn with them
+        "ab": (
+            {
+                "env": cfg.ab_env,
+                "median_s": {k: statistics.median(v) for k, v in ab_times.items()},
+                "ratio": med["copy"] / statistics.median(ab_times["nixl"]),
+                "stages_s": {
+                    k: {s: statistics.median(v) for s, v in per.items()}
+                    for k, per in ab_stages.items()
+                },
+                "times_s": ab_times,
+            }
+            if cfg.ab_env
+            else None
+        ),
         "host": platform.node(),
         "env": {
             k: v
@@ -295,6 +375,20 @@ def _print(result: dict) -> None:
         f"after merging adjacent pages ({result['source_page_runs']} source / "
         f"{result['dest_page_runs']} destination runs)"
     )
+    ab = result["ab"]
+    if ab is not None:
+        m = ab["median_s"]
+        print(
+            f"  with {ab['env']}: request {m['nixl'] * 1e3:.3f} ms (ratio to copy "
+            f"{ab['ratio']:.3f}), decode {m['nixl_decode'] * 1e3:.3f} ms; one page prefill "
+            f"{m['one_page'] * 1e3:.3f} ms, decode {m['one_page_decode'] * 1e3:.3f} ms"
+        )
+        for k, label in (("nixl", "request"), ("one_page", "one-page")):
+            st = ab["stages_s"][k]
+            print(
+                f"    {label} stages (us, medians): "
+                + ", ".join(f"{s} {st[s] * 1e6:.0f}" for s in STAGES)
+            )
     print(
         f"  ratio NIXL / copy: {result['ratio']:.3f}   NIXL / raw NIXL: "
         f"{result['ratio_to_raw_nixl']:.3f}   data checked: {result['data_checked']}"
@@ -345,6 +439,13 @@ TRANSFER_FLAGS: tuple[Flag, ...] = (
         "requests; runs = runs of --run-len consecutive pages, shuffled",
         cls=TransferBenchConfig,
         choices=("served", "runs"),
+    ),
+    Flag(
+        "--ab-env",
+        "PDSERVE_NAME=VALUE: every repeat also runs the request and the one-page request "
+        "with it set while each room is created (the ab rows); empty: none",
+        cls=TransferBenchConfig,
+        metavar="NAME=VALUE",
     ),
     Flag("--json", "write the results here; unset: not written", metavar="FILE"),
 )

@@ -225,6 +225,9 @@ class KVArgs:
 # room u64, first token i64, logprob f32, n_top i32, top ids i64[20], top logprobs f32[20]
 _AUX_FMT = f"<QqfI{MAX_TOP_LOGPROBS}q{MAX_TOP_LOGPROBS}f"
 AUX_RECORD_BYTES = struct.calcsize(_AUX_FMT)
+_AUX_STRUCT = struct.Struct(_AUX_FMT)
+_AUX_HEAD = struct.Struct(_AUX_FMT[:5])  # room, first token, logprob, n_top
+_AUX_NO_TOP = bytes(AUX_RECORD_BYTES - _AUX_HEAD.size)  # top-k of none: zeros, as packed
 
 
 @dataclass(frozen=True)
@@ -243,9 +246,10 @@ class AuxRecord:
         n = len(self.top_ids)
         if n > MAX_TOP_LOGPROBS or len(self.top_logprobs) != n:
             raise ValueError(f"top_ids/top_logprobs must have equal length <= {MAX_TOP_LOGPROBS}")
+        if not n:  # the usual record (no top-k): the same bytes, without building the padding
+            return _AUX_HEAD.pack(self.room, self.first_token_id, self.logprob, 0) + _AUX_NO_TOP
         pad = MAX_TOP_LOGPROBS - n
-        return struct.pack(
-            _AUX_FMT,
+        return _AUX_STRUCT.pack(
             self.room,
             self.first_token_id,
             self.logprob,

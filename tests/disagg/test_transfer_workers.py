@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pdserve.disagg.base import KVPoll
+from pdserve.disagg.base import AuxRecord, KVPoll
 from pdserve.disagg.nixl.prefill import sender as tw
 from pdserve.disagg.wire import decode_xfer_done
 
@@ -276,7 +276,7 @@ def test_a_write_made_ahead_is_posted_as_made_then_xferdone_and_released():
     engine, sender, notifier = StubEngine(), StubSender(peers=(0, 1)), StubNotifier()
     workers = _workers(engine, notifier)
     sender.inflight = 1
-    workers.submit(sender, [5], [9], last=True, premade={0: "made-0"})
+    workers.submit(sender, [5], [9], last=True, premade=tw.Premade({0: "made-0"}))
     kinds = {p[0]: p for p in engine.posts}
     assert set(kinds) == {"premade", "d1"}  # rank 1 had none made: the usual post
     assert kinds["premade"][1] == "made-0" and kinds["premade"][3] == b""
@@ -293,7 +293,7 @@ def test_a_write_made_ahead_and_never_posted_is_released(why):
     sender.inflight = 1
     if why == "abort":
         sender.abort_request = ("aborted", "aborted")
-    workers.submit(sender, [5], [9], last=True, premade={0: "made-0"})
+    workers.submit(sender, [5], [9], last=True, premade=tw.Premade({0: "made-0"}))
     assert engine.posts == [] and engine.released == ["made-0"]
     assert sender.chunk_errors == [None if why == "abort" else "RuntimeError: post refused"]
 
@@ -368,3 +368,169 @@ def test_make_room_write_makes_without_notification_and_post_sets_it():
     with pytest.raises(ValueError, match="needs pages"):
         eng.make_room_write(remote, [], [])
     assert eng.num_premade_writes() == 0
+
+
+# --- a WRITE made ahead, planned when made (NixlSender._premake -> plan_premade) ---------
+
+
+class _MakingEngine(StubEngine):
+    """A StubEngine that also makes WRITEs ahead (``make_room_write``), for NixlSender."""
+
+    def __init__(self, kv_mem: str = "VRAM") -> None:
+        super().__init__(kv_mem=kv_mem)
+        self.num_aux_slots = 4
+        self.made: list[tuple[str, list[int], list[int]]] = []
+
+    def make_room_write(self, remote, src, dst):
+        self.made.append((remote.agent_name, list(src), list(dst)))
+        return f"made-{remote.agent_name}"
+
+
+def _room(planned: bool, monkeypatch, ranks=(0,), skip: int = 0, rows: int = 1):
+    """A NixlSender whose destinations (decode ``ranks``, ``skip`` pages held) arrived; its
+    sends are recorded, not posted."""
+    from pdserve.disagg.base import FailureInjector, RoomTable
+    from pdserve.disagg.metrics import TransferMetrics
+    from pdserve.disagg.wire import RoomDest
+    from pdserve.parallel import TPRank
+
+    monkeypatch.setenv("PDSERVE_DISAGGREGATION_PLANNED_POST", "1" if planned else "0")
+    engine, sent = _MakingEngine(), []
+    ctx = tw.SenderContext(
+        RoomTable("prefill"),
+        TransferMetrics(),
+        FailureInjector(),
+        engine,  # type: ignore[arg-type]
+        TPRank(0, 1),
+        60.0,
+        lambda *a: sent.append(a),
+        lambda *a: None,
+    )
+    s = tw.NixlSender(7, ctx)
+    dest = RoomDest(7, "p", "d", [20, 21, 22, 30], 1, skip)
+    for r in ranks:
+        remote = SimpleNamespace(agent_name=f"d{r}", num_rows=rows, item_lens=(1 << 20,))
+        peer = tw.DecodePeer(f"d{r}", b"id", remote, engine_rank=r)  # type: ignore[arg-type]
+        s.attach_dest(dest, peer, f"i{r}".encode(), frozenset(ranks))
+    return s, engine, sent
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+def test_a_planned_write_made_ahead_brings_what_the_send_would_compute(monkeypatch, skip):
+    pages = list(range(4 + skip))
+    plans = {}
+    for planned in (True, False):
+        s, engine, sent = _room(planned, monkeypatch, ranks=(1, 0), skip=skip)
+        s.init(len(pages), 0)
+        s.expect_pages(pages)
+        assert engine.made == [("d0", pages[skip:], [20, 21, 22, 30])] + [
+            ("d1", pages[skip:], [20, 21, 22, 30])
+        ]
+        s.send(pages, last=True, aux=AuxRecord(7, 1, -0.5))
+        ((_, src, dst, last, premade),) = sent
+        assert last and premade.handles == {0: "made-d0", 1: "made-d1"}
+        plans[planned] = (src, dst, premade)
+    src, dst, p = plans[True]
+    assert src == [] and dst == []  # not computed at the send: the plan has them
+    assert p.src.tolist() == plans[False][0] == pages[skip:]
+    assert p.dst.tolist() == plans[False][1] == [20, 21, 22, 30]
+    assert p.src.dtype == p.dst.dtype == np.int32
+    assert p.order == ("made-d0", "made-d1")  # target (decode rank) order
+    # 2 runs (21 -> 22 -> 30) x 2 destinations, 8 MiB: inline, and polled
+    assert (p.inline, p.spin) == (True, tw.INLINE_SPIN_S)
+    assert plans[False][2].src is None and plans[False][2].order == ()
+
+
+def test_a_send_that_is_not_the_planned_one_drops_the_plan_and_slices_its_pages(monkeypatch):
+    s, engine, sent = _room(True, monkeypatch, skip=2)
+    s.init(6, 0)
+    s.expect_pages([0, 1, 2, 3, 4, 5])
+    s.send([0, 1, 2], last=False)  # a chunk: pages 0, 1 decode holds
+    s.send([3, 4, 5], last=True, aux=AuxRecord(7, 1, -0.5))
+    assert [(a[1], a[2], a[4]) for a in sent] == [
+        ([2], [20], None),
+        ([3, 4, 5], [21, 22, 30], None),
+    ]
+    assert engine.released == ["made-d0"] and s.premade is None
+
+
+@pytest.mark.parametrize(
+    "src,dst,rows,kv_mem,want",
+    [
+        ([1, 2, 3], [7, 8, 9], 1, "VRAM", (True, tw.INLINE_SPIN_S)),
+        (list(range(0, 34, 2)), list(range(17)), 1, "VRAM", (False, 0.0)),  # 17 runs
+        ([1], [1], tw.INLINE_MAX_DESCS + 1, "VRAM", (False, 0.0)),  # head slices
+        ([1, 2, 3, 4], [1, 2, 3, 4], 1, "DRAM", (True, tw.INLINE_SPIN_S)),  # 4 MiB
+        ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], 1, "DRAM", (False, 0.0)),
+        (list(range(65)), list(range(65)), 1, "VRAM", (True, 0.0)),  # 65 MiB: no spin
+    ],
+)
+def test_post_inline_decides_as_the_module_doc_says(src, dst, rows, kv_mem, want):
+    a = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+    targets = [SimpleNamespace(num_rows=rows)]
+    assert tw.post_inline(a(src), a(dst), targets, 1 << 20, kv_mem == "DRAM") == want
+
+
+def test_a_planned_write_is_posted_as_planned_without_the_pages_given():
+    engine, sender, notifier = StubEngine(), StubSender(peers=(0, 1)), StubNotifier()
+    workers = _workers(engine, notifier)
+    sender.inflight = 1
+    plan = tw.Premade(
+        {0: "made-0", 1: "made-1"}, np.asarray([5], np.int32), np.asarray([9], np.int32),
+        ("made-0", "made-1"), True, tw.INLINE_SPIN_S,
+    )  # fmt: skip
+    workers.submit(sender, [], [], last=True, premade=plan)
+    assert [p[1] for p in engine.posts] == ["made-0", "made-1"]  # posted inline, in order
+    assert sender.finished == [None] and len(notifier.notifs) == 2
+    assert sorted(engine.released) == ["made-0", "made-1"]
+    queued = tw.Premade(dict(plan.handles), plan.src, plan.dst, plan.order, False, 0.0)
+    engine.posts.clear()
+    sender.inflight = 1
+    workers.submit(sender, [], [], last=True, premade=queued)
+    assert engine.posts == []  # a transfer thread posts it
+    _drain(workers)
+    assert [p[1] for p in engine.posts] == ["made-0", "made-1"]
+
+
+def test_a_refused_planned_post_releases_what_was_not_posted():
+    engine, sender = StubEngine(), StubSender(peers=(0, 1))
+    refuse = {"made-1"}
+
+    def post(h, notif=b""):
+        if h in refuse:
+            raise RuntimeError("post refused")
+        engine.posts.append(("premade", h, None, notif))
+        engine.polls[h] = 0
+
+    engine.post = post  # type: ignore[method-assign]
+    workers = _workers(engine)
+    sender.inflight = 1
+    a = np.asarray([5], np.int32)
+    plan = tw.Premade({0: "made-0", 1: "made-1"}, a, a, ("made-0", "made-1"), True, 0.0)
+    workers.submit(sender, [], [], last=True, premade=plan)
+    _drain(workers)
+    assert [p[1] for p in engine.posts] == ["made-0"]
+    assert sender.chunk_errors == ["RuntimeError: post refused"]
+    assert sorted(engine.released) == ["made-0", "made-1"]  # the posted one after it ended
+
+
+def test_a_destination_attached_after_the_plan_takes_the_usual_post(monkeypatch):
+    s, engine, sent = _room(True, monkeypatch, ranks=(0,))
+    s.init(4, 0)
+    s.expect_pages([0, 1, 2, 3])
+    assert s.premade is not None and s.premade.order == ("made-d0",)
+    from pdserve.disagg.wire import RoomDest
+
+    late = tw.DecodePeer(
+        "d1",
+        b"id",
+        SimpleNamespace(agent_name="d1", num_rows=1),
+        engine_rank=1,  # type: ignore[arg-type]
+    )
+    s.attach_dest(RoomDest(7, "p", "d", [20, 21, 22, 30], 1, 0), late, b"i1", frozenset({0}))
+    assert sorted(s.dests) == [0, 1]
+    s.send([0, 1, 2, 3], last=True, aux=AuxRecord(7, 1, -0.5))
+    ((_, src, dst, _, premade),) = sent
+    # unplanned: the send's pages, and the workers post rank 1 the usual way (_post)
+    assert premade.src is None and premade.handles == {0: "made-d0"}
+    assert src == [0, 1, 2, 3] and dst == [20, 21, 22, 30]

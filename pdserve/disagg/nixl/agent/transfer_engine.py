@@ -300,6 +300,7 @@ class NixlTransferEngine(PreparedLists):
         self.num_aux_slots = check_descs(self.aux_descs, "kv_args.aux_data_len/aux_item_len")
         self.num_buffers = len(kv_args.kv_data_ptrs)
         self.page_bytes = sum(kv_args.kv_item_lens)  # one page, all buffers
+        self.kv_heads = kv_args.kv_heads  # [start, end) of the model's KV heads held here
         self._lock = threading.Lock()
         self._regs: list[Any] = []
         self._made: set[int] = set()  # ids of make_room_write handles not released yet

@@ -28,7 +28,11 @@ Completion: once every WRITE of a room ended, the room is a ``Success`` and its 
 outstanding send tells each destination decode rank with ``XferDone``, sent by the
 manager's notifier agent (:class:`~pdserve.disagg.nixl.agent.transfer_engine.NixlNotifier`,
 whose module says why not the WRITEs' agent). When the sender made the WRITE ahead
-(``NixlSender.expect_pages``) the job only posts it, and releases it if never posted. The
+(``NixlSender.expect_pages``) the job only posts it, and releases it if never posted; its
+post is planned when it is made (:func:`plan_premade`: index arrays, inline or queued,
+handles in target order), so that a send of exactly those pages computes nothing again
+before the WRITE is posted (``PDSERVE_DISAGGREGATION_PLANNED_POST=0``: computed at the
+send, the path before; for A/B). The
 room learns the outcome (``chunk_finished`` / ``transfer_finished``) only when NIXL no
 longer touches its pages (a WRITE still running at the deadline is cancelled, and polled
 until NIXL accepts the cancellation).
@@ -47,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve import envs
 from pdserve.disagg.base import (
     BOOTSTRAP_TIMEOUT,
     PEER_FAILED,
@@ -93,7 +98,7 @@ class SenderContext:
     engine: NixlTransferEngine
     rank: TPRank
     bootstrap_timeout_s: float
-    submit: Callable[[NixlSender, list[int], list[int], bool, dict | None], None]
+    submit: Callable[[NixlSender, list[int], list[int], bool, Premade | None], None]
     room_failed: Callable[[NixlSender, str, str], None]
 
 
@@ -118,7 +123,8 @@ class NixlSender(RoomHandle, KVSender):
         self.chunk_error: str | None = None
         self.abort_request: tuple[str, str] | None = None
         self.expected_pages: list[int] | None = None  # expect_pages' hint
-        self.premade: dict[int, object] | None = None  # decode rank -> WRITE made ahead
+        self.premade: Premade | None = None  # the WRITEs made ahead, once made
+        self.planned_post = envs.DISAGGREGATION_PLANNED_POST.get()  # A/B knob (envs.py)
         # time.perf_counter() of the last send's path (benchmarks read them: bench transfer's
         # stages): its WRITEs posted, seen done, decode notified
         self.posted_at = self.done_at = self.notified_at = 0.0
@@ -177,15 +183,19 @@ class NixlSender(RoomHandle, KVSender):
                 made[rank] = self._ctx.engine.make_room_write(peer.remote, src, self.dest.dst_pages)
         except Exception as exc:  # noqa: BLE001 - send() posts the usual way
             log.warning("room %d: WRITE not made ahead: %s", self.room, exc)
-            self.premade = made
+            self.premade = Premade(made)
             self._drop_premade()
             return
-        self.premade = made
+        self.premade = (
+            plan_premade(made, src, self.dest.dst_pages, self.targets(), self._ctx.engine)
+            if self.planned_post
+            else Premade(made)
+        )
 
     def _drop_premade(self) -> None:
         """Release the WRITEs made ahead and never posted (caller holds the lock)."""
         made, self.premade = self.premade, None
-        for h in (made or {}).values():
+        for h in made.handles.values() if made is not None else ():
             try:
                 self._ctx.engine.release(h)
             except Exception as exc:  # noqa: BLE001 - never posted: NIXL has nothing to cancel
@@ -221,25 +231,30 @@ class NixlSender(RoomHandle, KVSender):
                 self.aux_bytes = aux.pack()
                 self.last_sent = True
             assert self.dest is not None  # WaitingForInput: decode's destination arrived
-            skip = self.dest.skip_pages
-            # prompt page i goes to dst_pages[i - skip]; pages decode holds are not written
-            src = [p for i, p in enumerate(page_ids, first) if i >= skip]
-            dst = list(self.dest.dst_pages[max(first - skip, 0) : first + len(page_ids) - skip])
-            self.pages.extend(page_ids)
-            if self._state == KVPoll.WaitingForInput:
-                self._state = KVPoll.Transferring
-                self.sent_at = time.monotonic()
-            solo = self.inflight == 0  # no earlier send still in flight
             premade = None
             if (
                 self.premade is not None
                 and last
-                and solo
+                and self.inflight == 0  # no earlier send still in flight
                 and first == 0
                 and self.expected_pages == list(page_ids)
             ):
                 premade, self.premade = self.premade, None  # the job posts (and releases) them
-            self._drop_premade()  # any other send: they are not these WRITEs
+                if premade.src is not None and len(premade.order) != len(self.dests):
+                    premade = Premade(premade.handles)  # a destination came after the plan
+            elif self.premade is not None:  # any other send: they are not these WRITEs
+                self._drop_premade()
+            src: list[int] = []
+            dst: list[int] = []
+            if premade is None or premade.src is None:  # a planned one has its arrays
+                skip = self.dest.skip_pages
+                # prompt page i goes to dst_pages[i - skip]; pages decode holds are not written
+                src = list(page_ids[max(skip - first, 0) :])
+                dst = list(self.dest.dst_pages[max(first - skip, 0) : first + len(page_ids) - skip])
+            self.pages.extend(page_ids)
+            if self._state == KVPoll.WaitingForInput:
+                self._state = KVPoll.Transferring
+                self.sent_at = time.monotonic()
             self.inflight += 1
         self._ctx.submit(self, src, dst, last, premade)
 
@@ -368,7 +383,7 @@ class NixlSender(RoomHandle, KVSender):
             self._fail(*abort)
         else:
             eng = self._ctx.engine
-            start, end = eng.kv_args.kv_heads
+            start, end = eng.kv_heads  # computed once (KVArgs.kv_heads: ~10 us cold here)
             heads = sum(
                 peer.remote.heads[1] - peer.remote.heads[0] for peer in self.peers() if peer.remote
             )
@@ -392,17 +407,71 @@ INLINE_SPIN_MAX_BYTES = 64 << 20  # larger WRITEs do not end within the spin: ha
 @dataclass
 class Job:
     """One ``send`` of a room: ``src`` pages onto decode's ``dst`` pages (int32 arrays),
-    ``last``: the room's last send; ``premade``: its KV WRITEs made ahead (decode rank ->
-    handle); ``handles``/``error``/``t0`` once posted."""
+    ``last``: the room's last send; ``premade``: its KV WRITEs made ahead; ``handles``/
+    ``error``/``t0`` once posted."""
 
     sender: NixlSender
     src: np.ndarray
     dst: np.ndarray
     last: bool
-    premade: dict[int, Any] | None = None
+    premade: Premade | None = None
     handles: list[Any] = field(default_factory=list)
     error: str | None = None
     t0: float = 0.0
+
+
+@dataclass
+class Premade:
+    """A room's KV WRITEs made ahead (``NixlSender.expect_pages``): ``handles``, decode
+    rank -> handle. Planned (:func:`plan_premade`) it also holds what its post needs, fixed
+    when the WRITEs were made: ``src``/``dst`` (int32 page ids written, decode's),
+    ``order`` (the handles in the room's target order, one per destination),
+    ``inline`` (posted on the calling thread, :func:`post_inline`) and ``spin`` (seconds
+    the caller polls an inline post). Unplanned (``src`` None) the send computes them."""
+
+    handles: dict[int, Any]
+    src: np.ndarray | None = None
+    dst: np.ndarray | None = None
+    order: tuple[Any, ...] = ()
+    inline: bool = False
+    spin: float = 0.0
+
+
+def post_inline(
+    src: np.ndarray, dst: np.ndarray, targets: list[RemoteSide], page_bytes: int, on_host: bool
+) -> tuple[bool, float]:
+    """Whether a send of ``src`` onto ``dst`` (int32 page ids, equal sizes) into
+    ``targets`` is posted on the calling thread (module doc: at most ``INLINE_MAX_DESCS``
+    descriptors after merging, all destinations; on host memory at most
+    ``INLINE_MAX_HOST_BYTES``, counting ``page_bytes`` a page and destination), and how
+    long (seconds) the caller then polls it: ``INLINE_SPIN_S`` up to
+    ``INLINE_SPIN_MAX_BYTES``, else 0 (also when queued)."""
+    descs = merged_runs(src, dst) * sum(r.num_rows for r in targets)
+    nbytes = src.size * page_bytes * len(targets)
+    if descs > INLINE_MAX_DESCS or (on_host and nbytes > INLINE_MAX_HOST_BYTES):
+        return False, 0.0
+    return True, INLINE_SPIN_S if nbytes <= INLINE_SPIN_MAX_BYTES else 0.0
+
+
+def plan_premade(
+    made: dict[int, Any],
+    src: list[int],
+    dst: list[int],
+    targets: list[tuple[RoomDest, DecodePeer]],
+    engine: NixlTransferEngine,
+) -> Premade:
+    """``made`` (decode rank -> the WRITE of ``src`` onto decode's ``dst`` page ids, one
+    per destination of ``targets``) with its post planned (:class:`Premade`): what a send
+    of exactly these pages would compute, computed once here. Unplanned (``src`` None)
+    when ``made`` does not cover every target."""
+    peers = [peer for _, peer in targets]
+    if sorted(made) != sorted(p.engine_rank for p in peers) or any(p.remote is None for p in peers):
+        return Premade(made)
+    s = np.asarray(src, dtype=np.int32)
+    d = np.asarray(dst, dtype=np.int32)
+    remotes = [p.remote for p in peers if p.remote is not None]
+    inline, spin = post_inline(s, d, remotes, engine.page_bytes, engine.kv_mem == "DRAM")
+    return Premade(made, s, d, tuple(made[p.engine_rank] for p in peers), inline, spin)
 
 
 def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
@@ -443,24 +512,32 @@ class TransferWorkers:
         src: list[int],
         dst: list[int],
         last: bool,
-        premade: dict[int, Any] | None = None,
+        premade: Premade | None = None,
     ) -> None:
         """One ``send`` of ``sender``: ``src`` pages onto decode's ``dst`` pages, the
-        room's last when ``last``; ``premade``: its KV WRITEs made ahead (by decode rank;
-        only for a last send with no other in flight), which the job posts or releases.
-        Posted here or queued (module doc); never raises for a NIXL error (the room
-        fails)."""
-        s = np.asarray(src, dtype=np.int32)
-        d = np.asarray(dst, dtype=np.int32)
-        job = Job(sender, s, d, last, premade)
-        targets = [peer.remote for _, peer in sender.targets() if peer.remote is not None]
-        descs = merged_runs(s, d) * sum(r.num_rows for r in targets)
-        nbytes = s.size * self.engine.page_bytes * len(targets)
-        if descs > INLINE_MAX_DESCS or (self.on_host and nbytes > INLINE_MAX_HOST_BYTES):
+        room's last when ``last``; ``premade``: its KV WRITEs made ahead (only for a last
+        send with no other in flight), which the job posts or releases; a planned one
+        (:func:`plan_premade`) brings its pages, and ``src``/``dst`` are not read. Posted
+        here or queued (module doc); never raises for a NIXL error (the room fails)."""
+        if premade is not None and premade.src is not None and premade.dst is not None:
+            job = Job(sender, premade.src, premade.dst, last, premade)
+            inline, spin = premade.inline, premade.spin
+        else:
+            job = Job(
+                sender,
+                np.asarray(src, dtype=np.int32),
+                np.asarray(dst, dtype=np.int32),
+                last,
+                premade,
+            )
+            targets = [peer.remote for _, peer in sender.targets() if peer.remote is not None]
+            inline, spin = post_inline(
+                job.src, job.dst, targets, self.engine.page_bytes, self.on_host
+            )
+        if not inline:
             self._jobs.put(job)
             return
         self._post(job)
-        spin = INLINE_SPIN_S if nbytes <= INLINE_SPIN_MAX_BYTES else 0.0
         if not self._poll(job, time.monotonic() + spin, spin_only=True):
             self._jobs.put(job)  # still running: a transfer thread completes it
             return
@@ -484,7 +561,11 @@ class TransferWorkers:
         """Post the job's WRITEs (KV pages of every destination)."""
         job.t0 = time.monotonic()
         sender = job.sender
-        premade, job.premade = job.premade or {}, None
+        plan, job.premade = job.premade, None
+        if plan is not None and plan.order and sender.abort_request is None and job.src.size:
+            self._post_planned(job, plan.order)  # planned: one made WRITE per destination
+            return
+        premade = dict(plan.handles) if plan is not None else {}
         if sender.abort_request is not None or not job.src.size:
             for h in premade.values():  # never posted: nothing for NIXL to cancel
                 self._try_release(h)
@@ -507,6 +588,21 @@ class TransferWorkers:
         sender.posted_at = time.perf_counter()
         for h in premade.values():  # left over (a failed post): never posted
             self._try_release(h)
+
+    def _post_planned(self, job: Job, order: tuple[Any, ...]) -> None:
+        """Post a planned :class:`Premade`'s handles in order (``_post`` checked the
+        abort); a refused post releases it and those not yet posted."""
+        post = self.engine.post
+        for i, h in enumerate(order):
+            try:
+                post(h)
+            except Exception as exc:  # noqa: BLE001 - a NIXL error fails the room, not the worker
+                job.error = f"{type(exc).__name__}: {exc}"  # WRITEs posted already still end
+                for left in order[i:]:  # never posted: nothing for NIXL to cancel
+                    self._try_release(left)
+                break
+            job.handles.append(h)  # released in _finish
+        job.sender.posted_at = time.perf_counter()
 
     def _poll(self, job: Job, spin_until: float, *, spin_only: bool) -> bool:
         """Poll the job's handles until none is running (True), or, with ``spin_only``,
