@@ -13,7 +13,7 @@
 #   OUT=$OUT/g15 PREFIX=s15_ bash scripts/gpu_call.sh xfer:120
 # ~40-50 s a pair on the H200 (session 14: 15-20 s a run; the ab rows add 2 requests a repeat);
 # CPU dry run (both pairs; 35 s on the 2-core machine at the commit that added it):
-#   DEVICE=cpu SHAPE=smollm2-135m REPEATS=5 T_RUN=90 BUDGET=200 PYTHON=/work/main/.venv/bin/python \
+#   DEVICE=cpu SHAPE=smollm2-135m REPEATS=5 T_RUN=90 BUDGET=200 PYTHON=.venv/bin/python \
 #   OUT=/tmp/s15_xfer bash scripts/gpu_s15_xfer.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
