@@ -25,6 +25,9 @@ import transformers
 # read when a kernel is defined, so it is set before any test imports the backend.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton_interp
+
+    triton_interp.install()  # the interpreter without its redundant re-patching
 
 from pdserve.model.loader import embedded_tokenizer, load_model_source
 from tiny_models import random_tiny_model
