@@ -70,8 +70,9 @@ def wait_bootstrapped(sender, room: int, wait_s: float = BOOTSTRAP_WAIT_S) -> No
 
 
 @contextlib.contextmanager
-def env_set(assignment: str):
-    """``NAME=VALUE`` set in ``os.environ`` inside the block (nothing for ""), restored after."""
+def env_set(assignment: str | None):
+    """``NAME=VALUE`` set in ``os.environ`` inside the block (nothing for None), restored
+    after."""
     if not assignment:
         yield
         return
@@ -134,7 +135,7 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
         return lat["sum"], lat["count"]
 
     def transfer(
-        room: int, src: list[int] = src, dst: list[int] = dst, env: str = ""
+        room: int, src: list[int] = src, dst: list[int] = dst, env: str | None = None
     ) -> tuple[float, float, float, dict[str, float]]:
         """One room through the managers: seconds from ``send`` until the room is a
         ``Success`` on prefill (the manager's own latency record of the room, so the
@@ -443,7 +444,7 @@ TRANSFER_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--ab-env",
         "PDSERVE_NAME=VALUE: every repeat also runs the request and the one-page request "
-        "with it set while each room is created (the ab rows); empty: none",
+        "with it set while each room is created (the ab rows); unset: no ab rows",
         cls=TransferBenchConfig,
         metavar="NAME=VALUE",
     ),

@@ -40,7 +40,7 @@ class TransferBenchConfig:
     hugepages: bool = True
     kv_order: str = PAGE_MAJOR
     pattern: str = "served"
-    ab_env: str = ""  # NAME=VALUE: the managed rows again with it set (transfer.py)
+    ab_env: str | None = None  # NAME=VALUE: the managed rows again with it set (transfer.py)
 
     def __post_init__(self) -> None:
         if self.model_shape not in MODEL_SHAPES:
@@ -56,8 +56,9 @@ class TransferBenchConfig:
         check_order(self.kv_order)
         if self.pattern not in ("served", "runs"):
             raise ValueError(f"pattern must be served or runs, got {self.pattern!r}")
-        name = self.ab_env.partition("=")[0]
-        if self.ab_env and ("=" not in self.ab_env or not name.startswith("PDSERVE_")):
+        if self.ab_env is not None and (
+            "=" not in self.ab_env or not self.ab_env.startswith("PDSERVE_")
+        ):
             raise ValueError(f"ab_env must be PDSERVE_NAME=VALUE, got {self.ab_env!r}")
 
     @property
