@@ -120,6 +120,15 @@ class BootstrapAddress:
         check_port(self.port, "bootstrap_port", allow_zero=True)
 
 
+def planned_post() -> bool:
+    """``PDSERVE_DISAGGREGATION_PLANNED_POST``: whether prefill posts a WRITE made ahead as
+    planned when it was made (the default) or computes the post again at the send (the path
+    before, for A/B). Read each time a prefill room is created, not once into
+    :class:`TransferConfig`, so ``bench transfer --ab-env`` can run both paths in one
+    process. ValueError naming the variable for a value that is not a boolean."""
+    return envs.DISAGGREGATION_PLANNED_POST.get()
+
+
 def _positive(var: envs.EnvVar[float] | envs.EnvVar[int], value: float) -> None:
     if value <= 0:
         raise ValueError(f"{var.name} must be > 0, got {value}")

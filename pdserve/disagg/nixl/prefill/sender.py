@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 
-from pdserve import envs
 from pdserve.disagg.base import (
     BOOTSTRAP_TIMEOUT,
     PEER_FAILED,
@@ -66,6 +65,7 @@ from pdserve.disagg.base import (
 from pdserve.disagg.metrics import TransferMetrics
 from pdserve.disagg.nixl.agent.init import select_device
 from pdserve.disagg.nixl.agent.transfer_engine import NixlNotifier, NixlTransferEngine, RemoteSide
+from pdserve.disagg.transfer_config import planned_post
 from pdserve.disagg.wire import RoomDest, encode_xfer_done
 from pdserve.parallel import TPRank
 
@@ -124,7 +124,7 @@ class NixlSender(RoomHandle, KVSender):
         self.abort_request: tuple[str, str] | None = None
         self.expected_pages: list[int] | None = None  # expect_pages' hint
         self.premade: Premade | None = None  # the WRITEs made ahead, once made
-        self.planned_post = envs.DISAGGREGATION_PLANNED_POST.get()  # A/B knob (envs.py)
+        self.planned_post = planned_post()  # an A/B knob, read per room (transfer_config)
         # time.perf_counter() of the last send's path (benchmarks read them: bench transfer's
         # stages): its WRITEs posted, seen done, decode notified
         self.posted_at = self.done_at = self.notified_at = 0.0
