@@ -146,11 +146,19 @@ def test_input_len_long_context_and_ours_only(tmp_path, capsys):
         assert r["memory_ms_per_step"] == pytest.approx(mem)
         assert r["roofline_ms_per_step"] == pytest.approx(max(mem, comp))
         assert r["roofline_bound"] == ("memory" if mem >= comp else "compute")
-        # the step every prompt decodes in, against the roofline at that span's context
-        assert r["ours_step_ms_all_decoding"] > 0 and r["steady_roofline_ms"] > 0
-        assert r["roofline_fraction"] == pytest.approx(
-            r["steady_roofline_ms"] / r["ours_step_ms_all_decoding"]
-        )
+        # the step every prompt decodes in, against the roofline at that span's context;
+        # or, when it came out faster than the roofline measured beside it (random:tiny's
+        # weights sit in the CPU's cache, which a loaded machine's copy rate does not show),
+        # rejected with that reason and the run's fraction kept
+        if r["steady_error"] is None:
+            assert r["ours_step_ms_all_decoding"] > 0 and r["steady_roofline_ms"] > 0
+            assert r["roofline_fraction"] == pytest.approx(
+                r["steady_roofline_ms"] / r["ours_step_ms_all_decoding"]
+            )
+        else:
+            assert "is faster than its roofline" in r["steady_error"], r["steady_error"]
+            assert r["ours_step_ms_all_decoding"] is None
+            assert r["roofline_fraction"] == r["run_roofline_fraction"]
         assert r["run_roofline_fraction"] == pytest.approx(
             r["roofline_ms_per_step"] / (r["ours_decode_ms_per_step"] or r["ours_ms_per_step"])
         )
