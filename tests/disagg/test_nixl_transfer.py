@@ -124,7 +124,8 @@ def test_a_notification_matching_no_room_is_counted_not_silent(fresh):
 def test_chunked_sends_and_decode_held_prefix_byte_exact(fresh):
     """Prefill sends each room 2 pages at a time (last=False) then the rest with the aux
     record; decode declares its first page held (skip_pages=1): every other page arrives
-    byte for byte, one completion per room, nothing leaked."""
+    byte for byte, one completion per room, nothing leaked; both ends count the pages
+    written, not the one decode held."""
     prefill, decode = fresh
     rooms = {(1 << 61) + 7 * i: 3 + i % 6 for i in range(24)}  # 3..8 pages: 2..4 sends
     decode.run(rooms, port=prefill.port, skip=1)
@@ -134,9 +135,12 @@ def test_chunked_sends_and_decode_held_prefix_byte_exact(fresh):
     assert {r["state"] for r in got_d.values()} == {"Success"}, got_d
     assert all(r["bytes_ok"] and r["aux_ok"] for r in got_d.values())
     _nothing_leaked(prefill, decode)
-    stats_p = prefill.call("state")["stats"]
+    stats_p, stats_d = prefill.call("state")["stats"], decode.call("state")["stats"]
     assert stats_p["completion_latency_seconds"]["count"] == len(rooms)
     assert stats_p["transfers_succeeded"] == len(rooms)
+    written = sum(rooms.values()) - len(rooms)  # each room's first page is decode's
+    assert stats_p["pages_transferred"] == stats_d["pages_transferred"] == written
+    assert stats_p["bytes_transferred"] == stats_d["bytes_transferred"]
 
 
 @pytest.mark.timeout(120)

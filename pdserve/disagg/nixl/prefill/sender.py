@@ -387,10 +387,12 @@ class NixlSender(RoomHandle, KVSender):
             heads = sum(
                 peer.remote.heads[1] - peer.remote.heads[0] for peer in self.peers() if peer.remote
             )
+            # the pages written: decode's leading skip_pages (its prefix cache) are not
+            written = len(self.pages) - (self.dest.skip_pages if self.dest is not None else 0)
+            written = max(written, 0)
             self._finish_success(
-                len(self.pages) * eng.page_bytes * heads // (end - start)
-                + eng.kv_args.aux_item_len,
-                len(self.pages),
+                written * eng.page_bytes * heads // (end - start) + eng.kv_args.aux_item_len,
+                written,
                 time.monotonic() - self.sent_at,
             )
 
