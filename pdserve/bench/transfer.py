@@ -334,6 +334,16 @@ def run_transfer_bench(cfg: TransferBenchConfig, log=print) -> dict:
     return result
 
 
+def _print_stages(stages: dict[str, dict[str, float]], indent: str) -> None:
+    """One line per row (the request, the one-page request): each stage's median, in us."""
+    for k, label in (("nixl", "request"), ("one_page", "one-page")):
+        st = stages[k]
+        print(
+            f"{indent}{label} stages (us, medians): "
+            + ", ".join(f"{s} {st[s] * 1e6:.0f}" for s in STAGES)
+        )
+
+
 def _print(result: dict) -> None:
     c = result["config"]
     layers, heads, dim = MODEL_SHAPES[c["model_shape"]]
@@ -365,12 +375,7 @@ def _print(result: dict) -> None:
         f"  fixed cost of a request in the transfer layer (one-page request - raw): "
         f"prefill {fixed['layer_prefill'] * 1e3:.3f} ms, decode {fixed['layer_decode'] * 1e3:.3f} ms"
     )
-    for k, label in (("nixl", "request"), ("one_page", "one-page")):
-        st = result["stages_s"][k]
-        print(
-            f"  {label} stages (us, medians): "
-            + ", ".join(f"{s} {st[s] * 1e6:.0f}" for s in STAGES)
-        )
+    _print_stages(result["stages_s"], "  ")
     print(
         f"  descriptors: {result['descriptors_posted']} posted, {result['descriptors_merged']} "
         f"after merging adjacent pages ({result['source_page_runs']} source / "
@@ -384,12 +389,7 @@ def _print(result: dict) -> None:
             f"{ab['ratio']:.3f}), decode {m['nixl_decode'] * 1e3:.3f} ms; one page prefill "
             f"{m['one_page'] * 1e3:.3f} ms, decode {m['one_page_decode'] * 1e3:.3f} ms"
         )
-        for k, label in (("nixl", "request"), ("one_page", "one-page")):
-            st = ab["stages_s"][k]
-            print(
-                f"    {label} stages (us, medians): "
-                + ", ".join(f"{s} {st[s] * 1e6:.0f}" for s in STAGES)
-            )
+        _print_stages(ab["stages_s"], "    ")
     print(
         f"  ratio NIXL / copy: {result['ratio']:.3f}   NIXL / raw NIXL: "
         f"{result['ratio_to_raw_nixl']:.3f}   data checked: {result['data_checked']}"
